@@ -1,0 +1,88 @@
+"""Shared benchmark plumbing: CUDA-event timing, the limits measured in the same run, JSON output.
+
+Every benchmark reports what it achieved beside a limit measured in the same process:
+- `pcie_h2d_GBps`: one large cudaMemcpyAsync from pinned host memory to the device;
+- `hbm_copy_GBps`: a large device-to-device copy, counting bytes read plus bytes written;
+- `hbm_read_GBps`: a read-only reduction over a large buffer (bytes read).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def time_ms(fn, *, warmup: int = 5, iters: int = 50, setup=None) -> float:
+    """Median milliseconds of `fn()` over `iters` runs, timed with CUDA events on torch's stream.
+
+    `setup()` (untimed) runs before each timed call, e.g. to rotate inputs out of the cache.
+    """
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if setup:
+            setup()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def pcie_h2d_GBps(nbytes: int = 1 << 30) -> float:
+    """Pinned host → device cudaMemcpyAsync of `nbytes` (default 1 GiB), GB/s (1e9)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    src.random_(0, 255)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms = time_ms(lambda: dst.copy_(src, non_blocking=True), warmup=2, iters=10)
+    del src, dst
+    return nbytes / ms / 1e6
+
+
+def hbm_copy_GBps(nbytes: int = 2 << 30) -> float:
+    """Device → device copy, bytes read + written, GB/s."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), warmup=3, iters=20)
+    del a, b
+    return 2 * nbytes / ms / 1e6
+
+
+def hbm_read_GBps(nbytes: int = 2 << 30) -> float:
+    """Read-only pass (a sum of int64 words), bytes read, GB/s."""
+    a = torch.empty(nbytes // 8, dtype=torch.int64, device="cuda").random_(0, 1 << 20)
+    ms = time_ms(lambda: a.sum(), warmup=3, iters=20)
+    del a
+    return nbytes / ms / 1e6
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name()
+
+
+def save(name: str, payload: dict) -> Path:
+    """Write benchmarks/results/<name>.json with the GPU name and date added."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "gpu": gpu_name(),
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "torch": torch.__version__, **payload}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+    return path

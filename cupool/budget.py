@@ -1,0 +1,145 @@
+"""Where the GPU memory went (NVML), and memory budgets in bytes.
+
+`report()` reads NVML for the device's totals and this process's usage, torch's allocator for what
+torch holds, and asks the pool (when given) for its parts: bank, staging, workspaces, host store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import torch
+
+from cupool.store import fmt_bytes
+
+_UNITS = {"": 1, "b": 1,
+          "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(value, name: str = "budget") -> int:
+    """Bytes from an int or a string like '48GiB', '48 GB', '1.5TiB', '512MiB'.
+
+    GB/MB are powers of 1000, GiB/MiB powers of 1024 (as the units say).
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be bytes (int) or a string like '48GiB', got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be bytes (int) or a string like '48GiB', got "
+                        f"{type(value).__name__} {value!r}")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{name}={value!r} is not a size: write e.g. '48GiB', '40 GB' or "
+                         f"'512MiB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"{name}={value!r} must be positive")
+    return n
+
+
+@dataclasses.dataclass
+class GPUMemory:
+    """NVML's view of one device."""
+    index: int
+    name: str
+    capability: tuple[int, int]
+    total: int
+    used: int
+    free: int
+    process: int | None          # this process's usage as NVML lists it (None: not listed)
+    torch_allocated: int
+    torch_reserved: int
+
+
+def _nvml():
+    import pynvml  # noqa: PLC0415 (nvidia-ml-py)
+    pynvml.nvmlInit()
+    return pynvml
+
+
+def _nvml_handle(pynvml, index: int):
+    """NVML handle of torch's device `index`, matched by PCI bus id (CUDA_VISIBLE_DEVICES-safe)."""
+    props = torch.cuda.get_device_properties(index)
+    bus = None
+    if hasattr(props, "pci_bus_id"):
+        bus = f"{getattr(props, 'pci_domain_id', 0):08x}:{props.pci_bus_id:02x}:" \
+              f"{getattr(props, 'pci_device_id', 0):02x}.0"
+    if bus is not None:
+        try:
+            return pynvml.nvmlDeviceGetHandleByPciBusId(bus.encode())
+        except pynvml.NVMLError:
+            pass
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
+
+
+def gpu_memory(device=None) -> GPUMemory:
+    """Totals from NVML, this process's usage, and torch's allocator figures."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is visible (torch.cuda.is_available() is False)")
+    index = torch.cuda.current_device() if device is None else torch.device(device).index or 0
+    pynvml = _nvml()
+    h = _nvml_handle(pynvml, index)
+    mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+    name = pynvml.nvmlDeviceGetName(h)
+    name = name.decode() if isinstance(name, bytes) else name
+    proc = None
+    try:
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid == os.getpid() and p.usedGpuMemory is not None:
+                proc = int(p.usedGpuMemory)
+    except pynvml.NVMLError:
+        pass
+    return GPUMemory(index=index, name=name,
+                     capability=torch.cuda.get_device_capability(index),
+                     total=int(mem.total), used=int(mem.used), free=int(mem.free), process=proc,
+                     torch_allocated=torch.cuda.memory_allocated(index),
+                     torch_reserved=torch.cuda.memory_reserved(index))
+
+
+@dataclasses.dataclass
+class MemoryReport:
+    """A printable account of the GPU memory, with the pool's parts when there is a pool."""
+    gpu: GPUMemory
+    parts: list[tuple[str, int, str]]   # (name, bytes, where: "gpu" or "host")
+
+    def __str__(self) -> str:
+        g = self.gpu
+        lines = [f"GPU {g.index}: {g.name} (sm_{g.capability[0]}{g.capability[1]})",
+                 f"  NVML total      {fmt_bytes(g.total):>12}",
+                 f"  NVML used       {fmt_bytes(g.used):>12}",
+                 f"  NVML free       {fmt_bytes(g.free):>12}",
+                 "  this process    " + (f"{fmt_bytes(g.process):>12}" if g.process is not None
+                                         else f"{'n/a':>12}  (NVML does not list this process)"),
+                 f"  torch allocated {fmt_bytes(g.torch_allocated):>12}",
+                 f"  torch reserved  {fmt_bytes(g.torch_reserved):>12}"]
+        gpu_parts = [p for p in self.parts if p[2] == "gpu"]
+        host_parts = [p for p in self.parts if p[2] == "host"]
+        if gpu_parts:
+            lines.append("  pool on the GPU:")
+            lines += [f"    {n:<20}{fmt_bytes(b):>12}" for n, b, _ in gpu_parts]
+        if host_parts:
+            lines.append("  pool in host memory:")
+            lines += [f"    {n:<20}{fmt_bytes(b):>12}" for n, b, _ in host_parts]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"gpu": dataclasses.asdict(self.gpu),
+                "parts": [{"name": n, "bytes": b, "where": w} for n, b, w in self.parts]}
+
+
+def report(pool=None, device=None) -> MemoryReport:
+    """NVML report of `device` (default: the pool's, else the current one) and the pool's parts.
+
+    `pool` is anything with `memory_parts() -> [(name, bytes, "gpu"|"host"), ...]`.
+    """
+    if device is None and pool is not None and hasattr(pool, "device"):
+        device = pool.device
+    parts = list(pool.memory_parts()) if pool is not None else []
+    return MemoryReport(gpu_memory(device), parts)

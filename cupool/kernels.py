@@ -1,0 +1,161 @@
+"""Loads `rawkernels/<name>.cu` into CuPy modules, once per (source, device, options).
+
+The loader inlines every local header (`#include "x.cuh"`) itself, with `#line` markers, before
+handing the text to NVRTC. That way:
+- the text CuPy hashes for its disk cache contains every header, so an edited header can never
+  keep an old binary;
+- compile errors name the real file and line (`rawkernels/common.cuh(12): error ...`).
+System headers (`<...>`) are left to NVRTC; cupool's kernels use none.
+
+Options: `-std=c++17`, the device's own compute capability (CuPy picks it), `-D` defines from the
+caller, and `-lineinfo` when CUPOOL_KERNEL_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cupool import _cuda
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+def kernel_dir() -> Path:
+    """Where the `.cu` sources are: the checkout's `rawkernels/`, else the installed package data."""
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "rawkernels", here / "rawkernels"):
+        if cand.is_dir() and any(cand.glob("*.cu")):
+            return cand
+    try:
+        import cupool.rawkernels as pkg  # noqa: PLC0415
+        cand = Path(pkg.__file__).resolve().parent
+        if any(cand.glob("*.cu")):
+            return cand
+    except ImportError:
+        pass
+    raise FileNotFoundError(
+        f"cupool's CUDA sources (rawkernels/*.cu) are missing: looked in {here.parent / 'rawkernels'} "
+        f"and in the installed package cupool.rawkernels; reinstall cupool")
+
+
+def sources() -> list[Path]:
+    """Every kernel source file, sorted."""
+    return sorted(kernel_dir().glob("*.cu"))
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel source; the message names the file and carries NVRTC's log."""
+
+
+def expand(name: str) -> tuple[str, list[Path]]:
+    """The text of `rawkernels/<name>.cu` with local headers inlined, and the headers it used.
+
+    Each header is inlined once (the sources use `#pragma once`, which is dropped here).
+    """
+    root = kernel_dir()
+    seen: list[Path] = []
+
+    def visit(path: Path) -> list[str]:
+        out = [f'#line 1 "{path.relative_to(root.parent)}"']
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            m = _INCLUDE.match(line)
+            if m:
+                hdr = (path.parent / m.group(1)).resolve()
+                if not hdr.is_file():
+                    raise KernelCompileError(
+                        f"{path}:{lineno}: included header {m.group(1)!r} not found in {root}")
+                if hdr not in seen:
+                    seen.append(hdr)
+                    out.extend(visit(hdr))
+                out.append(f'#line {lineno + 1} "{path.relative_to(root.parent)}"')
+            elif line.strip() == "#pragma once":
+                out.append("")
+            else:
+                out.append(line)
+        return out
+
+    src = root / f"{name}.cu"
+    if not src.is_file():
+        have = ", ".join(p.stem for p in sources())
+        raise FileNotFoundError(f"no kernel source {src} (have: {have})")
+    return "\n".join(visit(src)) + "\n", seen
+
+
+def _options(defines: dict | None) -> tuple[str, ...]:
+    opts = ["-std=c++17"]
+    for k, v in sorted((defines or {}).items()):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            raise ValueError(f"define name {k!r} is not a C identifier")
+        opts.append(f"-D{k}={int(v) if isinstance(v, (bool, np.integer)) else v}")
+    if os.environ.get("CUPOOL_KERNEL_DEBUG", "") not in ("", "0"):
+        opts.append("-lineinfo")
+    return tuple(opts)
+
+
+_lock = threading.Lock()
+_modules: dict[tuple, object] = {}
+
+
+def load(name: str, defines: dict | None = None, device=None):
+    """The compiled `cupy.RawModule` of `rawkernels/<name>.cu` on `device` (default: current).
+
+    Cached per (name, device, options, text of source and headers).
+    """
+    cp = _cuda.cupy()
+    idx = _cuda.device_index(device)
+    text, _ = expand(name)
+    opts = _options(defines)
+    key = (name, idx, opts, hashlib.sha256(text.encode()).hexdigest())
+    with _lock:
+        mod = _modules.get(key)
+        if mod is not None:
+            return mod
+        with cp.cuda.Device(idx):
+            mod = cp.RawModule(code=text, options=opts)
+            try:
+                mod.compile()
+            except cp.cuda.compiler.CompileException as e:
+                raise KernelCompileError(
+                    f"compiling rawkernels/{name}.cu failed (options {' '.join(opts)}):\n"
+                    f"{e.get_message()}") from None
+        _modules[key] = mod
+        return mod
+
+
+def function(name: str, kernel: str, defines: dict | None = None, device=None):
+    """One `extern "C"` kernel of `rawkernels/<name>.cu`."""
+    return load(name, defines, device).get_function(kernel)
+
+
+def launch(kernel, grid, block, args, shared_mem: int = 0, device=None) -> None:
+    """Launch on torch's current stream of `device`. Grid and block are ints or tuples.
+
+    torch tensors in `args` pass as their device address (a 64-bit pointer argument); every
+    other argument must already be a numpy scalar of the kernel parameter's width (`i32`, ...).
+    """
+    args = tuple(_cuda.ptr(a) if isinstance(a, torch.Tensor) else a for a in args)
+    grid = grid if isinstance(grid, tuple) else (int(grid),)
+    block = block if isinstance(block, tuple) else (int(block),)
+    if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
+        kernel.max_dynamic_shared_size_bytes = shared_mem
+    with _cuda.current_stream(device):
+        kernel(grid, block, args, shared_mem=shared_mem)
+
+
+def i32(x) -> np.int32:
+    return np.int32(x)
+
+
+def i64(x) -> np.int64:
+    return np.int64(x)
+
+
+def f32(x) -> np.float32:
+    return np.float32(x)

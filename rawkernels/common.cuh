@@ -1,0 +1,43 @@
+// Shared helpers of every cupool kernel: fixed-width types, cache-hinted loads, warp sums.
+//
+// No CUDA or C++ library headers: NVRTC (through CuPy) and nvcc both compile this as is, so the
+// kernels do not depend on where a CUDA toolkit's headers live on the user's machine.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define CUPOOL_DEVICE __device__ __forceinline__
+
+struct alignas(16) u32x4 { u32 x, y, z, w; };
+
+// 16-byte load that bypasses L1: weights and host rows are read once per step, so keeping them
+// in L1 would only evict the activations that are reused.
+CUPOOL_DEVICE u32x4 ld_stream16(const void* p) {
+    u32x4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Plain 16-byte store (the rows written here are read by the next kernel, so they may stay in L2).
+CUPOOL_DEVICE void st16(void* p, u32x4 v) {
+    asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};"
+                 :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+CUPOOL_DEVICE float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+CUPOOL_DEVICE int warp_sum_int(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}

@@ -1,0 +1,117 @@
+"""Packaging, import without CuPy/GPU, budgets, and the host store's CPU behaviour."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cupool
+from cupool import HostStore, parse_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_import_without_cupy_and_hint_names_the_extra():
+    # A child interpreter where `import cupy` fails, as on a machine without the extra.
+    code = (
+        "import sys; sys.modules['cupy'] = None\n"
+        "import cupool\n"
+        "from cupool import _cuda\n"
+        "try:\n"
+        "    _cuda.cupy()\n"
+        "except _cuda.CupyMissingError as e:\n"
+        "    print('HINT', e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "cupool[cuda13]" in r.stdout and "cupool[cuda12]" in r.stdout
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("48GiB", 48 << 30), ("48 GB", 48 * 10**9), ("1.5TiB", int(1.5 * (1 << 40))),
+    ("512MiB", 512 << 20), (" 7 b ", 7), (12345, 12345)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["48 parsecs", "", "GiB", "-3GiB", "1e3GB", "0GiB"])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError, match="budget"):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize("bad", [None, 3.5, True, [1]])
+def test_parse_bytes_rejects_types(bad):
+    with pytest.raises(TypeError, match="budget"):
+        parse_bytes(bad)
+
+
+def test_pageable_store_addressing_and_seal(rng):
+    L, E, row = 3, 5, 1000 * 16
+    s = HostStore(L, E, row, pinned=False, chunk_bytes=4 * 16384)  # 4 rows a chunk
+    assert s.row_stride == 16128 and s.row_stride % 256 == 0
+    assert len(s._chunks) == 4
+    data = {}
+    def make(layer):
+        rows = rng.integers(0, 256, size=(E, row), dtype=np.uint8)
+        data[layer] = rows
+        return rows
+    s.fill(make, progress=False)
+    for layer in range(L):
+        for e in range(E):
+            assert s.row(layer, e).ctypes.data % 256 == 0
+            np.testing.assert_array_equal(s.row(layer, e), data[layer][e])
+    before = s.checksums()
+    s.seal()
+    with pytest.raises(RuntimeError, match="sealed"):
+        s.write_row(0, 0, data[0][0])
+    with pytest.raises(ValueError):
+        s.row(1, 2)[0] = 1          # the view is read-only after seal
+    np.testing.assert_array_equal(before, s.checksums())
+    with pytest.raises(RuntimeError, match="no device address"):
+        s.address(0, 0)
+
+
+def test_store_guards():
+    with pytest.raises(ValueError, match="row_bytes"):
+        HostStore(1, 1, 100, pinned=False)
+    with pytest.raises(ValueError, match="align"):
+        HostStore(1, 1, 256, align=100, pinned=False)
+    with pytest.raises(ValueError, match="num_layers"):
+        HostStore(0, 1, 256, pinned=False)
+    s = HostStore(2, 3, 256, pinned=False)
+    with pytest.raises(IndexError, match="layer 2"):
+        s.row(2, 0)
+    with pytest.raises(IndexError, match="expert 3"):
+        s.row(0, 3)
+    with pytest.raises(ValueError, match="expected 256 bytes"):
+        s.write_row(0, 0, np.zeros(255, np.uint8))
+
+
+def test_info_without_gpu_exits_nonzero_without_traceback():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = subprocess.run([sys.executable, "-m", "cupool", "info"], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode != 0
+    assert "No CUDA GPU" in r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_wheel_ships_kernel_sources(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (wheel,) = tmp_path.glob("cupool-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for src in (ROOT / "rawkernels").glob("*.cu*"):
+        assert f"cupool/rawkernels/{src.name}" in names, f"{src.name} missing from the wheel"
+
+
+def test_version():
+    assert cupool.__version__
