@@ -1,0 +1,217 @@
+"""The kernel layout of one expert row: what the host store, the bank and the GEMM agree on.
+
+Shape legend: H hidden size, I expert intermediate size; Hp = roundup(H, 64), Ip = roundup(I, 64)
+(padding is zero weights with zero scales, so it contributes nothing).
+
+A row holds one expert: w13 = [gate; up] ([2I, H]), w2 ([H, I]), both NVFP4, and their global
+scales. It is laid out for the tensor-core fragments of `mma.m16n8k16` (A operand = weights):
+
+    row (row_bytes, 16-byte multiple)
+    +---------+---------------------------------------------+--------------------------------+
+    | header  | w13: Ip/16 strip pairs                       | w2: Hp/16 strips               |
+    | 256 B   | [gate strip 0][up strip 0][gate strip 1]...  | [strip 0][strip 1]...          |
+    +---------+---------------------------------------------+--------------------------------+
+    header: float32 gs_gate, gs_up, gs_down (global scales), zeros after.
+
+    strip (16 matrix rows × Kp columns; Kp = Hp for w13, Ip for w2), 9·Kp bytes:
+    +-------------------------------------------+-------------------------------+
+    | packed: Kp/64 chunks of 512 B             | scales: [16 rows][Kp/16] e4m3 |
+    +-------------------------------------------+-------------------------------+
+    chunk c (columns 64c … 64c+63): 32 lanes × 16 B; lane L = 4g + t (g = L // 4, t = L % 4)
+    holds 4 words, word q for the 16-column tile k0 = 64c + 16q:
+        nibble 0: (row g,   k0+2t)     nibble 4: (row g,   k0+2t+1)
+        nibble 1: (row g+8, k0+2t)     nibble 5: (row g+8, k0+2t+1)
+        nibble 2: (row g,   k0+2t+8)   nibble 6: (row g,   k0+2t+9)
+        nibble 3: (row g+8, k0+2t+8)   nibble 7: (row g+8, k0+2t+9)
+    (nibble n = bits 4n..4n+3; each the E2M1 code s·e1·e0·m). Nibbles j and j+4 are the two
+    halves of the j-th A-fragment register of the mma, so a warp's one 16-byte load per lane is
+    four k-tiles of A, coalesced into 512 contiguous bytes, and dequantisation needs no shuffles.
+
+Row sizes: 256 + 27/16·Hp·Ip bytes (Qwen3-30B-A3B, H=2048, I=768: 2,654,464 B = 2.53 MiB).
+
+`pack_row` / `unpack_row` convert NVFP4Tensors ↔ a row exactly; nothing else knows the layout,
+so a different GEMM layout changes only this file (and the kernels that read it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from cupool.nvfp4 import NVFP4Tensor
+
+HEADER_BYTES = 256
+
+
+def _roundup(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """Offsets of one expert row for hidden size H and intermediate size I."""
+    hidden: int          # H
+    intermediate: int    # I
+
+    def __post_init__(self):
+        for name, v in (("hidden", self.hidden), ("intermediate", self.intermediate)):
+            if not isinstance(v, (int, np.integer)) or v <= 0 or v % 16:
+                raise ValueError(f"{name} size must be a positive multiple of 16 (NVFP4 blocks "
+                                 f"are 16 wide), got {v!r}")
+
+    @property
+    def hp(self) -> int:
+        return _roundup(self.hidden, 64)
+
+    @property
+    def ip(self) -> int:
+        return _roundup(self.intermediate, 64)
+
+    @property
+    def w13_strip_bytes(self) -> int:
+        return 9 * self.hp
+
+    @property
+    def w2_strip_bytes(self) -> int:
+        return 9 * self.ip
+
+    @property
+    def w13_offset(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def w2_offset(self) -> int:
+        return HEADER_BYTES + 2 * (self.ip // 16) * self.w13_strip_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return self.w2_offset + (self.hp // 16) * self.w2_strip_bytes
+
+    def defines(self) -> dict:
+        """The -D defines kernels compile with for this layout."""
+        return {"HP": self.hp, "IP": self.ip, "ROW_W2_OFFSET": self.w2_offset}
+
+
+# --- strip packing ------------------------------------------------------------------------------
+def _lane_order(kp: int) -> np.ndarray:
+    """Index map [Kp/64, 32 lanes, 4 words, 8 nibbles] -> (row in strip, column) as flat r*Kp+k."""
+    c = np.arange(kp // 64)[:, None, None, None]
+    lane = np.arange(32)[None, :, None, None]
+    q = np.arange(4)[None, None, :, None]
+    n = np.arange(8)[None, None, None, :]
+    g, t = lane // 4, lane % 4
+    row = g + 8 * (n % 2)                          # nibbles 1,3,5,7 are row g+8
+    col = 64 * c + 16 * q + 2 * t + 8 * ((n // 2) % 2) + (n // 4)
+    return (row * kp + col).reshape(-1)
+
+
+_ORDER_CACHE: dict[int, torch.Tensor] = {}
+
+
+def _order(kp: int) -> torch.Tensor:
+    o = _ORDER_CACHE.get(kp)
+    if o is None:
+        o = torch.from_numpy(_lane_order(kp))
+        _ORDER_CACHE[kp] = o
+    return o
+
+
+def _codes(q: NVFP4Tensor) -> torch.Tensor:
+    """uint8 [N, K] E2M1 codes of a packed matrix (even element in the low nibble)."""
+    p = q.packed
+    return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] codes -> [N, K/2] packed, even element in the low nibble."""
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (c[..., 0] | (c[..., 1] << 4)).contiguous()
+
+
+def _strips(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.Tensor:
+    """Strips of a [16·s, Kp] code matrix and its [16·s, Kp/16] scale bytes -> uint8 [s, 9·Kp]."""
+    n = codes.shape[0]
+    s = n // 16
+    order = _order(kp)
+    c = codes.reshape(s, 16 * kp)[:, order].reshape(s, -1, 2)           # nibble pairs
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(s, 8 * kp)
+    sc = scales.reshape(s, kp)                                          # [16 rows][Kp/16] per strip
+    return torch.cat([packed, sc], dim=1)
+
+
+def _unstrips(strips: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `_strips`: uint8 [s, 9·Kp] -> codes [16·s, Kp], scale bytes [16·s, Kp/16]."""
+    s = strips.shape[0]
+    packed = strips[:, :8 * kp]
+    nib = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(s, 16 * kp)
+    codes = torch.empty_like(nib)
+    codes[:, _order(kp)] = nib
+    scales = strips[:, 8 * kp:].reshape(16 * s, kp // 16)
+    return codes.reshape(16 * s, kp), scales
+
+
+def _padded(q: NVFP4Tensor, rows: int, cols: int, name: str):
+    """Codes [rows, cols] and scale bytes [rows, cols/16] of a 2-D NVFP4Tensor, zero-padded."""
+    if q.packed.dim() != 2:
+        raise ValueError(f"{name}: expected one matrix (2-D packed), got shape {tuple(q.packed.shape)}")
+    n, k = q.packed.shape[0], q.packed.shape[1] * 2
+    if n > rows or k > cols:
+        raise ValueError(f"{name}: shape [{n}, {k}] does not fit the layout's [{rows}, {cols}]")
+    codes = torch.zeros(rows, cols, dtype=torch.uint8)
+    codes[:n, :k] = _codes(q).cpu()
+    sc = torch.zeros(rows, cols // 16, dtype=torch.uint8)
+    sc[:n, :k // 16] = q.block_scale.cpu().view(torch.uint8)
+    return codes, sc
+
+
+def pack_row(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4Tensor,
+             out: np.ndarray | torch.Tensor | None = None) -> torch.Tensor:
+    """One expert's NVFP4 matrices -> its row (uint8 [row_bytes]); written into `out` if given.
+
+    gate, up: [I, H] (w1, w3); down: [H, I] (w2); each with a scalar global scale.
+    """
+    H, I, hp, ip = layout.hidden, layout.intermediate, layout.hp, layout.ip
+    for name, q, shape in (("gate", gate, (I, H)), ("up", up, (I, H)), ("down", down, (H, I))):
+        got = (q.packed.shape[0], q.packed.shape[-1] * 2) if q.packed.dim() == 2 else tuple(q.packed.shape)
+        if got != shape:
+            raise ValueError(f"{name}: expected shape {list(shape)} for H={H}, I={I}, got {list(got)}")
+        if q.global_scale.numel() != 1:
+            raise ValueError(f"{name}: expected one global scale, got shape {tuple(q.global_scale.shape)}")
+    g_codes, g_sc = _padded(gate, ip, hp, "gate")
+    u_codes, u_sc = _padded(up, ip, hp, "up")
+    d_codes, d_sc = _padded(down, hp, ip, "down")
+    gs = _strips(g_codes, g_sc, hp)                        # [Ip/16, 9·Hp]
+    us = _strips(u_codes, u_sc, hp)
+    w13 = torch.stack([gs, us], dim=1).reshape(-1)         # gate strip j, up strip j, ...
+    w2 = _strips(d_codes, d_sc, ip).reshape(-1)
+    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    header[:12] = torch.tensor([float(gate.global_scale), float(up.global_scale),
+                                float(down.global_scale)], dtype=torch.float32).view(torch.uint8)
+    row = torch.cat([header, w13, w2])
+    assert row.numel() == layout.row_bytes
+    if out is not None:
+        dst = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
+        dst.view(torch.uint8).reshape(-1)[:layout.row_bytes].copy_(row)
+    return row
+
+
+def unpack_row(layout: RowLayout, row) -> tuple[NVFP4Tensor, NVFP4Tensor, NVFP4Tensor]:
+    """Inverse of `pack_row`: a row (uint8, numpy or torch) -> (gate, up, down) NVFP4Tensors."""
+    r = torch.as_tensor(np.asarray(row)) if not isinstance(row, torch.Tensor) else row.cpu()
+    r = r.reshape(-1)[:layout.row_bytes]
+    if r.numel() != layout.row_bytes:
+        raise ValueError(f"row: expected {layout.row_bytes} bytes, got {r.numel()}")
+    H, I, hp, ip = layout.hidden, layout.intermediate, layout.hp, layout.ip
+    scales = r[:12].clone().view(torch.float32)
+    w13 = r[layout.w13_offset:layout.w2_offset].reshape(ip // 16, 2, 9 * hp)
+    w2 = r[layout.w2_offset:].reshape(hp // 16, 9 * ip)
+
+    def mk(strips, kp, n, k, gscale):
+        codes, sc = _unstrips(strips.contiguous(), kp)
+        return NVFP4Tensor(packed=_pack_codes(codes[:n, :k]),
+                           block_scale=sc[:n, :k // 16].contiguous().view(torch.float8_e4m3fn),
+                           global_scale=gscale.clone().reshape(()))
+    return (mk(w13[:, 0], hp, I, H, scales[0]), mk(w13[:, 1], hp, I, H, scales[1]),
+            mk(w2, ip, H, I, scales[2]))

@@ -1,0 +1,91 @@
+"""The kernel layout of an expert row (cupool.layout): exact round trip and placement by the spec."""
+
+import numpy as np
+import pytest
+import torch
+
+from cupool.layout import HEADER_BYTES, RowLayout, pack_row, unpack_row
+from cupool.nvfp4 import NVFP4Tensor
+
+
+def _random(n, k, gen):
+    return NVFP4Tensor(
+        packed=torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+        block_scale=torch.randint(0, 0x7F, (n, k // 16), dtype=torch.uint8,
+                                  generator=gen).view(torch.float8_e4m3fn),
+        global_scale=torch.rand((), generator=gen) + 0.1)
+
+
+def _spec_position(layout, matrix, r, k):
+    """Byte offset and nibble (0 low, 1 high) of element (r, k), straight from the docstring."""
+    if matrix in ("gate", "up"):
+        strip = 2 * (r // 16) + (matrix == "up")
+        base = layout.w13_offset + strip * layout.w13_strip_bytes
+    else:
+        base = layout.w2_offset + (r // 16) * layout.w2_strip_bytes
+    rr = r % 16
+    g, lower = rr % 8, rr // 8
+    c, q, kk = k // 64, (k % 64) // 16, k % 16
+    t = (kk % 8) // 2
+    n = lower + 2 * (kk // 8) + 4 * (kk % 2)
+    lane = 4 * g + t
+    return base + c * 512 + lane * 16 + q * 4 + n // 2, n % 2
+
+
+@pytest.mark.parametrize("H,I", [(2048, 768), (64, 32), (80, 48), (128, 16), (4096, 1536)])
+def test_round_trip_exact(H, I):
+    gen = torch.Generator().manual_seed(H * 7 + I)
+    layout = RowLayout(H, I)
+    g, u, d = _random(I, H, gen), _random(I, H, gen), _random(H, I, gen)
+    row = pack_row(layout, g, u, d)
+    assert row.numel() == layout.row_bytes and layout.row_bytes % 16 == 0
+    for a, b in zip((g, u, d), unpack_row(layout, row)):
+        assert torch.equal(a.packed, b.packed)
+        assert torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+        assert a.global_scale.item() == b.global_scale.item()
+
+
+@pytest.mark.parametrize("H,I", [(2048, 768), (80, 48)])
+def test_placement_matches_docstring(H, I, rng):
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    layout = RowLayout(H, I)
+    mats = {"gate": _random(I, H, gen), "up": _random(I, H, gen), "down": _random(H, I, gen)}
+    row = pack_row(layout, mats["gate"], mats["up"], mats["down"]).numpy()
+    for name, q in mats.items():
+        n, k = q.shape
+        packed = q.packed.numpy()
+        for _ in range(200):
+            r, c = int(rng.integers(n)), int(rng.integers(k))
+            code = (packed[r, c // 2] >> (4 * (c % 2))) & 0xF
+            off, nib = _spec_position(layout, name, r, c)
+            assert (row[off] >> (4 * nib)) & 0xF == code, (name, r, c)
+    hdr = row[:HEADER_BYTES].view(np.float32)
+    assert hdr[0] == mats["gate"].global_scale.item() and hdr[2] == mats["down"].global_scale.item()
+    assert (row[12:HEADER_BYTES] == 0).all()
+
+
+def test_padding_is_zero():
+    gen = torch.Generator().manual_seed(3)
+    layout = RowLayout(80, 48)                 # Hp=128, Ip=64: padded rows and columns
+    g, u, d = _random(48, 80, gen), _random(48, 80, gen), _random(80, 48, gen)
+    row = pack_row(layout, g, u, d).numpy()
+    zero = NVFP4Tensor(torch.zeros(48, 40, dtype=torch.uint8),
+                       torch.zeros(48, 5, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                       torch.zeros(()))
+    z = pack_row(layout, zero, zero, NVFP4Tensor(torch.zeros(80, 24, dtype=torch.uint8),
+                 torch.zeros(80, 3, dtype=torch.uint8).view(torch.float8_e4m3fn), torch.zeros(())))
+    assert (z.numpy() == 0).all()
+    # every byte of the padded region of gate strip 3 (rows 48..63 do not exist) is zero
+    assert (row[layout.w13_offset + 6 * layout.w13_strip_bytes:
+                layout.w13_offset + 7 * layout.w13_strip_bytes] == 0).all()
+
+
+def test_layout_guards():
+    with pytest.raises(ValueError, match="hidden size must be a positive multiple of 16"):
+        RowLayout(100, 64)
+    layout = RowLayout(64, 32)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="gate: expected shape"):
+        pack_row(layout, _random(32, 48, gen), _random(32, 64, gen), _random(64, 32, gen))
+    with pytest.raises(ValueError, match="row: expected"):
+        unpack_row(layout, np.zeros(100, np.uint8))
