@@ -1,0 +1,331 @@
+"""NVFP4 MoE GEMM: launchers of rawkernels/moe_align.cu + moe_gemm.cu, and the float reference.
+
+Shape legend: T tokens · K top-k · W = T·K lanes · H hidden · I intermediate · E experts.
+
+Two paths, both with fixed grids and sizes read on the device:
+- `decode(x, lane_addr, topk_weights)`: lanes come with the address of their expert's row (what
+  the plan step writes: bank row, staging row, or a host UVA address; 0 = padding). Memory-bound;
+  a deterministic sum over top-k. Graph-capturable.
+- `prefill(x, topk_ids, topk_weights, expert_addr, ...)`: the partition path. Experts whose row is
+  on the GPU (expert_addr[e] ≠ 0) are computed from there; the others are copied once per call
+  into a bounded scratch of `scratch_rows` rows, chunk by chunk, and computed from the scratch.
+
+Both return out [T, H] in x's dtype (bf16 or fp16) on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from cupool import _cuda, kernels
+from cupool.layout import RowLayout
+
+ERR_BAD_ID = 1
+ERR_BAD_WEIGHT = 2
+ERR_CHUNKS = 4
+ERROR_NAMES = {ERR_BAD_ID: "expert id outside [0, E)", ERR_BAD_WEIGHT: "non-finite router weight",
+               ERR_CHUNKS: "more host experts than scratch chunks (internal)"}
+
+_DTYPES = {torch.bfloat16: 1, torch.float16: 0}
+
+
+def check_activations(x: torch.Tensor, hidden: int, name: str = "hidden_states") -> None:
+    """x must be a contiguous CUDA bf16/fp16 tensor [T, H]."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{name} must be bfloat16 or float16, got {x.dtype}")
+    if not x.is_cuda:
+        raise ValueError(f"{name} must be on a CUDA device, got {x.device}")
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"{name} must have shape [T, {hidden}], got {list(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def check_routing(topk_weights: torch.Tensor, tokens: int, device, topk_ids=None) -> int:
+    """Validate router outputs [T, K]; returns K. Values (NaN, range) are checked on the device."""
+    if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be a floating-point tensor, got "
+                        f"{getattr(topk_weights, 'dtype', type(topk_weights).__name__)}")
+    if topk_weights.dim() != 2 or topk_weights.shape[0] != tokens:
+        raise ValueError(f"topk_weights must have shape [T={tokens}, K], got {list(topk_weights.shape)}")
+    if topk_weights.device != device:
+        raise ValueError(f"topk_weights is on {topk_weights.device}, hidden_states on {device}")
+    if topk_ids is not None:
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        if tuple(topk_ids.shape) != tuple(topk_weights.shape):
+            raise ValueError(f"topk_ids shape {list(topk_ids.shape)} differs from topk_weights "
+                             f"shape {list(topk_weights.shape)}")
+        if topk_ids.device != device:
+            raise ValueError(f"topk_ids is on {topk_ids.device}, hidden_states on {device}")
+    return int(topk_weights.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    nt: int
+    ksplit: int
+    warps_m: int
+    kc: int
+    reduce: int
+
+
+DECODE_SMALL = _Config(nt=8, ksplit=4, warps_m=1, kc=1024, reduce=0)
+DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, reduce=0)
+PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, reduce=1)
+
+
+class MoEGemm:
+    """Workspaces and compiled kernels for one expert shape, dtype and device.
+
+    Args:
+        layout: the row layout (H, I).
+        topk: K.
+        dtype: activation/output dtype (torch.bfloat16 or torch.float16).
+        max_decode_tokens: largest T of `decode` (sizes the decode workspaces; W ≤ 1024).
+        max_prefill_tokens: largest T of `prefill` (0: no prefill workspaces).
+        num_experts: E (needed for prefill).
+        scratch_rows: rows of the prefill scratch for experts not on the GPU.
+    """
+
+    def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
+                 max_decode_tokens: int = 16, max_prefill_tokens: int = 0, num_experts: int = 0,
+                 scratch_rows: int = 16, device=None):
+        _cuda.require_gpu("the MoE GEMM")
+        if dtype not in _DTYPES:
+            raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        if max_decode_tokens * topk > 1024:
+            raise ValueError(f"decode handles at most 1024 lanes: max_decode_tokens={max_decode_tokens} "
+                             f"x topk={topk} = {max_decode_tokens * topk}")
+        if max_prefill_tokens and not 0 < num_experts <= 1024:
+            raise ValueError(f"prefill needs num_experts in [1, 1024], got {num_experts}")
+        self.layout, self.topk, self.dtype = layout, int(topk), dtype
+        self.device = torch.device("cuda", _cuda.device_index(device))
+        dev = self.device
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        hp, ip = layout.hp, layout.ip
+        i32 = dict(dtype=torch.int32, device=dev)
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.max_decode_tokens = int(max_decode_tokens)
+        wd = self.max_decode_tokens * self.topk
+        # decode workspaces (units <= lanes)
+        self._d = dict(
+            xh=torch.zeros(self.max_decode_tokens, hp, dtype=torch.float16, device=dev),
+            xscale=torch.zeros(self.max_decode_tokens, **f32),
+            range=torch.zeros(2, **i32),
+            unit_addr=torch.zeros(wd, dtype=torch.int64, device=dev),
+            unit_lanes=torch.zeros(wd * DECODE_WIDE.nt, **i32),
+            unit_count=torch.zeros(wd, **i32),
+            lane_w=torch.zeros(wd, **f32),
+            amax=torch.zeros(wd, dtype=torch.int32, device=dev),
+            act=torch.zeros(wd, ip, **f32),
+            yw=torch.zeros(wd, hp, **f32),
+            group_done=torch.zeros(hp // 16, **i32),
+        )
+        self.error = torch.zeros(1, **i32)
+        self.num_experts = int(num_experts)
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.scratch_rows = int(scratch_rows)
+        self._p = None
+        if max_prefill_tokens:
+            wp = self.max_prefill_tokens * self.topk
+            max_units = wp // PREFILL.nt + self.num_experts
+            nchunks = -(-self.num_experts // self.scratch_rows)
+            stride = -(-layout.row_bytes // 256) * 256
+            self._p = dict(
+                xh=torch.zeros(self.max_prefill_tokens, hp, dtype=torch.float16, device=dev),
+                xscale=torch.zeros(self.max_prefill_tokens, **f32),
+                phase_off=torch.zeros(nchunks + 2, **i32),
+                unit_addr=torch.zeros(max_units, dtype=torch.int64, device=dev),
+                unit_lanes=torch.zeros(max_units * PREFILL.nt, **i32),
+                unit_count=torch.zeros(max_units, **i32),
+                lane_w=torch.zeros(wp, **f32),
+                amax=torch.zeros(wp, dtype=torch.int32, device=dev),
+                lane_e=torch.zeros(wp, **i32),
+                act=torch.zeros(wp, ip, **f32),
+                out32=torch.zeros(self.max_prefill_tokens, hp, **f32),
+                copies=torch.zeros(nchunks * self.scratch_rows, 2, **i32),
+                n_copies=torch.zeros(nchunks, **i32),
+                scratch=torch.zeros(self.scratch_rows, stride, dtype=torch.uint8, device=dev),
+                nchunks=nchunks,
+            )
+        self._copier = None
+
+    # --- compiled kernels -----------------------------------------------------------------
+    def _defines(self, cfg: _Config) -> dict:
+        return {**self.layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit,
+                "WARPS_M": cfg.warps_m, "KC": min(cfg.kc, self.layout.hp),
+                "OUT_BF16": _DTYPES[self.dtype], "REDUCE": cfg.reduce}
+
+    def _gemm(self, cfg: _Config, name: str):
+        return kernels.function("moe_gemm", name, self._defines(cfg), self.device)
+
+    def _align(self, cfg: _Config, name: str, ids64: int = 1):
+        d = {"NT": cfg.nt, "HP": self.layout.hp, "IN_BF16": _DTYPES[self.dtype], "IDS64": ids64}
+        return kernels.function("moe_align", name, d, self.device)
+
+    def _smem(self, cfg: _Config, ns: int) -> int:
+        kc = min(cfg.kc, self.layout.hp)
+        xs = cfg.nt * (kc + 8) * 2
+        red = (cfg.ksplit - 1) * cfg.warps_m * ns * (cfg.nt // 8) * 4 * 32 * 4
+        return xs + red + cfg.nt * 8
+
+    def _grid(self, cfg: _Config) -> int:
+        threads = 32 * cfg.ksplit * cfg.warps_m
+        return self.sms * max(1, 1024 // threads)
+
+    def _run_gemm(self, cfg, rng, unit_addr, unit_lanes, unit_count, xh, xscale, act, amax,
+                  lane_w, tokens, out, yw=None, group_done=None, out32=None):
+        threads = 32 * cfg.ksplit * cfg.warps_m
+        grid = self._grid(cfg)
+        kernels.launch(self._gemm(cfg, "moe_w13"), grid, threads, (
+            rng, unit_addr, unit_lanes, unit_count, xh, xscale, kernels.i32(self.topk), act, amax),
+            shared_mem=self._smem(cfg, 2), device=self.device)
+        dummy = self.error
+        kernels.launch(self._gemm(cfg, "moe_w2"), grid, threads, (
+            rng, unit_addr, unit_lanes, unit_count, act, amax, lane_w,
+            kernels.i32(self.topk), kernels.i32(tokens), kernels.i32(self.layout.hidden),
+            yw if yw is not None else dummy, group_done if group_done is not None else dummy,
+            out if out is not None else dummy, out32 if out32 is not None else dummy),
+            shared_mem=self._smem(cfg, 1), device=self.device)
+
+    def _out(self, x, out):
+        if out is None:
+            return torch.empty_like(x)
+        if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device \
+                or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {x.dtype} tensor {list(x.shape)} on "
+                             f"{x.device}, got {out.dtype} {list(out.shape)} on {out.device}")
+        return out
+
+    # --- decode ---------------------------------------------------------------------------
+    def decode(self, x: torch.Tensor, lane_addr: torch.Tensor, topk_weights: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """out[t] = Σ_k w[t,k] · expert(lane t·K+k)(x[t]) with weights read at lane_addr."""
+        check_activations(x, self.layout.hidden)
+        if x.dtype != self.dtype:
+            raise TypeError(f"hidden_states dtype {x.dtype} differs from the GEMM's {self.dtype}")
+        T = x.shape[0]
+        K = check_routing(topk_weights, T, x.device)
+        if K != self.topk:
+            raise ValueError(f"topk_weights has K={K}, the GEMM was built for top-{self.topk}")
+        if T > self.max_decode_tokens:
+            raise ValueError(f"decode takes at most {self.max_decode_tokens} tokens, got T={T} "
+                             f"(use prefill for wide batches)")
+        if lane_addr.dtype != torch.int64 or lane_addr.numel() != T * K or lane_addr.device != x.device:
+            raise ValueError(f"lane_addr must be int64 [{T * K}] on {x.device}, got "
+                             f"{lane_addr.dtype} {list(lane_addr.shape)} on {lane_addr.device}")
+        out = self._out(x, out)
+        cfg = DECODE_SMALL if T * K <= 64 else DECODE_WIDE
+        d = self._d
+        w = topk_weights.reshape(-1).to(torch.float32)
+        kernels.launch(self._align(cfg, "prep_x"), T, 256,
+                       (x, kernels.i32(self.layout.hidden), d["xh"], d["xscale"]), device=self.device)
+        kernels.launch(self._align(cfg, "align_lanes"), 1, 1024, (
+            lane_addr.reshape(-1), w, kernels.i32(T * K), d["range"], d["unit_addr"],
+            d["unit_lanes"], d["unit_count"], d["lane_w"], d["amax"], self.error), device=self.device)
+        self._run_gemm(cfg, d["range"], d["unit_addr"], d["unit_lanes"], d["unit_count"],
+                       d["xh"], d["xscale"], d["act"], d["amax"], d["lane_w"], T, out,
+                       yw=d["yw"], group_done=d["group_done"])
+        return out
+
+    # --- prefill --------------------------------------------------------------------------
+    def prefill(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                expert_addr: torch.Tensor, *, host_addr: torch.Tensor | None = None,
+                layer: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The partition path. expert_addr: int64 [E], the GPU address of each resident expert's
+        row, 0 for the others, which are read from `host_addr[layer·E + e]` (the store's UVA
+        address table) into the scratch, at most `scratch_rows` at a time."""
+        if self._p is None:
+            raise RuntimeError("this MoEGemm was built without prefill workspaces "
+                               "(max_prefill_tokens=0)")
+        check_activations(x, self.layout.hidden)
+        if x.dtype != self.dtype:
+            raise TypeError(f"hidden_states dtype {x.dtype} differs from the GEMM's {self.dtype}")
+        T = x.shape[0]
+        K = check_routing(topk_weights, T, x.device, topk_ids)
+        if K != self.topk:
+            raise ValueError(f"top-k is {K}, the GEMM was built for top-{self.topk}")
+        if T > self.max_prefill_tokens:
+            raise ValueError(f"prefill takes at most {self.max_prefill_tokens} tokens, got T={T}")
+        E = self.num_experts
+        if expert_addr.dtype != torch.int64 or expert_addr.numel() != E or expert_addr.device != x.device:
+            raise ValueError(f"expert_addr must be int64 [{E}] on {x.device}, got "
+                             f"{expert_addr.dtype} {list(expert_addr.shape)} on {expert_addr.device}")
+        out = self._out(x, out)
+        p, cfg = self._p, PREFILL
+        ids = topk_ids.reshape(-1)
+        w = topk_weights.reshape(-1).to(torch.float32)
+        nchunks = p["nchunks"] if host_addr is not None else 0
+        kernels.launch(self._align(cfg, "prep_x"), T, 256,
+                       (x, kernels.i32(self.layout.hidden), p["xh"], p["xscale"]), device=self.device)
+        kernels.launch(self._align(cfg, "align_experts", int(ids.dtype == torch.int64)), 1, 1024, (
+            ids, w, kernels.i32(T * K), kernels.i32(E), kernels.i32(layer), expert_addr,
+            kernels.i64(p["scratch"].data_ptr()), kernels.i64(p["scratch"].stride(0)),
+            kernels.i32(self.scratch_rows), kernels.i32(nchunks), p["phase_off"], p["unit_addr"],
+            p["unit_lanes"], p["unit_count"], p["lane_w"], p["amax"], p["lane_e"], p["copies"],
+            p["n_copies"], self.error), device=self.device)
+        out32 = p["out32"][:T]
+        out32.zero_()
+        args = (p["unit_addr"], p["unit_lanes"], p["unit_count"], p["xh"], p["xscale"], p["act"],
+                p["amax"], p["lane_w"], T, None)
+        self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)
+        if nchunks:
+            copier = self._scratch_copier(host_addr)
+            for c in range(nchunks):
+                C = self.scratch_rows
+                copier(p["copies"][c * C:(c + 1) * C], p["n_copies"][c:c + 1])
+                self._run_gemm(cfg, p["phase_off"][c + 1:c + 3], *args, out32=out32)
+        kernels.launch(self._gemm(cfg, "moe_finish"), self.sms * 4, 256, (
+            out32, kernels.i32(T), kernels.i32(self.layout.hidden), out), device=self.device)
+        return out
+
+    def _scratch_copier(self, host_addr: torch.Tensor):
+        from cupool.rowcopy import RowCopier  # noqa: PLC0415
+        if self._copier is None or self._copier.src_of_key is not host_addr:
+            self._copier = RowCopier(host_addr, self.layout.row_bytes, self._p["scratch"],
+                                     self.scratch_rows)
+        return self._copier
+
+    def read_error(self) -> list[str]:
+        """Decoded sticky error flags of the align kernels (a host read: not for the hot path)."""
+        v = int(self.error.item())
+        return [msg for bit, msg in ERROR_NAMES.items() if v & bit]
+
+    def clear_error(self) -> None:
+        self.error.zero_()
+
+    def memory_parts(self) -> list[tuple[str, int, str]]:
+        tensors = list(self._d.values()) + ([v for v in self._p.values()
+                                             if isinstance(v, torch.Tensor)] if self._p else [])
+        return [("GEMM workspaces", sum(t.numel() * t.element_size() for t in tensors), "gpu")]
+
+
+# --- reference ----------------------------------------------------------------------------------
+def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  experts, dtype=torch.float32) -> torch.Tensor:
+    """Dequantize-then-matmul reference in `dtype` (float32 or float64) on x's device.
+
+    experts: callable e -> (w_gate [I, H], w_up [I, H], w_down [H, I]) float tensors (already
+    dequantized), or a sequence of such triples. Lanes with id -1 contribute nothing.
+    Returns [T, H] in `dtype`.
+    """
+    get = experts if callable(experts) else (lambda e: experts[e])
+    xf = x.to(dtype)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=dtype, device=x.device)
+    ids = topk_ids.to(torch.int64)
+    w = topk_weights.to(dtype)
+    for e in sorted(set(ids.reshape(-1).tolist()) - {-1}):
+        tok, kk = (ids == e).nonzero(as_tuple=True)
+        wg, wu, wd = (m.to(dtype=dtype, device=x.device) for m in get(e))
+        h = xf[tok]
+        a = F.silu(h @ wg.T) * (h @ wu.T)
+        out.index_add_(0, tok, (a @ wd.T) * w[tok, kk][:, None])
+    return out

@@ -1,0 +1,100 @@
+// NVFP4 weights -> fp16 tensor-core fragments, and the m16n8k16 mma that consumes them.
+//
+// Why fp16 and not bf16: E2M1 (≤ 2 significant bits) times an E4M3 block scale (≤ 4 bits) fits
+// fp16's 11-bit significand exactly, and fp16 arithmetic keeps subnormals, so every dequantized
+// weight is exact. Activations are brought into fp16 with a per-row power-of-two scale (exact for
+// bf16 inputs in range), so bf16 and fp16 models share one kernel.
+//
+// Bit trick: an E2M1 code (s e1 e0 m) placed as fp16 bits s.00e1e0.m000000000 is the E2M1 value
+// times 2^-14 (e = 0 lands on fp16 subnormals, which is exactly E2M1's own subnormal 0.5·m).
+// Multiplying by (block scale · 2^7) in fp16 is exact; the fp32 epilogue multiplies by 2^7 · the
+// global scale.
+#pragma once
+#include "common.cuh"
+
+// Nibble pair j (lo = nibble j, hi = nibble j+4) of a layout word -> fp16x2 of E2M1 · 2^-14.
+// J is a compile-time constant so the shifts are immediates (2 shifts + 2 LOP3, J=3 one shift).
+template <int J>
+CUPOOL_DEVICE u32 fp4x2_raw(u32 w) {
+    const u32 mag = (J < 3 ? (w << (9 - 4 * J)) : (w >> 3)) & 0x0E000E00u;
+    const u32 sgn = (J < 3 ? (w << (12 - 4 * J)) : w) & 0x80008000u;
+    return mag | sgn;
+}
+
+CUPOOL_DEVICE u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+CUPOOL_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// E4M3 block scales as fp16 times 2^7, without a conversion instruction: the 7 magnitude bits
+// e3e2e1e0.m2m1m0 shifted left by 7 are fp16 bits of (E4M3 value · 2^-8) — subnormal E4M3 lands
+// on fp16 subnormals with the same ratio — and one multiply by 2^15 gives value · 2^7 exactly
+// (448 · 2^7 = 57344 < 65504). Scales are non-negative, so the sign bit is dropped.
+#define FP16X2_2P15 0x78007800u
+
+// Byte Q of `scales` (one E4M3 per 16 columns) -> fp16x2 (s·2^7, s·2^7).
+template <int Q>
+CUPOOL_DEVICE u32 scale_pair(u32 scales) {
+    const u32 two = prmt(scales, 0u, Q | (4 << 4) | (Q << 8) | (4 << 12));   // [s, 0, s, 0]
+    return hmul2((two & 0x007F007Fu) << 7, FP16X2_2P15);
+}
+
+// A fragments of one 16x16 k-tile: word w (this lane's 8 nibbles) with the block scales of rows g
+// and g+8 at byte Q of sg / sg8 (one scale word covers the 4 k-tiles of a 64-column chunk).
+template <int Q>
+CUPOOL_DEVICE void dequant_tile(u32 w, u32 sg, u32 sg8, u32 (&a)[4]) {
+    const u32 s_lo = scale_pair<Q>(sg);         // row g
+    const u32 s_hi = scale_pair<Q>(sg8);        // row g+8
+    a[0] = hmul2(fp4x2_raw<0>(w), s_lo);        // row g,   k 2t..2t+1
+    a[1] = hmul2(fp4x2_raw<1>(w), s_hi);        // row g+8, k 2t..2t+1
+    a[2] = hmul2(fp4x2_raw<2>(w), s_lo);        // row g,   k 2t+8..2t+9
+    a[3] = hmul2(fp4x2_raw<3>(w), s_hi);        // row g+8, k 2t+8..2t+9
+}
+
+// D += A(16x16, fp16, row) · B(16x8, fp16, col), fp32 accumulate.
+CUPOOL_DEVICE void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+CUPOOL_DEVICE u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+CUPOOL_DEVICE float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+CUPOOL_DEVICE float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }
+
+CUPOOL_DEVICE u16 f32_to_bf16(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Power-of-two scale that brings a row whose largest magnitude is `amax` to [2^13, 2^14) in
+// fp16 (exact for bf16 values within 2^27 of the row's largest). 1 for zero, Inf or NaN rows,
+// so non-finite values pass through and show up in the output.
+CUPOOL_DEVICE float pow2_scale(float amax) {
+    const u32 bits = __float_as_uint(amax);
+    const int e = (int)((bits >> 23) & 0xff);
+    if (amax == 0.0f || e == 0xff) return 1.0f;
+    int p = (e - 127) - 13;                      // amax in [2^(p+13), 2^(p+14))
+    p = p < -126 ? -126 : p;
+    return __uint_as_float((u32)(p + 127) << 23);
+}

@@ -1,0 +1,208 @@
+// Align + remap for the MoE GEMM (moe_gemm.cu): lanes grouped by expert into units of at most NT
+// lanes, each unit with the address of its expert's weights; activations brought to fp16.
+//
+// - align_lanes (decode, W ≤ 1024): lanes arrive with the address the plan step gave them
+//   (bank row, staging row, or a host UVA address; 0 = padding). Lanes with the same address are
+//   one expert. Units are numbered in first-occurrence order; lanes keep lane order within a
+//   unit. One block, O(W²/threads) comparisons in shared memory (W is small in decode).
+// - align_experts (prefill, any W, E ≤ 1024): lanes arrive with expert ids. Experts whose weights
+//   are on the GPU (expert_addr[e] ≠ 0) form phase 0; the others are routed through scratch rows
+//   in chunks of C experts (phase 1 + chunk), each with a copy list for the row-copy kernel, so
+//   every non-resident expert crosses PCIe once per call. Units are ordered by (phase, expert);
+//   lane order within an expert is not fixed (atomics), which only reorders a sum.
+// - prep_x: per token, a power-of-two scale s and fp16 x/s (exact for bf16 inputs), padded to HP.
+//
+// Both align kernels write lane_w[W] (router weight, 0 for padding and for rejected lanes) and
+// zero amax[W]; they set sticky bits in `error`: 1 = expert id outside [0, E) (align_experts),
+// 2 = non-finite router weight. A rejected lane is treated as padding and reads nothing.
+#include "common.cuh"
+#include "mma_fp4.cuh"
+
+#ifndef NT
+#define NT 16
+#endif
+#ifndef HP
+#define HP 2048
+#endif
+#ifndef IN_BF16
+#define IN_BF16 1
+#endif
+#ifndef IDS64
+#define IDS64 1
+#endif
+
+#define ERR_BAD_ID 1
+#define ERR_BAD_WEIGHT 2
+
+CUPOOL_DEVICE bool finite(float w) { return (__float_as_uint(w) & 0x7f800000u) != 0x7f800000u; }
+
+extern "C" __global__ void __launch_bounds__(1024)
+align_lanes(const i64* __restrict__ lane_addr,   // [W] weights address per lane, 0 = padding
+            const float* __restrict__ topk_w,    // [W]
+            i32 W,
+            i32* __restrict__ range,             // [2] out: 0, number of units
+            i64* __restrict__ unit_addr,         // [W] out
+            i32* __restrict__ unit_lanes,        // [W, NT] out
+            i32* __restrict__ unit_count,        // [W] out
+            float* __restrict__ lane_w,          // [W] out
+            u32* __restrict__ amax,              // [W] out: zeroed
+            i32* __restrict__ error) {
+    __shared__ i64 s_addr[1024];
+    __shared__ int s_base[1024];
+    __shared__ int scan[33];
+    const int i = threadIdx.x;
+    i64 a = 0;
+    if (i < W) {
+        a = lane_addr[i];
+        float w = topk_w[i];
+        if (a != 0 && !finite(w)) { atomicOr(error, ERR_BAD_WEIGHT); a = 0; }
+        lane_w[i] = a != 0 ? w : 0.0f;
+        amax[i] = 0u;
+    }
+    s_addr[i] = a;
+    __syncthreads();
+    int pos = 0, size = 0, first = i;
+    if (a != 0) {
+        for (int j = 0; j < W; ++j) {
+            if (s_addr[j] == a) {
+                ++size;
+                if (j < i) { ++pos; first = min(first, j); }
+            }
+        }
+    }
+    const int units = (a != 0 && pos == 0) ? (size + NT - 1) / NT : 0;
+    int total;
+    const int base = block_exclusive_scan(units, scan, &total);
+    if (units) s_base[i] = base;
+    __syncthreads();
+    if (a != 0) {
+        const int u = s_base[first] + pos / NT, slot = pos % NT;
+        unit_lanes[u * NT + slot] = i;
+        if (slot == 0) {
+            unit_addr[u] = a;
+            unit_count[u] = min(NT, size - (pos / NT) * NT);
+        }
+    }
+    if (i == 0) { range[0] = 0; range[1] = total; }
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+align_experts(const void* __restrict__ ids_raw,    // [W] int64 (IDS64) or int32 expert ids, -1 pad
+              const float* __restrict__ topk_w,    // [W]
+              i32 W, i32 E, i32 layer,
+              const i64* __restrict__ expert_addr, // [E] device address of resident experts, else 0
+              i64 scratch_base, i64 scratch_stride, i32 C, i32 nchunks,
+              i32* __restrict__ phase_off,         // [2 + nchunks] out: unit offsets per phase
+              i64* __restrict__ unit_addr,         // [units max] out
+              i32* __restrict__ unit_lanes,        // [units max, NT] out
+              i32* __restrict__ unit_count,        // [units max] out
+              float* __restrict__ lane_w,          // [W] out
+              u32* __restrict__ amax,              // [W] out: zeroed
+              i32* __restrict__ lane_e,            // [W] workspace: expert of each lane or -1
+              i32* __restrict__ copies,            // [nchunks * C, 2] out: (key, scratch row)
+              i32* __restrict__ n_copies,          // [nchunks] out
+              i32* __restrict__ error) {
+    __shared__ int hist[1024], cursor[1024], ubase[1024];
+    __shared__ i64 addr[1024];
+    __shared__ int scan[33];
+    const int tid = threadIdx.x;
+    for (int e = tid; e < E; e += blockDim.x) { hist[e] = 0; cursor[e] = 0; }
+    __syncthreads();
+    for (int l = tid; l < W; l += blockDim.x) {
+#if IDS64
+        const i64 id = reinterpret_cast<const i64*>(ids_raw)[l];
+#else
+        const i64 id = reinterpret_cast<const i32*>(ids_raw)[l];
+#endif
+        const float w = topk_w[l];
+        bool ok = id >= 0 && id < E;
+        if (id != -1 && !ok) atomicOr(error, ERR_BAD_ID);
+        if (ok && !finite(w)) { atomicOr(error, ERR_BAD_WEIGHT); ok = false; }
+        lane_w[l] = ok ? w : 0.0f;
+        amax[l] = 0u;
+        lane_e[l] = ok ? (int)id : -1;
+        if (ok) atomicAdd(&hist[id], 1);
+    }
+    __syncthreads();
+    // one expert per thread (E ≤ blockDim.x): units, residency, host rank
+    const int e = tid;
+    const int h = e < E ? hist[e] : 0;
+    const bool resident = e < E && expert_addr[e] != 0;
+    const int nu = (h + NT - 1) / NT;
+    int total_res, n_host, total_host_units;
+    const int res_base = block_exclusive_scan(resident ? nu : 0, scan, &total_res);
+    const int hrank = block_exclusive_scan((!resident && h > 0) ? 1 : 0, scan, &n_host);
+    const int host_base = block_exclusive_scan(resident ? 0 : nu, scan, &total_host_units);
+    const int total = total_res + total_host_units;
+    for (int c = tid; c < nchunks + 2; c += blockDim.x)
+        phase_off[c] = c == 0 ? 0 : total;                       // empty chunks start at the end
+    for (int c = tid; c < nchunks; c += blockDim.x)
+        n_copies[c] = max(0, min(C, n_host - c * C));
+    __syncthreads();
+    if (tid == 0) phase_off[1] = total_res;
+    if (e < E && h > 0) {
+        if (resident) {
+            ubase[e] = res_base;
+            addr[e] = expert_addr[e];
+        } else {
+            ubase[e] = total_res + host_base;
+            const int chunk = hrank / C, row = hrank % C;
+            addr[e] = scratch_base + scratch_stride * row;
+            if (row == 0 && chunk > 0) phase_off[1 + chunk] = total_res + host_base;
+            if (chunk < nchunks) {
+                copies[2 * hrank] = layer * E + e;
+                copies[2 * hrank + 1] = row;
+            }
+        }
+    }
+    if (n_host > nchunks * C && tid == 0) atomicOr(error, 4);    // launcher sized chunks wrong
+    __syncthreads();
+    for (int l = tid; l < W; l += blockDim.x) {
+        const int ex = lane_e[l];
+        if (ex < 0) continue;
+        const int pos = atomicAdd(&cursor[ex], 1);
+        const int u = ubase[ex] + pos / NT, slot = pos % NT;
+        unit_lanes[u * NT + slot] = l;
+        if (slot == 0) {
+            unit_addr[u] = addr[ex];
+            unit_count[u] = min(NT, hist[ex] - (pos / NT) * NT);
+        }
+    }
+}
+
+// grid = T blocks. xh[t, :] = fp16(x[t, :] / s_t), zero past H; xscale[t] = s_t.
+extern "C" __global__ void __launch_bounds__(256)
+prep_x(const u16* __restrict__ x, i32 H, u16* __restrict__ xh, float* __restrict__ xscale) {
+    __shared__ float red[8];
+    const int t = blockIdx.x;
+    const u16* row = x + (i64)t * H;
+    float m = 0.0f;
+    for (int k = threadIdx.x; k < H; k += blockDim.x) {
+#if IN_BF16
+        const float v = bf16_to_f32(row[k]);
+#else
+        const float v = f16_to_f32(row[k]);
+#endif
+        m = (m != m || v != v) ? __int_as_float(0x7fffffff) : fmaxf(m, fabsf(v));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float n = __shfl_xor_sync(0xffffffffu, m, o);
+        m = (m != m || n != n) ? __int_as_float(0x7fffffff) : fmaxf(m, n);
+    }
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
+        m = (m != m || red[w] != red[w]) ? __int_as_float(0x7fffffff) : fmaxf(m, red[w]);
+    const float s = pow2_scale(m), inv = 1.0f / s;
+    for (int k = threadIdx.x; k < HP; k += blockDim.x) {
+#if IN_BF16
+        const float v = k < H ? bf16_to_f32(row[k]) : 0.0f;
+#else
+        const float v = k < H ? f16_to_f32(row[k]) : 0.0f;
+#endif
+        xh[(i64)t * HP + k] = f32_to_f16(v * inv);
+    }
+    if (threadIdx.x == 0) xscale[t] = s;
+}
