@@ -23,6 +23,24 @@ def test_nvcc_compiles(src, nvcc, tmp_path):
     assert "warning" not in r.stderr.lower(), f"{src.name} compiles with warnings:\n{r.stderr}"
 
 
+# Configurations the launchers compile besides each file's defaults.
+VARIANTS = [
+    ("moe_gemm", "-DNT=64 -DKSPLIT=1 -DWARPS_M=8 -DKC=256 -DREDUCE=1 -DOUT_BF16=0"),
+    ("moe_gemm", "-DNT=8 -DHP=4096 -DIP=1536"),
+    ("moe_gemm", "-DNT=16 -DHP=128 -DIP=64 -DKC=128"),
+    ("moe_align", "-DNT=64 -DIDS64=0 -DIN_BF16=0"),
+]
+
+
+@pytest.mark.parametrize("name,defines", VARIANTS, ids=[f"{n}:{d}" for n, d in VARIANTS])
+def test_nvcc_compiles_variants(name, defines, nvcc, tmp_path):
+    src = kernels.kernel_dir() / f"{name}.cu"
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", f"-I{src.parent}", "-cubin",
+                        *defines.split(), "-o", str(tmp_path / "out.cubin"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{name} {defines} failed to compile:\n{r.stderr}"
+
+
 def test_expand_inlines_headers_with_line_markers():
     text, headers = kernels.expand("rowcopy")
     assert any(h.name == "common.cuh" for h in headers)

@@ -1,0 +1,79 @@
+"""Random experts made directly in NVFP4 (no bf16 weights first): for tests, benchmarks and the
+example decode loop, where a 30B-parameter model must not be built by initialising bf16 weights.
+
+Codes are uniform over all 16 E2M1 codes, block scales are E4M3 powers-of-two-ish values spread
+over [2^-4, 2^4) (so blocks differ by up to 256x, as real checkpoints do), and the global scale
+keeps a dot product over K of unit-variance activations near unit size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cupool.layout import RowLayout, pack_row
+from cupool.nvfp4 import E2M1_VALUES, NVFP4Tensor
+
+
+def random_nvfp4(n: int, k: int, generator: torch.Generator | None = None,
+                 device="cpu") -> NVFP4Tensor:
+    """A random NVFP4 matrix [n, k] (k a multiple of 16)."""
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+    # E4M3 byte = exponent (bias 7) << 3 | mantissa; exponents 3..10 give 2^-4 .. 2^3.875
+    expo = torch.randint(3, 11, (n, k // 16), dtype=torch.uint8, generator=generator)
+    mant = torch.randint(0, 8, (n, k // 16), dtype=torch.uint8, generator=generator)
+    scale = ((expo << 3) | mant).view(torch.float8_e4m3fn)
+    gs = torch.tensor(0.25 / math.sqrt(k), dtype=torch.float32)
+    return NVFP4Tensor(packed.to(device), scale.to(device), gs.to(device))
+
+
+_LUT = torch.tensor(list(E2M1_VALUES) + [-v for v in E2M1_VALUES], dtype=torch.float32)
+
+
+def dequantize_exact(q: NVFP4Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Dequantize a 2-D NVFP4Tensor by table lookup (independent of cupool.nvfp4's code path)."""
+    p = q.packed
+    codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(p.shape[0], -1).long()
+    vals = _LUT.to(p.device)[codes]
+    s = q.block_scale.to(torch.float32).repeat_interleave(16, dim=-1)
+    return (vals * s * q.global_scale.to(torch.float32)).to(dtype)
+
+
+def random_experts(layout: RowLayout, num_experts: int, generator: torch.Generator | None = None):
+    """(rows uint8 [E, row_bytes], [(gate, up, down) NVFP4Tensor per expert]) on the CPU."""
+    H, I = layout.hidden, layout.intermediate
+    rows = torch.empty(num_experts, layout.row_bytes, dtype=torch.uint8)
+    mats = []
+    for e in range(num_experts):
+        g, u, d = (random_nvfp4(I, H, generator), random_nvfp4(I, H, generator),
+                   random_nvfp4(H, I, generator))
+        pack_row(layout, g, u, d, out=rows[e])
+        mats.append((g, u, d))
+    return rows, mats
+
+
+def random_rows_fast(layout: RowLayout, num_experts: int, generator: torch.Generator | None = None,
+                     device="cpu") -> torch.Tensor:
+    """Random rows without going through pack_row: random bytes with valid block scales and global
+    scales written into their places, generated on `device` (the generator, if any, must live
+    there). For large synthetic models (benchmarks, the example decode loop) where the data
+    movement matters and no reference is computed. Assumes H and I are multiples of 64 (no
+    padding); otherwise padded columns hold random codes. uint8 [E, row_bytes]."""
+    rows = torch.randint(0, 256, (num_experts, layout.row_bytes), dtype=torch.uint8,
+                         generator=generator, device=device)
+    hp, ip = layout.hp, layout.ip
+
+    def fix_scales(offset: int, strips: int, kp: int):
+        strip_bytes = 9 * kp
+        view = rows[:, offset:offset + strips * strip_bytes].view(num_experts, strips, strip_bytes)
+        sc = view[:, :, 8 * kp:]
+        expo = torch.randint(3, 11, sc.shape, dtype=torch.uint8, generator=generator, device=device)
+        sc.copy_((expo << 3) | (sc & 7))
+
+    fix_scales(layout.w13_offset, 2 * (ip // 16), hp)
+    fix_scales(layout.w2_offset, hp // 16, ip)
+    hdr = torch.tensor([0.25 / math.sqrt(hp)] * 2 + [0.25 / math.sqrt(ip)], dtype=torch.float32)
+    rows[:, :12] = hdr.view(torch.uint8).to(device)
+    rows[:, 12:256] = 0
+    return rows

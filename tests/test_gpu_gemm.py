@@ -1,0 +1,227 @@
+"""The NVFP4 MoE GEMM against the dequantize-then-matmul float32 reference (GPU).
+
+Weights of one call sit in three places at once: "bank" rows and "staging" rows (device memory)
+and pinned host rows read through UVA. Outputs are poisoned (NaN) before every run. Tolerance:
+relative Frobenius error ≤ 1e-2 for bf16 activations (the kernel's weights are exact; the error
+comes from fp16 activations and the bf16 output rounding, ~3e-3 in practice).
+"""
+
+import math
+
+import pytest
+import torch
+
+from cupool import HostStore
+from cupool.gemm import MoEGemm, reference_moe
+from cupool.layout import RowLayout
+from cupool.synthetic import dequantize_exact, random_experts
+
+pytestmark = pytest.mark.gpu
+
+TOL = 1e-2
+
+
+def rel_err(out, ref):
+    return (torch.linalg.norm(out.double() - ref.double()) / torch.linalg.norm(ref.double())).item()
+
+
+class Placed:
+    """E experts' rows spread over a device 'bank', device 'staging' rows and a pinned host store."""
+
+    def __init__(self, H, I, E, seed):
+        self.layout = RowLayout(H, I)
+        gen = torch.Generator().manual_seed(seed)
+        rows, mats = random_experts(self.layout, E, gen)
+        self.deq = [tuple(dequantize_exact(m).cuda() for m in trio) for trio in mats]
+        self.store = HostStore(1, E, self.layout.row_bytes)
+        self.store.fill(lambda _l: rows, progress=False)
+        self.store.seal()
+        stride = self.store.row_stride
+        self.bank = torch.zeros(E, stride, dtype=torch.uint8, device="cuda")
+        self.bank[:, :self.layout.row_bytes] = rows.cuda()
+        # expert e lives in: bank (e % 3 == 0), staging (e % 3 == 1), host (e % 3 == 2)
+        self.where = [("bank", "staging", "host")[e % 3] for e in range(E)]
+        addr = []
+        for e in range(E):
+            if self.where[e] == "host":
+                addr.append(self.store.address(0, e))
+            else:
+                addr.append(self.bank.data_ptr() + e * stride)
+        self.addr = torch.tensor(addr, dtype=torch.int64, device="cuda")
+        self.E = E
+
+    def lane_addr(self, ids):
+        a = self.addr[ids.clamp(min=0)]
+        return torch.where(ids >= 0, a, torch.zeros_like(a)).reshape(-1)
+
+
+def routing(T, K, E, gen, dtype=torch.float32):
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).cuda()
+    w = torch.softmax(torch.randn(T, K, generator=gen), dim=-1).to(dtype).cuda()
+    return ids, w
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return Placed(2048, 768, 13, seed=1)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return Placed(80, 48, 5, seed=2)        # padded: Hp=128, Ip=64
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 7, 16])
+@pytest.mark.parametrize("K", [1, 2, 8])
+def test_decode_qwen_dims(qwen, T, K):
+    gen = torch.Generator().manual_seed(T * 100 + K)
+    gemm = MoEGemm(qwen.layout, K, torch.bfloat16, max_decode_tokens=16)
+    x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
+    ids, w = routing(T, K, qwen.E, gen)
+    out = torch.full_like(x, float("nan"))
+    gemm.decode(x, qwen.lane_addr(ids), w, out=out)
+    ref = reference_moe(x, ids, w, qwen.deq)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= TOL
+    assert gemm.read_error() == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,K", [(1, 1), (3, 2), (16, 8), (33, 4)])
+def test_decode_padded_dims_and_dtypes(small, T, K, dtype):
+    gen = torch.Generator().manual_seed(T * 7 + K)
+    gemm = MoEGemm(small.layout, K, dtype, max_decode_tokens=64)
+    x = torch.randn(T, 80, generator=gen).to(dtype).cuda()
+    ids, w = routing(T, K, small.E, gen)
+    out = torch.full_like(x, float("nan"))
+    gemm.decode(x, small.lane_addr(ids), w, out=out)
+    assert rel_err(out, reference_moe(x, ids, w, small.deq)) <= TOL
+
+
+def test_decode_padding_duplicates_nan_weight(small):
+    gen = torch.Generator().manual_seed(5)
+    T, K = 4, 3
+    gemm = MoEGemm(small.layout, K, torch.bfloat16, max_decode_tokens=8)
+    x = torch.randn(T, 80, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.tensor([[0, 1, 2], [3, -1, 4], [0, 0, 1], [-1, -1, -1]], device="cuda")
+    w = torch.rand(T, K, generator=gen).cuda()
+    w[2, 2] = float("nan")                              # rejected lane: flag + padding
+    out = torch.full_like(x, float("nan"))
+    gemm.decode(x, small.lane_addr(ids), w, out=out)
+    w_ref = w.clone()
+    w_ref[2, 2] = 0
+    ids_ref = ids.clone()
+    ids_ref[2, 2] = -1
+    ref = reference_moe(x, ids_ref, w_ref, small.deq)
+    assert rel_err(out[:3], ref[:3]) <= TOL
+    assert (out[3] == 0).all(), "a token whose lanes are all padding gets zeros"
+    assert gemm.read_error() == ["non-finite router weight"]
+
+
+def test_decode_all_padding_gives_zeros(small):
+    gemm = MoEGemm(small.layout, 2, torch.bfloat16, max_decode_tokens=4)
+    x = torch.randn(2, 80, dtype=torch.bfloat16, device="cuda")
+    out = torch.full_like(x, float("nan"))
+    gemm.decode(x, torch.zeros(4, dtype=torch.int64, device="cuda"),
+                torch.ones(2, 2, device="cuda"), out=out)
+    assert (out == 0).all()
+
+
+def test_decode_big_dims():
+    placed = Placed(4096, 1536, 5, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    for T, K in [(1, 2), (7, 4)]:
+        gemm = MoEGemm(placed.layout, K, torch.bfloat16, max_decode_tokens=16)
+        x = torch.randn(T, 4096, generator=gen).to(torch.bfloat16).cuda()
+        ids, w = routing(T, K, placed.E, gen)
+        out = torch.full_like(x, float("nan"))
+        gemm.decode(x, placed.lane_addr(ids), w, out=out)
+        assert rel_err(out, reference_moe(x, ids, w, placed.deq)) <= TOL
+    placed.store.close()
+
+
+def test_decode_graph_replay_matches_eager(qwen):
+    gen = torch.Generator().manual_seed(11)
+    T, K = 4, 8
+    gemm = MoEGemm(qwen.layout, K, torch.bfloat16, max_decode_tokens=16)
+    x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
+    ids, w = routing(T, K, qwen.E, gen)
+    la = qwen.lane_addr(ids)
+    out = torch.empty_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gemm.decode(x, la, w, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gemm.decode(x, la, w, out=out)
+    for step in range(5):
+        ids, w2 = routing(T, K, qwen.E, gen)
+        x.copy_(torch.randn(T, 2048, generator=gen).to(torch.bfloat16))
+        la.copy_(qwen.lane_addr(ids))
+        w.copy_(w2)
+        out.fill_(float("nan"))
+        g.replay()
+        eager = gemm.decode(x.clone(), la.clone(), w.clone())
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"replay {step} differs from eager (must be deterministic)"
+        assert rel_err(out, reference_moe(x, ids, w, qwen.deq)) <= TOL
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 7, 16, 33, 511, 2048])
+@pytest.mark.parametrize("K", [1, 8])
+def test_prefill_partition(qwen, T, K):
+    gen = torch.Generator().manual_seed(T + K)
+    E = qwen.E
+    gemm = MoEGemm(qwen.layout, K, torch.bfloat16, max_prefill_tokens=2048, num_experts=E,
+                   scratch_rows=2)                      # several chunks of host experts
+    x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
+    ids, w = routing(T, K, E, gen)
+    # resident experts read from the bank; host experts go through the scratch
+    expert_addr = torch.where(
+        torch.tensor([wh != "host" for wh in qwen.where], device="cuda"), qwen.addr,
+        torch.zeros_like(qwen.addr))
+    out = torch.full_like(x, float("nan"))
+    gemm.prefill(x, ids, w, expert_addr, host_addr=qwen.store.address_table(), out=out)
+    assert rel_err(out, reference_moe(x, ids, w, qwen.deq)) <= TOL
+    assert gemm.read_error() == []
+
+
+def test_prefill_int32_ids_bad_ids_and_odd_experts(small):
+    gen = torch.Generator().manual_seed(21)
+    T, K, E = 37, 2, small.E
+    gemm = MoEGemm(small.layout, K, torch.float16, max_prefill_tokens=64, num_experts=E,
+                   scratch_rows=1)
+    x = torch.randn(T, 80, generator=gen).to(torch.float16).cuda()
+    ids, w = routing(T, K, E, gen)
+    ids = ids.to(torch.int32)
+    ids[3, 1] = E + 4                                    # out of range: flag + padding
+    out = torch.full_like(x, float("nan"))
+    gemm.prefill(x, ids, w, torch.zeros(E, dtype=torch.int64, device="cuda"),
+                 host_addr=small.store.address_table(), out=out)
+    ids_ref = ids.clone()
+    ids_ref[3, 1] = -1
+    assert rel_err(out, reference_moe(x, ids_ref, w, small.deq)) <= TOL
+    assert gemm.read_error() == ["expert id outside [0, E)"]
+
+
+def test_guards(small):
+    gemm = MoEGemm(small.layout, 2, torch.bfloat16, max_decode_tokens=4)
+    x = torch.randn(2, 80, dtype=torch.bfloat16, device="cuda")
+    la = torch.zeros(4, dtype=torch.int64, device="cuda")
+    w = torch.ones(2, 2, device="cuda")
+    with pytest.raises(TypeError, match="bfloat16 or float16"):
+        gemm.decode(x.float(), la, w)
+    with pytest.raises(ValueError, match=r"shape \[T, 80\]"):
+        gemm.decode(x[:, :64].contiguous(), la, w)
+    with pytest.raises(ValueError, match="CUDA"):
+        gemm.decode(x.cpu(), la, w)
+    with pytest.raises(ValueError, match="K=3"):
+        gemm.decode(x, torch.zeros(6, dtype=torch.int64, device="cuda"), torch.ones(2, 3, device="cuda"))
+    with pytest.raises(ValueError, match="at most 4 tokens"):
+        gemm.decode(torch.zeros(5, 80, dtype=torch.bfloat16, device="cuda"), la, torch.ones(5, 2, device="cuda"))
+    with pytest.raises(RuntimeError, match="without prefill"):
+        gemm.prefill(x, torch.zeros(2, 2, dtype=torch.int64, device="cuda"), w,
+                     torch.zeros(5, dtype=torch.int64, device="cuda"))
+    assert math.isfinite(TOL)
