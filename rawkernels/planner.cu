@@ -1,0 +1,323 @@
+// Plan step: one launch per MoE layer call decides hits, misses and evictions on the GPU, so a
+// whole decode step (plan -> row copies -> GEMM) stays in one CUDA graph without host readback.
+//
+// Semantics: exactly `cupool.planner.ReferencePlanner.step` (DESIGN.md, "Planner semantics"); the
+// reference's docstring is the specification and the GPU tests compare the two after every step.
+// Shape legend: L layers, E experts per layer, R = L*N bank rows, S staging rows, W lanes.
+//
+// Work sketch: one block of THREADS threads (fixed grid: the launch never depends on data).
+// Lane i of the call is thread i (W <= THREADS, checked by the launcher).
+//   A. Clear shared memory: the per-expert "first lane" table [E] and the touched-row bitmap [R].
+//   B. Lanes: validate the id; atomicMin on the table gives each expert its first lane (dedupe in
+//      first-occurrence order). First lanes read slot_of: a hit stamps last_use and sets its
+//      touched bit (gate open); a block scan numbers the misses j = 0..M-1 in lane order.
+//   C. Gate open and something touched: one pass over the LRU order array. The victims are the
+//      first V = min(M, R - H) entries whose row is not a hit (those are exactly the V smallest
+//      (last_use, row) among rows with last_use < clock, which is what taking the LRU row miss by
+//      miss, in order, yields); every other non-hit entry is compacted in place, in order, to the
+//      front. The array is walked in tiles of THREADS*ITEMS entries, each loaded to registers and
+//      ranked with warp ballots and one block scan of the warp totals.
+//   D. Miss j: j < V takes victim j (its old key loses its row); otherwise staging row R + (j-V)
+//      if j - V < S, else no row (error flag). Each miss writes copy-list entry j.
+//   E. Gate open: the touched rows (hits and victims), in row order, fill the tail of `order`.
+//   F. Each lane writes its route and row address; thread 0 writes n_copies, error, clock, counters.
+//
+// Invariants between launches (the Bank builds the tables; afterwards only this kernel writes them):
+//   - slot_of[k] == r >= 0  <=>  key_of[r] == k >= 0   (owned rows and keys are a bijection);
+//   - last_use[r] <= clock for every row;
+//   - order is a permutation of 0..R-1 sorted by (last_use[r], r). New order after an open step =
+//     [untouched rows, old relative order] + [touched rows by row index]; untouched rows keep
+//     last_use < clock and touched rows get last_use == clock, so the sort is preserved.
+//   - Gate closed: slot_of, key_of, last_use, order, clock and counters are not written.
+// Who touches what inside one launch (barriers separate the phases):
+//   - slot_of: B reads the first lanes' keys. D writes victims' old keys (-1) and the misses' keys.
+//     An old key owned a row at the start and a missed key did not, so no address is written
+//     twice, and B's reads are done before D (barrier).
+//   - key_of: D only; row r is read and written by the one thread whose miss took r.
+//   - last_use: written only, B on hit rows and D on victim rows (disjoint sets).
+//   - order: C reads each tile into registers before the tile's barrier and then writes ranks
+//     rank - V <= the entry's own index, so a tile only writes entries already read (by itself or
+//     an earlier tile); E writes positions >= R - T, after a barrier.
+//   - touched bitmap: B sets hit bits; C reads them; D sets victim bits after C's last barrier; E
+//     reads all bits after D's barrier.
+//   - routes, lane_addr: lane t writes entry t in F. copies[j]: the thread of miss j in D.
+//   - clock/gate: every thread reads them in A; thread 0 writes clock in F, after barriers.
+//   - error, counters, n_copies: thread 0 in F.
+#include "common.cuh"
+
+#ifndef THREADS
+#define THREADS 1024  // the block; also the largest W a launch accepts
+#endif
+#ifndef ITEMS
+#define ITEMS 12      // order-array entries a thread holds per tile (R=12288 -> one tile)
+#endif
+
+#define NWARPS (THREADS / 32)
+#define FULL_MASK 0xffffffffu
+#define NUM_COUNTERS 5  // hits, misses, promotions, steals, staged (cupool.planner.COUNTERS)
+#define ERR_BAD_ID 1
+#define ERR_STAGING_OVERFLOW 2
+
+static_assert(THREADS % 32 == 0 && THREADS >= 32 && THREADS <= 1024,
+              "THREADS must be a multiple of 32 in [32, 1024]");
+static_assert(ITEMS >= 1 && ITEMS <= 32, "ITEMS must be in [1, 32]");
+
+CUPOOL_DEVICE u32 lanemask_lt() {
+    u32 m;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+    return m;
+}
+
+// Exclusive offset of this warp's total among all warps, and the block total (every thread gets
+// both). Contains one barrier; `scratch` may be reused only after the caller passes another one,
+// which is why callers alternate between two scratch buffers.
+CUPOOL_DEVICE int warp_offset(int warp_total, int* scratch, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) scratch[warp] = warp_total;
+    __syncthreads();
+    const int v = lane < NWARPS ? scratch[lane] : 0;
+    int inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(FULL_MASK, inc, o);
+        if (lane >= o) inc += n;
+    }
+    total = __shfl_sync(FULL_MASK, inc, 31);
+    return __shfl_sync(FULL_MASK, inc - v, warp);
+}
+
+// Exclusive block-wide prefix sum of v (one barrier, see warp_offset).
+CUPOOL_DEVICE int block_scan(int v, int* scratch, int& total) {
+    const int lane = threadIdx.x & 31;
+    int inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int n = __shfl_up_sync(FULL_MASK, inc, o);
+        if (lane >= o) inc += n;
+    }
+    const int off = warp_offset(__shfl_sync(FULL_MASK, inc, 31), scratch, total);
+    return off + inc - v;
+}
+
+CUPOOL_DEVICE bool test_bit(const u32* bits, int i) { return (bits[i >> 5] >> (i & 31)) & 1u; }
+
+CUPOOL_DEVICE void set_bit(u32* bits, int i) { atomicOr(&bits[i >> 5], 1u << (i & 31)); }
+
+template <typename Id>
+CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E, i32 R, i32 S,
+                             i32* __restrict__ slot_of, i32* __restrict__ key_of,
+                             i64* __restrict__ last_use, i32* __restrict__ order,
+                             i64* __restrict__ clock, const i32* __restrict__ gate,
+                             i32* __restrict__ error, i64* __restrict__ counters,
+                             i32* __restrict__ routes, i64* __restrict__ lane_addr,
+                             i32* __restrict__ copies, i32* __restrict__ n_copies,
+                             i64 rows_base, i64 row_stride) {
+    // Dynamic shared memory: first_lane [E] (the lowest lane asking for each expert of this
+    // layer), then the touched-row bitmap [ceil(R/32)] (hits, then also victims).
+    extern __shared__ u32 dyn_smem[];
+    i32* first_lane = reinterpret_cast<i32*>(dyn_smem);
+    u32* touched = dyn_smem + E;
+    __shared__ i32 s_route[THREADS];      // indexed by a first lane: its expert's row (or -1)
+    __shared__ i32 s_miss_key[THREADS];   // indexed by miss number j (lane order)
+    __shared__ i32 s_miss_lane[THREADS];  // first lane of miss j
+    __shared__ i32 s_victim[THREADS];     // row taken by miss j < V
+    __shared__ i32 s_scratch[2][32];      // block-scan scratch, used alternately
+    __shared__ i32 s_error, s_steals;
+
+    const int t = threadIdx.x, lane = t & 31;
+    const int nwords = (R + 31) >> 5;
+    const bool open = *gate != 0;
+    const i64 now = *clock + (open ? 1 : 0);
+
+    // ---- A. clear shared state --------------------------------------------------------------
+    for (int i = t; i < E; i += THREADS) first_lane[i] = THREADS;
+    for (int i = t; i < nwords; i += THREADS) touched[i] = 0u;
+    if (t == 0) {
+        s_error = 0;
+        s_steals = 0;
+    }
+    __syncthreads();
+
+    // ---- B. lanes: validate, dedupe, hit or miss --------------------------------------------
+    int e = -1;  // this lane's expert, or -1 for padding / invalid
+    if (t < W) {
+        const Id id = ids[t];
+        if (id >= 0 && id < (Id)E) e = (int)id;
+        else if (id != (Id)-1) atomicOr(&s_error, ERR_BAD_ID);
+    }
+    if (e >= 0) atomicMin(&first_lane[e], t);
+    __syncthreads();
+    const bool first = e >= 0 && first_lane[e] == t;
+    const int key = first ? layer * E + e : -1;
+    const int slot = first ? slot_of[key] : -1;
+    const bool hit = slot >= 0;
+    const bool miss = first && slot < 0;
+    if (hit) {
+        s_route[t] = slot;
+        if (open) {
+            last_use[slot] = now;
+            set_bit(touched, slot);
+        }
+    }
+    // Misses in the low half, hits in the high half: W <= 1024 keeps both below 2^16.
+    int counts;
+    const int before = block_scan((miss ? 1 : 0) | (hit ? 1 << 16 : 0), s_scratch[0], counts);
+    const int M = counts & 0xffff, H = counts >> 16;
+    if (miss) {
+        s_miss_key[before & 0xffff] = key;
+        s_miss_lane[before & 0xffff] = t;
+    }
+    const int V = open ? min(M, R - H) : 0;  // misses that get a bank row
+    const int T = H + V;                      // rows stamped with `now` this step
+
+    // ---- C. victims and compaction of the LRU order -----------------------------------------
+    if (open && T > 0) {  // block-uniform: the barriers inside are reached by every thread
+        int nonhit_before = 0;  // non-hit entries in earlier tiles
+        int buf = 1;
+        for (int base = 0; base < R; base += THREADS * ITEMS) {
+            // Warp w owns 32*ITEMS consecutive entries; its lanes load them 32 at a time, so
+            // every load is one coalesced 128-byte line and a ballot ranks them in index order.
+            const int seg = base + (t >> 5) * 32 * ITEMS;
+            int row[ITEMS];
+            u32 keep[ITEMS];
+            int run = 0;
+#pragma unroll
+            for (int j = 0; j < ITEMS; ++j) {
+                const int idx = seg + j * 32 + lane;
+                row[j] = idx < R ? order[idx] : -1;
+                keep[j] = __ballot_sync(FULL_MASK, row[j] >= 0 && !test_bit(touched, row[j]));
+                run += __popc(keep[j]);
+            }
+            int tile_total;
+            // The barrier in warp_offset also ends every read of this tile before any write.
+            int rank = nonhit_before + warp_offset(run, s_scratch[buf], tile_total);
+            buf ^= 1;
+            const u32 lt = lanemask_lt();
+#pragma unroll
+            for (int j = 0; j < ITEMS; ++j) {
+                if ((keep[j] >> lane) & 1u) {
+                    const int r = rank + __popc(keep[j] & lt);
+                    if (r < V) s_victim[r] = row[j];
+                    else order[r - V] = row[j];
+                }
+                rank += __popc(keep[j]);
+            }
+            nonhit_before += tile_total;
+        }
+    }
+    __syncthreads();  // s_victim and s_miss_* complete; C's reads of `touched` are over
+
+    // ---- D. misses: take a victim or a staging row ------------------------------------------
+    if (t < M) {
+        const int k = s_miss_key[t];
+        int row;
+        if (t < V) {
+            row = s_victim[t];
+            const int old = key_of[row];
+            if (old >= 0) {
+                slot_of[old] = -1;
+                if (old / E != layer) atomicAdd(&s_steals, 1);
+            }
+            slot_of[k] = row;
+            key_of[row] = k;
+            last_use[row] = now;
+            set_bit(touched, row);
+        } else {
+            row = t - V < S ? R + (t - V) : -1;
+        }
+        s_route[s_miss_lane[t]] = row;
+        if (row >= 0) {
+            copies[2 * t] = k;
+            copies[2 * t + 1] = row;
+        }
+    }
+    __syncthreads();  // s_route, s_steals and the victims' touched bits complete
+
+    // ---- E. touched rows, in row order, to the tail of the LRU order --------------------------
+    if (open && T > 0) {
+        const int per = (nwords + THREADS - 1) / THREADS;
+        const int w0 = t * per, w1 = min(w0 + per, nwords);
+        int n = 0;
+        for (int w = w0; w < w1; ++w) n += __popc(touched[w]);
+        int total;
+        int pos = R - T + block_scan(n, s_scratch[0], total);
+        for (int w = w0; w < w1; ++w) {
+            u32 bits = touched[w];
+            while (bits) {
+                order[pos++] = w * 32 + (__ffs(bits) - 1);
+                bits &= bits - 1;
+            }
+        }
+    }
+
+    // ---- F. per-lane outputs and the scalars --------------------------------------------------
+    if (t < W) {
+        const int route = e >= 0 ? s_route[first_lane[e]] : -1;
+        routes[t] = route;
+        lane_addr[t] = route >= 0 ? rows_base + (i64)route * row_stride : 0;
+    }
+    if (t == 0) {
+        const int staged = M - V;
+        const int staged_ok = min(staged, S);
+        *n_copies = V + staged_ok;
+        const int err = s_error | (staged > S ? ERR_STAGING_OVERFLOW : 0);
+        if (err) *error |= err;
+        if (open) {
+            *clock = now;
+            i64* c = counters + (i64)layer * NUM_COUNTERS;
+            c[0] += H;
+            c[1] += M;
+            c[2] += V;
+            c[3] += s_steals;
+            c[4] += staged_ok;
+        }
+    }
+}
+
+#define PLAN_STEP_ARGS                                                                          \
+    i32 W, i32 layer, i32 E, i32 R, i32 S, i32 *slot_of, i32 *key_of, i64 *last_use, i32 *order, \
+        i64 *clock, const i32 *gate, i32 *error, i64 *counters, i32 *routes, i64 *lane_addr,     \
+        i32 *copies, i32 *n_copies, i64 rows_base, i64 row_stride
+#define PLAN_STEP_PASS                                                                         \
+    W, layer, E, R, S, slot_of, key_of, last_use, order, clock, gate, error, counters, routes, \
+        lane_addr, copies, n_copies, rows_base, row_stride
+
+// Two entry points because routers hand out int64 (torch.topk) or int32 ids; reading either
+// directly avoids a cast kernel in the graph.
+extern "C" __global__ void __launch_bounds__(THREADS)
+plan_step_i32(const i32* __restrict__ ids, PLAN_STEP_ARGS) {
+    plan_step<i32>(ids, PLAN_STEP_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+plan_step_i64(const i64* __restrict__ ids, PLAN_STEP_ARGS) {
+    plan_step<i64>(ids, PLAN_STEP_PASS);
+}
+
+// Verification (not the hot path): compares bank rows with their host-store rows, both read on
+// the GPU (the host row through its UVA address), for the (key, row) pairs listed.
+// first_diff[p] must hold row_bytes on entry; it ends as the first differing byte of pair p, or
+// stays row_bytes when the rows are equal.
+extern "C" __global__ void compare_rows(const i64* __restrict__ src_of_key,
+                                        const i32* __restrict__ pairs, i32 n,
+                                        const u8* __restrict__ rows_base, i64 row_stride,
+                                        i64 row_bytes, i64* __restrict__ first_diff) {
+    const i64 units = row_bytes >> 4;
+    for (int p = blockIdx.x; p < n; p += gridDim.x) {
+        const u8* host = reinterpret_cast<const u8*>(src_of_key[pairs[2 * p]]);
+        const u8* bank = rows_base + row_stride * pairs[2 * p + 1];
+        for (i64 u = threadIdx.x; u < units; u += blockDim.x) {
+            const u32x4 a = ld_stream16(host + (u << 4));
+            const u32x4 b = *reinterpret_cast<const u32x4*>(bank + (u << 4));
+            const u32 d[4] = {a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w};
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                if (d[w]) {  // little-endian: the lowest set byte is the lowest address
+                    const i64 off = (u << 4) + 4 * w + ((__ffs(d[w]) - 1) >> 3);
+                    atomicMin(&first_diff[p], off);
+                    break;
+                }
+            }
+        }
+    }
+}

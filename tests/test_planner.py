@@ -1,0 +1,428 @@
+"""The planner's reference model (the specification), its helpers, and Bank guards that need no GPU."""
+
+import numpy as np
+import pytest
+import torch
+
+from cupool import HostStore
+from cupool.bank import Bank
+from cupool.planner import (COUNTERS, HITS, MISSES, PROMOTIONS, STAGED, STEALS, PlanError,
+                            ReferencePlanner, check_ids, check_tables, initial_placement,
+                            launch_shape, lru_order)
+
+
+def fresh(L=2, E=4, N=2, S=8, initial=None, open_gate=True):
+    p = ReferencePlanner(L, E, N, S, initial)
+    if open_gate:
+        p.open()
+    return p
+
+
+# --- initial placement ---------------------------------------------------------------------------
+
+def test_initial_placement_default_and_given():
+    p = ReferencePlanner(3, 5, 2, 4)
+    np.testing.assert_array_equal(p.key_of, [0, 1, 5, 6, 10, 11])
+    assert p.slot_of.tolist() == [0, 1, -1, -1, -1, 2, 3, -1, -1, -1, 4, 5, -1, -1, -1]
+    assert p.clock == 0 and not p.gate and p.error == PlanError.NONE
+    assert (p.last_use == 0).all() and (p.counters == 0).all()
+    assert p.counters.shape == (3, len(COUNTERS))
+
+    q = ReferencePlanner(2, 5, 2, 4, initial=[[4, 2], [-1, 0]])
+    np.testing.assert_array_equal(q.key_of, [4, 2, -1, 5])
+    assert q.slot_of[4] == 0 and q.slot_of[2] == 1 and q.slot_of[5] == 3
+    assert (q.slot_of >= 0).sum() == 3 and q.check() == []
+
+
+def test_initial_placement_more_rows_than_experts_leaves_rows_empty():
+    key_of = initial_placement(2, 3, 5)
+    np.testing.assert_array_equal(key_of, [0, 1, 2, -1, -1, 3, 4, 5, -1, -1])
+
+
+@pytest.mark.parametrize("initial,err,match", [
+    ([[0, 1]], ValueError, "shape"),
+    ([[0, 5], [0, 1]], ValueError, r"initial\[0, 1\] = 5"),
+    ([[0, -2], [0, 1]], ValueError, "-1"),
+    ([[3, 3], [0, 1]], ValueError, "expert 3 in more than one row"),
+    ([[0.0, 1.0], [0, 1]], TypeError, "integer"),
+])
+def test_initial_placement_rejects(initial, err, match):
+    with pytest.raises(err, match=match):
+        initial_placement(2, 5, 2, np.array(initial))
+
+
+def test_constructor_rejects_bad_sizes():
+    for bad in ({"num_layers": 0}, {"num_experts": -1}, {"rows_per_layer": 1.5},
+                {"staging_rows": -1}):
+        args = {"num_layers": 2, "num_experts": 4, "rows_per_layer": 2, "staging_rows": 4, **bad}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ReferencePlanner(**args)
+
+
+# --- the step ------------------------------------------------------------------------------------
+
+def test_gate_closed_stages_misses_and_moves_nothing():
+    p = fresh(open_gate=False)            # L=2 E=4 N=2 -> R=4; layer 0 holds experts 0,1
+    before = p.state()
+    routes, copies = p.step(0, [3, 0, 2, 3, -1])
+    assert routes.dtype == np.int32
+    assert routes.tolist() == [4, 0, 5, 4, -1]           # staging rows R+0, R+1 in miss order
+    assert copies == [(3, 4), (2, 5)]
+    after = p.state()
+    for k in before:
+        np.testing.assert_array_equal(before[k], after[k], err_msg=k)   # nothing moved
+
+
+def test_hits_stamp_recency_and_clock():
+    p = fresh()
+    routes, copies = p.step(1, [1, 0, 1])
+    assert routes.tolist() == [3, 2, 3] and copies == []
+    assert p.clock == 1 and p.last_use.tolist() == [0, 0, 1, 1]
+    assert p.counters[1].tolist() == [2, 0, 0, 0, 0]
+    p.step(0, [-1])                                       # an all-padding step still ticks
+    assert p.clock == 2 and p.last_use.tolist() == [0, 0, 1, 1]
+
+
+def test_miss_takes_least_recently_used_row_of_any_layer():
+    p = fresh()                                           # rows: 0:(0,0) 1:(0,1) 2:(1,0) 3:(1,1)
+    p.step(0, [0, 1])                                     # clock 1: rows 0, 1
+    p.step(1, [0])                                        # clock 2: row 2
+    routes, copies = p.step(0, [2])                       # clock 3: LRU is row 3 (layer 1)
+    assert routes.tolist() == [3] and copies == [(2, 3)]
+    assert p.key_of.tolist() == [0, 1, 4, 2]
+    assert p.slot_of[5] == -1 and p.slot_of[2] == 3       # (1,1) lost its row to (0,2)
+    assert p.last_use.tolist() == [1, 1, 2, 3]
+    assert p.counters[0].tolist() == [2, 1, 1, 1, 0]      # hits, misses, promotions, steals
+    # layer 1's next miss takes the oldest row with ties broken by row index: rows 0, 1 (clock 1)
+    routes, copies = p.step(1, [3, 1])
+    assert routes.tolist() == [0, 1] and copies == [(7, 0), (5, 1)]
+    assert p.counters[1].tolist() == [1, 2, 2, 2, 0]
+    assert p.check() == []
+
+
+def test_own_layer_victim_is_not_a_steal():
+    p = fresh(L=1, E=6, N=2)
+    p.step(0, [4])
+    assert p.counters[0, STEALS] == 0 and p.counters[0, PROMOTIONS] == 1
+
+
+def test_duplicates_and_padding():
+    p = fresh(L=1, E=6, N=3)
+    routes, copies = p.step(0, [5, -1, 5, 2, 2, 0, -1, 4, 5])
+    # unique in first-occurrence order: 5 (miss), 2 (hit), 0 (hit), 4 (miss)
+    # hits stamp rows 2, 0; 5 takes row 1, the only row left, and 4 is staged in row R + 0 = 3
+    assert routes.tolist() == [1, -1, 1, 2, 2, 0, -1, 3, 1]
+    assert copies == [(5, 1), (4, 3)]
+    assert p.counters[0].tolist() == [2, 2, 1, 0, 1]
+
+
+def test_invalid_ids_set_sticky_error_and_are_padding():
+    p = fresh(L=1, E=4, N=2)
+    routes, copies = p.step(0, np.array([4, 1, -2, 2**40, 0], dtype=np.int64))
+    assert routes.tolist() == [-1, 1, -1, -1, 0] and copies == []
+    assert p.error == PlanError.BAD_ID
+    assert p.counters[0, HITS] == 2
+    p.step(0, [0, 1])
+    assert p.error == PlanError.BAD_ID                    # sticky
+
+
+def test_rows_used_in_a_step_are_never_evicted():
+    p = fresh(L=1, E=8, N=3)
+    p.step(0, [2])                                        # row 2 newest; rows 0, 1 oldest
+    routes, copies = p.step(0, [0, 7, 1, 6])
+    # hits 0, 1 are stamped before the misses: 7 takes row 2, 6 finds no victim and is staged
+    assert routes.tolist() == [0, 2, 1, 3]
+    assert copies == [(7, 2), (6, 3)]
+    assert p.slot_of[6] == -1 and p.key_of.tolist() == [0, 1, 7]
+
+
+def test_no_victim_stages_with_gate_open_and_overflow_is_flagged():
+    p = fresh(L=1, E=8, N=2, S=1)
+    routes, copies = p.step(0, [0, 1, 2, 3])
+    assert routes.tolist() == [0, 1, 2, -1]
+    assert copies == [(2, 2)]
+    assert p.error == PlanError.STAGING_OVERFLOW
+    assert p.counters[0].tolist() == [2, 2, 0, 0, 1]      # the overflowed miss is only a miss
+    assert p.slot_of[2] == -1 and p.slot_of[3] == -1
+    q = fresh(L=1, E=8, N=2, S=2, open_gate=False)
+    routes, copies = q.step(0, [5, 6, 7])
+    assert routes.tolist() == [2, 3, -1] and copies == [(5, 2), (6, 3)]
+    assert q.error == PlanError.STAGING_OVERFLOW and (q.counters == 0).all()
+
+
+def test_counters_only_count_with_gate_open():
+    p = fresh(open_gate=False)
+    p.step(0, [0, 3])
+    assert (p.counters == 0).all()
+    p.open()
+    p.step(0, [0, 3])
+    assert p.counters[0].tolist() == [1, 1, 1, 0, 0]
+
+
+def test_empty_rows_are_victims_without_a_previous_owner():
+    p = fresh(L=1, E=2, N=4)                              # rows 2, 3 empty
+    routes, copies = p.step(0, [1, 0])
+    assert routes.tolist() == [1, 0] and copies == []
+    # an empty row is not preferred: it is a victim by its (last_use, row) like any other
+    q = ReferencePlanner(2, 2, 3, 4, initial=[[0, -1, -1], [0, 1, -1]])
+    q.open()
+    routes, copies = q.step(0, [1])
+    assert routes.tolist() == [0] and copies == [(1, 0)]   # row 0 (0, 0) beats empty row 1
+    r = ReferencePlanner(2, 2, 3, 4, initial=[[0, -1, -1], [0, 1, -1]])
+    r.open()
+    r.step(0, [0])                                        # row 0 used: row 1 (empty) is the LRU
+    routes, copies = r.step(0, [1])
+    assert routes.tolist() == [1] and copies == [(1, 1)]
+    assert r.counters[0].tolist() == [1, 1, 1, 0, 0]      # no previous owner: not a steal
+    assert r.key_of.tolist() == [0, 1, -1, 2, 3, -1]
+
+
+def test_step_argument_errors():
+    p = fresh()
+    with pytest.raises(IndexError, match="layer"):
+        p.step(2, [0])
+    with pytest.raises(TypeError, match="integers"):
+        p.step(0, np.array([0.5]))
+
+
+def test_state_and_load_round_trip(rng):
+    p = fresh(L=3, E=5, N=2)
+    for _ in range(20):
+        p.step(int(rng.integers(3)), rng.integers(-1, 5, size=6))
+    q = ReferencePlanner(3, 5, 2, 8)
+    q.load(p.state())
+    for _ in range(20):
+        layer, ids = int(rng.integers(3)), rng.integers(-1, 5, size=6)
+        a, b = p.step(layer, ids), q.step(layer, ids)
+        np.testing.assert_array_equal(a[0], b[0])
+        assert a[1] == b[1]
+
+
+# --- long random traces ----------------------------------------------------------------------------
+
+def random_ids(rng, E, W, hot):
+    """Skewed routing with duplicates, padding and the odd invalid id."""
+    ids = rng.choice(E, size=W, p=hot)
+    ids[rng.random(W) < 0.1] = -1
+    bad = rng.random(W) < 0.01
+    ids[bad] = rng.choice([E, E + 3, -2, -7], size=int(bad.sum()))
+    return ids
+
+
+def hot_distribution(rng, E):
+    w = 1.0 / (1.0 + np.arange(E)) ** 1.1
+    return w[rng.permutation(E)] / w.sum()
+
+
+@pytest.mark.parametrize("L,E,N,S", [(5, 13, 3, 64), (3, 7, 2, 3), (4, 20, 6, 8), (1, 4, 8, 2)])
+def test_long_random_trace_keeps_tables_consistent(rng, L, E, N, S):
+    p = ReferencePlanner(L, E, N, S)
+    R = p.num_rows
+    hot = [hot_distribution(rng, E) for _ in range(L)]
+    for i in range(1500):
+        if rng.random() < (0.02 if p.gate else 0.1):
+            p.open() if not p.gate else p.close()
+        layer = int(rng.integers(L))
+        ids = random_ids(rng, E, int(rng.integers(1, 40)), hot[layer])
+        before = p.state()
+        routes, copies = p.step(layer, ids)
+        assert p.check() == [], f"step {i}: {p.check()}"
+        keys = layer * E + ids
+        valid = (ids >= 0) & (ids < E)
+        for k, r in zip(keys[valid], routes[valid]):
+            if r >= R:
+                assert r < R + S and (k, r) in copies
+            elif r >= 0:
+                assert p.key_of[r] == k and p.slot_of[k] == r
+        assert (routes[~valid] == -1).all()
+        rows = [r for _, r in copies]
+        assert len(set(rows)) == len(rows) and len(copies) <= ids.size
+        if not p.gate:
+            for name in ("slot_of", "key_of", "last_use", "counters"):
+                np.testing.assert_array_equal(before[name], p.state()[name], err_msg=name)
+        else:
+            touched = np.flatnonzero(p.last_use == p.clock)
+            # touched rows are exactly the bank rows this step routed to
+            assert set(touched.tolist()) == set(routes[(routes >= 0) & (routes < R)].tolist())
+    c = p.counters
+    assert (c[:, MISSES] >= c[:, PROMOTIONS] + c[:, STAGED]).all()
+    assert (c[:, PROMOTIONS] >= c[:, STEALS]).all()
+
+
+# --- the kernel's algorithm, modelled in NumPy -------------------------------------------------------
+
+class KernelModel:
+    """rawkernels/planner.cu's algorithm on the host: victims are the first V non-hit entries of
+    the LRU order array and the array is rebuilt by one stable compaction. It never reads
+    last_use; the test proves it equals the reference (whose victim search is the definition)."""
+
+    def __init__(self, ref: ReferencePlanner):
+        self.L, self.E, self.R, self.S = (ref.num_layers, ref.num_experts, ref.num_rows,
+                                          ref.staging_rows)
+        st = ref.state()
+        self.slot_of, self.key_of = st["slot_of"], st["key_of"]
+        self.last_use, self.order = st["last_use"], st["order"]
+        self.clock, self.gate = 0, False
+
+    def step(self, layer, ids):
+        E, R, S = self.E, self.R, self.S
+        ids = np.asarray(ids, dtype=np.int64)
+        W = ids.size
+        e = np.where((ids >= 0) & (ids < E), ids, -1)
+        first_lane = {}
+        for t in range(W):
+            if e[t] >= 0:
+                first_lane.setdefault(int(e[t]), t)
+        now = self.clock + 1 if self.gate else self.clock
+        route_of_lane = {}
+        touched = np.zeros(R, dtype=bool)
+        misses = []
+        H = 0
+        for t in range(W):
+            if e[t] >= 0 and first_lane[int(e[t])] == t:
+                key = layer * E + int(e[t])
+                slot = int(self.slot_of[key])
+                if slot >= 0:
+                    H += 1
+                    route_of_lane[t] = slot
+                    if self.gate:
+                        self.last_use[slot] = now
+                        touched[slot] = True
+                else:
+                    misses.append((key, t))
+        M = len(misses)
+        V = min(M, R - H) if self.gate else 0
+        T = H + V
+        victims = []
+        if self.gate and T > 0:
+            keep = ~touched[self.order]
+            nonhit = self.order[keep]
+            victims = nonhit[:V].tolist()
+            self.order[:R - T] = nonhit[V:]
+        copies = []
+        for j, (key, t) in enumerate(misses):
+            if j < V:
+                row = victims[j]
+                old = int(self.key_of[row])
+                if old >= 0:
+                    self.slot_of[old] = -1
+                self.slot_of[key], self.key_of[row], self.last_use[row] = row, key, now
+                touched[row] = True
+            else:
+                row = R + (j - V) if j - V < S else -1
+            route_of_lane[t] = row
+            if row >= 0:
+                copies.append((key, row))
+        if self.gate and T > 0:
+            self.order[R - T:] = np.flatnonzero(touched)
+        routes = np.array([route_of_lane[first_lane[int(x)]] if x >= 0 else -1 for x in e],
+                          dtype=np.int32)
+        self.clock = now
+        return routes, copies
+
+
+@pytest.mark.parametrize("L,E,N,S", [(5, 13, 3, 64), (2, 9, 4, 2), (6, 30, 10, 16)])
+def test_kernel_algorithm_equals_reference(rng, L, E, N, S):
+    ref = ReferencePlanner(L, E, N, S)
+    model = KernelModel(ref)
+    hot = [hot_distribution(rng, E) for _ in range(L)]
+    for i in range(1500):
+        if rng.random() < (0.02 if ref.gate else 0.1):
+            if ref.gate:
+                ref.close()
+            else:
+                ref.open()
+            model.gate = ref.gate
+        layer = int(rng.integers(L))
+        ids = random_ids(rng, E, int(rng.integers(1, 50)), hot[layer])
+        r1, c1 = ref.step(layer, ids)
+        r2, c2 = model.step(layer, ids)
+        np.testing.assert_array_equal(r1, r2, err_msg=f"routes, step {i}")
+        assert c1 == c2, f"copies, step {i}"
+        st = ref.state()
+        for name, mine in (("slot_of", model.slot_of), ("key_of", model.key_of),
+                           ("last_use", model.last_use), ("order", model.order)):
+            np.testing.assert_array_equal(st[name], mine, err_msg=f"{name}, step {i}")
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+def test_lru_order_ties_by_row():
+    np.testing.assert_array_equal(lru_order(np.array([3, 1, 1, 0, 3])), [3, 1, 2, 0, 4])
+
+
+def test_check_tables_reports_broken_states():
+    p = fresh(L=2, E=4, N=2)
+    st = p.state()
+    assert check_tables(8, st["slot_of"], st["key_of"], st["last_use"], 0, st["order"]) == []
+    slot_of = st["slot_of"].copy()
+    slot_of[0] = 1
+    probs = check_tables(8, slot_of, st["key_of"], st["last_use"], 0)
+    assert any("slot_of[0] = 1" in s for s in probs)
+    key_of = st["key_of"].copy()
+    key_of[3] = 8
+    assert any("key_of[3] = 8" in s for s in check_tables(8, st["slot_of"], key_of,
+                                                          st["last_use"], 0))
+    assert any("after clock" in s for s in check_tables(8, st["slot_of"], st["key_of"],
+                                                        np.array([0, 5, 0, 0]), 1))
+    assert any("LRU order" in s for s in check_tables(8, st["slot_of"], st["key_of"],
+                                                      st["last_use"], 0, [1, 0, 2, 3]))
+
+
+def test_launch_shape():
+    assert launch_shape(12288, 64) == (1024, 12)
+    assert launch_shape(15, 64) == (64, 1)
+    assert launch_shape(15, 1) == (32, 1)
+    t, i = launch_shape(1 << 20, 256)
+    assert t == 1024 and i == 16                          # the kernel loops over tiles
+    t, i = launch_shape(300, 1024)
+    assert t == 1024 and i == 1
+
+
+def test_check_ids_guards():
+    dev = torch.device("cpu")
+    assert check_ids(torch.zeros(2, 3, dtype=torch.int64), 8, dev) == 6
+    assert check_ids(torch.zeros(0, dtype=torch.int32), 8, dev) == 0
+    with pytest.raises(TypeError, match="torch tensor"):
+        check_ids(np.zeros(3, dtype=np.int64), 8, dev)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        check_ids(torch.zeros(3), 8, dev)
+    with pytest.raises(ValueError, match="contiguous"):
+        check_ids(torch.zeros(4, 4, dtype=torch.int32).t(), 64, dev)
+    with pytest.raises(ValueError, match="max_lanes=8"):
+        check_ids(torch.zeros(9, dtype=torch.int32), 8, dev)
+    with pytest.raises(ValueError, match="device"):
+        check_ids(torch.zeros(3, dtype=torch.int32), 8, torch.device("cuda", 0))
+
+
+def test_plan_error_decodes():
+    e = PlanError(3)
+    assert PlanError.BAD_ID in e and PlanError.STAGING_OVERFLOW in e
+    assert PlanError(0) == PlanError.NONE
+
+
+# --- Bank guards that fire before any GPU work ------------------------------------------------------
+
+@pytest.fixture
+def pageable_store():
+    s = HostStore(2, 4, 256, pinned=False)
+    yield s
+    s.close()
+
+
+def test_bank_guards_without_gpu(pageable_store):
+    s = pageable_store
+    with pytest.raises(TypeError, match="HostStore"):
+        Bank(object(), 2, 8, 8)
+    with pytest.raises(ValueError, match="rows_per_layer"):
+        Bank(s, 0, 8, 8)
+    with pytest.raises(ValueError, match=r"staging_rows \(S=4\) must be >= max_lanes \(8\)"):
+        Bank(s, 2, 4, 8)
+    with pytest.raises(ValueError, match="max_lanes must be <= 1024"):
+        Bank(s, 2, 2048, 2048)
+    with pytest.raises(ValueError, match="max_lanes"):
+        Bank(s, 2, 8, 0)
+    with pytest.raises(ValueError, match="shape"):
+        Bank(s, 2, 8, 8, initial=[[0, 1]])
+    with pytest.raises(ValueError, match="pinned"):
+        Bank(s, 2, 8, 8)
