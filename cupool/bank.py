@@ -1,0 +1,234 @@
+"""The bank: GPU rows of expert weights shared by every MoE layer, and the planner's tables.
+
+Shape legend (DESIGN.md): L layers · E experts per layer · N rows per layer at start · R = L·N bank
+rows · S staging rows · W lanes of one layer call.
+
+One uint8 tensor `rows` [R + S, row_stride] holds the bank rows (0 … R−1) and the staging rows
+(R … R+S−1); it and every table are allocated once, through torch, when the Bank is built, so their
+addresses never change and a captured CUDA graph keeps working. A layer call (`step`) is two
+launches on torch's current stream — the plan step (`rawkernels/planner.cu`) and the row copies
+(`rawkernels/rowcopy.cu`) — with no host sync; the GEMM then reads each lane's weights at
+`lane_addr`. Everything else here (open with verification, stats, errors) reads the device and
+belongs outside the hot path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cupool import _cuda, kernels
+from cupool.planner import (COUNTERS, MAX_LANES, DeviceTables, PlanError, PlanStep,
+                            check_tables, initial_placement)
+from cupool.rowcopy import RowCopier
+from cupool.store import HostStore, fmt_bytes
+
+
+class BankVerifyError(RuntimeError):
+    """The bank's tables or rows are wrong. `problems`: table inconsistencies (strings);
+    `mismatches`: dicts (row, key, layer, expert, first_diff) of rows differing from the store."""
+
+    def __init__(self, message: str, problems: list[str], mismatches: list[dict]):
+        super().__init__(message)
+        self.problems, self.mismatches = problems, mismatches
+
+
+def _positive_int(name: str, v, lo: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    return int(v)
+
+
+class Bank:
+    """R = L·N GPU rows of the store's row size + S staging rows, and the planner tables.
+
+    Args:
+        store: the pinned HostStore holding every (layer, expert) row.
+        rows_per_layer: N, bank rows per layer at build (layers grow and shrink from there).
+        staging_rows: S ≥ max_lanes (with the gate closed every lane may miss and need one).
+        max_lanes: largest W of one `step` (≤ 1024).
+        initial: [L, N] expert ids per layer (−1: empty row); default experts 0 … N−1.
+        device: CUDA device (default: the store's).
+        threads, items: plan-step block shape (default `cupool.planner.launch_shape`).
+    The gate starts closed: steps route correctly through staging but move nothing until `open()`.
+    """
+
+    def __init__(self, store: HostStore, rows_per_layer: int, staging_rows: int,
+                 max_lanes: int, initial=None, device=None, *, threads: int | None = None,
+                 items: int | None = None):
+        if not isinstance(store, HostStore):
+            raise TypeError(f"store must be a cupool.HostStore, got {type(store).__name__}")
+        L, E = store.num_layers, store.num_experts
+        N = _positive_int("rows_per_layer", rows_per_layer)
+        S = _positive_int("staging_rows", staging_rows)
+        W = _positive_int("max_lanes", max_lanes)
+        if W > MAX_LANES:
+            raise ValueError(f"max_lanes must be <= {MAX_LANES} (one lane per thread of the plan "
+                             f"step's block), got {W}; wider batches take the partition path")
+        if S < W:
+            raise ValueError(f"staging_rows (S={S}) must be >= max_lanes ({W}): with the gate "
+                             f"closed every lane of a step can miss and needs a staging row")
+        if L * max(E, N) >= 2**31:
+            raise ValueError(f"L*E and L*N must fit int32 keys and rows, got L={L}, E={E}, N={N}")
+        key_of = initial_placement(L, E, N, initial)
+        if not store.pinned:
+            raise ValueError("store must be pinned (HostStore(..., pinned=True)): the bank reads "
+                             "its rows through their UVA device addresses")
+        _cuda.require_gpu("a Bank")
+        idx = _cuda.device_index(store.device if device is None else device)
+        dev = torch.device("cuda", idx)
+
+        self.store = store
+        self.num_layers, self.num_experts, self.rows_per_layer = L, E, N
+        self.num_rows, self.staging_rows, self.max_lanes = L * N, S, W
+        self.row_bytes, self.row_stride = store.row_bytes, store.row_stride
+        self.device = dev
+        self.initial_key_of = key_of
+        self.rows = torch.zeros((self.num_rows + S, self.row_stride), dtype=torch.uint8,
+                                device=dev)
+        self.tables = DeviceTables.build(key_of, L, E, W, dev)
+        t = self.tables
+        self.slot_of, self.key_of, self.last_use, self.order = t.slot_of, t.key_of, t.last_use, t.order
+        self.clock, self.gate, self.error, self.counters = t.clock, t.gate, t.error, t.counters
+        self.routes, self.lane_addr = t.routes, t.lane_addr
+        self.copies, self.n_copies = t.copies, t.n_copies
+        self.src_of_key = store.address_table(idx)
+        self._plan = PlanStep(t, L, E, S, self.rows, threads=threads, items=items)
+        self._copy = RowCopier(self.src_of_key, self.row_bytes, self.rows, W)
+        self._compare = kernels.function("planner", "compare_rows",
+                                         {"THREADS": self._plan.threads, "ITEMS": self._plan.items},
+                                         idx)
+        owned = np.flatnonzero(key_of >= 0)
+        if owned.size:
+            fill = torch.from_numpy(np.stack([key_of[owned], owned], 1).astype(np.int32)).to(dev)
+            RowCopier(self.src_of_key, self.row_bytes, self.rows, owned.size)(
+                fill, torch.tensor([owned.size], dtype=torch.int32, device=dev))
+
+    # --- the hot path --------------------------------------------------------------------------
+    def plan(self, layer: int, ids: torch.Tensor) -> int:
+        """Plan step only (fills routes, lane_addr, copies, n_copies); returns W."""
+        return self._plan(layer, ids)
+
+    def copy_rows(self) -> None:
+        """Copy the rows listed by the last plan step (fixed grid; length read on the device)."""
+        self._copy(self.copies, self.n_copies)
+
+    def step(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer call: plan + copy on torch's current stream, no host sync, graph-capturable.
+
+        ids: int32/int64 CUDA tensor of any shape with W = numel ≤ max_lanes (−1 padding).
+        Returns views (routes int32 [W], lane_addr int64 [W]) of buffers that the next call
+        overwrites: the physical row of each lane (−1 padding) and its device address (0 padding).
+        """
+        W = self._plan(layer, ids)
+        self._copy(self.copies, self.n_copies)
+        return self.routes[:W], self.lane_addr[:W]
+
+    # --- gate ------------------------------------------------------------------------------------
+    def open(self, verify: bool = True, sample: int | None = 64) -> None:
+        """Open the gate (a device scalar: captured graphs see it). With `verify`, first check the
+        tables and `sample` bank rows (None: all) against the store; raises BankVerifyError."""
+        if verify:
+            self.verify(sample)
+        self.gate.fill_(1)
+
+    def close(self) -> None:
+        """Close the gate: later steps stage their misses and leave the placement alone."""
+        self.gate.fill_(0)
+
+    # --- checks and statistics (host reads; outside the hot path) -------------------------------
+    def state(self) -> dict:
+        """Host copies of the tables (keys as `ReferencePlanner.state()`)."""
+        return self.tables.to_numpy()
+
+    def verify(self, sample: int | None = None, generator: np.random.Generator | None = None) -> int:
+        """Check the tables (owned rows ↔ keys a bijection, last_use ≤ clock, LRU order sorted)
+        and compare bank rows with their store rows byte for byte on the GPU: all owned rows, or a
+        random `sample` of them. Returns the number of rows compared; raises BankVerifyError."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("Bank.verify() reads the tables back to the host; call it outside "
+                               "CUDA graph capture")
+        st = self.state()
+        L, E, R = self.num_layers, self.num_experts, self.num_rows
+        problems = check_tables(L * E, st["slot_of"], st["key_of"], st["last_use"], st["clock"],
+                                st["order"])
+        key_of = st["key_of"]
+        rows = np.flatnonzero((key_of >= 0) & (key_of < L * E))
+        if sample is not None and sample < rows.size:
+            rng = generator if generator is not None else np.random.default_rng()
+            rows = np.sort(rng.choice(rows, size=int(sample), replace=False))
+        mismatches = []
+        if rows.size:
+            pairs = torch.from_numpy(np.stack([key_of[rows], rows], 1).astype(np.int32))
+            pairs = pairs.to(self.device)
+            first_diff = torch.full((rows.size,), self.row_bytes, dtype=torch.int64,
+                                    device=self.device)
+            kernels.launch(self._compare, min(int(rows.size), 1024), 256, (
+                self.src_of_key, pairs, kernels.i32(rows.size), self.rows,
+                kernels.i64(self.row_stride), kernels.i64(self.row_bytes), first_diff),
+                device=self.device)
+            diff = first_diff.cpu().numpy()
+            for i in np.flatnonzero(diff < self.row_bytes):
+                r, k = int(rows[i]), int(key_of[rows[i]])
+                mismatches.append({"row": r, "key": k, "layer": k // E, "expert": k % E,
+                                   "first_diff": int(diff[i])})
+        if problems or mismatches:
+            lines = [f"bank verification failed ({len(problems)} table problem(s), "
+                     f"{len(mismatches)} of {rows.size} rows differ from the host store)"]
+            lines += [f"  table: {p}" for p in problems[:16]]
+            lines += [f"  row {m['row']} (layer {m['layer']}, expert {m['expert']}): first "
+                      f"difference at byte {m['first_diff']}" for m in mismatches[:16]]
+            raise BankVerifyError("\n".join(lines), problems, mismatches)
+        return int(rows.size)
+
+    def read_error(self) -> PlanError:
+        """The sticky error flags (a host read of the device scalar)."""
+        return PlanError(int(self.error.item()))
+
+    def clear_error(self) -> None:
+        self.error.zero_()
+
+    def reset_stats(self) -> None:
+        self.counters.zero_()
+
+    def stats(self) -> tuple[list[dict], str]:
+        """Per-layer counters (counted while the gate is open) and rows owned now: a list of dicts
+        (layer, hits, misses, hit_rate, promotions, steals, staged, rows_owned, bytes_copied) and
+        the same as a formatted table."""
+        c = self.counters.cpu().numpy()
+        key_of = self.key_of.cpu().numpy()
+        owned = np.bincount(key_of[key_of >= 0] // self.num_experts, minlength=self.num_layers)
+        table = []
+        for layer in range(self.num_layers):
+            d = {name: int(c[layer, i]) for i, name in enumerate(COUNTERS)}
+            looked_up = d["hits"] + d["misses"]
+            table.append({"layer": layer, **d,
+                          "hit_rate": d["hits"] / looked_up if looked_up else float("nan"),
+                          "rows_owned": int(owned[layer]),
+                          "bytes_copied": (d["promotions"] + d["staged"]) * self.row_bytes})
+        head = (f"{'layer':>5} {'hits':>10} {'misses':>10} {'hit rate':>8} {'promotions':>10} "
+                f"{'steals':>8} {'staged':>8} {'rows':>6} {'copied':>11}")
+        lines = [head]
+        for d in table:
+            lines.append(f"{d['layer']:>5} {d['hits']:>10} {d['misses']:>10} {d['hit_rate']:>8.3f} "
+                         f"{d['promotions']:>10} {d['steals']:>8} {d['staged']:>8} "
+                         f"{d['rows_owned']:>6} {fmt_bytes(d['bytes_copied']):>11}")
+        tot = {k: sum(d[k] for d in table) for k in (*COUNTERS, "rows_owned", "bytes_copied")}
+        looked_up = tot["hits"] + tot["misses"]
+        rate = tot["hits"] / looked_up if looked_up else float("nan")
+        lines.append(f"{'all':>5} {tot['hits']:>10} {tot['misses']:>10} {rate:>8.3f} "
+                     f"{tot['promotions']:>10} {tot['steals']:>8} {tot['staged']:>8} "
+                     f"{tot['rows_owned']:>6} {fmt_bytes(tot['bytes_copied']):>11}")
+        return table, "\n".join(lines)
+
+    def memory_parts(self) -> list[tuple[str, int, str]]:
+        """What the bank holds, for `cupool.report` (the store's address table counts as a table)."""
+        return [("bank", self.num_rows * self.row_stride, "gpu"),
+                ("staging", self.staging_rows * self.row_stride, "gpu"),
+                ("planner tables", self.tables.nbytes() + self.src_of_key.nbytes, "gpu"),
+                ("host store", self.store.nbytes, "host")]
+
+    def __repr__(self) -> str:
+        return (f"Bank(L={self.num_layers}, E={self.num_experts}, N={self.rows_per_layer}, "
+                f"R={self.num_rows}, S={self.staging_rows}, max_lanes={self.max_lanes}, "
+                f"row={fmt_bytes(self.row_bytes)}, {self.device})")
