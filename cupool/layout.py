@@ -118,6 +118,19 @@ def _order(kp: int) -> torch.Tensor:
     return o
 
 
+_ORDER_ON: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _order_on(kp: int, device) -> torch.Tensor:
+    """`_order(kp)` on `device` (cached: the same index map, copied once per device)."""
+    device = torch.device(device)
+    o = _ORDER_ON.get((kp, device))
+    if o is None:
+        o = _order(kp).to(device)
+        _ORDER_ON[(kp, device)] = o
+    return o
+
+
 def _codes(q: NVFP4Tensor) -> torch.Tensor:
     """uint8 [N, K] E2M1 codes of a packed matrix (even element in the low nibble)."""
     p = q.packed
@@ -215,3 +228,83 @@ def unpack_row(layout: RowLayout, row) -> tuple[NVFP4Tensor, NVFP4Tensor, NVFP4T
                            global_scale=gscale.clone().reshape(()))
     return (mk(w13[:, 0], hp, I, H, scales[0]), mk(w13[:, 1], hp, I, H, scales[1]),
             mk(w2, ip, H, I, scales[2]))
+
+
+# --- many experts at once, on any device ------------------------------------------------------------
+def _padded_stack(q: NVFP4Tensor, rows: int, cols: int, name: str, e: int):
+    """Codes [E, rows, cols] and scale bytes [E, rows, cols/16] of a stacked NVFP4Tensor, zero-padded,
+    on q's device."""
+    if q.packed.dim() != 3 or q.packed.shape[0] != e:
+        raise ValueError(f"{name}: expected a stack [E={e}, N, K/2] of packed matrices, got shape "
+                         f"{list(q.packed.shape)}")
+    n, k = q.packed.shape[1], q.packed.shape[2] * 2
+    if tuple(q.block_scale.shape) != (e, n, k // 16):
+        raise ValueError(f"{name}: block_scale must be [{e}, {n}, {k // 16}], got "
+                         f"{list(q.block_scale.shape)}")
+    dev = q.packed.device
+    codes = torch.zeros(e, rows, cols, dtype=torch.uint8, device=dev)
+    codes[:, :n, :k] = _codes(q)
+    sc = torch.zeros(e, rows, cols // 16, dtype=torch.uint8, device=dev)
+    sc[:, :n, :k // 16] = q.block_scale.view(torch.uint8)
+    return codes, sc
+
+
+def _strips_stack(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.Tensor:
+    """`_strips` of each of E matrices: codes [E, 16·s, Kp], scales [E, 16·s, Kp/16] -> [E, s, 9·Kp]."""
+    e, n = codes.shape[0], codes.shape[1]
+    s = n // 16
+    c = codes.reshape(e, s, 16 * kp).index_select(2, _order_on(kp, codes.device))
+    c = c.reshape(e, s, 8 * kp, 2)
+    packed = c[..., 0] | (c[..., 1] << 4)                               # [E, s, 8·Kp]
+    return torch.cat([packed, scales.reshape(e, s, kp)], dim=2)
+
+
+def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4Tensor,
+              out: torch.Tensor | None = None, *, chunk: int | None = None) -> torch.Tensor:
+    """E experts' stacked NVFP4 matrices -> their rows, uint8 [E, row_bytes], on the tensors' device.
+
+    gate, up: [E, I, H] (packed [E, I, H/2]); down: [E, H, I]; global scales [E]. Row e is byte for
+    byte `pack_row(layout, gate[e], up[e], down[e])`; this is the same index map applied with
+    batched torch ops, so a GPU builds rows without a host round trip. `out` ([E, >= row_bytes]
+    uint8, any device) receives them if given. `chunk` experts are converted at a time (default:
+    about 1 GiB of temporaries).
+    """
+    H, I, hp, ip = layout.hidden, layout.intermediate, layout.hp, layout.ip
+    e = gate.packed.shape[0] if gate.packed.dim() == 3 else -1
+    for name, q, shape in (("gate", gate, (I, H)), ("up", up, (I, H)), ("down", down, (H, I))):
+        if q.packed.dim() != 3 or q.packed.shape[0] != e:
+            raise ValueError(f"{name}: expected a stack [E, N, K/2] with the E of gate, got packed "
+                             f"shape {list(q.packed.shape)} (gate: {list(gate.packed.shape)})")
+        got = (q.packed.shape[1], q.packed.shape[2] * 2)
+        if got != shape:
+            raise ValueError(f"{name}: expected matrices {list(shape)} for H={H}, I={I}, got "
+                             f"{list(got)}")
+        if tuple(q.global_scale.shape) != (e,):
+            raise ValueError(f"{name}: expected global scales [{e}], got "
+                             f"{list(q.global_scale.shape)}")
+        if q.packed.device != gate.packed.device:
+            raise ValueError(f"{name} is on {q.packed.device}, gate on {gate.packed.device}")
+    dev = gate.packed.device
+    if out is None:
+        out = torch.empty(e, layout.row_bytes, dtype=torch.uint8, device=dev)
+    elif out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != e \
+            or out.shape[1] < layout.row_bytes:
+        raise ValueError(f"out: expected uint8 [{e}, >= {layout.row_bytes}], got {out.dtype} "
+                         f"{list(out.shape)}")
+    if chunk is None:
+        chunk = max(1, (1 << 30) // (8 * 3 * hp * ip))     # ~8 bytes of temporaries per code
+    for lo in range(0, e, chunk):
+        hi = min(e, lo + chunk)
+        part = [q[lo:hi] for q in (gate, up, down)]
+        g_codes, g_sc = _padded_stack(part[0], ip, hp, "gate", hi - lo)
+        u_codes, u_sc = _padded_stack(part[1], ip, hp, "up", hi - lo)
+        d_codes, d_sc = _padded_stack(part[2], hp, ip, "down", hi - lo)
+        w13 = torch.stack([_strips_stack(g_codes, g_sc, hp), _strips_stack(u_codes, u_sc, hp)],
+                          dim=2).reshape(hi - lo, -1)        # gate strip j, up strip j, ...
+        w2 = _strips_stack(d_codes, d_sc, ip).reshape(hi - lo, -1)
+        header = torch.zeros(hi - lo, HEADER_BYTES, dtype=torch.uint8, device=dev)
+        gs = torch.stack([q.global_scale.to(device=dev, dtype=torch.float32) for q in part], dim=1)
+        header[:, :12] = gs.contiguous().view(torch.uint8)
+        rows = torch.cat([header, w13, w2], dim=1)
+        out[lo:hi, :layout.row_bytes].copy_(rows)
+    return out

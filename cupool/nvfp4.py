@@ -149,13 +149,18 @@ def check_weight(w, name: str = "w") -> tuple[int, int]:
     return n, k
 
 
-def nonfinite_error(name: str, shape, count: int, flat_index: int, value: float) -> ValueError:
-    """The error for NaN/Inf weights (same text from the reference and the GPU launcher)."""
+def unravel(flat_index: int, shape) -> tuple[int, ...]:
+    """Row-major flat index -> multi-index of `shape`."""
     idx, rest = [], int(flat_index)
     for dim in reversed(tuple(shape)):
         idx.append(rest % dim)
         rest //= dim
-    where = tuple(reversed(idx))
+    return tuple(reversed(idx))
+
+
+def nonfinite_error(name: str, shape, count: int, flat_index: int, value: float) -> ValueError:
+    """The error for NaN/Inf weights (same text from the reference and the GPU launcher)."""
+    where = unravel(flat_index, shape)
     return ValueError(f"{name}: {count} non-finite value(s) (NaN/Inf) in a weight of shape "
                       f"{list(shape)}; the first is {value} at index {where}. NVFP4 cannot "
                       f"represent them: fix or mask the weights before quantizing")
@@ -167,7 +172,7 @@ def check_finite(w: torch.Tensor, name: str = "w") -> None:
     count = int(bad.sum())
     if count:
         first = int(torch.nonzero(bad.reshape(-1))[0])
-        raise nonfinite_error(name, w.shape, count, first, float(w.reshape(-1)[first]))
+        raise nonfinite_error(name, w.shape, count, first, float(w[unravel(first, w.shape)]))
 
 
 # --- the three steps of the reference (tests check each against float64) ----------------------------
