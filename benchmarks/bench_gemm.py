@@ -89,7 +89,10 @@ def torch_baseline(x, ids, w, w13, w2):
 
     results = {"loop_ms": time_ms(loop, warmup=2, iters=10)}
     try:
-        torch.testing.assert_close(grouped(), loop(), rtol=2e-2, atol=2e-2)
+        a, b = grouped().float(), loop().float()
+        err = (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
+        if not err < 1e-2:                     # both are bf16 matmuls; they differ by rounding only
+            raise AssertionError(f"grouped mm differs from the loop: rel. Frobenius error {err:.2e}")
         results["grouped_mm_ms"] = time_ms(grouped, warmup=2, iters=10)
     except Exception as e:  # noqa: BLE001 (report why grouped mm is not in the comparison)
         results["grouped_mm_error"] = f"{type(e).__name__}: {e}"[:300]

@@ -56,7 +56,10 @@ class Placed:
 
 
 def routing(T, K, E, gen, dtype=torch.float32):
-    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).cuda()
+    if K <= E:                                          # distinct experts per token, as routers give
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).cuda()
+    else:                                               # more lanes than experts: duplicates per token
+        ids = torch.randint(0, E, (T, K), generator=gen).cuda()
     w = torch.softmax(torch.randn(T, K, generator=gen), dim=-1).to(dtype).cuda()
     return ids, w
 
