@@ -62,11 +62,9 @@ static_assert(THREADS % 32 == 0 && THREADS >= 32 && THREADS <= 1024,
               "THREADS must be a multiple of 32 in [32, 1024]");
 static_assert(ITEMS >= 1 && ITEMS <= 32, "ITEMS must be in [1, 32]");
 
-CUPOOL_DEVICE u32 lanemask_lt() {
-    u32 m;
-    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-    return m;
-}
+// Lanes below this one (the %lanemask_lt register, written in C so the source also runs on the
+// CPU emulation in tests/emu).
+CUPOOL_DEVICE u32 lanemask_lt() { return (1u << (threadIdx.x & 31)) - 1u; }
 
 // Exclusive offset of this warp's total among all warps, and the block total (every thread gets
 // both). Contains one barrier; `scratch` may be reused only after the caller passes another one,

@@ -1,8 +1,12 @@
 """The planner's reference model (the specification), its helpers, and Bank guards that need no GPU."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
+
+import _planner_emu
 
 from cupool import HostStore
 from cupool.bank import Bank
@@ -426,3 +430,41 @@ def test_bank_guards_without_gpu(pageable_store):
         Bank(s, 2, 8, 8, initial=[[0, 1]])
     with pytest.raises(ValueError, match="pinned"):
         Bank(s, 2, 8, 8)
+
+
+# --- the real kernel source, run on CPU threads (tests/emu) ------------------------------------------
+
+@pytest.fixture
+def gxx():
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not on PATH (needed to run the kernel source on CPU threads)")
+
+
+@pytest.mark.parametrize("L,E,N,S,lanes,threads,items,steps", [
+    (5, 13, 3, 64, 64, 64, 1, 400),       # the GPU test's bank: one tile
+    (7, 40, 30, 64, 64, 64, 1, 300),      # R = 210: four tiles of 64
+    (3, 9, 2, 4, 64, 64, 2, 300),         # S < lanes: staging overflows
+    (3, 5, 9, 64, 64, 64, 1, 200),        # N > E: empty rows
+    (48, 512, 256, 64, 64, 1024, 12, 12), # the benchmark's shape, 1024 threads
+])
+def test_kernel_source_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, lanes, threads,
+                                                         items, steps):
+    seed = int(rng.integers(2**31))
+    flips = (0.7, 0.1) if steps < 50 else (0.1, 0.01)     # short runs: open the gate early
+    assert _planner_emu.run(L, E, N, S, lanes, threads, items, steps, seed, p_flip=flips) == steps
+
+
+@pytest.mark.slow
+def test_kernel_source_is_race_free_under_thread_sanitizer(gxx, rng):
+    seed = int(rng.integers(2**31))
+    assert _planner_emu.run(7, 40, 30, 64, 64, 64, 1, 150, seed, tsan=True) == 150
+
+
+@pytest.mark.slow
+def test_thread_sanitizer_catches_a_missing_barrier(gxx):
+    src = (_planner_emu.ROOT / "rawkernels" / "planner.cu").read_text()
+    tag = "__syncthreads();  // s_route"
+    assert tag in src
+    with pytest.raises(AssertionError, match="ThreadSanitizer|differ|Mismatch|timed out"):
+        _planner_emu.run(5, 13, 3, 64, 64, 64, 1, 100, 1, tsan=True,
+                         source=src.replace(tag, "// barrier removed:", 1))

@@ -1,0 +1,100 @@
+// Runs rawkernels/planner.cu's plan step on CPU threads (cuda_emu.h) over a trace, and writes
+// every step's outputs and tables, for tests/_planner_emu.py to compare with the reference.
+//
+// Input (int64 words): R, E, L, S, max_lanes, rows_base, row_stride, steps, key_of[R], then per
+// step: gate, layer, is64, W, ids[W].
+// Output per step (int64 words): routes[W], lane_addr[W], n_copies, copies[2*n_copies],
+// slot_of[L*E], key_of[R], last_use[R], order[R], clock, error, counters[L*5].
+#include "planner.cu"  // the kernel, copied next to the emulated common.cuh
+
+#include <cstdio>
+#include <vector>
+
+static std::vector<long long> in;
+static std::size_t pos = 0;
+
+static long long next() {
+    if (pos >= in.size()) {
+        std::fprintf(stderr, "planner_main: input ends early\n");
+        std::exit(2);
+    }
+    return in[pos++];
+}
+
+template <class T>
+static void put(std::FILE* f, const T* a, long long n) {
+    for (long long i = 0; i < n; ++i) {
+        const long long v = static_cast<long long>(a[i]);
+        std::fwrite(&v, 8, 1, f);
+    }
+}
+
+int main(int argc, char** argv) {
+    if (argc != 3) {
+        std::fprintf(stderr, "usage: planner_main IN OUT\n");
+        return 2;
+    }
+    std::FILE* fi = std::fopen(argv[1], "rb");
+    if (!fi) return 2;
+    long long v;
+    while (std::fread(&v, 8, 1, fi) == 1) in.push_back(v);
+    std::fclose(fi);
+    std::FILE* fo = std::fopen(argv[2], "wb");
+    if (!fo) return 2;
+
+    const int R = (int)next(), E = (int)next(), L = (int)next(), S = (int)next();
+    const int max_lanes = (int)next();
+    const long long rows_base = next(), row_stride = next(), steps = next();
+    std::vector<i32> key_of(R), slot_of((size_t)L * E, -1), order(R);
+    std::vector<i64> last_use(R, 0), counters((size_t)L * NUM_COUNTERS, 0);
+    for (int r = 0; r < R; ++r) {
+        key_of[r] = (i32)next();
+        if (key_of[r] >= 0) slot_of[key_of[r]] = r;
+        order[r] = r;
+    }
+    i64 clock = 0;
+    i32 gate = 0, error = 0, n_copies = 0;
+    std::vector<i32> routes(max_lanes), copies(2 * (size_t)max_lanes);
+    std::vector<i64> lane_addr(max_lanes);
+    const std::size_t smem = 4 * ((size_t)E + (R + 31) / 32);
+
+    for (long long s = 0; s < steps; ++s) {
+        gate = (i32)next();
+        const int layer = (int)next();
+        const bool is64 = next() != 0;
+        const int W = (int)next();
+        std::vector<i64> ids64(W + 1);
+        std::vector<i32> ids32(W + 1);
+        for (int i = 0; i < W; ++i) ids32[i] = (i32)(ids64[i] = next());
+        // poison the outputs: whatever the kernel must write, it writes
+        std::fill(routes.begin(), routes.end(), 0x5A5A5A5A);
+        std::fill(lane_addr.begin(), lane_addr.end(), 0x5A5A5A5A5A5ALL);
+        std::fill(copies.begin(), copies.end(), 0x5A5A5A5A);
+        n_copies = 0x5A5A5A5A;
+        emu_launch(THREADS, smem, [&] {
+            if (is64)
+                plan_step_i64(ids64.data(), W, layer, E, R, S, slot_of.data(), key_of.data(),
+                              last_use.data(), order.data(), &clock, &gate, &error,
+                              counters.data(), routes.data(), lane_addr.data(), copies.data(),
+                              &n_copies, rows_base, row_stride);
+            else
+                plan_step_i32(ids32.data(), W, layer, E, R, S, slot_of.data(), key_of.data(),
+                              last_use.data(), order.data(), &clock, &gate, &error,
+                              counters.data(), routes.data(), lane_addr.data(), copies.data(),
+                              &n_copies, rows_base, row_stride);
+        });
+        put(fo, routes.data(), W);
+        put(fo, lane_addr.data(), W);
+        put(fo, &n_copies, 1);
+        put(fo, copies.data(), 2 * (long long)std::max(0, std::min(n_copies, max_lanes)));
+        put(fo, slot_of.data(), (long long)slot_of.size());
+        put(fo, key_of.data(), R);
+        put(fo, last_use.data(), R);
+        put(fo, order.data(), R);
+        put(fo, &clock, 1);
+        put(fo, &error, 1);
+        put(fo, counters.data(), (long long)counters.size());
+    }
+    std::fclose(fo);
+    return 0;
+}
