@@ -8,6 +8,7 @@ one `torch.cuda.graph` captures), never to CuPy's default stream.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import numpy as np
 import torch
@@ -75,7 +76,11 @@ def current_stream(device=None):
     key = (idx, handle)
     stream = _streams.get(key)
     if stream is None:
-        stream = cupy().cuda.ExternalStream(handle, idx)
+        with warnings.catch_warnings():
+            # CuPy 14 prefers Stream.from_external(obj with __cuda_stream__); the handle is all
+            # torch gives us on every version we support, so keep the handle-based wrapper.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cupy().cuda.ExternalStream(handle, idx)
         _streams[key] = stream
     return stream
 

@@ -68,16 +68,21 @@ def check_routing(topk_weights: torch.Tensor, tokens: int, device, topk_ids=None
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    nt: int
-    ksplit: int
-    warps_m: int
-    kc: int
-    reduce: int
+    nt: int          # lane slots per unit
+    ksplit: int      # warps splitting K of a strip
+    warps_m: int     # warps on different strips of a unit
+    kc: int          # activation columns staged at a time
+    nb: int          # 64-column chunks in flight per warp
+    reduce: int      # 0: deterministic last-block top-k sum, 1: fp32 atomics
+    prefetch_w2: int
 
 
-DECODE_SMALL = _Config(nt=8, ksplit=4, warps_m=1, kc=1024, reduce=0)
-DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, reduce=0)
-PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, reduce=1)
+# Decode: one token per unit is typical, so K is split over 4 warps and each warp keeps its whole
+# K range (8 chunks at H=2048) in flight at once; w13 pulls w2's rows into L2 for moe_w2.
+DECODE_SMALL = _Config(nt=8, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefetch_w2=1)
+DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefetch_w2=1)
+# Prefill: 64 lanes a unit share each dequantized fragment over 8 mma n-tiles.
+PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=4, reduce=1, prefetch_w2=0)
 
 
 class MoEGemm:
@@ -157,12 +162,14 @@ class MoEGemm:
                 nchunks=nchunks,
             )
         self._copier = None
+        self._grids: dict[tuple, int] = {}
 
     # --- compiled kernels -----------------------------------------------------------------
     def _defines(self, cfg: _Config) -> dict:
         return {**self.layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit,
-                "WARPS_M": cfg.warps_m, "KC": min(cfg.kc, self.layout.hp),
-                "OUT_BF16": _DTYPES[self.dtype], "REDUCE": cfg.reduce}
+                "WARPS_M": cfg.warps_m, "KC": min(cfg.kc, self.layout.hp), "NB": cfg.nb,
+                "OUT_BF16": _DTYPES[self.dtype], "REDUCE": cfg.reduce,
+                "PREFETCH_W2": cfg.prefetch_w2}
 
     def _gemm(self, cfg: _Config, name: str):
         return kernels.function("moe_gemm", name, self._defines(cfg), self.device)
@@ -177,24 +184,35 @@ class MoEGemm:
         red = (cfg.ksplit - 1) * cfg.warps_m * ns * (cfg.nt // 8) * 4 * 32 * 4
         return xs + red + cfg.nt * 8
 
-    def _grid(self, cfg: _Config) -> int:
-        threads = 32 * cfg.ksplit * cfg.warps_m
-        return self.sms * max(1, 1024 // threads)
+    def _grid(self, fn, threads: int, smem: int) -> int:
+        """Persistent grid: as many blocks as fit on the GPU at once (registers, shared memory,
+        threads), so every block starts at once and loops over the items."""
+        props = torch.cuda.get_device_properties(self.device)
+        regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+        regs = -(-max(fn.num_regs, 1) // 8) * 8
+        by_regs = regs_sm // (regs * threads)
+        by_smem = smem_sm // (smem + fn.shared_size_bytes + 1024)
+        per_sm = max(1, min(by_regs, by_smem, threads_sm // threads, 32))
+        self._grids[key] = self.sms * per_sm
+        return self._grids[key]
 
     def _run_gemm(self, cfg, rng, unit_addr, unit_lanes, unit_count, xh, xscale, act, amax,
                   lane_w, tokens, out, yw=None, group_done=None, out32=None):
         threads = 32 * cfg.ksplit * cfg.warps_m
-        grid = self._grid(cfg)
-        kernels.launch(self._gemm(cfg, "moe_w13"), grid, threads, (
+        w13, w2 = self._gemm(cfg, "moe_w13"), self._gemm(cfg, "moe_w2")
+        s13, s2 = self._smem(cfg, 2), self._smem(cfg, 1)
+        kernels.launch(w13, self._grid(w13, threads, s13), threads, (
             rng, unit_addr, unit_lanes, unit_count, xh, xscale, kernels.i32(self.topk), act, amax),
-            shared_mem=self._smem(cfg, 2), device=self.device)
+            shared_mem=s13, device=self.device)
         dummy = self.error
-        kernels.launch(self._gemm(cfg, "moe_w2"), grid, threads, (
+        kernels.launch(w2, self._grid(w2, threads, s2), threads, (
             rng, unit_addr, unit_lanes, unit_count, act, amax, lane_w,
             kernels.i32(self.topk), kernels.i32(tokens), kernels.i32(self.layout.hidden),
             yw if yw is not None else dummy, group_done if group_done is not None else dummy,
             out if out is not None else dummy, out32 if out32 is not None else dummy),
-            shared_mem=self._smem(cfg, 1), device=self.device)
+            shared_mem=s2, device=self.device)
 
     def _out(self, x, out):
         if out is None:
@@ -226,9 +244,8 @@ class MoEGemm:
         cfg = DECODE_SMALL if T * K <= 64 else DECODE_WIDE
         d = self._d
         w = topk_weights.reshape(-1).to(torch.float32)
-        kernels.launch(self._align(cfg, "prep_x"), T, 256,
-                       (x, kernels.i32(self.layout.hidden), d["xh"], d["xscale"]), device=self.device)
-        kernels.launch(self._align(cfg, "align_lanes"), 1, 1024, (
+        kernels.launch(self._align(cfg, "route_decode"), 1, 1024, (
+            x, kernels.i32(T), kernels.i32(self.layout.hidden), d["xh"], d["xscale"],
             lane_addr.reshape(-1), w, kernels.i32(T * K), d["range"], d["unit_addr"],
             d["unit_lanes"], d["unit_count"], d["lane_w"], d["amax"], self.error), device=self.device)
         self._run_gemm(cfg, d["range"], d["unit_addr"], d["unit_lanes"], d["unit_count"],

@@ -129,9 +129,24 @@ def load(name: str, defines: dict | None = None, device=None):
         return mod
 
 
+_functions: dict[tuple, object] = {}
+
+
 def function(name: str, kernel: str, defines: dict | None = None, device=None):
-    """One `extern "C"` kernel of `rawkernels/<name>.cu`."""
-    return load(name, defines, device).get_function(kernel)
+    """One `extern "C"` kernel of `rawkernels/<name>.cu`.
+
+    Memoized per (source, kernel, defines, device) for the life of the process, so launchers can
+    call this on every launch: the source text is read and hashed only on the first call (sources
+    do not change under a running process; CuPy's disk cache is keyed on the full text).
+    """
+    idx = _cuda.device_index(device)
+    key = (name, kernel, tuple(sorted((defines or {}).items())), idx,
+           os.environ.get("CUPOOL_KERNEL_DEBUG", ""))
+    fn = _functions.get(key)
+    if fn is None:
+        fn = load(name, defines, idx).get_function(kernel)
+        _functions[key] = fn
+    return fn
 
 
 def launch(kernel, grid, block, args, shared_mem: int = 0, device=None) -> None:

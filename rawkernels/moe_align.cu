@@ -36,17 +36,16 @@
 
 CUPOOL_DEVICE bool finite(float w) { return (__float_as_uint(w) & 0x7f800000u) != 0x7f800000u; }
 
-extern "C" __global__ void __launch_bounds__(1024)
-align_lanes(const i64* __restrict__ lane_addr,   // [W] weights address per lane, 0 = padding
-            const float* __restrict__ topk_w,    // [W]
-            i32 W,
-            i32* __restrict__ range,             // [2] out: 0, number of units
-            i64* __restrict__ unit_addr,         // [W] out
-            i32* __restrict__ unit_lanes,        // [W, NT] out
-            i32* __restrict__ unit_count,        // [W] out
-            float* __restrict__ lane_w,          // [W] out
-            u32* __restrict__ amax,              // [W] out: zeroed
-            i32* __restrict__ error) {
+CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr,   // [W] address, 0 = padding
+                               const float* __restrict__ topk_w,    // [W]
+                               i32 W,
+                               i32* __restrict__ range,             // [2] out: 0, units
+                               i64* __restrict__ unit_addr,         // [W] out
+                               i32* __restrict__ unit_lanes,        // [W, NT] out
+                               i32* __restrict__ unit_count,        // [W] out
+                               float* __restrict__ lane_w,          // [W] out
+                               u32* __restrict__ amax,              // [W] out: zeroed
+                               i32* __restrict__ error) {
     __shared__ i64 s_addr[1024];
     __shared__ int s_base[1024];
     __shared__ int scan[33];
@@ -84,6 +83,54 @@ align_lanes(const i64* __restrict__ lane_addr,   // [W] weights address per lane
         }
     }
     if (i == 0) { range[0] = 0; range[1] = total; }
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+align_lanes(const i64* __restrict__ lane_addr, const float* __restrict__ topk_w, i32 W,
+            i32* __restrict__ range, i64* __restrict__ unit_addr, i32* __restrict__ unit_lanes,
+            i32* __restrict__ unit_count, float* __restrict__ lane_w, u32* __restrict__ amax,
+            i32* __restrict__ error) {
+    align_block(lane_addr, topk_w, W, range, unit_addr, unit_lanes, unit_count, lane_w, amax, error);
+}
+
+// Decode: align_lanes and the activation prep of every token in one launch (one block): each warp
+// converts tokens w, w+32, ... while the block groups lanes. Saves a launch and its latency.
+extern "C" __global__ void __launch_bounds__(1024)
+route_decode(const u16* __restrict__ x, i32 T, i32 H,
+             u16* __restrict__ xh, float* __restrict__ xscale,
+             const i64* __restrict__ lane_addr, const float* __restrict__ topk_w, i32 W,
+             i32* __restrict__ range, i64* __restrict__ unit_addr, i32* __restrict__ unit_lanes,
+             i32* __restrict__ unit_count, float* __restrict__ lane_w, u32* __restrict__ amax,
+             i32* __restrict__ error) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int t = warp; t < T; t += blockDim.x >> 5) {
+        const u16* row = x + (i64)t * H;
+        float m = 0.0f;
+        for (int k = lane; k < H; k += 32) {
+#if IN_BF16
+            const float v = bf16_to_f32(row[k]);
+#else
+            const float v = f16_to_f32(row[k]);
+#endif
+            m = (m != m || v != v) ? __int_as_float(0x7fffffff) : fmaxf(m, fabsf(v));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float n = __shfl_xor_sync(0xffffffffu, m, o);
+            m = (m != m || n != n) ? __int_as_float(0x7fffffff) : fmaxf(m, n);
+        }
+        const float s = pow2_scale(m), inv = 1.0f / s;
+        for (int k = lane; k < HP; k += 32) {
+#if IN_BF16
+            const float v = k < H ? bf16_to_f32(row[k]) : 0.0f;
+#else
+            const float v = k < H ? f16_to_f32(row[k]) : 0.0f;
+#endif
+            xh[(i64)t * HP + k] = f32_to_f16(v * inv);
+        }
+        if (lane == 0) xscale[t] = s;
+    }
+    align_block(lane_addr, topk_w, W, range, unit_addr, unit_lanes, unit_count, lane_w, amax, error);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)

@@ -57,6 +57,9 @@
 #ifndef REDUCE
 #define REDUCE 0          // 0: deterministic last-block sum over top-k; 1: fp32 atomics
 #endif
+#ifndef PREFETCH_W2
+#define PREFETCH_W2 1     // moe_w13 pulls each unit's w2 rows into L2 for moe_w2
+#endif
 
 #define NTILES (NT / 8)
 #define NWARPS (KSPLIT * WARPS_M)
@@ -106,47 +109,87 @@ CUPOOL_DEVICE void dequant_chunk(const u32x4& w, u32 sg, u32 sg8, u32 (&a)[4][4]
 template <int NS>
 struct Strips { const u8* p[NS]; };     // passed by value so the pointers stay in registers
 
+// One batch of NB 64-column chunks of NS strips, held in registers between load and use.
+template <int NS>
+struct Batch {
+    u32x4 w[NS][NB];
+    u32 sg[NS][NB], sg8[NS][NB];
+};
+
+// Issue every load of chunks [c, min(c+NB, c_hi)) before any is used: HBM (or PCIe) latency is
+// paid once per batch, not once per chunk.
 template <int NS, int KP>
-CUPOOL_DEVICE void mma_strips(const Strips<NS> strip, int c_lo, int c_hi, const u16* xs,
-                              int xs_c0, int ntiles, float (&acc)[NS][NTILES][4], int lane) {
+CUPOOL_DEVICE void load_batch(Batch<NS>& b, const Strips<NS> strip, int c, int c_hi, int lane) {
+    const int g = lane >> 2;
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+        if (c + i < c_hi) {
+#pragma unroll
+            for (int s = 0; s < NS; ++s) {
+                b.w[s][i] = ld_stream16(strip.p[s] + (i64)(c + i) * 512 + lane * 16);
+                const u8* sc = strip.p[s] + 8 * KP + (c + i) * 4;
+                b.sg[s][i] = ld_u32_nc(sc + g * (KP / 16));
+                b.sg8[s][i] = ld_u32_nc(sc + (g + 8) * (KP / 16));
+            }
+        }
+    }
+}
+
+// acc[s][nt] += the batch's chunks × staged activations (xs holds columns from chunk xs_c0 on).
+template <int NS>
+CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16* xs, int xs_c0,
+                                 int ntiles, float (&acc)[NS][NTILES][4], int lane) {
     const int g = lane >> 2, t = lane & 3;
-    for (int c = c_lo; c < c_hi; c += NB) {
-        u32x4 w[NS][NB];
-        u32 sg[NS][NB], sg8[NS][NB];
-        // Issue every load of the batch before the first use: HBM (or PCIe) latency is paid
-        // once per batch, not once per chunk.
 #pragma unroll
-        for (int i = 0; i < NB; ++i) {
-            if (c + i < c_hi) {
+    for (int i = 0; i < NB; ++i) {
+        if (c + i < c_hi) {
+            const u16* xc = xs + (c + i - xs_c0) * 64 + 2 * t;
+            u32 a[NS][4][4];
 #pragma unroll
-                for (int s = 0; s < NS; ++s) {
-                    w[s][i] = ld_stream16(strip.p[s] + (i64)(c + i) * 512 + lane * 16);
-                    const u8* sc = strip.p[s] + 8 * KP + (c + i) * 4;
-                    sg[s][i] = ld_u32_nc(sc + g * (KP / 16));
-                    sg8[s][i] = ld_u32_nc(sc + (g + 8) * (KP / 16));
+            for (int s = 0; s < NS; ++s) dequant_chunk(b.w[s][i], b.sg[s][i], b.sg8[s][i], a[s]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+#pragma unroll
+                for (int nt = 0; nt < NTILES; ++nt) {
+                    if (nt < ntiles) {
+                        const u16* p = xc + (nt * 8 + g) * XS_STRIDE + q * 16;
+                        const u32 b0 = *reinterpret_cast<const u32*>(p);
+                        const u32 b1 = *reinterpret_cast<const u32*>(p + 8);
+#pragma unroll
+                        for (int s = 0; s < NS; ++s) mma16816(acc[s][nt], a[s][q], b0, b1);
+                    }
                 }
             }
         }
-#pragma unroll
-        for (int i = 0; i < NB; ++i) {
-            if (c + i < c_hi) {
-                const u16* xc = xs + (c + i - xs_c0) * 64 + 2 * t;
-                u32 a[NS][4][4];
-#pragma unroll
-                for (int s = 0; s < NS; ++s) dequant_chunk(w[s][i], sg[s][i], sg8[s][i], a[s]);
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-#pragma unroll
-                    for (int nt = 0; nt < NTILES; ++nt) {
-                        if (nt < ntiles) {
-                            const u16* p = xc + (nt * 8 + g) * XS_STRIDE + q * 16;
-                            const u32 b0 = *reinterpret_cast<const u32*>(p);
-                            const u32 b1 = *reinterpret_cast<const u32*>(p + 8);
-#pragma unroll
-                            for (int s = 0; s < NS; ++s) mma16816(acc[s][nt], a[s][q], b0, b1);
-                        }
-                    }
-                }
+    }
+}
+
+// This warp's 64-column chunks [lo, hi) of the activation chunk [kc0, kc1) of K.
+CUPOOL_DEVICE void warp_chunks(int kc0, int kc1, int ks, int& lo, int& hi) {
+    const int nch = (kc1 - kc0) >> 6;
+    const int per = (nch + KSPLIT - 1) / KSPLIT;
+    lo = (kc0 >> 6) + ks * per;
+    hi = min(lo + per, kc1 >> 6);
+}
+
+// The K loop of one item: stage activations chunk by chunk (stage(kc0, kc1) writes xs and is
+// called by every thread between barriers) and multiply. The first weight batch was loaded by
+// the caller before the first staging, so its latency overlaps the staging.
+template <int NS, int KP, class Stage>
+CUPOOL_DEVICE void item_k_loop(Batch<NS>& b, const Strips<NS> strips, bool active, int ks,
+                               const u16* xs, int ntiles, float (&acc)[NS][NTILES][4], int lane,
+                               Stage stage) {
+    for (int kc0 = 0; kc0 < KP; kc0 += KC) {
+        const int kc1 = kc0 + KC < KP ? kc0 + KC : KP;
+        __syncthreads();                                        // xs free, slot info visible
+        stage(kc0, kc1);
+        __syncthreads();
+        if (active) {
+            int lo, hi;
+            warp_chunks(kc0, kc1, ks, lo, hi);
+            for (int c = lo; c < hi; c += NB) {
+                if (kc0 != 0 || c != lo) load_batch<NS, KP>(b, strips, c, hi, lane);
+                compute_batch<NS>(b, c, hi, xs, kc0 >> 6, ntiles, acc, lane);
             }
         }
     }
@@ -239,13 +282,24 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         strips.p[0] = row + 256 + (i64)(2 * p) * W13_STRIP;         // gate rows 16p..16p+15
         strips.p[1] = strips.p[0] + W13_STRIP;                       // up rows, same j
 
-        // Start this warp's first weights moving towards L2 while activations are staged.
-        if (active) {                  // lane -> (strip, 128-byte line, chunk) of the first batch
-            const int per = (HP / 64 + KSPLIT - 1) / KSPLIT;
-            const int ch = ks * per + (lane >> 3);
-            if ((lane >> 3) < NB && ch < HP / 64)
-                prefetch_l2(((lane & 1) ? strips.p[1] : strips.p[0]) + (i64)ch * 512 + ((lane >> 1) & 3) * 128);
+        // First weight batch in flight before anything else: it depends only on unit_addr.
+        Batch<2> b;
+        {
+            int lo, hi;
+            warp_chunks(0, KC < HP ? KC : HP, ks, lo, hi);
+            if (active) load_batch<2, HP>(b, strips, lo, hi, lane);
         }
+#if PREFETCH_W2
+        // Pull this unit's w2 rows towards L2 now, so moe_w2 reads them from L2: each of the
+        // NP items of a unit takes 1/NP of them.
+        {
+            constexpr i64 W2_BYTES = (i64)(HP / 16) * W2_STRIP;
+            constexpr i64 PER = ((W2_BYTES / NP) + 127) / 128 * 128;
+            const i64 lo = (i64)(item % GROUPS) * PER, hi = lo + PER < W2_BYTES ? lo + PER : W2_BYTES;
+            for (i64 off = lo + threadIdx.x * 128; off < hi; off += THREADS * 128)
+                prefetch_l2(row + W2_OFFSET + off);
+        }
+#endif
         __syncthreads();                                        // previous item done with smem
         if (threadIdx.x < NT) {
             const int l = threadIdx.x < count ? unit_lanes[u * NT + threadIdx.x] : -1;
@@ -253,10 +307,8 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
             si->scale[threadIdx.x] = l >= 0 ? xscale[l / topk] : 0.0f;
         }
         float acc[2][NTILES][4] = {};
-        for (int kc0 = 0; kc0 < HP; kc0 += KC) {
-            const int kc1 = kc0 + KC < HP ? kc0 + KC : HP;
-            __syncthreads();                                    // slot info ready / xs free
-            // stage xh rows of the unit's tokens, columns [kc0, kc1), 8 fp16 per thread-step
+        // stage xh rows of the unit's tokens, columns [kc0, kc1), 8 fp16 per thread-step
+        auto stage = [&](int kc0, int kc1) {
             const int vec_per_row = (kc1 - kc0) >> 3;
             for (int v = threadIdx.x; v < ntiles * 8 * vec_per_row; v += THREADS) {
                 const int n = v / vec_per_row, col = kc0 + (v % vec_per_row) * 8;
@@ -265,15 +317,8 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
                 if (l >= 0) val = *reinterpret_cast<const u32x4*>(xh + (i64)(l / topk) * HP + col);
                 *reinterpret_cast<u32x4*>(xs + n * XS_STRIDE + (col - kc0)) = val;
             }
-            __syncthreads();
-            if (active) {
-                const int nch = (kc1 - kc0) >> 6;
-                const int per = (nch + KSPLIT - 1) / KSPLIT;
-                const int lo = (kc0 >> 6) + ks * per;
-                const int hi = min(lo + per, (kc1 >> 6));
-                mma_strips<2, HP>(strips, lo, hi, xs, kc0 >> 6, ntiles, acc, lane);
-            }
-        }
+        };
+        item_k_loop<2, HP>(b, strips, active, ks, xs, ntiles, acc, lane, stage);
         ksplit_reduce<2>(acc, red, wm, ks, lane);
         if (ks == 0 && active) {
             const float* hdr = reinterpret_cast<const float*>(row);
@@ -309,7 +354,7 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
 // ------------------------------------------------------------------------------------------
 // w2: out[t, h] = Σ_k weight(t,k) · (w2_{e(t,k)} · act[t,k])[h]
 // ------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_w2(const i32* __restrict__ range,
        const i64* __restrict__ unit_addr,
        const i32* __restrict__ unit_lanes,
@@ -326,7 +371,9 @@ moe_w2(const i32* __restrict__ range,
     u16* xs = reinterpret_cast<u16*>(smem);
     float* red = red_buffer(xs);
     SlotInfo* si = slot_info(xs, 1);
+#if REDUCE == 0
     __shared__ int s_last;
+#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp / KSPLIT, ks = warp % KSPLIT;
     const Range rg = unit_range(range);
@@ -350,11 +397,11 @@ moe_w2(const i32* __restrict__ range,
         const u8* row = reinterpret_cast<const u8*>(unit_addr[u]);
         Strips<1> strips;
         strips.p[0] = row + W2_OFFSET + (i64)p * W2_STRIP;
-        if (active) {
-            const int per = (IP / 64 + KSPLIT - 1) / KSPLIT;
-            const int ch = ks * per + (lane >> 2);
-            if ((lane >> 2) < NB && ch < IP / 64)
-                prefetch_l2(strips.p[0] + (i64)ch * 512 + (lane & 3) * 128);
+        Batch<1> b;
+        {
+            int lo, hi;
+            warp_chunks(0, KC < IP ? KC : IP, ks, lo, hi);
+            if (active) load_batch<1, IP>(b, strips, lo, hi, lane);
         }
         __syncthreads();
         if (threadIdx.x < NT) {
@@ -363,10 +410,8 @@ moe_w2(const i32* __restrict__ range,
             si->scale[threadIdx.x] = l >= 0 ? pow2_scale(__uint_as_float(amax[l])) : 1.0f;
         }
         float acc[1][NTILES][4] = {};
-        for (int kc0 = 0; kc0 < IP; kc0 += KC) {
-            const int kc1 = kc0 + KC < IP ? kc0 + KC : IP;
-            __syncthreads();
-            // stage act rows (fp32) as fp16 divided by the slot's power-of-two scale (exact)
+        // stage act rows (fp32) as fp16 divided by the slot's power-of-two scale (exact)
+        auto stage = [&](int kc0, int kc1) {
             const int vec_per_row = (kc1 - kc0) >> 2;
             for (int v = threadIdx.x; v < ntiles * 8 * vec_per_row; v += THREADS) {
                 const int n = v / vec_per_row, col = kc0 + (v % vec_per_row) * 4;
@@ -384,15 +429,8 @@ moe_w2(const i32* __restrict__ range,
                 dst[0] = lo;
                 dst[1] = hi;
             }
-            __syncthreads();
-            if (active) {
-                const int nch = (kc1 - kc0) >> 6;
-                const int per = (nch + KSPLIT - 1) / KSPLIT;
-                const int lo = (kc0 >> 6) + ks * per;
-                const int hi = min(lo + per, (kc1 >> 6));
-                mma_strips<1, IP>(strips, lo, hi, xs, kc0 >> 6, ntiles, acc, lane);
-            }
-        }
+        };
+        item_k_loop<1, IP>(b, strips, active, ks, xs, ntiles, acc, lane, stage);
         ksplit_reduce<1>(acc, red, wm, ks, lane);
         if (ks == 0 && active) {
             const float gs_down = reinterpret_cast<const float*>(row)[2] * 128.0f;
