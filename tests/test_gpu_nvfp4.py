@@ -88,7 +88,8 @@ def test_argument_guards_on_gpu():
     with pytest.raises(ValueError, match="data pointer must be a multiple of 16 bytes"):
         gpu_quantize(shifted)
     with pytest.raises(ValueError, match="row stride must be a multiple of 16 bytes"):
-        gpu_quantize(torch.randn(4, 72, device="cuda", dtype=torch.bfloat16)[:, :64])
+        rows_136b = torch.randn(4, 68, device="cuda", dtype=torch.bfloat16)[:, :64]
+        gpu_quantize(rows_136b)
     with pytest.raises(ValueError, match=r"out.packed: expected a contiguous torch.uint8 tensor \[4, 32\]"):
         gpu_quantize(w, out=_poisoned((4, 48)))
     bad = _poisoned((4, 64))
