@@ -1,4 +1,5 @@
-"""`python -m cupool <command>`: `info` (the GPU, versions, whether kernels compile)."""
+"""`python -m cupool <command>`: `info` (the GPU, versions, whether kernels compile) and
+`simulate` (the planner's hit rate on a routing trace, on the CPU, to size the bank)."""
 
 from __future__ import annotations
 
@@ -91,12 +92,44 @@ def _selftest() -> bool:
         return False
 
 
+def simulate(args) -> int:
+    """Hit rate of the reference planner on a trace (CPU only)."""
+    from cupool import trace as tr  # noqa: PLC0415
+    if args.trace:
+        t = tr.Trace.load(args.trace)
+    else:
+        kind = tr.synthetic if args.synthetic == "locality" else tr.uniform
+        kw = dict(tr.QWEN3_LOCALITY) if args.synthetic == "locality" else {}
+        t = kind(args.steps, args.layers, args.experts, args.top_k, seed=args.seed, **kw)
+    rows = args.rows if args.rows else [max(t.ids.shape[-1], t.num_experts * p // 100)
+                                         for p in (25, 50, 100)]
+    print(f"trace: {t.steps} steps, {t.num_layers} layers, E={t.num_experts}, "
+          f"top_k={t.ids.shape[-1]}, tokens/step={t.ids.shape[2]}; {t.note}")
+    print(f"reuse: next token {t.reuse(1):.3f}, within 8 tokens {t.reuse(8):.3f}")
+    for r in rows:
+        res = tr.simulate(t, r, warmup_steps=args.warmup)
+        owned = res["rows_owned"]
+        print(f"rows/layer {r:5d} ({100 * r / t.num_experts:5.1f}% of experts): hit rate "
+              f"{res['hit_rate']:.3f}   rows owned per layer min/max {min(owned)}/{max(owned)}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cupool", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="GPU, memory, versions, and a kernel compile check")
+    s = sub.add_parser("simulate", help="hit rate of the planner on a routing trace (CPU only)")
+    s.add_argument("--trace", help=".npz trace from cupool.trace (default: a synthetic one)")
+    s.add_argument("--rows", type=int, nargs="+", help="bank rows per layer (default: 25/50/100%% of E)")
+    s.add_argument("--synthetic", choices=["locality", "uniform"], default="locality")
+    s.add_argument("--steps", type=int, default=256)
+    s.add_argument("--layers", type=int, default=48)
+    s.add_argument("--experts", type=int, default=128)
+    s.add_argument("--top-k", type=int, default=8)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--warmup", type=int, default=8, help="steps not counted (cold bank)")
     args = p.parse_args(argv)
-    return {"info": info}[args.command](args)
+    return {"info": info, "simulate": simulate}[args.command](args)
 
 
 if __name__ == "__main__":
