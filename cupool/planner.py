@@ -412,4 +412,5 @@ class PlanStep:
 
 
 def _shared_mem_limit(device: int) -> int:
-    return int(_cuda.cupy().cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
+    attrs = _cuda.cupy().cuda.Device(device).attributes
+    return int(attrs.get("MaxSharedMemoryPerBlockOptin", attrs.get("MaxSharedMemoryPerBlock", 48 << 10)))

@@ -468,3 +468,43 @@ def test_thread_sanitizer_catches_a_missing_barrier(gxx):
     with pytest.raises(AssertionError, match="ThreadSanitizer|differ|Mismatch|timed out"):
         _planner_emu.run(5, 13, 3, 64, 64, 64, 1, 100, 1, tsan=True,
                          source=src.replace(tag, "// barrier removed:", 1))
+
+
+def test_bank_host_side_methods_on_cpu_tables(pageable_store):
+    """stats / memory_parts / state / gate / errors are plain torch ops: run them on CPU tables."""
+    from cupool.planner import DeviceTables
+    L, E, N, S, W = 2, 4, 2, 8, 8
+    key_of = initial_placement(L, E, N)
+    b = Bank.__new__(Bank)
+    b.store, b.num_layers, b.num_experts, b.rows_per_layer = pageable_store, L, E, N
+    b.num_rows, b.staging_rows, b.max_lanes = L * N, S, W
+    b.row_bytes, b.row_stride = pageable_store.row_bytes, pageable_store.row_stride
+    b.tables = t = DeviceTables.build(key_of, L, E, W, "cpu")
+    b.slot_of, b.key_of, b.counters, b.error, b.gate = t.slot_of, t.key_of, t.counters, t.error, t.gate
+    b.src_of_key = torch.zeros(L * E, dtype=torch.int64)
+    ref = ReferencePlanner(L, E, N, S)
+    st = b.state()
+    for k, v in ref.state().items():
+        np.testing.assert_array_equal(st[k], v, err_msg=k)
+    assert t.routes.shape == (W,) and t.copies.shape == (W, 2) and t.lane_addr.dtype == torch.int64
+    b.open(verify=False)
+    assert b.state()["gate"] == 1
+    b.close()
+    assert b.state()["gate"] == 0
+    t.counters[1] = torch.tensor([6, 2, 1, 1, 1])
+    t.key_of[0] = 5                                       # layer 1 now owns 3 rows
+    rows, text = b.stats()
+    assert rows[1] == {"layer": 1, "hits": 6, "misses": 2, "promotions": 1, "steals": 1,
+                       "staged": 1, "hit_rate": 0.75, "rows_owned": 3, "bytes_copied": 2 * 256}
+    assert rows[0]["rows_owned"] == 1 and np.isnan(rows[0]["hit_rate"])
+    assert "hit rate" in text and text.splitlines()[-1].split()[0] == "all"
+    t.error.fill_(3)
+    assert b.read_error() == PlanError.BAD_ID | PlanError.STAGING_OVERFLOW
+    b.clear_error()
+    assert b.read_error() == PlanError.NONE
+    b.reset_stats()
+    assert (t.counters == 0).all()
+    parts = dict((name, (n, where)) for name, n, where in b.memory_parts())
+    assert parts["bank"] == (L * N * 256, "gpu") and parts["staging"] == (S * 256, "gpu")
+    assert parts["planner tables"][0] == t.nbytes() + L * E * 8
+    assert parts["host store"] == (pageable_store.nbytes, "host")

@@ -1,0 +1,298 @@
+"""GPU checks of the planner: the plan-step kernel equals the reference after every step, the
+rows it routes to hold the right bytes, graph replay equals eager launches, verify() finds damage."""
+
+import numpy as np
+import pytest
+import torch
+
+from _planner_emu import random_trace
+from cupool import HostStore
+from cupool.bank import Bank, BankVerifyError
+from cupool.planner import COUNTERS, PlanError, ReferencePlanner
+
+pytestmark = pytest.mark.gpu
+
+POISON32, POISON64 = 0x5A5A5A5A, 0x5A5A5A5A5A5A5A5A
+
+
+def make_store(rng, L, E, row_bytes):
+    """A sealed pinned store of random rows, and the same bytes as a CUDA tensor [L*E, row_bytes]."""
+    store = HostStore(L, E, row_bytes)
+    data = rng.integers(0, 256, size=(L, E, row_bytes), dtype=np.uint8)
+    store.fill(lambda layer: data[layer], progress=False)
+    store.seal()
+    return store, torch.from_numpy(data.reshape(L * E, row_bytes)).cuda()
+
+
+class Harness:
+    """A Bank and a ReferencePlanner driven in lockstep, compared with one host read per step."""
+
+    def __init__(self, rng, L, E, N, S, lanes, row_bytes, **shape):
+        self.L, self.E, self.lanes = L, E, lanes
+        self.store, self.expect = make_store(rng, L, E, row_bytes)
+        self.bank = Bank(self.store, N, S, lanes, **shape)
+        self.ref = ReferencePlanner(L, E, N, S)
+        self.R = self.bank.num_rows
+
+    def set_gate(self, gate: int, verify: bool = False):
+        if gate:
+            self.bank.open(verify=verify)
+            self.ref.open()
+        else:
+            self.bank.close()
+            self.ref.close()
+
+    def step_and_compare(self, layer: int, ids: np.ndarray, dtype: torch.dtype, where: str):
+        b, t = self.bank, self.bank.tables
+        W = ids.size
+        t.routes.fill_(POISON32)
+        t.lane_addr.fill_(POISON64)
+        t.copies.fill_(POISON32)
+        t.n_copies.fill_(POISON32)
+        ids_dev = torch.from_numpy(ids).to(device="cuda", dtype=dtype)
+        routes, addr = b.step(layer, ids_dev)
+        assert routes.shape == (W,) and addr.shape == (W,)
+        # the bytes every routed lane will read: its expert's host row (bank or staging row)
+        r = routes.long()
+        keys = (layer * self.E + ids_dev.long()).clamp(0, self.L * self.E - 1)
+        got = b.rows[r.clamp(min=0), :b.row_bytes]
+        bad_rows = ((got != self.expect[keys]).any(dim=1) & (r >= 0)).sum()
+        parts = [t.slot_of, t.key_of, t.last_use, t.order, t.clock, t.gate, t.error, t.counters,
+                 routes, addr, t.n_copies, t.copies, bad_rows]
+        flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).cpu().numpy()
+        sizes = [p.numel() for p in parts]
+        got = dict(zip(["slot_of", "key_of", "last_use", "order", "clock", "gate", "error",
+                        "counters", "routes", "lane_addr", "n_copies", "copies", "bad_rows"],
+                       np.split(flat, np.cumsum(sizes)[:-1])))
+
+        want_routes, want_copies = self.ref.step(layer, ids)
+        st = self.ref.state()
+        for name in ("slot_of", "key_of", "last_use", "order"):
+            np.testing.assert_array_equal(got[name], st[name], err_msg=f"{name}, {where}")
+        for name in ("clock", "gate", "error"):
+            assert int(got[name][0]) == st[name], f"{name}: {got[name][0]} != {st[name]}, {where}"
+        np.testing.assert_array_equal(got["counters"].reshape(self.L, len(COUNTERS)),
+                                      st["counters"], err_msg=f"counters, {where}")
+        np.testing.assert_array_equal(got["routes"], want_routes, err_msg=f"routes, {where}")
+        base, stride = b.rows.data_ptr(), b.row_stride
+        want_addr = np.where(want_routes >= 0, base + want_routes.astype(np.int64) * stride, 0)
+        np.testing.assert_array_equal(got["lane_addr"], want_addr, err_msg=f"lane_addr, {where}")
+        n = int(got["n_copies"][0])
+        assert n == len(want_copies), f"n_copies {n} != {len(want_copies)}, {where}"
+        copies = got["copies"].reshape(-1, 2)[:n]
+        assert [tuple(c) for c in copies.tolist()] == want_copies, f"copies, {where}"
+        assert int(got["bad_rows"][0]) == 0, f"{got['bad_rows'][0]} lanes read wrong bytes, {where}"
+        return want_routes, want_copies
+
+    def close(self):
+        self.store.close()
+
+
+def run_random(rng, h: Harness, steps: int, verify_every: int = 1000, p_flip=(0.1, 0.01)):
+    trace = random_trace(rng, h.L, h.E, steps, h.lanes, p_flip)
+    for i, (gate, layer, ids) in enumerate(trace):
+        if gate != h.ref.gate:
+            h.set_gate(gate, verify=i % 7 == 0)
+        wide = np.any(np.abs(ids) > 2**31 - 1) or rng.random() < 0.5
+        h.step_and_compare(layer, ids, torch.int64 if wide else torch.int32,
+                           f"step {i} (layer {layer}, W={ids.size}, gate {gate}, ids {ids.tolist()})")
+        if verify_every and i % verify_every == verify_every - 1:
+            assert h.bank.verify() == int((h.ref.key_of >= 0).sum())
+    return trace
+
+
+def test_kernel_equals_reference_on_10000_random_steps(rng):
+    # R = 15 < E = 17: a wide step can use every row, so the open gate also stages
+    h = Harness(rng, L=5, E=17, N=3, S=64, lanes=64, row_bytes=4096 + 48)
+    trace = run_random(rng, h, 10_000)
+    c = h.ref.counters
+    # the trace must have exercised every path, or the comparison proves little
+    assert c[:, COUNTERS.index("steals")].sum() > 0 and c[:, COUNTERS.index("staged")].sum() > 0
+    assert h.ref.error & PlanError.BAD_ID
+    assert sum(g for g, _, _ in trace) > 5000
+    h.close()
+
+
+@pytest.mark.parametrize("L,E,N,threads,items,steps", [
+    (7, 40, 30, 64, 1, 2000),        # R = 210 in tiles of 64: the kernel's multi-tile loop
+    (48, 512, 256, None, None, 300),  # the benchmark's shape with the default 1024 x 12 block
+])
+def test_kernel_equals_reference_other_shapes(rng, L, E, N, threads, items, steps):
+    h = Harness(rng, L, E, N, S=64, lanes=64, row_bytes=256, threads=threads, items=items)
+    run_random(rng, h, steps, verify_every=100, p_flip=(0.3, 0.01))
+    h.close()
+
+
+def test_staging_overflow_cannot_happen_and_closed_gate_stages(rng):
+    h = Harness(rng, L=2, E=200, N=4, S=64, lanes=64, row_bytes=512)
+    ids = rng.permutation(200)[:64].astype(np.int64)    # 64 distinct experts, at most 4 resident
+    routes, copies = h.step_and_compare(1, ids, torch.int64, "closed, 64 misses")
+    assert len(copies) >= 60 and (routes[routes >= 8] < 8 + 64).all()
+    assert h.bank.read_error() == PlanError.NONE
+    h.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_graph_replay_equals_eager_and_reference(rng, dtype):
+    L, E, N, S, lanes = 5, 13, 3, 64, 64
+    store, expect = make_store(rng, L, E, 2048 + 16)
+    bank_g, bank_e = Bank(store, N, S, lanes), Bank(store, N, S, lanes)
+    ref = ReferencePlanner(L, E, N, S)
+    calls = [(0, 8), (3, 64), (3, 1), (1, 17), (4, 64), (0, 33), (2, 5)]
+    C = len(calls)
+    ids_buf = torch.full((C, lanes), -1, dtype=dtype, device="cuda")
+
+    def outputs():
+        return {"routes": torch.full((C, lanes), -7, dtype=torch.int32, device="cuda"),
+                "lane_addr": torch.zeros(C, lanes, dtype=torch.int64, device="cuda"),
+                "copies": torch.zeros(C, lanes, 2, dtype=torch.int32, device="cuda"),
+                "n_copies": torch.zeros(C, dtype=torch.int32, device="cuda")}
+
+    def body(bank, out):
+        for c, (layer, W) in enumerate(calls):
+            routes, addr = bank.step(layer, ids_buf[c, :W])
+            out["routes"][c, :W].copy_(routes)
+            out["lane_addr"][c, :W].copy_(addr)
+            out["copies"][c].copy_(bank.copies)
+            out["n_copies"][c:c + 1].copy_(bank.n_copies)
+
+    out_g, out_e = outputs(), outputs()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                     # warm-up: all padding, gate closed: no change
+        body(bank_g, out_g)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body(bank_g, out_g)
+    torch.cuda.synchronize()
+    assert bank_g.state()["clock"] == 0                # capture ran nothing
+
+    for rep in range(40):
+        if rep == 10:                                 # opened after capture: replays must see it
+            for x in (bank_g, bank_e, ref):
+                x.open()
+        if rep == 32:
+            for x in (bank_g, bank_e, ref):
+                x.close()
+        ids = np.full((C, lanes), -1, dtype=np.int64)
+        for c, (layer, W) in enumerate(calls):
+            ids[c, :W] = rng.integers(-1, E, size=W)
+            if rng.random() < 0.05:
+                ids[c, rng.integers(W)] = E + 2
+        ids_buf.copy_(torch.from_numpy(ids).to(dtype))
+        for out in (out_g, out_e):
+            out["routes"].fill_(-7)
+        graph.replay()
+        body(bank_e, out_e)
+        want = [ref.step(layer, ids[c, :W]) for c, (layer, W) in enumerate(calls)]
+        torch.cuda.synchronize()
+        where = f"replay {rep}"
+        for name in ("routes", "copies", "n_copies"):
+            assert torch.equal(out_g[name], out_e[name]), f"{name} graph != eager, {where}"
+        st_g, st_e, st_r = bank_g.state(), bank_e.state(), ref.state()
+        for name in st_r:
+            np.testing.assert_array_equal(st_g[name], st_r[name], err_msg=f"graph {name}, {where}")
+            np.testing.assert_array_equal(st_e[name], st_r[name], err_msg=f"eager {name}, {where}")
+        assert torch.equal(bank_g.rows, bank_e.rows), f"bank rows graph != eager, {where}"
+        routes = out_g["routes"].cpu().numpy()
+        n_copies = out_g["n_copies"].cpu().numpy()
+        copies = out_g["copies"].cpu().numpy()
+        for c, (layer, W) in enumerate(calls):
+            np.testing.assert_array_equal(routes[c, :W], want[c][0], err_msg=f"call {c}, {where}")
+            assert [tuple(x) for x in copies[c, :n_copies[c]].tolist()] == want[c][1]
+            for bank, out in ((bank_g, out_g), (bank_e, out_e)):
+                r = want[c][0].astype(np.int64)
+                addr = np.where(r >= 0, bank.rows.data_ptr() + r * bank.row_stride, 0)
+                np.testing.assert_array_equal(out["lane_addr"][c, :W].cpu().numpy(), addr)
+        # rows of the last call's routes still hold that call's experts (staging rows are reused)
+        layer, W = calls[-1]
+        valid = (ids[-1, :W] >= 0) & (ids[-1, :W] < E)
+        rows = torch.from_numpy(want[-1][0][valid].astype(np.int64)).cuda()
+        keys = torch.from_numpy(layer * E + ids[-1, :W][valid]).cuda()
+        assert torch.equal(bank_g.rows[rows, :store.row_bytes], expect[keys])
+    assert ref.clock == 22 * C and st_g["clock"] == ref.clock     # the open gate ticked in replays
+    assert st_g["counters"].sum() > 0
+    assert bank_g.verify() == int((ref.key_of >= 0).sum())
+    store.close()
+
+
+def test_verify_catches_a_corrupt_row_and_broken_tables(rng):
+    h = Harness(rng, L=4, E=9, N=3, S=64, lanes=64, row_bytes=1024 + 32)
+    b = h.bank
+    assert b.verify() == h.R                          # the initial fill
+    b.open(verify=True)
+    h.ref.open()
+    run_random(rng, h, 300, verify_every=0, p_flip=(1.0, 0.0))
+    assert b.verify() == h.R and b.verify(sample=5) == 5
+
+    row = int(rng.integers(h.R))
+    key = int(b.key_of[row])
+    b.rows[row, 123:124].bitwise_xor_(0xFF)
+    with pytest.raises(BankVerifyError) as ei:
+        b.verify()
+    assert ei.value.mismatches == [{"row": row, "key": key, "layer": key // h.E,
+                                    "expert": key % h.E, "first_diff": 123}]
+    assert f"row {row}" in str(ei.value)
+    b.rows[row, 123:124].bitwise_xor_(0xFF)
+    b.rows[row, b.row_bytes:].fill_(0xEE)             # the stride's padding is not part of a row
+    b.rows[h.R:].fill_(0xEE)                          # nor is staging
+    assert b.verify() == h.R
+
+    other = (row + 1) % h.R
+    b.slot_of[key] = other
+    with pytest.raises(BankVerifyError, match=f"slot_of\\[{key}\\] = {other}") as ei:
+        b.verify()
+    assert ei.value.problems and not ei.value.mismatches
+    b.close()
+    with pytest.raises(BankVerifyError):
+        b.open(verify=True)                           # opening verifies, and stays closed
+    assert b.state()["gate"] == 0
+    b.slot_of[key] = row
+    b.order[[0, 1]] = b.order[[1, 0]].clone()
+    with pytest.raises(BankVerifyError, match="LRU order"):
+        b.verify()
+    b.order[[0, 1]] = b.order[[1, 0]].clone()
+    assert b.verify() == h.R
+    h.close()
+
+
+def test_errors_stats_and_memory(rng):
+    h = Harness(rng, L=3, E=6, N=2, S=16, lanes=16, row_bytes=512)
+    b = h.bank
+    h.set_gate(1)
+    for layer, ids in ((0, [0, 5, 5, -1]), (2, [3, 4, 0, 1]), (1, [2]), (0, [6, 1])):
+        h.step_and_compare(layer, np.array(ids, dtype=np.int64), torch.int32, f"{layer} {ids}")
+    assert b.read_error() == PlanError.BAD_ID
+    b.clear_error()
+    assert b.read_error() == PlanError.NONE
+    rows, text = b.stats()
+    owned = np.bincount(h.ref.key_of[h.ref.key_of >= 0] // 6, minlength=3)
+    for layer, d in enumerate(rows):
+        assert [d[k] for k in COUNTERS] == h.ref.counters[layer].tolist()
+        assert d["rows_owned"] == owned[layer]
+        assert d["bytes_copied"] == (d["promotions"] + d["staged"]) * 512
+    assert text.count("\n") == 4
+    parts = {name: n for name, n, _ in b.memory_parts()}
+    assert parts["bank"] + parts["staging"] == b.rows.nbytes
+    assert parts["host store"] == h.store.nbytes
+    h.close()
+
+
+def test_step_guards(rng):
+    h = Harness(rng, L=2, E=4, N=2, S=8, lanes=8, row_bytes=256)
+    b = h.bank
+    with pytest.raises(ValueError, match="device"):
+        b.step(0, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        b.step(0, torch.zeros(3, device="cuda"))
+    with pytest.raises(ValueError, match="max_lanes=8"):
+        b.step(0, torch.zeros(9, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="contiguous"):
+        b.step(0, torch.zeros(4, 2, dtype=torch.int32, device="cuda").t())
+    with pytest.raises(ValueError, match="layer"):
+        b.step(2, torch.zeros(3, dtype=torch.int32, device="cuda"))
+    routes, addr = b.step(1, torch.tensor([[1, -1], [3, 1]], device="cuda"))
+    assert routes.tolist() == [3, -1, 4, 3]            # R = 4: expert 3 is staged in row 4
+    h.close()
