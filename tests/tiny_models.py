@@ -1,0 +1,151 @@
+"""Tiny MoE models for tests: transformers families from configs, and hand-written blocks.
+
+Shapes are chosen so that 2I != H and I != H: a transposed or swapped weight then has the wrong
+shape instead of silently passing. Importing this module does not import transformers; the
+`hf_*` helpers do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_COMMON = dict(vocab_size=64, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# family -> (config kwargs, expected (MoE layer numbers, E, K, H, I))
+FAMILIES = {
+    "qwen3_moe": (dict(_COMMON, hidden_size=48, head_dim=16, intermediate_size=64,
+                       moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+                  ([0, 1, 2], 8, 2, 48, 32)),
+    # mlp_only_layers makes layer 1 dense; every MoE block also has a shared expert.
+    "qwen2_moe": (dict(_COMMON, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                       mlp_only_layers=[1]),
+                  ([0, 2], 4, 2, 64, 16)),
+    "mixtral": (dict(_COMMON, hidden_size=48, intermediate_size=32, num_local_experts=4,
+                     num_experts_per_tok=2),
+                ([0, 1, 2], 4, 2, 48, 32)),
+    "olmoe": (dict(_COMMON, hidden_size=64, intermediate_size=16, num_experts=8,
+                   num_experts_per_tok=3),
+              ([0, 1, 2], 8, 3, 64, 16)),
+    # Layer 0 dense (first_k_dense_replace=1); MoE layers carry shared experts; MLA dims tiny.
+    "deepseek_v3": (dict(_COMMON, hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
+                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                         first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16,
+                         q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8),
+                    ([1, 2], 8, 2, 48, 16)),
+}
+
+
+def hf_config(family: str, **overrides):
+    from transformers import AutoConfig
+    kwargs, _ = FAMILIES[family]
+    return AutoConfig.for_model(family, **{**kwargs, **overrides})
+
+
+def hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A randomly initialised causal LM of `family` on the CPU."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, **overrides), dtype=dtype)
+    # from_config leaves fused expert parameters as initialised; make them clearly non-zero and
+    # distinct per row so that a wrong slice cannot match by accident.
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
+                m.gate_up_proj.normal_(0, 0.2)
+                m.down_proj.normal_(0, 0.2)
+    return model.eval()
+
+
+# --- hand-written blocks (per-expert nn.Linear lists) ---------------------------------------------
+class GateUpDownExpert(nn.Module):
+    """One SwiGLU expert, Llama naming."""
+
+    def __init__(self, H, I, bias=False, act=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, I, bias=bias)
+        self.up_proj = nn.Linear(H, I, bias=bias)
+        self.down_proj = nn.Linear(I, H, bias=bias)
+        self.act_fn = act if act is not None else nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class W123Expert(nn.Module):
+    """One SwiGLU expert, Mixtral naming: w1 = gate, w3 = up, w2 = down."""
+
+    def __init__(self, H, I, bias=False):
+        super().__init__()
+        self.w1 = nn.Linear(H, I, bias=bias)
+        self.w2 = nn.Linear(I, H, bias=bias)
+        self.w3 = nn.Linear(H, I, bias=bias)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ReluExpert(W123Expert):
+    """Same parameters as W123Expert, different maths: must be refused, not served as SwiGLU."""
+
+    def forward(self, x):
+        return self.w2(F.relu(self.w1(x)) * self.w3(x))
+
+
+class ListMoEBlock(nn.Module):
+    """softmax → top-k → renormalise → sum of weighted experts (Mixtral's routing)."""
+
+    def __init__(self, H, I, E, K, expert_cls=GateUpDownExpert, **expert_kw):
+        super().__init__()
+        self.top_k = K
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(expert_cls(H, I, **expert_kw) for _ in range(E))
+
+    def route(self, x):
+        probs = F.softmax(self.gate(x), dim=-1)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)
+        return ids, w / w.sum(-1, keepdim=True)
+
+    def forward(self, x):
+        ids, w = self.route(x)
+        out = torch.zeros_like(x)
+        for k in range(self.top_k):
+            for e, expert in enumerate(self.experts):
+                sel = ids[:, k] == e
+                if sel.any():
+                    out[sel] += w[sel, k, None] * expert(x[sel])
+        return out
+
+
+class ListMoEModel(nn.Module):
+    """Embedding, L residual layers of attention-free MoE blocks, head: enough to have names."""
+
+    def __init__(self, L=2, H=48, I=32, E=6, K=2, vocab=64, seed=0, **block_kw):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, H)
+        self.layers = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(H),
+                                                   "mlp": ListMoEBlock(H, I, E, K, **block_kw)})
+                                    for _ in range(L))
+        self.head = nn.Linear(H, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer["mlp"](layer["norm"](x))
+        return self.head(x)
+
+
+def moe_reference(spec, x, ids, weights):
+    """out [T, H] = Σ_k weights[:, k] · down(SiLU(gate·x) · up·x) of expert ids[:, k], from
+    spec.expert(e): what the pooled layer must compute from the weights the adapter hands out."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            gate, up, down = spec.expert(int(ids[t, k]))
+            h = F.silu(F.linear(x[t], gate)) * F.linear(x[t], up)
+            out[t] += weights[t, k] * F.linear(h, down)
+    return out
