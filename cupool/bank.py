@@ -104,6 +104,16 @@ class Bank:
             RowCopier(self.src_of_key, self.row_bytes, self.rows, owned.size)(
                 fill, torch.tensor([owned.size], dtype=torch.int32, device=dev))
 
+    @property
+    def plan_block(self) -> tuple[int, int]:
+        """(threads, items) of the plan-step launch (one block)."""
+        return self._plan.threads, self._plan.items
+
+    @property
+    def copy_grid(self) -> tuple[int, int]:
+        """(blocks, threads) of the row-copy launch (fixed at build)."""
+        return self._copy.blocks, self._copy.threads
+
     # --- the hot path --------------------------------------------------------------------------
     def plan(self, layer: int, ids: torch.Tensor) -> int:
         """Plan step only (fills routes, lane_addr, copies, n_copies); returns W."""

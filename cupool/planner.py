@@ -33,6 +33,11 @@ class PlanError(enum.IntFlag):
     BAD_ID = 1             # a lane's id was neither -1 nor in [0, E); the lane was padding
     STAGING_OVERFLOW = 2   # a miss needed a staging row but all S were taken; it routed to -1
 
+    def names(self) -> list[str]:
+        """The set flags' names, e.g. ['BAD_ID'] (str() of an IntFlag is just the number on
+        Python >= 3.11)."""
+        return [f.name for f in PlanError if f.value and f.value & self.value]
+
 
 def initial_placement(num_layers: int, num_experts: int, rows_per_layer: int,
                       initial=None) -> np.ndarray:

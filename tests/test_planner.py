@@ -403,6 +403,7 @@ def test_plan_error_decodes():
     e = PlanError(3)
     assert PlanError.BAD_ID in e and PlanError.STAGING_OVERFLOW in e
     assert PlanError(0) == PlanError.NONE
+    assert e.names() == ["BAD_ID", "STAGING_OVERFLOW"] and PlanError(0).names() == []
 
 
 # --- Bank guards that fire before any GPU work ------------------------------------------------------

@@ -1,0 +1,215 @@
+"""Plan-step time per layer call inside a CUDA graph, and row-copy bandwidth against cudaMemcpy.
+
+Plan step: L layers (48), N rows per layer (256, so R = 12288), K = 8, W = 8 and 64 lanes (W/K
+tokens, each with K distinct uniformly random experts, so misses happen when N < E), for each E
+of --experts. A CUDA graph holds --calls layer calls (layer c mod L); before each replay fresh ids
+are written into the captured input buffer (untimed); the replay is timed with CUDA events, the
+median of --replays replays is divided by --calls. Timed: the plan kernel alone with the gate open
+(the target, <= 5 us), plan + copy with the gate open, the plan kernel with the gate closed, and an
+empty kernel in the same graph shape (the floor a graph node costs). Rows are 256 bytes: the plan
+step never reads rows, and the copy of so small a row costs its launch.
+
+Copy bandwidth: rows of 2 ... 10 MiB, a small bank (N = --copy-rows per layer, 2 layers) and W =
+--copy-misses distinct random experts per call, so nearly every lane misses. Each call (plan +
+copy) is timed alone with CUDA events and its bytes are n_copies x row_bytes, read afterwards;
+also the copy kernel alone on a list of --copy-misses random rows. Both as GB/s and as a ratio to
+a 1 GiB pinned cudaMemcpyAsync measured in the same run (target >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+import torch
+
+from _common import pcie_h2d_GBps, save, time_ms
+
+from cupool import HostStore, kernels
+from cupool.bank import Bank
+from cupool.planner import launch_shape
+
+
+def routing(rng, E: int, K: int, W: int, shape: tuple) -> np.ndarray:
+    """int64 [*shape, W]: W/K tokens, each with K distinct experts (what a top-k router yields)."""
+    T = W // K
+    picks = np.argsort(rng.random((*shape, T, E)), axis=-1)[..., :K]
+    return picks.reshape(*shape, T * K).astype(np.int64)
+
+
+def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in range(calls):
+            fn(c)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in range(calls):
+            fn(c)
+    torch.cuda.synchronize()
+    return g
+
+
+def bench_plan(args, rng) -> list[dict]:
+    L, N, K = args.layers, args.rows_per_layer, args.top_k
+    lanes = max(args.lanes)
+    results = []
+    empty = kernels.function("selftest", "axpb")
+    x = torch.zeros(32, device="cuda")
+    b0 = torch.zeros(1, device="cuda")
+    y = torch.zeros(32, device="cuda")
+    g_empty = capture(lambda c: kernels.launch(empty, 1, 32, (x, b0, y, kernels.f32(1.0),
+                                                              kernels.i32(32))), args.calls)
+    floor_us = time_ms(g_empty.replay, warmup=10, iters=args.replays) * 1e3 / args.calls
+    print(f"graph floor: an empty kernel costs {floor_us:.2f} us per node")
+    for E in args.experts:
+        store = HostStore(L, E, 256)
+        for threads in args.threads:
+            R = L * N
+            items = -(-R // threads) if threads else None
+            shape = {"threads": threads, "items": min(items, 32)} if threads else {}
+            bank = Bank(store, N, staging_rows=lanes, max_lanes=lanes, **shape)
+            t, i = bank.plan_block
+            for W in args.lanes:
+                pool = torch.from_numpy(routing(rng, E, K, W, (args.pools, args.calls))).cuda()
+                ids_buf = torch.full((args.calls, W), -1, dtype=torch.int64, device="cuda")
+                state = {"i": 0}
+
+                def rotate():
+                    ids_buf.copy_(pool[state["i"] % args.pools])
+                    state["i"] += 1
+
+                g_plan = capture(lambda c: bank.plan(c % L, ids_buf[c]), args.calls)
+                g_step = capture(lambda c: bank.step(c % L, ids_buf[c]), args.calls)
+                bank.open(verify=False)
+                for _ in range(args.settle):           # reach the steady state of the LRU
+                    rotate()
+                    g_step.replay()
+                row = {"E": E, "N": N, "L": L, "K": K, "W": W, "R": R, "threads": t, "items": i,
+                       "calls_per_graph": args.calls, "graph_floor_us": floor_us}
+                for name, g in (("plan_us", g_plan), ("plan_copy_us", g_step)):
+                    bank.reset_stats()
+                    ms = time_ms(g.replay, warmup=5, iters=args.replays, setup=rotate)
+                    row[name] = ms * 1e3 / args.calls
+                    rows, _ = bank.stats()
+                    hits, misses = (sum(d[k] for d in rows) for k in ("hits", "misses"))
+                    row[name.replace("_us", "_hit_rate")] = hits / max(1, hits + misses)
+                    row[name.replace("_us", "_misses_per_call")] = misses / max(1, (
+                        args.replays + 5) * args.calls)
+                bank.close()
+                row["plan_closed_us"] = time_ms(g_plan.replay, warmup=5, iters=args.replays,
+                                                setup=rotate) * 1e3 / args.calls
+                assert int(bank.error.item()) == 0, f"planner error flags {bank.read_error()}"
+                bank.verify(sample=256)
+                results.append(row)
+                print(f"E={E:4d} W={W:3d} block {t}x{i}: plan {row['plan_us']:.2f} us/call "
+                      f"(hit rate {row['plan_hit_rate']:.3f}, {row['plan_misses_per_call']:.1f} "
+                      f"misses/call), plan+copy {row['plan_copy_us']:.2f} us, gate closed "
+                      f"{row['plan_closed_us']:.2f} us")
+                del g_plan, g_step
+            del bank
+        store.close()
+    return results
+
+
+def bench_copy(args, rng, ref_GBps: float) -> list[dict]:
+    results = []
+    M, L = args.copy_misses, 2
+    for mib in args.row_mib:
+        row = int(mib * (1 << 20))
+        E = max(4 * M, int(args.store_gib * (1 << 30)) // row // L)
+        store = HostStore(L, E, row)
+        for layer in range(L):                         # cheap non-zero content
+            for e in range(E):
+                store.row(layer, e)[::4096] = (layer * E + e) & 255
+        store.seal()
+        bank = Bank(store, args.copy_rows, staging_rows=M, max_lanes=M)
+        bank.open(verify=False)
+        ids_buf = torch.empty(M, dtype=torch.int64, device="cuda")
+        pool = torch.from_numpy(routing(rng, E, M, M, (args.copy_iters + 5,))).cuda()
+        times, moved = [], []
+        for it in range(args.copy_iters + 5):
+            ids_buf.copy_(pool[it])
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            bank.step(it % L, ids_buf)
+            b.record()
+            b.synchronize()
+            if it >= 5:                                # the first calls compile and warm up
+                times.append(a.elapsed_time(b))
+                moved.append(int(bank.n_copies.item()) * row)
+        step_GBps = sum(moved) / sum(times) / 1e6
+        per_call = [m / t / 1e6 for m, t in zip(moved, times) if m]
+
+        # the copy kernel alone: a list of M random keys into the staging rows
+        keys = {}
+
+        def pick():
+            k = rng.choice(L * E, size=M, replace=False).astype(np.int32)
+            bank.copies[:, 0].copy_(torch.from_numpy(k))
+            bank.copies[:, 1].copy_(torch.arange(bank.num_rows, bank.num_rows + M,
+                                                 dtype=torch.int32))
+            bank.n_copies.fill_(M)
+            keys["k"] = k
+
+        copy_ms = time_ms(bank.copy_rows, warmup=3, iters=args.copy_iters, setup=pick)
+        copy_GBps = M * row / copy_ms / 1e6
+        bank.verify()
+        r = {"row_MiB": mib, "row_bytes": row, "store_bytes": store.nbytes, "misses_per_call":
+             sum(moved) / row / len(moved), "step_GBps": step_GBps, "step_ratio": step_GBps / ref_GBps,
+             "step_GBps_median_call": statistics.median(per_call) if per_call else 0.0,
+             "copy_kernel_GBps": copy_GBps, "copy_kernel_ratio": copy_GBps / ref_GBps,
+             "copy_grid": bank.copy_grid}
+        results.append(r)
+        print(f"{mib:4.1f} MiB rows: plan+copy {step_GBps:6.1f} GB/s ({r['step_ratio']:.2f} of "
+              f"memcpy, {r['misses_per_call']:.1f} copies/call); copy kernel alone "
+              f"{copy_GBps:6.1f} GB/s ({r['copy_kernel_ratio']:.2f})")
+        bank.close()
+        del bank
+        store.close()
+        torch.cuda.empty_cache()
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--rows-per-layer", type=int, default=256)
+    p.add_argument("--experts", type=int, nargs="+", default=[128, 512],
+                   help="E; with E <= N every expert is resident (hit rate 1)")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--lanes", type=int, nargs="+", default=[8, 64])
+    p.add_argument("--threads", type=int, nargs="+", default=[0],
+                   help="plan-step block sizes to time (0: the default %s)" %
+                        (launch_shape(48 * 256, 64),))
+    p.add_argument("--calls", type=int, default=48, help="layer calls per graph")
+    p.add_argument("--replays", type=int, default=200)
+    p.add_argument("--settle", type=int, default=50, help="untimed replays before timing")
+    p.add_argument("--pools", type=int, default=16, help="distinct id sets rotated through")
+    p.add_argument("--row-mib", type=float, nargs="+", default=[2, 4, 6, 8, 10])
+    p.add_argument("--copy-misses", type=int, default=8)
+    p.add_argument("--copy-rows", type=int, default=8, help="bank rows per layer (copy part)")
+    p.add_argument("--copy-iters", type=int, default=40)
+    p.add_argument("--store-gib", type=float, default=1.0, help="host store size (copy part)")
+    p.add_argument("--skip-plan", action="store_true")
+    p.add_argument("--skip-copy", action="store_true")
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    payload = {"args": vars(args)}
+    if not args.skip_plan:
+        payload["plan"] = bench_plan(args, rng)
+    if not args.skip_copy:
+        ref = pcie_h2d_GBps(1 << 30)
+        print(f"cudaMemcpy pinned H2D 1 GiB: {ref:.1f} GB/s")
+        payload["memcpy_h2d_1GiB_GBps"] = ref
+        payload["copy"] = bench_copy(args, rng, ref)
+    save("bench_planner", payload)
+
+
+if __name__ == "__main__":
+    main()
