@@ -143,3 +143,18 @@ def report(pool=None, device=None) -> MemoryReport:
         device = pool.device
     parts = list(pool.memory_parts()) if pool is not None else []
     return MemoryReport(gpu_memory(device), parts)
+
+
+def rows_for_budget(budget: int, *, fixed: int, row_stride: int, num_layers: int, top_k: int,
+                    num_experts: int, kv_reserve: int = 0) -> int:
+    """Bank rows per layer that `budget` bytes buy once `fixed` bytes (the rest of the model,
+    workspaces, staging, tables) and the KV reserve are paid: (budget − fixed − kv) // (L · row),
+    at most E. Raises ValueError (naming what is needed) when fewer than top_k rows fit."""
+    need = fixed + kv_reserve + num_layers * top_k * row_stride
+    if budget < need:
+        raise ValueError(
+            f"budget={fmt_bytes(budget)} is too small: at least {fmt_bytes(need)} is needed "
+            f"(rest of the model, workspaces, staging and tables {fmt_bytes(fixed)}, KV reserve "
+            f"{fmt_bytes(kv_reserve)}, and top-k={top_k} rows of {fmt_bytes(row_stride)} for "
+            f"each of {num_layers} layers)")
+    return int(min(num_experts, (budget - fixed - kv_reserve) // (num_layers * row_stride)))

@@ -77,3 +77,51 @@ def random_rows_fast(layout: RowLayout, num_experts: int, generator: torch.Gener
     rows[:, :12] = hdr.view(torch.uint8).to(device)
     rows[:, 12:256] = 0
     return rows
+
+
+# --- Qwen3-MoE-shaped models with random weights ---------------------------------------------
+QWEN3_30B_A3B = dict(num_hidden_layers=48, num_experts=128, num_experts_per_tok=8,
+                     hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     vocab_size=151936, max_position_embeddings=4096)
+
+TINY = dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, hidden_size=64,
+            moe_intermediate_size=32, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256)
+
+
+def qwen3_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, **shape):
+    """A Qwen3-MoE causal LM whose dense part (attention, norms, router, embeddings) lives on
+    `device` with random weights and whose experts hold no memory yet.
+
+    The model is built on the meta device, the experts' parameters are released (0 elements),
+    then only what is left is materialized on `device` and initialised (normal(0, 0.02) matrices,
+    unit norms, fresh rotary tables). Returns (model, specs): pass `specs` and NVFP4 rows to
+    `cupool.wrap(model, layers=specs, expert_rows=...)`. A 30B-parameter shape costs only its
+    ~2 GB dense part here.
+    """
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: PLC0415
+
+    from cupool.adapters import find_moe_layers  # noqa: PLC0415
+    cfg = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **shape}, dtype=dtype, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    specs = find_moe_layers(model)
+    for s in specs:
+        s.release()
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.numel() == 0:
+                continue
+            if p.dim() == 1:                       # norms
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+        for parent in model.modules():            # rotary tables were left uninitialised
+            for child_name, child in list(parent.named_children()):
+                if hasattr(child, "inv_freq") and hasattr(child, "config"):
+                    setattr(parent, child_name, type(child)(config=child.config).to(device))
+    model.eval()
+    return model, specs

@@ -1,0 +1,90 @@
+"""A transformers MoE model built from a config, wrapped by cupool, and run through transformers'
+own `generate` (eager), then through cupool's graph decoder; both give the same greedy tokens.
+
+    python examples/hf_generate.py                       # a small Qwen3-MoE
+    python examples/hf_generate.py --family mixtral      # or qwen2_moe, olmoe, deepseek_v3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import cupool  # noqa: E402
+
+FAMILIES = {
+    "qwen3_moe": dict(hidden_size=256, head_dim=32, intermediate_size=512, moe_intermediate_size=128,
+                      num_experts=32, num_experts_per_tok=4),
+    "qwen2_moe": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                      shared_expert_intermediate_size=256, num_experts=32, num_experts_per_tok=4),
+    "mixtral": dict(hidden_size=256, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(hidden_size=256, intermediate_size=128, num_experts=32, num_experts_per_tok=4),
+    "deepseek_v3": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                        n_routed_experts=32, num_experts_per_tok=4, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=4, topk_group=2, kv_lora_rank=64,
+                        q_lora_rank=64, qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--rows", type=int, default=None,
+                   help="bank rows per layer (default: a quarter of the experts, at least top-k)")
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build(family: str, layers: int, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(family, vocab_size=512, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=4,
+                               max_position_embeddings=512, **FAMILIES[family])
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    with torch.no_grad():                     # from_config leaves fused experts small; spread them
+        for m in model.modules():
+            if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
+                m.gate_up_proj.normal_(0, 0.05)
+                m.down_proj.normal_(0, 0.05)
+    return model
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("hf_generate needs a CUDA GPU (torch.cuda.is_available() is False)")
+        return 1
+    model = build(args.family, args.layers, args.seed)
+    specs = cupool.adapters.find_moe_layers(model)
+    E, K = specs[0].num_experts, specs[0].top_k
+    rows = args.rows or max(K, E // 4)
+    pool = cupool.wrap(model, rows=rows, max_decode_tokens=4, progress=False)
+    print(pool)
+    prompt = torch.randint(3, 512, (1, 12), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(args.seed))
+    pool.open()
+    with torch.inference_mode():
+        eager = model.generate(prompt, max_new_tokens=args.tokens, do_sample=False,
+                               min_new_tokens=args.tokens)[:, prompt.shape[1]:]
+    graph = cupool.GraphDecoder(model, pool, max_len=prompt.shape[1] + args.tokens)
+    res = graph.generate(prompt, args.tokens)
+    same = torch.equal(eager, res.tokens)
+    print(f"transformers generate (eager): {eager[0].tolist()}")
+    print(f"cupool graph decode:           {res.tokens[0].tolist()}  ({res.tokens_per_s:.1f} tok/s)")
+    # Both run the same pooled kernels; they can still part on a near-tie because transformers'
+    # generate uses a dynamic KV cache and the graph decoder a static one (other attention shapes).
+    print(f"identical greedy tokens: {same}")
+    print(pool.stats_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""cupool.wrap on tiny models of every adapter family (GPU).
+
+The reference is the same model after `pool.unwrap()`, which puts the experts' dequantized NVFP4
+weights back (bf16), run by transformers' own experts implementation. Tolerances:
+- logits: relative Frobenius error ≤ 3e-2. The pooled GEMM uses the exact NVFP4 weights with
+  fp16 activations; the reference rounds the same weights to bf16 and multiplies in bf16, and the
+  difference goes through the rest of the model in bf16.
+- greedy tokens: identical for 32 steps, except where the reference's own top-2 logit gap at that
+  step is below 0.05 (a tie within bf16 noise, where either token is right); the test reports how
+  many steps were compared and fails on any other difference.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import cupool
+from tiny_models import FAMILIES, ListMoEModel, hf_model
+
+pytestmark = pytest.mark.gpu
+
+LOGIT_TOL = 3e-2
+TIE = 0.05
+
+
+def rel(a, b):
+    return (torch.linalg.norm(a.float() - b.float()) / torch.linalg.norm(b.float())).item()
+
+
+def greedy_eager(model, prompt, n):
+    """Greedy tokens with a static cache, eager, and the logits of each step."""
+    from transformers import StaticCache
+    cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + n)
+    S = prompt.shape[1]
+    lg = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+               cache_position=torch.arange(S, device=prompt.device)).logits[:, -1]
+    toks, logits = [], []
+    for i in range(n):
+        tok = lg.argmax(-1, keepdim=True)
+        toks.append(tok)
+        logits.append(lg)
+        if i + 1 < n:
+            lg = model(input_ids=tok, past_key_values=cache, use_cache=True,
+                       cache_position=torch.tensor([S + i], device=prompt.device)).logits[:, -1]
+    return torch.cat(toks, 1), torch.stack(logits, 1)
+
+
+def compare_tokens(got, ref_tokens, ref_logits):
+    """Number of steps that agree; raises at a disagreement that is not a near-tie."""
+    for i in range(ref_tokens.shape[1]):
+        if got[0, i] != ref_tokens[0, i]:
+            top2 = ref_logits[0, i].float().topk(2).values
+            gap = (top2[0] - top2[1]).item()
+            assert gap < TIE, f"step {i}: token {got[0, i]} vs reference {ref_tokens[0, i]} " \
+                              f"(reference top-2 gap {gap:.3f} is no tie)"
+            return i
+    return ref_tokens.shape[1]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_dequantized_reference(family):
+    torch.manual_seed(0)
+    model = hf_model(family, seed=1).to(torch.bfloat16)
+    _, (_, E, K, H, I) = FAMILIES[family]
+    rows = max(K, E // 2)                          # fewer rows than experts: misses happen
+    pool = cupool.wrap(model, rows=rows, max_decode_tokens=2, max_prefill_tokens=64,
+                       progress=False)
+    prompt = torch.randint(3, 64, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    with torch.inference_mode():
+        full_wrapped = model(prompt).logits          # 8 tokens x K lanes > 2 x K: partition path
+        # capture with the gate closed leaves the placement alone
+        key_before = pool.bank.key_of.clone()
+        dec = cupool.GraphDecoder(model, pool, max_len=8 + 32)
+        res = dec.generate(prompt, 32)                # closes, captures, opens, replays
+        graph_tokens = res.tokens
+        st = pool.stats()
+        pool.close()
+        eager_tokens, eager_logits = greedy_eager(model, prompt, 32)
+    errors = pool.errors()
+    hits = sum(s["hits"] for s in st)
+    misses = sum(s["misses"] for s in st)
+    promotions = sum(s["promotions"] for s in st)
+    steals = sum(s.get("steals", 0) for s in st)
+    owned = [s["rows_owned"] for s in st]
+    pool.verify()
+    # reference: the same model with the dequantized weights back, transformers' own experts
+    pool.unwrap()
+    model.config._experts_implementation_internal = "eager"
+    with torch.inference_mode():
+        full_ref = model(prompt).logits
+        ref_tokens, ref_logits = greedy_eager(model, prompt, 32)
+    assert errors == []
+    assert rel(full_wrapped, full_ref) <= LOGIT_TOL
+    assert rel(eager_logits, ref_logits) <= LOGIT_TOL
+    n_graph = compare_tokens(graph_tokens, ref_tokens, ref_logits)
+    n_eager = compare_tokens(eager_tokens, ref_tokens, ref_logits)
+    print(f"{family}: graph tokens agree for {n_graph}/32 steps, eager for {n_eager}/32; "
+          f"hits {hits} misses {misses} promotions {promotions} steals {steals} rows owned {owned}")
+    assert misses > 0 and promotions > 0, "rows < E must produce misses and promotions"
+    del key_before
+
+
+def test_capture_with_gate_closed_keeps_placement():
+    model = hf_model("qwen3_moe", seed=3).to(torch.bfloat16)
+    pool = cupool.wrap(model, rows=2, max_decode_tokens=1, progress=False)
+    prompt = torch.randint(3, 64, (1, 4), device="cuda")
+    from transformers import StaticCache
+    with torch.inference_mode():
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        model(input_ids=prompt, past_key_values=cache, use_cache=True,
+              cache_position=torch.arange(4, device="cuda"))
+        tok = prompt[:, -1:].clone()
+        pos = torch.tensor([4], device="cuda")
+        before = {k: v.clone() for k, v in (("key_of", pool.bank.key_of), ("slot_of", pool.bank.slot_of),
+                                            ("last_use", pool.bank.last_use))}
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        for name, t in before.items():
+            assert torch.equal(t, getattr(pool.bank, name)), f"{name} moved with the gate closed"
+        pool.open()
+        for _ in range(3):
+            tok.random_(3, 64)
+            g.replay()
+        torch.cuda.synchronize()
+    st = pool.stats()
+    assert sum(x["hits"] + x["misses"] for x in st) > 0, "opening the gate reaches the replays"
+
+
+def test_linear_list_model():
+    torch.manual_seed(0)
+    model = ListMoEModel(L=2, H=48, I=32, E=6, K=2).to(torch.bfloat16).cuda()
+    ref = copy.deepcopy(model)
+    pool = cupool.wrap(model, rows=3, max_decode_tokens=4, progress=False)
+    pool.open()
+    tokens = torch.randint(0, 64, (1, 3), device="cuda")
+    with torch.inference_mode():
+        out = model(tokens)
+    # reference: the deep copy with dequantized weights (from the pool's store) in its experts
+    from cupool.layout import unpack_row
+    from cupool.nvfp4 import dequantize
+    for spec, ref_block in zip(pool.specs, [m["mlp"] for m in ref.layers]):
+        for e, expert in enumerate(ref_block.experts):
+            g, u, d = (dequantize(q).to(torch.bfloat16).cuda()
+                       for q in unpack_row(pool.layout, pool.store.row(spec.index, e)))
+            expert.gate_proj.weight.data, expert.up_proj.weight.data, expert.down_proj.weight.data = g, u, d
+    with torch.inference_mode():
+        want = ref(tokens)
+    assert rel(out, want) <= LOGIT_TOL
+
+
+def test_wrap_guards():
+    model = hf_model("qwen3_moe", seed=0).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="rows must be an int with top_k=2 <= rows <= E=8"):
+        cupool.wrap(model, rows=1, progress=False)
+    with pytest.raises(ValueError, match="not both"):
+        cupool.wrap(model, rows=2, budget="1GiB", progress=False)
+    with pytest.raises(cupool.BudgetError, match="too small"):
+        cupool.wrap(model, budget="1MiB", progress=False)
+    # a refused wrap leaves the model as it was: weights still there, wrap works afterwards
+    assert all(not s.released and s.expert(0)[0].numel() for s in cupool.adapters.find_moe_layers(model))
+    pool = cupool.wrap(model, rows=2, progress=False)
+    with pytest.raises(ValueError, match="already wrapped"):
+        cupool.wrap(model, rows=2, progress=False)
+    pool.unwrap()
+    with pytest.raises(ValueError, match="not a size"):
+        cupool.wrap(model, budget="lots", progress=False)
+    fp32 = hf_model("qwen3_moe", seed=0)
+    with pytest.raises(TypeError, match="bf16/fp16"):
+        cupool.wrap(fp32, rows=2, progress=False)
