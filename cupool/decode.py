@@ -37,10 +37,13 @@ class GraphDecoder:
         pool: the Pool from `cupool.wrap`, or None for an unwrapped model (baselines).
         max_len: static cache length (prompt + new tokens).
         warmup: decode calls before capture.
+        graph: False runs the same decode step eagerly, one launch at a time (for baselines that
+            cannot be captured, e.g. host-side caches).
     """
 
-    def __init__(self, model, pool=None, *, max_len: int, warmup: int = 3):
+    def __init__(self, model, pool=None, *, max_len: int, warmup: int = 3, graph: bool = True):
         self.model, self.pool, self.max_len, self.warmup = model, pool, int(max_len), int(warmup)
+        self.graph = bool(graph)
         self.device = next(model.parameters()).device
         if self.device.type != "cuda":
             raise ValueError(f"the model must be on a CUDA device, it is on {self.device}")
@@ -81,7 +84,17 @@ class GraphDecoder:
             tok.copy_(lg[:, -1, :].argmax(-1, keepdim=True))
             pos.add_(1)
 
-        if max_new_tokens > 1:
+        if max_new_tokens > 1 and not self.graph:
+            if self.pool is not None:
+                self.pool.open()
+            torch.cuda.synchronize(dev)
+            t2 = time.perf_counter()
+            for i in range(1, max_new_tokens):
+                step()
+                out[:, i:i + 1].copy_(tok)
+            torch.cuda.synchronize(dev)
+            t3 = time.perf_counter()
+        elif max_new_tokens > 1:
             # Warm-up writes the KV of position S with the first token, exactly what the first
             # replay writes again; pos is reset after it.
             side = torch.cuda.Stream(dev)

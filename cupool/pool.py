@@ -65,7 +65,9 @@ class PooledExperts:
             ids = p.replayer.ids_for(self.layer, x.shape[0])
         if p.recorder is not None:
             p.recorder.append(self.layer, ids)
-        if x.shape[0] * p.top_k <= p.bank.max_lanes:
+        if p.backend is not None:                        # benchmarks: a baseline computes it
+            out = p.backend(self.layer, x, ids, w)
+        elif x.shape[0] * p.top_k <= p.bank.max_lanes:
             _, lane_addr = p.bank.step(self.layer, ids)
             out = p.gemm.decode(x, lane_addr, w)
         else:
@@ -118,6 +120,7 @@ class Pool:
         self._installed = False
         self.replayer = None     # cupool.trace.Replayer (benchmarks)
         self.recorder = None     # cupool.trace.Recorder
+        self.backend = None      # benchmarks: fn(layer, x, ids, w) -> out replacing the pool
 
     # --- install / uninstall ------------------------------------------------------------------
     def _install(self) -> None:
@@ -176,6 +179,21 @@ class Pool:
         self.bank = None
         self.gemm = None
         self.store.close()
+
+    def resize_bank(self, rows: int) -> None:
+        """Replace the bank by one of `rows` rows per layer (initial placement, gate closed,
+        counters zero). The old bank's memory is released first. Any captured graph that used the
+        old bank must be captured again."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or not self.top_k <= rows <= self.num_experts:
+            raise ValueError(f"rows must be an int with top_k={self.top_k} <= rows <= "
+                             f"E={self.num_experts}, got {rows!r}")
+        max_lanes, staging = self.bank.max_lanes, self.bank.staging_rows
+        self.bank = None
+        torch.cuda.empty_cache()
+        self.bank = Bank(self.store, rows, staging_rows=staging, max_lanes=max_lanes,
+                         device=self.device)
+        self.rows_per_layer = rows
+        self._base = self.bank.rows.data_ptr()
 
     # --- gate, checks, stats ------------------------------------------------------------------
     def open(self, verify: bool = True, sample: int | None = 64) -> None:

@@ -1,0 +1,221 @@
+"""End-to-end decode: cupool against what users run today, on one Qwen3-30B-A3B-shaped model.
+
+Model: 48 layers, 128 experts, top-8, H=2048, I=768, GQA attention, random weights; the experts
+as NVFP4 rows in pinned host memory (built directly, never as bf16). Batch 1, a 16-token prompt,
+`--tokens` decoded tokens, tok/s the median of `--repeats` runs, each mode on the same model and
+(except hf-bf16) the same routing:
+
+- pool-25/50/100: cupool, graph decode, bank of 25/50/100% of each layer's experts;
+- uva-eager, uva-graph: every expert read from pinned host memory by the GEMM each step;
+- host-lru: per-layer LRU on the host (routing read back each layer, cudaMemcpyAsync), eager;
+- resident: all experts on the GPU in NVFP4, graph (the ceiling);
+- hf-bf16-<impl>: the unwrapped transformers model with bf16 experts resident, its experts
+  implementation batched_mm / grouped_mm, one decode step captured (its own random router).
+
+Routing: "uniform" (independent uniform draws, what a random router gives) and "locality" (a
+synthetic trace with the published Qwen3-30B-A3B reuse, cupool.trace.QWEN3_LOCALITY), replayed in
+place of the router. For each pool run: hit rate, PCIe bytes per token, and the bound (time per
+token if the misses moved at the PCIe bandwidth measured here and everything else ran at the
+resident run's speed); achieved/bound = bound / measured time.
+
+Writes benchmarks/results/bench_decode.json and bench_decode.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+
+import torch
+
+from _common import RESULTS, pcie_h2d_GBps, save
+
+import cupool
+from cupool import synthetic, trace as tr
+from _baselines import HostLRUBackend, ResidentBackend, UVABackend
+
+
+def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, replay=None,
+             rows=None):
+    """Median tok/s over `repeats` runs; pool counters of the last run."""
+    rates, stats = [], None
+    for _ in range(repeats):
+        if pool is not None:
+            pool.backend = backend
+            if rows is not None and backend is None:
+                pool.resize_bank(rows)                   # fresh bank: same start every run
+            if replay is not None:
+                replay.step.zero_()
+                replay.install()
+        dec = cupool.GraphDecoder(model, pool if backend is None else None,
+                                  max_len=prompt.shape[1] + tokens, graph=graph)
+        res = dec.generate(prompt, tokens)
+        rates.append(res.tokens_per_s)
+        if pool is not None and backend is None:
+            stats = pool.stats()
+    if pool is not None:
+        pool.backend = None
+    return statistics.median(rates), rates, stats
+
+
+def pool_figures(stats, tokens, row_bytes):
+    hits = sum(s["hits"] for s in stats)
+    misses = sum(s["misses"] for s in stats)
+    copied = sum(s["bytes_copied"] for s in stats)
+    return {"hit_rate": hits / max(1, hits + misses), "pcie_bytes_per_token": copied / (tokens - 1),
+            "per_layer_hit_rate": [s["hit_rate"] for s in stats],
+            "rows_owned": [s["rows_owned"] for s in stats]}
+
+
+def hf_bf16(shape, prompt, tokens, repeats, impl):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    cfg = Qwen3MoeConfig(**shape, dtype=torch.bfloat16, tie_word_embeddings=False)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.set_experts_implementation(impl)
+    try:
+        tps, rates, _ = run_mode(model, None, prompt, tokens, repeats)
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return tps, rates
+
+
+def plot(results, pool_layers, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
+    modes = [m for m in results["modes"]]
+    for i, routing in enumerate(("uniform", "locality")):
+        vals = [results["modes"][m].get(routing, {}).get("tok_per_s", 0) for m in modes]
+        a.bar([j + 0.4 * i for j in range(len(modes))], vals, width=0.4, label=routing)
+    a.set_xticks([j + 0.2 for j in range(len(modes))], modes, rotation=45, ha="right")
+    a.set_ylabel("tokens / s (batch 1)")
+    a.set_title(f"decode, {results['gpu']}")
+    a.legend()
+    layers = range(len(pool_layers["per_layer_hit_rate"]))
+    b.plot(layers, pool_layers["per_layer_hit_rate"], label="hit rate")
+    b.set_ylabel("hit rate")
+    b.set_xlabel("layer")
+    b2 = b.twinx()
+    b2.bar(layers, pool_layers["rows_owned"], alpha=0.3, color="gray", label="rows owned")
+    b2.set_ylabel("bank rows owned after the run")
+    b.set_title("pool-50, locality trace: per-layer hit rate and rows owned")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", nargs="+", default=["pool", "uva-eager", "uva-graph", "host-lru",
+                                                  "resident", "hf-bf16"])
+    p.add_argument("--routings", nargs="+", default=["uniform", "locality"])
+    p.add_argument("--small", action="store_true", help="tiny shape (smoke test)")
+    args = p.parse_args(argv)
+    shape = dict(synthetic.TINY) if args.small else dict(synthetic.QWEN3_30B_A3B,
+                                                          num_hidden_layers=args.layers)
+    L, E, K = shape["num_hidden_layers"], shape["num_experts"], shape["num_experts_per_tok"]
+    layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
+    pcie = pcie_h2d_GBps()
+    print(f"PCIe H2D {pcie:.1f} GB/s; model {L} layers E={E} top-{K}", flush=True)
+    t0 = time.perf_counter()
+    model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, **shape)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = cupool.wrap(model, rows=max(K, E // 2), layers=specs, max_decode_tokens=1,
+                       max_prefill_tokens=max(64, args.prompt),
+                       expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"))
+    print(f"built in {time.perf_counter() - t0:.0f} s: {pool}", flush=True)
+    prompt = torch.randint(0, shape["vocab_size"], (1, args.prompt), device="cuda", generator=gen)
+    traces = {"uniform": tr.uniform(args.tokens + 64, L, E, K, seed=1),
+              "locality": tr.synthetic(args.tokens + 64, L, E, K, seed=1, **tr.QWEN3_LOCALITY)}
+    results = {"shape": shape, "tokens": args.tokens, "repeats": args.repeats,
+               "pcie_h2d_GBps": pcie, "traces": {k: v.note for k, v in traces.items()},
+               "modes": {}}
+    modes = results["modes"]
+
+    def record(name, routing, tps, rates, extra=None):
+        modes.setdefault(name, {})[routing] = {"tok_per_s": tps, "runs": rates, **(extra or {})}
+        print(f"{name:>14} {routing:>9}: {tps:8.1f} tok/s  {extra or ''}"[:200], flush=True)
+
+    resident = ResidentBackend(pool) if "resident" in args.modes or "pool" in args.modes else None
+    for routing in args.routings:
+        replay = tr.Replayer(pool, traces[routing])
+        if resident is not None:
+            tps, rates, _ = run_mode(model, pool, prompt, args.tokens, args.repeats,
+                                     backend=resident, replay=replay)
+            record("resident", routing, tps, rates)
+            resident_ms = 1e3 / tps
+        if "pool" in args.modes:
+            for frac in (25, 50, 100):
+                rows = max(K, E * frac // 100)
+                tps, rates, stats = run_mode(model, pool, prompt, args.tokens, args.repeats,
+                                             replay=replay, rows=rows)
+                fig = pool_figures(stats, args.tokens, layout.row_bytes)
+                bound_ms = resident_ms + fig["pcie_bytes_per_token"] / pcie / 1e6
+                fig.update(rows_per_layer=rows, bound_tok_per_s=1e3 / bound_ms,
+                           achieved_over_bound=tps * bound_ms / 1e3, errors=pool.errors())
+                record(f"pool-{frac}", routing, tps, rates, fig)
+        if "uva-graph" in args.modes:
+            tps, rates, _ = run_mode(model, pool, prompt, args.tokens, args.repeats,
+                                     backend=UVABackend(pool), replay=replay)
+            record("uva-graph", routing, tps, rates)
+        if "uva-eager" in args.modes:
+            tps, rates, _ = run_mode(model, pool, prompt, args.tokens, args.repeats, graph=False,
+                                     backend=UVABackend(pool), replay=replay)
+            record("uva-eager", routing, tps, rates)
+        if "host-lru" in args.modes:
+            lru = HostLRUBackend(pool, max(K, E // 2))
+            tps, rates, _ = run_mode(model, pool, prompt, args.tokens, args.repeats, graph=False,
+                                     backend=lru, replay=replay)
+            record("host-lru", routing, tps, rates,
+                   {"rows_per_layer": lru.rows,
+                    "hit_rate": lru.hits / max(1, lru.hits + lru.misses),
+                    "pcie_bytes_per_token": lru.bytes_copied / (args.repeats * (args.tokens - 1))})
+            lru.free()
+        replay.uninstall()
+    if resident is not None:
+        resident.free()
+    pool.resize_bank(K)                       # give the bank's memory back before hf-bf16
+    torch.cuda.empty_cache()
+    if "hf-bf16" in args.modes:
+        for impl in ("batched_mm", "grouped_mm"):
+            try:
+                tps, rates = hf_bf16(shape, prompt, args.tokens, args.repeats, impl)
+                record(f"hf-bf16-{impl}", "own-router", tps, rates)
+            except Exception as e:  # noqa: BLE001 (report the failure, keep the other results)
+                print(f"hf-bf16-{impl} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                modes[f"hf-bf16-{impl}"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    # headline ratios
+    def tps(mode, routing="locality"):
+        return modes.get(mode, {}).get(routing, {}).get("tok_per_s")
+    hf = max([v for v in (tps("hf-bf16-batched_mm", "own-router"),
+                          tps("hf-bf16-grouped_mm", "own-router")) if v] or [float("nan")])
+    results["ratios"] = {
+        "pool50_over_uva_eager_locality": (tps("pool-50") or 0) / (tps("uva-eager") or float("nan")),
+        "pool50_over_uva_graph_locality": (tps("pool-50") or 0) / (tps("uva-graph") or float("nan")),
+        "pool50_over_host_lru_locality": (tps("pool-50") or 0) / (tps("host-lru") or float("nan")),
+        "pool50_over_hf_bf16_locality": (tps("pool-50") or 0) / hf,
+        "pool100_over_resident_uniform": (tps("pool-100", "uniform") or 0) / (tps("resident", "uniform") or float("nan")),
+        "pool100_over_resident_locality": (tps("pool-100") or 0) / (tps("resident") or float("nan")),
+    }
+    print("ratios:", {k: round(v, 3) for k, v in results["ratios"].items()})
+    name = "bench_decode_small" if args.small else "bench_decode"
+    save(name, results)
+    layers = modes.get("pool-50", {}).get("locality") or modes.get("pool-50", {}).get("uniform")
+    if layers:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        plot({**results, "gpu": torch.cuda.get_device_name()}, layers, RESULTS / f"{name}.png")
+        print(f"wrote {RESULTS / (name + '.png')}")
+
+
+if __name__ == "__main__":
+    main()
