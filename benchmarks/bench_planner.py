@@ -71,7 +71,8 @@ def bench_plan(args, rng) -> list[dict]:
         for threads in args.threads:
             R = L * N
             items = -(-R // threads) if threads else None
-            shape = {"threads": threads, "items": min(items, 32)} if threads else {}
+            # past 16 items a thread the registers spill: more tiles instead
+            shape = {"threads": threads, "items": min(items, 16)} if threads else {}
             bank = Bank(store, N, staging_rows=lanes, max_lanes=lanes, **shape)
             t, i = bank.plan_block
             for W in args.lanes:

@@ -386,14 +386,14 @@ class PlanStep:
                              f"{self.max_lanes}, got {self.threads}")
         if not 1 <= self.items <= 32:
             raise ValueError(f"items must be in [1, 32], got {self.items}")
-        # first-lane table [E] + touched bitmap [ceil(R/32)], both 4-byte words
-        self.shared_mem = 4 * (self.num_experts + -(-self.num_rows // 32))
+        # first-lane table [E] + hit and taken bitmaps [ceil(R/32)] each, all 4-byte words
+        self.shared_mem = 4 * (self.num_experts + 2 * -(-self.num_rows // 32))
         defines = {"THREADS": self.threads, "ITEMS": self.items}
         dev = self.device.index
         self.kernels = {torch.int32: kernels.function("planner", "plan_step_i32", defines, dev),
                         torch.int64: kernels.function("planner", "plan_step_i64", defines, dev)}
         limit = _shared_mem_limit(dev)
-        static = 16 * self.threads + 8 * 32 + 8
+        static = 20 * self.threads + 4 * 64 + 8 * 6 + 8   # planner.cu's __shared__ arrays
         if self.shared_mem + static > limit:
             raise ValueError(f"the plan step needs {self.shared_mem + static} bytes of shared "
                              f"memory (E={self.num_experts}, R={self.num_rows}), more than the "

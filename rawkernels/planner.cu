@@ -7,19 +7,23 @@
 //
 // Work sketch: one block of THREADS threads (fixed grid: the launch never depends on data).
 // Lane i of the call is thread i (W <= THREADS, checked by the launcher).
-//   A. Clear shared memory: the per-expert "first lane" table [E] and the touched-row bitmap [R].
+//   A. Issue every read that depends on nothing (gate, clock, the lane's id, the first tile of the
+//      LRU order, thread 0's counters and error word) so their latencies overlap; clear shared
+//      memory: the per-expert "first lane" table [E] and two row bitmaps [R] (hit, taken).
 //   B. Lanes: validate the id; atomicMin on the table gives each expert its first lane (dedupe in
-//      first-occurrence order). First lanes read slot_of: a hit stamps last_use and sets its
-//      touched bit (gate open); a block scan numbers the misses j = 0..M-1 in lane order.
+//      first-occurrence order). First lanes read slot_of: a hit stamps last_use and sets its hit
+//      bit (gate open); a block scan numbers the misses j = 0..M-1 in lane order.
 //   C. Gate open and something touched: one pass over the LRU order array. The victims are the
 //      first V = min(M, R - H) entries whose row is not a hit (those are exactly the V smallest
 //      (last_use, row) among rows with last_use < clock, which is what taking the LRU row miss by
 //      miss, in order, yields); every other non-hit entry is compacted in place, in order, to the
-//      front. The array is walked in tiles of THREADS*ITEMS entries, each loaded to registers and
-//      ranked with warp ballots and one block scan of the warp totals.
+//      front. The array is walked in tiles of THREADS*ITEMS entries, each held in registers and
+//      ranked with warp ballots and one block scan of the warp totals. A victim's old key is read
+//      here and its taken bit set.
 //   D. Miss j: j < V takes victim j (its old key loses its row); otherwise staging row R + (j-V)
 //      if j - V < S, else no row (error flag). Each miss writes copy-list entry j.
-//   E. Gate open: the touched rows (hits and victims), in row order, fill the tail of `order`.
+//   E. Gate open (same phase as D; they share no data): the touched rows (hit or taken bit), in
+//      row order, fill the tail of `order`.
 //   F. Each lane writes its route and row address; thread 0 writes n_copies, error, clock, counters.
 //
 // Invariants between launches (the Bank builds the tables; afterwards only this kernel writes them):
@@ -32,17 +36,20 @@
 // Who touches what inside one launch (barriers separate the phases):
 //   - slot_of: B reads the first lanes' keys. D writes victims' old keys (-1) and the misses' keys.
 //     An old key owned a row at the start and a missed key did not, so no address is written
-//     twice, and B's reads are done before D (barrier).
-//   - key_of: D only; row r is read and written by the one thread whose miss took r.
+//     twice, and B's reads are done before D (barriers).
+//   - key_of: C reads a victim's entry (the one thread that found it), D writes it (the thread of
+//     the miss that takes it), after C's last barrier.
 //   - last_use: written only, B on hit rows and D on victim rows (disjoint sets).
-//   - order: C reads each tile into registers before the tile's barrier and then writes ranks
-//     rank - V <= the entry's own index, so a tile only writes entries already read (by itself or
-//     an earlier tile); E writes positions >= R - T, after a barrier.
-//   - touched bitmap: B sets hit bits; C reads them; D sets victim bits after C's last barrier; E
-//     reads all bits after D's barrier.
+//   - order: A and C read each tile into registers before the tile's barrier and C then writes
+//     ranks rank - V <= the entry's own index, so a tile only writes entries already read (by
+//     itself or an earlier tile); E writes positions >= R - T, after C's last barrier.
+//   - hit bitmap: B sets, C reads (after B's scan barrier), E reads. taken bitmap: C sets (no one
+//     reads it in C), E reads after C's last barrier. D touches neither, so D and E overlap.
+//   - s_route: B (hits) and D (misses) write, F reads after E's barrier (or the one standing in
+//     for it when E has nothing to do).
 //   - routes, lane_addr: lane t writes entry t in F. copies[j]: the thread of miss j in D.
-//   - clock/gate: every thread reads them in A; thread 0 writes clock in F, after barriers.
-//   - error, counters, n_copies: thread 0 in F.
+//   - clock/gate/counters/error: read in A (counters and error by thread 0, kept in shared
+//     memory), written by thread 0 in F, after barriers.
 #include "common.cuh"
 
 #ifndef THREADS
@@ -101,6 +108,18 @@ CUPOOL_DEVICE bool test_bit(const u32* bits, int i) { return (bits[i >> 5] >> (i
 
 CUPOOL_DEVICE void set_bit(u32* bits, int i) { atomicOr(&bits[i >> 5], 1u << (i & 31)); }
 
+// This thread's ITEMS entries of the order tile starting at `base` (-1 past R). Warp w owns
+// 32*ITEMS consecutive entries and its lanes read them 32 at a time: every load is one coalesced
+// 128-byte line, and a ballot over j ranks them in index order.
+CUPOOL_DEVICE void load_tile(const i32* order, int R, int base, int (&row)[ITEMS]) {
+    const int first = base + (threadIdx.x >> 5) * 32 * ITEMS + (threadIdx.x & 31);
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {
+        const int idx = first + j * 32;
+        row[j] = idx < R ? order[idx] : -1;
+    }
+}
+
 template <typename Id>
 CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E, i32 R, i32 S,
                              i32* __restrict__ slot_of, i32* __restrict__ key_of,
@@ -111,35 +130,43 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
                              i32* __restrict__ copies, i32* __restrict__ n_copies,
                              i64 rows_base, i64 row_stride) {
     // Dynamic shared memory: first_lane [E] (the lowest lane asking for each expert of this
-    // layer), then the touched-row bitmap [ceil(R/32)] (hits, then also victims).
+    // layer), then two row bitmaps of ceil(R/32) words: hit rows, and rows taken as victims.
     extern __shared__ u32 dyn_smem[];
+    const int nwords = (R + 31) >> 5;
     i32* first_lane = reinterpret_cast<i32*>(dyn_smem);
-    u32* touched = dyn_smem + E;
-    __shared__ i32 s_route[THREADS];      // indexed by a first lane: its expert's row (or -1)
-    __shared__ i32 s_miss_key[THREADS];   // indexed by miss number j (lane order)
-    __shared__ i32 s_miss_lane[THREADS];  // first lane of miss j
-    __shared__ i32 s_victim[THREADS];     // row taken by miss j < V
-    __shared__ i32 s_scratch[2][32];      // block-scan scratch, used alternately
+    u32* hit_bits = dyn_smem + E;
+    u32* taken_bits = hit_bits + nwords;
+    __shared__ i32 s_route[THREADS];       // indexed by a first lane: its expert's row (or -1)
+    __shared__ i32 s_miss_key[THREADS];    // indexed by miss number j (lane order)
+    __shared__ i32 s_miss_lane[THREADS];   // first lane of miss j
+    __shared__ i32 s_victim[THREADS];      // row taken by miss j < V
+    __shared__ i32 s_victim_old[THREADS];  // the key that row held (or -1)
+    __shared__ i32 s_scratch[2][32];       // block-scan scratch, used alternately
+    __shared__ i64 s_old[NUM_COUNTERS + 1];  // this layer's counters and the error word, as read
     __shared__ i32 s_error, s_steals;
 
     const int t = threadIdx.x, lane = t & 31;
-    const int nwords = (R + 31) >> 5;
+
+    // ---- A. independent reads first, then clear shared state ----------------------------------
     const bool open = *gate != 0;
     const i64 now = *clock + (open ? 1 : 0);
-
-    // ---- A. clear shared state --------------------------------------------------------------
-    for (int i = t; i < E; i += THREADS) first_lane[i] = THREADS;
-    for (int i = t; i < nwords; i += THREADS) touched[i] = 0u;
+    const Id id = t < W ? ids[t] : (Id)-1;
+    int row[ITEMS];  // the order tile C works on; the first one is read now
+    load_tile(order, R, 0, row);
     if (t == 0) {
+#pragma unroll
+        for (int k = 0; k < NUM_COUNTERS; ++k) s_old[k] = counters[(i64)layer * NUM_COUNTERS + k];
+        s_old[NUM_COUNTERS] = *error;
         s_error = 0;
         s_steals = 0;
     }
+    for (int i = t; i < E; i += THREADS) first_lane[i] = THREADS;
+    for (int i = t; i < 2 * nwords; i += THREADS) hit_bits[i] = 0u;  // both bitmaps
     __syncthreads();
 
     // ---- B. lanes: validate, dedupe, hit or miss --------------------------------------------
     int e = -1;  // this lane's expert, or -1 for padding / invalid
     if (t < W) {
-        const Id id = ids[t];
         if (id >= 0 && id < (Id)E) e = (int)id;
         else if (id != (Id)-1) atomicOr(&s_error, ERR_BAD_ID);
     }
@@ -154,7 +181,7 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         s_route[t] = slot;
         if (open) {
             last_use[slot] = now;
-            set_bit(touched, slot);
+            set_bit(hit_bits, slot);
         }
     }
     // Misses in the low half, hits in the high half: W <= 1024 keeps both below 2^16.
@@ -173,17 +200,12 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         int nonhit_before = 0;  // non-hit entries in earlier tiles
         int buf = 1;
         for (int base = 0; base < R; base += THREADS * ITEMS) {
-            // Warp w owns 32*ITEMS consecutive entries; its lanes load them 32 at a time, so
-            // every load is one coalesced 128-byte line and a ballot ranks them in index order.
-            const int seg = base + (t >> 5) * 32 * ITEMS;
-            int row[ITEMS];
+            if (base > 0) load_tile(order, R, base, row);
             u32 keep[ITEMS];
             int run = 0;
 #pragma unroll
             for (int j = 0; j < ITEMS; ++j) {
-                const int idx = seg + j * 32 + lane;
-                row[j] = idx < R ? order[idx] : -1;
-                keep[j] = __ballot_sync(FULL_MASK, row[j] >= 0 && !test_bit(touched, row[j]));
+                keep[j] = __ballot_sync(FULL_MASK, row[j] >= 0 && !test_bit(hit_bits, row[j]));
                 run += __popc(keep[j]);
             }
             int tile_total;
@@ -195,57 +217,62 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
             for (int j = 0; j < ITEMS; ++j) {
                 if ((keep[j] >> lane) & 1u) {
                     const int r = rank + __popc(keep[j] & lt);
-                    if (r < V) s_victim[r] = row[j];
-                    else order[r - V] = row[j];
+                    if (r < V) {
+                        s_victim[r] = row[j];
+                        s_victim_old[r] = key_of[row[j]];
+                        set_bit(taken_bits, row[j]);
+                    } else {
+                        order[r - V] = row[j];
+                    }
                 }
                 rank += __popc(keep[j]);
             }
             nonhit_before += tile_total;
         }
     }
-    __syncthreads();  // s_victim and s_miss_* complete; C's reads of `touched` are over
+    __syncthreads();  // s_victim*, s_miss_* and both bitmaps complete; every order read is done
 
     // ---- D. misses: take a victim or a staging row ------------------------------------------
     if (t < M) {
         const int k = s_miss_key[t];
-        int row;
+        int r;
         if (t < V) {
-            row = s_victim[t];
-            const int old = key_of[row];
+            r = s_victim[t];
+            const int old = s_victim_old[t];
             if (old >= 0) {
                 slot_of[old] = -1;
                 if (old / E != layer) atomicAdd(&s_steals, 1);
             }
-            slot_of[k] = row;
-            key_of[row] = k;
-            last_use[row] = now;
-            set_bit(touched, row);
+            slot_of[k] = r;
+            key_of[r] = k;
+            last_use[r] = now;
         } else {
-            row = t - V < S ? R + (t - V) : -1;
+            r = t - V < S ? R + (t - V) : -1;
         }
-        s_route[s_miss_lane[t]] = row;
-        if (row >= 0) {
+        s_route[s_miss_lane[t]] = r;
+        if (r >= 0) {
             copies[2 * t] = k;
-            copies[2 * t + 1] = row;
+            copies[2 * t + 1] = r;
         }
     }
-    __syncthreads();  // s_route, s_steals and the victims' touched bits complete
 
     // ---- E. touched rows, in row order, to the tail of the LRU order --------------------------
     if (open && T > 0) {
         const int per = (nwords + THREADS - 1) / THREADS;
         const int w0 = t * per, w1 = min(w0 + per, nwords);
         int n = 0;
-        for (int w = w0; w < w1; ++w) n += __popc(touched[w]);
+        for (int w = w0; w < w1; ++w) n += __popc(hit_bits[w] | taken_bits[w]);
         int total;
-        int pos = R - T + block_scan(n, s_scratch[0], total);
+        int pos = R - T + block_scan(n, s_scratch[0], total);  // its barrier also ends D
         for (int w = w0; w < w1; ++w) {
-            u32 bits = touched[w];
+            u32 bits = hit_bits[w] | taken_bits[w];
             while (bits) {
                 order[pos++] = w * 32 + (__ffs(bits) - 1);
                 bits &= bits - 1;
             }
         }
+    } else {
+        __syncthreads();  // ends D: s_route and s_steals complete
     }
 
     // ---- F. per-lane outputs and the scalars --------------------------------------------------
@@ -259,15 +286,15 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         const int staged_ok = min(staged, S);
         *n_copies = V + staged_ok;
         const int err = s_error | (staged > S ? ERR_STAGING_OVERFLOW : 0);
-        if (err) *error |= err;
+        if (err) *error = (i32)s_old[NUM_COUNTERS] | err;
         if (open) {
             *clock = now;
             i64* c = counters + (i64)layer * NUM_COUNTERS;
-            c[0] += H;
-            c[1] += M;
-            c[2] += V;
-            c[3] += s_steals;
-            c[4] += staged_ok;
+            c[0] = s_old[0] + H;
+            c[1] = s_old[1] + M;
+            c[2] = s_old[2] + V;
+            c[3] = s_old[3] + s_steals;
+            c[4] = s_old[4] + staged_ok;
         }
     }
 }

@@ -464,7 +464,7 @@ def test_kernel_source_is_race_free_under_thread_sanitizer(gxx, rng):
 @pytest.mark.slow
 def test_thread_sanitizer_catches_a_missing_barrier(gxx):
     src = (_planner_emu.ROOT / "rawkernels" / "planner.cu").read_text()
-    tag = "__syncthreads();  // s_route"
+    tag = "__syncthreads();  // s_victim*"
     assert tag in src
     with pytest.raises(AssertionError, match="ThreadSanitizer|differ|Mismatch|timed out"):
         _planner_emu.run(5, 13, 3, 64, 64, 64, 1, 100, 1, tsan=True,

@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
     i32 gate = 0, error = 0, n_copies = 0;
     std::vector<i32> routes(max_lanes), copies(2 * (size_t)max_lanes);
     std::vector<i64> lane_addr(max_lanes);
-    const std::size_t smem = 4 * ((size_t)E + (R + 31) / 32);
+    const std::size_t smem = 4 * ((size_t)E + 2 * ((R + 31) / 32));  // as cupool.planner.PlanStep
 
     for (long long s = 0; s < steps; ++s) {
         gate = (i32)next();
