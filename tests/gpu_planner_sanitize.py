@@ -22,6 +22,13 @@ def graph_replays(rng, h: Harness, replays: int) -> None:
     calls = [(0, 8), (2, 64), (4, 1), (1, 33)]
     ids_buf = torch.full((len(calls), h.lanes), -1, dtype=torch.int64, device="cuda")
     h.set_gate(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                     # warm-up: gate closed, all padding: no change
+        for c, (layer, W) in enumerate(calls):
+            h.bank.step(layer, ids_buf[c, :W])
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for c, (layer, W) in enumerate(calls):
