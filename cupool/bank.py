@@ -33,6 +33,10 @@ class BankVerifyError(RuntimeError):
         self.problems, self.mismatches = problems, mismatches
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _positive_int(name: str, v, lo: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -137,13 +141,20 @@ class Bank:
     # --- gate ------------------------------------------------------------------------------------
     def open(self, verify: bool = True, sample: int | None = 64) -> None:
         """Open the gate (a device scalar: captured graphs see it). With `verify`, first check the
-        tables and `sample` bank rows (None: all) against the store; raises BankVerifyError."""
+        tables and `sample` bank rows (None: all) against the store; raises BankVerifyError.
+        Call it outside graph capture: the captured graph reads the gate, it must not set it."""
+        if _capturing():
+            raise RuntimeError("Bank.open() during CUDA graph capture would record the gate write "
+                               "into the graph; open the gate before or after capture")
         if verify:
             self.verify(sample)
         self.gate.fill_(1)
 
     def close(self) -> None:
         """Close the gate: later steps stage their misses and leave the placement alone."""
+        if _capturing():
+            raise RuntimeError("Bank.close() during CUDA graph capture would record the gate write "
+                               "into the graph; close the gate before or after capture")
         self.gate.fill_(0)
 
     # --- checks and statistics (host reads; outside the hot path) -------------------------------
@@ -155,7 +166,7 @@ class Bank:
         """Check the tables (owned rows ↔ keys a bijection, last_use ≤ clock, LRU order sorted)
         and compare bank rows with their store rows byte for byte on the GPU: all owned rows, or a
         random `sample` of them. Returns the number of rows compared; raises BankVerifyError."""
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise RuntimeError("Bank.verify() reads the tables back to the host; call it outside "
                                "CUDA graph capture")
         st = self.state()

@@ -293,6 +293,11 @@ def test_step_guards(rng):
         b.step(0, torch.zeros(4, 2, dtype=torch.int32, device="cuda").t())
     with pytest.raises(ValueError, match="layer"):
         b.step(2, torch.zeros(3, dtype=torch.int32, device="cuda"))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for call in (b.open, b.close, b.verify):
+            with pytest.raises(RuntimeError, match="capture"):
+                call()
     routes, addr = b.step(1, torch.tensor([[1, -1], [3, 1]], device="cuda"))
     assert routes.tolist() == [3, -1, 4, 3]            # R = 4: expert 3 is staged in row 4
     h.close()
