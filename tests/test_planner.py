@@ -1,7 +1,5 @@
 """The planner's reference model (the specification), its helpers, and Bank guards that need no GPU."""
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -437,8 +435,9 @@ def test_bank_guards_without_gpu(pageable_store):
 
 @pytest.fixture
 def gxx():
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not on PATH (needed to run the kernel source on CPU threads)")
+    reason = _planner_emu.unavailable()
+    if reason:
+        pytest.skip(f"kernel source on CPU threads: {reason}")
 
 
 @pytest.mark.parametrize("L,E,N,S,lanes,threads,items,steps", [
