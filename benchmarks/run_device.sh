@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# What one device session runs, stage by stage: `benchmarks/run_device.sh tests sanitize bench
+# decode`. Logs and JSON go to $OUT (the device tool's output folder) or .out/; a summary of each
+# stage is printed last.
+set -u
+OUT=${OUT:-.out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+summary=()
+run() {  # name, timeout seconds, command...
+  local name=$1 t=$2; shift 2
+  local t0=$SECONDS
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|ERROR SUMMARY|error' "$OUT/$name.log" | tail -1)")
+}
+for stage in "$@"; do
+  case $stage in
+    tests)    run pytest_gpu 480 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 300 -ra tests ;;
+    sanitize) run memcheck 150 compute-sanitizer --tool memcheck python3 tests/gpu_planner_sanitize.py
+              run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
+    profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
+    bench)    run bench_store 120 python3 benchmarks/bench_store.py --rows 16
+              run bench_nvfp4 120 python3 benchmarks/bench_nvfp4.py
+              run bench_planner 180 python3 benchmarks/bench_planner.py
+              run bench_gemm 240 python3 benchmarks/bench_gemm.py --layers 16 ;;
+    example)  run decode_loop 300 python3 examples/decode_loop.py --json "$OUT/decode_loop.json" ;;
+    decode)   run bench_decode 560 python3 benchmarks/bench_decode.py ;;
+    decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 ;;
+  esac
+done
+cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null
+printf '%s\n' "${summary[@]}"
