@@ -51,7 +51,6 @@ def pcie_h2d_GBps(nbytes: int = 1 << 30) -> float:
     src.random_(0, 255)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     ms = time_ms(lambda: dst.copy_(src, non_blocking=True), warmup=2, iters=10)
-    del src, dst
     return nbytes / ms / 1e6
 
 
@@ -60,7 +59,6 @@ def hbm_copy_GBps(nbytes: int = 2 << 30) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
     b = torch.empty_like(a)
     ms = time_ms(lambda: b.copy_(a), warmup=3, iters=20)
-    del a, b
     return 2 * nbytes / ms / 1e6
 
 
@@ -68,7 +66,6 @@ def hbm_read_GBps(nbytes: int = 2 << 30) -> float:
     """Read-only pass (a sum of int64 words), bytes read, GB/s."""
     a = torch.empty(nbytes // 8, dtype=torch.int64, device="cuda").random_(0, 1 << 20)
     ms = time_ms(lambda: a.sum(), warmup=3, iters=20)
-    del a
     return nbytes / ms / 1e6
 
 

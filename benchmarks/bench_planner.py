@@ -112,7 +112,7 @@ def bench_plan(args, rng) -> list[dict]:
                       f"misses/call), plan+copy {row['plan_copy_us']:.2f} us, gate closed "
                       f"{row['plan_closed_us']:.2f} us")
                 del g_plan, g_step
-            del bank
+            bank = None  # noqa: F841 (free the bank before the next shape)
         store.close()
     return results
 
@@ -170,7 +170,7 @@ def bench_copy(args, rng, ref_GBps: float) -> list[dict]:
               f"memcpy, {r['misses_per_call']:.1f} copies/call); copy kernel alone "
               f"{copy_GBps:6.1f} GB/s ({r['copy_kernel_ratio']:.2f})")
         bank.close()
-        del bank
+        bank = None  # noqa: F841
         store.close()
         torch.cuda.empty_cache()
     return results

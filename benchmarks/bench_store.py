@@ -71,7 +71,6 @@ def main(argv=None):
         print(f"{size:>7}: UVA kernel {uva:6.1f} GB/s ({uva / ref:.2f} of 1 GiB memcpy)   "
               f"memcpy per row {mc:6.1f} GB/s ({mc / ref:.2f})")
         store.close()
-        del dst
     save("bench_store", {"memcpy_h2d_1GiB_GBps": ref, "copy_kernel_blocks": copier.blocks,
                          "results": results})
 

@@ -170,7 +170,7 @@ class Bank:
             raise RuntimeError("Bank.verify() reads the tables back to the host; call it outside "
                                "CUDA graph capture")
         st = self.state()
-        L, E, R = self.num_layers, self.num_experts, self.num_rows
+        L, E = self.num_layers, self.num_experts
         problems = check_tables(L * E, st["slot_of"], st["key_of"], st["last_use"], st["clock"],
                                 st["order"])
         key_of = st["key_of"]

@@ -187,6 +187,9 @@ class MoEGemm:
     def _grid(self, fn, threads: int, smem: int) -> int:
         """Persistent grid: as many blocks as fit on the GPU at once (registers, shared memory,
         threads), so every block starts at once and loops over the items."""
+        key = (id(fn), threads, smem)
+        if key in self._grids:
+            return self._grids[key]
         props = torch.cuda.get_device_properties(self.device)
         regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
         smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)

@@ -65,9 +65,10 @@ class PooledExperts:
             ids = p.replayer.ids_for(self.layer, x.shape[0])
         if p.recorder is not None:
             p.recorder.append(self.layer, ids)
-        if p.backend is not None:                        # benchmarks: a baseline computes it
+        decode = x.shape[0] * p.top_k <= p.bank.max_lanes
+        if p.backend is not None and decode:             # benchmarks: a baseline's decode step
             out = p.backend(self.layer, x, ids, w)
-        elif x.shape[0] * p.top_k <= p.bank.max_lanes:
+        elif decode:
             _, lane_addr = p.bank.step(self.layer, ids)
             out = p.gemm.decode(x, lane_addr, w)
         else:

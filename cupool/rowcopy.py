@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from cupool import _cuda, kernels
+from cupool import kernels
 
 
 class RowCopier:

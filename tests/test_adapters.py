@@ -12,7 +12,6 @@ import weakref
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cupool.adapters import (KIND_HF, KIND_LIST, MoELayerSpec, UnsupportedModelError,
