@@ -142,9 +142,12 @@ def main(argv=None):
                "modes": {}}
     modes = results["modes"]
 
+    out_name = "bench_decode_small" if args.small else "bench_decode"
+
     def record(name, routing, tps, rates, extra=None):
         modes.setdefault(name, {})[routing] = {"tok_per_s": tps, "runs": rates, **(extra or {})}
         print(f"{name:>14} {routing:>9}: {tps:8.1f} tok/s  {extra or ''}"[:200], flush=True)
+        save(out_name, {**results, "partial": True})          # keep what is done if cut short
 
     resident = ResidentBackend(pool) if "resident" in args.modes or "pool" in args.modes else None
     for routing in args.routings:
@@ -208,7 +211,7 @@ def main(argv=None):
         "pool100_over_resident_locality": (tps("pool-100") or 0) / (tps("resident") or float("nan")),
     }
     print("ratios:", {k: round(v, 3) for k, v in results["ratios"].items()})
-    name = "bench_decode_small" if args.small else "bench_decode"
+    name = out_name
     save(name, results)
     layers = modes.get("pool-50", {}).get("locality") or modes.get("pool-50", {}).get("uniform")
     if layers:

@@ -16,6 +16,7 @@ run() {  # name, timeout seconds, command...
 }
 for stage in "$@"; do
   case $stage in
+    wrap)     run pytest_wrap 300 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -ra -s tests/test_gpu_wrap.py tests/test_examples.py ;;
     tests)    run pytest_gpu 480 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 300 -ra tests ;;
     sanitize) run memcheck 150 compute-sanitizer --tool memcheck python3 tests/gpu_planner_sanitize.py
               run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
@@ -29,5 +30,5 @@ for stage in "$@"; do
     decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 ;;
   esac
 done
-cp benchmarks/results/*.json benchmarks/results/*.png "$OUT/" 2>/dev/null
+for f in $COPY; do cp "benchmarks/results/$f" "$OUT/" 2>/dev/null; done   # the tool returns 8 files
 printf '%s\n' "${summary[@]}"

@@ -84,6 +84,17 @@ class GraphDecoder:
             tok.copy_(lg[:, -1, :].argmax(-1, keepdim=True))
             pos.add_(1)
 
+        # transformers' static cache layers count written positions themselves (a device
+        # `cumulative_length` per layer, used as the write index, whatever cache_position says):
+        # warm-up calls advance it, so it is put back to the prompt length before the replays.
+        counters = [(t, t.clone()) for layer in getattr(cache, "layers", [])
+                    for name, t in vars(layer).items()
+                    if name.endswith("cumulative_length") and isinstance(t, torch.Tensor)]
+
+        def rewind():
+            for t, saved in counters:
+                t.copy_(saved)
+
         if max_new_tokens > 1 and not self.graph:
             if self.pool is not None:
                 self.pool.open()
@@ -105,12 +116,14 @@ class GraphDecoder:
                     step()
                     tok.copy_(first)
                     pos.fill_(S)
+                    rewind()
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()
             tok.copy_(first)
             pos.fill_(S)
+            rewind()
             if self.pool is not None:
                 self.pool.open()
             torch.cuda.synchronize(dev)
