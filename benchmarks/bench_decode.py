@@ -90,11 +90,12 @@ def plot(results, pool_layers, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
-    modes = [m for m in results["modes"]]
-    for i, routing in enumerate(("uniform", "locality")):
+    modes = [m for m in results["modes"] if "error" not in results["modes"][m]]
+    for i, routing in enumerate(("uniform", "locality", "own-router")):
         vals = [results["modes"][m].get(routing, {}).get("tok_per_s", 0) for m in modes]
-        a.bar([j + 0.4 * i for j in range(len(modes))], vals, width=0.4, label=routing)
-    a.set_xticks([j + 0.2 for j in range(len(modes))], modes, rotation=45, ha="right")
+        if any(vals):
+            a.bar([j + 0.27 * i for j in range(len(modes))], vals, width=0.27, label=routing)
+    a.set_xticks([j + 0.27 for j in range(len(modes))], modes, rotation=45, ha="right")
     a.set_ylabel("tokens / s (batch 1)")
     a.set_title(f"decode, {results['gpu']}")
     a.legend()
@@ -120,7 +121,17 @@ def main(argv=None):
                                                   "resident", "hf-bf16"])
     p.add_argument("--routings", nargs="+", default=["uniform", "locality"])
     p.add_argument("--small", action="store_true", help="tiny shape (smoke test)")
+    p.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from a results JSON")
     args = p.parse_args(argv)
+    if args.plot_only:
+        import json
+        from pathlib import Path
+        res = json.loads(Path(args.plot_only).read_text())
+        layers = res["modes"].get("pool-50", {}).get("locality")
+        out = Path(args.plot_only).with_suffix(".png")
+        plot(res, layers, out)
+        print(f"wrote {out}")
+        return
     shape = dict(synthetic.TINY) if args.small else dict(synthetic.QWEN3_30B_A3B,
                                                           num_hidden_layers=args.layers)
     L, E, K = shape["num_hidden_layers"], shape["num_experts"], shape["num_experts_per_tok"]

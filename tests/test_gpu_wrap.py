@@ -58,10 +58,25 @@ def compare_tokens(got, ref_tokens, ref_logits):
     return ref_tokens.shape[1]
 
 
+def model_for(family, seed):
+    """A tiny model of `family` in bf16 with expert weights of real-model size (std 0.05).
+
+    tiny_models spreads experts at std 0.2, which makes 64-wide tiny models chaotic in bf16:
+    on the GPU (2026-11-29) OLMoE and Qwen2-MoE prompts then differed from the reference by
+    more than the tolerance at later positions while position 0 agreed."""
+    model = hf_model(family, seed=seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
+                m.gate_up_proj.normal_(0, 0.05)
+                m.down_proj.normal_(0, 0.05)
+    return model.to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_matches_dequantized_reference(family):
     torch.manual_seed(0)
-    model = hf_model(family, seed=1).to(torch.bfloat16)
+    model = model_for(family, seed=1)
     _, (_, E, K, H, I) = FAMILIES[family]
     rows = max(K, E // 2)                          # fewer rows than experts: misses happen
     pool = cupool.wrap(model, rows=rows, max_decode_tokens=2, max_prefill_tokens=64,
@@ -143,7 +158,7 @@ def test_linear_list_model():
     ref = copy.deepcopy(model)
     pool = cupool.wrap(model, rows=3, max_decode_tokens=4, progress=False)
     pool.open()
-    tokens = torch.randint(0, 64, (1, 3), device="cuda")
+    tokens = torch.randint(0, 64, (3,), device="cuda")          # ListMoEModel takes [S]
     with torch.inference_mode():
         out = model(tokens)
     # reference: the deep copy with dequantized weights (from the pool's store) in its experts
