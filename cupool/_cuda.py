@@ -37,16 +37,6 @@ def cupy():
     return cp
 
 
-def cuda_available() -> bool:
-    """True when torch sees a CUDA device and CuPy imports."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        cupy()
-    except CupyMissingError:
-        return False
-    return True
-
 
 def require_gpu(what: str = "this operation") -> None:
     """Raise a clear error when no CUDA device or no CuPy is there."""
@@ -90,13 +80,3 @@ def ptr(t) -> np.uint64:
     if isinstance(t, torch.Tensor):
         return np.uint64(t.data_ptr())
     return np.uint64(t.data.ptr)
-
-
-def as_cupy(t: torch.Tensor):
-    """A CuPy view of a CUDA torch tensor through DLPack (no copy)."""
-    return cupy().from_dlpack(t)
-
-
-def as_torch(a) -> torch.Tensor:
-    """A torch view of a CuPy array through DLPack (no copy)."""
-    return torch.from_dlpack(a)

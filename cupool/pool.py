@@ -117,8 +117,6 @@ class Pool:
         self.layers = [PooledExperts(self, i) for i in range(len(specs))]
         self._route_fn = route_fn or default_route
         self._restore: list = []
-        self._base = bank.rows.data_ptr()
-        self._installed = False
         self.replayer = None     # cupool.trace.Replayer (benchmarks)
         self.recorder = None     # cupool.trace.Recorder
         self.backend = None      # benchmarks: fn(layer, x, ids, w) -> out replacing the pool
@@ -139,7 +137,6 @@ class Pool:
                 self._restore.append(("block", block, block.__dict__.get("forward")))
                 block.forward = types.MethodType(self._block_forward(layer, spec), block)
                 block._cupool = layer
-        self._installed = True
 
     def _block_forward(self, layer: PooledExperts, spec: MoELayerSpec):
         route, k = self._route_fn, spec.top_k
@@ -176,7 +173,6 @@ class Pool:
                         for e in range(self.num_experts)]
                 deq = [tuple(dequantize(q).to(spec.dtype) for q in trio) for trio in mats]
                 spec.restore(deq, self.device)
-        self._installed = False
         self.bank = None
         self.gemm = None
         self.store.close()
@@ -194,7 +190,6 @@ class Pool:
         self.bank = Bank(self.store, rows, staging_rows=staging, max_lanes=max_lanes,
                          device=self.device)
         self.rows_per_layer = rows
-        self._base = self.bank.rows.data_ptr()
 
     # --- gate, checks, stats ------------------------------------------------------------------
     def open(self, verify: bool = True, sample: int | None = 64) -> None:
@@ -227,15 +222,13 @@ class Pool:
         """int64 [E]: device address of layer's experts that own a bank row, 0 for the others."""
         E = self.num_experts
         slot = self.bank.slot_of[layer * E:(layer + 1) * E].to(torch.int64)
-        addr = self._base + slot * self.bank.row_stride
+        addr = self.bank.rows.data_ptr() + slot * self.bank.row_stride
         return torch.where(slot >= 0, addr, torch.zeros_like(addr))
 
     def memory_parts(self) -> list[tuple[str, int, str]]:
         parts = list(self.bank.memory_parts()) + list(self.gemm.memory_parts())
-        pooled = {id(t) for t in (self.bank.rows,)}
         rest = sum(t.numel() * t.element_size() for t in
-                   list(self.model.parameters()) + list(self.model.buffers())
-                   if t.is_cuda and id(t) not in pooled)
+                   list(self.model.parameters()) + list(self.model.buffers()) if t.is_cuda)
         parts.append(("rest of the model", rest, "gpu"))
         return parts
 

@@ -1,7 +1,7 @@
 // Align + remap for the MoE GEMM (moe_gemm.cu): lanes grouped by expert into units of at most NT
 // lanes, each unit with the address of its expert's weights; activations brought to fp16.
 //
-// - align_lanes (decode, W ≤ 1024): lanes arrive with the address the plan step gave them
+// - route_decode (decode, W ≤ 1024, align_block + prep of every token): lanes arrive with the address the plan step gave them
 //   (bank row, staging row, or a host UVA address; 0 = padding). Lanes with the same address are
 //   one expert. Units are numbered in first-occurrence order; lanes keep lane order within a
 //   unit. One block, O(W²/threads) comparisons in shared memory (W is small in decode).
@@ -85,15 +85,7 @@ CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr,   // [W] addre
     if (i == 0) { range[0] = 0; range[1] = total; }
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
-align_lanes(const i64* __restrict__ lane_addr, const float* __restrict__ topk_w, i32 W,
-            i32* __restrict__ range, i64* __restrict__ unit_addr, i32* __restrict__ unit_lanes,
-            i32* __restrict__ unit_count, float* __restrict__ lane_w, u32* __restrict__ amax,
-            i32* __restrict__ error) {
-    align_block(lane_addr, topk_w, W, range, unit_addr, unit_lanes, unit_count, lane_w, amax, error);
-}
-
-// Decode: align_lanes and the activation prep of every token in one launch (one block): each warp
+// Decode: align_block and the activation prep of every token in one launch (one block): each warp
 // converts tokens w, w+32, ... while the block groups lanes. Saves a launch and its latency.
 extern "C" __global__ void __launch_bounds__(1024)
 route_decode(const u16* __restrict__ x, i32 T, i32 H,
