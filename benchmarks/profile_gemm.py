@@ -26,10 +26,34 @@ def table(fn, label, reps=5):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
+def sweep(layers: int = 16):
+    """Decode T=1 layer time for variants of the small decode config (K-split × batch depth)."""
+    import dataclasses
+
+    from bench_gemm import bench_decode
+    from cupool import gemm as G
+    base = G.DECODE_SMALL
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layout = RowLayout(2048, 768)
+    try:
+        for ks, nb, pf in ((4, 8, 1), (4, 8, 0), (8, 4, 1), (8, 2, 1), (16, 2, 1), (16, 1, 1),
+                           (16, 2, 0), (32, 1, 1)):
+            G.DECODE_SMALL = dataclasses.replace(base, ksplit=ks, nb=nb, prefetch_w2=pf)
+            r = bench_decode(layout, 128, 1, 8, layers, gen, 1.0)
+            print(f"sweep ksplit={ks:2d} nb={nb} prefetch_w2={pf}: {r['us_per_layer']:6.1f} us/layer "
+                  f"{r['GBps']:7.0f} GB/s", flush=True)
+    finally:
+        G.DECODE_SMALL = base
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--sweep", action="store_true", help="time decode config variants, then exit")
     args = p.parse_args(argv)
+    if args.sweep:
+        sweep()
+        return
     E, K = args.experts, 8
     layout = RowLayout(2048, 768)
     rows = torch.zeros(E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")

@@ -12,7 +12,7 @@ run() {  # name, timeout seconds, command...
   local t0=$SECONDS
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  summary+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|ERROR SUMMARY|error' "$OUT/$name.log" | tail -1)")
+  summary+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|ERROR SUMMARY|error|Error' "$OUT/$name.log" | tail -1)")
 }
 for stage in "$@"; do
   case $stage in
@@ -21,6 +21,9 @@ for stage in "$@"; do
     sanitize) run memcheck 150 compute-sanitizer --tool memcheck python3 tests/gpu_planner_sanitize.py
               run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
     profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
+    sweep)    run sweep 200 python3 benchmarks/profile_gemm.py --sweep ;;
+    profile-decode) run profile_decode 200 python3 benchmarks/profile_decode.py
+              run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --compile --layers 8 ;;
     bench)    run bench_store 120 python3 benchmarks/bench_store.py --rows 16
               run bench_nvfp4 120 python3 benchmarks/bench_nvfp4.py
               run bench_planner 180 python3 benchmarks/bench_planner.py
@@ -30,5 +33,5 @@ for stage in "$@"; do
     decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 ;;
   esac
 done
-for f in $COPY; do cp "benchmarks/results/$f" "$OUT/" 2>/dev/null; done   # the tool returns 8 files
+for f in ${COPY:-}; do cp "benchmarks/results/$f" "$OUT/" 2>/dev/null; done   # the tool returns 8 files
 printf '%s\n' "${summary[@]}"

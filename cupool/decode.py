@@ -39,11 +39,17 @@ class GraphDecoder:
         warmup: decode calls before capture.
         graph: False runs the same decode step eagerly, one launch at a time (for baselines that
             cannot be captured, e.g. host-side caches).
+        compile: run the decode step through `torch.compile` (inductor, no cudagraphs of its own;
+            the step is still captured by this class). The pooled experts stay one opaque op
+            each (`cupool::experts`); what is fused is the model's dense part (norms, rotary,
+            router, residuals). The first warm-up call compiles (tens of seconds for a deep model).
     """
 
-    def __init__(self, model, pool=None, *, max_len: int, warmup: int = 3, graph: bool = True):
+    def __init__(self, model, pool=None, *, max_len: int, warmup: int = 3, graph: bool = True,
+                 compile: bool = False):
         self.model, self.pool, self.max_len, self.warmup = model, pool, int(max_len), int(warmup)
         self.graph = bool(graph)
+        self.compiled = torch.compile(model, dynamic=False) if compile else None
         self.device = next(model.parameters()).device
         if self.device.type != "cuda":
             raise ValueError(f"the model must be on a CUDA device, it is on {self.device}")
@@ -78,8 +84,10 @@ class GraphDecoder:
         out[:, 0:1] = tok
         pos = torch.tensor([S], dtype=torch.long, device=dev)
 
+        forward = self.compiled or model
+
         def step():
-            lg = model(input_ids=tok, past_key_values=cache, use_cache=True,
+            lg = forward(input_ids=tok, past_key_values=cache, use_cache=True,
                        cache_position=pos).logits
             tok.copy_(lg[:, -1, :].argmax(-1, keepdim=True))
             pos.add_(1)

@@ -18,6 +18,7 @@ The gate starts closed (warm-up and capture must not move the placement); `pool.
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,8 @@ class PooledExperts:
 
     def __init__(self, pool: "Pool", layer: int):
         self.pool, self.layer = pool, layer
+        self.key = id(self)
+        _LAYERS[self.key] = self
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -79,13 +82,41 @@ class PooledExperts:
         return out.reshape(hidden_states.shape)
 
 
+# torch.compile: dynamo cannot trace the raw kernel launches, so under compilation a pooled layer
+# is the opaque op cupool::experts (its key names the PooledExperts); the rest of the model is
+# compiled around it. Eager calls skip the dispatcher.
+_LAYERS: "weakref.WeakValueDictionary[int, PooledExperts]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("cupool::experts", mutates_args=())
+def experts_op(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor, key: int) -> torch.Tensor:
+    """[T, H], [T, K], [T, K] -> [T, H]: the PooledExperts registered under `key`."""
+    layer = _LAYERS.get(key)
+    if layer is None:
+        raise RuntimeError(f"cupool::experts: no pooled layer with key {key} (the pool was unwrapped "
+                           f"or freed; recompile after wrapping again)")
+    return layer(hidden_states, top_k_index, top_k_weights)
+
+
+@experts_op.register_fake
+def _experts_fake(hidden_states, top_k_index, top_k_weights, key):
+    return torch.empty_like(hidden_states)
+
+
+def call_pooled(layer: "PooledExperts", hidden_states, top_k_index, top_k_weights):
+    if torch.compiler.is_compiling():
+        return experts_op(hidden_states, top_k_index, top_k_weights, layer.key)
+    return layer(hidden_states, top_k_index, top_k_weights)
+
+
 def _hf_experts_forward(module, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
     """The "cupool" entry of transformers' experts interface."""
     pooled = getattr(module, "_cupool", None)
     if pooled is None:
         raise RuntimeError(f"{type(module).__name__} uses the 'cupool' experts implementation but "
                            f"was not wrapped by cupool.wrap (or was unwrapped)")
-    return pooled(hidden_states, top_k_index, top_k_weights)
+    return call_pooled(pooled, hidden_states, top_k_index, top_k_weights)
 
 
 def _register_hf() -> None:
@@ -145,7 +176,7 @@ class Pool:
             shape = hidden_states.shape
             x = hidden_states.reshape(-1, shape[-1])
             ids, w = route(block, x, k)
-            return layer(x, ids, w).reshape(shape)
+            return call_pooled(layer, x, ids, w).reshape(shape)
         return forward
 
     def unwrap(self, *, restore_weights: bool = True) -> None:
