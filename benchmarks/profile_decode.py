@@ -44,7 +44,7 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true")
     args = p.parse_args(argv)
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=args.layers)
-    E, K = shape["num_experts"], shape["num_experts_per_tok"]
+    E = shape["num_experts"]
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
     model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, **shape)
     gen = torch.Generator(device="cuda").manual_seed(0)
