@@ -38,6 +38,9 @@ from cupool import synthetic, trace as tr
 from _baselines import HostLRUBackend, ResidentBackend, UVABackend
 
 
+COMPILE = False     # --compile: every decode step of every mode through torch.compile
+
+
 def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, replay=None,
              rows=None):
     """Median tok/s over `repeats` runs; pool counters of the last run."""
@@ -51,7 +54,8 @@ def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, 
                 replay.step.zero_()
                 replay.install()
         dec = cupool.GraphDecoder(model, pool if backend is None else None,
-                                  max_len=prompt.shape[1] + tokens, graph=graph)
+                                  max_len=prompt.shape[1] + tokens, graph=graph,
+                                  compile=COMPILE)
         res = dec.generate(prompt, tokens)
         rates.append(res.tokens_per_s)
         if pool is not None and backend is None:
@@ -70,15 +74,18 @@ def pool_figures(stats, tokens, row_bytes):
             "rows_owned": [s["rows_owned"] for s in stats]}
 
 
-def hf_bf16(shape, prompt, tokens, repeats, impl):
+def hf_bf16(shape, prompt, tokens, repeats, impl, compile=False):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
     cfg = Qwen3MoeConfig(**shape, dtype=torch.bfloat16, tie_word_embeddings=False)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     model.set_experts_implementation(impl)
+    global COMPILE
+    saved, COMPILE = COMPILE, compile
     try:
         tps, rates, _ = run_mode(model, None, prompt, tokens, repeats)
     finally:
+        COMPILE = saved
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -122,7 +129,14 @@ def main(argv=None):
     p.add_argument("--routings", nargs="+", default=["uniform", "locality"])
     p.add_argument("--small", action="store_true", help="tiny shape (smoke test)")
     p.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from a results JSON")
+    p.add_argument("--compile", action="store_true",
+                   help="run each mode's decode step through torch.compile (the dense part fused; "
+                        "cupool's layers stay opaque ops); hf-bf16 is measured both ways")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the modes already in the results JSON that this run does not measure")
     args = p.parse_args(argv)
+    global COMPILE
+    COMPILE = args.compile
     if args.plot_only:
         import json
         from pathlib import Path
@@ -153,7 +167,14 @@ def main(argv=None):
                "modes": {}}
     modes = results["modes"]
 
-    out_name = "bench_decode_small" if args.small else "bench_decode"
+    out_name = ("bench_decode_small" if args.small else "bench_decode") + \
+        ("_compiled" if args.compile else "")
+    if args.merge and (RESULTS / f"{out_name}.json").exists():
+        import json
+        old = json.loads((RESULTS / f"{out_name}.json").read_text())
+        modes.update({k: v for k, v in old.get("modes", {}).items()})
+        print(f"merging into {out_name}.json: kept {sorted(old.get('modes', {}))}", flush=True)
+    results["compile"] = args.compile
 
     def record(name, routing, tps, rates, extra=None):
         modes.setdefault(name, {})[routing] = {"tok_per_s": tps, "runs": rates, **(extra or {})}
@@ -201,13 +222,17 @@ def main(argv=None):
     pool.resize_bank(K)                       # give the bank's memory back before hf-bf16
     torch.cuda.empty_cache()
     if "hf-bf16" in args.modes:
-        for impl in ("batched_mm", "grouped_mm"):
+        variants = [(impl, False) for impl in ("batched_mm", "grouped_mm")]
+        if args.compile:
+            variants.append(("batched_mm", True))
+        for impl, comp in variants:
+            name = f"hf-bf16-{impl}" + ("-compiled" if comp else "")
             try:
-                tps, rates = hf_bf16(shape, prompt, args.tokens, args.repeats, impl)
-                record(f"hf-bf16-{impl}", "own-router", tps, rates)
+                tps, rates = hf_bf16(shape, prompt, args.tokens, args.repeats, impl, comp)
+                record(name, "own-router", tps, rates)
             except Exception as e:  # noqa: BLE001 (report the failure, keep the other results)
-                print(f"hf-bf16-{impl} failed: {type(e).__name__}: {e}", file=sys.stderr)
-                modes[f"hf-bf16-{impl}"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+                print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                modes[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
     # headline ratios
     def tps(mode, routing="locality"):
         return modes.get(mode, {}).get(routing, {}).get("tok_per_s")
@@ -218,6 +243,8 @@ def main(argv=None):
         "pool50_over_uva_graph_locality": (tps("pool-50") or 0) / (tps("uva-graph") or float("nan")),
         "pool50_over_host_lru_locality": (tps("pool-50") or 0) / (tps("host-lru") or float("nan")),
         "pool50_over_hf_bf16_locality": (tps("pool-50") or 0) / hf,
+        "pool50_over_hf_bf16_compiled_locality":
+            (tps("pool-50") or 0) / (tps("hf-bf16-batched_mm-compiled", "own-router") or float("nan")),
         "pool100_over_resident_uniform": (tps("pool-100", "uniform") or 0) / (tps("resident", "uniform") or float("nan")),
         "pool100_over_resident_locality": (tps("pool-100") or 0) / (tps("resident") or float("nan")),
     }

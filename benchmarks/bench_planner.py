@@ -29,6 +29,7 @@ from _common import pcie_h2d_GBps, save, time_ms
 from cupool import HostStore, kernels
 from cupool.bank import Bank
 from cupool.planner import launch_shape
+from cupool.rowcopy import RowCopier
 
 
 def routing(rng, E: int, K: int, W: int, shape: tuple) -> np.ndarray:
@@ -160,15 +161,36 @@ def bench_copy(args, rng, ref_GBps: float) -> list[dict]:
         copy_ms = time_ms(bank.copy_rows, warmup=3, iters=args.copy_iters, setup=pick)
         copy_GBps = M * row / copy_ms / 1e6
         bank.verify()
+        # the same M rows moved by M cudaMemcpyAsync calls (the copy engine on this row size)
+        host_rows = [store.row(k // E, k % E) for k in range(M)]
+        dst_rows = [bank.rows[bank.num_rows + j, :row] for j in range(M)]
+        memcpy_ms = time_ms(lambda: [d.copy_(torch.from_numpy(h), non_blocking=True)
+                                     for d, h in zip(dst_rows, host_rows)],
+                            warmup=3, iters=args.copy_iters)
+        memcpy_rows_GBps = M * row / memcpy_ms / 1e6
+        sweep = []
+        for blocks_per_sm, threads, unroll in (args.copy_sweep or []):
+            copier = RowCopier(bank.src_of_key, row, bank.rows, M, unroll=unroll, threads=threads,
+                               blocks=blocks_per_sm * torch.cuda.get_device_properties(0).multi_processor_count)
+            ms = time_ms(lambda: copier(bank.copies, bank.n_copies), warmup=3,
+                         iters=args.copy_iters, setup=pick)
+            g = M * row / ms / 1e6
+            sweep.append({"blocks_per_sm": blocks_per_sm, "threads": threads, "unroll": unroll,
+                          "GBps": g, "ratio": g / ref_GBps})
+            print(f"   copy sweep {blocks_per_sm} blocks/SM x {threads} threads, unroll {unroll}: "
+                  f"{g:6.1f} GB/s ({g / ref_GBps:.2f})", flush=True)
+        bank.verify()
         r = {"row_MiB": mib, "row_bytes": row, "store_bytes": store.nbytes, "misses_per_call":
              sum(moved) / row / len(moved), "step_GBps": step_GBps, "step_ratio": step_GBps / ref_GBps,
              "step_GBps_median_call": statistics.median(per_call) if per_call else 0.0,
              "copy_kernel_GBps": copy_GBps, "copy_kernel_ratio": copy_GBps / ref_GBps,
-             "copy_grid": bank.copy_grid}
+             "copy_grid": bank.copy_grid, "memcpy_same_rows_GBps": memcpy_rows_GBps,
+             "copy_kernel_over_memcpy_same_rows": copy_GBps / memcpy_rows_GBps, "copy_sweep": sweep}
         results.append(r)
         print(f"{mib:4.1f} MiB rows: plan+copy {step_GBps:6.1f} GB/s ({r['step_ratio']:.2f} of "
               f"memcpy, {r['misses_per_call']:.1f} copies/call); copy kernel alone "
-              f"{copy_GBps:6.1f} GB/s ({r['copy_kernel_ratio']:.2f})")
+              f"{copy_GBps:6.1f} GB/s ({r['copy_kernel_ratio']:.2f}); {M} cudaMemcpyAsync of "
+              f"these rows {memcpy_rows_GBps:6.1f} GB/s")
         bank.close()
         bank = None  # noqa: F841
         store.close()
@@ -197,6 +219,8 @@ def main(argv=None):
     p.add_argument("--copy-rows", type=int, default=8, help="bank rows per layer (copy part)")
     p.add_argument("--copy-iters", type=int, default=40)
     p.add_argument("--store-gib", type=float, default=1.0, help="host store size (copy part)")
+    p.add_argument("--copy-sweep", nargs="+", type=lambda v: tuple(int(x) for x in v.split(",")),
+                   metavar="BLOCKS_PER_SM,THREADS,UNROLL", help="also time these copy-kernel grids")
     p.add_argument("--skip-plan", action="store_true")
     p.add_argument("--skip-copy", action="store_true")
     args = p.parse_args(argv)

@@ -35,13 +35,17 @@ def sweep(layers: int = 16):
     base = G.DECODE_SMALL
     gen = torch.Generator(device="cuda").manual_seed(0)
     layout = RowLayout(2048, 768)
+    probe = MoEGemm(layout, 8, torch.bfloat16, max_decode_tokens=1)
     try:
-        for ks, nb, pf in ((4, 8, 1), (4, 8, 0), (8, 4, 1), (8, 2, 1), (16, 2, 1), (16, 1, 1),
-                           (16, 2, 0), (32, 1, 1)):
-            G.DECODE_SMALL = dataclasses.replace(base, ksplit=ks, nb=nb, prefetch_w2=pf)
+        for ks, nb, kc, minb in ((4, 8, 1024, 1), (4, 8, 1024, 3), (4, 8, 2048, 1), (4, 8, 2048, 3),
+                                 (8, 4, 2048, 1), (8, 4, 2048, 3), (8, 2, 2048, 3), (16, 2, 2048, 3),
+                                 (4, 4, 2048, 4)):
+            cfg = dataclasses.replace(base, ksplit=ks, nb=nb, kc=kc, minb=minb)
+            G.DECODE_SMALL = cfg
             r = bench_decode(layout, 128, 1, 8, layers, gen, 1.0)
-            print(f"sweep ksplit={ks:2d} nb={nb} prefetch_w2={pf}: {r['us_per_layer']:6.1f} us/layer "
-                  f"{r['GBps']:7.0f} GB/s", flush=True)
+            regs = [probe._gemm(cfg, k).num_regs for k in ("moe_w13", "moe_w2")]
+            print(f"sweep ksplit={ks:2d} nb={nb} kc={kc} minb={minb}: {r['us_per_layer']:6.1f} us/layer "
+                  f"{r['GBps']:7.0f} GB/s  regs w13/w2 {regs}", flush=True)
     finally:
         G.DECODE_SMALL = base
 

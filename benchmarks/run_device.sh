@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one device session runs, stage by stage: `benchmarks/run_device.sh tests sanitize bench
 # decode`. Logs and JSON go to $OUT (the device tool's output folder) or .out/; a summary of each
-# stage is printed last.
+# stage is printed last. BUNDLE=1 packs logs and benchmarks/results/ into $OUT/bundle.tgz.
 set -u
 OUT=${OUT:-.out}
 mkdir -p "$OUT"
@@ -26,12 +26,19 @@ for stage in "$@"; do
               run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --compile --layers 8 ;;
     bench)    run bench_store 120 python3 benchmarks/bench_store.py --rows 16
               run bench_nvfp4 120 python3 benchmarks/bench_nvfp4.py
-              run bench_planner 180 python3 benchmarks/bench_planner.py
+              run bench_planner 180 python3 benchmarks/bench_planner.py --copy-sweep 1,512,8 1,1024,8 2,512,4 2,512,16 4,256,8 1,1024,16 4,512,8
               run bench_gemm 240 python3 benchmarks/bench_gemm.py --layers 16 ;;
     example)  run decode_loop 300 python3 examples/decode_loop.py --json "$OUT/decode_loop.json" ;;
     decode)   run bench_decode 560 python3 benchmarks/bench_decode.py ;;
     decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 ;;
+    decode-compile-small) run bench_decode_small_compiled 300 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 2 --compile ;;
+    decode-compile) run bench_decode_compiled 590 python3 benchmarks/bench_decode.py --compile --modes pool resident uva-graph hf-bf16 ;;
+    decode-compile-eager) run bench_decode_compiled_eager 590 python3 benchmarks/bench_decode.py --compile --merge --modes uva-eager host-lru ;;
   esac
 done
 for f in ${COPY:-}; do cp "benchmarks/results/$f" "$OUT/" 2>/dev/null; done   # the tool returns 8 files
+if [ -n "${BUNDLE:-}" ]; then   # everything in one file: logs and every results file
+  cp -r benchmarks/results "$OUT/results"
+  tar czf bundle.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv bundle.tgz "$OUT/"
+fi
 printf '%s\n' "${summary[@]}"

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 
 import torch
+
+# Per model, shared by every GraphDecoder on it: the compiled forward and the static cache (reset
+# between runs). A new cache object per run would make torch.compile guard-fail and recompile.
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -49,14 +55,24 @@ class GraphDecoder:
                  compile: bool = False):
         self.model, self.pool, self.max_len, self.warmup = model, pool, int(max_len), int(warmup)
         self.graph = bool(graph)
-        self.compiled = torch.compile(model, dynamic=False) if compile else None
+        self.compiled = None
+        if compile:
+            if model not in _COMPILED:
+                _COMPILED[model] = torch.compile(model, dynamic=False)
+            self.compiled = _COMPILED[model]
         self.device = next(model.parameters()).device
         if self.device.type != "cuda":
             raise ValueError(f"the model must be on a CUDA device, it is on {self.device}")
 
-    def _cache(self):
+    def _cache(self, batch: int):
         from transformers import StaticCache  # noqa: PLC0415
-        return StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        key, cache = _CACHES.get(self.model, (None, None))
+        if key == (self.max_len, batch):
+            cache.reset()
+            return cache
+        cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        _CACHES[self.model] = ((self.max_len, batch), cache)
+        return cache
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> DecodeResult:
@@ -72,7 +88,7 @@ class GraphDecoder:
         ids = input_ids.to(dev)
         if self.pool is not None:
             self.pool.close()
-        cache = self._cache()
+        cache = self._cache(B)
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True,

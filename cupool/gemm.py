@@ -30,6 +30,7 @@ ERROR_NAMES = {ERR_BAD_ID: "expert id outside [0, E)", ERR_BAD_WEIGHT: "non-fini
                ERR_CHUNKS: "more host experts than scratch chunks (internal)"}
 
 _DTYPES = {torch.bfloat16: 1, torch.float16: 0}
+_W_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # route_decode's W_DTYPE
 
 
 def check_activations(x: torch.Tensor, hidden: int, name: str = "hidden_states") -> None:
@@ -75,6 +76,7 @@ class _Config:
     nb: int          # 64-column chunks in flight per warp
     reduce: int      # 0: deterministic last-block top-k sum, 1: fp32 atomics
     prefetch_w2: int
+    minb: int = 1    # blocks per SM the kernels' register use must allow
 
 
 # Decode: one token per unit is typical, so K is split over 4 warps and each warp keeps its whole
@@ -169,13 +171,16 @@ class MoEGemm:
         return {**self.layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit,
                 "WARPS_M": cfg.warps_m, "KC": min(cfg.kc, self.layout.hp), "NB": cfg.nb,
                 "OUT_BF16": _DTYPES[self.dtype], "REDUCE": cfg.reduce,
-                "PREFETCH_W2": cfg.prefetch_w2}
+                "PREFETCH_W2": cfg.prefetch_w2, "MINB": cfg.minb}
 
     def _gemm(self, cfg: _Config, name: str):
         return kernels.function("moe_gemm", name, self._defines(cfg), self.device)
 
-    def _align(self, cfg: _Config, name: str, ids64: int = 1):
-        d = {"NT": cfg.nt, "HP": self.layout.hp, "IN_BF16": _DTYPES[self.dtype], "IDS64": ids64}
+    def _align(self, cfg: _Config, name: str, x: torch.Tensor, ids64: int = 1, w_dtype: int = 0):
+        # 16-byte loads of x where its rows allow them (H % 8 == 0, 16-byte aligned base)
+        xvec = int(self.layout.hidden % 8 == 0 and x.data_ptr() % 16 == 0)
+        d = {"NT": cfg.nt, "HP": self.layout.hp, "IN_BF16": _DTYPES[self.dtype], "IDS64": ids64,
+             "XVEC": xvec, "W_DTYPE": w_dtype}
         return kernels.function("moe_align", name, d, self.device)
 
     def _smem(self, cfg: _Config, ns: int) -> int:
@@ -246,8 +251,10 @@ class MoEGemm:
         out = self._out(x, out)
         cfg = DECODE_SMALL if T * K <= 64 else DECODE_WIDE
         d = self._d
-        w = topk_weights.reshape(-1).to(torch.float32)
-        kernels.launch(self._align(cfg, "route_decode"), 1, 1024, (
+        w = topk_weights.reshape(-1)
+        if w.dtype not in _W_DTYPES or not w.is_contiguous():
+            w = w.to(torch.float32).contiguous()
+        kernels.launch(self._align(cfg, "route_decode", x, w_dtype=_W_DTYPES[w.dtype]), 1, 1024, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), d["xh"], d["xscale"],
             lane_addr.reshape(-1), w, kernels.i32(T * K), d["range"], d["unit_addr"],
             d["unit_lanes"], d["unit_count"], d["lane_w"], d["amax"], self.error), device=self.device)
@@ -282,11 +289,15 @@ class MoEGemm:
         out = self._out(x, out)
         p, cfg = self._p, PREFILL
         ids = topk_ids.reshape(-1)
-        w = topk_weights.reshape(-1).to(torch.float32)
+        w = topk_weights.reshape(-1)
+        if w.dtype not in _W_DTYPES or not w.is_contiguous():
+            w = w.to(torch.float32).contiguous()
         nchunks = p["nchunks"] if host_addr is not None else 0
-        kernels.launch(self._align(cfg, "prep_x"), T, 256,
-                       (x, kernels.i32(self.layout.hidden), p["xh"], p["xscale"]), device=self.device)
-        kernels.launch(self._align(cfg, "align_experts", int(ids.dtype == torch.int64)), 1, 1024, (
+        kernels.launch(self._align(cfg, "prep_x", x), -(-T // 8), 256,
+                       (x, kernels.i32(T), kernels.i32(self.layout.hidden), p["xh"], p["xscale"]),
+                       device=self.device)
+        kernels.launch(self._align(cfg, "align_experts", x, int(ids.dtype == torch.int64),
+                                   _W_DTYPES[w.dtype]), 1, 1024, (
             ids, w, kernels.i32(T * K), kernels.i32(E), kernels.i32(layer), expert_addr,
             kernels.i64(p["scratch"].data_ptr()), kernels.i64(p["scratch"].stride(0)),
             kernels.i32(self.scratch_rows), kernels.i32(nchunks), p["phase_off"], p["unit_addr"],

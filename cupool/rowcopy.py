@@ -20,11 +20,12 @@ class RowCopier:
         dst: uint8 CUDA tensor [rows, row_stride] receiving the rows.
         max_copies: capacity of the copy list.
         blocks, threads: the fixed grid (default: 2 blocks per SM, 512 threads).
+        unroll: 16-byte loads in flight per thread.
     """
 
     def __init__(self, src_of_key: torch.Tensor, row_bytes: int, dst: torch.Tensor,
                  max_copies: int, *, blocks: int | None = None, threads: int = 512,
-                 unroll: int = 4):
+                 unroll: int = 8):
         if src_of_key.dtype != torch.int64 or not src_of_key.is_cuda or src_of_key.dim() != 1:
             raise TypeError(f"src_of_key must be a 1-D int64 CUDA tensor, got "
                             f"{src_of_key.dtype} {tuple(src_of_key.shape)} on {src_of_key.device}")
@@ -42,6 +43,10 @@ class RowCopier:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.blocks = int(blocks or 2 * sms)
         self.threads = int(threads)
+        if not 0 < self.threads <= 1024 or self.threads % 32:
+            raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+        if (row_bytes // 16 // self.blocks + 1) * 256 >= 2 ** 31:   # the kernel's int (copy, unit) index
+            raise ValueError(f"row_bytes={row_bytes} is too large for {self.blocks} blocks; use more blocks")
         self.kernel = kernels.function("rowcopy", "copy_rows", {"UNROLL": unroll}, dev)
 
     def __call__(self, copies: torch.Tensor, n_copies: torch.Tensor) -> None:

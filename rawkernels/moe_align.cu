@@ -10,7 +10,8 @@
 //   in chunks of C experts (phase 1 + chunk), each with a copy list for the row-copy kernel, so
 //   every non-resident expert crosses PCIe once per call. Units are ordered by (phase, expert);
 //   lane order within an expert is not fixed (atomics), which only reorders a sum.
-// - prep_x: per token, a power-of-two scale s and fp16 x/s (exact for bf16 inputs), padded to HP.
+// - prep_x: per token (one warp each), a power-of-two scale s and fp16 x/s (exact for bf16 inputs),
+//   padded to HP; route_decode runs the same prep_row.
 //
 // Both align kernels write lane_w[W] (router weight, 0 for padding and for rejected lanes) and
 // zero amax[W]; they set sticky bits in `error`: 1 = expert id outside [0, E) (align_experts),
@@ -36,8 +37,22 @@
 
 CUPOOL_DEVICE bool finite(float w) { return (__float_as_uint(w) & 0x7f800000u) != 0x7f800000u; }
 
+// Router weight of lane i as float, from the router's own dtype (decode: no cast launch).
+#ifndef W_DTYPE
+#define W_DTYPE 0         // topk weights: 0 float32, 1 bfloat16, 2 float16
+#endif
+CUPOOL_DEVICE float load_weight(const void* w, int i) {
+#if W_DTYPE == 0
+    return reinterpret_cast<const float*>(w)[i];
+#elif W_DTYPE == 1
+    return bf16_to_f32(reinterpret_cast<const u16*>(w)[i]);
+#else
+    return f16_to_f32(reinterpret_cast<const u16*>(w)[i]);
+#endif
+}
+
 CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr,   // [W] address, 0 = padding
-                               const float* __restrict__ topk_w,    // [W]
+                               const void* __restrict__ topk_w,     // [W] W_DTYPE
                                i32 W,
                                i32* __restrict__ range,             // [2] out: 0, units
                                i64* __restrict__ unit_addr,         // [W] out
@@ -53,7 +68,7 @@ CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr,   // [W] addre
     i64 a = 0;
     if (i < W) {
         a = lane_addr[i];
-        float w = topk_w[i];
+        float w = load_weight(topk_w, i);
         if (a != 0 && !finite(w)) { atomicOr(error, ERR_BAD_WEIGHT); a = 0; }
         lane_w[i] = a != 0 ? w : 0.0f;
         amax[i] = 0u;
@@ -85,49 +100,93 @@ CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr,   // [W] addre
     if (i == 0) { range[0] = 0; range[1] = total; }
 }
 
+#ifndef XVEC
+#define XVEC 0            // 1: H % 8 == 0 and x 16-byte aligned (the launcher checks)
+#endif
+#define XLOADS 8          // 16-byte loads in flight per lane: a 2048-wide row in one round trip
+
+CUPOOL_DEVICE float in_to_f32(u16 h) {
+#if IN_BF16
+    return bf16_to_f32(h);
+#else
+    return f16_to_f32(h);
+#endif
+}
+
+CUPOOL_DEVICE float abs_nan_max(float m, float v) {
+    return (m != m || v != v) ? __int_as_float(0x7fffffff) : fmaxf(m, fabsf(v));
+}
+
+// One warp brings token row t to fp16: xh[t] = x[t] / s, s = pow2_scale(max |x[t]|), zero-padded
+// to HP. With XVEC the row is read in 16-byte words, XLOADS per lane in flight, twice (the second
+// pass hits L1).
+CUPOOL_DEVICE void prep_row(const u16* __restrict__ row, i32 H, u16* __restrict__ out,
+                            float* __restrict__ scale, int lane) {
+    float m = 0.0f;
+#if XVEC
+    for (int k0 = lane * 8; k0 < H; k0 += 32 * 8 * XLOADS) {
+        u32x4 v[XLOADS];
+#pragma unroll
+        for (int j = 0; j < XLOADS; ++j) {
+            const int k = k0 + j * 256;
+            v[j] = k < H ? *reinterpret_cast<const u32x4*>(row + k) : u32x4{0u, 0u, 0u, 0u};
+        }
+#pragma unroll
+        for (int j = 0; j < XLOADS; ++j) {
+            const u32 words[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                m = abs_nan_max(m, in_to_f32((u16)(words[q] & 0xffffu)));
+                m = abs_nan_max(m, in_to_f32((u16)(words[q] >> 16)));
+            }
+        }
+    }
+#else
+    for (int k = lane; k < H; k += 32) m = abs_nan_max(m, in_to_f32(row[k]));
+#endif
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float n = __shfl_xor_sync(0xffffffffu, m, o);
+        m = (m != m || n != n) ? __int_as_float(0x7fffffff) : fmaxf(m, n);
+    }
+    const float s = pow2_scale(m), inv = 1.0f / s;
+#if XVEC
+    for (int k = lane * 8; k < HP; k += 256) {
+        u32x4 v = {0u, 0u, 0u, 0u};
+        if (k < H) v = *reinterpret_cast<const u32x4*>(row + k);
+        u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const u32 lo = f32_to_f16(in_to_f32((u16)(words[q] & 0xffffu)) * inv);
+            const u32 hi = f32_to_f16(in_to_f32((u16)(words[q] >> 16)) * inv);
+            words[q] = lo | (hi << 16);
+        }
+        *reinterpret_cast<u32x4*>(out + k) = u32x4{words[0], words[1], words[2], words[3]};
+    }
+#else
+    for (int k = lane; k < HP; k += 32) out[k] = f32_to_f16(k < H ? in_to_f32(row[k]) * inv : 0.0f);
+#endif
+    if (lane == 0) *scale = s;
+}
+
 // Decode: align_block and the activation prep of every token in one launch (one block): each warp
 // converts tokens w, w+32, ... while the block groups lanes. Saves a launch and its latency.
 extern "C" __global__ void __launch_bounds__(1024)
 route_decode(const u16* __restrict__ x, i32 T, i32 H,
              u16* __restrict__ xh, float* __restrict__ xscale,
-             const i64* __restrict__ lane_addr, const float* __restrict__ topk_w, i32 W,
+             const i64* __restrict__ lane_addr, const void* __restrict__ topk_w, i32 W,
              i32* __restrict__ range, i64* __restrict__ unit_addr, i32* __restrict__ unit_lanes,
              i32* __restrict__ unit_count, float* __restrict__ lane_w, u32* __restrict__ amax,
              i32* __restrict__ error) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    for (int t = warp; t < T; t += blockDim.x >> 5) {
-        const u16* row = x + (i64)t * H;
-        float m = 0.0f;
-        for (int k = lane; k < H; k += 32) {
-#if IN_BF16
-            const float v = bf16_to_f32(row[k]);
-#else
-            const float v = f16_to_f32(row[k]);
-#endif
-            m = (m != m || v != v) ? __int_as_float(0x7fffffff) : fmaxf(m, fabsf(v));
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float n = __shfl_xor_sync(0xffffffffu, m, o);
-            m = (m != m || n != n) ? __int_as_float(0x7fffffff) : fmaxf(m, n);
-        }
-        const float s = pow2_scale(m), inv = 1.0f / s;
-        for (int k = lane; k < HP; k += 32) {
-#if IN_BF16
-            const float v = k < H ? bf16_to_f32(row[k]) : 0.0f;
-#else
-            const float v = k < H ? f16_to_f32(row[k]) : 0.0f;
-#endif
-            xh[(i64)t * HP + k] = f32_to_f16(v * inv);
-        }
-        if (lane == 0) xscale[t] = s;
-    }
+    for (int t = warp; t < T; t += blockDim.x >> 5)
+        prep_row(x + (i64)t * H, H, xh + (i64)t * HP, xscale + t, lane);
     align_block(lane_addr, topk_w, W, range, unit_addr, unit_lanes, unit_count, lane_w, amax, error);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
 align_experts(const void* __restrict__ ids_raw,    // [W] int64 (IDS64) or int32 expert ids, -1 pad
-              const float* __restrict__ topk_w,    // [W]
+              const void* __restrict__ topk_w,     // [W] W_DTYPE
               i32 W, i32 E, i32 layer,
               const i64* __restrict__ expert_addr, // [E] device address of resident experts, else 0
               i64 scratch_base, i64 scratch_stride, i32 C, i32 nchunks,
@@ -153,7 +212,7 @@ align_experts(const void* __restrict__ ids_raw,    // [W] int64 (IDS64) or int32
 #else
         const i64 id = reinterpret_cast<const i32*>(ids_raw)[l];
 #endif
-        const float w = topk_w[l];
+        const float w = load_weight(topk_w, l);
         bool ok = id >= 0 && id < E;
         if (id != -1 && !ok) atomicOr(error, ERR_BAD_ID);
         if (ok && !finite(w)) { atomicOr(error, ERR_BAD_WEIGHT); ok = false; }
@@ -209,39 +268,9 @@ align_experts(const void* __restrict__ ids_raw,    // [W] int64 (IDS64) or int32
     }
 }
 
-// grid = T blocks. xh[t, :] = fp16(x[t, :] / s_t), zero past H; xscale[t] = s_t.
+// Prefill: one warp per token, grid = ceil(T / 8) blocks of 256 threads (prep_row).
 extern "C" __global__ void __launch_bounds__(256)
-prep_x(const u16* __restrict__ x, i32 H, u16* __restrict__ xh, float* __restrict__ xscale) {
-    __shared__ float red[8];
-    const int t = blockIdx.x;
-    const u16* row = x + (i64)t * H;
-    float m = 0.0f;
-    for (int k = threadIdx.x; k < H; k += blockDim.x) {
-#if IN_BF16
-        const float v = bf16_to_f32(row[k]);
-#else
-        const float v = f16_to_f32(row[k]);
-#endif
-        m = (m != m || v != v) ? __int_as_float(0x7fffffff) : fmaxf(m, fabsf(v));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float n = __shfl_xor_sync(0xffffffffu, m, o);
-        m = (m != m || n != n) ? __int_as_float(0x7fffffff) : fmaxf(m, n);
-    }
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = red[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w)
-        m = (m != m || red[w] != red[w]) ? __int_as_float(0x7fffffff) : fmaxf(m, red[w]);
-    const float s = pow2_scale(m), inv = 1.0f / s;
-    for (int k = threadIdx.x; k < HP; k += blockDim.x) {
-#if IN_BF16
-        const float v = k < H ? bf16_to_f32(row[k]) : 0.0f;
-#else
-        const float v = k < H ? f16_to_f32(row[k]) : 0.0f;
-#endif
-        xh[(i64)t * HP + k] = f32_to_f16(v * inv);
-    }
-    if (threadIdx.x == 0) xscale[t] = s;
+prep_x(const u16* __restrict__ x, i32 T, i32 H, u16* __restrict__ xh, float* __restrict__ xscale) {
+    const int t = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (t < T) prep_row(x + (i64)t * H, H, xh + (i64)t * HP, xscale + t, threadIdx.x & 31);
 }

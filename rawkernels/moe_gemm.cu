@@ -57,6 +57,9 @@
 #ifndef REDUCE
 #define REDUCE 0          // 0: deterministic last-block sum over top-k; 1: fp32 atomics
 #endif
+#ifndef MINB
+#define MINB 1            // blocks per SM the register allocation must allow (__launch_bounds__)
+#endif
 #ifndef PREFETCH_W2
 #define PREFETCH_W2 1     // moe_w13 pulls each unit's w2 rows into L2 for moe_w2
 #endif
@@ -251,7 +254,7 @@ CUPOOL_DEVICE Range unit_range(const i32* range) {
 // ------------------------------------------------------------------------------------------
 // w13: act[lane, j] = SiLU(gate_j · x) · (up_j · x) for the unit's lanes.
 // ------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of this launch
         const i64* __restrict__ unit_addr,    // [units] row address (device or UVA host)
         const i32* __restrict__ unit_lanes,   // [units, NT] lane ids, -1 empty

@@ -91,14 +91,35 @@ def test_decode_qwen_dims(qwen, T, K):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,K", [(1, 1), (3, 2), (16, 8), (33, 4)])
-def test_decode_padded_dims_and_dtypes(small, T, K, dtype):
+@pytest.mark.parametrize("w_dtype", ["same", torch.float32])
+def test_decode_padded_dims_and_dtypes(small, T, K, dtype, w_dtype):
     gen = torch.Generator().manual_seed(T * 7 + K)
     gemm = MoEGemm(small.layout, K, dtype, max_decode_tokens=64)
     x = torch.randn(T, 80, generator=gen).to(dtype).cuda()
-    ids, w = routing(T, K, small.E, gen)
+    ids, w = routing(T, K, small.E, gen, dtype if w_dtype == "same" else w_dtype)
     out = torch.full_like(x, float("nan"))
     gemm.decode(x, small.lane_addr(ids), w, out=out)
     assert rel_err(out, reference_moe(x, ids, w, small.deq)) <= TOL
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_decode_and_prefill_misaligned_activations(small, T):
+    """x whose base is not 16-byte aligned takes the scalar load path of the activation prep."""
+    gen = torch.Generator().manual_seed(40 + T)
+    K = 2
+    gemm = MoEGemm(small.layout, K, torch.bfloat16, max_decode_tokens=8, max_prefill_tokens=16,
+                   num_experts=small.E)
+    buf = torch.randn(T * 80 + 1, generator=gen).to(torch.bfloat16).cuda()
+    x = buf[1:].view(T, 80)
+    assert x.data_ptr() % 16 != 0 and x.is_contiguous()
+    ids, w = routing(T, K, small.E, gen, torch.bfloat16)
+    ref = reference_moe(x, ids, w, small.deq)
+    out = torch.full_like(x, float("nan"))
+    gemm.decode(x, small.lane_addr(ids), w, out=out)
+    assert rel_err(out, ref) <= TOL
+    out = torch.full_like(x, float("nan"))
+    gemm.prefill(x, ids, w, small.addr, out=out)
+    assert rel_err(out, ref) <= TOL
 
 
 def test_decode_padding_duplicates_nan_weight(small):
@@ -107,7 +128,7 @@ def test_decode_padding_duplicates_nan_weight(small):
     gemm = MoEGemm(small.layout, K, torch.bfloat16, max_decode_tokens=8)
     x = torch.randn(T, 80, generator=gen).to(torch.bfloat16).cuda()
     ids = torch.tensor([[0, 1, 2], [3, -1, 4], [0, 0, 1], [-1, -1, -1]], device="cuda")
-    w = torch.rand(T, K, generator=gen).cuda()
+    w = torch.rand(T, K, generator=gen).to(torch.bfloat16).cuda()   # the router's own dtype
     w[2, 2] = float("nan")                              # rejected lane: flag + padding
     out = torch.full_like(x, float("nan"))
     gemm.decode(x, small.lane_addr(ids), w, out=out)
