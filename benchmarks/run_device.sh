@@ -17,6 +17,7 @@ run() {  # name, timeout seconds, command...
 for stage in "$@"; do
   case $stage in
     wrap)     run pytest_wrap 300 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -ra -s tests/test_gpu_wrap.py tests/test_examples.py ;;
+    gemm-tests) run pytest_gemm 200 python3 -m pytest -m gpu -q -p no:cacheprovider -ra tests/test_gpu_gemm.py ;;
     tests)    run pytest_gpu 480 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 300 -ra tests ;;
     sanitize) run memcheck 150 compute-sanitizer --tool memcheck python3 tests/gpu_planner_sanitize.py
               run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
@@ -26,14 +27,14 @@ for stage in "$@"; do
               run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --compile --layers 8 ;;
     bench)    run bench_store 120 python3 benchmarks/bench_store.py --rows 16
               run bench_nvfp4 120 python3 benchmarks/bench_nvfp4.py
-              run bench_planner 180 python3 benchmarks/bench_planner.py --copy-sweep 1,512,8 1,1024,8 2,512,4 2,512,16 4,256,8 1,1024,16 4,512,8
+              run bench_planner 180 python3 benchmarks/bench_planner.py --copy-sweep 1,512,8 2,512,8 4,256,8 2,256,16
               run bench_gemm 240 python3 benchmarks/bench_gemm.py --layers 16 ;;
     example)  run decode_loop 300 python3 examples/decode_loop.py --json "$OUT/decode_loop.json" ;;
     decode)   run bench_decode 560 python3 benchmarks/bench_decode.py ;;
     decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 ;;
     decode-compile-small) run bench_decode_small_compiled 300 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 2 --compile ;;
-    decode-compile) run bench_decode_compiled 590 python3 benchmarks/bench_decode.py --compile --modes pool resident uva-graph hf-bf16 ;;
-    decode-compile-eager) run bench_decode_compiled_eager 590 python3 benchmarks/bench_decode.py --compile --merge --modes uva-eager host-lru ;;
+    decode-compile) run bench_decode_compiled 590 python3 benchmarks/bench_decode.py --compile --modes pool resident uva-graph ;;
+    decode-compile-rest) run bench_decode_compiled_rest 590 python3 benchmarks/bench_decode.py --compile --merge --modes uva-eager hf-bf16 ;;
   esac
 done
 for f in ${COPY:-}; do cp "benchmarks/results/$f" "$OUT/" 2>/dev/null; done   # the tool returns 8 files

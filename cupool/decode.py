@@ -100,7 +100,7 @@ class GraphDecoder:
         out[:, 0:1] = tok
         pos = torch.tensor([S], dtype=torch.long, device=dev)
 
-        forward = self.compiled or model
+        forward = self.compiled if self.compiled is not None else model
 
         def step():
             lg = forward(input_ids=tok, past_key_values=cache, use_cache=True,

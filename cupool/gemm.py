@@ -79,9 +79,12 @@ class _Config:
     minb: int = 1    # blocks per SM the kernels' register use must allow
 
 
-# Decode: one token per unit is typical, so K is split over 4 warps and each warp keeps its whole
-# K range (8 chunks at H=2048) in flight at once; w13 pulls w2's rows into L2 for moe_w2.
-DECODE_SMALL = _Config(nt=8, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefetch_w2=1)
+# Decode: one token per unit is typical, so K is split over 8 warps, the whole K range staged at
+# once (one barrier pair per item) and registers capped for 3 blocks per SM, so that every item
+# of a Qwen3-30B-A3B layer (8 units x 48 strip pairs) has a block from the start; w13 pulls w2's
+# rows into L2 for moe_w2. Chosen by `profile_gemm.py --sweep` (H200: 29.9 us/layer against
+# 31.7 for KSPLIT 4 / NB 8 / KC 1024).
+DECODE_SMALL = _Config(nt=8, ksplit=8, warps_m=1, kc=2048, nb=2, reduce=0, prefetch_w2=1, minb=3)
 DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefetch_w2=1)
 # Prefill: 64 lanes a unit share each dequantized fragment over 8 mma n-tiles.
 PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=4, reduce=1, prefetch_w2=0)

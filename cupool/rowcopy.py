@@ -25,7 +25,7 @@ class RowCopier:
 
     def __init__(self, src_of_key: torch.Tensor, row_bytes: int, dst: torch.Tensor,
                  max_copies: int, *, blocks: int | None = None, threads: int = 512,
-                 unroll: int = 8):
+                 unroll: int = 4):
         if src_of_key.dtype != torch.int64 or not src_of_key.is_cuda or src_of_key.dim() != 1:
             raise TypeError(f"src_of_key must be a 1-D int64 CUDA tensor, got "
                             f"{src_of_key.dtype} {tuple(src_of_key.shape)} on {src_of_key.device}")
@@ -45,8 +45,6 @@ class RowCopier:
         self.threads = int(threads)
         if not 0 < self.threads <= 1024 or self.threads % 32:
             raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
-        if (row_bytes // 16 // self.blocks + 1) * 256 >= 2 ** 31:   # the kernel's int (copy, unit) index
-            raise ValueError(f"row_bytes={row_bytes} is too large for {self.blocks} blocks; use more blocks")
         self.kernel = kernels.function("rowcopy", "copy_rows", {"UNROLL": unroll}, dev)
 
     def __call__(self, copies: torch.Tensor, n_copies: torch.Tensor) -> None:
