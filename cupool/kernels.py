@@ -149,6 +149,9 @@ def function(name: str, kernel: str, defines: dict | None = None, device=None):
     return fn
 
 
+_max_threads: dict[int, int] = {}     # id(kernel) -> its largest block (registers allowing)
+
+
 def launch(kernel, grid, block, args, shared_mem: int = 0, device=None) -> None:
     """Launch on torch's current stream of `device`. Grid and block are ints or tuples.
 
@@ -158,6 +161,13 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None) -> None:
     args = tuple(_cuda.ptr(a) if isinstance(a, torch.Tensor) else a for a in args)
     grid = grid if isinstance(grid, tuple) else (int(grid),)
     block = block if isinstance(block, tuple) else (int(block),)
+    threads = int(np.prod(block))
+    limit = _max_threads.get(id(kernel))
+    if limit is None:
+        limit = _max_threads[id(kernel)] = int(kernel.max_threads_per_block)
+    if threads > limit:
+        raise ValueError(f"block of {threads} threads is more than this kernel can launch "
+                         f"({limit}: {kernel.num_regs} registers a thread); use fewer threads")
     if shared_mem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared_mem:
         kernel.max_dynamic_shared_size_bytes = shared_mem
     with _cuda.current_stream(device):

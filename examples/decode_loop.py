@@ -10,6 +10,7 @@ hit rate, and where the GPU memory went.
     python examples/decode_loop.py                 # default: 8 layers of the Qwen3-30B-A3B shape
     python examples/decode_loop.py --full          # all 48 layers (needs ~16 GiB pinned memory)
     python examples/decode_loop.py --small         # a tiny model (tests)
+    python examples/decode_loop.py --full --compile  # dense part through torch.compile
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def parse_args(argv=None):
                    help="router: the model's own (random, near uniform); locality/uniform: replay "
                         "a synthetic trace (locality: ~45%% reuse at the next token)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true",
+                   help="fuse the dense part with torch.compile before capture (cupool's layers "
+                        "stay opaque ops); the first step compiles: ~20 s for 8 layers, ~1.5 min "
+                        "for 48; bench_decode measured 1.5-1.8x the tok/s of the uncompiled step on an H200")
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     if not 0 < args.bank <= 1:
@@ -87,7 +92,8 @@ def main(argv=None) -> int:
         tr.Replayer(pool, trace).install()
         print(f"routing: {trace.note}")
     prompt = torch.randint(0, shape["vocab_size"], (1, args.prompt), device="cuda", generator=gen)
-    decoder = cupool.GraphDecoder(model, pool, max_len=args.prompt + args.tokens)
+    decoder = cupool.GraphDecoder(model, pool, max_len=args.prompt + args.tokens,
+                                  compile=args.compile)
     res = decoder.generate(prompt, args.tokens)
     stats = pool.stats()
     hits = sum(s["hits"] for s in stats)
@@ -95,7 +101,8 @@ def main(argv=None) -> int:
     copied = sum(s["bytes_copied"] for s in stats)
     figures = {
         "layers": L, "experts": E, "top_k": K, "rows_per_layer": pool.rows_per_layer,
-        "tokens": args.tokens, "routing": args.routing, "tok_per_s": res.tokens_per_s,
+        "tokens": args.tokens, "routing": args.routing, "compile": args.compile,
+        "tok_per_s": res.tokens_per_s,
         "ms_per_token": 1e3 / res.tokens_per_s, "prefill_s": res.prefill_s,
         "capture_s": res.capture_s, "hit_rate": hits / max(1, hits + misses),
         "pcie_bytes_per_token": copied / max(1, args.tokens - 1),

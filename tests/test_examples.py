@@ -21,7 +21,8 @@ def load(name):
 def test_decode_loop_args():
     m = load("decode_loop")
     a = m.parse_args([])
-    assert a.layers == 8 and a.bank == 0.5 and a.routing == "locality"
+    assert a.layers == 8 and a.bank == 0.5 and a.routing == "locality" and not a.compile
+    assert m.parse_args(["--compile"]).compile
     assert m.shape_of(m.parse_args(["--full"]))["num_hidden_layers"] == 48
     assert m.shape_of(m.parse_args(["--small"]))["num_experts"] == 8
     for bad in (["--bank", "0"], ["--bank", "1.5"], ["--tokens", "1"], ["--full", "--small"],

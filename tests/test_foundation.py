@@ -115,3 +115,18 @@ def test_wheel_ships_kernel_sources(tmp_path):
 
 def test_version():
     assert cupool.__version__
+
+
+def test_launch_refuses_a_block_larger_than_the_kernel_allows():
+    """A block the kernel's registers cannot hold is a clear error before the driver's
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (checked with a stand-in kernel; no GPU needed)."""
+    from cupool import kernels
+
+    class Stub:
+        max_threads_per_block, num_regs = 640, 96
+
+        def __call__(self, *a, **k):
+            raise AssertionError("must not launch")
+
+    with pytest.raises(ValueError, match=r"1024 threads .*\(640: 96 registers"):
+        kernels.launch(Stub(), 1, 1024, ())
