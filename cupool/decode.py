@@ -49,6 +49,10 @@ class GraphDecoder:
             the step is still captured by this class). The pooled experts stay one opaque op
             each (`cupool::experts`); what is fused is the model's dense part (norms, rotary,
             router, residuals). The first warm-up call compiles (tens of seconds for a deep model).
+
+    The compiled forward and the static KV cache are kept per model and reused by later decoders
+    of the same model, max_len and batch (a new cache object would make torch.compile recompile);
+    `release(model)` frees them.
     """
 
     def __init__(self, model, pool=None, *, max_len: int, warmup: int = 3, graph: bool = True,
@@ -161,3 +165,9 @@ class GraphDecoder:
             t2 = t3 = time.perf_counter()
         return DecodeResult(tokens=out, prefill_s=t1 - t0, capture_s=t2 - t1, decode_s=t3 - t2,
                             new_tokens=max_new_tokens)
+
+
+def release(model) -> None:
+    """Drop the compiled forward and the static KV cache kept for `model` by GraphDecoder."""
+    _COMPILED.pop(model, None)
+    _CACHES.pop(model, None)

@@ -14,6 +14,7 @@ caller, and `-lineinfo` when CUPOOL_KERNEL_DEBUG=1.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import threading
@@ -161,7 +162,7 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None) -> None:
     args = tuple(_cuda.ptr(a) if isinstance(a, torch.Tensor) else a for a in args)
     grid = grid if isinstance(grid, tuple) else (int(grid),)
     block = block if isinstance(block, tuple) else (int(block),)
-    threads = int(np.prod(block))
+    threads = math.prod(block)
     limit = _max_threads.get(id(kernel))
     if limit is None:
         limit = _max_threads[id(kernel)] = int(kernel.max_threads_per_block)

@@ -65,3 +65,22 @@ def test_unknown_key_is_a_clear_error():
     from cupool import pool
     with pytest.raises(RuntimeError, match="no pooled layer with key"):
         pool.experts_op(torch.zeros(1, 4), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), -1)
+
+
+def test_static_cache_is_reused_per_model_and_released():
+    """GraphDecoder keeps one static cache per (model, max_len, batch), reset between runs, so a
+    compiled step does not recompile for a new cache object; release() drops it."""
+    from cupool import decode
+    model = hf_model("qwen3_moe")
+    dec = decode.GraphDecoder.__new__(decode.GraphDecoder)   # __init__ insists on a CUDA model
+    dec.model, dec.max_len = model, 24
+    a = dec._cache(1)
+    a.layers[0].cumulative_length += 5
+    b = dec._cache(1)
+    assert b is a and int(a.layers[0].cumulative_length) == 0      # same object, reset
+    assert dec._cache(2) is not a                                   # another batch: a new cache
+    dec.max_len = 32
+    c = dec._cache(2)
+    assert c.max_cache_len == 32
+    decode.release(model)
+    assert model not in decode._CACHES and dec._cache(2) is not c
