@@ -81,6 +81,6 @@ def test_static_cache_is_reused_per_model_and_released():
     assert dec._cache(2) is not a                                   # another batch: a new cache
     dec.max_len = 32
     c = dec._cache(2)
-    assert c.max_cache_len == 32
+    assert c.get_max_length() == 32
     decode.release(model)
     assert model not in decode._CACHES and dec._cache(2) is not c
