@@ -18,7 +18,11 @@ place of the router. For each pool run: hit rate, PCIe bytes per token, and the 
 token if the misses moved at the PCIe bandwidth measured here and everything else ran at the
 resident run's speed); achieved/bound = bound / measured time.
 
-Writes benchmarks/results/bench_decode.json and bench_decode.png.
+`--compile` runs every mode's decode step through torch.compile (GraphDecoder(compile=True)) and
+adds hf-bf16 compiled; results go to bench_decode_compiled.json/.png. `--merge` keeps the modes
+already in that JSON, so a long run can be split over two calls (`--modes`).
+
+Writes benchmarks/results/bench_decode[_compiled].json and .png.
 """
 
 from __future__ import annotations
