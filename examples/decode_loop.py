@@ -47,8 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
                    help="fuse the dense part with torch.compile before capture (cupool's layers "
-                        "stay opaque ops); the first step compiles: ~20 s for 8 layers, ~1.5 min "
-                        "for 48; bench_decode measured 1.5-1.8x the tok/s of the uncompiled step on an H200")
+                        "stay opaque ops); the first step compiles (19 s measured for 8 layers, "
+                        "more for 48); bench_decode measured 1.5-1.8x the tok/s of the "
+                        "uncompiled step on an H200")
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
     if not 0 < args.bank <= 1:
