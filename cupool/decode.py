@@ -48,7 +48,8 @@ class GraphDecoder:
         compile: run the decode step through `torch.compile` (inductor, no cudagraphs of its own;
             the step is still captured by this class). The pooled experts stay one opaque op
             each (`cupool::experts`); what is fused is the model's dense part (norms, rotary,
-            router, residuals). The first warm-up call compiles (19 s for 8 Qwen3-MoE layers on an H200 host).
+            router, residuals). The first warm-up call compiles (19 s for 8 Qwen3-MoE layers
+            on an H200 host).
 
     The compiled forward and the static KV cache are kept per model and reused by later decoders
     of the same model, max_len and batch (a new cache object would make torch.compile recompile);
