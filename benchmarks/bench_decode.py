@@ -43,11 +43,13 @@ from _baselines import HostLRUBackend, ResidentBackend, UVABackend
 
 
 COMPILE = False     # --compile: every decode step of every mode through torch.compile
+CAPTURES: list = []  # capture (+ compile) seconds of the runs since the last record()
 
 
 def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, replay=None,
              rows=None):
-    """Median tok/s over `repeats` runs; pool counters of the last run."""
+    """Median tok/s over `repeats` runs; pool counters of the last run. The capture time of each
+    run (with --compile the first one includes compiling) goes to CAPTURES."""
     rates, stats = [], None
     for _ in range(repeats):
         if pool is not None:
@@ -62,6 +64,7 @@ def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, 
                                   compile=COMPILE)
         res = dec.generate(prompt, tokens)
         rates.append(res.tokens_per_s)
+        CAPTURES.append(round(res.capture_s, 2))
         if pool is not None and backend is None:
             stats = pool.stats()
     if pool is not None:
@@ -181,7 +184,9 @@ def main(argv=None):
     results["compile"] = args.compile
 
     def record(name, routing, tps, rates, extra=None):
-        modes.setdefault(name, {})[routing] = {"tok_per_s": tps, "runs": rates, **(extra or {})}
+        modes.setdefault(name, {})[routing] = {"tok_per_s": tps, "runs": rates,
+                                               "capture_s": list(CAPTURES), **(extra or {})}
+        CAPTURES.clear()
         print(f"{name:>14} {routing:>9}: {tps:8.1f} tok/s  {extra or ''}"[:200], flush=True)
         save(out_name, {**results, "partial": True})          # keep what is done if cut short
 
@@ -235,6 +240,7 @@ def main(argv=None):
                 tps, rates = hf_bf16(shape, prompt, args.tokens, args.repeats, impl, comp)
                 record(name, "own-router", tps, rates)
             except Exception as e:  # noqa: BLE001 (report the failure, keep the other results)
+                CAPTURES.clear()
                 print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr)
                 modes[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
     # headline ratios
