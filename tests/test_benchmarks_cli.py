@@ -1,0 +1,36 @@
+"""Benchmarks import and parse their arguments without a GPU (`--help`), and bench_decode redraws
+its plot from a results JSON (`--plot-only`, where matplotlib is installed)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    r = subprocess.run([sys.executable, str(BENCH / script), "--help"], cwd=BENCH,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "usage:" in r.stdout
+
+
+def test_bench_decode_plot_only(tmp_path):
+    pytest.importorskip("matplotlib")
+    src = BENCH / "results" / "bench_decode_compiled.json"
+    res = json.loads(src.read_text())
+    assert "pool-50" in res["modes"]                 # the file the README's table quotes
+    dst = tmp_path / "r.json"
+    shutil.copy(src, dst)
+    r = subprocess.run([sys.executable, str(BENCH / "bench_decode.py"), "--plot-only", str(dst)],
+                       cwd=BENCH, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "r.png").stat().st_size > 10_000
