@@ -17,8 +17,19 @@ import torch
 
 # Per model, shared by every GraphDecoder on it: the compiled forward and the static cache (reset
 # between runs). A new cache object per run would make torch.compile guard-fail and recompile.
-_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# The compiled wrapper refers to its model, so it cannot be a value of a dict weakly keyed by the
+# model (the key would never die): it is a plain attribute of the model (not a submodule, so no
+# state_dict entry), a cycle the garbage collector frees with the model.
+_COMPILED_ATTR = "_cupool_compiled"
 _CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def compiled_forward(model):
+    """`torch.compile(model, dynamic=False)`, made once per model."""
+    compiled = model.__dict__.get(_COMPILED_ATTR)
+    if compiled is None:
+        compiled = model.__dict__[_COMPILED_ATTR] = torch.compile(model, dynamic=False)
+    return compiled
 
 
 @dataclasses.dataclass
@@ -60,11 +71,7 @@ class GraphDecoder:
                  compile: bool = False):
         self.model, self.pool, self.max_len, self.warmup = model, pool, int(max_len), int(warmup)
         self.graph = bool(graph)
-        self.compiled = None
-        if compile:
-            if model not in _COMPILED:
-                _COMPILED[model] = torch.compile(model, dynamic=False)
-            self.compiled = _COMPILED[model]
+        self.compiled = compiled_forward(model) if compile else None
         self.device = next(model.parameters()).device
         if self.device.type != "cuda":
             raise ValueError(f"the model must be on a CUDA device, it is on {self.device}")
@@ -170,5 +177,5 @@ class GraphDecoder:
 
 def release(model) -> None:
     """Drop the compiled forward and the static KV cache kept for `model` by GraphDecoder."""
-    _COMPILED.pop(model, None)
+    model.__dict__.pop(_COMPILED_ATTR, None)
     _CACHES.pop(model, None)

@@ -84,3 +84,23 @@ def test_static_cache_is_reused_per_model_and_released():
     assert c.get_max_length() == 32
     decode.release(model)
     assert model not in decode._CACHES and dec._cache(2) is not c
+
+
+def test_compiled_forward_is_kept_once_and_freed_with_the_model():
+    """One compiled wrapper per model, not a submodule; dropping the model frees both (the
+    wrapper refers to the model, so a dict weakly keyed by the model would keep it alive)."""
+    import gc
+    import weakref
+
+    from cupool import decode
+    model = hf_model("qwen3_moe")
+    c = decode.compiled_forward(model)
+    assert decode.compiled_forward(model) is c
+    assert not any(n.endswith("_cupool_compiled") for n, _ in model.named_modules())
+    assert not any("_cupool_compiled" in k for k in model.state_dict())
+    decode.release(model)
+    assert decode.compiled_forward(model) is not c
+    ref = weakref.ref(model)
+    del model, c
+    gc.collect()
+    assert ref() is None
