@@ -17,6 +17,7 @@ The gate starts closed (warm-up and capture must not move the placement); `pool.
 
 from __future__ import annotations
 
+import itertools
 import types
 import weakref
 
@@ -49,7 +50,7 @@ class PooledExperts:
 
     def __init__(self, pool: "Pool", layer: int):
         self.pool, self.layer = pool, layer
-        self.key = id(self)
+        self.key = next(_KEYS)
         _LAYERS[self.key] = self
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -86,6 +87,7 @@ class PooledExperts:
 # is the opaque op cupool::experts (its key names the PooledExperts); the rest of the model is
 # compiled around it. Eager calls skip the dispatcher.
 _LAYERS: "weakref.WeakValueDictionary[int, PooledExperts]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()            # never reused, unlike id() of a freed layer
 
 
 @torch.library.custom_op("cupool::experts", mutates_args=())
