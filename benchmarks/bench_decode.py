@@ -28,6 +28,7 @@ Writes benchmarks/results/bench_decode[_compiled].json and .png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -42,15 +43,18 @@ from cupool import synthetic, trace as tr
 from _baselines import HostLRUBackend, ResidentBackend, UVABackend
 
 
-COMPILE = False     # --compile: every decode step of every mode through torch.compile
-CAPTURES: list = []  # capture (+ compile) seconds of the runs since the last record()
+@dataclasses.dataclass
+class Run:
+    tok_per_s: float            # median over the repeats
+    rates: list                 # tok/s of each repeat
+    stats: list | None          # pool counters of the last repeat (pool modes)
+    capture_s: list             # capture seconds of each repeat (with compile, the first compiles)
 
 
 def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, replay=None,
-             rows=None):
-    """Median tok/s over `repeats` runs; pool counters of the last run. The capture time of each
-    run (with --compile the first one includes compiling) goes to CAPTURES."""
-    rates, stats = [], None
+             rows=None, compile=False) -> Run:
+    """`repeats` decode runs of one mode."""
+    rates, captures, stats = [], [], None
     for _ in range(repeats):
         if pool is not None:
             pool.backend = backend
@@ -60,16 +64,15 @@ def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, 
                 replay.step.zero_()
                 replay.install()
         dec = cupool.GraphDecoder(model, pool if backend is None else None,
-                                  max_len=prompt.shape[1] + tokens, graph=graph,
-                                  compile=COMPILE)
+                                  max_len=prompt.shape[1] + tokens, graph=graph, compile=compile)
         res = dec.generate(prompt, tokens)
         rates.append(res.tokens_per_s)
-        CAPTURES.append(round(res.capture_s, 2))
+        captures.append(round(res.capture_s, 2))
         if pool is not None and backend is None:
             stats = pool.stats()
     if pool is not None:
         pool.backend = None
-    return statistics.median(rates), rates, stats
+    return Run(statistics.median(rates), rates, stats, captures)
 
 
 def pool_figures(stats, tokens, row_bytes):
@@ -87,16 +90,12 @@ def hf_bf16(shape, prompt, tokens, repeats, impl, compile=False):
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     model.set_experts_implementation(impl)
-    global COMPILE
-    saved, COMPILE = COMPILE, compile
     try:
-        tps, rates, _ = run_mode(model, None, prompt, tokens, repeats)
+        return run_mode(model, None, prompt, tokens, repeats, compile=compile)
     finally:
-        COMPILE = saved
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    return tps, rates
 
 
 def plot(results, pool_layers, path):
@@ -142,8 +141,6 @@ def main(argv=None):
     p.add_argument("--merge", action="store_true",
                    help="keep the modes already in the results JSON that this run does not measure")
     args = p.parse_args(argv)
-    global COMPILE
-    COMPILE = args.compile
     if args.plot_only:
         import json
         from pathlib import Path
@@ -183,44 +180,41 @@ def main(argv=None):
         print(f"merging into {out_name}.json: kept {sorted(old.get('modes', {}))}", flush=True)
     results["compile"] = args.compile
 
-    def record(name, routing, tps, rates, extra=None):
-        modes.setdefault(name, {})[routing] = {"tok_per_s": tps, "runs": rates,
-                                               "capture_s": list(CAPTURES), **(extra or {})}
-        CAPTURES.clear()
-        print(f"{name:>14} {routing:>9}: {tps:8.1f} tok/s  {extra or ''}"[:200], flush=True)
+    def record(name, routing, run, extra=None):
+        modes.setdefault(name, {})[routing] = {"tok_per_s": run.tok_per_s, "runs": run.rates,
+                                               "capture_s": run.capture_s, **(extra or {})}
+        print(f"{name:>14} {routing:>9}: {run.tok_per_s:8.1f} tok/s  {extra or ''}"[:200],
+              flush=True)
         save(out_name, {**results, "partial": True})          # keep what is done if cut short
+
+    def measure(**kw) -> Run:
+        return run_mode(model, pool, prompt, args.tokens, args.repeats, compile=args.compile, **kw)
 
     resident = ResidentBackend(pool) if "resident" in args.modes or "pool" in args.modes else None
     for routing in args.routings:
         replay = tr.Replayer(pool, traces[routing])
         if resident is not None:
-            tps, rates, _ = run_mode(model, pool, prompt, args.tokens, args.repeats,
-                                     backend=resident, replay=replay)
-            record("resident", routing, tps, rates)
-            resident_ms = 1e3 / tps
+            run = measure(backend=resident, replay=replay)
+            record("resident", routing, run)
+            resident_ms = 1e3 / run.tok_per_s
         if "pool" in args.modes:
             for frac in (25, 50, 100):
                 rows = max(K, E * frac // 100)
-                tps, rates, stats = run_mode(model, pool, prompt, args.tokens, args.repeats,
-                                             replay=replay, rows=rows)
-                fig = pool_figures(stats, args.tokens, layout.row_bytes)
+                run = measure(replay=replay, rows=rows)
+                fig = pool_figures(run.stats, args.tokens, layout.row_bytes)
                 bound_ms = resident_ms + fig["pcie_bytes_per_token"] / pcie / 1e6
                 fig.update(rows_per_layer=rows, bound_tok_per_s=1e3 / bound_ms,
-                           achieved_over_bound=tps * bound_ms / 1e3, errors=pool.errors())
-                record(f"pool-{frac}", routing, tps, rates, fig)
+                           achieved_over_bound=run.tok_per_s * bound_ms / 1e3,
+                           errors=pool.errors())
+                record(f"pool-{frac}", routing, run, fig)
         if "uva-graph" in args.modes:
-            tps, rates, _ = run_mode(model, pool, prompt, args.tokens, args.repeats,
-                                     backend=UVABackend(pool), replay=replay)
-            record("uva-graph", routing, tps, rates)
+            record("uva-graph", routing, measure(backend=UVABackend(pool), replay=replay))
         if "uva-eager" in args.modes:
-            tps, rates, _ = run_mode(model, pool, prompt, args.tokens, args.repeats, graph=False,
-                                     backend=UVABackend(pool), replay=replay)
-            record("uva-eager", routing, tps, rates)
+            record("uva-eager", routing,
+                   measure(graph=False, backend=UVABackend(pool), replay=replay))
         if "host-lru" in args.modes:
             lru = HostLRUBackend(pool, max(K, E // 2))
-            tps, rates, _ = run_mode(model, pool, prompt, args.tokens, args.repeats, graph=False,
-                                     backend=lru, replay=replay)
-            record("host-lru", routing, tps, rates,
+            record("host-lru", routing, measure(graph=False, backend=lru, replay=replay),
                    {"rows_per_layer": lru.rows,
                     "hit_rate": lru.hits / max(1, lru.hits + lru.misses),
                     "pcie_bytes_per_token": lru.bytes_copied / (args.repeats * (args.tokens - 1))})
@@ -237,10 +231,9 @@ def main(argv=None):
         for impl, comp in variants:
             name = f"hf-bf16-{impl}" + ("-compiled" if comp else "")
             try:
-                tps, rates = hf_bf16(shape, prompt, args.tokens, args.repeats, impl, comp)
-                record(name, "own-router", tps, rates)
+                record(name, "own-router",
+                       hf_bf16(shape, prompt, args.tokens, args.repeats, impl, comp))
             except Exception as e:  # noqa: BLE001 (report the failure, keep the other results)
-                CAPTURES.clear()
                 print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr)
                 modes[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
     # headline ratios
