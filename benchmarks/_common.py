@@ -45,6 +45,24 @@ def time_ms(fn, *, warmup: int = 5, iters: int = 50, setup=None) -> float:
     return statistics.median(times)
 
 
+def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of fn(0), ..., fn(calls - 1), after one untimed pass of them on a side stream
+    (compiles kernels, settles allocations: what capture needs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in range(calls):
+            fn(c)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in range(calls):
+            fn(c)
+    torch.cuda.synchronize()
+    return g
+
+
 def pcie_h2d_GBps(nbytes: int = 1 << 30) -> float:
     """Pinned host → device cudaMemcpyAsync of `nbytes` (default 1 GiB), GB/s (1e9)."""
     src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()

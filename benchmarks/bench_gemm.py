@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from _common import hbm_copy_GBps, hbm_read_GBps, pcie_h2d_GBps, save, time_ms
+from _common import capture, hbm_copy_GBps, hbm_read_GBps, pcie_h2d_GBps, save, time_ms
 
 from cupool import HostStore
 from cupool.gemm import MoEGemm
@@ -42,12 +42,7 @@ def bench_decode(layout, E, T, K, layers, gen, hbm):
         weights.append(w)
         outs.append(torch.empty_like(x))
         distinct.append(len(set(ids.reshape(-1).tolist())))
-    for layer in range(layers):                          # compile + warm up
-        gemm.decode(x, addrs[layer], weights[layer], out=outs[layer])
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for layer in range(layers):
-            gemm.decode(x, addrs[layer], weights[layer], out=outs[layer])
+    g = capture(lambda layer: gemm.decode(x, addrs[layer], weights[layer], out=outs[layer]), layers)
     ms = time_ms(g.replay, warmup=3, iters=30) / layers
     bytes_per_layer = sum(distinct) / layers * layout.row_bytes
     gbps = bytes_per_layer / ms / 1e6

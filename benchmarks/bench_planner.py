@@ -24,7 +24,7 @@ import statistics
 import numpy as np
 import torch
 
-from _common import pcie_h2d_GBps, save, time_ms
+from _common import capture, pcie_h2d_GBps, save, time_ms
 
 from cupool import HostStore, kernels
 from cupool.bank import Bank
@@ -37,22 +37,6 @@ def routing(rng, E: int, K: int, W: int, shape: tuple) -> np.ndarray:
     T = W // K
     picks = np.argsort(rng.random((*shape, T, E)), axis=-1)[..., :K]
     return picks.reshape(*shape, T * K).astype(np.int64)
-
-
-def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in range(calls):
-            fn(c)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in range(calls):
-            fn(c)
-    torch.cuda.synchronize()
-    return g
 
 
 def bench_plan(args, rng) -> list[dict]:

@@ -19,7 +19,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from _common import save, time_ms
+from _common import capture, save, time_ms
 
 import cupool
 from cupool import synthetic
@@ -75,14 +75,7 @@ def main(argv=None):
             for _ in range(args.steps):
                 step()
             torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
+        g = capture(lambda _: step())
         graph_ms = time_ms(g.replay, warmup=5, iters=50)
     kern = collections.defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
