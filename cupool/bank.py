@@ -54,12 +54,14 @@ class Bank:
         initial: [L, N] expert ids per layer (−1: empty row); default experts 0 … N−1.
         device: CUDA device (default: the store's).
         threads, items: plan-step block shape (default `cupool.planner.launch_shape`).
+        ring: capacity of the plan step's LRU ring, a power of two ≥ R (default
+            `cupool.planner.ring_capacity`; a tight one compacts often, which tests use).
     The gate starts closed: steps route correctly through staging but move nothing until `open()`.
     """
 
     def __init__(self, store: HostStore, rows_per_layer: int, staging_rows: int,
                  max_lanes: int, initial=None, device=None, *, threads: int | None = None,
-                 items: int | None = None):
+                 items: int | None = None, ring: int | None = None):
         if not isinstance(store, HostStore):
             raise TypeError(f"store must be a cupool.HostStore, got {type(store).__name__}")
         L, E = store.num_layers, store.num_experts
@@ -90,9 +92,10 @@ class Bank:
         self.initial_key_of = key_of
         self.rows = torch.zeros((self.num_rows + S, self.row_stride), dtype=torch.uint8,
                                 device=dev)
-        self.tables = DeviceTables.build(key_of, L, E, W, dev)
+        self.tables = DeviceTables.build(key_of, L, E, W, dev, ring=ring)
         t = self.tables
-        self.slot_of, self.key_of, self.last_use, self.order = t.slot_of, t.key_of, t.last_use, t.order
+        self.slot_of, self.key_of, self.last_use = t.slot_of, t.key_of, t.last_use
+        self.ring, self.pos_of, self.ring_ends = t.ring, t.pos_of, t.ends
         self.clock, self.gate, self.error, self.counters = t.clock, t.gate, t.error, t.counters
         self.routes, self.lane_addr = t.routes, t.lane_addr
         self.copies, self.n_copies = t.copies, t.n_copies
@@ -163,16 +166,17 @@ class Bank:
         return self.tables.to_numpy()
 
     def verify(self, sample: int | None = None, generator: np.random.Generator | None = None) -> int:
-        """Check the tables (owned rows ↔ keys a bijection, last_use ≤ clock, LRU order sorted)
-        and compare bank rows with their store rows byte for byte on the GPU: all owned rows, or a
-        random `sample` of them. Returns the number of rows compared; raises BankVerifyError."""
+        """Check the tables (owned rows ↔ keys a bijection, last_use ≤ clock, the LRU ring's window
+        holds every row once, sorted, at its pos_of) and compare bank rows with their store rows
+        byte for byte on the GPU: all owned rows, or a random `sample` of them. Returns the number
+        of rows compared; raises BankVerifyError."""
         if _capturing():
             raise RuntimeError("Bank.verify() reads the tables back to the host; call it outside "
                                "CUDA graph capture")
         st = self.state()
         L, E = self.num_layers, self.num_experts
-        problems = check_tables(L * E, st["slot_of"], st["key_of"], st["last_use"], st["clock"],
-                                st["order"])
+        problems = st["ring_problems"] + check_tables(
+            L * E, st["slot_of"], st["key_of"], st["last_use"], st["clock"], st["order"])
         key_of = st["key_of"]
         rows = np.flatnonzero((key_of >= 0) & (key_of < L * E))
         if sample is not None and sample < rows.size:

@@ -72,8 +72,32 @@ def initial_placement(num_layers: int, num_experts: int, rows_per_layer: int,
 
 
 def lru_order(last_use: np.ndarray) -> np.ndarray:
-    """int32 [R]: rows sorted by (last_use, row) — the kernel's `order` array for this state."""
+    """int32 [R]: rows sorted by (last_use, row) — the LRU order the kernel's ring holds."""
     return np.lexsort((np.arange(last_use.size), last_use)).astype(np.int32)
+
+
+def ring_capacity(num_rows: int) -> int:
+    """C of the plan step's LRU ring: the smallest power of two >= 2R (so appends run about R / W
+    steps between compactions; any power of two >= R is correct)."""
+    return 1 << max(5, (2 * int(num_rows) - 1).bit_length())
+
+
+def ring_order(ring, pos_of, head: int, span: int) -> tuple[np.ndarray, list[str]]:
+    """The rows of the ring's window [head, head + span) in window order, holes (−1) skipped, and
+    the problems with the ring (a row out of range, or whose pos_of is not its position)."""
+    ring, pos_of = np.asarray(ring), np.asarray(pos_of)
+    C, R = ring.size, pos_of.size
+    problems = []
+    if C & (C - 1) or C < R or not (0 <= head < C and 0 <= span <= C):
+        return np.zeros(0, np.int32), [f"ring of {C} entries (a power of two >= R={R}) with head "
+                                       f"{head}, span {span} is malformed"]
+    pos = (head + np.arange(span)) & (C - 1)
+    live = ring[pos] >= 0
+    rows, pos = ring[pos][live], pos[live]
+    bad = (rows >= R) | (pos_of[np.clip(rows, 0, R - 1)] != pos)
+    problems += [f"ring[{p}] = {r} but pos_of[{r}] = {pos_of[r] if r < R else '-'}"
+                 for p, r in zip(pos[bad][:8], rows[bad][:8])]
+    return rows.astype(np.int32), problems
 
 
 def check_tables(num_keys: int, slot_of, key_of, last_use, clock: int, order=None) -> list[str]:
@@ -273,9 +297,11 @@ class ReferencePlanner:
 class DeviceTables:
     """The planner's device tensors; every one is allocated once and never moves (graph-safe).
 
-    State: slot_of int32 [L·E] · key_of int32 [R] · last_use int64 [R] · order int32 [R] (rows
-    sorted by (last_use, row), the kernel's LRU order) · clock int64 [1] · gate int32 [1] ·
-    error int32 [1] · counters int64 [L, 5].
+    State: slot_of int32 [L·E] · key_of int32 [R] · last_use int64 [R] · ring int32 [C] (the LRU
+    order: the window [head, head + span) mod C holds every row once, sorted by (last_use, row),
+    and holes −1; `ring_order` reads it) · pos_of int32 [R] (each row's ring position) · ends
+    int32 [2] (head, span) · clock int64 [1] · gate int32 [1] · error int32 [1] · counters int64
+    [L, 5].
     Outputs of the last step, reused by every layer call: routes int32 [max_lanes] · lane_addr
     int64 [max_lanes] · copies int32 [max_lanes, 2] · n_copies int32 [1].
     """
@@ -283,7 +309,9 @@ class DeviceTables:
     slot_of: torch.Tensor
     key_of: torch.Tensor
     last_use: torch.Tensor
-    order: torch.Tensor
+    ring: torch.Tensor
+    pos_of: torch.Tensor
+    ends: torch.Tensor
     clock: torch.Tensor
     gate: torch.Tensor
     error: torch.Tensor
@@ -295,9 +323,15 @@ class DeviceTables:
 
     @classmethod
     def build(cls, key_of: np.ndarray, num_layers: int, num_experts: int, max_lanes: int,
-              device) -> "DeviceTables":
-        """Tables for the placement `key_of` (from `initial_placement`), all rows unused."""
+              device, ring: int | None = None) -> "DeviceTables":
+        """Tables for the placement `key_of` (from `initial_placement`), all rows unused.
+        `ring`: the LRU ring's capacity (default `ring_capacity(R)`; tests pass a small one)."""
         R = key_of.size
+        C = ring_capacity(R) if ring is None else int(ring)
+        if C & (C - 1) or C < R:
+            raise ValueError(f"ring must be a power of two >= R={R}, got {ring}")
+        ring_init = np.full(C, -1, dtype=np.int32)
+        ring_init[:R] = np.arange(R)                    # all last_use 0: sorted by row
         slot_of = np.full(num_layers * num_experts, -1, dtype=np.int32)
         owned = np.flatnonzero(key_of >= 0)
         slot_of[key_of[owned]] = owned
@@ -308,7 +342,9 @@ class DeviceTables:
         return cls(
             slot_of=dev(slot_of), key_of=dev(key_of.astype(np.int32)),
             last_use=torch.zeros(R, dtype=torch.int64, device=device),
-            order=torch.arange(R, dtype=torch.int32, device=device),
+            ring=dev(ring_init),
+            pos_of=torch.arange(R, dtype=torch.int32, device=device),
+            ends=torch.tensor([0, R], dtype=torch.int32, device=device),
             clock=torch.zeros(1, dtype=torch.int64, device=device),
             gate=torch.zeros(1, dtype=torch.int32, device=device),
             error=torch.zeros(1, dtype=torch.int32, device=device),
@@ -322,20 +358,24 @@ class DeviceTables:
         return sum(getattr(self, f.name).nbytes for f in fields(self))
 
     def to_numpy(self) -> dict:
-        """Host copies of the state tables (one synchronising read each; not for the hot path)."""
+        """Host copies of the state tables (one synchronising read each; not for the hot path).
+        "order" is the ring's window read in order (`ring_order`); "ring_problems" lists what is
+        wrong with the ring itself."""
+        head, span = (int(v) for v in self.ends.cpu())
+        order, problems = ring_order(self.ring.cpu().numpy(), self.pos_of.cpu().numpy(), head, span)
         return {"slot_of": self.slot_of.cpu().numpy(), "key_of": self.key_of.cpu().numpy(),
-                "last_use": self.last_use.cpu().numpy(), "order": self.order.cpu().numpy(),
+                "last_use": self.last_use.cpu().numpy(), "order": order,
+                "ring_problems": problems, "ring_head": head, "ring_span": span,
                 "clock": int(self.clock.item()), "gate": int(self.gate.item()),
                 "error": int(self.error.item()), "counters": self.counters.cpu().numpy()}
 
 
 def launch_shape(num_rows: int, max_lanes: int) -> tuple[int, int]:
-    """(threads, items) of the plan-step block: enough threads for every lane, about 8–16 order
-    entries a thread (R = 12288 → 1024 × 12, one tile), at most 16 (past that the kernel loops
-    over tiles rather than hold more registers)."""
-    lanes = 32 * -(-max_lanes // 32)
-    threads = max(lanes, min(1024, 32 * -(-num_rows // (32 * 8))))
-    items = max(1, min(16, -(-num_rows // threads)))
+    """(threads, items) of the plan-step block: enough threads for every lane and at least 128;
+    4 ring entries a thread per tile (a step usually finds its victims in the first tile; the
+    rare compaction walks the whole window tile by tile). Small banks take a single tile."""
+    threads = max(128, 32 * -(-max_lanes // 32))
+    items = max(1, min(4, -(-num_rows // threads)))
     return threads, items
 
 
@@ -393,7 +433,7 @@ class PlanStep:
         self.kernels = {torch.int32: kernels.function("planner", "plan_step_i32", defines, dev),
                         torch.int64: kernels.function("planner", "plan_step_i64", defines, dev)}
         limit = _shared_mem_limit(dev)
-        static = 20 * self.threads + 4 * 64 + 8 * 6 + 8   # planner.cu's __shared__ arrays
+        static = 20 * self.threads + 4 * 64 + 8 * 6 + 12  # planner.cu's __shared__ arrays
         if self.shared_mem + static > limit:
             raise ValueError(f"the plan step needs {self.shared_mem + static} bytes of shared "
                              f"memory (E={self.num_experts}, R={self.num_rows}), more than the "
@@ -409,7 +449,8 @@ class PlanStep:
         kernels.launch(self.kernels[ids.dtype], 1, self.threads, (
             ids, kernels.i32(W), kernels.i32(layer), kernels.i32(self.num_experts),
             kernels.i32(self.num_rows), kernels.i32(self.staging_rows),
-            t.slot_of, t.key_of, t.last_use, t.order, t.clock, t.gate, t.error, t.counters,
+            t.slot_of, t.key_of, t.last_use, t.ring, t.pos_of, t.ends,
+            kernels.i32(t.ring.numel() - 1), t.clock, t.gate, t.error, t.counters,
             t.routes, t.lane_addr, t.copies, t.n_copies,
             kernels.i64(self.rows_base), kernels.i64(self.row_stride)),
             shared_mem=self.shared_mem, device=self.device)

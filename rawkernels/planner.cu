@@ -7,32 +7,46 @@
 //
 // Work sketch: one block of THREADS threads (fixed grid: the launch never depends on data).
 // Lane i of the call is thread i (W <= THREADS, checked by the launcher).
-//   A. Issue every read that depends on nothing (gate, clock, the lane's id, the first tile of the
-//      LRU order, thread 0's counters and error word) so their latencies overlap; clear shared
-//      memory: the per-expert "first lane" table [E] and two row bitmaps [R] (hit, taken).
+//
+// The LRU order lives in a ring of C = 2^k >= R entries (`ring`, positions taken mod C) holding
+// row indices or -1 (a hole): the live window is [head, head + span); its non-hole entries, read
+// in window order, are every row exactly once sorted by (last_use, row). `pos_of[r]` is row r's
+// position. A step removes its touched rows (hits and victims) from the window and appends them
+// at the tail in row order, so an all-hit step writes O(W) entries, not the whole order.
+//   A. Issue every read that depends on nothing (gate, clock, the lane's id, head and span, the
+//      first window tile, thread 0's counters and error word) so their latencies overlap; clear
+//      shared memory: the per-expert "first lane" table [E] and two row bitmaps [R] (hit, taken).
 //   B. Lanes: validate the id; atomicMin on the table gives each expert its first lane (dedupe in
-//      first-occurrence order). First lanes read slot_of: a hit stamps last_use and sets its hit
-//      bit (gate open); a block scan numbers the misses j = 0..M-1 in lane order.
-//   C. Gate open and something touched: one pass over the LRU order array. The victims are the
-//      first V = min(M, R - H) entries whose row is not a hit (those are exactly the V smallest
-//      (last_use, row) among rows with last_use < clock, which is what taking the LRU row miss by
-//      miss, in order, yields); every other non-hit entry is compacted in place, in order, to the
-//      front. The array is walked in tiles of THREADS*ITEMS entries, each held in registers and
-//      ranked with warp ballots and one block scan of the warp totals. A victim's old key is read
-//      here and its taken bit set.
+//      first-occurrence order). First lanes read slot_of: a hit stamps last_use, sets its hit bit
+//      and reads its window position (pos_of) (gate open); a block scan numbers the misses
+//      j = 0..M-1 in lane order.
+//   C. Gate open and (V = min(M, R - H) > 0 or the appends would overflow the ring): walk the
+//      window from head in tiles of THREADS*ITEMS entries held in registers, ranked with warp
+//      ballots and one block scan of the warp totals. "Eligible" = not a hole and not a hit row.
+//      The first V eligible entries are the victims (exactly the V smallest (last_use, row) among
+//      rows not used this step: what taking the LRU row miss by miss, in order, yields); a
+//      victim's old key is read here and its taken bit set.
+//      - usual case: stop at the tile holding eligible entry number V; the new head is that
+//        entry's position (everything before it is a hole, a hit or a victim: dead after this
+//        step), so nothing in the ring is written here.
+//      - compaction (span + T > C, rare: holes left by hits pile up until the tail would run into
+//        the head): walk the whole window and write the eligible non-victims back-to-back from
+//        head, updating their pos_of; the window then holds R - T entries and no holes.
 //   D. Miss j: j < V takes victim j (its old key loses its row); otherwise staging row R + (j-V)
 //      if j - V < S, else no row (error flag). Each miss writes copy-list entry j.
 //   E. Gate open (same phase as D; they share no data): the touched rows (hit or taken bit), in
-//      row order, fill the tail of `order`.
+//      row order, are appended at the tail (ring and pos_of); outside compaction each hit's old
+//      position becomes a hole; thread 0 writes the new head and span.
 //   F. Each lane writes its route and row address; thread 0 writes n_copies, error, clock, counters.
 //
 // Invariants between launches (the Bank builds the tables; afterwards only this kernel writes them):
 //   - slot_of[k] == r >= 0  <=>  key_of[r] == k >= 0   (owned rows and keys are a bijection);
 //   - last_use[r] <= clock for every row;
-//   - order is a permutation of 0..R-1 sorted by (last_use[r], r). New order after an open step =
-//     [untouched rows, old relative order] + [touched rows by row index]; untouched rows keep
-//     last_use < clock and touched rows get last_use == clock, so the sort is preserved.
-//   - Gate closed: slot_of, key_of, last_use, order, clock and counters are not written.
+//   - 0 <= head < C, R <= span <= C; the window's non-holes are a permutation of 0..R-1 sorted by
+//     (last_use[r], r), and pos_of[r] is r's position. Appending the touched rows by row index
+//     keeps the sort: untouched rows keep last_use < clock, touched rows get last_use == clock.
+//   - Gate closed: slot_of, key_of, last_use, ring, pos_of, ends, clock and counters are not
+//     written.
 // Who touches what inside one launch (barriers separate the phases):
 //   - slot_of: B reads the first lanes' keys. D writes victims' old keys (-1) and the misses' keys.
 //     An old key owned a row at the start and a missed key did not, so no address is written
@@ -40,9 +54,14 @@
 //   - key_of: C reads a victim's entry (the one thread that found it), D writes it (the thread of
 //     the miss that takes it), after C's last barrier.
 //   - last_use: written only, B on hit rows and D on victim rows (disjoint sets).
-//   - order: A and C read each tile into registers before the tile's barrier and C then writes
-//     ranks rank - V <= the entry's own index, so a tile only writes entries already read (by
-//     itself or an earlier tile); E writes positions >= R - T, after C's last barrier.
+//   - ring: A and C read tiles before the tile's barrier. Compaction writes offset rank - V <= the
+//     entry's own offset, so a tile only writes entries already read (by itself or an earlier
+//     tile). E writes the appended positions [head + span, head + span + T), outside the old
+//     window because span + T <= C (else C compacted), and holes at hit positions inside it.
+//   - pos_of: B reads hits' entries; C (compaction) writes eligible non-victims' entries; E
+//     writes the touched rows' entries (disjoint from C's rows, after C's last barrier).
+//   - ends: read in A, written by thread 0 in E after barriers. s_cut: set in A, written in C by
+//     the one thread holding eligible entry V, read in E.
 //   - hit bitmap: B sets, C reads (after B's scan barrier), E reads. taken bitmap: C sets (no one
 //     reads it in C), E reads after C's last barrier. D touches neither, so D and E overlap.
 //   - s_route: B (hits) and D (misses) write, F reads after E's barrier (or the one standing in
@@ -53,13 +72,14 @@
 #include "common.cuh"
 
 #ifndef THREADS
-#define THREADS 1024  // the block; also the largest W a launch accepts
+#define THREADS 128   // the block; also the largest W a launch accepts
 #endif
 #ifndef ITEMS
-#define ITEMS 12      // order-array entries a thread holds per tile (R=12288 -> one tile)
+#define ITEMS 4       // window entries a thread holds per tile (tile = THREADS * ITEMS)
 #endif
 
 #define NWARPS (THREADS / 32)
+#define TILE (THREADS * ITEMS)
 #define FULL_MASK 0xffffffffu
 #define NUM_COUNTERS 5  // hits, misses, promotions, steals, staged (cupool.planner.COUNTERS)
 #define ERR_BAD_ID 1
@@ -108,22 +128,28 @@ CUPOOL_DEVICE bool test_bit(const u32* bits, int i) { return (bits[i >> 5] >> (i
 
 CUPOOL_DEVICE void set_bit(u32* bits, int i) { atomicOr(&bits[i >> 5], 1u << (i & 31)); }
 
-// This thread's ITEMS entries of the order tile starting at `base` (-1 past R). Warp w owns
-// 32*ITEMS consecutive entries and its lanes read them 32 at a time: every load is one coalesced
-// 128-byte line, and a ballot over j ranks them in index order.
-CUPOOL_DEVICE void load_tile(const i32* order, int R, int base, int (&row)[ITEMS]) {
-    const int first = base + (threadIdx.x >> 5) * 32 * ITEMS + (threadIdx.x & 31);
+// Window offset of this thread's item j in the tile starting at offset `base`. Warp w owns
+// 32*ITEMS consecutive offsets and its lanes read them 32 at a time: every load is one coalesced
+// 128-byte line (two at the ring's wrap), and a ballot over j ranks them in window order.
+CUPOOL_DEVICE int tile_offset(int base, int j) {
+    return base + (threadIdx.x >> 5) * 32 * ITEMS + (threadIdx.x & 31) + j * 32;
+}
+
+// This thread's ITEMS entries of the window tile at offset `base` (-1 past the window: a hole).
+CUPOOL_DEVICE void load_tile(const i32* ring, int mask, int head, int span, int base,
+                             int (&row)[ITEMS]) {
 #pragma unroll
     for (int j = 0; j < ITEMS; ++j) {
-        const int idx = first + j * 32;
-        row[j] = idx < R ? order[idx] : -1;
+        const int off = tile_offset(base, j);
+        row[j] = off < span ? ring[(head + off) & mask] : -1;
     }
 }
 
 template <typename Id>
 CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E, i32 R, i32 S,
                              i32* __restrict__ slot_of, i32* __restrict__ key_of,
-                             i64* __restrict__ last_use, i32* __restrict__ order,
+                             i64* __restrict__ last_use, i32* __restrict__ ring,
+                             i32* __restrict__ pos_of, i32* __restrict__ ends, i32 ring_mask,
                              i64* __restrict__ clock, const i32* __restrict__ gate,
                              i32* __restrict__ error, i64* __restrict__ counters,
                              i32* __restrict__ routes, i64* __restrict__ lane_addr,
@@ -143,7 +169,7 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     __shared__ i32 s_victim_old[THREADS];  // the key that row held (or -1)
     __shared__ i32 s_scratch[2][32];       // block-scan scratch, used alternately
     __shared__ i64 s_old[NUM_COUNTERS + 1];  // this layer's counters and the error word, as read
-    __shared__ i32 s_error, s_steals;
+    __shared__ i32 s_error, s_steals, s_cut;
 
     const int t = threadIdx.x, lane = t & 31;
 
@@ -151,14 +177,16 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     const bool open = *gate != 0;
     const i64 now = *clock + (open ? 1 : 0);
     const Id id = t < W ? ids[t] : (Id)-1;
-    int row[ITEMS];  // the order tile C works on; the first one is read now
-    load_tile(order, R, 0, row);
+    const int head = ends[0], span = ends[1];
+    int row[ITEMS];  // the window tile C works on; the first one is read now
+    load_tile(ring, ring_mask, head, span, 0, row);
     if (t == 0) {
 #pragma unroll
         for (int k = 0; k < NUM_COUNTERS; ++k) s_old[k] = counters[(i64)layer * NUM_COUNTERS + k];
         s_old[NUM_COUNTERS] = *error;
         s_error = 0;
         s_steals = 0;
+        s_cut = span;  // no eligible entry V in the window: every entry dies this step
     }
     for (int i = t; i < E; i += THREADS) first_lane[i] = THREADS;
     for (int i = t; i < 2 * nwords; i += THREADS) hit_bits[i] = 0u;  // both bitmaps
@@ -177,10 +205,12 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     const int slot = first ? slot_of[key] : -1;
     const bool hit = slot >= 0;
     const bool miss = first && slot < 0;
+    int hit_pos = -1;  // the hit row's window position, which becomes a hole
     if (hit) {
         s_route[t] = slot;
         if (open) {
             last_use[slot] = now;
+            hit_pos = pos_of[slot];
             set_bit(hit_bits, slot);
         }
     }
@@ -194,13 +224,14 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     }
     const int V = open ? min(M, R - H) : 0;  // misses that get a bank row
     const int T = H + V;                      // rows stamped with `now` this step
+    const bool compact = open && T > 0 && span + T > ring_mask + 1;
 
-    // ---- C. victims and compaction of the LRU order -----------------------------------------
-    if (open && T > 0) {  // block-uniform: the barriers inside are reached by every thread
-        int nonhit_before = 0;  // non-hit entries in earlier tiles
+    // ---- C. victims (and, rarely, compaction of the window) ---------------------------------
+    if (open && (V > 0 || compact)) {  // block-uniform: the barriers inside are reached by all
+        int eligible_before = 0;  // eligible entries in earlier tiles
         int buf = 1;
-        for (int base = 0; base < R; base += THREADS * ITEMS) {
-            if (base > 0) load_tile(order, R, base, row);
+        for (int base = 0; base < span; base += TILE) {
+            if (base > 0) load_tile(ring, ring_mask, head, span, base, row);
             u32 keep[ITEMS];
             int run = 0;
 #pragma unroll
@@ -210,7 +241,7 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
             }
             int tile_total;
             // The barrier in warp_offset also ends every read of this tile before any write.
-            int rank = nonhit_before + warp_offset(run, s_scratch[buf], tile_total);
+            int rank = eligible_before + warp_offset(run, s_scratch[buf], tile_total);
             buf ^= 1;
             const u32 lt = lanemask_lt();
 #pragma unroll
@@ -221,16 +252,21 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
                         s_victim[r] = row[j];
                         s_victim_old[r] = key_of[row[j]];
                         set_bit(taken_bits, row[j]);
-                    } else {
-                        order[r - V] = row[j];
+                    } else if (compact) {
+                        const int p = (head + r - V) & ring_mask;
+                        ring[p] = row[j];
+                        pos_of[row[j]] = p;
+                    } else if (r == V) {
+                        s_cut = tile_offset(base, j);
                     }
                 }
                 rank += __popc(keep[j]);
             }
-            nonhit_before += tile_total;
+            eligible_before += tile_total;
+            if (!compact && eligible_before > V) break;  // block-uniform (a block total)
         }
     }
-    __syncthreads();  // s_victim*, s_miss_* and both bitmaps complete; every order read is done
+    __syncthreads();  // s_victim*, s_miss_*, s_cut and both bitmaps complete; ring reads done
 
     // ---- D. misses: take a victim or a staging row ------------------------------------------
     if (t < M) {
@@ -256,20 +292,33 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         }
     }
 
-    // ---- E. touched rows, in row order, to the tail of the LRU order --------------------------
+    // ---- E. touched rows, in row order, appended at the window's tail ------------------------
     if (open && T > 0) {
+        // Window after C: compaction left R - T entries at head; otherwise it starts at the cut.
+        // (With V = 0 and no compaction C did not run: nothing is cut.)
+        const int cut = V > 0 ? s_cut : 0;
+        const int new_head = compact ? head : (head + cut) & ring_mask;
+        const int kept = compact ? R - T : span - cut;
         const int per = (nwords + THREADS - 1) / THREADS;
         const int w0 = t * per, w1 = min(w0 + per, nwords);
         int n = 0;
         for (int w = w0; w < w1; ++w) n += __popc(hit_bits[w] | taken_bits[w]);
         int total;
-        int pos = R - T + block_scan(n, s_scratch[0], total);  // its barrier also ends D
+        int pos = new_head + kept + block_scan(n, s_scratch[0], total);  // barrier also ends D
         for (int w = w0; w < w1; ++w) {
             u32 bits = hit_bits[w] | taken_bits[w];
             while (bits) {
-                order[pos++] = w * 32 + (__ffs(bits) - 1);
+                const int r = w * 32 + (__ffs(bits) - 1);
+                const int p = (pos++) & ring_mask;
+                ring[p] = r;
+                pos_of[r] = p;
                 bits &= bits - 1;
             }
+        }
+        if (hit_pos >= 0 && !compact) ring[hit_pos] = -1;
+        if (t == 0) {
+            ends[0] = new_head;
+            ends[1] = kept + T;
         }
     } else {
         __syncthreads();  // ends D: s_route and s_steals complete
@@ -299,13 +348,14 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     }
 }
 
-#define PLAN_STEP_ARGS                                                                          \
-    i32 W, i32 layer, i32 E, i32 R, i32 S, i32 *slot_of, i32 *key_of, i64 *last_use, i32 *order, \
-        i64 *clock, const i32 *gate, i32 *error, i64 *counters, i32 *routes, i64 *lane_addr,     \
-        i32 *copies, i32 *n_copies, i64 rows_base, i64 row_stride
-#define PLAN_STEP_PASS                                                                         \
-    W, layer, E, R, S, slot_of, key_of, last_use, order, clock, gate, error, counters, routes, \
-        lane_addr, copies, n_copies, rows_base, row_stride
+#define PLAN_STEP_ARGS                                                                         \
+    i32 W, i32 layer, i32 E, i32 R, i32 S, i32 *slot_of, i32 *key_of, i64 *last_use,           \
+        i32 *ring, i32 *pos_of, i32 *ends, i32 ring_mask, i64 *clock, const i32 *gate,          \
+        i32 *error, i64 *counters, i32 *routes, i64 *lane_addr, i32 *copies, i32 *n_copies,     \
+        i64 rows_base, i64 row_stride
+#define PLAN_STEP_PASS                                                                        \
+    W, layer, E, R, S, slot_of, key_of, last_use, ring, pos_of, ends, ring_mask, clock, gate,  \
+        error, counters, routes, lane_addr, copies, n_copies, rows_base, row_stride
 
 // Two entry points because routers hand out int64 (torch.topk) or int32 ids; reading either
 // directly avoids a cast kernel in the graph.

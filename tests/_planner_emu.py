@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cupool.planner import COUNTERS, ReferencePlanner, initial_placement, lru_order  # noqa: E402
+from cupool.planner import (COUNTERS, ReferencePlanner, initial_placement, lru_order,  # noqa: E402
+                            ring_capacity)
 
 EMU = Path(__file__).resolve().parent / "emu"
 DYN_DECL = "extern __shared__ u32 dyn_smem[];"
@@ -84,15 +85,17 @@ def random_trace(rng, L, E, steps, max_lanes, p_flip=(0.1, 0.01)):
 
 
 def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=None,
-        timeout=900, source=None, p_flip=(0.1, 0.01)) -> int:
-    """Build, run the trace, compare every step; returns the number of steps compared."""
+        timeout=900, source=None, p_flip=(0.1, 0.01), ring=None) -> int:
+    """Build, run the trace, compare every step; returns the number of steps compared.
+    `ring`: the LRU ring's capacity (default `ring_capacity(R)`; a small one compacts often)."""
     rng = np.random.default_rng(seed)
     ref = ReferencePlanner(L, E, N, S, initial)
     R = ref.num_rows
     trace = random_trace(rng, L, E, steps, max_lanes, p_flip)
     # int64 ids only where they fit int32, so the i32 entry point sees the same values
     is64 = [bool(rng.random() < 0.5) or np.any(np.abs(ids) > 2**31 - 1) for _, _, ids in trace]
-    words = [R, E, L, S, max_lanes, ROWS_BASE, ROW_STRIDE, steps]
+    C = ring_capacity(R) if ring is None else int(ring)
+    words = [R, E, L, S, max_lanes, ROWS_BASE, ROW_STRIDE, steps, C]
     words += initial_placement(L, E, N, initial).tolist()
     for (gate, layer, ids), wide in zip(trace, is64):
         words += [gate, layer, int(wide), ids.size] + ids.tolist()
@@ -133,8 +136,13 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
         np.testing.assert_array_equal(got_addr, want_addr, err_msg=f"lane_addr, {where}")
         assert got_copies is not None and [tuple(c) for c in got_copies.tolist()] == copies, \
             f"copies {n} {got_copies}, expected {copies}, {where}"
-        for name, size in (("slot_of", L * E), ("key_of", R), ("last_use", R), ("order", R)):
+        for name, size in (("slot_of", L * E), ("key_of", R), ("last_use", R)):
             np.testing.assert_array_equal(take(size), st[name], err_msg=f"{name}, {where}")
+        head, span = take(2)
+        assert 0 <= head < C and R <= span <= C, f"ring head {head} span {span} (C={C}), {where}"
+        order = take(int(take(1)[0]))
+        np.testing.assert_array_equal(order, st["order"], err_msg=f"ring order (-2: pos_of "
+                                      f"disagrees), {where}")
         assert int(take(1)[0]) == st["clock"], f"clock, {where}"
         assert int(take(1)[0]) == st["error"], f"error, {where}"
         np.testing.assert_array_equal(take(L * len(COUNTERS)).reshape(L, -1), st["counters"],

@@ -2,7 +2,7 @@
 
 Random plan + copy steps compared with the reference after each one, a captured graph of several
 layer calls replayed with new ids (gate opened after capture), verify(), and a few steps of the
-benchmark's shape (1024-thread block). Exits non-zero on any mismatch.
+benchmark's shape (its default block). Exits non-zero on any mismatch.
 
     compute-sanitizer --tool memcheck  python tests/gpu_planner_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_planner_sanitize.py --steps 100 --big-steps 4

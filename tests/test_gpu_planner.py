@@ -8,7 +8,7 @@ import torch
 from _planner_emu import random_trace
 from cupool import HostStore
 from cupool.bank import Bank, BankVerifyError
-from cupool.planner import COUNTERS, PlanError, ReferencePlanner
+from cupool.planner import COUNTERS, PlanError, ReferencePlanner, ring_order
 
 pytestmark = pytest.mark.gpu
 
@@ -57,13 +57,18 @@ class Harness:
         keys = (layer * self.E + ids_dev.long()).clamp(0, self.L * self.E - 1)
         got = b.rows[r.clamp(min=0), :b.row_bytes]
         bad_rows = ((got != self.expect[keys]).any(dim=1) & (r >= 0)).sum()
-        parts = [t.slot_of, t.key_of, t.last_use, t.order, t.clock, t.gate, t.error, t.counters,
-                 routes, addr, t.n_copies, t.copies, bad_rows]
+        parts = [t.slot_of, t.key_of, t.last_use, t.ring, t.pos_of, t.ends, t.clock, t.gate,
+                 t.error, t.counters, routes, addr, t.n_copies, t.copies, bad_rows]
         flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).cpu().numpy()
         sizes = [p.numel() for p in parts]
-        got = dict(zip(["slot_of", "key_of", "last_use", "order", "clock", "gate", "error",
-                        "counters", "routes", "lane_addr", "n_copies", "copies", "bad_rows"],
-                       np.split(flat, np.cumsum(sizes)[:-1])))
+        got = dict(zip(["slot_of", "key_of", "last_use", "ring", "pos_of", "ends", "clock", "gate",
+                        "error", "counters", "routes", "lane_addr", "n_copies", "copies",
+                        "bad_rows"], np.split(flat, np.cumsum(sizes)[:-1])))
+        head, span = (int(v) for v in got["ends"])
+        assert 0 <= head < got["ring"].size and self.R <= span <= got["ring"].size, \
+            f"ring head {head}, span {span}, {where}"
+        got["order"], problems = ring_order(got["ring"], got["pos_of"], head, span)
+        assert problems == [], f"{problems}, {where}"
 
         want_routes, want_copies = self.ref.step(layer, ids)
         st = self.ref.state()
@@ -113,12 +118,15 @@ def test_kernel_equals_reference_on_10000_random_steps(rng):
     h.close()
 
 
-@pytest.mark.parametrize("L,E,N,threads,items,steps", [
-    (7, 40, 30, 64, 1, 2000),        # R = 210 in tiles of 64: the kernel's multi-tile loop
-    (48, 512, 256, None, None, 300),  # the benchmark's shape with the default 1024 x 12 block
+@pytest.mark.parametrize("L,E,N,threads,items,ring,steps", [
+    (7, 40, 30, 64, 1, None, 2000),    # R = 210 in tiles of 64: the kernel's multi-tile loop
+    (7, 40, 30, 64, 2, 256, 2000),     # ... with a tight ring: compaction over several tiles
+    (5, 17, 3, None, None, 16, 2000),  # R = 15 in a ring of 16: compaction nearly every step
+    (48, 512, 256, None, None, None, 300),  # the benchmark's shape with the default block
 ])
-def test_kernel_equals_reference_other_shapes(rng, L, E, N, threads, items, steps):
-    h = Harness(rng, L, E, N, S=64, lanes=64, row_bytes=256, threads=threads, items=items)
+def test_kernel_equals_reference_other_shapes(rng, L, E, N, threads, items, ring, steps):
+    h = Harness(rng, L, E, N, S=64, lanes=64, row_bytes=256, threads=threads, items=items,
+                ring=ring)
     run_random(rng, h, steps, verify_every=100, p_flip=(0.3, 0.01))
     h.close()
 
@@ -250,10 +258,17 @@ def test_verify_catches_a_corrupt_row_and_broken_tables(rng):
         b.open(verify=True)                           # opening verifies, and stays closed
     assert b.state()["gate"] == 0
     b.slot_of[key] = row
-    b.order[[0, 1]] = b.order[[1, 0]].clone()
+    head = int(b.ring_ends[0])
+    p, q = head, (head + 1) % b.ring.numel()          # the window's first two entries (no holes
+    r0, r1 = int(b.ring[p]), int(b.ring[q])           # before any open step)
+    b.ring[p], b.ring[q] = r1, r0                     # swapped, pos_of still the old positions
+    with pytest.raises(BankVerifyError, match=f"ring\\[{p}\\] = {r1} but pos_of"):
+        b.verify()
+    b.pos_of[r0], b.pos_of[r1] = q, p                 # consistent again, but out of LRU order
     with pytest.raises(BankVerifyError, match="LRU order"):
         b.verify()
-    b.order[[0, 1]] = b.order[[1, 0]].clone()
+    b.ring[p], b.ring[q] = r0, r1
+    b.pos_of[r0], b.pos_of[r1] = p, q
     assert b.verify() == h.R
     h.close()
 

@@ -10,7 +10,7 @@ from cupool import HostStore
 from cupool.bank import Bank
 from cupool.planner import (COUNTERS, HITS, MISSES, PROMOTIONS, STAGED, STEALS, PlanError,
                             ReferencePlanner, check_ids, check_tables, initial_placement,
-                            launch_shape, lru_order)
+                            launch_shape, lru_order, ring_capacity, ring_order)
 
 
 def fresh(L=2, E=4, N=2, S=8, initial=None, open_gate=True):
@@ -254,20 +254,32 @@ def test_long_random_trace_keeps_tables_consistent(rng, L, E, N, S):
 # --- the kernel's algorithm, modelled in NumPy -------------------------------------------------------
 
 class KernelModel:
-    """rawkernels/planner.cu's algorithm on the host: victims are the first V non-hit entries of
-    the LRU order array and the array is rebuilt by one stable compaction. It never reads
-    last_use; the test proves it equals the reference (whose victim search is the definition)."""
+    """rawkernels/planner.cu's algorithm on the host: the LRU order is a ring of C entries whose
+    window [head, head + span) holds every row once (and holes, −1). Victims are the first V
+    window entries that are neither holes nor hit rows; the head moves to eligible entry V (or the
+    whole window is compacted when the appends would not fit); touched rows are appended in row
+    order and hits leave holes. It never reads last_use; the test proves it equals the reference
+    (whose victim search is the definition)."""
 
-    def __init__(self, ref: ReferencePlanner):
+    def __init__(self, ref: ReferencePlanner, C: int):
         self.L, self.E, self.R, self.S = (ref.num_layers, ref.num_experts, ref.num_rows,
                                           ref.staging_rows)
         st = ref.state()
-        self.slot_of, self.key_of = st["slot_of"], st["key_of"]
-        self.last_use, self.order = st["last_use"], st["order"]
-        self.clock, self.gate = 0, False
+        self.slot_of, self.key_of, self.last_use = st["slot_of"], st["key_of"], st["last_use"]
+        self.C, self.head, self.span = C, 0, self.R
+        self.ring = np.full(C, -1, dtype=np.int32)
+        self.ring[:self.R] = st["order"]
+        self.pos_of = np.empty(self.R, dtype=np.int32)
+        self.pos_of[st["order"]] = np.arange(self.R)
+        self.clock, self.gate, self.compactions = 0, False, 0
+
+    def order(self):
+        order, problems = ring_order(self.ring, self.pos_of, self.head, self.span)
+        assert problems == []
+        return order
 
     def step(self, layer, ids):
-        E, R, S = self.E, self.R, self.S
+        E, R, S, C = self.E, self.R, self.S, self.C
         ids = np.asarray(ids, dtype=np.int64)
         W = ids.size
         e = np.where((ids >= 0) & (ids < E), ids, -1)
@@ -278,29 +290,36 @@ class KernelModel:
         now = self.clock + 1 if self.gate else self.clock
         route_of_lane = {}
         touched = np.zeros(R, dtype=bool)
-        misses = []
-        H = 0
+        hit_pos, misses = [], []
         for t in range(W):
             if e[t] >= 0 and first_lane[int(e[t])] == t:
                 key = layer * E + int(e[t])
                 slot = int(self.slot_of[key])
                 if slot >= 0:
-                    H += 1
                     route_of_lane[t] = slot
                     if self.gate:
                         self.last_use[slot] = now
                         touched[slot] = True
+                        hit_pos.append(int(self.pos_of[slot]))
                 else:
                     misses.append((key, t))
-        M = len(misses)
+        H, M = int(touched.sum()), len(misses)
         V = min(M, R - H) if self.gate else 0
         T = H + V
-        victims = []
-        if self.gate and T > 0:
-            keep = ~touched[self.order]
-            nonhit = self.order[keep]
-            victims = nonhit[:V].tolist()
-            self.order[:R - T] = nonhit[V:]
+        compact = self.gate and T > 0 and self.span + T > C
+        window = self.ring[(self.head + np.arange(self.span)) % C]
+        eligible = np.flatnonzero((window >= 0) & ~touched[np.maximum(window, 0)])
+        victims = window[eligible[:V]].tolist()
+        if compact:                                   # eligible non-victims, back to back
+            kept = window[eligible[V:]]
+            p = (self.head + np.arange(kept.size)) % C
+            self.ring[p], self.pos_of[kept] = kept, p
+            self.compactions += 1
+            new_head, n_kept = self.head, kept.size
+        elif self.gate and T > 0:
+            # with V = 0 the kernel skips the walk and cuts nothing
+            cut = 0 if V == 0 else int(eligible[V]) if eligible.size > V else self.span
+            new_head, n_kept = (self.head + cut) % C, self.span - cut
         copies = []
         for j, (key, t) in enumerate(misses):
             if j < V:
@@ -316,17 +335,23 @@ class KernelModel:
             if row >= 0:
                 copies.append((key, row))
         if self.gate and T > 0:
-            self.order[R - T:] = np.flatnonzero(touched)
+            if not compact:
+                self.ring[hit_pos] = -1
+            rows = np.flatnonzero(touched)
+            p = (new_head + n_kept + np.arange(T)) % C
+            self.ring[p], self.pos_of[rows] = rows, p
+            self.head, self.span = new_head, n_kept + T
         routes = np.array([route_of_lane[first_lane[int(x)]] if x >= 0 else -1 for x in e],
                           dtype=np.int32)
         self.clock = now
         return routes, copies
 
 
-@pytest.mark.parametrize("L,E,N,S", [(5, 13, 3, 64), (2, 9, 4, 2), (6, 30, 10, 16)])
-def test_kernel_algorithm_equals_reference(rng, L, E, N, S):
+@pytest.mark.parametrize("L,E,N,S,C", [(5, 13, 3, 64, 16), (5, 13, 3, 64, 64), (2, 9, 4, 2, 8),
+                                       (6, 30, 10, 16, 64), (6, 30, 10, 16, 128)])
+def test_kernel_algorithm_equals_reference(rng, L, E, N, S, C):
     ref = ReferencePlanner(L, E, N, S)
-    model = KernelModel(ref)
+    model = KernelModel(ref, C)
     hot = [hot_distribution(rng, E) for _ in range(L)]
     for i in range(1500):
         if rng.random() < (0.02 if ref.gate else 0.1):
@@ -343,8 +368,10 @@ def test_kernel_algorithm_equals_reference(rng, L, E, N, S):
         assert c1 == c2, f"copies, step {i}"
         st = ref.state()
         for name, mine in (("slot_of", model.slot_of), ("key_of", model.key_of),
-                           ("last_use", model.last_use), ("order", model.order)):
+                           ("last_use", model.last_use), ("order", model.order())):
             np.testing.assert_array_equal(st[name], mine, err_msg=f"{name}, step {i}")
+    if C < 2 * ref.num_rows:              # a tight ring: the trace must reach the rare path
+        assert model.compactions > 0
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -372,13 +399,24 @@ def test_check_tables_reports_broken_states():
 
 
 def test_launch_shape():
-    assert launch_shape(12288, 64) == (1024, 12)
-    assert launch_shape(15, 64) == (64, 1)
-    assert launch_shape(15, 1) == (32, 1)
-    t, i = launch_shape(1 << 20, 256)
-    assert t == 1024 and i == 16                          # the kernel loops over tiles
-    t, i = launch_shape(300, 1024)
-    assert t == 1024 and i == 1
+    assert launch_shape(12288, 64) == (128, 4)
+    assert launch_shape(12288, 200) == (224, 4)
+    assert launch_shape(15, 64) == (128, 1)
+    assert launch_shape(300, 1024) == (1024, 1)
+
+
+def test_ring_capacity_and_order():
+    assert ring_capacity(12288) == 32768 and ring_capacity(15) == 32 and ring_capacity(16) == 32
+    ring = np.array([-1, 3, 0, -1, 2, 1, -1, -1], dtype=np.int32)
+    pos_of = np.array([2, 5, 4, 1], dtype=np.int32)
+    order, problems = ring_order(ring, pos_of, 1, 5)      # window 1..5
+    assert order.tolist() == [3, 0, 2, 1] and problems == []
+    order, problems = ring_order(np.roll(ring, 3), (pos_of + 3) % 8, 4, 5)  # wraps past the end
+    assert order.tolist() == [3, 0, 2, 1] and problems == []
+    pos_of[2] = 7
+    assert ring_order(ring, pos_of, 1, 5)[1] == ["ring[4] = 2 but pos_of[2] = 7"]
+    assert "malformed" in ring_order(ring, pos_of, 1, 9)[1][0]
+    assert "malformed" in ring_order(ring[:6], pos_of, 1, 3)[1][0]   # not a power of two
 
 
 def test_check_ids_guards():
@@ -440,18 +478,21 @@ def gxx():
         pytest.skip(f"kernel source on CPU threads: {reason}")
 
 
-@pytest.mark.parametrize("L,E,N,S,lanes,threads,items,steps", [
-    (5, 13, 3, 64, 64, 64, 1, 400),       # the GPU test's bank: one tile
-    (7, 40, 30, 64, 64, 64, 1, 300),      # R = 210: four tiles of 64
-    (3, 9, 2, 4, 64, 64, 2, 300),         # S < lanes: staging overflows
-    (3, 5, 9, 64, 64, 64, 1, 200),        # N > E: empty rows
-    (48, 512, 256, 64, 64, 1024, 12, 12), # the benchmark's shape, 1024 threads
+@pytest.mark.parametrize("L,E,N,S,lanes,threads,items,steps,ring", [
+    (5, 13, 3, 64, 64, 64, 1, 400, None),     # the GPU test's bank: one tile
+    (5, 13, 3, 64, 64, 64, 1, 400, 16),       # a ring of 16 for 15 rows: compaction most steps
+    (7, 40, 30, 64, 64, 64, 1, 300, None),    # R = 210: up to eight tiles of 64
+    (7, 40, 30, 64, 64, 64, 2, 300, 256),     # ... and compaction over several tiles
+    (3, 9, 2, 4, 64, 64, 2, 300, None),       # S < lanes: staging overflows
+    (3, 5, 9, 64, 64, 64, 1, 200, 32),        # N > E: empty rows
+    (48, 512, 256, 64, 64, 128, 4, 12, None), # the benchmark's shape and default block
 ])
 def test_kernel_source_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, lanes, threads,
-                                                         items, steps):
+                                                         items, steps, ring):
     seed = int(rng.integers(2**31))
     flips = (0.7, 0.1) if steps < 50 else (0.1, 0.01)     # short runs: open the gate early
-    assert _planner_emu.run(L, E, N, S, lanes, threads, items, steps, seed, p_flip=flips) == steps
+    assert _planner_emu.run(L, E, N, S, lanes, threads, items, steps, seed, p_flip=flips,
+                            ring=ring) == steps
 
 
 @pytest.mark.slow

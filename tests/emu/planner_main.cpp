@@ -1,10 +1,12 @@
 // Runs rawkernels/planner.cu's plan step on CPU threads (cuda_emu.h) over a trace, and writes
 // every step's outputs and tables, for tests/_planner_emu.py to compare with the reference.
 //
-// Input (int64 words): R, E, L, S, max_lanes, rows_base, row_stride, steps, key_of[R], then per
-// step: gate, layer, is64, W, ids[W].
+// Input (int64 words): R, E, L, S, max_lanes, rows_base, row_stride, steps, C (ring capacity, a
+// power of two >= R), key_of[R], then per step: gate, layer, is64, W, ids[W].
 // Output per step (int64 words): routes[W], lane_addr[W], n_copies, copies[2*n_copies],
-// slot_of[L*E], key_of[R], last_use[R], order[R], clock, error, counters[L*5].
+// slot_of[L*E], key_of[R], last_use[R], head, span, n_live, order[n_live] (the window's
+// non-holes in window order, each checked against pos_of: -2 where pos_of disagrees), clock,
+// error, counters[L*5].
 #include "planner.cu"  // the kernel, copied next to the emulated common.cuh
 
 #include <cstdio>
@@ -45,12 +47,15 @@ int main(int argc, char** argv) {
     const int R = (int)next(), E = (int)next(), L = (int)next(), S = (int)next();
     const int max_lanes = (int)next();
     const long long rows_base = next(), row_stride = next(), steps = next();
-    std::vector<i32> key_of(R), slot_of((size_t)L * E, -1), order(R);
+    const int C = (int)next();
+    std::vector<i32> key_of(R), slot_of((size_t)L * E, -1), ring(C, -1), pos_of(R);
+    i32 ends[2] = {0, R};  // head, span: the window starts as rows 0..R-1 (all last_use 0)
     std::vector<i64> last_use(R, 0), counters((size_t)L * NUM_COUNTERS, 0);
     for (int r = 0; r < R; ++r) {
         key_of[r] = (i32)next();
         if (key_of[r] >= 0) slot_of[key_of[r]] = r;
-        order[r] = r;
+        ring[r] = r;
+        pos_of[r] = r;
     }
     i64 clock = 0;
     i32 gate = 0, error = 0, n_copies = 0;
@@ -74,14 +79,14 @@ int main(int argc, char** argv) {
         emu_launch(THREADS, smem, [&] {
             if (is64)
                 plan_step_i64(ids64.data(), W, layer, E, R, S, slot_of.data(), key_of.data(),
-                              last_use.data(), order.data(), &clock, &gate, &error,
-                              counters.data(), routes.data(), lane_addr.data(), copies.data(),
-                              &n_copies, rows_base, row_stride);
+                              last_use.data(), ring.data(), pos_of.data(), ends, C - 1, &clock,
+                              &gate, &error, counters.data(), routes.data(), lane_addr.data(),
+                              copies.data(), &n_copies, rows_base, row_stride);
             else
                 plan_step_i32(ids32.data(), W, layer, E, R, S, slot_of.data(), key_of.data(),
-                              last_use.data(), order.data(), &clock, &gate, &error,
-                              counters.data(), routes.data(), lane_addr.data(), copies.data(),
-                              &n_copies, rows_base, row_stride);
+                              last_use.data(), ring.data(), pos_of.data(), ends, C - 1, &clock,
+                              &gate, &error, counters.data(), routes.data(), lane_addr.data(),
+                              copies.data(), &n_copies, rows_base, row_stride);
         });
         put(fo, routes.data(), W);
         put(fo, lane_addr.data(), W);
@@ -90,7 +95,16 @@ int main(int argc, char** argv) {
         put(fo, slot_of.data(), (long long)slot_of.size());
         put(fo, key_of.data(), R);
         put(fo, last_use.data(), R);
-        put(fo, order.data(), R);
+        put(fo, ends, 2);
+        std::vector<i64> live;
+        for (int i = 0; i < ends[1] && i < C; ++i) {
+            const int p = (ends[0] + i) & (C - 1);
+            const int r = ring[p];
+            if (r >= 0) live.push_back(r < R && pos_of[r] == p ? r : -2);
+        }
+        const long long n_live = (long long)live.size();
+        put(fo, &n_live, 1);
+        put(fo, live.data(), n_live);
         put(fo, &clock, 1);
         put(fo, &error, 1);
         put(fo, counters.data(), (long long)counters.size());
