@@ -11,9 +11,13 @@ step never reads rows, and the copy of so small a row costs its launch.
 
 Copy bandwidth: rows of 2 ... 10 MiB, a small bank (N = --copy-rows per layer, 2 layers) and W =
 --copy-misses distinct random experts per call, so nearly every lane misses. Each call (plan +
-copy) is timed alone with CUDA events and its bytes are n_copies x row_bytes, read afterwards;
-also the copy kernel alone on a list of --copy-misses random rows. Both as GB/s and as a ratio to
-a 1 GiB pinned cudaMemcpyAsync measured in the same run (target >= 0.9).
+copy) is timed alone with CUDA events (eagerly: it includes the host's launch latency) and its
+bytes are n_copies x row_bytes, read afterwards. The copy kernel alone (the Bank's, the target) is
+timed as in decode, inside a CUDA graph: --copy-graph launches, each on its own list of
+--copy-misses random rows. Both as GB/s and as a ratio to a 1 GiB pinned cudaMemcpyAsync measured
+in the same run (target >= 0.9). --copy-sweep times more grids of the SM-load kernel (RowCopier
+mode "ld") and --bulk-sweep grids and buffer rings of the bulk-copy kernel (mode "bulk", sm_90+)
+the same way.
 """
 
 from __future__ import annotations
@@ -102,6 +106,15 @@ def bench_plan(args, rng) -> list[dict]:
     return results
 
 
+def verify_staging(bank, store, E: int, M: int, row: int) -> None:
+    """The staging rows hold the host rows of the keys listed in bank.copies (byte for byte)."""
+    keys = bank.copies[:M, 0].cpu().numpy()
+    got = bank.rows[bank.num_rows:bank.num_rows + M, :row].cpu().numpy()
+    for j, k in enumerate(keys):
+        if not np.array_equal(got[j], store.row(int(k) // E, int(k) % E)):
+            raise AssertionError(f"staging row {j} differs from the host row of key {k}")
+
+
 def bench_copy(args, rng, ref_GBps: float) -> list[dict]:
     results = []
     M, L = args.copy_misses, 2
@@ -131,20 +144,30 @@ def bench_copy(args, rng, ref_GBps: float) -> list[dict]:
         step_GBps = sum(moved) / sum(times) / 1e6
         per_call = [m / t / 1e6 for m, t in zip(moved, times) if m]
 
-        # the copy kernel alone: a list of M random keys into the staging rows
-        keys = {}
+        # The copy kernels alone, inside a CUDA graph (as in decode): --copy-graph launches, each
+        # on its own list of M random keys into the staging rows, so no row is read twice in a
+        # replay (the L2 could serve a repeat). An eagerly timed launch would also count the
+        # host's launch latency, tens of microseconds next to a 2 MiB row's 40.
+        reps = args.copy_graph
+        lists = torch.zeros(reps, M, 2, dtype=torch.int32, device="cuda")
+        lists[:, :, 1] = torch.arange(bank.num_rows, bank.num_rows + M, dtype=torch.int32)
+        counts = torch.full((reps, 1), M, dtype=torch.int32, device="cuda")
 
         def pick():
-            k = rng.choice(L * E, size=M, replace=False).astype(np.int32)
-            bank.copies[:, 0].copy_(torch.from_numpy(k))
-            bank.copies[:, 1].copy_(torch.arange(bank.num_rows, bank.num_rows + M,
-                                                 dtype=torch.int32))
-            bank.n_copies.fill_(M)
-            keys["k"] = k
+            k = rng.choice(L * E, size=reps * M, replace=False).astype(np.int32)
+            lists[:, :, 0].copy_(torch.from_numpy(k.reshape(reps, M)))
 
-        copy_ms = time_ms(bank.copy_rows, warmup=3, iters=args.copy_iters, setup=pick)
-        copy_GBps = M * row / copy_ms / 1e6
-        bank.verify()
+        def graph_GBps(copier) -> float:
+            pick()
+            g = capture(lambda c: copier(lists[c], counts[c]), reps)
+            ms = time_ms(g.replay, warmup=3, iters=args.copy_iters, setup=pick)
+            return reps * M * row / ms / 1e6
+
+        copy_GBps = graph_GBps(bank._copy)
+        # the last replay's rows must be in the staging rows
+        bank.copies.copy_(lists[-1])
+        bank.n_copies.copy_(counts[-1])
+        verify_staging(bank, store, E, M, row)
         # the same M rows moved by M cudaMemcpyAsync calls (the copy engine on this row size)
         host_rows = [store.row(k // E, k % E) for k in range(M)]
         dst_rows = [bank.rows[bank.num_rows + j, :row] for j in range(M)]
@@ -152,27 +175,40 @@ def bench_copy(args, rng, ref_GBps: float) -> list[dict]:
                                      for d, h in zip(dst_rows, host_rows)],
                             warmup=3, iters=args.copy_iters)
         memcpy_rows_GBps = M * row / memcpy_ms / 1e6
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
         sweep = []
         for blocks_per_sm, threads, unroll in (args.copy_sweep or []):
-            copier = RowCopier(bank.src_of_key, row, bank.rows, M, unroll=unroll, threads=threads,
-                               blocks=blocks_per_sm * torch.cuda.get_device_properties(0).multi_processor_count)
-            ms = time_ms(lambda: copier(bank.copies, bank.n_copies), warmup=3,
-                         iters=args.copy_iters, setup=pick)
-            g = M * row / ms / 1e6
+            copier = RowCopier(bank.src_of_key, row, bank.rows, M, unroll=int(unroll),
+                               threads=int(threads), blocks=max(1, round(blocks_per_sm * sms)))
+            g = graph_GBps(copier)
             sweep.append({"blocks_per_sm": blocks_per_sm, "threads": threads, "unroll": unroll,
                           "GBps": g, "ratio": g / ref_GBps})
-            print(f"   copy sweep {blocks_per_sm} blocks/SM x {threads} threads, unroll {unroll}: "
-                  f"{g:6.1f} GB/s ({g / ref_GBps:.2f})", flush=True)
-        bank.verify()
+            print(f"   ld sweep {blocks_per_sm:g} blocks/SM x {threads:g} threads, unroll "
+                  f"{unroll:g}: {g:6.1f} GB/s ({g / ref_GBps:.2f})", flush=True)
+        bulk = []
+        for blocks_per_sm, chunk_kib, stages in (args.bulk_sweep or []):
+            copier = RowCopier(bank.src_of_key, row, bank.rows, M, mode="bulk",
+                               chunk=int(chunk_kib) << 10, stages=int(stages),
+                               blocks=max(1, round(blocks_per_sm * sms)))
+            g = graph_GBps(copier)
+            bulk.append({"blocks_per_sm": blocks_per_sm, "chunk_KiB": chunk_kib, "stages": stages,
+                         "GBps": g, "ratio": g / ref_GBps})
+            print(f"   bulk sweep {blocks_per_sm:g} blocks/SM, {stages:g} x {chunk_kib:g} KiB "
+                  f"buffers: {g:6.1f} GB/s ({g / ref_GBps:.2f})", flush=True)
+        bank.copies.copy_(lists[-1])
+        verify_staging(bank, store, E, M, row)
         r = {"row_MiB": mib, "row_bytes": row, "store_bytes": store.nbytes, "misses_per_call":
              sum(moved) / row / len(moved), "step_GBps": step_GBps, "step_ratio": step_GBps / ref_GBps,
              "step_GBps_median_call": statistics.median(per_call) if per_call else 0.0,
              "copy_kernel_GBps": copy_GBps, "copy_kernel_ratio": copy_GBps / ref_GBps,
-             "copy_grid": bank.copy_grid, "memcpy_same_rows_GBps": memcpy_rows_GBps,
-             "copy_kernel_over_memcpy_same_rows": copy_GBps / memcpy_rows_GBps, "copy_sweep": sweep}
+             "copy_grid": bank.copy_grid, "copy_mode": bank.copy_mode,
+             "copy_graph_launches": reps, "memcpy_same_rows_GBps": memcpy_rows_GBps,
+             "copy_kernel_over_memcpy_same_rows": copy_GBps / memcpy_rows_GBps, "copy_sweep": sweep,
+             "bulk_sweep": bulk}
         results.append(r)
         print(f"{mib:4.1f} MiB rows: plan+copy {step_GBps:6.1f} GB/s ({r['step_ratio']:.2f} of "
-              f"memcpy, {r['misses_per_call']:.1f} copies/call); copy kernel alone "
+              f"memcpy, {r['misses_per_call']:.1f} copies/call, eager); {bank.copy_mode} copy "
+              f"kernel alone, in a graph "
               f"{copy_GBps:6.1f} GB/s ({r['copy_kernel_ratio']:.2f}); {M} cudaMemcpyAsync of "
               f"these rows {memcpy_rows_GBps:6.1f} GB/s")
         bank.close()
@@ -203,8 +239,15 @@ def main(argv=None):
     p.add_argument("--copy-rows", type=int, default=8, help="bank rows per layer (copy part)")
     p.add_argument("--copy-iters", type=int, default=40)
     p.add_argument("--store-gib", type=float, default=1.0, help="host store size (copy part)")
-    p.add_argument("--copy-sweep", nargs="+", type=lambda v: tuple(int(x) for x in v.split(",")),
-                   metavar="BLOCKS_PER_SM,THREADS,UNROLL", help="also time these copy-kernel grids")
+    p.add_argument("--copy-graph", type=int, default=4,
+                   help="copy launches (each on its own list) per timed graph replay")
+    p.add_argument("--copy-sweep", nargs="+", type=lambda v: tuple(float(x) for x in v.split(",")),
+                   metavar="BLOCKS_PER_SM,THREADS,UNROLL",
+                   help="also time RowCopier(mode='ld') with these grids (BLOCKS_PER_SM may be a "
+                        "fraction: 0.25 = a quarter of the SMs)")
+    p.add_argument("--bulk-sweep", nargs="+", type=lambda v: tuple(float(x) for x in v.split(",")),
+                   metavar="BLOCKS_PER_SM,CHUNK_KIB,STAGES",
+                   help="also time RowCopier(mode='bulk') (sm_90+) with these grids and rings")
     p.add_argument("--skip-plan", action="store_true")
     p.add_argument("--skip-copy", action="store_true")
     args = p.parse_args(argv)

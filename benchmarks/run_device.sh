@@ -7,6 +7,8 @@ OUT=${OUT:-.out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 summary=()
+# copy-kernel grids timed beside the Bank's own: "ld" (SM loads) and "bulk" (cp.async.bulk)
+PLANNER_SWEEP="--copy-sweep 2,512,4 0.25,256,8 --bulk-sweep 1,16,4 0.5,16,4 0.25,16,4 0.25,32,4 0.125,32,4"
 run() {  # name, timeout seconds, command...
   local name=$1 t=$2; shift 2
   local t0=$SECONDS
@@ -18,7 +20,7 @@ for stage in "$@"; do
   case $stage in
     wrap)     run pytest_wrap 300 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 200 -ra -s tests/test_gpu_wrap.py tests/test_examples.py ;;
     gemm-tests) run pytest_gemm 200 python3 -m pytest -m gpu -q -p no:cacheprovider -ra tests/test_gpu_gemm.py ;;
-    tests)    run pytest_gpu 480 python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 300 -ra tests ;;
+    tests)    run pytest_gpu ${TESTS_TIMEOUT:-480} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 300 -ra tests ;;
     sanitize) run memcheck 150 compute-sanitizer --tool memcheck python3 tests/gpu_planner_sanitize.py
               run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
     profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
@@ -30,8 +32,10 @@ for stage in "$@"; do
               run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --compile --layers 8 ;;
     bench)    run bench_store 120 python3 benchmarks/bench_store.py --rows 16
               run bench_nvfp4 120 python3 benchmarks/bench_nvfp4.py
-              run bench_planner 180 python3 benchmarks/bench_planner.py --copy-sweep 1,512,8 2,512,8 4,256,8 2,256,16
+              run bench_planner 180 python3 benchmarks/bench_planner.py $PLANNER_SWEEP
               run bench_gemm 240 python3 benchmarks/bench_gemm.py --layers 16 ;;
+    planner)  run bench_planner 150 python3 benchmarks/bench_planner.py $PLANNER_SWEEP ;;
+    gemm-bench) run bench_gemm 150 python3 benchmarks/bench_gemm.py --layers 16 ;;
     example)  run decode_loop 300 python3 examples/decode_loop.py --json "$OUT/decode_loop.json" ;;
     decode)   run bench_decode 560 python3 benchmarks/bench_decode.py ;;
     decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 ;;

@@ -56,12 +56,17 @@ class Bank:
         threads, items: plan-step block shape (default `cupool.planner.launch_shape`).
         ring: capacity of the plan step's LRU ring, a power of two ≥ R (default
             `cupool.planner.ring_capacity`; a tight one compacts often, which tests use).
+        copy_mode: the row-copy kernel (`cupool.rowcopy.RowCopier` modes): "bulk" (Hopper bulk
+            copies, sm_90+), "ld" (SM loads, any GPU), or "auto" (default): "bulk" on compute
+            capability ≥ 9.0, else "ld". The choice is `copy_mode` on the bank.
+        copy_blocks: the copy kernel's fixed grid (default: the RowCopier default).
     The gate starts closed: steps route correctly through staging but move nothing until `open()`.
     """
 
     def __init__(self, store: HostStore, rows_per_layer: int, staging_rows: int,
                  max_lanes: int, initial=None, device=None, *, threads: int | None = None,
-                 items: int | None = None, ring: int | None = None):
+                 items: int | None = None, ring: int | None = None, copy_mode: str = "auto",
+                 copy_blocks: int | None = None):
         if not isinstance(store, HostStore):
             raise TypeError(f"store must be a cupool.HostStore, got {type(store).__name__}")
         L, E = store.num_layers, store.num_experts
@@ -97,11 +102,17 @@ class Bank:
         self.slot_of, self.key_of, self.last_use = t.slot_of, t.key_of, t.last_use
         self.ring, self.pos_of, self.ring_ends = t.ring, t.pos_of, t.ends
         self.clock, self.gate, self.error, self.counters = t.clock, t.gate, t.error, t.counters
-        self.routes, self.lane_addr = t.routes, t.lane_addr
+        self.routes, self.lane_addr, self.lane_fresh = t.routes, t.lane_addr, t.lane_fresh
         self.copies, self.n_copies = t.copies, t.n_copies
         self.src_of_key = store.address_table(idx)
         self._plan = PlanStep(t, L, E, S, self.rows, threads=threads, items=items)
-        self._copy = RowCopier(self.src_of_key, self.row_bytes, self.rows, W)
+        if copy_mode == "auto":
+            major = torch.cuda.get_device_properties(dev).major
+            copy_mode = "bulk" if major >= 9 else "ld"
+        self.copy_mode = copy_mode
+        self._copy_stream = None   # step_split's, made on first use
+        self._copy = RowCopier(self.src_of_key, self.row_bytes, self.rows, W, mode=copy_mode,
+                               blocks=copy_blocks)
         self._compare = kernels.function("planner", "compare_rows",
                                          {"THREADS": self._plan.threads, "ITEMS": self._plan.items},
                                          idx)
@@ -140,6 +151,28 @@ class Bank:
         W = self._plan(layer, ids)
         self._copy(self.copies, self.n_copies)
         return self.routes[:W], self.lane_addr[:W]
+
+    def step_split(self, layer: int, ids: torch.Tensor):
+        """`step` with the copies on the bank's copy stream, so work on the rows already in place
+        can run while they land. Graph-capturable (the copy stream forks from and joins torch's
+        current stream).
+
+        Returns (routes, lane_addr, lane_fresh, join): lane_fresh int32 [W] is 1 where the lane's
+        row is among this step's copies; `join()` makes the current stream wait for them and
+        must be called before anything reads a fresh row and before the next step (the copy
+        list is reused). The copies only write rows no lane of this step reads in place (victims
+        are never rows used this step; staging rows belong to this step's misses).
+        """
+        W = self._plan(layer, ids)
+        cur = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        side = self._copy_stream
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            self._copy(self.copies, self.n_copies)
+        return self.routes[:W], self.lane_addr[:W], self.lane_fresh[:W], \
+            lambda: cur.wait_stream(side)
 
     # --- gate ------------------------------------------------------------------------------------
     def open(self, verify: bool = True, sample: int | None = 64) -> None:

@@ -129,7 +129,7 @@ class MoEGemm:
         self._d = dict(
             xh=torch.zeros(self.max_decode_tokens, hp, dtype=torch.float16, device=dev),
             xscale=torch.zeros(self.max_decode_tokens, **f32),
-            range=torch.zeros(2, **i32),
+            range=torch.zeros(5, **i32),          # moe_align.cu: in place, fresh, all
             unit_addr=torch.zeros(wd, dtype=torch.int64, device=dev),
             unit_lanes=torch.zeros(wd * DECODE_WIDE.nt, **i32),
             unit_count=torch.zeros(wd, **i32),
@@ -210,7 +210,7 @@ class MoEGemm:
         return self._grids[key]
 
     def _run_gemm(self, cfg, rng, unit_addr, unit_lanes, unit_count, xh, xscale, act, amax,
-                  lane_w, tokens, out, yw=None, group_done=None, out32=None):
+                  lane_w, tokens, out, yw=None, group_done=None, out32=None, all_rng=None):
         threads = 32 * cfg.ksplit * cfg.warps_m
         w13, w2 = self._gemm(cfg, "moe_w13"), self._gemm(cfg, "moe_w2")
         s13, s2 = self._smem(cfg, 2), self._smem(cfg, 1)
@@ -219,7 +219,7 @@ class MoEGemm:
             shared_mem=s13, device=self.device)
         dummy = self.error
         kernels.launch(w2, self._grid(w2, threads, s2), threads, (
-            rng, unit_addr, unit_lanes, unit_count, act, amax, lane_w,
+            rng, rng if all_rng is None else all_rng, unit_addr, unit_lanes, unit_count, act, amax, lane_w,
             kernels.i32(self.topk), kernels.i32(tokens), kernels.i32(self.layout.hidden),
             yw if yw is not None else dummy, group_done if group_done is not None else dummy,
             out if out is not None else dummy, out32 if out32 is not None else dummy),
@@ -236,8 +236,15 @@ class MoEGemm:
 
     # --- decode ---------------------------------------------------------------------------
     def decode(self, x: torch.Tensor, lane_addr: torch.Tensor, topk_weights: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """out[t] = Σ_k w[t,k] · expert(lane t·K+k)(x[t]) with weights read at lane_addr."""
+               out: torch.Tensor | None = None, *, lane_fresh: torch.Tensor | None = None,
+               before_fresh=None) -> torch.Tensor:
+        """out[t] = Σ_k w[t,k] · expert(lane t·K+k)(x[t]) with weights read at lane_addr.
+
+        lane_fresh: int32 [T·K] (the plan step's), 1 where the lane's row is still being copied
+        in. The experts of the other lanes run first; then `before_fresh()` (e.g. make this
+        stream wait for the copy stream) and the fresh experts, so the copies overlap the GEMM
+        of the rows already in place. Without it, one pass over every lane.
+        """
         check_activations(x, self.layout.hidden)
         if x.dtype != self.dtype:
             raise TypeError(f"hidden_states dtype {x.dtype} differs from the GEMM's {self.dtype}")
@@ -251,19 +258,37 @@ class MoEGemm:
         if lane_addr.dtype != torch.int64 or lane_addr.numel() != T * K or lane_addr.device != x.device:
             raise ValueError(f"lane_addr must be int64 [{T * K}] on {x.device}, got "
                              f"{lane_addr.dtype} {list(lane_addr.shape)} on {lane_addr.device}")
+        if lane_fresh is not None and (lane_fresh.dtype != torch.int32 or lane_fresh.numel() != T * K
+                                       or lane_fresh.device != x.device
+                                       or not lane_fresh.is_contiguous()):
+            raise ValueError(f"lane_fresh must be a contiguous int32 [{T * K}] tensor on "
+                             f"{x.device}, got {lane_fresh.dtype} {list(lane_fresh.shape)} on "
+                             f"{lane_fresh.device}")
+        if before_fresh is not None and not callable(before_fresh):
+            raise TypeError(f"before_fresh must be callable, got {type(before_fresh).__name__}")
         out = self._out(x, out)
         cfg = DECODE_SMALL if T * K <= 64 else DECODE_WIDE
         d = self._d
         w = topk_weights.reshape(-1)
         if w.dtype not in _W_DTYPES or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
-        kernels.launch(self._align(cfg, "route_decode", x, w_dtype=_W_DTYPES[w.dtype]), 1, 1024, (
+        # one thread a lane and at least one warp a token (up to 32): a small block starts and
+        # synchronises faster than the 1024 threads the kernel allows
+        threads = min(1024, max(64, 32 * -(-(T * K) // 32), 32 * min(T, 32)))
+        kernels.launch(self._align(cfg, "route_decode", x, w_dtype=_W_DTYPES[w.dtype]), 1,
+                       threads, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), d["xh"], d["xscale"],
-            lane_addr.reshape(-1), w, kernels.i32(T * K), d["range"], d["unit_addr"],
+            lane_addr.reshape(-1), kernels.NULL if lane_fresh is None else lane_fresh, w, kernels.i32(T * K), d["range"], d["unit_addr"],
             d["unit_lanes"], d["unit_count"], d["lane_w"], d["amax"], self.error), device=self.device)
-        self._run_gemm(cfg, d["range"], d["unit_addr"], d["unit_lanes"], d["unit_count"],
-                       d["xh"], d["xscale"], d["act"], d["amax"], d["lane_w"], T, out,
-                       yw=d["yw"], group_done=d["group_done"])
+        r = d["range"]
+        args = (d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"], d["xscale"], d["act"],
+                d["amax"], d["lane_w"], T, out)
+        kw = dict(yw=d["yw"], group_done=d["group_done"], all_rng=r[3:5])
+        self._run_gemm(cfg, r[0:2], *args, **kw)               # rows in place (all, if no split)
+        if lane_fresh is not None:
+            if before_fresh is not None:
+                before_fresh()
+            self._run_gemm(cfg, r[1:3], *args, **kw)           # rows the copies bring in
         return out
 
     # --- prefill --------------------------------------------------------------------------

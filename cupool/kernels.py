@@ -175,6 +175,9 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None) -> None:
         kernel(grid, block, args, shared_mem=shared_mem)
 
 
+NULL = np.uint64(0)  # a null pointer argument (kernels that take an optional array test for it)
+
+
 def i32(x) -> np.int32:
     return np.int32(x)
 

@@ -303,7 +303,8 @@ class DeviceTables:
     int32 [2] (head, span) · clock int64 [1] · gate int32 [1] · error int32 [1] · counters int64
     [L, 5].
     Outputs of the last step, reused by every layer call: routes int32 [max_lanes] · lane_addr
-    int64 [max_lanes] · copies int32 [max_lanes, 2] · n_copies int32 [1].
+    int64 [max_lanes] · lane_fresh int32 [max_lanes] (1 where the copy list fills the lane's row)
+    · copies int32 [max_lanes, 2] · n_copies int32 [1].
     """
 
     slot_of: torch.Tensor
@@ -318,6 +319,7 @@ class DeviceTables:
     counters: torch.Tensor
     routes: torch.Tensor
     lane_addr: torch.Tensor
+    lane_fresh: torch.Tensor
     copies: torch.Tensor
     n_copies: torch.Tensor
 
@@ -351,6 +353,7 @@ class DeviceTables:
             counters=torch.zeros(num_layers, len(COUNTERS), dtype=torch.int64, device=device),
             routes=torch.full((max_lanes,), -1, dtype=torch.int32, device=device),
             lane_addr=torch.zeros(max_lanes, dtype=torch.int64, device=device),
+            lane_fresh=torch.zeros(max_lanes, dtype=torch.int32, device=device),
             copies=torch.zeros(max_lanes, 2, dtype=torch.int32, device=device),
             n_copies=torch.zeros(1, dtype=torch.int32, device=device))
 
@@ -433,7 +436,7 @@ class PlanStep:
         self.kernels = {torch.int32: kernels.function("planner", "plan_step_i32", defines, dev),
                         torch.int64: kernels.function("planner", "plan_step_i64", defines, dev)}
         limit = _shared_mem_limit(dev)
-        static = 20 * self.threads + 4 * 64 + 8 * 6 + 12  # planner.cu's __shared__ arrays
+        static = 24 * self.threads + 4 * 64 + 8 * 6 + 12  # planner.cu's __shared__ arrays
         if self.shared_mem + static > limit:
             raise ValueError(f"the plan step needs {self.shared_mem + static} bytes of shared "
                              f"memory (E={self.num_experts}, R={self.num_rows}), more than the "
@@ -451,7 +454,7 @@ class PlanStep:
             kernels.i32(self.num_rows), kernels.i32(self.staging_rows),
             t.slot_of, t.key_of, t.last_use, t.ring, t.pos_of, t.ends,
             kernels.i32(t.ring.numel() - 1), t.clock, t.gate, t.error, t.counters,
-            t.routes, t.lane_addr, t.copies, t.n_copies,
+            t.routes, t.lane_addr, t.lane_fresh, t.copies, t.n_copies,
             kernels.i64(self.rows_base), kernels.i64(self.row_stride)),
             shared_mem=self.shared_mem, device=self.device)
         return W

@@ -43,7 +43,9 @@ class PooledExperts:
     """One MoE layer's experts computed from the pool: `(hidden [T,H], top_k_index [T,K],
     top_k_weights [T,K]) -> [T,H]`, on torch's current stream, graph-capturable in decode.
 
-    Decode (T·K ≤ the bank's max lanes): plan step + row copies + decode GEMM. Wider batches:
+    Decode (T·K ≤ the bank's max lanes): plan step + row copies + decode GEMM; with the pool's
+    `overlap_copies` (default) the copies run on a second stream while the GEMM works on the
+    experts already in the bank, and the copied experts follow. Wider batches:
     the partition path (resident experts from the bank, the others from the host store through
     a bounded scratch), which leaves the placement alone.
     """
@@ -72,6 +74,9 @@ class PooledExperts:
         decode = x.shape[0] * p.top_k <= p.bank.max_lanes
         if p.backend is not None and decode:             # benchmarks: a baseline's decode step
             out = p.backend(self.layer, x, ids, w)
+        elif decode and p.overlap_copies:
+            _, lane_addr, fresh, join = p.bank.step_split(self.layer, ids)
+            out = p.gemm.decode(x, lane_addr, w, lane_fresh=fresh, before_fresh=join)
         elif decode:
             _, lane_addr = p.bank.step(self.layer, ids)
             out = p.gemm.decode(x, lane_addr, w)
@@ -153,6 +158,7 @@ class Pool:
         self.replayer = None     # cupool.trace.Replayer (benchmarks)
         self.recorder = None     # cupool.trace.Recorder
         self.backend = None      # benchmarks: fn(layer, x, ids, w) -> out replacing the pool
+        self.overlap_copies = True   # decode: copies on a second stream beside the hits' GEMM
 
     # --- install / uninstall ------------------------------------------------------------------
     def _install(self) -> None:

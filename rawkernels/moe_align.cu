@@ -1,10 +1,14 @@
 // Align + remap for the MoE GEMM (moe_gemm.cu): lanes grouped by expert into units of at most NT
 // lanes, each unit with the address of its expert's weights; activations brought to fp16.
 //
-// - route_decode (decode, W ≤ 1024, align_block + prep of every token): lanes arrive with the address the plan step gave them
-//   (bank row, staging row, or a host UVA address; 0 = padding). Lanes with the same address are
-//   one expert. Units are numbered in first-occurrence order; lanes keep lane order within a
-//   unit. One block, O(W²/threads) comparisons in shared memory (W is small in decode).
+// - route_decode (decode, W ≤ 1024, align_block + prep of every token): lanes arrive with the
+//   address the plan step gave them (bank row, staging row, or a host UVA address; 0 = padding)
+//   and, optionally, the plan step's lane_fresh (1: the row is being copied in this step). Lanes
+//   with the same address are one expert. Units of rows already in place come first, then units
+//   of fresh rows, each part in first-occurrence order; lanes keep lane order within a unit.
+//   range[5] = {0, Uh, U, 0, U}: &range[0] is the in-place units' range, &range[1] the fresh
+//   ones', &range[3] all of them (the GEMM runs the first part while the copies land).
+//   One block, O(W²/threads) comparisons in shared memory (W is small in decode).
 // - align_experts (prefill, any W, E ≤ 1024): lanes arrive with expert ids. Experts whose weights
 //   are on the GPU (expert_addr[e] ≠ 0) form phase 0; the others are routed through scratch rows
 //   in chunks of C experts (phase 1 + chunk), each with a copy list for the row-copy kernel, so
@@ -52,9 +56,10 @@ CUPOOL_DEVICE float load_weight(const void* w, int i) {
 }
 
 CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr,   // [W] address, 0 = padding
+                               const i32* __restrict__ lane_fresh,  // [W] or null (none fresh)
                                const void* __restrict__ topk_w,     // [W] W_DTYPE
                                i32 W,
-                               i32* __restrict__ range,             // [2] out: 0, units
+                               i32* __restrict__ range,             // [5] out: 0, Uh, U, 0, U
                                i64* __restrict__ unit_addr,         // [W] out
                                i32* __restrict__ unit_lanes,        // [W, NT] out
                                i32* __restrict__ unit_count,        // [W] out
@@ -66,8 +71,10 @@ CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr,   // [W] addre
     __shared__ int scan[33];
     const int i = threadIdx.x;
     i64 a = 0;
+    bool fresh = false;
     if (i < W) {
         a = lane_addr[i];
+        fresh = lane_fresh != nullptr && lane_fresh[i] != 0;
         float w = load_weight(topk_w, i);
         if (a != 0 && !finite(w)) { atomicOr(error, ERR_BAD_WEIGHT); a = 0; }
         lane_w[i] = a != 0 ? w : 0.0f;
@@ -85,9 +92,11 @@ CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr,   // [W] addre
         }
     }
     const int units = (a != 0 && pos == 0) ? (size + NT - 1) / NT : 0;
-    int total;
-    const int base = block_exclusive_scan(units, scan, &total);
-    if (units) s_base[i] = base;
+    int held, total_fresh;
+    const int base_held = block_exclusive_scan(fresh ? 0 : units, scan, &held);
+    const int base_fresh = block_exclusive_scan(fresh ? units : 0, scan, &total_fresh);
+    const int total = held + total_fresh;
+    if (units) s_base[i] = fresh ? held + base_fresh : base_held;
     __syncthreads();
     if (a != 0) {
         const int u = s_base[first] + pos / NT, slot = pos % NT;
@@ -97,7 +106,13 @@ CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr,   // [W] addre
             unit_count[u] = min(NT, size - (pos / NT) * NT);
         }
     }
-    if (i == 0) { range[0] = 0; range[1] = total; }
+    if (i == 0) {
+        range[0] = 0;
+        range[1] = held;
+        range[2] = total;
+        range[3] = 0;
+        range[4] = total;
+    }
 }
 
 #ifndef XVEC
@@ -174,14 +189,16 @@ CUPOOL_DEVICE void prep_row(const u16* __restrict__ row, i32 H, u16* __restrict_
 extern "C" __global__ void __launch_bounds__(1024)
 route_decode(const u16* __restrict__ x, i32 T, i32 H,
              u16* __restrict__ xh, float* __restrict__ xscale,
-             const i64* __restrict__ lane_addr, const void* __restrict__ topk_w, i32 W,
+             const i64* __restrict__ lane_addr, const i32* __restrict__ lane_fresh,
+             const void* __restrict__ topk_w, i32 W,
              i32* __restrict__ range, i64* __restrict__ unit_addr, i32* __restrict__ unit_lanes,
              i32* __restrict__ unit_count, float* __restrict__ lane_w, u32* __restrict__ amax,
              i32* __restrict__ error) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int t = warp; t < T; t += blockDim.x >> 5)
         prep_row(x + (i64)t * H, H, xh + (i64)t * HP, xscale + t, lane);
-    align_block(lane_addr, topk_w, W, range, unit_addr, unit_lanes, unit_count, lane_w, amax, error);
+    align_block(lane_addr, lane_fresh, topk_w, W, range, unit_addr, unit_lanes, unit_count, lane_w,
+                amax, error);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)

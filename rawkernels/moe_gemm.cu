@@ -21,8 +21,11 @@
 //   in its range, and raises amax[lane] (float bits, atomicMax) to max |act| of that lane. The
 //   align kernel zeroed amax before; nothing else writes act or amax.
 // - moe_w2 (REDUCE 0, decode): writes yw[lane, h] = weight(lane) · (w2 · act)[h] for its units,
-//   then the last block to finish a strip group (per-group arrival counter, reset by that block)
-//   sums yw over k in fixed order for every token and writes out[t, h]. Deterministic.
+//   then the last unit to finish a strip group (per-group arrival counter against the units of
+//   `all_range`, reset by that block) sums yw over k in fixed order for every token and writes
+//   out[t, h]. Deterministic. A call may run as two launches in stream order, the units already
+//   in place and then the fresh ones (moe_align.cu), both counting towards all_range: the
+//   reducing block is then in the second launch, after every yw of the first is written.
 //   (REDUCE 1, prefill): atomicAdd into out32[t, h] (zeroed by the launcher); several launches
 //   (resident experts, then each chunk of host experts) accumulate into it, and moe_finish
 //   converts it to the output dtype.
@@ -358,7 +361,8 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
 // w2: out[t, h] = Σ_k weight(t,k) · (w2_{e(t,k)} · act[t,k])[h]
 // ------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-moe_w2(const i32* __restrict__ range,
+moe_w2(const i32* __restrict__ range,       // this launch's units
+       const i32* __restrict__ all_range,   // REDUCE 0: every unit of the call (arrival target)
        const i64* __restrict__ unit_addr,
        const i32* __restrict__ unit_lanes,
        const i32* __restrict__ unit_count,
@@ -384,7 +388,8 @@ moe_w2(const i32* __restrict__ range,
     constexpr int GROUPS = (NS + WARPS_M - 1) / WARPS_M;
     const int items = rg.count * GROUPS;
 #if REDUCE == 0
-    if (rg.count <= 0) {                                         // every lane was padding
+    const int all_units = unit_range(all_range).count;
+    if (all_units <= 0) {                                        // every lane was padding
         for (int i = blockIdx.x * THREADS + threadIdx.x; i < tokens * hidden; i += gridDim.x * THREADS)
             out[i] = 0;
         return;
@@ -465,7 +470,7 @@ moe_w2(const i32* __restrict__ range,
         // The last unit to finish this strip group sums over top-k in fixed order.
         __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) s_last = atomicAdd(group_done + grp, 1) == rg.count - 1;
+        if (threadIdx.x == 0) s_last = atomicAdd(group_done + grp, 1) == all_units - 1;
         __syncthreads();
         if (s_last) {
             __threadfence();

@@ -37,7 +37,8 @@
 //   E. Gate open (same phase as D; they share no data): the touched rows (hit or taken bit), in
 //      row order, are appended at the tail (ring and pos_of); outside compaction each hit's old
 //      position becomes a hole; thread 0 writes the new head and span.
-//   F. Each lane writes its route and row address; thread 0 writes n_copies, error, clock, counters.
+//   F. Each lane writes its route, row address and whether the copy list fills its row; thread 0
+//      writes n_copies, error, clock, counters.
 //
 // Invariants between launches (the Bank builds the tables; afterwards only this kernel writes them):
 //   - slot_of[k] == r >= 0  <=>  key_of[r] == k >= 0   (owned rows and keys are a bijection);
@@ -64,9 +65,10 @@
 //     the one thread holding eligible entry V, read in E.
 //   - hit bitmap: B sets, C reads (after B's scan barrier), E reads. taken bitmap: C sets (no one
 //     reads it in C), E reads after C's last barrier. D touches neither, so D and E overlap.
-//   - s_route: B (hits) and D (misses) write, F reads after E's barrier (or the one standing in
-//     for it when E has nothing to do).
-//   - routes, lane_addr: lane t writes entry t in F. copies[j]: the thread of miss j in D.
+//   - s_route, s_fresh: B (hits) and D (misses) write, F reads after E's barrier (or the one
+//     standing in for it when E has nothing to do).
+//   - routes, lane_addr, lane_fresh: lane t writes entry t in F (lane_fresh = 1 where the lane's
+//     row is one the copy list fills, so the GEMM can run the other lanes while it is copied). copies[j]: the thread of miss j in D.
 //   - clock/gate/counters/error: read in A (counters and error by thread 0, kept in shared
 //     memory), written by thread 0 in F, after barriers.
 #include "common.cuh"
@@ -153,8 +155,8 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
                              i64* __restrict__ clock, const i32* __restrict__ gate,
                              i32* __restrict__ error, i64* __restrict__ counters,
                              i32* __restrict__ routes, i64* __restrict__ lane_addr,
-                             i32* __restrict__ copies, i32* __restrict__ n_copies,
-                             i64 rows_base, i64 row_stride) {
+                             i32* __restrict__ lane_fresh, i32* __restrict__ copies,
+                             i32* __restrict__ n_copies, i64 rows_base, i64 row_stride) {
     // Dynamic shared memory: first_lane [E] (the lowest lane asking for each expert of this
     // layer), then two row bitmaps of ceil(R/32) words: hit rows, and rows taken as victims.
     extern __shared__ u32 dyn_smem[];
@@ -163,6 +165,7 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     u32* hit_bits = dyn_smem + E;
     u32* taken_bits = hit_bits + nwords;
     __shared__ i32 s_route[THREADS];       // indexed by a first lane: its expert's row (or -1)
+    __shared__ i32 s_fresh[THREADS];       // indexed by a first lane: 1 if the copy list fills it
     __shared__ i32 s_miss_key[THREADS];    // indexed by miss number j (lane order)
     __shared__ i32 s_miss_lane[THREADS];   // first lane of miss j
     __shared__ i32 s_victim[THREADS];      // row taken by miss j < V
@@ -208,6 +211,7 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     int hit_pos = -1;  // the hit row's window position, which becomes a hole
     if (hit) {
         s_route[t] = slot;
+        s_fresh[t] = 0;
         if (open) {
             last_use[slot] = now;
             hit_pos = pos_of[slot];
@@ -286,6 +290,7 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
             r = t - V < S ? R + (t - V) : -1;
         }
         s_route[s_miss_lane[t]] = r;
+        s_fresh[s_miss_lane[t]] = r >= 0;
         if (r >= 0) {
             copies[2 * t] = k;
             copies[2 * t + 1] = r;
@@ -329,6 +334,7 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         const int route = e >= 0 ? s_route[first_lane[e]] : -1;
         routes[t] = route;
         lane_addr[t] = route >= 0 ? rows_base + (i64)route * row_stride : 0;
+        lane_fresh[t] = e >= 0 ? s_fresh[first_lane[e]] : 0;
     }
     if (t == 0) {
         const int staged = M - V;
@@ -351,11 +357,11 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
 #define PLAN_STEP_ARGS                                                                         \
     i32 W, i32 layer, i32 E, i32 R, i32 S, i32 *slot_of, i32 *key_of, i64 *last_use,           \
         i32 *ring, i32 *pos_of, i32 *ends, i32 ring_mask, i64 *clock, const i32 *gate,          \
-        i32 *error, i64 *counters, i32 *routes, i64 *lane_addr, i32 *copies, i32 *n_copies,     \
-        i64 rows_base, i64 row_stride
+        i32 *error, i64 *counters, i32 *routes, i64 *lane_addr, i32 *lane_fresh, i32 *copies,   \
+        i32 *n_copies, i64 rows_base, i64 row_stride
 #define PLAN_STEP_PASS                                                                        \
     W, layer, E, R, S, slot_of, key_of, last_use, ring, pos_of, ends, ring_mask, clock, gate,  \
-        error, counters, routes, lane_addr, copies, n_copies, rows_base, row_stride
+        error, counters, routes, lane_addr, lane_fresh, copies, n_copies, rows_base, row_stride
 
 // Two entry points because routers hand out int64 (torch.topk) or int32 ids; reading either
 // directly avoids a cast kernel in the graph.

@@ -84,6 +84,13 @@ def random_trace(rng, L, E, steps, max_lanes, p_flip=(0.1, 0.01)):
     return trace
 
 
+def fresh_lanes(routes, copies) -> np.ndarray:
+    """int [W]: 1 where the lane's row is one the step's copy list fills (the reference's view of
+    the kernel's lane_fresh)."""
+    filled = [r for _, r in copies]
+    return np.isin(routes, filled).astype(np.int64) if filled else np.zeros(routes.size, np.int64)
+
+
 def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=None,
         timeout=900, source=None, p_flip=(0.1, 0.01), ring=None) -> int:
     """Build, run the trace, compare every step; returns the number of steps compared.
@@ -127,13 +134,15 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
         routes, copies = ref.step(layer, ids)
         W = ids.size
         where = f"step {i} (layer {layer}, W={W}, gate {gate}, ids {ids.tolist()})"
-        got_routes, got_addr = take(W), take(W)
+        got_routes, got_addr, got_fresh = take(W), take(W), take(W)
         n = int(take(1)[0])
         got_copies = take(2 * n).reshape(-1, 2) if 0 <= n <= max_lanes else None
         st = ref.state()
         np.testing.assert_array_equal(got_routes, routes, err_msg=f"routes, {where}")
         want_addr = np.where(routes >= 0, ROWS_BASE + routes.astype(np.int64) * ROW_STRIDE, 0)
         np.testing.assert_array_equal(got_addr, want_addr, err_msg=f"lane_addr, {where}")
+        np.testing.assert_array_equal(got_fresh, fresh_lanes(routes, copies),
+                                      err_msg=f"lane_fresh, {where}")
         assert got_copies is not None and [tuple(c) for c in got_copies.tolist()] == copies, \
             f"copies {n} {got_copies}, expected {copies}, {where}"
         for name, size in (("slot_of", L * E), ("key_of", R), ("last_use", R)):

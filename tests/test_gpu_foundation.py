@@ -72,6 +72,104 @@ def test_store_rows_read_back_through_uva(rng):
     store.close()
 
 
+# (chunk, stages, blocks): the default ring on the default grid; rings on a few blocks, so each
+# block loads many chunks and every buffer's mbarrier goes through many phases; an odd chunk
+# (65 x 16 bytes) and a stage count that is not a power of two.
+BULK_SETTINGS = [(16384, 4, None), (4096, 2, 7), (65536, 3, 2), (1040, 5, 3)]
+# One 16-byte unit; a page and three units; three 16 KiB chunks and five units (no multiple of
+# any chunk above); 2 MiB and one unit.
+BULK_ROWS = [16, 4096 + 48, 3 * 16384 + 80, (2 << 20) + 16]
+
+
+def _check_copied(dst, host, E, keys, targets, listed, row, why):
+    """The first `listed` pairs (keys[i] -> row targets[i]) hold their host row's bytes and
+    keep the poison past row_bytes; every other dst row is all poison."""
+    got = dst.cpu().numpy()
+    for key, r in zip(keys[:listed], targets[:listed]):
+        np.testing.assert_array_equal(got[r, :row], host[key // E, key % E],
+                                      err_msg=f"{why}: row {r} <- key {key}, {row} B")
+        assert (got[r, row:] == 0xA5).all(), f"{why}: wrote past row_bytes={row}"
+    untouched = np.setdiff1d(np.arange(dst.shape[0]), targets[:listed])
+    assert (got[untouched] == 0xA5).all(), f"{why}: wrote a row not in the list"
+
+
+@pytest.mark.parametrize("row", BULK_ROWS)
+@pytest.mark.parametrize("chunk,stages,blocks", BULK_SETTINGS,
+                         ids=[f"chunk{c}-stages{s}-blocks{b}" for c, s, b in BULK_SETTINGS])
+def test_bulk_rowcopy_copies_exactly_the_listed_rows(rng, chunk, stages, blocks, row):
+    L, E, n_dst, max_copies, n = 2, 3, 8, 5, 3
+    store = HostStore(L, E, row)
+    host = rng.integers(0, 256, size=(L, E, row), dtype=np.uint8)
+    store.fill(lambda layer: host[layer], progress=False)
+    store.seal()
+    before = store.checksums()
+    # dst rows wider than the store's, so every row has bytes past row_bytes to keep
+    dst = torch.full((n_dst, store.row_stride + 256), 0xA5, dtype=torch.uint8,
+                     device="cuda")                                          # poison
+    copier = RowCopier(store.address_table(), row, dst, max_copies, mode="bulk",
+                       chunk=chunk, stages=stages, blocks=blocks)
+    keys = rng.choice(L * E, size=max_copies, replace=False)
+    targets = rng.choice(n_dst, size=max_copies, replace=False)
+    # every entry is a valid pair: those past n_copies must still be left alone
+    copies = torch.from_numpy(np.stack([keys, targets], 1).astype(np.int32)).cuda()
+    args = (dst, host, E, keys, targets)
+
+    copier(copies, torch.tensor([n], dtype=torch.int32, device="cuda"))
+    _check_copied(*args, n, row, f"n_copies={n}")
+    dst.fill_(0xA5)
+    copier(copies, torch.tensor([0], dtype=torch.int32, device="cuda"))
+    _check_copied(*args, 0, row, "n_copies=0")
+    # a length beyond the list's capacity is clamped to max_copies
+    copier(copies, torch.tensor([1000], dtype=torch.int32, device="cuda"))
+    _check_copied(*args, max_copies, row, "n_copies=1000 > max_copies")
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(before, store.checksums())       # the host store is read only
+    store.close()
+
+
+def test_bulk_rowcopy_in_cuda_graph(rng):
+    # one capture serves every list length: 72 KiB of shared memory a block (over the 48 KiB
+    # default) is set up when the copier is built, not inside the capture
+    row, E, max_copies = 3 * 16384 + 80, 4, 4
+    store = HostStore(1, E, row)
+    host = rng.integers(0, 256, size=(1, E, row), dtype=np.uint8)
+    store.fill(lambda layer: host[layer], progress=False)
+    store.seal()
+    dst = torch.full((E, store.row_stride), 0xA5, dtype=torch.uint8, device="cuda")
+    copier = RowCopier(store.address_table(), row, dst, max_copies, mode="bulk",
+                       chunk=24576, stages=3)
+    keys, targets = rng.permutation(E), rng.permutation(E)
+    copies = torch.from_numpy(np.stack([keys, targets], 1).astype(np.int32)).cuda()
+    n_copies = torch.zeros(1, dtype=torch.int32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                          # warm-up (compile) outside capture
+        copier(copies, n_copies)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        copier(copies, n_copies)
+    for n in (2, 0, 4):
+        dst.fill_(0xA5)
+        n_copies.fill_(n)
+        g.replay()
+        torch.cuda.synchronize()
+        _check_copied(dst, host, E, keys, targets, n, row, f"graph replay, n_copies={n}")
+    store.close()
+
+
+def test_bulk_rowcopy_rejects_what_the_device_cannot_hold():
+    store = HostStore(1, 2, 4096)
+    dst = torch.zeros(2, store.row_stride, dtype=torch.uint8, device="cuda")
+    if torch.cuda.get_device_capability() < (9, 0):
+        with pytest.raises(ValueError, match="compute capability 9.0"):
+            RowCopier(store.address_table(), 4096, dst, 2, mode="bulk")
+    else:
+        with pytest.raises(ValueError, match="chunk \\* stages"):
+            RowCopier(store.address_table(), 4096, dst, 2, mode="bulk", chunk=128 << 10, stages=2)
+    store.close()
+
+
 def test_report_agrees_with_nvml():
     import pynvml
     pynvml.nvmlInit()

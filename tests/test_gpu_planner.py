@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from _planner_emu import random_trace
+from _planner_emu import fresh_lanes, random_trace
 from cupool import HostStore
 from cupool.bank import Bank, BankVerifyError
 from cupool.planner import COUNTERS, PlanError, ReferencePlanner, ring_order
@@ -47,6 +47,7 @@ class Harness:
         W = ids.size
         t.routes.fill_(POISON32)
         t.lane_addr.fill_(POISON64)
+        t.lane_fresh.fill_(POISON32)
         t.copies.fill_(POISON32)
         t.n_copies.fill_(POISON32)
         ids_dev = torch.from_numpy(ids).to(device="cuda", dtype=dtype)
@@ -58,12 +59,13 @@ class Harness:
         got = b.rows[r.clamp(min=0), :b.row_bytes]
         bad_rows = ((got != self.expect[keys]).any(dim=1) & (r >= 0)).sum()
         parts = [t.slot_of, t.key_of, t.last_use, t.ring, t.pos_of, t.ends, t.clock, t.gate,
-                 t.error, t.counters, routes, addr, t.n_copies, t.copies, bad_rows]
+                 t.error, t.counters, routes, addr, t.lane_fresh[:W], t.n_copies, t.copies,
+                 bad_rows]
         flat = torch.cat([p.reshape(-1).to(torch.int64) for p in parts]).cpu().numpy()
         sizes = [p.numel() for p in parts]
         got = dict(zip(["slot_of", "key_of", "last_use", "ring", "pos_of", "ends", "clock", "gate",
-                        "error", "counters", "routes", "lane_addr", "n_copies", "copies",
-                        "bad_rows"], np.split(flat, np.cumsum(sizes)[:-1])))
+                        "error", "counters", "routes", "lane_addr", "lane_fresh", "n_copies",
+                        "copies", "bad_rows"], np.split(flat, np.cumsum(sizes)[:-1])))
         head, span = (int(v) for v in got["ends"])
         assert 0 <= head < got["ring"].size and self.R <= span <= got["ring"].size, \
             f"ring head {head}, span {span}, {where}"
@@ -86,6 +88,8 @@ class Harness:
         assert n == len(want_copies), f"n_copies {n} != {len(want_copies)}, {where}"
         copies = got["copies"].reshape(-1, 2)[:n]
         assert [tuple(c) for c in copies.tolist()] == want_copies, f"copies, {where}"
+        np.testing.assert_array_equal(got["lane_fresh"], fresh_lanes(want_routes, want_copies),
+                                      err_msg=f"lane_fresh, {where}")
         assert int(got["bad_rows"][0]) == 0, f"{got['bad_rows'][0]} lanes read wrong bytes, {where}"
         return want_routes, want_copies
 
@@ -129,6 +133,56 @@ def test_kernel_equals_reference_other_shapes(rng, L, E, N, threads, items, ring
                 ring=ring)
     run_random(rng, h, steps, verify_every=100, p_flip=(0.3, 0.01))
     h.close()
+
+
+def test_step_split_equals_step_and_lands_the_rows(rng):
+    """step_split: the same plan as step (a second bank in lockstep), copies on the bank's copy
+    stream, and after join() every lane's row holds its expert's host bytes. Also captured in a
+    graph (fork and join inside the capture) and replayed."""
+    L, E, N, S, W, row = 3, 11, 3, 64, 24, 8192 + 16
+    store, expect = make_store(rng, L, E, row)
+    a, b = Bank(store, N, S, W), Bank(store, N, S, W)
+    a.open()
+    b.open()
+    trace = random_trace(rng, L, E, 300, W)
+    for i, (_, layer, ids) in enumerate(trace):
+        ids_dev = torch.from_numpy(ids).cuda()
+        ra, la = a.step(layer, ids_dev)
+        rb, lb, fresh, join = b.step_split(layer, ids_dev)
+        join()
+        assert torch.equal(ra, rb), f"step {i}: routes differ"
+        keys = (layer * E + ids_dev.long()).clamp(0, L * E - 1)
+        r = rb.long()
+        bad = ((b.rows[r.clamp(min=0), :row] != expect[keys]).any(dim=1) & (r >= 0)).sum()
+        assert int(bad) == 0, f"step {i}: lanes read wrong bytes after join"
+        copied = set(b.copies[:int(b.n_copies)].cpu().numpy()[:, 1].tolist())
+        assert fresh.cpu().tolist() == [int(x in copied) for x in rb.cpu().tolist()], f"step {i}"
+    assert a.state()["order"].tolist() == b.state()["order"].tolist()
+    # captured: plan on the capture stream, copies forked onto the copy stream and joined
+    ids_buf = torch.full((W,), -1, dtype=torch.int64, device="cuda")
+    b.close()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        b.step_split(0, ids_buf)[3]()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        routes, _, _, join = b.step_split(0, ids_buf)
+        join()
+    b.open()
+    for rep in range(20):
+        ids = rng.integers(-1, E, size=W)
+        ids_buf.copy_(torch.from_numpy(ids))
+        g.replay()
+        torch.cuda.synchronize()
+        r = routes.long()
+        keys = (ids_buf.long()).clamp(0, E - 1)
+        bad = ((b.rows[r.clamp(min=0), :row] != expect[keys]).any(dim=1) & (r >= 0)).sum()
+        assert int(bad) == 0, f"replay {rep}"
+    assert b.verify() > 0
+    a = b = None
+    store.close()
 
 
 def test_staging_overflow_cannot_happen_and_closed_gate_stages(rng):

@@ -29,6 +29,8 @@ VARIANTS = [
     ("moe_gemm", "-DNT=8 -DHP=4096 -DIP=1536"),
     ("moe_gemm", "-DNT=16 -DHP=128 -DIP=64 -DKC=128"),
     ("moe_align", "-DNT=64 -DIDS64=0 -DIN_BF16=0"),
+    ("rowcopy", "-DCHUNK=1040 -DNSTAGES=5"),
+    ("rowcopy", "-DCHUNK=65536 -DNSTAGES=3 -DUNROLL=8"),
 ]
 
 

@@ -3,7 +3,7 @@
 //
 // Input (int64 words): R, E, L, S, max_lanes, rows_base, row_stride, steps, C (ring capacity, a
 // power of two >= R), key_of[R], then per step: gate, layer, is64, W, ids[W].
-// Output per step (int64 words): routes[W], lane_addr[W], n_copies, copies[2*n_copies],
+// Output per step (int64 words): routes[W], lane_addr[W], lane_fresh[W], n_copies, copies[2*n_copies],
 // slot_of[L*E], key_of[R], last_use[R], head, span, n_live, order[n_live] (the window's
 // non-holes in window order, each checked against pos_of: -2 where pos_of disagrees), clock,
 // error, counters[L*5].
@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
     i32 gate = 0, error = 0, n_copies = 0;
     std::vector<i32> routes(max_lanes), copies(2 * (size_t)max_lanes);
     std::vector<i64> lane_addr(max_lanes);
+    std::vector<i32> lane_fresh(max_lanes);
     const std::size_t smem = 4 * ((size_t)E + 2 * ((R + 31) / 32));  // as cupool.planner.PlanStep
 
     for (long long s = 0; s < steps; ++s) {
@@ -74,6 +75,7 @@ int main(int argc, char** argv) {
         // poison the outputs: whatever the kernel must write, it writes
         std::fill(routes.begin(), routes.end(), 0x5A5A5A5A);
         std::fill(lane_addr.begin(), lane_addr.end(), 0x5A5A5A5A5A5ALL);
+        std::fill(lane_fresh.begin(), lane_fresh.end(), 0x5A5A5A5A);
         std::fill(copies.begin(), copies.end(), 0x5A5A5A5A);
         n_copies = 0x5A5A5A5A;
         emu_launch(THREADS, smem, [&] {
@@ -81,15 +83,16 @@ int main(int argc, char** argv) {
                 plan_step_i64(ids64.data(), W, layer, E, R, S, slot_of.data(), key_of.data(),
                               last_use.data(), ring.data(), pos_of.data(), ends, C - 1, &clock,
                               &gate, &error, counters.data(), routes.data(), lane_addr.data(),
-                              copies.data(), &n_copies, rows_base, row_stride);
+                              lane_fresh.data(), copies.data(), &n_copies, rows_base, row_stride);
             else
                 plan_step_i32(ids32.data(), W, layer, E, R, S, slot_of.data(), key_of.data(),
                               last_use.data(), ring.data(), pos_of.data(), ends, C - 1, &clock,
                               &gate, &error, counters.data(), routes.data(), lane_addr.data(),
-                              copies.data(), &n_copies, rows_base, row_stride);
+                              lane_fresh.data(), copies.data(), &n_copies, rows_base, row_stride);
         });
         put(fo, routes.data(), W);
         put(fo, lane_addr.data(), W);
+        put(fo, lane_fresh.data(), W);
         put(fo, &n_copies, 1);
         put(fo, copies.data(), 2 * (long long)std::max(0, std::min(n_copies, max_lanes)));
         put(fo, slot_of.data(), (long long)slot_of.size());
