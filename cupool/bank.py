@@ -20,7 +20,7 @@ import torch
 from cupool import _cuda, kernels
 from cupool.planner import (COUNTERS, MAX_LANES, DeviceTables, PlanError, PlanStep,
                             check_tables, initial_placement)
-from cupool.rowcopy import RowCopier
+from cupool.rowcopy import MODES, RowCopier
 from cupool.store import HostStore, fmt_bytes
 
 
@@ -69,6 +69,8 @@ class Bank:
                  copy_blocks: int | None = None):
         if not isinstance(store, HostStore):
             raise TypeError(f"store must be a cupool.HostStore, got {type(store).__name__}")
+        if copy_mode not in MODES:
+            raise ValueError(f"copy_mode must be one of {MODES}, got {copy_mode!r}")
         L, E = store.num_layers, store.num_experts
         N = _positive_int("rows_per_layer", rows_per_layer)
         S = _positive_int("staging_rows", staging_rows)
@@ -106,13 +108,10 @@ class Bank:
         self.copies, self.n_copies = t.copies, t.n_copies
         self.src_of_key = store.address_table(idx)
         self._plan = PlanStep(t, L, E, S, self.rows, threads=threads, items=items)
-        if copy_mode == "auto":
-            major = torch.cuda.get_device_properties(dev).major
-            copy_mode = "bulk" if major >= 9 else "ld"
-        self.copy_mode = copy_mode
         self._copy_stream = None   # step_split's, made on first use
         self._copy = RowCopier(self.src_of_key, self.row_bytes, self.rows, W, mode=copy_mode,
                                blocks=copy_blocks)
+        self.copy_mode = self._copy.mode
         self._compare = kernels.function("planner", "compare_rows",
                                          {"THREADS": self._plan.threads, "ITEMS": self._plan.items},
                                          idx)

@@ -8,7 +8,8 @@ Two paths, both with fixed grids and sizes read on the device:
   a deterministic sum over top-k. Graph-capturable.
 - `prefill(x, topk_ids, topk_weights, expert_addr, ...)`: the partition path. Experts whose row is
   on the GPU (expert_addr[e] ≠ 0) are computed from there; the others are copied once per call
-  into a bounded scratch of `scratch_rows` rows, chunk by chunk, and computed from the scratch.
+  into a bounded scratch of `scratch_rows` rows, chunk by chunk, and computed from the scratch;
+  the copies run on a second stream, ahead of the GEMM (two chunk buffers).
 
 Both return out [T, H] in x's dtype (bf16 or fp16) on torch's current stream.
 """
@@ -100,7 +101,9 @@ class MoEGemm:
         max_decode_tokens: largest T of `decode` (sizes the decode workspaces; W ≤ 1024).
         max_prefill_tokens: largest T of `prefill` (0: no prefill workspaces).
         num_experts: E (needed for prefill).
-        scratch_rows: rows of the prefill scratch for experts not on the GPU.
+        scratch_rows: rows of the prefill scratch for experts not on the GPU (≥ 1). From 2 rows
+            on it is two buffers of scratch_rows // 2: the next chunk is copied while the GEMM
+            works on the resident experts or on the previous chunk.
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
@@ -142,12 +145,17 @@ class MoEGemm:
         self.error = torch.zeros(1, **i32)
         self.num_experts = int(num_experts)
         self.max_prefill_tokens = int(max_prefill_tokens)
+        if isinstance(scratch_rows, bool) or not isinstance(scratch_rows, int) or scratch_rows < 1:
+            raise ValueError(f"scratch_rows must be an int >= 1, got {scratch_rows!r}")
         self.scratch_rows = int(scratch_rows)
+        # experts a chunk (C) and chunk buffers (two, once there is room for them)
+        self._chunk = max(1, self.scratch_rows // 2)
+        self._nbuf = self.scratch_rows // self._chunk
         self._p = None
         if max_prefill_tokens:
             wp = self.max_prefill_tokens * self.topk
             max_units = wp // PREFILL.nt + self.num_experts
-            nchunks = -(-self.num_experts // self.scratch_rows)
+            nchunks = -(-self.num_experts // self._chunk)
             stride = -(-layout.row_bytes // 256) * 256
             self._p = dict(
                 xh=torch.zeros(self.max_prefill_tokens, hp, dtype=torch.float16, device=dev),
@@ -161,12 +169,14 @@ class MoEGemm:
                 lane_e=torch.zeros(wp, **i32),
                 act=torch.zeros(wp, ip, **f32),
                 out32=torch.zeros(self.max_prefill_tokens, hp, **f32),
-                copies=torch.zeros(nchunks * self.scratch_rows, 2, **i32),
+                copies=torch.zeros(nchunks * self._chunk, 2, **i32),
                 n_copies=torch.zeros(nchunks, **i32),
                 scratch=torch.zeros(self.scratch_rows, stride, dtype=torch.uint8, device=dev),
                 nchunks=nchunks,
             )
         self._copier = None
+        self._copy_stream = None          # prefill's scratch copies (made on first use)
+        self._events: list = []           # per chunk: (copied, free), made on first use
         self._grids: dict[tuple, int] = {}
 
     # --- compiled kernels -----------------------------------------------------------------
@@ -297,7 +307,9 @@ class MoEGemm:
                 layer: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """The partition path. expert_addr: int64 [E], the GPU address of each resident expert's
         row, 0 for the others, which are read from `host_addr[layer·E + e]` (the store's UVA
-        address table) into the scratch, at most `scratch_rows` at a time."""
+        address table) into the scratch in chunks of scratch_rows // 2, on a second stream: the
+        first chunks' copies overlap the resident experts' GEMM, and chunk c + 2's copy overlaps
+        chunk c + 1's GEMM (it waits for chunk c's GEMM, which read the same buffer)."""
         if self._p is None:
             raise RuntimeError("this MoEGemm was built without prefill workspaces "
                                "(max_prefill_tokens=0)")
@@ -328,20 +340,41 @@ class MoEGemm:
                                    _W_DTYPES[w.dtype]), 1, 1024, (
             ids, w, kernels.i32(T * K), kernels.i32(E), kernels.i32(layer), expert_addr,
             kernels.i64(p["scratch"].data_ptr()), kernels.i64(p["scratch"].stride(0)),
-            kernels.i32(self.scratch_rows), kernels.i32(nchunks), p["phase_off"], p["unit_addr"],
+            kernels.i32(self._chunk), kernels.i32(self._nbuf), kernels.i32(nchunks),
+            p["phase_off"], p["unit_addr"],
             p["unit_lanes"], p["unit_count"], p["lane_w"], p["amax"], p["lane_e"], p["copies"],
             p["n_copies"], self.error), device=self.device)
         out32 = p["out32"][:T]
         out32.zero_()
         args = (p["unit_addr"], p["unit_lanes"], p["unit_count"], p["xh"], p["xscale"], p["act"],
                 p["amax"], p["lane_w"], T, None)
-        self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)
-        if nchunks:
-            copier = self._scratch_copier(host_addr)
+        if not nchunks:
+            self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)
+        else:
+            copier, C, nbuf = self._scratch_copier(host_addr), self._chunk, self._nbuf
+            main = torch.cuda.current_stream(self.device)
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+                self._events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(nchunks)]
+            side = self._copy_stream
+            side.wait_stream(main)                   # the copy lists from align_experts
+
+            def copy(c):                             # chunk c into buffer c % nbuf, on `side`
+                with torch.cuda.stream(side):
+                    copier(p["copies"][c * C:(c + 1) * C], p["n_copies"][c:c + 1])
+                    self._events[c][0].record(side)
+
+            for c in range(min(nbuf, nchunks)):
+                copy(c)
+            self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)   # resident experts
             for c in range(nchunks):
-                C = self.scratch_rows
-                copier(p["copies"][c * C:(c + 1) * C], p["n_copies"][c:c + 1])
+                main.wait_event(self._events[c][0])
                 self._run_gemm(cfg, p["phase_off"][c + 1:c + 3], *args, out32=out32)
+                if c + nbuf < nchunks:               # buffer c % nbuf is free after this GEMM
+                    self._events[c][1].record(main)
+                    side.wait_event(self._events[c][1])
+                    copy(c + nbuf)
+            main.wait_stream(side)
         kernels.launch(self._gemm(cfg, "moe_finish"), self.sms * 4, 256, (
             out32, kernels.i32(T), kernels.i32(self.layout.hidden), out), device=self.device)
         return out
@@ -350,7 +383,7 @@ class MoEGemm:
         from cupool.rowcopy import RowCopier  # noqa: PLC0415
         if self._copier is None or self._copier.src_of_key is not host_addr:
             self._copier = RowCopier(host_addr, self.layout.row_bytes, self._p["scratch"],
-                                     self.scratch_rows)
+                                     self._chunk)
         return self._copier
 
     def read_error(self) -> list[str]:

@@ -10,14 +10,15 @@ import torch
 
 from cupool import kernels
 
-MODES = ("ld", "bulk")
+MODES = ("auto", "ld", "bulk")
 
 
 class RowCopier:
     """Copies listed (key, row) pairs from host-store addresses into rows at `dst_base`.
 
     Modes:
-        "ld" (default): `copy_rows`; every thread keeps `unroll` 16-byte SM loads of the host row
+        "auto" (default): "bulk" on compute capability ≥ 9.0, else "ld"; `mode` holds the choice.
+        "ld": `copy_rows`; every thread keeps `unroll` 16-byte SM loads of the host row
             in flight, then stores them. Runs on any GPU.
         "bulk": `copy_rows_bulk`; one thread a block drives Hopper's bulk-copy engine
             (`cp.async.bulk`), host row → a ring of `stages` shared-memory buffers of `chunk`
@@ -28,7 +29,7 @@ class RowCopier:
         row_bytes: bytes per row (multiple of 16).
         dst: uint8 CUDA tensor [rows, row_stride] receiving the rows.
         max_copies: capacity of the copy list.
-        mode: "ld" or "bulk", as above.
+        mode: "auto", "ld" or "bulk", as above.
         blocks: the fixed grid. Default "ld": 2 blocks per SM. Default "bulk": one block per 8
             SMs, which moves 0.92 of cudaMemcpy's bandwidth for 2–10 MiB rows on an H200 like any
             larger grid, and leaves the other SMs to the GEMM that runs beside the copies
@@ -42,7 +43,7 @@ class RowCopier:
     """
 
     def __init__(self, src_of_key: torch.Tensor, row_bytes: int, dst: torch.Tensor,
-                 max_copies: int, *, mode: str = "ld", blocks: int | None = None,
+                 max_copies: int, *, mode: str = "auto", blocks: int | None = None,
                  threads: int = 512, unroll: int = 4, chunk: int = 32768, stages: int = 4):
         # Checks that need no device come first, so they hold (and are tested) anywhere.
         if mode not in MODES:
@@ -70,9 +71,11 @@ class RowCopier:
             raise ValueError("dst rows must be 16-byte strided and the base 256-byte aligned")
         self.src_of_key, self.dst = src_of_key, dst
         self.row_bytes, self.max_copies = int(row_bytes), int(max_copies)
-        self.mode = mode
         dev = dst.device.index
         props = torch.cuda.get_device_properties(dev)
+        if mode == "auto":
+            mode = "bulk" if props.major >= 9 else "ld"
+        self.mode = mode
         sms = props.multi_processor_count
         self.blocks = int(blocks or (2 * sms if mode == "ld" else -(-sms // 8)))
         if mode == "ld":

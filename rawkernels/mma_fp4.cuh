@@ -79,6 +79,12 @@ CUPOOL_DEVICE float f16_to_f32(u16 h) {
     return f;
 }
 
+// max that keeps NaN (fmaxf drops it): a NaN activation must reach the output, not vanish.
+// As float bits, NaN (0x7fffffff) also wins a later atomicMax over every finite value.
+CUPOOL_DEVICE float nan_max(float a, float b) {
+    return (a != a || b != b) ? __int_as_float(0x7fffffff) : fmaxf(a, b);
+}
+
 CUPOOL_DEVICE float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }
 
 CUPOOL_DEVICE u16 f32_to_bf16(float f) {

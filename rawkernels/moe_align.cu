@@ -12,7 +12,8 @@
 // - align_experts (prefill, any W, E ≤ 1024): lanes arrive with expert ids. Experts whose weights
 //   are on the GPU (expert_addr[e] ≠ 0) form phase 0; the others are routed through scratch rows
 //   in chunks of C experts (phase 1 + chunk), each with a copy list for the row-copy kernel, so
-//   every non-resident expert crosses PCIe once per call. Units are ordered by (phase, expert);
+//   every non-resident expert crosses PCIe once per call. Chunk c uses scratch buffer c % nbuf
+//   (rows [b·C, b·C + C)), so the launcher can copy the next chunks while the GEMM reads one. Units are ordered by (phase, expert);
 //   lane order within an expert is not fixed (atomics), which only reorders a sum.
 // - prep_x: per token (one warp each), a power-of-two scale s and fp16 x/s (exact for bf16 inputs),
 //   padded to HP; route_decode runs the same prep_row.
@@ -128,10 +129,6 @@ CUPOOL_DEVICE float in_to_f32(u16 h) {
 #endif
 }
 
-CUPOOL_DEVICE float abs_nan_max(float m, float v) {
-    return (m != m || v != v) ? __int_as_float(0x7fffffff) : fmaxf(m, fabsf(v));
-}
-
 // One warp brings token row t to fp16: xh[t] = x[t] / s, s = pow2_scale(max |x[t]|), zero-padded
 // to HP. With XVEC the row is read in 16-byte words, XLOADS per lane in flight, twice (the second
 // pass hits L1).
@@ -151,19 +148,16 @@ CUPOOL_DEVICE void prep_row(const u16* __restrict__ row, i32 H, u16* __restrict_
             const u32 words[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                m = abs_nan_max(m, in_to_f32((u16)(words[q] & 0xffffu)));
-                m = abs_nan_max(m, in_to_f32((u16)(words[q] >> 16)));
+                m = nan_max(m, fabsf(in_to_f32((u16)(words[q] & 0xffffu))));
+                m = nan_max(m, fabsf(in_to_f32((u16)(words[q] >> 16))));
             }
         }
     }
 #else
-    for (int k = lane; k < H; k += 32) m = abs_nan_max(m, in_to_f32(row[k]));
+    for (int k = lane; k < H; k += 32) m = nan_max(m, fabsf(in_to_f32(row[k])));
 #endif
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float n = __shfl_xor_sync(0xffffffffu, m, o);
-        m = (m != m || n != n) ? __int_as_float(0x7fffffff) : fmaxf(m, n);
-    }
+    for (int o = 16; o > 0; o >>= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
     const float s = pow2_scale(m), inv = 1.0f / s;
 #if XVEC
     for (int k = lane * 8; k < HP; k += 256) {
@@ -206,7 +200,7 @@ align_experts(const void* __restrict__ ids_raw,    // [W] int64 (IDS64) or int32
               const void* __restrict__ topk_w,     // [W] W_DTYPE
               i32 W, i32 E, i32 layer,
               const i64* __restrict__ expert_addr, // [E] device address of resident experts, else 0
-              i64 scratch_base, i64 scratch_stride, i32 C, i32 nchunks,
+              i64 scratch_base, i64 scratch_stride, i32 C, i32 nbuf, i32 nchunks,
               i32* __restrict__ phase_off,         // [2 + nchunks] out: unit offsets per phase
               i64* __restrict__ unit_addr,         // [units max] out
               i32* __restrict__ unit_lanes,        // [units max, NT] out
@@ -261,9 +255,9 @@ align_experts(const void* __restrict__ ids_raw,    // [W] int64 (IDS64) or int32
             addr[e] = expert_addr[e];
         } else {
             ubase[e] = total_res + host_base;
-            const int chunk = hrank / C, row = hrank % C;
+            const int chunk = hrank / C, row = hrank % C + (chunk % nbuf) * C;
             addr[e] = scratch_base + scratch_stride * row;
-            if (row == 0 && chunk > 0) phase_off[1 + chunk] = total_res + host_base;
+            if (hrank % C == 0 && chunk > 0) phase_off[1 + chunk] = total_res + host_base;
             if (chunk < nchunks) {
                 copies[2 * hrank] = layer * E + e;
                 copies[2 * hrank + 1] = row;

@@ -92,12 +92,6 @@ CUPOOL_DEVICE float ld_f32_cg(const float* p) {     // L2 only: data written by 
     return v;
 }
 
-// max that keeps NaN (fmaxf drops it): a NaN activation must reach the output, not vanish.
-// As float bits, NaN (0x7fffffff) also wins the later atomicMax over every finite value.
-CUPOOL_DEVICE float nan_max(float a, float b) {
-    return (a != a || b != b) ? __int_as_float(0x7fffffff) : fmaxf(a, b);
-}
-
 CUPOOL_DEVICE void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
@@ -240,6 +234,24 @@ CUPOOL_DEVICE float* red_buffer(u16* xs) {
     return reinterpret_cast<float*>(xs + NT * XS_STRIDE);
 }
 
+// f(nt, e, n, l) for each accumulator column this lane holds: m16n8 tile nt (< ntiles, a
+// warp-uniform bound, so shuffles inside f are safe), column 2t + e (t = lane % 4), which is
+// slot n = 8·nt + 2t + e of the unit, holding lane l (-1: empty slot). acc[..][nt][2·half + e]
+// is that column's value in strip row g + 8·half (g = lane / 4).
+template <class F>
+CUPOOL_DEVICE void for_each_slot(int ntiles, int lane, const SlotInfo* si, F f) {
+    const int t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt) {
+        if (nt >= ntiles) continue;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int n = nt * 8 + 2 * t + e;
+            f(nt, e, n, si->lane[n]);
+        }
+    }
+}
+
 CUPOOL_DEVICE SlotInfo* slot_info(u16* xs, int ns) {
     return reinterpret_cast<SlotInfo*>(red_buffer(xs) + (KSPLIT - 1) * WARPS_M * ns * NTILES * 4 * 32);
 }
@@ -329,30 +341,23 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         if (ks == 0 && active) {
             const float* hdr = reinterpret_cast<const float*>(row);
             const float gs_gate = hdr[0] * 128.0f, gs_up = hdr[1] * 128.0f;
-            const int g = lane >> 2, t = lane & 3;
+            const int g = lane >> 2;
+            for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
+                const float ts = si->scale[n];
+                float m = 0.0f;
 #pragma unroll
-            for (int nt = 0; nt < NTILES; ++nt) {
-                if (nt >= ntiles) continue;
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int n = nt * 8 + 2 * t + e;
-                    const int l = si->lane[n];
-                    const float ts = si->scale[n];
-                    float m = 0.0f;
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const float gate = acc[0][nt][2 * half + e] * gs_gate * ts;
-                        const float up = acc[1][nt][2 * half + e] * gs_up * ts;
-                        const float a = gate / (1.0f + __expf(-gate)) * up;
-                        if (l >= 0) act[(i64)l * IP + p * 16 + g + 8 * half] = a;
-                        m = nan_max(m, fabsf(a));
-                    }
-                    // max over the 8 row groups g holding this slot, then one atomic per slot
-#pragma unroll
-                    for (int o = 4; o < 32; o <<= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
-                    if (g == 0 && l >= 0) atomicMax(amax + l, __float_as_uint(m));
+                for (int half = 0; half < 2; ++half) {
+                    const float gate = acc[0][nt][2 * half + e] * gs_gate * ts;
+                    const float up = acc[1][nt][2 * half + e] * gs_up * ts;
+                    const float a = gate / (1.0f + __expf(-gate)) * up;
+                    if (l >= 0) act[(i64)l * IP + p * 16 + g + 8 * half] = a;
+                    m = nan_max(m, fabsf(a));
                 }
-            }
+                // max over the 8 row groups g holding this slot, then one atomic per slot
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+                if (g == 0 && l >= 0) atomicMax(amax + l, __float_as_uint(m));
+            });
         }
     }
 }
@@ -442,29 +447,22 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
         ksplit_reduce<1>(acc, red, wm, ks, lane);
         if (ks == 0 && active) {
             const float gs_down = reinterpret_cast<const float*>(row)[2] * 128.0f;
-            const int g = lane >> 2, t = lane & 3;
+            const int g = lane >> 2;
+            for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
+                if (l < 0) return;
+                const float f = gs_down * si->scale[n] * lane_w[l];
 #pragma unroll
-            for (int nt = 0; nt < NTILES; ++nt) {
-                if (nt >= ntiles) continue;
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int n = nt * 8 + 2 * t + e;
-                    const int l = si->lane[n];
-                    if (l < 0) continue;
-                    const float f = gs_down * si->scale[n] * lane_w[l];
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int h = p * 16 + g + 8 * half;
-                        if (h >= hidden) continue;
-                        const float y = acc[0][nt][2 * half + e] * f;
+                for (int half = 0; half < 2; ++half) {
+                    const int h = p * 16 + g + 8 * half;
+                    if (h >= hidden) continue;
+                    const float y = acc[0][nt][2 * half + e] * f;
 #if REDUCE == 0
-                        yw[(i64)l * HP + h] = y;
+                    yw[(i64)l * HP + h] = y;
 #else
-                        atomicAdd(out32 + (i64)(l / topk) * HP + h, y);
+                    atomicAdd(out32 + (i64)(l / topk) * HP + h, y);
 #endif
-                    }
                 }
-            }
+            });
         }
 #if REDUCE == 0
         // The last unit to finish this strip group sums over top-k in fixed order.

@@ -163,24 +163,20 @@ template <> struct Elem<DT_F32> {
     NVFP4_HD static u32 abs_bits(u32 b) { return b & 0x7FFFFFFFu; }
     NVFP4_HD static float to_f32(u32 b) { return u2f(b); }
 };
-template <> struct Elem<DT_F16> {
+struct Elem16 {   // fp16 and bf16: two elements a word, the sign in bit 15
     static constexpr int per_vec = 8;
-    static constexpr u32 inf_bits = 0x7C00u;
     NVFP4_HD static u32 at(const u32x4& v, int i) {
         const u32 w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
         return (i & 1) ? (w >> 16) : (w & 0xFFFFu);
     }
     NVFP4_HD static u32 abs_bits(u32 b) { return b & 0x7FFFu; }
+};
+template <> struct Elem<DT_F16> : Elem16 {
+    static constexpr u32 inf_bits = 0x7C00u;
     NVFP4_HD static float to_f32(u32 b) { return f16_to_f32(b); }
 };
-template <> struct Elem<DT_BF16> {
-    static constexpr int per_vec = 8;
+template <> struct Elem<DT_BF16> : Elem16 {
     static constexpr u32 inf_bits = 0x7F80u;
-    NVFP4_HD static u32 at(const u32x4& v, int i) {
-        const u32 w = i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w;
-        return (i & 1) ? (w >> 16) : (w & 0xFFFFu);
-    }
-    NVFP4_HD static u32 abs_bits(u32 b) { return b & 0x7FFFu; }
     NVFP4_HD static float to_f32(u32 b) { return bf16_to_f32(b); }
 };
 

@@ -455,6 +455,8 @@ def test_bank_guards_without_gpu(pageable_store):
     s = pageable_store
     with pytest.raises(TypeError, match="HostStore"):
         Bank(object(), 2, 8, 8)
+    with pytest.raises(ValueError, match="copy_mode must be one of"):
+        Bank(s, 2, 8, 8, copy_mode="dma")
     with pytest.raises(ValueError, match="rows_per_layer"):
         Bank(s, 0, 8, 8)
     with pytest.raises(ValueError, match=r"staging_rows \(S=4\) must be >= max_lanes \(8\)"):

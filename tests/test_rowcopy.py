@@ -11,7 +11,7 @@ def _cpu_args():
 
 
 def test_modes():
-    assert MODES == ("ld", "bulk")
+    assert MODES == ("auto", "ld", "bulk")
 
 
 @pytest.mark.parametrize("mode", ["tma", "", "LD", None])
