@@ -107,7 +107,7 @@ def bench_prefill(layout, E, T, K, gen, pcie, host_fraction):
     on_host[torch.randperm(E, generator=torch.Generator().manual_seed(0))[:int(E * host_fraction)]] = True
     addr = bank.data_ptr() + torch.arange(E, device="cuda") * stride
     expert_addr = torch.where(on_host.cuda(), torch.zeros_like(addr), addr)
-    gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E, scratch_rows=16)
+    gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(T, K, E, gen)
     out = torch.empty_like(x)

@@ -103,12 +103,13 @@ class MoEGemm:
         num_experts: E (needed for prefill).
         scratch_rows: rows of the prefill scratch for experts not on the GPU (≥ 1). From 2 rows
             on it is two buffers of scratch_rows // 2: the next chunk is copied while the GEMM
-            works on the resident experts or on the previous chunk.
+            works on the resident experts or on the previous chunk. Chunks cost host time per
+            launch, so small ones leave the GPU waiting (default 32: chunks of 16 experts).
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
                  max_decode_tokens: int = 16, max_prefill_tokens: int = 0, num_experts: int = 0,
-                 scratch_rows: int = 16, device=None):
+                 scratch_rows: int = 32, device=None):
         _cuda.require_gpu("the MoE GEMM")
         if dtype not in _DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
