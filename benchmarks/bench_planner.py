@@ -59,9 +59,8 @@ def bench_plan(args, rng) -> list[dict]:
         store = HostStore(L, E, 256)
         for threads in args.threads:
             R = L * N
-            items = -(-R // threads) if threads else None
-            # past 16 items a thread the registers spill: more tiles instead
-            shape = {"threads": threads, "items": min(items, 16)} if threads else {}
+            # an explicit block keeps the default's ring entries a thread per tile
+            shape = {"threads": threads, "items": launch_shape(R, lanes)[1]} if threads else {}
             bank = Bank(store, N, staging_rows=lanes, max_lanes=lanes, **shape)
             t, i = bank.plan_block
             for W in args.lanes:

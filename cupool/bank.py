@@ -198,10 +198,10 @@ class Bank:
         return self.tables.to_numpy()
 
     def verify(self, sample: int | None = None, generator: np.random.Generator | None = None) -> int:
-        """Check the tables (owned rows ↔ keys a bijection, last_use ≤ clock, the LRU ring's window
-        holds every row once, sorted, at its pos_of) and compare bank rows with their store rows
-        byte for byte on the GPU: all owned rows, or a random `sample` of them. Returns the number
-        of rows compared; raises BankVerifyError."""
+        """Check the tables (owned rows ↔ keys a bijection, last_use ≤ clock, the LRU ring's
+        window holds every row once, sorted, at its pos_of) and compare bank rows with their
+        store rows byte for byte on the GPU: all owned rows, or a random `sample` of them.
+        Returns the number of rows compared; raises BankVerifyError."""
         if _capturing():
             raise RuntimeError("Bank.verify() reads the tables back to the host; call it outside "
                                "CUDA graph capture")

@@ -118,6 +118,8 @@ class MoEGemm:
         if max_decode_tokens * topk > 1024:
             raise ValueError(f"decode handles at most 1024 lanes: max_decode_tokens={max_decode_tokens} "
                              f"x topk={topk} = {max_decode_tokens * topk}")
+        if isinstance(scratch_rows, bool) or not isinstance(scratch_rows, int) or scratch_rows < 1:
+            raise ValueError(f"scratch_rows must be an int >= 1, got {scratch_rows!r}")
         if max_prefill_tokens and not 0 < num_experts <= 1024:
             raise ValueError(f"prefill needs num_experts in [1, 1024], got {num_experts}")
         self.layout, self.topk, self.dtype = layout, int(topk), dtype
@@ -146,8 +148,6 @@ class MoEGemm:
         self.error = torch.zeros(1, **i32)
         self.num_experts = int(num_experts)
         self.max_prefill_tokens = int(max_prefill_tokens)
-        if isinstance(scratch_rows, bool) or not isinstance(scratch_rows, int) or scratch_rows < 1:
-            raise ValueError(f"scratch_rows must be an int >= 1, got {scratch_rows!r}")
         self.scratch_rows = int(scratch_rows)
         # experts a chunk (C) and chunk buffers (two, once there is room for them)
         self._chunk = max(1, self.scratch_rows // 2)
@@ -241,8 +241,8 @@ class MoEGemm:
             shared_mem=s13, device=self.device)
         dummy = self.error
         kernels.launch(w2, g2, threads, (
-            rng, rng if all_rng is None else all_rng, unit_addr, unit_lanes, unit_count, act, amax, lane_w,
-            kernels.i32(self.topk), kernels.i32(tokens), kernels.i32(self.layout.hidden),
+            rng, rng if all_rng is None else all_rng, unit_addr, unit_lanes, unit_count, act, amax,
+            lane_w, kernels.i32(self.topk), kernels.i32(tokens), kernels.i32(self.layout.hidden),
             yw if yw is not None else dummy, group_done if group_done is not None else dummy,
             out if out is not None else dummy, out32 if out32 is not None else dummy),
             shared_mem=s2, device=self.device)
@@ -280,9 +280,9 @@ class MoEGemm:
         if lane_addr.dtype != torch.int64 or lane_addr.numel() != T * K or lane_addr.device != x.device:
             raise ValueError(f"lane_addr must be int64 [{T * K}] on {x.device}, got "
                              f"{lane_addr.dtype} {list(lane_addr.shape)} on {lane_addr.device}")
-        if lane_fresh is not None and (lane_fresh.dtype != torch.int32 or lane_fresh.numel() != T * K
-                                       or lane_fresh.device != x.device
-                                       or not lane_fresh.is_contiguous()):
+        if lane_fresh is not None and (
+                lane_fresh.dtype != torch.int32 or lane_fresh.numel() != T * K
+                or lane_fresh.device != x.device or not lane_fresh.is_contiguous()):
             raise ValueError(f"lane_fresh must be a contiguous int32 [{T * K}] tensor on "
                              f"{x.device}, got {lane_fresh.dtype} {list(lane_fresh.shape)} on "
                              f"{lane_fresh.device}")
@@ -300,7 +300,8 @@ class MoEGemm:
         kernels.launch(self._align(cfg, "route_decode", x, w_dtype=_W_DTYPES[w.dtype]), 1,
                        threads, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), d["xh"], d["xscale"],
-            lane_addr.reshape(-1), kernels.NULL if lane_fresh is None else lane_fresh, w, kernels.i32(T * K), d["range"], d["unit_addr"],
+            lane_addr.reshape(-1), kernels.NULL if lane_fresh is None else lane_fresh, w,
+            kernels.i32(T * K), d["range"], d["unit_addr"],
             d["unit_lanes"], d["unit_count"], d["lane_w"], d["amax"], self.error), device=self.device)
         r = d["range"]
         args = (d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"], d["xscale"], d["act"],
