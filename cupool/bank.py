@@ -111,7 +111,6 @@ class Bank:
         self._copy_stream = None   # step_split's, made on first use
         self._copy = RowCopier(self.src_of_key, self.row_bytes, self.rows, W, mode=copy_mode,
                                blocks=copy_blocks)
-        self.copy_mode = self._copy.mode
         self._compare = kernels.function("planner", "compare_rows",
                                          {"THREADS": self._plan.threads, "ITEMS": self._plan.items},
                                          idx)
@@ -125,6 +124,11 @@ class Bank:
     def plan_block(self) -> tuple[int, int]:
         """(threads, items) of the plan-step launch (one block)."""
         return self._plan.threads, self._plan.items
+
+    @property
+    def copy_mode(self) -> str:
+        """The row-copy kernel in use: "bulk" or "ld" ("auto" resolved for this GPU)."""
+        return self._copy.mode
 
     @property
     def copy_grid(self) -> tuple[int, int]:
