@@ -29,11 +29,11 @@ def routing(T, K, E, gen):
     return ids, torch.softmax(w, dim=-1)
 
 
-def bench_decode(layout, E, T, K, layers, gen, hbm):
+def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused"):
     rows = torch.empty(layers * E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")
     for layer in range(layers):
         rows[layer * E:(layer + 1) * E, :layout.row_bytes] = random_rows_fast(layout, E, device="cuda")
-    gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=max(T, 1))
+    gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=max(T, 1), decode_kernel=kernel)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     outs, addrs, weights, distinct = [], [], [], []
     for layer in range(layers):
@@ -47,7 +47,7 @@ def bench_decode(layout, E, T, K, layers, gen, hbm):
     bytes_per_layer = sum(distinct) / layers * layout.row_bytes
     gbps = bytes_per_layer / ms / 1e6
     del rows
-    return {"T": T, "K": K, "H": layout.hidden, "I": layout.intermediate, "E": E,
+    return {"T": T, "K": K, "H": layout.hidden, "I": layout.intermediate, "E": E, "kernel": kernel,
             "us_per_layer": ms * 1e3, "distinct_experts": sum(distinct) / layers,
             "bytes_per_layer": bytes_per_layer, "GBps": gbps, "fraction_of_hbm_read": gbps / hbm}
 
@@ -144,6 +144,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=24, help="distinct layers in the decode graph")
     p.add_argument("--dims", nargs="+", default=["2048x768", "4096x1536"])
     p.add_argument("--decode-tokens", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--decode-kernels", nargs="+", default=["fused", "pair"],
+                   choices=["fused", "pair"], help="MoEGemm decode_kernel values to time")
     p.add_argument("--prefill-tokens", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--skip-prefill", action="store_true")
     args = p.parse_args(argv)
@@ -154,10 +156,10 @@ def main(argv=None):
     for dims in args.dims:
         H, I = map(int, dims.split("x"))
         layout = RowLayout(H, I)
-        for T in args.decode_tokens:
-            r = bench_decode(layout, args.experts, T, 8, args.layers, gen, hbm_read)
+        for T, kernel in [(T, k) for T in args.decode_tokens for k in args.decode_kernels]:
+            r = bench_decode(layout, args.experts, T, 8, args.layers, gen, hbm_read, kernel)
             decode.append(r)
-            print(f"decode H={H} I={I} T={T}: {r['us_per_layer']:.1f} us/layer, "
+            print(f"decode {kernel} H={H} I={I} T={T}: {r['us_per_layer']:.1f} us/layer, "
                   f"{r['GBps']:.0f} GB/s = {r['fraction_of_hbm_read']:.2f} of HBM read")
     if not args.skip_prefill:
         layout = RowLayout(2048, 768)

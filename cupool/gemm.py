@@ -5,7 +5,8 @@ Shape legend: T tokens · K top-k · W = T·K lanes · H hidden · I intermediat
 Two paths, both with fixed grids and sizes read on the device:
 - `decode(x, lane_addr, topk_weights)`: lanes come with the address of their expert's row (what
   the plan step writes: bank row, staging row, or a host UVA address; 0 = padding). Memory-bound;
-  a deterministic sum over top-k. Graph-capturable.
+  a deterministic sum over top-k. Graph-capturable. Two launches: route_decode (lanes grouped into
+  units, activations to fp16), then moe_decode (everything else).
 - `prefill(x, topk_ids, topk_weights, expert_addr, ...)`: the partition path. Experts whose row is
   on the GPU (expert_addr[e] ≠ 0) are computed from there; the others are copied once per call
   into a bounded scratch of `scratch_rows` rows, chunk by chunk, and computed from the scratch;
@@ -27,8 +28,10 @@ from cupool.layout import RowLayout
 ERR_BAD_ID = 1
 ERR_BAD_WEIGHT = 2
 ERR_CHUNKS = 4
+ERR_STALL = 8
 ERROR_NAMES = {ERR_BAD_ID: "expert id outside [0, E)", ERR_BAD_WEIGHT: "non-finite router weight",
-               ERR_CHUNKS: "more host experts than scratch chunks (internal)"}
+               ERR_CHUNKS: "more host experts than scratch chunks (internal)",
+               ERR_STALL: "moe_decode waited over a second for a unit's w13 items (internal)"}
 
 _DTYPES = {torch.bfloat16: 1, torch.float16: 0}
 _W_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # route_decode's W_DTYPE
@@ -87,6 +90,10 @@ class _Config:
 # 31.7 for KSPLIT 4 / NB 8 / KC 1024).
 DECODE_SMALL = _Config(nt=8, ksplit=8, warps_m=1, kc=2048, nb=2, reduce=0, prefetch_w2=1, minb=3)
 DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefetch_w2=1)
+# The one-launch decode kernel (moe_decode.cu): its block shape is fixed in the source.
+DECODE_KERNELS = ("fused", "pair")
+_FUSED_WARPS = 8
+_FUSED_STAGE_BYTES = 2 * (4 * 512 + 16 * 4 * 4)    # a warp's two cp.async stages
 # Prefill: 64 lanes a unit share each dequantized fragment over 8 mma n-tiles.
 PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=4, reduce=1, prefetch_w2=0)
 
@@ -105,11 +112,14 @@ class MoEGemm:
             on it is two buffers of scratch_rows // 2: the next chunk is copied while the GEMM
             works on the resident experts or on the previous chunk. Chunks cost host time per
             launch, so small ones leave the GPU waiting (default 32: chunks of 16 experts).
+        decode_kernel: "fused" (default): one launch does w13, SiLU·up, w2 and the top-k sum
+            (moe_decode.cu); "pair": a w13 launch then a w2 launch (moe_gemm.cu), kept to
+            compare with. Both are deterministic; they round differently in the last bit.
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
                  max_decode_tokens: int = 16, max_prefill_tokens: int = 0, num_experts: int = 0,
-                 scratch_rows: int = 32, device=None):
+                 scratch_rows: int = 32, decode_kernel: str = "fused", device=None):
         _cuda.require_gpu("the MoE GEMM")
         if dtype not in _DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
@@ -120,9 +130,12 @@ class MoEGemm:
                              f"x topk={topk} = {max_decode_tokens * topk}")
         if isinstance(scratch_rows, bool) or not isinstance(scratch_rows, int) or scratch_rows < 1:
             raise ValueError(f"scratch_rows must be an int >= 1, got {scratch_rows!r}")
+        if decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
         if max_prefill_tokens and not 0 < num_experts <= 1024:
             raise ValueError(f"prefill needs num_experts in [1, 1024], got {num_experts}")
         self.layout, self.topk, self.dtype = layout, int(topk), dtype
+        self.decode_kernel = decode_kernel
         self.device = torch.device("cuda", _cuda.device_index(device))
         dev = self.device
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -144,6 +157,7 @@ class MoEGemm:
             act=torch.zeros(wd, ip, **f32),
             yw=torch.zeros(wd, hp, **f32),
             group_done=torch.zeros(hp // 16, **i32),
+            sync=torch.zeros(2 + wd, **i32),      # moe_decode's ticket, finished, per-unit counts
         )
         self.error = torch.zeros(1, **i32)
         self.num_experts = int(num_experts)
@@ -247,6 +261,28 @@ class MoEGemm:
             out if out is not None else dummy, out32 if out32 is not None else dummy),
             shared_mem=s2, device=self.device)
 
+    def _fused(self, nt: int) -> tuple:
+        """(kernel, grid, shared memory) of moe_decode for units of nt lanes."""
+        key = ("fused", nt)
+        got = self._pairs.get(key)
+        if got is None:
+            smem = (_FUSED_WARPS * _FUSED_STAGE_BYTES + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
+                    + nt * (self.layout.ip + 8) * 2 + nt * 8)
+            minb = 4 if 4 * (smem + 1024) <= 228 * 1024 else 3
+            d = {**self.layout.defines(), "NT": nt, "OUT_BF16": _DTYPES[self.dtype], "MINB": minb}
+            fn = kernels.function("moe_decode", "moe_decode", d, self.device)
+            got = self._pairs[key] = (fn, self._grid(fn, 32 * _FUSED_WARPS, smem), smem)
+        return got
+
+    def _run_fused(self, nt, rng, T, out):
+        fn, grid, smem = self._fused(nt)
+        d = self._d
+        kernels.launch(fn, grid, 32 * _FUSED_WARPS, (
+            rng, d["range"][3:5], d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"],
+            d["xscale"], kernels.i32(self.topk), kernels.i32(T), kernels.i32(self.layout.hidden),
+            d["act"], d["amax"], d["lane_w"], d["yw"], d["group_done"], d["sync"], out, self.error),
+            shared_mem=smem, device=self.device)
+
     def _out(self, x, out):
         if out is None:
             return torch.empty_like(x)
@@ -304,14 +340,21 @@ class MoEGemm:
             kernels.i32(T * K), d["range"], d["unit_addr"],
             d["unit_lanes"], d["unit_count"], d["lane_w"], d["amax"], self.error), device=self.device)
         r = d["range"]
-        args = (d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"], d["xscale"], d["act"],
-                d["amax"], d["lane_w"], T, out)
-        kw = dict(yw=d["yw"], group_done=d["group_done"], all_rng=r[3:5])
-        self._run_gemm(cfg, r[0:2], *args, **kw)               # rows in place (all, if no split)
+        if self.decode_kernel == "fused":
+            def run(rng):
+                self._run_fused(cfg.nt, rng, T, out)
+        else:
+            args = (d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"], d["xscale"],
+                    d["act"], d["amax"], d["lane_w"], T, out)
+            kw = dict(yw=d["yw"], group_done=d["group_done"], all_rng=r[3:5])
+
+            def run(rng):
+                self._run_gemm(cfg, rng, *args, **kw)
+        run(r[0:2])                                            # rows in place (all, if no split)
         if lane_fresh is not None:
             if before_fresh is not None:
                 before_fresh()
-            self._run_gemm(cfg, r[1:3], *args, **kw)           # rows the copies bring in
+            run(r[1:3])                                        # rows the copies bring in
         return out
 
     # --- prefill --------------------------------------------------------------------------

@@ -58,9 +58,10 @@ CUPOOL_DEVICE void dequant_tile(u32 w, u32 sg, u32 sg8, u32 (&a)[4]) {
     a[3] = hmul2(fp4x2_raw<3>(w), s_hi);        // row g+8, k 2t+8..2t+9
 }
 
-// D += A(16x16, fp16, row) · B(16x8, fp16, col), fp32 accumulate.
+// D += A(16x16, fp16, row) · B(16x8, fp16, col), fp32 accumulate. Not volatile: it touches no
+// memory, so the compiler may schedule the fragment loads of later tiles around it.
 CUPOOL_DEVICE void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

@@ -29,8 +29,6 @@
 //   (REDUCE 1, prefill): atomicAdd into out32[t, h] (zeroed by the launcher); several launches
 //   (resident experts, then each chunk of host experts) accumulate into it, and moe_finish
 //   converts it to the output dtype.
-#include "common.cuh"
-#include "mma_fp4.cuh"
 
 // Configuration (launchers pass -D; the defaults are the decode kernel of Qwen3-30B-A3B).
 #ifndef HP
@@ -67,42 +65,14 @@
 #define PREFETCH_W2 1     // moe_w13 pulls each unit's w2 rows into L2 for moe_w2
 #endif
 
-#define NTILES (NT / 8)
+#include "moe_common.cuh"
+
 #define NWARPS (KSPLIT * WARPS_M)
 #define THREADS (32 * NWARPS)
 #define XS_STRIDE (KC + 8)                 // fp16 per staged row: (KC+8)/2 words ≡ 4 mod 32, so
                                            // the 8 rows × 4 columns of a B fragment hit 32 banks
-#define W13_STRIP (9 * HP)                 // bytes of one 16-row strip of w13 (K = HP)
-#define W2_STRIP (9 * IP)                  // bytes of one 16-row strip of w2 (K = IP)
-#define W2_OFFSET (256 + 2 * (IP / 16) * W13_STRIP)
 
-static_assert(NT % 8 == 0 && NT >= 8, "NT must be a multiple of 8");
 static_assert(KC % 64 == 0, "KC must be a multiple of 64");
-static_assert(HP % 64 == 0 && IP % 64 == 0, "HP and IP are padded to 64");
-
-CUPOOL_DEVICE u32 ld_u32_nc(const u8* p) {
-    u32 v;
-    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
-CUPOOL_DEVICE float ld_f32_cg(const float* p) {     // L2 only: data written by other blocks
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
-CUPOOL_DEVICE void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-
-// Four k-tiles of A fragments from one lane's 16-byte chunk word and its scale words.
-CUPOOL_DEVICE void dequant_chunk(const u32x4& w, u32 sg, u32 sg8, u32 (&a)[4][4]) {
-    dequant_tile<0>(w.x, sg, sg8, a[0]);
-    dequant_tile<1>(w.y, sg, sg8, a[1]);
-    dequant_tile<2>(w.z, sg, sg8, a[2]);
-    dequant_tile<3>(w.w, sg, sg8, a[3]);
-}
 
 // acc[s][nt] += strip s (16 rows) × staged activations, over 64-column chunks [c_lo, c_hi) of K.
 // xs holds staged columns starting at chunk xs_c0. KP is the strip's K (HP or IP).
@@ -225,45 +195,12 @@ CUPOOL_DEVICE void ksplit_reduce(float (&acc)[NS][NTILES][4], float* red, int wm
 }
 
 // Shared memory: staged activations [NT][XS_STRIDE] fp16, the K-split buffer, and per-slot data.
-struct SlotInfo {
-    i32 lane[NT];      // lane of each slot (-1: empty)
-    float scale[NT];   // power-of-two scale of the staged activation row
-};
-
 CUPOOL_DEVICE float* red_buffer(u16* xs) {
     return reinterpret_cast<float*>(xs + NT * XS_STRIDE);
 }
 
-// f(nt, e, n, l) for each accumulator column this lane holds: m16n8 tile nt (< ntiles, a
-// warp-uniform bound, so shuffles inside f are safe), column 2t + e (t = lane % 4), which is
-// slot n = 8·nt + 2t + e of the unit, holding lane l (-1: empty slot). acc[..][nt][2·half + e]
-// is that column's value in strip row g + 8·half (g = lane / 4).
-template <class F>
-CUPOOL_DEVICE void for_each_slot(int ntiles, int lane, const SlotInfo* si, F f) {
-    const int t = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < NTILES; ++nt) {
-        if (nt >= ntiles) continue;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int n = nt * 8 + 2 * t + e;
-            f(nt, e, n, si->lane[n]);
-        }
-    }
-}
-
 CUPOOL_DEVICE SlotInfo* slot_info(u16* xs, int ns) {
     return reinterpret_cast<SlotInfo*>(red_buffer(xs) + (KSPLIT - 1) * WARPS_M * ns * NTILES * 4 * 32);
-}
-
-// Grid-stride loop over this launch's items; returns false when the unit range is empty.
-struct Range { int first, count; };
-
-CUPOOL_DEVICE Range unit_range(const i32* range) {
-    Range r;
-    r.first = range[0];
-    r.count = range[1] - range[0];
-    return r;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -338,27 +275,7 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         };
         item_k_loop<2, HP>(b, strips, active, ks, xs, ntiles, acc, lane, stage);
         ksplit_reduce<2>(acc, red, wm, ks, lane);
-        if (ks == 0 && active) {
-            const float* hdr = reinterpret_cast<const float*>(row);
-            const float gs_gate = hdr[0] * 128.0f, gs_up = hdr[1] * 128.0f;
-            const int g = lane >> 2;
-            for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
-                const float ts = si->scale[n];
-                float m = 0.0f;
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float gate = acc[0][nt][2 * half + e] * gs_gate * ts;
-                    const float up = acc[1][nt][2 * half + e] * gs_up * ts;
-                    const float a = gate / (1.0f + __expf(-gate)) * up;
-                    if (l >= 0) act[(i64)l * IP + p * 16 + g + 8 * half] = a;
-                    m = nan_max(m, fabsf(a));
-                }
-                // max over the 8 row groups g holding this slot, then one atomic per slot
-#pragma unroll
-                for (int o = 4; o < 32; o <<= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
-                if (g == 0 && l >= 0) atomicMax(amax + l, __float_as_uint(m));
-            });
-        }
+        if (ks == 0 && active) w13_epilogue(acc, ntiles, si, row, p, lane, act, amax);
     }
 }
 
@@ -445,50 +362,12 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
         };
         item_k_loop<1, IP>(b, strips, active, ks, xs, ntiles, acc, lane, stage);
         ksplit_reduce<1>(acc, red, wm, ks, lane);
-        if (ks == 0 && active) {
-            const float gs_down = reinterpret_cast<const float*>(row)[2] * 128.0f;
-            const int g = lane >> 2;
-            for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
-                if (l < 0) return;
-                const float f = gs_down * si->scale[n] * lane_w[l];
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int h = p * 16 + g + 8 * half;
-                    if (h >= hidden) continue;
-                    const float y = acc[0][nt][2 * half + e] * f;
-#if REDUCE == 0
-                    yw[(i64)l * HP + h] = y;
-#else
-                    atomicAdd(out32 + (i64)(l / topk) * HP + h, y);
-#endif
-                }
-            });
-        }
+        if (ks == 0 && active)
+            w2_epilogue(acc[0], ntiles, si, row, p, lane, lane_w, topk, hidden, REDUCE == 1, yw, out32);
 #if REDUCE == 0
         // The last unit to finish this strip group sums over top-k in fixed order.
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) s_last = atomicAdd(group_done + grp, 1) == all_units - 1;
-        __syncthreads();
-        if (s_last) {
-            __threadfence();
-            constexpr int ROWS = WARPS_M * 16;
-            for (int i = threadIdx.x; i < tokens * ROWS; i += THREADS) {
-                const int tk = i / ROWS, h = grp * ROWS + i % ROWS;
-                if (h >= hidden) continue;
-                float sum = 0.0f;
-                for (int k = 0; k < topk; ++k) {
-                    const int l = tk * topk + k;
-                    if (lane_w[l] != 0.0f) sum += ld_f32_cg(yw + (i64)l * HP + h);
-                }
-#if OUT_BF16
-                out[(i64)tk * hidden + h] = f32_to_bf16(sum);
-#else
-                out[(i64)tk * hidden + h] = f32_to_f16(sum);
-#endif
-            }
-            if (threadIdx.x == 0) group_done[grp] = 0;          // ready for the next call
-        }
+        if (last_arrival(group_done + grp, all_units, &s_last))
+            topk_sum(grp * WARPS_M * 16, WARPS_M * 16, tokens, topk, hidden, lane_w, yw, out);
 #endif
     }
 }

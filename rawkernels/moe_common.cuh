@@ -1,0 +1,155 @@
+// What the MoE GEMM kernels share (moe_gemm.cu: prefill; moe_decode.cu: decode): the row layout's
+// offsets, cache-hinted loads, the A fragments of one 64-column chunk, the slots of a unit, and the
+// epilogues of w13 (SiLU·up) and w2 (router weight, sum over top-k).
+//
+// Include after the configuration macros HP, IP, NT (and OUT_BF16, REDUCE where used).
+#pragma once
+#include "common.cuh"
+#include "mma_fp4.cuh"
+
+#define NTILES (NT / 8)
+#define W13_STRIP (9 * HP)                 // bytes of one 16-row strip of w13 (K = HP)
+#define W2_STRIP (9 * IP)                  // bytes of one 16-row strip of w2 (K = IP)
+#define W2_OFFSET (256 + 2 * (IP / 16) * W13_STRIP)
+
+static_assert(NT % 8 == 0 && NT >= 8, "NT must be a multiple of 8");
+static_assert(HP % 64 == 0 && IP % 64 == 0, "HP and IP are padded to 64");
+
+CUPOOL_DEVICE u32 ld_u32_nc(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+CUPOOL_DEVICE float ld_f32_cg(const float* p) {     // L2 only: data written by other blocks
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+CUPOOL_DEVICE void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
+// Four k-tiles of A fragments from one lane's 16-byte chunk word and its scale words.
+CUPOOL_DEVICE void dequant_chunk(const u32x4& w, u32 sg, u32 sg8, u32 (&a)[4][4]) {
+    dequant_tile<0>(w.x, sg, sg8, a[0]);
+    dequant_tile<1>(w.y, sg, sg8, a[1]);
+    dequant_tile<2>(w.z, sg, sg8, a[2]);
+    dequant_tile<3>(w.w, sg, sg8, a[3]);
+}
+
+// Lanes of the unit an item works on, with the power-of-two scale of each slot's staged row.
+struct SlotInfo {
+    i32 lane[NT];      // lane of each slot (-1: empty)
+    float scale[NT];   // power-of-two scale of the slot's activation row
+};
+
+// f(nt, e, n, l) for each accumulator column this lane holds: m16n8 tile nt (< ntiles, a
+// warp-uniform bound, so shuffles inside f are safe), column 2t + e (t = lane % 4), which is
+// slot n = 8·nt + 2t + e of the unit, holding lane l (-1: empty slot). acc[..][nt][2·half + e]
+// is that column's value in strip row g + 8·half (g = lane / 4).
+template <class F>
+CUPOOL_DEVICE void for_each_slot(int ntiles, int lane, const SlotInfo* si, F f) {
+    const int t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt) {
+        if (nt >= ntiles) continue;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int n = nt * 8 + 2 * t + e;
+            f(nt, e, n, si->lane[n]);
+        }
+    }
+}
+
+// w13 of strip pair p (acc[0] gate, acc[1] up, fp32 sums over all of K): act[l, 16p + row] =
+// SiLU(gate)·up at true scale for every slot's lane l, and amax[l] raised to max |act| (float
+// bits, atomicMax; NaN wins).
+CUPOOL_DEVICE void w13_epilogue(const float (&acc)[2][NTILES][4], int ntiles, const SlotInfo* si,
+                                const u8* row, int p, int lane, float* act, u32* amax) {
+    const float* hdr = reinterpret_cast<const float*>(row);
+    const float gs_gate = hdr[0] * 128.0f, gs_up = hdr[1] * 128.0f;
+    const int g = lane >> 2;
+    for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
+        const float ts = si->scale[n];
+        float m = 0.0f;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float gate = acc[0][nt][2 * half + e] * gs_gate * ts;
+            const float up = acc[1][nt][2 * half + e] * gs_up * ts;
+            const float a = gate / (1.0f + __expf(-gate)) * up;
+            if (l >= 0) act[(i64)l * IP + p * 16 + g + 8 * half] = a;
+            m = nan_max(m, fabsf(a));
+        }
+        // max over the 8 row groups g holding this slot, then one atomic per slot
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (g == 0 && l >= 0) atomicMax(amax + l, __float_as_uint(m));
+    });
+}
+
+// w2 of output strip p (acc: fp32 sums over all of K) times the router weight of each lane:
+// yw[l, h] (reduce 0, summed later in fixed order) or atomically into out32[token, h] (reduce 1).
+CUPOOL_DEVICE void w2_epilogue(const float (&acc)[NTILES][4], int ntiles, const SlotInfo* si,
+                               const u8* row, int p, int lane, const float* lane_w, int topk,
+                               int hidden, bool reduce_atomic, float* yw, float* out32) {
+    const float gs_down = reinterpret_cast<const float*>(row)[2] * 128.0f;
+    const int g = lane >> 2;
+    for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
+        if (l < 0) return;
+        const float f = gs_down * si->scale[n] * lane_w[l];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int h = p * 16 + g + 8 * half;
+            if (h >= hidden) continue;
+            const float y = acc[nt][2 * half + e] * f;
+            if (reduce_atomic) atomicAdd(out32 + (i64)(l / topk) * HP + h, y);
+            else yw[(i64)l * HP + h] = y;
+        }
+    });
+}
+
+// out[t, h] for rows [h0, h0 + rows) of every token: Σ_k yw[t·K + k, h] in k order (padding lanes,
+// whose weight is 0, are skipped). Called by every thread of the block that arrived last.
+CUPOOL_DEVICE void topk_sum(int h0, int rows, int tokens, int topk, int hidden,
+                            const float* lane_w, const float* yw, u16* out) {
+    for (int i = threadIdx.x; i < tokens * rows; i += blockDim.x) {
+        const int tk = i / rows, h = h0 + i % rows;
+        if (h >= hidden) continue;
+        float sum = 0.0f;
+        for (int k = 0; k < topk; ++k) {
+            const int l = tk * topk + k;
+            if (lane_w[l] != 0.0f) sum += ld_f32_cg(yw + (i64)l * HP + h);
+        }
+#if OUT_BF16
+        out[(i64)tk * hidden + h] = f32_to_bf16(sum);
+#else
+        out[(i64)tk * hidden + h] = f32_to_f16(sum);
+#endif
+    }
+}
+
+// The last of `expected` arrivals on counter *done (one per block, after its stores) resets it
+// and returns true in every thread of that block. Called by every thread of the block.
+CUPOOL_DEVICE bool last_arrival(i32* done, int expected, int* s_flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *s_flag = atomicAdd(done, 1) == expected - 1;
+    __syncthreads();
+    const bool last = *s_flag != 0;
+    if (last) {
+        __threadfence();
+        if (threadIdx.x == 0) *done = 0;          // ready for the next call
+    }
+    return last;
+}
+
+struct Range { int first, count; };
+
+CUPOOL_DEVICE Range unit_range(const i32* range) {
+    Range r;
+    r.first = range[0];
+    r.count = range[1] - range[0];
+    return r;
+}

@@ -1,0 +1,411 @@
+// NVFP4 MoE decode, w13 → SiLU·up → w2 → weighted sum over top-k, in one launch per unit range.
+//
+// Why one launch: at T ≤ 16 a layer reads ~20 MB of rows, a few µs of HBM time, while separate
+// w13 and w2 launches each pay a start, a chain of dependent loads and a tail. Here blocks take
+// items in one order: first the w13 items (unit, strip pair) of every unit of the range,
+// then the w2 items (unit, group of output strips). A w2 item issues its weight loads at once (they
+// do not depend on w13) and only then waits until its unit's w13 items have all arrived (a
+// per-unit counter), so w2's bytes stream in while w13 finishes.
+//
+// No deadlock: blocks b < min(w13 items, grid) start on w13 item b; every later item is claimed
+// from a ticket counter, w13 items before w2 items, and a block claims at most one ticket ahead of
+// the item it works on (so a block waiting in a w2 item holds no unstarted w13 item). w13 items
+// wait for nothing, and the grid is sized so that every block is resident at once, so every w13
+// item a w2 item waits for is running or will run (if another kernel holds some SMs, as soon as
+// it ends). A wait that still runs past ~1 s sets error bit 8 and goes on (wrong output, never a
+// hang).
+//
+// Weights go global → shared memory by cp.async, per warp in two stages of 4 chunks (4.6 KB), so
+// the bytes in flight are bounded by shared memory, not registers. B fragments: w13 reads the
+// prepared activations (xh, fp16) straight from global memory (L1 hits after the first touch);
+// w2 stages its unit's act rows in shared memory as fp16 after the wait.
+//
+// Inputs are the unit table of route_decode (moe_align.cu, NT lanes a unit). `range` is this
+// launch's units, `all_range` every unit of the call: the top-k sum of an output strip group is
+// done by the last unit to finish it, counted over all_range, so a call may run as two launches in
+// stream order (units in place, then fresh ones) with the same result bit for bit.
+//
+// Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 items of unit u
+// done. The last block of a launch puts them back to zero; group_done is reset by its last unit.
+#include "common.cuh"
+#include "mma_fp4.cuh"
+
+#ifndef HP
+#define HP 2048
+#endif
+#ifndef IP
+#define IP 768
+#endif
+#ifndef NT
+#define NT 8              // lane slots per unit
+#endif
+#ifndef OUT_BF16
+#define OUT_BF16 1
+#endif
+#ifndef MINB
+#define MINB 4            // blocks per SM the register allocation must allow
+#endif
+#ifndef PREFETCH_W2
+#define PREFETCH_W2 1     // w13 items pull their unit's w2 rows towards L2
+#endif
+
+#include "moe_common.cuh"
+
+#define WARPS 8
+#define THREADS (32 * WARPS)
+#define STAGE 4                            // chunks a cp.async stage
+#define ERR_STALL 8
+
+constexpr int NC13 = HP / 64;              // chunks of a w13 strip
+constexpr int NC2 = IP / 64;               // chunks of a w2 strip
+constexpr int NP = IP / 16;                // w13 strip pairs (gate, up) of an expert
+constexpr int NS = HP / 16;                // w2 output strips of an expert
+constexpr int KS13 = WARPS / 2;            // w13: 2 strips × 4 K slices
+// w2: K slices of at most 2 stages where IP allows, the rest of the warps on more strips
+constexpr int KS2 = NC2 <= 2 * STAGE ? 1 : NC2 <= 4 * STAGE ? 2 : NC2 <= 8 * STAGE ? 4 : 8;
+constexpr int WM2 = WARPS / KS2;
+constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
+constexpr int XS2 = IP + 8;                // fp16 per staged act row: (IP+8)/2 words ≡ 4 mod 32
+
+// One warp's two stages: weights [stage][chunk][lane][16 B], scales [stage][row][chunk].
+struct WarpStages {
+    u8 w[2][STAGE * 512];
+    u32 s[2][16 * STAGE];
+};
+
+CUPOOL_DEVICE u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+CUPOOL_DEVICE void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_u32(dst)), "l"(src) : "memory");
+}
+
+CUPOOL_DEVICE void cp_async4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_u32(dst)), "l"(src) : "memory");
+}
+
+template <int N>
+CUPOOL_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+CUPOOL_DEVICE int ld_acquire(const i32* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+CUPOOL_DEVICE u32 ld_u32_cg(const u32* p) {
+    u32 v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+CUPOOL_DEVICE u32x4 ld_u32x4_cg(const void* p) {
+    u32x4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Chunks [c0, c1) of a strip of nc chunks for K slice ks of ksplit.
+CUPOOL_DEVICE void k_slice(int ks, int ksplit, int nc, int& c0, int& c1) {
+    const int per = (nc + ksplit - 1) / ksplit;
+    c0 = min(ks * per, nc);
+    c1 = min(c0 + per, nc);
+}
+
+// Copy chunks [c, min(c + STAGE, c1)) of a strip (KP columns) and their scale words into stage
+// `buf`; always commits one group (possibly empty), so every lane counts groups alike.
+template <int KP>
+CUPOOL_DEVICE void issue_stage(WarpStages& ws, int buf, const u8* strip, int c, int c1, int lane) {
+#pragma unroll
+    for (int ci = 0; ci < STAGE; ++ci)
+        if (c + ci < c1)
+            cp_async16(&ws.w[buf][ci * 512 + lane * 16], strip + (i64)(c + ci) * 512 + lane * 16);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int idx = lane + 32 * h, r = idx / STAGE, ci = idx % STAGE;   // row r, chunk ci
+        if (c + ci < c1) cp_async4(&ws.s[buf][idx], strip + 8 * KP + r * (KP / 16) + 4 * (c + ci));
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Stages 0 and 1 of chunks [c0, c1): issued as soon as the strip's address is known.
+template <int KP>
+CUPOOL_DEVICE void issue_first(WarpStages& ws, const u8* strip, int c0, int c1, int lane) {
+    issue_stage<KP>(ws, 0, strip, c0, c1, lane);
+    issue_stage<KP>(ws, 1, strip, c0 + STAGE, c1, lane);
+}
+
+// acc[nt] += chunks [c0, c1) of the strip × B, stage by stage (stage i + 2 is issued into the
+// buffer stage i leaves). bfrag(c, nt, q, b0, b1): B fragment of chunk c, n-tile nt, k-tile q.
+template <int KP, class BFrag>
+CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, int ntiles,
+                              float (&acc)[NTILES][4], int lane, BFrag bfrag) {
+    const int g = lane >> 2;
+    for (int c = c0, i = 0; c < c1; c += STAGE, ++i) {
+        const int buf = i & 1;
+        cp_async_wait<1>();                     // stage i landed (stage i + 1 may be in flight)
+        __syncwarp();                           // ... for every lane's copies (scales are shared)
+#pragma unroll
+        for (int ci = 0; ci < STAGE; ++ci) {
+            if (c + ci >= c1) break;
+            const u32x4 w = *reinterpret_cast<const u32x4*>(&ws.w[buf][ci * 512 + lane * 16]);
+            u32 a[4][4];
+            dequant_chunk(w, ws.s[buf][g * STAGE + ci], ws.s[buf][(g + 8) * STAGE + ci], a);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+#pragma unroll
+                for (int nt = 0; nt < NTILES; ++nt) {
+                    if (nt >= ntiles) continue;
+                    u32 b0, b1;
+                    bfrag(c + ci, nt, q, b0, b1);
+                    mma16816(acc[nt], a[q], b0, b1);
+                }
+            }
+        }
+        __syncwarp();                           // every lane done with the buffer
+        issue_stage<KP>(ws, buf, strip, c + 2 * STAGE, c1, lane);
+    }
+    cp_async_wait<0>();                         // nothing in flight into the buffers
+}
+
+// Shared memory of a block.
+struct Smem {
+    WarpStages* stages;     // [WARPS]
+    float* red;             // [WARPS][NTILES·4][32] partial sums of K slices
+    u16* xs;                // [NT][XS2] w2: the unit's act rows, fp16, scaled
+    SlotInfo* si;
+};
+
+CUPOOL_DEVICE Smem carve(u8* smem) {
+    Smem m;
+    m.stages = reinterpret_cast<WarpStages*>(smem);
+    m.red = reinterpret_cast<float*>(smem + WARPS * sizeof(WarpStages));
+    m.xs = reinterpret_cast<u16*>(m.red + WARPS * NTILES * 4 * 32);
+    m.si = reinterpret_cast<SlotInfo*>(m.xs + NT * XS2);
+    return m;
+}
+
+CUPOOL_DEVICE void put_partial(const Smem& m, int warp, int lane, const float (&acc)[NTILES][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) m.red[((warp * NTILES + nt) * 4 + r) * 32 + lane] = acc[nt][r];
+}
+
+// Σ over warps w0, w0 + 1, ..., w0 + n - 1 of their partials, in that order.
+CUPOOL_DEVICE void sum_partials(const Smem& m, int w0, int n, int lane, float (&acc)[NTILES][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            float v = 0.0f;
+            for (int w = w0; w < w0 + n; ++w) v += m.red[((w * NTILES + nt) * 4 + r) * 32 + lane];
+            acc[nt][r] = v;
+        }
+}
+
+struct Args {
+    const i64* unit_addr;
+    const i32* unit_lanes;
+    const i32* unit_count;
+    const u16* xh;
+    const float* xscale;
+    int topk, tokens, hidden, all_units;
+    float* act;
+    u32* amax;
+    const float* lane_w;
+    float* yw;
+    i32* group_done;
+    i32* unit_done;
+    u16* out;
+    i32* error;
+};
+
+// Lane of slot threadIdx.x (< NT) of unit u, -1 if empty; count and lane table read in parallel.
+CUPOOL_DEVICE int slot_lane(const Args& a, int u) {
+    const int count = a.unit_count[u];
+    const int l = a.unit_lanes[u * NT + threadIdx.x];
+    return (int)threadIdx.x < count ? l : -1;
+}
+
+// w13 item: gate and up strips of pair p of unit u; warps 0..3 slice gate's K, 4..7 up's.
+CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item_of_unit) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int s = warp / KS13, ks = warp % KS13;
+    const u8* row = reinterpret_cast<const u8*>(a.unit_addr[u]);
+    const u8* strip = row + 256 + (i64)(2 * p + s) * W13_STRIP;
+    int c0, c1;
+    k_slice(ks, KS13, NC13, c0, c1);
+    WarpStages& ws = m.stages[warp];
+    issue_first<HP>(ws, strip, c0, c1, lane);
+#if PREFETCH_W2
+    {   // this item's 1/NP of the unit's w2 rows
+        constexpr i64 W2_BYTES = (i64)NS * W2_STRIP;
+        constexpr i64 PER = ((W2_BYTES / NP) + 127) / 128 * 128;
+        const i64 lo = (i64)item_of_unit * PER, hi = lo + PER < W2_BYTES ? lo + PER : W2_BYTES;
+        for (i64 off = lo + threadIdx.x * 128; off < hi; off += THREADS * 128)
+            prefetch_l2(row + W2_OFFSET + off);
+    }
+#endif
+    float xscale = 1.0f;                  // slot's token scale: only the epilogue needs it
+    if (threadIdx.x < NT) {
+        const int l = slot_lane(a, u);
+        m.si->lane[threadIdx.x] = l;
+        if (l >= 0) xscale = a.xscale[l / a.topk];
+    }
+    __syncthreads();                                           // slots visible
+    const int count = a.unit_count[u];
+    const int ntiles = (count + 7) >> 3;
+    const int g = lane >> 2, t = lane & 3;
+    const u16* xrow[NTILES];
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt) {
+        const int l = m.si->lane[nt * 8 + g];
+        xrow[nt] = l >= 0 ? a.xh + (i64)(l / a.topk) * HP + 2 * t : nullptr;
+    }
+    float acc[NTILES][4] = {};
+    // plain loads (xh was written by an earlier launch): the compiler may hoist them
+    run_stages<HP>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, int q, u32& b0, u32& b1) {
+        const u32* x = reinterpret_cast<const u32*>(xrow[nt] + c * 64 + q * 16);
+        b0 = xrow[nt] ? x[0] : 0u;
+        b1 = xrow[nt] ? x[4] : 0u;
+    });
+    if (threadIdx.x < NT) m.si->scale[threadIdx.x] = xscale;
+    put_partial(m, warp, lane, acc);
+    __syncthreads();
+    if (warp == 0) {
+        float gu[2][NTILES][4];
+        sum_partials(m, 0, KS13, lane, gu[0]);
+        sum_partials(m, KS13, KS13, lane, gu[1]);
+        w13_epilogue(gu, ntiles, m.si, row, p, lane, a.act, a.amax);
+    }
+    __threadfence();                                           // act and amax before the count
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(a.unit_done + u, 1);
+}
+
+// w2 item: output strips grp·WM2 ... of unit u, each split over KS2 warps along K.
+CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = warp / KS2, ks = warp % KS2;
+    const int st = grp * WM2 + wm;
+    const u8* row = reinterpret_cast<const u8*>(a.unit_addr[u]);
+    const u8* strip = row + W2_OFFSET + (i64)st * W2_STRIP;
+    int c0 = 0, c1 = 0;
+    if (st < NS) k_slice(ks, KS2, NC2, c0, c1);
+    WarpStages& ws = m.stages[warp];
+    issue_first<IP>(ws, strip, c0, c1, lane);
+    if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(a, u);
+    if (threadIdx.x == 0) {                                    // the unit's act is complete
+        int spins = 0;
+        while (ld_acquire(a.unit_done + u) < NP) {
+            asm volatile("nanosleep.u32 32;");
+            if (++spins == (1 << 25)) { atomicOr(a.error, ERR_STALL); break; }
+        }
+    }
+    __syncthreads();
+    const int ntiles = (a.unit_count[u] + 7) >> 3;
+    // stage act rows (fp32, L2: written by other blocks) as fp16 / the slot's power-of-two scale
+    // (each thread reads the amax of its rows itself: no extra round trip and barrier)
+    if (threadIdx.x < NT) {
+        const int l = m.si->lane[threadIdx.x];
+        m.si->scale[threadIdx.x] = l >= 0 ? pow2_scale(__uint_as_float(ld_u32_cg(a.amax + l))) : 1.0f;
+    }
+    constexpr int VPR = IP / 4;
+    for (int v = threadIdx.x; v < ntiles * 8 * VPR; v += THREADS) {
+        const int n = v / VPR, col = (v % VPR) * 4;
+        const int l = m.si->lane[n];
+        u32 lo = 0u, hi = 0u;
+        if (l >= 0) {
+            const u32x4 f = ld_u32x4_cg(a.act + (i64)l * IP + col);
+            const float inv = 1.0f / pow2_scale(__uint_as_float(ld_u32_cg(a.amax + l)));
+            lo = (u32)f32_to_f16(__uint_as_float(f.x) * inv) | ((u32)f32_to_f16(__uint_as_float(f.y) * inv) << 16);
+            hi = (u32)f32_to_f16(__uint_as_float(f.z) * inv) | ((u32)f32_to_f16(__uint_as_float(f.w) * inv) << 16);
+        }
+        u32* dst = reinterpret_cast<u32*>(m.xs + n * XS2 + col);
+        dst[0] = lo;
+        dst[1] = hi;
+    }
+    __syncthreads();
+    const int g = lane >> 2, t = lane & 3;
+    float acc[NTILES][4] = {};
+    run_stages<IP>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, int q, u32& b0, u32& b1) {
+        const u16* x = m.xs + (nt * 8 + g) * XS2 + c * 64 + q * 16 + 2 * t;
+        b0 = *reinterpret_cast<const u32*>(x);
+        b1 = *reinterpret_cast<const u32*>(x + 8);
+    });
+    if (KS2 > 1) {
+        put_partial(m, warp, lane, acc);
+        __syncthreads();
+        if (ks == 0) sum_partials(m, warp, KS2, lane, acc);
+    }
+    if (ks == 0 && st < NS)
+        w2_epilogue(acc, ntiles, m.si, row, st, lane, a.lane_w, a.topk, a.hidden, false, a.yw, nullptr);
+    // the last unit to finish this strip group sums over top-k in fixed order
+    if (last_arrival(a.group_done + grp, a.all_units, s_last))
+        topk_sum(grp * WM2 * 16, WM2 * 16, a.tokens, a.topk, a.hidden, a.lane_w, a.yw, a.out);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
+moe_decode(const i32* __restrict__ range,       // [2] this launch's units
+           const i32* __restrict__ all_range,   // [2] every unit of the call
+           const i64* __restrict__ unit_addr,   // [units] row address (device or UVA host)
+           const i32* __restrict__ unit_lanes,  // [units, NT] lane ids, -1 empty
+           const i32* __restrict__ unit_count,  // [units]
+           const u16* __restrict__ xh,          // [T, HP] fp16 activations, row-scaled
+           const float* __restrict__ xscale,    // [T]
+           i32 topk, i32 tokens, i32 hidden,
+           float* __restrict__ act,             // [W, IP]
+           u32* __restrict__ amax,              // [W] zeroed by route_decode
+           const float* __restrict__ lane_w,    // [W]
+           float* __restrict__ yw,              // [W, HP]
+           i32* __restrict__ group_done,        // [G2] zero at rest
+           i32* __restrict__ sync,              // [2 + units] zero at rest
+           u16* __restrict__ out,               // [T, H]
+           i32* __restrict__ error) {
+    extern __shared__ __align__(16) u8 smem[];
+    __shared__ int s_ticket[2];
+    __shared__ int s_last;
+    const Smem m = carve(smem);
+    Args a;
+    a.unit_addr = unit_addr; a.unit_lanes = unit_lanes; a.unit_count = unit_count;
+    a.xh = xh; a.xscale = xscale; a.topk = topk; a.tokens = tokens; a.hidden = hidden;
+    a.all_units = unit_range(all_range).count;
+    a.act = act; a.amax = amax; a.lane_w = lane_w; a.yw = yw; a.group_done = group_done;
+    a.unit_done = sync + 2; a.out = out; a.error = error;
+    if (a.all_units <= 0) {                                    // every lane was padding
+        for (int i = blockIdx.x * THREADS + threadIdx.x; i < tokens * hidden; i += gridDim.x * THREADS)
+            out[i] = 0;
+        return;
+    }
+    const Range rg = unit_range(range);
+    const int n13 = rg.count * NP, total = n13 + rg.count * G2;
+    // Block b < base starts on w13 item b without a ticket round trip; every other item (all of
+    // w2) is claimed from the counter, by a running block.
+    const int base = min(n13, (int)gridDim.x);
+    if (threadIdx.x == 0) s_ticket[0] = blockIdx.x < base ? blockIdx.x : base + atomicAdd(sync, 1);
+    __syncthreads();
+    int b = 0;
+    for (int item = s_ticket[0]; item < total; item = s_ticket[b]) {
+        if (threadIdx.x == 0) s_ticket[b ^ 1] = base + atomicAdd(sync, 1);   // one ahead
+        if (item < n13) {
+            const int i = item % NP;
+            w13_item(a, m, rg.first + item / NP, i, i);
+        } else {
+            const int i = item - n13;
+            w2_item(a, m, rg.first + i / G2, i % G2, &s_last);
+        }
+        __syncthreads();                                       // next ticket visible, smem free
+        b ^= 1;
+    }
+    // the last block out puts the counters back to zero for the next launch
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
+            for (int u = rg.first; u < rg.first + rg.count; ++u) a.unit_done[u] = 0;
+            sync[0] = 0;
+            sync[1] = 0;
+            __threadfence();
+        }
+    }
+}
