@@ -29,11 +29,12 @@ def routing(T, K, E, gen):
     return ids, torch.softmax(w, dim=-1)
 
 
-def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused"):
+def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused", extra=None):
     rows = torch.empty(layers * E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")
     for layer in range(layers):
         rows[layer * E:(layer + 1) * E, :layout.row_bytes] = random_rows_fast(layout, E, device="cuda")
     gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=max(T, 1), decode_kernel=kernel)
+    gemm._fused_extra = dict(extra or {})      # profile_gemm --sweep: moe_decode variants
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     outs, addrs, weights, distinct = [], [], [], []
     for layer in range(layers):

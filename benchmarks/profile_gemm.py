@@ -27,33 +27,21 @@ def table(fn, label, reps=5):
 
 
 def sweep(layers: int = 16):
-    """Decode T=1 layer time for variants of the small decode config (K-split × batch depth)."""
-    import dataclasses
-
+    """Decode layer time (T=1 and 4, H=2048) for variants of moe_decode's compile-time shape."""
     from bench_gemm import bench_decode
-    from cupool import gemm as G
-    base = G.DECODE_SMALL
     gen = torch.Generator(device="cuda").manual_seed(0)
     layout = RowLayout(2048, 768)
-    probe = MoEGemm(layout, 8, torch.bfloat16, max_decode_tokens=1)
-    try:
-        for ks, nb, kc, minb in ((4, 8, 1024, 1), (4, 8, 1024, 3), (4, 8, 2048, 1), (4, 8, 2048, 3),
-                                 (8, 4, 2048, 1), (8, 4, 2048, 3), (8, 2, 2048, 3), (16, 2, 2048, 3),
-                                 (4, 4, 2048, 4)):
-            cfg = dataclasses.replace(base, ksplit=ks, nb=nb, kc=kc, minb=minb)
-            G.DECODE_SMALL = cfg
-            r = bench_decode(layout, 128, 1, 8, layers, gen, 1.0)
-            regs = [probe._gemm(cfg, k).num_regs for k in ("moe_w13", "moe_w2")]
-            print(f"sweep ksplit={ks:2d} nb={nb} kc={kc} minb={minb}: {r['us_per_layer']:6.1f} us/layer "
-                  f"{r['GBps']:7.0f} GB/s  regs w13/w2 {regs}", flush=True)
-    finally:
-        G.DECODE_SMALL = base
+    for extra in ({}, {"W2_KSPLIT": 1}, {"W2_KSPLIT": 4}, {"MINB": 3}, {"MINB": 3, "W2_KSPLIT": 1}):
+        for T in (1, 4):
+            r = bench_decode(layout, 128, T, 8, layers, gen, 1.0, extra=extra)
+            print(f"sweep T={T} {extra}: {r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s",
+                  flush=True)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--sweep", action="store_true", help="time decode config variants, then exit")
+    p.add_argument("--sweep", action="store_true", help="time moe_decode variants, then exit")
     args = p.parse_args(argv)
     if args.sweep:
         sweep()

@@ -5,8 +5,7 @@ Shape legend: T tokens · K top-k · W = T·K lanes · H hidden · I intermediat
 Two paths, both with fixed grids and sizes read on the device:
 - `decode(x, lane_addr, topk_weights)`: lanes come with the address of their expert's row (what
   the plan step writes: bank row, staging row, or a host UVA address; 0 = padding). Memory-bound;
-  a deterministic sum over top-k. Graph-capturable. Two launches: route_decode (lanes grouped into
-  units, activations to fp16), then moe_decode (everything else).
+  a deterministic sum over top-k. Graph-capturable. One launch (moe_decode) up to 256 lanes.
 - `prefill(x, topk_ids, topk_weights, expert_addr, ...)`: the partition path. Experts whose row is
   on the GPU (expert_addr[e] ≠ 0) are computed from there; the others are copied once per call
   into a bounded scratch of `scratch_rows` rows, chunk by chunk, and computed from the scratch;
@@ -92,6 +91,7 @@ DECODE_SMALL = _Config(nt=8, ksplit=8, warps_m=1, kc=2048, nb=2, reduce=0, prefe
 DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefetch_w2=1)
 # The one-launch decode kernel (moe_decode.cu): its block shape is fixed in the source.
 DECODE_KERNELS = ("fused", "pair")
+_FUSED_MAX_LANES = 256                             # moe_decode groups one lane per thread
 _FUSED_WARPS = 8
 _FUSED_STAGE_BYTES = 2 * (4 * 512 + 16 * 4 * 4)    # a warp's two cp.async stages
 # Prefill: 64 lanes a unit share each dequantized fragment over 8 mma n-tiles.
@@ -112,9 +112,11 @@ class MoEGemm:
             on it is two buffers of scratch_rows // 2: the next chunk is copied while the GEMM
             works on the resident experts or on the previous chunk. Chunks cost host time per
             launch, so small ones leave the GPU waiting (default 32: chunks of 16 experts).
-        decode_kernel: "fused" (default): one launch does w13, SiLU·up, w2 and the top-k sum
-            (moe_decode.cu); "pair": a w13 launch then a w2 launch (moe_gemm.cu), kept to
-            compare with. Both are deterministic; they round differently in the last bit.
+        decode_kernel: "fused" (default): one launch groups the lanes, prepares the
+            activations and does w13, SiLU·up, w2 and the top-k sum (moe_decode.cu), for calls
+            of up to 256 lanes (T·K); wider calls, and "pair", use route_decode, then a w13 and a
+            w2 launch (moe_align.cu, moe_gemm.cu). Both are deterministic; they round differently
+            in the last bit.
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
@@ -157,7 +159,7 @@ class MoEGemm:
             act=torch.zeros(wd, ip, **f32),
             yw=torch.zeros(wd, hp, **f32),
             group_done=torch.zeros(hp // 16, **i32),
-            sync=torch.zeros(2 + wd, **i32),      # moe_decode's ticket, finished, per-unit counts
+            sync=torch.zeros(3 + wd, **i32),      # moe_decode: ticket, finished, tokens, units
         )
         self.error = torch.zeros(1, **i32)
         self.num_experts = int(num_experts)
@@ -193,7 +195,8 @@ class MoEGemm:
         self._copy_stream = None          # prefill's scratch copies (made on first use)
         self._events: list = []           # per chunk: (copied, free), made on first use
         self._grids: dict[tuple, int] = {}
-        self._pairs: dict[_Config, tuple] = {}
+        self._pairs: dict = {}            # per config: resolved kernels, grids, shared memory
+        self._fused_extra: dict = {}      # extra moe_decode defines (benchmark sweeps only)
 
     # --- compiled kernels -----------------------------------------------------------------
     def _defines(self, cfg: _Config) -> dict:
@@ -261,27 +264,34 @@ class MoEGemm:
             out if out is not None else dummy, out32 if out32 is not None else dummy),
             shared_mem=s2, device=self.device)
 
-    def _fused(self, nt: int) -> tuple:
-        """(kernel, grid, shared memory) of moe_decode for units of nt lanes."""
-        key = ("fused", nt)
+    def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int) -> tuple:
+        """(kernel, grid, shared memory) of moe_decode for units of nt lanes, calls of ≤ maxw
+        lanes, x's dtype and alignment and the router weights' dtype."""
+        xvec = int(self.layout.hidden % 8 == 0 and x.data_ptr() % 16 == 0)
+        key = ("fused", nt, maxw, xvec, w_dtype)
         got = self._pairs.get(key)
         if got is None:
             smem = (_FUSED_WARPS * _FUSED_STAGE_BYTES + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
-                    + nt * (self.layout.ip + 8) * 2 + nt * 8)
-            minb = 4 if 4 * (smem + 1024) <= 228 * 1024 else 3
-            d = {**self.layout.defines(), "NT": nt, "OUT_BF16": _DTYPES[self.dtype], "MINB": minb}
+                    + nt * (self.layout.ip + 8) * 2 + nt * 8 + maxw * (8 + 4 + nt + 1))
+            minb = self._fused_extra.get("MINB", 4 if 4 * (smem + 1024) <= 228 * 1024 else 3)
+            d = {**self.layout.defines(), "NT": nt, "MAXW": maxw, "OUT_BF16": _DTYPES[self.dtype],
+                 "IN_BF16": _DTYPES[self.dtype], "W_DTYPE": w_dtype, "XVEC": xvec, "MINB": minb,
+                 **self._fused_extra}
             fn = kernels.function("moe_decode", "moe_decode", d, self.device)
             got = self._pairs[key] = (fn, self._grid(fn, 32 * _FUSED_WARPS, smem), smem)
         return got
 
-    def _run_fused(self, nt, rng, T, out):
-        fn, grid, smem = self._fused(nt)
+    def _run_fused(self, x, lane_addr, lane_fresh, w, part, out):
+        T, K = x.shape[0], self.topk
+        W = T * K
+        nt, maxw = (8, 64) if W <= 64 else (16, 256)
+        fn, grid, smem = self._fused(nt, maxw, x, _W_DTYPES[w.dtype])
         d = self._d
         kernels.launch(fn, grid, 32 * _FUSED_WARPS, (
-            rng, d["range"][3:5], d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"],
-            d["xscale"], kernels.i32(self.topk), kernels.i32(T), kernels.i32(self.layout.hidden),
-            d["act"], d["amax"], d["lane_w"], d["yw"], d["group_done"], d["sync"], out, self.error),
-            shared_mem=smem, device=self.device)
+            x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
+            kernels.NULL if lane_fresh is None else lane_fresh, w, kernels.i32(W), kernels.i32(K),
+            kernels.i32(part), d["xh"], d["xscale"], d["act"], d["amax"], d["yw"], d["group_done"],
+            d["sync"], out, self.error), shared_mem=smem, device=self.device)
 
     def _out(self, x, out):
         if out is None:
@@ -325,36 +335,41 @@ class MoEGemm:
         if before_fresh is not None and not callable(before_fresh):
             raise TypeError(f"before_fresh must be callable, got {type(before_fresh).__name__}")
         out = self._out(x, out)
-        cfg = DECODE_SMALL if T * K <= 64 else DECODE_WIDE
-        d = self._d
         w = topk_weights.reshape(-1)
         if w.dtype not in _W_DTYPES or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
+        lane_addr = lane_addr.reshape(-1)
+        if self.decode_kernel == "fused" and T * K <= _FUSED_MAX_LANES:
+            if lane_fresh is None:
+                self._run_fused(x, lane_addr, None, w, 2, out)
+            else:
+                self._run_fused(x, lane_addr, lane_fresh, w, 0, out)      # rows in place
+                if before_fresh is not None:
+                    before_fresh()
+                self._run_fused(x, lane_addr, lane_fresh, w, 1, out)      # rows copied in
+            return out
+        cfg = DECODE_SMALL if T * K <= 64 else DECODE_WIDE
+        d = self._d
         # one thread a lane and at least one warp a token (up to 32): a small block starts and
         # synchronises faster than the 1024 threads the kernel allows
         threads = min(1024, max(64, 32 * -(-(T * K) // 32), 32 * min(T, 32)))
         kernels.launch(self._align(cfg, "route_decode", x, w_dtype=_W_DTYPES[w.dtype]), 1,
                        threads, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), d["xh"], d["xscale"],
-            lane_addr.reshape(-1), kernels.NULL if lane_fresh is None else lane_fresh, w,
+            lane_addr, kernels.NULL if lane_fresh is None else lane_fresh, w,
             kernels.i32(T * K), d["range"], d["unit_addr"],
             d["unit_lanes"], d["unit_count"], d["lane_w"], d["amax"], self.error), device=self.device)
         r = d["range"]
-        if self.decode_kernel == "fused":
-            def run(rng):
-                self._run_fused(cfg.nt, rng, T, out)
-        else:
-            args = (d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"], d["xscale"],
-                    d["act"], d["amax"], d["lane_w"], T, out)
-            kw = dict(yw=d["yw"], group_done=d["group_done"], all_rng=r[3:5])
-
-            def run(rng):
-                self._run_gemm(cfg, rng, *args, **kw)
-        run(r[0:2])                                            # rows in place (all, if no split)
+        args = (d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"], d["xscale"], d["act"],
+                d["amax"], d["lane_w"], T, out)
+        kw = dict(yw=d["yw"], group_done=d["group_done"], all_rng=r[3:5])
+        self._run_gemm(cfg, r[0:2], *args, **kw)               # rows in place (all, if no split)
         if lane_fresh is not None:
             if before_fresh is not None:
                 before_fresh()
-            run(r[1:3])                                        # rows the copies bring in
+            self._run_gemm(cfg, r[1:3], *args, **kw)           # rows the copies bring in
+        if self.decode_kernel == "fused":
+            d["amax"].zero_()           # moe_decode expects it zero at rest; route_decode's isn't
         return out
 
     # --- prefill --------------------------------------------------------------------------

@@ -27,31 +27,38 @@ CUPOOL_DEVICE u32 hmul2(u32 a, u32 b) {
     return d;
 }
 
-CUPOOL_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-
 // E4M3 block scales as fp16 times 2^7, without a conversion instruction: the 7 magnitude bits
 // e3e2e1e0.m2m1m0 shifted left by 7 are fp16 bits of (E4M3 value · 2^-8) — subnormal E4M3 lands
 // on fp16 subnormals with the same ratio — and one multiply by 2^15 gives value · 2^7 exactly
 // (448 · 2^7 = 57344 < 65504). Scales are non-negative, so the sign bit is dropped.
 #define FP16X2_2P15 0x78007800u
 
-// Byte Q of `scales` (one E4M3 per 16 columns) -> fp16x2 (s·2^7, s·2^7).
-template <int Q>
-CUPOOL_DEVICE u32 scale_pair(u32 scales) {
-    const u32 two = prmt(scales, 0u, Q | (4 << 4) | (Q << 8) | (4 << 12));   // [s, 0, s, 0]
-    return hmul2((two & 0x007F007Fu) << 7, FP16X2_2P15);
+// The 4 scale bytes of one row in a chunk (byte q: k-tile q) -> fp16x2 (s0, s2) and (s1, s3),
+// times 2^7: bytes 0 and 2 go to bits 7..13 of each half by one shift, bytes 1 and 3 by another
+// (4 integer ops for 4 scales; the integer pipe is what the dequantisation is bound by).
+CUPOOL_DEVICE void scale_quad(u32 scales, u32& s02, u32& s13) {
+    s02 = hmul2((scales & 0x007F007Fu) << 7, FP16X2_2P15);
+    s13 = hmul2((scales >> 1) & 0x3F803F80u, FP16X2_2P15);
 }
 
-// A fragments of one 16x16 k-tile: word w (this lane's 8 nibbles) with the block scales of rows g
-// and g+8 at byte Q of sg / sg8 (one scale word covers the 4 k-tiles of a 64-column chunk).
+// (v.lo, v.lo) or (v.hi, v.hi): register halves, which the multiply can read as an operand
+// selector instead of an instruction.
+template <int HI>
+CUPOOL_DEVICE u32 splat(u32 v) {
+    u32 d;
+    if (HI)
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\nmov.b32 %0, {h, h};\n}" : "=r"(d) : "r"(v));
+    else
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\nmov.b32 %0, {l, l};\n}" : "=r"(d) : "r"(v));
+    return d;
+}
+
+// A fragments of one 16x16 k-tile Q: word w (this lane's 8 nibbles) with the scales of rows g and
+// g+8 for this tile (fp16x2 pairs from scale_quad: tile Q is half Q / 2 of the pair Q % 2).
 template <int Q>
-CUPOOL_DEVICE void dequant_tile(u32 w, u32 sg, u32 sg8, u32 (&a)[4]) {
-    const u32 s_lo = scale_pair<Q>(sg);         // row g
-    const u32 s_hi = scale_pair<Q>(sg8);        // row g+8
+CUPOOL_DEVICE void dequant_tile(u32 w, const u32 (&sg)[2], const u32 (&sg8)[2], u32 (&a)[4]) {
+    const u32 s_lo = splat<Q / 2>(sg[Q % 2]);          // row g
+    const u32 s_hi = splat<Q / 2>(sg8[Q % 2]);         // row g+8
     a[0] = hmul2(fp4x2_raw<0>(w), s_lo);        // row g,   k 2t..2t+1
     a[1] = hmul2(fp4x2_raw<1>(w), s_hi);        // row g+8, k 2t..2t+1
     a[2] = hmul2(fp4x2_raw<2>(w), s_lo);        // row g,   k 2t+8..2t+9

@@ -20,13 +20,18 @@
 // prepared activations (xh, fp16) straight from global memory (L1 hits after the first touch);
 // w2 stages its unit's act rows in shared memory as fp16 after the wait.
 //
-// Inputs are the unit table of route_decode (moe_align.cu, NT lanes a unit). `range` is this
-// launch's units, `all_range` every unit of the call: the top-k sum of an output strip group is
-// done by the last unit to finish it, counted over all_range, so a call may run as two launches in
-// stream order (units in place, then fresh ones) with the same result bit for bit.
+// Front: every block groups the call's lanes into units itself (group_lanes, in shared memory:
+// the lane table is a few hundred bytes, and a block's first weight loads then wait for one read
+// of it instead of a separate launch), and block t < T brings token t to fp16 (prep_row) after its
+// first weight loads are issued; w13 items wait for that (a counter) only before their first
+// multiply. `part` picks the units of this launch: 0 rows already in place, 1 rows being copied
+// (lane_fresh), 2 all. The top-k sum of an output strip group is done by the last unit to finish
+// it, counted over all units of the call, so a call may run as two launches in stream order
+// (part 0, then part 1 once the copies have landed) with the same result bit for bit.
 //
-// Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 items of unit u
-// done. The last block of a launch puts them back to zero; group_done is reset by its last unit.
+// Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2] tokens prepared, [3 + u]
+// w13 items of unit u done. The last block of a launch puts them, and amax of its lanes, back to
+// zero; group_done is reset by its last unit.
 #include "common.cuh"
 #include "mma_fp4.cuh"
 
@@ -48,8 +53,12 @@
 #ifndef PREFETCH_W2
 #define PREFETCH_W2 1     // w13 items pull their unit's w2 rows towards L2
 #endif
+#ifndef MAXW
+#define MAXW 64           // most lanes (T·K) of a call; at most the block's 256 threads
+#endif
 
 #include "moe_common.cuh"
+#include "moe_lanes.cuh"
 
 #define WARPS 8
 #define THREADS (32 * WARPS)
@@ -62,7 +71,13 @@ constexpr int NP = IP / 16;                // w13 strip pairs (gate, up) of an e
 constexpr int NS = HP / 16;                // w2 output strips of an expert
 constexpr int KS13 = WARPS / 2;            // w13: 2 strips × 4 K slices
 // w2: K slices of at most 2 stages where IP allows, the rest of the warps on more strips
-constexpr int KS2 = NC2 <= 2 * STAGE ? 1 : NC2 <= 4 * STAGE ? 2 : NC2 <= 8 * STAGE ? 4 : 8;
+#ifndef W2_KSPLIT
+#define W2_KSPLIT 0       // warps splitting K of a w2 strip (1, 2, 4, 8; 0: from IP as below)
+#endif
+constexpr int KS2 = W2_KSPLIT ? W2_KSPLIT
+                  : NC2 <= 2 * STAGE ? 1 : NC2 <= 4 * STAGE ? 2 : NC2 <= 8 * STAGE ? 4 : 8;
+static_assert(WARPS % KS2 == 0, "W2_KSPLIT must divide the block's 8 warps");
+static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per thread");
 constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
 constexpr int XS2 = IP + 8;                // fp16 per staged act row: (IP+8)/2 words ≡ 4 mod 32
@@ -168,12 +183,17 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
     cp_async_wait<0>();                         // nothing in flight into the buffers
 }
 
-// Shared memory of a block.
+// Shared memory of a block. The unit table is built once per launch; before that, the stages
+// hold group_lanes' scratch.
 struct Smem {
     WarpStages* stages;     // [WARPS]
     float* red;             // [WARPS][NTILES·4][32] partial sums of K slices
     u16* xs;                // [NT][XS2] w2: the unit's act rows, fp16, scaled
     SlotInfo* si;
+    i64* unit_addr;         // [MAXW] row of each unit
+    float* lane_w;          // [MAXW] router weight of each lane (0: padding or rejected)
+    u8* unit_lanes;         // [MAXW][NT]
+    u8* unit_count;         // [MAXW]
 };
 
 CUPOOL_DEVICE Smem carve(u8* smem) {
@@ -182,8 +202,13 @@ CUPOOL_DEVICE Smem carve(u8* smem) {
     m.red = reinterpret_cast<float*>(smem + WARPS * sizeof(WarpStages));
     m.xs = reinterpret_cast<u16*>(m.red + WARPS * NTILES * 4 * 32);
     m.si = reinterpret_cast<SlotInfo*>(m.xs + NT * XS2);
+    m.unit_addr = reinterpret_cast<i64*>(m.si + 1);
+    m.lane_w = reinterpret_cast<float*>(m.unit_addr + MAXW);
+    m.unit_lanes = reinterpret_cast<u8*>(m.lane_w + MAXW);
+    m.unit_count = m.unit_lanes + MAXW * NT;
     return m;
 }
+static_assert(sizeof(SlotInfo) % 8 == 0, "the unit table after SlotInfo is 8-byte aligned");
 
 CUPOOL_DEVICE void put_partial(const Smem& m, int warp, int lane, const float (&acc)[NTILES][4]) {
 #pragma unroll
@@ -205,34 +230,52 @@ CUPOOL_DEVICE void sum_partials(const Smem& m, int w0, int n, int lane, float (&
 }
 
 struct Args {
-    const i64* unit_addr;
-    const i32* unit_lanes;
-    const i32* unit_count;
-    const u16* xh;
-    const float* xscale;
+    const u16* x;
+    u16* xh;
+    float* xscale;
     int topk, tokens, hidden, all_units;
     float* act;
     u32* amax;
-    const float* lane_w;
     float* yw;
     i32* group_done;
+    i32* x_ready;
     i32* unit_done;
     u16* out;
     i32* error;
 };
 
-// Lane of slot threadIdx.x (< NT) of unit u, -1 if empty; count and lane table read in parallel.
-CUPOOL_DEVICE int slot_lane(const Args& a, int u) {
-    const int count = a.unit_count[u];
-    const int l = a.unit_lanes[u * NT + threadIdx.x];
-    return (int)threadIdx.x < count ? l : -1;
+// Lane of slot threadIdx.x (< NT) of unit u, -1 if empty.
+CUPOOL_DEVICE int slot_lane(const Smem& m, int u) {
+    return (int)threadIdx.x < m.unit_count[u] ? (int)m.unit_lanes[u * NT + threadIdx.x] : -1;
+}
+
+// Token `t` (≥ 0: this block prepares it) to fp16 in xh, by warp 0, then counted in x_ready.
+// Not inlined: its 16-byte loads in flight would otherwise count against the item's registers.
+__device__ __noinline__ void prep_token(const Args& a, int t) {
+    if (t < 0 || threadIdx.x >= 32) return;
+    prep_row(a.x + (i64)t * a.hidden, a.hidden, a.xh + (i64)t * HP, a.xscale + t, threadIdx.x);
+    __threadfence();
+    __syncwarp();
+    if (threadIdx.x == 0) atomicAdd(a.x_ready, 1);
+}
+
+// Thread 0 waits until *counter reaches `target` (acquire), then the block goes on together.
+CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
+    if (threadIdx.x == 0) {
+        int spins = 0;
+        while (ld_acquire(counter) < target) {
+            asm volatile("nanosleep.u32 32;");
+            if (++spins == (1 << 25)) { atomicOr(error, ERR_STALL); break; }
+        }
+    }
+    __syncthreads();
 }
 
 // w13 item: gate and up strips of pair p of unit u; warps 0..3 slice gate's K, 4..7 up's.
-CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item_of_unit) {
+CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int prep) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int s = warp / KS13, ks = warp % KS13;
-    const u8* row = reinterpret_cast<const u8*>(a.unit_addr[u]);
+    const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
     const u8* strip = row + 256 + (i64)(2 * p + s) * W13_STRIP;
     int c0, c1;
     k_slice(ks, KS13, NC13, c0, c1);
@@ -242,20 +285,17 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
     {   // this item's 1/NP of the unit's w2 rows
         constexpr i64 W2_BYTES = (i64)NS * W2_STRIP;
         constexpr i64 PER = ((W2_BYTES / NP) + 127) / 128 * 128;
-        const i64 lo = (i64)item_of_unit * PER, hi = lo + PER < W2_BYTES ? lo + PER : W2_BYTES;
+        const i64 lo = (i64)p * PER, hi = lo + PER < W2_BYTES ? lo + PER : W2_BYTES;
         for (i64 off = lo + threadIdx.x * 128; off < hi; off += THREADS * 128)
             prefetch_l2(row + W2_OFFSET + off);
     }
 #endif
-    float xscale = 1.0f;                  // slot's token scale: only the epilogue needs it
-    if (threadIdx.x < NT) {
-        const int l = slot_lane(a, u);
-        m.si->lane[threadIdx.x] = l;
-        if (l >= 0) xscale = a.xscale[l / a.topk];
-    }
-    __syncthreads();                                           // slots visible
-    const int count = a.unit_count[u];
-    const int ntiles = (count + 7) >> 3;
+    const float* hdr = reinterpret_cast<const float*>(row);
+    const float gs_gate = hdr[0], gs_up = hdr[1];              // in flight during the K loop
+    prep_token(a, prep);
+    if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
+    wait_count(a.x_ready, a.tokens, a.error);                  // xh ready; slots visible
+    const int ntiles = (m.unit_count[u] + 7) >> 3;
     const int g = lane >> 2, t = lane & 3;
     const u16* xrow[NTILES];
 #pragma unroll
@@ -270,41 +310,39 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
         b0 = xrow[nt] ? x[0] : 0u;
         b1 = xrow[nt] ? x[4] : 0u;
     });
-    if (threadIdx.x < NT) m.si->scale[threadIdx.x] = xscale;
+    if (threadIdx.x < NT) {                                    // the slot's token scale
+        const int l = m.si->lane[threadIdx.x];
+        m.si->scale[threadIdx.x] = l >= 0 ? a.xscale[l / a.topk] : 1.0f;
+    }
     put_partial(m, warp, lane, acc);
     __syncthreads();
     if (warp == 0) {
         float gu[2][NTILES][4];
         sum_partials(m, 0, KS13, lane, gu[0]);
         sum_partials(m, KS13, KS13, lane, gu[1]);
-        w13_epilogue(gu, ntiles, m.si, row, p, lane, a.act, a.amax);
+        w13_epilogue(gu, ntiles, m.si, gs_gate, gs_up, p, lane, a.act, a.amax);
+        __threadfence();                                       // act and amax before the count
     }
-    __threadfence();                                           // act and amax before the count
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(a.unit_done + u, 1);
 }
 
 // w2 item: output strips grp·WM2 ... of unit u, each split over KS2 warps along K.
-CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last) {
+CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int prep, int* s_last) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp / KS2, ks = warp % KS2;
     const int st = grp * WM2 + wm;
-    const u8* row = reinterpret_cast<const u8*>(a.unit_addr[u]);
+    const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
     const u8* strip = row + W2_OFFSET + (i64)st * W2_STRIP;
     int c0 = 0, c1 = 0;
     if (st < NS) k_slice(ks, KS2, NC2, c0, c1);
     WarpStages& ws = m.stages[warp];
     issue_first<IP>(ws, strip, c0, c1, lane);
-    if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(a, u);
-    if (threadIdx.x == 0) {                                    // the unit's act is complete
-        int spins = 0;
-        while (ld_acquire(a.unit_done + u) < NP) {
-            asm volatile("nanosleep.u32 32;");
-            if (++spins == (1 << 25)) { atomicOr(a.error, ERR_STALL); break; }
-        }
-    }
-    __syncthreads();
-    const int ntiles = (a.unit_count[u] + 7) >> 3;
+    const float gs_down = reinterpret_cast<const float*>(row)[2];
+    prep_token(a, prep);                                       // before waiting: w13 needs it
+    if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
+    wait_count(a.unit_done + u, NP, a.error);                  // the unit's act is complete
+    const int ntiles = (m.unit_count[u] + 7) >> 3;
     // stage act rows (fp32, L2: written by other blocks) as fp16 / the slot's power-of-two scale
     // (each thread reads the amax of its rows itself: no extra round trip and barrier)
     if (threadIdx.x < NT) {
@@ -340,71 +378,90 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
         if (ks == 0) sum_partials(m, warp, KS2, lane, acc);
     }
     if (ks == 0 && st < NS)
-        w2_epilogue(acc, ntiles, m.si, row, st, lane, a.lane_w, a.topk, a.hidden, false, a.yw, nullptr);
+        w2_epilogue(acc, ntiles, m.si, gs_down, st, lane, m.lane_w, a.topk, a.hidden, false, a.yw,
+                    nullptr);
     // the last unit to finish this strip group sums over top-k in fixed order
     if (last_arrival(a.group_done + grp, a.all_units, s_last))
-        topk_sum(grp * WM2 * 16, WM2 * 16, a.tokens, a.topk, a.hidden, a.lane_w, a.yw, a.out);
+        topk_sum(grp * WM2 * 16, WM2 * 16, a.tokens, a.topk, a.hidden, m.lane_w, a.yw, a.out);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
-moe_decode(const i32* __restrict__ range,       // [2] this launch's units
-           const i32* __restrict__ all_range,   // [2] every unit of the call
-           const i64* __restrict__ unit_addr,   // [units] row address (device or UVA host)
-           const i32* __restrict__ unit_lanes,  // [units, NT] lane ids, -1 empty
-           const i32* __restrict__ unit_count,  // [units]
-           const u16* __restrict__ xh,          // [T, HP] fp16 activations, row-scaled
-           const float* __restrict__ xscale,    // [T]
-           i32 topk, i32 tokens, i32 hidden,
-           float* __restrict__ act,             // [W, IP]
-           u32* __restrict__ amax,              // [W] zeroed by route_decode
-           const float* __restrict__ lane_w,    // [W]
-           float* __restrict__ yw,              // [W, HP]
-           i32* __restrict__ group_done,        // [G2] zero at rest
-           i32* __restrict__ sync,              // [2 + units] zero at rest
-           u16* __restrict__ out,               // [T, H]
+moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden states
+           i32 tokens, i32 hidden,
+           const i64* __restrict__ lane_addr,    // [W] row address per lane (0: padding)
+           const i32* __restrict__ lane_fresh,   // [W] 1: row being copied in (null: none)
+           const void* __restrict__ topk_w,      // [W] router weights, W_DTYPE
+           i32 W, i32 topk,
+           i32 part,                             // 0: rows in place, 1: fresh rows, 2: all
+           u16* __restrict__ xh,                 // [T, HP] workspace: fp16 activations
+           float* __restrict__ xscale,           // [T] workspace
+           float* __restrict__ act,              // [W, IP]
+           u32* __restrict__ amax,               // [W] zero at rest
+           float* __restrict__ yw,               // [W, HP]
+           i32* __restrict__ group_done,         // [G2] zero at rest
+           i32* __restrict__ sync,               // [3 + W] zero at rest
+           u16* __restrict__ out,                // [T, H]
            i32* __restrict__ error) {
     extern __shared__ __align__(16) u8 smem[];
     __shared__ int s_ticket[2];
-    __shared__ int s_last;
+    __shared__ int s_last, s_held, s_total;
+    __shared__ Args a;                    // in shared memory: registers stay with the K loop
     const Smem m = carve(smem);
-    Args a;
-    a.unit_addr = unit_addr; a.unit_lanes = unit_lanes; a.unit_count = unit_count;
-    a.xh = xh; a.xscale = xscale; a.topk = topk; a.tokens = tokens; a.hidden = hidden;
-    a.all_units = unit_range(all_range).count;
-    a.act = act; a.amax = amax; a.lane_w = lane_w; a.yw = yw; a.group_done = group_done;
-    a.unit_done = sync + 2; a.out = out; a.error = error;
+    if (threadIdx.x == 0) {
+        a.x = x; a.xh = xh; a.xscale = xscale; a.topk = topk; a.tokens = tokens; a.hidden = hidden;
+        a.act = act; a.amax = amax; a.yw = yw; a.group_done = group_done;
+        a.x_ready = sync + 2; a.unit_done = sync + 3; a.out = out; a.error = error;
+    }
+    {   // unit table of the call; scratch in the (not yet used) stages
+        i64* s_addr = reinterpret_cast<i64*>(m.stages);
+        int* s_base = reinterpret_cast<int*>(s_addr + THREADS);
+        group_lanes(lane_addr, lane_fresh, topk_w, W, s_addr, s_base, s_base + THREADS, m.lane_w,
+                    m.unit_addr, m.unit_lanes, m.unit_count, &s_held, &s_total, error,
+                    blockIdx.x == 0);
+        if (threadIdx.x == 0) a.all_units = s_total;
+        __syncthreads();
+    }
     if (a.all_units <= 0) {                                    // every lane was padding
         for (int i = blockIdx.x * THREADS + threadIdx.x; i < tokens * hidden; i += gridDim.x * THREADS)
             out[i] = 0;
         return;
     }
-    const Range rg = unit_range(range);
+    Range rg;
+    rg.first = part == 1 ? s_held : 0;
+    rg.count = (part == 0 ? s_held : s_total) - rg.first;
     const int n13 = rg.count * NP, total = n13 + rg.count * G2;
     // Block b < base starts on w13 item b without a ticket round trip; every other item (all of
     // w2) is claimed from the counter, by a running block.
-    const int base = min(n13, (int)gridDim.x);
-    if (threadIdx.x == 0) s_ticket[0] = blockIdx.x < base ? blockIdx.x : base + atomicAdd(sync, 1);
+    const int bid = blockIdx.x, base = min(n13, (int)gridDim.x);
+    if (threadIdx.x == 0) s_ticket[0] = bid < base ? bid : base + atomicAdd(sync, 1);
     __syncthreads();
+    // block t < T prepares token t during its first item, after its weight loads are issued
+    int prep = bid < tokens && total > 0 ? bid : -1;
     int b = 0;
     for (int item = s_ticket[0]; item < total; item = s_ticket[b]) {
         if (threadIdx.x == 0) s_ticket[b ^ 1] = base + atomicAdd(sync, 1);   // one ahead
         if (item < n13) {
-            const int i = item % NP;
-            w13_item(a, m, rg.first + item / NP, i, i);
+            w13_item(a, m, rg.first + item / NP, item % NP, prep);
         } else {
             const int i = item - n13;
-            w2_item(a, m, rg.first + i / G2, i % G2, &s_last);
+            w2_item(a, m, rg.first + i / G2, i % G2, prep, &s_last);
         }
+        prep = -1;
         __syncthreads();                                       // next ticket visible, smem free
         b ^= 1;
     }
-    // the last block out puts the counters back to zero for the next launch
+    prep_token(a, prep);                                       // a block that got no item
+    // the last block out puts the counters and its lanes' amax back to zero for the next launch
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
-            for (int u = rg.first; u < rg.first + rg.count; ++u) a.unit_done[u] = 0;
+            for (int u = rg.first; u < rg.first + rg.count; ++u) {
+                a.unit_done[u] = 0;
+                for (int s = 0; s < m.unit_count[u]; ++s) amax[m.unit_lanes[u * NT + s]] = 0u;
+            }
             sync[0] = 0;
             sync[1] = 0;
+            sync[2] = 0;
             __threadfence();
         }
     }

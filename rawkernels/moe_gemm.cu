@@ -275,7 +275,10 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         };
         item_k_loop<2, HP>(b, strips, active, ks, xs, ntiles, acc, lane, stage);
         ksplit_reduce<2>(acc, red, wm, ks, lane);
-        if (ks == 0 && active) w13_epilogue(acc, ntiles, si, row, p, lane, act, amax);
+        if (ks == 0 && active) {
+            const float* hdr = reinterpret_cast<const float*>(row);
+            w13_epilogue(acc, ntiles, si, hdr[0], hdr[1], p, lane, act, amax);
+        }
     }
 }
 
@@ -363,7 +366,8 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
         item_k_loop<1, IP>(b, strips, active, ks, xs, ntiles, acc, lane, stage);
         ksplit_reduce<1>(acc, red, wm, ks, lane);
         if (ks == 0 && active)
-            w2_epilogue(acc[0], ntiles, si, row, p, lane, lane_w, topk, hidden, REDUCE == 1, yw, out32);
+            w2_epilogue(acc[0], ntiles, si, reinterpret_cast<const float*>(row)[2], p, lane, lane_w,
+                        topk, hidden, REDUCE == 1, yw, out32);
 #if REDUCE == 0
         // The last unit to finish this strip group sums over top-k in fixed order.
         if (last_arrival(group_done + grp, all_units, &s_last))

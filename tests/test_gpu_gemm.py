@@ -80,6 +80,8 @@ def assert_counters_at_rest(gemm):
     torch.cuda.synchronize()
     assert int(gemm._d["sync"].abs().sum()) == 0, gemm._d["sync"][:8].tolist()
     assert int(gemm._d["group_done"].abs().sum()) == 0
+    if gemm.decode_kernel == "fused":           # its lanes' amax too (route_decode zeroes it first)
+        assert int(gemm._d["amax"].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 7, 16])
@@ -155,6 +157,22 @@ def test_decode_padding_duplicates_nan_weight(small):
     assert rel_err(out[:3], ref[:3]) <= TOL
     assert (out[3] == 0).all(), "a token whose lanes are all padding gets zeros"
     assert gemm.read_error() == ["non-finite router weight"]
+
+
+def test_decode_wide_call_then_fused_call(small):
+    """More than 256 lanes take route_decode + the w13/w2 pair even on a fused MoEGemm; the next
+    narrow call (moe_decode) still starts from zeroed amax and counters."""
+    gen = torch.Generator().manual_seed(77)
+    K = 5
+    gemm = MoEGemm(small.layout, K, torch.bfloat16, max_decode_tokens=64)
+    for T in (60, 3, 60, 2):                            # 300 lanes, 15, 300, 10
+        x = torch.randn(T, 80, generator=gen).to(torch.bfloat16).cuda()
+        ids, w = routing(T, K, small.E, gen)
+        out = torch.full_like(x, float("nan"))
+        gemm.decode(x, small.lane_addr(ids), w, out=out)
+        assert rel_err(out, reference_moe(x, ids, w, small.deq)) <= TOL, T
+        assert_counters_at_rest(gemm)
+    assert gemm.read_error() == []
 
 
 def test_decode_all_padding_gives_zeros(small):

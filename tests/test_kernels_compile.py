@@ -28,7 +28,7 @@ VARIANTS = [
     ("moe_gemm", "-DNT=64 -DKSPLIT=1 -DWARPS_M=8 -DKC=256 -DREDUCE=1 -DOUT_BF16=0"),
     ("moe_gemm", "-DNT=8 -DHP=4096 -DIP=1536"),
     ("moe_gemm", "-DNT=16 -DHP=128 -DIP=64 -DKC=128"),
-    ("moe_decode", "-DNT=16 -DMINB=3 -DOUT_BF16=0"),
+    ("moe_decode", "-DNT=16 -DMINB=3 -DMAXW=256 -DOUT_BF16=0 -DIN_BF16=0 -DW_DTYPE=1 -DXVEC=1"),
     ("moe_decode", "-DHP=4096 -DIP=1536 -DMINB=3"),
     ("moe_decode", "-DHP=128 -DIP=64 -DNT=16"),
     ("moe_align", "-DNT=64 -DIDS64=0 -DIN_BF16=0"),
