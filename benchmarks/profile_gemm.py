@@ -31,20 +31,71 @@ def sweep(layers: int = 16):
     from bench_gemm import bench_decode
     gen = torch.Generator(device="cuda").manual_seed(0)
     layout = RowLayout(2048, 768)
-    for extra in ({}, {"W2_KSPLIT": 1}, {"W2_KSPLIT": 4}, {"MINB": 3}, {"MINB": 3, "W2_KSPLIT": 1}):
+    for extra in ({}, {"W2_KSPLIT": 1}, {"W2_KSPLIT": 4}, {"MINB": 4}, {"MINB": 2}):
         for T in (1, 4):
             r = bench_decode(layout, 128, T, 8, layers, gen, 1.0, extra=extra)
             print(f"sweep T={T} {extra}: {r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s",
                   flush=True)
 
 
+def trace(T: int = 1, E: int = 128):
+    """Timeline of one moe_decode call (DECODE_TRACE build): when blocks start, when each item's
+    waits end, its K loop ends and it ends, as percentiles in µs from the first block's start."""
+    import numpy as np
+    layout = RowLayout(2048, 768)
+    rows = torch.zeros(E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")
+    rows[:, :layout.row_bytes] = random_rows_fast(layout, E, device="cuda")
+    addr = rows.data_ptr() + torch.arange(E, device="cuda") * rows.stride(0)
+    gemm = MoEGemm(layout, 8, torch.bfloat16, max_decode_tokens=T)
+    gemm._fused_extra = {"DECODE_TRACE": 1}
+    items, blocks = 8192, 4096
+    gemm._trace = torch.zeros(items * 4 + blocks * 2, dtype=torch.int64, device="cuda")
+    x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda").topk(8, dim=-1).indices
+    w = torch.rand(T, 8, device="cuda")
+    la = addr[ids].reshape(-1)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        gemm.decode(x, la, w)
+    for rep in range(3):
+        flush.fill_(rep)                                  # rows out of L2, as in a decode step
+        gemm._trace.zero_()
+        torch.cuda.synchronize()
+        gemm.decode(x, la, w)
+        torch.cuda.synchronize()
+        tr = gemm._trace.cpu().numpy()
+        it = tr[:items * 4].reshape(items, 4)
+        bl = tr[items * 4:].reshape(blocks, 2)
+        bl = bl[bl[:, 0] > 0]
+        t0 = bl[:, 0].min()
+        units = len(set(ids.reshape(-1).tolist()))
+        n13, n2 = units * (layout.ip // 16), units * (layout.hp // 16 // 4)
+        us = lambda v: (v - t0) / 1e3                      # noqa: E731
+        pct = lambda v: " ".join(f"{np.percentile(v, q):6.2f}" for q in (0, 10, 50, 90, 100))  # noqa: E731
+        print(f"--- trace T={T} rep {rep}: {len(bl)} blocks, {n13} w13 items, {n2} w2 items "
+              f"(percentiles 0/10/50/90/100, us from the first block's start)")
+        print(f"blocks start        {pct(us(bl[:, 0]))}")
+        print(f"blocks grouped      {pct(us(bl[:, 1]))}")
+        for name, sl in (("w13", it[:n13]), ("w2", it[n13:n13 + n2])):
+            sl = sl[sl[:, 0] > 0]
+            for k, what in enumerate(("start", "waits done", "K loop done", "end")):
+                print(f"{name:4s} {what:14s} {pct(us(sl[:, k]))}")
+            print(f"{name:4s} {'K loop (dur)':14s} {pct((sl[:, 2] - sl[:, 1]) / 1e3)}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--sweep", action="store_true", help="time moe_decode variants, then exit")
+    p.add_argument("--trace", type=int, nargs="*", metavar="T",
+                   help="timeline of moe_decode calls of T tokens (default 1), then exit")
     args = p.parse_args(argv)
     if args.sweep:
         sweep()
+        return
+    if args.trace is not None:
+        for T in args.trace or [1]:
+            trace(T)
         return
     E, K = args.experts, 8
     layout = RowLayout(2048, 768)

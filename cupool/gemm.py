@@ -93,7 +93,7 @@ DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefe
 DECODE_KERNELS = ("fused", "pair")
 _FUSED_MAX_LANES = 256                             # moe_decode groups one lane per thread
 _FUSED_WARPS = 8
-_FUSED_STAGE_BYTES = 2 * (4 * 512 + 16 * 4 * 4)    # a warp's two cp.async stages
+_FUSED_STAGE_BYTES = 32 + 2 * (4 * 512 + 16 * 4 * 4)   # a warp's two stages and barriers
 # Prefill: 64 lanes a unit share each dequantized fragment over 8 mma n-tiles.
 PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=4, reduce=1, prefetch_w2=0)
 
@@ -112,11 +112,11 @@ class MoEGemm:
             on it is two buffers of scratch_rows // 2: the next chunk is copied while the GEMM
             works on the resident experts or on the previous chunk. Chunks cost host time per
             launch, so small ones leave the GPU waiting (default 32: chunks of 16 experts).
-        decode_kernel: "fused" (default): one launch groups the lanes, prepares the
-            activations and does w13, SiLU·up, w2 and the top-k sum (moe_decode.cu), for calls
-            of up to 256 lanes (T·K); wider calls, and "pair", use route_decode, then a w13 and a
-            w2 launch (moe_align.cu, moe_gemm.cu). Both are deterministic; they round differently
-            in the last bit.
+        decode_kernel: "fused" (default): one launch groups the lanes and does w13 (weights
+            dequantised to the model's dtype), SiLU·up, w2 and the top-k sum (moe_decode.cu),
+            for calls of up to 256 lanes (T·K); wider calls, and "pair", use route_decode, then
+            a w13 and a w2 launch (moe_align.cu, moe_gemm.cu). Both are deterministic; they
+            round differently in the last bit.
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
@@ -159,7 +159,7 @@ class MoEGemm:
             act=torch.zeros(wd, ip, **f32),
             yw=torch.zeros(wd, hp, **f32),
             group_done=torch.zeros(hp // 16, **i32),
-            sync=torch.zeros(3 + wd, **i32),      # moe_decode: ticket, finished, tokens, units
+            sync=torch.zeros(2 + wd, **i32),      # moe_decode: ticket, finished, per unit
         )
         self.error = torch.zeros(1, **i32)
         self.num_experts = int(num_experts)
@@ -197,6 +197,7 @@ class MoEGemm:
         self._grids: dict[tuple, int] = {}
         self._pairs: dict = {}            # per config: resolved kernels, grids, shared memory
         self._fused_extra: dict = {}      # extra moe_decode defines (benchmark sweeps only)
+        self._trace = None                # moe_decode's DECODE_TRACE stamps (profile_gemm only)
 
     # --- compiled kernels -----------------------------------------------------------------
     def _defines(self, cfg: _Config) -> dict:
@@ -267,15 +268,17 @@ class MoEGemm:
     def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int) -> tuple:
         """(kernel, grid, shared memory) of moe_decode for units of nt lanes, calls of ≤ maxw
         lanes, x's dtype and alignment and the router weights' dtype."""
-        xvec = int(self.layout.hidden % 8 == 0 and x.data_ptr() % 16 == 0)
-        key = ("fused", nt, maxw, xvec, w_dtype)
+        xalign = int(x.data_ptr() % 4 == 0)
+        key = ("fused", nt, maxw, xalign, w_dtype)
         got = self._pairs.get(key)
         if got is None:
             smem = (_FUSED_WARPS * _FUSED_STAGE_BYTES + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
                     + nt * (self.layout.ip + 8) * 2 + nt * 8 + maxw * (8 + 4 + nt + 1))
-            minb = self._fused_extra.get("MINB", 4 if 4 * (smem + 1024) <= 228 * 1024 else 3)
+            # 3 blocks of 8 warps per SM (80 registers): measured faster than 4 at 64 registers
+            minb = self._fused_extra.get("MINB", 3)
             d = {**self.layout.defines(), "NT": nt, "MAXW": maxw, "OUT_BF16": _DTYPES[self.dtype],
-                 "IN_BF16": _DTYPES[self.dtype], "W_DTYPE": w_dtype, "XVEC": xvec, "MINB": minb,
+                 "IN_BF16": _DTYPES[self.dtype], "W_DTYPE": w_dtype, "XALIGN": xalign,
+                 "HFULL": int(self.layout.hidden == self.layout.hp), "MINB": minb,
                  **self._fused_extra}
             fn = kernels.function("moe_decode", "moe_decode", d, self.device)
             got = self._pairs[key] = (fn, self._grid(fn, 32 * _FUSED_WARPS, smem), smem)
@@ -290,8 +293,9 @@ class MoEGemm:
         kernels.launch(fn, grid, 32 * _FUSED_WARPS, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
             kernels.NULL if lane_fresh is None else lane_fresh, w, kernels.i32(W), kernels.i32(K),
-            kernels.i32(part), d["xh"], d["xscale"], d["act"], d["amax"], d["yw"], d["group_done"],
-            d["sync"], out, self.error), shared_mem=smem, device=self.device)
+            kernels.i32(part), d["act"], d["amax"], d["yw"], d["group_done"],
+            d["sync"], out, self.error,
+            kernels.NULL if self._trace is None else self._trace), shared_mem=smem, device=self.device)
 
     def _out(self, x, out):
         if out is None:

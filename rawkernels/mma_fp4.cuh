@@ -1,45 +1,69 @@
-// NVFP4 weights -> fp16 tensor-core fragments, and the m16n8k16 mma that consumes them.
+// NVFP4 weights -> fp16 or bf16 tensor-core fragments, and the m16n8k16 mma that consumes them.
 //
-// Why fp16 and not bf16: E2M1 (≤ 2 significant bits) times an E4M3 block scale (≤ 4 bits) fits
-// fp16's 11-bit significand exactly, and fp16 arithmetic keeps subnormals, so every dequantized
-// weight is exact. Activations are brought into fp16 with a per-row power-of-two scale (exact for
-// bf16 inputs in range), so bf16 and fp16 models share one kernel.
+// Every dequantised weight is exact: E2M1 (≤ 2 significant bits) times an E4M3 block scale (≤ 4
+// bits) fits both fp16's 11-bit and bf16's 8-bit significand, and the scaling below keeps every
+// product a normal number (fp16 also keeps subnormals exactly).
 //
-// Bit trick: an E2M1 code (s e1 e0 m) placed as fp16 bits s.00e1e0.m000000000 is the E2M1 value
-// times 2^-14 (e = 0 lands on fp16 subnormals, which is exactly E2M1's own subnormal 0.5·m).
-// Multiplying by (block scale · 2^7) in fp16 is exact; the fp32 epilogue multiplies by 2^7 · the
-// global scale.
+// fp16 (BF = false): an E2M1 code (s e1 e0 m) placed as fp16 bits s.00e1e0.m000000000 is the
+// E2M1 value times 2^-14 (e = 0 lands on fp16 subnormals, which is exactly E2M1's own subnormal
+// 0.5·m). Multiplying by (block scale · 2^7) is exact; the fp32 epilogue multiplies by 2^7 · the
+// global scale. Activations must then be fp16: bf16 ones are brought there with a power-of-two
+// scale per row.
+// bf16 (BF = true): the code placed as bf16 bits s.0000000e1.e0m000000 is E2M1 · 2^-126 (e = 0
+// again on subnormals); times (block scale · 2^118) that is E2M1 · scale · 2^-8, a normal bf16;
+// the epilogue multiplies by 2^8 · the global scale. bf16 activations then go in as they are.
 #pragma once
 #include "common.cuh"
 
-// Nibble pair j (lo = nibble j, hi = nibble j+4) of a layout word -> fp16x2 of E2M1 · 2^-14.
-// J is a compile-time constant so the shifts are immediates (2 shifts + 2 LOP3, J=3 one shift).
-template <int J>
+template <int S>
+CUPOOL_DEVICE u32 shift_left(u32 w) { return S >= 0 ? w << (S & 31) : w >> ((-S) & 31); }
+
+// Nibble pair j (lo = nibble j, hi = nibble j+4) of a layout word -> fp16x2 of E2M1 · 2^-14 or
+// bf16x2 of E2M1 · 2^-126. J is a compile-time constant so the shifts are immediates.
+template <bool BF, int J>
 CUPOOL_DEVICE u32 fp4x2_raw(u32 w) {
-    const u32 mag = (J < 3 ? (w << (9 - 4 * J)) : (w >> 3)) & 0x0E000E00u;
-    const u32 sgn = (J < 3 ? (w << (12 - 4 * J)) : w) & 0x80008000u;
+    constexpr int MAG = (BF ? 6 : 9) - 4 * J;           // e1 e0 m to bits MAG.. of each half
+    const u32 mag = shift_left<MAG>(w) & (BF ? 0x01C001C0u : 0x0E000E00u);
+    const u32 sgn = shift_left<12 - 4 * J>(w) & 0x80008000u;
     return mag | sgn;
 }
 
+template <bool BF>
 CUPOOL_DEVICE u32 hmul2(u32 a, u32 b) {
     u32 d;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    if (BF)
+        asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    else
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;
 }
 
-// E4M3 block scales as fp16 times 2^7, without a conversion instruction: the 7 magnitude bits
-// e3e2e1e0.m2m1m0 shifted left by 7 are fp16 bits of (E4M3 value · 2^-8) — subnormal E4M3 lands
-// on fp16 subnormals with the same ratio — and one multiply by 2^15 gives value · 2^7 exactly
-// (448 · 2^7 = 57344 < 65504). Scales are non-negative, so the sign bit is dropped.
+// E4M3 block scales without a conversion instruction: the 7 magnitude bits e3e2e1e0.m2m1m0
+// shifted left by 7 are fp16 bits of (E4M3 value · 2^-8), and one multiply by 2^15 gives value ·
+// 2^7 exactly (448 · 2^7 = 57344 < 65504); shifted left by 4 they are bf16 bits of (value ·
+// 2^-120), and multiplies by 2^120 and 2^118 give value · 2^118 (< 2^127). Subnormal E4M3 lands on
+// subnormals with the same ratio. Scales are non-negative, so the sign bit is dropped.
 #define FP16X2_2P15 0x78007800u
+#define BF16X2_2P120 0x7B807B80u
+#define BF16X2_2P118 0x7A807A80u
 
-// The 4 scale bytes of one row in a chunk (byte q: k-tile q) -> fp16x2 (s0, s2) and (s1, s3),
-// times 2^7: bytes 0 and 2 go to bits 7..13 of each half by one shift, bytes 1 and 3 by another
-// (4 integer ops for 4 scales; the integer pipe is what the dequantisation is bound by).
+// The 4 scale bytes of one row in a chunk (byte q: k-tile q) -> (s0, s2) and (s1, s3) in the
+// fragment type, scaled as above: bytes 0 and 2 go to their bits by one shift, bytes 1 and 3 by
+// another (4 integer ops for 4 scales; the integer pipe is what the dequantisation is bound by).
+template <bool BF>
 CUPOOL_DEVICE void scale_quad(u32 scales, u32& s02, u32& s13) {
-    s02 = hmul2((scales & 0x007F007Fu) << 7, FP16X2_2P15);
-    s13 = hmul2((scales >> 1) & 0x3F803F80u, FP16X2_2P15);
+    if (BF) {
+        s02 = hmul2<true>(hmul2<true>((scales & 0x007F007Fu) << 4, BF16X2_2P120), BF16X2_2P118);
+        s13 = hmul2<true>(hmul2<true>((scales >> 4) & 0x07F007F0u, BF16X2_2P120), BF16X2_2P118);
+    } else {
+        s02 = hmul2<false>((scales & 0x007F007Fu) << 7, FP16X2_2P15);
+        s13 = hmul2<false>((scales >> 1) & 0x3F803F80u, FP16X2_2P15);
+    }
 }
+
+// What the fp32 epilogue multiplies the sums by, besides the global scale.
+template <bool BF>
+CUPOOL_DEVICE float dequant_unscale() { return BF ? 256.0f : 128.0f; }
 
 // (v.lo, v.lo) or (v.hi, v.hi): register halves, which the multiply can read as an operand
 // selector instead of an instruction.
@@ -54,25 +78,31 @@ CUPOOL_DEVICE u32 splat(u32 v) {
 }
 
 // A fragments of one 16x16 k-tile Q: word w (this lane's 8 nibbles) with the scales of rows g and
-// g+8 for this tile (fp16x2 pairs from scale_quad: tile Q is half Q / 2 of the pair Q % 2).
-template <int Q>
+// g+8 for this tile (pairs from scale_quad: tile Q is half Q / 2 of the pair Q % 2).
+template <bool BF, int Q>
 CUPOOL_DEVICE void dequant_tile(u32 w, const u32 (&sg)[2], const u32 (&sg8)[2], u32 (&a)[4]) {
     const u32 s_lo = splat<Q / 2>(sg[Q % 2]);          // row g
     const u32 s_hi = splat<Q / 2>(sg8[Q % 2]);         // row g+8
-    a[0] = hmul2(fp4x2_raw<0>(w), s_lo);        // row g,   k 2t..2t+1
-    a[1] = hmul2(fp4x2_raw<1>(w), s_hi);        // row g+8, k 2t..2t+1
-    a[2] = hmul2(fp4x2_raw<2>(w), s_lo);        // row g,   k 2t+8..2t+9
-    a[3] = hmul2(fp4x2_raw<3>(w), s_hi);        // row g+8, k 2t+8..2t+9
+    a[0] = hmul2<BF>(fp4x2_raw<BF, 0>(w), s_lo);        // row g,   k 2t..2t+1
+    a[1] = hmul2<BF>(fp4x2_raw<BF, 1>(w), s_hi);        // row g+8, k 2t..2t+1
+    a[2] = hmul2<BF>(fp4x2_raw<BF, 2>(w), s_lo);        // row g,   k 2t+8..2t+9
+    a[3] = hmul2<BF>(fp4x2_raw<BF, 3>(w), s_hi);        // row g+8, k 2t+8..2t+9
 }
 
-// D += A(16x16, fp16, row) · B(16x8, fp16, col), fp32 accumulate. Not volatile: it touches no
-// memory, so the compiler may schedule the fragment loads of later tiles around it.
+// D += A(16x16, row) · B(16x8, col), fp16 or bf16 inputs, fp32 accumulate. Not volatile: it
+// touches no memory, so the compiler may schedule the fragment loads of later tiles around it.
+template <bool BF>
 CUPOOL_DEVICE void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if (BF)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 CUPOOL_DEVICE u16 f32_to_f16(float f) {

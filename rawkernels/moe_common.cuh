@@ -31,15 +31,17 @@ CUPOOL_DEVICE void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
 
-// Four k-tiles of A fragments from one lane's 16-byte chunk word and its scale words.
+// Four k-tiles of A fragments (fp16, or bf16 with BF) from one lane's 16-byte chunk word and
+// its scale words.
+template <bool BF>
 CUPOOL_DEVICE void dequant_chunk(const u32x4& w, u32 sg, u32 sg8, u32 (&a)[4][4]) {
     u32 s[2], s8[2];
-    scale_quad(sg, s[0], s[1]);
-    scale_quad(sg8, s8[0], s8[1]);
-    dequant_tile<0>(w.x, s, s8, a[0]);
-    dequant_tile<1>(w.y, s, s8, a[1]);
-    dequant_tile<2>(w.z, s, s8, a[2]);
-    dequant_tile<3>(w.w, s, s8, a[3]);
+    scale_quad<BF>(sg, s[0], s[1]);
+    scale_quad<BF>(sg8, s8[0], s8[1]);
+    dequant_tile<BF, 0>(w.x, s, s8, a[0]);
+    dequant_tile<BF, 1>(w.y, s, s8, a[1]);
+    dequant_tile<BF, 2>(w.z, s, s8, a[2]);
+    dequant_tile<BF, 3>(w.w, s, s8, a[3]);
 }
 
 // Lanes of the unit an item works on, with the power-of-two scale of each slot's staged row.
@@ -66,13 +68,11 @@ CUPOOL_DEVICE void for_each_slot(int ntiles, int lane, const SlotInfo* si, F f) 
     }
 }
 
-// w13 of strip pair p (acc[0] gate, acc[1] up, fp32 sums over all of K; global scales from the
-// row header): act[l, 16p + row] = SiLU(gate)·up at true scale for every slot's lane l, and
-// amax[l] raised to max |act| (float bits, atomicMax; NaN wins).
+// w13 of strip pair p (acc[0] gate, acc[1] up, fp32 sums over all of K; gs_*: the global
+// scales times dequant_unscale): act[l, 16p + row] = SiLU(gate)·up at true scale for every slot's
+// lane l, and amax[l] raised to max |act| (float bits, atomicMax; NaN wins).
 CUPOOL_DEVICE void w13_epilogue(const float (&acc)[2][NTILES][4], int ntiles, const SlotInfo* si,
                                 float gs_gate, float gs_up, int p, int lane, float* act, u32* amax) {
-    gs_gate *= 128.0f;                      // the 2^7 the dequantised scales left out
-    gs_up *= 128.0f;
     const int g = lane >> 2;
     for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
         const float ts = si->scale[n];
@@ -92,12 +92,12 @@ CUPOOL_DEVICE void w13_epilogue(const float (&acc)[2][NTILES][4], int ntiles, co
     });
 }
 
-// w2 of output strip p (acc: fp32 sums over all of K) times the router weight of each lane:
+// w2 of output strip p (acc: fp32 sums over all of K; gs_down: the global scale times
+// dequant_unscale) times the router weight of each lane:
 // yw[l, h] (reduce 0, summed later in fixed order) or atomically into out32[token, h] (reduce 1).
 CUPOOL_DEVICE void w2_epilogue(const float (&acc)[NTILES][4], int ntiles, const SlotInfo* si,
                                float gs_down, int p, int lane, const float* lane_w, int topk,
                                int hidden, bool reduce_atomic, float* yw, float* out32) {
-    gs_down *= 128.0f;
     const int g = lane >> 2;
     for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
         if (l < 0) return;

@@ -7,31 +7,31 @@
 // do not depend on w13) and only then waits until its unit's w13 items have all arrived (a
 // per-unit counter), so w2's bytes stream in while w13 finishes.
 //
-// No deadlock: blocks b < min(w13 items, grid) start on w13 item b; every later item is claimed
-// from a ticket counter, w13 items before w2 items, and a block claims at most one ticket ahead of
-// the item it works on (so a block waiting in a w2 item holds no unstarted w13 item). w13 items
-// wait for nothing, and the grid is sized so that every block is resident at once, so every w13
-// item a w2 item waits for is running or will run (if another kernel holds some SMs, as soon as
-// it ends). A wait that still runs past ~1 s sets error bit 8 and goes on (wrong output, never a
-// hang).
+// No deadlock: items are numbered w13 first, then w2; block b starts on item b, and every later
+// item is claimed from a ticket counter in that order, at most one ahead of the item the block
+// works on (so a block waiting in a w2 item holds no unstarted w13 item). w13 items wait for
+// nothing, and the grid is sized so that every block is resident at once, so every w13 item a w2
+// item waits for is running or will run (if another kernel holds some SMs, as soon as it ends).
+// A wait that still runs past ~1 s sets error bit 8 and goes on (wrong output, never a hang).
 //
-// Weights go global → shared memory by cp.async, per warp in two stages of 4 chunks (4.6 KB), so
-// the bytes in flight are bounded by shared memory, not registers. B fragments: w13 reads the
-// prepared activations (xh, fp16) straight from global memory (L1 hits after the first touch);
-// w2 stages its unit's act rows in shared memory as fp16 after the wait.
+// Weights go global → shared memory per warp in two stages of 4 chunks (4.6 KB): packed words by
+// the bulk-copy engine, scale words by cp.async, so the bytes in flight are bounded by shared
+// memory, not registers. w13 multiplies x as it is: its
+// weights are dequantised to the model's dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x
+// has to finish before the first multiply. w2 stages its unit's act rows in shared memory as fp16
+// (power-of-two scaled by the lane's amax) after the wait.
 //
 // Front: every block groups the call's lanes into units itself (group_lanes, in shared memory:
 // the lane table is a few hundred bytes, and a block's first weight loads then wait for one read
-// of it instead of a separate launch), and block t < T brings token t to fp16 (prep_row) after its
-// first weight loads are issued; w13 items wait for that (a counter) only before their first
-// multiply. `part` picks the units of this launch: 0 rows already in place, 1 rows being copied
-// (lane_fresh), 2 all. The top-k sum of an output strip group is done by the last unit to finish
-// it, counted over all units of the call, so a call may run as two launches in stream order
-// (part 0, then part 1 once the copies have landed) with the same result bit for bit.
+// of it instead of a separate launch). `part` picks the units of this launch: 0 rows already in
+// place, 1 rows being copied (lane_fresh), 2 all. The top-k sum of an output strip group is done
+// by the last unit to finish it, counted over all units of the call, so a call may run as two
+// launches in stream order (part 0, then part 1 once the copies have landed) with the same result
+// bit for bit.
 //
-// Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2] tokens prepared, [3 + u]
-// w13 items of unit u done. The last block of a launch puts them, and amax of its lanes, back to
-// zero; group_done is reset by its last unit.
+// Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 items of unit u
+// done. The last block of a launch puts them, and amax of its lanes, back to zero; group_done is
+// reset by its last unit.
 #include "common.cuh"
 #include "mma_fp4.cuh"
 
@@ -48,21 +48,32 @@
 #define OUT_BF16 1
 #endif
 #ifndef MINB
-#define MINB 4            // blocks per SM the register allocation must allow
-#endif
-#ifndef PREFETCH_W2
-#define PREFETCH_W2 1     // w13 items pull their unit's w2 rows towards L2
+#define MINB 3            // blocks per SM the register allocation must allow
 #endif
 #ifndef MAXW
 #define MAXW 64           // most lanes (T·K) of a call; at most the block's 256 threads
 #endif
+#ifndef IN_BF16
+#define IN_BF16 1         // x: 1 bf16 (w13 dequantises to bf16), 0 fp16 (to fp16)
+#endif
+#ifndef XALIGN
+#define XALIGN 1          // 1: x 4-byte aligned (pairs read as one word; the launcher checks)
+#endif
+#ifndef HFULL
+#define HFULL 1           // 1: H == HP (no column of x past the row's end is read)
+#endif
+#ifndef DECODE_TRACE
+#define DECODE_TRACE 0    // 1: globaltimer stamps of each item's phases into `trace` (profiling)
+#endif
+#define TRACE_ITEMS 8192  // trace: [TRACE_ITEMS][4] item stamps, then [grid][2] block stamps
 
+#include "async_copy.cuh"
 #include "moe_common.cuh"
 #include "moe_lanes.cuh"
 
 #define WARPS 8
 #define THREADS (32 * WARPS)
-#define STAGE 4                            // chunks a cp.async stage
+#define STAGE 4                            // chunks a stage
 #define ERR_STALL 8
 
 constexpr int NC13 = HP / 64;              // chunks of a w13 strip
@@ -82,24 +93,17 @@ constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
 constexpr int XS2 = IP + 8;                // fp16 per staged act row: (IP+8)/2 words ≡ 4 mod 32
 
-// One warp's two stages: weights [stage][chunk][lane][16 B], scales [stage][row][chunk].
+// One warp's two stages: weights [stage][chunk][lane][16 B] (one bulk copy a stage, completed on
+// bar[stage]), scales [stage][row][chunk] (cp.async). `parity`: bit b is the phase of bar[b] the
+// next wait on it waits for.
 struct WarpStages {
+    u64 bar[2];
+    u32 parity;
+    u32 pad_[3];                          // w starts 16-byte aligned
     u8 w[2][STAGE * 512];
     u32 s[2][16 * STAGE];
 };
-
-CUPOOL_DEVICE u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
-
-CUPOOL_DEVICE void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_u32(dst)), "l"(src) : "memory");
-}
-
-CUPOOL_DEVICE void cp_async4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_u32(dst)), "l"(src) : "memory");
-}
-
-template <int N>
-CUPOOL_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+static_assert(sizeof(WarpStages) % 16 == 0, "stages stay 16-byte aligned");
 
 CUPOOL_DEVICE int ld_acquire(const i32* p) {
     int v;
@@ -127,20 +131,25 @@ CUPOOL_DEVICE void k_slice(int ks, int ksplit, int nc, int& c0, int& c1) {
     c1 = min(c0 + per, nc);
 }
 
-// Copy chunks [c, min(c + STAGE, c1)) of a strip (KP columns) and their scale words into stage
-// `buf`; always commits one group (possibly empty), so every lane counts groups alike.
+// Copy chunks [c, min(c + STAGE, c1)) of a strip (KP columns) into stage `buf`: the packed words
+// by one bulk copy (lane 0: one instruction a stage; on the H200 the layer time matched the
+// per-lane cp.async version's within 1%), the scale words by cp.async. Always commits one cp.async group
+// (possibly empty), so every lane counts groups alike; arms bar[buf] only if there are chunks.
 template <int KP>
 CUPOOL_DEVICE void issue_stage(WarpStages& ws, int buf, const u8* strip, int c, int c1, int lane) {
-#pragma unroll
-    for (int ci = 0; ci < STAGE; ++ci)
-        if (c + ci < c1)
-            cp_async16(&ws.w[buf][ci * 512 + lane * 16], strip + (i64)(c + ci) * 512 + lane * 16);
+    const int n = min(STAGE, c1 - c);
+    if (n > 0 && lane == 0) {
+        const u32 bar = smem_addr(&ws.bar[buf]);
+        fence_proxy_async_smem();            // the buffer's last reads were generic loads
+        mbar_arrive_expect(bar, n * 512);
+        bulk_load(smem_addr(&ws.w[buf][0]), strip + (i64)c * 512, n * 512, bar);
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int idx = lane + 32 * h, r = idx / STAGE, ci = idx % STAGE;   // row r, chunk ci
-        if (c + ci < c1) cp_async4(&ws.s[buf][idx], strip + 8 * KP + r * (KP / 16) + 4 * (c + ci));
+        if (ci < n) cp_async4(&ws.s[buf][idx], strip + 8 * KP + r * (KP / 16) + 4 * (c + ci));
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    cp_async_commit();
 }
 
 // Stages 0 and 1 of chunks [c0, c1): issued as soon as the strip's address is known.
@@ -152,20 +161,23 @@ CUPOOL_DEVICE void issue_first(WarpStages& ws, const u8* strip, int c0, int c1, 
 
 // acc[nt] += chunks [c0, c1) of the strip × B, stage by stage (stage i + 2 is issued into the
 // buffer stage i leaves). bfrag(c, nt, q, b0, b1): B fragment of chunk c, n-tile nt, k-tile q.
-template <int KP, class BFrag>
+template <bool BF, int KP, class BFrag>
 CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, int ntiles,
                               float (&acc)[NTILES][4], int lane, BFrag bfrag) {
     const int g = lane >> 2;
+    u32 parity = ws.parity;
     for (int c = c0, i = 0; c < c1; c += STAGE, ++i) {
         const int buf = i & 1;
-        cp_async_wait<1>();                     // stage i landed (stage i + 1 may be in flight)
+        cp_async_wait<1>();                     // stage i's scales (stage i + 1 may be in flight)
         __syncwarp();                           // ... for every lane's copies (scales are shared)
+        mbar_wait(smem_addr(&ws.bar[buf]), (parity >> buf) & 1u);      // its packed words
+        parity ^= 1u << buf;
 #pragma unroll
         for (int ci = 0; ci < STAGE; ++ci) {
             if (c + ci >= c1) break;
             const u32x4 w = *reinterpret_cast<const u32x4*>(&ws.w[buf][ci * 512 + lane * 16]);
             u32 a[4][4];
-            dequant_chunk(w, ws.s[buf][g * STAGE + ci], ws.s[buf][(g + 8) * STAGE + ci], a);
+            dequant_chunk<BF>(w, ws.s[buf][g * STAGE + ci], ws.s[buf][(g + 8) * STAGE + ci], a);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
 #pragma unroll
@@ -173,7 +185,7 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
                     if (nt >= ntiles) continue;
                     u32 b0, b1;
                     bfrag(c + ci, nt, q, b0, b1);
-                    mma16816(acc[nt], a[q], b0, b1);
+                    mma16816<BF>(acc[nt], a[q], b0, b1);
                 }
             }
         }
@@ -181,6 +193,8 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
         issue_stage<KP>(ws, buf, strip, c + 2 * STAGE, c1, lane);
     }
     cp_async_wait<0>();                         // nothing in flight into the buffers
+    __syncwarp();
+    if (lane == 0) ws.parity = parity;
 }
 
 // Shared memory of a block. The unit table is built once per launch; before that, the stages
@@ -229,34 +243,48 @@ CUPOOL_DEVICE void sum_partials(const Smem& m, int w0, int n, int lane, float (&
         }
 }
 
+// Stamp k of item `item` (thread 0; DECODE_TRACE only): 0 start, 1 waits done, 2 K loop done
+// (warp 0), 3 end.
+CUPOOL_DEVICE void stamp_at(u64* trace, int idx) {
+#if DECODE_TRACE
+    if (threadIdx.x == 0) {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        trace[idx] = t;
+    }
+#endif
+}
+
+CUPOOL_DEVICE void stamp(u64* trace, int item, int k) {
+    if (item < TRACE_ITEMS) stamp_at(trace, item * 4 + k);
+}
+
 struct Args {
+    u64* trace;
     const u16* x;
-    u16* xh;
-    float* xscale;
     int topk, tokens, hidden, all_units;
     float* act;
     u32* amax;
     float* yw;
     i32* group_done;
-    i32* x_ready;
     i32* unit_done;
     u16* out;
     i32* error;
 };
 
+// Two activations (k, k+1) of a token row as the B fragment word; 0 past the row's end.
+CUPOOL_DEVICE u32 x_pair(const u16* row, int k, int hidden) {
+    if (row == nullptr || (!HFULL && k >= hidden)) return 0u;
+#if XALIGN
+    return *reinterpret_cast<const u32*>(row + k);
+#else
+    return (u32)row[k] | ((u32)row[k + 1] << 16);
+#endif
+}
+
 // Lane of slot threadIdx.x (< NT) of unit u, -1 if empty.
 CUPOOL_DEVICE int slot_lane(const Smem& m, int u) {
     return (int)threadIdx.x < m.unit_count[u] ? (int)m.unit_lanes[u * NT + threadIdx.x] : -1;
-}
-
-// Token `t` (≥ 0: this block prepares it) to fp16 in xh, by warp 0, then counted in x_ready.
-// Not inlined: its 16-byte loads in flight would otherwise count against the item's registers.
-__device__ __noinline__ void prep_token(const Args& a, int t) {
-    if (t < 0 || threadIdx.x >= 32) return;
-    prep_row(a.x + (i64)t * a.hidden, a.hidden, a.xh + (i64)t * HP, a.xscale + t, threadIdx.x);
-    __threadfence();
-    __syncwarp();
-    if (threadIdx.x == 0) atomicAdd(a.x_ready, 1);
 }
 
 // Thread 0 waits until *counter reaches `target` (acquire), then the block goes on together.
@@ -272,7 +300,8 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
 }
 
 // w13 item: gate and up strips of pair p of unit u; warps 0..3 slice gate's K, 4..7 up's.
-CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int prep) {
+CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item) {
+    stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int s = warp / KS13, ks = warp % KS13;
     const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
@@ -281,54 +310,49 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int prep
     k_slice(ks, KS13, NC13, c0, c1);
     WarpStages& ws = m.stages[warp];
     issue_first<HP>(ws, strip, c0, c1, lane);
-#if PREFETCH_W2
-    {   // this item's 1/NP of the unit's w2 rows
-        constexpr i64 W2_BYTES = (i64)NS * W2_STRIP;
-        constexpr i64 PER = ((W2_BYTES / NP) + 127) / 128 * 128;
-        const i64 lo = (i64)p * PER, hi = lo + PER < W2_BYTES ? lo + PER : W2_BYTES;
-        for (i64 off = lo + threadIdx.x * 128; off < hi; off += THREADS * 128)
-            prefetch_l2(row + W2_OFFSET + off);
-    }
-#endif
     const float* hdr = reinterpret_cast<const float*>(row);
     const float gs_gate = hdr[0], gs_up = hdr[1];              // in flight during the K loop
-    prep_token(a, prep);
-    if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
-    wait_count(a.x_ready, a.tokens, a.error);                  // xh ready; slots visible
+    if (threadIdx.x < NT) {
+        m.si->lane[threadIdx.x] = slot_lane(m, u);
+        m.si->scale[threadIdx.x] = 1.0f;                       // x goes in unscaled
+    }
+    __syncthreads();
+    stamp(a.trace, item, 1);
     const int ntiles = (m.unit_count[u] + 7) >> 3;
-    const int g = lane >> 2, t = lane & 3;
+    const int g = lane >> 2, t = lane & 3, hidden = a.hidden;
     const u16* xrow[NTILES];
 #pragma unroll
     for (int nt = 0; nt < NTILES; ++nt) {
         const int l = m.si->lane[nt * 8 + g];
-        xrow[nt] = l >= 0 ? a.xh + (i64)(l / a.topk) * HP + 2 * t : nullptr;
+        xrow[nt] = l >= 0 ? a.x + (i64)(l / a.topk) * hidden : nullptr;
     }
     float acc[NTILES][4] = {};
-    // plain loads (xh was written by an earlier launch): the compiler may hoist them
-    run_stages<HP>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, int q, u32& b0, u32& b1) {
-        const u32* x = reinterpret_cast<const u32*>(xrow[nt] + c * 64 + q * 16);
-        b0 = xrow[nt] ? x[0] : 0u;
-        b1 = xrow[nt] ? x[4] : 0u;
+    // B straight from x in the model's dtype (plain loads: the compiler may hoist them)
+    run_stages<IN_BF16, HP>(ws, strip, c0, c1, ntiles, acc, lane,
+                            [&](int c, int nt, int q, u32& b0, u32& b1) {
+        const int k = c * 64 + q * 16 + 2 * t;
+        b0 = x_pair(xrow[nt], k, hidden);
+        b1 = x_pair(xrow[nt], k + 8, hidden);
     });
-    if (threadIdx.x < NT) {                                    // the slot's token scale
-        const int l = m.si->lane[threadIdx.x];
-        m.si->scale[threadIdx.x] = l >= 0 ? a.xscale[l / a.topk] : 1.0f;
-    }
+    stamp(a.trace, item, 2);
     put_partial(m, warp, lane, acc);
     __syncthreads();
     if (warp == 0) {
         float gu[2][NTILES][4];
         sum_partials(m, 0, KS13, lane, gu[0]);
         sum_partials(m, KS13, KS13, lane, gu[1]);
-        w13_epilogue(gu, ntiles, m.si, gs_gate, gs_up, p, lane, a.act, a.amax);
+        w13_epilogue(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
+                     gs_up * dequant_unscale<IN_BF16>(), p, lane, a.act, a.amax);
         __threadfence();                                       // act and amax before the count
     }
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(a.unit_done + u, 1);
+    stamp(a.trace, item, 3);
 }
 
 // w2 item: output strips grp·WM2 ... of unit u, each split over KS2 warps along K.
-CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int prep, int* s_last) {
+CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last, int item) {
+    stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp / KS2, ks = warp % KS2;
     const int st = grp * WM2 + wm;
@@ -339,9 +363,9 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int pre
     WarpStages& ws = m.stages[warp];
     issue_first<IP>(ws, strip, c0, c1, lane);
     const float gs_down = reinterpret_cast<const float*>(row)[2];
-    prep_token(a, prep);                                       // before waiting: w13 needs it
     if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
     wait_count(a.unit_done + u, NP, a.error);                  // the unit's act is complete
+    stamp(a.trace, item, 1);
     const int ntiles = (m.unit_count[u] + 7) >> 3;
     // stage act rows (fp32, L2: written by other blocks) as fp16 / the slot's power-of-two scale
     // (each thread reads the amax of its rows itself: no extra round trip and barrier)
@@ -367,22 +391,25 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int pre
     __syncthreads();
     const int g = lane >> 2, t = lane & 3;
     float acc[NTILES][4] = {};
-    run_stages<IP>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, int q, u32& b0, u32& b1) {
+    run_stages<false, IP>(ws, strip, c0, c1, ntiles, acc, lane,
+                          [&](int c, int nt, int q, u32& b0, u32& b1) {
         const u16* x = m.xs + (nt * 8 + g) * XS2 + c * 64 + q * 16 + 2 * t;
         b0 = *reinterpret_cast<const u32*>(x);
         b1 = *reinterpret_cast<const u32*>(x + 8);
     });
+    stamp(a.trace, item, 2);
     if (KS2 > 1) {
         put_partial(m, warp, lane, acc);
         __syncthreads();
         if (ks == 0) sum_partials(m, warp, KS2, lane, acc);
     }
     if (ks == 0 && st < NS)
-        w2_epilogue(acc, ntiles, m.si, gs_down, st, lane, m.lane_w, a.topk, a.hidden, false, a.yw,
-                    nullptr);
+        w2_epilogue(acc, ntiles, m.si, gs_down * dequant_unscale<false>(), st, lane, m.lane_w,
+                    a.topk, a.hidden, false, a.yw, nullptr);
     // the last unit to finish this strip group sums over top-k in fixed order
     if (last_arrival(a.group_done + grp, a.all_units, s_last))
         topk_sum(grp * WM2 * 16, WM2 * 16, a.tokens, a.topk, a.hidden, m.lane_w, a.yw, a.out);
+    stamp(a.trace, item, 3);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
@@ -393,24 +420,25 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
            const void* __restrict__ topk_w,      // [W] router weights, W_DTYPE
            i32 W, i32 topk,
            i32 part,                             // 0: rows in place, 1: fresh rows, 2: all
-           u16* __restrict__ xh,                 // [T, HP] workspace: fp16 activations
-           float* __restrict__ xscale,           // [T] workspace
            float* __restrict__ act,              // [W, IP]
            u32* __restrict__ amax,               // [W] zero at rest
            float* __restrict__ yw,               // [W, HP]
            i32* __restrict__ group_done,         // [G2] zero at rest
-           i32* __restrict__ sync,               // [3 + W] zero at rest
+           i32* __restrict__ sync,               // [2 + W] zero at rest
            u16* __restrict__ out,                // [T, H]
-           i32* __restrict__ error) {
+           i32* __restrict__ error,
+           u64* __restrict__ trace) {            // DECODE_TRACE only (else unused, may be null)
     extern __shared__ __align__(16) u8 smem[];
-    __shared__ int s_ticket[2];
+    __shared__ int s_ticket;
     __shared__ int s_last, s_held, s_total;
     __shared__ Args a;                    // in shared memory: registers stay with the K loop
     const Smem m = carve(smem);
+    stamp_at(trace, TRACE_ITEMS * 4 + blockIdx.x * 2);         // block stamps after the items'
     if (threadIdx.x == 0) {
-        a.x = x; a.xh = xh; a.xscale = xscale; a.topk = topk; a.tokens = tokens; a.hidden = hidden;
+        a.trace = trace;
+        a.x = x; a.topk = topk; a.tokens = tokens; a.hidden = hidden;
         a.act = act; a.amax = amax; a.yw = yw; a.group_done = group_done;
-        a.x_ready = sync + 2; a.unit_done = sync + 3; a.out = out; a.error = error;
+        a.unit_done = sync + 2; a.out = out; a.error = error;
     }
     {   // unit table of the call; scratch in the (not yet used) stages
         i64* s_addr = reinterpret_cast<i64*>(m.stages);
@@ -421,36 +449,41 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
         if (threadIdx.x == 0) a.all_units = s_total;
         __syncthreads();
     }
+    if ((threadIdx.x & 31) == 0) {        // the scratch is dead: each warp's stage barriers
+        WarpStages& ws = m.stages[threadIdx.x >> 5];
+        mbar_init(smem_addr(&ws.bar[0]), 1);
+        mbar_init(smem_addr(&ws.bar[1]), 1);
+        ws.parity = 0;
+        fence_proxy_async_smem();
+    }
+    __syncwarp();
+    stamp_at(trace, TRACE_ITEMS * 4 + blockIdx.x * 2 + 1);
     if (a.all_units <= 0) {                                    // every lane was padding
         for (int i = blockIdx.x * THREADS + threadIdx.x; i < tokens * hidden; i += gridDim.x * THREADS)
             out[i] = 0;
-        return;
     }
     Range rg;
     rg.first = part == 1 ? s_held : 0;
     rg.count = (part == 0 ? s_held : s_total) - rg.first;
     const int n13 = rg.count * NP, total = n13 + rg.count * G2;
-    // Block b < base starts on w13 item b without a ticket round trip; every other item (all of
-    // w2) is claimed from the counter, by a running block.
-    const int bid = blockIdx.x, base = min(n13, (int)gridDim.x);
-    if (threadIdx.x == 0) s_ticket[0] = bid < base ? bid : base + atomicAdd(sync, 1);
-    __syncthreads();
-    // block t < T prepares token t during its first item, after its weight loads are issued
-    int prep = bid < tokens && total > 0 ? bid : -1;
-    int b = 0;
-    for (int item = s_ticket[0]; item < total; item = s_ticket[b]) {
-        if (threadIdx.x == 0) s_ticket[b ^ 1] = base + atomicAdd(sync, 1);   // one ahead
+    // Block b < base starts on item b without a ticket; later items are claimed from the counter
+    // (numbered from base), one ahead: the claim is issued when an item starts and its answer is
+    // only needed when the item ends, so the atomic's round trip is hidden.
+    const int bid = blockIdx.x, base = min(total, (int)gridDim.x);
+    int item = bid < base ? bid : total;
+    while (item < total) {
+        int next = total;
+        if (threadIdx.x == 0 && base < total) next = base + atomicAdd(sync, 1);
         if (item < n13) {
-            w13_item(a, m, rg.first + item / NP, item % NP, prep);
+            w13_item(a, m, rg.first + item / NP, item % NP, item);
         } else {
             const int i = item - n13;
-            w2_item(a, m, rg.first + i / G2, i % G2, prep, &s_last);
+            w2_item(a, m, rg.first + i / G2, i % G2, &s_last, item);
         }
-        prep = -1;
-        __syncthreads();                                       // next ticket visible, smem free
-        b ^= 1;
+        if (threadIdx.x == 0) s_ticket = next;
+        __syncthreads();                                       // next item known, smem free
+        item = s_ticket;
     }
-    prep_token(a, prep);                                       // a block that got no item
     // the last block out puts the counters and its lanes' amax back to zero for the next launch
     if (threadIdx.x == 0) {
         __threadfence();
@@ -461,7 +494,6 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
             }
             sync[0] = 0;
             sync[1] = 0;
-            sync[2] = 0;
             __threadfence();
         }
     }

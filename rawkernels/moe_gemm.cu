@@ -116,7 +116,7 @@ CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16*
             const u16* xc = xs + (c + i - xs_c0) * 64 + 2 * t;
             u32 a[NS][4][4];
 #pragma unroll
-            for (int s = 0; s < NS; ++s) dequant_chunk(b.w[s][i], b.sg[s][i], b.sg8[s][i], a[s]);
+            for (int s = 0; s < NS; ++s) dequant_chunk<false>(b.w[s][i], b.sg[s][i], b.sg8[s][i], a[s]);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
 #pragma unroll
@@ -126,7 +126,7 @@ CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16*
                         const u32 b0 = *reinterpret_cast<const u32*>(p);
                         const u32 b1 = *reinterpret_cast<const u32*>(p + 8);
 #pragma unroll
-                        for (int s = 0; s < NS; ++s) mma16816(acc[s][nt], a[s][q], b0, b1);
+                        for (int s = 0; s < NS; ++s) mma16816<false>(acc[s][nt], a[s][q], b0, b1);
                     }
                 }
             }
@@ -277,7 +277,8 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         ksplit_reduce<2>(acc, red, wm, ks, lane);
         if (ks == 0 && active) {
             const float* hdr = reinterpret_cast<const float*>(row);
-            w13_epilogue(acc, ntiles, si, hdr[0], hdr[1], p, lane, act, amax);
+            w13_epilogue(acc, ntiles, si, hdr[0] * dequant_unscale<false>(),
+                         hdr[1] * dequant_unscale<false>(), p, lane, act, amax);
         }
     }
 }
@@ -366,8 +367,9 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
         item_k_loop<1, IP>(b, strips, active, ks, xs, ntiles, acc, lane, stage);
         ksplit_reduce<1>(acc, red, wm, ks, lane);
         if (ks == 0 && active)
-            w2_epilogue(acc[0], ntiles, si, reinterpret_cast<const float*>(row)[2], p, lane, lane_w,
-                        topk, hidden, REDUCE == 1, yw, out32);
+            w2_epilogue(acc[0], ntiles, si,
+                        reinterpret_cast<const float*>(row)[2] * dequant_unscale<false>(), p, lane,
+                        lane_w, topk, hidden, REDUCE == 1, yw, out32);
 #if REDUCE == 0
         // The last unit to finish this strip group sums over top-k in fixed order.
         if (last_arrival(group_done + grp, all_units, &s_last))

@@ -14,6 +14,7 @@
 // of `row_stride` bytes at `dst_base`. Rows are 256-byte aligned and `row_bytes` is a multiple of
 // 16. The kernel never writes the host store and never reads past `row_bytes` of any row.
 #include "common.cuh"
+#include "async_copy.cuh"
 
 #ifndef UNROLL
 #define UNROLL 4
@@ -103,69 +104,6 @@ static_assert(CHUNK >= 16 && CHUNK % 16 == 0, "CHUNK must be a positive multiple
 static_assert(CHUNK < (1 << 20), "CHUNK must be below 1 MiB");
 // With one stage the refill of chunk k - 1's buffer would come after the wait for chunk k.
 static_assert(NSTAGES >= 2, "NSTAGES must be at least 2");
-
-// Shared-window address of a shared-memory object, as the bulk-copy and mbarrier operands take it.
-CUPOOL_DEVICE u32 smem_addr(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
-
-// Start a bulk load of `bytes` from global memory (here: host memory through its UVA address)
-// into this CTA's shared memory; its completion adds `bytes` to the transactions of `bar`.
-// The .shared::cluster destination (PTX 8.0) rather than .shared::cta (PTX 8.6) keeps older
-// NVRTCs able to compile this; a CTA's own shared address is valid in the cluster window.
-CUPOOL_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-// Start a bulk store of `bytes` from shared memory to global memory; tracked by bulk async-groups.
-CUPOOL_DEVICE void bulk_store(void* dst, u32 src, u32 bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
-}
-
-CUPOOL_DEVICE void bulk_commit() {
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-// Wait until at most N bulk async-groups still read their shared-memory source.
-template <int N>
-CUPOOL_DEVICE void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
-}
-
-// Wait until every bulk async-group has completed (its writes are done).
-CUPOOL_DEVICE void bulk_wait_all() {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-
-CUPOOL_DEVICE void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-
-// Arrive (the one expected arrival) and announce `bytes` of bulk-copy transactions this phase.
-CUPOOL_DEVICE void mbar_arrive_expect(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 :: "r"(bar), "r"(bytes) : "memory");
-}
-
-// Block until the phase with parity `parity` of `bar` has completed. try_wait suspends the
-// thread for a while inside the instruction, so this loop does not spin hot.
-CUPOOL_DEVICE void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n\t.reg .pred done;\n"
-        "wait_%=:\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-        "@!done bra wait_%=;\n}"
-        :: "r"(bar), "r"(parity) : "memory");
-}
-
-// Order this thread's shared-memory accesses through the generic proxy against those through
-// the async proxy (the bulk-copy engine).
-CUPOOL_DEVICE void fence_proxy_async_smem() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 
 // Where chunk c of the copy list starts in the host store and in the GPU rows, and its size.
 struct BulkChunk {
