@@ -1,9 +1,9 @@
 """NVFP4 MoE GEMM speed against the limits measured in the same run.
 
-- decode (T=1, 4; K=8; E=128): one layer call (the moe_decode launch; with --decode-kernels pair,
-  route_decode + w13 + w2) timed inside a CUDA graph
-  of `--layers` calls, each on a different layer's experts so nothing is served from L2; achieved
-  = bytes of the distinct experts' rows / time, as a fraction of the HBM read bandwidth.
+- decode (T=1, 4; K=8; E=128): one layer call (the moe_decode launch; for --decode-kernels pair,
+  route_decode + w13 + w2) timed inside a CUDA graph of `--layers` calls, each on a different
+  layer's experts so nothing is served from L2; achieved = bytes of the distinct experts' rows /
+  time, as a fraction of the HBM read bandwidth.
 - prefill, all experts resident (T=512, 2048): time / torch bf16 on already-dequantized weights
   (best of a per-expert matmul loop and torch._grouped_mm) on the same routing.
 - prefill, half the experts in pinned host memory: time / (their bytes ÷ PCIe H2D bandwidth).
