@@ -7,7 +7,8 @@ as NVFP4 rows in pinned host memory (built directly, never as bf16). Batch 1, a 
 
 - pool-25/50/100: cupool, graph decode, bank of 25/50/100% of each layer's experts (row copies
   on a second stream beside the GEMM of the experts already in the bank: `overlap_copies`);
-- pool-serial: pool-50 with `overlap_copies` off (copies, then the whole GEMM), for comparison;
+- pool-serial: pool-50 and pool-100 with `overlap_copies` off (copies, then the whole GEMM), for
+  comparison;
 - uva-eager, uva-graph: every expert read from pinned host memory by the GEMM each step;
 - host-lru: per-layer LRU on the host (routing read back each layer, cudaMemcpyAsync), eager;
 - resident: all experts on the GPU in NVFP4, graph (the ceiling);
@@ -209,13 +210,14 @@ def main(argv=None):
                            achieved_over_bound=run.tok_per_s * bound_ms / 1e3,
                            errors=pool.errors())
                 record(f"pool-{frac}", routing, run, fig)
-        if "pool-serial" in args.modes:       # pool-50 with copies, then one GEMM pass
-            pool.overlap_copies = False
-            rows = max(K, E // 2)
-            run = measure(replay=replay, rows=rows)
-            pool.overlap_copies = True
-            fig = pool_figures(run.stats, args.tokens, layout.row_bytes)
-            record("pool-50-serial", routing, run, dict(fig, rows_per_layer=rows))
+        if "pool-serial" in args.modes:       # pool-50 and -100 with copies, then one GEMM pass
+            for frac in (50, 100):
+                pool.overlap_copies = False
+                rows = max(K, E * frac // 100)
+                run = measure(replay=replay, rows=rows)
+                pool.overlap_copies = True
+                fig = pool_figures(run.stats, args.tokens, layout.row_bytes)
+                record(f"pool-{frac}-serial", routing, run, dict(fig, rows_per_layer=rows))
         if "uva-graph" in args.modes:
             record("uva-graph", routing, measure(backend=UVABackend(pool), replay=replay))
         if "uva-eager" in args.modes:
