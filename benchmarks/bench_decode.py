@@ -5,10 +5,11 @@ as NVFP4 rows in pinned host memory (built directly, never as bf16). Batch 1, a 
 `--tokens` decoded tokens, tok/s the median of `--repeats` runs, each mode on the same model and
 (except hf-bf16) the same routing:
 
-- pool-25/50/100: cupool, graph decode, bank of 25/50/100% of each layer's experts (row copies
-  on a second stream beside the GEMM of the experts already in the bank: `overlap_copies`);
-- pool-serial: pool-50 and pool-100 with `overlap_copies` off (copies, then the whole GEMM), for
-  comparison;
+- pool-25/50/100: cupool, graph decode, bank of 25/50/100% of each layer's experts, with
+  `overlap_copies` on (row copies on a second stream beside the GEMM of the experts already in
+  the bank, the copied ones in a second launch);
+- pool-serial: pool-50 and pool-100 with `overlap_copies` off (copies, then one GEMM launch: the
+  library's default);
 - uva-eager, uva-graph: every expert read from pinned host memory by the GEMM each step;
 - host-lru: per-layer LRU on the host (routing read back each layer, cudaMemcpyAsync), eager;
 - resident: all experts on the GPU in NVFP4, graph (the ceiling);
@@ -203,7 +204,9 @@ def main(argv=None):
         if "pool" in args.modes:
             for frac in (25, 50, 100):
                 rows = max(K, E * frac // 100)
+                pool.overlap_copies = True
                 run = measure(replay=replay, rows=rows)
+                pool.overlap_copies = False
                 fig = pool_figures(run.stats, args.tokens, layout.row_bytes)
                 bound_ms = resident_ms + fig["pcie_bytes_per_token"] / pcie / 1e6
                 fig.update(rows_per_layer=rows, bound_tok_per_s=1e3 / bound_ms,
@@ -215,7 +218,6 @@ def main(argv=None):
                 pool.overlap_copies = False
                 rows = max(K, E * frac // 100)
                 run = measure(replay=replay, rows=rows)
-                pool.overlap_copies = True
                 fig = pool_figures(run.stats, args.tokens, layout.row_bytes)
                 record(f"pool-{frac}-serial", routing, run, dict(fig, rows_per_layer=rows))
         if "uva-graph" in args.modes:

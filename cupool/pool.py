@@ -44,8 +44,9 @@ class PooledExperts:
     top_k_weights [T,K]) -> [T,H]`, on torch's current stream, graph-capturable in decode.
 
     Decode (T·K ≤ the bank's max lanes): plan step + row copies + decode GEMM; with the pool's
-    `overlap_copies` (default) the copies run on a second stream while the GEMM works on the
-    experts already in the bank, and the copied experts follow. Wider batches:
+    `overlap_copies` (off by default) the copies run on a second stream while the GEMM works on
+    the experts already in the bank, and the copied experts follow in a second launch. Wider
+    batches:
     the partition path (resident experts from the bank, the others from the host store through
     a bounded scratch), which leaves the placement alone.
     """
@@ -158,7 +159,10 @@ class Pool:
         self.replayer = None     # cupool.trace.Replayer (benchmarks)
         self.recorder = None     # cupool.trace.Recorder
         self.backend = None      # benchmarks: fn(layer, x, ids, w) -> out replacing the pool
-        self.overlap_copies = True   # decode: copies on a second stream beside the hits' GEMM
+        # decode: copies on a second stream beside the GEMM of the rows in place. Off: with the
+        # one-launch decode GEMM it bought ~1% at pool-50 and cost ~10% at pool-100 on an H200
+        # (the second launch); bench_decode's pool-N vs pool-N-serial rows.
+        self.overlap_copies = False
 
     # --- install / uninstall ------------------------------------------------------------------
     def _install(self) -> None:
