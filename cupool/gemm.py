@@ -90,7 +90,22 @@ class _Config:
 DECODE_SMALL = _Config(nt=8, ksplit=8, warps_m=1, kc=2048, nb=2, reduce=0, prefetch_w2=1, minb=3)
 DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefetch_w2=1)
 # The one-launch decode kernel (moe_decode.cu): its block shape is fixed in the source.
-DECODE_KERNELS = ("fused", "pair")
+DECODE_KERNELS = ("auto", "fused", "pair")
+
+
+def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:
+    """The decode kernel for `kind` on a GPU of `capability`: "auto" is "fused" on compute
+    capability 9.0 and newer (moe_decode uses Hopper bulk copies and bf16x2 multiplies), else
+    "pair"; "fused" on an older GPU is an error."""
+    if kind not in DECODE_KERNELS:
+        raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {kind!r}")
+    hopper = tuple(capability) >= (9, 0)
+    if kind == "auto":
+        return "fused" if hopper else "pair"
+    if kind == "fused" and not hopper:
+        raise ValueError(f"decode_kernel='fused' needs compute capability 9.0 or newer, the GPU "
+                         f"has {capability[0]}.{capability[1]}; use 'pair' or 'auto'")
+    return kind
 _FUSED_MAX_LANES = 256                             # moe_decode groups one lane per thread
 _FUSED_WARPS = 8
 _FUSED_STAGE_BYTES = 32 + 2 * (4 * 512 + 16 * 4 * 4)   # a warp's two stages and barriers
@@ -112,16 +127,17 @@ class MoEGemm:
             on it is two buffers of scratch_rows // 2: the next chunk is copied while the GEMM
             works on the resident experts or on the previous chunk. Chunks cost host time per
             launch, so small ones leave the GPU waiting (default 32: chunks of 16 experts).
-        decode_kernel: "fused" (default): one launch groups the lanes and does w13 (weights
-            dequantised to the model's dtype), SiLU·up, w2 and the top-k sum (moe_decode.cu),
-            for calls of up to 256 lanes (T·K); wider calls, and "pair", use route_decode, then
-            a w13 and a w2 launch (moe_align.cu, moe_gemm.cu). Both are deterministic; they
-            round differently in the last bit.
+        decode_kernel: "fused": one launch groups the lanes and does w13 (weights dequantised
+            to the model's dtype), SiLU·up, w2 and the top-k sum (moe_decode.cu; compute
+            capability 9.0+), for calls of up to 256 lanes (T·K); wider calls, and "pair", use
+            route_decode, then a w13 and a w2 launch (moe_align.cu, moe_gemm.cu). "auto"
+            (default): "fused" where the GPU has it, else "pair"; `decode_kernel` holds the
+            choice. Both are deterministic; they round differently in the last bit.
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
                  max_decode_tokens: int = 16, max_prefill_tokens: int = 0, num_experts: int = 0,
-                 scratch_rows: int = 32, decode_kernel: str = "fused", device=None):
+                 scratch_rows: int = 32, decode_kernel: str = "auto", device=None):
         _cuda.require_gpu("the MoE GEMM")
         if dtype not in _DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
@@ -132,14 +148,13 @@ class MoEGemm:
                              f"x topk={topk} = {max_decode_tokens * topk}")
         if isinstance(scratch_rows, bool) or not isinstance(scratch_rows, int) or scratch_rows < 1:
             raise ValueError(f"scratch_rows must be an int >= 1, got {scratch_rows!r}")
-        if decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {decode_kernel!r}")
         if max_prefill_tokens and not 0 < num_experts <= 1024:
             raise ValueError(f"prefill needs num_experts in [1, 1024], got {num_experts}")
         self.layout, self.topk, self.dtype = layout, int(topk), dtype
-        self.decode_kernel = decode_kernel
         self.device = torch.device("cuda", _cuda.device_index(device))
         dev = self.device
+        self.decode_kernel = resolve_decode_kernel(decode_kernel,
+                                                   torch.cuda.get_device_capability(dev))
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         hp, ip = layout.hp, layout.ip
         i32 = dict(dtype=torch.int32, device=dev)
