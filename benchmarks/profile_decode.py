@@ -24,7 +24,8 @@ from _common import capture, save, time_ms
 import cupool
 from cupool import synthetic
 
-GROUPS = (("cupool", ("plan_step", "copy_rows", "route_decode", "moe_w13", "moe_w2")),
+GROUPS = (("cupool", ("plan_step", "copy_rows", "moe_decode", "route_decode", "moe_w13",
+                      "moe_w2")),
           ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitK")),
           ("attention", ("flash", "attention", "fmha", "sdpa", "efficient")))
 

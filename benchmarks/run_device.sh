@@ -25,8 +25,9 @@ for stage in "$@"; do
               run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
     profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
     sweep)    run sweep 200 python3 benchmarks/profile_gemm.py --sweep ;;
+    trace)    run trace 120 python3 benchmarks/profile_gemm.py --trace 1 4 ;;
     ncu)      NCU="ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
-              run ncu_gemm 200 $NCU -k regex:"route_decode|moe_w13|moe_w2" --launch-skip 3 -c 3 python3 benchmarks/profile_gemm.py
+              run ncu_gemm 200 $NCU -k regex:"moe_decode|route_decode|moe_w13|moe_w2" --launch-skip 3 -c 3 python3 benchmarks/profile_gemm.py
               run ncu_plan 200 $NCU -k regex:"plan_step" --launch-skip 200 -c 2 python3 benchmarks/bench_planner.py --skip-copy --experts 128 --lanes 8 --replays 20 ;;
     profile-decode) run profile_decode 200 python3 benchmarks/profile_decode.py
               run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --compile --layers 8 ;;

@@ -1,11 +1,13 @@
-"""NVFP4 MoE GEMM: launchers of rawkernels/moe_align.cu + moe_gemm.cu, and the float reference.
+"""NVFP4 MoE GEMM: launchers of rawkernels/moe_decode.cu, moe_align.cu + moe_gemm.cu, and the
+float reference.
 
 Shape legend: T tokens · K top-k · W = T·K lanes · H hidden · I intermediate · E experts.
 
 Two paths, both with fixed grids and sizes read on the device:
 - `decode(x, lane_addr, topk_weights)`: lanes come with the address of their expert's row (what
   the plan step writes: bank row, staging row, or a host UVA address; 0 = padding). Memory-bound;
-  a deterministic sum over top-k. Graph-capturable. One launch (moe_decode) up to 256 lanes.
+  a deterministic sum over top-k. Graph-capturable. One launch (moe_decode, compute capability
+  9.0+) up to 256 lanes; otherwise route_decode, then w13 and w2 launches.
 - `prefill(x, topk_ids, topk_weights, expert_addr, ...)`: the partition path. Experts whose row is
   on the GPU (expert_addr[e] ≠ 0) are computed from there; the others are copied once per call
   into a bounded scratch of `scratch_rows` rows, chunk by chunk, and computed from the scratch;
