@@ -16,10 +16,10 @@
 //
 // Weights go global → shared memory per warp in two stages of 4 chunks (4.6 KB): packed words by
 // the bulk-copy engine, scale words by cp.async, so the bytes in flight are bounded by shared
-// memory, not registers. w13 multiplies x as it is: its
-// weights are dequantised to the model's dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x
-// has to finish before the first multiply. w2 stages its unit's act rows in shared memory as fp16
-// (power-of-two scaled by the lane's amax) after the wait.
+// memory, not registers. w13 multiplies x as it is: its weights are dequantised to the model's
+// dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish before the first multiply.
+// w2 stages its unit's act rows in shared memory as fp16 (power-of-two scaled by the lane's amax)
+// after the wait.
 //
 // Front: every block groups the call's lanes into units itself (group_lanes, in shared memory:
 // the lane table is a few hundred bytes, and a block's first weight loads then wait for one read
