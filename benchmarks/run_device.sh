@@ -23,6 +23,8 @@ for stage in "$@"; do
     tests)    run pytest_gpu ${TESTS_TIMEOUT:-480} python3 -m pytest -m gpu -q -p no:cacheprovider --timeout 300 -ra tests ;;
     sanitize) run memcheck 150 compute-sanitizer --tool memcheck python3 tests/gpu_planner_sanitize.py
               run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
+    sanitize-decode) for tool in memcheck racecheck synccheck; do
+              run "decode_$tool" 200 compute-sanitizer --tool $tool python3 tests/gpu_decode_sanitize.py; done ;;
     profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
     sweep)    run sweep 200 python3 benchmarks/profile_gemm.py --sweep ;;
     trace)    run trace 120 python3 benchmarks/profile_gemm.py --trace 1 4 ;;
