@@ -84,15 +84,23 @@ class _Config:
     minb: int = 1    # blocks per SM the kernels' register use must allow
 
 
-# Decode: one token per unit is typical, so K is split over 8 warps, the whole K range staged at
-# once (one barrier pair per item) and registers capped for 3 blocks per SM, so that every item
-# of a Qwen3-30B-A3B layer (8 units x 48 strip pairs) has a block from the start; w13 pulls w2's
-# rows into L2 for moe_w2. Chosen by `profile_gemm.py --sweep` (H200: 29.9 us/layer against
-# 31.7 for KSPLIT 4 / NB 8 / KC 1024).
+# The pair's decode (route_decode, moe_w13, moe_w2; "pair" or over 256 lanes): one token per
+# unit is typical, so K is split over 8 warps, the whole K range staged at once (one barrier pair
+# per item) and registers capped for 3 blocks per SM, so that every item of a Qwen3-30B-A3B layer
+# (8 units x 48 strip pairs) has a block from the start; w13 pulls w2's rows into L2 for moe_w2.
+# Chosen by a sweep of these configs in an earlier session (H200: 29.9 us/layer against 31.7 for
+# KSPLIT 4 / NB 8 / KC 1024); `profile_gemm.py --sweep` now sweeps moe_decode.
 DECODE_SMALL = _Config(nt=8, ksplit=8, warps_m=1, kc=2048, nb=2, reduce=0, prefetch_w2=1, minb=3)
 DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefetch_w2=1)
-# The one-launch decode kernel (moe_decode.cu): its block shape is fixed in the source.
+# Prefill: 64 lanes a unit share each dequantized fragment over 8 mma n-tiles.
+PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=4, reduce=1, prefetch_w2=0)
+
+# The one-launch decode kernel (moe_decode.cu): its block shape is fixed in the source, and the
+# shared memory it needs is worked out from the same numbers in MoEGemm._fused.
 DECODE_KERNELS = ("auto", "fused", "pair")
+_FUSED_MAX_LANES = 256                             # moe_decode groups one lane per thread
+_FUSED_WARPS = 8
+_FUSED_STAGE_BYTES = 32 + 2 * (4 * 512 + 16 * 4 * 4)   # a warp's two stages and barriers
 
 
 def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:
@@ -108,11 +116,6 @@ def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:
         raise ValueError(f"decode_kernel='fused' needs compute capability 9.0 or newer, the GPU "
                          f"has {capability[0]}.{capability[1]}; use 'pair' or 'auto'")
     return kind
-_FUSED_MAX_LANES = 256                             # moe_decode groups one lane per thread
-_FUSED_WARPS = 8
-_FUSED_STAGE_BYTES = 32 + 2 * (4 * 512 + 16 * 4 * 4)   # a warp's two stages and barriers
-# Prefill: 64 lanes a unit share each dequantized fragment over 8 mma n-tiles.
-PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=4, reduce=1, prefetch_w2=0)
 
 
 class MoEGemm:

@@ -36,6 +36,68 @@
 #endif
 #include "moe_lanes.cuh"
 
+#ifndef XVEC
+#define XVEC 0            // 1: H % 8 == 0 and x 16-byte aligned (the launcher checks)
+#endif
+#define XLOADS 8          // 16-byte loads in flight per lane: a 2048-wide row in one round trip
+
+CUPOOL_DEVICE float in_to_f32(u16 h) {
+#if IN_BF16
+    return bf16_to_f32(h);
+#else
+    return f16_to_f32(h);
+#endif
+}
+
+// One warp brings token row t to fp16: xh[t] = x[t] / s, s = pow2_scale(max |x[t]|), zero-padded
+// to HP. With XVEC the row is read in 16-byte words, XLOADS per lane in flight, twice (the second
+// pass hits L1).
+CUPOOL_DEVICE void prep_row(const u16* __restrict__ row, i32 H, u16* __restrict__ out,
+                            float* __restrict__ scale, int lane) {
+    float m = 0.0f;
+#if XVEC
+    for (int k0 = lane * 8; k0 < H; k0 += 32 * 8 * XLOADS) {
+        u32x4 v[XLOADS];
+#pragma unroll
+        for (int j = 0; j < XLOADS; ++j) {
+            const int k = k0 + j * 256;
+            v[j] = k < H ? *reinterpret_cast<const u32x4*>(row + k) : u32x4{0u, 0u, 0u, 0u};
+        }
+#pragma unroll
+        for (int j = 0; j < XLOADS; ++j) {
+            const u32 words[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                m = nan_max(m, fabsf(in_to_f32((u16)(words[q] & 0xffffu))));
+                m = nan_max(m, fabsf(in_to_f32((u16)(words[q] >> 16))));
+            }
+        }
+    }
+#else
+    for (int k = lane; k < H; k += 32) m = nan_max(m, fabsf(in_to_f32(row[k])));
+#endif
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float s = pow2_scale(m), inv = 1.0f / s;
+#if XVEC
+    for (int k = lane * 8; k < HP; k += 256) {
+        u32x4 v = {0u, 0u, 0u, 0u};
+        if (k < H) v = *reinterpret_cast<const u32x4*>(row + k);
+        u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const u32 lo = f32_to_f16(in_to_f32((u16)(words[q] & 0xffffu)) * inv);
+            const u32 hi = f32_to_f16(in_to_f32((u16)(words[q] >> 16)) * inv);
+            words[q] = lo | (hi << 16);
+        }
+        *reinterpret_cast<u32x4*>(out + k) = u32x4{words[0], words[1], words[2], words[3]};
+    }
+#else
+    for (int k = lane; k < HP; k += 32) out[k] = f32_to_f16(k < H ? in_to_f32(row[k]) * inv : 0.0f);
+#endif
+    if (lane == 0) *scale = s;
+}
+
 // Decode grouping into global unit tables (route_decode): group_lanes, amax zeroed, and
 // range[5] = {0, Uh, U, 0, U}: &range[0] the in-place units, &range[1] the fresh ones, &range[3]
 // all of them (the GEMM runs the first part while the copies land).
