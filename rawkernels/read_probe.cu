@@ -1,0 +1,80 @@
+// Read-bandwidth probes: how fast one launch can read the bytes a decode layer reads (n expert
+// rows at scattered addresses), as the ceiling moe_decode's layer time is judged against.
+// Benchmarks only (benchmarks/profile_read.py); not on any hot path.
+//
+// read_rows:      plain 16-byte loads; block b reads the b-th contiguous span of the rows' bytes
+//                 (UNROLL loads in flight a thread), so the whole grid streams at once.
+// read_rows_bulk: moe_decode's pattern: each warp takes 4 KiB pieces (piece p = its global warp
+//                 id + k · all warps), two 2 KiB bulk copies into shared memory, one wait, then
+//                 the lanes read the piece back, so only 4 KiB a warp is in flight.
+// Both fold what they read into one word and store it only if it equals `never`, so the loads
+// cannot be dropped and nothing is written in practice.
+#include "common.cuh"
+#include "async_copy.cuh"
+
+#ifndef UNROLL
+#define UNROLL 8
+#endif
+#define PIECE 4096
+#define HALF (PIECE / 2)
+
+// Row and offset of 16-byte vector v of the rows (each row `vpr` vectors long).
+CUPOOL_DEVICE const u32x4* vec_at(const i64* addr, u32 v, u32 vpr) {
+    const u32 r = v / vpr;
+    return reinterpret_cast<const u32x4*>(addr[r]) + (v - r * vpr);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+read_rows(const i64* __restrict__ addr,      // [n] row addresses (16-byte aligned)
+          i32 n, i32 vpr,                    // rows, 16-byte vectors a row
+          u32 never, u32* __restrict__ sink) {
+    const u32 total = (u32)n * (u32)vpr;
+    const u32 per = (total + gridDim.x - 1) / gridDim.x;
+    const u32 v0 = blockIdx.x * per, v1 = min(v0 + per, total);
+    u32 acc = 0;
+    for (u32 v = v0 + threadIdx.x; v < v1; v += UNROLL * blockDim.x) {
+        u32x4 w[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const u32 vv = v + u * blockDim.x;
+            w[u] = vv < v1 ? ld_stream16(vec_at(addr, vv, vpr)) : u32x4{0, 0, 0, 0};
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) acc ^= w[u].x ^ w[u].y ^ w[u].z ^ w[u].w;
+    }
+    if (acc == never) sink[0] = acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+read_rows_bulk(const i64* __restrict__ addr, i32 n, i32 row_pieces,   // row bytes / PIECE
+               u32 never, u32* __restrict__ sink) {
+    __shared__ __align__(128) u8 buf[8][PIECE];
+    __shared__ u64 bar[8];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 b = smem_addr(&bar[warp]);
+    if (lane == 0) {
+        mbar_init(b, 1);
+        fence_proxy_async_smem();
+    }
+    __syncwarp();
+    const int pieces = n * row_pieces, warps = gridDim.x * 8;
+    u32 acc = 0, parity = 0;
+    for (int p = blockIdx.x * 8 + warp; p < pieces; p += warps) {
+        const u8* src = reinterpret_cast<const u8*>(addr[p / row_pieces]) + (i64)(p % row_pieces) * PIECE;
+        if (lane == 0) {
+            fence_proxy_async_smem();
+            mbar_arrive_expect(b, PIECE);
+            bulk_load(smem_addr(&buf[warp][0]), src, HALF, b);
+            bulk_load(smem_addr(&buf[warp][HALF]), src + HALF, HALF, b);
+        }
+        mbar_wait(b, parity);
+        parity ^= 1u;
+#pragma unroll
+        for (int i = 0; i < PIECE / 512; ++i) {
+            const u32x4 w = *reinterpret_cast<const u32x4*>(&buf[warp][i * 512 + lane * 16]);
+            acc ^= w.x ^ w.y ^ w.z ^ w.w;
+        }
+        __syncwarp();
+    }
+    if (acc == never) sink[0] = acc;
+}
