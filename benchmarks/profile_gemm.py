@@ -26,16 +26,20 @@ def table(fn, label, reps=5):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
+SWEEP = ({}, {"PF_BUDGET": 0}, {"PF_ITEM": 0}, {"XPF_BYTES": 0},
+         {"PF_BUDGET": 0, "PF_ITEM": 0, "XPF_BYTES": 0}, {"PF_BUDGET": 48 << 20})
+
+
 def sweep(layers: int = 16):
-    """Decode layer time (T=1 and 4, H=2048) for variants of moe_decode's compile-time shape."""
+    """Decode layer time (T=1 and 4 at H=2048, T=1 at H=4096) for variants of moe_decode's
+    compile-time switches (prefetch, split of w2's K)."""
     from bench_gemm import bench_decode
     gen = torch.Generator(device="cuda").manual_seed(0)
-    layout = RowLayout(2048, 768)
-    for extra in ({}, {"W2_KSPLIT": 1}, {"W2_KSPLIT": 4}, {"MINB": 4}, {"MINB": 2}):
-        for T in (1, 4):
-            r = bench_decode(layout, 128, T, 8, layers, gen, 1.0, extra=extra)
-            print(f"sweep T={T} {extra}: {r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s",
-                  flush=True)
+    for extra in SWEEP:
+        for (H, I), T in (((2048, 768), 1), ((2048, 768), 4), ((4096, 1536), 1)):
+            r = bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, extra=extra)
+            print(f"sweep H={H} T={T} {extra}: {r['us_per_layer']:6.1f} us/layer "
+                  f"{r['GBps']:7.0f} GB/s", flush=True)
 
 
 def trace(T: int = 1, E: int = 128):
