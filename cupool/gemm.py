@@ -179,7 +179,7 @@ class MoEGemm:
             act=torch.zeros(wd, ip, **f32),
             yw=torch.zeros(wd, hp, **f32),
             group_done=torch.zeros(hp // 16, **i32),
-            sync=torch.zeros(1 + wd, **i32),      # moe_decode: blocks finished, per unit
+            sync=torch.zeros(2 + wd, **i32),      # moe_decode: ticket, finished, per unit
         )
         self.error = torch.zeros(1, **i32)
         self.num_experts = int(num_experts)

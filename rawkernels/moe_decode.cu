@@ -7,19 +7,18 @@
 // do not depend on w13) and only then waits until its unit's w13 items have all arrived (a
 // per-unit counter), so w2's bytes stream in while w13 finishes.
 //
-// Schedule: items are numbered w13 first, then w2; block b does items b, b + G, b + 2G, ... (G
-// blocks) in that order. A static order (rather than a ticket counter) lets a block know its next
-// item while it works on this one, so it sends that item's weights toward L2 ahead of time.
-// No deadlock: a block waiting in a w2 item has done all of its w13 items (they come first in its
-// order), and w13 items wait for nothing, so every w13 item a w2 item waits for is done, running,
-// or held by a block that will reach it. The grid is sized so that every block is resident at
-// once (if another kernel holds some SMs, the rest start as soon as it ends). A wait that still
-// runs past ~1 s sets error bit 8 and goes on (wrong output, never a hang).
+// No deadlock: items are numbered w13 first, then w2; block b starts on item b, and every later
+// item is claimed from a ticket counter in that order, at most one ahead of the item the block
+// works on (so a block waiting in a w2 item holds no unstarted w13 item). w13 items wait for
+// nothing, and the grid is sized so that every block is resident at once, so every w13 item a w2
+// item waits for is running or will run (if another kernel holds some SMs, as soon as it ends).
+// A wait that still runs past ~1 s sets error bit 8 and goes on (wrong output, never a hang).
 //
-// Prefetch (the trace showed ~2 µs of lane grouping before any weight load, and w2 weights asked
-// for only when w13 ended): before grouping, blocks send the lanes' rows toward L2 by lane (all of
-// them when they fit PF_BUDGET, else the w13 strips of as many lanes as fit); at each item, warp 0
-// sends the block's next item's strips. Loads then find their lines in L2 or already on the way.
+// Prefetch: a block's items run one after another, and each item's loads wait the full DRAM
+// latency under load (~2 µs) before its K loop starts. So once an item has issued its own loads,
+// warp 0 sends the strips of the block's next item (its ticket is claimed when this item starts)
+// toward L2, and the next item's loads find them there or on the way. After, not before, the
+// item's own loads: the prefetch goes through the same copy-engine queue as its bulk copies.
 //
 // Weights go global → shared memory per warp in two stages of 4 chunks (4.6 KB): packed words by
 // the bulk-copy engine, scale words by cp.async, so the bytes in flight are bounded by shared
@@ -36,9 +35,9 @@
 // launches in stream order (part 0, then part 1 once the copies have landed) with the same result
 // bit for bit.
 //
-// Counters (`sync`, zero at rest): [0] blocks finished, [1 + u] w13 items of unit u done. The
-// last block of a launch puts them, and amax of its lanes, back to zero; group_done is reset by
-// its last unit.
+// Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 items of unit u
+// done. The last block of a launch puts them, and amax of its lanes, back to zero; group_done is
+// reset by its last unit.
 #include "common.cuh"
 #include "mma_fp4.cuh"
 
@@ -72,14 +71,8 @@
 #ifndef DECODE_TRACE
 #define DECODE_TRACE 0    // 1: globaltimer stamps of each item's phases into `trace` (profiling)
 #endif
-#ifndef PF_BUDGET
-#define PF_BUDGET (24 << 20)  // bytes of rows sent toward L2 before grouping (0: none); half an H200's L2
-#endif
-#ifndef PF_ITEM
-#define PF_ITEM 1         // 1: each item sends the block's next item's strips toward L2
-#endif
-#ifndef XPF_BYTES
-#define XPF_BYTES 32768   // bytes of x sent toward each SM's L1 before grouping (0: none)
+#ifndef PF_NEXT
+#define PF_NEXT 1         // 1: each item sends the block's next item's strips toward L2
 #endif
 #define TRACE_ITEMS 8192  // trace: [TRACE_ITEMS][4] item stamps, then [grid][2] block stamps
 
@@ -108,8 +101,6 @@ static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per 
 constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
 constexpr int XS2 = IP + 8;                // fp16 per staged act row: (IP+8)/2 words ≡ 4 mod 32
-constexpr i64 ROW_W13 = 2LL * NP * W13_STRIP;   // bytes of a row's w13 strips (after its header)
-constexpr i64 ROW_W2 = (i64)NS * W2_STRIP;      // bytes of its w2 strips (right after)
 
 // One warp's two stages: weights [stage][chunk][lane][16 B] (one bulk copy a stage, completed on
 // bar[stage]), scales [stage][row][chunk] (cp.async). `parity`: bit b is the phase of bar[b] the
@@ -147,34 +138,6 @@ CUPOOL_DEVICE void warp_prefetch(const u8* p, i64 bytes, int lane) {
     const i64 piece = (bytes + 32 * 16 - 1) / (32 * 16) * 16;
     const i64 off = lane * piece;
     if (off < bytes) bulk_prefetch_l2(p + off, (u32)min(piece, bytes - off));
-}
-
-// Before the lanes are grouped: warp 0 of block b sends piece b / PL of lane (b % PL)'s row toward
-// L2, where PL lanes' spans fit PF_BUDGET. The span is the whole row when all W rows fit (T=1),
-// else its w13 strips (read first; w2's come with the per-item prefetch). Lanes outside this
-// launch's part are skipped; lanes of one expert prefetch it once each (a hint, and rare at small W).
-CUPOOL_DEVICE void prefetch_lanes(const i64* lane_addr, const i32* lane_fresh, int W, int part,
-                                  int lane) {
-    if (PF_BUDGET <= 0 || W <= 0) return;
-    const bool whole = (i64)W * (ROW_W13 + ROW_W2) <= (i64)PF_BUDGET;
-    const i64 span = whole ? ROW_W13 + ROW_W2 : ROW_W13;
-    const int pl = (int)min((i64)min(W, (int)gridDim.x), max((i64)1, (i64)PF_BUDGET / span));
-    const int l = blockIdx.x % pl, piece = blockIdx.x / pl, pieces = gridDim.x / pl;
-    if (piece >= pieces) return;
-    const i64 a = lane_addr[l];
-    const bool fresh = lane_fresh != nullptr && lane_fresh[l] != 0;
-    if (a == 0 || (part != 2 && fresh != (part == 1))) return;
-    const i64 per = ((span + pieces - 1) / pieces + 15) / 16 * 16, s0 = piece * per;
-    if (s0 < span) warp_prefetch(reinterpret_cast<const u8*>(a) + 256 + s0, min(per, span - s0), lane);
-}
-
-// Before the lanes are grouped: x toward this SM's L1. w13 reads x straight from global memory in
-// its K loop, after each stage's weights land, when an L2 round trip queues behind the weights.
-CUPOOL_DEVICE void prefetch_x_l1(const u16* x, int tokens, int hidden) {
-    const i64 bytes = min((i64)tokens * hidden * 2, (i64)XPF_BYTES);
-    const u8* p = reinterpret_cast<const u8*>(x);
-    for (i64 off = threadIdx.x * 128LL; off < bytes; off += THREADS * 128LL)
-        asm volatile("prefetch.global.L1 [%0];" :: "l"(p + off));
 }
 
 // Chunks [c0, c1) of a strip of nc chunks for K slice ks of ksplit.
@@ -340,21 +303,28 @@ CUPOOL_DEVICE int slot_lane(const Smem& m, int u) {
     return (int)threadIdx.x < m.unit_count[u] ? (int)m.unit_lanes[u * NT + threadIdx.x] : -1;
 }
 
-// Warp 0 sends item `it`'s strips toward L2 (one contiguous span of its unit's row).
-CUPOOL_DEVICE void prefetch_item(const Smem& m, int first, int n13, int it, int lane) {
+// Items of the launch: units [first, first + count), n13 w13 items, then w2 items up to total.
+struct Sched { int first, n13, total; };
+
+// After an item issued its own loads, warp 0 sends the strips of the block's next item (`next`:
+// thread 0's claimed ticket; total if none) toward L2: one contiguous span of its unit's row.
+CUPOOL_DEVICE void prefetch_next(const Smem& m, const Sched& sc, int next) {
+    if (!PF_NEXT || threadIdx.x >= 32) return;
+    const int it = __shfl_sync(0xffffffffu, next, 0);
+    if (it >= sc.total) return;
     i64 off, bytes;
     int u;
-    if (it < n13) {
-        u = first + it / NP;
+    if (it < sc.n13) {
+        u = sc.first + it / NP;
         off = 256 + (i64)(2 * (it % NP)) * W13_STRIP;
         bytes = 2LL * W13_STRIP;
     } else {
-        const int i = it - n13, s0 = (i % G2) * WM2;
-        u = first + i / G2;
+        const int i = it - sc.n13, s0 = (i % G2) * WM2;
+        u = sc.first + i / G2;
         off = W2_OFFSET + (i64)s0 * W2_STRIP;
         bytes = (i64)min(WM2, NS - s0) * W2_STRIP;
     }
-    warp_prefetch(reinterpret_cast<const u8*>(m.unit_addr[u]) + off, bytes, lane);
+    warp_prefetch(reinterpret_cast<const u8*>(m.unit_addr[u]) + off, bytes, threadIdx.x);
 }
 
 // Thread 0 waits until *counter reaches `target` (acquire), then the block goes on together.
@@ -370,7 +340,8 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
 }
 
 // w13 item: gate and up strips of pair p of unit u; warps 0..3 slice gate's K, 4..7 up's.
-CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item) {
+CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, const Sched& sc, int next, int u, int p,
+                            int item) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int s = warp / KS13, ks = warp % KS13;
@@ -388,6 +359,7 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
     }
     __syncthreads();
     stamp(a.trace, item, 1);
+    prefetch_next(m, sc, next);           // after the barrier: only warp 0 waits for the ticket
     const int ntiles = (m.unit_count[u] + 7) >> 3;
     const int g = lane >> 2, t = lane & 3, hidden = a.hidden;
     const u16* xrow[NTILES];
@@ -421,7 +393,8 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
 }
 
 // w2 item: output strips grp·WM2 ... of unit u, each split over KS2 warps along K.
-CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last, int item) {
+CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, const Sched& sc, int next, int u, int grp,
+                           int* s_last, int item) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp / KS2, ks = warp % KS2;
@@ -432,6 +405,7 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     if (st < NS) k_slice(ks, KS2, NC2, c0, c1);
     WarpStages& ws = m.stages[warp];
     issue_first<IP>(ws, strip, c0, c1, lane);
+    prefetch_next(m, sc, next);
     const float gs_down = reinterpret_cast<const float*>(row)[2];
     if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
     wait_count(a.unit_done + u, NP, a.error);                  // the unit's act is complete
@@ -494,11 +468,12 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
            u32* __restrict__ amax,               // [W] zero at rest
            float* __restrict__ yw,               // [W, HP]
            i32* __restrict__ group_done,         // [G2] zero at rest
-           i32* __restrict__ sync,               // [1 + W] zero at rest
+           i32* __restrict__ sync,               // [2 + W] zero at rest
            u16* __restrict__ out,                // [T, H]
            i32* __restrict__ error,
            u64* __restrict__ trace) {            // DECODE_TRACE only (else unused, may be null)
     extern __shared__ __align__(16) u8 smem[];
+    __shared__ int s_ticket;
     __shared__ int s_last, s_held, s_total;
     __shared__ Args a;                    // in shared memory: registers stay with the K loop
     const Smem m = carve(smem);
@@ -507,10 +482,8 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
         a.trace = trace;
         a.x = x; a.topk = topk; a.tokens = tokens; a.hidden = hidden;
         a.act = act; a.amax = amax; a.yw = yw; a.group_done = group_done;
-        a.unit_done = sync + 1; a.out = out; a.error = error;
+        a.unit_done = sync + 2; a.out = out; a.error = error;
     }
-    if (threadIdx.x < 32) prefetch_lanes(lane_addr, lane_fresh, W, part, threadIdx.x);
-    if (XPF_BYTES > 0) prefetch_x_l1(x, tokens, hidden);
     {   // unit table of the call; scratch in the (not yet used) stages
         i64* s_addr = reinterpret_cast<i64*>(m.stages);
         int* s_base = reinterpret_cast<int*>(s_addr + THREADS);
@@ -537,26 +510,35 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     rg.first = part == 1 ? s_held : 0;
     rg.count = (part == 0 ? s_held : s_total) - rg.first;
     const int n13 = rg.count * NP, total = n13 + rg.count * G2;
-    for (int item = blockIdx.x; item < total; item += gridDim.x) {
-        if (PF_ITEM && threadIdx.x < 32 && item + (int)gridDim.x < total)
-            prefetch_item(m, rg.first, n13, item + gridDim.x, threadIdx.x);
+    const Sched sc{rg.first, n13, total};
+    // Block b < base starts on item b without a ticket; later items are claimed from the counter
+    // (numbered from base), one ahead: the claim is issued when an item starts and its answer is
+    // only needed when the item ends, so the atomic's round trip is hidden.
+    const int bid = blockIdx.x, base = min(total, (int)gridDim.x);
+    int item = bid < base ? bid : total;
+    while (item < total) {
+        int next = total;
+        if (threadIdx.x == 0 && base < total) next = base + atomicAdd(sync, 1);
         if (item < n13) {
-            w13_item(a, m, rg.first + item / NP, item % NP, item);
+            w13_item(a, m, sc, next, rg.first + item / NP, item % NP, item);
         } else {
             const int i = item - n13;
-            w2_item(a, m, rg.first + i / G2, i % G2, &s_last, item);
+            w2_item(a, m, sc, next, rg.first + i / G2, i % G2, &s_last, item);
         }
-        __syncthreads();                                       // shared memory free for the next
+        if (threadIdx.x == 0) s_ticket = next;
+        __syncthreads();                                       // next item known, smem free
+        item = s_ticket;
     }
     // the last block out puts the counters and its lanes' amax back to zero for the next launch
     if (threadIdx.x == 0) {
         __threadfence();
-        if (atomicAdd(sync, 1) == (int)gridDim.x - 1) {
+        if (atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
             for (int u = rg.first; u < rg.first + rg.count; ++u) {
                 a.unit_done[u] = 0;
                 for (int s = 0; s < m.unit_count[u]; ++s) amax[m.unit_lanes[u * NT + s]] = 0u;
             }
             sync[0] = 0;
+            sync[1] = 0;
             __threadfence();
         }
     }
