@@ -26,12 +26,12 @@ def table(fn, label, reps=5):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
-SWEEP = ({}, {"PF_NEXT": 0}, {"W2_KSPLIT": 1})
+SWEEP = ({}, {"W2_KSPLIT": 1}, {"W2_KSPLIT": 4}, {"MINB": 2})
 
 
 def sweep(layers: int = 16):
     """Decode layer time (T=1 and 4 at H=2048, T=1 at H=4096) for variants of moe_decode's
-    compile-time switches (prefetch of the next item, split of w2's K)."""
+    compile-time switches (split of w2's K, blocks per SM)."""
     from bench_gemm import bench_decode
     gen = torch.Generator(device="cuda").manual_seed(0)
     for extra in SWEEP:

@@ -19,13 +19,6 @@ CUPOOL_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
         :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// Start moving `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory into
-// L2 and return at once; nothing waits for it and nothing tracks it (a hint: later loads of the
-// range find it in L2, or in flight there, instead of each paying the full DRAM latency).
-CUPOOL_DEVICE void bulk_prefetch_l2(const void* src, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
-}
-
 // Start a bulk store of `bytes` from shared memory to global memory; tracked by bulk async-groups.
 CUPOOL_DEVICE void bulk_store(void* dst, u32 src, u32 bytes) {
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"

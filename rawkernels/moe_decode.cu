@@ -14,12 +14,6 @@
 // item waits for is running or will run (if another kernel holds some SMs, as soon as it ends).
 // A wait that still runs past ~1 s sets error bit 8 and goes on (wrong output, never a hang).
 //
-// Prefetch: a block's items run one after another, and each item's loads wait the full DRAM
-// latency under load (~2 µs) before its K loop starts. So once an item has issued its own loads,
-// warp 0 sends the strips of the block's next item (its ticket is claimed when this item starts)
-// toward L2, and the next item's loads find them there or on the way. After, not before, the
-// item's own loads: the prefetch goes through the same copy-engine queue as its bulk copies.
-//
 // Weights go global → shared memory per warp in two stages of 4 chunks (4.6 KB): packed words by
 // the bulk-copy engine, scale words by cp.async, so the bytes in flight are bounded by shared
 // memory, not registers. w13 multiplies x as it is: its weights are dequantised to the model's
@@ -70,9 +64,6 @@
 #endif
 #ifndef DECODE_TRACE
 #define DECODE_TRACE 0    // 1: globaltimer stamps of each item's phases into `trace` (profiling)
-#endif
-#ifndef PF_NEXT
-#define PF_NEXT 1         // 1: each item sends the block's next item's strips toward L2
 #endif
 #define TRACE_ITEMS 8192  // trace: [TRACE_ITEMS][4] item stamps, then [grid][2] block stamps
 
@@ -131,13 +122,6 @@ CUPOOL_DEVICE u32x4 ld_u32x4_cg(const void* p) {
     asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
-}
-
-// The warp sends [p, p + bytes) toward L2, one piece a lane (bytes a multiple of 16).
-CUPOOL_DEVICE void warp_prefetch(const u8* p, i64 bytes, int lane) {
-    const i64 piece = (bytes + 32 * 16 - 1) / (32 * 16) * 16;
-    const i64 off = lane * piece;
-    if (off < bytes) bulk_prefetch_l2(p + off, (u32)min(piece, bytes - off));
 }
 
 // Chunks [c0, c1) of a strip of nc chunks for K slice ks of ksplit.
@@ -303,30 +287,6 @@ CUPOOL_DEVICE int slot_lane(const Smem& m, int u) {
     return (int)threadIdx.x < m.unit_count[u] ? (int)m.unit_lanes[u * NT + threadIdx.x] : -1;
 }
 
-// Items of the launch: units [first, first + count), n13 w13 items, then w2 items up to total.
-struct Sched { int first, n13, total; };
-
-// After an item issued its own loads, warp 0 sends the strips of the block's next item (`next`:
-// thread 0's claimed ticket; total if none) toward L2: one contiguous span of its unit's row.
-CUPOOL_DEVICE void prefetch_next(const Smem& m, const Sched& sc, int next) {
-    if (!PF_NEXT || threadIdx.x >= 32) return;
-    const int it = __shfl_sync(0xffffffffu, next, 0);
-    if (it >= sc.total) return;
-    i64 off, bytes;
-    int u;
-    if (it < sc.n13) {
-        u = sc.first + it / NP;
-        off = 256 + (i64)(2 * (it % NP)) * W13_STRIP;
-        bytes = 2LL * W13_STRIP;
-    } else {
-        const int i = it - sc.n13, s0 = (i % G2) * WM2;
-        u = sc.first + i / G2;
-        off = W2_OFFSET + (i64)s0 * W2_STRIP;
-        bytes = (i64)min(WM2, NS - s0) * W2_STRIP;
-    }
-    warp_prefetch(reinterpret_cast<const u8*>(m.unit_addr[u]) + off, bytes, threadIdx.x);
-}
-
 // Thread 0 waits until *counter reaches `target` (acquire), then the block goes on together.
 CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
     if (threadIdx.x == 0) {
@@ -340,8 +300,7 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
 }
 
 // w13 item: gate and up strips of pair p of unit u; warps 0..3 slice gate's K, 4..7 up's.
-CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, const Sched& sc, int next, int u, int p,
-                            int item) {
+CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int s = warp / KS13, ks = warp % KS13;
@@ -359,7 +318,6 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, const Sched& sc, int n
     }
     __syncthreads();
     stamp(a.trace, item, 1);
-    prefetch_next(m, sc, next);           // after the barrier: only warp 0 waits for the ticket
     const int ntiles = (m.unit_count[u] + 7) >> 3;
     const int g = lane >> 2, t = lane & 3, hidden = a.hidden;
     const u16* xrow[NTILES];
@@ -393,8 +351,7 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, const Sched& sc, int n
 }
 
 // w2 item: output strips grp·WM2 ... of unit u, each split over KS2 warps along K.
-CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, const Sched& sc, int next, int u, int grp,
-                           int* s_last, int item) {
+CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last, int item) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp / KS2, ks = warp % KS2;
@@ -405,7 +362,6 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, const Sched& sc, int ne
     if (st < NS) k_slice(ks, KS2, NC2, c0, c1);
     WarpStages& ws = m.stages[warp];
     issue_first<IP>(ws, strip, c0, c1, lane);
-    prefetch_next(m, sc, next);
     const float gs_down = reinterpret_cast<const float*>(row)[2];
     if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
     wait_count(a.unit_done + u, NP, a.error);                  // the unit's act is complete
@@ -510,7 +466,6 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     rg.first = part == 1 ? s_held : 0;
     rg.count = (part == 0 ? s_held : s_total) - rg.first;
     const int n13 = rg.count * NP, total = n13 + rg.count * G2;
-    const Sched sc{rg.first, n13, total};
     // Block b < base starts on item b without a ticket; later items are claimed from the counter
     // (numbered from base), one ahead: the claim is issued when an item starts and its answer is
     // only needed when the item ends, so the atomic's round trip is hidden.
@@ -520,10 +475,10 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
         int next = total;
         if (threadIdx.x == 0 && base < total) next = base + atomicAdd(sync, 1);
         if (item < n13) {
-            w13_item(a, m, sc, next, rg.first + item / NP, item % NP, item);
+            w13_item(a, m, rg.first + item / NP, item % NP, item);
         } else {
             const int i = item - n13;
-            w2_item(a, m, sc, next, rg.first + i / G2, i % G2, &s_last, item);
+            w2_item(a, m, rg.first + i / G2, i % G2, &s_last, item);
         }
         if (threadIdx.x == 0) s_ticket = next;
         __syncthreads();                                       // next item known, smem free
