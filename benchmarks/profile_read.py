@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import torch
 
 from _common import capture, hbm_read_GBps, save, time_ms
@@ -40,13 +39,13 @@ def probe(rows, stride, E, n, layers, placement, kernel, grid, gen, hbm):
     for layer in range(layers):
         pick = (torch.randperm(E, generator=gen)[:n] if placement == "scattered" else torch.arange(n))
         addrs.append((rows.data_ptr() + (layer * E + pick) * stride).to("cuda"))
-    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sink = torch.zeros(grid, dtype=torch.int32, device="cuda")
     if kernel == "plain":
         fn = kernels.function("read_probe", "read_rows")
-        args = lambda a: (a, kernels.i32(n), kernels.i32(row_bytes // 16), np.uint32(0x9E3779B9), sink)  # noqa: E731
+        args = lambda a: (a, kernels.i32(n), kernels.i32(row_bytes // 16), sink)  # noqa: E731
     else:
         fn = kernels.function("read_probe", "read_rows_bulk")
-        args = lambda a: (a, kernels.i32(n), kernels.i32(row_bytes // PIECE), np.uint32(0x9E3779B9), sink)  # noqa: E731
+        args = lambda a: (a, kernels.i32(n), kernels.i32(row_bytes // PIECE), sink)  # noqa: E731
     g = capture(lambda layer: kernels.launch(fn, grid, 256, args(addrs[layer])), layers)
     us = time_ms(g.replay, warmup=3, iters=30) / layers * 1e3
     gbps = n * row_bytes / us / 1e3
