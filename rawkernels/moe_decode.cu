@@ -272,14 +272,6 @@ struct Args {
     i32* error;
 };
 
-// A word of x. x does not change during the launch, so the load is not volatile: the compiler may
-// issue it early (ahead of the stage's wait) and fold the address into an immediate offset.
-CUPOOL_DEVICE u32 ld_x(const u32* p) {
-    u32 v;
-    asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
 // Two activations (k, k+1) of a token row as the B fragment word; 0 past the row's end.
 CUPOOL_DEVICE u32 x_pair(const u16* row, int k, int hidden) {
     if (row == nullptr || (!HFULL && k >= hidden)) return 0u;
@@ -328,39 +320,20 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
     stamp(a.trace, item, 1);
     const int ntiles = (m.unit_count[u] + 7) >> 3;
     const int g = lane >> 2, t = lane & 3, hidden = a.hidden;
-    float acc[NTILES][4] = {};
-    // B straight from x in the model's dtype
-#if XALIGN && HFULL
-    // one word pointer per n-tile at this lane's first column of the slice: each B word is then
-    // one load at an immediate offset (the general path below spent ~35 instructions of a chunk's
-    // ~140 on x addresses)
-    const u32* xw[NTILES];
-#pragma unroll
-    for (int nt = 0; nt < NTILES; ++nt) {
-        const int l = m.si->lane[nt * 8 + g];
-        xw[nt] = l >= 0 ? reinterpret_cast<const u32*>(a.x + (i64)(l / a.topk) * hidden + c0 * 64 + 2 * t)
-                        : nullptr;
-    }
-    run_stages<IN_BF16, HP>(ws, strip, c0, c1, ntiles, acc, lane,
-                            [&](int c, int nt, int q, u32& b0, u32& b1) {
-        const int k = (c - c0) * 32 + q * 8;                   // words
-        b0 = xw[nt] != nullptr ? ld_x(xw[nt] + k) : 0u;
-        b1 = xw[nt] != nullptr ? ld_x(xw[nt] + k + 4) : 0u;
-    });
-#else
     const u16* xrow[NTILES];
 #pragma unroll
     for (int nt = 0; nt < NTILES; ++nt) {
         const int l = m.si->lane[nt * 8 + g];
         xrow[nt] = l >= 0 ? a.x + (i64)(l / a.topk) * hidden : nullptr;
     }
+    float acc[NTILES][4] = {};
+    // B straight from x in the model's dtype (plain loads: the compiler may hoist them)
     run_stages<IN_BF16, HP>(ws, strip, c0, c1, ntiles, acc, lane,
                             [&](int c, int nt, int q, u32& b0, u32& b1) {
         const int k = c * 64 + q * 16 + 2 * t;
         b0 = x_pair(xrow[nt], k, hidden);
         b1 = x_pair(xrow[nt], k + 8, hidden);
     });
-#endif
     stamp(a.trace, item, 2);
     put_partial(m, warp, lane, acc);
     __syncthreads();
