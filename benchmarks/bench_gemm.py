@@ -5,13 +5,18 @@
   layer's experts so nothing is served from L2; achieved = bytes of the distinct experts' rows /
   time, as a fraction of the HBM read bandwidth.
 - prefill, all experts resident (T=512, 2048): time / torch bf16 on already-dequantized weights
-  (best of a per-expert matmul loop and torch._grouped_mm) on the same routing.
+  (best of a per-expert matmul loop and torch._grouped_mm) on the same routing. Timed on the
+  resident path (no host store: one GEMM pair) and, beside it, on the partition path with the
+  host store attached and nothing on the host (what a Pool call does: one GEMM pair a scratch
+  chunk, each launched from Python), with the host time of each call.
 - prefill, half the experts in pinned host memory: time / (their bytes ÷ PCIe H2D bandwidth).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +101,18 @@ def torch_baseline(x, ids, w, w13, w2):
     return results
 
 
+def host_ms(fn, iters=20):
+    """Median host (Python + launch) milliseconds of one call, the device idle before each."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def bench_prefill(layout, E, T, K, gen, pcie, host_fraction):
     rows = random_rows_fast(layout, E, device="cuda")
     stride = -(-layout.row_bytes // 256) * 256
@@ -114,9 +131,15 @@ def bench_prefill(layout, E, T, K, gen, pcie, host_fraction):
     ids, w = routing(T, K, E, gen)
     out = torch.empty_like(x)
     run = lambda: gemm.prefill(x, ids, w, expert_addr, host_addr=store.address_table(), out=out)  # noqa: E731
-    ms = time_ms(run, warmup=2, iters=10)
+    resident = lambda: gemm.prefill(x, ids, w, expert_addr, out=out)  # noqa: E731
     res = {"T": T, "K": K, "H": layout.hidden, "I": layout.intermediate, "E": E,
-           "host_fraction": host_fraction, "ms": ms}
+           "host_fraction": host_fraction}
+    if host_fraction == 0:
+        res.update(partition_path_ms=time_ms(run, warmup=2, iters=10),
+                   partition_path_host_ms=host_ms(run))
+        run = resident
+    res.update(ms=time_ms(run, warmup=2, iters=10), host_ms=host_ms(run))
+    ms = res["ms"]
     if host_fraction == 0:
         w13 = torch.empty(E, 2 * layout.intermediate, layout.hidden, dtype=torch.bfloat16, device="cuda")
         w2 = torch.empty(E, layout.hidden, layout.intermediate, dtype=torch.bfloat16, device="cuda")
@@ -150,12 +173,13 @@ def main(argv=None):
                    choices=["fused", "pair"], help="MoEGemm decode_kernel values to time")
     p.add_argument("--prefill-tokens", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
     args = p.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     hbm_read, hbm_copy, pcie = hbm_read_GBps(), hbm_copy_GBps(), pcie_h2d_GBps()
     print(f"limits: HBM read {hbm_read:.0f} GB/s, HBM copy {hbm_copy:.0f} GB/s, PCIe H2D {pcie:.1f} GB/s")
     decode, prefill = [], []
-    for dims in args.dims:
+    for dims in [] if args.skip_decode else args.dims:
         H, I = map(int, dims.split("x"))
         layout = RowLayout(H, I)
         for T, kernel in [(T, k) for T in args.decode_tokens for k in args.decode_kernels]:
@@ -170,10 +194,12 @@ def main(argv=None):
                 r = bench_prefill(layout, args.experts, T, 8, gen, pcie, frac)
                 prefill.append(r)
                 if frac == 0:
-                    print(f"prefill T={T} resident: {r['ms']:.3f} ms, torch bf16 best "
-                          f"{r['torch_best_ms']:.3f} ms, ratio {r['ratio_to_torch']:.2f}")
+                    print(f"prefill T={T} resident: {r['ms']:.3f} ms (host {r['host_ms']:.3f}), "
+                          f"torch bf16 best {r['torch_best_ms']:.3f} ms, ratio {r['ratio_to_torch']:.2f}; "
+                          f"partition path, nothing on host: {r['partition_path_ms']:.3f} ms "
+                          f"(host {r['partition_path_host_ms']:.3f})")
                 else:
-                    print(f"prefill T={T} half on host: {r['ms']:.3f} ms, PCIe bound "
+                    print(f"prefill T={T} half on host: {r['ms']:.3f} ms (host {r['host_ms']:.3f}), PCIe bound "
                           f"{r['pcie_bound_ms']:.3f} ms, ratio {r['ratio_to_pcie_bound']:.2f}")
     save("bench_gemm", {"hbm_read_GBps": hbm_read, "hbm_copy_GBps": hbm_copy,
                         "pcie_h2d_GBps": pcie, "decode": decode, "prefill": prefill})
