@@ -130,3 +130,24 @@ def test_launch_refuses_a_block_larger_than_the_kernel_allows():
 
     with pytest.raises(ValueError, match=r"1024 threads .*\(640: 96 registers"):
         kernels.launch(Stub(), 1, 1024, ())
+
+
+def test_pack_args_gives_each_argument_its_bits_in_an_8_byte_slot():
+    """The argument array cuLaunchKernel reads: tensors as their address, numpy scalars as their
+    bits (4-byte ones in the low half, negatives two's complement, floats by bit pattern); any
+    other argument leaves the launch to CuPy (None)."""
+    import torch
+
+    from cupool import kernels
+
+    t = torch.zeros(3)
+    got = kernels.pack_args((t, np.int32(-1), np.float32(2.0), np.uint64(5), np.int64(-2),
+                             kernels.NULL, np.uint32(7)))
+    assert got.dtype == np.uint64
+    assert [int(v) for v in got] == [t.data_ptr(), 0xFFFFFFFF, 0x40000000, 5,
+                                     0xFFFFFFFFFFFFFFFE, 0, 7]
+    assert kernels.pack_args((1,)) is None                  # width unknown: CuPy converts it
+    assert kernels.pack_args((np.int16(1),)) is None
+    assert kernels.pack_args((np.bool_(True),)) is None
+    assert kernels.pack_args(tuple(np.int32(i) for i in range(65))) is None
+    assert kernels.pack_args(()).size == 0

@@ -188,3 +188,18 @@ def test_report_agrees_with_nvml():
     text = str(r)
     assert "NVML total" in text and "torch allocated" in text
     del keep
+
+
+def test_launch_takes_the_packed_argument_path():
+    """cupool's kernels launch through cuLaunchKernel with packed arguments (kernels.launch), not
+    CuPy's per-argument conversion: the CUfunction handle is found, and a launch with every
+    argument kind (tensor, f32, i32) computes the reference."""
+    k = kernels.function("selftest", "axpb")
+    assert kernels._function_handle(k) is not None
+    n = 4099
+    x = torch.randn(n, device="cuda")
+    b = torch.tensor([-1.5], device="cuda")
+    y = torch.full_like(x, float("nan"))
+    kernels.launch(k, 3, 128, (x, b, y, kernels.f32(-0.75), kernels.i32(n)))
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, x * -0.75 + b, rtol=1e-6, atol=1e-6)   # FMA vs mul + add
