@@ -113,7 +113,7 @@ def host_ms(fn, iters=20):
     return statistics.median(times)
 
 
-def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, reserve_sms=None):
+def bench_prefill(layout, E, T, K, gen, pcie, host_fraction):
     rows = random_rows_fast(layout, E, device="cuda")
     stride = -(-layout.row_bytes // 256) * 256
     bank = torch.zeros(E, stride, dtype=torch.uint8, device="cuda")
@@ -127,14 +127,13 @@ def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, reserve_sms=None):
     addr = bank.data_ptr() + torch.arange(E, device="cuda") * stride
     expert_addr = torch.where(on_host.cuda(), torch.zeros_like(addr), addr)
     gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E)
-    gemm.prefill_reserve_sms = reserve_sms
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(T, K, E, gen)
     out = torch.empty_like(x)
     run = lambda: gemm.prefill(x, ids, w, expert_addr, host_addr=store.address_table(), out=out)  # noqa: E731
     resident = lambda: gemm.prefill(x, ids, w, expert_addr, out=out)  # noqa: E731
     res = {"T": T, "K": K, "H": layout.hidden, "I": layout.intermediate, "E": E,
-           "host_fraction": host_fraction, "reserve_sms": reserve_sms}
+           "host_fraction": host_fraction}
     if host_fraction == 0:
         res.update(partition_path_ms=time_ms(run, warmup=2, iters=10),
                    partition_path_host_ms=host_ms(run))
@@ -175,8 +174,6 @@ def main(argv=None):
     p.add_argument("--prefill-tokens", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
-    p.add_argument("--prefill-reserve-sms", type=int, default=None,
-                   help="MoEGemm.prefill_reserve_sms (default: the copier's blocks)")
     args = p.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     hbm_read, hbm_copy, pcie = hbm_read_GBps(), hbm_copy_GBps(), pcie_h2d_GBps()
@@ -194,7 +191,7 @@ def main(argv=None):
         layout = RowLayout(2048, 768)
         for T in args.prefill_tokens:
             for frac in (0.0, 0.5):
-                r = bench_prefill(layout, args.experts, T, 8, gen, pcie, frac, args.prefill_reserve_sms)
+                r = bench_prefill(layout, args.experts, T, 8, gen, pcie, frac)
                 prefill.append(r)
                 if frac == 0:
                     print(f"prefill T={T} resident: {r['ms']:.3f} ms (host {r['host_ms']:.3f}), "

@@ -213,11 +213,6 @@ class MoEGemm:
             )
         self._copier = None
         self._copy_stream = None          # prefill's scratch copies (made on first use)
-        # SMs the prefill GEMM leaves free while the scratch copies run beside it (None: as many
-        # as the copier has blocks). A bulk copier block holds 128 KiB of shared memory and cannot
-        # share an SM with a GEMM block, so with a full persistent grid the copies waited for the
-        # GEMM. bench_gemm --prefill-reserve-sms compares.
-        self.prefill_reserve_sms: int | None = None
         self._events: list = []           # per chunk: (copied, free), made on first use
         self._grids: dict[tuple, int] = {}
         self._pairs: dict = {}            # per config: resolved kernels, grids, shared memory
@@ -277,13 +272,8 @@ class MoEGemm:
         return got
 
     def _run_gemm(self, cfg, rng, unit_addr, unit_lanes, unit_count, xh, xscale, act, amax,
-                  lane_w, tokens, out, yw=None, group_done=None, out32=None, all_rng=None,
-                  free_sms=0):
-        """One w13 + w2 pair. free_sms: SMs the persistent grids leave to a kernel beside them."""
+                  lane_w, tokens, out, yw=None, group_done=None, out32=None, all_rng=None):
         threads, w13, g13, s13, w2, g2, s2 = self._gemm_pair(cfg)
-        if free_sms:
-            keep = max(1, self.sms - free_sms)
-            g13, g2 = g13 // self.sms * keep, g2 // self.sms * keep
         kernels.launch(w13, g13, threads, (
             rng, unit_addr, unit_lanes, unit_count, xh, xscale, kernels.i32(self.topk), act, amax),
             shared_mem=s13, device=self.device)
@@ -457,7 +447,6 @@ class MoEGemm:
             self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)
         else:
             copier, C, nbuf = self._scratch_copier(host_addr), self._chunk, self._nbuf
-            free = copier.blocks if self.prefill_reserve_sms is None else self.prefill_reserve_sms
             main = torch.cuda.current_stream(self.device)
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(self.device)
@@ -472,11 +461,10 @@ class MoEGemm:
 
             for c in range(min(nbuf, nchunks)):
                 copy(c)
-            self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32, free_sms=free)  # resident
+            self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)   # resident experts
             for c in range(nchunks):
                 main.wait_event(self._events[c][0])
-                self._run_gemm(cfg, p["phase_off"][c + 1:c + 3], *args, out32=out32,
-                               free_sms=free if c + 1 < nchunks else 0)  # copy c+1 beside it
+                self._run_gemm(cfg, p["phase_off"][c + 1:c + 3], *args, out32=out32)
                 if c + nbuf < nchunks:               # buffer c % nbuf is free after this GEMM
                     self._events[c][1].record(main)
                     side.wait_event(self._events[c][1])
