@@ -9,6 +9,10 @@ System headers (`<...>`) are left to NVRTC; cupool's kernels use none.
 
 Options: `-std=c++17`, the device's own compute capability (CuPy picks it), `-D` defines from the
 caller, and `-lineinfo` when CUPOOL_KERNEL_DEBUG=1.
+
+`launch` puts a kernel on torch's current stream with cuLaunchKernel and the arguments packed in
+one array (`pack_args`); eager prefill calls make ~30 launches, and CuPy's own call spent ~45 µs
+of Python on each.
 """
 
 from __future__ import annotations
