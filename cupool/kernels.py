@@ -154,9 +154,11 @@ def function(name: str, kernel: str, defines: dict | None = None, device=None):
     return fn
 
 
-_max_threads: dict[int, int] = {}     # id(kernel) -> its largest block (registers allowing)
-_smem_set: dict[int, int] = {}        # id(kernel) -> dynamic shared memory it was allowed
-_fptr: dict[int, object] = {}         # id(kernel) -> its CUfunction handle (None: CuPy's call)
+# Per-kernel facts keyed by id(kernel). Each entry also holds the kernel itself, so an id is never
+# reused by another object while its entry exists (kernels from `function` live for the process).
+_max_threads: dict[int, tuple] = {}   # id -> (kernel, its largest block, registers allowing)
+_smem_set: dict[int, tuple] = {}      # id -> (kernel, dynamic shared memory it was allowed)
+_fptr: dict[int, tuple] = {}          # id -> (kernel, CUfunction handle or None: CuPy's call)
 _SLOT_MASK = {4: 0xFFFFFFFF, 8: 0xFFFFFFFFFFFFFFFF}
 _SLOT_OFFSETS = np.arange(64, dtype=np.uint64) * np.uint64(8)
 
@@ -182,12 +184,13 @@ def pack_args(args) -> np.ndarray | None:
 
 def _function_handle(kernel):
     """The CUfunction of a CuPy RawKernel (None for anything else: stand-ins, other objects)."""
-    key = id(kernel)
-    if key not in _fptr:
+    got = _fptr.get(id(kernel))
+    if got is None:
         fn = getattr(kernel, "kernel", None)
         ptr = getattr(fn, "ptr", None)
-        _fptr[key] = int(ptr) if isinstance(ptr, (int, np.integer)) and ptr else None
-    return _fptr[key]
+        got = _fptr[id(kernel)] = (kernel, int(ptr) if isinstance(ptr, (int, np.integer)) and ptr
+                                   else None)
+    return got[1]
 
 
 def _raw_stream(idx: int) -> int:
@@ -208,16 +211,17 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None) -> None:
     grid = grid if isinstance(grid, tuple) else (int(grid),)
     block = block if isinstance(block, tuple) else (int(block),)
     threads = math.prod(block)
-    limit = _max_threads.get(id(kernel))
-    if limit is None:
-        limit = _max_threads[id(kernel)] = int(kernel.max_threads_per_block)
+    got = _max_threads.get(id(kernel))
+    if got is None:
+        got = _max_threads[id(kernel)] = (kernel, int(kernel.max_threads_per_block))
+    limit = got[1]
     if threads > limit:
         raise ValueError(f"block of {threads} threads is more than this kernel can launch "
                          f"({limit}: {kernel.num_regs} registers a thread); use fewer threads")
-    if shared_mem > 48 * 1024 and _smem_set.get(id(kernel), 0) < shared_mem:
+    if shared_mem > 48 * 1024 and _smem_set.get(id(kernel), (None, 0))[1] < shared_mem:
         if kernel.max_dynamic_shared_size_bytes < shared_mem:
             kernel.max_dynamic_shared_size_bytes = shared_mem
-        _smem_set[id(kernel)] = shared_mem
+        _smem_set[id(kernel)] = (kernel, shared_mem)
     idx = _cuda.device_index(device)
     fptr = _function_handle(kernel)
     packed = pack_args(args) if fptr is not None and idx == torch.cuda.current_device() else None

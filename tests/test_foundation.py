@@ -151,3 +151,21 @@ def test_pack_args_gives_each_argument_its_bits_in_an_8_byte_slot():
     assert kernels.pack_args((np.bool_(True),)) is None
     assert kernels.pack_args(tuple(np.int32(i) for i in range(65))) is None
     assert kernels.pack_args(()).size == 0
+
+
+def test_function_handle_is_found_and_cached_per_kernel_object():
+    """launch takes the packed path only for objects with a CUfunction handle (CuPy kernels:
+    .kernel.ptr); anything else keeps CuPy's call. The cache keeps each object alive, so a
+    later object never inherits a freed one's handle through a reused id."""
+    from types import SimpleNamespace
+
+    from cupool import kernels
+
+    with_handle = SimpleNamespace(kernel=SimpleNamespace(ptr=0x1234))
+    assert kernels._function_handle(with_handle) == 0x1234
+    assert kernels._function_handle(SimpleNamespace()) is None
+    assert kernels._function_handle(SimpleNamespace(kernel=SimpleNamespace(ptr=0))) is None
+    for i in range(50):                                    # make, look up, drop, repeat:
+        k = SimpleNamespace(kernel=SimpleNamespace(ptr=1000 + i))
+        assert kernels._function_handle(k) == 1000 + i     # never an earlier object's handle
+        del k
