@@ -87,6 +87,27 @@ def hbm_read_GBps(nbytes: int = 2 << 30) -> float:
     return nbytes / ms / 1e6
 
 
+class ExpertRows:
+    """E random NVFP4 expert rows of one layer in GPU memory, each at a 256-byte-aligned stride:
+    `bank` [E, stride] uint8, `addr` int64 [E] (each row's device address), `cpu` the rows on
+    the host, and with store=True `store`, a sealed one-layer HostStore of the same rows (close
+    it when done)."""
+
+    def __init__(self, layout, E: int, store: bool = False):
+        from cupool import HostStore
+        from cupool.synthetic import random_rows_fast
+        rows = random_rows_fast(layout, E, device="cuda")
+        self.bank = torch.zeros(E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")
+        self.bank[:, :layout.row_bytes] = rows
+        self.addr = self.bank.data_ptr() + torch.arange(E, device="cuda") * self.bank.stride(0)
+        self.cpu = rows.cpu()
+        self.store = None
+        if store:
+            self.store = HostStore(1, E, layout.row_bytes)
+            self.store.fill(lambda _l: self.cpu, progress=False)
+            self.store.seal()
+
+
 def gpu_name() -> str:
     return torch.cuda.get_device_name()
 

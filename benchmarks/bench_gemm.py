@@ -21,9 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from _common import capture, hbm_copy_GBps, hbm_read_GBps, pcie_h2d_GBps, save, time_ms
+from _common import ExpertRows, capture, hbm_copy_GBps, hbm_read_GBps, pcie_h2d_GBps, save, time_ms
 
-from cupool import HostStore
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout, unpack_row
 from cupool.synthetic import dequantize_exact, random_rows_fast
@@ -114,17 +113,10 @@ def host_ms(fn, iters=20):
 
 
 def bench_prefill(layout, E, T, K, gen, pcie, host_fraction):
-    rows = random_rows_fast(layout, E, device="cuda")
-    stride = -(-layout.row_bytes // 256) * 256
-    bank = torch.zeros(E, stride, dtype=torch.uint8, device="cuda")
-    bank[:, :layout.row_bytes] = rows
-    store = HostStore(1, E, layout.row_bytes)
-    cpu_rows = rows.cpu()
-    store.fill(lambda _l: cpu_rows, progress=False)
-    store.seal()
+    er = ExpertRows(layout, E, store=True)
+    store, cpu_rows, addr = er.store, er.cpu, er.addr
     on_host = torch.zeros(E, dtype=torch.bool)
     on_host[torch.randperm(E, generator=torch.Generator().manual_seed(0))[:int(E * host_fraction)]] = True
-    addr = bank.data_ptr() + torch.arange(E, device="cuda") * stride
     expert_addr = torch.where(on_host.cuda(), torch.zeros_like(addr), addr)
     gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)

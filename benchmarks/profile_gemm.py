@@ -8,11 +8,10 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from _common import ROOT  # noqa: F401 (puts the checkout on sys.path)
+from _common import ExpertRows
 
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout
-from cupool.synthetic import random_rows_fast
 
 
 def table(fn, label, reps=5):
@@ -46,9 +45,8 @@ def trace(T: int = 1, E: int = 128):
     waits end, its K loop ends and it ends, as percentiles in µs from the first block's start."""
     import numpy as np
     layout = RowLayout(2048, 768)
-    rows = torch.zeros(E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")
-    rows[:, :layout.row_bytes] = random_rows_fast(layout, E, device="cuda")
-    addr = rows.data_ptr() + torch.arange(E, device="cuda") * rows.stride(0)
+    rows = ExpertRows(layout, E)                      # kept alive: addr points into rows.bank
+    addr = rows.addr
     gemm = MoEGemm(layout, 8, torch.bfloat16, max_decode_tokens=T)
     gemm._fused_extra = {"DECODE_TRACE": 1}
     items, blocks = 8192, 4096
@@ -102,9 +100,8 @@ def main(argv=None):
         return
     E, K = args.experts, 8
     layout = RowLayout(2048, 768)
-    rows = torch.zeros(E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")
-    rows[:, :layout.row_bytes] = random_rows_fast(layout, E, device="cuda")
-    addr = rows.data_ptr() + torch.arange(E, device="cuda") * rows.stride(0)
+    rows = ExpertRows(layout, E)                      # kept alive: addr points into rows.bank
+    addr = rows.addr
     for T in (1, 4):
         gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=T)
         x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)

@@ -16,12 +16,10 @@ import time
 
 import torch
 
-from _common import ROOT  # noqa: F401 (puts the checkout on sys.path)
+from _common import ExpertRows
 
-from cupool import HostStore
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout
-from cupool.synthetic import random_rows_fast
 
 
 def profile(fn, calls, top, label):
@@ -51,15 +49,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     E, K, T = 128, 8, args.tokens
     layout = RowLayout(2048, 768)
-    stride = -(-layout.row_bytes // 256) * 256
-    rows = random_rows_fast(layout, E, device="cuda")
-    bank = torch.zeros(E, stride, dtype=torch.uint8, device="cuda")
-    bank[:, :layout.row_bytes] = rows
-    store = HostStore(1, E, layout.row_bytes)
-    cpu_rows = rows.cpu()
-    store.fill(lambda _l: cpu_rows, progress=False)
-    store.seal()
-    addr = bank.data_ptr() + torch.arange(E, device="cuda") * stride
+    er = ExpertRows(layout, E, store=True)
+    store, addr = er.store, er.addr
     gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E, max_decode_tokens=1)
     x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(T, E, device="cuda").topk(K, dim=-1).indices

@@ -193,9 +193,15 @@ def _function_handle(kernel):
     return got[1]
 
 
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _raw_stream(idx: int) -> int:
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return int(get(idx)) if get is not None else torch.cuda.current_stream(idx).cuda_stream
+    """Handle of torch's current stream on device idx (the handle straight from torch's C API
+    where it has one: no Stream object made a launch)."""
+    if _current_raw_stream is not None:
+        return int(_current_raw_stream(idx))
+    return torch.cuda.current_stream(idx).cuda_stream
 
 
 def launch(kernel, grid, block, args, shared_mem: int = 0, device=None) -> None:
