@@ -25,19 +25,33 @@ def table(fn, label, reps=5):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
-SWEEP = ({}, {"W2_KSPLIT": 1}, {"W2_KSPLIT": 4}, {"MINB": 2})
+SWEEP = ("", "W2_KSPLIT=1", "W2_KSPLIT=4", "MINB=2")
 
 
-def sweep(layers: int = 16):
-    """Decode layer time (T=1 and 4 at H=2048, T=1 at H=4096) for variants of moe_decode's
-    compile-time switches (split of w2's K, blocks per SM)."""
+def parse_variant(text: str) -> dict:
+    """"A=1,B=2" -> {"A": 1, "B": 2}; "" or "default" -> {} (the kernel as built by default)."""
+    out = {}
+    for part in filter(None, text.replace("default", "").split(",")):
+        name, sep, value = part.partition("=")
+        if not sep or not name.isidentifier():
+            raise SystemExit(f"--sweep: variant {text!r}: expected NAME=INT[,NAME=INT...]")
+        out[name] = int(value)
+    return out
+
+
+def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1):
+    """Decode layer time (T=1 and 4 at H=2048, T=1 and 4 at H=4096) for variants of moe_decode's
+    compile-time switches (split of w2's K, blocks per SM, prefetch, profiling ablations)."""
     from bench_gemm import bench_decode
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for extra in SWEEP:
-        for (H, I), T in (((2048, 768), 1), ((2048, 768), 4), ((4096, 1536), 1)):
-            r = bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, extra=extra)
-            print(f"sweep H={H} T={T} {extra}: {r['us_per_layer']:6.1f} us/layer "
-                  f"{r['GBps']:7.0f} GB/s", flush=True)
+    for rep in range(repeats):
+        for text in variants:
+            extra = parse_variant(text)
+            for (H, I), T in (((2048, 768), 1), ((2048, 768), 4), ((4096, 1536), 1),
+                              ((4096, 1536), 4)):
+                r = bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, extra=extra)
+                print(f"sweep rep {rep} H={H} T={T} {text or 'default'}: "
+                      f"{r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s", flush=True)
 
 
 def trace(T: int = 1, E: int = 128):
@@ -87,12 +101,15 @@ def trace(T: int = 1, E: int = 128):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--sweep", action="store_true", help="time moe_decode variants, then exit")
+    p.add_argument("--sweep", nargs="*", metavar="NAME=INT[,...]",
+                   help="time moe_decode variants (compile-time switches; '' is the default "
+                        "build; none given: a split/occupancy sweep), then exit")
+    p.add_argument("--repeats", type=int, default=1, help="--sweep: rounds over the variants")
     p.add_argument("--trace", type=int, nargs="*", metavar="T",
                    help="timeline of moe_decode calls of T tokens (default 1), then exit")
     args = p.parse_args(argv)
-    if args.sweep:
-        sweep()
+    if args.sweep is not None:
+        sweep(args.sweep or SWEEP, repeats=args.repeats)
         return
     if args.trace is not None:
         for T in args.trace or [1]:

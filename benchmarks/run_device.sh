@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one device session runs, stage by stage: `benchmarks/run_device.sh tests sanitize bench
 # decode`. Logs and JSON go to $OUT (the device tool's output folder) or .out/; a summary of each
-# stage is printed last. BUNDLE=1 packs logs and benchmarks/results/ into $OUT/bundle.tgz.
+# stage is printed last. SWEEP="default XPREFETCH=0 ..." picks the moe_decode variants of `sweep`. BUNDLE=1 packs logs and benchmarks/results/ into $OUT/bundle.tgz.
 set -u
 OUT=${OUT:-.out}
 mkdir -p "$OUT"
@@ -26,7 +26,7 @@ for stage in "$@"; do
     sanitize-decode) for tool in memcheck racecheck synccheck; do
               run "decode_$tool" 200 compute-sanitizer --tool $tool python3 tests/gpu_decode_sanitize.py; done ;;
     profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
-    sweep)    run sweep 200 python3 benchmarks/profile_gemm.py --sweep ;;
+    sweep)    run sweep 300 python3 benchmarks/profile_gemm.py --sweep ${SWEEP:-} --repeats ${SWEEP_REPEATS:-1} ;;
     trace)    run trace 120 python3 benchmarks/profile_gemm.py --trace 1 4 ;;
     ncu)      NCU="ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
               run ncu_gemm 200 $NCU -k regex:"moe_decode|route_decode|moe_w13|moe_w2" --launch-skip 3 -c 3 python3 benchmarks/profile_gemm.py

@@ -65,6 +65,12 @@
 #ifndef DECODE_TRACE
 #define DECODE_TRACE 0    // 1: globaltimer stamps of each item's phases into `trace` (profiling)
 #endif
+#ifndef XPREFETCH
+#define XPREFETCH 1       // 1: a warp issues its next item's first stages as soon as its K loop ends
+#endif
+#ifndef DECODE_ABLATE
+#define DECODE_ABLATE 0   // profiling only (wrong output): 1 no dequantisation, 2 no chunk compute
+#endif
 #define TRACE_ITEMS 8192  // trace: [TRACE_ITEMS][4] item stamps, then [grid][2] block stamps
 
 #include "async_copy.cuh"
@@ -176,8 +182,20 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
         for (int ci = 0; ci < STAGE; ++ci) {
             if (c + ci >= c1) break;
             const u32x4 w = *reinterpret_cast<const u32x4*>(&ws.w[buf][ci * 512 + lane * 16]);
+#if DECODE_ABLATE == 2
+            acc[0][0] += __uint_as_float((w.x ^ w.y ^ w.z ^ w.w ^ ws.s[buf][g * STAGE + ci]) & 0x3fffffu);
+            continue;
+#endif
             u32 a[4][4];
+#if DECODE_ABLATE == 1
+            const u32 sw = ws.s[buf][g * STAGE + ci] ^ ws.s[buf][(g + 8) * STAGE + ci];
+            a[0][0] = w.x; a[0][1] = w.y; a[0][2] = w.z; a[0][3] = w.w ^ sw;
+            a[1][0] = w.y; a[1][1] = w.z; a[1][2] = w.w; a[1][3] = w.x;
+            a[2][0] = w.z; a[2][1] = w.w; a[2][2] = w.x; a[2][3] = w.y;
+            a[3][0] = w.w; a[3][1] = w.x; a[3][2] = w.y; a[3][3] = w.z;
+#else
             dequant_chunk<BF>(w, ws.s[buf][g * STAGE + ci], ws.s[buf][(g + 8) * STAGE + ci], a);
+#endif
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
 #pragma unroll
@@ -299,17 +317,66 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
     __syncthreads();
 }
 
+// This warp's strip and chunk range [c0, c1) in an item.
+struct Slice {
+    const u8* strip;
+    int c0, c1;
+};
+
+CUPOOL_DEVICE Slice w13_slice(const Smem& m, int u, int p) {
+    const int warp = threadIdx.x >> 5;
+    Slice sl;
+    sl.strip = reinterpret_cast<const u8*>(m.unit_addr[u]) + 256 + (i64)(2 * p + warp / KS13) * W13_STRIP;
+    k_slice(warp % KS13, KS13, NC13, sl.c0, sl.c1);
+    return sl;
+}
+
+CUPOOL_DEVICE Slice w2_slice(const Smem& m, int u, int grp) {
+    const int warp = threadIdx.x >> 5;
+    const int st = grp * WM2 + warp / KS2;
+    Slice sl;
+    sl.strip = reinterpret_cast<const u8*>(m.unit_addr[u]) + W2_OFFSET + (i64)st * W2_STRIP;
+    sl.c0 = sl.c1 = 0;
+    if (st < NS) k_slice(warp % KS2, KS2, NC2, sl.c0, sl.c1);
+    return sl;
+}
+
+// The items of a launch: w13 items [0, n13) of units first, first + 1, ..., then w2 items.
+struct Items {
+    int first, n13, total;
+};
+
+// XPREFETCH: once an item's K loop is over, the warp's stage buffers are free, so it issues the
+// first stages of the block's next item (claimed when this item started, published in *s_next
+// at the barrier after the K loop); the item's epilogue and the next item's set-up then run
+// while those bytes are in flight. Called by every lane of every warp.
+CUPOOL_DEVICE void prefetch_next(const Smem& m, const Items& it, const int* s_next, int lane) {
+#if XPREFETCH
+    const int next = *s_next;
+    if (next >= it.total) return;
+    WarpStages& ws = m.stages[threadIdx.x >> 5];
+    if (next < it.n13) {
+        const Slice sl = w13_slice(m, it.first + next / NP, next % NP);
+        issue_first<HP>(ws, sl.strip, sl.c0, sl.c1, lane);
+    } else {
+        const int i = next - it.n13;
+        const Slice sl = w2_slice(m, it.first + i / G2, i % G2);
+        issue_first<IP>(ws, sl.strip, sl.c0, sl.c1, lane);
+    }
+#endif
+}
+
 // w13 item: gate and up strips of pair p of unit u; warps 0..3 slice gate's K, 4..7 up's.
-CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item) {
+// issued: its first stages are already in flight (prefetch_next); next: the block's next item
+// (thread 0), published for prefetch_next through *s_next.
+CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item, bool issued,
+                            const Items& it, int next, int* s_next) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int s = warp / KS13, ks = warp % KS13;
     const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
-    const u8* strip = row + 256 + (i64)(2 * p + s) * W13_STRIP;
-    int c0, c1;
-    k_slice(ks, KS13, NC13, c0, c1);
+    const Slice sl = w13_slice(m, u, p);
     WarpStages& ws = m.stages[warp];
-    issue_first<HP>(ws, strip, c0, c1, lane);
+    if (!issued) issue_first<HP>(ws, sl.strip, sl.c0, sl.c1, lane);
     const float* hdr = reinterpret_cast<const float*>(row);
     const float gs_gate = hdr[0], gs_up = hdr[1];              // in flight during the K loop
     if (threadIdx.x < NT) {
@@ -328,15 +395,17 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
     }
     float acc[NTILES][4] = {};
     // B straight from x in the model's dtype (plain loads: the compiler may hoist them)
-    run_stages<IN_BF16, HP>(ws, strip, c0, c1, ntiles, acc, lane,
+    run_stages<IN_BF16, HP>(ws, sl.strip, sl.c0, sl.c1, ntiles, acc, lane,
                             [&](int c, int nt, int q, u32& b0, u32& b1) {
         const int k = c * 64 + q * 16 + 2 * t;
         b0 = x_pair(xrow[nt], k, hidden);
         b1 = x_pair(xrow[nt], k + 8, hidden);
     });
     stamp(a.trace, item, 2);
+    if (threadIdx.x == 0) *s_next = next;
     put_partial(m, warp, lane, acc);
     __syncthreads();
+    prefetch_next(m, it, s_next, lane);
     if (warp == 0) {
         float gu[2][NTILES][4];
         sum_partials(m, 0, KS13, lane, gu[0]);
@@ -351,17 +420,16 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
 }
 
 // w2 item: output strips grp·WM2 ... of unit u, each split over KS2 warps along K.
-CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last, int item) {
+CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last, int item,
+                           bool issued, const Items& it, int next, int* s_next) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int wm = warp / KS2, ks = warp % KS2;
-    const int st = grp * WM2 + wm;
+    const int ks = warp % KS2;
+    const int st = grp * WM2 + warp / KS2;
     const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
-    const u8* strip = row + W2_OFFSET + (i64)st * W2_STRIP;
-    int c0 = 0, c1 = 0;
-    if (st < NS) k_slice(ks, KS2, NC2, c0, c1);
+    const Slice sl = w2_slice(m, u, grp);
     WarpStages& ws = m.stages[warp];
-    issue_first<IP>(ws, strip, c0, c1, lane);
+    if (!issued) issue_first<IP>(ws, sl.strip, sl.c0, sl.c1, lane);
     const float gs_down = reinterpret_cast<const float*>(row)[2];
     if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
     wait_count(a.unit_done + u, NP, a.error);                  // the unit's act is complete
@@ -391,18 +459,18 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     __syncthreads();
     const int g = lane >> 2, t = lane & 3;
     float acc[NTILES][4] = {};
-    run_stages<false, IP>(ws, strip, c0, c1, ntiles, acc, lane,
+    run_stages<false, IP>(ws, sl.strip, sl.c0, sl.c1, ntiles, acc, lane,
                           [&](int c, int nt, int q, u32& b0, u32& b1) {
         const u16* x = m.xs + (nt * 8 + g) * XS2 + c * 64 + q * 16 + 2 * t;
         b0 = *reinterpret_cast<const u32*>(x);
         b1 = *reinterpret_cast<const u32*>(x + 8);
     });
     stamp(a.trace, item, 2);
-    if (KS2 > 1) {
-        put_partial(m, warp, lane, acc);
-        __syncthreads();
-        if (ks == 0) sum_partials(m, warp, KS2, lane, acc);
-    }
+    if (threadIdx.x == 0) *s_next = next;
+    if (KS2 > 1) put_partial(m, warp, lane, acc);
+    if (KS2 > 1 || XPREFETCH) __syncthreads();
+    prefetch_next(m, it, s_next, lane);
+    if (KS2 > 1 && ks == 0) sum_partials(m, warp, KS2, lane, acc);
     if (ks == 0 && st < NS)
         w2_epilogue(acc, ntiles, m.si, gs_down * dequant_unscale<false>(), st, lane, m.lane_w,
                     a.topk, a.hidden, false, a.yw, nullptr);
@@ -429,7 +497,7 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
            i32* __restrict__ error,
            u64* __restrict__ trace) {            // DECODE_TRACE only (else unused, may be null)
     extern __shared__ __align__(16) u8 smem[];
-    __shared__ int s_ticket;
+    __shared__ int s_ticket, s_next;
     __shared__ int s_last, s_held, s_total;
     __shared__ Args a;                    // in shared memory: registers stay with the K loop
     const Smem m = carve(smem);
@@ -466,23 +534,26 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     rg.first = part == 1 ? s_held : 0;
     rg.count = (part == 0 ? s_held : s_total) - rg.first;
     const int n13 = rg.count * NP, total = n13 + rg.count * G2;
+    const Items its{rg.first, n13, total};
     // Block b < base starts on item b without a ticket; later items are claimed from the counter
     // (numbered from base), one ahead: the claim is issued when an item starts and its answer is
     // only needed when the item ends, so the atomic's round trip is hidden.
     const int bid = blockIdx.x, base = min(total, (int)gridDim.x);
     int item = bid < base ? bid : total;
+    bool issued = false;                                       // the block's first item: not yet
     while (item < total) {
         int next = total;
         if (threadIdx.x == 0 && base < total) next = base + atomicAdd(sync, 1);
         if (item < n13) {
-            w13_item(a, m, rg.first + item / NP, item % NP, item);
+            w13_item(a, m, rg.first + item / NP, item % NP, item, issued, its, next, &s_next);
         } else {
             const int i = item - n13;
-            w2_item(a, m, rg.first + i / G2, i % G2, &s_last, item);
+            w2_item(a, m, rg.first + i / G2, i % G2, &s_last, item, issued, its, next, &s_next);
         }
         if (threadIdx.x == 0) s_ticket = next;
         __syncthreads();                                       // next item known, smem free
         item = s_ticket;
+        issued = XPREFETCH;
     }
     // the last block out puts the counters and its lanes' amax back to zero for the next launch
     if (threadIdx.x == 0) {
