@@ -34,7 +34,9 @@ def routing(T, K, E, gen):
     return ids, torch.softmax(w, dim=-1)
 
 
-def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused", extra=None):
+def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused", extra=None, outputs=None):
+    """Layer time of a graph of `layers` decode calls; `outputs` (a list), if given, gets the
+    outputs of every layer after the timed replays."""
     rows = torch.empty(layers * E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")
     for layer in range(layers):
         rows[layer * E:(layer + 1) * E, :layout.row_bytes] = random_rows_fast(layout, E, device="cuda")
@@ -52,6 +54,8 @@ def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused", extra=None):
     ms = time_ms(g.replay, warmup=3, iters=30) / layers
     bytes_per_layer = sum(distinct) / layers * layout.row_bytes
     gbps = bytes_per_layer / ms / 1e6
+    if outputs is not None:
+        outputs.append(torch.stack(outs).float().cpu())
     del rows
     return {"T": T, "K": K, "H": layout.hidden, "I": layout.intermediate, "E": E, "kernel": kernel,
             "us_per_layer": ms * 1e3, "distinct_experts": sum(distinct) / layers,

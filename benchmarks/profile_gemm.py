@@ -41,20 +41,44 @@ def parse_variant(text: str) -> dict:
 
 def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1):
     """Decode layer time (T=1 and 4 at H=2048, T=1 and 4 at H=4096) for variants of moe_decode's
-    compile-time switches (split of w2's K, blocks per SM, prefetch, profiling ablations)."""
+    compile-time switches (split of w2's K, blocks per SM, stage ring, profiling ablations).
+    The first round also checks each variant's outputs against the default build's on the same
+    rows and routing (max |difference| relative to the output's largest value; profiling
+    ablations are expected to differ)."""
     from bench_gemm import bench_decode
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases = (((2048, 768), 1), ((2048, 768), 4), ((4096, 1536), 1), ((4096, 1536), 4))
+    gen = torch.Generator(device="cuda")
+    ref = {}
     for rep in range(repeats):
         for text in variants:
             extra = parse_variant(text)
-            for (H, I), T in (((2048, 768), 1), ((2048, 768), 4), ((4096, 1536), 1),
-                              ((4096, 1536), 4)):
-                r = bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, extra=extra)
+            for case, ((H, I), T) in enumerate(cases):
+                torch.manual_seed(case)                    # same rows and routing for each variant
+                gen.manual_seed(case)
+                outs = [] if rep == 0 else None
+                r = bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, extra=extra,
+                                 outputs=outs)
+                check = ""
+                if outs:
+                    if case not in ref:
+                        ref[case] = (bench_default(bench_decode, H, I, T, layers, gen, case)
+                                     if extra else outs[0])
+                    base = ref[case]
+                    check = f"  max diff vs default {float((outs[0] - base).abs().max() / base.abs().max()):.1e}"
                 print(f"sweep rep {rep} H={H} T={T} {text or 'default'}: "
-                      f"{r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s", flush=True)
+                      f"{r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s{check}", flush=True)
 
 
-def trace(T: int = 1, E: int = 128):
+def bench_default(bench_decode, H, I, T, layers, gen, case):
+    """Outputs of the default moe_decode build for sweep case `case` (same seeds as the sweep)."""
+    torch.manual_seed(case)
+    gen.manual_seed(case)
+    outs = []
+    bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, outputs=outs)
+    return outs[0]
+
+
+def trace(T: int = 1, E: int = 128, extra: dict | None = None):
     """Timeline of one moe_decode call (DECODE_TRACE build): when blocks start, when each item's
     waits end, its K loop ends and it ends, as percentiles in µs from the first block's start."""
     import numpy as np
@@ -62,7 +86,7 @@ def trace(T: int = 1, E: int = 128):
     rows = ExpertRows(layout, E)                      # kept alive: addr points into rows.bank
     addr = rows.addr
     gemm = MoEGemm(layout, 8, torch.bfloat16, max_decode_tokens=T)
-    gemm._fused_extra = {"DECODE_TRACE": 1}
+    gemm._fused_extra = {**(extra or {}), "DECODE_TRACE": 1}
     items, blocks = 8192, 4096
     gemm._trace = torch.zeros(items * 4 + blocks * 2, dtype=torch.int64, device="cuda")
     x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
@@ -87,7 +111,7 @@ def trace(T: int = 1, E: int = 128):
         n13, n2 = units * (layout.ip // 16), units * (layout.hp // 16 // 4)
         us = lambda v: (v - t0) / 1e3                      # noqa: E731
         pct = lambda v: " ".join(f"{np.percentile(v, q):6.2f}" for q in (0, 10, 50, 90, 100))  # noqa: E731
-        print(f"--- trace T={T} rep {rep}: {len(bl)} blocks, {n13} w13 items, {n2} w2 items "
+        print(f"--- trace T={T} {extra or ''} rep {rep}: {len(bl)} blocks, {n13} w13 items, {n2} w2 items "
               f"(percentiles 0/10/50/90/100, us from the first block's start)")
         print(f"blocks start        {pct(us(bl[:, 0]))}")
         print(f"blocks grouped      {pct(us(bl[:, 1]))}")
@@ -105,6 +129,8 @@ def main(argv=None):
                    help="time moe_decode variants (compile-time switches; '' is the default "
                         "build; none given: a split/occupancy sweep), then exit")
     p.add_argument("--repeats", type=int, default=1, help="--sweep: rounds over the variants")
+    p.add_argument("--variant", default="", metavar="NAME=INT[,...]",
+                   help="--trace: moe_decode switches of the traced build")
     p.add_argument("--trace", type=int, nargs="*", metavar="T",
                    help="timeline of moe_decode calls of T tokens (default 1), then exit")
     args = p.parse_args(argv)
@@ -113,7 +139,7 @@ def main(argv=None):
         return
     if args.trace is not None:
         for T in args.trace or [1]:
-            trace(T)
+            trace(T, extra=parse_variant(args.variant))
         return
     E, K = args.experts, 8
     layout = RowLayout(2048, 768)

@@ -100,7 +100,13 @@ PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=4, reduce=1, prefetch_w
 DECODE_KERNELS = ("auto", "fused", "pair")
 _FUSED_MAX_LANES = 256                             # moe_decode groups one lane per thread
 _FUSED_WARPS = 8
-_FUSED_STAGE_BYTES = 32 + 2 * (4 * 512 + 16 * 4 * 4)   # a warp's two stages and barriers
+
+
+def _fused_stage_bytes(stage: int = 4, nbuf: int = 2) -> int:
+    """Shared memory of one moe_decode warp's stage ring (WarpStages): nbuf barriers and the
+    parity word padded to 16 bytes, then nbuf buffers of `stage` chunks (512 B of packed words
+    and 64 B of scales a chunk)."""
+    return (8 * nbuf + 4 + 15) // 16 * 16 + nbuf * stage * (512 + 64)
 
 
 def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:
@@ -292,7 +298,9 @@ class MoEGemm:
         key = ("fused", nt, maxw, xalign, w_dtype)
         got = self._pairs.get(key)
         if got is None:
-            smem = (_FUSED_WARPS * _FUSED_STAGE_BYTES + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
+            ring = _fused_stage_bytes(self._fused_extra.get("STAGE", 4),
+                                      self._fused_extra.get("NBUF", 2))
+            smem = (_FUSED_WARPS * ring + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
                     + nt * (self.layout.ip + 8) * 2 + nt * 8 + maxw * (8 + 4 + nt + 1))
             # 3 blocks of 8 warps per SM (80 registers): measured faster than 4 at 64 registers
             minb = self._fused_extra.get("MINB", 3)

@@ -65,12 +65,12 @@
 #ifndef DECODE_TRACE
 #define DECODE_TRACE 0    // 1: globaltimer stamps of each item's phases into `trace` (profiling)
 #endif
-#ifndef XPREFETCH
-#define XPREFETCH 1       // 1: a warp issues its next item's first stages as soon as its K loop ends
-#endif
 #ifndef DECODE_ABLATE
-#define DECODE_ABLATE 0   // profiling only (wrong output): 1 no dequantisation, 2 no chunk compute
+#define DECODE_ABLATE 0   // profiling only (wrong output), bits: 1 no dequantisation, 2 no chunk
+                          // compute, 4 w2 does not wait for its unit, 8 no w13 epilogue, 16 no
+                          // w2 epilogue or top-k sum, 32 no scale loads
 #endif
+#define ABLATE(bit) ((DECODE_ABLATE & (bit)) != 0)
 #define TRACE_ITEMS 8192  // trace: [TRACE_ITEMS][4] item stamps, then [grid][2] block stamps
 
 #include "async_copy.cuh"
@@ -79,7 +79,12 @@
 
 #define WARPS 8
 #define THREADS (32 * WARPS)
-#define STAGE 4                            // chunks a stage
+#ifndef STAGE
+#define STAGE 4           // chunks (512 B of packed words + 64 B of scales each) a stage
+#endif
+#ifndef NBUF
+#define NBUF 2            // stage buffers a warp: NBUF stages in flight, NBUF - 1 while it computes
+#endif
 #define ERR_STALL 8
 
 constexpr int NC13 = HP / 64;              // chunks of a w13 strip
@@ -87,29 +92,33 @@ constexpr int NC2 = IP / 64;               // chunks of a w2 strip
 constexpr int NP = IP / 16;                // w13 strip pairs (gate, up) of an expert
 constexpr int NS = HP / 16;                // w2 output strips of an expert
 constexpr int KS13 = WARPS / 2;            // w13: 2 strips × 4 K slices
-// w2: K slices of at most 2 stages where IP allows, the rest of the warps on more strips
+// w2: K slices of at most NBUF stages (all in flight at once) where IP allows, the rest of the
+// warps on more strips
 #ifndef W2_KSPLIT
 #define W2_KSPLIT 0       // warps splitting K of a w2 strip (1, 2, 4, 8; 0: from IP as below)
 #endif
 constexpr int KS2 = W2_KSPLIT ? W2_KSPLIT
-                  : NC2 <= 2 * STAGE ? 1 : NC2 <= 4 * STAGE ? 2 : NC2 <= 8 * STAGE ? 4 : 8;
+                  : NC2 <= NBUF * STAGE ? 1 : NC2 <= 2 * NBUF * STAGE ? 2
+                  : NC2 <= 4 * NBUF * STAGE ? 4 : 8;
 static_assert(WARPS % KS2 == 0, "W2_KSPLIT must divide the block's 8 warps");
 static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per thread");
 constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
 constexpr int XS2 = IP + 8;                // fp16 per staged act row: (IP+8)/2 words ≡ 4 mod 32
 
-// One warp's two stages: weights [stage][chunk][lane][16 B] (one bulk copy a stage, completed on
-// bar[stage]), scales [stage][row][chunk] (cp.async). `parity`: bit b is the phase of bar[b] the
-// next wait on it waits for.
+// One warp's stage buffers: weights [buffer][chunk][lane][16 B] (one bulk copy a stage, completed
+// on bar[buffer]), scales [buffer][row][chunk] (cp.async). `parity`: bit b is the phase of bar[b]
+// the next wait on it waits for.
+static_assert(NBUF >= 2 && NBUF <= 8 && STAGE >= 1 && 16 * STAGE <= 256, "stage ring shape");
 struct WarpStages {
-    u64 bar[2];
+    u64 bar[NBUF];
     u32 parity;
-    u32 pad_[3];                          // w starts 16-byte aligned
-    u8 w[2][STAGE * 512];
-    u32 s[2][16 * STAGE];
+    u32 pad_[(16 - (8 * NBUF + 4) % 16) / 4];   // w starts 16-byte aligned
+    u8 w[NBUF][STAGE * 512];
+    u32 s[NBUF][16 * STAGE];
 };
-static_assert(sizeof(WarpStages) % 16 == 0, "stages stay 16-byte aligned");
+static_assert(sizeof(WarpStages) == (8 * NBUF + 4 + 15) / 16 * 16 + NBUF * STAGE * 576,
+              "gemm._fused_stage_bytes mirrors this layout");
 
 CUPOOL_DEVICE int ld_acquire(const i32* p) {
     int v;
@@ -151,21 +160,21 @@ CUPOOL_DEVICE void issue_stage(WarpStages& ws, int buf, const u8* strip, int c, 
         bulk_load(smem_addr(&ws.w[buf][0]), strip + (i64)c * 512, n * 512, bar);
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int idx = lane + 32 * h, r = idx / STAGE, ci = idx % STAGE;   // row r, chunk ci
-        if (ci < n) cp_async4(&ws.s[buf][idx], strip + 8 * KP + r * (KP / 16) + 4 * (c + ci));
+    for (int idx = lane; idx < 16 * STAGE; idx += 32) {
+        const int r = idx / STAGE, ci = idx % STAGE;                     // row r, chunk ci
+        if (ci < n && !ABLATE(32)) cp_async4(&ws.s[buf][idx], strip + 8 * KP + r * (KP / 16) + 4 * (c + ci));
     }
     cp_async_commit();
 }
 
-// Stages 0 and 1 of chunks [c0, c1): issued as soon as the strip's address is known.
+// Stages 0 .. NBUF - 1 of chunks [c0, c1): issued as soon as the strip's address is known.
 template <int KP>
 CUPOOL_DEVICE void issue_first(WarpStages& ws, const u8* strip, int c0, int c1, int lane) {
-    issue_stage<KP>(ws, 0, strip, c0, c1, lane);
-    issue_stage<KP>(ws, 1, strip, c0 + STAGE, c1, lane);
+#pragma unroll
+    for (int b = 0; b < NBUF; ++b) issue_stage<KP>(ws, b, strip, c0 + b * STAGE, c1, lane);
 }
 
-// acc[nt] += chunks [c0, c1) of the strip × B, stage by stage (stage i + 2 is issued into the
+// acc[nt] += chunks [c0, c1) of the strip × B, stage by stage (stage i + NBUF is issued into the
 // buffer stage i leaves). bfrag(c, nt, q, b0, b1): B fragment of chunk c, n-tile nt, k-tile q.
 template <bool BF, int KP, class BFrag>
 CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, int ntiles,
@@ -173,8 +182,8 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
     const int g = lane >> 2;
     u32 parity = ws.parity;
     for (int c = c0, i = 0; c < c1; c += STAGE, ++i) {
-        const int buf = i & 1;
-        cp_async_wait<1>();                     // stage i's scales (stage i + 1 may be in flight)
+        const int buf = i % NBUF;
+        cp_async_wait<NBUF - 1>();              // stage i's scales (later stages may be in flight)
         __syncwarp();                           // ... for every lane's copies (scales are shared)
         mbar_wait(smem_addr(&ws.bar[buf]), (parity >> buf) & 1u);      // its packed words
         parity ^= 1u << buf;
@@ -182,12 +191,12 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
         for (int ci = 0; ci < STAGE; ++ci) {
             if (c + ci >= c1) break;
             const u32x4 w = *reinterpret_cast<const u32x4*>(&ws.w[buf][ci * 512 + lane * 16]);
-#if DECODE_ABLATE == 2
+#if ABLATE(2)
             acc[0][0] += __uint_as_float((w.x ^ w.y ^ w.z ^ w.w ^ ws.s[buf][g * STAGE + ci]) & 0x3fffffu);
             continue;
 #endif
             u32 a[4][4];
-#if DECODE_ABLATE == 1
+#if ABLATE(1)
             const u32 sw = ws.s[buf][g * STAGE + ci] ^ ws.s[buf][(g + 8) * STAGE + ci];
             a[0][0] = w.x; a[0][1] = w.y; a[0][2] = w.z; a[0][3] = w.w ^ sw;
             a[1][0] = w.y; a[1][1] = w.z; a[1][2] = w.w; a[1][3] = w.x;
@@ -208,7 +217,7 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
             }
         }
         __syncwarp();                           // every lane done with the buffer
-        issue_stage<KP>(ws, buf, strip, c + 2 * STAGE, c1, lane);
+        issue_stage<KP>(ws, buf, strip, c + NBUF * STAGE, c1, lane);
     }
     cp_async_wait<0>();                         // nothing in flight into the buffers
     __syncwarp();
@@ -341,42 +350,14 @@ CUPOOL_DEVICE Slice w2_slice(const Smem& m, int u, int grp) {
     return sl;
 }
 
-// The items of a launch: w13 items [0, n13) of units first, first + 1, ..., then w2 items.
-struct Items {
-    int first, n13, total;
-};
-
-// XPREFETCH: once an item's K loop is over, the warp's stage buffers are free, so it issues the
-// first stages of the block's next item (claimed when this item started, published in *s_next
-// at the barrier after the K loop); the item's epilogue and the next item's set-up then run
-// while those bytes are in flight. Called by every lane of every warp.
-CUPOOL_DEVICE void prefetch_next(const Smem& m, const Items& it, const int* s_next, int lane) {
-#if XPREFETCH
-    const int next = *s_next;
-    if (next >= it.total) return;
-    WarpStages& ws = m.stages[threadIdx.x >> 5];
-    if (next < it.n13) {
-        const Slice sl = w13_slice(m, it.first + next / NP, next % NP);
-        issue_first<HP>(ws, sl.strip, sl.c0, sl.c1, lane);
-    } else {
-        const int i = next - it.n13;
-        const Slice sl = w2_slice(m, it.first + i / G2, i % G2);
-        issue_first<IP>(ws, sl.strip, sl.c0, sl.c1, lane);
-    }
-#endif
-}
-
 // w13 item: gate and up strips of pair p of unit u; warps 0..3 slice gate's K, 4..7 up's.
-// issued: its first stages are already in flight (prefetch_next); next: the block's next item
-// (thread 0), published for prefetch_next through *s_next.
-CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item, bool issued,
-                            const Items& it, int next, int* s_next) {
+CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
     const Slice sl = w13_slice(m, u, p);
     WarpStages& ws = m.stages[warp];
-    if (!issued) issue_first<HP>(ws, sl.strip, sl.c0, sl.c1, lane);
+    issue_first<HP>(ws, sl.strip, sl.c0, sl.c1, lane);
     const float* hdr = reinterpret_cast<const float*>(row);
     const float gs_gate = hdr[0], gs_up = hdr[1];              // in flight during the K loop
     if (threadIdx.x < NT) {
@@ -402,17 +383,17 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
         b1 = x_pair(xrow[nt], k + 8, hidden);
     });
     stamp(a.trace, item, 2);
-    if (threadIdx.x == 0) *s_next = next;
     put_partial(m, warp, lane, acc);
     __syncthreads();
-    prefetch_next(m, it, s_next, lane);
     if (warp == 0) {
         float gu[2][NTILES][4];
         sum_partials(m, 0, KS13, lane, gu[0]);
         sum_partials(m, KS13, KS13, lane, gu[1]);
-        w13_epilogue(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
-                     gs_up * dequant_unscale<IN_BF16>(), p, lane, a.act, a.amax);
-        __threadfence();                                       // act and amax before the count
+        if (!ABLATE(8)) {
+            w13_epilogue(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
+                         gs_up * dequant_unscale<IN_BF16>(), p, lane, a.act, a.amax);
+            __threadfence();                                   // act and amax before the count
+        }
     }
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(a.unit_done + u, 1);
@@ -420,8 +401,7 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
 }
 
 // w2 item: output strips grp·WM2 ... of unit u, each split over KS2 warps along K.
-CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last, int item,
-                           bool issued, const Items& it, int next, int* s_next) {
+CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last, int item) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int ks = warp % KS2;
@@ -429,10 +409,11 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
     const Slice sl = w2_slice(m, u, grp);
     WarpStages& ws = m.stages[warp];
-    if (!issued) issue_first<IP>(ws, sl.strip, sl.c0, sl.c1, lane);
+    issue_first<IP>(ws, sl.strip, sl.c0, sl.c1, lane);
     const float gs_down = reinterpret_cast<const float*>(row)[2];
     if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
-    wait_count(a.unit_done + u, NP, a.error);                  // the unit's act is complete
+    if (!ABLATE(4)) wait_count(a.unit_done + u, NP, a.error);   // the unit's act is complete
+    else __syncthreads();
     stamp(a.trace, item, 1);
     const int ntiles = (m.unit_count[u] + 7) >> 3;
     // stage act rows (fp32, L2: written by other blocks) as fp16 / the slot's power-of-two scale
@@ -466,16 +447,16 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
         b1 = *reinterpret_cast<const u32*>(x + 8);
     });
     stamp(a.trace, item, 2);
-    if (threadIdx.x == 0) *s_next = next;
-    if (KS2 > 1) put_partial(m, warp, lane, acc);
-    if (KS2 > 1 || XPREFETCH) __syncthreads();
-    prefetch_next(m, it, s_next, lane);
-    if (KS2 > 1 && ks == 0) sum_partials(m, warp, KS2, lane, acc);
-    if (ks == 0 && st < NS)
+    if (KS2 > 1) {
+        put_partial(m, warp, lane, acc);
+        __syncthreads();
+        if (ks == 0) sum_partials(m, warp, KS2, lane, acc);
+    }
+    if (!ABLATE(16) && ks == 0 && st < NS)
         w2_epilogue(acc, ntiles, m.si, gs_down * dequant_unscale<false>(), st, lane, m.lane_w,
                     a.topk, a.hidden, false, a.yw, nullptr);
     // the last unit to finish this strip group sums over top-k in fixed order
-    if (last_arrival(a.group_done + grp, a.all_units, s_last))
+    if (!ABLATE(16) && last_arrival(a.group_done + grp, a.all_units, s_last))
         topk_sum(grp * WM2 * 16, WM2 * 16, a.tokens, a.topk, a.hidden, m.lane_w, a.yw, a.out);
     stamp(a.trace, item, 3);
 }
@@ -497,7 +478,7 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
            i32* __restrict__ error,
            u64* __restrict__ trace) {            // DECODE_TRACE only (else unused, may be null)
     extern __shared__ __align__(16) u8 smem[];
-    __shared__ int s_ticket, s_next;
+    __shared__ int s_ticket;
     __shared__ int s_last, s_held, s_total;
     __shared__ Args a;                    // in shared memory: registers stay with the K loop
     const Smem m = carve(smem);
@@ -519,8 +500,7 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     }
     if ((threadIdx.x & 31) == 0) {        // the scratch is dead: each warp's stage barriers
         WarpStages& ws = m.stages[threadIdx.x >> 5];
-        mbar_init(smem_addr(&ws.bar[0]), 1);
-        mbar_init(smem_addr(&ws.bar[1]), 1);
+        for (int b = 0; b < NBUF; ++b) mbar_init(smem_addr(&ws.bar[b]), 1);
         ws.parity = 0;
         fence_proxy_async_smem();
     }
@@ -534,26 +514,23 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     rg.first = part == 1 ? s_held : 0;
     rg.count = (part == 0 ? s_held : s_total) - rg.first;
     const int n13 = rg.count * NP, total = n13 + rg.count * G2;
-    const Items its{rg.first, n13, total};
     // Block b < base starts on item b without a ticket; later items are claimed from the counter
     // (numbered from base), one ahead: the claim is issued when an item starts and its answer is
     // only needed when the item ends, so the atomic's round trip is hidden.
     const int bid = blockIdx.x, base = min(total, (int)gridDim.x);
     int item = bid < base ? bid : total;
-    bool issued = false;                                       // the block's first item: not yet
     while (item < total) {
         int next = total;
         if (threadIdx.x == 0 && base < total) next = base + atomicAdd(sync, 1);
         if (item < n13) {
-            w13_item(a, m, rg.first + item / NP, item % NP, item, issued, its, next, &s_next);
+            w13_item(a, m, rg.first + item / NP, item % NP, item);
         } else {
             const int i = item - n13;
-            w2_item(a, m, rg.first + i / G2, i % G2, &s_last, item, issued, its, next, &s_next);
+            w2_item(a, m, rg.first + i / G2, i % G2, &s_last, item);
         }
         if (threadIdx.x == 0) s_ticket = next;
         __syncthreads();                                       // next item known, smem free
         item = s_ticket;
-        issued = XPREFETCH;
     }
     // the last block out puts the counters and its lanes' amax back to zero for the next launch
     if (threadIdx.x == 0) {
