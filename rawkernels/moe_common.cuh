@@ -27,21 +27,6 @@ CUPOOL_DEVICE float ld_f32_cg(const float* p) {     // L2 only: data written by 
     return v;
 }
 
-// GPU-scope fence between this thread's stores and the counter update that publishes them (and
-// between reading a counter and the loads it guards). FENCE_SC 1: __threadfence (fence.sc.gpu);
-// 0: fence.acq_rel.gpu, which is all message passing through a counter needs (fence.sc also
-// orders fences among themselves, which no counter here relies on).
-#ifndef FENCE_SC
-#define FENCE_SC 1
-#endif
-CUPOOL_DEVICE void gpu_fence() {
-#if FENCE_SC
-    __threadfence();
-#else
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-#endif
-}
-
 CUPOOL_DEVICE void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
@@ -151,13 +136,13 @@ CUPOOL_DEVICE void topk_sum(int h0, int rows, int tokens, int topk, int hidden,
 // The last of `expected` arrivals on counter *done (one per block, after its stores) resets it
 // and returns true in every thread of that block. Called by every thread of the block.
 CUPOOL_DEVICE bool last_arrival(i32* done, int expected, int* s_flag) {
-    gpu_fence();
+    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) *s_flag = atomicAdd(done, 1) == expected - 1;
     __syncthreads();
     const bool last = *s_flag != 0;
     if (last) {
-        gpu_fence();
+        __threadfence();
         if (threadIdx.x == 0) *done = 0;          // ready for the next call
     }
     return last;

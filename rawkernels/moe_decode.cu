@@ -148,38 +148,21 @@ CUPOOL_DEVICE void k_slice(int ks, int ksplit, int nc, int& c0, int& c1) {
 
 // Copy chunks [c, min(c + STAGE, c1)) of a strip (KP columns) into stage `buf`: the packed words
 // by one bulk copy (lane 0: one instruction a stage; on the H200 the layer time matched the
-// per-lane cp.async version's within 1%), the scale words (row r's at strip + 8·KP + r·KP/16 +
-// 4·chunk) by cp.async, or with SCALE_BULK, where the stage is full and its scale words are
-// 16-byte aligned, by one bulk copy a row on the same barrier. Always commits one cp.async group
+// per-lane cp.async version's within 1%), the scale words by cp.async. Always commits one cp.async group
 // (possibly empty), so every lane counts groups alike; arms bar[buf] only if there are chunks.
-#ifndef SCALE_BULK
-#define SCALE_BULK 0
-#endif
 template <int KP>
 CUPOOL_DEVICE void issue_stage(WarpStages& ws, int buf, const u8* strip, int c, int c1, int lane) {
     const int n = min(STAGE, c1 - c);
-    const u8* scales = strip + 8 * KP + 4 * c;
-    const bool bulk_scales = SCALE_BULK && (STAGE * 4) % 16 == 0 && n == STAGE
-                             && ((reinterpret_cast<u64>(scales) | (KP / 16)) & 15) == 0;
-    const u32 bar = smem_addr(&ws.bar[buf]);
     if (n > 0 && lane == 0) {
+        const u32 bar = smem_addr(&ws.bar[buf]);
         fence_proxy_async_smem();            // the buffer's last reads were generic loads
-        // one arrival with every byte announced: copies that land first only drive the
-        // transaction count below zero for a moment; the phase cannot complete before this
-        mbar_arrive_expect(bar, n * 512 + (bulk_scales && !ABLATE(32) ? 16 * STAGE * 4 : 0));
+        mbar_arrive_expect(bar, n * 512);
         bulk_load(smem_addr(&ws.w[buf][0]), strip + (i64)c * 512, n * 512, bar);
     }
-    if (bulk_scales) {
-        if (lane < 16 && !ABLATE(32)) {
-            if (lane > 0) fence_proxy_async_smem();
-            bulk_load(smem_addr(&ws.s[buf][lane * STAGE]), scales + lane * (KP / 16), STAGE * 4, bar);
-        }
-    } else {
 #pragma unroll
-        for (int idx = lane; idx < 16 * STAGE; idx += 32) {
-            const int r = idx / STAGE, ci = idx % STAGE;                 // row r, chunk ci
-            if (ci < n && !ABLATE(32)) cp_async4(&ws.s[buf][idx], scales + r * (KP / 16) + 4 * ci);
-        }
+    for (int idx = lane; idx < 16 * STAGE; idx += 32) {
+        const int r = idx / STAGE, ci = idx % STAGE;                     // row r, chunk ci
+        if (ci < n && !ABLATE(32)) cp_async4(&ws.s[buf][idx], strip + 8 * KP + r * (KP / 16) + 4 * (c + ci));
     }
     cp_async_commit();
 }
@@ -409,7 +392,7 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
         if (!ABLATE(8)) {
             w13_epilogue(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
                          gs_up * dequant_unscale<IN_BF16>(), p, lane, a.act, a.amax);
-            gpu_fence();                                       // act and amax before the count
+            __threadfence();                                   // act and amax before the count
         }
     }
     __syncthreads();
