@@ -65,10 +65,6 @@
 #ifndef DECODE_TRACE
 #define DECODE_TRACE 0    // 1: globaltimer stamps of each item's phases into `trace` (profiling)
 #endif
-#ifndef ACC_SPLIT
-#define ACC_SPLIT 1       // accumulator sets the k-tiles of a chunk take turns in (1, 2 or 4): more
-                          // sets, shorter chains of dependent mma
-#endif
 #ifndef DECODE_ABLATE
 #define DECODE_ABLATE 0   // profiling only (wrong output), bits: 1 no dequantisation, 2 no chunk
                           // compute, 4 w2 does not wait for its unit, 8 no w13 epilogue, 16 no
@@ -179,15 +175,12 @@ CUPOOL_DEVICE void issue_first(WarpStages& ws, const u8* strip, int c0, int c1, 
 }
 
 // acc[nt] += chunks [c0, c1) of the strip × B, stage by stage (stage i + NBUF is issued into the
-// buffer stage i leaves), summed in ACC_SPLIT sets that are added to acc in set order at the end.
-// bfrag(c, nt, q, b0, b1): B fragment of chunk c, n-tile nt, k-tile q.
+// buffer stage i leaves). bfrag(c, nt, q, b0, b1): B fragment of chunk c, n-tile nt, k-tile q.
 template <bool BF, int KP, class BFrag>
 CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, int ntiles,
                               float (&acc)[NTILES][4], int lane, BFrag bfrag) {
-    static_assert(ACC_SPLIT == 1 || ACC_SPLIT == 2 || ACC_SPLIT == 4, "ACC_SPLIT: 1, 2 or 4");
     const int g = lane >> 2;
     u32 parity = ws.parity;
-    float part[ACC_SPLIT][NTILES][4] = {};      // k-tile q of each chunk adds into part[q % ACC_SPLIT]
     for (int c = c0, i = 0; c < c1; c += STAGE, ++i) {
         const int buf = i % NBUF;
         cp_async_wait<NBUF - 1>();              // stage i's scales (later stages may be in flight)
@@ -199,7 +192,7 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
             if (c + ci >= c1) break;
             const u32x4 w = *reinterpret_cast<const u32x4*>(&ws.w[buf][ci * 512 + lane * 16]);
 #if ABLATE(2)
-            part[0][0][0] += __uint_as_float((w.x ^ w.y ^ w.z ^ w.w ^ ws.s[buf][g * STAGE + ci]) & 0x3fffffu);
+            acc[0][0] += __uint_as_float((w.x ^ w.y ^ w.z ^ w.w ^ ws.s[buf][g * STAGE + ci]) & 0x3fffffu);
             continue;
 #endif
             u32 a[4][4];
@@ -219,7 +212,7 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
                     if (nt >= ntiles) continue;
                     u32 b0, b1;
                     bfrag(c + ci, nt, q, b0, b1);
-                    mma16816<BF>(part[q % ACC_SPLIT][nt], a[q], b0, b1);
+                    mma16816<BF>(acc[nt], a[q], b0, b1);
                 }
             }
         }
@@ -229,12 +222,6 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
     cp_async_wait<0>();                         // nothing in flight into the buffers
     __syncwarp();
     if (lane == 0) ws.parity = parity;
-#pragma unroll
-    for (int s = 0; s < ACC_SPLIT; ++s)
-#pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[nt][r] += part[s][nt][r];
 }
 
 // Shared memory of a block. The unit table is built once per launch; before that, the stages
