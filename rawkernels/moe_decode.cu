@@ -68,9 +68,7 @@
 #ifndef DECODE_ABLATE
 #define DECODE_ABLATE 0   // profiling only (wrong output), bits: 1 no dequantisation, 2 no chunk
                           // compute, 4 w2 does not wait for its unit, 8 no w13 epilogue, 16 no
-                          // w2 epilogue or top-k sum, 32 no scale loads, 64 w13 reads no x (B
-                          // fragments from the column index), 128 no mma (A and B folded into
-                          // the sums with integer ops)
+                          // w2 epilogue or top-k sum, 32 no scale loads
 #endif
 #define ABLATE(bit) ((DECODE_ABLATE & (bit)) != 0)
 #define TRACE_ITEMS 8192  // trace: [TRACE_ITEMS][4] item stamps, then [grid][2] block stamps
@@ -107,13 +105,6 @@ static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per 
 constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
 constexpr int XS2 = IP + 8;                // fp16 per staged act row: (IP+8)/2 words ≡ 4 mod 32
-// w13 of a unit of at most XROWS lanes reads x from its token rows staged in the same shared
-// memory (XST elements a row: HP/2 + 4 words ≡ 4 mod 32, so the B fragment reads hit 32 banks)
-#ifndef XSMEM
-#define XSMEM 1
-#endif
-constexpr int XST = HP + 8;
-constexpr int XROWS = NT * XS2 / XST;
 
 // One warp's stage buffers: weights [buffer][chunk][lane][16 B] (one bulk copy a stage, completed
 // on bar[buffer]), scales [buffer][row][chunk] (cp.async). `parity`: bit b is the phase of bar[b]
@@ -159,33 +150,19 @@ CUPOOL_DEVICE void k_slice(int ks, int ksplit, int nc, int& c0, int& c1) {
 // by one bulk copy (lane 0: one instruction a stage; on the H200 the layer time matched the
 // per-lane cp.async version's within 1%), the scale words by cp.async. Always commits one cp.async group
 // (possibly empty), so every lane counts groups alike; arms bar[buf] only if there are chunks.
-#ifndef SCALE_CG
-#define SCALE_CG 0
-#endif
-#ifndef XNC
-#define XNC 0
-#endif
 template <int KP>
 CUPOOL_DEVICE void issue_stage(WarpStages& ws, int buf, const u8* strip, int c, int c1, int lane) {
     const int n = min(STAGE, c1 - c);
-    const u8* scales = strip + 8 * KP + 4 * c;
-    // SCALE_CG: row r's 4 scale words of chunks c .. c + 3 by one 16-byte cp.async that skips L1
-    // (where the 4-byte ones would push x out), where they are 16-byte aligned and inside the row
-    const bool cg = SCALE_CG && STAGE == 4 && KP % 256 == 0 && c + 4 <= KP / 64 && (c & 3) == 0;
     if (n > 0 && lane == 0) {
         const u32 bar = smem_addr(&ws.bar[buf]);
         fence_proxy_async_smem();            // the buffer's last reads were generic loads
         mbar_arrive_expect(bar, n * 512);
         bulk_load(smem_addr(&ws.w[buf][0]), strip + (i64)c * 512, n * 512, bar);
     }
-    if (cg) {
-        if (lane < 16 && n > 0 && !ABLATE(32)) cp_async16(&ws.s[buf][lane * STAGE], scales + lane * (KP / 16));
-    } else {
 #pragma unroll
-        for (int idx = lane; idx < 16 * STAGE; idx += 32) {
-            const int r = idx / STAGE, ci = idx % STAGE;                 // row r, chunk ci
-            if (ci < n && !ABLATE(32)) cp_async4(&ws.s[buf][idx], scales + r * (KP / 16) + 4 * ci);
-        }
+    for (int idx = lane; idx < 16 * STAGE; idx += 32) {
+        const int r = idx / STAGE, ci = idx % STAGE;                     // row r, chunk ci
+        if (ci < n && !ABLATE(32)) cp_async4(&ws.s[buf][idx], strip + 8 * KP + r * (KP / 16) + 4 * (c + ci));
     }
     cp_async_commit();
 }
@@ -235,11 +212,7 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
                     if (nt >= ntiles) continue;
                     u32 b0, b1;
                     bfrag(c + ci, nt, q, b0, b1);
-#if ABLATE(128)
-                    acc[nt][q] += __uint_as_float(((a[q][0] ^ a[q][1] ^ a[q][2]) ^ a[q][3] ^ (b0 + b1)) & 0x3fffffu);
-#else
                     mma16816<BF>(acc[nt], a[q], b0, b1);
-#endif
                 }
             }
         }
@@ -329,14 +302,10 @@ struct Args {
 // Two activations (k, k+1) of a token row as the B fragment word; 0 past the row's end.
 CUPOOL_DEVICE u32 x_pair(const u16* row, int k, int hidden) {
     if (row == nullptr || (!HFULL && k >= hidden)) return 0u;
-#if XALIGN && XNC
-    u32 v;
-    asm("ld.global.nc.L1::evict_last.u32 %0, [%1];" : "=r"(v) : "l"(row + k));
-    return v;
-#elif XALIGN
+#if XALIGN
     return *reinterpret_cast<const u32*>(row + k);
 #else
-    return (u32)row[k] | (!HFULL && k + 1 >= hidden ? 0u : (u32)row[k + 1] << 16);
+    return (u32)row[k] | ((u32)row[k + 1] << 16);
 #endif
 }
 
@@ -395,20 +364,10 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
         m.si->lane[threadIdx.x] = slot_lane(m, u);
         m.si->scale[threadIdx.x] = 1.0f;                       // x goes in unscaled
     }
-    const int count = m.unit_count[u], hidden = a.hidden;
-    const bool xsm = XSMEM && count <= XROWS;                  // block-uniform
-    if (xsm) {                                                 // slot n's token row -> xs row n
-        u32* dst = reinterpret_cast<u32*>(m.xs);
-        for (int v = threadIdx.x; v < count * (HP / 2); v += THREADS) {
-            const int n = v / (HP / 2), j = v % (HP / 2);
-            const int l = m.unit_lanes[u * NT + n];
-            dst[n * (XST / 2) + j] = x_pair(a.x + (i64)(l / a.topk) * hidden, 2 * j, hidden);
-        }
-    }
     __syncthreads();
     stamp(a.trace, item, 1);
-    const int ntiles = (count + 7) >> 3;
-    const int g = lane >> 2, t = lane & 3;
+    const int ntiles = (m.unit_count[u] + 7) >> 3;
+    const int g = lane >> 2, t = lane & 3, hidden = a.hidden;
     const u16* xrow[NTILES];
 #pragma unroll
     for (int nt = 0; nt < NTILES; ++nt) {
@@ -420,20 +379,8 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
     run_stages<IN_BF16, HP>(ws, sl.strip, sl.c0, sl.c1, ntiles, acc, lane,
                             [&](int c, int nt, int q, u32& b0, u32& b1) {
         const int k = c * 64 + q * 16 + 2 * t;
-#if ABLATE(64)
-        b0 = (u32)k * 0x00010001u + nt;
-        b1 = b0 + 8u;
-#else
-        if (xsm) {
-            const int n = nt * 8 + g;
-            const u32* xr = reinterpret_cast<const u32*>(m.xs) + n * (XST / 2) + (k >> 1);
-            b0 = n < count ? xr[0] : 0u;
-            b1 = n < count ? xr[4] : 0u;
-        } else {
-            b0 = x_pair(xrow[nt], k, hidden);
-            b1 = x_pair(xrow[nt], k + 8, hidden);
-        }
-#endif
+        b0 = x_pair(xrow[nt], k, hidden);
+        b1 = x_pair(xrow[nt], k + 8, hidden);
     });
     stamp(a.trace, item, 2);
     put_partial(m, warp, lane, acc);
