@@ -305,7 +305,7 @@ CUPOOL_DEVICE u32 x_pair(const u16* row, int k, int hidden) {
 #if XALIGN
     return *reinterpret_cast<const u32*>(row + k);
 #else
-    return (u32)row[k] | ((u32)row[k + 1] << 16);
+    return (u32)row[k] | (!HFULL && k + 1 >= hidden ? 0u : (u32)row[k + 1] << 16);
 #endif
 }
 
