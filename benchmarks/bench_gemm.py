@@ -116,20 +116,21 @@ def host_ms(fn, iters=20):
     return statistics.median(times)
 
 
-def bench_prefill(layout, E, T, K, gen, pcie, host_fraction):
+def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, scratch_rows=32):
     er = ExpertRows(layout, E, store=True)
     store, cpu_rows, addr = er.store, er.cpu, er.addr
     on_host = torch.zeros(E, dtype=torch.bool)
     on_host[torch.randperm(E, generator=torch.Generator().manual_seed(0))[:int(E * host_fraction)]] = True
     expert_addr = torch.where(on_host.cuda(), torch.zeros_like(addr), addr)
-    gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E)
+    gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
+                   scratch_rows=scratch_rows)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(T, K, E, gen)
     out = torch.empty_like(x)
     run = lambda: gemm.prefill(x, ids, w, expert_addr, host_addr=store.address_table(), out=out)  # noqa: E731
     resident = lambda: gemm.prefill(x, ids, w, expert_addr, out=out)  # noqa: E731
     res = {"T": T, "K": K, "H": layout.hidden, "I": layout.intermediate, "E": E,
-           "host_fraction": host_fraction}
+           "host_fraction": host_fraction, "scratch_rows": scratch_rows}
     if host_fraction == 0:
         res.update(partition_path_ms=time_ms(run, warmup=2, iters=10),
                    partition_path_host_ms=host_ms(run))
@@ -170,6 +171,9 @@ def main(argv=None):
     p.add_argument("--prefill-tokens", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--scratch-rows", type=int, nargs="+", default=[32],
+                   help="MoEGemm scratch_rows of the half-on-host prefill runs (one run each)")
+    p.add_argument("--name", default="bench_gemm", help="results/<name>.json")
     args = p.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     hbm_read, hbm_copy, pcie = hbm_read_GBps(), hbm_copy_GBps(), pcie_h2d_GBps()
@@ -186,8 +190,8 @@ def main(argv=None):
     if not args.skip_prefill:
         layout = RowLayout(2048, 768)
         for T in args.prefill_tokens:
-            for frac in (0.0, 0.5):
-                r = bench_prefill(layout, args.experts, T, 8, gen, pcie, frac)
+            for frac, rows in [(0.0, 32)] + [(0.5, rows) for rows in args.scratch_rows]:
+                r = bench_prefill(layout, args.experts, T, 8, gen, pcie, frac, rows)
                 prefill.append(r)
                 if frac == 0:
                     print(f"prefill T={T} resident: {r['ms']:.3f} ms (host {r['host_ms']:.3f}), "
@@ -195,9 +199,10 @@ def main(argv=None):
                           f"partition path, nothing on host: {r['partition_path_ms']:.3f} ms "
                           f"(host {r['partition_path_host_ms']:.3f})")
                 else:
-                    print(f"prefill T={T} half on host: {r['ms']:.3f} ms (host {r['host_ms']:.3f}), PCIe bound "
+                    print(f"prefill T={T} half on host, scratch_rows {rows}: {r['ms']:.3f} ms "
+                          f"(host {r['host_ms']:.3f}), PCIe bound "
                           f"{r['pcie_bound_ms']:.3f} ms, ratio {r['ratio_to_pcie_bound']:.2f}")
-    save("bench_gemm", {"hbm_read_GBps": hbm_read, "hbm_copy_GBps": hbm_copy,
+    save(args.name, {"hbm_read_GBps": hbm_read, "hbm_copy_GBps": hbm_copy,
                         "pcie_h2d_GBps": pcie, "decode": decode, "prefill": prefill})
 
 

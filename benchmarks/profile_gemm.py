@@ -122,6 +122,42 @@ def trace(T: int = 1, E: int = 128, extra: dict | None = None):
             print(f"{name:4s} {'K loop (dur)':14s} {pct((sl[:, 2] - sl[:, 1]) / 1e3)}")
 
 
+def prefill_timeline(T: int, host_fraction: float = 0.5, scratch_rows: int = 32, E: int = 128):
+    """Kernels of one partition-path prefill call with a fraction of the experts on the host, in
+    the order they start: stream, start and end in µs from the first kernel, name. Shows where
+    the chunk pipeline (copy c on the side stream, GEMM c on the main stream) waits."""
+    import json
+    import tempfile
+    layout = RowLayout(2048, 768)
+    er = ExpertRows(layout, E, store=True)
+    on_host = torch.zeros(E, dtype=torch.bool)
+    on_host[torch.randperm(E, generator=torch.Generator().manual_seed(0))[:int(E * host_fraction)]] = True
+    expert_addr = torch.where(on_host.cuda(), torch.zeros_like(er.addr), er.addr)
+    gemm = MoEGemm(layout, 8, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
+                   scratch_rows=scratch_rows)
+    x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda").topk(8, dim=-1).indices
+    w = torch.rand(T, 8, device="cuda")
+    run = lambda: gemm.prefill(x, ids, w, expert_addr, host_addr=er.store.address_table())  # noqa: E731
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    t0 = ks[0]["ts"]
+    print(f"--- prefill T={T}, {host_fraction:.0%} of {E} experts on the host, scratch_rows "
+          f"{scratch_rows}: {len(ks)} kernels, {ks[-1]['ts'] + ks[-1]['dur'] - t0:.0f} us")
+    for e in ks:
+        print(f"stream {e['args'].get('stream', '?'):>3} {e['ts'] - t0:8.1f} {e['ts'] + e['dur'] - t0:8.1f}"
+              f"  {e['name'][:60]}")
+    er.store.close()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--experts", type=int, default=128)
@@ -133,7 +169,16 @@ def main(argv=None):
                    help="--trace: moe_decode switches of the traced build")
     p.add_argument("--trace", type=int, nargs="*", metavar="T",
                    help="timeline of moe_decode calls of T tokens (default 1), then exit")
+    p.add_argument("--prefill-timeline", type=int, nargs="*", metavar="T",
+                   help="kernel timeline of half-on-host prefill calls of T tokens, then exit")
+    p.add_argument("--scratch-rows", type=int, nargs="+", default=[32],
+                   help="--prefill-timeline: MoEGemm scratch_rows values")
     args = p.parse_args(argv)
+    if args.prefill_timeline is not None:
+        for T in args.prefill_timeline or [2048]:
+            for rows in args.scratch_rows:
+                prefill_timeline(T, scratch_rows=rows)
+        return
     if args.sweep is not None:
         sweep(args.sweep or SWEEP, repeats=args.repeats)
         return
