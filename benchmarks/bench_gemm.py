@@ -116,28 +116,30 @@ def host_ms(fn, iters=20):
     return statistics.median(times)
 
 
-def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, scratch_rows=32):
+def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, scratch_rows=32, scratch_buffers=2,
+                  baseline=True):
     er = ExpertRows(layout, E, store=True)
     store, cpu_rows, addr = er.store, er.cpu, er.addr
     on_host = torch.zeros(E, dtype=torch.bool)
     on_host[torch.randperm(E, generator=torch.Generator().manual_seed(0))[:int(E * host_fraction)]] = True
     expert_addr = torch.where(on_host.cuda(), torch.zeros_like(addr), addr)
     gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
-                   scratch_rows=scratch_rows)
+                   scratch_rows=scratch_rows, scratch_buffers=scratch_buffers)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(T, K, E, gen)
     out = torch.empty_like(x)
     run = lambda: gemm.prefill(x, ids, w, expert_addr, host_addr=store.address_table(), out=out)  # noqa: E731
     resident = lambda: gemm.prefill(x, ids, w, expert_addr, out=out)  # noqa: E731
     res = {"T": T, "K": K, "H": layout.hidden, "I": layout.intermediate, "E": E,
-           "host_fraction": host_fraction, "scratch_rows": scratch_rows}
+           "host_fraction": host_fraction, "scratch_rows": scratch_rows,
+           "scratch_buffers": scratch_buffers}
     if host_fraction == 0:
         res.update(partition_path_ms=time_ms(run, warmup=2, iters=10),
                    partition_path_host_ms=host_ms(run))
         run = resident
     res.update(ms=time_ms(run, warmup=2, iters=10), host_ms=host_ms(run))
     ms = res["ms"]
-    if host_fraction == 0:
+    if host_fraction == 0 and baseline:
         w13 = torch.empty(E, 2 * layout.intermediate, layout.hidden, dtype=torch.bfloat16, device="cuda")
         w2 = torch.empty(E, layout.hidden, layout.intermediate, dtype=torch.bfloat16, device="cuda")
         for e in range(E):
@@ -149,6 +151,8 @@ def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, scratch_rows=32):
         res.update(torch_bf16=base, torch_best_ms=best, ratio_to_torch=ms / best)
         ref = torch.zeros_like(x)
         del w13, w2
+    elif host_fraction == 0:
+        ref = None
     else:
         routed_host = set(ids.reshape(-1).tolist()) & set(on_host.nonzero().reshape(-1).tolist())
         bound_ms = len(routed_host) * layout.row_bytes / pcie / 1e6
@@ -171,10 +175,16 @@ def main(argv=None):
     p.add_argument("--prefill-tokens", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--skip-prefill", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
-    p.add_argument("--scratch-rows", type=int, nargs="+", default=[32],
-                   help="MoEGemm scratch_rows of the half-on-host prefill runs (one run each)")
+    p.add_argument("--scratch", nargs="+", default=["32x2"], metavar="ROWSxBUFFERS",
+                   help="MoEGemm scratch_rows x scratch_buffers of the half-on-host prefill "
+                        "runs (one run each) and of the partition-path timing")
     p.add_argument("--name", default="bench_gemm", help="results/<name>.json")
     args = p.parse_args(argv)
+    try:
+        scratch = [tuple(int(v) for v in s.split("x")) for s in args.scratch]
+        assert all(len(s) == 2 for s in scratch)
+    except (ValueError, AssertionError):
+        p.error(f"--scratch: expected ROWSxBUFFERS values such as 32x2, got {args.scratch}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     hbm_read, hbm_copy, pcie = hbm_read_GBps(), hbm_copy_GBps(), pcie_h2d_GBps()
     print(f"limits: HBM read {hbm_read:.0f} GB/s, HBM copy {hbm_copy:.0f} GB/s, PCIe H2D {pcie:.1f} GB/s")
@@ -190,16 +200,20 @@ def main(argv=None):
     if not args.skip_prefill:
         layout = RowLayout(2048, 768)
         for T in args.prefill_tokens:
-            for frac, rows in [(0.0, 32)] + [(0.5, rows) for rows in args.scratch_rows]:
-                r = bench_prefill(layout, args.experts, T, 8, gen, pcie, frac, rows)
+            for i, (frac, (rows, bufs)) in enumerate([(f, s) for f in (0.0, 0.5) for s in scratch]):
+                r = bench_prefill(layout, args.experts, T, 8, gen, pcie, frac, rows, bufs,
+                                  baseline=i == 0)
                 prefill.append(r)
-                if frac == 0:
+                if frac == 0 and i > 0:
+                    print(f"prefill T={T} partition path, nothing on host, scratch {rows}x{bufs}: "
+                          f"{r['partition_path_ms']:.3f} ms (host {r['partition_path_host_ms']:.3f})")
+                elif frac == 0:
                     print(f"prefill T={T} resident: {r['ms']:.3f} ms (host {r['host_ms']:.3f}), "
                           f"torch bf16 best {r['torch_best_ms']:.3f} ms, ratio {r['ratio_to_torch']:.2f}; "
                           f"partition path, nothing on host: {r['partition_path_ms']:.3f} ms "
                           f"(host {r['partition_path_host_ms']:.3f})")
                 else:
-                    print(f"prefill T={T} half on host, scratch_rows {rows}: {r['ms']:.3f} ms "
+                    print(f"prefill T={T} half on host, scratch {rows}x{bufs}: {r['ms']:.3f} ms "
                           f"(host {r['host_ms']:.3f}), PCIe bound "
                           f"{r['pcie_bound_ms']:.3f} ms, ratio {r['ratio_to_pcie_bound']:.2f}")
     save(args.name, {"hbm_read_GBps": hbm_read, "hbm_copy_GBps": hbm_copy,

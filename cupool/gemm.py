@@ -134,10 +134,13 @@ class MoEGemm:
         max_decode_tokens: largest T of `decode` (sizes the decode workspaces; W ≤ 1024).
         max_prefill_tokens: largest T of `prefill` (0: no prefill workspaces).
         num_experts: E (needed for prefill).
-        scratch_rows: rows of the prefill scratch for experts not on the GPU (≥ 1). From 2 rows
-            on it is two buffers of scratch_rows // 2: the next chunk is copied while the GEMM
-            works on the resident experts or on the previous chunk. Chunks cost host time per
-            launch, so small ones leave the GPU waiting (default 32: chunks of 16 experts).
+        scratch_rows: rows of the prefill scratch for experts not on the GPU (≥ 1), split into
+            `scratch_buffers` buffers (at most one a row) of scratch_rows // scratch_buffers
+            rows, one chunk of experts each: later chunks are copied while the GEMM works on the
+            resident experts or on an earlier chunk, and a chunk's copy waits only for the GEMM
+            of the chunk scratch_buffers before it. More buffers: smaller chunks and a shorter
+            last GEMM after the last copy, but more launches a call (host time). Default 32 rows
+            in 2 buffers: chunks of 16 experts.
         decode_kernel: "fused": one launch groups the lanes and does w13 (weights dequantised
             to the model's dtype), SiLU·up, w2 and the top-k sum (moe_decode.cu; compute
             capability 9.0+), for calls of up to 256 lanes (T·K); wider calls, and "pair", use
@@ -148,7 +151,8 @@ class MoEGemm:
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
                  max_decode_tokens: int = 16, max_prefill_tokens: int = 0, num_experts: int = 0,
-                 scratch_rows: int = 32, decode_kernel: str = "auto", device=None):
+                 scratch_rows: int = 32, scratch_buffers: int = 2, decode_kernel: str = "auto",
+                 device=None):
         _cuda.require_gpu("the MoE GEMM")
         if dtype not in _DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
@@ -159,6 +163,9 @@ class MoEGemm:
                              f"x topk={topk} = {max_decode_tokens * topk}")
         if isinstance(scratch_rows, bool) or not isinstance(scratch_rows, int) or scratch_rows < 1:
             raise ValueError(f"scratch_rows must be an int >= 1, got {scratch_rows!r}")
+        if (isinstance(scratch_buffers, bool) or not isinstance(scratch_buffers, int)
+                or scratch_buffers < 1):
+            raise ValueError(f"scratch_buffers must be an int >= 1, got {scratch_buffers!r}")
         if max_prefill_tokens and not 0 < num_experts <= 1024:
             raise ValueError(f"prefill needs num_experts in [1, 1024], got {num_experts}")
         self.layout, self.topk, self.dtype = layout, int(topk), dtype
@@ -191,9 +198,9 @@ class MoEGemm:
         self.num_experts = int(num_experts)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.scratch_rows = int(scratch_rows)
-        # experts a chunk (C) and chunk buffers (two, once there is room for them)
-        self._chunk = max(1, self.scratch_rows // 2)
-        self._nbuf = self.scratch_rows // self._chunk
+        # chunk buffers (as many as asked for, at most one a row) and experts a chunk (C)
+        self._nbuf = min(int(scratch_buffers), self.scratch_rows)
+        self._chunk = self.scratch_rows // self._nbuf
         self._p = None
         if max_prefill_tokens:
             wp = self.max_prefill_tokens * self.topk
@@ -410,9 +417,10 @@ class MoEGemm:
                 layer: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
         """The partition path. expert_addr: int64 [E], the GPU address of each resident expert's
         row, 0 for the others, which are read from `host_addr[layer·E + e]` (the store's UVA
-        address table) into the scratch in chunks of scratch_rows // 2, on a second stream: the
-        first chunks' copies overlap the resident experts' GEMM, and chunk c + 2's copy overlaps
-        chunk c + 1's GEMM (it waits for chunk c's GEMM, which read the same buffer)."""
+        address table) into the scratch in chunks of scratch_rows // scratch_buffers, on a second
+        stream: the first chunks' copies overlap the resident experts' GEMM, and chunk c + B's
+        copy (B buffers) overlaps the GEMMs of chunks c + 1 ... (it waits for chunk c's GEMM,
+        which read the same buffer)."""
         if self._p is None:
             raise RuntimeError("this MoEGemm was built without prefill workspaces "
                                "(max_prefill_tokens=0)")

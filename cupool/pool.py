@@ -332,8 +332,8 @@ def _rows_from_budget(budget: int | None, row_stride: int, L: int, K: int, E: in
 
 def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="cuda", *,
          kv_reserve=0, max_decode_tokens: int = 16, max_prefill_tokens: int = 4096,
-         scratch_rows: int = 32, checkpoint=None, expert_rows=None, layers=None,
-         route_fn=None, progress: bool = True) -> Pool:
+         scratch_rows: int = 32, scratch_buffers: int = 2, checkpoint=None, expert_rows=None,
+         layers=None, route_fn=None, progress: bool = True) -> Pool:
     """Wrap `model`'s MoE layers into a pool. Returns the `Pool` handle (gate closed).
 
     Args:
@@ -343,9 +343,10 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
         kv_reserve: bytes (or string) kept free for the KV cache.
         max_decode_tokens: largest batch of one decode step (T·K lanes ≤ 1024).
         max_prefill_tokens: largest T of a wide (prefill) call.
-        scratch_rows: rows of the prefill scratch for experts not in the bank: two buffers of
-            scratch_rows // 2, one copied while the GEMM reads the other (default 32: 85 MB of
-            Qwen3-30B-A3B rows).
+        scratch_rows: rows of the prefill scratch for experts not in the bank (default 32: 85 MB
+            of Qwen3-30B-A3B rows).
+        scratch_buffers: buffers the scratch is split into, one chunk of experts each: later
+            chunks are copied while the GEMM reads earlier ones (default 2; MoEGemm says more).
         checkpoint: a ModelOpt NVFP4 safetensors file/dir to fill the store from (experts
             already NVFP4) instead of quantizing the model's weights.
         expert_rows: fn(layer) -> uint8 [E, row_bytes] rows in the kernel layout (any device):
@@ -379,7 +380,7 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
     max_lanes = max_decode_tokens * K
     gemm = MoEGemm(layout, K, s0.dtype, max_decode_tokens=max_decode_tokens,
                    max_prefill_tokens=max_prefill_tokens, num_experts=E,
-                   scratch_rows=scratch_rows, device=dev)
+                   scratch_rows=scratch_rows, scratch_buffers=scratch_buffers, device=dev)
     row_stride = -(-layout.row_bytes // 256) * 256
     if rows is None:
         # Decide before anything is converted, so a budget that is too small leaves the model

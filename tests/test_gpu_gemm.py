@@ -281,6 +281,30 @@ def test_prefill_partition(qwen, T, K):
     assert gemm.read_error() == []
 
 
+@pytest.mark.parametrize("rows,buffers", [(5, 3), (7, 4), (3, 5)])
+def test_prefill_scratch_buffers(qwen, rows, buffers):
+    """Chunks of rows // buffers experts in `buffers` buffers (at most one a row): a chunk's copy
+    waits for the GEMM of the chunk `buffers` before it, never overwrites a buffer being read."""
+    gen = torch.Generator().manual_seed(rows * 10 + buffers)
+    T, K, E = 511, 8, qwen.E
+    gemm = MoEGemm(qwen.layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
+                   scratch_rows=rows, scratch_buffers=buffers)
+    assert gemm._nbuf == min(rows, buffers) and gemm._chunk == rows // gemm._nbuf
+    x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
+    ids, w = routing(T, K, E, gen)
+    expert_addr = torch.where(
+        torch.tensor([wh != "host" for wh in qwen.where], device="cuda"), qwen.addr,
+        torch.zeros_like(qwen.addr))
+    out = torch.full_like(x, float("nan"))
+    gemm.prefill(x, ids, w, expert_addr, host_addr=qwen.store.address_table(), out=out)
+    assert rel_err(out, reference_moe(x, ids, w, qwen.deq)) <= TOL
+    assert gemm.read_error() == []
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="scratch_buffers must be an int >= 1"):
+            MoEGemm(qwen.layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
+                    scratch_buffers=bad)
+
+
 def test_prefill_int32_ids_bad_ids_and_odd_experts(small):
     gen = torch.Generator().manual_seed(21)
     T, K, E = 37, 2, small.E
