@@ -38,7 +38,7 @@ for stage in "$@"; do
               run bench_planner 180 python3 benchmarks/bench_planner.py $PLANNER_SWEEP
               run bench_gemm 240 python3 benchmarks/bench_gemm.py --layers 16 ;;
     planner)  run bench_planner 150 python3 benchmarks/bench_planner.py $PLANNER_SWEEP ;;
-    gemm-bench) run bench_gemm 150 python3 benchmarks/bench_gemm.py --layers 16 ;;
+    gemm-bench) run bench_gemm 150 python3 benchmarks/bench_gemm.py --layers 16 ${GEMM_ARGS:-} ;;
     example)  run decode_loop 300 python3 examples/decode_loop.py --json "$OUT/decode_loop.json" ;;
     decode)   run bench_decode 560 python3 benchmarks/bench_decode.py ;;
     decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 ;;
