@@ -68,7 +68,9 @@
 #ifndef DECODE_ABLATE
 #define DECODE_ABLATE 0   // profiling only (wrong output), bits: 1 no dequantisation, 2 no chunk
                           // compute, 4 w2 does not wait for its unit, 8 no w13 epilogue, 16 no
-                          // w2 epilogue or top-k sum, 32 no scale loads
+                          // w2 epilogue or top-k sum, 32 no scale loads, 64 w13 reads no x (B
+                          // fragments from the column index), 128 no mma (A and B folded into
+                          // the sums with integer ops)
 #endif
 #define ABLATE(bit) ((DECODE_ABLATE & (bit)) != 0)
 #define TRACE_ITEMS 8192  // trace: [TRACE_ITEMS][4] item stamps, then [grid][2] block stamps
@@ -212,7 +214,11 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
                     if (nt >= ntiles) continue;
                     u32 b0, b1;
                     bfrag(c + ci, nt, q, b0, b1);
+#if ABLATE(128)
+                    acc[nt][q] += __uint_as_float(((a[q][0] ^ a[q][1] ^ a[q][2]) ^ a[q][3] ^ (b0 + b1)) & 0x3fffffu);
+#else
                     mma16816<BF>(acc[nt], a[q], b0, b1);
+#endif
                 }
             }
         }
@@ -379,8 +385,13 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
     run_stages<IN_BF16, HP>(ws, sl.strip, sl.c0, sl.c1, ntiles, acc, lane,
                             [&](int c, int nt, int q, u32& b0, u32& b1) {
         const int k = c * 64 + q * 16 + 2 * t;
+#if ABLATE(64)
+        b0 = (u32)k * 0x00010001u + nt;
+        b1 = b0 + 8u;
+#else
         b0 = x_pair(xrow[nt], k, hidden);
         b1 = x_pair(xrow[nt], k + 8, hidden);
+#endif
     });
     stamp(a.trace, item, 2);
     put_partial(m, warp, lane, acc);
