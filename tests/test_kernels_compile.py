@@ -31,6 +31,11 @@ VARIANTS = [
     ("moe_decode", "-DNT=16 -DMINB=3 -DMAXW=256 -DOUT_BF16=0 -DIN_BF16=0 -DW_DTYPE=1 -DXALIGN=0"),
     ("moe_decode", "-DHP=4096 -DIP=1536 -DMINB=3"),
     ("moe_decode", "-DHP=128 -DIP=64 -DNT=16 -DHFULL=0 -DDECODE_TRACE=1"),
+    # profile_gemm --sweep: the stage ring's shape and the profiling ablations
+    ("moe_decode", "-DSTAGE=2 -DNBUF=5 -DW2_KSPLIT=4"),
+    ("moe_decode", "-DSTAGE=1 -DNBUF=8 -DHP=4096 -DIP=1536"),
+    ("moe_decode", "-DDECODE_ABLATE=255 -DDECODE_TRACE=1"),
+    ("moe_decode", "-DDECODE_ABLATE=1"),
     ("moe_align", "-DNT=64 -DIDS64=0 -DIN_BF16=0"),
     ("rowcopy", "-DCHUNK=1040 -DNSTAGES=5"),
     ("rowcopy", "-DCHUNK=65536 -DNSTAGES=3 -DUNROLL=8"),
