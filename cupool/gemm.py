@@ -224,6 +224,12 @@ class MoEGemm:
                 scratch=torch.zeros(self.scratch_rows, stride, dtype=torch.uint8, device=dev),
                 nchunks=nchunks,
             )
+            # per chunk c: its GEMM's unit range, its copy list and count (views made once: a
+            # call walks every chunk, and a view costs microseconds of host time)
+            p = self._p
+            p["chunk_views"] = [(p["phase_off"][c + 1:c + 3],
+                                 p["copies"][c * self._chunk:(c + 1) * self._chunk],
+                                 p["n_copies"][c:c + 1]) for c in range(nchunks)]
         self._copier = None
         self._copy_stream = None          # prefill's scratch copies (made on first use)
         self._events: list = []           # per chunk: (copied, free), made on first use
@@ -462,7 +468,7 @@ class MoEGemm:
         if not nchunks:
             self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)
         else:
-            copier, C, nbuf = self._scratch_copier(host_addr), self._chunk, self._nbuf
+            copier, nbuf, views = self._scratch_copier(host_addr), self._nbuf, p["chunk_views"]
             main = torch.cuda.current_stream(self.device)
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(self.device)
@@ -471,16 +477,15 @@ class MoEGemm:
             side.wait_stream(main)                   # the copy lists from align_experts
 
             def copy(c):                             # chunk c into buffer c % nbuf, on `side`
-                with torch.cuda.stream(side):
-                    copier(p["copies"][c * C:(c + 1) * C], p["n_copies"][c:c + 1])
-                    self._events[c][0].record(side)
+                copier(views[c][1], views[c][2], stream=side)
+                self._events[c][0].record(side)
 
             for c in range(min(nbuf, nchunks)):
                 copy(c)
             self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)   # resident experts
             for c in range(nchunks):
                 main.wait_event(self._events[c][0])
-                self._run_gemm(cfg, p["phase_off"][c + 1:c + 3], *args, out32=out32)
+                self._run_gemm(cfg, views[c][0], *args, out32=out32)
                 if c + nbuf < nchunks:               # buffer c % nbuf is free after this GEMM
                     self._events[c][1].record(main)
                     side.wait_event(self._events[c][1])

@@ -17,6 +17,7 @@ of Python on each.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -204,8 +205,10 @@ def _raw_stream(idx: int) -> int:
     return torch.cuda.current_stream(idx).cuda_stream
 
 
-def launch(kernel, grid, block, args, shared_mem: int = 0, device=None) -> None:
-    """Launch on torch's current stream of `device`. Grid and block are ints or tuples.
+def launch(kernel, grid, block, args, shared_mem: int = 0, device=None,
+           stream: "torch.cuda.Stream | None" = None) -> None:
+    """Launch on `stream` (a torch stream of `device`), by default torch's current stream of
+    `device`. Grid and block are ints or tuples.
 
     torch tensors in `args` pass as their device address (a 64-bit pointer argument); every
     other argument must already be a numpy scalar of the kernel parameter's width (`i32`, ...).
@@ -236,12 +239,14 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None) -> None:
         b = block + (1,) * (3 - len(block))
         base = packed.ctypes.data
         params = _SLOT_OFFSETS[:len(packed)] + np.uint64(base)
+        handle = _raw_stream(idx) if stream is None else stream.cuda_stream
         _cuda.cupy().cuda.driver.launchKernel(fptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
-                                              _raw_stream(idx), params.ctypes.data, 0)
+                                              handle, params.ctypes.data, 0)
         return
     args = tuple(_cuda.ptr(a) if isinstance(a, torch.Tensor) else a for a in args)
-    with _cuda.current_stream(device):
-        kernel(grid, block, args, shared_mem=shared_mem)
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with _cuda.current_stream(device):
+            kernel(grid, block, args, shared_mem=shared_mem)
 
 
 NULL = np.uint64(0)  # a null pointer argument (kernels that take an optional array test for it)

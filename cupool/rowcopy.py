@@ -102,10 +102,12 @@ class RowCopier:
         self.kernel.max_dynamic_shared_size_bytes = max(
             self.kernel.max_dynamic_shared_size_bytes, self.shared_mem)
 
-    def __call__(self, copies: torch.Tensor, n_copies: torch.Tensor) -> None:
-        """Launch on torch's current stream. copies: int32 [max_copies, 2] (key, row);
-        n_copies: int32 [1] on the device (entries beyond it are ignored)."""
+    def __call__(self, copies: torch.Tensor, n_copies: torch.Tensor,
+                 stream: "torch.cuda.Stream | None" = None) -> None:
+        """Launch on `stream` (default: torch's current stream). copies: int32 [max_copies, 2]
+        (key, row); n_copies: int32 [1] on the device (entries beyond it are ignored)."""
         kernels.launch(self.kernel, self.blocks, self.threads, (
             self.src_of_key, copies, n_copies, self.dst,
             kernels.i64(self.dst.stride(0)), kernels.i64(self.row_bytes),
-            kernels.i32(self.max_copies)), shared_mem=self.shared_mem, device=self.dst.device)
+            kernels.i32(self.max_copies)), shared_mem=self.shared_mem, device=self.dst.device,
+            stream=stream)

@@ -203,3 +203,26 @@ def test_launch_takes_the_packed_argument_path():
     kernels.launch(k, 3, 128, (x, b, y, kernels.f32(-0.75), kernels.i32(n)))
     torch.cuda.synchronize()
     torch.testing.assert_close(y, x * -0.75 + b, rtol=1e-6, atol=1e-6)   # FMA vs mul + add
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_launch_on_a_given_stream(packed, monkeypatch):
+    """kernels.launch(stream=s) runs on s, not on the current stream: with the current stream
+    held by a 50 ms sleep, s finishes the kernel first; the current stream stays current."""
+    if not packed:                                   # CuPy's call (no CUfunction handle)
+        monkeypatch.setattr(kernels, "_function_handle", lambda kernel: None)
+    k = kernels.function("selftest", "axpb")
+    n = 1000
+    x = torch.randn(n, device="cuda")
+    b = torch.tensor([0.25], device="cuda")
+    y = torch.full_like(x, float("nan"))
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)                           # x, b, y are ready before the sleep
+    torch.cuda._sleep(100_000_000)                   # ~50 ms on the current stream
+    kernels.launch(k, 8, 128, (x, b, y, kernels.f32(2.0), kernels.i32(n)), stream=side)
+    assert torch.cuda.current_stream() == main
+    side.synchronize()
+    assert not main.query(), "the current stream's sleep ended first: the check proves nothing"
+    torch.testing.assert_close(y, x * 2.0 + b, rtol=1e-6, atol=1e-6)
+    torch.cuda.synchronize()
