@@ -178,18 +178,13 @@ CUPOOL_DEVICE void issue_first(WarpStages& ws, const u8* strip, int c0, int c1, 
 
 // acc[nt] += chunks [c0, c1) of the strip × B, stage by stage (stage i + NBUF is issued into the
 // buffer stage i leaves). bfrag(c, nt, q, b0, b1): B fragment of chunk c, n-tile nt, k-tile q.
-#ifndef XPF
-#define XPF 0             // 1: w13 prefetches its x rows' lines into L1 one stage ahead
-#endif
-template <bool BF, int KP, class BFrag, class BPre>
+template <bool BF, int KP, class BFrag>
 CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, int ntiles,
-                              float (&acc)[NTILES][4], int lane, BFrag bfrag, BPre bpre) {
+                              float (&acc)[NTILES][4], int lane, BFrag bfrag) {
     const int g = lane >> 2;
     u32 parity = ws.parity;
-    bpre(c0);                                   // B of stage 0 (stage i + 1: at stage i's start)
     for (int c = c0, i = 0; c < c1; c += STAGE, ++i) {
         const int buf = i % NBUF;
-        if (c + STAGE < c1) bpre(c + STAGE);
         cp_async_wait<NBUF - 1>();              // stage i's scales (later stages may be in flight)
         __syncwarp();                           // ... for every lane's copies (scales are shared)
         mbar_wait(smem_addr(&ws.bar[buf]), (parity >> buf) & 1u);      // its packed words
@@ -397,13 +392,6 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
         b0 = x_pair(xrow[nt], k, hidden);
         b1 = x_pair(xrow[nt], k + 8, hidden);
 #endif
-    }, [&](int c) {                     // lane t of row group g: line t of the stage's 4 lines
-#if XPF
-#pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt)
-            if (nt < ntiles && xrow[nt] != nullptr && (HFULL || c * 64 + 64 * t < hidden))
-                asm volatile("prefetch.global.L1 [%0];" :: "l"(xrow[nt] + c * 64 + 64 * t));
-#endif
     });
     stamp(a.trace, item, 2);
     put_partial(m, warp, lane, acc);
@@ -468,7 +456,7 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
         const u16* x = m.xs + (nt * 8 + g) * XS2 + c * 64 + q * 16 + 2 * t;
         b0 = *reinterpret_cast<const u32*>(x);
         b1 = *reinterpret_cast<const u32*>(x + 8);
-    }, [](int) {});                     // B is in shared memory already
+    });
     stamp(a.trace, item, 2);
     if (KS2 > 1) {
         put_partial(m, warp, lane, acc);
