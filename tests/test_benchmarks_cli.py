@@ -34,3 +34,17 @@ def test_bench_decode_plot_only(tmp_path):
                        cwd=BENCH, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+def test_ncu_source_summary(tmp_path):
+    src = BENCH / "results" / "ncu_moe_decode_T1_source.csv.gz"
+    r = subprocess.run([sys.executable, str(BENCH / "ncu_source.py"), str(src), "--top", "3"],
+                       cwd=BENCH, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2396 stall samples" in r.stdout and "barrier" in r.stdout
+    assert len([line for line in r.stdout.splitlines() if "HMMA" in line or "BSSY" in line]) >= 1
+    bad = tmp_path / "x.csv"
+    bad.write_text("not,an,ncu,file\n")
+    r = subprocess.run([sys.executable, str(BENCH / "ncu_source.py"), str(bad)],
+                       cwd=BENCH, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "no \"Address\" header" in r.stderr
