@@ -332,38 +332,17 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
     __syncthreads();
 }
 
-// This warp's strip and chunk range [c0, c1) in an item.
-struct Slice {
-    const u8* strip;
-    int c0, c1;
-};
-
-CUPOOL_DEVICE Slice w13_slice(const Smem& m, int u, int p) {
-    const int warp = threadIdx.x >> 5;
-    Slice sl;
-    sl.strip = reinterpret_cast<const u8*>(m.unit_addr[u]) + 256 + (i64)(2 * p + warp / KS13) * W13_STRIP;
-    k_slice(warp % KS13, KS13, NC13, sl.c0, sl.c1);
-    return sl;
-}
-
-CUPOOL_DEVICE Slice w2_slice(const Smem& m, int u, int grp) {
-    const int warp = threadIdx.x >> 5;
-    const int st = grp * WM2 + warp / KS2;
-    Slice sl;
-    sl.strip = reinterpret_cast<const u8*>(m.unit_addr[u]) + W2_OFFSET + (i64)st * W2_STRIP;
-    sl.c0 = sl.c1 = 0;
-    if (st < NS) k_slice(warp % KS2, KS2, NC2, sl.c0, sl.c1);
-    return sl;
-}
-
 // w13 item: gate and up strips of pair p of unit u; warps 0..3 slice gate's K, 4..7 up's.
 CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int s = warp / KS13, ks = warp % KS13;
     const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
-    const Slice sl = w13_slice(m, u, p);
+    const u8* strip = row + 256 + (i64)(2 * p + s) * W13_STRIP;
+    int c0, c1;
+    k_slice(ks, KS13, NC13, c0, c1);
     WarpStages& ws = m.stages[warp];
-    issue_first<HP>(ws, sl.strip, sl.c0, sl.c1, lane);
+    issue_first<HP>(ws, strip, c0, c1, lane);
     const float* hdr = reinterpret_cast<const float*>(row);
     const float gs_gate = hdr[0], gs_up = hdr[1];              // in flight during the K loop
     if (threadIdx.x < NT) {
@@ -382,7 +361,7 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
     }
     float acc[NTILES][4] = {};
     // B straight from x in the model's dtype (plain loads: the compiler may hoist them)
-    run_stages<IN_BF16, HP>(ws, sl.strip, sl.c0, sl.c1, ntiles, acc, lane,
+    run_stages<IN_BF16, HP>(ws, strip, c0, c1, ntiles, acc, lane,
                             [&](int c, int nt, int q, u32& b0, u32& b1) {
         const int k = c * 64 + q * 16 + 2 * t;
 #if ABLATE(64)
@@ -415,12 +394,14 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
 CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last, int item) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int ks = warp % KS2;
-    const int st = grp * WM2 + warp / KS2;
+    const int wm = warp / KS2, ks = warp % KS2;
+    const int st = grp * WM2 + wm;
     const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
-    const Slice sl = w2_slice(m, u, grp);
+    const u8* strip = row + W2_OFFSET + (i64)st * W2_STRIP;
+    int c0 = 0, c1 = 0;
+    if (st < NS) k_slice(ks, KS2, NC2, c0, c1);
     WarpStages& ws = m.stages[warp];
-    issue_first<IP>(ws, sl.strip, sl.c0, sl.c1, lane);
+    issue_first<IP>(ws, strip, c0, c1, lane);
     const float gs_down = reinterpret_cast<const float*>(row)[2];
     if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
     if (!ABLATE(4)) wait_count(a.unit_done + u, NP, a.error);   // the unit's act is complete
@@ -451,7 +432,7 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     __syncthreads();
     const int g = lane >> 2, t = lane & 3;
     float acc[NTILES][4] = {};
-    run_stages<false, IP>(ws, sl.strip, sl.c0, sl.c1, ntiles, acc, lane,
+    run_stages<false, IP>(ws, strip, c0, c1, ntiles, acc, lane,
                           [&](int c, int nt, int q, u32& b0, u32& b1) {
         const u16* x = m.xs + (nt * 8 + g) * XS2 + c * 64 + q * 16 + 2 * t;
         b0 = *reinterpret_cast<const u32*>(x);
