@@ -107,6 +107,16 @@ class ExpertRows:
             self.store.fill(lambda _l: self.cpu, progress=False)
             self.store.seal()
 
+    def resident_addr(self, host_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(on_host bool [E] on the CPU, expert_addr int64 [E]): a fixed random `host_fraction`
+        of the experts marked as on the host (address 0, read from the store), the rest at their
+        bank address, as MoEGemm.prefill takes them."""
+        E = self.addr.numel()
+        on_host = torch.zeros(E, dtype=torch.bool)
+        pick = torch.randperm(E, generator=torch.Generator().manual_seed(0))[:int(E * host_fraction)]
+        on_host[pick] = True
+        return on_host, torch.where(on_host.cuda(), torch.zeros_like(self.addr), self.addr)
+
 
 def gpu_name() -> str:
     return torch.cuda.get_device_name()

@@ -119,10 +119,8 @@ def host_ms(fn, iters=20):
 def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, scratch_rows=32, scratch_buffers=2,
                   baseline=True):
     er = ExpertRows(layout, E, store=True)
-    store, cpu_rows, addr = er.store, er.cpu, er.addr
-    on_host = torch.zeros(E, dtype=torch.bool)
-    on_host[torch.randperm(E, generator=torch.Generator().manual_seed(0))[:int(E * host_fraction)]] = True
-    expert_addr = torch.where(on_host.cuda(), torch.zeros_like(addr), addr)
+    store, cpu_rows = er.store, er.cpu
+    on_host, expert_addr = er.resident_addr(host_fraction)
     gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
                    scratch_rows=scratch_rows, scratch_buffers=scratch_buffers)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
@@ -149,17 +147,12 @@ def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, scratch_rows=32, sc
         base = torch_baseline(x, ids, w, w13, w2)
         best = min(v for k, v in base.items() if k.endswith("_ms"))
         res.update(torch_bf16=base, torch_best_ms=best, ratio_to_torch=ms / best)
-        ref = torch.zeros_like(x)
         del w13, w2
-    elif host_fraction == 0:
-        ref = None
-    else:
+    elif host_fraction > 0:
         routed_host = set(ids.reshape(-1).tolist()) & set(on_host.nonzero().reshape(-1).tolist())
         bound_ms = len(routed_host) * layout.row_bytes / pcie / 1e6
         res.update(host_experts_routed=len(routed_host), pcie_bound_ms=bound_ms,
                    ratio_to_pcie_bound=ms / bound_ms)
-        ref = None
-    del ref
     store.close()
     return res
 
@@ -181,9 +174,8 @@ def main(argv=None):
     p.add_argument("--name", default="bench_gemm", help="results/<name>.json")
     args = p.parse_args(argv)
     try:
-        scratch = [tuple(int(v) for v in s.split("x")) for s in args.scratch]
-        assert all(len(s) == 2 for s in scratch)
-    except (ValueError, AssertionError):
+        scratch = [(int(r), int(b)) for r, b in (s.split("x") for s in args.scratch)]
+    except ValueError:                  # not two fields, or not integers
         p.error(f"--scratch: expected ROWSxBUFFERS values such as 32x2, got {args.scratch}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     hbm_read, hbm_copy, pcie = hbm_read_GBps(), hbm_copy_GBps(), pcie_h2d_GBps()

@@ -48,34 +48,31 @@ def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1):
     from bench_gemm import bench_decode
     cases = (((2048, 768), 1), ((2048, 768), 4), ((4096, 1536), 1), ((4096, 1536), 4))
     gen = torch.Generator(device="cuda")
-    ref = {}
+
+    def run(case, extra, outputs=None):                # same rows and routing for each variant
+        (H, I), T = cases[case]
+        torch.manual_seed(case)
+        gen.manual_seed(case)
+        return bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, extra=extra,
+                            outputs=outputs)
+
+    ref = {}                                            # case -> the default build's outputs
     for rep in range(repeats):
         for text in variants:
             extra = parse_variant(text)
             for case, ((H, I), T) in enumerate(cases):
-                torch.manual_seed(case)                    # same rows and routing for each variant
-                gen.manual_seed(case)
                 outs = [] if rep == 0 else None
-                r = bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, extra=extra,
-                                 outputs=outs)
+                r = run(case, extra, outs)
                 check = ""
                 if outs:
-                    if case not in ref:
-                        ref[case] = (bench_default(bench_decode, H, I, T, layers, gen, case)
-                                     if extra else outs[0])
-                    base = ref[case]
+                    if case not in ref:                 # a variant first: build the default
+                        ref[case] = outs if not extra else []
+                        if extra:
+                            run(case, {}, ref[case])
+                    base = ref[case][0]
                     check = f"  max diff vs default {float((outs[0] - base).abs().max() / base.abs().max()):.1e}"
                 print(f"sweep rep {rep} H={H} T={T} {text or 'default'}: "
                       f"{r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s{check}", flush=True)
-
-
-def bench_default(bench_decode, H, I, T, layers, gen, case):
-    """Outputs of the default moe_decode build for sweep case `case` (same seeds as the sweep)."""
-    torch.manual_seed(case)
-    gen.manual_seed(case)
-    outs = []
-    bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, outputs=outs)
-    return outs[0]
 
 
 def trace(T: int = 1, E: int = 128, extra: dict | None = None):
@@ -130,9 +127,7 @@ def prefill_timeline(T: int, host_fraction: float = 0.5, scratch_rows: int = 32,
     import tempfile
     layout = RowLayout(2048, 768)
     er = ExpertRows(layout, E, store=True)
-    on_host = torch.zeros(E, dtype=torch.bool)
-    on_host[torch.randperm(E, generator=torch.Generator().manual_seed(0))[:int(E * host_fraction)]] = True
-    expert_addr = torch.where(on_host.cuda(), torch.zeros_like(er.addr), er.addr)
+    _, expert_addr = er.resident_addr(host_fraction)
     gemm = MoEGemm(layout, 8, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
                    scratch_rows=scratch_rows)
     x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)

@@ -54,6 +54,15 @@ class Placed:
         a = self.addr[ids.clamp(min=0)]
         return torch.where(ids >= 0, a, torch.zeros_like(a)).reshape(-1)
 
+    def prefill_error(self, gemm, x, ids, w):
+        """Relative error of gemm.prefill (output poisoned first) against the reference, with
+        the bank and staging experts resident and the host experts read through the scratch."""
+        host = torch.tensor([wh == "host" for wh in self.where], device="cuda")
+        expert_addr = torch.where(host, torch.zeros_like(self.addr), self.addr)
+        out = torch.full_like(x, float("nan"))
+        gemm.prefill(x, ids, w, expert_addr, host_addr=self.store.address_table(), out=out)
+        return rel_err(out, reference_moe(x, ids, w, self.deq))
+
 
 def routing(T, K, E, gen, dtype=torch.float32):
     if K <= E:                                          # distinct experts per token, as routers give
@@ -271,13 +280,7 @@ def test_prefill_partition(qwen, T, K):
                    scratch_rows=2)                      # several chunks of host experts
     x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
     ids, w = routing(T, K, E, gen)
-    # resident experts read from the bank; host experts go through the scratch
-    expert_addr = torch.where(
-        torch.tensor([wh != "host" for wh in qwen.where], device="cuda"), qwen.addr,
-        torch.zeros_like(qwen.addr))
-    out = torch.full_like(x, float("nan"))
-    gemm.prefill(x, ids, w, expert_addr, host_addr=qwen.store.address_table(), out=out)
-    assert rel_err(out, reference_moe(x, ids, w, qwen.deq)) <= TOL
+    assert qwen.prefill_error(gemm, x, ids, w) <= TOL
     assert gemm.read_error() == []
 
 
@@ -292,12 +295,7 @@ def test_prefill_scratch_buffers(qwen, rows, buffers):
     assert gemm._nbuf == min(rows, buffers) and gemm._chunk == rows // gemm._nbuf
     x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
     ids, w = routing(T, K, E, gen)
-    expert_addr = torch.where(
-        torch.tensor([wh != "host" for wh in qwen.where], device="cuda"), qwen.addr,
-        torch.zeros_like(qwen.addr))
-    out = torch.full_like(x, float("nan"))
-    gemm.prefill(x, ids, w, expert_addr, host_addr=qwen.store.address_table(), out=out)
-    assert rel_err(out, reference_moe(x, ids, w, qwen.deq)) <= TOL
+    assert qwen.prefill_error(gemm, x, ids, w) <= TOL
     assert gemm.read_error() == []
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="scratch_buffers must be an int >= 1"):
