@@ -6,7 +6,8 @@
 // up strip × K slice; w2: output strip × K slice), and every sum runs in the same order, so the
 // output is the same bit for bit. What differs is who waits for what:
 // - The producer claims the block's items (block b starts on item b, later ones come from the
-//   ticket counter in ticket order), announces each in a queue of QD slots and issues every
+//   ticket counter in ticket order, AHEAD beyond the items the consumers have taken), announces
+//   each in a queue of QD slots and issues every
 //   task's stages into its consumer's ring of NBUF stages (packed words by one bulk copy, scale
 //   words by cp.async tracked on the same mbarrier). It runs ahead of the consumers by as much as
 //   the rings and the queue hold, across items: a w2 item's weights stream in while the block is
@@ -67,6 +68,28 @@
 #ifndef QD
 #define QD 4              // item queue slots (how many items the producer may run ahead)
 #endif
+#ifndef AHEAD
+#define AHEAD 1           // items the producer may claim beyond those the consumers have taken
+#endif
+#ifndef PFENCE
+#define PFENCE 1          // producer: fence.proxy.async before each bulk copy into a freed slot
+#endif
+#ifndef DECODE_TRACE
+#define DECODE_TRACE 0    // 1: globaltimer stamps into `trace` (profile_gemm --trace), as moe_decode.cu
+#endif
+#define TRACE_ITEMS 8192  // trace: [TRACE_ITEMS][4] item stamps, then [grid][2] block stamps
+#ifndef WAITMODE
+#define WAITMODE 0        // mbarrier waits: 0 try_wait; 1 the producer polls test_wait with nanosleep;
+#endif                    // 2 producer and consumers poll
+#ifndef PORDER
+#define PORDER 0          // producer's stage order in an item: 0 stage-major, 1 consumer-major
+#endif
+#ifndef PLANES
+#define PLANES 0          // 1: producer lane c issues consumer c's bulk copies (8 in one instruction)
+#endif
+#ifndef WS_ABLATE
+#define WS_ABLATE 0       // profiling only (wrong output), bits: 1 no scale-word loads
+#endif
 #ifndef RD
 #define RD 2              // w13 partial-sum slots (how many w13 items consumers may drift apart)
 #endif
@@ -93,7 +116,7 @@ constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
 constexpr int XS2 = IP + 8;                // fp16 per staged act row: (IP+8)/2 words ≡ 4 mod 32
 constexpr int PART = NTILES * 4 * 32;      // floats of one warp's partial sums
 static_assert(NBUF >= 1 && NBUF <= 16 && STAGE >= 1 && 16 * STAGE <= 256, "stage ring shape");
-static_assert(QD >= 1 && RD >= 1, "queue and partial rings need a slot");
+static_assert(AHEAD >= 1 && QD >= AHEAD + 1 && RD >= 1, "queue and partial rings need slots");
 static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per thread");
 
 // One consumer's stage ring: full[b] completes when stage b's packed words and scale words have
@@ -200,6 +223,23 @@ CUPOOL_DEVICE void cp_async_mbar_arrive(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
 }
 
+CUPOOL_DEVICE bool mbar_test(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile("{\n\t.reg .pred p;\n\t"
+                 "mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    return done != 0;
+}
+
+template <bool PRODUCER>
+CUPOOL_DEVICE void ws_wait(u32 bar, u32 parity) {
+    if (WAITMODE == 0 || (WAITMODE == 1 && !PRODUCER)) {
+        mbar_wait(bar, parity);
+    } else {
+        while (!mbar_test(bar, parity)) __nanosleep(20);
+    }
+}
+
 CUPOOL_DEVICE void consumers_sync() {
     asm volatile("bar.sync 1, %0;" :: "n"(32 * CONS) : "memory");
 }
@@ -211,7 +251,24 @@ CUPOOL_DEVICE void k_slice(int ks, int ksplit, int nc, int& c0, int& c1) {
     c1 = min(c0 + per, nc);
 }
 
+// Stamp `idx` of the trace (lane 0 of the calling warp; DECODE_TRACE only). Items: 0 announced by
+// the producer, 1 consumer 0 has it (w2: act staged), 2 consumer 0's K loop done, 3 done.
+CUPOOL_DEVICE void stamp_at(u64* trace, int idx) {
+#if DECODE_TRACE
+    if ((threadIdx.x & 31) == 0) {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        trace[idx] = t;
+    }
+#endif
+}
+
+CUPOOL_DEVICE void stamp(u64* trace, int item, int k) {
+    if (item < TRACE_ITEMS) stamp_at(trace, item * 4 + k);
+}
+
 struct Args {
+    u64* trace;
     const u16* x;
     int topk, tokens, hidden, all_units, first, n13, total;
     float* act;
@@ -253,12 +310,13 @@ CUPOOL_DEVICE void produce_stage(Ring& r, int slot, const u8* strip, int c, int 
 #pragma unroll
     for (int idx = lane; idx < 16 * STAGE; idx += 32) {
         const int row = idx / STAGE, ci = idx % STAGE;
-        if (ci < n) cp_async4(&r.s[slot][idx], strip + 8 * KP + row * (KP / 16) + 4 * (c + ci));
+        if (ci < n && !(WS_ABLATE & 1))
+            cp_async4(&r.s[slot][idx], strip + 8 * KP + row * (KP / 16) + 4 * (c + ci));
     }
-    cp_async_mbar_arrive(bar);        // before the one counted arrival below
+    if (!(WS_ABLATE & 1)) cp_async_mbar_arrive(bar);   // before the one counted arrival below
     __syncwarp();
     if (lane == 0) {
-        fence_proxy_async_smem();     // the slot's last reads were generic loads
+        if (PFENCE) fence_proxy_async_smem();          // the slot's last reads were generic loads
         mbar_arrive_expect(bar, n * 512);
         bulk_load(smem_addr(&r.w[slot][0]), strip + (i64)c * 512, n * 512, bar);
     }
@@ -275,38 +333,103 @@ CUPOOL_DEVICE void produce_item(const Args& a, const Smem& m, int item, u32 (&is
         t[c] = task_of(a, m, item, c);
         stages = max(stages, (t[c].c1 - t[c].c0 + STAGE - 1) / STAGE);
     }
+    auto one = [&](int c, int s) {
+        const int cc = t[c].c0 + s * STAGE;
+        if (cc >= t[c].c1) return;
+        Ring& r = m.rings[c];
+        const u32 slot = issued[c] % NBUF, use = issued[c] / NBUF;
+        if (use > 0) ws_wait<true>(smem_addr(&r.empty[slot]), (use - 1) & 1u);
+        produce_stage<KP>(r, slot, t[c].strip, cc, t[c].c1, lane);
+        ++issued[c];
+    };
+    if (PORDER == 0) {
+        for (int s = 0; s < stages; ++s)
+#pragma unroll
+            for (int c = 0; c < CONS; ++c) one(c, s);
+    } else {
+#pragma unroll
+        for (int c = 0; c < CONS; ++c)
+            for (int s = 0; s < stages; ++s) one(c, s);
+    }
+}
+
+// PLANES: lane c < CONS keeps consumer c's task and ring count; per stage, the lanes wait for their
+// consumers' slots, the warp issues every consumer's scale words, then lanes 0..7 issue the eight
+// bulk copies in one instruction.
+template <int KP>
+CUPOOL_DEVICE void produce_item_lanes(const Args& a, const Smem& m, int item, u32& mine_issued,
+                                      int lane) {
+    const bool mine = lane < CONS;
+    const Task t = task_of(a, m, item, mine ? lane : 0);
+    int stages = mine ? (t.c1 - t.c0 + STAGE - 1) / STAGE : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) stages = max(stages, __shfl_xor_sync(0xffffffffu, stages, o));
+    const u64 strip = reinterpret_cast<u64>(t.strip);
     for (int s = 0; s < stages; ++s) {
+        const int cc = t.c0 + s * STAGE;
+        const bool has = mine && cc < t.c1;
+        const u32 slot = mine_issued % NBUF, use = mine_issued / NBUF;
+        if (has && use > 0) ws_wait<true>(smem_addr(&m.rings[lane].empty[slot]), (use - 1) & 1u);
+        __syncwarp();
 #pragma unroll
         for (int c = 0; c < CONS; ++c) {
-            const int cc = t[c].c0 + s * STAGE;
-            if (cc >= t[c].c1) continue;
+            const int ccc = __shfl_sync(0xffffffffu, cc, c), c1 = __shfl_sync(0xffffffffu, t.c1, c);
+            const u32 sl = __shfl_sync(0xffffffffu, slot, c);
+            const u8* st = reinterpret_cast<const u8*>(__shfl_sync(0xffffffffu, strip, c));
+            if (ccc >= c1) continue;
             Ring& r = m.rings[c];
-            const u32 slot = issued[c] % NBUF, use = issued[c] / NBUF;
-            if (use > 0) mbar_wait(smem_addr(&r.empty[slot]), (use - 1) & 1u);
-            produce_stage<KP>(r, slot, t[c].strip, cc, t[c].c1, lane);
-            ++issued[c];
+            const int n = min(STAGE, c1 - ccc);
+#pragma unroll
+            for (int idx = lane; idx < 16 * STAGE; idx += 32) {
+                const int row = idx / STAGE, ci = idx % STAGE;
+                if (ci < n && !(WS_ABLATE & 1))
+                    cp_async4(&r.s[sl][idx], st + 8 * KP + row * (KP / 16) + 4 * (ccc + ci));
+            }
+            if (!(WS_ABLATE & 1)) cp_async_mbar_arrive(smem_addr(&r.full[sl]));
+        }
+        __syncwarp();
+        if (has) {
+            Ring& r = m.rings[lane];
+            const int n = min(STAGE, t.c1 - cc);
+            const u32 bar = smem_addr(&r.full[slot]);
+            if (PFENCE) fence_proxy_async_smem();
+            mbar_arrive_expect(bar, n * 512);
+            bulk_load(smem_addr(&r.w[slot][0]), t.strip + (i64)cc * 512, n * 512, bar);
+            ++mine_issued;
         }
     }
 }
 
+// Items are claimed lazily: the next ticket only once the consumers have taken the item AHEAD - 1
+// before the one just issued (AHEAD 1: the next item's loads stream while the consumers work on
+// this one). Claiming as far ahead as the queue allows piles items onto the first blocks.
 CUPOOL_DEVICE void producer(const Args& a, const Smem& m, int base) {
     const int lane = threadIdx.x & 31;
     u32 issued[CONS];
 #pragma unroll
     for (int c = 0; c < CONS; ++c) issued[c] = 0;
+    u32 mine_issued = 0;                     // PLANES: stages issued to consumer `lane`
     int item = (int)blockIdx.x < base ? (int)blockIdx.x : a.total;
     for (int j = 0;; ++j) {
-        int next = a.total;                  // claimed one ahead: the answer is needed only later
-        if (lane == 0 && item < a.total && base < a.total) next = base + atomicAdd(a.ticket, 1);
         const int q = j % QD;
-        if (j >= QD) mbar_wait(smem_addr(&m.q->empty[q]), (u32)(j / QD - 1) & 1u);
+        if (j >= QD) ws_wait<true>(smem_addr(&m.q->empty[q]), (u32)(j / QD - 1) & 1u);
         if (lane == 0) {
             m.q->item[q] = item;
             mbar_arrive(smem_addr(&m.q->full[q]));
         }
         if (item >= a.total) break;
-        if (item < a.n13) produce_item<HP>(a, m, item, issued, lane);
-        else produce_item<IP>(a, m, item, issued, lane);
+        stamp(a.trace, item, 0);
+        if (PLANES) {
+            if (item < a.n13) produce_item_lanes<HP>(a, m, item, mine_issued, lane);
+            else produce_item_lanes<IP>(a, m, item, mine_issued, lane);
+        } else {
+            if (item < a.n13) produce_item<HP>(a, m, item, issued, lane);
+            else produce_item<IP>(a, m, item, issued, lane);
+        }
+        const int taken = j + 1 - AHEAD;
+        if (taken >= 0) ws_wait<true>(smem_addr(&m.q->empty[taken % QD]), (u32)(taken / QD) & 1u);
+        int next = a.total;
+        if (lane == 0 && base < a.total) next = base + atomicAdd(a.ticket, 1);
         item = __shfl_sync(0xffffffffu, next, 0);
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -319,7 +442,7 @@ CUPOOL_DEVICE void consume(Ring& r, u32& n, int c0, int c1, int ntiles, float (&
     const int g = lane >> 2;
     for (int c = c0; c < c1; c += STAGE, ++n) {
         const u32 slot = n % NBUF;
-        mbar_wait(smem_addr(&r.full[slot]), (n / NBUF) & 1u);
+        ws_wait<false>(smem_addr(&r.full[slot]), (n / NBUF) & 1u);
 #pragma unroll
         for (int ci = 0; ci < STAGE; ++ci) {
             if (c + ci >= c1) break;
@@ -393,7 +516,8 @@ CUPOOL_DEVICE int unit_lane(const Smem& m, int u, int s) {
 
 // w13 task of consumer c: strip (gate for c < KS13, else up) of pair p of unit u, K slice c % KS13.
 // The consumer that finishes the item last runs its epilogue. i13: this block's w13 item count.
-CUPOOL_DEVICE void w13_task(const Args& a, const Smem& m, Ring& r, u32& n, int u, int p, int i13) {
+CUPOOL_DEVICE void w13_task(const Args& a, const Smem& m, Ring& r, u32& n, int u, int p, int i13,
+                             int item) {
     const int c = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int c0, c1;
     k_slice(c % KS13, KS13, NC13, c0, c1);
@@ -408,11 +532,13 @@ CUPOOL_DEVICE void w13_task(const Args& a, const Smem& m, Ring& r, u32& n, int u
         xrow[nt] = l >= 0 ? a.x + (i64)(l / a.topk) * hidden : nullptr;
     }
     float acc[NTILES][4] = {};
+    if (c == 0) stamp(a.trace, item, 1);
     consume<IN_BF16>(r, n, c0, c1, ntiles, acc, lane, [&](int ch, int nt, int q, u32& b0, u32& b1) {
         const int k = ch * 64 + q * 16 + 2 * t;
         b0 = x_pair(xrow[nt], k, hidden);
         b1 = x_pair(xrow[nt], k + 8, hidden);
     });
+    if (c == 0) stamp(a.trace, item, 2);
     const int rs = i13 % RD;
     if (lane == 0)
         while (ld_volatile_shared(m.gen13 + rs) != i13) __nanosleep(32);   // slot's last item read
@@ -439,6 +565,7 @@ CUPOOL_DEVICE void w13_task(const Args& a, const Smem& m, Ring& r, u32& n, int u
     __threadfence();                                            // act and amax before the count
     __syncwarp();
     if (lane == 0) atomicAdd(a.unit_done + u, 1);
+    stamp(a.trace, item, 3);
 }
 
 // Top-k sum of rows [h0, h0 + rows) of every token by one warp (as moe_common's topk_sum).
@@ -462,7 +589,7 @@ CUPOOL_DEVICE void warp_topk_sum(int h0, int rows, int lane, const Args& a, cons
 // w2 task of consumer c: output strip grp·WM2 + c / KS2 of unit u, K slice c % KS2. All consumers
 // meet twice: once the unit's act is complete (and the block's last w2 item is done with xs), and
 // once its act rows are staged.
-CUPOOL_DEVICE void w2_task(const Args& a, const Smem& m, Ring& r, u32& n, int u, int grp) {
+CUPOOL_DEVICE void w2_task(const Args& a, const Smem& m, Ring& r, u32& n, int u, int grp, int item) {
     const int c = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = c / KS2, st = grp * WM2 + wm;
     int c0 = 0, c1 = 0;
@@ -500,6 +627,7 @@ CUPOOL_DEVICE void w2_task(const Args& a, const Smem& m, Ring& r, u32& n, int u,
         dst[1] = hi;
     }
     consumers_sync();
+    if (c == 0) stamp(a.trace, item, 1);
     const int g = lane >> 2, t = lane & 3;
     float acc[NTILES][4] = {};
     consume<false>(r, n, c0, c1, ntiles, acc, lane, [&](int ch, int nt, int q, u32& b0, u32& b1) {
@@ -507,6 +635,7 @@ CUPOOL_DEVICE void w2_task(const Args& a, const Smem& m, Ring& r, u32& n, int u,
         b0 = *reinterpret_cast<const u32*>(xp);
         b1 = *reinterpret_cast<const u32*>(xp + 8);
     });
+    if (c == 0) stamp(a.trace, item, 2);
     if (KS2 > 1) {
         put_partial(m.red2 + c * PART, lane, acc);
         if (!warp_last_arrival(m.cnt2 + wm, KS2, lane)) return;
@@ -534,16 +663,17 @@ CUPOOL_DEVICE void consumer(const Args& a, const Smem& m) {
     int i13 = 0;                             // w13 items seen
     for (int j = 0;; ++j) {
         const int q = j % QD;
-        mbar_wait(smem_addr(&m.q->full[q]), (u32)(j / QD) & 1u);
+        ws_wait<false>(smem_addr(&m.q->full[q]), (u32)(j / QD) & 1u);
         const int item = m.q->item[q];
         __syncwarp();
         if (lane == 0) mbar_arrive(smem_addr(&m.q->empty[q]));
         if (item >= a.total) break;
         if (item < a.n13) {
-            w13_task(a, m, r, n, a.first + item / NP, item % NP, i13++);
+            w13_task(a, m, r, n, a.first + item / NP, item % NP, i13++, item);
         } else {
             const int i = item - a.n13;
-            w2_task(a, m, r, n, a.first + i / G2, i % G2);
+            w2_task(a, m, r, n, a.first + i / G2, i % G2, item);
+            if (c == 0) stamp(a.trace, item, 3);
         }
     }
 }
@@ -563,11 +693,12 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
            i32* __restrict__ sync,               // [2 + W] zero at rest
            u16* __restrict__ out,                // [T, H]
            i32* __restrict__ error,
-           u64* __restrict__ trace) {            // unused (moe_decode.cu's signature)
+           u64* __restrict__ trace) {            // DECODE_TRACE only (else unused, may be null)
     extern __shared__ __align__(16) u8 smem[];
     __shared__ int s_held, s_total;
     __shared__ Args a;                    // in shared memory: registers stay with the K loop
     const Smem m = carve(smem);
+    if (threadIdx.x == 0) stamp_at(trace, TRACE_ITEMS * 4 + blockIdx.x * 2);
     if (SMEM_BYTES > dynamic_smem_bytes()) {                      // launcher and layout disagree
         if (threadIdx.x == 0) atomicOr(error, ERR_SMEM);
         return;
@@ -580,11 +711,12 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
                     blockIdx.x == 0);
     }
     __syncthreads();                      // the scratch is dead
+    if (threadIdx.x == 0) stamp_at(trace, TRACE_ITEMS * 4 + blockIdx.x * 2 + 1);
     const int first = part == 1 ? s_held : 0;
     const int count = (part == 0 ? s_held : s_total) - first;
     const int n13 = count * NP, total = n13 + count * G2;
     if (threadIdx.x == 0) {
-        a.x = x; a.topk = topk; a.tokens = tokens; a.hidden = hidden; a.all_units = s_total;
+        a.trace = trace; a.x = x; a.topk = topk; a.tokens = tokens; a.hidden = hidden; a.all_units = s_total;
         a.first = first; a.n13 = n13; a.total = total;
         a.act = act; a.amax = amax; a.yw = yw; a.group_done = group_done;
         a.ticket = sync; a.unit_done = sync + 2; a.out = out; a.error = error;
