@@ -30,11 +30,9 @@ ERR_BAD_ID = 1
 ERR_BAD_WEIGHT = 2
 ERR_CHUNKS = 4
 ERR_STALL = 8
-ERR_SMEM = 16
 ERROR_NAMES = {ERR_BAD_ID: "expert id outside [0, E)", ERR_BAD_WEIGHT: "non-finite router weight",
                ERR_CHUNKS: "more host experts than scratch chunks (internal)",
-               ERR_STALL: "moe_decode waited over a second for a unit's w13 items (internal)",
-               ERR_SMEM: "moe_decode launched with less shared memory than its layout needs (internal)"}
+               ERR_STALL: "moe_decode waited over a second for a unit's w13 items (internal)"}
 
 _DTYPES = {torch.bfloat16: 1, torch.float16: 0}
 _W_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # route_decode's W_DTYPE
@@ -109,21 +107,6 @@ def _fused_stage_bytes(stage: int = 4, nbuf: int = 2) -> int:
     parity word padded to 16 bytes, then nbuf buffers of `stage` chunks (512 B of packed words
     and 64 B of scales a chunk)."""
     return (8 * nbuf + 4 + 15) // 16 * 16 + nbuf * stage * (512 + 64)
-
-
-def _fused_ws_smem(nt: int, maxw: int, ip: int, stage: int = 4, nbuf: int = 4, qd: int = 4,
-                   rd: int = 2, xt: int = 0, hp: int = 0) -> int:
-    """Shared memory of moe_decode_ws.cu (its Smem layout, in order): 8 consumer rings, the item
-    queue, the w13 and w2 partial sums with their counters, slot views, the staged act rows and
-    the unit table. The kernel checks the launch against its own count (error bit 16)."""
-    def up16(n):
-        return -(-n // 16) * 16
-    part = (nt // 8) * 4 * 32 * 4
-    b = _FUSED_WARPS * (16 * nbuf + nbuf * stage * (512 + 64)) + up16(20 * qd)
-    b = up16(b + rd * _FUSED_WARPS * part + 8 * rd + _FUSED_WARPS * part + 4 * _FUSED_WARPS)
-    b = up16(b + _FUSED_WARPS * nt * 8 + nt * (ip + 8) * 2)
-    b = up16(b + maxw * (8 + 4 + nt + 1))
-    return b + ((xt + 1) * (hp + 8) * 2 if xt else 0)
 
 
 def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:
@@ -322,44 +305,33 @@ class MoEGemm:
             shared_mem=s2, device=self.device)
 
     def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int) -> tuple:
-        """(kernel, grid, shared memory, threads) of moe_decode for units of nt lanes, calls of
-        ≤ maxw lanes, x's dtype and alignment and the router weights' dtype. `_fused_extra`
-        WS=1 picks the warp-specialised build (moe_decode_ws.cu)."""
+        """(kernel, grid, shared memory) of moe_decode for units of nt lanes, calls of ≤ maxw
+        lanes, x's dtype and alignment and the router weights' dtype."""
         xalign = int(x.data_ptr() % 4 == 0)
-        xt = x.shape[0] if self._fused_extra.get("XS") else 0
-        key = ("fused", nt, maxw, xalign, w_dtype, xt)
+        key = ("fused", nt, maxw, xalign, w_dtype)
         got = self._pairs.get(key)
         if got is None:
-            extra = dict(self._fused_extra)
-            ws = extra.pop("WS", 0)
-            extra.pop("XS", 0)
-            if xt:
-                extra["XT"] = xt
-            if ws:
-                smem = _fused_ws_smem(nt, maxw, self.layout.ip, extra.get("STAGE", 4),
-                                      extra.get("NBUF", 4), extra.get("QD", 4), extra.get("RD", 2),
-                                      xt, self.layout.hp)
-                minb, source, threads = extra.get("MINB", 2), "moe_decode_ws", 32 * (_FUSED_WARPS + 1)
-            else:
-                ring = _fused_stage_bytes(extra.get("STAGE", 4), extra.get("NBUF", 2))
-                smem = (_FUSED_WARPS * ring + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
-                        + nt * (self.layout.ip + 8) * 2 + nt * 8 + maxw * (8 + 4 + nt + 1))
-                # 3 blocks of 8 warps per SM (80 registers): measured faster than 4 at 64 registers
-                minb, source, threads = extra.get("MINB", 3), "moe_decode", 32 * _FUSED_WARPS
+            ring = _fused_stage_bytes(self._fused_extra.get("STAGE", 4),
+                                      self._fused_extra.get("NBUF", 2))
+            smem = (_FUSED_WARPS * ring + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
+                    + nt * (self.layout.ip + 8) * 2 + nt * 8 + maxw * (8 + 4 + nt + 1))
+            # 3 blocks of 8 warps per SM (80 registers): measured faster than 4 at 64 registers
+            minb = self._fused_extra.get("MINB", 3)
             d = {**self.layout.defines(), "NT": nt, "MAXW": maxw, "OUT_BF16": _DTYPES[self.dtype],
                  "IN_BF16": _DTYPES[self.dtype], "W_DTYPE": w_dtype, "XALIGN": xalign,
-                 "HFULL": int(self.layout.hidden == self.layout.hp), "MINB": minb, **extra}
-            fn = kernels.function(source, "moe_decode", d, self.device)
-            got = self._pairs[key] = (fn, self._grid(fn, threads, smem), smem, threads)
+                 "HFULL": int(self.layout.hidden == self.layout.hp), "MINB": minb,
+                 **self._fused_extra}
+            fn = kernels.function("moe_decode", "moe_decode", d, self.device)
+            got = self._pairs[key] = (fn, self._grid(fn, 32 * _FUSED_WARPS, smem), smem)
         return got
 
     def _run_fused(self, x, lane_addr, lane_fresh, w, part, out):
         T, K = x.shape[0], self.topk
         W = T * K
         nt, maxw = (8, 64) if W <= 64 else (16, 256)
-        fn, grid, smem, threads = self._fused(nt, maxw, x, _W_DTYPES[w.dtype])
+        fn, grid, smem = self._fused(nt, maxw, x, _W_DTYPES[w.dtype])
         d = self._d
-        kernels.launch(fn, grid, threads, (
+        kernels.launch(fn, grid, 32 * _FUSED_WARPS, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
             kernels.NULL if lane_fresh is None else lane_fresh, w, kernels.i32(W), kernels.i32(K),
             kernels.i32(part), d["act"], d["amax"], d["yw"], d["group_done"],
