@@ -119,6 +119,31 @@ def trace(T: int = 1, E: int = 128, extra: dict | None = None):
             print(f"{name:4s} {'K loop (dur)':14s} {pct((sl[:, 2] - sl[:, 1]) / 1e3)}")
 
 
+def prefill_sweep(variants, repeats: int = 1, tokens=(512, 2048), E: int = 128):
+    """Resident prefill time (all experts in GPU rows) for variants of the prefill launch config
+    (gemm.PREFILL fields in capitals: NB, MINB, KC, ...), beside torch bf16 on dequantized
+    weights (timed once per T, with the first variant)."""
+    import dataclasses
+    import cupool.gemm as G
+    from bench_gemm import bench_prefill
+    base = G.PREFILL
+    layout = RowLayout(2048, 768)
+    torch_ms = {}
+    try:
+        for rep in range(repeats):
+            for text in variants:
+                G.PREFILL = dataclasses.replace(base, **{k.lower(): v for k, v in parse_variant(text).items()})
+                for T in tokens:
+                    gen = torch.Generator(device="cuda").manual_seed(T)
+                    r = bench_prefill(layout, E, T, 8, gen, 1.0, 0.0, baseline=T not in torch_ms)
+                    torch_ms.setdefault(T, r.get("torch_best_ms"))
+                    print(f"prefill sweep rep {rep} T={T} {text or 'default'}: {r['ms']:.3f} ms "
+                          f"(host {r['host_ms']:.3f}), torch {torch_ms[T]:.3f} ms, "
+                          f"ratio {r['ms'] / torch_ms[T]:.2f}", flush=True)
+    finally:
+        G.PREFILL = base
+
+
 def prefill_timeline(T: int, host_fraction: float = 0.5, scratch_rows: int = 32, E: int = 128):
     """Kernels of one partition-path prefill call with a fraction of the experts on the host, in
     the order they start: stream, start and end in µs from the first kernel, name. Shows where
@@ -164,11 +189,17 @@ def main(argv=None):
                    help="--trace: moe_decode switches of the traced build")
     p.add_argument("--trace", type=int, nargs="*", metavar="T",
                    help="timeline of moe_decode calls of T tokens (default 1), then exit")
+    p.add_argument("--prefill-sweep", nargs="*", metavar="NAME=INT[,...]",
+                   help="resident prefill time for variants of the prefill launch config "
+                        "(gemm.PREFILL fields: NB, MINB, KC; '' or default is the default)")
     p.add_argument("--prefill-timeline", type=int, nargs="*", metavar="T",
                    help="kernel timeline of half-on-host prefill calls of T tokens, then exit")
     p.add_argument("--scratch-rows", type=int, nargs="+", default=[32],
                    help="--prefill-timeline: MoEGemm scratch_rows values")
     args = p.parse_args(argv)
+    if args.prefill_sweep is not None:
+        prefill_sweep(args.prefill_sweep or ["default"], repeats=args.repeats)
+        return
     if args.prefill_timeline is not None:
         for T in args.prefill_timeline or [2048]:
             for rows in args.scratch_rows:

@@ -1,10 +1,14 @@
 """Every CUDA source compiles with nvcc for sm_90 (CPU test; skipped where nvcc is absent)."""
 
+import dataclasses
+import re
 import subprocess
 
 import pytest
 
 from cupool import kernels
+from cupool.gemm import PREFILL
+from cupool.layout import RowLayout
 
 SOURCES = kernels.sources()
 
@@ -25,7 +29,7 @@ def test_nvcc_compiles(src, nvcc, tmp_path):
 
 # Configurations the launchers compile besides each file's defaults.
 VARIANTS = [
-    ("moe_gemm", "-DNT=64 -DKSPLIT=1 -DWARPS_M=8 -DKC=256 -DREDUCE=1 -DOUT_BF16=0"),
+    ("moe_gemm", "-DNT=64 -DKSPLIT=1 -DWARPS_M=8 -DKC=256 -DNB=1 -DREDUCE=1 -DMINB=2 -DOUT_BF16=0"),
     ("moe_gemm", "-DNT=8 -DHP=4096 -DIP=1536"),
     ("moe_gemm", "-DNT=16 -DHP=128 -DIP=64 -DKC=128"),
     ("moe_decode", "-DNT=16 -DMINB=3 -DMAXW=256 -DOUT_BF16=0 -DIN_BF16=0 -DW_DTYPE=1 -DXALIGN=0"),
@@ -49,6 +53,32 @@ def test_nvcc_compiles_variants(name, defines, nvcc, tmp_path):
                         *defines.split(), "-o", str(tmp_path / "out.cubin"), str(src)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{name} {defines} failed to compile:\n{r.stderr}"
+
+
+def ptxas_spills(nvcc, src, defines: dict, out) -> list[int]:
+    """Bytes of spill stores of each kernel in src, as ptxas -v reports them."""
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", f"-I{src.parent}", "-cubin", "-Xptxas", "-v",
+                        *(f"-D{k}={v}" for k, v in defines.items()), "-o", str(out), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return [int(m) for m in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+
+
+@pytest.mark.parametrize("minb", [None, 3])
+def test_prefill_config_fits_its_blocks_per_sm_without_spills(nvcc, tmp_path, minb):
+    """gemm.PREFILL asks for MINB blocks per SM; its speed rests on the kernels fitting in the
+    registers that leaves without spilling. MINB 3 (80 registers) is the counter-check: moe_w13
+    spills there, so the check can see a spill."""
+    cfg = dataclasses.asdict(PREFILL)
+    defines = {"NT": cfg["nt"], "KSPLIT": cfg["ksplit"], "WARPS_M": cfg["warps_m"], "KC": cfg["kc"],
+               "NB": cfg["nb"], "REDUCE": cfg["reduce"], "PREFETCH_W2": cfg["prefetch_w2"],
+               "MINB": minb or cfg["minb"], **RowLayout(2048, 768).defines()}
+    spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_gemm.cu", defines, tmp_path / "out.cubin")
+    assert len(spills) == 3, spills                    # moe_w13, moe_w2, moe_finish
+    if minb is None:
+        assert max(spills) == 0, f"the prefill config {defines} spills: {spills}"
+    else:
+        assert max(spills) > 0, f"expected moe_w13 to spill at MINB={minb}: {spills}"
 
 
 def test_expand_inlines_headers_with_line_markers():
