@@ -95,8 +95,16 @@ DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefe
 # Prefill: 64 lanes a unit share each dequantized fragment over 8 mma n-tiles. One chunk in
 # flight a warp keeps moe_w13 at 127 registers, so 2 blocks (16 warps) share an SM: measured on
 # the H200 (`profile_gemm.py --prefill-sweep`) 10-14% faster than 4 chunks at 1 block per SM
-# (T=2048 resident 1.60-1.64 ms against 1.86-1.91); test_kernels_compile checks it does not spill.
+# (T=2048 resident 1.60-1.66 ms against 1.86-1.91 in the same calls); test_kernels_compile
+# checks that this config compiles without spills.
 PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=1, reduce=1, prefetch_w2=0, minb=2)
+
+def config_defines(cfg: _Config, layout: RowLayout, dtype=torch.bfloat16) -> dict:
+    """The -D macros moe_gemm.cu is compiled with for a config, layout and output dtype."""
+    return {**layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit, "WARPS_M": cfg.warps_m,
+            "KC": min(cfg.kc, layout.hp), "NB": cfg.nb, "OUT_BF16": _DTYPES[dtype],
+            "REDUCE": cfg.reduce, "PREFETCH_W2": cfg.prefetch_w2, "MINB": cfg.minb}
+
 
 # The one-launch decode kernel (moe_decode.cu): its block shape is fixed in the source, and the
 # shared memory it needs is worked out from the same numbers in MoEGemm._fused.
@@ -243,10 +251,7 @@ class MoEGemm:
 
     # --- compiled kernels -----------------------------------------------------------------
     def _defines(self, cfg: _Config) -> dict:
-        return {**self.layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit,
-                "WARPS_M": cfg.warps_m, "KC": min(cfg.kc, self.layout.hp), "NB": cfg.nb,
-                "OUT_BF16": _DTYPES[self.dtype], "REDUCE": cfg.reduce,
-                "PREFETCH_W2": cfg.prefetch_w2, "MINB": cfg.minb}
+        return config_defines(cfg, self.layout, self.dtype)
 
     def _gemm(self, cfg: _Config, name: str):
         return kernels.function("moe_gemm", name, self._defines(cfg), self.device)

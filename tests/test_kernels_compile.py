@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from cupool import kernels
-from cupool.gemm import PREFILL
+from cupool.gemm import PREFILL, config_defines
 from cupool.layout import RowLayout
 
 SOURCES = kernels.sources()
@@ -69,10 +69,8 @@ def test_prefill_config_fits_its_blocks_per_sm_without_spills(nvcc, tmp_path, mi
     """gemm.PREFILL asks for MINB blocks per SM; its speed rests on the kernels fitting in the
     registers that leaves without spilling. MINB 3 (80 registers) is the counter-check: moe_w13
     spills there, so the check can see a spill."""
-    cfg = dataclasses.asdict(PREFILL)
-    defines = {"NT": cfg["nt"], "KSPLIT": cfg["ksplit"], "WARPS_M": cfg["warps_m"], "KC": cfg["kc"],
-               "NB": cfg["nb"], "REDUCE": cfg["reduce"], "PREFETCH_W2": cfg["prefetch_w2"],
-               "MINB": minb or cfg["minb"], **RowLayout(2048, 768).defines()}
+    cfg = PREFILL if minb is None else dataclasses.replace(PREFILL, minb=minb)
+    defines = config_defines(cfg, RowLayout(2048, 768))
     spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_gemm.cu", defines, tmp_path / "out.cubin")
     assert len(spills) == 3, spills                    # moe_w13, moe_w2, moe_finish
     if minb is None:
