@@ -28,13 +28,14 @@ def table(fn, label, reps=5):
 SWEEP = ("", "W2_KSPLIT=1", "W2_KSPLIT=4", "MINB=2")
 
 
-def parse_variant(text: str) -> dict:
-    """"A=1,B=2" -> {"A": 1, "B": 2}; "" or "default" -> {} (the kernel as built by default)."""
+def parse_variant(text: str, option: str = "--sweep") -> dict:
+    """"A=1,B=2" -> {"A": 1, "B": 2}; "" or "default" -> {} (the kernel as built by default).
+    `option` names the command-line option in the error."""
     out = {}
     for part in filter(None, text.replace("default", "").split(",")):
         name, sep, value = part.partition("=")
-        if not sep or not name.isidentifier():
-            raise SystemExit(f"--sweep: variant {text!r}: expected NAME=INT[,NAME=INT...]")
+        if not sep or not name.isidentifier() or not value.lstrip("-").isdigit():
+            raise SystemExit(f"{option}: variant {text!r}: expected NAME=INT[,NAME=INT...]")
         out[name] = int(value)
     return out
 
@@ -127,12 +128,20 @@ def prefill_sweep(variants, repeats: int = 1, tokens=(512, 2048), E: int = 128):
     import cupool.gemm as G
     from bench_gemm import bench_prefill
     base = G.PREFILL
+    fields = {f.name for f in dataclasses.fields(base)}
+    configs = []                                        # checked before any GPU work
+    for text in variants:
+        change = {k.lower(): v for k, v in parse_variant(text, "--prefill-sweep").items()}
+        if set(change) - fields:
+            raise SystemExit(f"--prefill-sweep: variant {text!r}: no PREFILL field "
+                             f"{sorted(set(change) - fields)}; fields: {sorted(fields)}")
+        configs.append((text, dataclasses.replace(base, **change)))
     layout = RowLayout(2048, 768)
     torch_ms = {}
     try:
         for rep in range(repeats):
-            for text in variants:
-                G.PREFILL = dataclasses.replace(base, **{k.lower(): v for k, v in parse_variant(text).items()})
+            for text, cfg in configs:
+                G.PREFILL = cfg
                 for T in tokens:
                     gen = torch.Generator(device="cuda").manual_seed(T)
                     r = bench_prefill(layout, E, T, 8, gen, 1.0, 0.0, baseline=T not in torch_ms)
@@ -210,7 +219,7 @@ def main(argv=None):
         return
     if args.trace is not None:
         for T in args.trace or [1]:
-            trace(T, extra=parse_variant(args.variant))
+            trace(T, extra=parse_variant(args.variant, "--variant"))
         return
     E, K = args.experts, 8
     layout = RowLayout(2048, 768)
