@@ -4,6 +4,8 @@ to see where a GEMM benchmark's time goes. Prints one table per case."""
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -122,20 +124,27 @@ def trace(T: int = 1, E: int = 128, extra: dict | None = None):
 
 def prefill_sweep(variants, repeats: int = 1, tokens=(512, 2048), E: int = 128):
     """Resident prefill time (all experts in GPU rows) for variants of the prefill launch config
-    (gemm.PREFILL fields in capitals: NB, MINB, KC, ...), beside torch bf16 on dequantized
-    weights (timed once per T, with the first variant)."""
+    (gemm.PREFILL fields in capitals: NB, MINB, KC, PIPE13, ...; or moe_gemm.cu switches such as
+    LDSM), beside torch bf16 on dequantized weights (timed once per T, with the first variant)."""
     import dataclasses
     import cupool.gemm as G
     from bench_gemm import bench_prefill
     base = G.PREFILL
-    fields = {f.name for f in dataclasses.fields(base)}
+    fields = {f.name for f in dataclasses.fields(base)} - {"extra"}
+    source = (Path(G.__file__).parent.parent / "rawkernels" / "moe_gemm.cu").read_text()
+    macros = set(re.findall(r"^#ifndef (\w+)", source, re.M))
     configs = []                                        # checked before any GPU work
     for text in variants:
-        change = {k.lower(): v for k, v in parse_variant(text, "--prefill-sweep").items()}
-        if set(change) - fields:
-            raise SystemExit(f"--prefill-sweep: variant {text!r}: no PREFILL field "
-                             f"{sorted(set(change) - fields)}; fields: {sorted(fields)}")
-        configs.append((text, dataclasses.replace(base, **change)))
+        change, extra = {}, []
+        for name, value in parse_variant(text, "--prefill-sweep").items():
+            if name.lower() in fields:
+                change[name.lower()] = value
+            elif name in macros:
+                extra.append((name, value))
+            else:
+                raise SystemExit(f"--prefill-sweep: variant {text!r}: {name} is neither a PREFILL "
+                                 f"field {sorted(fields)} nor a moe_gemm.cu switch {sorted(macros)}")
+        configs.append((text, dataclasses.replace(base, **change, extra=base.extra + tuple(extra))))
     layout = RowLayout(2048, 768)
     torch_ms = {}
     try:
@@ -151,6 +160,21 @@ def prefill_sweep(variants, repeats: int = 1, tokens=(512, 2048), E: int = 128):
                           f"ratio {r['ms'] / torch_ms[T]:.2f}", flush=True)
     finally:
         G.PREFILL = base
+
+
+def prefill_kernels(T: int, E: int = 128, reps: int = 3):
+    """Per-kernel device times of resident prefill calls of T tokens (bench_gemm's routing). Its
+    launches come in a fixed order (2 warm-up calls, then `reps`), so ncu can pick one by
+    --launch-skip."""
+    from bench_gemm import routing
+    layout = RowLayout(2048, 768)
+    rows = ExpertRows(layout, E)
+    gemm = MoEGemm(layout, 8, torch.bfloat16, max_prefill_tokens=T, num_experts=E)
+    x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(T, 8, E, torch.Generator(device="cuda").manual_seed(T))
+    run = lambda: gemm.prefill(x, ids, w, rows.addr)  # noqa: E731
+    run()
+    table(run, f"prefill T={T} resident", reps=reps)
 
 
 def prefill_timeline(T: int, host_fraction: float = 0.5, scratch_rows: int = 32, E: int = 128):
@@ -200,7 +224,10 @@ def main(argv=None):
                    help="timeline of moe_decode calls of T tokens (default 1), then exit")
     p.add_argument("--prefill-sweep", nargs="*", metavar="NAME=INT[,...]",
                    help="resident prefill time for variants of the prefill launch config "
-                        "(gemm.PREFILL fields: NB, MINB, KC; '' or default is the default)")
+                        "(gemm.PREFILL fields: NB, MINB, KC, PIPE13, PIPE2, ...; moe_gemm.cu "
+                        "switches: LDSM, PF_DIST, ...; '' or default is the default)")
+    p.add_argument("--prefill-kernels", type=int, nargs="*", metavar="T",
+                   help="per-kernel times of resident prefill calls of T tokens, then exit")
     p.add_argument("--prefill-timeline", type=int, nargs="*", metavar="T",
                    help="kernel timeline of half-on-host prefill calls of T tokens, then exit")
     p.add_argument("--scratch-rows", type=int, nargs="+", default=[32],
@@ -208,6 +235,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.prefill_sweep is not None:
         prefill_sweep(args.prefill_sweep or ["default"], repeats=args.repeats)
+        return
+    if args.prefill_kernels is not None:
+        for T in args.prefill_kernels or [2048]:
+            prefill_kernels(T, E=args.experts)
         return
     if args.prefill_timeline is not None:
         for T in args.prefill_timeline or [2048]:

@@ -27,12 +27,19 @@ for stage in "$@"; do
               run "decode_$tool" 200 compute-sanitizer --tool $tool python3 tests/gpu_decode_sanitize.py; done ;;
     profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
     sweep)    run sweep 300 python3 benchmarks/profile_gemm.py --sweep ${SWEEP:-} --repeats ${SWEEP_REPEATS:-1} ;;
+    prefill-sweep) run prefill_sweep 400 python3 benchmarks/profile_gemm.py --prefill-sweep ${PREFILL_SWEEP:-default} --repeats ${SWEEP_REPEATS:-1} ;;
     trace)    run trace 120 python3 benchmarks/profile_gemm.py --trace 1 4 ;;
     ncu)      NCU="ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
               run ncu_gemm 200 $NCU -k regex:"moe_decode|route_decode|moe_w13|moe_w2" --launch-skip 3 -c 3 python3 benchmarks/profile_gemm.py
               run ncu_plan 200 $NCU -k regex:"plan_step" --launch-skip 200 -c 2 python3 benchmarks/bench_planner.py --skip-copy --experts 128 --lanes 8 --replays 20 ;;
     ncu-source) run ncu_source 200 ncu --clock-control none --section WarpStateStats --section SourceCounters --page source --print-source sass --csv -k regex:moe_decode --launch-skip 3 -c 1 python3 benchmarks/profile_gemm.py
               gzip -f "$OUT/ncu_source.log" ;;   # summarise with benchmarks/ncu_source.py
+    ncu-prefill) NCU="ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
+              run prefill_kernels 120 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
+              run ncu_prefill 300 $NCU -k regex:"moe_w13|moe_w2" --launch-skip 2 -c 2 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
+              for k in moe_w13 moe_w2; do
+                run ncu_source_$k 300 ncu --clock-control none --section WarpStateStats --section SourceCounters --page source --print-source sass --csv -k regex:$k --launch-skip 1 -c 1 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
+                gzip -f "$OUT/ncu_source_$k.log"; done ;;
     profile-decode) run profile_decode 200 python3 benchmarks/profile_decode.py
               run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --compile --layers 8 ;;
     bench)    run bench_store 120 python3 benchmarks/bench_store.py --rows 16

@@ -82,6 +82,15 @@ class _Config:
     reduce: int      # 0: deterministic last-block top-k sum, 1: fp32 atomics
     prefetch_w2: int
     minb: int = 1    # blocks per SM the kernels' register use must allow
+    kc2: int = 0     # w2's staged columns; 0: all of I where that fits W2_WHOLE_BYTES, else kc
+    pipe13: int = 0  # w13's weights ahead of use: 0 none, 1 next batch in registers, 2 L1 prefetch
+    pipe2: int = 0   # the same for w2
+    extra: tuple = ()  # more (NAME, value) defines (benchmark sweeps)
+
+
+# Largest staging of all of w2's K for one block: w2 then stages a unit's act rows once for all
+# its items (two such blocks still share an SM: 2 x 100 KiB of the H200's 227 KiB).
+W2_WHOLE_BYTES = 100 * 1024
 
 
 # The pair's decode (route_decode, moe_w13, moe_w2; "pair" or over 256 lanes): one token per
@@ -99,11 +108,30 @@ DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefe
 # checks that this config compiles without spills.
 PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=1, reduce=1, prefetch_w2=0, minb=2)
 
+def w2_cols(cfg: _Config, layout: RowLayout) -> int:
+    """Columns of act that moe_w2 stages at a time (W2_KC)."""
+    if cfg.kc2:
+        return min(cfg.kc2, layout.ip)
+    return layout.ip if cfg.nt * (layout.ip + 8) * 2 <= W2_WHOLE_BYTES else min(cfg.kc, layout.ip)
+
+
 def config_defines(cfg: _Config, layout: RowLayout, dtype=torch.bfloat16) -> dict:
     """The -D macros moe_gemm.cu is compiled with for a config, layout and output dtype."""
     return {**layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit, "WARPS_M": cfg.warps_m,
-            "KC": min(cfg.kc, layout.hp), "NB": cfg.nb, "OUT_BF16": _DTYPES[dtype],
-            "REDUCE": cfg.reduce, "PREFETCH_W2": cfg.prefetch_w2, "MINB": cfg.minb}
+            "KC": min(cfg.kc, layout.hp), "W2_KC": w2_cols(cfg, layout), "NB": cfg.nb,
+            "OUT_BF16": _DTYPES[dtype], "REDUCE": cfg.reduce, "PREFETCH_W2": cfg.prefetch_w2,
+            "MINB": cfg.minb, "W13_PIPE": cfg.pipe13, "W2_PIPE": cfg.pipe2, **dict(cfg.extra)}
+
+
+def gemm_smem(cfg: _Config, layout: RowLayout, kernel: str) -> int:
+    """Dynamic shared memory of moe_w13 or moe_w2 (moe_gemm.cu's Staging, red_buffer and
+    slot_info): the staging buffers (two where K takes more than one stage), the K-split
+    partials, the per-slot data."""
+    kp, cols, ns = ((layout.hp, min(cfg.kc, layout.hp), 2) if kernel == "moe_w13"
+                    else (layout.ip, w2_cols(cfg, layout), 1))
+    nbuf = 2 if kp > cols else 1
+    red = (cfg.ksplit - 1) * cfg.warps_m * ns * (cfg.nt // 8) * 4 * 32 * 4
+    return nbuf * cfg.nt * (cols + 8) * 2 + red + cfg.nt * 8
 
 
 # The one-launch decode kernel (moe_decode.cu): its block shape is fixed in the source, and the
@@ -200,6 +228,8 @@ class MoEGemm:
             unit_count=torch.zeros(wd, **i32),
             lane_w=torch.zeros(wd, **f32),
             amax=torch.zeros(wd, dtype=torch.int32, device=dev),
+            # moe_decode's fp32 act; the w13/w2 pair (route_decode's path) writes bf16 act rows
+            # of the same width into the first half of these bytes
             act=torch.zeros(wd, ip, **f32),
             yw=torch.zeros(wd, hp, **f32),
             group_done=torch.zeros(hp // 16, **i32),
@@ -226,9 +256,8 @@ class MoEGemm:
                 unit_lanes=torch.zeros(max_units * PREFILL.nt, **i32),
                 unit_count=torch.zeros(max_units, **i32),
                 lane_w=torch.zeros(wp, **f32),
-                amax=torch.zeros(wp, dtype=torch.int32, device=dev),
                 lane_e=torch.zeros(wp, **i32),
-                act=torch.zeros(wp, ip, **f32),
+                act=torch.zeros(wp, ip, dtype=torch.bfloat16, device=dev),
                 out32=torch.zeros(self.max_prefill_tokens, hp, **f32),
                 copies=torch.zeros(nchunks * self._chunk, 2, **i32),
                 n_copies=torch.zeros(nchunks, **i32),
@@ -263,12 +292,6 @@ class MoEGemm:
              "XVEC": xvec, "W_DTYPE": w_dtype}
         return kernels.function("moe_align", name, d, self.device)
 
-    def _smem(self, cfg: _Config, ns: int) -> int:
-        kc = min(cfg.kc, self.layout.hp)
-        xs = cfg.nt * (kc + 8) * 2
-        red = (cfg.ksplit - 1) * cfg.warps_m * ns * (cfg.nt // 8) * 4 * 32 * 4
-        return xs + red + cfg.nt * 8
-
     def _grid(self, fn, threads: int, smem: int) -> int:
         """Persistent grid: as many blocks as fit on the GPU at once (registers, shared memory,
         threads), so every block starts at once and loops over the items."""
@@ -293,20 +316,21 @@ class MoEGemm:
         if got is None:
             threads = 32 * cfg.ksplit * cfg.warps_m
             w13, w2 = self._gemm(cfg, "moe_w13"), self._gemm(cfg, "moe_w2")
-            s13, s2 = self._smem(cfg, 2), self._smem(cfg, 1)
+            s13 = gemm_smem(cfg, self.layout, "moe_w13")
+            s2 = gemm_smem(cfg, self.layout, "moe_w2")
             got = self._pairs[cfg] = (threads, w13, self._grid(w13, threads, s13), s13,
                                       w2, self._grid(w2, threads, s2), s2)
         return got
 
-    def _run_gemm(self, cfg, rng, unit_addr, unit_lanes, unit_count, xh, xscale, act, amax,
+    def _run_gemm(self, cfg, rng, unit_addr, unit_lanes, unit_count, xh, xscale, act,
                   lane_w, tokens, out, yw=None, group_done=None, out32=None, all_rng=None):
         threads, w13, g13, s13, w2, g2, s2 = self._gemm_pair(cfg)
         kernels.launch(w13, g13, threads, (
-            rng, unit_addr, unit_lanes, unit_count, xh, xscale, kernels.i32(self.topk), act, amax),
+            rng, unit_addr, unit_lanes, unit_count, xh, xscale, kernels.i32(self.topk), act),
             shared_mem=s13, device=self.device)
         dummy = self.error
         kernels.launch(w2, g2, threads, (
-            rng, rng if all_rng is None else all_rng, unit_addr, unit_lanes, unit_count, act, amax,
+            rng, rng if all_rng is None else all_rng, unit_addr, unit_lanes, unit_count, act,
             lane_w, kernels.i32(self.topk), kernels.i32(tokens), kernels.i32(self.layout.hidden),
             yw if yw is not None else dummy, group_done if group_done is not None else dummy,
             out if out is not None else dummy, out32 if out32 is not None else dummy),
@@ -414,15 +438,13 @@ class MoEGemm:
             d["unit_lanes"], d["unit_count"], d["lane_w"], d["amax"], self.error), device=self.device)
         r = d["range"]
         args = (d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"], d["xscale"], d["act"],
-                d["amax"], d["lane_w"], T, out)
+                d["lane_w"], T, out)
         kw = dict(yw=d["yw"], group_done=d["group_done"], all_rng=r[3:5])
         self._run_gemm(cfg, r[0:2], *args, **kw)               # rows in place (all, if no split)
         if lane_fresh is not None:
             if before_fresh is not None:
                 before_fresh()
             self._run_gemm(cfg, r[1:3], *args, **kw)           # rows the copies bring in
-        if self.decode_kernel == "fused":
-            d["amax"].zero_()           # moe_decode expects it zero at rest; route_decode's isn't
         return out
 
     # --- prefill --------------------------------------------------------------------------
@@ -467,12 +489,12 @@ class MoEGemm:
             kernels.i64(p["scratch"].data_ptr()), kernels.i64(p["scratch"].stride(0)),
             kernels.i32(self._chunk), kernels.i32(self._nbuf), kernels.i32(nchunks),
             p["phase_off"], p["unit_addr"],
-            p["unit_lanes"], p["unit_count"], p["lane_w"], p["amax"], p["lane_e"], p["copies"],
+            p["unit_lanes"], p["unit_count"], p["lane_w"], p["lane_e"], p["copies"],
             p["n_copies"], self.error), device=self.device)
         out32 = p["out32"][:T]
         out32.zero_()
         args = (p["unit_addr"], p["unit_lanes"], p["unit_count"], p["xh"], p["xscale"], p["act"],
-                p["amax"], p["lane_w"], T, None)
+                p["lane_w"], T, None)
         if not nchunks:
             self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)
         else:

@@ -74,6 +74,12 @@ CUPOOL_DEVICE void cp_async16(void* dst, const void* src) {
                  : "memory");
 }
 
+// cp.async of 16 bytes, or 16 zero bytes (nothing read) where `valid` is false.
+CUPOOL_DEVICE void cp_async16_zfill(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
 CUPOOL_DEVICE void cp_async4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_addr(dst)), "l"(src)
                  : "memory");

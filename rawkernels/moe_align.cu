@@ -18,9 +18,10 @@
 // - prep_x: per token (one warp each), a power-of-two scale s and fp16 x/s (exact for bf16 inputs),
 //   padded to HP; route_decode runs the same prep_row.
 //
-// Both align kernels write lane_w[W] (router weight, 0 for padding and for rejected lanes) and
-// zero amax[W]; they set sticky bits in `error`: 1 = expert id outside [0, E) (align_experts),
-// 2 = non-finite router weight. A rejected lane is treated as padding and reads nothing.
+// Both align kernels write lane_w[W] (router weight, 0 for padding and for rejected lanes);
+// route_decode also zeroes amax[W] (moe_decode's, zero at rest). They set sticky bits in
+// `error`: 1 = expert id outside [0, E) (align_experts), 2 = non-finite router weight. A
+// rejected lane is treated as padding and reads nothing.
 
 #ifndef NT
 #define NT 16
@@ -150,7 +151,6 @@ align_experts(const void* __restrict__ ids_raw,    // [W] int64 (IDS64) or int32
               i32* __restrict__ unit_lanes,        // [units max, NT] out
               i32* __restrict__ unit_count,        // [units max] out
               float* __restrict__ lane_w,          // [W] out
-              u32* __restrict__ amax,              // [W] out: zeroed
               i32* __restrict__ lane_e,            // [W] workspace: expert of each lane or -1
               i32* __restrict__ copies,            // [nchunks * C, 2] out: (key, scratch row)
               i32* __restrict__ n_copies,          // [nchunks] out
@@ -172,7 +172,6 @@ align_experts(const void* __restrict__ ids_raw,    // [W] int64 (IDS64) or int32
         if (id != -1 && !ok) atomicOr(error, ERR_BAD_ID);
         if (ok && !finite(w)) { atomicOr(error, ERR_BAD_WEIGHT); ok = false; }
         lane_w[l] = ok ? w : 0.0f;
-        amax[l] = 0u;
         lane_e[l] = ok ? (int)id : -1;
         if (ok) atomicAdd(&hist[id], 1);
     }

@@ -70,9 +70,11 @@ CUPOOL_DEVICE void for_each_slot(int ntiles, int lane, const SlotInfo* si, F f) 
 
 // w13 of strip pair p (acc[0] gate, acc[1] up, fp32 sums over all of K; gs_*: the global
 // scales times dequant_unscale): act[l, 16p + row] = SiLU(gate)·up at true scale for every slot's
-// lane l, and amax[l] raised to max |act| (float bits, atomicMax; NaN wins).
+// lane l. ACT_BF16: act is bf16 (what w2 then multiplies as it is); else act is fp32 and amax[l]
+// is raised to max |act| (float bits, atomicMax; NaN wins), for w2's power-of-two fp16 scaling.
+template <bool ACT_BF16>
 CUPOOL_DEVICE void w13_epilogue(const float (&acc)[2][NTILES][4], int ntiles, const SlotInfo* si,
-                                float gs_gate, float gs_up, int p, int lane, float* act, u32* amax) {
+                                float gs_gate, float gs_up, int p, int lane, void* act, u32* amax) {
     const int g = lane >> 2;
     for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
         const float ts = si->scale[n];
@@ -82,13 +84,20 @@ CUPOOL_DEVICE void w13_epilogue(const float (&acc)[2][NTILES][4], int ntiles, co
             const float gate = acc[0][nt][2 * half + e] * gs_gate * ts;
             const float up = acc[1][nt][2 * half + e] * gs_up * ts;
             const float a = gate / (1.0f + __expf(-gate)) * up;
-            if (l >= 0) act[(i64)l * IP + p * 16 + g + 8 * half] = a;
-            m = nan_max(m, fabsf(a));
+            const i64 at = (i64)l * IP + p * 16 + g + 8 * half;
+            if (ACT_BF16) {
+                if (l >= 0) static_cast<u16*>(act)[at] = f32_to_bf16(a);
+            } else {
+                if (l >= 0) static_cast<float*>(act)[at] = a;
+                m = nan_max(m, fabsf(a));
+            }
         }
-        // max over the 8 row groups g holding this slot, then one atomic per slot
+        if (!ACT_BF16) {
+            // max over the 8 row groups g holding this slot, then one atomic per slot
 #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
-        if (g == 0 && l >= 0) atomicMax(amax + l, __float_as_uint(m));
+            for (int o = 4; o < 32; o <<= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
+            if (g == 0 && l >= 0) atomicMax(amax + l, __float_as_uint(m));
+        }
     });
 }
 

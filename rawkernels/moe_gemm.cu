@@ -11,15 +11,21 @@
 //   share the activations staged in shared memory), KSPLIT warps splitting K of each strip (decode:
 //   one token per unit, so K-splitting is what puts enough loads in flight to fill HBM).
 // - Each warp streams its strips in 64-column chunks: one 16-byte load per lane per chunk is four
-//   m16n8k16 A fragments (mma_fp4.cuh), dequantized in registers; B fragments (activations, fp16,
-//   per-lane power-of-two scaled) come from shared memory. fp32 accumulation.
+//   m16n8k16 A fragments (mma_fp4.cuh), dequantized in registers; B fragments come from the
+//   activations staged in shared memory (ldmatrix). fp32 accumulation. W13_PIPE / W2_PIPE put
+//   later chunks' weights in flight while a chunk is multiplied.
+// - Activations are staged by cp.async in stages of KC columns (w2: W2_KC), double-buffered where
+//   K takes more than one stage: stage s + 1 is copied while stage s is multiplied. w13 multiplies
+//   fp16 x (row-scaled by a power of two, moe_align.cu's prep) with fp16-dequantised weights; w2
+//   multiplies the bf16 act rows w13 wrote with bf16-dequantised weights. Both are exact products.
 // - The grid is fixed (persistent blocks); the number of units is read from device memory, so one
-//   captured launch serves every routing.
+//   captured launch serves every routing. w13 blocks take items round-robin (the units of one
+//   expert are then read at about the same time, from L2); w2 blocks take a contiguous range, so
+//   consecutive items of one unit reuse its staged act rows where w2 stages all of K at once.
 //
 // Outputs and invariants
-// - moe_w13 writes act[lane, 0:IP] (fp32, SiLU(gate)·up, true scale) for every lane of every unit
-//   in its range, and raises amax[lane] (float bits, atomicMax) to max |act| of that lane. The
-//   align kernel zeroed amax before; nothing else writes act or amax.
+// - moe_w13 writes act[lane, 0:IP] (bf16, SiLU(gate)·up at true scale) for every lane of every
+//   unit in its range; nothing else writes act.
 // - moe_w2 (REDUCE 0, decode): writes yw[lane, h] = weight(lane) · (w2 · act)[h] for its units,
 //   then the last unit to finish a strip group (per-group arrival counter against the units of
 //   `all_range`, reset by that block) sums yw over k in fixed order for every token and writes
@@ -47,7 +53,10 @@
 #define WARPS_M 1         // warps on different strips of one unit
 #endif
 #ifndef KC
-#define KC 1024           // activation columns staged in shared memory at a time
+#define KC 1024           // activation columns of w13 staged in shared memory at a time
+#endif
+#ifndef W2_KC
+#define W2_KC KC          // the same for w2 (≥ IP: all of K once, reused by a unit's items)
 #endif
 #ifndef NB
 #define NB 4              // 64-column chunks in flight per warp before the first is used
@@ -64,18 +73,43 @@
 #ifndef PREFETCH_W2
 #define PREFETCH_W2 1     // moe_w13 pulls each unit's w2 rows into L2 for moe_w2
 #endif
+#ifndef W13_PIPE
+#define W13_PIPE 0        // weights ahead of use in w13: 0 none (NB chunks a batch), 1 the next
+#endif                    // batch in registers, 2 chunk c + PF_DIST prefetched into L1
+#ifndef W2_PIPE
+#define W2_PIPE 0         // the same for w2
+#endif
+#ifndef PF_DIST
+#define PF_DIST 2
+#endif
+#ifndef LDSM
+#define LDSM 1            // B fragments by ldmatrix.x4 (0: two 4-byte shared loads each)
+#endif
 
 #include "moe_common.cuh"
+#include "async_copy.cuh"
 
 #define NWARPS (KSPLIT * WARPS_M)
 #define THREADS (32 * NWARPS)
-#define XS_STRIDE (KC + 8)                 // fp16 per staged row: (KC+8)/2 words ≡ 4 mod 32, so
-                                           // the 8 rows × 4 columns of a B fragment hit 32 banks
 
-static_assert(KC % 64 == 0, "KC must be a multiple of 64");
+static_assert(KC % 64 == 0 && W2_KC % 64 == 0, "KC and W2_KC must be multiples of 64");
+static_assert((W13_PIPE != 1 && W2_PIPE != 1) || KSPLIT == 1,
+              "PIPE 1 loads the next chunk of the same warp: KSPLIT 1 only");
 
-// acc[s][nt] += strip s (16 rows) × staged activations, over 64-column chunks [c_lo, c_hi) of K.
-// xs holds staged columns starting at chunk xs_c0. KP is the strip's K (HP or IP).
+// Staged activations of one kernel: NBUF buffers of [NT][STRIDE] 16-bit values, STRIDE = the
+// stage's columns + 8, so that a row is 16 bytes past a multiple of 128: the 8 rows of an
+// ldmatrix phase (or the 8 rows × 4 words of a B fragment) hit 32 different banks.
+template <int KP, int KCX>
+struct Staging {
+    static constexpr int COLS = KCX < KP ? KCX : KP;
+    static constexpr int STAGES = (KP + COLS - 1) / COLS;
+    static constexpr int NBUF = STAGES > 1 ? 2 : 1;
+    static constexpr int STRIDE = COLS + 8;
+    static constexpr int BYTES = NBUF * NT * STRIDE * 2;
+};
+typedef Staging<HP, KC> Stage13;
+typedef Staging<IP, W2_KC> Stage2;
+
 template <int NS>
 struct Strips { const u8* p[NS]; };     // passed by value so the pointers stay in registers
 
@@ -88,7 +122,19 @@ struct Batch {
 
 // Issue every load of chunks [c, min(c+NB, c_hi)) before any is used: HBM (or PCIe) latency is
 // paid once per batch, not once per chunk.
-template <int NS, int KP>
+// L1: a load that may hit what prefetch_l1 brought in (PIPE 2).
+CUPOOL_DEVICE u32x4 ld_l1_16(const void* p) {
+    u32x4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+CUPOOL_DEVICE void prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(p));
+}
+
+template <int NS, int KP, bool L1 = false>
 CUPOOL_DEVICE void load_batch(Batch<NS>& b, const Strips<NS> strip, int c, int c_hi, int lane) {
     const int g = lane >> 2;
 #pragma unroll
@@ -96,7 +142,8 @@ CUPOOL_DEVICE void load_batch(Batch<NS>& b, const Strips<NS> strip, int c, int c
         if (c + i < c_hi) {
 #pragma unroll
             for (int s = 0; s < NS; ++s) {
-                b.w[s][i] = ld_stream16(strip.p[s] + (i64)(c + i) * 512 + lane * 16);
+                const u8* w = strip.p[s] + (i64)(c + i) * 512 + lane * 16;
+                b.w[s][i] = L1 ? ld_l1_16(w) : ld_stream16(w);
                 const u8* sc = strip.p[s] + 8 * KP + (c + i) * 4;
                 b.sg[s][i] = ld_u32_nc(sc + g * (KP / 16));
                 b.sg8[s][i] = ld_u32_nc(sc + (g + 8) * (KP / 16));
@@ -105,36 +152,83 @@ CUPOOL_DEVICE void load_batch(Batch<NS>& b, const Strips<NS> strip, int c, int c
     }
 }
 
-// acc[s][nt] += the batch's chunks × staged activations (xs holds columns from chunk xs_c0 on).
-template <int NS>
-CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16* xs, int xs_c0,
-                                 int ntiles, float (&acc)[NS][NTILES][4], int lane) {
-    const int g = lane >> 2, t = lane & 3;
+CUPOOL_DEVICE void ldmatrix_x4(u32 (&d)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(smem_addr(p)));
+}
+
+// Half H of a chunk (k-tiles 2H and 2H + 1): their A fragments from the chunk words w[s] (.x
+// .. .w: tiles 0..3) and the scale pairs, then per n-tile one ldmatrix.x4 whose matrix m = lane / 8
+// holds rows nt·8 + lane % 8, columns 8m.. of the half: b0, b1 of tile 2H, then of tile 2H + 1.
+// Dequantising half a chunk at a time keeps 16 fewer fragment registers live.
+template <int NS, bool BF, int STRIDE, int H>
+CUPOOL_DEVICE void mma_half(const u32x4 (&w)[NS], const u32 (&sc)[NS][2], const u32 (&sc8)[NS][2],
+                            const u16* xm, int ntiles, float (&acc)[NS][NTILES][4]) {
+    u32 a[NS][2][4];
 #pragma unroll
-    for (int i = 0; i < NB; ++i) {
-        if (c + i < c_hi) {
-            const u16* xc = xs + (c + i - xs_c0) * 64 + 2 * t;
-            u32 a[NS][4][4];
+    for (int s = 0; s < NS; ++s) {
+        dequant_tile<BF, 2 * H>(H == 0 ? w[s].x : w[s].z, sc[s], sc8[s], a[s][0]);
+        dequant_tile<BF, 2 * H + 1>(H == 0 ? w[s].y : w[s].w, sc[s], sc8[s], a[s][1]);
+    }
 #pragma unroll
-            for (int s = 0; s < NS; ++s) dequant_chunk<false>(b.w[s][i], b.sg[s][i], b.sg8[s][i], a[s]);
+    for (int nt = 0; nt < NTILES; ++nt) {
+        if (nt < ntiles) {
+            u32 f[4];
+            ldmatrix_x4(f, xm + nt * 8 * STRIDE + H * 32);
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-#pragma unroll
-                for (int nt = 0; nt < NTILES; ++nt) {
-                    if (nt < ntiles) {
-                        const u16* p = xc + (nt * 8 + g) * XS_STRIDE + q * 16;
-                        const u32 b0 = *reinterpret_cast<const u32*>(p);
-                        const u32 b1 = *reinterpret_cast<const u32*>(p + 8);
-#pragma unroll
-                        for (int s = 0; s < NS; ++s) mma16816<false>(acc[s][nt], a[s][q], b0, b1);
-                    }
-                }
+            for (int s = 0; s < NS; ++s) {
+                mma16816<BF>(acc[s][nt], a[s][0], f[0], f[1]);
+                mma16816<BF>(acc[s][nt], a[s][1], f[2], f[3]);
             }
         }
     }
 }
 
-// This warp's 64-column chunks [lo, hi) of the activation chunk [kc0, kc1) of K.
+// acc[s][nt] += the batch's chunks × staged activations (xs: a buffer of [NT][STRIDE] holding
+// the columns from chunk xs_c0 on). BF: bf16 operands, else fp16.
+template <int NS, bool BF, int STRIDE>
+CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16* xs, int xs_c0,
+                                 int ntiles, float (&acc)[NS][NTILES][4], int lane) {
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {
+        if (c + i < c_hi) {
+#if LDSM
+            u32x4 w[NS];
+            u32 sc[NS][2], sc8[NS][2];
+#pragma unroll
+            for (int s = 0; s < NS; ++s) {
+                w[s] = b.w[s][i];
+                scale_quad<BF>(b.sg[s][i], sc[s][0], sc[s][1]);
+                scale_quad<BF>(b.sg8[s][i], sc8[s][0], sc8[s][1]);
+            }
+            const u16* xm = xs + (lane & 7) * STRIDE + (c + i - xs_c0) * 64 + (lane >> 3) * 8;
+            mma_half<NS, BF, STRIDE, 0>(w, sc, sc8, xm, ntiles, acc);
+            mma_half<NS, BF, STRIDE, 1>(w, sc, sc8, xm, ntiles, acc);
+#else
+            u32 a[NS][4][4];
+#pragma unroll
+            for (int s = 0; s < NS; ++s) dequant_chunk<BF>(b.w[s][i], b.sg[s][i], b.sg8[s][i], a[s]);
+            const int g = lane >> 2, t = lane & 3;
+            const u16* xc = xs + (c + i - xs_c0) * 64 + 2 * t;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+#pragma unroll
+                for (int nt = 0; nt < NTILES; ++nt) {
+                    if (nt < ntiles) {
+                        const u16* p = xc + (nt * 8 + g) * STRIDE + q * 16;
+                        const u32 b0 = *reinterpret_cast<const u32*>(p);
+                        const u32 b1 = *reinterpret_cast<const u32*>(p + 8);
+#pragma unroll
+                        for (int s = 0; s < NS; ++s) mma16816<BF>(acc[s][nt], a[s][q], b0, b1);
+                    }
+                }
+            }
+#endif
+        }
+    }
+}
+
+// This warp's 64-column chunks [lo, hi) of the activation stage [kc0, kc1) of K.
 CUPOOL_DEVICE void warp_chunks(int kc0, int kc1, int ks, int& lo, int& hi) {
     const int nch = (kc1 - kc0) >> 6;
     const int per = (nch + KSPLIT - 1) / KSPLIT;
@@ -142,24 +236,65 @@ CUPOOL_DEVICE void warp_chunks(int kc0, int kc1, int ks, int& lo, int& hi) {
     hi = min(lo + per, kc1 >> 6);
 }
 
-// The K loop of one item: stage activations chunk by chunk (stage(kc0, kc1) writes xs and is
-// called by every thread between barriers) and multiply. The first weight batch was loaded by
-// the caller before the first staging, so its latency overlaps the staging.
-template <int NS, int KP, class Stage>
+// cp.async of columns [kc0, kc1) of the unit's ntiles·8 staged rows into buffer xb (row n from
+// row(n), which points at column 0 of its source row, or is null: zeros). Every thread calls it;
+// each warp takes whole rows, each lane 16 bytes of them.
+template <int STRIDE, class Row>
+CUPOOL_DEVICE void stage_rows(u16* xb, int ntiles, int kc0, int kc1, Row row) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int n = warp; n < ntiles * 8; n += NWARPS) {
+        const u16* src = row(n);
+        for (int col = kc0 + lane * 8; col < kc1; col += 256)
+            cp_async16_zfill(xb + n * STRIDE + (col - kc0), src ? src + col : xb, src != nullptr);
+    }
+    cp_async_commit();
+}
+
+// Chunks [c, c + n) of the strips (those inside K) towards L1, for a later ld_l1_16.
+template <int NS, int KP>
+CUPOOL_DEVICE void prefetch_chunks(const Strips<NS> strips, int c, int n, int lane) {
+#pragma unroll
+    for (int i = 0; i < NB; ++i)
+        if (i < n && c + i < KP / 64)
+#pragma unroll
+            for (int s = 0; s < NS; ++s) prefetch_l1(strips.p[s] + (i64)(c + i) * 512 + lane * 16);
+}
+
+// The K loop of one item. Stage 0 was issued by the caller (or is still in place from the
+// previous item when there is one stage); each stage waits for its copies, then starts the next
+// stage's copies into the other buffer and multiplies. The first weight batch was loaded by the
+// caller before staging, so its latency overlaps the staging. row(n): see stage_rows.
+template <int NS, int KP, bool BF, int PIPE, class S, class Row>
 CUPOOL_DEVICE void item_k_loop(Batch<NS>& b, const Strips<NS> strips, bool active, int ks,
-                               const u16* xs, int ntiles, float (&acc)[NS][NTILES][4], int lane,
-                               Stage stage) {
-    for (int kc0 = 0; kc0 < KP; kc0 += KC) {
-        const int kc1 = kc0 + KC < KP ? kc0 + KC : KP;
-        __syncthreads();                                        // xs free, slot info visible
-        stage(kc0, kc1);
-        __syncthreads();
+                               u16* xs, int ntiles, float (&acc)[NS][NTILES][4], int lane, Row row) {
+    for (int st = 0; st < S::STAGES; ++st) {
+        const int kc0 = st * S::COLS, kc1 = kc0 + S::COLS < KP ? kc0 + S::COLS : KP;
+        cp_async_wait<0>();
+        __syncthreads();                   // stage st in place; every warp is past stage st - 1
+        if (st + 1 < S::STAGES)
+            stage_rows<S::STRIDE>(xs + ((st + 1) & 1) * NT * S::STRIDE, ntiles, kc1,
+                                  kc1 + S::COLS < KP ? kc1 + S::COLS : KP, row);
         if (active) {
+            const u16* xb = xs + (st & 1) * NT * S::STRIDE;
             int lo, hi;
             warp_chunks(kc0, kc1, ks, lo, hi);
             for (int c = lo; c < hi; c += NB) {
-                if (kc0 != 0 || c != lo) load_batch<NS, KP>(b, strips, c, hi, lane);
-                compute_batch<NS>(b, c, hi, xs, kc0 >> 6, ntiles, acc, lane);
+                if (PIPE == 1) {
+                    int nc = c + NB, nhi = hi;             // next batch: this stage's, or the
+                    if (nc >= hi) {                        // first of the next stage
+                        nc = nhi = 0;
+                        if (st + 1 < S::STAGES)
+                            warp_chunks(kc1, kc1 + S::COLS < KP ? kc1 + S::COLS : KP, ks, nc, nhi);
+                    }
+                    Batch<NS> next;
+                    load_batch<NS, KP>(next, strips, nc, nhi, lane);
+                    compute_batch<NS, BF, S::STRIDE>(b, c, hi, xb, kc0 >> 6, ntiles, acc, lane);
+                    b = next;
+                } else {
+                    if (kc0 != 0 || c != lo) load_batch<NS, KP, PIPE == 2>(b, strips, c, hi, lane);
+                    if (PIPE == 2) prefetch_chunks<NS, KP>(strips, c + PF_DIST, NB, lane);
+                    compute_batch<NS, BF, S::STRIDE>(b, c, hi, xb, kc0 >> 6, ntiles, acc, lane);
+                }
             }
         }
     }
@@ -194,17 +329,18 @@ CUPOOL_DEVICE void ksplit_reduce(float (&acc)[NS][NTILES][4], float* red, int wm
     }
 }
 
-// Shared memory: staged activations [NT][XS_STRIDE] fp16, the K-split buffer, and per-slot data.
-CUPOOL_DEVICE float* red_buffer(u16* xs) {
-    return reinterpret_cast<float*>(xs + NT * XS_STRIDE);
-}
+// Shared memory of a kernel (gemm.gemm_smem mirrors it): the staging buffers (BYTES), the
+// K-split buffer, the per-slot data.
+template <int BYTES>
+CUPOOL_DEVICE float* red_buffer(u8* smem) { return reinterpret_cast<float*>(smem + BYTES); }
 
-CUPOOL_DEVICE SlotInfo* slot_info(u16* xs, int ns) {
-    return reinterpret_cast<SlotInfo*>(red_buffer(xs) + (KSPLIT - 1) * WARPS_M * ns * NTILES * 4 * 32);
+template <int BYTES, int NS>
+CUPOOL_DEVICE SlotInfo* slot_info(u8* smem) {
+    return reinterpret_cast<SlotInfo*>(red_buffer<BYTES>(smem) + (KSPLIT - 1) * WARPS_M * NS * NTILES * 4 * 32);
 }
 
 // ------------------------------------------------------------------------------------------
-// w13: act[lane, j] = SiLU(gate_j · x) · (up_j · x) for the unit's lanes.
+// w13: act[lane, j] = SiLU(gate_j · x) · (up_j · x) for the unit's lanes, in bf16.
 // ------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of this launch
@@ -214,12 +350,11 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         const u16* __restrict__ xh,           // [T, HP] fp16 activations, row-scaled
         const float* __restrict__ xscale,     // [T] power-of-two scale of each token row
         i32 topk,                             // K: token of lane = lane / K
-        float* __restrict__ act,              // [W, IP]
-        u32* __restrict__ amax) {             // [W] max |act| per lane (float bits)
+        u16* __restrict__ act) {              // [W, IP] bf16
     extern __shared__ __align__(16) u8 smem[];
     u16* xs = reinterpret_cast<u16*>(smem);
-    float* red = red_buffer(xs);
-    SlotInfo* si = slot_info(xs, 2);
+    float* red = red_buffer<Stage13::BYTES>(smem);
+    SlotInfo* si = slot_info<Stage13::BYTES, 2>(smem);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp / KSPLIT, ks = warp % KSPLIT;
     const Range rg = unit_range(range);
@@ -241,8 +376,11 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         Batch<2> b;
         {
             int lo, hi;
-            warp_chunks(0, KC < HP ? KC : HP, ks, lo, hi);
-            if (active) load_batch<2, HP>(b, strips, lo, hi, lane);
+            warp_chunks(0, Stage13::COLS, ks, lo, hi);
+            if (active) {
+                load_batch<2, HP, W13_PIPE == 2>(b, strips, lo, hi, lane);
+                if (W13_PIPE == 2) prefetch_chunks<2, HP>(strips, lo + NB, PF_DIST, lane);
+            }
         }
 #if PREFETCH_W2
         // Pull this unit's w2 rows towards L2 now, so moe_w2 reads them from L2: each of the
@@ -261,24 +399,20 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
             si->lane[threadIdx.x] = l;
             si->scale[threadIdx.x] = l >= 0 ? xscale[l / topk] : 0.0f;
         }
-        float acc[2][NTILES][4] = {};
-        // stage xh rows of the unit's tokens, columns [kc0, kc1), 8 fp16 per thread-step
-        auto stage = [&](int kc0, int kc1) {
-            const int vec_per_row = (kc1 - kc0) >> 3;
-            for (int v = threadIdx.x; v < ntiles * 8 * vec_per_row; v += THREADS) {
-                const int n = v / vec_per_row, col = kc0 + (v % vec_per_row) * 8;
-                const int l = si->lane[n];
-                u32x4 val = {0u, 0u, 0u, 0u};
-                if (l >= 0) val = *reinterpret_cast<const u32x4*>(xh + (i64)(l / topk) * HP + col);
-                *reinterpret_cast<u32x4*>(xs + n * XS_STRIDE + (col - kc0)) = val;
-            }
+        __syncthreads();
+        // x row of slot n's token (fp16, row-scaled), or null for an empty slot
+        auto x_row = [&](int n) -> const u16* {
+            const int l = si->lane[n];
+            return l >= 0 ? xh + (i64)(l / topk) * HP : nullptr;
         };
-        item_k_loop<2, HP>(b, strips, active, ks, xs, ntiles, acc, lane, stage);
+        stage_rows<Stage13::STRIDE>(xs, ntiles, 0, Stage13::COLS, x_row);
+        float acc[2][NTILES][4] = {};
+        item_k_loop<2, HP, false, W13_PIPE, Stage13>(b, strips, active, ks, xs, ntiles, acc, lane, x_row);
         ksplit_reduce<2>(acc, red, wm, ks, lane);
         if (ks == 0 && active) {
             const float* hdr = reinterpret_cast<const float*>(row);
-            w13_epilogue(acc, ntiles, si, hdr[0] * dequant_unscale<false>(),
-                         hdr[1] * dequant_unscale<false>(), p, lane, act, amax);
+            w13_epilogue<true>(acc, ntiles, si, hdr[0] * dequant_unscale<false>(),
+                               hdr[1] * dequant_unscale<false>(), p, lane, act, nullptr);
         }
     }
 }
@@ -286,14 +420,13 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
 // ------------------------------------------------------------------------------------------
 // w2: out[t, h] = Σ_k weight(t,k) · (w2_{e(t,k)} · act[t,k])[h]
 // ------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_w2(const i32* __restrict__ range,       // this launch's units
        const i32* __restrict__ all_range,   // REDUCE 0: every unit of the call (arrival target)
        const i64* __restrict__ unit_addr,
        const i32* __restrict__ unit_lanes,
        const i32* __restrict__ unit_count,
-       const float* __restrict__ act,        // [W, IP]
-       const u32* __restrict__ amax,         // [W]
+       const u16* __restrict__ act,          // [W, IP] bf16
        const float* __restrict__ lane_w,     // [W] router weight per lane (0 for padding)
        i32 topk, i32 tokens, i32 hidden,     // K, T, H
        float* __restrict__ yw,               // REDUCE 0: [W, HP] per-lane outputs
@@ -302,8 +435,8 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
        float* __restrict__ out32) {          // REDUCE 1: [T, HP] fp32 accumulator
     extern __shared__ __align__(16) u8 smem[];
     u16* xs = reinterpret_cast<u16*>(smem);
-    float* red = red_buffer(xs);
-    SlotInfo* si = slot_info(xs, 1);
+    float* red = red_buffer<Stage2::BYTES>(smem);
+    SlotInfo* si = slot_info<Stage2::BYTES, 1>(smem);
 #if REDUCE == 0
     __shared__ int s_last;
 #endif
@@ -321,7 +454,11 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
         return;
     }
 #endif
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    // a contiguous range of items: a unit's items follow each other
+    const int first = (int)((i64)items * blockIdx.x / gridDim.x);
+    const int last = (int)((i64)items * (blockIdx.x + 1) / gridDim.x);
+    int staged = -1;                             // unit whose act rows are in xs (one stage)
+    for (int item = first; item < last; ++item) {
         const int u = rg.first + item / GROUPS;
         const int grp = item % GROUPS;
         const int p = grp * WARPS_M + wm;
@@ -334,41 +471,33 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
         Batch<1> b;
         {
             int lo, hi;
-            warp_chunks(0, KC < IP ? KC : IP, ks, lo, hi);
-            if (active) load_batch<1, IP>(b, strips, lo, hi, lane);
+            warp_chunks(0, Stage2::COLS, ks, lo, hi);
+            if (active) {
+                load_batch<1, IP, W2_PIPE == 2>(b, strips, lo, hi, lane);
+                if (W2_PIPE == 2) prefetch_chunks<1, IP>(strips, lo + NB, PF_DIST, lane);
+            }
         }
-        __syncthreads();
-        if (threadIdx.x < NT) {
-            const int l = threadIdx.x < count ? unit_lanes[u * NT + threadIdx.x] : -1;
-            si->lane[threadIdx.x] = l;
-            si->scale[threadIdx.x] = l >= 0 ? pow2_scale(__uint_as_float(amax[l])) : 1.0f;
+        __syncthreads();                                        // previous item done with smem
+        auto act_row = [&](int n) -> const u16* {
+            const int l = si->lane[n];
+            return l >= 0 ? act + (i64)l * IP : nullptr;
+        };
+        if (Stage2::STAGES > 1 || u != staged) {
+            if (threadIdx.x < NT) {
+                const int l = threadIdx.x < count ? unit_lanes[u * NT + threadIdx.x] : -1;
+                si->lane[threadIdx.x] = l;
+                si->scale[threadIdx.x] = 1.0f;
+            }
+            __syncthreads();
+            stage_rows<Stage2::STRIDE>(xs, ntiles, 0, Stage2::COLS, act_row);
+            staged = u;
         }
         float acc[1][NTILES][4] = {};
-        // stage act rows (fp32) as fp16 divided by the slot's power-of-two scale (exact)
-        auto stage = [&](int kc0, int kc1) {
-            const int vec_per_row = (kc1 - kc0) >> 2;
-            for (int v = threadIdx.x; v < ntiles * 8 * vec_per_row; v += THREADS) {
-                const int n = v / vec_per_row, col = kc0 + (v % vec_per_row) * 4;
-                const int l = si->lane[n];
-                u32 lo = 0u, hi = 0u;
-                if (l >= 0) {
-                    const u32x4 f = *reinterpret_cast<const u32x4*>(act + (i64)l * IP + col);
-                    const float inv = 1.0f / si->scale[n];
-                    lo = (u32)f32_to_f16(__uint_as_float(f.x) * inv) |
-                         ((u32)f32_to_f16(__uint_as_float(f.y) * inv) << 16);
-                    hi = (u32)f32_to_f16(__uint_as_float(f.z) * inv) |
-                         ((u32)f32_to_f16(__uint_as_float(f.w) * inv) << 16);
-                }
-                u32* dst = reinterpret_cast<u32*>(xs + n * XS_STRIDE + (col - kc0));
-                dst[0] = lo;
-                dst[1] = hi;
-            }
-        };
-        item_k_loop<1, IP>(b, strips, active, ks, xs, ntiles, acc, lane, stage);
+        item_k_loop<1, IP, true, W2_PIPE, Stage2>(b, strips, active, ks, xs, ntiles, acc, lane, act_row);
         ksplit_reduce<1>(acc, red, wm, ks, lane);
         if (ks == 0 && active)
             w2_epilogue(acc[0], ntiles, si,
-                        reinterpret_cast<const float*>(row)[2] * dequant_unscale<false>(), p, lane,
+                        reinterpret_cast<const float*>(row)[2] * dequant_unscale<true>(), p, lane,
                         lane_w, topk, hidden, REDUCE == 1, yw, out32);
 #if REDUCE == 0
         // The last unit to finish this strip group sums over top-k in fixed order.
