@@ -75,7 +75,8 @@
 #endif
 #ifndef W13_PIPE
 #define W13_PIPE 0        // weights ahead of use in w13: 0 none (NB chunks a batch), 1 the next
-#endif                    // batch in registers, 2 chunk c + PF_DIST prefetched into L1
+#endif                    // batch in registers, 2 chunk c + PF_DIST prefetched into L1, 3 as 1
+                          // but only the 16-byte words ahead (scale words just before use)
 #ifndef W2_PIPE
 #define W2_PIPE 0         // the same for w2
 #endif
@@ -93,8 +94,8 @@
 #define THREADS (32 * NWARPS)
 
 static_assert(KC % 64 == 0 && W2_KC % 64 == 0, "KC and W2_KC must be multiples of 64");
-static_assert((W13_PIPE != 1 && W2_PIPE != 1) || KSPLIT == 1,
-              "PIPE 1 loads the next chunk of the same warp: KSPLIT 1 only");
+static_assert((W13_PIPE % 2 == 0 && W2_PIPE % 2 == 0) || KSPLIT == 1,
+              "PIPE 1 and 3 load the next chunk of the same warp: KSPLIT 1 only");
 
 // Staged activations of one kernel: NBUF buffers of [NT][STRIDE] 16-bit values, STRIDE = the
 // stage's columns + 8, so that a row is 16 bytes past a multiple of 128: the 8 rows of an
@@ -134,7 +135,9 @@ CUPOOL_DEVICE void prefetch_l1(const void* p) {
     asm volatile("prefetch.global.L1 [%0];" :: "l"(p));
 }
 
-template <int NS, int KP, bool L1 = false>
+// WORDS / SCALES: which of the two to load (PIPE 3 loads the next batch's words early and the
+// current batch's scale words, L1 hits after a strip's first chunk, just before use).
+template <int NS, int KP, bool L1 = false, bool WORDS = true, bool SCALES = true>
 CUPOOL_DEVICE void load_batch(Batch<NS>& b, const Strips<NS> strip, int c, int c_hi, int lane) {
     const int g = lane >> 2;
 #pragma unroll
@@ -143,10 +146,12 @@ CUPOOL_DEVICE void load_batch(Batch<NS>& b, const Strips<NS> strip, int c, int c
 #pragma unroll
             for (int s = 0; s < NS; ++s) {
                 const u8* w = strip.p[s] + (i64)(c + i) * 512 + lane * 16;
-                b.w[s][i] = L1 ? ld_l1_16(w) : ld_stream16(w);
+                if (WORDS) b.w[s][i] = L1 ? ld_l1_16(w) : ld_stream16(w);
                 const u8* sc = strip.p[s] + 8 * KP + (c + i) * 4;
-                b.sg[s][i] = ld_u32_nc(sc + g * (KP / 16));
-                b.sg8[s][i] = ld_u32_nc(sc + (g + 8) * (KP / 16));
+                if (SCALES) {
+                    b.sg[s][i] = ld_u32_nc(sc + g * (KP / 16));
+                    b.sg8[s][i] = ld_u32_nc(sc + (g + 8) * (KP / 16));
+                }
             }
         }
     }
@@ -157,28 +162,36 @@ CUPOOL_DEVICE void ldmatrix_x4(u32 (&d)[4], const void* p) {
                  : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(smem_addr(p)));
 }
 
-// Half H of a chunk (k-tiles 2H and 2H + 1): their A fragments from the chunk words w[s] (.x
-// .. .w: tiles 0..3) and the scale pairs, then per n-tile one ldmatrix.x4 whose matrix m = lane / 8
-// holds rows nt·8 + lane % 8, columns 8m.. of the half: b0, b1 of tile 2H, then of tile 2H + 1.
-// Dequantising half a chunk at a time keeps 16 fewer fragment registers live.
-template <int NS, bool BF, int STRIDE, int H>
-CUPOOL_DEVICE void mma_half(const u32x4 (&w)[NS], const u32 (&sc)[NS][2], const u32 (&sc8)[NS][2],
+// Matrices 0 and 1 only (row addresses from lanes 0-15).
+CUPOOL_DEVICE void ldmatrix_x2(u32 (&d)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(d[0]), "=r"(d[1]) : "r"(smem_addr(p)));
+}
+
+// K-tile Q of a chunk: its A fragments from word Q of the chunk (w[s]) and the scale pairs, then
+// per pair of n-tiles one ldmatrix.x4: matrices 0, 1 are b0, b1 of n-tile nt, matrices 2, 3 those
+// of nt + 1 (lane / 8 supplies the row addresses of matrix lane / 8). Consecutive mma then update
+// different accumulators (NS · NTILES of them in turn), so no mma waits for the one before.
+// A pair's second tile past ntiles reads rows that hold stale values and is not multiplied; a
+// last n-tile without a pair (NTILES odd) loads its two matrices alone, inside the buffer.
+template <int NS, bool BF, int STRIDE, int Q>
+CUPOOL_DEVICE void mma_tile(const u32x4 (&w)[NS], const u32 (&sc)[NS][2], const u32 (&sc8)[NS][2],
                             const u16* xm, int ntiles, float (&acc)[NS][NTILES][4]) {
-    u32 a[NS][2][4];
+    u32 a[NS][4];
 #pragma unroll
-    for (int s = 0; s < NS; ++s) {
-        dequant_tile<BF, 2 * H>(H == 0 ? w[s].x : w[s].z, sc[s], sc8[s], a[s][0]);
-        dequant_tile<BF, 2 * H + 1>(H == 0 ? w[s].y : w[s].w, sc[s], sc8[s], a[s][1]);
-    }
+    for (int s = 0; s < NS; ++s)
+        dequant_tile<BF, Q>(Q == 0 ? w[s].x : Q == 1 ? w[s].y : Q == 2 ? w[s].z : w[s].w,
+                            sc[s], sc8[s], a[s]);
 #pragma unroll
-    for (int nt = 0; nt < NTILES; ++nt) {
+    for (int nt = 0; nt < NTILES; nt += 2) {
         if (nt < ntiles) {
             u32 f[4];
-            ldmatrix_x4(f, xm + nt * 8 * STRIDE + H * 32);
+            if (nt + 1 < NTILES) ldmatrix_x4(f, xm + nt * 8 * STRIDE + Q * 16);
+            else ldmatrix_x2(f, xm + nt * 8 * STRIDE + Q * 16);
 #pragma unroll
             for (int s = 0; s < NS; ++s) {
-                mma16816<BF>(acc[s][nt], a[s][0], f[0], f[1]);
-                mma16816<BF>(acc[s][nt], a[s][1], f[2], f[3]);
+                mma16816<BF>(acc[s][nt], a[s], f[0], f[1]);
+                if (nt + 1 < NTILES && nt + 1 < ntiles) mma16816<BF>(acc[s][nt + 1], a[s], f[2], f[3]);
             }
         }
     }
@@ -201,9 +214,13 @@ CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16*
                 scale_quad<BF>(b.sg[s][i], sc[s][0], sc[s][1]);
                 scale_quad<BF>(b.sg8[s][i], sc8[s][0], sc8[s][1]);
             }
-            const u16* xm = xs + (lane & 7) * STRIDE + (c + i - xs_c0) * 64 + (lane >> 3) * 8;
-            mma_half<NS, BF, STRIDE, 0>(w, sc, sc8, xm, ntiles, acc);
-            mma_half<NS, BF, STRIDE, 1>(w, sc, sc8, xm, ntiles, acc);
+            // this lane's row address: matrix m = lane / 8 is n-tile m / 2, columns 8 (m % 2)..
+            const u16* xm = xs + ((lane & 7) + (lane >> 4) * 8) * STRIDE + (c + i - xs_c0) * 64
+                            + ((lane >> 3) & 1) * 8;
+            mma_tile<NS, BF, STRIDE, 0>(w, sc, sc8, xm, ntiles, acc);
+            mma_tile<NS, BF, STRIDE, 1>(w, sc, sc8, xm, ntiles, acc);
+            mma_tile<NS, BF, STRIDE, 2>(w, sc, sc8, xm, ntiles, acc);
+            mma_tile<NS, BF, STRIDE, 3>(w, sc, sc8, xm, ntiles, acc);
 #else
             u32 a[NS][4][4];
 #pragma unroll
@@ -279,7 +296,7 @@ CUPOOL_DEVICE void item_k_loop(Batch<NS>& b, const Strips<NS> strips, bool activ
             int lo, hi;
             warp_chunks(kc0, kc1, ks, lo, hi);
             for (int c = lo; c < hi; c += NB) {
-                if (PIPE == 1) {
+                if (PIPE == 1 || PIPE == 3) {
                     int nc = c + NB, nhi = hi;             // next batch: this stage's, or the
                     if (nc >= hi) {                        // first of the next stage
                         nc = nhi = 0;
@@ -287,9 +304,17 @@ CUPOOL_DEVICE void item_k_loop(Batch<NS>& b, const Strips<NS> strips, bool activ
                             warp_chunks(kc1, kc1 + S::COLS < KP ? kc1 + S::COLS : KP, ks, nc, nhi);
                     }
                     Batch<NS> next;
-                    load_batch<NS, KP>(next, strips, nc, nhi, lane);
+                    load_batch<NS, KP, false, true, PIPE == 1>(next, strips, nc, nhi, lane);
+                    if (PIPE == 3) load_batch<NS, KP, false, false, true>(b, strips, c, hi, lane);
                     compute_batch<NS, BF, S::STRIDE>(b, c, hi, xb, kc0 >> 6, ntiles, acc, lane);
-                    b = next;
+                    if (PIPE == 1) {
+                        b = next;
+                    } else {
+#pragma unroll
+                        for (int s = 0; s < NS; ++s)
+#pragma unroll
+                            for (int i = 0; i < NB; ++i) b.w[s][i] = next.w[s][i];
+                    }
                 } else {
                     if (kc0 != 0 || c != lo) load_batch<NS, KP, PIPE == 2>(b, strips, c, hi, lane);
                     if (PIPE == 2) prefetch_chunks<NS, KP>(strips, c + PF_DIST, NB, lane);
