@@ -9,9 +9,9 @@ import dataclasses
 import sys
 
 import pytest
+from profile_gemm import parse_variant
 
 import cupool.gemm as G
-from profile_gemm import parse_variant
 
 
 def main(argv: list[str]) -> int:
