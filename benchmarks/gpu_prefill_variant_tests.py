@@ -5,11 +5,10 @@ becomes the default; exits non-zero if any run fails."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import pytest
-from profile_gemm import parse_variant
+from profile_gemm import prefill_variant
 
 import cupool.gemm as G
 
@@ -17,8 +16,7 @@ import cupool.gemm as G
 def main(argv: list[str]) -> int:
     base, worst = G.PREFILL, 0
     for text in argv or ["default"]:
-        change = {k.lower(): v for k, v in parse_variant(text, "variant").items()}
-        G.PREFILL = dataclasses.replace(base, **change)
+        G.PREFILL = prefill_variant(text, "variant")
         print(f"=== {text}: {G.PREFILL}", flush=True)
         rc = pytest.main(["-m", "gpu", "-q", "-p", "no:cacheprovider", "-k", "prefill",
                           "tests/test_gpu_gemm.py"])

@@ -122,29 +122,35 @@ def trace(T: int = 1, E: int = 128, extra: dict | None = None):
             print(f"{name:4s} {'K loop (dur)':14s} {pct((sl[:, 2] - sl[:, 1]) / 1e3)}")
 
 
-def prefill_sweep(variants, repeats: int = 1, tokens=(512, 2048), E: int = 128):
-    """Resident prefill time (all experts in GPU rows) for variants of the prefill launch config
-    (gemm.PREFILL fields in capitals: NB, MINB, KC, PIPE13, ...; or moe_gemm.cu switches such as
-    LDSM), beside torch bf16 on dequantized weights (timed once per T, with the first variant)."""
+def prefill_variant(text: str, option: str = "--prefill-sweep"):
+    """gemm.PREFILL with the changes of "NAME=INT,...": PREFILL fields (NB, MINB, PIPE13, ...,
+    in any case) or moe_gemm.cu switches (LDSM, PF_DIST, ...: the config's extra defines)."""
     import dataclasses
     import cupool.gemm as G
-    from bench_gemm import bench_prefill
     base = G.PREFILL
     fields = {f.name for f in dataclasses.fields(base)} - {"extra"}
     source = (Path(G.__file__).parent.parent / "rawkernels" / "moe_gemm.cu").read_text()
     macros = set(re.findall(r"^#ifndef (\w+)", source, re.M))
-    configs = []                                        # checked before any GPU work
-    for text in variants:
-        change, extra = {}, []
-        for name, value in parse_variant(text, "--prefill-sweep").items():
-            if name.lower() in fields:
-                change[name.lower()] = value
-            elif name in macros:
-                extra.append((name, value))
-            else:
-                raise SystemExit(f"--prefill-sweep: variant {text!r}: {name} is neither a PREFILL "
-                                 f"field {sorted(fields)} nor a moe_gemm.cu switch {sorted(macros)}")
-        configs.append((text, dataclasses.replace(base, **change, extra=base.extra + tuple(extra))))
+    change, extra = {}, []
+    for name, value in parse_variant(text, option).items():
+        if name.lower() in fields:
+            change[name.lower()] = value
+        elif name in macros:
+            extra.append((name, value))
+        else:
+            raise SystemExit(f"{option}: variant {text!r}: {name} is neither a PREFILL field "
+                             f"{sorted(fields)} nor a moe_gemm.cu switch {sorted(macros)}")
+    return dataclasses.replace(base, **change, extra=base.extra + tuple(extra))
+
+
+def prefill_sweep(variants, repeats: int = 1, tokens=(512, 2048), E: int = 128):
+    """Resident prefill time (all experts in GPU rows) for variants of the prefill launch config
+    (gemm.PREFILL fields in capitals: NB, MINB, KC, PIPE13, ...; or moe_gemm.cu switches such as
+    LDSM), beside torch bf16 on dequantized weights (timed once per T, with the first variant)."""
+    import cupool.gemm as G
+    from bench_gemm import bench_prefill
+    base = G.PREFILL
+    configs = [(text, prefill_variant(text)) for text in variants]   # checked before GPU work
     layout = RowLayout(2048, 768)
     torch_ms = {}
     try:

@@ -84,8 +84,8 @@
 #define PF_DIST 2
 #endif
 #ifndef LDSM
-#define LDSM 1            // B fragments by ldmatrix.x4 (0: two 4-byte shared loads each)
-#endif
+#define LDSM 1            // B fragments: 1 ldmatrix.x4 over two n-tiles, tile by tile; 2 ldmatrix.x2
+#endif                    // each, after the chunk's 4 tiles; 0 as 2 by two 4-byte shared loads
 
 #include "moe_common.cuh"
 #include "async_copy.cuh"
@@ -205,7 +205,7 @@ CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16*
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
         if (c + i < c_hi) {
-#if LDSM
+#if LDSM == 1
             u32x4 w[NS];
             u32 sc[NS][2], sc8[NS][2];
 #pragma unroll
@@ -222,21 +222,29 @@ CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16*
             mma_tile<NS, BF, STRIDE, 2>(w, sc, sc8, xm, ntiles, acc);
             mma_tile<NS, BF, STRIDE, 3>(w, sc, sc8, xm, ntiles, acc);
 #else
+            // the whole chunk's A fragments first, then k-tile by k-tile, n-tile by n-tile
             u32 a[NS][4][4];
 #pragma unroll
             for (int s = 0; s < NS; ++s) dequant_chunk<BF>(b.w[s][i], b.sg[s][i], b.sg8[s][i], a[s]);
             const int g = lane >> 2, t = lane & 3;
             const u16* xc = xs + (c + i - xs_c0) * 64 + 2 * t;
+            // LDSM 2: matrices 0, 1 of an x2 load: rows nt·8 + lane % 8, columns 8 (lane / 8 % 2)..
+            const u16* xm = xs + (lane & 7) * STRIDE + (c + i - xs_c0) * 64 + ((lane >> 3) & 1) * 8;
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
 #pragma unroll
                 for (int nt = 0; nt < NTILES; ++nt) {
                     if (nt < ntiles) {
-                        const u16* p = xc + (nt * 8 + g) * STRIDE + q * 16;
-                        const u32 b0 = *reinterpret_cast<const u32*>(p);
-                        const u32 b1 = *reinterpret_cast<const u32*>(p + 8);
+                        u32 f[4];
+                        if (LDSM == 2) {
+                            ldmatrix_x2(f, xm + nt * 8 * STRIDE + q * 16);
+                        } else {
+                            const u16* p = xc + (nt * 8 + g) * STRIDE + q * 16;
+                            f[0] = *reinterpret_cast<const u32*>(p);
+                            f[1] = *reinterpret_cast<const u32*>(p + 8);
+                        }
 #pragma unroll
-                        for (int s = 0; s < NS; ++s) mma16816<BF>(acc[s][nt], a[s][q], b0, b1);
+                        for (int s = 0; s < NS; ++s) mma16816<BF>(acc[s][nt], a[s][q], f[0], f[1]);
                     }
                 }
             }
