@@ -1,10 +1,13 @@
 """Run the prefill GPU tests (tests/test_gpu_gemm.py -k prefill) with gemm.PREFILL changed, in this
-process: `python3 benchmarks/gpu_prefill_variant_tests.py PIPE13=1,PIPE2=1 ...` (one pytest run
-per variant, same syntax as profile_gemm --prefill-sweep). For checking a variant before it
-becomes the default; exits non-zero if any run fails."""
+process, one pytest run per variant (the syntax of profile_gemm --prefill-sweep):
+
+    python3 benchmarks/gpu_prefill_variant_tests.py NB=2,MINB=1 KC2=256
+
+For checking a variant before it becomes the default; exits non-zero if any run fails."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import pytest
@@ -13,17 +16,23 @@ from profile_gemm import prefill_variant
 import cupool.gemm as G
 
 
-def main(argv: list[str]) -> int:
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("variants", nargs="*", default=["default"], metavar="NAME=INT[,...]")
+    args = p.parse_args(argv)
+    configs = [(text, prefill_variant(text, "variant")) for text in args.variants]
     base, worst = G.PREFILL, 0
-    for text in argv or ["default"]:
-        G.PREFILL = prefill_variant(text, "variant")
-        print(f"=== {text}: {G.PREFILL}", flush=True)
-        rc = pytest.main(["-m", "gpu", "-q", "-p", "no:cacheprovider", "-k", "prefill",
-                          "tests/test_gpu_gemm.py"])
-        worst = max(worst, int(rc))
-    G.PREFILL = base
+    try:
+        for text, cfg in configs:
+            G.PREFILL = cfg
+            print(f"=== {text}: {cfg}", flush=True)
+            rc = pytest.main(["-m", "gpu", "-q", "-p", "no:cacheprovider", "-k", "prefill",
+                              "tests/test_gpu_gemm.py"])
+            worst = max(worst, int(rc))
+    finally:
+        G.PREFILL = base
     return worst
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -123,8 +123,8 @@ def trace(T: int = 1, E: int = 128, extra: dict | None = None):
 
 
 def prefill_variant(text: str, option: str = "--prefill-sweep"):
-    """gemm.PREFILL with the changes of "NAME=INT,...": PREFILL fields (NB, MINB, PIPE13, ...,
-    in any case) or moe_gemm.cu switches (LDSM, PF_DIST, ...: the config's extra defines)."""
+    """gemm.PREFILL with the changes of "NAME=INT,...": PREFILL fields (NB, MINB, KC2, ..., in
+    any case) or other moe_gemm.cu switches (PREFETCH_W2, ...: the config's extra defines)."""
     import dataclasses
     import cupool.gemm as G
     base = G.PREFILL
@@ -145,8 +145,8 @@ def prefill_variant(text: str, option: str = "--prefill-sweep"):
 
 def prefill_sweep(variants, repeats: int = 1, tokens=(512, 2048), E: int = 128):
     """Resident prefill time (all experts in GPU rows) for variants of the prefill launch config
-    (gemm.PREFILL fields in capitals: NB, MINB, KC, PIPE13, ...; or moe_gemm.cu switches such as
-    LDSM), beside torch bf16 on dequantized weights (timed once per T, with the first variant)."""
+    (prefill_variant's syntax), beside torch bf16 on dequantized weights (timed once per T, with
+    the first variant)."""
     import cupool.gemm as G
     from bench_gemm import bench_prefill
     base = G.PREFILL
@@ -230,8 +230,8 @@ def main(argv=None):
                    help="timeline of moe_decode calls of T tokens (default 1), then exit")
     p.add_argument("--prefill-sweep", nargs="*", metavar="NAME=INT[,...]",
                    help="resident prefill time for variants of the prefill launch config "
-                        "(gemm.PREFILL fields: NB, MINB, KC, PIPE13, PIPE2, ...; moe_gemm.cu "
-                        "switches: LDSM, PF_DIST, ...; '' or default is the default)")
+                        "(gemm.PREFILL fields: NB, MINB, KC, KC2, ...; other moe_gemm.cu "
+                        "switches by their macro name; '' or default is the default)")
     p.add_argument("--prefill-kernels", type=int, nargs="*", metavar="T",
                    help="per-kernel times of resident prefill calls of T tokens, then exit")
     p.add_argument("--prefill-timeline", type=int, nargs="*", metavar="T",

@@ -25,6 +25,8 @@ for stage in "$@"; do
               run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
     sanitize-decode) for tool in memcheck racecheck synccheck; do
               run "decode_$tool" 200 compute-sanitizer --tool $tool python3 tests/gpu_decode_sanitize.py; done ;;
+    sanitize-gemm) for tool in memcheck racecheck synccheck; do
+              run "gemm_$tool" ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool $tool python3 tests/gpu_gemm_sanitize.py; done ;;
     profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
     sweep)    run sweep 300 python3 benchmarks/profile_gemm.py --sweep ${SWEEP:-} --repeats ${SWEEP_REPEATS:-1} ;;
     prefill-sweep) run prefill_sweep 400 python3 benchmarks/profile_gemm.py --prefill-sweep ${PREFILL_SWEEP:-default} --repeats ${SWEEP_REPEATS:-1} ;;

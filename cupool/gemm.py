@@ -83,9 +83,7 @@ class _Config:
     prefetch_w2: int
     minb: int = 1    # blocks per SM the kernels' register use must allow
     kc2: int = 0     # w2's staged columns; 0: all of I where that fits W2_WHOLE_BYTES, else kc
-    pipe13: int = 0  # w13's weights ahead of use: 0 none, 1 next batch in registers, 2 L1 prefetch
-    pipe2: int = 0   # the same for w2
-    extra: tuple = ()  # more (NAME, value) defines (benchmark sweeps)
+    extra: tuple = ()  # more (NAME, value) defines of moe_gemm.cu (benchmark sweeps)
 
 
 # Largest staging of all of w2's K for one block: w2 then stages a unit's act rows once for all
@@ -120,7 +118,7 @@ def config_defines(cfg: _Config, layout: RowLayout, dtype=torch.bfloat16) -> dic
     return {**layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit, "WARPS_M": cfg.warps_m,
             "KC": min(cfg.kc, layout.hp), "W2_KC": w2_cols(cfg, layout), "NB": cfg.nb,
             "OUT_BF16": _DTYPES[dtype], "REDUCE": cfg.reduce, "PREFETCH_W2": cfg.prefetch_w2,
-            "MINB": cfg.minb, "W13_PIPE": cfg.pipe13, "W2_PIPE": cfg.pipe2, **dict(cfg.extra)}
+            "MINB": cfg.minb, **dict(cfg.extra)}
 
 
 def gemm_smem(cfg: _Config, layout: RowLayout, kernel: str) -> int:

@@ -12,8 +12,7 @@
 //   one token per unit, so K-splitting is what puts enough loads in flight to fill HBM).
 // - Each warp streams its strips in 64-column chunks: one 16-byte load per lane per chunk is four
 //   m16n8k16 A fragments (mma_fp4.cuh), dequantized in registers; B fragments come from the
-//   activations staged in shared memory (ldmatrix). fp32 accumulation. W13_PIPE / W2_PIPE put
-//   later chunks' weights in flight while a chunk is multiplied.
+//   activations staged in shared memory. fp32 accumulation.
 // - Activations are staged by cp.async in stages of KC columns (w2: W2_KC), double-buffered where
 //   K takes more than one stage: stage s + 1 is copied while stage s is multiplied. w13 multiplies
 //   fp16 x (row-scaled by a power of two, moe_align.cu's prep) with fp16-dequantised weights; w2
@@ -73,19 +72,6 @@
 #ifndef PREFETCH_W2
 #define PREFETCH_W2 1     // moe_w13 pulls each unit's w2 rows into L2 for moe_w2
 #endif
-#ifndef W13_PIPE
-#define W13_PIPE 0        // weights ahead of use in w13: 0 none (NB chunks a batch), 1 the next
-#endif                    // batch in registers, 2 chunk c + PF_DIST prefetched into L1, 3 as 1
-                          // but only the 16-byte words ahead (scale words just before use)
-#ifndef W2_PIPE
-#define W2_PIPE 0         // the same for w2
-#endif
-#ifndef PF_DIST
-#define PF_DIST 2
-#endif
-#ifndef LDSM
-#define LDSM 1            // B fragments: 1 ldmatrix.x4 over two n-tiles, tile by tile; 2 ldmatrix.x2
-#endif                    // each, after the chunk's 4 tiles; 0 as 2 by two 4-byte shared loads
 
 #include "moe_common.cuh"
 #include "async_copy.cuh"
@@ -94,12 +80,10 @@
 #define THREADS (32 * NWARPS)
 
 static_assert(KC % 64 == 0 && W2_KC % 64 == 0, "KC and W2_KC must be multiples of 64");
-static_assert((W13_PIPE % 2 == 0 && W2_PIPE % 2 == 0) || KSPLIT == 1,
-              "PIPE 1 and 3 load the next chunk of the same warp: KSPLIT 1 only");
 
 // Staged activations of one kernel: NBUF buffers of [NT][STRIDE] 16-bit values, STRIDE = the
-// stage's columns + 8, so that a row is 16 bytes past a multiple of 128: the 8 rows of an
-// ldmatrix phase (or the 8 rows × 4 words of a B fragment) hit 32 different banks.
+// stage's columns + 8, so that a row is 16 bytes past a multiple of 128: the 8 rows × 4 words
+// of a B fragment hit 32 different banks.
 template <int KP, int KCX>
 struct Staging {
     static constexpr int COLS = KCX < KP ? KCX : KP;
@@ -123,21 +107,7 @@ struct Batch {
 
 // Issue every load of chunks [c, min(c+NB, c_hi)) before any is used: HBM (or PCIe) latency is
 // paid once per batch, not once per chunk.
-// L1: a load that may hit what prefetch_l1 brought in (PIPE 2).
-CUPOOL_DEVICE u32x4 ld_l1_16(const void* p) {
-    u32x4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-CUPOOL_DEVICE void prefetch_l1(const void* p) {
-    asm volatile("prefetch.global.L1 [%0];" :: "l"(p));
-}
-
-// WORDS / SCALES: which of the two to load (PIPE 3 loads the next batch's words early and the
-// current batch's scale words, L1 hits after a strip's first chunk, just before use).
-template <int NS, int KP, bool L1 = false, bool WORDS = true, bool SCALES = true>
+template <int NS, int KP>
 CUPOOL_DEVICE void load_batch(Batch<NS>& b, const Strips<NS> strip, int c, int c_hi, int lane) {
     const int g = lane >> 2;
 #pragma unroll
@@ -145,53 +115,10 @@ CUPOOL_DEVICE void load_batch(Batch<NS>& b, const Strips<NS> strip, int c, int c
         if (c + i < c_hi) {
 #pragma unroll
             for (int s = 0; s < NS; ++s) {
-                const u8* w = strip.p[s] + (i64)(c + i) * 512 + lane * 16;
-                if (WORDS) b.w[s][i] = L1 ? ld_l1_16(w) : ld_stream16(w);
+                b.w[s][i] = ld_stream16(strip.p[s] + (i64)(c + i) * 512 + lane * 16);
                 const u8* sc = strip.p[s] + 8 * KP + (c + i) * 4;
-                if (SCALES) {
-                    b.sg[s][i] = ld_u32_nc(sc + g * (KP / 16));
-                    b.sg8[s][i] = ld_u32_nc(sc + (g + 8) * (KP / 16));
-                }
-            }
-        }
-    }
-}
-
-CUPOOL_DEVICE void ldmatrix_x4(u32 (&d)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(smem_addr(p)));
-}
-
-// Matrices 0 and 1 only (row addresses from lanes 0-15).
-CUPOOL_DEVICE void ldmatrix_x2(u32 (&d)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
-                 : "=r"(d[0]), "=r"(d[1]) : "r"(smem_addr(p)));
-}
-
-// K-tile Q of a chunk: its A fragments from word Q of the chunk (w[s]) and the scale pairs, then
-// per pair of n-tiles one ldmatrix.x4: matrices 0, 1 are b0, b1 of n-tile nt, matrices 2, 3 those
-// of nt + 1 (lane / 8 supplies the row addresses of matrix lane / 8). Consecutive mma then update
-// different accumulators (NS · NTILES of them in turn), so no mma waits for the one before.
-// A pair's second tile past ntiles reads rows that hold stale values and is not multiplied; a
-// last n-tile without a pair (NTILES odd) loads its two matrices alone, inside the buffer.
-template <int NS, bool BF, int STRIDE, int Q>
-CUPOOL_DEVICE void mma_tile(const u32x4 (&w)[NS], const u32 (&sc)[NS][2], const u32 (&sc8)[NS][2],
-                            const u16* xm, int ntiles, float (&acc)[NS][NTILES][4]) {
-    u32 a[NS][4];
-#pragma unroll
-    for (int s = 0; s < NS; ++s)
-        dequant_tile<BF, Q>(Q == 0 ? w[s].x : Q == 1 ? w[s].y : Q == 2 ? w[s].z : w[s].w,
-                            sc[s], sc8[s], a[s]);
-#pragma unroll
-    for (int nt = 0; nt < NTILES; nt += 2) {
-        if (nt < ntiles) {
-            u32 f[4];
-            if (nt + 1 < NTILES) ldmatrix_x4(f, xm + nt * 8 * STRIDE + Q * 16);
-            else ldmatrix_x2(f, xm + nt * 8 * STRIDE + Q * 16);
-#pragma unroll
-            for (int s = 0; s < NS; ++s) {
-                mma16816<BF>(acc[s][nt], a[s], f[0], f[1]);
-                if (nt + 1 < NTILES && nt + 1 < ntiles) mma16816<BF>(acc[s][nt + 1], a[s], f[2], f[3]);
+                b.sg[s][i] = ld_u32_nc(sc + g * (KP / 16));
+                b.sg8[s][i] = ld_u32_nc(sc + (g + 8) * (KP / 16));
             }
         }
     }
@@ -205,50 +132,25 @@ CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16*
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
         if (c + i < c_hi) {
-#if LDSM == 1
-            u32x4 w[NS];
-            u32 sc[NS][2], sc8[NS][2];
-#pragma unroll
-            for (int s = 0; s < NS; ++s) {
-                w[s] = b.w[s][i];
-                scale_quad<BF>(b.sg[s][i], sc[s][0], sc[s][1]);
-                scale_quad<BF>(b.sg8[s][i], sc8[s][0], sc8[s][1]);
-            }
-            // this lane's row address: matrix m = lane / 8 is n-tile m / 2, columns 8 (m % 2)..
-            const u16* xm = xs + ((lane & 7) + (lane >> 4) * 8) * STRIDE + (c + i - xs_c0) * 64
-                            + ((lane >> 3) & 1) * 8;
-            mma_tile<NS, BF, STRIDE, 0>(w, sc, sc8, xm, ntiles, acc);
-            mma_tile<NS, BF, STRIDE, 1>(w, sc, sc8, xm, ntiles, acc);
-            mma_tile<NS, BF, STRIDE, 2>(w, sc, sc8, xm, ntiles, acc);
-            mma_tile<NS, BF, STRIDE, 3>(w, sc, sc8, xm, ntiles, acc);
-#else
-            // the whole chunk's A fragments first, then k-tile by k-tile, n-tile by n-tile
             u32 a[NS][4][4];
 #pragma unroll
             for (int s = 0; s < NS; ++s) dequant_chunk<BF>(b.w[s][i], b.sg[s][i], b.sg8[s][i], a[s]);
             const int g = lane >> 2, t = lane & 3;
             const u16* xc = xs + (c + i - xs_c0) * 64 + 2 * t;
-            // LDSM 2: matrices 0, 1 of an x2 load: rows nt·8 + lane % 8, columns 8 (lane / 8 % 2)..
-            const u16* xm = xs + (lane & 7) * STRIDE + (c + i - xs_c0) * 64 + ((lane >> 3) & 1) * 8;
+            // k-tile by k-tile, n-tile by n-tile: consecutive mma update different accumulators
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
 #pragma unroll
                 for (int nt = 0; nt < NTILES; ++nt) {
                     if (nt < ntiles) {
-                        u32 f[4];
-                        if (LDSM == 2) {
-                            ldmatrix_x2(f, xm + nt * 8 * STRIDE + q * 16);
-                        } else {
-                            const u16* p = xc + (nt * 8 + g) * STRIDE + q * 16;
-                            f[0] = *reinterpret_cast<const u32*>(p);
-                            f[1] = *reinterpret_cast<const u32*>(p + 8);
-                        }
+                        const u16* p = xc + (nt * 8 + g) * STRIDE + q * 16;
+                        const u32 b0 = *reinterpret_cast<const u32*>(p);
+                        const u32 b1 = *reinterpret_cast<const u32*>(p + 8);
 #pragma unroll
-                        for (int s = 0; s < NS; ++s) mma16816<BF>(acc[s][nt], a[s][q], f[0], f[1]);
+                        for (int s = 0; s < NS; ++s) mma16816<BF>(acc[s][nt], a[s][q], b0, b1);
                     }
                 }
             }
-#endif
         }
     }
 }
@@ -275,21 +177,11 @@ CUPOOL_DEVICE void stage_rows(u16* xb, int ntiles, int kc0, int kc1, Row row) {
     cp_async_commit();
 }
 
-// Chunks [c, c + n) of the strips (those inside K) towards L1, for a later ld_l1_16.
-template <int NS, int KP>
-CUPOOL_DEVICE void prefetch_chunks(const Strips<NS> strips, int c, int n, int lane) {
-#pragma unroll
-    for (int i = 0; i < NB; ++i)
-        if (i < n && c + i < KP / 64)
-#pragma unroll
-            for (int s = 0; s < NS; ++s) prefetch_l1(strips.p[s] + (i64)(c + i) * 512 + lane * 16);
-}
-
 // The K loop of one item. Stage 0 was issued by the caller (or is still in place from the
 // previous item when there is one stage); each stage waits for its copies, then starts the next
 // stage's copies into the other buffer and multiplies. The first weight batch was loaded by the
 // caller before staging, so its latency overlaps the staging. row(n): see stage_rows.
-template <int NS, int KP, bool BF, int PIPE, class S, class Row>
+template <int NS, int KP, bool BF, class S, class Row>
 CUPOOL_DEVICE void item_k_loop(Batch<NS>& b, const Strips<NS> strips, bool active, int ks,
                                u16* xs, int ntiles, float (&acc)[NS][NTILES][4], int lane, Row row) {
     for (int st = 0; st < S::STAGES; ++st) {
@@ -304,30 +196,8 @@ CUPOOL_DEVICE void item_k_loop(Batch<NS>& b, const Strips<NS> strips, bool activ
             int lo, hi;
             warp_chunks(kc0, kc1, ks, lo, hi);
             for (int c = lo; c < hi; c += NB) {
-                if (PIPE == 1 || PIPE == 3) {
-                    int nc = c + NB, nhi = hi;             // next batch: this stage's, or the
-                    if (nc >= hi) {                        // first of the next stage
-                        nc = nhi = 0;
-                        if (st + 1 < S::STAGES)
-                            warp_chunks(kc1, kc1 + S::COLS < KP ? kc1 + S::COLS : KP, ks, nc, nhi);
-                    }
-                    Batch<NS> next;
-                    load_batch<NS, KP, false, true, PIPE == 1>(next, strips, nc, nhi, lane);
-                    if (PIPE == 3) load_batch<NS, KP, false, false, true>(b, strips, c, hi, lane);
-                    compute_batch<NS, BF, S::STRIDE>(b, c, hi, xb, kc0 >> 6, ntiles, acc, lane);
-                    if (PIPE == 1) {
-                        b = next;
-                    } else {
-#pragma unroll
-                        for (int s = 0; s < NS; ++s)
-#pragma unroll
-                            for (int i = 0; i < NB; ++i) b.w[s][i] = next.w[s][i];
-                    }
-                } else {
-                    if (kc0 != 0 || c != lo) load_batch<NS, KP, PIPE == 2>(b, strips, c, hi, lane);
-                    if (PIPE == 2) prefetch_chunks<NS, KP>(strips, c + PF_DIST, NB, lane);
-                    compute_batch<NS, BF, S::STRIDE>(b, c, hi, xb, kc0 >> 6, ntiles, acc, lane);
-                }
+                if (kc0 != 0 || c != lo) load_batch<NS, KP>(b, strips, c, hi, lane);
+                compute_batch<NS, BF, S::STRIDE>(b, c, hi, xb, kc0 >> 6, ntiles, acc, lane);
             }
         }
     }
@@ -410,10 +280,7 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         {
             int lo, hi;
             warp_chunks(0, Stage13::COLS, ks, lo, hi);
-            if (active) {
-                load_batch<2, HP, W13_PIPE == 2>(b, strips, lo, hi, lane);
-                if (W13_PIPE == 2) prefetch_chunks<2, HP>(strips, lo + NB, PF_DIST, lane);
-            }
+            if (active) load_batch<2, HP>(b, strips, lo, hi, lane);
         }
 #if PREFETCH_W2
         // Pull this unit's w2 rows towards L2 now, so moe_w2 reads them from L2: each of the
@@ -440,7 +307,7 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         };
         stage_rows<Stage13::STRIDE>(xs, ntiles, 0, Stage13::COLS, x_row);
         float acc[2][NTILES][4] = {};
-        item_k_loop<2, HP, false, W13_PIPE, Stage13>(b, strips, active, ks, xs, ntiles, acc, lane, x_row);
+        item_k_loop<2, HP, false, Stage13>(b, strips, active, ks, xs, ntiles, acc, lane, x_row);
         ksplit_reduce<2>(acc, red, wm, ks, lane);
         if (ks == 0 && active) {
             const float* hdr = reinterpret_cast<const float*>(row);
@@ -505,10 +372,7 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
         {
             int lo, hi;
             warp_chunks(0, Stage2::COLS, ks, lo, hi);
-            if (active) {
-                load_batch<1, IP, W2_PIPE == 2>(b, strips, lo, hi, lane);
-                if (W2_PIPE == 2) prefetch_chunks<1, IP>(strips, lo + NB, PF_DIST, lane);
-            }
+            if (active) load_batch<1, IP>(b, strips, lo, hi, lane);
         }
         __syncthreads();                                        // previous item done with smem
         auto act_row = [&](int n) -> const u16* {
@@ -526,7 +390,7 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
             staged = u;
         }
         float acc[1][NTILES][4] = {};
-        item_k_loop<1, IP, true, W2_PIPE, Stage2>(b, strips, active, ks, xs, ntiles, acc, lane, act_row);
+        item_k_loop<1, IP, true, Stage2>(b, strips, active, ks, xs, ntiles, acc, lane, act_row);
         ksplit_reduce<1>(acc, red, wm, ks, lane);
         if (ks == 0 && active)
             w2_epilogue(acc[0], ntiles, si,

@@ -193,17 +193,37 @@ def test_decode_all_padding_gives_zeros(small):
     assert (out == 0).all()
 
 
-def test_decode_big_dims():
+@pytest.fixture(scope="module")
+def big():
     placed = Placed(4096, 1536, 5, seed=3)
+    yield placed
+    placed.store.close()
+
+
+def test_decode_big_dims(big):
+    placed = big
     gen = torch.Generator().manual_seed(9)
-    for T, K, kernel in [(1, 2, "fused"), (7, 4, "fused"), (16, 8, "fused"), (7, 4, "pair")]:
+    for T, K, kernel in [(1, 2, "fused"), (7, 4, "fused"), (16, 8, "fused"), (7, 4, "pair"),
+                         (16, 8, "pair")]:
         gemm = MoEGemm(placed.layout, K, torch.bfloat16, max_decode_tokens=16, decode_kernel=kernel)
         x = torch.randn(T, 4096, generator=gen).to(torch.bfloat16).cuda()
         ids, w = routing(T, K, placed.E, gen)
         out = torch.full_like(x, float("nan"))
         gemm.decode(x, placed.lane_addr(ids), w, out=out)
-        assert rel_err(out, reference_moe(x, ids, w, placed.deq)) <= TOL
-    placed.store.close()
+        assert rel_err(out, reference_moe(x, ids, w, placed.deq)) <= TOL, (T, K, kernel)
+
+
+@pytest.mark.parametrize("T,K", [(1, 2), (33, 4), (511, 2)])
+def test_prefill_big_dims(big, T, K):
+    """H=4096, I=1536: moe_w2 cannot stage all of I for 64 lanes in two blocks' shared memory,
+    so it streams I in double-buffered stages (gemm.w2_cols), unlike at Qwen3-30B-A3B dims."""
+    gen = torch.Generator().manual_seed(T * 10 + K)
+    gemm = MoEGemm(big.layout, K, torch.bfloat16, max_prefill_tokens=511, num_experts=big.E,
+                   scratch_rows=1)
+    x = torch.randn(T, 4096, generator=gen).to(torch.bfloat16).cuda()
+    ids, w = routing(T, K, big.E, gen)
+    assert big.prefill_error(gemm, x, ids, w) <= TOL
+    assert gemm.read_error() == []
 
 
 def test_decode_graph_replay_matches_eager(qwen):

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from cupool import kernels
-from cupool.gemm import PREFILL, config_defines
+from cupool.gemm import PREFILL, config_defines, gemm_smem, w2_cols
 from cupool.layout import RowLayout
 
 SOURCES = kernels.sources()
@@ -77,6 +77,20 @@ def test_prefill_config_fits_its_blocks_per_sm_without_spills(nvcc, tmp_path, mi
         assert max(spills) == 0, f"the prefill config {defines} spills: {spills}"
     else:
         assert max(spills) > 0, f"expected moe_w13 to spill at MINB={minb}: {spills}"
+
+
+def test_prefill_staging_fits_two_blocks_per_sm():
+    """PREFILL's MINB=2 also needs two blocks' shared memory on an SM (H100/H200: 228 KiB, 1 KiB
+    of it reserved per block). At Qwen3-30B-A3B dims moe_w2 stages all of I once per unit; at
+    I=1536 that would not fit twice, so it streams I in KC-column stages, double-buffered."""
+    for layout in (RowLayout(2048, 768), RowLayout(4096, 1536), RowLayout(80, 48)):
+        for kernel in ("moe_w13", "moe_w2"):
+            assert 2 * (gemm_smem(PREFILL, layout, kernel) + 1024) <= 228 * 1024, (layout, kernel)
+    assert w2_cols(PREFILL, RowLayout(2048, 768)) == 768
+    assert w2_cols(PREFILL, RowLayout(4096, 1536)) == PREFILL.kc
+    qwen = RowLayout(2048, 768)       # w13: 8 stages of 256 columns, two buffers of 64 rows
+    assert gemm_smem(PREFILL, qwen, "moe_w13") == 2 * 64 * (256 + 8) * 2 + 64 * 8
+    assert gemm_smem(PREFILL, qwen, "moe_w2") == 64 * (768 + 8) * 2 + 64 * 8
 
 
 def test_expand_inlines_headers_with_line_markers():
