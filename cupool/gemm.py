@@ -183,7 +183,8 @@ class MoEGemm:
             capability 9.0+), for calls of up to 256 lanes (T·K); wider calls, and "pair", use
             route_decode, then a w13 and a w2 launch (moe_align.cu, moe_gemm.cu). "auto"
             (default): "fused" where the GPU has it, else "pair"; `decode_kernel` holds the
-            choice. Both are deterministic; they round differently in the last bit.
+            choice. Both are deterministic; they round differently (the pair holds SiLU·up in
+            bf16, moe_decode in fp16 scaled per lane).
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
