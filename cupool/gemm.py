@@ -83,6 +83,7 @@ class _Config:
     prefetch_w2: int
     minb: int = 1    # blocks per SM the kernels' register use must allow
     kc2: int = 0     # w2's staged columns; 0: all of I where that fits W2_WHOLE_BYTES, else kc
+    w2_ns: int = 1   # output strips of w2 per warp (1 or 2)
     extra: tuple = ()  # more (NAME, value) defines of moe_gemm.cu (benchmark sweeps)
 
 
@@ -118,7 +119,7 @@ def config_defines(cfg: _Config, layout: RowLayout, dtype=torch.bfloat16) -> dic
     return {**layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit, "WARPS_M": cfg.warps_m,
             "KC": min(cfg.kc, layout.hp), "W2_KC": w2_cols(cfg, layout), "NB": cfg.nb,
             "OUT_BF16": _DTYPES[dtype], "REDUCE": cfg.reduce, "PREFETCH_W2": cfg.prefetch_w2,
-            "MINB": cfg.minb, **dict(cfg.extra)}
+            "MINB": cfg.minb, "W2_NS": cfg.w2_ns, **dict(cfg.extra)}
 
 
 def gemm_smem(cfg: _Config, layout: RowLayout, kernel: str) -> int:
@@ -126,7 +127,7 @@ def gemm_smem(cfg: _Config, layout: RowLayout, kernel: str) -> int:
     slot_info): the staging buffers (two where K takes more than one stage), the K-split
     partials, the per-slot data."""
     kp, cols, ns = ((layout.hp, min(cfg.kc, layout.hp), 2) if kernel == "moe_w13"
-                    else (layout.ip, w2_cols(cfg, layout), 1))
+                    else (layout.ip, w2_cols(cfg, layout), cfg.w2_ns))
     nbuf = 2 if kp > cols else 1
     red = (cfg.ksplit - 1) * cfg.warps_m * ns * (cfg.nt // 8) * 4 * 32 * 4
     return nbuf * cfg.nt * (cols + 8) * 2 + red + cfg.nt * 8

@@ -57,6 +57,9 @@
 #ifndef W2_KC
 #define W2_KC KC          // the same for w2 (≥ IP: all of K once, reused by a unit's items)
 #endif
+#ifndef W2_NS
+#define W2_NS 1           // output strips of w2 per warp (2: each B fragment feeds two mma)
+#endif
 #ifndef NB
 #define NB 4              // 64-column chunks in flight per warp before the first is used
 #endif
@@ -80,6 +83,7 @@
 #define THREADS (32 * NWARPS)
 
 static_assert(KC % 64 == 0 && W2_KC % 64 == 0, "KC and W2_KC must be multiples of 64");
+static_assert((W2_NS == 1 || W2_NS == 2) && (HP / 16) % W2_NS == 0, "W2_NS: 1 or 2");
 
 // Staged activations of one kernel: NBUF buffers of [NT][STRIDE] 16-bit values, STRIDE = the
 // stage's columns + 8, so that a row is 16 bytes past a multiple of 128: the 8 rows × 4 words
@@ -336,7 +340,7 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
     extern __shared__ __align__(16) u8 smem[];
     u16* xs = reinterpret_cast<u16*>(smem);
     float* red = red_buffer<Stage2::BYTES>(smem);
-    SlotInfo* si = slot_info<Stage2::BYTES, 1>(smem);
+    SlotInfo* si = slot_info<Stage2::BYTES, W2_NS>(smem);
 #if REDUCE == 0
     __shared__ int s_last;
 #endif
@@ -344,7 +348,8 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
     const int wm = warp / KSPLIT, ks = warp % KSPLIT;
     const Range rg = unit_range(range);
     constexpr int NS = HP / 16;                                  // output strips
-    constexpr int GROUPS = (NS + WARPS_M - 1) / WARPS_M;
+    constexpr int GROUPS = (NS / W2_NS + WARPS_M - 1) / WARPS_M;
+    constexpr int GROUP_ROWS = WARPS_M * W2_NS * 16;             // output rows of a group
     const int items = rg.count * GROUPS;
 #if REDUCE == 0
     const int all_units = unit_range(all_range).count;
@@ -361,18 +366,19 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
     for (int item = first; item < last; ++item) {
         const int u = rg.first + item / GROUPS;
         const int grp = item % GROUPS;
-        const int p = grp * WARPS_M + wm;
+        const int p = (grp * WARPS_M + wm) * W2_NS;                // this warp's first strip
         const bool active = p < NS;
         const int count = unit_count[u];
         const int ntiles = (count + 7) >> 3;
         const u8* row = reinterpret_cast<const u8*>(unit_addr[u]);
-        Strips<1> strips;
-        strips.p[0] = row + W2_OFFSET + (i64)p * W2_STRIP;
-        Batch<1> b;
+        Strips<W2_NS> strips;
+#pragma unroll
+        for (int s = 0; s < W2_NS; ++s) strips.p[s] = row + W2_OFFSET + (i64)(p + s) * W2_STRIP;
+        Batch<W2_NS> b;
         {
             int lo, hi;
             warp_chunks(0, Stage2::COLS, ks, lo, hi);
-            if (active) load_batch<1, IP>(b, strips, lo, hi, lane);
+            if (active) load_batch<W2_NS, IP>(b, strips, lo, hi, lane);
         }
         __syncthreads();                                        // previous item done with smem
         auto act_row = [&](int n) -> const u16* {
@@ -389,17 +395,20 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
             stage_rows<Stage2::STRIDE>(xs, ntiles, 0, Stage2::COLS, act_row);
             staged = u;
         }
-        float acc[1][NTILES][4] = {};
-        item_k_loop<1, IP, true, Stage2>(b, strips, active, ks, xs, ntiles, acc, lane, act_row);
-        ksplit_reduce<1>(acc, red, wm, ks, lane);
-        if (ks == 0 && active)
-            w2_epilogue(acc[0], ntiles, si,
-                        reinterpret_cast<const float*>(row)[2] * dequant_unscale<true>(), p, lane,
-                        lane_w, topk, hidden, REDUCE == 1, yw, out32);
+        float acc[W2_NS][NTILES][4] = {};
+        item_k_loop<W2_NS, IP, true, Stage2>(b, strips, active, ks, xs, ntiles, acc, lane, act_row);
+        ksplit_reduce<W2_NS>(acc, red, wm, ks, lane);
+        if (ks == 0 && active) {
+            const float gs = reinterpret_cast<const float*>(row)[2] * dequant_unscale<true>();
+#pragma unroll
+            for (int s = 0; s < W2_NS; ++s)
+                w2_epilogue(acc[s], ntiles, si, gs, p + s, lane, lane_w, topk, hidden, REDUCE == 1,
+                            yw, out32);
+        }
 #if REDUCE == 0
         // The last unit to finish this strip group sums over top-k in fixed order.
         if (last_arrival(group_done + grp, all_units, &s_last))
-            topk_sum(grp * WARPS_M * 16, WARPS_M * 16, tokens, topk, hidden, lane_w, yw, out);
+            topk_sum(grp * GROUP_ROWS, GROUP_ROWS, tokens, topk, hidden, lane_w, yw, out);
 #endif
     }
 }
