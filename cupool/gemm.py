@@ -103,9 +103,12 @@ DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefe
 # Prefill: 64 lanes a unit share each dequantized fragment over 8 mma n-tiles. One chunk in
 # flight a warp keeps moe_w13 at 127 registers, so 2 blocks (16 warps) share an SM: measured on
 # the H200 (`profile_gemm.py --prefill-sweep`) 10-14% faster than 4 chunks at 1 block per SM
-# (T=2048 resident 1.60-1.66 ms against 1.86-1.91 in the same calls); test_kernels_compile
-# checks that this config compiles without spills.
-PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=1, reduce=1, prefetch_w2=0, minb=2)
+# (T=2048 resident 1.60-1.66 ms against 1.86-1.91 in the same calls). Two output strips a w2
+# warp (moe_w2 then at 128 registers, like w13 two strips a warp): T=2048 1.091 ms median
+# against 1.173 for one strip (six rounds in one call). test_kernels_compile checks that this
+# config compiles without spills and that its staging fits two blocks an SM.
+PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=1, reduce=1, prefetch_w2=0, minb=2,
+                  w2_ns=2)
 
 def w2_cols(cfg: _Config, layout: RowLayout) -> int:
     """Columns of act that moe_w2 stages at a time (W2_KC)."""
