@@ -29,6 +29,7 @@ for stage in "$@"; do
               run "gemm_$tool" ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool $tool python3 tests/gpu_gemm_sanitize.py; done ;;
     profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
     sweep)    run sweep 300 python3 benchmarks/profile_gemm.py --sweep ${SWEEP:-} --repeats ${SWEEP_REPEATS:-1} ;;
+    prefill-kernels) run prefill_kernels 120 python3 benchmarks/profile_gemm.py --prefill-kernels 512 2048 ;;
     prefill-sweep) run prefill_sweep 400 python3 benchmarks/profile_gemm.py --prefill-sweep ${PREFILL_SWEEP:-default} --repeats ${SWEEP_REPEATS:-1} ;;
     trace)    run trace 120 python3 benchmarks/profile_gemm.py --trace 1 4 ;;
     ncu)      NCU="ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
