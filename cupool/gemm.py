@@ -88,7 +88,7 @@ class _Config:
 
 
 # Largest staging of all of w2's K for one block: w2 then stages a unit's act rows once for all
-# its items (two such blocks still share an SM: 2 x 100 KiB of the H200's 227 KiB).
+# its items (two such blocks still share an SM: 2 x 100 KiB of an H100/H200 SM's 228 KiB).
 W2_WHOLE_BYTES = 100 * 1024
 
 
@@ -109,6 +109,7 @@ DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefe
 # config compiles without spills and that its staging fits two blocks an SM.
 PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=1, reduce=1, prefetch_w2=0, minb=2,
                   w2_ns=2)
+
 
 def w2_cols(cfg: _Config, layout: RowLayout) -> int:
     """Columns of act that moe_w2 stages at a time (W2_KC)."""

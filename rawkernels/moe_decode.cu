@@ -381,7 +381,7 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
         sum_partials(m, KS13, KS13, lane, gu[1]);
         if (!ABLATE(8)) {
             w13_epilogue<false>(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
-                         gs_up * dequant_unscale<IN_BF16>(), p, lane, a.act, a.amax);
+                                gs_up * dequant_unscale<IN_BF16>(), p, lane, a.act, a.amax);
             __threadfence();                                   // act and amax before the count
         }
     }
