@@ -155,11 +155,32 @@ def function(name: str, kernel: str, defines: dict | None = None, device=None):
     return fn
 
 
-# Per-kernel facts keyed by id(kernel). Each entry also holds the kernel itself, so an id is never
-# reused by another object while its entry exists (kernels from `function` live for the process).
-_max_threads: dict[int, tuple] = {}   # id -> (kernel, its largest block, registers allowing)
-_smem_set: dict[int, tuple] = {}      # id -> (kernel, dynamic shared memory it was allowed)
-_fptr: dict[int, tuple] = {}          # id -> (kernel, CUfunction handle or None: CuPy's call)
+class _Facts:
+    """What launch needs of one kernel object, looked up once: its CUfunction handle (None:
+    CuPy's call), its largest block (read at its first launch) and the dynamic shared memory it
+    was allowed. The record holds the kernel itself, so an id is never reused by another object
+    while the record exists (kernels from `function` live for the process)."""
+
+    __slots__ = ("kernel", "handle", "max_threads", "smem")
+
+    def __init__(self, kernel):
+        ptr = getattr(getattr(kernel, "kernel", None), "ptr", None)
+        self.kernel = kernel
+        self.handle = int(ptr) if isinstance(ptr, (int, np.integer)) and ptr else None
+        self.max_threads: int | None = None
+        self.smem = 48 * 1024                  # allowed without asking
+
+
+_facts: dict[int, _Facts] = {}               # id(kernel) -> its record
+
+
+def _kernel_facts(kernel) -> _Facts:
+    got = _facts.get(id(kernel))
+    if got is None:
+        got = _facts[id(kernel)] = _Facts(kernel)
+    return got
+
+
 _SLOT_MASK = {4: 0xFFFFFFFF, 8: 0xFFFFFFFFFFFFFFFF}
 _SLOT_OFFSETS = np.arange(64, dtype=np.uint64) * np.uint64(8)
 
@@ -185,13 +206,7 @@ def pack_args(args) -> np.ndarray | None:
 
 def _function_handle(kernel):
     """The CUfunction of a CuPy RawKernel (None for anything else: stand-ins, other objects)."""
-    got = _fptr.get(id(kernel))
-    if got is None:
-        fn = getattr(kernel, "kernel", None)
-        ptr = getattr(fn, "ptr", None)
-        got = _fptr[id(kernel)] = (kernel, int(ptr) if isinstance(ptr, (int, np.integer)) and ptr
-                                   else None)
-    return got[1]
+    return _kernel_facts(kernel).handle
 
 
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -220,19 +235,19 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None,
     grid = grid if isinstance(grid, tuple) else (int(grid),)
     block = block if isinstance(block, tuple) else (int(block),)
     threads = math.prod(block)
-    got = _max_threads.get(id(kernel))
-    if got is None:
-        got = _max_threads[id(kernel)] = (kernel, int(kernel.max_threads_per_block))
-    limit = got[1]
-    if threads > limit:
+    facts = _kernel_facts(kernel)
+    if facts.max_threads is None:
+        facts.max_threads = int(kernel.max_threads_per_block)
+    if threads > facts.max_threads:
         raise ValueError(f"block of {threads} threads is more than this kernel can launch "
-                         f"({limit}: {kernel.num_regs} registers a thread); use fewer threads")
-    if shared_mem > 48 * 1024 and _smem_set.get(id(kernel), (None, 0))[1] < shared_mem:
+                         f"({facts.max_threads}: {kernel.num_regs} registers a thread); use "
+                         f"fewer threads")
+    if shared_mem > facts.smem:
         if kernel.max_dynamic_shared_size_bytes < shared_mem:
             kernel.max_dynamic_shared_size_bytes = shared_mem
-        _smem_set[id(kernel)] = (kernel, shared_mem)
+        facts.smem = shared_mem
     idx = _cuda.device_index(device)
-    fptr = _function_handle(kernel)
+    fptr = facts.handle
     packed = pack_args(args) if fptr is not None and idx == torch.cuda.current_device() else None
     if packed is not None:
         g = grid + (1,) * (3 - len(grid))

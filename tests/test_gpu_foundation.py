@@ -209,9 +209,9 @@ def test_launch_takes_the_packed_argument_path():
 def test_launch_on_a_given_stream(packed, monkeypatch):
     """kernels.launch(stream=s) runs on s, not on the current stream: with the current stream
     held by a 50 ms sleep, s finishes the kernel first; the current stream stays current."""
-    if not packed:                                   # CuPy's call (no CUfunction handle)
-        monkeypatch.setattr(kernels, "_function_handle", lambda kernel: None)
     k = kernels.function("selftest", "axpb")
+    if not packed:                                   # CuPy's call (no CUfunction handle)
+        monkeypatch.setattr(kernels._kernel_facts(k), "handle", None)
     n = 1000
     x = torch.randn(n, device="cuda")
     b = torch.tensor([0.25], device="cuda")
