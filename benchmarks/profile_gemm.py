@@ -4,8 +4,6 @@ to see where a GEMM benchmark's time goes. Prints one table per case."""
 from __future__ import annotations
 
 import argparse
-import re
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -123,24 +121,21 @@ def trace(T: int = 1, E: int = 128, extra: dict | None = None):
 
 
 def prefill_variant(text: str, option: str = "--prefill-sweep"):
-    """gemm.PREFILL with the changes of "NAME=INT,...": PREFILL fields (NB, MINB, KC2, ..., in
-    any case) or other moe_gemm.cu switches (PREFETCH_W2, ...: the config's extra defines)."""
+    """gemm.PREFILL with the changes of "NAME=INT,...", names of its fields in any case (NB,
+    MINB, KC2, W2_NS, ...). Fields only: config_defines derives every moe_gemm.cu macro from
+    them and the layout, and gemm_smem sizes shared memory from the same fields."""
     import dataclasses
+
     import cupool.gemm as G
     base = G.PREFILL
-    fields = {f.name for f in dataclasses.fields(base)} - {"extra"}
-    source = (Path(G.__file__).parent.parent / "rawkernels" / "moe_gemm.cu").read_text()
-    macros = set(re.findall(r"^#ifndef (\w+)", source, re.M))
-    change, extra = {}, []
+    fields = {f.name for f in dataclasses.fields(base)}
+    change = {}
     for name, value in parse_variant(text, option).items():
-        if name.lower() in fields:
-            change[name.lower()] = value
-        elif name in macros:
-            extra.append((name, value))
-        else:
-            raise SystemExit(f"{option}: variant {text!r}: {name} is neither a PREFILL field "
-                             f"{sorted(fields)} nor a moe_gemm.cu switch {sorted(macros)}")
-    return dataclasses.replace(base, **change, extra=base.extra + tuple(extra))
+        if name.lower() not in fields:
+            raise SystemExit(f"{option}: variant {text!r}: {name} is not a PREFILL field "
+                             f"{sorted(fields)}")
+        change[name.lower()] = value
+    return dataclasses.replace(base, **change)
 
 
 def prefill_sweep(variants, repeats: int = 1, tokens=(512, 2048), E: int = 128):
@@ -230,8 +225,8 @@ def main(argv=None):
                    help="timeline of moe_decode calls of T tokens (default 1), then exit")
     p.add_argument("--prefill-sweep", nargs="*", metavar="NAME=INT[,...]",
                    help="resident prefill time for variants of the prefill launch config "
-                        "(gemm.PREFILL fields: NB, MINB, KC, KC2, ...; other moe_gemm.cu "
-                        "switches by their macro name; '' or default is the default)")
+                        "(gemm.PREFILL fields: NB, MINB, KC, KC2, W2_NS, ...; '' or default is "
+                        "the default)")
     p.add_argument("--prefill-kernels", type=int, nargs="*", metavar="T",
                    help="per-kernel times of resident prefill calls of T tokens, then exit")
     p.add_argument("--prefill-timeline", type=int, nargs="*", metavar="T",
@@ -269,12 +264,7 @@ def main(argv=None):
         w = torch.rand(T, K, device="cuda")
         la = addr[ids].reshape(-1)
         table(lambda: gemm.decode(x, la, w), f"decode T={T}")
-    for T in (512,):
-        gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E)
-        x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
-        ids = torch.rand(T, E, device="cuda").topk(K, dim=-1).indices
-        w = torch.rand(T, K, device="cuda")
-        table(lambda: gemm.prefill(x, ids, w, addr), f"prefill T={T} resident", reps=2)
+    prefill_kernels(512, E, reps=2)
 
 
 if __name__ == "__main__":

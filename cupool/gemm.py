@@ -84,7 +84,6 @@ class _Config:
     minb: int = 1    # blocks per SM the kernels' register use must allow
     kc2: int = 0     # w2's staged columns; 0: all of I where that fits W2_WHOLE_BYTES, else kc
     w2_ns: int = 1   # output strips of w2 per warp (1 or 2)
-    extra: tuple = ()  # more (NAME, value) defines of moe_gemm.cu (benchmark sweeps)
 
 
 # Largest staging of all of w2's K for one block: w2 then stages a unit's act rows once for all
@@ -123,7 +122,7 @@ def config_defines(cfg: _Config, layout: RowLayout, dtype=torch.bfloat16) -> dic
     return {**layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit, "WARPS_M": cfg.warps_m,
             "KC": min(cfg.kc, layout.hp), "W2_KC": w2_cols(cfg, layout), "NB": cfg.nb,
             "OUT_BF16": _DTYPES[dtype], "REDUCE": cfg.reduce, "PREFETCH_W2": cfg.prefetch_w2,
-            "MINB": cfg.minb, "W2_NS": cfg.w2_ns, **dict(cfg.extra)}
+            "MINB": cfg.minb, "W2_NS": cfg.w2_ns}
 
 
 def gemm_smem(cfg: _Config, layout: RowLayout, kernel: str) -> int:
