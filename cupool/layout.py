@@ -14,18 +14,24 @@ scales. It is laid out for the tensor-core fragments of `mma.m16n8k16` (A operan
     header: float32 gs_gate, gs_up, gs_down (global scales), zeros after.
 
     strip (16 matrix rows × Kp columns; Kp = Hp for w13, Ip for w2), 9·Kp bytes:
-    +-------------------------------------------+-------------------------------+
-    | packed: Kp/64 chunks of 512 B             | scales: [16 rows][Kp/16] e4m3 |
-    +-------------------------------------------+-------------------------------+
-    chunk c (columns 64c … 64c+63): 32 lanes × 16 B; lane L = 4g + t (g = L // 4, t = L % 4)
-    holds 4 words, word q for the 16-column tile k0 = 64c + 16q:
-        nibble 0: (row g,   k0+2t)     nibble 4: (row g,   k0+2t+1)
-        nibble 1: (row g+8, k0+2t)     nibble 5: (row g+8, k0+2t+1)
-        nibble 2: (row g,   k0+2t+8)   nibble 6: (row g,   k0+2t+9)
-        nibble 3: (row g+8, k0+2t+8)   nibble 7: (row g+8, k0+2t+9)
+    +-------------------------+-------------------------+-----
+    | chunk 0: 512 B + 64 B   | chunk 1: 512 B + 64 B   | ...     Kp/64 chunks of 576 B
+    +-------------------------+-------------------------+-----
+    chunk c (columns 64c … 64c+63), packed part: 32 lanes × 16 B; lane L = 4g + t (g = L // 4,
+    t = L % 4) holds 4 words; word q is k-tile q of the mma, whose k-slots 2t, 2t+1, 2t+8, 2t+9
+    are the columns k0 … k0+3, k0 = 64c + 16t + 4q:
+        nibble 0: (row g,   k0)      nibble 4: (row g,   k0+1)
+        nibble 1: (row g+8, k0)      nibble 5: (row g+8, k0+1)
+        nibble 2: (row g,   k0+2)    nibble 6: (row g,   k0+3)
+        nibble 3: (row g+8, k0+2)    nibble 7: (row g+8, k0+3)
     (nibble n = bits 4n..4n+3; each the E2M1 code s·e1·e0·m). Nibbles j and j+4 are the two
     halves of the j-th A-fragment register of the mma, so a warp's one 16-byte load per lane is
     four k-tiles of A, coalesced into 512 contiguous bytes, and dequantisation needs no shuffles.
+    Lane t's columns of a chunk are the 16 consecutive columns 64c + 16t …: its B fragments are
+    32 contiguous bytes of an activation row, and all its weights lie in one 16-column scale block
+    per row.
+    chunk c, scale part: byte 2L is the E4M3 block scale of (row g, columns 64c+16t …), byte
+    2L+1 that of (row g+8, the same columns): lane L's two scales, one 16-bit load.
 
 Row sizes: 256 + 27/16·Hp·Ip bytes (Qwen3-30B-A3B, H=2048, I=768: 2,654,464 B = 2.53 MiB).
 
@@ -103,7 +109,7 @@ def _lane_order(kp: int) -> np.ndarray:
     n = np.arange(8)[None, None, None, :]
     g, t = lane // 4, lane % 4
     row = g + 8 * (n % 2)                          # nibbles 1,3,5,7 are row g+8
-    col = 64 * c + 16 * q + 2 * t + 8 * ((n // 2) % 2) + (n // 4)
+    col = 64 * c + 16 * t + 4 * q + 2 * ((n // 2) % 2) + (n // 4)
     return (row * kp + col).reshape(-1)
 
 
@@ -143,26 +149,48 @@ def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
     return (c[..., 0] | (c[..., 1] << 4)).contiguous()
 
 
+def _chunk_scales(scales: torch.Tensor, kp: int) -> torch.Tensor:
+    """Scale bytes [..., 16·s, Kp/16] -> [..., s, Kp/64, 64] in chunk order: byte 2L + h of chunk c
+    is (row g + 8h, block 4c + t), L = 4g + t."""
+    lead = scales.shape[:-2]
+    s = scales.shape[-2] // 16
+    sc = scales.reshape(*lead, s, 2, 8, kp // 64, 4)                   # [.., s, h, g, c, t]
+    n = len(lead)
+    perm = list(range(n)) + [n + i for i in (0, 3, 2, 4, 1)]           # [.., s, c, g, t, h]
+    return sc.permute(*perm).reshape(*lead, s, kp // 64, 64)
+
+
+def _row_scales(chunked: torch.Tensor, kp: int) -> torch.Tensor:
+    """Inverse of `_chunk_scales`: [s, Kp/64, 64] -> [16·s, Kp/16]."""
+    s = chunked.shape[0]
+    sc = chunked.reshape(s, kp // 64, 8, 4, 2)                         # [s, c, g, t, h]
+    return sc.permute(0, 4, 2, 1, 3).reshape(16 * s, kp // 16)
+
+
+def strip_scales(strips: torch.Tensor, kp: int) -> torch.Tensor:
+    """The scale bytes of strips (uint8 [..., 9·Kp]) as a view [..., Kp/64, 64]: chunk c's 64 bytes
+    in the order of `_chunk_scales`."""
+    return strips.view(*strips.shape[:-1], kp // 64, 576)[..., 512:]
+
+
 def _strips(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.Tensor:
     """Strips of a [16·s, Kp] code matrix and its [16·s, Kp/16] scale bytes -> uint8 [s, 9·Kp]."""
     n = codes.shape[0]
     s = n // 16
     order = _order(kp)
     c = codes.reshape(s, 16 * kp)[:, order].reshape(s, -1, 2)           # nibble pairs
-    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(s, 8 * kp)
-    sc = scales.reshape(s, kp)                                          # [16 rows][Kp/16] per strip
-    return torch.cat([packed, sc], dim=1)
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(s, kp // 64, 512)
+    return torch.cat([packed, _chunk_scales(scales, kp)], dim=2).reshape(s, 9 * kp)
 
 
 def _unstrips(strips: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `_strips`: uint8 [s, 9·Kp] -> codes [16·s, Kp], scale bytes [16·s, Kp/16]."""
     s = strips.shape[0]
-    packed = strips[:, :8 * kp]
+    packed = strips.reshape(s, kp // 64, 576)[:, :, :512].reshape(s, 8 * kp)
     nib = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(s, 16 * kp)
     codes = torch.empty_like(nib)
     codes[:, _order(kp)] = nib
-    scales = strips[:, 8 * kp:].reshape(16 * s, kp // 16)
-    return codes.reshape(16 * s, kp), scales
+    return codes.reshape(16 * s, kp), _row_scales(strip_scales(strips, kp), kp)
 
 
 def _padded(q: NVFP4Tensor, rows: int, cols: int, name: str):
@@ -255,8 +283,8 @@ def _strips_stack(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.T
     s = n // 16
     c = codes.reshape(e, s, 16 * kp).index_select(2, _order_on(kp, codes.device))
     c = c.reshape(e, s, 8 * kp, 2)
-    packed = c[..., 0] | (c[..., 1] << 4)                               # [E, s, 8·Kp]
-    return torch.cat([packed, scales.reshape(e, s, kp)], dim=2)
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(e, s, kp // 64, 512)
+    return torch.cat([packed, _chunk_scales(scales, kp)], dim=3).reshape(e, s, 9 * kp)
 
 
 def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4Tensor,

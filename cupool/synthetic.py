@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from cupool.layout import RowLayout, pack_row
+from cupool.layout import RowLayout, pack_row, strip_scales
 from cupool.nvfp4 import E2M1_VALUES, NVFP4Tensor
 
 
@@ -67,7 +67,7 @@ def random_rows_fast(layout: RowLayout, num_experts: int, generator: torch.Gener
     def fix_scales(offset: int, strips: int, kp: int):
         strip_bytes = 9 * kp
         view = rows[:, offset:offset + strips * strip_bytes].view(num_experts, strips, strip_bytes)
-        sc = view[:, :, 8 * kp:]
+        sc = strip_scales(view, kp)
         expo = torch.randint(3, 11, sc.shape, dtype=torch.uint8, generator=generator, device=device)
         sc.copy_((expo << 3) | (sc & 7))
 

@@ -47,18 +47,14 @@ CUPOOL_DEVICE u32 hmul2(u32 a, u32 b) {
 #define BF16X2_2P120 0x7B807B80u
 #define BF16X2_2P118 0x7A807A80u
 
-// The 4 scale bytes of one row in a chunk (byte q: k-tile q) -> (s0, s2) and (s1, s3) in the
-// fragment type, scaled as above: bytes 0 and 2 go to their bits by one shift, bytes 1 and 3 by
-// another (4 integer ops for 4 scales; the integer pipe is what the dequantisation is bound by).
+// A lane's two scale bytes of a chunk (byte 0: row g, byte 1: row g+8; layout.py) -> one word
+// in the fragment type, row g's scale in the low half and row g+8's in the high half, scaled as
+// above: one byte permute spreads the bytes to the halves, one shift puts their bits in place.
 template <bool BF>
-CUPOOL_DEVICE void scale_quad(u32 scales, u32& s02, u32& s13) {
-    if (BF) {
-        s02 = hmul2<true>(hmul2<true>((scales & 0x007F007Fu) << 4, BF16X2_2P120), BF16X2_2P118);
-        s13 = hmul2<true>(hmul2<true>((scales >> 4) & 0x07F007F0u, BF16X2_2P120), BF16X2_2P118);
-    } else {
-        s02 = hmul2<false>((scales & 0x007F007Fu) << 7, FP16X2_2P15);
-        s13 = hmul2<false>((scales >> 1) & 0x3F803F80u, FP16X2_2P15);
-    }
+CUPOOL_DEVICE u32 scale_pair(u32 pair) {
+    const u32 spread = __byte_perm(pair, 0u, 0x4140);   // bytes (b0, 0, b1, 0)
+    if (BF) return hmul2<true>(hmul2<true>((spread << 4) & 0x07F007F0u, BF16X2_2P120), BF16X2_2P118);
+    return hmul2<false>((spread << 7) & 0x3F803F80u, FP16X2_2P15);
 }
 
 // What the fp32 epilogue multiplies the sums by, besides the global scale.
@@ -77,16 +73,16 @@ CUPOOL_DEVICE u32 splat(u32 v) {
     return d;
 }
 
-// A fragments of one 16x16 k-tile Q: word w (this lane's 8 nibbles) with the scales of rows g and
-// g+8 for this tile (pairs from scale_quad: tile Q is half Q / 2 of the pair Q % 2).
-template <bool BF, int Q>
-CUPOOL_DEVICE void dequant_tile(u32 w, const u32 (&sg)[2], const u32 (&sg8)[2], u32 (&a)[4]) {
-    const u32 s_lo = splat<Q / 2>(sg[Q % 2]);          // row g
-    const u32 s_hi = splat<Q / 2>(sg8[Q % 2]);         // row g+8
-    a[0] = hmul2<BF>(fp4x2_raw<BF, 0>(w), s_lo);        // row g,   k 2t..2t+1
-    a[1] = hmul2<BF>(fp4x2_raw<BF, 1>(w), s_hi);        // row g+8, k 2t..2t+1
-    a[2] = hmul2<BF>(fp4x2_raw<BF, 2>(w), s_lo);        // row g,   k 2t+8..2t+9
-    a[3] = hmul2<BF>(fp4x2_raw<BF, 3>(w), s_hi);        // row g+8, k 2t+8..2t+9
+// A fragments of one 16x16 k-tile: word w (this lane's 8 nibbles) with the scale pair of rows g
+// (low half) and g+8 (high half), which is the same for all four k-tiles of a chunk.
+template <bool BF>
+CUPOOL_DEVICE void dequant_tile(u32 w, u32 s, u32 (&a)[4]) {
+    const u32 s_lo = splat<0>(s);                       // row g
+    const u32 s_hi = splat<1>(s);                       // row g+8
+    a[0] = hmul2<BF>(fp4x2_raw<BF, 0>(w), s_lo);        // row g,   k-slots 2t, 2t+1
+    a[1] = hmul2<BF>(fp4x2_raw<BF, 1>(w), s_hi);        // row g+8, k-slots 2t, 2t+1
+    a[2] = hmul2<BF>(fp4x2_raw<BF, 2>(w), s_lo);        // row g,   k-slots 2t+8, 2t+9
+    a[3] = hmul2<BF>(fp4x2_raw<BF, 3>(w), s_hi);        // row g+8, k-slots 2t+8, 2t+9
 }
 
 // D += A(16x16, row) · B(16x8, col), fp16 or bf16 inputs, fp32 accumulate. Not volatile: it

@@ -11,6 +11,8 @@
 #define W13_STRIP (9 * HP)                 // bytes of one 16-row strip of w13 (K = HP)
 #define W2_STRIP (9 * IP)                  // bytes of one 16-row strip of w2 (K = IP)
 #define W2_OFFSET (256 + 2 * (IP / 16) * W13_STRIP)
+#define CHUNK_BYTES 576                    // a 64-column chunk: 512 B of packed codes, 64 B of scales
+#define CHUNK_SCALES 512                   // offset of its scale bytes (lane L: bytes 2L, 2L+1)
 
 static_assert(NT % 8 == 0 && NT >= 8, "NT must be a multiple of 8");
 static_assert(HP % 64 == 0 && IP % 64 == 0, "HP and IP are padded to 64");
@@ -18,6 +20,12 @@ static_assert(HP % 64 == 0 && IP % 64 == 0, "HP and IP are padded to 64");
 CUPOOL_DEVICE u32 ld_u32_nc(const void* p) {
     u32 v;
     asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+CUPOOL_DEVICE u32 ld_u16_nc(const void* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
     return v;
 }
 
@@ -32,16 +40,23 @@ CUPOOL_DEVICE void prefetch_l2(const void* p) {
 }
 
 // Four k-tiles of A fragments (fp16, or bf16 with BF) from one lane's 16-byte chunk word and
-// its scale words.
+// its two scale bytes (the 16-bit word at CHUNK_SCALES + 2·lane of the chunk).
 template <bool BF>
-CUPOOL_DEVICE void dequant_chunk(const u32x4& w, u32 sg, u32 sg8, u32 (&a)[4][4]) {
-    u32 s[2], s8[2];
-    scale_quad<BF>(sg, s[0], s[1]);
-    scale_quad<BF>(sg8, s8[0], s8[1]);
-    dequant_tile<BF, 0>(w.x, s, s8, a[0]);
-    dequant_tile<BF, 1>(w.y, s, s8, a[1]);
-    dequant_tile<BF, 2>(w.z, s, s8, a[2]);
-    dequant_tile<BF, 3>(w.w, s, s8, a[3]);
+CUPOOL_DEVICE void dequant_chunk(const u32x4& w, u32 scales, u32 (&a)[4][4]) {
+    const u32 s = scale_pair<BF>(scales);
+    dequant_tile<BF>(w.x, s, a[0]);
+    dequant_tile<BF>(w.y, s, a[1]);
+    dequant_tile<BF>(w.z, s, a[2]);
+    dequant_tile<BF>(w.w, s, a[3]);
+}
+
+// Eight words (16 activations) from a 16-byte aligned address, global or shared: a lane's B
+// fragments of one chunk and n-tile (layout.py: its 16 columns are contiguous).
+CUPOOL_DEVICE void load_cols16(const u16* p, u32 (&b)[8]) {
+    const u32x4 lo = *reinterpret_cast<const u32x4*>(p);
+    const u32x4 hi = *reinterpret_cast<const u32x4*>(p + 8);
+    b[0] = lo.x; b[1] = lo.y; b[2] = lo.z; b[3] = lo.w;
+    b[4] = hi.x; b[5] = hi.y; b[6] = hi.z; b[7] = hi.w;
 }
 
 // Lanes of the unit an item works on, with the power-of-two scale of each slot's staged row.

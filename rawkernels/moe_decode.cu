@@ -14,9 +14,9 @@
 // item waits for is running or will run (if another kernel holds some SMs, as soon as it ends).
 // A wait that still runs past ~1 s sets error bit 8 and goes on (wrong output, never a hang).
 //
-// Weights go global → shared memory per warp in two stages of 4 chunks (4.6 KB): packed words by
-// the bulk-copy engine, scale words by cp.async, so the bytes in flight are bounded by shared
-// memory, not registers. w13 multiplies x as it is: its weights are dequantised to the model's
+// Weights go global → shared memory per warp in two stages of 4 chunks (4.6 KB), each stage one
+// bulk copy (a chunk's scale bytes follow its packed codes, layout.py), so the bytes in flight
+// are bounded by shared memory, not registers. w13 multiplies x as it is: its weights are dequantised to the model's
 // dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish before the first multiply.
 // w2 stages its unit's act rows in shared memory as fp16 (power-of-two scaled by the lane's amax)
 // after the wait.
@@ -57,7 +57,8 @@
 #define IN_BF16 1         // x: 1 bf16 (w13 dequantises to bf16), 0 fp16 (to fp16)
 #endif
 #ifndef XALIGN
-#define XALIGN 1          // 1: x 4-byte aligned (pairs read as one word; the launcher checks)
+#define XALIGN 1          // 1: x 16-byte aligned (a lane's 16 columns read as two 16-byte words;
+                          // the launcher checks)
 #endif
 #ifndef HFULL
 #define HFULL 1           // 1: H == HP (no column of x past the row's end is read)
@@ -68,7 +69,7 @@
 #ifndef DECODE_ABLATE
 #define DECODE_ABLATE 0   // profiling only (wrong output), bits: 1 no dequantisation, 2 no chunk
                           // compute, 4 w2 does not wait for its unit, 8 no w13 epilogue, 16 no
-                          // w2 epilogue or top-k sum, 32 no scale loads, 64 w13 reads no x (B
+                          // w2 epilogue or top-k sum, 64 w13 reads no x (B
                           // fragments from the column index), 128 no mma (A and B folded into
                           // the sums with integer ops)
 #endif
@@ -82,7 +83,7 @@
 #define WARPS 8
 #define THREADS (32 * WARPS)
 #ifndef STAGE
-#define STAGE 4           // chunks (512 B of packed words + 64 B of scales each) a stage
+#define STAGE 4           // chunks (CHUNK_BYTES: 512 B of packed codes + 64 B of scales) a stage
 #endif
 #ifndef NBUF
 #define NBUF 2            // stage buffers a warp: NBUF stages in flight, NBUF - 1 while it computes
@@ -108,18 +109,16 @@ constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
 constexpr int XS2 = IP + 8;                // fp16 per staged act row: (IP+8)/2 words ≡ 4 mod 32
 
-// One warp's stage buffers: weights [buffer][chunk][lane][16 B] (one bulk copy a stage, completed
-// on bar[buffer]), scales [buffer][row][chunk] (cp.async). `parity`: bit b is the phase of bar[b]
-// the next wait on it waits for.
+// One warp's stage buffers: [buffer][chunk][576 B as in the row] (one bulk copy a stage,
+// completed on bar[buffer]). `parity`: bit b is the phase of bar[b] the next wait on it waits for.
 static_assert(NBUF >= 2 && NBUF <= 8 && STAGE >= 1 && 16 * STAGE <= 256, "stage ring shape");
 struct WarpStages {
     u64 bar[NBUF];
     u32 parity;
     u32 pad_[(16 - (8 * NBUF + 4) % 16) / 4];   // w starts 16-byte aligned
-    u8 w[NBUF][STAGE * 512];
-    u32 s[NBUF][16 * STAGE];
+    u8 w[NBUF][STAGE * CHUNK_BYTES];
 };
-static_assert(sizeof(WarpStages) == (8 * NBUF + 4 + 15) / 16 * 16 + NBUF * STAGE * 576,
+static_assert(sizeof(WarpStages) == (8 * NBUF + 4 + 15) / 16 * 16 + NBUF * STAGE * CHUNK_BYTES,
               "gemm._fused_stage_bytes mirrors this layout");
 
 CUPOOL_DEVICE int ld_acquire(const i32* p) {
@@ -148,84 +147,74 @@ CUPOOL_DEVICE void k_slice(int ks, int ksplit, int nc, int& c0, int& c1) {
     c1 = min(c0 + per, nc);
 }
 
-// Copy chunks [c, min(c + STAGE, c1)) of a strip (KP columns) into stage `buf`: the packed words
-// by one bulk copy (lane 0: one instruction a stage; on the H200 the layer time matched the
-// per-lane cp.async version's within 1%), the scale words by cp.async. Always commits one cp.async group
-// (possibly empty), so every lane counts groups alike; arms bar[buf] only if there are chunks.
-template <int KP>
+// Copy chunks [c, min(c + STAGE, c1)) of a strip into stage `buf`: one bulk copy (lane 0, one
+// instruction a stage), completed on bar[buf]; nothing is issued if there are no chunks.
 CUPOOL_DEVICE void issue_stage(WarpStages& ws, int buf, const u8* strip, int c, int c1, int lane) {
     const int n = min(STAGE, c1 - c);
     if (n > 0 && lane == 0) {
         const u32 bar = smem_addr(&ws.bar[buf]);
         fence_proxy_async_smem();            // the buffer's last reads were generic loads
-        mbar_arrive_expect(bar, n * 512);
-        bulk_load(smem_addr(&ws.w[buf][0]), strip + (i64)c * 512, n * 512, bar);
+        mbar_arrive_expect(bar, n * CHUNK_BYTES);
+        bulk_load(smem_addr(&ws.w[buf][0]), strip + (i64)c * CHUNK_BYTES, n * CHUNK_BYTES, bar);
     }
-#pragma unroll
-    for (int idx = lane; idx < 16 * STAGE; idx += 32) {
-        const int r = idx / STAGE, ci = idx % STAGE;                     // row r, chunk ci
-        if (ci < n && !ABLATE(32)) cp_async4(&ws.s[buf][idx], strip + 8 * KP + r * (KP / 16) + 4 * (c + ci));
-    }
-    cp_async_commit();
 }
 
 // Stages 0 .. NBUF - 1 of chunks [c0, c1): issued as soon as the strip's address is known.
-template <int KP>
 CUPOOL_DEVICE void issue_first(WarpStages& ws, const u8* strip, int c0, int c1, int lane) {
 #pragma unroll
-    for (int b = 0; b < NBUF; ++b) issue_stage<KP>(ws, b, strip, c0 + b * STAGE, c1, lane);
+    for (int b = 0; b < NBUF; ++b) issue_stage(ws, b, strip, c0 + b * STAGE, c1, lane);
 }
 
 // acc[nt] += chunks [c0, c1) of the strip × B, stage by stage (stage i + NBUF is issued into the
-// buffer stage i leaves). bfrag(c, nt, q, b0, b1): B fragment of chunk c, n-tile nt, k-tile q.
-template <bool BF, int KP, class BFrag>
+// buffer stage i leaves). bfrag(c, nt, b): this lane's 16 activations of chunk c for n-tile nt
+// (columns 16t … 16t+15 of the chunk, layout.py) as 8 words; k-tile q takes words 2q, 2q+1.
+template <bool BF, class BFrag>
 CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, int ntiles,
                               float (&acc)[NTILES][4], int lane, BFrag bfrag) {
-    const int g = lane >> 2;
     u32 parity = ws.parity;
     for (int c = c0, i = 0; c < c1; c += STAGE, ++i) {
         const int buf = i % NBUF;
-        cp_async_wait<NBUF - 1>();              // stage i's scales (later stages may be in flight)
-        __syncwarp();                           // ... for every lane's copies (scales are shared)
-        mbar_wait(smem_addr(&ws.bar[buf]), (parity >> buf) & 1u);      // its packed words
+        mbar_wait(smem_addr(&ws.bar[buf]), (parity >> buf) & 1u);      // the stage's bytes
         parity ^= 1u << buf;
 #pragma unroll
         for (int ci = 0; ci < STAGE; ++ci) {
             if (c + ci >= c1) break;
-            const u32x4 w = *reinterpret_cast<const u32x4*>(&ws.w[buf][ci * 512 + lane * 16]);
+            const u8* chunk = &ws.w[buf][ci * CHUNK_BYTES];
+            const u32x4 w = *reinterpret_cast<const u32x4*>(chunk + lane * 16);
+            const u32 sc = *reinterpret_cast<const u16*>(chunk + CHUNK_SCALES + 2 * lane);
 #if ABLATE(2)
-            acc[0][0] += __uint_as_float((w.x ^ w.y ^ w.z ^ w.w ^ ws.s[buf][g * STAGE + ci]) & 0x3fffffu);
+            acc[0][0] += __uint_as_float((w.x ^ w.y ^ w.z ^ w.w ^ sc) & 0x3fffffu);
             continue;
 #endif
             u32 a[4][4];
 #if ABLATE(1)
-            const u32 sw = ws.s[buf][g * STAGE + ci] ^ ws.s[buf][(g + 8) * STAGE + ci];
-            a[0][0] = w.x; a[0][1] = w.y; a[0][2] = w.z; a[0][3] = w.w ^ sw;
+            a[0][0] = w.x; a[0][1] = w.y; a[0][2] = w.z; a[0][3] = w.w ^ sc;
             a[1][0] = w.y; a[1][1] = w.z; a[1][2] = w.w; a[1][3] = w.x;
             a[2][0] = w.z; a[2][1] = w.w; a[2][2] = w.x; a[2][3] = w.y;
             a[3][0] = w.w; a[3][1] = w.x; a[3][2] = w.y; a[3][3] = w.z;
 #else
-            dequant_chunk<BF>(w, ws.s[buf][g * STAGE + ci], ws.s[buf][(g + 8) * STAGE + ci], a);
+            dequant_chunk<BF>(w, sc, a);
 #endif
+            u32 b[NTILES][8];
+#pragma unroll
+            for (int nt = 0; nt < NTILES; ++nt)
+                if (nt < ntiles) bfrag(c + ci, nt, b[nt]);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
 #pragma unroll
                 for (int nt = 0; nt < NTILES; ++nt) {
                     if (nt >= ntiles) continue;
-                    u32 b0, b1;
-                    bfrag(c + ci, nt, q, b0, b1);
 #if ABLATE(128)
-                    acc[nt][q] += __uint_as_float(((a[q][0] ^ a[q][1] ^ a[q][2]) ^ a[q][3] ^ (b0 + b1)) & 0x3fffffu);
+                    acc[nt][q] += __uint_as_float(((a[q][0] ^ a[q][1] ^ a[q][2]) ^ a[q][3] ^ (b[nt][2 * q] + b[nt][2 * q + 1])) & 0x3fffffu);
 #else
-                    mma16816<BF>(acc[nt], a[q], b0, b1);
+                    mma16816<BF>(acc[nt], a[q], b[nt][2 * q], b[nt][2 * q + 1]);
 #endif
                 }
             }
         }
         __syncwarp();                           // every lane done with the buffer
-        issue_stage<KP>(ws, buf, strip, c + NBUF * STAGE, c1, lane);
+        issue_stage(ws, buf, strip, c + NBUF * STAGE, c1, lane);
     }
-    cp_async_wait<0>();                         // nothing in flight into the buffers
     __syncwarp();
     if (lane == 0) ws.parity = parity;
 }
@@ -305,13 +294,20 @@ struct Args {
     i32* error;
 };
 
-// Two activations (k, k+1) of a token row as the B fragment word; 0 past the row's end.
-CUPOOL_DEVICE u32 x_pair(const u16* row, int k, int hidden) {
-    if (row == nullptr || (!HFULL && k >= hidden)) return 0u;
+// Columns k … k+15 of a token row as 8 B-fragment words (k = 64c + 16t: the lane's columns of
+// chunk c); zeros for an empty slot or past the row's end (H is a multiple of 16, so the 16
+// columns are all inside or all outside).
+CUPOOL_DEVICE void x_cols16(const u16* row, int k, int hidden, u32 (&b)[8]) {
+    if (row == nullptr || (!HFULL && k >= hidden)) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = 0u;
+        return;
+    }
 #if XALIGN
-    return *reinterpret_cast<const u32*>(row + k);
+    load_cols16(row + k, b);
 #else
-    return (u32)row[k] | (!HFULL && k + 1 >= hidden ? 0u : (u32)row[k + 1] << 16);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b[i] = (u32)row[k + 2 * i] | ((u32)row[k + 2 * i + 1] << 16);
 #endif
 }
 
@@ -342,7 +338,7 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
     int c0, c1;
     k_slice(ks, KS13, NC13, c0, c1);
     WarpStages& ws = m.stages[warp];
-    issue_first<HP>(ws, strip, c0, c1, lane);
+    issue_first(ws, strip, c0, c1, lane);
     const float* hdr = reinterpret_cast<const float*>(row);
     const float gs_gate = hdr[0], gs_up = hdr[1];              // in flight during the K loop
     if (threadIdx.x < NT) {
@@ -361,15 +357,12 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
     }
     float acc[NTILES][4] = {};
     // B straight from x in the model's dtype (plain loads: the compiler may hoist them)
-    run_stages<IN_BF16, HP>(ws, strip, c0, c1, ntiles, acc, lane,
-                            [&](int c, int nt, int q, u32& b0, u32& b1) {
-        const int k = c * 64 + q * 16 + 2 * t;
+    run_stages<IN_BF16>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, u32 (&b)[8]) {
 #if ABLATE(64)
-        b0 = (u32)k * 0x00010001u + nt;
-        b1 = b0 + 8u;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = (u32)(c * 64 + 16 * t + 2 * i) * 0x00010001u + nt;
 #else
-        b0 = x_pair(xrow[nt], k, hidden);
-        b1 = x_pair(xrow[nt], k + 8, hidden);
+        x_cols16(xrow[nt], c * 64 + 16 * t, hidden, b);
 #endif
     });
     stamp(a.trace, item, 2);
@@ -401,7 +394,7 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     int c0 = 0, c1 = 0;
     if (st < NS) k_slice(ks, KS2, NC2, c0, c1);
     WarpStages& ws = m.stages[warp];
-    issue_first<IP>(ws, strip, c0, c1, lane);
+    issue_first(ws, strip, c0, c1, lane);
     const float gs_down = reinterpret_cast<const float*>(row)[2];
     if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
     if (!ABLATE(4)) wait_count(a.unit_done + u, NP, a.error);   // the unit's act is complete
@@ -432,11 +425,8 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     __syncthreads();
     const int g = lane >> 2, t = lane & 3;
     float acc[NTILES][4] = {};
-    run_stages<false, IP>(ws, strip, c0, c1, ntiles, acc, lane,
-                          [&](int c, int nt, int q, u32& b0, u32& b1) {
-        const u16* x = m.xs + (nt * 8 + g) * XS2 + c * 64 + q * 16 + 2 * t;
-        b0 = *reinterpret_cast<const u32*>(x);
-        b1 = *reinterpret_cast<const u32*>(x + 8);
+    run_stages<false>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, u32 (&b)[8]) {
+        load_cols16(m.xs + (nt * 8 + g) * XS2 + c * 64 + 16 * t, b);
     });
     stamp(a.trace, item, 2);
     if (KS2 > 1) {

@@ -11,8 +11,10 @@
 //   share the activations staged in shared memory), KSPLIT warps splitting K of each strip (decode:
 //   one token per unit, so K-splitting is what puts enough loads in flight to fill HBM).
 // - Each warp streams its strips in 64-column chunks: one 16-byte load per lane per chunk is four
-//   m16n8k16 A fragments (mma_fp4.cuh), dequantized in registers; B fragments come from the
-//   activations staged in shared memory. fp32 accumulation.
+//   m16n8k16 A fragments (mma_fp4.cuh), dequantized in registers with one 16-bit load of the
+//   lane's two block scales; B fragments are two 16-byte loads a n-tile from the activations
+//   staged in shared memory (a lane's 16 columns of a chunk are contiguous, layout.py). fp32
+//   accumulation.
 // - Activations are staged by cp.async in stages of KC columns (w2: W2_KC), double-buffered where
 //   K takes more than one stage: stage s + 1 is copied while stage s is multiplied. w13 multiplies
 //   fp16 x (row-scaled by a power of two, moe_align.cu's prep) with fp16-dequantised weights; w2
@@ -86,8 +88,9 @@ static_assert(KC % 64 == 0 && W2_KC % 64 == 0, "KC and W2_KC must be multiples o
 static_assert((W2_NS == 1 || W2_NS == 2) && (HP / 16) % W2_NS == 0, "W2_NS: 1 or 2");
 
 // Staged activations of one kernel: NBUF buffers of [NT][STRIDE] 16-bit values, STRIDE = the
-// stage's columns + 8, so that a row is 16 bytes past a multiple of 128: the 8 rows × 4 words
-// of a B fragment hit 32 different banks.
+// stage's columns + 8, so that a row is 16 bytes past a multiple of 128: in each quarter of a
+// warp's 16-byte B loads (2 rows × 4 lanes, 32 bytes apart within a row) the 8 lanes hit 8
+// different 16-byte bank groups.
 template <int KP, int KCX>
 struct Staging {
     static constexpr int COLS = KCX < KP ? KCX : KP;
@@ -106,52 +109,60 @@ struct Strips { const u8* p[NS]; };     // passed by value so the pointers stay 
 template <int NS>
 struct Batch {
     u32x4 w[NS][NB];
-    u32 sg[NS][NB], sg8[NS][NB];
+    u32 sc[NS][NB];              // the lane's two scale bytes of each chunk
 };
 
 // Issue every load of chunks [c, min(c+NB, c_hi)) before any is used: HBM (or PCIe) latency is
 // paid once per batch, not once per chunk.
-template <int NS, int KP>
+template <int NS>
 CUPOOL_DEVICE void load_batch(Batch<NS>& b, const Strips<NS> strip, int c, int c_hi, int lane) {
-    const int g = lane >> 2;
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
         if (c + i < c_hi) {
 #pragma unroll
             for (int s = 0; s < NS; ++s) {
-                b.w[s][i] = ld_stream16(strip.p[s] + (i64)(c + i) * 512 + lane * 16);
-                const u8* sc = strip.p[s] + 8 * KP + (c + i) * 4;
-                b.sg[s][i] = ld_u32_nc(sc + g * (KP / 16));
-                b.sg8[s][i] = ld_u32_nc(sc + (g + 8) * (KP / 16));
+                const u8* chunk = strip.p[s] + (i64)(c + i) * CHUNK_BYTES;
+                b.w[s][i] = ld_stream16(chunk + lane * 16);
+                b.sc[s][i] = ld_u16_nc(chunk + CHUNK_SCALES + 2 * lane);
             }
         }
     }
 }
 
 // acc[s][nt] += the batch's chunks × staged activations (xs: a buffer of [NT][STRIDE] holding
-// the columns from chunk xs_c0 on). BF: bf16 operands, else fp16.
+// the columns from chunk xs_c0 on). BF: bf16 operands, else fp16. A lane's B fragments of a
+// chunk and n-tile are its 16 activations 16t … 16t+15 (layout.py): two 16-byte shared loads,
+// each two k-tiles.
 template <int NS, bool BF, int STRIDE>
 CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16* xs, int xs_c0,
                                  int ntiles, float (&acc)[NS][NTILES][4], int lane) {
 #pragma unroll
     for (int i = 0; i < NB; ++i) {
         if (c + i < c_hi) {
-            u32 a[NS][4][4];
+            u32 sc[NS];
 #pragma unroll
-            for (int s = 0; s < NS; ++s) dequant_chunk<BF>(b.w[s][i], b.sg[s][i], b.sg8[s][i], a[s]);
+            for (int s = 0; s < NS; ++s) sc[s] = scale_pair<BF>(b.sc[s][i]);
             const int g = lane >> 2, t = lane & 3;
-            const u16* xc = xs + (c + i - xs_c0) * 64 + 2 * t;
-            // k-tile by k-tile, n-tile by n-tile: consecutive mma update different accumulators
+            const u16* xc = xs + (c + i - xs_c0) * 64 + 16 * t;
+            // half a chunk at a time (k-tiles 2h, 2h+1: 8 A registers a strip, not 16), so that
+            // w2's two strips × 8 n-tiles of accumulators fit without spilling
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
+            for (int h = 0; h < 2; ++h) {
+                u32 a[NS][2][4];
+#pragma unroll
+                for (int s = 0; s < NS; ++s) {
+                    dequant_tile<BF>(h ? b.w[s][i].z : b.w[s][i].x, sc[s], a[s][0]);
+                    dequant_tile<BF>(h ? b.w[s][i].w : b.w[s][i].y, sc[s], a[s][1]);
+                }
 #pragma unroll
                 for (int nt = 0; nt < NTILES; ++nt) {
                     if (nt < ntiles) {
-                        const u16* p = xc + (nt * 8 + g) * STRIDE + q * 16;
-                        const u32 b0 = *reinterpret_cast<const u32*>(p);
-                        const u32 b1 = *reinterpret_cast<const u32*>(p + 8);
+                        const u32x4 v = *reinterpret_cast<const u32x4*>(xc + (nt * 8 + g) * STRIDE + 8 * h);
 #pragma unroll
-                        for (int s = 0; s < NS; ++s) mma16816<BF>(acc[s][nt], a[s][q], b0, b1);
+                        for (int s = 0; s < NS; ++s) {
+                            mma16816<BF>(acc[s][nt], a[s][0], v.x, v.y);
+                            mma16816<BF>(acc[s][nt], a[s][1], v.z, v.w);
+                        }
                     }
                 }
             }
@@ -200,7 +211,7 @@ CUPOOL_DEVICE void item_k_loop(Batch<NS>& b, const Strips<NS> strips, bool activ
             int lo, hi;
             warp_chunks(kc0, kc1, ks, lo, hi);
             for (int c = lo; c < hi; c += NB) {
-                if (kc0 != 0 || c != lo) load_batch<NS, KP>(b, strips, c, hi, lane);
+                if (kc0 != 0 || c != lo) load_batch<NS>(b, strips, c, hi, lane);
                 compute_batch<NS, BF, S::STRIDE>(b, c, hi, xb, kc0 >> 6, ntiles, acc, lane);
             }
         }
@@ -284,7 +295,7 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         {
             int lo, hi;
             warp_chunks(0, Stage13::COLS, ks, lo, hi);
-            if (active) load_batch<2, HP>(b, strips, lo, hi, lane);
+            if (active) load_batch<2>(b, strips, lo, hi, lane);
         }
 #if PREFETCH_W2
         // Pull this unit's w2 rows towards L2 now, so moe_w2 reads them from L2: each of the
@@ -378,7 +389,7 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
         {
             int lo, hi;
             warp_chunks(0, Stage2::COLS, ks, lo, hi);
-            if (active) load_batch<W2_NS, IP>(b, strips, lo, hi, lane);
+            if (active) load_batch<W2_NS>(b, strips, lo, hi, lane);
         }
         __syncthreads();                                        // previous item done with smem
         auto act_row = [&](int n) -> const u16* {

@@ -39,11 +39,13 @@ def fp4x2_raw(w: int, bf: bool, j: int) -> int:
     return mag | sgn
 
 
-def scale_raw(scales: int, bf: bool) -> tuple[int, int]:
-    """The integer part of scale_quad<BF>: bytes 0, 2 and 1, 3 shifted into the halves."""
+def scale_raw(pair: int, bf: bool) -> int:
+    """The integer part of scale_pair<BF>: byte 0 (row g) and byte 1 (row g+8) of a lane's 16-bit
+    scale word spread to the low and high half (__byte_perm selector 0x4140), then shifted."""
+    spread = (pair & 0xFF) | ((pair >> 8) & 0xFF) << 16
     if bf:
-        return (scales & 0x007F007F) << 4 & MASK32, (scales >> 4) & 0x07F007F0
-    return (scales & 0x007F007F) << 7 & MASK32, (scales >> 1) & 0x3F803F80
+        return (spread << 4) & 0x07F007F0
+    return (spread << 7) & 0x3F803F80
 
 
 def halves(word: int) -> tuple[int, int]:
@@ -78,18 +80,16 @@ def test_nibble_placement_routes_every_nibble(bf, j):
 @pytest.mark.parametrize("bf", [False, True], ids=["fp16", "bf16"])
 def test_scale_bytes_route_to_their_halves(bf):
     rng = np.random.default_rng(1)
-    for sc in rng.integers(0, 2 ** 32, size=500, dtype=np.uint64).tolist():
-        s02, s13 = scale_raw(sc, bf)
+    for pair in rng.integers(0, 2 ** 16, size=500).tolist():
+        lo, hi = halves(scale_raw(pair, bf))
         shift = 4 if bf else 7
-        got = {0: s02 & 0xFFFF, 2: s02 >> 16, 1: s13 & 0xFFFF, 3: s13 >> 16}
-        for q in range(4):
-            assert got[q] == ((sc >> 8 * q) & 0x7F) << shift, (hex(sc), q)
+        assert lo == (pair & 0x7F) << shift and hi == ((pair >> 8) & 0x7F) << shift, hex(pair)
 
 
 def test_fp16_dequantised_weights_are_exact():
     codes = np.array([f16(fp4x2_raw(c, False, 0) & 0xFFFF) for c in CODES], dtype=np.float16)
     for b in SCALES:
-        s = f16(scale_raw(b, False)[0] & 0xFFFF) * np.float16(2.0 ** 15)
+        s = f16(scale_raw(b, False) & 0xFFFF) * np.float16(2.0 ** 15)
         assert float(s) == e4m3(b) * 2 ** 7, b
         prod = codes * s                                           # mul.rn.f16x2
         want = np.array([e2m1(c) * e4m3(b) * 2.0 ** -7 for c in CODES])
@@ -103,7 +103,7 @@ def test_bf16_dequantised_weights_are_exact():
     p120 = torch.tensor(2.0 ** 120, dtype=torch.bfloat16)
     p118 = torch.tensor(2.0 ** 118, dtype=torch.bfloat16)
     for b in SCALES:
-        s = bf16([scale_raw(b, True)[0] & 0xFFFF])[0] * p120 * p118   # two mul.rn.bf16x2
+        s = bf16([scale_raw(b, True) & 0xFFFF])[0] * p120 * p118   # two mul.rn.bf16x2
         assert float(s) == e4m3(b) * 2.0 ** 118, b
         prod = codes * s
         want = torch.tensor([e2m1(c) * e4m3(b) * 2.0 ** -8 for c in CODES], dtype=torch.float64)
@@ -125,9 +125,9 @@ def test_the_mirror_matches_the_kernel_source():
     src = (kernels.kernel_dir() / "mma_fp4.cuh").read_text()
     for text in ("(BF ? 6 : 9) - 4 * J", "(BF ? 0x01C001C0u : 0x0E000E00u)",
                  "shift_left<12 - 4 * J>(w) & 0x80008000u",
-                 "(scales & 0x007F007Fu) << 4, BF16X2_2P120), BF16X2_2P118)",
-                 "(scales >> 4) & 0x07F007F0u", "(scales & 0x007F007Fu) << 7, FP16X2_2P15)",
-                 "(scales >> 1) & 0x3F803F80u", "#define FP16X2_2P15 0x78007800u",
+                 "__byte_perm(pair, 0u, 0x4140)",
+                 "(spread << 4) & 0x07F007F0u, BF16X2_2P120), BF16X2_2P118)",
+                 "(spread << 7) & 0x3F803F80u, FP16X2_2P15)", "#define FP16X2_2P15 0x78007800u",
                  "#define BF16X2_2P120 0x7B807B80u", "#define BF16X2_2P118 0x7A807A80u",
                  "return BF ? 256.0f : 128.0f;"):
         assert text in src, text

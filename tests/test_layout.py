@@ -25,11 +25,22 @@ def _spec_position(layout, matrix, r, k):
         base = layout.w2_offset + (r // 16) * layout.w2_strip_bytes
     rr = r % 16
     g, lower = rr % 8, rr // 8
-    c, q, kk = k // 64, (k % 64) // 16, k % 16
-    t = (kk % 8) // 2
-    n = lower + 2 * (kk // 8) + 4 * (kk % 2)
+    c, kk = k // 64, k % 64
+    t, q, j = kk // 16, (kk % 16) // 4, kk % 4          # column k0 + j, k0 = 64c + 16t + 4q
+    n = lower + 2 * (j // 2) + 4 * (j % 2)
     lane = 4 * g + t
-    return base + c * 512 + lane * 16 + q * 4 + n // 2, n % 2
+    return base + c * 576 + lane * 16 + q * 4 + n // 2, n % 2
+
+
+def _spec_scale_offset(layout, matrix, r, b):
+    """Byte offset of the block scale of (row r, columns 16b … 16b+15), from the docstring."""
+    if matrix in ("gate", "up"):
+        base = layout.w13_offset + (2 * (r // 16) + (matrix == "up")) * layout.w13_strip_bytes
+    else:
+        base = layout.w2_offset + (r // 16) * layout.w2_strip_bytes
+    rr = r % 16
+    lane = 4 * (rr % 8) + b % 4
+    return base + (b // 4) * 576 + 512 + 2 * lane + rr // 8
 
 
 @pytest.mark.parametrize("H,I", [(2048, 768), (64, 32), (80, 48), (128, 16), (4096, 1536)])
@@ -59,6 +70,9 @@ def test_placement_matches_docstring(H, I, rng):
             code = (packed[r, c // 2] >> (4 * (c % 2))) & 0xF
             off, nib = _spec_position(layout, name, r, c)
             assert (row[off] >> (4 * nib)) & 0xF == code, (name, r, c)
+            b = c // 16
+            sc = int(q.block_scale[r, b].view(torch.uint8))
+            assert row[_spec_scale_offset(layout, name, r, b)] == sc, (name, r, b)
     hdr = row[:HEADER_BYTES].view(np.float32)
     assert hdr[0] == mats["gate"].global_scale.item() and hdr[2] == mats["down"].global_scale.item()
     assert (row[12:HEADER_BYTES] == 0).all()
