@@ -84,6 +84,8 @@ class _Config:
     minb: int = 1    # blocks per SM the kernels' register use must allow
     kc2: int = 0     # w2's staged columns; 0: all of I where that fits W2_WHOLE_BYTES, else kc
     w2_ns: int = 1   # output strips of w2 per warp (1 or 2)
+    ntg: int = 4     # n-tiles whose B fragments a warp holds at once (mma between an
+                     # accumulator's updates: 2·ntg·strips); 4 measured fastest for PREFILL
 
 
 # Largest staging of all of w2's K for one block: w2 then stages a unit's act rows once for all
@@ -104,7 +106,9 @@ DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefe
 # the H200 (`profile_gemm.py --prefill-sweep`) 10-14% faster than 4 chunks at 1 block per SM
 # (T=2048 resident 1.60-1.66 ms against 1.86-1.91 in the same calls). Two output strips a w2
 # warp (moe_w2 then at 128 registers, like w13 two strips a warp): T=2048 1.091 ms median
-# against 1.173 for one strip (six rounds in one call). test_kernels_compile checks that this
+# against 1.173 for one strip (six rounds in one call). With the chunk layout's 16-byte B loads a
+# warp holds the B fragments of 4 n-tiles at once (ntg): T=2048 1.069-1.084 ms against
+# 1.074-1.184 for 2 and 1.102-1.178 for 1 (one call). test_kernels_compile checks that this
 # config compiles without spills and that its staging fits two blocks an SM.
 PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=1, reduce=1, prefetch_w2=0, minb=2,
                   w2_ns=2)
@@ -122,7 +126,7 @@ def config_defines(cfg: _Config, layout: RowLayout, dtype=torch.bfloat16) -> dic
     return {**layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit, "WARPS_M": cfg.warps_m,
             "KC": min(cfg.kc, layout.hp), "W2_KC": w2_cols(cfg, layout), "NB": cfg.nb,
             "OUT_BF16": _DTYPES[dtype], "REDUCE": cfg.reduce, "PREFETCH_W2": cfg.prefetch_w2,
-            "MINB": cfg.minb, "W2_NS": cfg.w2_ns}
+            "MINB": cfg.minb, "W2_NS": cfg.w2_ns, "NTG": cfg.ntg}
 
 
 def gemm_smem(cfg: _Config, layout: RowLayout, kernel: str) -> int:

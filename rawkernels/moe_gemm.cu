@@ -65,6 +65,9 @@
 #ifndef NB
 #define NB 4              // 64-column chunks in flight per warp before the first is used
 #endif
+#ifndef NTG
+#define NTG 4             // n-tiles whose B fragments a warp holds at once (compute_batch)
+#endif
 #ifndef OUT_BF16
 #define OUT_BF16 1        // output dtype: 1 bf16, 0 fp16
 #endif
@@ -86,6 +89,7 @@
 
 static_assert(KC % 64 == 0 && W2_KC % 64 == 0, "KC and W2_KC must be multiples of 64");
 static_assert((W2_NS == 1 || W2_NS == 2) && (HP / 16) % W2_NS == 0, "W2_NS: 1 or 2");
+static_assert(NTG >= 1 && (NTILES % NTG == 0 || NTILES < NTG), "NTG must divide the n-tiles");
 
 // Staged activations of one kernel: NBUF buffers of [NT][STRIDE] 16-bit values, STRIDE = the
 // stage's columns + 8, so that a row is 16 bytes past a multiple of 128: in each quarter of a
@@ -154,16 +158,24 @@ CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16*
                     dequant_tile<BF>(h ? b.w[s][i].z : b.w[s][i].x, sc[s], a[s][0]);
                     dequant_tile<BF>(h ? b.w[s][i].w : b.w[s][i].y, sc[s], a[s][1]);
                 }
+                // NTG n-tiles a step: 2·NTG·NS independent mma between an accumulator's updates
 #pragma unroll
-                for (int nt = 0; nt < NTILES; ++nt) {
-                    if (nt < ntiles) {
-                        const u32x4 v = *reinterpret_cast<const u32x4*>(xc + (nt * 8 + g) * STRIDE + 8 * h);
+                for (int n0 = 0; n0 < NTILES; n0 += NTG) {
+                    u32x4 v[NTG];
 #pragma unroll
-                        for (int s = 0; s < NS; ++s) {
-                            mma16816<BF>(acc[s][nt], a[s][0], v.x, v.y);
-                            mma16816<BF>(acc[s][nt], a[s][1], v.z, v.w);
-                        }
-                    }
+                    for (int j = 0; j < NTG; ++j)
+                        if (n0 + j < ntiles)
+                            v[j] = *reinterpret_cast<const u32x4*>(xc + ((n0 + j) * 8 + g) * STRIDE + 8 * h);
+#pragma unroll
+                    for (int s = 0; s < NS; ++s)
+#pragma unroll
+                        for (int j = 0; j < NTG; ++j)
+                            if (n0 + j < ntiles) mma16816<BF>(acc[s][n0 + j], a[s][0], v[j].x, v[j].y);
+#pragma unroll
+                    for (int s = 0; s < NS; ++s)
+#pragma unroll
+                        for (int j = 0; j < NTG; ++j)
+                            if (n0 + j < ntiles) mma16816<BF>(acc[s][n0 + j], a[s][1], v[j].z, v[j].w);
                 }
             }
         }
