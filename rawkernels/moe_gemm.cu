@@ -89,7 +89,8 @@
 
 static_assert(KC % 64 == 0 && W2_KC % 64 == 0, "KC and W2_KC must be multiples of 64");
 static_assert((W2_NS == 1 || W2_NS == 2) && (HP / 16) % W2_NS == 0, "W2_NS: 1 or 2");
-static_assert(NTG >= 1 && (NTILES % NTG == 0 || NTILES < NTG), "NTG must divide the n-tiles");
+constexpr int NG = NTG < NTILES ? NTG : NTILES;   // n-tiles a step of compute_batch
+static_assert(NTG >= 1 && NTILES % NG == 0, "NTG must divide the n-tiles (or exceed them)");
 
 // Staged activations of one kernel: NBUF buffers of [NT][STRIDE] 16-bit values, STRIDE = the
 // stage's columns + 8, so that a row is 16 bytes past a multiple of 128: in each quarter of a
@@ -158,23 +159,23 @@ CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16*
                     dequant_tile<BF>(h ? b.w[s][i].z : b.w[s][i].x, sc[s], a[s][0]);
                     dequant_tile<BF>(h ? b.w[s][i].w : b.w[s][i].y, sc[s], a[s][1]);
                 }
-                // NTG n-tiles a step: 2·NTG·NS independent mma between an accumulator's updates
+                // NG n-tiles a step: 2·NG·NS independent mma between an accumulator's updates
 #pragma unroll
-                for (int n0 = 0; n0 < NTILES; n0 += NTG) {
-                    u32x4 v[NTG];
+                for (int n0 = 0; n0 < NTILES; n0 += NG) {
+                    u32x4 v[NG];
 #pragma unroll
-                    for (int j = 0; j < NTG; ++j)
+                    for (int j = 0; j < NG; ++j)
                         if (n0 + j < ntiles)
                             v[j] = *reinterpret_cast<const u32x4*>(xc + ((n0 + j) * 8 + g) * STRIDE + 8 * h);
 #pragma unroll
                     for (int s = 0; s < NS; ++s)
 #pragma unroll
-                        for (int j = 0; j < NTG; ++j)
+                        for (int j = 0; j < NG; ++j)
                             if (n0 + j < ntiles) mma16816<BF>(acc[s][n0 + j], a[s][0], v[j].x, v[j].y);
 #pragma unroll
                     for (int s = 0; s < NS; ++s)
 #pragma unroll
-                        for (int j = 0; j < NTG; ++j)
+                        for (int j = 0; j < NG; ++j)
                             if (n0 + j < ntiles) mma16816<BF>(acc[s][n0 + j], a[s][1], v[j].z, v[j].w);
                 }
             }
