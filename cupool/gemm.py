@@ -234,7 +234,10 @@ class MoEGemm:
             unit_lanes=torch.zeros(wd * DECODE_WIDE.nt, **i32),
             unit_count=torch.zeros(wd, **i32),
             lane_w=torch.zeros(wd, **f32),
-            act=torch.zeros(wd, ip, dtype=torch.bfloat16, device=dev),   # SiLU·up rows
+            amax=torch.zeros(wd, dtype=torch.int32, device=dev),
+            # moe_decode's fp32 act; the w13/w2 pair (route_decode's path) writes bf16 act rows
+            # of the same width into the first half of these bytes
+            act=torch.zeros(wd, ip, **f32),
             yw=torch.zeros(wd, hp, **f32),
             group_done=torch.zeros(hp // 16, **i32),
             sync=torch.zeros(2 + wd, **i32),      # moe_decode: ticket, finished, per unit
@@ -350,7 +353,7 @@ class MoEGemm:
             ring = _fused_stage_bytes(self._fused_extra.get("STAGE", 4),
                                       self._fused_extra.get("NBUF", 2))
             smem = (_FUSED_WARPS * ring + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
-                    + nt * 8 + maxw * (8 + 4 + nt + 1))      # moe_decode.cu's carve
+                    + nt * (self.layout.ip + 8) * 2 + nt * 8 + maxw * (8 + 4 + nt + 1))
             # 3 blocks of 8 warps per SM (80 registers): measured faster than 4 at 64 registers
             minb = self._fused_extra.get("MINB", 3)
             d = {**self.layout.defines(), "NT": nt, "MAXW": maxw, "OUT_BF16": _DTYPES[self.dtype],
@@ -370,7 +373,7 @@ class MoEGemm:
         kernels.launch(fn, grid, 32 * _FUSED_WARPS, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
             kernels.NULL if lane_fresh is None else lane_fresh, w, kernels.i32(W), kernels.i32(K),
-            kernels.i32(part), d["act"], d["yw"], d["group_done"],
+            kernels.i32(part), d["act"], d["amax"], d["yw"], d["group_done"],
             d["sync"], out, self.error,
             kernels.NULL if self._trace is None else self._trace), shared_mem=smem, device=self.device)
 
@@ -439,7 +442,7 @@ class MoEGemm:
             x, kernels.i32(T), kernels.i32(self.layout.hidden), d["xh"], d["xscale"],
             lane_addr, kernels.NULL if lane_fresh is None else lane_fresh, w,
             kernels.i32(T * K), d["range"], d["unit_addr"],
-            d["unit_lanes"], d["unit_count"], d["lane_w"], self.error), device=self.device)
+            d["unit_lanes"], d["unit_count"], d["lane_w"], d["amax"], self.error), device=self.device)
         r = d["range"]
         args = (d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"], d["xscale"], d["act"],
                 d["lane_w"], T, out)
