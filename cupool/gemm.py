@@ -84,8 +84,8 @@ class _Config:
     minb: int = 1    # blocks per SM the kernels' register use must allow
     kc2: int = 0     # w2's staged columns; 0: all of I where that fits W2_WHOLE_BYTES, else kc
     w2_ns: int = 1   # output strips of w2 per warp (1 or 2)
-    ntg: int = 4     # n-tiles whose B fragments a warp holds at once (mma between an
-                     # accumulator's updates: 2·ntg·strips); 4 measured fastest for PREFILL
+    ntg: int = 4     # n-tiles whose B fragments a warp holds at once (ntg·strips other mma
+                     # between an accumulator's two updates); 4 measured fastest for PREFILL
 
 
 # Largest staging of all of w2's K for one block: w2 then stages a unit's act rows once for all

@@ -159,7 +159,7 @@ CUPOOL_DEVICE void compute_batch(const Batch<NS>& b, int c, int c_hi, const u16*
                     dequant_tile<BF>(h ? b.w[s][i].z : b.w[s][i].x, sc[s], a[s][0]);
                     dequant_tile<BF>(h ? b.w[s][i].w : b.w[s][i].y, sc[s], a[s][1]);
                 }
-                // NG n-tiles a step: 2·NG·NS independent mma between an accumulator's updates
+                // NG n-tiles a step: NG·NS other mma between an accumulator's two updates
 #pragma unroll
                 for (int n0 = 0; n0 < NTILES; n0 += NG) {
                     u32x4 v[NG];
