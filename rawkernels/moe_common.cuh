@@ -17,12 +17,6 @@
 static_assert(NT % 8 == 0 && NT >= 8, "NT must be a multiple of 8");
 static_assert(HP % 64 == 0 && IP % 64 == 0, "HP and IP are padded to 64");
 
-CUPOOL_DEVICE u32 ld_u32_nc(const void* p) {
-    u32 v;
-    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
 CUPOOL_DEVICE u32 ld_u16_nc(const void* p) {
     u16 v;
     asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));

@@ -16,8 +16,9 @@
 //
 // Weights go global → shared memory per warp in two stages of 4 chunks (4.6 KB), each stage one
 // bulk copy (a chunk's scale bytes follow its packed codes, layout.py), so the bytes in flight
-// are bounded by shared memory, not registers. w13 multiplies x as it is: its weights are dequantised to the model's
-// dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish before the first multiply.
+// are bounded by shared memory, not registers. w13 multiplies x as it is: its weights are
+// dequantised to the model's dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish
+// before the first multiply.
 // w2 stages its unit's act rows in shared memory as fp16 (power-of-two scaled by the lane's amax)
 // after the wait.
 //
@@ -69,9 +70,9 @@
 #ifndef DECODE_ABLATE
 #define DECODE_ABLATE 0   // profiling only (wrong output), bits: 1 no dequantisation, 2 no chunk
                           // compute, 4 w2 does not wait for its unit, 8 no w13 epilogue, 16 no
-                          // w2 epilogue or top-k sum, 64 w13 reads no x (B
-                          // fragments from the column index), 128 no mma (A and B folded into
-                          // the sums with integer ops)
+                          // w2 epilogue or top-k sum, 64 w13 reads no x (B fragments from the
+                          // column index), 128 no mma (A and B folded into the sums with
+                          // integer ops)
 #endif
 #define ABLATE(bit) ((DECODE_ABLATE & (bit)) != 0)
 #define TRACE_ITEMS 8192  // trace: [TRACE_ITEMS][4] item stamps, then [grid][2] block stamps

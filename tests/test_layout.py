@@ -16,13 +16,16 @@ def _random(n, k, gen):
         global_scale=torch.rand((), generator=gen) + 0.1)
 
 
+def _strip_base(layout, matrix, r):
+    """Byte offset of the strip holding row r of `matrix`, from the docstring."""
+    if matrix in ("gate", "up"):
+        return layout.w13_offset + (2 * (r // 16) + (matrix == "up")) * layout.w13_strip_bytes
+    return layout.w2_offset + (r // 16) * layout.w2_strip_bytes
+
+
 def _spec_position(layout, matrix, r, k):
     """Byte offset and nibble (0 low, 1 high) of element (r, k), straight from the docstring."""
-    if matrix in ("gate", "up"):
-        strip = 2 * (r // 16) + (matrix == "up")
-        base = layout.w13_offset + strip * layout.w13_strip_bytes
-    else:
-        base = layout.w2_offset + (r // 16) * layout.w2_strip_bytes
+    base = _strip_base(layout, matrix, r)
     rr = r % 16
     g, lower = rr % 8, rr // 8
     c, kk = k // 64, k % 64
@@ -34,13 +37,9 @@ def _spec_position(layout, matrix, r, k):
 
 def _spec_scale_offset(layout, matrix, r, b):
     """Byte offset of the block scale of (row r, columns 16b … 16b+15), from the docstring."""
-    if matrix in ("gate", "up"):
-        base = layout.w13_offset + (2 * (r // 16) + (matrix == "up")) * layout.w13_strip_bytes
-    else:
-        base = layout.w2_offset + (r // 16) * layout.w2_strip_bytes
     rr = r % 16
     lane = 4 * (rr % 8) + b % 4
-    return base + (b // 4) * 576 + 512 + 2 * lane + rr // 8
+    return _strip_base(layout, matrix, r) + (b // 4) * 576 + 512 + 2 * lane + rr // 8
 
 
 @pytest.mark.parametrize("H,I", [(2048, 768), (64, 32), (80, 48), (128, 16), (4096, 1536)])
