@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from cupool import _cuda, kernels
-from cupool.layout import RowLayout
+from cupool.layout import CHUNK_BYTES, RowLayout
 
 ERR_BAD_ID = 1
 ERR_BAD_WEIGHT = 2
@@ -149,9 +149,8 @@ _FUSED_WARPS = 8
 
 def _fused_stage_bytes(stage: int = 4, nbuf: int = 2) -> int:
     """Shared memory of one moe_decode warp's stage ring (WarpStages): nbuf barriers and the
-    parity word padded to 16 bytes, then nbuf buffers of `stage` chunks (512 B of packed words
-    and 64 B of scales a chunk)."""
-    return (8 * nbuf + 4 + 15) // 16 * 16 + nbuf * stage * (512 + 64)
+    parity word padded to 16 bytes, then nbuf buffers of `stage` chunks of the row layout."""
+    return (8 * nbuf + 4 + 15) // 16 * 16 + nbuf * stage * CHUNK_BYTES
 
 
 def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:

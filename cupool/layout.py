@@ -49,6 +49,8 @@ import torch
 from cupool.nvfp4 import NVFP4Tensor
 
 HEADER_BYTES = 256
+CHUNK_CODES = 512                # packed codes of a 64-column chunk of a strip (32 lanes x 16 B)
+CHUNK_BYTES = CHUNK_CODES + 64   # ... then its 64 scale bytes (moe_common.cuh's CHUNK_BYTES)
 
 
 def _roundup(x: int, m: int) -> int:
@@ -157,7 +159,7 @@ def _chunk_scales(scales: torch.Tensor, kp: int) -> torch.Tensor:
     sc = scales.reshape(*lead, s, 2, 8, kp // 64, 4)                   # [.., s, h, g, c, t]
     n = len(lead)
     perm = list(range(n)) + [n + i for i in (0, 3, 2, 4, 1)]           # [.., s, c, g, t, h]
-    return sc.permute(*perm).reshape(*lead, s, kp // 64, 64)
+    return sc.permute(*perm).reshape(*lead, s, kp // 64, CHUNK_BYTES - CHUNK_CODES)
 
 
 def _row_scales(chunked: torch.Tensor, kp: int) -> torch.Tensor:
@@ -170,7 +172,7 @@ def _row_scales(chunked: torch.Tensor, kp: int) -> torch.Tensor:
 def strip_scales(strips: torch.Tensor, kp: int) -> torch.Tensor:
     """The scale bytes of strips (uint8 [..., 9·Kp]) as a view [..., Kp/64, 64]: chunk c's 64 bytes
     in the order of `_chunk_scales`."""
-    return strips.view(*strips.shape[:-1], kp // 64, 576)[..., 512:]
+    return strips.view(*strips.shape[:-1], kp // 64, CHUNK_BYTES)[..., CHUNK_CODES:]
 
 
 def _strips(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.Tensor:
@@ -179,14 +181,14 @@ def _strips(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.Tensor:
     s = n // 16
     order = _order(kp)
     c = codes.reshape(s, 16 * kp)[:, order].reshape(s, -1, 2)           # nibble pairs
-    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(s, kp // 64, 512)
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(s, kp // 64, CHUNK_CODES)
     return torch.cat([packed, _chunk_scales(scales, kp)], dim=2).reshape(s, 9 * kp)
 
 
 def _unstrips(strips: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `_strips`: uint8 [s, 9·Kp] -> codes [16·s, Kp], scale bytes [16·s, Kp/16]."""
     s = strips.shape[0]
-    packed = strips.reshape(s, kp // 64, 576)[:, :, :512].reshape(s, 8 * kp)
+    packed = strips.reshape(s, kp // 64, CHUNK_BYTES)[:, :, :CHUNK_CODES].reshape(s, 8 * kp)
     nib = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(s, 16 * kp)
     codes = torch.empty_like(nib)
     codes[:, _order(kp)] = nib
@@ -283,7 +285,7 @@ def _strips_stack(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.T
     s = n // 16
     c = codes.reshape(e, s, 16 * kp).index_select(2, _order_on(kp, codes.device))
     c = c.reshape(e, s, 8 * kp, 2)
-    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(e, s, kp // 64, 512)
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(e, s, kp // 64, CHUNK_CODES)
     return torch.cat([packed, _chunk_scales(scales, kp)], dim=3).reshape(e, s, 9 * kp)
 
 
