@@ -8,6 +8,13 @@ weights back (bf16), run by transformers' own experts implementation. Tolerances
 - greedy tokens: identical for 32 steps, except where the reference's own top-2 logit gap at that
   step is below 0.05 (a tie within bf16 noise, where either token is right); the test reports how
   many steps were compared and fails on any other difference.
+- router near-ties: where a router's K-th and next choices are closer than that noise, the
+  pooled run and the reference may pick different experts, and that step's logits then differ by
+  far more than the tolerance although every GEMM call is right (on the GPU, 2026-11-29: mixtral
+  step 30, layer 2, reference logits 0.0007 apart, step error 0.32; each of the run's 93 decode
+  calls within 0.004 of its float reference: benchmarks/check_wrap_calls.py). Such a step is left
+  out of the step-logit comparison if the swapped experts' reference router logits are closer
+  than ROUTER_TIE, at most MAX_ROUTER_TIES steps a run; a swap between experts further apart fails.
 """
 
 import copy
@@ -16,12 +23,14 @@ import pytest
 import torch
 
 import cupool
-from tiny_models import FAMILIES, ListMoEModel, hf_model
+from tiny_models import FAMILIES, ListMoEModel, RouterLog, hf_model
 
 pytestmark = pytest.mark.gpu
 
 LOGIT_TOL = 3e-2
 TIE = 0.05
+ROUTER_TIE = 0.02      # router logits: bf16 spacing near 1 is 2^-7 ≈ 0.008, so ~2.5 steps of it
+MAX_ROUTER_TIES = 3
 
 
 def rel(a, b):
@@ -55,13 +64,15 @@ def assert_near_tie(what, got, ref_logits_row):
                       f"(reference top-2 gap {gap:.3f} is no tie)"
 
 
-def compare_tokens(got, ref_tokens, ref_logits):
-    """Number of steps that agree; raises at a disagreement that is not a near-tie."""
-    for i in range(ref_tokens.shape[1]):
+def compare_tokens(got, ref_tokens, ref_logits, limit=None):
+    """Number of steps that agree (of the first `limit`); raises at a disagreement that is not a
+    near-tie."""
+    n = ref_tokens.shape[1] if limit is None else limit
+    for i in range(n):
         if got[0, i] != ref_tokens[0, i]:
             assert_near_tie(f"step {i}", got[0, i], ref_logits[0, i])
             return i
-    return ref_tokens.shape[1]
+    return n
 
 
 def teacher_forced(model, prompt, tokens):
@@ -72,13 +83,39 @@ def teacher_forced(model, prompt, tokens):
     return model(seq).logits[:, prompt.shape[1] - 1:]
 
 
-def check_steps(name, tokens, logits, ref_logits):
+def router_ties(name, routes, ref_routes, start, steps):
+    """Steps whose position (start + step) some layer routed differently from the reference; each
+    such difference must swap experts whose reference router logits are within ROUTER_TIE."""
+    tied = []
+    for i in range(steps):
+        pos = start + i
+        for layer, (ref_logits, ref_chosen) in sorted(ref_routes.items()):
+            got = set(routes[layer][1][pos].tolist())
+            want = set(ref_chosen[pos].tolist())
+            if got == want:
+                continue
+            lg = ref_logits[pos]
+            gap = (lg[sorted(want - got)].min() - lg[sorted(got - want)].max()).abs().item()
+            assert gap < ROUTER_TIE, (f"{name} step {i}: layer {layer} chose experts {sorted(got)}, "
+                                      f"the reference {sorted(want)}, whose router logits are "
+                                      f"{gap:.4f} apart (no tie)")
+            tied.append(i)
+            break
+    assert len(tied) <= MAX_ROUTER_TIES, f"{name}: router near-ties at steps {tied}"
+    return tied
+
+
+def check_steps(name, tokens, logits, ref_logits, tied=()):
     """Step logits within LOGIT_TOL of the reference's on the same context, and each token the
-    reference's argmax unless the reference's top-2 gap is a near-tie. Returns the flips."""
-    err = rel(logits, ref_logits)
+    reference's argmax unless the reference's top-2 gap is a near-tie; steps in `tied` (router
+    near-ties) are left out. Returns the token flips."""
+    keep = [i for i in range(tokens.shape[1]) if i not in tied]
+    err = rel(logits[:, keep], ref_logits[:, keep])
+    print(f"{name}: step logits differ from the reference by {err:.4f} over {len(keep)} steps "
+          f"(router near-ties at steps {list(tied)}: {rel(logits, ref_logits):.4f} with them)")
     assert err <= LOGIT_TOL, f"{name}: step logits differ from the reference by {err:.3g}"
     flips = 0
-    for i in range(tokens.shape[1]):
+    for i in keep:
         if tokens[0, i] != ref_logits[0, i].argmax():
             assert_near_tie(f"{name} step {i}", tokens[0, i], ref_logits[0, i])
             flips += 1
@@ -118,7 +155,8 @@ def test_family_matches_dequantized_reference(family):
         graph_tokens = res.tokens
         st = pool.stats()
         pool.close()
-        eager_tokens, eager_logits = greedy_eager(model, prompt, 32)
+        with RouterLog(model) as routes:
+            eager_tokens, eager_logits = greedy_eager(model, prompt, 32)
     errors = pool.errors()
     hits = sum(s["hits"] for s in st)
     misses = sum(s["misses"] for s in st)
@@ -132,17 +170,21 @@ def test_family_matches_dequantized_reference(family):
     with torch.inference_mode():
         full_ref = model(prompt).logits
         ref_tokens, ref_logits = greedy_eager(model, prompt, 32)
-        eager_ref = teacher_forced(model, prompt, eager_tokens)
+        with RouterLog(model) as ref_routes:
+            eager_ref = teacher_forced(model, prompt, eager_tokens)
     assert errors == []
     assert rel(full_wrapped, full_ref) <= LOGIT_TOL
     # each step against the reference on the same context (teacher forcing) ...
-    flips = check_steps("eager", eager_tokens, eager_logits, eager_ref)
+    tied = router_ties("eager", routes.rows(), ref_routes.rows(), prompt.shape[1] - 1, 32)
+    flips = check_steps("eager", eager_tokens, eager_logits, eager_ref, tied)
     # ... and the free-running greedy runs against the reference's own greedy run, up to the
-    # first near-tie (after it the contexts differ and nothing is compared)
-    n_graph = compare_tokens(graph_tokens, ref_tokens, ref_logits)
-    n_eager = compare_tokens(eager_tokens, ref_tokens, ref_logits)
+    # first near-tie of a token or (in the eager run) of a router: after it the contexts may
+    # differ and nothing is compared
+    limit = tied[0] if tied else None
+    n_graph = compare_tokens(graph_tokens, ref_tokens, ref_logits, limit)
+    n_eager = compare_tokens(eager_tokens, ref_tokens, ref_logits, limit)
     print(f"{family}: graph tokens agree for {n_graph}/32 steps, eager for {n_eager}/32; "
-          f"teacher-forced near-tie flips {flips}; "
+          f"teacher-forced near-tie flips {flips}, router near-tie steps {tied}; "
           f"hits {hits} misses {misses} promotions {promotions} steals {steals} rows owned {owned}")
     assert misses > 0 and promotions > 0, "rows < E must produce misses and promotions"
     del key_before

@@ -60,6 +60,39 @@ def hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     return model.eval()
 
 
+class RouterLog:
+    """The routers' outputs while inside `with`: every MoE block of `model` (a module with `.gate`
+    and `.experts` whose gate returns (router_logits, weights, chosen experts), as in the
+    transformers 5 families above), per MoE layer in model order. `rows()` gives each layer's
+    (logits [positions, E] float32, chosen [positions, K]) over all calls, in call order."""
+
+    def __init__(self, model: nn.Module):
+        self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        self.calls: dict[int, list] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "RouterLog":
+        for i, b in enumerate(self.blocks):
+            self._handles.append(b.gate.register_forward_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _hook(self, layer: int):
+        def hook(module, args, out):
+            logits, chosen = out[0].float(), out[-1]
+            self.calls.setdefault(layer, []).append(
+                (logits.reshape(-1, logits.shape[-1]), chosen.reshape(logits.shape[0], -1)))
+        return hook
+
+    def rows(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return {k: (torch.cat([c[0] for c in v]), torch.cat([c[1] for c in v]))
+                for k, v in self.calls.items()}
+
+
 # --- hand-written blocks (per-expert nn.Linear lists) ---------------------------------------------
 class GateUpDownExpert(nn.Module):
     """One SwiGLU expert, Llama naming."""

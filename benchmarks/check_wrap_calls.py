@@ -1,0 +1,174 @@
+"""Every pooled decode call of a wrapped tiny model checked on its own (GPU diagnostic).
+
+test_gpu_wrap compares whole-model logits, where a small error in one layer call grows through
+the later layers. This runs the same flow as its `test_family_matches_dequantized_reference`
+(prompt, graph decode, gate closed, eager greedy decode) and, during the eager decode, checks
+each layer's decode call against a float reference computed from the very rows the call read
+(the bytes at its lane addresses, unpacked and dequantised), and checks that those rows equal
+the host store's rows of the routed experts. It prints the calls that miss the 1e-2 tolerance,
+a summary of all of them, each step's logit error with the routers' choices against the
+reference's, and test_gpu_wrap's step-logit metric for the run (all steps).
+
+    python benchmarks/check_wrap_calls.py --family mixtral --steps 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+TOL = 1e-2
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", default="mixtral")
+    ap.add_argument("--steps", type=int, default=32, help="eager greedy steps (default 32)")
+    ap.add_argument("--show", type=int, default=12, help="calls over the tolerance to print")
+    return ap.parse_args(argv)
+
+
+def rows_at(addrs: list[int], nbytes: int, device) -> list[torch.Tensor | None]:
+    """The bytes at each address (GPU or mapped host memory; 0: padding lane -> None)."""
+    import cupy
+    out = []
+    for a in addrs:
+        if a == 0:
+            out.append(None)
+            continue
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        cupy.cuda.runtime.memcpy(dst.data_ptr(), a, nbytes, cupy.cuda.runtime.memcpyDefault)
+        out.append(dst.cpu())
+    return out
+
+
+class CallChecker:
+    """Wraps pool.gemm.decode and the pooled layers: records each decode call's error."""
+
+    def __init__(self, pool):
+        self.pool, self.records, self.active = pool, [], False
+        self._layer, self._ids = None, None
+        gemm = pool.gemm
+        self._decode = gemm.decode
+        gemm.decode = self.decode
+        for layer in pool.layers:
+            layer.__class__ = type("Checked" + type(layer).__name__, (type(layer),),
+                                   {"__call__": self._layer_call(type(layer).__call__)})
+
+    def _layer_call(self, call):
+        checker = self
+
+        def wrapped(layer, hidden_states, top_k_index, top_k_weights):
+            if checker.active:                   # (no host reads while a graph is captured)
+                checker._layer, checker._ids = layer.layer, top_k_index.reshape(-1).tolist()
+            return call(layer, hidden_states, top_k_index, top_k_weights)
+        return wrapped
+
+    def decode(self, x, lane_addr, w, out=None, **kw):
+        y = self._decode(x, lane_addr, w, out, **kw)
+        if not self.active:
+            return y
+        from cupool.gemm import reference_moe
+        from cupool.layout import unpack_row
+        from cupool.nvfp4 import dequantize
+        torch.cuda.synchronize()
+        pool, layout = self.pool, self.pool.layout
+        addrs = lane_addr.reshape(-1).tolist()
+        rows = rows_at(addrs, layout.row_bytes, x.device)
+        bank = pool.bank.rows
+        lo, hi = bank.data_ptr(), bank.data_ptr() + bank.numel()
+        first_staging = pool.bank.num_rows
+        where, deq, stale = [], [], 0
+        for a, r, e in zip(addrs, rows, self._ids):
+            if a == 0:
+                where.append("pad")
+                deq.append(None)
+                continue
+            if lo <= a < hi:
+                idx = (a - lo) // pool.bank.row_stride
+                where.append("stage" if idx >= first_staging else "bank")
+            else:
+                where.append("host")
+            stale += int(not torch.equal(r, torch.as_tensor(pool.store.row(self._layer, e))))
+            deq.append(tuple(dequantize(q).to(x.device) for q in unpack_row(layout, r)))
+        T = x.shape[0]
+        ids = torch.tensor([i if d is not None else -1 for i, d in enumerate(deq)],
+                           device=x.device).reshape(T, -1)
+        ref = reference_moe(x, ids, w, deq)
+        err = (torch.linalg.norm(y.float() - ref) / torch.linalg.norm(ref)).item()
+        self.records.append(dict(layer=self._layer, err=err, where=where, experts=self._ids,
+                                 stale_rows=stale, w=w.reshape(-1).float().tolist()))
+        return y
+
+
+def routing_report(routes: dict, ref_routes: dict, logits, ref_logits, start: int) -> None:
+    """Per decode step: its logit error and the layers whose chosen experts differ from the
+    reference's at that position, with how far apart the swapped experts' reference router
+    logits are (test_gpu_wrap.router_ties' measure)."""
+    for i in range(logits.shape[1]):
+        pos = start + i
+        err = (torch.linalg.norm(logits[:, i].float() - ref_logits[:, i].float())
+               / torch.linalg.norm(ref_logits[:, i].float())).item()
+        swaps = []
+        for layer, (lg, chosen) in sorted(ref_routes.items()):
+            got, want = set(routes[layer][1][pos].tolist()), set(chosen[pos].tolist())
+            if got != want:
+                gap = (lg[pos][sorted(want - got)].min() - lg[pos][sorted(got - want)].max()).abs()
+                swaps.append(f"layer {layer} {sorted(want)} -> {sorted(got)} gap {gap.item():.4f}")
+        print(f"step {i:2d} err {err:.4f} routing {'; '.join(swaps) or 'same'}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import cupool
+    from test_gpu_wrap import greedy_eager, model_for, rel, teacher_forced
+    from tiny_models import FAMILIES, RouterLog
+    torch.manual_seed(0)
+    model = model_for(args.family, seed=1)
+    _, (_, E, K, H, I) = FAMILIES[args.family]
+    pool = cupool.wrap(model, rows=max(K, E // 2), max_decode_tokens=2, max_prefill_tokens=64,
+                       progress=False)
+    checker = CallChecker(pool)
+    prompt = torch.randint(3, 64, (1, 8), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(2))
+    with torch.inference_mode():
+        model(prompt)
+        cupool.GraphDecoder(model, pool, max_len=8 + args.steps).generate(prompt, args.steps)
+        pool.close()
+        checker.active = True
+        with RouterLog(model) as routes:
+            tokens, logits = greedy_eager(model, prompt, args.steps)
+        checker.active = False
+    errors = pool.errors()
+    pool.unwrap()
+    model.config._experts_implementation_internal = "eager"
+    with torch.inference_mode(), RouterLog(model) as ref_routes:
+        ref = teacher_forced(model, prompt, tokens)
+    routing_report(routes.rows(), ref_routes.rows(), logits, ref, prompt.shape[1] - 1)
+    recs = checker.records
+    bad = [r for r in recs if r["err"] > TOL]
+    for r in bad[:args.show]:
+        print(f"layer {r['layer']} err {r['err']:.4f} rows {r['where']} experts {r['experts']} "
+              f"stale {r['stale_rows']} w {[round(v, 3) for v in r['w']]}")
+    errs = [r["err"] for r in recs]
+    by_where = {}
+    for r in recs:
+        by_where.setdefault(",".join(sorted(set(r["where"]))), []).append(r["err"])
+    print(f"{args.family}: {len(recs)} decode calls, {len(bad)} over {TOL}; error median "
+          f"{statistics.median(errs):.4f} max {max(errs):.4f}; stale rows "
+          f"{sum(r['stale_rows'] for r in recs)}; by placement "
+          + "; ".join(f"{k}: n={len(v)} max {max(v):.4f}" for k, v in sorted(by_where.items())))
+    print(f"{args.family}: step logits vs teacher-forced reference {rel(logits, ref):.4f} "
+          f"(test_gpu_wrap's tolerance 3e-2); pool errors {errors}")
+    return 1 if bad or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
