@@ -8,8 +8,8 @@ output in the model's dtype. Calls of more than 2 tokens (the prompt: the partit
 round act to bf16 as moe_gemm does; decode calls (1-2 tokens) use --modes:
 
     fp32   no rounding
-    fp16   fp16 after the row's power-of-two scale (moe_decode.cu)
-    bf16   bf16 (the pair, and moe_gemm's prefill)
+    fp16   fp16 after the row's power-of-two scale (moe_decode.cu until session 10)
+    bf16   bf16 (moe_decode since session 10, the pair, moe_gemm's prefill)
     off5   fp32 times 1.05: a 5% error, to show what the metric sees
 
 For each mode it prints test_gpu_wrap's two numbers: the prompt's logits against the reference

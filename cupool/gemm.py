@@ -190,8 +190,9 @@ class MoEGemm:
             capability 9.0+), for calls of up to 256 lanes (T·K); wider calls, and "pair", use
             route_decode, then a w13 and a w2 launch (moe_align.cu, moe_gemm.cu). "auto"
             (default): "fused" where the GPU has it, else "pair"; `decode_kernel` holds the
-            choice. Both are deterministic; they round differently (the pair holds SiLU·up in
-            bf16, moe_decode in fp16 scaled per lane).
+            choice. Both are deterministic and hand SiLU·up from w13 to w2 in bf16, but they are
+            not bit-identical (the pair multiplies x as fp16 scaled per token, moe_decode as it is,
+            and their sums run in different orders).
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
@@ -233,10 +234,7 @@ class MoEGemm:
             unit_lanes=torch.zeros(wd * DECODE_WIDE.nt, **i32),
             unit_count=torch.zeros(wd, **i32),
             lane_w=torch.zeros(wd, **f32),
-            amax=torch.zeros(wd, dtype=torch.int32, device=dev),
-            # moe_decode's fp32 act; the w13/w2 pair (route_decode's path) writes bf16 act rows
-            # of the same width into the first half of these bytes
-            act=torch.zeros(wd, ip, **f32),
+            act=torch.zeros(wd, ip, dtype=torch.bfloat16, device=dev),   # SiLU·up rows
             yw=torch.zeros(wd, hp, **f32),
             group_done=torch.zeros(hp // 16, **i32),
             sync=torch.zeros(2 + wd, **i32),      # moe_decode: ticket, finished, per unit
@@ -352,7 +350,7 @@ class MoEGemm:
             ring = _fused_stage_bytes(self._fused_extra.get("STAGE", 4),
                                       self._fused_extra.get("NBUF", 2))
             smem = (_FUSED_WARPS * ring + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
-                    + nt * (self.layout.ip + 8) * 2 + nt * 8 + maxw * (8 + 4 + nt + 1))
+                    + nt * 8 + maxw * (8 + 4 + nt + 1))      # moe_decode.cu's carve
             # 3 blocks of 8 warps per SM (80 registers): measured faster than 4 at 64 registers
             minb = self._fused_extra.get("MINB", 3)
             d = {**self.layout.defines(), "NT": nt, "MAXW": maxw, "OUT_BF16": _DTYPES[self.dtype],
@@ -372,7 +370,7 @@ class MoEGemm:
         kernels.launch(fn, grid, 32 * _FUSED_WARPS, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
             kernels.NULL if lane_fresh is None else lane_fresh, w, kernels.i32(W), kernels.i32(K),
-            kernels.i32(part), d["act"], d["amax"], d["yw"], d["group_done"],
+            kernels.i32(part), d["act"], d["yw"], d["group_done"],
             d["sync"], out, self.error,
             kernels.NULL if self._trace is None else self._trace), shared_mem=smem, device=self.device)
 
@@ -441,7 +439,7 @@ class MoEGemm:
             x, kernels.i32(T), kernels.i32(self.layout.hidden), d["xh"], d["xscale"],
             lane_addr, kernels.NULL if lane_fresh is None else lane_fresh, w,
             kernels.i32(T * K), d["range"], d["unit_addr"],
-            d["unit_lanes"], d["unit_count"], d["lane_w"], d["amax"], self.error), device=self.device)
+            d["unit_lanes"], d["unit_count"], d["lane_w"], self.error), device=self.device)
         r = d["range"]
         args = (d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"], d["xscale"], d["act"],
                 d["lane_w"], T, out)

@@ -114,7 +114,6 @@ CUPOOL_DEVICE float f16_to_f32(u16 h) {
 }
 
 // max that keeps NaN (fmaxf drops it): a NaN activation must reach the output, not vanish.
-// As float bits, NaN (0x7fffffff) also wins a later atomicMax over every finite value.
 CUPOOL_DEVICE float nan_max(float a, float b) {
     return (a != a || b != b) ? __int_as_float(0x7fffffff) : fmaxf(a, b);
 }

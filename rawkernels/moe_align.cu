@@ -18,8 +18,8 @@
 // - prep_x: per token (one warp each), a power-of-two scale s and fp16 x/s (exact for bf16 inputs),
 //   padded to HP; route_decode runs the same prep_row.
 //
-// Both align kernels write lane_w[W] (router weight, 0 for padding and for rejected lanes);
-// route_decode also zeroes amax[W] (moe_decode's, zero at rest). They set sticky bits in
+// Both align kernels write lane_w[W] (router weight, 0 for padding and for rejected lanes).
+// They set sticky bits in
 // `error`: 1 = expert id outside [0, E) (align_experts), 2 = non-finite router weight. A
 // rejected lane is treated as padding and reads nothing.
 
@@ -99,18 +99,17 @@ CUPOOL_DEVICE void prep_row(const u16* __restrict__ row, i32 H, u16* __restrict_
     if (lane == 0) *scale = s;
 }
 
-// Decode grouping into global unit tables (route_decode): group_lanes, amax zeroed, and
+// Decode grouping into global unit tables (route_decode): group_lanes, and
 // range[5] = {0, Uh, U, 0, U}: &range[0] the in-place units, &range[1] the fresh ones, &range[3]
 // all of them (the GEMM runs the first part while the copies land).
 CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr, const i32* __restrict__ lane_fresh,
                                const void* __restrict__ topk_w, i32 W, i32* __restrict__ range,
                                i64* __restrict__ unit_addr, i32* __restrict__ unit_lanes,
                                i32* __restrict__ unit_count, float* __restrict__ lane_w,
-                               u32* __restrict__ amax, i32* __restrict__ error) {
+                               i32* __restrict__ error) {
     __shared__ i64 s_addr[1024];
     __shared__ int s_base[1024];
     __shared__ int scan[33];
-    if (threadIdx.x < W) amax[threadIdx.x] = 0u;
     int held, total;
     group_lanes(lane_addr, lane_fresh, topk_w, W, s_addr, s_base, scan, lane_w, unit_addr,
                 unit_lanes, unit_count, &held, &total, error, true);
@@ -131,13 +130,12 @@ route_decode(const u16* __restrict__ x, i32 T, i32 H,
              const i64* __restrict__ lane_addr, const i32* __restrict__ lane_fresh,
              const void* __restrict__ topk_w, i32 W,
              i32* __restrict__ range, i64* __restrict__ unit_addr, i32* __restrict__ unit_lanes,
-             i32* __restrict__ unit_count, float* __restrict__ lane_w, u32* __restrict__ amax,
-             i32* __restrict__ error) {
+             i32* __restrict__ unit_count, float* __restrict__ lane_w, i32* __restrict__ error) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (int t = warp; t < T; t += blockDim.x >> 5)
         prep_row(x + (i64)t * H, H, xh + (i64)t * HP, xscale + t, lane);
     align_block(lane_addr, lane_fresh, topk_w, W, range, unit_addr, unit_lanes, unit_count, lane_w,
-                amax, error);
+                error);
 }
 
 extern "C" __global__ void __launch_bounds__(1024)

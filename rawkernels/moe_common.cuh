@@ -23,6 +23,13 @@ CUPOOL_DEVICE u32 ld_u16_nc(const void* p) {
     return v;
 }
 
+CUPOOL_DEVICE u32x4 ld_u32x4_cg(const void* p) {
+    u32x4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 CUPOOL_DEVICE float ld_f32_cg(const float* p) {     // L2 only: data written by other blocks
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
@@ -44,11 +51,13 @@ CUPOOL_DEVICE void dequant_chunk(const u32x4& w, u32 scales, u32 (&a)[4][4]) {
     dequant_tile<BF>(w.w, s, a[3]);
 }
 
-// Eight words (16 activations) from a 16-byte aligned address, global or shared: a lane's B
-// fragments of one chunk and n-tile (layout.py: its 16 columns are contiguous).
+// Eight words (16 activations) from a 16-byte aligned address, global or shared (CG: global
+// through L2 only, for data other blocks of the launch wrote): a lane's B fragments of one chunk
+// and n-tile (layout.py: its 16 columns are contiguous).
+template <bool CG = false>
 CUPOOL_DEVICE void load_cols16(const u16* p, u32 (&b)[8]) {
-    const u32x4 lo = *reinterpret_cast<const u32x4*>(p);
-    const u32x4 hi = *reinterpret_cast<const u32x4*>(p + 8);
+    const u32x4 lo = CG ? ld_u32x4_cg(p) : *reinterpret_cast<const u32x4*>(p);
+    const u32x4 hi = CG ? ld_u32x4_cg(p + 8) : *reinterpret_cast<const u32x4*>(p + 8);
     b[0] = lo.x; b[1] = lo.y; b[2] = lo.z; b[3] = lo.w;
     b[4] = hi.x; b[5] = hi.y; b[6] = hi.z; b[7] = hi.w;
 }
@@ -78,34 +87,19 @@ CUPOOL_DEVICE void for_each_slot(int ntiles, int lane, const SlotInfo* si, F f) 
 }
 
 // w13 of strip pair p (acc[0] gate, acc[1] up, fp32 sums over all of K; gs_*: the global
-// scales times dequant_unscale): act[l, 16p + row] = SiLU(gate)·up at true scale for every slot's
-// lane l. ACT_BF16: act is bf16 (what w2 then multiplies as it is); else act is fp32 and amax[l]
-// is raised to max |act| (float bits, atomicMax; NaN wins), for w2's power-of-two fp16 scaling.
-template <bool ACT_BF16>
+// scales times dequant_unscale): act[l, 16p + row] = SiLU(gate)·up at true scale, in bf16 (what
+// w2 then multiplies as it is), for every slot's lane l.
 CUPOOL_DEVICE void w13_epilogue(const float (&acc)[2][NTILES][4], int ntiles, const SlotInfo* si,
-                                float gs_gate, float gs_up, int p, int lane, void* act, u32* amax) {
+                                float gs_gate, float gs_up, int p, int lane, u16* act) {
     const int g = lane >> 2;
     for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
+        if (l < 0) return;
         const float ts = si->scale[n];
-        float m = 0.0f;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const float gate = acc[0][nt][2 * half + e] * gs_gate * ts;
             const float up = acc[1][nt][2 * half + e] * gs_up * ts;
-            const float a = gate / (1.0f + __expf(-gate)) * up;
-            const i64 at = (i64)l * IP + p * 16 + g + 8 * half;
-            if (ACT_BF16) {
-                if (l >= 0) static_cast<u16*>(act)[at] = f32_to_bf16(a);
-            } else {
-                if (l >= 0) static_cast<float*>(act)[at] = a;
-                m = nan_max(m, fabsf(a));
-            }
-        }
-        if (!ACT_BF16) {
-            // max over the 8 row groups g holding this slot, then one atomic per slot
-#pragma unroll
-            for (int o = 4; o < 32; o <<= 1) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, o));
-            if (g == 0 && l >= 0) atomicMax(amax + l, __float_as_uint(m));
+            act[(i64)l * IP + p * 16 + g + 8 * half] = f32_to_bf16(gate / (1.0f + __expf(-gate)) * up);
         }
     });
 }

@@ -18,9 +18,8 @@
 // bulk copy (a chunk's scale bytes follow its packed codes, layout.py), so the bytes in flight
 // are bounded by shared memory, not registers. w13 multiplies x as it is: its weights are
 // dequantised to the model's dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish
-// before the first multiply.
-// w2 stages its unit's act rows in shared memory as fp16 (power-of-two scaled by the lane's amax)
-// after the wait.
+// before the first multiply. w13 writes SiLU·up as bf16 act rows; after the wait, w2 reads its B
+// fragments straight from them (L2) and multiplies them with bf16-dequantised weights.
 //
 // Front: every block groups the call's lanes into units itself (group_lanes, in shared memory:
 // the lane table is a few hundred bytes, and a block's first weight loads then wait for one read
@@ -31,8 +30,7 @@
 // bit for bit.
 //
 // Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 items of unit u
-// done. The last block of a launch puts them, and amax of its lanes, back to zero; group_done is
-// reset by its last unit.
+// done. The last block of a launch puts them back to zero; group_done is reset by its last unit.
 #include "common.cuh"
 #include "mma_fp4.cuh"
 
@@ -108,7 +106,6 @@ static_assert(WARPS % KS2 == 0, "W2_KSPLIT must divide the block's 8 warps");
 static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per thread");
 constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
-constexpr int XS2 = IP + 8;                // fp16 per staged act row: (IP+8)/2 words ≡ 4 mod 32
 
 // One warp's stage buffers: [buffer][chunk][576 B as in the row] (one bulk copy a stage,
 // completed on bar[buffer]). `parity`: bit b is the phase of bar[b] the next wait on it waits for.
@@ -125,19 +122,6 @@ static_assert(sizeof(WarpStages) == (8 * NBUF + 4 + 15) / 16 * 16 + NBUF * STAGE
 CUPOOL_DEVICE int ld_acquire(const i32* p) {
     int v;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-CUPOOL_DEVICE u32 ld_u32_cg(const u32* p) {
-    u32 v;
-    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
-CUPOOL_DEVICE u32x4 ld_u32x4_cg(const void* p) {
-    u32x4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
 
@@ -225,7 +209,6 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
 struct Smem {
     WarpStages* stages;     // [WARPS]
     float* red;             // [WARPS][NTILES·4][32] partial sums of K slices
-    u16* xs;                // [NT][XS2] w2: the unit's act rows, fp16, scaled
     SlotInfo* si;
     i64* unit_addr;         // [MAXW] row of each unit
     float* lane_w;          // [MAXW] router weight of each lane (0: padding or rejected)
@@ -237,8 +220,7 @@ CUPOOL_DEVICE Smem carve(u8* smem) {
     Smem m;
     m.stages = reinterpret_cast<WarpStages*>(smem);
     m.red = reinterpret_cast<float*>(smem + WARPS * sizeof(WarpStages));
-    m.xs = reinterpret_cast<u16*>(m.red + WARPS * NTILES * 4 * 32);
-    m.si = reinterpret_cast<SlotInfo*>(m.xs + NT * XS2);
+    m.si = reinterpret_cast<SlotInfo*>(m.red + WARPS * NTILES * 4 * 32);
     m.unit_addr = reinterpret_cast<i64*>(m.si + 1);
     m.lane_w = reinterpret_cast<float*>(m.unit_addr + MAXW);
     m.unit_lanes = reinterpret_cast<u8*>(m.lane_w + MAXW);
@@ -286,8 +268,7 @@ struct Args {
     u64* trace;
     const u16* x;
     int topk, tokens, hidden, all_units;
-    float* act;
-    u32* amax;
+    u16* act;
     float* yw;
     i32* group_done;
     i32* unit_done;
@@ -374,9 +355,9 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
         sum_partials(m, 0, KS13, lane, gu[0]);
         sum_partials(m, KS13, KS13, lane, gu[1]);
         if (!ABLATE(8)) {
-            w13_epilogue<false>(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
-                                gs_up * dequant_unscale<IN_BF16>(), p, lane, a.act, a.amax);
-            __threadfence();                                   // act and amax before the count
+            w13_epilogue(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
+                         gs_up * dequant_unscale<IN_BF16>(), p, lane, a.act);
+            __threadfence();                                   // act before the count
         }
     }
     __syncthreads();
@@ -397,37 +378,30 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     WarpStages& ws = m.stages[warp];
     issue_first(ws, strip, c0, c1, lane);
     const float gs_down = reinterpret_cast<const float*>(row)[2];
-    if (threadIdx.x < NT) m.si->lane[threadIdx.x] = slot_lane(m, u);
+    if (threadIdx.x < NT) {
+        m.si->lane[threadIdx.x] = slot_lane(m, u);
+        m.si->scale[threadIdx.x] = 1.0f;                       // act goes in as w13 wrote it
+    }
     if (!ABLATE(4)) wait_count(a.unit_done + u, NP, a.error);   // the unit's act is complete
     else __syncthreads();
     stamp(a.trace, item, 1);
     const int ntiles = (m.unit_count[u] + 7) >> 3;
-    // stage act rows (fp32, L2: written by other blocks) as fp16 / the slot's power-of-two scale
-    // (each thread reads the amax of its rows itself: no extra round trip and barrier)
-    if (threadIdx.x < NT) {
-        const int l = m.si->lane[threadIdx.x];
-        m.si->scale[threadIdx.x] = l >= 0 ? pow2_scale(__uint_as_float(ld_u32_cg(a.amax + l))) : 1.0f;
-    }
-    constexpr int VPR = IP / 4;
-    for (int v = threadIdx.x; v < ntiles * 8 * VPR; v += THREADS) {
-        const int n = v / VPR, col = (v % VPR) * 4;
-        const int l = m.si->lane[n];
-        u32 lo = 0u, hi = 0u;
-        if (l >= 0) {
-            const u32x4 f = ld_u32x4_cg(a.act + (i64)l * IP + col);
-            const float inv = 1.0f / pow2_scale(__uint_as_float(ld_u32_cg(a.amax + l)));
-            lo = (u32)f32_to_f16(__uint_as_float(f.x) * inv) | ((u32)f32_to_f16(__uint_as_float(f.y) * inv) << 16);
-            hi = (u32)f32_to_f16(__uint_as_float(f.z) * inv) | ((u32)f32_to_f16(__uint_as_float(f.w) * inv) << 16);
-        }
-        u32* dst = reinterpret_cast<u32*>(m.xs + n * XS2 + col);
-        dst[0] = lo;
-        dst[1] = hi;
-    }
-    __syncthreads();
     const int g = lane >> 2, t = lane & 3;
+    // B straight from the unit's act rows (bf16, written by other blocks: L2 loads)
+    const u16* arow[NTILES];
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt) {
+        const int l = m.si->lane[nt * 8 + g];
+        arow[nt] = l >= 0 ? a.act + (i64)l * IP : nullptr;
+    }
     float acc[NTILES][4] = {};
-    run_stages<false>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, u32 (&b)[8]) {
-        load_cols16(m.xs + (nt * 8 + g) * XS2 + c * 64 + 16 * t, b);
+    run_stages<true>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, u32 (&b)[8]) {
+        if (arow[nt] != nullptr) {
+            load_cols16<true>(arow[nt] + c * 64 + 16 * t, b);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) b[i] = 0u;
+        }
     });
     stamp(a.trace, item, 2);
     if (KS2 > 1) {
@@ -436,7 +410,7 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
         if (ks == 0) sum_partials(m, warp, KS2, lane, acc);
     }
     if (!ABLATE(16) && ks == 0 && st < NS)
-        w2_epilogue(acc, ntiles, m.si, gs_down * dequant_unscale<false>(), st, lane, m.lane_w,
+        w2_epilogue(acc, ntiles, m.si, gs_down * dequant_unscale<true>(), st, lane, m.lane_w,
                     a.topk, a.hidden, false, a.yw, nullptr);
     // the last unit to finish this strip group sums over top-k in fixed order
     if (!ABLATE(16) && last_arrival(a.group_done + grp, a.all_units, s_last))
@@ -452,8 +426,7 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
            const void* __restrict__ topk_w,      // [W] router weights, W_DTYPE
            i32 W, i32 topk,
            i32 part,                             // 0: rows in place, 1: fresh rows, 2: all
-           float* __restrict__ act,              // [W, IP]
-           u32* __restrict__ amax,               // [W] zero at rest
+           u16* __restrict__ act,                // [W, IP] bf16
            float* __restrict__ yw,               // [W, HP]
            i32* __restrict__ group_done,         // [G2] zero at rest
            i32* __restrict__ sync,               // [2 + W] zero at rest
@@ -469,7 +442,7 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     if (threadIdx.x == 0) {
         a.trace = trace;
         a.x = x; a.topk = topk; a.tokens = tokens; a.hidden = hidden;
-        a.act = act; a.amax = amax; a.yw = yw; a.group_done = group_done;
+        a.act = act; a.yw = yw; a.group_done = group_done;
         a.unit_done = sync + 2; a.out = out; a.error = error;
     }
     {   // unit table of the call; scratch in the (not yet used) stages
@@ -515,14 +488,11 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
         __syncthreads();                                       // next item known, smem free
         item = s_ticket;
     }
-    // the last block out puts the counters and its lanes' amax back to zero for the next launch
+    // the last block out puts the counters back to zero for the next launch
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
-            for (int u = rg.first; u < rg.first + rg.count; ++u) {
-                a.unit_done[u] = 0;
-                for (int s = 0; s < m.unit_count[u]; ++s) amax[m.unit_lanes[u * NT + s]] = 0u;
-            }
+            for (int u = rg.first; u < rg.first + rg.count; ++u) a.unit_done[u] = 0;
             sync[0] = 0;
             sync[1] = 0;
             __threadfence();

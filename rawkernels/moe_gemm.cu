@@ -339,8 +339,8 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         ksplit_reduce<2>(acc, red, wm, ks, lane);
         if (ks == 0 && active) {
             const float* hdr = reinterpret_cast<const float*>(row);
-            w13_epilogue<true>(acc, ntiles, si, hdr[0] * dequant_unscale<false>(),
-                               hdr[1] * dequant_unscale<false>(), p, lane, act, nullptr);
+            w13_epilogue(acc, ntiles, si, hdr[0] * dequant_unscale<false>(),
+                         hdr[1] * dequant_unscale<false>(), p, lane, act);
         }
     }
 }

@@ -3,7 +3,7 @@ pytest does not collect it).
 
 Decode calls at padded and Qwen3-30B-A3B dimensions, with weights in bank, staging and host rows,
 one pass and split in two launches (rows in place, then fresh ones), each compared with the
-float reference; the counters and amax must be back at zero after every call. Exits non-zero on
+float reference; the counters must be back at zero after every call. Exits non-zero on
 any mismatch.
 
     compute-sanitizer --tool memcheck  python tests/gpu_decode_sanitize.py
@@ -23,7 +23,7 @@ from test_gpu_gemm import TOL, Placed, rel_err, routing
 
 def at_rest(gemm: MoEGemm) -> bool:
     d = gemm._d
-    return all(int(d[k].abs().sum()) == 0 for k in ("sync", "group_done", "amax"))
+    return all(int(d[k].abs().sum()) == 0 for k in ("sync", "group_done"))
 
 
 def main() -> int:

@@ -90,8 +90,6 @@ def assert_counters_at_rest(gemm):
     torch.cuda.synchronize()
     assert int(gemm._d["sync"].abs().sum()) == 0, gemm._d["sync"][:8].tolist()
     assert int(gemm._d["group_done"].abs().sum()) == 0
-    if gemm.decode_kernel == "fused":           # its lanes' amax too (route_decode zeroes it first)
-        assert int(gemm._d["amax"].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 7, 16])
@@ -171,7 +169,7 @@ def test_decode_padding_duplicates_nan_weight(small):
 
 def test_decode_wide_call_then_fused_call(small):
     """More than 256 lanes take route_decode + the w13/w2 pair even on a fused MoEGemm; the next
-    narrow call (moe_decode) still starts from zeroed amax and counters."""
+    narrow call (moe_decode) still starts from zeroed counters."""
     gen = torch.Generator().manual_seed(77)
     K = 5
     gemm = MoEGemm(small.layout, K, torch.bfloat16, max_decode_tokens=64)

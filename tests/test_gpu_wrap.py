@@ -2,9 +2,9 @@
 
 The reference is the same model after `pool.unwrap()`, which puts the experts' dequantized NVFP4
 weights back (bf16), run by transformers' own experts implementation. Tolerances:
-- logits: relative Frobenius error ≤ 3e-2. The pooled GEMM uses the exact NVFP4 weights with
-  fp16 activations; the reference rounds the same weights to bf16 and multiplies in bf16, and the
-  difference goes through the rest of the model in bf16.
+- logits: relative Frobenius error ≤ 3e-2. The pooled GEMM uses the exact NVFP4 weights and
+  rounds SiLU·up to bf16; the reference rounds the same weights to bf16 and multiplies in bf16,
+  and the difference goes through the rest of the model in bf16.
 - greedy tokens: identical for 32 steps, except where the reference's own top-2 logit gap at that
   step is below 0.05 (a tie within bf16 noise, where either token is right); the test reports how
   many steps were compared and fails on any other difference.
