@@ -19,14 +19,19 @@ scales. It is laid out for the tensor-core fragments of `mma.m16n8k16` (A operan
     +-------------------------+-------------------------+-----
     chunk c (columns 64c … 64c+63), packed part: 32 lanes × 16 B; lane L = 4g + t (g = L // 4,
     t = L % 4) holds 4 words; word q is k-tile q of the mma, whose k-slots 2t, 2t+1, 2t+8, 2t+9
-    are the columns k0 … k0+3, k0 = 64c + 16t + 4q:
-        nibble 0: (row g,   k0)      nibble 4: (row g,   k0+1)
-        nibble 1: (row g+8, k0)      nibble 5: (row g+8, k0+1)
-        nibble 2: (row g,   k0+2)    nibble 6: (row g,   k0+3)
-        nibble 3: (row g+8, k0+2)    nibble 7: (row g+8, k0+3)
-    (nibble n = bits 4n..4n+3; each the E2M1 code s·e1·e0·m). Nibbles j and j+4 are the two
-    halves of the j-th A-fragment register of the mma, so a warp's one 16-byte load per lane is
-    four k-tiles of A, coalesced into 512 contiguous bytes, and dequantisation needs no shuffles.
+    are the columns k0 … k0+3, k0 = 64c + 16t + 4q. A word holds 8 E2M1 codes (s·e1·e0·m) in
+    slots n = 0 … 7:
+        slot 0: (row g,   k0)      slot 4: (row g,   k0+1)
+        slot 1: (row g+8, k0)      slot 5: (row g+8, k0+1)
+        slot 2: (row g,   k0+2)    slot 6: (row g,   k0+3)
+        slot 3: (row g+8, k0+2)    slot 7: (row g+8, k0+3)
+    Slots j and j+4 are the low and high half of the j-th A-fragment register of the mma, so a
+    warp's one 16-byte load per lane is four k-tiles of A, coalesced into 512 contiguous bytes,
+    and dequantisation needs no shuffles. Slot n = 4h + j sits in 16-bit half h of the word: its
+    magnitude bits e1·e0·m at bits 16h + 3j … 16h + 3j + 2 (m lowest) and its sign at bit
+    16h + 12 + (j xor 1). (Signs apart from magnitudes: moved into fp16 or bf16 positions, the
+    magnitude and sign of registers 1 and 2 then need one shift or none, and the other shifts
+    are shared, mma_fp4.cuh.)
     Lane t's columns of a chunk are the 16 consecutive columns 64c + 16t …: its B fragments are
     32 contiguous bytes of an activation row, and all its weights lie in one 16-column scale block
     per row.
@@ -104,13 +109,13 @@ class RowLayout:
 
 # --- strip packing ------------------------------------------------------------------------------
 def _lane_order(kp: int) -> np.ndarray:
-    """Index map [Kp/64, 32 lanes, 4 words, 8 nibbles] -> (row in strip, column) as flat r*Kp+k."""
+    """Index map [Kp/64, 32 lanes, 4 words, 8 slots] -> (row in strip, column) as flat r*Kp+k."""
     c = np.arange(kp // 64)[:, None, None, None]
     lane = np.arange(32)[None, :, None, None]
     q = np.arange(4)[None, None, :, None]
     n = np.arange(8)[None, None, None, :]
     g, t = lane // 4, lane % 4
-    row = g + 8 * (n % 2)                          # nibbles 1,3,5,7 are row g+8
+    row = g + 8 * (n % 2)                          # slots 1,3,5,7 are row g+8
     col = 64 * c + 16 * t + 4 * q + 2 * ((n // 2) % 2) + (n // 4)
     return (row * kp + col).reshape(-1)
 
@@ -175,23 +180,52 @@ def strip_scales(strips: torch.Tensor, kp: int) -> torch.Tensor:
     return strips.view(*strips.shape[:-1], kp // 64, CHUNK_BYTES)[..., CHUNK_CODES:]
 
 
+def _sign_bit(j: int) -> int:
+    """Bit of slot j's sign in its 16-bit half (the docstring's 12 + (j xor 1))."""
+    return 12 + (j ^ 1)
+
+
+def _words(slots: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., 8] in slot order -> the word's 4 bytes [..., 4] (little-endian)."""
+    c = slots.to(torch.int32)
+    out = []
+    for h in range(2):
+        half = torch.zeros_like(c[..., 0])
+        for j in range(4):
+            code = c[..., 4 * h + j]
+            half |= ((code & 7) << (3 * j)) | ((code >> 3) << _sign_bit(j))
+        out += [half & 0xFF, half >> 8]
+    return torch.stack(out, dim=-1).to(torch.uint8)
+
+
+def _unwords(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_words`: bytes [..., 4] -> uint8 codes [..., 8] in slot order."""
+    b = words.to(torch.int32)
+    out = []
+    for h in range(2):
+        half = b[..., 2 * h] | (b[..., 2 * h + 1] << 8)
+        for j in range(4):
+            out.append(((half >> (3 * j)) & 7) | (((half >> _sign_bit(j)) & 1) << 3))
+    return torch.stack(out, dim=-1).to(torch.uint8)
+
+
 def _strips(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.Tensor:
     """Strips of a [16·s, Kp] code matrix and its [16·s, Kp/16] scale bytes -> uint8 [s, 9·Kp]."""
     n = codes.shape[0]
     s = n // 16
     order = _order(kp)
-    c = codes.reshape(s, 16 * kp)[:, order].reshape(s, -1, 2)           # nibble pairs
-    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(s, kp // 64, CHUNK_CODES)
+    c = codes.reshape(s, 16 * kp)[:, order].reshape(s, -1, 8)           # the slots of each word
+    packed = _words(c).reshape(s, kp // 64, CHUNK_CODES)
     return torch.cat([packed, _chunk_scales(scales, kp)], dim=2).reshape(s, 9 * kp)
 
 
 def _unstrips(strips: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `_strips`: uint8 [s, 9·Kp] -> codes [16·s, Kp], scale bytes [16·s, Kp/16]."""
     s = strips.shape[0]
-    packed = strips.reshape(s, kp // 64, CHUNK_BYTES)[:, :, :CHUNK_CODES].reshape(s, 8 * kp)
-    nib = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(s, 16 * kp)
-    codes = torch.empty_like(nib)
-    codes[:, _order(kp)] = nib
+    packed = strips.reshape(s, kp // 64, CHUNK_BYTES)[:, :, :CHUNK_CODES].reshape(s, 2 * kp, 4)
+    slots = _unwords(packed).reshape(s, 16 * kp)
+    codes = torch.empty_like(slots)
+    codes[:, _order(kp)] = slots
     return codes.reshape(16 * s, kp), _row_scales(strip_scales(strips, kp), kp)
 
 
@@ -284,8 +318,7 @@ def _strips_stack(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.T
     e, n = codes.shape[0], codes.shape[1]
     s = n // 16
     c = codes.reshape(e, s, 16 * kp).index_select(2, _order_on(kp, codes.device))
-    c = c.reshape(e, s, 8 * kp, 2)
-    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(e, s, kp // 64, CHUNK_CODES)
+    packed = _words(c.reshape(e, s, 2 * kp, 8)).reshape(e, s, kp // 64, CHUNK_CODES)
     return torch.cat([packed, _chunk_scales(scales, kp)], dim=3).reshape(e, s, 9 * kp)
 
 
@@ -322,7 +355,7 @@ def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4
         raise ValueError(f"out: expected uint8 [{e}, >= {layout.row_bytes}], got {out.dtype} "
                          f"{list(out.shape)}")
     if chunk is None:
-        chunk = max(1, (1 << 30) // (8 * 3 * hp * ip))     # ~8 bytes of temporaries per code
+        chunk = max(1, (1 << 30) // (16 * 3 * hp * ip))    # ~16 bytes of temporaries per code
     for lo in range(0, e, chunk):
         hi = min(e, lo + chunk)
         part = [q[lo:hi] for q in (gate, up, down)]

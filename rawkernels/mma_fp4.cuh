@@ -18,14 +18,21 @@
 template <int S>
 CUPOOL_DEVICE u32 shift_left(u32 w) { return S >= 0 ? w << (S & 31) : w >> ((-S) & 31); }
 
-// Nibble pair j (lo = nibble j, hi = nibble j+4) of a layout word -> fp16x2 of E2M1 · 2^-14 or
-// bf16x2 of E2M1 · 2^-126. J is a compile-time constant so the shifts are immediates.
+// Slot pair J (lo = slot J, hi = slot J+4) of a layout word -> fp16x2 of E2M1 · 2^-14 or bf16x2
+// of E2M1 · 2^-126. Slot 4h + J keeps its magnitude e1·e0·m at bits 16h + 3J … (m lowest) and its
+// sign at bit 16h + 12 + (J xor 1) (layout.py); they go to bits MAG … and 15 of each half. Where
+// both need the same shift (J = 1 and 2 for bf16) one shift and one mask do it; the other
+// shifts are shared between registers (bf16: 5 shifts and 6 masks for the word's 4 registers,
+// fp16: 5 and 8). J is a compile-time constant so the shifts are immediates.
 template <bool BF, int J>
 CUPOOL_DEVICE u32 fp4x2_raw(u32 w) {
-    constexpr int MAG = (BF ? 6 : 9) - 4 * J;           // e1 e0 m to bits MAG.. of each half
-    const u32 mag = shift_left<MAG>(w) & (BF ? 0x01C001C0u : 0x0E000E00u);
-    const u32 sgn = shift_left<12 - 4 * J>(w) & 0x80008000u;
-    return mag | sgn;
+    constexpr u32 MAG = BF ? 0x01C001C0u : 0x0E000E00u;       // e1 e0 m of each half
+    constexpr int MAG_SHIFT = (BF ? 6 : 9) - 3 * J;
+    constexpr int SIGN_SHIFT = 3 - (J ^ 1);                   // bit 12 + (J xor 1) -> 15
+    if constexpr (MAG_SHIFT == SIGN_SHIFT)
+        return shift_left<MAG_SHIFT>(w) & (MAG | 0x80008000u);
+    else
+        return (shift_left<MAG_SHIFT>(w) & MAG) | (shift_left<SIGN_SHIFT>(w) & 0x80008000u);
 }
 
 template <bool BF>
@@ -73,7 +80,7 @@ CUPOOL_DEVICE u32 splat(u32 v) {
     return d;
 }
 
-// A fragments of one 16x16 k-tile: word w (this lane's 8 nibbles) with the scale pair of rows g
+// A fragments of one 16x16 k-tile: word w (this lane's 8 codes) with the scale pair of rows g
 // (low half) and g+8 (high half), which is the same for all four k-tiles of a chunk.
 template <bool BF>
 CUPOOL_DEVICE void dequant_tile(u32 w, u32 s, u32 (&a)[4]) {

@@ -32,11 +32,26 @@ def shift_left(w: int, s: int) -> int:
     return (w << s) & MASK32 if s >= 0 else w >> -s
 
 
+def slot_word(slots: list[int]) -> int:
+    """A layout word from its 8 codes in slot order, straight from layout.py's docstring: slot
+    4h + j's magnitude at bits 16h + 3j …, its sign at bit 16h + 12 + (j xor 1)."""
+    w = 0
+    for n, code in enumerate(slots):
+        h, j = divmod(n, 4)
+        w |= (code & 7) << (16 * h + 3 * j) | (code >> 3) << (16 * h + 12 + (j ^ 1))
+    return w
+
+
 def fp4x2_raw(w: int, bf: bool, j: int) -> int:
-    """The kernel's fp4x2_raw<BF, J>: nibble j -> low half, nibble j + 4 -> high half."""
-    mag = shift_left(w, (6 if bf else 9) - 4 * j) & (0x01C001C0 if bf else 0x0E000E00)
-    sgn = shift_left(w, 12 - 4 * j) & 0x80008000
+    """The kernel's fp4x2_raw<BF, J>: slot j -> low half, slot j + 4 -> high half."""
+    mag = shift_left(w, (6 if bf else 9) - 3 * j) & (0x01C001C0 if bf else 0x0E000E00)
+    sgn = shift_left(w, 3 - (j ^ 1)) & 0x80008000
     return mag | sgn
+
+
+def raw_of_code(code: int, bf: bool) -> int:
+    """The low half fp4x2_raw gives for `code` alone in slot 0."""
+    return fp4x2_raw(slot_word([code] + [0] * 7), bf, 0) & 0xFFFF
 
 
 def scale_raw(pair: int, bf: bool) -> int:
@@ -64,17 +79,27 @@ CODES = range(16)
 SCALES = [b for b in range(128) if b != 0x7F]          # 0x7F is E4M3 NaN
 
 
+def test_slot_word_is_the_packers_word():
+    """The docstring's word (slot_word) is byte for byte what layout.py's packer writes."""
+    from cupool.layout import _unwords, _words
+    rng = np.random.default_rng(7)
+    slots = rng.integers(0, 16, size=(500, 8))
+    packed = _words(torch.tensor(slots, dtype=torch.uint8)).numpy()
+    for codes, b in zip(slots.tolist(), packed):
+        assert int.from_bytes(bytes(b.tolist()), "little") == slot_word(codes), codes
+    assert torch.equal(_unwords(torch.tensor(packed)), torch.tensor(slots, dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("j", range(4))
 @pytest.mark.parametrize("bf", [False, True], ids=["fp16", "bf16"])
-def test_nibble_placement_routes_every_nibble(bf, j):
-    """fp4x2_raw<BF, J> of a word puts nibble j in the low half and nibble j + 4 in the high
-    half, at the same bits whatever the other nibbles hold."""
+def test_slot_placement_routes_every_slot(bf, j):
+    """fp4x2_raw<BF, J> of a word puts slot j's code in the low half and slot j + 4's in the high
+    half, at the bits that code alone in slot 0 gets, whatever the other slots hold."""
     rng = np.random.default_rng(j)
-    for w in rng.integers(0, 2 ** 32, size=200, dtype=np.uint64).tolist():
-        lo, hi = halves(fp4x2_raw(w, bf, j))
-        for half, nib in ((lo, (w >> 4 * j) & 15), (hi, (w >> 4 * (j + 4)) & 15)):
-            alone = fp4x2_raw(nib << 4 * j, bf, j) & 0xFFFF
-            assert half == alone, (hex(w), j)
+    for slots in rng.integers(0, 16, size=(200, 8)).tolist():
+        lo, hi = halves(fp4x2_raw(slot_word(slots), bf, j))
+        assert lo == raw_of_code(slots[j], bf), (slots, j)
+        assert hi == raw_of_code(slots[j + 4], bf), (slots, j)
 
 
 @pytest.mark.parametrize("bf", [False, True], ids=["fp16", "bf16"])
@@ -87,7 +112,7 @@ def test_scale_bytes_route_to_their_halves(bf):
 
 
 def test_fp16_dequantised_weights_are_exact():
-    codes = np.array([f16(fp4x2_raw(c, False, 0) & 0xFFFF) for c in CODES], dtype=np.float16)
+    codes = np.array([f16(raw_of_code(c, False)) for c in CODES], dtype=np.float16)
     for b in SCALES:
         s = f16(scale_raw(b, False) & 0xFFFF) * np.float16(2.0 ** 15)
         assert float(s) == e4m3(b) * 2 ** 7, b
@@ -97,7 +122,7 @@ def test_fp16_dequantised_weights_are_exact():
 
 
 def test_bf16_dequantised_weights_are_exact():
-    codes = bf16([fp4x2_raw(c, True, 0) & 0xFFFF for c in CODES])
+    codes = bf16([raw_of_code(c, True) for c in CODES])
     assert torch.equal(codes.double(), torch.tensor([e2m1(c) * 2.0 ** -126 for c in CODES],
                                                     dtype=torch.float64))
     p120 = torch.tensor(2.0 ** 120, dtype=torch.bfloat16)
@@ -123,8 +148,9 @@ def test_the_mirror_matches_the_kernel_source():
     mirrored here, or this fails)."""
     from cupool import kernels
     src = (kernels.kernel_dir() / "mma_fp4.cuh").read_text()
-    for text in ("(BF ? 6 : 9) - 4 * J", "(BF ? 0x01C001C0u : 0x0E000E00u)",
-                 "shift_left<12 - 4 * J>(w) & 0x80008000u",
+    for text in ("MAG_SHIFT = (BF ? 6 : 9) - 3 * J", "MAG = BF ? 0x01C001C0u : 0x0E000E00u",
+                 "SIGN_SHIFT = 3 - (J ^ 1)", "shift_left<SIGN_SHIFT>(w) & 0x80008000u",
+                 "shift_left<MAG_SHIFT>(w) & (MAG | 0x80008000u)",
                  "__byte_perm(pair, 0u, 0x4140)",
                  "(spread << 4) & 0x07F007F0u, BF16X2_2P120), BF16X2_2P118)",
                  "(spread << 7) & 0x3F803F80u, FP16X2_2P15)", "#define FP16X2_2P15 0x78007800u",

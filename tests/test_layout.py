@@ -24,7 +24,7 @@ def _strip_base(layout, matrix, r):
 
 
 def _spec_position(layout, matrix, r, k):
-    """Byte offset and nibble (0 low, 1 high) of element (r, k), straight from the docstring."""
+    """Byte offset of the word holding element (r, k) and its slot there, from the docstring."""
     base = _strip_base(layout, matrix, r)
     rr = r % 16
     g, lower = rr % 8, rr // 8
@@ -32,7 +32,14 @@ def _spec_position(layout, matrix, r, k):
     t, q, j = kk // 16, (kk % 16) // 4, kk % 4          # column k0 + j, k0 = 64c + 16t + 4q
     n = lower + 2 * (j // 2) + 4 * (j % 2)
     lane = 4 * g + t
-    return base + c * 576 + lane * 16 + q * 4 + n // 2, n % 2
+    return base + c * 576 + lane * 16 + q * 4, n
+
+
+def _slot_code(word: int, n: int) -> int:
+    """The code in slot n = 4h + j of a word, from the docstring: magnitude at bits 16h + 3j …,
+    sign at bit 16h + 12 + (j xor 1)."""
+    h, j = divmod(n, 4)
+    return (word >> (16 * h + 3 * j)) & 7 | ((word >> (16 * h + 12 + (j ^ 1))) & 1) << 3
 
 
 def _spec_scale_offset(layout, matrix, r, b):
@@ -67,8 +74,9 @@ def test_placement_matches_docstring(H, I, rng):
         for _ in range(200):
             r, c = int(rng.integers(n)), int(rng.integers(k))
             code = (packed[r, c // 2] >> (4 * (c % 2))) & 0xF
-            off, nib = _spec_position(layout, name, r, c)
-            assert (row[off] >> (4 * nib)) & 0xF == code, (name, r, c)
+            off, slot = _spec_position(layout, name, r, c)
+            word = int.from_bytes(bytes(row[off:off + 4].tolist()), "little")
+            assert _slot_code(word, slot) == code, (name, r, c)
             b = c // 16
             sc = int(q.block_scale[r, b].view(torch.uint8))
             assert row[_spec_scale_offset(layout, name, r, b)] == sc, (name, r, b)
