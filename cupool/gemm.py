@@ -340,19 +340,31 @@ class MoEGemm:
             out if out is not None else dummy, out32 if out32 is not None else dummy),
             shared_mem=s2, device=self.device)
 
-    def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int) -> tuple:
+    def _fused_minb(self, nt: int, lanes: int) -> int:
+        """Blocks per SM moe_decode's register use must allow for a call of `lanes` lanes.
+
+        4 (63 registers, 32 warps an SM) where the call's w13 items alone (lanes · Ip/16, an
+        upper bound: lanes of one expert share a unit) fill a grid of 4 blocks per SM; else 3
+        (80 registers). Measured on the H200 (session 10, same outputs bit for bit): 4 is 10%,
+        6% and 12% faster at H=2048 T=4 (1,536 items), H=4096 T=1 (768) and T=4 (3,072), K=8,
+        and 5% slower at H=2048 T=1 (384 items, fewer than the 528 blocks). Units of 16 lanes
+        (calls of more than 64 lanes) spill at 64 registers and keep 3.
+        """
+        if "MINB" in self._fused_extra:
+            return self._fused_extra["MINB"]
+        return 4 if nt == 8 and lanes * (self.layout.ip // 16) >= 4 * self.sms else 3
+
+    def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int, minb: int = 3) -> tuple:
         """(kernel, grid, shared memory) of moe_decode for units of nt lanes, calls of ≤ maxw
-        lanes, x's dtype and alignment and the router weights' dtype."""
+        lanes, x's dtype and alignment, the router weights' dtype and `minb` blocks per SM."""
         xalign = int(x.data_ptr() % 16 == 0)       # a lane reads 16 columns as two 16-byte words
-        key = ("fused", nt, maxw, xalign, w_dtype)
+        key = ("fused", nt, maxw, xalign, w_dtype, minb)
         got = self._pairs.get(key)
         if got is None:
             ring = _fused_stage_bytes(self._fused_extra.get("STAGE", 4),
                                       self._fused_extra.get("NBUF", 2))
             smem = (_FUSED_WARPS * ring + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
                     + nt * 8 + maxw * (8 + 4 + nt + 1))      # moe_decode.cu's carve
-            # 3 blocks of 8 warps per SM (80 registers): measured faster than 4 at 64 registers
-            minb = self._fused_extra.get("MINB", 3)
             d = {**self.layout.defines(), "NT": nt, "MAXW": maxw, "OUT_BF16": _DTYPES[self.dtype],
                  "IN_BF16": _DTYPES[self.dtype], "W_DTYPE": w_dtype, "XALIGN": xalign,
                  "HFULL": int(self.layout.hidden == self.layout.hp), "MINB": minb,
@@ -365,7 +377,7 @@ class MoEGemm:
         T, K = x.shape[0], self.topk
         W = T * K
         nt, maxw = (8, 64) if W <= 64 else (16, 256)
-        fn, grid, smem = self._fused(nt, maxw, x, _W_DTYPES[w.dtype])
+        fn, grid, smem = self._fused(nt, maxw, x, _W_DTYPES[w.dtype], self._fused_minb(nt, W))
         d = self._d
         kernels.launch(fn, grid, 32 * _FUSED_WARPS, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,

@@ -79,6 +79,33 @@ def test_prefill_config_fits_its_blocks_per_sm_without_spills(nvcc, tmp_path, mi
         assert max(spills) > 0, f"expected moe_w13 to spill at MINB={minb}: {spills}"
 
 
+@pytest.mark.parametrize("nt,minb,spill", [(8, 3, False), (8, 4, False), (16, 3, False),
+                                           (16, 4, True)])
+def test_decode_blocks_per_sm_without_spills(nvcc, tmp_path, nt, minb, spill):
+    """MoEGemm._fused_minb asks moe_decode for 4 blocks per SM (64 registers) only with units
+    of 8 lanes: they fit without spills, units of 16 do not (the counter-check)."""
+    defines = {**RowLayout(2048, 768).defines(), "NT": nt, "MAXW": 64 if nt == 8 else 256,
+               "MINB": minb}
+    spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_decode.cu", defines,
+                          tmp_path / "out.cubin")
+    assert len(spills) == 1 and (spills[0] > 0) == spill, spills
+
+
+def test_decode_blocks_per_sm_rule():
+    """4 blocks per SM where a call's w13 items (lanes · Ip/16) fill 4 blocks on every SM."""
+    from types import SimpleNamespace
+
+    from cupool.gemm import MoEGemm
+    gemm = SimpleNamespace(_fused_extra={}, layout=RowLayout(2048, 768), sms=132)
+    assert MoEGemm._fused_minb(gemm, 8, 8) == 3               # T=1, K=8: 384 items < 528
+    assert MoEGemm._fused_minb(gemm, 8, 32) == 4              # T=4: 1,536
+    assert MoEGemm._fused_minb(gemm, 16, 128) == 3            # units of 16 lanes: never 4
+    gemm.layout = RowLayout(4096, 1536)
+    assert MoEGemm._fused_minb(gemm, 8, 8) == 4               # 768 items
+    gemm._fused_extra = {"MINB": 2}                           # a benchmark sweep's choice wins
+    assert MoEGemm._fused_minb(gemm, 8, 32) == 2
+
+
 def test_prefill_staging_fits_two_blocks_per_sm():
     """PREFILL's MINB=2 also needs two blocks' shared memory on an SM (H100/H200: 228 KiB, 1 KiB
     of it reserved per block). At Qwen3-30B-A3B dims moe_w2 stages all of I once per unit; at
