@@ -343,9 +343,9 @@ class MoEGemm:
     def _fused_minb(self, nt: int, lanes: int) -> int:
         """Blocks per SM moe_decode's register use must allow for a call of `lanes` lanes.
 
-        4 (63 registers, 32 warps an SM) where the call's w13 items alone (lanes · Ip/16, an
-        upper bound: lanes of one expert share a unit) fill a grid of 4 blocks per SM; else 3
-        (80 registers). Measured on the H200 (session 10, same outputs bit for bit): 4 is 10%,
+        4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone (lanes ·
+        Ip/16, an upper bound: lanes of one expert share a unit) fill a grid of 4 blocks per SM;
+        else 3 (at most 80 registers). Measured on the H200 (session 10, same outputs bit for bit): 4 is 10%,
         6% and 12% faster at H=2048 T=4 (1,536 items), H=4096 T=1 (768) and T=4 (3,072), K=8,
         and 5% slower at H=2048 T=1 (384 items, fewer than the 528 blocks). Units of 16 lanes
         (calls of more than 64 lanes) spill at 64 registers and keep 3.
