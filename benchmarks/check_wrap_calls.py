@@ -78,6 +78,7 @@ class CallChecker:
         from cupool.gemm import reference_moe
         from cupool.layout import unpack_row
         from cupool.nvfp4 import dequantize
+        from test_gpu_wrap import rel
         torch.cuda.synchronize()
         pool, layout = self.pool, self.pool.layout
         addrs = lane_addr.reshape(-1).tolist()
@@ -102,7 +103,7 @@ class CallChecker:
         ids = torch.tensor([i if d is not None else -1 for i, d in enumerate(deq)],
                            device=x.device).reshape(T, -1)
         ref = reference_moe(x, ids, w, deq)
-        err = (torch.linalg.norm(y.float() - ref) / torch.linalg.norm(ref)).item()
+        err = rel(y, ref)
         self.records.append(dict(layer=self._layer, err=err, where=where, experts=self._ids,
                                  stale_rows=stale, w=w.reshape(-1).float().tolist()))
         return y
@@ -112,16 +113,17 @@ def routing_report(routes: dict, ref_routes: dict, logits, ref_logits, start: in
     """Per decode step: its logit error and the layers whose chosen experts differ from the
     reference's at that position, with how far apart the swapped experts' reference router
     logits are (test_gpu_wrap.router_ties' measure)."""
+    from test_gpu_wrap import rel
+    from tiny_models import swap_gap
     for i in range(logits.shape[1]):
         pos = start + i
-        err = (torch.linalg.norm(logits[:, i].float() - ref_logits[:, i].float())
-               / torch.linalg.norm(ref_logits[:, i].float())).item()
+        err = rel(logits[:, i], ref_logits[:, i])
         swaps = []
         for layer, (lg, chosen) in sorted(ref_routes.items()):
             got, want = set(routes[layer][1][pos].tolist()), set(chosen[pos].tolist())
             if got != want:
-                gap = (lg[pos][sorted(want - got)].min() - lg[pos][sorted(got - want)].max()).abs()
-                swaps.append(f"layer {layer} {sorted(want)} -> {sorted(got)} gap {gap.item():.4f}")
+                gap = swap_gap(lg[pos], got, want)
+                swaps.append(f"layer {layer} {sorted(want)} -> {sorted(got)} gap {gap:.4f}")
         print(f"step {i:2d} err {err:.4f} routing {'; '.join(swaps) or 'same'}")
 
 

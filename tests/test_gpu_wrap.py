@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import cupool
-from tiny_models import FAMILIES, ListMoEModel, RouterLog, hf_model
+from tiny_models import FAMILIES, ListMoEModel, RouterLog, hf_model, swap_gap
 
 pytestmark = pytest.mark.gpu
 
@@ -94,8 +94,7 @@ def router_ties(name, routes, ref_routes, start, steps):
             want = set(ref_chosen[pos].tolist())
             if got == want:
                 continue
-            lg = ref_logits[pos]
-            gap = (lg[sorted(want - got)].min() - lg[sorted(got - want)].max()).abs().item()
+            gap = swap_gap(ref_logits[pos], got, want)
             assert gap < ROUTER_TIE, (f"{name} step {i}: layer {layer} chose experts {sorted(got)}, "
                                       f"the reference {sorted(want)}, whose router logits are "
                                       f"{gap:.4f} apart (no tie)")

@@ -93,6 +93,13 @@ class RouterLog:
                 for k, v in self.calls.items()}
 
 
+def swap_gap(logits: torch.Tensor, got: set, want: set) -> float:
+    """How far apart, in one position's reference router logits, the experts two runs swapped
+    are: the smallest logit of the reference's choices the other run left out against the largest
+    of those it took instead (got, want: the chosen expert sets, different)."""
+    return (logits[sorted(want - got)].min() - logits[sorted(got - want)].max()).abs().item()
+
+
 # --- hand-written blocks (per-expert nn.Linear lists) ---------------------------------------------
 class GateUpDownExpert(nn.Module):
     """One SwiGLU expert, Llama naming."""
