@@ -211,12 +211,7 @@ def _unwords(words: torch.Tensor) -> torch.Tensor:
 
 def _strips(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.Tensor:
     """Strips of a [16·s, Kp] code matrix and its [16·s, Kp/16] scale bytes -> uint8 [s, 9·Kp]."""
-    n = codes.shape[0]
-    s = n // 16
-    order = _order(kp)
-    c = codes.reshape(s, 16 * kp)[:, order].reshape(s, -1, 8)           # the slots of each word
-    packed = _words(c).reshape(s, kp // 64, CHUNK_CODES)
-    return torch.cat([packed, _chunk_scales(scales, kp)], dim=2).reshape(s, 9 * kp)
+    return _strips_stack(codes[None], scales[None], kp)[0]
 
 
 def _unstrips(strips: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,7 +313,7 @@ def _strips_stack(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.T
     e, n = codes.shape[0], codes.shape[1]
     s = n // 16
     c = codes.reshape(e, s, 16 * kp).index_select(2, _order_on(kp, codes.device))
-    packed = _words(c.reshape(e, s, 2 * kp, 8)).reshape(e, s, kp // 64, CHUNK_CODES)
+    packed = _words(c.reshape(e, s, 2 * kp, 8)).reshape(e, s, kp // 64, CHUNK_CODES)  # 8 slots a word
     return torch.cat([packed, _chunk_scales(scales, kp)], dim=3).reshape(e, s, 9 * kp)
 
 
