@@ -345,16 +345,16 @@ class MoEGemm:
 
         4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone (lanes ·
         Ip/16, an upper bound: lanes of one expert share a unit) fill a grid of 4 blocks per SM;
-        else 3 (at most 80 registers). Measured on the H200 (session 10, same outputs bit for bit): 4 is 10%,
-        6% and 12% faster at H=2048 T=4 (1,536 items), H=4096 T=1 (768) and T=4 (3,072), K=8,
-        and 5% slower at H=2048 T=1 (384 items, fewer than the 528 blocks). Units of 16 lanes
-        (calls of more than 64 lanes) spill at 64 registers and keep 3.
+        else 3 (at most 80 registers). Measured on the H200 (session 10, same outputs bit for
+        bit): 4 is 10%, 6% and 12% faster at H=2048 T=4 (1,536 items), H=4096 T=1 (768) and
+        T=4 (3,072), K=8, and 5% slower at H=2048 T=1 (384 items, fewer than the 528 blocks).
+        Units of 16 lanes (calls of more than 64 lanes) spill at 64 registers and keep 3.
         """
         if "MINB" in self._fused_extra:
             return self._fused_extra["MINB"]
         return 4 if nt == 8 and lanes * (self.layout.ip // 16) >= 4 * self.sms else 3
 
-    def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int, minb: int = 3) -> tuple:
+    def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int, minb: int) -> tuple:
         """(kernel, grid, shared memory) of moe_decode for units of nt lanes, calls of ≤ maxw
         lanes, x's dtype and alignment, the router weights' dtype and `minb` blocks per SM."""
         xalign = int(x.data_ptr() % 16 == 0)       # a lane reads 16 columns as two 16-byte words

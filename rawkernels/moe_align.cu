@@ -18,10 +18,9 @@
 // - prep_x: per token (one warp each), a power-of-two scale s and fp16 x/s (exact for bf16 inputs),
 //   padded to HP; route_decode runs the same prep_row.
 //
-// Both align kernels write lane_w[W] (router weight, 0 for padding and for rejected lanes).
-// They set sticky bits in
-// `error`: 1 = expert id outside [0, E) (align_experts), 2 = non-finite router weight. A
-// rejected lane is treated as padding and reads nothing.
+// Both align kernels write lane_w[W] (router weight, 0 for padding and for rejected lanes) and
+// set sticky bits in `error`: 1 = expert id outside [0, E) (align_experts), 2 = non-finite router
+// weight. A rejected lane is treated as padding and reads nothing.
 
 #ifndef NT
 #define NT 16
@@ -99,9 +98,9 @@ CUPOOL_DEVICE void prep_row(const u16* __restrict__ row, i32 H, u16* __restrict_
     if (lane == 0) *scale = s;
 }
 
-// Decode grouping into global unit tables (route_decode): group_lanes, and
-// range[5] = {0, Uh, U, 0, U}: &range[0] the in-place units, &range[1] the fresh ones, &range[3]
-// all of them (the GEMM runs the first part while the copies land).
+// Decode grouping into global unit tables (route_decode): group_lanes and range[5] =
+// {0, Uh, U, 0, U}: &range[0] the in-place units, &range[1] the fresh ones, &range[3] all of them
+// (the GEMM runs the first part while the copies land).
 CUPOOL_DEVICE void align_block(const i64* __restrict__ lane_addr, const i32* __restrict__ lane_fresh,
                                const void* __restrict__ topk_w, i32 W, i32* __restrict__ range,
                                i64* __restrict__ unit_addr, i32* __restrict__ unit_lanes,

@@ -2,9 +2,9 @@
 
 Weights of one call sit in three places at once: "bank" rows and "staging" rows (device memory)
 and pinned host rows read through UVA. Outputs are poisoned (NaN) before every run. Tolerance:
-relative Frobenius error ≤ 1e-2 for bf16 activations (the kernel's weights are exact; the error
-comes from fp16 activations, SiLU·up handed to w2 in bf16 (moe_gemm.cu) or scaled fp16
-(moe_decode.cu), and the bf16 output rounding, ~3e-3 in practice).
+relative Frobenius error ≤ 1e-2 for bf16 activations (the kernel's weights are exact, and so is
+the pair's and prefill's power-of-two-scaled fp16 x for bf16 inputs; the error comes from SiLU·up
+handed to w2 in bf16 and the bf16 output rounding, ~3e-3 in practice).
 """
 
 import math
