@@ -40,14 +40,26 @@ def parse_variant(text: str, option: str = "--sweep") -> dict:
     return out
 
 
-def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1):
-    """Decode layer time (T=1 and 4 at H=2048, T=1 and 4 at H=4096) for variants of moe_decode's
-    compile-time switches (split of w2's K, blocks per SM, stage ring, profiling ablations).
-    The first round also checks each variant's outputs against the default build's on the same
-    rows and routing (max |difference| relative to the output's largest value; profiling
-    ablations are expected to differ)."""
+DIMS = {2048: (2048, 768), 4096: (4096, 1536)}
+SWEEP_CASES = ("2048:1", "2048:4", "4096:1", "4096:4")
+
+
+def parse_case(text: str) -> tuple[tuple[int, int], int]:
+    """"H:T" -> ((H, I), T) for the two benchmark dims (Qwen3-30B-A3B and H=4096/I=1536)."""
+    h, sep, t = text.partition(":")
+    if not sep or not h.isdigit() or not t.isdigit() or int(h) not in DIMS or not 1 <= int(t) <= 16:
+        raise SystemExit(f"--cases: {text!r}: expected H:T with H in {sorted(DIMS)} and T in 1..16")
+    return DIMS[int(h)], int(t)
+
+
+def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1, cases=SWEEP_CASES):
+    """Decode layer time (by default T=1 and 4 at H=2048, T=1 and 4 at H=4096) for variants of
+    moe_decode's compile-time switches (split of w2's K, blocks per SM, stage ring, profiling
+    ablations). The first round also checks each variant's outputs against the default build's
+    on the same rows and routing (max |difference| relative to the output's largest value;
+    profiling ablations are expected to differ)."""
     from bench_gemm import bench_decode
-    cases = (((2048, 768), 1), ((2048, 768), 4), ((4096, 1536), 1), ((4096, 1536), 4))
+    cases = [parse_case(c) for c in cases]
     gen = torch.Generator(device="cuda")
 
     def run(case, extra, outputs=None):                # same rows and routing for each variant
@@ -76,18 +88,25 @@ def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1):
                       f"{r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s{check}", flush=True)
 
 
-def trace(T: int = 1, E: int = 128, extra: dict | None = None):
+def w2_items(layout: RowLayout) -> int:
+    """w2 items of a unit in moe_decode's default build (its KS2 / WM2 / G2, STAGE 4, NBUF 2)."""
+    nc2 = layout.ip // 64
+    ks2 = 1 if nc2 <= 8 else 2 if nc2 <= 16 else 4 if nc2 <= 32 else 8
+    return -(-(layout.hp // 16) // (8 // ks2))
+
+
+def trace(T: int = 1, E: int = 128, extra: dict | None = None, dims=(2048, 768)):
     """Timeline of one moe_decode call (DECODE_TRACE build): when blocks start, when each item's
     waits end, its K loop ends and it ends, as percentiles in µs from the first block's start."""
     import numpy as np
-    layout = RowLayout(2048, 768)
+    layout = RowLayout(*dims)
     rows = ExpertRows(layout, E)                      # kept alive: addr points into rows.bank
     addr = rows.addr
     gemm = MoEGemm(layout, 8, torch.bfloat16, max_decode_tokens=T)
     gemm._fused_extra = {**(extra or {}), "DECODE_TRACE": 1}
     items, blocks = 8192, 4096
     gemm._trace = torch.zeros(items * 4 + blocks * 2, dtype=torch.int64, device="cuda")
-    x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(T, E, device="cuda").topk(8, dim=-1).indices
     w = torch.rand(T, 8, device="cuda")
     la = addr[ids].reshape(-1)
@@ -106,10 +125,10 @@ def trace(T: int = 1, E: int = 128, extra: dict | None = None):
         bl = bl[bl[:, 0] > 0]
         t0 = bl[:, 0].min()
         units = len(set(ids.reshape(-1).tolist()))
-        n13, n2 = units * (layout.ip // 16), units * (layout.hp // 16 // 4)
+        n13, n2 = units * (layout.ip // 16), units * w2_items(layout)
         us = lambda v: (v - t0) / 1e3                      # noqa: E731
         pct = lambda v: " ".join(f"{np.percentile(v, q):6.2f}" for q in (0, 10, 50, 90, 100))  # noqa: E731
-        print(f"--- trace T={T} {extra or ''} rep {rep}: {len(bl)} blocks, {n13} w13 items, {n2} w2 items "
+        print(f"--- trace H={layout.hidden} T={T} {extra or ''} rep {rep}: {len(bl)} blocks, {n13} w13 items, {n2} w2 items "
               f"(percentiles 0/10/50/90/100, us from the first block's start)")
         print(f"blocks start        {pct(us(bl[:, 0]))}")
         print(f"blocks grouped      {pct(us(bl[:, 1]))}")
@@ -219,8 +238,12 @@ def main(argv=None):
                    help="time moe_decode variants (compile-time switches; '' is the default "
                         "build; none given: a split/occupancy sweep), then exit")
     p.add_argument("--repeats", type=int, default=1, help="--sweep: rounds over the variants")
+    p.add_argument("--cases", nargs="+", default=list(SWEEP_CASES), metavar="H:T",
+                   help="--sweep: decode cases, hidden size (2048 or 4096) and tokens")
     p.add_argument("--variant", default="", metavar="NAME=INT[,...]",
                    help="--trace: moe_decode switches of the traced build")
+    p.add_argument("--hidden", type=int, choices=sorted(DIMS), default=2048,
+                   help="--trace: hidden size of the traced layer (I follows: 768 or 1536)")
     p.add_argument("--trace", type=int, nargs="*", metavar="T",
                    help="timeline of moe_decode calls of T tokens (default 1), then exit")
     p.add_argument("--prefill-sweep", nargs="*", metavar="NAME=INT[,...]",
@@ -247,11 +270,11 @@ def main(argv=None):
                 prefill_timeline(T, scratch_rows=rows)
         return
     if args.sweep is not None:
-        sweep(args.sweep or SWEEP, repeats=args.repeats)
+        sweep(args.sweep or SWEEP, repeats=args.repeats, cases=args.cases)
         return
     if args.trace is not None:
         for T in args.trace or [1]:
-            trace(T, extra=parse_variant(args.variant, "--variant"))
+            trace(T, extra=parse_variant(args.variant, "--variant"), dims=DIMS[args.hidden])
         return
     E, K = args.experts, 8
     layout = RowLayout(2048, 768)

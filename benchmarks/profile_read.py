@@ -64,7 +64,7 @@ def main(argv=None):
     print(f"HBM read {hbm:.0f} GB/s, {sms} SMs")
     gen = torch.Generator().manual_seed(0)
     cases = []
-    for (H, I), ns in (((2048, 768), (8, 30)), ((4096, 1536), (8,))):
+    for (H, I), ns in (((2048, 768), (8, 30)), ((4096, 1536), (8, 30))):
         layout = RowLayout(H, I)
         rows, stride = layer_rows(layout, args.experts, args.layers)
         for n in ns:
@@ -82,7 +82,7 @@ def main(argv=None):
     if not args.skip_decode:
         from bench_gemm import bench_decode
         g = torch.Generator(device="cuda").manual_seed(0)
-        for H, I, T in ((2048, 768, 1), (2048, 768, 4), (4096, 1536, 1)):
+        for H, I, T in ((2048, 768, 1), (2048, 768, 4), (4096, 1536, 1), (4096, 1536, 4)):
             r = bench_decode(RowLayout(H, I), args.experts, T, 8, args.layers, g, hbm)
             decode.append(r)
             print(f"moe_decode H={H} T={T}: {r['us_per_layer']:.1f} us, {r['distinct_experts']:.1f} rows, "

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What one device session runs, stage by stage: `benchmarks/run_device.sh tests sanitize bench
 # decode`. Logs and JSON go to $OUT (the device tool's output folder) or .out/; a summary of each
-# stage is printed last. SWEEP="default XPREFETCH=0 ..." picks the moe_decode variants of `sweep`. BUNDLE=1 packs logs and benchmarks/results/ into $OUT/bundle.tgz.
+# stage is printed last. SWEEP="default XPREFETCH=0 ..." picks the moe_decode variants of `sweep`
+# and SWEEP_CASES="2048:1 2048:2 ..." its decode cases (H:T). BUNDLE=1 packs logs and
+# benchmarks/results/ into $OUT/bundle.tgz.
 set -u
 OUT=${OUT:-.out}
 mkdir -p "$OUT"
@@ -28,10 +30,12 @@ for stage in "$@"; do
     sanitize-gemm) for tool in memcheck racecheck synccheck; do
               run "gemm_$tool" ${SANITIZE_TIMEOUT:-200} compute-sanitizer --tool $tool python3 tests/gpu_gemm_sanitize.py; done ;;
     profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
-    sweep)    run sweep 300 python3 benchmarks/profile_gemm.py --sweep ${SWEEP:-} --repeats ${SWEEP_REPEATS:-1} ;;
+    sweep)    run sweep 300 python3 benchmarks/profile_gemm.py --sweep ${SWEEP:-} --repeats ${SWEEP_REPEATS:-1} ${SWEEP_CASES:+--cases $SWEEP_CASES} ;;
     prefill-kernels) run prefill_kernels 120 python3 benchmarks/profile_gemm.py --prefill-kernels 512 2048 ;;
     prefill-sweep) run prefill_sweep 400 python3 benchmarks/profile_gemm.py --prefill-sweep ${PREFILL_SWEEP:-default} --repeats ${SWEEP_REPEATS:-1} ;;
-    trace)    run trace 120 python3 benchmarks/profile_gemm.py --trace 1 4 ;;
+    trace)    run trace 120 python3 benchmarks/profile_gemm.py --trace 1 4
+              run trace_4096 120 python3 benchmarks/profile_gemm.py --trace 1 4 --hidden 4096 ;;
+    read)     run profile_read 240 python3 benchmarks/profile_read.py ;;
     ncu)      NCU="ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
               run ncu_gemm 200 $NCU -k regex:"moe_decode|route_decode|moe_w13|moe_w2" --launch-skip 3 -c 3 python3 benchmarks/profile_gemm.py
               run ncu_plan 200 $NCU -k regex:"plan_step" --launch-skip 200 -c 2 python3 benchmarks/bench_planner.py --skip-copy --experts 128 --lanes 8 --replays 20 ;;

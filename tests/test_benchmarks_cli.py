@@ -48,3 +48,16 @@ def test_ncu_source_summary(tmp_path):
     r = subprocess.run([sys.executable, str(BENCH / "ncu_source.py"), str(bad)],
                        cwd=BENCH, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "no \"Address\" header" in r.stderr
+
+
+def test_profile_gemm_cases():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import profile_gemm
+    finally:
+        sys.path.remove(str(BENCH))
+    assert profile_gemm.parse_case("2048:3") == ((2048, 768), 3)
+    assert profile_gemm.parse_case("4096:16") == ((4096, 1536), 16)
+    for bad in ("2048", "1024:1", "2048:0", "2048:17", "x:1"):
+        with pytest.raises(SystemExit, match="--cases"):
+            profile_gemm.parse_case(bad)
