@@ -354,11 +354,29 @@ class MoEGemm:
             return self._fused_extra["MINB"]
         return 4 if nt == 8 and lanes * (self.layout.ip // 16) >= 4 * self.sms else 3
 
-    def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int, minb: int) -> tuple:
+    def _fused_w13_split(self, lanes: int, minb: int) -> int:
+        """Warps splitting the K of a w13 strip in moe_decode (W13_KSPLIT) for a call of `lanes`
+        lanes at `minb` blocks per SM.
+
+        2 (items of two strip pairs: twice the chunks a warp, one start and one set of
+        barriers for both) where a strip is at most 32 chunks (Hp ≤ 2048) and the call's w13
+        items at two pairs an item (lanes · Ip/32, an upper bound as in _fused_minb) still fill
+        the grid; else 4 (one pair an item). Measured on the H200 (session 11): at H=2048, 2 is
+        4% faster at T=4 and 17–20% slower at T=1 (192 items for 396 blocks); at H=4096 T=4 the
+        same as 4, and at T=1 slower together with w2's split of 2.
+        """
+        if "W13_KSPLIT" in self._fused_extra:
+            return self._fused_extra["W13_KSPLIT"]
+        fills = lanes * (self.layout.ip // 32) >= minb * self.sms
+        return 2 if self.layout.hp <= 2048 and fills else 4
+
+    def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int, minb: int,
+               w13_split: int) -> tuple:
         """(kernel, grid, shared memory) of moe_decode for units of nt lanes, calls of ≤ maxw
-        lanes, x's dtype and alignment, the router weights' dtype and `minb` blocks per SM."""
+        lanes, x's dtype and alignment, the router weights' dtype, `minb` blocks per SM and
+        `w13_split` warps a w13 strip."""
         xalign = int(x.data_ptr() % 16 == 0)       # a lane reads 16 columns as two 16-byte words
-        key = ("fused", nt, maxw, xalign, w_dtype, minb)
+        key = ("fused", nt, maxw, xalign, w_dtype, minb, w13_split)
         got = self._pairs.get(key)
         if got is None:
             ring = _fused_stage_bytes(self._fused_extra.get("STAGE", 4),
@@ -368,7 +386,7 @@ class MoEGemm:
             d = {**self.layout.defines(), "NT": nt, "MAXW": maxw, "OUT_BF16": _DTYPES[self.dtype],
                  "IN_BF16": _DTYPES[self.dtype], "W_DTYPE": w_dtype, "XALIGN": xalign,
                  "HFULL": int(self.layout.hidden == self.layout.hp), "MINB": minb,
-                 **self._fused_extra}
+                 "W13_KSPLIT": w13_split, **self._fused_extra}
             fn = kernels.function("moe_decode", "moe_decode", d, self.device)
             got = self._pairs[key] = (fn, self._grid(fn, 32 * _FUSED_WARPS, smem), smem)
         return got
@@ -377,7 +395,9 @@ class MoEGemm:
         T, K = x.shape[0], self.topk
         W = T * K
         nt, maxw = (8, 64) if W <= 64 else (16, 256)
-        fn, grid, smem = self._fused(nt, maxw, x, _W_DTYPES[w.dtype], self._fused_minb(nt, W))
+        minb = self._fused_minb(nt, W)
+        fn, grid, smem = self._fused(nt, maxw, x, _W_DTYPES[w.dtype], minb,
+                                     self._fused_w13_split(W, minb))
         d = self._d
         kernels.launch(fn, grid, 32 * _FUSED_WARPS, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,

@@ -2,7 +2,7 @@
 //
 // Why one launch: at T ≤ 16 a layer reads ~20 MB of rows, a few µs of HBM time, while separate
 // w13 and w2 launches each pay a start, a chain of dependent loads and a tail. Here blocks take
-// items in one order: first the w13 items (unit, strip pair) of every unit of the range,
+// items in one order: first the w13 items (unit, strip pairs) of every unit of the range,
 // then the w2 items (unit, group of output strips). A w2 item issues its weight loads at once (they
 // do not depend on w13) and only then waits until its unit's w13 items have all arrived (a
 // per-unit counter), so w2's bytes stream in while w13 finishes.
@@ -29,8 +29,9 @@
 // launches in stream order (part 0, then part 1 once the copies have landed) with the same result
 // bit for bit.
 //
-// Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 items of unit u
-// done. The last block of a launch puts them back to zero; group_done is reset by its last unit.
+// Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 strip pairs of
+// unit u done. The last block of a launch puts them back to zero; group_done is reset by its last
+// unit.
 #include "common.cuh"
 #include "mma_fp4.cuh"
 
@@ -93,15 +94,25 @@ constexpr int NC13 = HP / 64;              // chunks of a w13 strip
 constexpr int NC2 = IP / 64;               // chunks of a w2 strip
 constexpr int NP = IP / 16;                // w13 strip pairs (gate, up) of an expert
 constexpr int NS = HP / 16;                // w2 output strips of an expert
-constexpr int KS13 = WARPS / 2;            // w13: 2 strips × 4 K slices
-// w2: K slices of at most NBUF stages (all in flight at once) where IP allows, the rest of the
-// warps on more strips
+// w13: the warps split the K of each strip of PPI strip pairs (gate, up): 2·PPI strips × KS13.
+// The launcher picks KS13 a call (MoEGemm._fused_w13_split): 2 (two pairs an item, twice the
+// chunks a warp) where the call has items enough for that, else 4.
+#ifndef W13_KSPLIT
+#define W13_KSPLIT 4      // warps splitting K of a w13 strip (1, 2, 4)
+#endif
+constexpr int KS13 = W13_KSPLIT;
+constexpr int PPI = WARPS / (2 * KS13);    // strip pairs of a w13 item
+static_assert(PPI * 2 * KS13 == WARPS && NP % PPI == 0, "W13_KSPLIT must be 1, 2 or 4");
+constexpr int NI13 = NP / PPI;             // w13 items of a unit
+// w2: one warp a strip where its chunks fit the stage ring at once (IP ≤ 512), else 2 warps on
+// a strip up to 32 chunks (IP ≤ 2048), then 4, then 8. Measured on the H200 at 4 blocks per SM
+// (session 11): at IP = 1536, 2 warps (12 chunks each) are 4% faster than 4 at T=4 and the same
+// at T=1; at IP = 768, 1 warp is slower than 2.
 #ifndef W2_KSPLIT
-#define W2_KSPLIT 0       // warps splitting K of a w2 strip (1, 2, 4, 8; 0: from IP as below)
+#define W2_KSPLIT 0       // warps splitting K of a w2 strip (1, 2, 4, 8; 0: from IP as above)
 #endif
 constexpr int KS2 = W2_KSPLIT ? W2_KSPLIT
-                  : NC2 <= NBUF * STAGE ? 1 : NC2 <= 2 * NBUF * STAGE ? 2
-                  : NC2 <= 4 * NBUF * STAGE ? 4 : 8;
+                  : NC2 <= NBUF * STAGE ? 1 : NC2 <= 32 ? 2 : NC2 <= 64 ? 4 : 8;
 static_assert(WARPS % KS2 == 0, "W2_KSPLIT must divide the block's 8 warps");
 static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per thread");
 constexpr int WM2 = WARPS / KS2;
@@ -310,13 +321,15 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
     __syncthreads();
 }
 
-// w13 item: gate and up strips of pair p of unit u; warps 0..3 slice gate's K, 4..7 up's.
-CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item) {
+// w13 item: gate and up strips of pairs PPI·i ... PPI·i + PPI - 1 of unit u; pair j's gate strip
+// is K-sliced by warps 2j·KS13 ..., its up strip by the KS13 warps after them (PPI 1: warps 0..3
+// gate, 4..7 up).
+CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int s = warp / KS13, ks = warp % KS13;
+    const int s = warp / KS13, ks = warp % KS13;              // strip s of the item: pair s / 2
     const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
-    const u8* strip = row + 256 + (i64)(2 * p + s) * W13_STRIP;
+    const u8* strip = row + 256 + (i64)(2 * PPI * i + s) * W13_STRIP;
     int c0, c1;
     k_slice(ks, KS13, NC13, c0, c1);
     WarpStages& ws = m.stages[warp];
@@ -350,18 +363,18 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int p, int item
     stamp(a.trace, item, 2);
     put_partial(m, warp, lane, acc);
     __syncthreads();
-    if (warp == 0) {
+    if (ks == 0 && s % 2 == 0) {                               // the pair's first gate warp
         float gu[2][NTILES][4];
-        sum_partials(m, 0, KS13, lane, gu[0]);
-        sum_partials(m, KS13, KS13, lane, gu[1]);
+        sum_partials(m, warp, KS13, lane, gu[0]);
+        sum_partials(m, warp + KS13, KS13, lane, gu[1]);
         if (!ABLATE(8)) {
             w13_epilogue(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
-                         gs_up * dequant_unscale<IN_BF16>(), p, lane, a.act);
+                         gs_up * dequant_unscale<IN_BF16>(), PPI * i + s / 2, lane, a.act);
             __threadfence();                                   // act before the count
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(a.unit_done + u, 1);
+    if (threadIdx.x == 0) atomicAdd(a.unit_done + u, PPI);    // pairs done
     stamp(a.trace, item, 3);
 }
 
@@ -469,7 +482,7 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     Range rg;
     rg.first = part == 1 ? s_held : 0;
     rg.count = (part == 0 ? s_held : s_total) - rg.first;
-    const int n13 = rg.count * NP, total = n13 + rg.count * G2;
+    const int n13 = rg.count * NI13, total = n13 + rg.count * G2;
     // Block b < base starts on item b without a ticket; later items are claimed from the counter
     // (numbered from base), one ahead: the claim is issued when an item starts and its answer is
     // only needed when the item ends, so the atomic's round trip is hidden.
@@ -479,7 +492,7 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
         int next = total;
         if (threadIdx.x == 0 && base < total) next = base + atomicAdd(sync, 1);
         if (item < n13) {
-            w13_item(a, m, rg.first + item / NP, item % NP, item);
+            w13_item(a, m, rg.first + item / NI13, item % NI13, item);
         } else {
             const int i = item - n13;
             w2_item(a, m, rg.first + i / G2, i % G2, &s_last, item);

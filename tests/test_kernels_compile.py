@@ -37,6 +37,8 @@ VARIANTS = [
     ("moe_decode", "-DHP=128 -DIP=64 -DNT=16 -DHFULL=0 -DDECODE_TRACE=1"),
     # profile_gemm --sweep: the stage ring's shape and the profiling ablations
     ("moe_decode", "-DSTAGE=2 -DNBUF=5 -DW2_KSPLIT=4"),
+    ("moe_decode", "-DW13_KSPLIT=2 -DNT=16 -DMINB=3 -DMAXW=256"),
+    ("moe_decode", "-DW13_KSPLIT=1 -DHP=4096 -DIP=1536"),
     ("moe_decode", "-DSTAGE=1 -DNBUF=8 -DHP=4096 -DIP=1536"),
     ("moe_decode", "-DDECODE_ABLATE=255 -DDECODE_TRACE=1"),
     ("moe_decode", "-DDECODE_ABLATE=1"),
@@ -104,6 +106,34 @@ def test_decode_blocks_per_sm_rule():
     assert MoEGemm._fused_minb(gemm, 8, 8) == 4               # 768 items
     gemm._fused_extra = {"MINB": 2}                           # a benchmark sweep's choice wins
     assert MoEGemm._fused_minb(gemm, 8, 32) == 2
+
+
+@pytest.mark.parametrize("nt,minb,maxw", [(8, 4, 64), (16, 3, 256)])
+def test_decode_w13_split_without_spills(nvcc, tmp_path, nt, minb, maxw):
+    """w13 items of two strip pairs (W13_KSPLIT 2, the launcher's choice for large calls at
+    H ≤ 2048) fit the same registers as one pair without spills."""
+    defines = {**RowLayout(2048, 768).defines(), "NT": nt, "MAXW": maxw, "MINB": minb,
+               "W13_KSPLIT": 2}
+    spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_decode.cu", defines,
+                          tmp_path / "out.cubin")
+    assert spills == [0], spills
+
+
+def test_decode_w13_split_rule():
+    """Two strip pairs a w13 item where Hp ≤ 2048 and lanes · Ip/32 fill the call's grid."""
+    from types import SimpleNamespace
+
+    from cupool.gemm import MoEGemm
+    gemm = SimpleNamespace(_fused_extra={}, layout=RowLayout(2048, 768), sms=132)
+    split = lambda lanes, minb: MoEGemm._fused_w13_split(gemm, lanes, minb)  # noqa: E731
+    assert split(8, 3) == 4                                   # T=1: 192 items < 396 blocks
+    assert split(16, 4) == 4                                  # T=2: 384 < 528
+    assert split(24, 4) == 2                                  # T=3: 576
+    assert split(32, 4) == 2 and split(128, 3) == 2
+    gemm.layout = RowLayout(4096, 1536)                       # strips of 64 chunks: never
+    assert split(32, 4) == 4
+    gemm._fused_extra = {"W13_KSPLIT": 1}                     # a benchmark sweep's choice wins
+    assert split(8, 3) == 1
 
 
 def test_prefill_staging_fits_two_blocks_per_sm():
