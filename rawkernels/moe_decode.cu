@@ -16,7 +16,8 @@
 //
 // Weights go global → shared memory per warp in two stages of 4 chunks (4.6 KB), each stage one
 // bulk copy (a chunk's scale bytes follow its packed codes, layout.py), so the bytes in flight
-// are bounded by shared memory, not registers. w13 multiplies x as it is: its weights are
+// are bounded by shared memory, not registers; a w13 warp issues its second stage once the first
+// has landed (W13_LAZY). w13 multiplies x as it is: its weights are
 // dequantised to the model's dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish
 // before the first multiply. w13 writes SiLU·up as bf16 act rows; after the wait, w2 reads its B
 // fragments straight from them (L2) and multiplies them with bf16-dequantised weights.
@@ -108,14 +109,15 @@ constexpr int NI13 = NP / PPI;             // w13 items of a unit
 // a strip up to 32 chunks (IP ≤ 2048), then 4, then 8. Measured on the H200 at 4 blocks per SM
 // (session 11): at IP = 1536, 2 warps (12 chunks each) are 4% faster than 4 at T=4 and the same
 // at T=1; at IP = 768, 1 warp is slower than 2.
+// A warp's stages of an item all issued at once share HBM with every other warp's and land
+// together at the end; issuing stage i + 1 (< NBUF) once stage i has landed puts the first
+// stage's bytes first, so its chunks are computed while the rest arrive (session 11: −5% at
+// H=2048 T=1, −1% at the other benchmark cases).
 #ifndef W13_LAZY
-#define W13_LAZY 0        // 1: a w13 warp issues its second stage once its first has landed
+#define W13_LAZY 1        // 1: a w13 warp issues its second stage once its first has landed
 #endif
-#ifndef W2_EARLY
-#define W2_EARLY 0        // 1: w2 reads its unit's counter once before issuing its weight copies
-#endif
-#ifndef W2_PRE
-#define W2_PRE 0          // 1: w2 loads a stage's act B fragments (L2) before its wait (run_stages)
+#ifndef W2_LAZY
+#define W2_LAZY 0         // 1: the same for a w2 warp
 #endif
 #ifndef W2_KSPLIT
 #define W2_KSPLIT 0       // warps splitting K of a w2 strip (1, 2, 4, 8; 0: from IP as above)
@@ -175,23 +177,13 @@ CUPOOL_DEVICE void issue_first(WarpStages& ws, const u8* strip, int c0, int c1, 
 // acc[nt] += chunks [c0, c1) of the strip × B, stage by stage (stage i + NBUF is issued into the
 // buffer stage i leaves). bfrag(c, nt, b): this lane's 16 activations of chunk c for n-tile nt
 // (columns 16t … 16t+15 of the chunk, layout.py) as 8 words; k-tile q takes words 2q, 2q+1.
-// PRE: a stage's B fragments are all loaded before its wait (one load latency a stage, for B
-// from L2; STAGE · NTILES · 8 more registers), else each chunk's just before its mma.
 // LAZY: issue_first issued stage 0 only; stage i + 1 < NBUF is issued once stage i has landed.
-template <bool BF, bool PRE = false, bool LAZY = false, class BFrag>
+template <bool BF, bool LAZY, class BFrag>
 CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, int ntiles,
                               float (&acc)[NTILES][4], int lane, BFrag bfrag) {
     u32 parity = ws.parity;
     for (int c = c0, i = 0; c < c1; c += STAGE, ++i) {
         const int buf = i % NBUF;
-        u32 bpre[PRE ? STAGE : 1][NTILES][8];
-        if constexpr (PRE) {
-#pragma unroll
-            for (int ci = 0; ci < STAGE; ++ci)
-#pragma unroll
-                for (int nt = 0; nt < NTILES; ++nt)
-                    if (c + ci < c1 && nt < ntiles) bfrag(c + ci, nt, bpre[ci][nt]);
-        }
         mbar_wait(smem_addr(&ws.bar[buf]), (parity >> buf) & 1u);      // the stage's bytes
         parity ^= 1u << buf;
         if (LAZY && i + 1 < NBUF) issue_stage(ws, i + 1, strip, c + STAGE, c1, lane);
@@ -216,15 +208,8 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
 #endif
             u32 b[NTILES][8];
 #pragma unroll
-            for (int nt = 0; nt < NTILES; ++nt) {
-                if (nt >= ntiles) continue;
-                if constexpr (PRE) {
-#pragma unroll
-                    for (int k = 0; k < 8; ++k) b[nt][k] = bpre[ci][nt][k];
-                } else {
-                    bfrag(c + ci, nt, b[nt]);
-                }
-            }
+            for (int nt = 0; nt < NTILES; ++nt)
+                if (nt < ntiles) bfrag(c + ci, nt, b[nt]);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
 #pragma unroll
@@ -339,10 +324,9 @@ CUPOOL_DEVICE int slot_lane(const Smem& m, int u) {
     return (int)threadIdx.x < m.unit_count[u] ? (int)m.unit_lanes[u * NT + threadIdx.x] : -1;
 }
 
-// Thread 0 waits until *counter reaches `target` (acquire; `seen`: what thread 0's first acquire
-// load of it read, or -1 for none), then the block goes on together.
-CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error, int seen = -1) {
-    if (threadIdx.x == 0 && seen < target) {
+// Thread 0 waits until *counter reaches `target` (acquire), then the block goes on together.
+CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
+    if (threadIdx.x == 0) {
         int spins = 0;
         while (ld_acquire(counter) < target) {
             asm volatile("nanosleep.u32 32;");
@@ -383,8 +367,8 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
     }
     float acc[NTILES][4] = {};
     // B straight from x in the model's dtype (plain loads: the compiler may hoist them)
-    run_stages<IN_BF16, false, W13_LAZY>(ws, strip, c0, c1, ntiles, acc, lane,
-                                         [&](int c, int nt, u32 (&b)[8]) {
+    run_stages<IN_BF16, W13_LAZY>(ws, strip, c0, c1, ntiles, acc, lane,
+                                  [&](int c, int nt, u32 (&b)[8]) {
 #if ABLATE(64)
 #pragma unroll
         for (int i = 0; i < 8; ++i) b[i] = (u32)(c * 64 + 16 * t + 2 * i) * 0x00010001u + nt;
@@ -421,16 +405,13 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     int c0 = 0, c1 = 0;
     if (st < NS) k_slice(ks, KS2, NC2, c0, c1);
     WarpStages& ws = m.stages[warp];
-    // W2_EARLY: the first look at the unit's counter goes out before the weight copies (behind
-    // them it waits for their bytes)
-    const int seen = W2_EARLY && threadIdx.x == 0 ? ld_acquire(a.unit_done + u) : -1;
-    issue_first(ws, strip, c0, c1, lane);
+    issue_first(ws, strip, c0, c1, lane, W2_LAZY ? 1 : NBUF);
     const float gs_down = reinterpret_cast<const float*>(row)[2];
     if (threadIdx.x < NT) {
         m.si->lane[threadIdx.x] = slot_lane(m, u);
         m.si->scale[threadIdx.x] = 1.0f;                       // act goes in as w13 wrote it
     }
-    if (!ABLATE(4)) wait_count(a.unit_done + u, NP, a.error, seen);   // the unit's act is complete
+    if (!ABLATE(4)) wait_count(a.unit_done + u, NP, a.error);   // the unit's act is complete
     else __syncthreads();
     stamp(a.trace, item, 1);
     const int ntiles = (m.unit_count[u] + 7) >> 3;
@@ -443,7 +424,7 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
         arow[nt] = l >= 0 ? a.act + (i64)l * IP : nullptr;
     }
     float acc[NTILES][4] = {};
-    run_stages<true, W2_PRE>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, u32 (&b)[8]) {
+    run_stages<true, W2_LAZY>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, u32 (&b)[8]) {
         if (arow[nt] != nullptr) {
             load_cols16<true>(arow[nt] + c * 64 + 16 * t, b);
         } else {
