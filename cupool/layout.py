@@ -271,7 +271,11 @@ def pack_row(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4T
 
 def unpack_row(layout: RowLayout, row) -> tuple[NVFP4Tensor, NVFP4Tensor, NVFP4Tensor]:
     """Inverse of `pack_row`: a row (uint8, numpy or torch) -> (gate, up, down) NVFP4Tensors."""
-    r = torch.as_tensor(np.asarray(row)) if not isinstance(row, torch.Tensor) else row.cpu()
+    if isinstance(row, torch.Tensor):
+        r = row.cpu()
+    else:                                    # torch wants a writable array (a store's rows are not)
+        arr = np.asarray(row)
+        r = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
     r = r.reshape(-1)[:layout.row_bytes]
     if r.numel() != layout.row_bytes:
         raise ValueError(f"row: expected {layout.row_bytes} bytes, got {r.numel()}")

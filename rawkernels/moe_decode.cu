@@ -16,8 +16,8 @@
 //
 // Weights go global → shared memory per warp in two stages of 4 chunks (4.6 KB), each stage one
 // bulk copy (a chunk's scale bytes follow its packed codes, layout.py), so the bytes in flight
-// are bounded by shared memory, not registers; a w13 warp issues its second stage once the first
-// has landed (W13_LAZY). w13 multiplies x as it is: its weights are
+// are bounded by shared memory, not registers; a warp issues its second stage once the first
+// has landed (W13_LAZY, W2_LAZY). w13 multiplies x as it is: its weights are
 // dequantised to the model's dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish
 // before the first multiply. w13 writes SiLU·up as bf16 act rows; after the wait, w2 reads its B
 // fragments straight from them (L2) and multiplies them with bf16-dequantised weights.
@@ -111,13 +111,13 @@ constexpr int NI13 = NP / PPI;             // w13 items of a unit
 // at T=1; at IP = 768, 1 warp is slower than 2.
 // A warp's stages of an item all issued at once share HBM with every other warp's and land
 // together at the end; issuing stage i + 1 (< NBUF) once stage i has landed puts the first
-// stage's bytes first, so its chunks are computed while the rest arrive (session 11: −5% at
-// H=2048 T=1, −1% at the other benchmark cases).
+// stage's bytes first, so its chunks are computed while the rest arrive (session 11: w13 −5% at
+// H=2048 T=1 and −1% at the other benchmark cases, w2 then −1% at H=4096).
 #ifndef W13_LAZY
 #define W13_LAZY 1        // 1: a w13 warp issues its second stage once its first has landed
 #endif
 #ifndef W2_LAZY
-#define W2_LAZY 0         // 1: the same for a w2 warp
+#define W2_LAZY 1         // 1: the same for a w2 warp
 #endif
 #ifndef W2_KSPLIT
 #define W2_KSPLIT 0       // warps splitting K of a w2 strip (1, 2, 4, 8; 0: from IP as above)

@@ -39,7 +39,7 @@ VARIANTS = [
     ("moe_decode", "-DSTAGE=2 -DNBUF=5 -DW2_KSPLIT=4"),
     ("moe_decode", "-DW13_KSPLIT=2 -DNT=16 -DMINB=3 -DMAXW=256"),
     ("moe_decode", "-DW13_KSPLIT=1 -DHP=4096 -DIP=1536"),
-    ("moe_decode", "-DW13_LAZY=0 -DW2_LAZY=1"),
+    ("moe_decode", "-DW13_LAZY=0 -DW2_LAZY=0"),
     ("moe_decode", "-DSTAGE=1 -DNBUF=8 -DHP=4096 -DIP=1536"),
     ("moe_decode", "-DDECODE_ABLATE=255 -DDECODE_TRACE=1"),
     ("moe_decode", "-DDECODE_ABLATE=1"),
