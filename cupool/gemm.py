@@ -361,9 +361,10 @@ class MoEGemm:
         2 (items of two strip pairs: twice the chunks a warp, one start and one set of
         barriers for both) where a strip is at most 32 chunks (Hp ≤ 2048) and the call's w13
         items at two pairs an item (lanes · Ip/32, an upper bound as in _fused_minb) still fill
-        the grid; else 4 (one pair an item). Measured on the H200 (session 11): at H=2048, 2 is
-        4% faster at T=4 and 17–20% slower at T=1 (192 items for 396 blocks); at H=4096 T=4 the
-        same as 4, and at T=1 slower together with w2's split of 2.
+        the grid; else 4 (one pair an item). Measured on the H200 (session 11, K=8): at
+        H=2048, 2 is 4–8% faster at T=4, 8 and 16, the same at T=3, slower at T=2 (384 items
+        for 528 blocks) and T=1; at H=4096, 2 is no faster at T=4 and slower at T=1 beside
+        w2's split of 2 (50.5 against 47.5 µs).
         """
         if "W13_KSPLIT" in self._fused_extra:
             return self._fused_extra["W13_KSPLIT"]

@@ -3,7 +3,7 @@
 // Why one launch: at T ≤ 16 a layer reads ~20 MB of rows, a few µs of HBM time, while separate
 // w13 and w2 launches each pay a start, a chain of dependent loads and a tail. Here blocks take
 // items in one order: first the w13 items (unit, strip pairs) of every unit of the range,
-// then the w2 items (unit, group of output strips). A w2 item issues its weight loads at once (they
+// then the w2 items (unit, group of output strips). A w2 item issues its weight loads first (they
 // do not depend on w13) and only then waits until its unit's w13 items have all arrived (a
 // per-unit counter), so w2's bytes stream in while w13 finishes.
 //
@@ -95,6 +95,16 @@ constexpr int NC13 = HP / 64;              // chunks of a w13 strip
 constexpr int NC2 = IP / 64;               // chunks of a w2 strip
 constexpr int NP = IP / 16;                // w13 strip pairs (gate, up) of an expert
 constexpr int NS = HP / 16;                // w2 output strips of an expert
+// A warp's stages of an item all issued at once share HBM with every other warp's and land
+// together at the end; issuing stage i + 1 (< NBUF) once stage i has landed puts the first
+// stage's bytes first, so its chunks are computed while the rest arrive (session 11: w13 −5% at
+// H=2048 T=1 and −1% at the other benchmark cases, w2 then −1% at H=4096).
+#ifndef W13_LAZY
+#define W13_LAZY 1        // 1: a w13 warp issues its second stage once its first has landed
+#endif
+#ifndef W2_LAZY
+#define W2_LAZY 1         // 1: the same for a w2 warp
+#endif
 // w13: the warps split the K of each strip of PPI strip pairs (gate, up): 2·PPI strips × KS13.
 // The launcher picks KS13 a call (MoEGemm._fused_w13_split): 2 (two pairs an item, twice the
 // chunks a warp) where the call has items enough for that, else 4.
@@ -109,16 +119,6 @@ constexpr int NI13 = NP / PPI;             // w13 items of a unit
 // a strip up to 32 chunks (IP ≤ 2048), then 4, then 8. Measured on the H200 at 4 blocks per SM
 // (session 11): at IP = 1536, 2 warps (12 chunks each) are 4% faster than 4 at T=4 and the same
 // at T=1; at IP = 768, 1 warp is slower than 2.
-// A warp's stages of an item all issued at once share HBM with every other warp's and land
-// together at the end; issuing stage i + 1 (< NBUF) once stage i has landed puts the first
-// stage's bytes first, so its chunks are computed while the rest arrive (session 11: w13 −5% at
-// H=2048 T=1 and −1% at the other benchmark cases, w2 then −1% at H=4096).
-#ifndef W13_LAZY
-#define W13_LAZY 1        // 1: a w13 warp issues its second stage once its first has landed
-#endif
-#ifndef W2_LAZY
-#define W2_LAZY 1         // 1: the same for a w2 warp
-#endif
 #ifndef W2_KSPLIT
 #define W2_KSPLIT 0       // warps splitting K of a w2 strip (1, 2, 4, 8; 0: from IP as above)
 #endif
