@@ -88,10 +88,11 @@ def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1, cases=SWEEP_CASES)
                       f"{r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s{check}", flush=True)
 
 
-def w2_items(layout: RowLayout) -> int:
-    """w2 items of a unit in moe_decode's default build (its KS2 / WM2 / G2, STAGE 4, NBUF 2)."""
+def w2_items(layout: RowLayout, extra: dict | None = None) -> int:
+    """w2 items of a unit in moe_decode (its KS2 / WM2 / G2; STAGE 4 and NBUF 2 as built by
+    default, W2_KSPLIT from `extra` where a variant sets it)."""
     nc2 = layout.ip // 64
-    ks2 = 1 if nc2 <= 8 else 2 if nc2 <= 32 else 4 if nc2 <= 64 else 8
+    ks2 = (extra or {}).get("W2_KSPLIT") or (1 if nc2 <= 8 else 2 if nc2 <= 32 else 4 if nc2 <= 64 else 8)
     return -(-(layout.hp // 16) // (8 // ks2))
 
 
@@ -128,7 +129,7 @@ def trace(T: int = 1, E: int = 128, extra: dict | None = None, dims=(2048, 768))
         lanes = T * 8
         minb = gemm._fused_minb(8 if lanes <= 64 else 16, lanes)
         ppi = 8 // (2 * gemm._fused_w13_split(lanes, minb))     # strip pairs a w13 item
-        n13, n2 = units * (layout.ip // 16) // ppi, units * w2_items(layout)
+        n13, n2 = units * (layout.ip // 16) // ppi, units * w2_items(layout, extra)
         us = lambda v: (v - t0) / 1e3                      # noqa: E731
         pct = lambda v: " ".join(f"{np.percentile(v, q):6.2f}" for q in (0, 10, 50, 90, 100))  # noqa: E731
         print(f"--- trace H={layout.hidden} T={T} {extra or ''} rep {rep}: {len(bl)} blocks, {n13} w13 items, {n2} w2 items "
