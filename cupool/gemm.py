@@ -517,6 +517,9 @@ class MoEGemm:
         if w.dtype not in _W_DTYPES or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
         nchunks = p["nchunks"] if host_addr is not None else 0
+        kernels.launch(self._align(cfg, "prep_x", x), -(-T // 8), 256,
+                       (x, kernels.i32(T), kernels.i32(self.layout.hidden), p["xh"], p["xscale"]),
+                       device=self.device)
         kernels.launch(self._align(cfg, "align_experts", x, int(ids.dtype == torch.int64),
                                    _W_DTYPES[w.dtype]), 1, 1024, (
             ids, w, kernels.i32(T * K), kernels.i32(E), kernels.i32(layer), expert_addr,
@@ -525,16 +528,20 @@ class MoEGemm:
             p["phase_off"], p["unit_addr"],
             p["unit_lanes"], p["unit_count"], p["lane_w"], p["lane_e"], p["copies"],
             p["n_copies"], self.error), device=self.device)
-        if nchunks:
-            # the first scratch copies go out before anything else the host launches: they are
-            # the path's critical chain, and they need only align_experts' copy lists
+        out32 = p["out32"][:T]
+        out32.zero_()
+        args = (p["unit_addr"], p["unit_lanes"], p["unit_count"], p["xh"], p["xscale"], p["act"],
+                p["lane_w"], T, None)
+        if not nchunks:
+            self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)
+        else:
             copier, nbuf, views = self._scratch_copier(host_addr), self._nbuf, p["chunk_views"]
             main = torch.cuda.current_stream(self.device)
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(self.device)
                 self._events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(nchunks)]
             side = self._copy_stream
-            side.wait_stream(main)                   # the copy lists; the last call's GEMMs
+            side.wait_stream(main)                   # the copy lists from align_experts
 
             def copy(c):                             # chunk c into buffer c % nbuf, on `side`
                 copier(views[c][1], views[c][2], stream=side)
@@ -542,22 +549,14 @@ class MoEGemm:
 
             for c in range(min(nbuf, nchunks)):
                 copy(c)
-        kernels.launch(self._align(cfg, "prep_x", x), -(-T // 8), 256,
-                       (x, kernels.i32(T), kernels.i32(self.layout.hidden), p["xh"], p["xscale"]),
-                       device=self.device)
-        out32 = p["out32"][:T]
-        out32.zero_()
-        args = (p["unit_addr"], p["unit_lanes"], p["unit_count"], p["xh"], p["xscale"], p["act"],
-                p["lane_w"], T, None)
-        self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)       # resident experts
-        for c in range(nchunks):
-            main.wait_event(self._events[c][0])
-            self._run_gemm(cfg, views[c][0], *args, out32=out32)
-            if c + nbuf < nchunks:                   # buffer c % nbuf is free after this GEMM
-                self._events[c][1].record(main)
-                side.wait_event(self._events[c][1])
-                copy(c + nbuf)
-        if nchunks:
+            self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)   # resident experts
+            for c in range(nchunks):
+                main.wait_event(self._events[c][0])
+                self._run_gemm(cfg, views[c][0], *args, out32=out32)
+                if c + nbuf < nchunks:               # buffer c % nbuf is free after this GEMM
+                    self._events[c][1].record(main)
+                    side.wait_event(self._events[c][1])
+                    copy(c + nbuf)
             main.wait_stream(side)
         kernels.launch(self._gemm(cfg, "moe_finish"), self.sms * 4, 256, (
             out32, kernels.i32(T), kernels.i32(self.layout.hidden), out), device=self.device)
