@@ -67,22 +67,11 @@ CUPOOL_DEVICE void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// cp.async of 16 bytes (L2 only) or 4 bytes from global memory into shared memory; completion
-// is tracked per thread by commit groups.
-CUPOOL_DEVICE void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src)
-                 : "memory");
-}
-
-// cp.async of 16 bytes, or 16 zero bytes (nothing read) where `valid` is false.
+// cp.async of 16 bytes (L2 only) from global into shared memory, or 16 zero bytes (nothing
+// read) where `valid` is false; completion is tracked per thread by commit groups.
 CUPOOL_DEVICE void cp_async16_zfill(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-
-CUPOOL_DEVICE void cp_async4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(smem_addr(dst)), "l"(src)
-                 : "memory");
 }
 
 CUPOOL_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
