@@ -153,6 +153,14 @@ def _fused_stage_bytes(stage: int = 4, nbuf: int = 2) -> int:
     return (8 * nbuf + 4 + 15) // 16 * 16 + nbuf * stage * CHUNK_BYTES
 
 
+def _w13_items_fill(layout: RowLayout, sms: int, lanes: int, pairs_per_item: int,
+                    blocks_per_sm: int) -> bool:
+    """Whether moe_decode's w13 items for a call of `lanes` lanes (lanes · Ip/16 strip pairs, an
+    upper bound: lanes of one expert share a unit) fill a grid of `blocks_per_sm` blocks on each
+    of `sms` SMs."""
+    return lanes * (layout.ip // 16) // pairs_per_item >= blocks_per_sm * sms
+
+
 def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:
     """The decode kernel for `kind` on a GPU of `capability`: "auto" is "fused" on compute
     capability 9.0 and newer (moe_decode uses Hopper bulk copies and bf16x2 multiplies), else
@@ -343,16 +351,15 @@ class MoEGemm:
     def _fused_minb(self, nt: int, lanes: int) -> int:
         """Blocks per SM moe_decode's register use must allow for a call of `lanes` lanes.
 
-        4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone (lanes ·
-        Ip/16, an upper bound: lanes of one expert share a unit) fill a grid of 4 blocks per SM;
-        else 3 (at most 80 registers). Measured on the H200 (session 10, same outputs bit for
+        4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone, one strip
+        pair an item, fill a grid of 4 blocks per SM; else 3 (at most 80 registers). Measured on the H200 (session 10, same outputs bit for
         bit): 4 is 10%, 6% and 12% faster at H=2048 T=4 (1,536 items), H=4096 T=1 (768) and
         T=4 (3,072), K=8, and 5% slower at H=2048 T=1 (384 items, fewer than the 528 blocks).
         Units of 16 lanes (calls of more than 64 lanes) spill at 64 registers and keep 3.
         """
         if "MINB" in self._fused_extra:
             return self._fused_extra["MINB"]
-        return 4 if nt == 8 and lanes * (self.layout.ip // 16) >= 4 * self.sms else 3
+        return 4 if nt == 8 and _w13_items_fill(self.layout, self.sms, lanes, 1, 4) else 3
 
     def _fused_w13_split(self, lanes: int, minb: int) -> int:
         """Warps splitting the K of a w13 strip in moe_decode (W13_KSPLIT) for a call of `lanes`
@@ -360,15 +367,14 @@ class MoEGemm:
 
         2 (items of two strip pairs: twice the chunks a warp, one start and one set of
         barriers for both) where a strip is at most 32 chunks (Hp ≤ 2048) and the call's w13
-        items at two pairs an item (lanes · Ip/32, an upper bound as in _fused_minb) still fill
-        the grid; else 4 (one pair an item). Measured on the H200 (session 11, K=8): at
+        items at two pairs an item still fill the grid; else 4 (one pair an item). Measured on the H200 (session 11, K=8): at
         H=2048, 2 is 4–8% faster at T=4, 8 and 16, the same at T=3, slower at T=2 (384 items
         for 528 blocks) and T=1; at H=4096, 2 is no faster at T=4 and slower at T=1 beside
         w2's split of 2 (50.5 against 47.5 µs).
         """
         if "W13_KSPLIT" in self._fused_extra:
             return self._fused_extra["W13_KSPLIT"]
-        fills = lanes * (self.layout.ip // 32) >= minb * self.sms
+        fills = _w13_items_fill(self.layout, self.sms, lanes, 2, minb)
         return 2 if self.layout.hp <= 2048 and fills else 4
 
     def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int, minb: int,
