@@ -351,10 +351,11 @@ class MoEGemm:
     def _fused_minb(self, nt: int, lanes: int) -> int:
         """Blocks per SM moe_decode's register use must allow for a call of `lanes` lanes.
 
-        4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone, one strip
-        pair an item, fill a grid of 4 blocks per SM; else 3 (at most 80 registers). Measured on the H200 (session 10, same outputs bit for
-        bit): 4 is 10%, 6% and 12% faster at H=2048 T=4 (1,536 items), H=4096 T=1 (768) and
-        T=4 (3,072), K=8, and 5% slower at H=2048 T=1 (384 items, fewer than the 528 blocks).
+        4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone, one strip pair an
+        item, fill a grid of 4 blocks per SM; else 3 (at most 80 registers). Measured on the H200
+        (session 10, same outputs bit for bit): 4 is 10%, 6% and 12% faster at H=2048 T=4 (1,536
+        items), H=4096 T=1 (768) and T=4 (3,072), K=8, and 5% slower at H=2048 T=1 (384 items, fewer
+        than the 528 blocks).
         Units of 16 lanes (calls of more than 64 lanes) spill at 64 registers and keep 3.
         """
         if "MINB" in self._fused_extra:
@@ -365,11 +366,11 @@ class MoEGemm:
         """Warps splitting the K of a w13 strip in moe_decode (W13_KSPLIT) for a call of `lanes`
         lanes at `minb` blocks per SM.
 
-        2 (items of two strip pairs: twice the chunks a warp, one start and one set of
-        barriers for both) where a strip is at most 32 chunks (Hp ≤ 2048) and the call's w13
-        items at two pairs an item still fill the grid; else 4 (one pair an item). Measured on the H200 (session 11, K=8): at
-        H=2048, 2 is 4–8% faster at T=4, 8 and 16, the same at T=3, slower at T=2 (384 items
-        for 528 blocks) and T=1; at H=4096, 2 is no faster at T=4 and slower at T=1 beside
+        2 (items of two strip pairs: twice the chunks a warp, one start and one set of barriers for
+        both) where a strip is at most 32 chunks (Hp ≤ 2048) and the call's w13 items at two pairs
+        an item still fill the grid; else 4 (one pair an item). Measured on the H200 (session 11,
+        K=8): at H=2048, 2 is 4–8% faster at T=4, 8 and 16, the same at T=3, slower at T=2 (384
+        items for 528 blocks) and T=1; at H=4096, 2 is no faster at T=4 and slower at T=1 beside
         w2's split of 2 (50.5 against 47.5 µs).
         """
         if "W13_KSPLIT" in self._fused_extra:
