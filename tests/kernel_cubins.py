@@ -35,7 +35,7 @@ def _gemm(dims: str, nt, ksplit, warps_m, kc, w2_kc, nb, reduce, prefetch, minb,
 
 
 def _decode(dims: str, nt: int, maxw: int, minb: int, split: int, **over) -> str:
-    d = dict(OUT_BF16=1, IN_BF16=1, W_DTYPE=0, XALIGN=1, HFULL=1, **over)
+    d = {**dict(OUT_BF16=1, IN_BF16=1, W_DTYPE=0, XALIGN=1, HFULL=1), **over}
     rest = " ".join(f"-D{k}={v}" for k, v in d.items())
     return f"{dims} -DNT={nt} -DMAXW={maxw} {rest} -DMINB={minb} -DW13_KSPLIT={split}"
 
