@@ -1,5 +1,5 @@
 """What users run today instead of cupool, as expert backends of a wrapped model
-(`pool.backend = fn(layer, x, ids, w) -> out`), so every mode runs the same model and routing.
+(`pool.decode_backend = fn(layer, x, ids, w) -> out`), so every mode runs the same model and routing.
 
 - UVABackend: no bank; the GEMM reads every routed expert from pinned host memory through UVA
   each step (what vLLM's `--cpu-offload-gb` zero-copy offload does). Graph-capturable.

@@ -39,12 +39,13 @@ import sys
 import time
 
 import torch
-
+from _baselines import HostLRUBackend, ResidentBackend, UVABackend
 from _common import RESULTS, pcie_h2d_GBps, save
 
 import cupool
-from cupool import synthetic, trace as tr
-from _baselines import HostLRUBackend, ResidentBackend, UVABackend
+from cupool import synthetic
+from cupool import trace as tr
+from cupool.replay import Replayer
 
 
 @dataclasses.dataclass
@@ -61,7 +62,7 @@ def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, 
     rates, captures, stats = [], [], None
     for _ in range(repeats):
         if pool is not None:
-            pool.backend = backend
+            pool.decode_backend = backend
             if rows is not None and backend is None:
                 pool.resize_bank(rows)                   # fresh bank: same start every run
             if replay is not None:
@@ -75,7 +76,7 @@ def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, 
         if pool is not None and backend is None:
             stats = pool.stats()
     if pool is not None:
-        pool.backend = None
+        pool.decode_backend = None
     return Run(statistics.median(rates), rates, stats, captures)
 
 
@@ -196,7 +197,7 @@ def main(argv=None):
 
     resident = ResidentBackend(pool) if "resident" in args.modes or "pool" in args.modes else None
     for routing in args.routings:
-        replay = tr.Replayer(pool, traces[routing])
+        replay = Replayer(pool, traces[routing])
         if resident is not None:
             run = measure(backend=resident, replay=replay)
             record("resident", routing, run)

@@ -15,16 +15,25 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-
-from _common import ExpertRows, capture, hbm_copy_GBps, hbm_read_GBps, pcie_h2d_GBps, save, time_ms
+from _common import (
+    ExpertRows,
+    capture,
+    hbm_copy_GBps,
+    hbm_read_GBps,
+    pcie_h2d_GBps,
+    save,
+    time_ms,
+)
 
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout, unpack_row
+from cupool.ops.moe_gemm import PREFILL
 from cupool.synthetic import dequantize_exact, random_rows_fast
 
 
@@ -34,14 +43,26 @@ def routing(T, K, E, gen):
     return ids, torch.softmax(w, dim=-1)
 
 
-def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused", extra=None, outputs=None):
+def decode_call(gemm, x, lane_addr, w, out, override=None):
+    """gemm.decode, or with `override` ({"minb": .., "w13_split": ..}) the build the per-call
+    rules choose with those fields replaced, launched on the same workspaces."""
+    if not override:
+        return gemm.decode(x, lane_addr, w, out=out)
+    w = w.reshape(-1).float().contiguous()
+    build = dataclasses.replace(gemm.decoder.choose(lane_addr.numel(), x, w), **override)
+    gemm.decoder.launch(build, x, lane_addr, None, w, gemm.topk, 2, gemm.decode_workspaces, out,
+                        gemm.error)
+    return out
+
+
+def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused", override=None, outputs=None):
     """Layer time of a graph of `layers` decode calls; `outputs` (a list), if given, gets the
-    outputs of every layer after the timed replays."""
+    outputs of every layer after the timed replays. `override`: moe_decode build fields to force
+    (profile_gemm --sweep)."""
     rows = torch.empty(layers * E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")
     for layer in range(layers):
         rows[layer * E:(layer + 1) * E, :layout.row_bytes] = random_rows_fast(layout, E, device="cuda")
     gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=max(T, 1), decode_kernel=kernel)
-    gemm._fused_extra = dict(extra or {})      # profile_gemm --sweep: moe_decode variants
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     outs, addrs, weights, distinct = [], [], [], []
     for layer in range(layers):
@@ -50,7 +71,8 @@ def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused", extra=None, 
         weights.append(w)
         outs.append(torch.empty_like(x))
         distinct.append(len(set(ids.reshape(-1).tolist())))
-    g = capture(lambda layer: gemm.decode(x, addrs[layer], weights[layer], out=outs[layer]), layers)
+    g = capture(lambda layer: decode_call(gemm, x, addrs[layer], weights[layer], outs[layer],
+                                          override), layers)
     ms = time_ms(g.replay, warmup=3, iters=30) / layers
     bytes_per_layer = sum(distinct) / layers * layout.row_bytes
     gbps = bytes_per_layer / ms / 1e6
@@ -117,17 +139,18 @@ def host_ms(fn, iters=20):
 
 
 def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, scratch_rows=32, scratch_buffers=2,
-                  baseline=True):
+                  baseline=True, config=PREFILL):
     er = ExpertRows(layout, E, store=True)
     store, cpu_rows = er.store, er.cpu
     on_host, expert_addr = er.resident_addr(host_fraction)
     gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
-                   scratch_rows=scratch_rows, scratch_buffers=scratch_buffers)
+                   scratch_rows=scratch_rows, scratch_buffers=scratch_buffers,
+                   prefill_config=config)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(T, K, E, gen)
     out = torch.empty_like(x)
-    run = lambda: gemm.prefill(x, ids, w, expert_addr, host_addr=store.address_table(), out=out)  # noqa: E731
-    resident = lambda: gemm.prefill(x, ids, w, expert_addr, out=out)  # noqa: E731
+    run = lambda: gemm.prefill(x, ids, w, expert_addr, host_addr=store.address_table(), out=out)
+    resident = lambda: gemm.prefill(x, ids, w, expert_addr, out=out)
     res = {"T": T, "K": K, "H": layout.hidden, "I": layout.intermediate, "E": E,
            "host_fraction": host_fraction, "scratch_rows": scratch_rows,
            "scratch_buffers": scratch_buffers}

@@ -4,7 +4,7 @@ measured in the same run.
 
 Two figures:
 - quantize: gate, up (halves of gate_up [E, 2I, H], read where they lie) and down [E, H, I], three
-  `cupool.quantize.quantize` calls. Each call reads its input twice (amax pass, then block pass) and
+  `cupool.ops.nvfp4_quant.quantize` calls. Each call reads its input twice (amax pass, then block pass) and
   writes 0.5625 B/element; "traffic" counts all of that, "input" counts one read.
 - rows: `quantize_experts_to_rows`, the same quantization plus building the store rows on the GPU.
 Each timed call includes the one host readback per quantize call (the NaN/Inf census), as in use.
@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from _common import hbm_copy_GBps, save, time_ms
 
 from cupool import nvfp4
 from cupool.layout import RowLayout
-from cupool.quantize import quantize, quantize_experts_to_rows
+from cupool.ops.nvfp4_quant import quantize, quantize_experts_to_rows
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -27,13 +27,12 @@ import statistics
 
 import numpy as np
 import torch
-
 from _common import capture, pcie_h2d_GBps, save, time_ms
 
 from cupool import HostStore, kernels
 from cupool.bank import Bank
-from cupool.planner import launch_shape
-from cupool.rowcopy import RowCopier
+from cupool.ops.planner import launch_shape
+from cupool.ops.rowcopy import RowCopier
 
 
 def routing(rng, E: int, K: int, W: int, shape: tuple) -> np.ndarray:
@@ -100,7 +99,7 @@ def bench_plan(args, rng) -> list[dict]:
                       f"misses/call), plan+copy {row['plan_copy_us']:.2f} us, gate closed "
                       f"{row['plan_closed_us']:.2f} us")
                 del g_plan, g_step
-            bank = None  # noqa: F841 (free the bank before the next shape)
+            bank = None
         store.close()
     return results
 
@@ -211,7 +210,7 @@ def bench_copy(args, rng, ref_GBps: float) -> list[dict]:
               f"{copy_GBps:6.1f} GB/s ({r['copy_kernel_ratio']:.2f}); {M} cudaMemcpyAsync of "
               f"these rows {memcpy_rows_GBps:6.1f} GB/s")
         bank.close()
-        bank = None  # noqa: F841
+        bank = None
         store.close()
         torch.cuda.empty_cache()
     return results

@@ -12,11 +12,10 @@ import argparse
 
 import numpy as np
 import torch
-
 from _common import pcie_h2d_GBps, save, time_ms
 
 from cupool import HostStore, _cuda
-from cupool.rowcopy import RowCopier
+from cupool.ops.rowcopy import RowCopier
 
 SIZES = ["64KiB", "256KiB", "1MiB", "2MiB", "4MiB", "8MiB", "16MiB"]
 

@@ -1,7 +1,7 @@
 """Summarise an ncu source-view CSV of one kernel (`ncu --section WarpStateStats --section
 SourceCounters --page source --print-source sass --csv ...`, gzip or plain): warp-stall samples
 by reason, and the SASS instructions that hold the most samples with their top reasons. No GPU
-needed: it reads a file the device run wrote (e.g. results/ncu_moe_decode_T1_source.csv.gz)."""
+needed: it reads the file ncu wrote on the GPU machine."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def read_rows(path: Path) -> list[dict]:
 
 def summarise(rows: list[dict], top: int = 20) -> str:
     reasons = [c for c in rows[0] if c.startswith("stall_") and "(Not Issued)" not in c]
-    samples = lambda r: int(r["Warp Stall Sampling (All Samples)"] or 0)  # noqa: E731
+    samples = lambda r: int(r["Warp Stall Sampling (All Samples)"] or 0)
     total = sum(samples(r) for r in rows)
     if total == 0:
         return "no stall samples in this file"

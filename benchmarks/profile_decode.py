@@ -17,9 +17,8 @@ import collections
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from _common import capture, save, time_ms
+from torch.profiler import ProfilerActivity, profile
 
 import cupool
 from cupool import synthetic

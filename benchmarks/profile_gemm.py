@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from _common import ExpertRows
+from torch.profiler import ProfilerActivity, profile
 
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout
+from cupool.ops import moe_decode, moe_gemm
 
 
 def table(fn, label, reps=5):
@@ -25,18 +25,22 @@ def table(fn, label, reps=5):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
-SWEEP = ("", "W2_KSPLIT=1", "W2_KSPLIT=4", "MINB=2")
+# moe_decode builds of the sweep: fields of cupool.ops.moe_decode.Build forced over what the
+# per-call rules choose ("" is the rules' own choice).
+SWEEP = ("", "minb=3", "minb=4", "w13_split=2", "w13_split=4")
+_BUILD_FIELDS = ("minb", "w13_split")
 
 
 def parse_variant(text: str, option: str = "--sweep") -> dict:
-    """"A=1,B=2" -> {"A": 1, "B": 2}; "" or "default" -> {} (the kernel as built by default).
-    `option` names the command-line option in the error."""
+    """"minb=4,w13_split=2" -> {"minb": 4, "w13_split": 2}; "" or "default" -> {} (the build the
+    rules choose). `option` names the command-line option in the error."""
     out = {}
     for part in filter(None, text.replace("default", "").split(",")):
         name, sep, value = part.partition("=")
-        if not sep or not name.isidentifier() or not value.lstrip("-").isdigit():
-            raise SystemExit(f"{option}: variant {text!r}: expected NAME=INT[,NAME=INT...]")
-        out[name] = int(value)
+        if not sep or name.lower() not in _BUILD_FIELDS or not value.isdigit():
+            raise SystemExit(f"{option}: variant {text!r}: expected NAME=INT[,NAME=INT...] with "
+                             f"NAME in {_BUILD_FIELDS}")
+        out[name.lower()] = int(value)
     return out
 
 
@@ -53,11 +57,10 @@ def parse_case(text: str) -> tuple[tuple[int, int], int]:
 
 
 def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1, cases=SWEEP_CASES):
-    """Decode layer time (by default T=1 and 4 at H=2048, T=1 and 4 at H=4096) for variants of
-    moe_decode's compile-time switches (split of w2's K, blocks per SM, stage ring, profiling
-    ablations). The first round also checks each variant's outputs against the default build's
-    on the same rows and routing (max |difference| relative to the output's largest value;
-    profiling ablations are expected to differ)."""
+    """Decode layer time (by default T=1 and 4 at H=2048, T=1 and 4 at H=4096) for moe_decode
+    builds other than the rules' choice (blocks per SM, warps a w13 strip). The first round also
+    checks each variant's outputs against the chosen build's on the same rows and routing (max
+    |difference| relative to the output's largest value)."""
     from bench_gemm import bench_decode
     cases = [parse_case(c) for c in cases]
     gen = torch.Generator(device="cuda")
@@ -66,7 +69,7 @@ def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1, cases=SWEEP_CASES)
         (H, I), T = cases[case]
         torch.manual_seed(case)
         gen.manual_seed(case)
-        return bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, extra=extra,
+        return bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, override=extra,
                             outputs=outputs)
 
     ref = {}                                            # case -> the default build's outputs
@@ -88,52 +91,53 @@ def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1, cases=SWEEP_CASES)
                       f"{r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s{check}", flush=True)
 
 
-def w2_items(layout: RowLayout, extra: dict | None = None) -> int:
-    """w2 items of a unit in moe_decode (its KS2 / WM2 / G2; STAGE 4 and NBUF 2 as built by
-    default, W2_KSPLIT from `extra` where a variant sets it)."""
-    nc2 = layout.ip // 64
-    ks2 = (extra or {}).get("W2_KSPLIT") or (1 if nc2 <= 8 else 2 if nc2 <= 32 else 4 if nc2 <= 64 else 8)
-    return -(-(layout.hp // 16) // (8 // ks2))
+def trace(T: int = 1, E: int = 128, override: dict | None = None, dims=(2048, 768)):
+    """Timeline of one moe_decode call (the DECODE_TRACE build): when blocks start, when each
+    item's waits end, its K loop ends and it ends, as percentiles in µs from the first block's
+    start. `override`: build fields forced over the rules' choice."""
+    import dataclasses
 
-
-def trace(T: int = 1, E: int = 128, extra: dict | None = None, dims=(2048, 768)):
-    """Timeline of one moe_decode call (DECODE_TRACE build): when blocks start, when each item's
-    waits end, its K loop ends and it ends, as percentiles in µs from the first block's start."""
     import numpy as np
     layout = RowLayout(*dims)
     rows = ExpertRows(layout, E)                      # kept alive: addr points into rows.bank
     addr = rows.addr
     gemm = MoEGemm(layout, 8, torch.bfloat16, max_decode_tokens=T)
-    gemm._fused_extra = {**(extra or {}), "DECODE_TRACE": 1}
-    items, blocks = 8192, 4096
-    gemm._trace = torch.zeros(items * 4 + blocks * 2, dtype=torch.int64, device="cuda")
+    blocks = 4096
+    stamps = moe_decode.trace_buffer("cuda", blocks)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(T, E, device="cuda").topk(8, dim=-1).indices
-    w = torch.rand(T, 8, device="cuda")
+    w = torch.rand(T, 8, device="cuda").reshape(-1)
     la = addr[ids].reshape(-1)
+    out = torch.empty_like(x)
+    build = dataclasses.replace(gemm.decoder.choose(T * 8, x, w), trace=True, **(override or {}))
+
+    def call():
+        gemm.decoder.launch(build, x, la, None, w, 8, 2, gemm.decode_workspaces, out, gemm.error,
+                            trace=stamps)
+
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    items = moe_decode.TRACE_ITEMS
     for _ in range(3):
-        gemm.decode(x, la, w)
+        call()
     for rep in range(3):
         flush.fill_(rep)                                  # rows out of L2, as in a decode step
-        gemm._trace.zero_()
+        stamps.zero_()
         torch.cuda.synchronize()
-        gemm.decode(x, la, w)
+        call()
         torch.cuda.synchronize()
-        tr = gemm._trace.cpu().numpy()
+        tr = stamps.cpu().numpy()
         it = tr[:items * 4].reshape(items, 4)
         bl = tr[items * 4:].reshape(blocks, 2)
         bl = bl[bl[:, 0] > 0]
         t0 = bl[:, 0].min()
         units = len(set(ids.reshape(-1).tolist()))
-        lanes = T * 8
-        minb = gemm._fused_minb(8 if lanes <= 64 else 16, lanes)
-        ppi = 8 // (2 * gemm._fused_w13_split(lanes, minb))     # strip pairs a w13 item
-        n13, n2 = units * (layout.ip // 16) // ppi, units * w2_items(layout, extra)
-        us = lambda v: (v - t0) / 1e3                      # noqa: E731
-        pct = lambda v: " ".join(f"{np.percentile(v, q):6.2f}" for q in (0, 10, 50, 90, 100))  # noqa: E731
-        print(f"--- trace H={layout.hidden} T={T} {extra or ''} rep {rep}: {len(bl)} blocks, {n13} w13 items, {n2} w2 items "
-              f"(percentiles 0/10/50/90/100, us from the first block's start)")
+        ppi = 8 // (2 * build.w13_split)                      # strip pairs a w13 item
+        n13, n2 = units * (layout.ip // 16) // ppi, units * moe_decode.w2_items(layout)
+        us = lambda v: (v - t0) / 1e3
+        pct = lambda v: " ".join(f"{np.percentile(v, q):6.2f}" for q in (0, 10, 50, 90, 100))
+        print(f"--- trace H={layout.hidden} T={T} {override or ''} rep {rep}: {len(bl)} blocks, "
+              f"{n13} w13 items, {n2} w2 items (percentiles 0/10/50/90/100, us from the first "
+              f"block's start)")
         print(f"blocks start        {pct(us(bl[:, 0]))}")
         print(f"blocks grouped      {pct(us(bl[:, 1]))}")
         for name, sl in (("w13", it[:n13]), ("w2", it[n13:n13 + n2])):
@@ -144,46 +148,32 @@ def trace(T: int = 1, E: int = 128, extra: dict | None = None, dims=(2048, 768))
 
 
 def prefill_variant(text: str, option: str = "--prefill-sweep"):
-    """gemm.PREFILL with the changes of "NAME=INT,...", names of its fields in any case (NB,
-    MINB, KC2, W2_NS, ...). Fields only: config_defines derives every moe_gemm.cu macro from
-    them and the layout, and gemm_smem sizes shared memory from the same fields."""
-    import dataclasses
-
-    import cupool.gemm as G
-    base = G.PREFILL
-    fields = {f.name for f in dataclasses.fields(base)}
-    change = {}
-    for name, value in parse_variant(text, option).items():
-        if name.lower() not in fields:
-            raise SystemExit(f"{option}: variant {text!r}: {name} is not a PREFILL field "
-                             f"{sorted(fields)}")
-        change[name.lower()] = value
-    return dataclasses.replace(base, **change)
+    """The prefill launch config with the changes of "NAME=INT,..." (fields of
+    cupool.ops.moe_gemm.GemmConfig in any case: NB, MINB, KC2, W2_NS, ...)."""
+    try:
+        return moe_gemm.config_from_text(text)
+    except ValueError as e:
+        raise SystemExit(f"{option}: {e}") from None
 
 
 def prefill_sweep(variants, repeats: int = 1, tokens=(512, 2048), E: int = 128):
     """Resident prefill time (all experts in GPU rows) for variants of the prefill launch config
     (prefill_variant's syntax), beside torch bf16 on dequantized weights (timed once per T, with
     the first variant)."""
-    import cupool.gemm as G
     from bench_gemm import bench_prefill
-    base = G.PREFILL
     configs = [(text, prefill_variant(text)) for text in variants]   # checked before GPU work
     layout = RowLayout(2048, 768)
     torch_ms = {}
-    try:
-        for rep in range(repeats):
-            for text, cfg in configs:
-                G.PREFILL = cfg
-                for T in tokens:
-                    gen = torch.Generator(device="cuda").manual_seed(T)
-                    r = bench_prefill(layout, E, T, 8, gen, 1.0, 0.0, baseline=T not in torch_ms)
-                    torch_ms.setdefault(T, r.get("torch_best_ms"))
-                    print(f"prefill sweep rep {rep} T={T} {text or 'default'}: {r['ms']:.3f} ms "
-                          f"(host {r['host_ms']:.3f}), torch {torch_ms[T]:.3f} ms, "
-                          f"ratio {r['ms'] / torch_ms[T]:.2f}", flush=True)
-    finally:
-        G.PREFILL = base
+    for rep in range(repeats):
+        for text, cfg in configs:
+            for T in tokens:
+                gen = torch.Generator(device="cuda").manual_seed(T)
+                r = bench_prefill(layout, E, T, 8, gen, 1.0, 0.0, baseline=T not in torch_ms,
+                                  config=cfg)
+                torch_ms.setdefault(T, r.get("torch_best_ms"))
+                print(f"prefill sweep rep {rep} T={T} {text or 'default'}: {r['ms']:.3f} ms "
+                      f"(host {r['host_ms']:.3f}), torch {torch_ms[T]:.3f} ms, "
+                      f"ratio {r['ms'] / torch_ms[T]:.2f}", flush=True)
 
 
 def prefill_kernels(T: int, E: int = 128, reps: int = 3):
@@ -196,7 +186,7 @@ def prefill_kernels(T: int, E: int = 128, reps: int = 3):
     gemm = MoEGemm(layout, 8, torch.bfloat16, max_prefill_tokens=T, num_experts=E)
     x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(T, 8, E, torch.Generator(device="cuda").manual_seed(T))
-    run = lambda: gemm.prefill(x, ids, w, rows.addr)  # noqa: E731
+    run = lambda: gemm.prefill(x, ids, w, rows.addr)
     run()
     table(run, f"prefill T={T} resident", reps=reps)
 
@@ -215,7 +205,7 @@ def prefill_timeline(T: int, host_fraction: float = 0.5, scratch_rows: int = 32,
     x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
     ids = torch.rand(T, E, device="cuda").topk(8, dim=-1).indices
     w = torch.rand(T, 8, device="cuda")
-    run = lambda: gemm.prefill(x, ids, w, expert_addr, host_addr=er.store.address_table())  # noqa: E731
+    run = lambda: gemm.prefill(x, ids, w, expert_addr, host_addr=er.store.address_table())
     for _ in range(3):
         run()
     torch.cuda.synchronize()
@@ -239,20 +229,20 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--sweep", nargs="*", metavar="NAME=INT[,...]",
-                   help="time moe_decode variants (compile-time switches; '' is the default "
-                        "build; none given: a split/occupancy sweep), then exit")
+                   help="time moe_decode builds with minb / w13_split forced ('' is the rules' "
+                        "choice; none given: a split/occupancy sweep), then exit")
     p.add_argument("--repeats", type=int, default=1, help="--sweep: rounds over the variants")
     p.add_argument("--cases", nargs="+", default=list(SWEEP_CASES), metavar="H:T",
                    help="--sweep: decode cases, hidden size (2048 or 4096) and tokens")
     p.add_argument("--variant", default="", metavar="NAME=INT[,...]",
-                   help="--trace: moe_decode switches of the traced build")
+                   help="--trace: minb / w13_split of the traced build")
     p.add_argument("--hidden", type=int, choices=sorted(DIMS), default=2048,
                    help="--trace: hidden size of the traced layer (I follows: 768 or 1536)")
     p.add_argument("--trace", type=int, nargs="*", metavar="T",
                    help="timeline of moe_decode calls of T tokens (default 1), then exit")
     p.add_argument("--prefill-sweep", nargs="*", metavar="NAME=INT[,...]",
                    help="resident prefill time for variants of the prefill launch config "
-                        "(gemm.PREFILL fields: NB, MINB, KC, KC2, W2_NS, ...; '' or default is "
+                        "(GemmConfig fields: NB, MINB, KC, KC2, W2_NS, ...; '' or default is "
                         "the default)")
     p.add_argument("--prefill-kernels", type=int, nargs="*", metavar="T",
                    help="per-kernel times of resident prefill calls of T tokens, then exit")
@@ -278,7 +268,7 @@ def main(argv=None):
         return
     if args.trace is not None:
         for T in args.trace or [1]:
-            trace(T, extra=parse_variant(args.variant, "--variant"), dims=DIMS[args.hidden])
+            trace(T, override=parse_variant(args.variant, "--variant"), dims=DIMS[args.hidden])
         return
     E, K = args.experts, 8
     layout = RowLayout(2048, 768)

@@ -15,7 +15,6 @@ import pstats
 import time
 
 import torch
-
 from _common import ExpertRows
 
 from cupool.gemm import MoEGemm

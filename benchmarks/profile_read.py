@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from _common import capture, hbm_read_GBps, save, time_ms
 
 from cupool import kernels
@@ -42,10 +41,10 @@ def probe(rows, stride, E, n, layers, placement, kernel, grid, gen, hbm):
     sink = torch.zeros(grid, dtype=torch.int32, device="cuda")
     if kernel == "plain":
         fn = kernels.function("read_probe", "read_rows")
-        args = lambda a: (a, kernels.i32(n), kernels.i32(row_bytes // 16), sink)  # noqa: E731
+        args = lambda a: (a, kernels.i32(n), kernels.i32(row_bytes // 16), sink)
     else:
         fn = kernels.function("read_probe", "read_rows_bulk")
-        args = lambda a: (a, kernels.i32(n), kernels.i32(row_bytes // PIECE), sink)  # noqa: E731
+        args = lambda a: (a, kernels.i32(n), kernels.i32(row_bytes // PIECE), sink)
     g = capture(lambda layer: kernels.launch(fn, grid, 256, args(addrs[layer])), layers)
     us = time_ms(g.replay, warmup=3, iters=30) / layers * 1e3
     gbps = n * row_bytes / us / 1e3

@@ -30,10 +30,10 @@ def _nvcc() -> str:
 
 
 def info(args) -> int:
-    import torch  # noqa: PLC0415
+    import torch
 
-    import cupool  # noqa: PLC0415
-    from cupool import _cuda  # noqa: PLC0415
+    import cupool
+    from cupool import _cuda
 
     print(f"cupool        {cupool.__version__}")
     print(f"torch         {torch.__version__} (CUDA build {torch.version.cuda})")
@@ -60,7 +60,7 @@ def info(args) -> int:
     except Exception as e:  # noqa: BLE001
         print(f"NVRTC         not usable: {e}")
     try:
-        import pynvml  # noqa: PLC0415
+        import pynvml
         pynvml.nvmlInit()
         drv = pynvml.nvmlSystemGetDriverVersion()
         print(f"driver        {drv.decode() if isinstance(drv, bytes) else drv}")
@@ -75,9 +75,9 @@ def info(args) -> int:
 
 def _selftest() -> bool:
     """Compile and run the selftest kernel through the loader on torch's stream."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from cupool import kernels  # noqa: PLC0415
+    from cupool import kernels
     try:
         k = kernels.function("selftest", "axpb")
         x = torch.randn(1000, device="cuda")
@@ -94,7 +94,8 @@ def _selftest() -> bool:
 
 def simulate(args) -> int:
     """Hit rate of the reference planner on a trace (CPU only)."""
-    from cupool import trace as tr  # noqa: PLC0415
+    from cupool import trace as tr
+    from cupool.simulate import simulate as run_simulation
     if args.trace:
         t = tr.Trace.load(args.trace)
     else:
@@ -107,7 +108,7 @@ def simulate(args) -> int:
           f"top_k={t.ids.shape[-1]}, tokens/step={t.ids.shape[2]}; {t.note}")
     print(f"reuse: next token {t.reuse(1):.3f}, within 8 tokens {t.reuse(8):.3f}")
     for r in rows:
-        res = tr.simulate(t, r, warmup_steps=args.warmup)
+        res = run_simulation(t, r, warmup_steps=args.warmup)
         owned = res["rows_owned"]
         print(f"rows/layer {r:5d} ({100 * r / t.num_experts:5.1f}% of experts): hit rate "
               f"{res['hit_rate']:.3f}   rows owned per layer min/max {min(owned)}/{max(owned)}")

@@ -31,7 +31,7 @@ class NoGPUError(RuntimeError):
 def cupy():
     """The `cupy` module, or CupyMissingError saying which extra to install."""
     try:
-        import cupy as cp  # noqa: PLC0415 (optional dependency)
+        import cupy as cp
     except ImportError as e:
         raise CupyMissingError(f"{INSTALL_HINT} (import failed: {e})") from e
     return cp

@@ -1,6 +1,6 @@
 """Find the MoE layers of a PyTorch model: which module holds each layer's routed experts, and how.
 
-Shape legend (DESIGN.md): L MoE layers · E experts per layer · K top-k · H hidden size ·
+Shape legend (ARCHITECTURE.md): L MoE layers · E experts per layer · K top-k · H hidden size ·
 I expert intermediate size. Weights are returned in the `F.linear` convention ([out, in]):
 gate and up [I, H], down [H, I]; an expert computes down(SiLU(gate·x) ⊙ (up·x)).
 

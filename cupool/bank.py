@@ -1,6 +1,6 @@
 """The bank: GPU rows of expert weights shared by every MoE layer, and the planner's tables.
 
-Shape legend (DESIGN.md): L layers · E experts per layer · N rows per layer at start · R = L·N bank
+Shape legend (ARCHITECTURE.md): L layers · E experts per layer · N rows per layer at start · R = L·N bank
 rows · S staging rows · W lanes of one layer call.
 
 One uint8 tensor `rows` [R + S, row_stride] holds the bank rows (0 … R−1) and the staging rows
@@ -18,9 +18,14 @@ import numpy as np
 import torch
 
 from cupool import _cuda, kernels
-from cupool.planner import (COUNTERS, MAX_LANES, DeviceTables, PlanError, PlanStep,
-                            check_tables, initial_placement)
-from cupool.rowcopy import MODES, RowCopier
+from cupool.ops.planner import MAX_LANES, DeviceTables, PlanStep
+from cupool.ops.rowcopy import MODES, RowCopier
+from cupool.reference.planner import (
+    COUNTERS,
+    PlanError,
+    check_tables,
+    initial_placement,
+)
 from cupool.store import HostStore, fmt_bytes
 
 
@@ -53,10 +58,10 @@ class Bank:
         max_lanes: largest W of one `step` (≤ 1024).
         initial: [L, N] expert ids per layer (−1: empty row); default experts 0 … N−1.
         device: CUDA device (default: the store's).
-        threads, items: plan-step block shape (default `cupool.planner.launch_shape`).
+        threads, items: plan-step block shape (default `cupool.ops.planner.launch_shape`).
         ring: capacity of the plan step's LRU ring, a power of two ≥ R (default
-            `cupool.planner.ring_capacity`; a tight one compacts often, which tests use).
-        copy_mode: the row-copy kernel (`cupool.rowcopy.RowCopier` modes): "bulk" (Hopper bulk
+            `cupool.ops.planner.ring_capacity`; a tight one compacts often, which tests use).
+        copy_mode: the row-copy kernel (`cupool.ops.rowcopy.RowCopier` modes): "bulk" (Hopper bulk
             copies, sm_90+), "ld" (SM loads, any GPU), or "auto" (default): "bulk" on compute
             capability ≥ 9.0, else "ld". The choice is `copy_mode` on the bank.
         copy_blocks: the copy kernel's fixed grid (default: the RowCopier default).

@@ -14,6 +14,10 @@ import torch
 
 from cupool.store import fmt_bytes
 
+
+class BudgetError(ValueError):
+    """The memory budget cannot hold top-k rows per layer next to the rest of the model."""
+
 _UNITS = {"": 1, "b": 1,
           "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4,
@@ -59,7 +63,7 @@ class GPUMemory:
 
 
 def _nvml():
-    import pynvml  # noqa: PLC0415 (nvidia-ml-py)
+    import pynvml
     pynvml.nvmlInit()
     return pynvml
 
@@ -158,3 +162,26 @@ def rows_for_budget(budget: int, *, fixed: int, row_stride: int, num_layers: int
             f"{fmt_bytes(kv_reserve)}, and top-k={top_k} rows of {fmt_bytes(row_stride)} for "
             f"each of {num_layers} layers)")
     return int(min(num_experts, (budget - fixed - kv_reserve) // (num_layers * row_stride)))
+
+
+def rows_for_device(budget: int | None, row_stride: int, L: int, K: int, E: int,
+                    extra: int, device, kv_reserve: int) -> int:
+    """Rows per layer: what `budget` leaves after what torch already holds on the device (the
+    rest of the model, the GEMM workspaces) and `extra` (staging, tables), capped by what NVML
+    says is free. budget None: NVML alone."""
+    used = torch.cuda.memory_allocated(device)
+    free = gpu_memory(device).free
+    by_budget = E
+    if budget is not None:
+        try:
+            by_budget = rows_for_budget(budget, fixed=used + extra, row_stride=row_stride,
+                                        num_layers=L, top_k=K, num_experts=E, kv_reserve=kv_reserve)
+        except ValueError as e:
+            raise BudgetError(str(e)) from None
+    try:
+        by_nvml = rows_for_budget(free, fixed=extra + (256 << 20), row_stride=row_stride,
+                                  num_layers=L, top_k=K, num_experts=E, kv_reserve=kv_reserve)
+    except ValueError as e:
+        raise BudgetError(f"NVML reports {fmt_bytes(free)} free on {device}, not enough: "
+                          f"{str(e).replace('budget=', 'free memory ')}") from None
+    return min(by_budget, by_nvml)

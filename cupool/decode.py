@@ -21,7 +21,7 @@ import torch
 # model (the key would never die): it is a plain attribute of the model (not a submodule, so no
 # state_dict entry), a cycle the garbage collector frees with the model.
 _COMPILED_ATTR = "_cupool_compiled"
-_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compiled_forward(model):
@@ -77,7 +77,7 @@ class GraphDecoder:
             raise ValueError(f"the model must be on a CUDA device, it is on {self.device}")
 
     def _cache(self, batch: int):
-        from transformers import StaticCache  # noqa: PLC0415
+        from transformers import StaticCache
         key, cache = _CACHES.get(self.model, (None, None))
         if key == (self.max_len, batch):
             cache.reset()

@@ -1,7 +1,12 @@
-"""NVFP4 MoE GEMM: launchers of rawkernels/moe_decode.cu, moe_align.cu + moe_gemm.cu, and the
-float reference.
+"""`MoEGemm`: one expert shape's NVFP4 MoE GEMM, its workspaces and its two paths.
 
-Shape legend: T tokens · K top-k · W = T·K lanes · H hidden · I intermediate · E experts.
+Shape legend (ARCHITECTURE.md): T tokens · K top-k · W = T·K lanes · H hidden · I intermediate ·
+E experts.
+
+This module checks arguments, owns the fixed device workspaces and picks the path and kernel of
+each call; the launches are `cupool.ops.moe_decode` (one-launch decode) and `cupool.ops.moe_gemm`
+(moe_align + moe_gemm: prefill and the two-launch decode); the float reference is
+`cupool.reference.moe.reference_moe`.
 
 Two paths, both with fixed grids and sizes read on the device:
 - `decode(x, lane_addr, topk_weights)`: lanes come with the address of their expert's row (what
@@ -18,14 +23,17 @@ Both return out [T, H] in x's dtype (bf16 or fp16) on torch's current stream.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-import torch.nn.functional as F
 
 from cupool import _cuda, kernels
-from cupool.layout import CHUNK_BYTES, RowLayout
+from cupool.layout import RowLayout
+from cupool.ops import ACT_DTYPES, W_DTYPES
+from cupool.ops.moe_decode import MAX_LANES as FUSED_MAX_LANES
+from cupool.ops.moe_decode import DecodeKernel
+from cupool.ops.moe_gemm import PAIR_SMALL, PAIR_WIDE, PREFILL, GemmConfig, GemmKernels
 
+# Sticky error bits of the GEMM's `error` word: 1 and 2 are set by moe_lanes.cuh (moe_align.cu,
+# moe_decode.cu), 4 by align_experts, 8 by moe_decode.cu's wait_count.
 ERR_BAD_ID = 1
 ERR_BAD_WEIGHT = 2
 ERR_CHUNKS = 4
@@ -34,15 +42,12 @@ ERROR_NAMES = {ERR_BAD_ID: "expert id outside [0, E)", ERR_BAD_WEIGHT: "non-fini
                ERR_CHUNKS: "more host experts than scratch chunks (internal)",
                ERR_STALL: "moe_decode waited over a second for a unit's w13 items (internal)"}
 
-_DTYPES = {torch.bfloat16: 1, torch.float16: 0}
-_W_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # route_decode's W_DTYPE
-
 
 def check_activations(x: torch.Tensor, hidden: int, name: str = "hidden_states") -> None:
     """x must be a contiguous CUDA bf16/fp16 tensor [T, H]."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in ACT_DTYPES:
         raise TypeError(f"{name} must be bfloat16 or float16, got {x.dtype}")
     if not x.is_cuda:
         raise ValueError(f"{name} must be on a CUDA device, got {x.device}")
@@ -72,93 +77,8 @@ def check_routing(topk_weights: torch.Tensor, tokens: int, device, topk_ids=None
     return int(topk_weights.shape[1])
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    nt: int          # lane slots per unit
-    ksplit: int      # warps splitting K of a strip
-    warps_m: int     # warps on different strips of a unit
-    kc: int          # activation columns staged at a time
-    nb: int          # 64-column chunks in flight per warp
-    reduce: int      # 0: deterministic last-block top-k sum, 1: fp32 atomics
-    prefetch_w2: int
-    minb: int = 1    # blocks per SM the kernels' register use must allow
-    kc2: int = 0     # w2's staged columns; 0: all of I where that fits W2_WHOLE_BYTES, else kc
-    w2_ns: int = 1   # output strips of w2 per warp (1 or 2)
-    ntg: int = 4     # n-tiles whose B fragments a warp holds at once (ntg·strips other mma
-                     # between an accumulator's two updates); 4 measured fastest for PREFILL
-
-
-# Largest staging of all of w2's K for one block: w2 then stages a unit's act rows once for all
-# its items (two such blocks still share an SM: 2 x 100 KiB of an H100/H200 SM's 228 KiB).
-W2_WHOLE_BYTES = 100 * 1024
-
-
-# The pair's decode (route_decode, moe_w13, moe_w2; "pair" or over 256 lanes): one token per
-# unit is typical, so K is split over 8 warps, the whole K range staged at once (one barrier pair
-# per item) and registers capped for 3 blocks per SM, so that every item of a Qwen3-30B-A3B layer
-# (8 units x 48 strip pairs) has a block from the start; w13 pulls w2's rows into L2 for moe_w2.
-# Chosen by a sweep of these configs in an earlier session (H200: 29.9 us/layer against 31.7 for
-# KSPLIT 4 / NB 8 / KC 1024); `profile_gemm.py --sweep` now sweeps moe_decode.
-DECODE_SMALL = _Config(nt=8, ksplit=8, warps_m=1, kc=2048, nb=2, reduce=0, prefetch_w2=1, minb=3)
-DECODE_WIDE = _Config(nt=16, ksplit=4, warps_m=1, kc=1024, nb=8, reduce=0, prefetch_w2=1)
-# Prefill: 64 lanes a unit share each dequantized fragment over 8 mma n-tiles. One chunk in
-# flight a warp keeps moe_w13 at 127 registers, so 2 blocks (16 warps) share an SM: measured on
-# the H200 (`profile_gemm.py --prefill-sweep`) 10-14% faster than 4 chunks at 1 block per SM
-# (T=2048 resident 1.60-1.66 ms against 1.86-1.91 in the same calls). Two output strips a w2
-# warp (moe_w2 then at 128 registers, like w13 two strips a warp): T=2048 1.091 ms median
-# against 1.173 for one strip (six rounds in one call). With the chunk layout's 16-byte B loads a
-# warp holds the B fragments of 4 n-tiles at once (ntg): T=2048 1.069-1.084 ms against
-# 1.074-1.184 for 2 and 1.102-1.178 for 1 (one call). test_kernels_compile checks that this
-# config compiles without spills and that its staging fits two blocks an SM.
-PREFILL = _Config(nt=64, ksplit=1, warps_m=8, kc=256, nb=1, reduce=1, prefetch_w2=0, minb=2,
-                  w2_ns=2)
-
-
-def w2_cols(cfg: _Config, layout: RowLayout) -> int:
-    """Columns of act that moe_w2 stages at a time (W2_KC)."""
-    if cfg.kc2:
-        return min(cfg.kc2, layout.ip)
-    return layout.ip if cfg.nt * (layout.ip + 8) * 2 <= W2_WHOLE_BYTES else min(cfg.kc, layout.ip)
-
-
-def config_defines(cfg: _Config, layout: RowLayout, dtype=torch.bfloat16) -> dict:
-    """The -D macros moe_gemm.cu is compiled with for a config, layout and output dtype."""
-    return {**layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit, "WARPS_M": cfg.warps_m,
-            "KC": min(cfg.kc, layout.hp), "W2_KC": w2_cols(cfg, layout), "NB": cfg.nb,
-            "OUT_BF16": _DTYPES[dtype], "REDUCE": cfg.reduce, "PREFETCH_W2": cfg.prefetch_w2,
-            "MINB": cfg.minb, "W2_NS": cfg.w2_ns, "NTG": cfg.ntg}
-
-
-def gemm_smem(cfg: _Config, layout: RowLayout, kernel: str) -> int:
-    """Dynamic shared memory of moe_w13 or moe_w2 (moe_gemm.cu's Staging, red_buffer and
-    slot_info): the staging buffers (two where K takes more than one stage), the K-split
-    partials, the per-slot data."""
-    kp, cols, ns = ((layout.hp, min(cfg.kc, layout.hp), 2) if kernel == "moe_w13"
-                    else (layout.ip, w2_cols(cfg, layout), cfg.w2_ns))
-    nbuf = 2 if kp > cols else 1
-    red = (cfg.ksplit - 1) * cfg.warps_m * ns * (cfg.nt // 8) * 4 * 32 * 4
-    return nbuf * cfg.nt * (cols + 8) * 2 + red + cfg.nt * 8
-
-
-# The one-launch decode kernel (moe_decode.cu): its block shape is fixed in the source, and the
-# shared memory it needs is worked out from the same numbers in MoEGemm._fused.
+# The one-launch decode kernel (moe_decode.cu) or the two-launch pair (moe_align.cu + moe_gemm.cu).
 DECODE_KERNELS = ("auto", "fused", "pair")
-_FUSED_MAX_LANES = 256                             # moe_decode groups one lane per thread
-_FUSED_WARPS = 8
-
-
-def _fused_stage_bytes(stage: int = 4, nbuf: int = 2) -> int:
-    """Shared memory of one moe_decode warp's stage ring (WarpStages): nbuf barriers and the
-    parity word padded to 16 bytes, then nbuf buffers of `stage` chunks of the row layout."""
-    return (8 * nbuf + 4 + 15) // 16 * 16 + nbuf * stage * CHUNK_BYTES
-
-
-def _w13_items_fill(layout: RowLayout, sms: int, lanes: int, pairs_per_item: int,
-                    blocks_per_sm: int) -> bool:
-    """Whether moe_decode's w13 items for a call of `lanes` lanes (lanes · Ip/16 strip pairs, an
-    upper bound: lanes of one expert share a unit) fill a grid of `blocks_per_sm` blocks on each
-    of `sms` SMs."""
-    return lanes * (layout.ip // 16) // pairs_per_item >= blocks_per_sm * sms
 
 
 def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:
@@ -201,14 +121,16 @@ class MoEGemm:
             choice. Both are deterministic and hand SiLU·up from w13 to w2 in bf16, but they are
             not bit-identical (the pair multiplies x as fp16 scaled per token, moe_decode as it is,
             and their sums run in different orders).
+        prefill_config: the launch config of prefill's moe_w13 / moe_w2
+            (`cupool.ops.moe_gemm.PREFILL` by default; tuning sweeps pass others).
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
                  max_decode_tokens: int = 16, max_prefill_tokens: int = 0, num_experts: int = 0,
                  scratch_rows: int = 32, scratch_buffers: int = 2, decode_kernel: str = "auto",
-                 device=None):
+                 prefill_config: GemmConfig = PREFILL, device=None):
         _cuda.require_gpu("the MoE GEMM")
-        if dtype not in _DTYPES:
+        if dtype not in ACT_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
@@ -220,9 +142,13 @@ class MoEGemm:
         if (isinstance(scratch_buffers, bool) or not isinstance(scratch_buffers, int)
                 or scratch_buffers < 1):
             raise ValueError(f"scratch_buffers must be an int >= 1, got {scratch_buffers!r}")
+        if not isinstance(prefill_config, GemmConfig):
+            raise TypeError(f"prefill_config must be a cupool.ops.moe_gemm.GemmConfig, got "
+                            f"{type(prefill_config).__name__}")
         if max_prefill_tokens and not 0 < num_experts <= 1024:
             raise ValueError(f"prefill needs num_experts in [1, 1024], got {num_experts}")
         self.layout, self.topk, self.dtype = layout, int(topk), dtype
+        self.prefill_config = prefill_config
         self.device = torch.device("cuda", _cuda.device_index(device))
         dev = self.device
         self.decode_kernel = resolve_decode_kernel(decode_kernel,
@@ -239,7 +165,7 @@ class MoEGemm:
             xscale=torch.zeros(self.max_decode_tokens, **f32),
             range=torch.zeros(5, **i32),          # moe_align.cu: in place, fresh, all
             unit_addr=torch.zeros(wd, dtype=torch.int64, device=dev),
-            unit_lanes=torch.zeros(wd * DECODE_WIDE.nt, **i32),
+            unit_lanes=torch.zeros(wd * PAIR_WIDE.nt, **i32),
             unit_count=torch.zeros(wd, **i32),
             lane_w=torch.zeros(wd, **f32),
             act=torch.zeros(wd, ip, dtype=torch.bfloat16, device=dev),   # SiLU·up rows
@@ -257,7 +183,7 @@ class MoEGemm:
         self._p = None
         if max_prefill_tokens:
             wp = self.max_prefill_tokens * self.topk
-            max_units = wp // PREFILL.nt + self.num_experts
+            max_units = wp // prefill_config.nt + self.num_experts
             nchunks = -(-self.num_experts // self._chunk)
             stride = -(-layout.row_bytes // 256) * 256
             self._p = dict(
@@ -265,7 +191,7 @@ class MoEGemm:
                 xscale=torch.zeros(self.max_prefill_tokens, **f32),
                 phase_off=torch.zeros(nchunks + 2, **i32),
                 unit_addr=torch.zeros(max_units, dtype=torch.int64, device=dev),
-                unit_lanes=torch.zeros(max_units * PREFILL.nt, **i32),
+                unit_lanes=torch.zeros(max_units * prefill_config.nt, **i32),
                 unit_count=torch.zeros(max_units, **i32),
                 lane_w=torch.zeros(wp, **f32),
                 lane_e=torch.zeros(wp, **i32),
@@ -285,134 +211,15 @@ class MoEGemm:
         self._copier = None
         self._copy_stream = None          # prefill's scratch copies (made on first use)
         self._events: list = []           # per chunk: (copied, free), made on first use
-        self._grids: dict[tuple, int] = {}
-        self._pairs: dict = {}            # per config: resolved kernels, grids, shared memory
-        self._fused_extra: dict = {}      # extra moe_decode defines (benchmark sweeps only)
-        self._trace = None                # moe_decode's DECODE_TRACE stamps (profile_gemm only)
+        self.decoder = DecodeKernel(layout, dtype, dev)       # moe_decode builds and launches
+        self._kernels = GemmKernels(layout, self.topk, dtype, dev)
 
-    # --- compiled kernels -----------------------------------------------------------------
-    def _defines(self, cfg: _Config) -> dict:
-        return config_defines(cfg, self.layout, self.dtype)
-
-    def _gemm(self, cfg: _Config, name: str):
-        return kernels.function("moe_gemm", name, self._defines(cfg), self.device)
-
-    def _align(self, cfg: _Config, name: str, x: torch.Tensor, ids64: int = 1, w_dtype: int = 0):
-        # 16-byte loads of x where its rows allow them (H % 8 == 0, 16-byte aligned base)
-        xvec = int(self.layout.hidden % 8 == 0 and x.data_ptr() % 16 == 0)
-        d = {"NT": cfg.nt, "HP": self.layout.hp, "IN_BF16": _DTYPES[self.dtype], "IDS64": ids64,
-             "XVEC": xvec, "W_DTYPE": w_dtype}
-        return kernels.function("moe_align", name, d, self.device)
-
-    def _grid(self, fn, threads: int, smem: int) -> int:
-        """Persistent grid: as many blocks as fit on the GPU at once (registers, shared memory,
-        threads), so every block starts at once and loops over the items."""
-        key = (id(fn), threads, smem)
-        if key in self._grids:
-            return self._grids[key]
-        props = torch.cuda.get_device_properties(self.device)
-        regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
-        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-        threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
-        regs = -(-max(fn.num_regs, 1) // 8) * 8
-        by_regs = regs_sm // (regs * threads)
-        by_smem = smem_sm // (smem + fn.shared_size_bytes + 1024)
-        per_sm = max(1, min(by_regs, by_smem, threads_sm // threads, 32))
-        self._grids[key] = self.sms * per_sm
-        return self._grids[key]
-
-    def _gemm_pair(self, cfg: _Config) -> tuple:
-        """(threads, w13, grid, smem, w2, grid, smem) of a config, resolved once: prefill launches
-        a pair per scratch chunk, and the host's time per launch bounds how fast small chunks go."""
-        got = self._pairs.get(cfg)
-        if got is None:
-            threads = 32 * cfg.ksplit * cfg.warps_m
-            w13, w2 = self._gemm(cfg, "moe_w13"), self._gemm(cfg, "moe_w2")
-            s13 = gemm_smem(cfg, self.layout, "moe_w13")
-            s2 = gemm_smem(cfg, self.layout, "moe_w2")
-            got = self._pairs[cfg] = (threads, w13, self._grid(w13, threads, s13), s13,
-                                      w2, self._grid(w2, threads, s2), s2)
-        return got
-
-    def _run_gemm(self, cfg, rng, unit_addr, unit_lanes, unit_count, xh, xscale, act,
-                  lane_w, tokens, out, yw=None, group_done=None, out32=None, all_rng=None):
-        threads, w13, g13, s13, w2, g2, s2 = self._gemm_pair(cfg)
-        kernels.launch(w13, g13, threads, (
-            rng, unit_addr, unit_lanes, unit_count, xh, xscale, kernels.i32(self.topk), act),
-            shared_mem=s13, device=self.device)
-        dummy = self.error
-        kernels.launch(w2, g2, threads, (
-            rng, rng if all_rng is None else all_rng, unit_addr, unit_lanes, unit_count, act,
-            lane_w, kernels.i32(self.topk), kernels.i32(tokens), kernels.i32(self.layout.hidden),
-            yw if yw is not None else dummy, group_done if group_done is not None else dummy,
-            out if out is not None else dummy, out32 if out32 is not None else dummy),
-            shared_mem=s2, device=self.device)
-
-    def _fused_minb(self, nt: int, lanes: int) -> int:
-        """Blocks per SM moe_decode's register use must allow for a call of `lanes` lanes.
-
-        4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone, one strip pair an
-        item, fill a grid of 4 blocks per SM; else 3 (at most 80 registers). Measured on the H200
-        (session 10, same outputs bit for bit): 4 is 10%, 6% and 12% faster at H=2048 T=4 (1,536
-        items), H=4096 T=1 (768) and T=4 (3,072), K=8, and 5% slower at H=2048 T=1 (384 items, fewer
-        than the 528 blocks).
-        Units of 16 lanes (calls of more than 64 lanes) spill at 64 registers and keep 3.
-        """
-        if "MINB" in self._fused_extra:
-            return self._fused_extra["MINB"]
-        return 4 if nt == 8 and _w13_items_fill(self.layout, self.sms, lanes, 1, 4) else 3
-
-    def _fused_w13_split(self, lanes: int, minb: int) -> int:
-        """Warps splitting the K of a w13 strip in moe_decode (W13_KSPLIT) for a call of `lanes`
-        lanes at `minb` blocks per SM.
-
-        2 (items of two strip pairs: twice the chunks a warp, one start and one set of barriers for
-        both) where a strip is at most 32 chunks (Hp ≤ 2048) and the call's w13 items at two pairs
-        an item still fill the grid; else 4 (one pair an item). Measured on the H200 (session 11,
-        K=8): at H=2048, 2 is 4–8% faster at T=4, 8 and 16, the same at T=3, slower at T=2 (384
-        items for 528 blocks) and T=1; at H=4096, 2 is no faster at T=4 and slower at T=1 beside
-        w2's split of 2 (50.5 against 47.5 µs).
-        """
-        if "W13_KSPLIT" in self._fused_extra:
-            return self._fused_extra["W13_KSPLIT"]
-        fills = _w13_items_fill(self.layout, self.sms, lanes, 2, minb)
-        return 2 if self.layout.hp <= 2048 and fills else 4
-
-    def _fused(self, nt: int, maxw: int, x: torch.Tensor, w_dtype: int, minb: int,
-               w13_split: int) -> tuple:
-        """(kernel, grid, shared memory) of moe_decode for units of nt lanes, calls of ≤ maxw
-        lanes, x's dtype and alignment, the router weights' dtype, `minb` blocks per SM and
-        `w13_split` warps a w13 strip."""
-        xalign = int(x.data_ptr() % 16 == 0)       # a lane reads 16 columns as two 16-byte words
-        key = ("fused", nt, maxw, xalign, w_dtype, minb, w13_split)
-        got = self._pairs.get(key)
-        if got is None:
-            ring = _fused_stage_bytes(self._fused_extra.get("STAGE", 4),
-                                      self._fused_extra.get("NBUF", 2))
-            smem = (_FUSED_WARPS * ring + _FUSED_WARPS * (nt // 8) * 4 * 32 * 4
-                    + nt * 8 + maxw * (8 + 4 + nt + 1))      # moe_decode.cu's carve
-            d = {**self.layout.defines(), "NT": nt, "MAXW": maxw, "OUT_BF16": _DTYPES[self.dtype],
-                 "IN_BF16": _DTYPES[self.dtype], "W_DTYPE": w_dtype, "XALIGN": xalign,
-                 "HFULL": int(self.layout.hidden == self.layout.hp), "MINB": minb,
-                 "W13_KSPLIT": w13_split, **self._fused_extra}
-            fn = kernels.function("moe_decode", "moe_decode", d, self.device)
-            got = self._pairs[key] = (fn, self._grid(fn, 32 * _FUSED_WARPS, smem), smem)
-        return got
-
-    def _run_fused(self, x, lane_addr, lane_fresh, w, part, out):
-        T, K = x.shape[0], self.topk
-        W = T * K
-        nt, maxw = (8, 64) if W <= 64 else (16, 256)
-        minb = self._fused_minb(nt, W)
-        fn, grid, smem = self._fused(nt, maxw, x, _W_DTYPES[w.dtype], minb,
-                                     self._fused_w13_split(W, minb))
-        d = self._d
-        kernels.launch(fn, grid, 32 * _FUSED_WARPS, (
-            x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
-            kernels.NULL if lane_fresh is None else lane_fresh, w, kernels.i32(W), kernels.i32(K),
-            kernels.i32(part), d["act"], d["yw"], d["group_done"],
-            d["sync"], out, self.error,
-            kernels.NULL if self._trace is None else self._trace), shared_mem=smem, device=self.device)
+    @property
+    def decode_workspaces(self) -> dict:
+        """The decode workspaces (fixed device buffers). With `decoder` (the moe_decode launcher,
+        `cupool.ops.moe_decode.DecodeKernel`) they let a profiler launch a build of its own
+        choosing (`decoder.launch(build, ..., work=decode_workspaces, ...)`) as `decode` would."""
+        return self._d
 
     def _out(self, x, out):
         if out is None:
@@ -457,24 +264,26 @@ class MoEGemm:
             raise TypeError(f"before_fresh must be callable, got {type(before_fresh).__name__}")
         out = self._out(x, out)
         w = topk_weights.reshape(-1)
-        if w.dtype not in _W_DTYPES or not w.is_contiguous():
+        if w.dtype not in W_DTYPES or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
         lane_addr = lane_addr.reshape(-1)
-        if self.decode_kernel == "fused" and T * K <= _FUSED_MAX_LANES:
+        if self.decode_kernel == "fused" and T * K <= FUSED_MAX_LANES:
+            build = self.decoder.choose(T * K, x, w)
+            run = self.decoder.launch
             if lane_fresh is None:
-                self._run_fused(x, lane_addr, None, w, 2, out)
+                run(build, x, lane_addr, None, w, K, 2, self._d, out, self.error)
             else:
-                self._run_fused(x, lane_addr, lane_fresh, w, 0, out)      # rows in place
+                run(build, x, lane_addr, lane_fresh, w, K, 0, self._d, out, self.error)  # in place
                 if before_fresh is not None:
                     before_fresh()
-                self._run_fused(x, lane_addr, lane_fresh, w, 1, out)      # rows copied in
+                run(build, x, lane_addr, lane_fresh, w, K, 1, self._d, out, self.error)  # copied
             return out
-        cfg = DECODE_SMALL if T * K <= 64 else DECODE_WIDE
-        d = self._d
+        cfg = PAIR_SMALL if T * K <= 64 else PAIR_WIDE
+        d, ops = self._d, self._kernels
         # one thread a lane and at least one warp a token (up to 32): a small block starts and
         # synchronises faster than the 1024 threads the kernel allows
         threads = min(1024, max(64, 32 * -(-(T * K) // 32), 32 * min(T, 32)))
-        kernels.launch(self._align(cfg, "route_decode", x, w_dtype=_W_DTYPES[w.dtype]), 1,
+        kernels.launch(ops.align(cfg.nt, "route_decode", x, w_dtype=W_DTYPES[w.dtype]), 1,
                        threads, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), d["xh"], d["xscale"],
             lane_addr, kernels.NULL if lane_fresh is None else lane_fresh, w,
@@ -482,13 +291,13 @@ class MoEGemm:
             d["unit_lanes"], d["unit_count"], d["lane_w"], self.error), device=self.device)
         r = d["range"]
         args = (d["unit_addr"], d["unit_lanes"], d["unit_count"], d["xh"], d["xscale"], d["act"],
-                d["lane_w"], T, out)
-        kw = dict(yw=d["yw"], group_done=d["group_done"], all_rng=r[3:5])
-        self._run_gemm(cfg, r[0:2], *args, **kw)               # rows in place (all, if no split)
+                d["lane_w"], T, self.error)
+        kw = dict(out=out, yw=d["yw"], group_done=d["group_done"], all_rng=r[3:5])
+        ops.run(cfg, r[0:2], *args, **kw)                      # rows in place (all, if no split)
         if lane_fresh is not None:
             if before_fresh is not None:
                 before_fresh()
-            self._run_gemm(cfg, r[1:3], *args, **kw)           # rows the copies bring in
+            ops.run(cfg, r[1:3], *args, **kw)                  # rows the copies bring in
         return out
 
     # --- prefill --------------------------------------------------------------------------
@@ -518,17 +327,17 @@ class MoEGemm:
             raise ValueError(f"expert_addr must be int64 [{E}] on {x.device}, got "
                              f"{expert_addr.dtype} {list(expert_addr.shape)} on {expert_addr.device}")
         out = self._out(x, out)
-        p, cfg = self._p, PREFILL
+        p, cfg, ops = self._p, self.prefill_config, self._kernels
         ids = topk_ids.reshape(-1)
         w = topk_weights.reshape(-1)
-        if w.dtype not in _W_DTYPES or not w.is_contiguous():
+        if w.dtype not in W_DTYPES or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
         nchunks = p["nchunks"] if host_addr is not None else 0
-        kernels.launch(self._align(cfg, "prep_x", x), -(-T // 8), 256,
+        kernels.launch(ops.align(cfg.nt, "prep_x", x), -(-T // 8), 256,
                        (x, kernels.i32(T), kernels.i32(self.layout.hidden), p["xh"], p["xscale"]),
                        device=self.device)
-        kernels.launch(self._align(cfg, "align_experts", x, int(ids.dtype == torch.int64),
-                                   _W_DTYPES[w.dtype]), 1, 1024, (
+        kernels.launch(ops.align(cfg.nt, "align_experts", x, int(ids.dtype == torch.int64),
+                                 W_DTYPES[w.dtype]), 1, 1024, (
             ids, w, kernels.i32(T * K), kernels.i32(E), kernels.i32(layer), expert_addr,
             kernels.i64(p["scratch"].data_ptr()), kernels.i64(p["scratch"].stride(0)),
             kernels.i32(self._chunk), kernels.i32(self._nbuf), kernels.i32(nchunks),
@@ -538,9 +347,9 @@ class MoEGemm:
         out32 = p["out32"][:T]
         out32.zero_()
         args = (p["unit_addr"], p["unit_lanes"], p["unit_count"], p["xh"], p["xscale"], p["act"],
-                p["lane_w"], T, None)
+                p["lane_w"], T, self.error)
         if not nchunks:
-            self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)
+            ops.run(cfg, p["phase_off"][0:2], *args, out32=out32)
         else:
             copier, nbuf, views = self._scratch_copier(host_addr), self._nbuf, p["chunk_views"]
             main = torch.cuda.current_stream(self.device)
@@ -556,21 +365,20 @@ class MoEGemm:
 
             for c in range(min(nbuf, nchunks)):
                 copy(c)
-            self._run_gemm(cfg, p["phase_off"][0:2], *args, out32=out32)   # resident experts
+            ops.run(cfg, p["phase_off"][0:2], *args, out32=out32)   # resident experts
             for c in range(nchunks):
                 main.wait_event(self._events[c][0])
-                self._run_gemm(cfg, views[c][0], *args, out32=out32)
+                ops.run(cfg, views[c][0], *args, out32=out32)
                 if c + nbuf < nchunks:               # buffer c % nbuf is free after this GEMM
                     self._events[c][1].record(main)
                     side.wait_event(self._events[c][1])
                     copy(c + nbuf)
             main.wait_stream(side)
-        kernels.launch(self._gemm(cfg, "moe_finish"), self.sms * 4, 256, (
-            out32, kernels.i32(T), kernels.i32(self.layout.hidden), out), device=self.device)
+        ops.finish(cfg, out32, T, out)
         return out
 
     def _scratch_copier(self, host_addr: torch.Tensor):
-        from cupool.rowcopy import RowCopier  # noqa: PLC0415
+        from cupool.ops.rowcopy import RowCopier
         if self._copier is None or self._copier.src_of_key is not host_addr:
             self._copier = RowCopier(host_addr, self.layout.row_bytes, self._p["scratch"],
                                      self._chunk)
@@ -588,26 +396,3 @@ class MoEGemm:
         tensors = list(self._d.values()) + ([v for v in self._p.values()
                                              if isinstance(v, torch.Tensor)] if self._p else [])
         return [("GEMM workspaces", sum(t.numel() * t.element_size() for t in tensors), "gpu")]
-
-
-# --- reference ----------------------------------------------------------------------------------
-def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  experts, dtype=torch.float32) -> torch.Tensor:
-    """Dequantize-then-matmul reference in `dtype` (float32 or float64) on x's device.
-
-    experts: callable e -> (w_gate [I, H], w_up [I, H], w_down [H, I]) float tensors (already
-    dequantized), or a sequence of such triples. Lanes with id -1 contribute nothing.
-    Returns [T, H] in `dtype`.
-    """
-    get = experts if callable(experts) else (lambda e: experts[e])
-    xf = x.to(dtype)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=dtype, device=x.device)
-    ids = topk_ids.to(torch.int64)
-    w = topk_weights.to(dtype)
-    for e in sorted(set(ids.reshape(-1).tolist()) - {-1}):
-        tok, kk = (ids == e).nonzero(as_tuple=True)
-        wg, wu, wd = (m.to(dtype=dtype, device=x.device) for m in get(e))
-        h = xf[tok]
-        a = F.silu(h @ wg.T) * (h @ wu.T)
-        out.index_add_(0, tok, (a @ wd.T) * w[tok, kk][:, None])
-    return out

@@ -40,7 +40,7 @@ def kernel_dir() -> Path:
         if cand.is_dir() and any(cand.glob("*.cu")):
             return cand
     try:
-        import cupool.rawkernels as pkg  # noqa: PLC0415
+        import cupool.rawkernels as pkg
         cand = Path(pkg.__file__).resolve().parent
         if any(cand.glob("*.cu")):
             return cand
@@ -161,7 +161,7 @@ class _Facts:
     was allowed. The record holds the kernel itself, so an id is never reused by another object
     while the record exists (kernels from `function` live for the process)."""
 
-    __slots__ = ("kernel", "handle", "max_threads", "smem")
+    __slots__ = ("handle", "kernel", "max_threads", "smem")
 
     def __init__(self, kernel):
         ptr = getattr(getattr(kernel, "kernel", None), "ptr", None)
@@ -221,7 +221,7 @@ def _raw_stream(idx: int) -> int:
 
 
 def launch(kernel, grid, block, args, shared_mem: int = 0, device=None,
-           stream: "torch.cuda.Stream | None" = None) -> None:
+           stream: torch.cuda.Stream | None = None) -> None:
     """Launch on `stream` (a torch stream of `device`), by default torch's current stream of
     `device`. Grid and block are ints or tuples.
 
@@ -243,8 +243,7 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None,
                          f"({facts.max_threads}: {kernel.num_regs} registers a thread); use "
                          f"fewer threads")
     if shared_mem > facts.smem:
-        if kernel.max_dynamic_shared_size_bytes < shared_mem:
-            kernel.max_dynamic_shared_size_bytes = shared_mem
+        kernel.max_dynamic_shared_size_bytes = max(kernel.max_dynamic_shared_size_bytes, shared_mem)
         facts.smem = shared_mem
     idx = _cuda.device_index(device)
     fptr = facts.handle
@@ -262,6 +261,30 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None,
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         with _cuda.current_stream(device):
             kernel(grid, block, args, shared_mem=shared_mem)
+
+
+_grids: dict[tuple, int] = {}
+
+
+def resident_grid(kernel, threads: int, shared_mem: int, device=None) -> int:
+    """Blocks of a persistent launch: as many as fit on the GPU at once (registers, shared memory
+    and threads of an SM, at most 32 blocks an SM), so every block starts at once and loops over
+    the work items. Cached per (kernel, block, shared memory, device)."""
+    idx = _cuda.device_index(device)
+    key = (id(kernel), threads, shared_mem, idx)
+    got = _grids.get(key)
+    if got is None:
+        _kernel_facts(kernel)                    # keeps the kernel alive, so its id stays its own
+        props = torch.cuda.get_device_properties(idx)
+        regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+        regs = -(-max(kernel.num_regs, 1) // 8) * 8          # allocated 8 registers at a time
+        by_regs = regs_sm // (regs * threads)
+        by_smem = smem_sm // (shared_mem + kernel.shared_size_bytes + 1024)   # 1 KiB reserved
+        per_sm = max(1, min(by_regs, by_smem, threads_sm // threads, 32))
+        got = _grids[key] = props.multi_processor_count * per_sm
+    return got
 
 
 NULL = np.uint64(0)  # a null pointer argument (kernels that take an optional array test for it)

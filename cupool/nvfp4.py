@@ -3,7 +3,7 @@
 Shape legend: a weight is [..., N, K] (`F.linear` convention, K the reduction dim); every leading
 index is one matrix with its own global scale.
 
-The format (DESIGN.md, "NVFP4"):
+The format (ARCHITECTURE.md, "NVFP4"):
 - value codes: FP4 E2M1, nibble = sign<<3 | e1 e0 m, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; two a byte,
   element 2i in the low nibble of byte i;
 - block scale: FP8 E4M3 (float8_e4m3fn), one per 16 consecutive elements along K;
@@ -70,7 +70,7 @@ class NVFP4Tensor:
         """Logical shape [..., N, K] of the unpacked matrix."""
         return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
 
-    def __getitem__(self, i) -> "NVFP4Tensor":
+    def __getitem__(self, i) -> NVFP4Tensor:
         """Matrix i of a stack (index over the leading dims)."""
         return NVFP4Tensor(self.packed[i], self.block_scale[i], self.global_scale[i])
 

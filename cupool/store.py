@@ -1,6 +1,6 @@
 """The host store: every expert row of every MoE layer, in pinned host memory.
 
-Shape legend (DESIGN.md): L layers · E experts per layer. A row is one expert's weights in the
+Shape legend (ARCHITECTURE.md): L layers · E experts per layer. A row is one expert's weights in the
 kernel layout (`cupool.layout`), `row_bytes` long, placed at a `row_stride` that is a multiple of
 `align` (256 bytes by default). Rows live in a few large pinned allocations ("chunks") made
 through CuPy with the mapped flag, so each row has a UVA device address that kernels read through
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -194,7 +194,7 @@ class HostStore:
              desc: str = "host store") -> None:
         """Fill every layer: `make_layer(l)` returns [E, row_bytes] uint8 (numpy or torch) or
         writes the rows itself through `write_row` and returns None. Shows a progress bar."""
-        from tqdm.auto import tqdm  # noqa: PLC0415
+        from tqdm.auto import tqdm
         for layer in tqdm(range(self.num_layers), desc=desc, unit="layer", disable=not progress):
             rows = make_layer(layer)
             if rows is None:

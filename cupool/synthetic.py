@@ -100,9 +100,9 @@ def qwen3_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, *
     `cupool.wrap(model, layers=specs, expert_rows=...)`. A 30B-parameter shape costs only its
     ~2 GB dense part here.
     """
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from cupool.adapters import find_moe_layers  # noqa: PLC0415
+    from cupool.adapters import find_moe_layers
     cfg = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **shape}, dtype=dtype, tie_word_embeddings=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

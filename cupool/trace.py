@@ -1,18 +1,14 @@
-"""Routing traces: record what a run routed, replay it in place of the router, make synthetic ones.
+"""Routing traces: what a run routed, per decode step and layer, saved as `.npz`.
 
-Shape legend: S decode steps · L MoE layers · T tokens a step · K top-k · E experts.
-A trace is `ids` int16/int32 [S, L, T, K] (expert ids; −1 padding) with E, saved as `.npz`.
+Shape legend (ARCHITECTURE.md): S decode steps · L MoE layers · T tokens a step · K top-k ·
+E experts. A trace is `ids` int16/int32 [S, L, T, K] (expert ids; −1 padding) with E.
 
-Uses:
-- `Recorder(pool)`: eager runs append each layer call's ids (a host read per call: for recording
-  only, never in a timed or captured run);
-- `Replayer(pool, trace)`: benchmarks only — every layer call takes its ids from the trace instead
-  of the router's, through a device-side step counter, so a captured graph replays a new step
-  every replay with no host work;
+- `Trace.load` / `Trace.save`: files, validated when read;
 - `synthetic(...)`: traces with a stated reuse and skew, e.g. the locality published for
   Qwen3-30B-A3B (about 45% of selections repeat at the next token, 80% within 8 tokens);
-- `simulate(trace, rows_per_layer, ...)`: the hit rate the reference planner gets on a trace,
-  on the CPU (`python -m cupool simulate`), so users size the bank without a GPU.
+  `uniform(...)`: what a random router gives.
+Traces are recorded and replayed through the pool's routing hook (`cupool.replay`) and replayed
+on the CPU through the reference planner (`cupool.simulate`).
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-import torch
 
 
 @dataclasses.dataclass
@@ -55,7 +50,7 @@ class Trace:
         return path if path.suffix == ".npz" else path.with_suffix(path.suffix + ".npz")
 
     @classmethod
-    def load(cls, path) -> "Trace":
+    def load(cls, path) -> Trace:
         with np.load(path) as f:
             return cls(ids=f["ids"].astype(np.int32), num_experts=int(f["num_experts"]),
                        note=str(f["note"]) if "note" in f else "")
@@ -132,101 +127,3 @@ def uniform(steps: int, num_layers: int, num_experts: int, top_k: int, *, tokens
     rng = np.random.default_rng(seed)
     ids = np.argsort(rng.random((steps, num_layers, tokens, num_experts)), axis=-1)[..., :top_k]
     return Trace(ids.astype(np.int32), num_experts, note=f"uniform seed={seed}")
-
-
-def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = None,
-             warmup_steps: int = 0) -> dict:
-    """Replay `trace` through the reference planner with the gate open.
-
-    Returns the hit rate (hits / (hits + misses)) over the steps after `warmup_steps`, per layer
-    too, and the rows each layer owns at the end (shows rows moving between layers).
-    """
-    from cupool.planner import HITS, MISSES, ReferencePlanner  # noqa: PLC0415
-    L, K = trace.num_layers, trace.ids.shape[-1]
-    W = trace.ids.shape[2] * K
-    if not K <= rows_per_layer <= trace.num_experts:
-        raise ValueError(f"rows_per_layer must be in [top_k={K}, E={trace.num_experts}], "
-                         f"got {rows_per_layer}")
-    ref = ReferencePlanner(L, trace.num_experts, rows_per_layer, staging_rows or W)
-    ref.open()
-    base = np.zeros_like(ref.counters)
-    for s in range(trace.steps):
-        if s == warmup_steps:
-            base = ref.counters.copy()
-        for layer in range(L):
-            ref.step(layer, trace.ids[s, layer].reshape(-1))
-    c = ref.counters - base
-    hits, misses = int(c[:, HITS].sum()), int(c[:, MISSES].sum())
-    owned = np.bincount(ref.key_of[ref.key_of >= 0] // trace.num_experts, minlength=L)
-    return {"hit_rate": hits / max(1, hits + misses), "hits": hits, "misses": misses,
-            "per_layer_hit_rate": [float(c[l, HITS] / max(1, c[l, HITS] + c[l, MISSES]))
-                                   for l in range(L)],
-            "rows_owned": owned.tolist()}
-
-
-class Replayer:
-    """Feeds a trace to a wrapped model's MoE layers in place of the router's choice.
-
-    Benchmarks only: `install()` makes every PooledExperts call read ids[step, layer] from a
-    device copy of the trace; the last layer advances a device step counter (wrapping around),
-    so eager runs and graph replays walk the trace with no host work. Router weights are kept.
-    """
-
-    def __init__(self, pool, trace: Trace):
-        if trace.num_layers != pool.num_layers or trace.num_experts != pool.num_experts \
-                or trace.ids.shape[-1] != pool.top_k:
-            raise ValueError(f"trace is [layers={trace.num_layers}, E={trace.num_experts}, "
-                             f"K={trace.ids.shape[-1]}], the pool is [layers={pool.num_layers}, "
-                             f"E={pool.num_experts}, K={pool.top_k}]")
-        self.pool = pool
-        self.ids = torch.from_numpy(trace.ids.astype(np.int64)).to(pool.device)
-        self.step = torch.zeros(1, dtype=torch.int64, device=pool.device)
-        self.steps = trace.steps
-
-    def ids_for(self, layer: int, tokens: int) -> torch.Tensor:
-        """ids [T, K] of the current step for `layer` (device gather; graph-safe)."""
-        row = self.ids.index_select(0, self.step)[0, layer]              # [T_trace, K]
-        if row.shape[0] < tokens:
-            row = row.repeat(-(-tokens // row.shape[0]), 1)
-        return row[:tokens]
-
-    def advance(self) -> None:
-        self.step.add_(1).remainder_(self.steps)
-
-    def install(self) -> None:
-        self.pool.replayer = self
-
-    def uninstall(self) -> None:
-        self.pool.replayer = None
-
-
-class Recorder:
-    """Records each layer call's ids of an eager run (a host read per call: recording only).
-
-    `trace()` returns the Trace of the decode steps recorded (calls with `tokens` tokens; prefill
-    calls of other widths are skipped)."""
-
-    def __init__(self, pool, tokens: int = 1):
-        self.pool, self.tokens = pool, tokens
-        self.steps: list[list[np.ndarray]] = []
-
-    def append(self, layer: int, ids: torch.Tensor) -> None:
-        if ids.shape[0] != self.tokens:
-            return
-        if layer == 0:
-            self.steps.append([])
-        if self.steps:
-            self.steps[-1].append(ids.detach().cpu().numpy().astype(np.int32))
-
-    def install(self) -> None:
-        self.pool.recorder = self
-
-    def uninstall(self) -> None:
-        self.pool.recorder = None
-
-    def trace(self) -> Trace:
-        full = [s for s in self.steps if len(s) == self.pool.num_layers]
-        if not full:
-            raise ValueError("no complete decode step was recorded")
-        return Trace(np.stack([np.stack(s) for s in full]), self.pool.num_experts,
-                     note="recorded")

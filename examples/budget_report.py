@@ -16,12 +16,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-import cupool  # noqa: E402
-from cupool import synthetic, trace as tr  # noqa: E402
-from cupool.budget import rows_for_budget  # noqa: E402
-from cupool.store import fmt_bytes  # noqa: E402
+import cupool
+from cupool import synthetic
+from cupool import trace as tr
+from cupool.budget import rows_for_budget
+from cupool.simulate import simulate
+from cupool.store import fmt_bytes
 
 
 def dense_bytes(shape: dict, dtype_bytes: int = 2) -> int:
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
     if t.num_layers != L or t.num_experts != E:
         print(f"trace is for {t.num_layers} layers x {t.num_experts} experts, not {L} x {E}")
         return 2
-    res = tr.simulate(t, rows, warmup_steps=min(8, t.steps // 4))
+    res = simulate(t, rows, warmup_steps=min(8, t.steps // 4))
     print(f"expected hit rate {res['hit_rate']:.3f} on {t.note or args.trace} "
           f"(rows owned per layer after the trace: min {min(res['rows_owned'])}, "
           f"max {max(res['rows_owned'])})")

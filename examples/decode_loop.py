@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-import cupool  # noqa: E402
-from cupool import synthetic  # noqa: E402
+import cupool
+from cupool import synthetic
 
 
 def parse_args(argv=None):
@@ -87,10 +87,11 @@ def main(argv=None) -> int:
     print(f"built + wrapped in {time.perf_counter() - t0:.1f} s: {pool}")
     if args.routing != "router":
         from cupool import trace as tr
+        from cupool.replay import Replayer
         make = tr.synthetic if args.routing == "locality" else tr.uniform
         kw = dict(tr.QWEN3_LOCALITY) if args.routing == "locality" else {}
         trace = make(args.tokens + 8, L, E, K, seed=args.seed, **kw)
-        tr.Replayer(pool, trace).install()
+        Replayer(pool, trace).install()
         print(f"routing: {trace.note}")
     prompt = torch.randint(0, shape["vocab_size"], (1, args.prompt), device="cuda", generator=gen)
     decoder = cupool.GraphDecoder(model, pool, max_len=args.prompt + args.tokens,

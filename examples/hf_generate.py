@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-import cupool  # noqa: E402
+import cupool
 
 FAMILIES = {
     "qwen3_moe": dict(hidden_size=256, head_dim=32, intermediate_size=512, moe_intermediate_size=128,

@@ -21,8 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cupool.planner import (COUNTERS, ReferencePlanner, initial_placement, lru_order,  # noqa: E402
-                            ring_capacity)
+from cupool.ops.planner import ring_capacity
+from cupool.reference.planner import (
+    COUNTERS,
+    ReferencePlanner,
+    initial_placement,
+    lru_order,
+)
 
 EMU = Path(__file__).resolve().parent / "emu"
 DYN_DECL = "extern __shared__ u32 dyn_smem[];"

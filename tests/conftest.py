@@ -20,6 +20,23 @@ def _gpu_reason():
 GPU_SKIP_REASON = _gpu_reason()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--prefill-config", default="", metavar="NAME=INT[,...]",
+                     help="run the prefill GPU tests with the prefill launch config changed, e.g. "
+                          "NB=2,MINB=1 (fields of cupool.ops.moe_gemm.GemmConfig), to check a "
+                          "variant before it becomes the default")
+
+
+@pytest.fixture
+def prefill_config(request):
+    """The prefill launch config the GPU tests build MoEGemm with (--prefill-config)."""
+    from cupool.ops.moe_gemm import config_from_text
+    try:
+        return config_from_text(request.config.getoption("--prefill-config"))
+    except ValueError as e:
+        raise pytest.UsageError(f"--prefill-config: {e}") from None
+
+
 def pytest_collection_modifyitems(config, items):
     if GPU_SKIP_REASON is None:
         return

@@ -16,9 +16,10 @@ from __future__ import annotations
 import sys
 
 import torch
-
-from cupool.gemm import MoEGemm, reference_moe
 from test_gpu_gemm import TOL, Placed, rel_err, routing
+
+from cupool.gemm import MoEGemm
+from cupool.reference.moe import reference_moe
 
 
 def at_rest(gemm: MoEGemm) -> bool:

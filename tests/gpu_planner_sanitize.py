@@ -14,7 +14,6 @@ import argparse
 
 import numpy as np
 import torch
-
 from test_gpu_planner import Harness, run_random
 
 

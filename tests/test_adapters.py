@@ -12,12 +12,25 @@ import weakref
 
 import pytest
 import torch
+from tiny_models import (
+    FAMILIES,
+    GateUpDownExpert,
+    ListMoEModel,
+    ReluExpert,
+    W123Expert,
+    hf_model,
+    moe_reference,
+)
 from torch import nn
 
-from cupool.adapters import (KIND_HF, KIND_LIST, MoELayerSpec, UnsupportedModelError,
-                             check_consistent, find_moe_layers)
-from tiny_models import (FAMILIES, GateUpDownExpert, ListMoEModel, ReluExpert, W123Expert,
-                               hf_model, moe_reference)
+from cupool.adapters import (
+    KIND_HF,
+    KIND_LIST,
+    MoELayerSpec,
+    UnsupportedModelError,
+    check_consistent,
+    find_moe_layers,
+)
 
 
 def _routing(E, K, T, seed):

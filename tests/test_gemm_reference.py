@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cupool.gemm import check_activations, check_routing, reference_moe
+from cupool.gemm import check_activations, check_routing
 from cupool.layout import RowLayout, unpack_row
+from cupool.reference.moe import reference_moe
 from cupool.synthetic import dequantize_exact, random_experts, random_rows_fast
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cupool import HostStore, kernels, report
-from cupool.rowcopy import RowCopier
+from cupool.ops.rowcopy import RowCopier
 
 pytestmark = pytest.mark.gpu
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from cupool import HostStore
-from cupool.gemm import MoEGemm, reference_moe
+from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout
+from cupool.reference.moe import reference_moe
 from cupool.synthetic import dequantize_exact, random_experts
 
 pytestmark = pytest.mark.gpu
@@ -128,12 +129,12 @@ def test_decode_padded_dims_and_dtypes(small, T, K, dtype, w_dtype, kernel):
 
 
 @pytest.mark.parametrize("T", [1, 5])
-def test_decode_and_prefill_misaligned_activations(small, T):
+def test_decode_and_prefill_misaligned_activations(small, T, prefill_config):
     """x whose base is not 16-byte aligned takes the scalar load path of the activation prep."""
     gen = torch.Generator().manual_seed(40 + T)
     K = 2
     gemm = MoEGemm(small.layout, K, torch.bfloat16, max_decode_tokens=8, max_prefill_tokens=16,
-                   num_experts=small.E)
+                   num_experts=small.E, prefill_config=prefill_config)
     buf = torch.randn(T * 80 + 1, generator=gen).to(torch.bfloat16).cuda()
     x = buf[1:].view(T, 80)
     assert x.data_ptr() % 16 != 0 and x.is_contiguous()
@@ -213,12 +214,12 @@ def test_decode_big_dims(big):
 
 
 @pytest.mark.parametrize("T,K", [(1, 2), (33, 4), (511, 2)])
-def test_prefill_big_dims(big, T, K):
+def test_prefill_big_dims(big, T, K, prefill_config):
     """H=4096, I=1536: moe_w2 cannot stage all of I for 64 lanes in two blocks' shared memory,
-    so it streams I in double-buffered stages (gemm.w2_cols), unlike at Qwen3-30B-A3B dims."""
+    so it streams I in double-buffered stages (cupool.ops.moe_gemm.w2_cols), unlike at Qwen3-30B-A3B dims."""
     gen = torch.Generator().manual_seed(T * 10 + K)
     gemm = MoEGemm(big.layout, K, torch.bfloat16, max_prefill_tokens=511, num_experts=big.E,
-                   scratch_rows=1)
+                   scratch_rows=1, prefill_config=prefill_config)
     x = torch.randn(T, 4096, generator=gen).to(torch.bfloat16).cuda()
     ids, w = routing(T, K, big.E, gen)
     assert big.prefill_error(gemm, x, ids, w) <= TOL
@@ -292,11 +293,11 @@ def test_decode_split_in_place_then_fresh_is_bitwise_one_pass(request, placed_na
 
 @pytest.mark.parametrize("T", [1, 2, 3, 7, 16, 33, 511, 2048])
 @pytest.mark.parametrize("K", [1, 8])
-def test_prefill_partition(qwen, T, K):
+def test_prefill_partition(qwen, T, K, prefill_config):
     gen = torch.Generator().manual_seed(T + K)
     E = qwen.E
     gemm = MoEGemm(qwen.layout, K, torch.bfloat16, max_prefill_tokens=2048, num_experts=E,
-                   scratch_rows=2)                      # several chunks of host experts
+                   scratch_rows=2, prefill_config=prefill_config)  # several chunks of host experts
     x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
     ids, w = routing(T, K, E, gen)
     assert qwen.prefill_error(gemm, x, ids, w) <= TOL
@@ -304,13 +305,13 @@ def test_prefill_partition(qwen, T, K):
 
 
 @pytest.mark.parametrize("rows,buffers", [(5, 3), (7, 4), (3, 5)])
-def test_prefill_scratch_buffers(qwen, rows, buffers):
+def test_prefill_scratch_buffers(qwen, rows, buffers, prefill_config):
     """Chunks of rows // buffers experts in `buffers` buffers (at most one a row): a chunk's copy
     waits for the GEMM of the chunk `buffers` before it, never overwrites a buffer being read."""
     gen = torch.Generator().manual_seed(rows * 10 + buffers)
     T, K, E = 511, 8, qwen.E
     gemm = MoEGemm(qwen.layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
-                   scratch_rows=rows, scratch_buffers=buffers)
+                   scratch_rows=rows, scratch_buffers=buffers, prefill_config=prefill_config)
     assert gemm._nbuf == min(rows, buffers) and gemm._chunk == rows // gemm._nbuf
     x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
     ids, w = routing(T, K, E, gen)
@@ -322,11 +323,11 @@ def test_prefill_scratch_buffers(qwen, rows, buffers):
                     scratch_buffers=bad)
 
 
-def test_prefill_int32_ids_bad_ids_and_odd_experts(small):
+def test_prefill_int32_ids_bad_ids_and_odd_experts(small, prefill_config):
     gen = torch.Generator().manual_seed(21)
     T, K, E = 37, 2, small.E
     gemm = MoEGemm(small.layout, K, torch.float16, max_prefill_tokens=64, num_experts=E,
-                   scratch_rows=1)
+                   scratch_rows=1, prefill_config=prefill_config)
     x = torch.randn(T, 80, generator=gen).to(torch.float16).cuda()
     ids, w = routing(T, K, E, gen)
     ids = ids.to(torch.int32)

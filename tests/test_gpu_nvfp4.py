@@ -1,16 +1,17 @@
-"""GPU checks of NVFP4 quantization: the kernel (cupool.quantize) equals the torch reference bit for
+"""GPU checks of NVFP4 quantization: the kernel (cupool.ops.nvfp4_quant) equals the torch reference bit for
 bit on fresh random inputs of odd shapes and every dtype, into poisoned outputs; strided views;
 NaN/Inf census; the stacked-experts -> rows fast path equals pack_row."""
 
 import numpy as np
 import pytest
 import torch
+from nvfp4_cases import DTYPES, KINDS, SHAPES, make_weight
 
 from cupool import nvfp4
 from cupool.layout import RowLayout, pack_row
 from cupool.nvfp4 import NVFP4Tensor
-from cupool.quantize import quantize as gpu_quantize, quantize_experts_to_rows
-from nvfp4_cases import DTYPES, KINDS, SHAPES, make_weight
+from cupool.ops.nvfp4_quant import quantize as gpu_quantize
+from cupool.ops.nvfp4_quant import quantize_experts_to_rows
 
 pytestmark = pytest.mark.gpu
 

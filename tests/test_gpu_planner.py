@@ -4,11 +4,12 @@ rows it routes to hold the right bytes, graph replay equals eager launches, veri
 import numpy as np
 import pytest
 import torch
-
 from _planner_emu import fresh_lanes, random_trace
+
 from cupool import HostStore
 from cupool.bank import Bank, BankVerifyError
-from cupool.planner import COUNTERS, PlanError, ReferencePlanner, ring_order
+from cupool.ops.planner import ring_order
+from cupool.reference.planner import COUNTERS, PlanError, ReferencePlanner
 
 pytestmark = pytest.mark.gpu
 

@@ -21,9 +21,9 @@ import copy
 
 import pytest
 import torch
+from tiny_models import FAMILIES, ListMoEModel, RouterLog, hf_model, swap_gap
 
 import cupool
-from tiny_models import FAMILIES, ListMoEModel, RouterLog, hf_model, swap_gap
 
 pytestmark = pytest.mark.gpu
 
@@ -272,9 +272,9 @@ def test_wrap_guards():
 def test_family_layer_outputs(family):
     """One pooled layer against the float reference on the same inputs (no model around it, so
     no amplification through later layers): decode width and prefill width."""
-    from cupool.gemm import reference_moe
     from cupool.layout import unpack_row
     from cupool.nvfp4 import dequantize
+    from cupool.reference.moe import reference_moe
     model = model_for(family, seed=4)
     pool = cupool.wrap(model, rows=FAMILIES[family][1][2], max_decode_tokens=2, progress=False)
     _, (_, E, K, H, I) = FAMILIES[family]

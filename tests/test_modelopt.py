@@ -10,7 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from cupool import modelopt
 from cupool.layout import RowLayout, pack_row
-from cupool.modelopt import CheckpointError, read_expert, read_quant_config, write_checkpoint
+from cupool.modelopt import (
+    CheckpointError,
+    read_expert,
+    read_quant_config,
+    write_checkpoint,
+)
 from cupool.nvfp4 import NVFP4Tensor, quantize
 from cupool.store import HostStore
 

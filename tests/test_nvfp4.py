@@ -4,11 +4,18 @@ zeros, guards."""
 import numpy as np
 import pytest
 import torch
+from nvfp4_cases import DTYPES, KINDS, SHAPES, make_weight
 
 from cupool import nvfp4
-from cupool.nvfp4 import (NVFP4Tensor, dequantize, e2m1_decode, e2m1_encode, pack_codes, quantize,
-                          unpack_codes)
-from nvfp4_cases import DTYPES, KINDS, SHAPES, make_weight
+from cupool.nvfp4 import (
+    NVFP4Tensor,
+    dequantize,
+    e2m1_decode,
+    e2m1_encode,
+    pack_codes,
+    quantize,
+    unpack_codes,
+)
 
 U = 2.0 ** -24          # float32 unit roundoff
 

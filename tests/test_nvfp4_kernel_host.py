@@ -9,9 +9,9 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from nvfp4_cases import DTYPES, KINDS, SHAPES, make_weight
 
 from cupool import kernels, nvfp4
-from nvfp4_cases import DTYPES, KINDS, SHAPES, make_weight
 
 DT_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 

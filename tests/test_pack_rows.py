@@ -7,7 +7,8 @@ import torch
 
 from cupool.layout import RowLayout, pack_row, pack_rows
 from cupool.nvfp4 import NVFP4Tensor, quantize
-from cupool.quantize import quantize as gpu_quantize, quantize_experts_to_rows
+from cupool.ops.nvfp4_quant import quantize as gpu_quantize
+from cupool.ops.nvfp4_quant import quantize_experts_to_rows
 
 
 def _stack(E, I, H, rng, dtype=torch.float32):

@@ -1,16 +1,26 @@
 """The planner's reference model (the specification), its helpers, and Bank guards that need no GPU."""
 
+import _planner_emu
 import numpy as np
 import pytest
 import torch
 
-import _planner_emu
-
 from cupool import HostStore
 from cupool.bank import Bank
-from cupool.planner import (COUNTERS, HITS, MISSES, PROMOTIONS, STAGED, STEALS, PlanError,
-                            ReferencePlanner, check_ids, check_tables, initial_placement,
-                            launch_shape, lru_order, ring_capacity, ring_order)
+from cupool.ops.planner import check_ids, launch_shape, ring_capacity, ring_order
+from cupool.reference.planner import (
+    COUNTERS,
+    HITS,
+    MISSES,
+    PROMOTIONS,
+    STAGED,
+    STEALS,
+    PlanError,
+    ReferencePlanner,
+    check_tables,
+    initial_placement,
+    lru_order,
+)
 
 
 def fresh(L=2, E=4, N=2, S=8, initial=None, open_gate=True):
@@ -515,7 +525,7 @@ def test_thread_sanitizer_catches_a_missing_barrier(gxx):
 
 def test_bank_host_side_methods_on_cpu_tables(pageable_store):
     """stats / memory_parts / state / gate / errors are plain torch ops: run them on CPU tables."""
-    from cupool.planner import DeviceTables
+    from cupool.ops.planner import DeviceTables
     L, E, N, S, W = 2, 4, 2, 8, 8
     key_of = initial_placement(L, E, N)
     b = Bank.__new__(Bank)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cupool.rowcopy import MODES, RowCopier
+from cupool.ops.rowcopy import MODES, RowCopier
 
 
 def _cpu_args():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cupool import trace as tr
+from cupool.simulate import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,15 +46,15 @@ def test_trace_guards():
 
 def test_simulate_hit_rates():
     t = tr.synthetic(64, 4, 32, 4, seed=2, **tr.QWEN3_LOCALITY)
-    full = tr.simulate(t, 32)
+    full = simulate(t, 32)
     assert full["hit_rate"] == 1.0 and full["misses"] == 0
-    half = tr.simulate(t, 16, warmup_steps=4)
+    half = simulate(t, 16, warmup_steps=4)
     assert 0.5 < half["hit_rate"] < 1.0
     assert sum(half["rows_owned"]) == 4 * 16           # rows move between layers, none vanish
-    uni = tr.simulate(tr.uniform(64, 4, 32, 4), 16, warmup_steps=4)
+    uni = simulate(tr.uniform(64, 4, 32, 4), 16, warmup_steps=4)
     assert uni["hit_rate"] < half["hit_rate"]
     with pytest.raises(ValueError, match="rows_per_layer"):
-        tr.simulate(t, 2)
+        simulate(t, 2)
 
 
 def test_simulate_cli():

@@ -1,0 +1,104 @@
+"""`PooledExperts`: one MoE layer's experts computed from the pool, and the `cupool::experts` op.
+
+Shape legend (ARCHITECTURE.md): T tokens · K top-k · H hidden · W = T·K lanes.
+
+A layer call is `(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]` on
+torch's current stream. Decode (W ≤ the bank's max lanes): plan step + row copies + decode GEMM,
+graph-capturable; with the pool's `overlap_copies` the copies run on a second stream while the
+GEMM works on the experts already in the bank, and the copied experts follow in a second launch.
+Wider calls (prefill) take the partition path (resident experts from the bank, the others from
+the host store through a bounded scratch), which leaves the placement alone; a call wider than
+the GEMM's `max_prefill_tokens` runs in chunks of that many tokens (exact: experts act on each
+token alone).
+
+Under `torch.compile` a pooled layer is the opaque op `cupool::experts` (dynamo cannot trace the
+raw kernel launches); the rest of the model is compiled around it. Eager calls skip the
+dispatcher.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+
+class PooledExperts:
+    """One MoE layer of a `Pool` (see the module docstring)."""
+
+    def __init__(self, pool, layer: int):
+        self.pool, self.layer = pool, layer
+        self.key = next(_KEYS)
+        _LAYERS[self.key] = self
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        p = self.pool
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.device != p.device:
+            raise ValueError(f"layer {self.layer}: hidden_states must be on {p.device}, got "
+                             f"{getattr(hidden_states, 'device', type(hidden_states).__name__)}")
+        x = hidden_states.reshape(-1, hidden_states.shape[-1]).contiguous()
+        ids = top_k_index.reshape(x.shape[0], -1)
+        w = top_k_weights.reshape(x.shape[0], -1)
+        if ids.shape[1] != p.top_k:
+            raise ValueError(f"layer {self.layer}: top_k_index has K={ids.shape[1]}, the pool "
+                             f"was built for top-{p.top_k}")
+        if p.routing_hook is not None:
+            ids = p.routing_hook(self.layer, ids)
+        if x.shape[0] * p.top_k <= p.bank.max_lanes:
+            out = self._decode(x, ids, w)
+        else:
+            out = self._prefill(x, ids, w)
+        return out.reshape(hidden_states.shape)
+
+    def _decode(self, x, ids, w):
+        p = self.pool
+        if p.decode_backend is not None:
+            return p.decode_backend(self.layer, x, ids, w)
+        if p.overlap_copies:
+            _, lane_addr, fresh, join = p.bank.step_split(self.layer, ids)
+            return p.gemm.decode(x, lane_addr, w, lane_fresh=fresh, before_fresh=join)
+        _, lane_addr = p.bank.step(self.layer, ids)
+        return p.gemm.decode(x, lane_addr, w)
+
+    def _prefill(self, x, ids, w):
+        p = self.pool
+        resident = p.expert_addresses(self.layer)
+        host = p.store.address_table()
+        step = p.gemm.max_prefill_tokens
+        if x.shape[0] <= step:
+            return p.gemm.prefill(x, ids, w, resident, host_addr=host, layer=self.layer)
+        out = torch.empty_like(x)
+        for t0 in range(0, x.shape[0], step):
+            t1 = min(x.shape[0], t0 + step)
+            p.gemm.prefill(x[t0:t1], ids[t0:t1], w[t0:t1], resident, host_addr=host,
+                           layer=self.layer, out=out[t0:t1])
+        return out
+
+
+_LAYERS: weakref.WeakValueDictionary[int, PooledExperts] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()            # never reused, unlike id() of a freed layer
+
+
+@torch.library.custom_op("cupool::experts", mutates_args=())
+def experts_op(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor, key: int) -> torch.Tensor:
+    """[T, H], [T, K], [T, K] -> [T, H]: the PooledExperts registered under `key`."""
+    layer = _LAYERS.get(key)
+    if layer is None:
+        raise RuntimeError(f"cupool::experts: no pooled layer with key {key} (the pool was unwrapped "
+                           f"or freed; recompile after wrapping again)")
+    return layer(hidden_states, top_k_index, top_k_weights)
+
+
+@experts_op.register_fake
+def _experts_fake(hidden_states, top_k_index, top_k_weights, key):
+    return torch.empty_like(hidden_states)
+
+
+def call_pooled(layer: PooledExperts, hidden_states, top_k_index, top_k_weights):
+    """A pooled layer's call: through the custom op while torch.compile traces, else direct."""
+    if torch.compiler.is_compiling():
+        return experts_op(hidden_states, top_k_index, top_k_weights, layer.key)
+    return layer(hidden_states, top_k_index, top_k_weights)

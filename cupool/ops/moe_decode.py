@@ -1,0 +1,172 @@
+"""Launcher of `rawkernels/moe_decode.cu`: a decode layer's NVFP4 MoE GEMM in one launch.
+
+Shape legend (ARCHITECTURE.md): T tokens · K top-k · W = T·K lanes · H hidden · I intermediate;
+Hp, Ip are H and I rounded up to 64 (`RowLayout.hp`, `.ip`).
+
+This module is the one Python owner of what the kernel's build depends on: its block shape and
+stage ring (mirrors of the kernel's constants, checked by the kernel's static_asserts and by
+tests/test_nvcc_compile.py), the shared memory of `carve()`, and the per-call rules that pick a
+build (`Build`): units of 8 or 16 lane slots, blocks per SM, warps splitting a w13 strip. A call
+is `choose(...)` then `launch(...)`; `cupool.gemm.MoEGemm.decode` does both. Profilers choose a
+build themselves (e.g. with `trace=True`, the DECODE_TRACE build that stamps each item's phases
+with the GPU's globaltimer into a caller's buffer) and call `launch` with the same workspaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from cupool import kernels
+from cupool.layout import CHUNK_BYTES, RowLayout
+from cupool.ops import ACT_DTYPES, W_DTYPES
+
+MAX_LANES = 256          # the kernel groups the call's lanes one a thread of its 256-thread block
+WARPS = 8                # moe_decode.cu's WARPS
+STAGE = 4                # chunks a stage (moe_decode.cu's STAGE)
+NBUF = 2                 # stage buffers a warp (moe_decode.cu's NBUF)
+TRACE_ITEMS = 8192       # moe_decode.cu's TRACE_ITEMS: item stamps, then two stamps a block
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """The compile-time choices of one moe_decode build (see `choose`)."""
+    nt: int                  # lane slots of a unit: 8 (calls of ≤ 64 lanes) or 16
+    maxw: int                # most lanes of a call the build takes: 64 or 256
+    minb: int                # blocks per SM its registers must allow (__launch_bounds__)
+    w13_split: int           # warps splitting the K of a w13 strip: 4 (one strip pair an item)
+                             # or 2 (two pairs an item)
+    xalign: int              # 1: x 16-byte aligned (a lane reads its 16 columns as two words)
+    w_dtype: int             # router weights' dtype (W_DTYPES)
+    trace: bool = False      # the DECODE_TRACE profiling build
+
+
+def stage_ring_bytes() -> int:
+    """Shared memory of one warp's stage ring (moe_decode.cu's WarpStages): NBUF barriers and the
+    parity word padded to 16 bytes, then NBUF buffers of STAGE chunks of the row layout."""
+    return (8 * NBUF + 4 + 15) // 16 * 16 + NBUF * STAGE * CHUNK_BYTES
+
+
+def shared_bytes(build: Build) -> int:
+    """Dynamic shared memory of a block (moe_decode.cu's `carve`): the warps' stage rings, the
+    K-split partial sums [WARPS][NT/8 · 4][32] floats, the SlotInfo (NT lanes and scales), then
+    the unit table of the call: unit_addr [MAXW] i64, lane_w [MAXW] f32, unit_lanes [MAXW][NT]
+    u8, unit_count [MAXW] u8."""
+    nt, maxw = build.nt, build.maxw
+    return (WARPS * stage_ring_bytes() + WARPS * (nt // 8) * 4 * 32 * 4 + nt * 8
+            + maxw * (8 + 4 + nt + 1))
+
+
+def w2_ksplit(layout: RowLayout) -> int:
+    """Warps splitting the K of a w2 strip (moe_decode.cu's KS2): one where a strip's chunks fit
+    the stage ring at once (Ip ≤ 512), else 2 up to 32 chunks, then 4, then 8."""
+    nc2 = layout.ip // 64
+    return 1 if nc2 <= NBUF * STAGE else 2 if nc2 <= 32 else 4 if nc2 <= 64 else 8
+
+
+def w2_items(layout: RowLayout) -> int:
+    """w2 items of one unit (moe_decode.cu's G2): Hp/16 output strips, WARPS / KS2 an item."""
+    return -(-(layout.hp // 16) // (WARPS // w2_ksplit(layout)))
+
+
+def w13_items_fill(layout: RowLayout, sms: int, lanes: int, pairs_per_item: int,
+                   blocks_per_sm: int) -> bool:
+    """Whether the w13 items of a call of `lanes` lanes (lanes · Ip/16 strip pairs, an upper bound:
+    lanes of one expert share a unit) fill a grid of `blocks_per_sm` blocks on each of `sms` SMs."""
+    return lanes * (layout.ip // 16) // pairs_per_item >= blocks_per_sm * sms
+
+
+def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int) -> int:
+    """Blocks per SM a build's registers must allow, for a call of `lanes` lanes.
+
+    4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone, one strip pair an
+    item, fill a grid of 4 blocks per SM; else 3 (at most 80 registers). On an H200 (K=8, same
+    output bits) 4 measured 6–12% faster where the items fill the grid (H=2048 T=4, H=4096 T=1
+    and T=4) and 5% slower at H=2048 T=1 (384 items for 528 blocks). Units of 16 lanes spill at
+    64 registers and keep 3 (tests/test_nvcc_compile.py checks both facts)."""
+    return 4 if nt == 8 and w13_items_fill(layout, sms, lanes, 1, 4) else 3
+
+
+def w13_split(layout: RowLayout, sms: int, lanes: int, minb: int) -> int:
+    """Warps splitting the K of a w13 strip for a call of `lanes` lanes at `minb` blocks per SM.
+
+    2 (items of two strip pairs: twice the chunks a warp, one start and one set of barriers for
+    both) where a strip is at most 32 chunks (Hp ≤ 2048) and the call's w13 items at two pairs an
+    item still fill the grid; else 4 (one pair an item). On an H200 (K=8) 2 measured 4–8% faster
+    at H=2048 for T = 4, 8, 16, the same at T=3 and slower at T ≤ 2; at H=4096 never faster."""
+    fills = w13_items_fill(layout, sms, lanes, 2, minb)
+    return 2 if layout.hp <= 2048 and fills else 4
+
+
+def choose(layout: RowLayout, sms: int, lanes: int, x: torch.Tensor,
+           weights: torch.Tensor) -> Build:
+    """The build of a call of `lanes` lanes (≤ MAX_LANES) for activations `x` and router weights
+    `weights` (one of W_DTYPES). Depends only on shapes, dtypes and x's alignment, so a captured
+    graph keeps its choice."""
+    nt, maxw = (8, 64) if lanes <= 64 else (16, MAX_LANES)
+    minb = blocks_per_sm(layout, sms, nt, lanes)
+    return Build(nt=nt, maxw=maxw, minb=minb, w13_split=w13_split(layout, sms, lanes, minb),
+                 xalign=int(x.data_ptr() % 16 == 0), w_dtype=W_DTYPES[weights.dtype])
+
+
+def defines(build: Build, layout: RowLayout, dtype: torch.dtype) -> dict:
+    """The -D macros moe_decode.cu is compiled with for a build, layout and activation dtype."""
+    d = {**layout.defines(), "NT": build.nt, "MAXW": build.maxw, "OUT_BF16": ACT_DTYPES[dtype],
+         "IN_BF16": ACT_DTYPES[dtype], "W_DTYPE": build.w_dtype, "XALIGN": build.xalign,
+         "HFULL": int(layout.hidden == layout.hp), "MINB": build.minb,
+         "W13_KSPLIT": build.w13_split}
+    if build.trace:
+        d["DECODE_TRACE"] = 1
+    return d
+
+
+def trace_buffer(device, blocks: int = 4096) -> torch.Tensor:
+    """int64 stamps a DECODE_TRACE build writes: [TRACE_ITEMS][4] per item (start, waits done, K
+    loop done, end), then [blocks][2] per block (start, lanes grouped). Zero it before a call."""
+    return torch.zeros(TRACE_ITEMS * 4 + blocks * 2, dtype=torch.int64, device=device)
+
+
+class DecodeKernel:
+    """moe_decode for one row layout, activation dtype and device: compiled builds (cached) and
+    their persistent grids."""
+
+    def __init__(self, layout: RowLayout, dtype: torch.dtype, device: torch.device):
+        if dtype not in ACT_DTYPES:
+            raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._compiled: dict[Build, tuple] = {}
+
+    def choose(self, lanes: int, x: torch.Tensor, weights: torch.Tensor) -> Build:
+        return choose(self.layout, self.sms, lanes, x, weights)
+
+    def _compile(self, build: Build) -> tuple:
+        got = self._compiled.get(build)
+        if got is None:
+            fn = kernels.function("moe_decode", "moe_decode",
+                                  defines(build, self.layout, self.dtype), self.device)
+            smem = shared_bytes(build)
+            got = self._compiled[build] = (fn, kernels.resident_grid(fn, 32 * WARPS, smem,
+                                                                     self.device), smem)
+        return got
+
+    def launch(self, build: Build, x: torch.Tensor, lane_addr: torch.Tensor,
+               lane_fresh: torch.Tensor | None, weights: torch.Tensor, topk: int, part: int,
+               work: dict, out: torch.Tensor, error: torch.Tensor,
+               trace: torch.Tensor | None = None) -> None:
+        """One launch on torch's current stream. x [T, H]; lane_addr int64 [W] (0: padding);
+        lane_fresh int32 [W] or None; weights [W] contiguous (W_DTYPES); part 0 rows in place, 1
+        rows being copied (lane_fresh), 2 all; work: the decode workspaces (`act` [W, Ip] bf16,
+        `yw` [W, Hp] f32, `group_done` [Hp/16] i32, `sync` [2 + W] i32, zero at rest); out [T, H];
+        error: int32 [1] sticky bits; trace: `trace_buffer()` for a trace build."""
+        if build.trace != (trace is not None):
+            raise ValueError("a trace build needs a trace buffer (trace_buffer()) and only it")
+        fn, grid, smem = self._compile(build)
+        T = x.shape[0]
+        kernels.launch(fn, grid, 32 * WARPS, (
+            x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
+            kernels.NULL if lane_fresh is None else lane_fresh, weights,
+            kernels.i32(lane_addr.numel()), kernels.i32(topk), kernels.i32(part), work["act"],
+            work["yw"], work["group_done"], work["sync"], out, error,
+            kernels.NULL if trace is None else trace), shared_mem=smem, device=self.device)

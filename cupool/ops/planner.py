@@ -1,0 +1,218 @@
+"""Launcher of `rawkernels/planner.cu`: the plan step on the GPU, and the tables it works on.
+
+Shape legend (ARCHITECTURE.md): L layers · E experts per layer · R bank rows · S staging rows ·
+W lanes of one layer call · C the LRU ring's capacity.
+
+`DeviceTables` are the planner's state at fixed device addresses; `PlanStep` validates a step's
+arguments and launches the kernel on torch's current stream. The semantics are those of
+`cupool.reference.planner.ReferencePlanner`, which the GPU tests compare the kernel with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from cupool import _cuda, kernels
+from cupool.reference.planner import COUNTERS
+
+# Largest W of one plan step: one lane per thread of the kernel's single block.
+MAX_LANES = 1024
+
+
+def ring_capacity(num_rows: int) -> int:
+    """C of the plan step's LRU ring: the smallest power of two >= 2R (so appends run about R / W
+    steps between compactions; any power of two >= R is correct)."""
+    return 1 << max(5, (2 * int(num_rows) - 1).bit_length())
+
+
+def ring_order(ring, pos_of, head: int, span: int) -> tuple[np.ndarray, list[str]]:
+    """The rows of the ring's window [head, head + span) in window order, holes (−1) skipped, and
+    the problems with the ring (a row out of range, or whose pos_of is not its position)."""
+    ring, pos_of = np.asarray(ring), np.asarray(pos_of)
+    C, R = ring.size, pos_of.size
+    problems = []
+    if C & (C - 1) or C < R or not (0 <= head < C and 0 <= span <= C):
+        return np.zeros(0, np.int32), [f"ring of {C} entries (a power of two >= R={R}) with head "
+                                       f"{head}, span {span} is malformed"]
+    pos = (head + np.arange(span)) & (C - 1)
+    live = ring[pos] >= 0
+    rows, pos = ring[pos][live], pos[live]
+    bad = (rows >= R) | (pos_of[np.clip(rows, 0, R - 1)] != pos)
+    problems += [f"ring[{p}] = {r} but pos_of[{r}] = {pos_of[r] if r < R else '-'}"
+                 for p, r in zip(pos[bad][:8], rows[bad][:8])]
+    return rows.astype(np.int32), problems
+
+
+@dataclass
+class DeviceTables:
+    """The planner's device tensors; every one is allocated once and never moves (graph-safe).
+
+    State: slot_of int32 [L·E] · key_of int32 [R] · last_use int64 [R] · ring int32 [C] (the LRU
+    order: the window [head, head + span) mod C holds every row once, sorted by (last_use, row),
+    and holes −1; `ring_order` reads it) · pos_of int32 [R] (each row's ring position) · ends
+    int32 [2] (head, span) · clock int64 [1] · gate int32 [1] · error int32 [1] · counters int64
+    [L, 5].
+    Outputs of the last step, reused by every layer call: routes int32 [max_lanes] · lane_addr
+    int64 [max_lanes] · lane_fresh int32 [max_lanes] (1 where the copy list fills the lane's row)
+    · copies int32 [max_lanes, 2] · n_copies int32 [1].
+    """
+
+    slot_of: torch.Tensor
+    key_of: torch.Tensor
+    last_use: torch.Tensor
+    ring: torch.Tensor
+    pos_of: torch.Tensor
+    ends: torch.Tensor
+    clock: torch.Tensor
+    gate: torch.Tensor
+    error: torch.Tensor
+    counters: torch.Tensor
+    routes: torch.Tensor
+    lane_addr: torch.Tensor
+    lane_fresh: torch.Tensor
+    copies: torch.Tensor
+    n_copies: torch.Tensor
+
+    @classmethod
+    def build(cls, key_of: np.ndarray, num_layers: int, num_experts: int, max_lanes: int,
+              device, ring: int | None = None) -> DeviceTables:
+        """Tables for the placement `key_of` (from `initial_placement`), all rows unused.
+        `ring`: the LRU ring's capacity (default `ring_capacity(R)`; tests pass a small one)."""
+        R = key_of.size
+        C = ring_capacity(R) if ring is None else int(ring)
+        if C & (C - 1) or C < R:
+            raise ValueError(f"ring must be a power of two >= R={R}, got {ring}")
+        ring_init = np.full(C, -1, dtype=np.int32)
+        ring_init[:R] = np.arange(R)                    # all last_use 0: sorted by row
+        slot_of = np.full(num_layers * num_experts, -1, dtype=np.int32)
+        owned = np.flatnonzero(key_of >= 0)
+        slot_of[key_of[owned]] = owned
+
+        def dev(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        return cls(
+            slot_of=dev(slot_of), key_of=dev(key_of.astype(np.int32)),
+            last_use=torch.zeros(R, dtype=torch.int64, device=device),
+            ring=dev(ring_init),
+            pos_of=torch.arange(R, dtype=torch.int32, device=device),
+            ends=torch.tensor([0, R], dtype=torch.int32, device=device),
+            clock=torch.zeros(1, dtype=torch.int64, device=device),
+            gate=torch.zeros(1, dtype=torch.int32, device=device),
+            error=torch.zeros(1, dtype=torch.int32, device=device),
+            counters=torch.zeros(num_layers, len(COUNTERS), dtype=torch.int64, device=device),
+            routes=torch.full((max_lanes,), -1, dtype=torch.int32, device=device),
+            lane_addr=torch.zeros(max_lanes, dtype=torch.int64, device=device),
+            lane_fresh=torch.zeros(max_lanes, dtype=torch.int32, device=device),
+            copies=torch.zeros(max_lanes, 2, dtype=torch.int32, device=device),
+            n_copies=torch.zeros(1, dtype=torch.int32, device=device))
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).nbytes for f in fields(self))
+
+    def to_numpy(self) -> dict:
+        """Host copies of the state tables (one synchronising read each; not for the hot path).
+        "order" is the ring's window read in order (`ring_order`); "ring_problems" lists what is
+        wrong with the ring itself."""
+        head, span = (int(v) for v in self.ends.cpu())
+        order, problems = ring_order(self.ring.cpu().numpy(), self.pos_of.cpu().numpy(), head, span)
+        return {"slot_of": self.slot_of.cpu().numpy(), "key_of": self.key_of.cpu().numpy(),
+                "last_use": self.last_use.cpu().numpy(), "order": order,
+                "ring_problems": problems, "ring_head": head, "ring_span": span,
+                "clock": int(self.clock.item()), "gate": int(self.gate.item()),
+                "error": int(self.error.item()), "counters": self.counters.cpu().numpy()}
+
+
+def launch_shape(num_rows: int, max_lanes: int) -> tuple[int, int]:
+    """(threads, items) of the plan-step block: enough threads for every lane and at least 128;
+    4 ring entries a thread per tile (a step usually finds its victims in the first tile; the
+    rare compaction walks the whole window tile by tile). Small banks take a single tile."""
+    threads = max(128, 32 * -(-max_lanes // 32))
+    items = max(1, min(4, -(-num_rows // threads)))
+    return threads, items
+
+
+def check_ids(ids, max_lanes: int, device: torch.device) -> int:
+    """Validate a step's ids before any pointer reaches the kernel; returns W."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"ids must be a torch tensor (int32 or int64 on {device}), "
+                        f"got {type(ids).__name__}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ids must be int32 or int64, got {ids.dtype}")
+    if ids.device != device:
+        raise ValueError(f"ids must be on the bank's device {device}, got {ids.device}")
+    if not ids.is_contiguous():
+        raise ValueError(f"ids must be contiguous (shape {tuple(ids.shape)}, stride "
+                         f"{ids.stride()}); pass ids.contiguous()")
+    W = ids.numel()
+    if W > max_lanes:
+        raise ValueError(f"ids has {W} lanes (shape {tuple(ids.shape)}), more than the bank's "
+                         f"max_lanes={max_lanes}")
+    return W
+
+
+class PlanStep:
+    """Launches `rawkernels/planner.cu` for one set of `DeviceTables` and bank rows.
+
+    Args:
+        tables: the planner's device tensors.
+        num_layers, num_experts, staging_rows: L, E, S.
+        rows: uint8 CUDA tensor [R + S, row_stride] (the bank, then staging); only its address and
+            stride reach the kernel (for lane_addr).
+        threads, items: block shape (default `launch_shape`); tests use tiny ones to exercise
+            the kernel's multi-tile path.
+    """
+
+    def __init__(self, tables: DeviceTables, num_layers: int, num_experts: int,
+                 staging_rows: int, rows: torch.Tensor, *, threads: int | None = None,
+                 items: int | None = None):
+        self.tables = tables
+        self.num_layers, self.num_experts = int(num_layers), int(num_experts)
+        self.num_rows, self.staging_rows = tables.key_of.numel(), int(staging_rows)
+        self.max_lanes = tables.routes.numel()
+        self.device = rows.device
+        self.rows_base, self.row_stride = rows.data_ptr(), rows.stride(0)
+        d_threads, d_items = launch_shape(self.num_rows, self.max_lanes)
+        self.threads, self.items = int(threads or d_threads), int(items or d_items)
+        if self.threads % 32 or not 32 <= self.threads <= 1024 or self.threads < self.max_lanes:
+            raise ValueError(f"threads must be a multiple of 32 in [32, 1024] and >= max_lanes="
+                             f"{self.max_lanes}, got {self.threads}")
+        if not 1 <= self.items <= 32:
+            raise ValueError(f"items must be in [1, 32], got {self.items}")
+        # first-lane table [E] + hit and taken bitmaps [ceil(R/32)] each, all 4-byte words
+        self.shared_mem = 4 * (self.num_experts + 2 * -(-self.num_rows // 32))
+        defines = {"THREADS": self.threads, "ITEMS": self.items}
+        dev = self.device.index
+        self.kernels = {torch.int32: kernels.function("planner", "plan_step_i32", defines, dev),
+                        torch.int64: kernels.function("planner", "plan_step_i64", defines, dev)}
+        limit = _shared_mem_limit(dev)
+        static = 24 * self.threads + 4 * 64 + 8 * 6 + 12  # planner.cu's __shared__ arrays
+        if self.shared_mem + static > limit:
+            raise ValueError(f"the plan step needs {self.shared_mem + static} bytes of shared "
+                             f"memory (E={self.num_experts}, R={self.num_rows}), more than the "
+                             f"device's {limit} per block")
+
+    def __call__(self, layer: int, ids: torch.Tensor) -> int:
+        """One plan step for `layer` on torch's current stream; returns W. No host sync."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
+                or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        W = check_ids(ids, self.max_lanes, self.device)
+        t = self.tables
+        kernels.launch(self.kernels[ids.dtype], 1, self.threads, (
+            ids, kernels.i32(W), kernels.i32(layer), kernels.i32(self.num_experts),
+            kernels.i32(self.num_rows), kernels.i32(self.staging_rows),
+            t.slot_of, t.key_of, t.last_use, t.ring, t.pos_of, t.ends,
+            kernels.i32(t.ring.numel() - 1), t.clock, t.gate, t.error, t.counters,
+            t.routes, t.lane_addr, t.lane_fresh, t.copies, t.n_copies,
+            kernels.i64(self.rows_base), kernels.i64(self.row_stride)),
+            shared_mem=self.shared_mem, device=self.device)
+        return W
+
+
+def _shared_mem_limit(device: int) -> int:
+    attrs = _cuda.cupy().cuda.Device(device).attributes
+    return int(attrs.get("MaxSharedMemoryPerBlockOptin", attrs.get("MaxSharedMemoryPerBlock", 48 << 10)))

@@ -1,0 +1,31 @@
+"""The MoE GEMM's float reference: dequantize, then matmul (of moe_decode.cu and moe_gemm.cu).
+
+Shape legend (ARCHITECTURE.md): T tokens · K top-k · H hidden · I intermediate · E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  experts, dtype=torch.float32) -> torch.Tensor:
+    """Dequantize-then-matmul reference in `dtype` (float32 or float64) on x's device.
+
+    experts: callable e -> (w_gate [I, H], w_up [I, H], w_down [H, I]) float tensors (already
+    dequantized), or a sequence of such triples. Lanes with id -1 contribute nothing.
+    Returns [T, H] in `dtype`.
+    """
+    get = experts if callable(experts) else (lambda e: experts[e])
+    xf = x.to(dtype)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=dtype, device=x.device)
+    ids = topk_ids.to(torch.int64)
+    w = topk_weights.to(dtype)
+    for e in sorted(set(ids.reshape(-1).tolist()) - {-1}):
+        tok, kk = (ids == e).nonzero(as_tuple=True)
+        wg, wu, wd = (m.to(dtype=dtype, device=x.device) for m in get(e))
+        h = xf[tok]
+        a = F.silu(h @ wg.T) * (h @ wu.T)
+        out.index_add_(0, tok, (a @ wd.T) * w[tok, kk][:, None])
+    return out

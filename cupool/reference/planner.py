@@ -1,0 +1,260 @@
+"""The planner's specification: a NumPy reference model of the plan step.
+
+Shape legend (ARCHITECTURE.md): L layers · E experts per layer · N rows per layer at start · R = L·N
+bank rows · S staging rows · W lanes of one layer call (T tokens × K, −1 for padding).
+
+`ReferencePlanner` defines what a plan step does; `rawkernels/planner.cu`, launched by
+`cupool.ops.planner.PlanStep`, does the same on the GPU in one launch and is tested against it
+after every step. The error bits (`PlanError`) and the counter columns (`COUNTERS`) are shared
+with the kernel, which defines the same values (ERR_BAD_ID, ERR_STAGING_OVERFLOW, NUM_COUNTERS).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+# Columns of the per-layer counters [L, 5] (same order in rawkernels/planner.cu).
+COUNTERS = ("hits", "misses", "promotions", "steals", "staged")
+HITS, MISSES, PROMOTIONS, STEALS, STAGED = range(len(COUNTERS))
+
+class PlanError(enum.IntFlag):
+    """Sticky error bits of the planner (`error` on the device, `ReferencePlanner.error`)."""
+
+    NONE = 0
+    BAD_ID = 1             # a lane's id was neither -1 nor in [0, E); the lane was padding
+    STAGING_OVERFLOW = 2   # a miss needed a staging row but all S were taken; it routed to -1
+
+    def names(self) -> list[str]:
+        """The set flags' names, e.g. ['BAD_ID'] (str() of an IntFlag is just the number on
+        Python >= 3.11)."""
+        return [f.name for f in PlanError if f.value and f.value & self.value]
+
+
+def initial_placement(num_layers: int, num_experts: int, rows_per_layer: int,
+                      initial=None) -> np.ndarray:
+    """key_of at build time, int32 [R]: row l·N + i holds key l·E + initial[l, i] (or −1 if empty).
+
+    `initial` is an int array [L, N] of expert ids per layer, −1 for an empty row; each layer's ids
+    must be distinct and in [0, E). Default: layer l's experts 0 … min(N, E)−1, then empty rows.
+    """
+    L, E, N = int(num_layers), int(num_experts), int(rows_per_layer)
+    if initial is None:
+        init = np.full((L, N), -1, dtype=np.int64)
+        init[:, :min(N, E)] = np.arange(min(N, E))
+    else:
+        init = np.asarray(initial)
+        if init.dtype.kind not in "iu":
+            raise TypeError(f"initial must be an integer array [L, N], got dtype {init.dtype}")
+        if init.shape != (L, N):
+            raise ValueError(f"initial must have shape [L, N] = {(L, N)}, got {init.shape}")
+        init = init.astype(np.int64)
+        bad = (init < -1) | (init >= E)
+        if bad.any():
+            l, i = np.argwhere(bad)[0]
+            raise ValueError(f"initial[{l}, {i}] = {init[l, i]} is not an expert id in [0, {E}) "
+                             f"or -1 (empty row)")
+        for l in range(L):
+            placed = init[l][init[l] >= 0]
+            if np.unique(placed).size != placed.size:
+                vals, n = np.unique(placed, return_counts=True)
+                raise ValueError(f"initial[{l}] places expert {vals[n > 1][0]} in more than one row")
+    key_of = np.where(init >= 0, np.arange(L)[:, None] * E + init, -1)
+    return key_of.reshape(-1).astype(np.int32)
+
+
+def lru_order(last_use: np.ndarray) -> np.ndarray:
+    """int32 [R]: rows sorted by (last_use, row) — the LRU order the kernel's ring holds."""
+    return np.lexsort((np.arange(last_use.size), last_use)).astype(np.int32)
+
+
+def check_tables(num_keys: int, slot_of, key_of, last_use, clock: int, order=None) -> list[str]:
+    """Problems with a planner state (empty when consistent): owned rows and keys must form a
+    bijection, last_use ≤ clock, and `order` (when given) must be `lru_order(last_use)`."""
+    slot_of, key_of = np.asarray(slot_of), np.asarray(key_of)
+    last_use = np.asarray(last_use)
+    R = key_of.size
+    problems = []
+    if slot_of.size != num_keys:
+        problems.append(f"slot_of has {slot_of.size} entries, expected {num_keys}")
+        return problems
+    bad = np.flatnonzero((key_of < -1) | (key_of >= num_keys))
+    problems += [f"key_of[{r}] = {key_of[r]} is not a key in [0, {num_keys}) or -1" for r in bad[:8]]
+    bad = np.flatnonzero((slot_of < -1) | (slot_of >= R))
+    problems += [f"slot_of[{k}] = {slot_of[k]} is not a row in [0, {R}) or -1" for k in bad[:8]]
+    if problems:
+        return problems
+    for r in np.flatnonzero(key_of >= 0):
+        k = key_of[r]
+        if slot_of[k] != r:
+            problems.append(f"row {r} holds key {k}, but slot_of[{k}] = {slot_of[k]}")
+    for k in np.flatnonzero(slot_of >= 0):
+        r = slot_of[k]
+        if key_of[r] != k:
+            problems.append(f"slot_of[{k}] = {r}, but row {r} holds key {key_of[r]}")
+    late = np.flatnonzero(last_use > clock)
+    problems += [f"last_use[{r}] = {last_use[r]} is after clock {clock}" for r in late[:8]]
+    if order is not None:
+        order = np.asarray(order)
+        want = lru_order(last_use)
+        if order.size != R or np.any(order != want):
+            i = int(np.flatnonzero(order != want)[0]) if order.size == R else 0
+            problems.append(f"LRU order is not the rows sorted by (last_use, row): first "
+                            f"difference at position {i} (holds {order[i] if order.size else '-'}, "
+                            f"expected {want[i]})")
+    return problems[:32]
+
+
+class ReferencePlanner:
+    """The planner's specification, in NumPy. The GPU kernel must match it on every input.
+
+    State (the same tables the Bank keeps at fixed device addresses):
+      key of (layer l, expert e) = l·E + e;
+      slot_of int32 [L·E]  row holding the key, or −1;
+      key_of  int32 [R]    key held by the row, or −1 (empty row);
+      last_use int64 [R]   clock of the row's last use (0 at build);
+      clock   int          advanced once per step while the gate is open (0 at build);
+      gate    bool         closed (False) at build;
+      error   PlanError    sticky bits, never cleared by a step;
+      counters int64 [L, 5] per layer, columns COUNTERS, counted only while the gate is open.
+    Initial placement: `initial_placement` (layer l's first N experts, or a given [L, N] order, in
+    rows l·N … l·N+N−1).
+
+    step(layer, ids[W]):
+      1. A lane whose id is −1 is padding. A lane whose id is outside [0, E) sets BAD_ID and is
+         padding.
+      2. Duplicate ids are removed, keeping first-occurrence (lane) order. A unique id is a hit if
+         its key holds a row at the start of the step, else a miss.
+      3. Gate open: clock += 1; every hit row gets last_use = clock.
+      4. Misses, in first-occurrence order. Gate open and a victim exists (a row with
+         last_use < clock): the victim is the row with the smallest (last_use, row) among them —
+         any layer's row, or an empty one. The victim's old key loses its row, the miss's key takes
+         it, last_use = clock, and (key, row) joins the copy list. Otherwise (gate closed, or every
+         row was used this step) the miss takes staging row R + k, k = number of misses staged
+         earlier in this step, for this step only: slot_of is not changed, and (key, R + k) joins
+         the copy list so the GEMM reads the right data. If k ≥ S, STAGING_OVERFLOW is set, the
+         miss gets no row (its lanes route to −1) and no copy.
+      5. routes[i] = the row of lane i's expert (bank row, staging row, or −1 for padding).
+    Consequences: rows used in the step are never evicted in it; the copy list holds the victims
+    first (miss order), then the staged misses (miss order), at most W entries; with the gate closed
+    nothing but `error` changes. Evictions copy nothing back (the host store is the backing copy).
+
+    Counters (gate open only; a closed gate is warm-up and graph capture, not serving):
+      hits        unique ids that were hits;
+      misses      unique ids that were misses (= promotions + staged + overflowed);
+      promotions  misses that took a bank row (a victim);
+      steals      promotions whose victim held another layer's key (the cross-layer growth);
+      staged      misses that took a staging row (no victim).
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, rows_per_layer: int,
+                 staging_rows: int, initial=None):
+        for name, v, lo in (("num_layers", num_layers, 1), ("num_experts", num_experts, 1),
+                            ("rows_per_layer", rows_per_layer, 1), ("staging_rows", staging_rows, 0)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        self.num_layers, self.num_experts = int(num_layers), int(num_experts)
+        self.rows_per_layer, self.staging_rows = int(rows_per_layer), int(staging_rows)
+        self.num_rows = self.num_layers * self.rows_per_layer
+        self.key_of = initial_placement(self.num_layers, self.num_experts, self.rows_per_layer,
+                                        initial)
+        self.slot_of = np.full(self.num_layers * self.num_experts, -1, dtype=np.int32)
+        owned = np.flatnonzero(self.key_of >= 0)
+        self.slot_of[self.key_of[owned]] = owned
+        self.last_use = np.zeros(self.num_rows, dtype=np.int64)
+        self.clock = 0
+        self.gate = False
+        self.error = PlanError.NONE
+        self.counters = np.zeros((self.num_layers, len(COUNTERS)), dtype=np.int64)
+
+    def open(self) -> None:
+        self.gate = True
+
+    def close(self) -> None:
+        self.gate = False
+
+    def _victim(self) -> int:
+        """Row with the smallest (last_use, row) among rows with last_use < clock, or −1."""
+        cand = np.flatnonzero(self.last_use < self.clock)
+        if cand.size == 0:
+            return -1
+        lu = self.last_use[cand]
+        return int(cand[np.argmin(lu)])   # argmin returns the first, i.e. the lowest row, on ties
+
+    def step(self, layer: int, ids) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """One layer call: (routes int32 [W], copies [(key, row), ...] in copy order)."""
+        L, E, R, S = self.num_layers, self.num_experts, self.num_rows, self.staging_rows
+        if not 0 <= layer < L:
+            raise IndexError(f"layer {layer} out of range [0, {L})")
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"ids must be integers, got dtype {ids.dtype}")
+        ids = ids.reshape(-1).astype(np.int64)
+
+        # 1. padding and invalid lanes
+        valid = (ids >= 0) & (ids < E)
+        if np.any(~valid & (ids != -1)):
+            self.error |= PlanError.BAD_ID
+        # 2. dedupe in first-occurrence order; classify against the tables at the step's start
+        uniq = list(dict.fromkeys(int(layer * E + e) for e in ids[valid]))
+        hits = [k for k in uniq if self.slot_of[k] >= 0]
+        misses = [k for k in uniq if self.slot_of[k] < 0]
+        row_of = {k: int(self.slot_of[k]) for k in hits}
+        # 3. recency of hits
+        if self.gate:
+            self.clock += 1
+            for k in hits:
+                self.last_use[row_of[k]] = self.clock
+        # 4. misses
+        copies = []
+        promotions = steals = staged = 0
+        for k in misses:
+            victim = self._victim() if self.gate else -1
+            if victim >= 0:
+                old = int(self.key_of[victim])
+                if old >= 0:
+                    self.slot_of[old] = -1
+                    steals += old // E != layer
+                self.slot_of[k] = victim
+                self.key_of[victim] = k
+                self.last_use[victim] = self.clock
+                row = victim
+                promotions += 1
+            elif staged < S:
+                row = R + staged
+                staged += 1
+            else:
+                self.error |= PlanError.STAGING_OVERFLOW
+                row = -1
+            if row >= 0:
+                copies.append((k, row))
+            row_of[k] = row
+        # 5. routes
+        routes = np.array([row_of[int(layer * E + e)] if ok else -1 for e, ok in zip(ids, valid)],
+                          dtype=np.int32)
+        if self.gate:
+            self.counters[layer] += (len(hits), len(misses), promotions, steals, staged)
+        return routes, copies
+
+    def state(self) -> dict:
+        """Copies of the tables, under the names `Bank.tables()` uses."""
+        return {"slot_of": self.slot_of.copy(), "key_of": self.key_of.copy(),
+                "last_use": self.last_use.copy(), "order": lru_order(self.last_use),
+                "clock": int(self.clock), "gate": int(self.gate), "error": int(self.error),
+                "counters": self.counters.copy()}
+
+    def load(self, state: dict) -> None:
+        """Take over a state (e.g. a Bank's `tables()`), so the model can follow from there."""
+        self.slot_of = np.asarray(state["slot_of"], dtype=np.int32).copy()
+        self.key_of = np.asarray(state["key_of"], dtype=np.int32).copy()
+        self.last_use = np.asarray(state["last_use"], dtype=np.int64).copy()
+        self.clock = int(state["clock"])
+        self.gate = bool(state["gate"])
+        self.error = PlanError(int(state["error"]))
+        self.counters = np.asarray(state["counters"], dtype=np.int64).copy()
+
+    def check(self) -> list[str]:
+        """Problems with the current tables (empty when consistent)."""
+        return check_tables(self.num_layers * self.num_experts, self.slot_of, self.key_of,
+                            self.last_use, self.clock)

@@ -1,0 +1,42 @@
+"""The bank's hit rate on a routing trace, from the reference planner on the CPU (no GPU), so a
+user can size the bank before loading anything (`python -m cupool simulate`).
+
+Shape legend (ARCHITECTURE.md): S steps · L layers · T tokens a step · K top-k · E experts ·
+N rows per layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cupool.reference.planner import HITS, MISSES, ReferencePlanner
+from cupool.trace import Trace
+
+
+def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = None,
+             warmup_steps: int = 0) -> dict:
+    """Replay `trace` through the reference planner with the gate open.
+
+    Returns the hit rate (hits / (hits + misses)) over the steps after `warmup_steps`, per layer
+    too, and the rows each layer owns at the end (shows rows moving between layers).
+    """
+    L, K = trace.num_layers, trace.ids.shape[-1]
+    W = trace.ids.shape[2] * K
+    if not K <= rows_per_layer <= trace.num_experts:
+        raise ValueError(f"rows_per_layer must be in [top_k={K}, E={trace.num_experts}], "
+                         f"got {rows_per_layer}")
+    ref = ReferencePlanner(L, trace.num_experts, rows_per_layer, staging_rows or W)
+    ref.open()
+    base = np.zeros_like(ref.counters)
+    for s in range(trace.steps):
+        if s == warmup_steps:
+            base = ref.counters.copy()
+        for layer in range(L):
+            ref.step(layer, trace.ids[s, layer].reshape(-1))
+    c = ref.counters - base
+    hits, misses = int(c[:, HITS].sum()), int(c[:, MISSES].sum())
+    owned = np.bincount(ref.key_of[ref.key_of >= 0] // trace.num_experts, minlength=L)
+    return {"hit_rate": hits / max(1, hits + misses), "hits": hits, "misses": misses,
+            "per_layer_hit_rate": [float(c[l, HITS] / max(1, c[l, HITS] + c[l, MISSES]))
+                                   for l in range(L)],
+            "rows_owned": owned.tolist()}

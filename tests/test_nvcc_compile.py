@@ -1,0 +1,201 @@
+"""Every CUDA source compiles with nvcc for sm_90 (CPU test; skipped where nvcc is absent)."""
+
+import dataclasses
+import re
+import subprocess
+
+import pytest
+
+from cupool import kernels
+from cupool.layout import RowLayout
+from cupool.ops import moe_decode
+from cupool.ops.moe_gemm import PREFILL, w2_cols
+from cupool.ops.moe_gemm import defines as config_defines
+from cupool.ops.moe_gemm import shared_bytes as gemm_smem
+
+SOURCES = kernels.sources()
+
+
+def test_sources_found():
+    names = {p.stem for p in SOURCES}
+    assert {"selftest", "rowcopy"} <= names
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=[p.name for p in SOURCES])
+def test_nvcc_compiles(src, nvcc, tmp_path):
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", f"-I{src.parent}", "-cubin",
+                        "-o", str(tmp_path / "out.cubin"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{src.name} failed to compile:\n{r.stderr}"
+    assert "warning" not in r.stderr.lower(), f"{src.name} compiles with warnings:\n{r.stderr}"
+
+
+# Configurations the launchers (cupool/ops) compile besides each file's defaults: moe_decode's
+# units of 8 and 16 lanes with each W13_KSPLIT the kernel takes (1, 2, 4; the launcher's rule
+# picks 2 or 4), fp16 activations in and out, bf16/fp16 router weights, unaligned x, H < Hp and
+# H=4096; moe_gemm's prefill config and other dims; then moe_decode's DECODE_TRACE profiling build.
+VARIANTS = [
+    ("moe_gemm", "-DNT=64 -DKSPLIT=1 -DWARPS_M=8 -DKC=256 -DNB=1 -DREDUCE=1 -DMINB=2 -DOUT_BF16=0"),
+    ("moe_gemm", "-DNT=8 -DHP=4096 -DIP=1536"),
+    ("moe_gemm", "-DNT=16 -DHP=128 -DIP=64 -DKC=128"),
+    ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=1"),
+    ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=2"),
+    ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=4 -DHP=4096 -DIP=1536"),
+    ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DW13_KSPLIT=1 -DHP=4096 -DIP=1536"),
+    ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DW13_KSPLIT=2"),
+    ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DW13_KSPLIT=4 -DW_DTYPE=2"),
+    ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DOUT_BF16=0 -DIN_BF16=0 -DW_DTYPE=1 -DXALIGN=0"),
+    ("moe_decode", "-DNT=8 -DMAXW=64 -DOUT_BF16=0 -DIN_BF16=0 -DHP=128 -DIP=64 -DHFULL=0"),
+    ("moe_align", "-DNT=64 -DIDS64=0 -DIN_BF16=0"),
+    ("moe_align", "-DNT=8 -DXVEC=1 -DW_DTYPE=2"),
+    ("planner", "-DTHREADS=1024 -DITEMS=4"),
+    ("rowcopy", "-DCHUNK=1040 -DNSTAGES=5"),
+    ("rowcopy", "-DCHUNK=65536 -DNSTAGES=3 -DUNROLL=8"),
+    ("moe_decode", "-DDECODE_TRACE=1"),
+    ("moe_decode", "-DDECODE_TRACE=1 -DNT=16 -DMAXW=256 -DW13_KSPLIT=2 -DHP=128 -DIP=64 -DHFULL=0"),
+]
+
+
+@pytest.mark.parametrize("name,defines", VARIANTS, ids=[f"{n}:{d}" for n, d in VARIANTS])
+def test_nvcc_compiles_variants(name, defines, nvcc, tmp_path):
+    src = kernels.kernel_dir() / f"{name}.cu"
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", f"-I{src.parent}", "-cubin",
+                        *defines.split(), "-o", str(tmp_path / "out.cubin"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{name} {defines} failed to compile:\n{r.stderr}"
+
+
+def ptxas_spills(nvcc, src, defines: dict, out) -> list[int]:
+    """Bytes of spill stores of each kernel in src, as ptxas -v reports them."""
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", f"-I{src.parent}", "-cubin", "-Xptxas", "-v",
+                        *(f"-D{k}={v}" for k, v in defines.items()), "-o", str(out), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return [int(m) for m in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+
+
+@pytest.mark.parametrize("minb", [None, 3])
+def test_prefill_config_fits_its_blocks_per_sm_without_spills(nvcc, tmp_path, minb):
+    """gemm.PREFILL asks for MINB blocks per SM; its speed rests on the kernels fitting in the
+    registers that leaves without spilling. MINB 3 (80 registers) is the counter-check: moe_w13
+    spills there, so the check can see a spill."""
+    cfg = PREFILL if minb is None else dataclasses.replace(PREFILL, minb=minb)
+    defines = config_defines(cfg, RowLayout(2048, 768))
+    spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_gemm.cu", defines, tmp_path / "out.cubin")
+    assert len(spills) == 3, spills                    # moe_w13, moe_w2, moe_finish
+    if minb is None:
+        assert max(spills) == 0, f"the prefill config {defines} spills: {spills}"
+    else:
+        assert max(spills) > 0, f"expected moe_w13 to spill at MINB={minb}: {spills}"
+
+
+@pytest.mark.parametrize("nt,minb,spill", [(8, 3, False), (8, 4, False), (16, 3, False),
+                                           (16, 4, True)])
+def test_decode_blocks_per_sm_without_spills(nvcc, tmp_path, nt, minb, spill):
+    """moe_decode.blocks_per_sm asks for 4 blocks per SM (64 registers) only with units
+    of 8 lanes: they fit without spills, units of 16 do not (the counter-check)."""
+    defines = {**RowLayout(2048, 768).defines(), "NT": nt, "MAXW": 64 if nt == 8 else 256,
+               "MINB": minb}
+    spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_decode.cu", defines,
+                          tmp_path / "out.cubin")
+    assert len(spills) == 1 and (spills[0] > 0) == spill, spills
+
+
+def test_decode_blocks_per_sm_rule():
+    """4 blocks per SM where a call's w13 items (lanes · Ip/16) fill 4 blocks on every SM."""
+    rule = moe_decode.blocks_per_sm
+    qwen, big = RowLayout(2048, 768), RowLayout(4096, 1536)
+    assert rule(qwen, 132, 8, 8) == 3                         # T=1, K=8: 384 items < 528
+    assert rule(qwen, 132, 8, 32) == 4                        # T=4: 1,536
+    assert rule(qwen, 132, 16, 128) == 3                      # units of 16 lanes: never 4
+    assert rule(big, 132, 8, 8) == 4                          # 768 items
+
+
+@pytest.mark.parametrize("nt,minb,maxw", [(8, 4, 64), (16, 3, 256)])
+def test_decode_w13_split_without_spills(nvcc, tmp_path, nt, minb, maxw):
+    """w13 items of two strip pairs (W13_KSPLIT 2, the launcher's choice for large calls at
+    H ≤ 2048) fit the same registers as one pair without spills."""
+    defines = {**RowLayout(2048, 768).defines(), "NT": nt, "MAXW": maxw, "MINB": minb,
+               "W13_KSPLIT": 2}
+    spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_decode.cu", defines,
+                          tmp_path / "out.cubin")
+    assert spills == [0], spills
+
+
+def test_decode_w13_split_rule():
+    """Two strip pairs a w13 item where Hp ≤ 2048 and lanes · Ip/32 fill the call's grid."""
+    qwen, big = RowLayout(2048, 768), RowLayout(4096, 1536)
+    split = lambda lanes, minb, layout=qwen: moe_decode.w13_split(layout, 132, lanes, minb)
+    assert split(8, 3) == 4                                   # T=1: 192 items < 396 blocks
+    assert split(16, 4) == 4                                  # T=2: 384 < 528
+    assert split(24, 4) == 2                                  # T=3: 576
+    assert split(32, 4) == 2 and split(128, 3) == 2
+    assert split(32, 4, big) == 4                             # strips of 64 chunks: never
+
+
+def test_decode_build_of_a_call():
+    """choose() picks units of 8 lanes up to 64 lanes, the two rules, and x's alignment."""
+    import torch
+    layout = RowLayout(2048, 768)
+    x = torch.zeros(4, 2048, dtype=torch.bfloat16)
+    w = torch.zeros(32)
+    b = moe_decode.choose(layout, 132, 32, x, w)
+    assert (b.nt, b.maxw, b.minb, b.w13_split, b.xalign, b.w_dtype) == (8, 64, 4, 2, 1, 0)
+    b = moe_decode.choose(layout, 132, 128, x[:, 1:], w.bfloat16())
+    assert (b.nt, b.maxw, b.minb, b.xalign, b.w_dtype) == (16, 256, 3, 0, 1)
+    assert moe_decode.defines(b, layout, torch.float16)["OUT_BF16"] == 0
+
+
+def test_decode_shared_memory_is_the_kernels_carve():
+    """moe_decode.shared_bytes adds up moe_decode.cu's carve (stage rings, partial sums,
+    SlotInfo, unit table) at both unit sizes; the w2 split mirrors the kernel's KS2."""
+    ring = moe_decode.stage_ring_bytes()
+    assert ring == 32 + 2 * 4 * 576                           # 2 barriers + parity, 2 stages
+    # 8 rings, [8][NT/8 · 4][32] partial floats, SlotInfo, MAXW · (i64 + f32 + NT + 1) bytes
+    for nt, maxw, want in ((8, 64, 37120 + 4096 + 64 + 1344), (16, 256, 37120 + 8192 + 128 + 7424)):
+        b = moe_decode.Build(nt=nt, maxw=maxw, minb=3, w13_split=4, xalign=1, w_dtype=0)
+        assert moe_decode.shared_bytes(b) == want
+    assert [moe_decode.w2_ksplit(RowLayout(2048, i)) for i in (512, 768, 2048, 4096, 8192)] == \
+        [1, 2, 2, 4, 8]
+    assert moe_decode.w2_items(RowLayout(2048, 768)) == 2048 // 16 // 4
+
+
+def test_prefill_staging_fits_two_blocks_per_sm():
+    """PREFILL's MINB=2 also needs two blocks' shared memory on an SM (H100/H200: 228 KiB, 1 KiB
+    of it reserved per block). At Qwen3-30B-A3B dims moe_w2 stages all of I once per unit; at
+    I=1536 that would not fit twice, so it streams I in KC-column stages, double-buffered."""
+    for layout in (RowLayout(2048, 768), RowLayout(4096, 1536), RowLayout(80, 48)):
+        for kernel in ("moe_w13", "moe_w2"):
+            assert 2 * (gemm_smem(PREFILL, layout, kernel) + 1024) <= 228 * 1024, (layout, kernel)
+    assert w2_cols(PREFILL, RowLayout(2048, 768)) == 768
+    assert w2_cols(PREFILL, RowLayout(4096, 1536)) == PREFILL.kc
+    qwen = RowLayout(2048, 768)       # w13: 8 stages of 256 columns, two buffers of 64 rows
+    assert gemm_smem(PREFILL, qwen, "moe_w13") == 2 * 64 * (256 + 8) * 2 + 64 * 8
+    assert gemm_smem(PREFILL, qwen, "moe_w2") == 64 * (768 + 8) * 2 + 64 * 8
+
+
+def test_expand_inlines_headers_with_line_markers():
+    text, headers = kernels.expand("rowcopy")
+    assert any(h.name == "common.cuh" for h in headers)
+    assert '#line 1 "rawkernels/common.cuh"' in text
+    assert '#include "common.cuh"' not in text
+    # the line after the include maps back to the source file
+    assert '#line' in text and 'rawkernels/rowcopy.cu' in text
+
+
+def test_expand_missing_source_names_the_file():
+    with pytest.raises(FileNotFoundError, match="no_such_kernel"):
+        kernels.expand("no_such_kernel")
+
+
+def test_defines_are_validated():
+    with pytest.raises(ValueError, match="not a C identifier"):
+        kernels._options({"bad name": 1})
+    assert "-DUNROLL=4" in kernels._options({"UNROLL": 4})
+
+
+def test_debug_env_adds_lineinfo(monkeypatch):
+    monkeypatch.setenv("CUPOOL_KERNEL_DEBUG", "1")
+    assert "-lineinfo" in kernels._options(None)
+    monkeypatch.setenv("CUPOOL_KERNEL_DEBUG", "0")
+    assert "-lineinfo" not in kernels._options(None)
