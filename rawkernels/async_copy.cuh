@@ -1,6 +1,7 @@
-// Asynchronous copies into shared memory, shared by rowcopy.cu and moe_decode.cu: cp.async (a
-// thread's 4 or 16 bytes, tracked by commit groups) and the bulk-copy (TMA) engine with
-// mbarriers (sm_90 and later), plus the proxy fence between them and ordinary accesses.
+// Asynchronous copies into shared memory: cp.async (16 bytes a thread, tracked by commit groups;
+// moe_gemm.cu's activation staging) and the bulk-copy (TMA) engine with mbarriers (sm_90 and
+// later; moe_decode.cu, rowcopy.cu, read_probe.cu), plus the proxy fence between them and
+// ordinary accesses.
 #pragma once
 #include "common.cuh"
 

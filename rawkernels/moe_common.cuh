@@ -2,7 +2,7 @@
 // offsets, cache-hinted loads, the A fragments of one 64-column chunk, the slots of a unit, and the
 // epilogues of w13 (SiLU·up) and w2 (router weight, sum over top-k).
 //
-// Include after the configuration macros HP, IP, NT (and OUT_BF16, REDUCE where used).
+// Include after the configuration macros HP, IP, NT and OUT_BF16 (topk_sum's output dtype).
 #pragma once
 #include "common.cuh"
 #include "mma_fp4.cuh"

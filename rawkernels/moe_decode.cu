@@ -14,10 +14,10 @@
 // item waits for is running or will run (if another kernel holds some SMs, as soon as it ends).
 // A wait that still runs past ~1 s sets error bit 8 and goes on (wrong output, never a hang).
 //
-// Weights go global → shared memory per warp in two stages of 4 chunks (4.6 KB), each stage one
-// bulk copy (a chunk's scale bytes follow its packed codes, layout.py), so the bytes in flight
-// are bounded by shared memory, not registers; a warp issues its second stage once the first
-// has landed (W13_LAZY, W2_LAZY). w13 multiplies x as it is: its weights are
+// Weights go global → shared memory per warp in a ring of NBUF buffers of STAGE chunks (4.6 KB a
+// stage), each stage one bulk copy (a chunk's scale bytes follow its packed codes, layout.py), so
+// the bytes in flight are bounded by shared memory, not registers; a warp issues its second stage
+// only once the first has landed (run_stages). w13 multiplies x as it is: its weights are
 // dequantised to the model's dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish
 // before the first multiply. w13 writes SiLU·up as bf16 act rows; after the wait, w2 reads its B
 // fragments straight from them (L2) and multiplies them with bf16-dequantised weights.
@@ -30,6 +30,15 @@
 // launches in stream order (part 0, then part 1 once the copies have landed) with the same result
 // bit for bit.
 //
+// Tables and counters, in the order they are written:
+// - act[l, 16p ... 16p + 15] (bf16): written only by the w13 item that holds strip pair p of lane
+//   l's unit (the pair's first gate warp), then a fence, then unit_done[u] += its pairs.
+// - a w2 item of unit u reads the act rows of u's lanes only after unit_done[u] has reached NP
+//   (acquire load), and through L2, since other blocks wrote them. It writes yw[l, h] for the h
+//   of its output strips (nothing else writes yw), then arrives on group_done[its strip group].
+// - out[t, h] for the rows h of a strip group: written by the block that arrives last on that
+//   group's group_done (one arrival per unit of the call, over all of its launches), which sums
+//   yw over top-k in k order; or zeros, by the whole grid, when every lane is padding.
 // Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 strip pairs of
 // unit u done. The last block of a launch puts them back to zero; group_done is reset by its last
 // unit.
@@ -64,18 +73,14 @@
 #ifndef HFULL
 #define HFULL 1           // 1: H == HP (no column of x past the row's end is read)
 #endif
+// DECODE_TRACE 1 is the profiling build (same output as 0): thread 0 of a block writes
+// %globaltimer stamps into `trace`: [TRACE_ITEMS][4] by item number (start, waits done, K loop
+// done, end), then [grid][2] by block (start, unit table built). benchmarks/profile_gemm.py
+// --trace reads both to print when blocks start and when each item's phases end.
 #ifndef DECODE_TRACE
-#define DECODE_TRACE 0    // 1: globaltimer stamps of each item's phases into `trace` (profiling)
+#define DECODE_TRACE 0
 #endif
-#ifndef DECODE_ABLATE
-#define DECODE_ABLATE 0   // profiling only (wrong output), bits: 1 no dequantisation, 2 no chunk
-                          // compute, 4 w2 does not wait for its unit, 8 no w13 epilogue, 16 no
-                          // w2 epilogue or top-k sum, 64 w13 reads no x (B fragments from the
-                          // column index), 128 no mma (A and B folded into the sums with
-                          // integer ops)
-#endif
-#define ABLATE(bit) ((DECODE_ABLATE & (bit)) != 0)
-#define TRACE_ITEMS 8192  // trace: [TRACE_ITEMS][4] item stamps, then [grid][2] block stamps
+#define TRACE_ITEMS 8192
 
 #include "async_copy.cuh"
 #include "moe_common.cuh"
@@ -83,31 +88,17 @@
 
 #define WARPS 8
 #define THREADS (32 * WARPS)
-#ifndef STAGE
 #define STAGE 4           // chunks (CHUNK_BYTES: 512 B of packed codes + 64 B of scales) a stage
-#endif
-#ifndef NBUF
 #define NBUF 2            // stage buffers a warp: NBUF stages in flight, NBUF - 1 while it computes
-#endif
 #define ERR_STALL 8
 
 constexpr int NC13 = HP / 64;              // chunks of a w13 strip
 constexpr int NC2 = IP / 64;               // chunks of a w2 strip
 constexpr int NP = IP / 16;                // w13 strip pairs (gate, up) of an expert
 constexpr int NS = HP / 16;                // w2 output strips of an expert
-// A warp's stages of an item all issued at once share HBM with every other warp's and land
-// together at the end; issuing stage i + 1 (< NBUF) once stage i has landed puts the first
-// stage's bytes first, so its chunks are computed while the rest arrive (session 11: w13 −5% at
-// H=2048 T=1 and −1% at the other benchmark cases, w2 then −1% at H=4096).
-#ifndef W13_LAZY
-#define W13_LAZY 1        // 1: a w13 warp issues its second stage once its first has landed
-#endif
-#ifndef W2_LAZY
-#define W2_LAZY 1         // 1: the same for a w2 warp
-#endif
 // w13: the warps split the K of each strip of PPI strip pairs (gate, up): 2·PPI strips × KS13.
-// The launcher picks KS13 a call (MoEGemm._fused_w13_split): 2 (two pairs an item, twice the
-// chunks a warp) where the call has items enough for that, else 4.
+// The launcher picks KS13 a call (cupool/ops/moe_decode.py, w13_split): 2 (two pairs an item,
+// twice the chunks a warp) where the call has items enough for that, else 4.
 #ifndef W13_KSPLIT
 #define W13_KSPLIT 4      // warps splitting K of a w13 strip (1, 2, 4)
 #endif
@@ -115,16 +106,12 @@ constexpr int KS13 = W13_KSPLIT;
 constexpr int PPI = WARPS / (2 * KS13);    // strip pairs of a w13 item
 static_assert(PPI * 2 * KS13 == WARPS && NP % PPI == 0, "W13_KSPLIT must be 1, 2 or 4");
 constexpr int NI13 = NP / PPI;             // w13 items of a unit
-// w2: one warp a strip where its chunks fit the stage ring at once (IP ≤ 512), else 2 warps on
-// a strip up to 32 chunks (IP ≤ 2048), then 4, then 8. Measured on the H200 at 4 blocks per SM
-// (session 11): at IP = 1536, 2 warps (12 chunks each) are 4% faster than 4 at T=4 and the same
-// at T=1; at IP = 768, 1 warp is slower than 2.
-#ifndef W2_KSPLIT
-#define W2_KSPLIT 0       // warps splitting K of a w2 strip (1, 2, 4, 8; 0: from IP as above)
-#endif
-constexpr int KS2 = W2_KSPLIT ? W2_KSPLIT
-                  : NC2 <= NBUF * STAGE ? 1 : NC2 <= 32 ? 2 : NC2 <= 64 ? 4 : 8;
-static_assert(WARPS % KS2 == 0, "W2_KSPLIT must divide the block's 8 warps");
+// w2: KS2 warps split the K of a strip: one where its chunks fit the stage ring at once
+// (IP ≤ 512), else 2 up to 32 chunks (IP ≤ 2048), then 4, then 8. More warps put more of a
+// strip's bytes in flight at once and add a sum of partials; on an H200 at 4 blocks per SM, 2
+// warps measured faster than 4 at IP = 1536 and than 1 at IP = 768 (see docs/PERFORMANCE.md).
+constexpr int KS2 = NC2 <= NBUF * STAGE ? 1 : NC2 <= 32 ? 2 : NC2 <= 64 ? 4 : 8;
+static_assert(WARPS % KS2 == 0, "KS2 must divide the block's 8 warps");
 static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per thread");
 constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
@@ -139,7 +126,7 @@ struct WarpStages {
     u8 w[NBUF][STAGE * CHUNK_BYTES];
 };
 static_assert(sizeof(WarpStages) == (8 * NBUF + 4 + 15) / 16 * 16 + NBUF * STAGE * CHUNK_BYTES,
-              "gemm._fused_stage_bytes mirrors this layout");
+              "cupool/ops/moe_decode.py stage_ring_bytes mirrors this layout");
 
 CUPOOL_DEVICE int ld_acquire(const i32* p) {
     int v;
@@ -166,19 +153,23 @@ CUPOOL_DEVICE void issue_stage(WarpStages& ws, int buf, const u8* strip, int c, 
     }
 }
 
-// Stages 0 .. n - 1 of chunks [c0, c1): issued as soon as the strip's address is known.
-CUPOOL_DEVICE void issue_first(WarpStages& ws, const u8* strip, int c0, int c1, int lane,
-                               int n = NBUF) {
+// Stages 0 .. n - 1 (n ≤ NBUF) of chunks [c0, c1), into buffers 0 .. n - 1. The items issue
+// stage 0 only (n = 1) and leave the rest to run_stages.
+CUPOOL_DEVICE void issue_first(WarpStages& ws, const u8* strip, int c0, int c1, int lane, int n) {
 #pragma unroll
     for (int b = 0; b < NBUF; ++b)
         if (b < n) issue_stage(ws, b, strip, c0 + b * STAGE, c1, lane);
 }
 
-// acc[nt] += chunks [c0, c1) of the strip × B, stage by stage (stage i + NBUF is issued into the
-// buffer stage i leaves). bfrag(c, nt, b): this lane's 16 activations of chunk c for n-tile nt
-// (columns 16t … 16t+15 of the chunk, layout.py) as 8 words; k-tile q takes words 2q, 2q+1.
-// LAZY: issue_first issued stage 0 only; stage i + 1 < NBUF is issued once stage i has landed.
-template <bool BF, bool LAZY, class BFrag>
+// acc[nt] += chunks [c0, c1) of the strip × B, stage by stage. Stage 0 was issued as soon as the
+// strip's address was known; stage i + 1 < NBUF goes out once stage i has landed, and stage
+// i + NBUF into the buffer stage i leaves. Why one stage first: stages issued together share HBM
+// with every other warp's and land together near the end, while a lone first stage lands early
+// and its chunks are computed as the next one arrives (measured faster on an H200 for w13 and
+// w2; see docs/PERFORMANCE.md). bfrag(c, nt, b): this lane's 16 activations of chunk c for
+// n-tile nt (columns 16t … 16t+15 of the chunk, layout.py) as 8 words; k-tile q takes words 2q,
+// 2q+1.
+template <bool BF, class BFrag>
 CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, int ntiles,
                               float (&acc)[NTILES][4], int lane, BFrag bfrag) {
     u32 parity = ws.parity;
@@ -186,26 +177,15 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
         const int buf = i % NBUF;
         mbar_wait(smem_addr(&ws.bar[buf]), (parity >> buf) & 1u);      // the stage's bytes
         parity ^= 1u << buf;
-        if (LAZY && i + 1 < NBUF) issue_stage(ws, i + 1, strip, c + STAGE, c1, lane);
+        if (i + 1 < NBUF) issue_stage(ws, i + 1, strip, c + STAGE, c1, lane);
 #pragma unroll
         for (int ci = 0; ci < STAGE; ++ci) {
             if (c + ci >= c1) break;
             const u8* chunk = &ws.w[buf][ci * CHUNK_BYTES];
             const u32x4 w = *reinterpret_cast<const u32x4*>(chunk + lane * 16);
             const u32 sc = *reinterpret_cast<const u16*>(chunk + CHUNK_SCALES + 2 * lane);
-#if ABLATE(2)
-            acc[0][0] += __uint_as_float((w.x ^ w.y ^ w.z ^ w.w ^ sc) & 0x3fffffu);
-            continue;
-#endif
             u32 a[4][4];
-#if ABLATE(1)
-            a[0][0] = w.x; a[0][1] = w.y; a[0][2] = w.z; a[0][3] = w.w ^ sc;
-            a[1][0] = w.y; a[1][1] = w.z; a[1][2] = w.w; a[1][3] = w.x;
-            a[2][0] = w.z; a[2][1] = w.w; a[2][2] = w.x; a[2][3] = w.y;
-            a[3][0] = w.w; a[3][1] = w.x; a[3][2] = w.y; a[3][3] = w.z;
-#else
             dequant_chunk<BF>(w, sc, a);
-#endif
             u32 b[NTILES][8];
 #pragma unroll
             for (int nt = 0; nt < NTILES; ++nt)
@@ -215,11 +195,7 @@ CUPOOL_DEVICE void run_stages(WarpStages& ws, const u8* strip, int c0, int c1, i
 #pragma unroll
                 for (int nt = 0; nt < NTILES; ++nt) {
                     if (nt >= ntiles) continue;
-#if ABLATE(128)
-                    acc[nt][q] += __uint_as_float(((a[q][0] ^ a[q][1] ^ a[q][2]) ^ a[q][3] ^ (b[nt][2 * q] + b[nt][2 * q + 1])) & 0x3fffffu);
-#else
                     mma16816<BF>(acc[nt], a[q], b[nt][2 * q], b[nt][2 * q + 1]);
-#endif
                 }
             }
         }
@@ -348,7 +324,7 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
     int c0, c1;
     k_slice(ks, KS13, NC13, c0, c1);
     WarpStages& ws = m.stages[warp];
-    issue_first(ws, strip, c0, c1, lane, W13_LAZY ? 1 : NBUF);
+    issue_first(ws, strip, c0, c1, lane, 1);                  // stage 0 only
     const float* hdr = reinterpret_cast<const float*>(row);
     const float gs_gate = hdr[0], gs_up = hdr[1];              // in flight during the K loop
     if (threadIdx.x < NT) {
@@ -367,14 +343,8 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
     }
     float acc[NTILES][4] = {};
     // B straight from x in the model's dtype (plain loads: the compiler may hoist them)
-    run_stages<IN_BF16, W13_LAZY>(ws, strip, c0, c1, ntiles, acc, lane,
-                                  [&](int c, int nt, u32 (&b)[8]) {
-#if ABLATE(64)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) b[i] = (u32)(c * 64 + 16 * t + 2 * i) * 0x00010001u + nt;
-#else
+    run_stages<IN_BF16>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, u32 (&b)[8]) {
         x_cols16(xrow[nt], c * 64 + 16 * t, hidden, b);
-#endif
     });
     stamp(a.trace, item, 2);
     put_partial(m, warp, lane, acc);
@@ -383,11 +353,9 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
         float gu[2][NTILES][4];
         sum_partials(m, warp, KS13, lane, gu[0]);
         sum_partials(m, warp + KS13, KS13, lane, gu[1]);
-        if (!ABLATE(8)) {
-            w13_epilogue(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
-                         gs_up * dequant_unscale<IN_BF16>(), PPI * i + s / 2, lane, a.act);
-            __threadfence();                                   // act before the count
-        }
+        w13_epilogue(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
+                     gs_up * dequant_unscale<IN_BF16>(), PPI * i + s / 2, lane, a.act);
+        __threadfence();                                       // act before the count
     }
     __syncthreads();
     if (threadIdx.x == 0) atomicAdd(a.unit_done + u, PPI);    // pairs done
@@ -405,14 +373,13 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     int c0 = 0, c1 = 0;
     if (st < NS) k_slice(ks, KS2, NC2, c0, c1);
     WarpStages& ws = m.stages[warp];
-    issue_first(ws, strip, c0, c1, lane, W2_LAZY ? 1 : NBUF);
+    issue_first(ws, strip, c0, c1, lane, 1);                  // stage 0 only
     const float gs_down = reinterpret_cast<const float*>(row)[2];
     if (threadIdx.x < NT) {
         m.si->lane[threadIdx.x] = slot_lane(m, u);
         m.si->scale[threadIdx.x] = 1.0f;                       // act goes in as w13 wrote it
     }
-    if (!ABLATE(4)) wait_count(a.unit_done + u, NP, a.error);   // the unit's act is complete
-    else __syncthreads();
+    wait_count(a.unit_done + u, NP, a.error);                  // the unit's act is complete
     stamp(a.trace, item, 1);
     const int ntiles = (m.unit_count[u] + 7) >> 3;
     const int g = lane >> 2, t = lane & 3;
@@ -424,7 +391,7 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
         arow[nt] = l >= 0 ? a.act + (i64)l * IP : nullptr;
     }
     float acc[NTILES][4] = {};
-    run_stages<true, W2_LAZY>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, u32 (&b)[8]) {
+    run_stages<true>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, u32 (&b)[8]) {
         if (arow[nt] != nullptr) {
             load_cols16<true>(arow[nt] + c * 64 + 16 * t, b);
         } else {
@@ -438,11 +405,11 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
         __syncthreads();
         if (ks == 0) sum_partials(m, warp, KS2, lane, acc);
     }
-    if (!ABLATE(16) && ks == 0 && st < NS)
+    if (ks == 0 && st < NS)
         w2_epilogue(acc, ntiles, m.si, gs_down * dequant_unscale<true>(), st, lane, m.lane_w,
                     a.topk, a.hidden, false, a.yw, nullptr);
     // the last unit to finish this strip group sums over top-k in fixed order
-    if (!ABLATE(16) && last_arrival(a.group_done + grp, a.all_units, s_last))
+    if (last_arrival(a.group_done + grp, a.all_units, s_last))
         topk_sum(grp * WM2 * 16, WM2 * 16, a.tokens, a.topk, a.hidden, m.lane_w, a.yw, a.out);
     stamp(a.trace, item, 3);
 }

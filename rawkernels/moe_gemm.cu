@@ -260,8 +260,8 @@ CUPOOL_DEVICE void ksplit_reduce(float (&acc)[NS][NTILES][4], float* red, int wm
     }
 }
 
-// Shared memory of a kernel (gemm.gemm_smem mirrors it): the staging buffers (BYTES), the
-// K-split buffer, the per-slot data.
+// Shared memory of a kernel (cupool/ops/moe_gemm.py, shared_bytes, mirrors it): the staging
+// buffers (BYTES), the K-split buffer, the per-slot data.
 template <int BYTES>
 CUPOOL_DEVICE float* red_buffer(u8* smem) { return reinterpret_cast<float*>(smem + BYTES); }
 

@@ -2,7 +2,7 @@
 // reference `cupool.nvfp4.quantize` (its module docstring is the spec; this file follows it step by
 // step). Input dtypes: float32, float16, bfloat16, read as raw bits.
 //
-// Work sketch (two launches on torch's stream, launcher: cupool/quantize.py):
+// Work sketch (two launches on torch's stream, launcher: cupool/ops/nvfp4_quant.py):
 //   1. nvfp4_amax_<dt>   grid (x: slices of a matrix, y: matrices). Each thread keeps UNROLL 16-byte
 //      loads in flight, folds them into max|w| as float32 bits, and each block gives its maximum to
 //      amax_bits[m] with one atomicMax. Non-finite values add to bad[0] and atomicMin their flat

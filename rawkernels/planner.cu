@@ -1,8 +1,9 @@
 // Plan step: one launch per MoE layer call decides hits, misses and evictions on the GPU, so a
 // whole decode step (plan -> row copies -> GEMM) stays in one CUDA graph without host readback.
 //
-// Semantics: exactly `cupool.planner.ReferencePlanner.step` (DESIGN.md, "Planner semantics"); the
-// reference's docstring is the specification and the GPU tests compare the two after every step.
+// Semantics: exactly `cupool.reference.planner.ReferencePlanner.step` (ARCHITECTURE.md, "Planner
+// semantics"); the reference's docstring is the specification and the GPU tests compare the two
+// after every step.
 // Shape legend: L layers, E experts per layer, R = L*N bank rows, S staging rows, W lanes.
 //
 // Work sketch: one block of THREADS threads (fixed grid: the launch never depends on data).
@@ -83,7 +84,7 @@
 #define NWARPS (THREADS / 32)
 #define TILE (THREADS * ITEMS)
 #define FULL_MASK 0xffffffffu
-#define NUM_COUNTERS 5  // hits, misses, promotions, steals, staged (cupool.planner.COUNTERS)
+#define NUM_COUNTERS 5  // hits, misses, promotions, steals, staged (reference.planner.COUNTERS)
 #define ERR_BAD_ID 1
 #define ERR_STAGING_OVERFLOW 2
 

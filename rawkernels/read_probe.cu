@@ -4,17 +4,16 @@
 //
 // read_rows:      plain 16-byte loads; block b reads the b-th contiguous span of the rows' bytes
 //                 (UNROLL loads in flight a thread), so the whole grid streams at once.
-// read_rows_bulk: moe_decode's pattern: each warp takes 4 KiB pieces (piece p = its global warp
-//                 id + k · all warps), two 2 KiB bulk copies into shared memory, one wait, then
-//                 the lanes read the piece back, so only 4 KiB a warp is in flight.
+// read_rows_bulk: bulk copies into shared memory, as moe_decode reads its weights: each warp
+//                 takes 4 KiB pieces (piece p = its global warp id + k · all warps), two 2 KiB
+//                 bulk copies on one barrier, one wait, then the lanes read the piece back, so
+//                 only 4 KiB a warp is in flight (moe_decode: two stages of 2.3 KB).
 // Both fold what they read (XOR of every 32-bit word) into one word a block, sink[blockIdx.x], so
 // the loads cannot be dropped and a test can check that every byte was read exactly once.
 #include "common.cuh"
 #include "async_copy.cuh"
 
-#ifndef UNROLL
-#define UNROLL 8
-#endif
+#define UNROLL 8          // read_rows: 16-byte loads in flight a thread
 #define PIECE 4096
 #define HALF (PIECE / 2)
 

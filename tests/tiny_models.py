@@ -71,7 +71,7 @@ class RouterLog:
         self.calls: dict[int, list] = {}
         self._handles: list = []
 
-    def __enter__(self) -> "RouterLog":
+    def __enter__(self) -> RouterLog:
         for i, b in enumerate(self.blocks):
             self._handles.append(b.gate.register_forward_hook(self._hook(i)))
         return self
