@@ -54,6 +54,12 @@ class PooledExperts:
 
     def _decode(self, x, ids, w):
         p = self.pool
+        mask = p.token_mask
+        if mask is not None:
+            if mask.shape != (x.shape[0],):
+                raise ValueError(f"layer {self.layer}: the pool's token_mask has shape "
+                                 f"{list(mask.shape)}, the decode call {x.shape[0]} tokens")
+            ids = ids.masked_fill(~mask[:, None], -1)          # inactive tokens: padding lanes
         if p.decode_backend is not None:
             return p.decode_backend(self.layer, x, ids, w)
         if p.overlap_copies:

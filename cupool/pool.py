@@ -37,6 +37,10 @@ class Pool:
         self._restore: list = []
         self._routing_hook = None
         self._decode_backend = None
+        # None, or a bool device tensor [T]: which tokens of a decode call are real (the others'
+        # lanes become padding: no expert reads, no placement change). cupool.Engine sets it to
+        # its active slots around each batched decode step.
+        self.token_mask: torch.Tensor | None = None
         # decode: copies on a second stream beside the GEMM of the rows in place. Off by default:
         # with the one-launch decode GEMM it bought ~1% at a half-size bank and cost ~10% with
         # every expert resident on an H200 (the second launch; docs/PERFORMANCE.md).

@@ -1,0 +1,569 @@
+"""`Engine`: generation for a (wrapped or plain) transformers causal LM — sampling, stop
+conditions, streaming, and several sequences decoded together with continuous batching.
+
+Shape legend: B slots (sequences decoded together) · S prompt tokens · V vocabulary · L_max
+positions a slot holds.
+
+How a request runs:
+1. `submit(prompt_ids, params)` checks it (token ids, prompt + max_tokens ≤ max_len) and queues it.
+2. When a slot is free, the request is *admitted*: its prompt is run eagerly into the slot's rows
+   of the KV cache (`cupool.kvcache.SlotCache`) in chunks of `prefill_chunk` tokens (any prompt
+   length works; through a pool, a chunk takes the partition path), and its first token is
+   sampled from the last position's logits.
+3. Every active slot then advances one token per *step*: the model's forward on [B, 1] tokens at
+   each slot's own position, the sampling (`cupool.sampling.sample`) and the position update,
+   all on the device. On a GPU the step is captured in a CUDA graph once (two: with and without
+   the sampling sort) and replayed for every token, whatever the slots hold; a finished
+   sequence's slot takes the next request without recapture.
+4. After each step one small copy brings the B new tokens to the host (the only read of a step),
+   where EOS ids, stop token ids, stop strings and max_tokens are checked, text is detokenized
+   incrementally, and events go to the request's callback. Steps are pipelined by one: step n+1
+   is launched before step n's tokens are read, so the host's work overlaps the GPU's.
+
+Through a pool, the step's T = B tokens make one plan step per layer, so an expert row several
+sequences route to is planned and copied once; the lanes of inactive slots are padding
+(`Pool.token_mask`), so they read no experts and move no rows.
+
+Thread safety: `submit` and `Request.cancel` may be called from any thread; everything else runs
+on the thread that drives the engine (`run_until_idle`, `generate`, or the background loop of
+`start`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import queue
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from cupool.kvcache import SlotCache
+from cupool.sampling import SamplingParams, sample
+
+FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+
+
+def cache_kwarg(model) -> str:
+    """The keyword a model's forward takes its KV cache under: `cache` (transformers ≥ 5.24, where
+    `past_key_values` is deprecated) or `past_key_values` (earlier 5.x releases)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _takes(model, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
+@dataclasses.dataclass
+class Event:
+    """One step of a request's output: a token (and the text it adds), or the end."""
+    request: "Request"
+    token_id: int | None          # None on a final event that carries no new token
+    text: str                     # text released by this event ("" while held back)
+    finished: bool
+    finish_reason: str | None     # "stop", "length", "cancelled", "error"
+
+
+class Request:
+    """A submitted generation. Its fields fill in as the engine runs it."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams,
+                 on_event: Callable[[Event], None] | None):
+        self.id = next(Request._ids)
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seed = params.resolved_seed()
+        self.on_event = on_event
+        self.output_ids: list[int] = []
+        self.text = ""                # detokenized output (stop string excluded)
+        self._sent = 0                # characters of `text` already released in events
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cancelled = threading.Event()
+        self.done = threading.Event()
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+
+    def cancel(self) -> None:
+        """Stop generating (the slot is freed at the engine's next iteration)."""
+        self.cancelled.set()
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first / time after the first (NaN for fewer than 2 tokens)."""
+        n = len(self.output_ids)
+        if n < 2 or self.first_token_at is None or self.finished_at is None:
+            return float("nan")
+        dt = self.finished_at - self.first_token_at
+        return (n - 1) / dt if dt > 0 else float("nan")
+
+    def __repr__(self) -> str:
+        state = self.finish_reason if self.finished else "running"
+        return (f"Request(id={self.id}, prompt={len(self.prompt_ids)} tokens, "
+                f"output={len(self.output_ids)} tokens, {state})")
+
+
+class Engine:
+    """Generation for `model` (a transformers ≥ 5 causal LM), wrapped by cupool (`pool`) or not.
+
+    Args:
+        model: the model, on its device (CUDA for a pool; the CPU works unwrapped).
+        pool: the Pool of `cupool.wrap` / `cupool.from_pretrained`, or None.
+        tokenizer: for text (detokenized events, stop strings) and the default EOS ids; None works
+            with token ids alone.
+        max_batch: B, slots decoded together (through a pool at most its max_decode_tokens).
+        max_len: positions a slot holds (prompt + generated tokens), at most the model's
+            max_position_embeddings.
+        prefill_chunk: prompt tokens run in one forward (default: 2048, at most the pool's
+            max_prefill_tokens): bounds the activations and the mask of a long prompt.
+        graph: capture the decode step in a CUDA graph (default: on a CUDA device).
+        compile: run the decode step through torch.compile before capturing it.
+        eos_token_id: ids that end a generation (default: generation_config's and the
+            tokenizer's).
+    """
+
+    def __init__(self, model, pool=None, *, tokenizer=None, max_batch: int = 8,
+                 max_len: int = 4096, prefill_chunk: int | None = None, graph: bool | None = None,
+                 compile: bool = False, eos_token_id=None):
+        self.model, self.pool, self.tokenizer = model, pool, tokenizer
+        try:
+            param = next(model.parameters())
+        except StopIteration:
+            raise ValueError("model has no parameters") from None
+        self.device = param.device
+        cfg = model.config
+        self.vocab = int(getattr(cfg, "vocab_size", 0) or model.get_output_embeddings().weight.shape[0])
+        limit = getattr(cfg, "max_position_embeddings", None)
+        for name, v in (("max_batch", max_batch), ("max_len", max_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {max_len}")
+        if limit and max_len > limit:
+            raise ValueError(f"max_len={max_len} exceeds the model's max_position_embeddings="
+                             f"{limit}; use max_len <= {limit}")
+        if pool is not None:
+            if pool.device != self.device:
+                raise ValueError(f"the pool is on {pool.device}, the model on {self.device}")
+            cap = pool.gemm.max_decode_tokens
+            if max_batch > cap:
+                raise ValueError(f"max_batch={max_batch} exceeds the pool's max_decode_tokens={cap} "
+                                 f"(wrap or load with max_decode_tokens >= {max_batch})")
+        chunk = 2048 if prefill_chunk is None else prefill_chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        if pool is not None:
+            chunk = min(chunk, pool.gemm.max_prefill_tokens or chunk)
+        self.prefill_chunk = chunk
+        self.max_batch, self.max_len = max_batch, max_len
+        self.graph = (self.device.type == "cuda") if graph is None else bool(graph)
+        if self.graph and self.device.type != "cuda":
+            raise ValueError(f"graph=True needs a CUDA device, the model is on {self.device}")
+        self.eos_ids = self._eos_ids(eos_token_id)
+        self.dtype = param.dtype                   # of the activations, keys and values
+        self._cache_kw = cache_kwarg(model)
+        self._logits_kw = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
+        self._window = self._sliding_window(cfg)
+        self._mask_bool = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
+        n_layers = int(getattr(cfg, "num_hidden_layers"))
+        B, dev = max_batch, self.device
+        self.cache = SlotCache(n_layers, B, max_len, self.dtype, dev)
+        self.tok = torch.zeros(B, 1, dtype=torch.int64, device=dev)
+        self.active = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.temperature = torch.zeros(B, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.steps = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._forward = torch.compile(model, dynamic=False) if compile else model
+        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        self._slots: list[Request | None] = [None] * B
+        self._incoming: queue.Queue = queue.Queue()
+        self._pending: list[Request] = []
+        self._inflight = None            # (host tokens, event, owners) of the step not read yet
+        self._host_tok = [torch.zeros(B, dtype=torch.int64, pin_memory=dev.type == "cuda")
+                          for _ in range(2)]
+        self._flip = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.broken: str | None = None
+        self.steps_run = 0
+
+    # --- configuration helpers ----------------------------------------------------------------------
+    def _eos_ids(self, given) -> set[int]:
+        if given is not None:
+            ids = [given] if isinstance(given, int) else list(given)
+        else:
+            ids = []
+            gen = getattr(self.model, "generation_config", None)
+            for src in (getattr(gen, "eos_token_id", None),
+                        getattr(self.model.config, "eos_token_id", None),
+                        getattr(self.tokenizer, "eos_token_id", None)):
+                if src is None:
+                    continue
+                ids += [src] if isinstance(src, int) else list(src)
+        return {int(i) for i in ids}
+
+    @staticmethod
+    def _sliding_window(cfg) -> int | None:
+        """One attention window for the whole model, or None (full attention). Models whose
+        layers mix window sizes are refused: their masks differ per layer."""
+        types = set(getattr(cfg, "layer_types", None) or [])
+        window = getattr(cfg, "sliding_window", None)
+        if len(types) > 1:
+            raise ValueError(f"the model's layers mix attention types {sorted(types)}; cupool's "
+                             f"Engine builds one mask for every layer")
+        if types == {"full_attention"}:
+            return None
+        if window and getattr(cfg, "use_sliding_window", True) is not False:
+            return int(window)
+        return None
+
+    # --- requests -----------------------------------------------------------------------------------
+    def submit(self, prompt_ids, params: SamplingParams | None = None,
+               on_event: Callable[[Event], None] | None = None) -> Request:
+        """Queue a request; ValueError for token ids outside the vocabulary or a prompt that
+        cannot fit. `on_event` is called (on the engine's thread) for every event."""
+        if self.broken:
+            raise RuntimeError(f"the engine stopped after an error: {self.broken}")
+        params = params if params is not None else SamplingParams()
+        params.validate()
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.reshape(-1).tolist()
+        ids = list(prompt_ids)
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError("prompt token ids must be ints")
+        bad = [i for i in ids if not 0 <= i < self.vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        need = len(ids) + params.max_tokens
+        if need > self.max_len:
+            raise ValueError(f"the prompt's {len(ids)} tokens + max_tokens {params.max_tokens} = "
+                             f"{need} exceed the context of {self.max_len} tokens (max_len)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the engine has none); use "
+                             "stop_token_ids")
+        req = Request(ids, params, on_event)
+        self._incoming.put(req)
+        return req
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 on_event: Callable[[Event], None] | None = None) -> list[Request]:
+        """Run `prompts` (a list of token-id lists) to completion on this thread; returns their
+        Requests in order (output_ids, text, finish_reason)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine runs a background loop (start()); use submit()")
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        else:
+            params = [params] * len(prompts)
+        reqs = [self.submit(p, sp, on_event) for p, sp in zip(prompts, params)]
+        while not all(r.finished for r in reqs):
+            self.iterate()
+        return reqs
+
+    def stream(self, prompt_ids, params: SamplingParams | None = None):
+        """Yield the Events of one request as they land (runs the engine on this thread)."""
+        got: list[Event] = []
+        self.submit(prompt_ids, params, got.append)
+        while True:
+            while got:
+                ev = got.pop(0)
+                yield ev
+                if ev.finished:
+                    return
+            self.iterate()
+
+    def run_until_idle(self) -> None:
+        """Iterate until every submitted request has finished."""
+        while self.iterate():
+            pass
+
+    # --- the background loop (servers) --------------------------------------------------------------
+    def start(self) -> None:
+        """Run the engine on a background thread until `shutdown()`."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="cupool-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the background loop; unfinished requests end with finish_reason "cancelled"."""
+        self._stop.set()
+        self._incoming.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        for r in self._pending + [r for r in self._slots if r is not None]:
+            self._finish(r, FINISH_CANCELLED)
+        self._pending.clear()
+        self._slots = [None] * self.max_batch
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self.iterate(block=True)
+            except Exception as e:  # noqa: BLE001 (the engine reports, then refuses new work)
+                self.broken = f"{type(e).__name__}: {e}"
+                for r in self._pending + [r for r in self._slots if r is not None]:
+                    r.error = self.broken
+                    self._finish(r, FINISH_ERROR)
+                self._pending.clear()
+                self._slots = [None] * self.max_batch
+                return
+            if not busy and self._stop.is_set():
+                return
+
+    # --- one iteration ------------------------------------------------------------------------------
+    def iterate(self, block: bool = False) -> bool:
+        """Admit queued requests into free slots, run one decode step, read the one before.
+        Returns whether anything is still running or queued. `block`: wait for a request when
+        there is nothing to do."""
+        self._take_incoming(block and not self._busy())
+        for b, r in enumerate(self._slots):
+            if r is not None and r.cancelled.is_set():
+                self._finish(r, FINISH_CANCELLED)
+                self._free(b)
+        while self._pending and None in self._slots:
+            r = self._pending.pop(0)
+            if r.cancelled.is_set():
+                self._finish(r, FINISH_CANCELLED)
+                continue
+            self._admit(self._slots.index(None), r)
+        launched = None
+        if any(r is not None for r in self._slots):
+            launched = self._launch_step()
+        if self._inflight is not None:
+            self._read_step(*self._inflight)
+        self._inflight = launched
+        if launched is None and self._inflight is None and not self._pending:
+            return not self._incoming.empty()
+        return True
+
+    def _busy(self) -> bool:
+        return bool(self._pending) or self._inflight is not None or \
+            any(r is not None for r in self._slots)
+
+    def _take_incoming(self, block: bool) -> None:
+        try:
+            item = self._incoming.get(timeout=0.05) if block else self._incoming.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is not None:
+                self._pending.append(item)
+            try:
+                item = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+
+    # --- prefill --------------------------------------------------------------------------------------
+    def _fwd_kwargs(self, mask) -> dict:
+        return {self._cache_kw: self.cache, "use_cache": True, "attention_mask": mask,
+                **self._logits_kw}
+
+    @torch.inference_mode()
+    def _admit(self, b: int, r: Request) -> None:
+        """Run r's prompt into slot b and sample its first token (one host read)."""
+        dev, ids = self.device, torch.tensor(r.prompt_ids, dtype=torch.int64, device=self.device)
+        S = ids.numel()
+        self._slots[b] = r
+        p = r.params
+        self.temperature[b] = float(p.temperature)
+        self.top_k[b] = int(p.top_k)
+        self.top_p[b] = float(p.top_p)
+        self.seeds[b] = r.seed
+        self.steps[b] = 0
+        try:
+            logits = None
+            for a in range(0, S, self.prefill_chunk):
+                e = min(S, a + self.prefill_chunk)
+                self.cache.prefill_mode(b, a, e - a)
+                mask = self.cache.prefill_mask(self.dtype, self._window, self._mask_bool)
+                out = self.model(input_ids=ids[None, a:e],
+                                 position_ids=torch.arange(a, e, device=dev)[None],
+                                 **self._fwd_kwargs(mask))
+                logits = out.logits[:, -1, :]
+            first = sample(logits, self.temperature[b:b + 1], self.top_k[b:b + 1],
+                           self.top_p[b:b + 1], self.seeds[b:b + 1], self.steps[b:b + 1],
+                           greedy_only=p.temperature == 0)
+        finally:
+            self.cache.decode_mode()
+        self.cache.pos[b] = S
+        self.tok[b, 0] = first[0]
+        self.steps[b] = 1
+        self.active[b] = True
+        token = int(first[0])                                 # the admission's one host read
+        r.first_token_at = time.perf_counter()
+        self._accept(b, r, token)
+
+    # --- decode steps ---------------------------------------------------------------------------------
+    def _step(self, greedy_only: bool) -> None:
+        """One decode step of every slot, device-only (what the graph captures)."""
+        self.cache.decode_mode()
+        mask = self.cache.decode_mask(self.dtype, self._window, self._mask_bool)
+        out = self._forward(input_ids=self.tok, position_ids=self.cache.pos[:, None],
+                            **self._fwd_kwargs(mask))
+        nxt = sample(out.logits[:, -1, :], self.temperature, self.top_k, self.top_p,
+                     self.seeds, self.steps, greedy_only)
+        act = self.active
+        self.tok[:, 0] = torch.where(act, nxt, self.tok[:, 0])
+        self.cache.pos.add_(act.to(torch.int64)).clamp_(max=self.max_len - 1)
+        self.steps.add_(act.to(torch.int64))
+
+    def _masked(self):
+        """The pool's token mask set to the active slots for the duration of a step."""
+        pool = self.pool
+
+        class _Ctx:
+            def __enter__(s):
+                if pool is not None:
+                    pool.token_mask = self.active
+
+            def __exit__(s, *exc):
+                if pool is not None:
+                    pool.token_mask = None
+        return _Ctx()
+
+    def _capture(self, greedy_only: bool) -> torch.cuda.CUDAGraph:
+        """Warm up and capture the step (gate closed, every slot inactive meanwhile: the dummy
+        steps write only positions no slot has filled yet and move no rows)."""
+        dev = self.device
+        saved = self.active.clone()
+        if self.pool is not None:
+            self.pool.close()
+        self.active.zero_()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side), self._masked():
+            for _ in range(3):
+                self._step(greedy_only)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._graph_pool), self._masked():
+            self._step(greedy_only)
+        self.active.copy_(saved)
+        if self.pool is not None:
+            self.pool.open()
+        return g
+
+    @torch.inference_mode()
+    def _launch_step(self):
+        greedy = all(r is None or r.params.temperature == 0 for r in self._slots)
+        if self.graph:
+            g = self._graphs.get(greedy)
+            if g is None:
+                g = self._graphs[greedy] = self._capture(greedy)
+            g.replay()
+        else:
+            with self._masked():
+                self._step(greedy)
+        self.steps_run += 1
+        buf = self._host_tok[self._flip]
+        self._flip ^= 1
+        buf.copy_(self.tok[:, 0], non_blocking=True)
+        ev = None
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+        return buf, ev, list(self._slots)
+
+    def _read_step(self, buf, ev, owners) -> None:
+        if ev is not None:
+            ev.synchronize()
+        tokens = buf.tolist()
+        for b, r in enumerate(owners):
+            if r is None or r.finished or self._slots[b] is not r:
+                continue                      # finished after the step was launched
+            self._accept(b, r, tokens[b])
+
+    # --- output -----------------------------------------------------------------------------------
+    def _accept(self, b: int, r: Request, token: int) -> None:
+        """Take one sampled token of r (in slot b): check stops, emit, free the slot when done."""
+        p = r.params
+        if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
+            self._finish(r, FINISH_STOP)
+            self._free(b)
+            return
+        r.output_ids.append(token)
+        reason = None
+        text_done = False
+        if self.tokenizer is not None:
+            r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            for s in p.stop:
+                at = r.text.find(s)
+                if at >= 0:
+                    r.text = r.text[:at]
+                    reason, text_done = FINISH_STOP, True
+        if reason is None and (len(r.output_ids) >= p.max_tokens
+                               or len(r.prompt_ids) + len(r.output_ids) >= self.max_len):
+            reason = FINISH_LENGTH
+        r.finish_reason = reason
+        self._emit(r, token, final=reason is not None, held=not text_done)
+        if reason is not None:
+            self._finish(r, reason, emit=False)
+            self._free(b)
+
+    def _emit(self, r: Request, token: int | None, final: bool, held: bool = True) -> None:
+        """Release the text that can no longer change: while running, hold back a possible
+        start of a stop string and an incomplete character at the end."""
+        end = len(r.text)
+        if not final:
+            if r.text.endswith("\ufffd"):
+                end = len(r.text.rstrip("\ufffd"))
+            if r.params.stop and held:
+                keep = max(len(s) for s in r.params.stop) - 1
+                end = max(r._sent, min(end, len(r.text) - keep))
+        delta = r.text[r._sent:end]
+        r._sent = max(r._sent, end)
+        if final:
+            r.finished_at = time.perf_counter()
+        if final:
+            r.finished = True
+        if r.on_event is not None:
+            r.on_event(Event(r, token, delta, final, r.finish_reason if final else None))
+
+    def _finish(self, r: Request, reason: str, emit: bool = True) -> None:
+        if r.finished:
+            return
+        r.finish_reason = reason
+        if emit:
+            self._emit(r, None, final=True)
+        r.finished = True
+        r.finished_at = r.finished_at or time.perf_counter()
+        r.done.set()
+
+    def _free(self, b: int) -> None:
+        self._slots[b] = None
+        self.active[b] = False
+
+    # --- facts ----------------------------------------------------------------------------------------
+    def memory_parts(self) -> list[tuple[str, int, str]]:
+        return [("KV cache (slots)", self.cache.nbytes(), self.device.type)]
+
+    def __repr__(self) -> str:
+        return (f"Engine(B={self.max_batch}, max_len={self.max_len}, graph={self.graph}, "
+                f"{'pool' if self.pool is not None else 'no pool'}, {self.device})")

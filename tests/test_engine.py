@@ -1,0 +1,161 @@
+"""cupool.Engine on the CPU with tiny unwrapped transformers models: batched decode equals each
+sequence alone and a plain reference loop, seeded sampling does not depend on the batch,
+continuous batching, stops, chunked prefill, cancellation, and no deprecated transformers call."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tiny_models import hf_model
+
+pytest.importorskip("transformers")
+
+from cupool.engine import Engine, cache_kwarg  # noqa: E402
+from cupool.sampling import SamplingParams  # noqa: E402
+
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
+
+
+@torch.inference_mode()
+def reference_greedy(model, prompt: list[int], n: int, eos=()) -> list[int]:
+    """Greedy tokens by recomputing the whole sequence every step (no cache at all)."""
+    ids = list(prompt)
+    out = []
+    for _ in range(n):
+        logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+        t = int(logits.argmax())
+        if t in eos:
+            break
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 64, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_greedy_equals_reference(family):
+    model = hf_model(family, seed=3)
+    ps = prompts(1, [5, 11, 2, 17])
+    eng = Engine(model, max_batch=4, max_len=48, eos_token_id=[])
+    got = eng.generate(ps, SamplingParams(max_tokens=12))
+    for p, r in zip(ps, got):
+        assert r.output_ids == reference_greedy(model, p, 12), (family, p)
+        assert r.finish_reason == "length"
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched():
+    model = hf_model("qwen3_moe", seed=4)
+    ps = prompts(2, [6, 9, 3])
+    params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=100 + i, max_tokens=10)
+              for i in range(3)]
+    batched = Engine(model, max_batch=3, max_len=32, eos_token_id=[]).generate(ps, params)
+    for p, sp, r in zip(ps, params, batched):
+        alone = Engine(model, max_batch=1, max_len=32, eos_token_id=[]).generate([p], sp)[0]
+        assert alone.output_ids == r.output_ids
+    greedy = Engine(model, max_batch=1, max_len=32, eos_token_id=[]).generate(
+        [ps[0]], SamplingParams(max_tokens=10))[0]
+    assert greedy.output_ids != batched[0].output_ids      # sampling did sample
+    other = Engine(model, max_batch=1, max_len=32, eos_token_id=[]).generate(
+        [ps[0]], SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=10))[0]
+    assert other.output_ids != batched[0].output_ids       # another seed, other tokens
+
+
+def test_continuous_batching_more_requests_than_slots():
+    """Six requests of different lengths through two slots: each slot takes a new request when
+    its sequence ends, and every output equals the sequence run alone."""
+    model = hf_model("qwen3_moe", seed=5)
+    ps = prompts(3, [4, 9, 2, 13, 7, 5])
+    budgets = [3, 9, 1, 6, 11, 4]
+    eng = Engine(model, max_batch=2, max_len=40, eos_token_id=[])
+    got = eng.generate(ps, [SamplingParams(max_tokens=n) for n in budgets])
+    for p, n, r in zip(ps, budgets, got):
+        assert r.output_ids == reference_greedy(model, p, n)
+    assert eng.steps_run < sum(budgets)                     # steps were shared
+
+
+def test_eos_stop_ids_and_events():
+    model = hf_model("qwen3_moe", seed=6)
+    p = prompts(4, [6])[0]
+    ref = reference_greedy(model, p, 10)
+    stop_at = ref[4]
+    events = []
+    eng = Engine(model, max_batch=2, max_len=32, eos_token_id=[])
+    r = eng.generate([p], SamplingParams(max_tokens=10, stop_token_ids=[stop_at]),
+                     on_event=events.append)[0]
+    first = ref.index(stop_at)
+    assert r.output_ids == ref[:first] and r.finish_reason == "stop"
+    assert [e.token_id for e in events if e.token_id is not None] == ref[:first]
+    assert events[-1].finished and events[-1].finish_reason == "stop"
+    assert sum(e.finished for e in events) == 1
+    eos = Engine(model, max_batch=1, max_len=32, eos_token_id=stop_at).generate(
+        [p], SamplingParams(max_tokens=10))[0]
+    assert eos.output_ids == ref[:first]
+    ignored = Engine(model, max_batch=1, max_len=32, eos_token_id=stop_at).generate(
+        [p], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert ignored.output_ids == ref
+
+
+def test_chunked_prefill_equals_one_chunk():
+    model = hf_model("mixtral", seed=7)
+    p = prompts(5, [23])[0]
+    one = Engine(model, max_batch=1, max_len=40, eos_token_id=[]).generate(
+        [p], SamplingParams(max_tokens=6))[0]
+    chunked = Engine(model, max_batch=1, max_len=40, prefill_chunk=4, eos_token_id=[]).generate(
+        [p], SamplingParams(max_tokens=6))[0]
+    assert chunked.output_ids == one.output_ids == reference_greedy(model, p, 6)
+
+
+def test_stream_and_cancel():
+    model = hf_model("qwen3_moe", seed=8)
+    eng = Engine(model, max_batch=2, max_len=32, eos_token_id=[])
+    p = prompts(6, [5])[0]
+    toks = [e.token_id for e in eng.stream(p, SamplingParams(max_tokens=5)) if e.token_id is not None]
+    assert toks == reference_greedy(model, p, 5)
+    got = []
+    r = eng.submit(p, SamplingParams(max_tokens=20), got.append)
+    while len(r.output_ids) < 3:
+        eng.iterate()
+    r.cancel()
+    eng.run_until_idle()
+    assert r.finish_reason == "cancelled" and 3 <= len(r.output_ids) < 20
+    assert got[-1].finished and got[-1].finish_reason == "cancelled"
+
+
+def test_bad_requests_are_refused_at_submit():
+    model = hf_model("qwen3_moe", seed=9)
+    eng = Engine(model, max_batch=1, max_len=16)
+    with pytest.raises(ValueError, match="exceed the context of 16 tokens"):
+        eng.submit(list(range(3, 13)), SamplingParams(max_tokens=7))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.submit([3, 64], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="empty"):
+        eng.submit([], SamplingParams())
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        eng.submit([3], SamplingParams(stop=["x"], max_tokens=2))
+    for kw, match in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                      (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(model, max_batch=1, max_len=65)
+    with pytest.raises(ValueError, match="max_batch"):
+        Engine(model, max_batch=0, max_len=16)
+
+
+def test_no_deprecated_transformers_call():
+    """The cache goes in under the keyword the installed transformers takes (`cache` where
+    `past_key_values` is deprecated), so no FutureWarning/DeprecationWarning is raised."""
+    model = hf_model("qwen3_moe", seed=10)
+    assert cache_kwarg(model) in ("cache", "past_key_values")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        Engine(model, max_batch=2, max_len=24).generate(prompts(7, [4, 6]),
+                                                        SamplingParams(max_tokens=4))
