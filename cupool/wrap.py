@@ -18,6 +18,8 @@ The gate starts closed (warm-up and capture must not move the placement); `pool.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from cupool import _cuda
@@ -51,6 +53,89 @@ def _layer_rows(spec: MoELayerSpec, layout: RowLayout, device, chunk: int = 16):
     return out
 
 
+@dataclasses.dataclass
+class PoolPlan:
+    """What `plan` decided for a pool before any expert is converted: the row layout, the GEMM
+    (its workspaces allocated), rows per layer, the device and the decode lanes."""
+    layout: RowLayout
+    gemm: MoEGemm
+    rows: int
+    device: torch.device
+    max_lanes: int
+    num_layers: int
+    num_experts: int
+
+
+def check_specs(specs: list[MoELayerSpec]) -> MoELayerSpec:
+    """The first spec, after checking that all agree and that the experts are bf16/fp16."""
+    check_consistent(specs)
+    s0 = specs[0]
+    if s0.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{s0.name}: experts are {s0.dtype}; cupool serves bf16/fp16 models "
+                        f"(convert first: model.to(torch.bfloat16))")
+    return s0
+
+
+def plan(specs: list[MoELayerSpec], *, pending_bytes: int, rows=None, budget=None,
+         device="cuda", kv_reserve=0, max_decode_tokens: int = 16,
+         max_prefill_tokens: int = 4096, scratch_rows: int = 32,
+         scratch_buffers: int = 2) -> PoolPlan:
+    """Check the arguments, build the GEMM and decide the rows per layer (see `wrap`), before any
+    expert is converted, so a budget that cannot work fails here, holding only the GEMM's
+    workspaces. `pending_bytes`: what the rest of the model will add on the device (its dense
+    part, not there yet)."""
+    if rows is not None and budget is not None:
+        raise ValueError(f"give rows or budget, not both (rows={rows}, budget={budget!r})")
+    s0 = check_specs(specs)
+    L, E, K, H, I = len(specs), s0.num_experts, s0.top_k, s0.hidden, s0.intermediate
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not K <= rows <= E):
+        raise ValueError(f"rows must be an int with top_k={K} <= rows <= E={E}, got {rows!r}")
+    budget_bytes = parse_bytes(budget, "budget") if budget is not None else None
+    kv = parse_bytes(kv_reserve, "kv_reserve") if kv_reserve else 0
+    if isinstance(max_decode_tokens, bool) or not isinstance(max_decode_tokens, int) \
+            or max_decode_tokens < 1:
+        raise ValueError(f"max_decode_tokens must be an int >= 1, got {max_decode_tokens!r}")
+    if max_decode_tokens * K > 1024:
+        raise ValueError(f"max_decode_tokens={max_decode_tokens} x top_k={K} exceeds 1024 lanes")
+    if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) \
+            or max_prefill_tokens < 1:
+        raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
+    _cuda.require_gpu("cupool.wrap")
+    dev = torch.device("cuda", _cuda.device_index(device))
+    layout = RowLayout(H, I)
+    max_lanes = max_decode_tokens * K
+    gemm = MoEGemm(layout, K, s0.dtype, max_decode_tokens=max_decode_tokens,
+                   max_prefill_tokens=max_prefill_tokens, num_experts=E,
+                   scratch_rows=scratch_rows, scratch_buffers=scratch_buffers, device=dev)
+    if rows is None:
+        row_stride = -(-layout.row_bytes // 256) * 256
+        # staging rows, the planner's tables and a margin, beside the rest of the model
+        extra = pending_bytes + max_lanes * row_stride + 64 * L * E + (1 << 20)
+        rows = rows_for_device(budget_bytes, row_stride, L, K, E, extra, dev, kv)
+    return PoolPlan(layout, gemm, rows, dev, max_lanes, L, E)
+
+
+def assemble(model, specs: list[MoELayerSpec], p: PoolPlan, fill, *, route_fn=None,
+             before_bank=None) -> Pool:
+    """Make the pinned store, fill it (`fill(store)`), seal it, run `before_bank()` (e.g. move
+    the dense part to the GPU), build the bank and swap the layers. On any error the store is
+    freed before the error propagates."""
+    store = HostStore(p.num_layers, p.num_experts, p.layout.row_bytes, device=p.device)
+    try:
+        fill(store)
+        store.seal()
+        if before_bank is not None:
+            before_bank()
+        bank = Bank(store, p.rows, staging_rows=p.max_lanes, max_lanes=p.max_lanes,
+                    device=p.device)
+    except BaseException:
+        store.close()
+        raise
+    pool = Pool(model, specs, p.layout, store, bank, p.gemm, p.device, route_fn)
+    pool._install()
+    return pool
+
+
 def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="cuda", *,
          kv_reserve=0, max_decode_tokens: int = 16, max_prefill_tokens: int = 4096,
          scratch_rows: int = 32, scratch_buffers: int = 2, checkpoint=None, expert_rows=None,
@@ -63,60 +148,42 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
             Neither given: rows from what NVML says is free after the rest of the model.
         kv_reserve: bytes (or string) kept free for the KV cache.
         max_decode_tokens: largest batch of one decode step (T·K lanes ≤ 1024).
-        max_prefill_tokens: largest T of a wide (prefill) call.
+        max_prefill_tokens: largest T of one prefill GEMM call; longer calls run in chunks of it.
         scratch_rows: rows of the prefill scratch for experts not in the bank (default 32: 85 MB
             of Qwen3-30B-A3B rows).
         scratch_buffers: buffers the scratch is split into, one chunk of experts each: later
             chunks are copied while the GEMM reads earlier ones (default 2; MoEGemm says more).
-        checkpoint: a ModelOpt NVFP4 safetensors file/dir to fill the store from (experts
-            already NVFP4) instead of quantizing the model's weights.
+        checkpoint: a checkpoint directory (any format `cupool.checkpoints` reads) to fill the
+            store from instead of the model's own expert weights.
         expert_rows: fn(layer) -> uint8 [E, row_bytes] rows in the kernel layout (any device):
             experts made directly as NVFP4 rows (synthetic models); the model's expert weights
             are not read (they may already be released).
         layers: the MoE layer specs, if found (and maybe released) before; default: found here.
         route_fn: routing for per-expert Linear lists: fn(block, hidden [T,H], K) -> (ids, w).
     """
-    if rows is not None and budget is not None:
-        raise ValueError(f"give rows or budget, not both (rows={rows}, budget={budget!r})")
     if checkpoint is not None and expert_rows is not None:
         raise ValueError("give checkpoint or expert_rows, not both")
     if any(hasattr(m, "_cupool") for m in model.modules()):
         raise ValueError("this model is already wrapped by cupool (call pool.unwrap() first)")
     specs = list(layers) if layers is not None else find_moe_layers(model)
-    check_consistent(specs)
-    s0 = specs[0]
-    L, E, K, H, I = len(specs), s0.num_experts, s0.top_k, s0.hidden, s0.intermediate
-    if s0.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"{s0.name}: experts are {s0.dtype}; cupool serves bf16/fp16 models "
-                        f"(convert first: model.to(torch.bfloat16))")
-    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not K <= rows <= E):
-        raise ValueError(f"rows must be an int with top_k={K} <= rows <= E={E}, got {rows!r}")
-    budget_bytes = parse_bytes(budget, "budget") if budget is not None else None
-    kv = parse_bytes(kv_reserve, "kv_reserve") if kv_reserve else 0
-    if max_decode_tokens * K > 1024:
-        raise ValueError(f"max_decode_tokens={max_decode_tokens} x top_k={K} exceeds 1024 lanes")
-    _cuda.require_gpu("cupool.wrap")
-    dev = torch.device("cuda", _cuda.device_index(device))
-    layout = RowLayout(H, I)
-    max_lanes = max_decode_tokens * K
-    gemm = MoEGemm(layout, K, s0.dtype, max_decode_tokens=max_decode_tokens,
-                   max_prefill_tokens=max_prefill_tokens, num_experts=E,
-                   scratch_rows=scratch_rows, scratch_buffers=scratch_buffers, device=dev)
-    row_stride = -(-layout.row_bytes // 256) * 256
-    if rows is None:
-        # Decide before anything is converted, so a budget that is too small leaves the model
-        # as it was. "pending": the rest of the model, not yet on the GPU, that will be.
-        expert_params = {id(p) for s in specs for p in s.module.parameters()}
-        pending = sum(t.numel() * t.element_size()
-                      for t in list(model.parameters()) + list(model.buffers())
-                      if id(t) not in expert_params and t.device != dev)
-        extra = pending + max_lanes * row_stride + 64 * L * E + (1 << 20)
-        rows = rows_for_device(budget_bytes, row_stride, L, K, E, extra, dev, kv)
-    store = HostStore(L, E, layout.row_bytes, device=dev)
-    try:
+    s0 = check_specs(specs)
+    E = s0.num_experts
+    dev = torch.device("cuda", _cuda.device_index(device)) if torch.cuda.is_available() else None
+    expert_params = {id(p) for s in specs for p in s.module.parameters()}
+    pending = sum(t.numel() * t.element_size()
+                  for t in list(model.parameters()) + list(model.buffers())
+                  if id(t) not in expert_params and t.device != dev)
+    p = plan(specs, pending_bytes=pending, rows=rows, budget=budget, device=device,
+             kv_reserve=kv_reserve, max_decode_tokens=max_decode_tokens,
+             max_prefill_tokens=max_prefill_tokens, scratch_rows=scratch_rows,
+             scratch_buffers=scratch_buffers)
+    layout = p.layout
+
+    def fill(store):
         if checkpoint is not None:
-            from cupool.modelopt import fill_store_from_checkpoint
-            fill_store_from_checkpoint(store, checkpoint, layout, progress=progress)
+            from cupool.checkpoints import fill_store, open_checkpoint
+            with open_checkpoint(checkpoint) as ckpt:
+                fill_store(store, ckpt, layout, device=p.device, progress=progress)
             for spec in specs:
                 spec.release()
         elif expert_rows is not None:
@@ -133,16 +200,10 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
             store.fill(given_rows, progress=progress, desc="NVFP4 rows -> host store")
         else:
             def make_layer(layer: int):
-                r = _layer_rows(specs[layer], layout, dev)
+                r = _layer_rows(specs[layer], layout, p.device)
                 specs[layer].release()
                 return r
             store.fill(make_layer, progress=progress, desc="quantize experts -> NVFP4 store")
-        store.seal()
-        model.to(dev)
-        bank = Bank(store, rows, staging_rows=max_lanes, max_lanes=max_lanes, device=dev)
-    except BaseException:
-        store.close()
-        raise
-    pool = Pool(model, specs, layout, store, bank, gemm, dev, route_fn)
-    pool._install()
-    return pool
+
+    return assemble(model, specs, p, fill, route_fn=route_fn,
+                    before_bank=lambda: model.to(p.device))

@@ -1,0 +1,306 @@
+"""`cupool.from_pretrained(path)`: a checkpoint directory (or hub id) to a wrapped model, without
+ever holding every expert in bf16.
+
+Shape legend (ARCHITECTURE.md): L MoE layers · E experts · K top-k · H hidden · I intermediate.
+
+Steps, each failing with a clear error before the next one takes memory:
+1. `path` resolves to a directory: a local one, or a hub id fetched the way transformers does
+   (its cache, then a download through huggingface_hub; config, safetensors and tokenizer files).
+2. The checkpoint is opened from config.json and the safetensors headers (`cupool.checkpoints`:
+   format detection, every routed expert's names, dtypes and shapes checked; nothing read).
+3. The transformers model is built from config.json on the meta device (no memory), its MoE
+   layers found (`cupool.adapters`) and compared with the checkpoint's (layer numbers, E, H, I),
+   and the checkpoint's dense tensors are matched to the model's parameters by name and shape
+   (`dense_plan`).
+4. Rows per layer are decided from the budget (`cupool.wrap.plan`) with the dense part counted
+   from the headers: a budget that cannot work fails here.
+5. The pinned host store is filled from the checkpoint layer by layer, a window of experts at a
+   time (bf16/fp16 experts quantized on the GPU; NVFP4 experts laid out as stored), with a
+   progress bar: host memory is the store plus one window.
+6. The dense part (attention, norms, routers, embeddings, shared experts, dense MLP layers) is
+   materialised on the GPU and loaded tensor by tensor from the checkpoint (NVFP4/FP8 dense
+   weights dequantized to `dtype`); non-persistent buffers (rotary tables) are computed as
+   transformers computes them; tied embeddings are tied; generation_config.json is read.
+7. The bank is built and the layers are swapped (`cupool.wrap.assemble`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from cupool.adapters import MoELayerSpec, find_moe_layers
+from cupool.checkpoints import Checkpoint, CheckpointError, fill_store, open_checkpoint
+from cupool.wrap import assemble, plan
+
+log = logging.getLogger("cupool")
+
+# files of a model directory worth fetching from a hub (weights, configs, tokenizers)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "tokenizer*"]
+# checkpoint tensors a model may lack without harm (older exports' per-layer rotary tables)
+_IGNORED = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)
+_LAYER_NO = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class Loaded(NamedTuple):
+    """What `from_pretrained` returns."""
+    model: torch.nn.Module
+    pool: object
+    tokenizer: object | None
+
+
+def resolve(path) -> Path:
+    """A local directory as it is; otherwise a hub id, from the hub cache or downloaded."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise CheckpointError(f"{p} is a file; give the checkpoint's directory")
+    text = str(path)
+    if text.count("/") != 1 or text.startswith((".", "/", "~")):
+        raise CheckpointError(f"{p}: no such directory (and not a hub id like 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(f"{text!r} is not a local directory, and huggingface_hub (needed to "
+                              f"fetch it from the hub) is not installed") from None
+    try:
+        return Path(snapshot_download(repo_id=text, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # noqa: BLE001 (network, auth, missing repo: all end the same way)
+        raise CheckpointError(f"{text!r} is not a local directory and could not be fetched from "
+                              f"the hub: {type(e).__name__}: {e}") from None
+
+
+def skeleton(directory: Path, dtype: torch.dtype):
+    """(config, model on the meta device): the transformers model config.json describes, with
+    the quantization config dropped (cupool reads the quantized tensors itself)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except Exception as e:  # noqa: BLE001 (unknown model type, malformed JSON, ...)
+        raise CheckpointError(f"{directory / 'config.json'}: transformers cannot build a config "
+                              f"from it ({type(e).__name__}: {e})") from None
+    for attr in ("quantization_config",):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{directory}: transformers cannot build a causal LM from its "
+                              f"config.json (model_type {getattr(config, 'model_type', '?')!r}: "
+                              f"{type(e).__name__}: {e})") from None
+    return config, model
+
+
+def match_layers(specs: list[MoELayerSpec], ckpt: Checkpoint) -> list[int]:
+    """The checkpoint layer of each MoE layer of the model; CheckpointError where they differ."""
+    if len(specs) != len(ckpt.moe_layers):
+        raise CheckpointError(f"the model built from config.json has {len(specs)} MoE layers, the "
+                              f"checkpoint {ckpt.path} has routed experts in {len(ckpt.moe_layers)} "
+                              f"layers ({ckpt.moe_layers[:12]})")
+    layers = []
+    for spec, got in zip(specs, ckpt.moe_layers):
+        m = _LAYER_NO.search(spec.name)
+        want = int(m.group(1)) if m else got
+        if want != got:
+            raise CheckpointError(f"MoE layer {spec.index} of the model is {spec.name} (layer "
+                                  f"{want}) but the checkpoint's is layer {got}")
+        have = (spec.num_experts, spec.hidden, spec.intermediate)
+        ck = (ckpt.num_experts, ckpt.hidden, ckpt.intermediate)
+        if have != ck:
+            raise CheckpointError(f"{spec.name}: the model has E, H, I = {have}, the checkpoint "
+                                  f"{ckpt.path} {ck}")
+        layers.append(got)
+    return layers
+
+
+def _renames(model) -> list[tuple[re.Pattern, str]]:
+    """Checkpoint-name rewrites for the model's family: transformers' own renames where its
+    conversion mapping has them, and Mixtral-style `block_sparse_moe` → `mlp`."""
+    out = []
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        for rule in get_checkpoint_conversion_mapping(model.config.model_type) or []:
+            if type(rule).__name__ != "WeightRenaming":
+                continue
+            src, dst = getattr(rule, "source_patterns", None), getattr(rule, "target_patterns", None)
+            src = src if isinstance(src, (list, tuple)) else [src]
+            dst = dst if isinstance(dst, (list, tuple)) else [dst]
+            if len(dst) == 1 and all(isinstance(s, str) for s in src) and isinstance(dst[0], str):
+                out += [(re.compile(s), dst[0]) for s in src]
+    except Exception:  # noqa: BLE001 (an API that moved: the built-in rule below still applies)
+        pass
+    out.append((re.compile(r"\.block_sparse_moe\."), ".mlp."))
+    return out
+
+
+def dense_plan(model, specs: list[MoELayerSpec], ckpt: Checkpoint) -> dict[str, str]:
+    """{model parameter/buffer name: checkpoint tensor name} for every dense tensor, checked by
+    name and shape from the headers alone. CheckpointError lists what the model needs and the
+    checkpoint lacks (tied output embeddings excepted), or a shape that differs; tensors the
+    model has no place for are logged and skipped."""
+    expert_ids = {id(p) for s in specs for p in s.module.parameters()}
+    targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in expert_ids}
+    tied = set()                       # names of the one tensor tied input/output embeddings share
+    if _ties_embeddings(model) and model.get_output_embeddings() is not None:
+        out_w = model.get_output_embeddings().weight
+        tied = {n for n, t in targets.items() if t is out_w}
+    renames = _renames(model)
+    mapping, unused = {}, []
+    for name in ckpt.dense_names():
+        cand = name
+        if cand not in targets:
+            for pat, rep in renames:
+                cand = pat.sub(rep, cand)
+        if cand not in targets:
+            if not any(p.search(name) for p in _IGNORED):
+                unused.append(name)
+            continue
+        shape = tuple(ckpt.dense_shape(name))
+        want = tuple(targets[cand].shape)
+        if shape != want:
+            raise CheckpointError(f"checkpoint tensor {name!r} has shape {list(shape)}, the model's "
+                                  f"{cand} is {list(want)}")
+        mapping[cand] = name
+    loaded_tied = any(n in mapping for n in tied)
+    missing = [n for n in targets if n not in mapping and not (n in tied and loaded_tied)]
+    if missing:
+        raise CheckpointError(f"the checkpoint {ckpt.path} lacks {len(missing)} tensor(s) the model "
+                              f"needs, e.g. {missing[:6]}; unmatched checkpoint tensors: "
+                              f"{unused[:6] or 'none'}")
+    if unused:
+        log.warning("cupool: %d checkpoint tensors have no place in the model and are skipped, "
+                    "e.g. %s", len(unused), unused[:4])
+    return mapping
+
+
+def _ties_embeddings(model) -> bool:
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
+
+
+def _fresh_buffers(model, device) -> None:
+    """Compute the non-persistent buffers (rotary tables, ...) on `device` as their modules do
+    when built: a module holding one is built again from its config there, and its buffers
+    taken over; a module without a config gets transformers' own initialisation of it."""
+    for parent_name, parent in model.named_modules():
+        names = [n for n in getattr(parent, "_non_persistent_buffers_set", ())
+                 if parent._buffers.get(n) is not None]
+        if not names:
+            continue
+        fresh = None
+        if getattr(parent, "config", None) is not None:
+            kw = {"device": device} if "device" in inspect.signature(type(parent)).parameters else {}
+            try:
+                fresh = type(parent)(config=parent.config, **kw).to(device)
+            except TypeError:
+                fresh = None
+        if fresh is not None:
+            for n in names:
+                parent._buffers[n] = fresh._buffers[n].to(device)
+            continue
+        try:
+            model._init_weights(parent)
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"cannot compute the non-persistent buffers {names} of "
+                               f"{parent_name or type(model).__name__} "
+                               f"({type(parent).__name__}): {e}") from None
+
+
+@torch.no_grad()
+def load_dense(model, mapping: dict[str, str], ckpt: Checkpoint, device) -> None:
+    """Materialise the model's dense part on `device` (the released experts hold no memory) and
+    fill it from the checkpoint, one tensor at a time."""
+    model.to_empty(device=device)
+    targets = model.state_dict(keep_vars=True)
+    for target, name in mapping.items():
+        t = targets[target]
+        t.copy_(ckpt.dense_tensor(name, t.dtype if t.is_floating_point() else torch.float32))
+    if _ties_embeddings(model):
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+        if out is not None and inp is not None:
+            out.weight = inp.weight
+    _fresh_buffers(model, torch.device(device))
+    model.eval()
+
+
+def _tokenizer(directory: Path):
+    if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                   "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except Exception as e:  # noqa: BLE001 (a broken tokenizer should not stop the model loading)
+        log.warning("cupool: the tokenizer in %s could not be loaded (%s: %s); continuing "
+                    "without one", directory, type(e).__name__, e)
+        return None
+
+
+def _generation_config(model, directory: Path) -> None:
+    if (directory / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+
+
+def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="cuda", *,
+                    include_mtp: bool = False, window: int | None = None, progress: bool = True,
+                    load_tokenizer: bool = True, **wrap_kwargs) -> Loaded:
+    """Load a checkpoint directory (or hub id) into a model whose experts are served by a pool.
+
+    Args:
+        path: a local checkpoint directory, or a hub id ("org/name").
+        budget, rows: the GPU memory for the whole model, or bank rows per layer (see `wrap`).
+        dtype: of the dense part and the activations (torch.bfloat16 or torch.float16).
+        device: the CUDA device.
+        include_mtp: also read multi-token-prediction layers (their experts join the store).
+        window: experts quantized or laid out at a time (default: ≤ 1 GiB of temporaries).
+        load_tokenizer: load the directory's tokenizer when it has one.
+        **wrap_kwargs: kv_reserve, max_decode_tokens, max_prefill_tokens, scratch_rows,
+            scratch_buffers, route_fn (as `cupool.wrap`).
+    Returns `Loaded(model, pool, tokenizer)` (tokenizer None where the directory has none).
+    """
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    unknown = set(wrap_kwargs) - {"kv_reserve", "max_decode_tokens", "max_prefill_tokens",
+                                  "scratch_rows", "scratch_buffers", "route_fn"}
+    if unknown:
+        raise TypeError(f"from_pretrained got unexpected keyword arguments {sorted(unknown)}")
+    route_fn = wrap_kwargs.pop("route_fn", None)
+    directory = resolve(path)
+    ckpt = open_checkpoint(directory, include_mtp=include_mtp)
+    try:
+        config, model = skeleton(directory, dtype)
+        specs = find_moe_layers(model)
+        layers = match_layers(specs, ckpt)
+        mapping = dense_plan(model, specs, ckpt)
+        for spec in specs:
+            spec.release()
+        p = plan(specs, pending_bytes=ckpt.dense_bytes(dtype), rows=rows, budget=budget,
+                 device=device, **wrap_kwargs)
+
+        def fill(store):
+            fill_store(store, ckpt, p.layout, layers=layers, device=p.device, window=window,
+                       progress=progress)
+
+        def dense():
+            load_dense(model, mapping, ckpt, p.device)
+            for spec in specs:
+                spec.device = p.device
+
+        pool = assemble(model, specs, p, fill, route_fn=route_fn, before_bank=dense)
+    except BaseException:
+        ckpt.close()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        raise
+    ckpt.close()
+    _generation_config(model, directory)
+    tokenizer = _tokenizer(directory) if load_tokenizer else None
+    return Loaded(model, pool, tokenizer)
