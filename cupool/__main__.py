@@ -1,5 +1,13 @@
-"""`python -m cupool <command>`: `info` (the GPU, versions, whether kernels compile) and
-`simulate` (the planner's hit rate on a routing trace, on the CPU, to size the bank)."""
+"""`python -m cupool <command>` (also the `cupool` script):
+
+    info       the GPU, versions, and whether the kernels compile and run
+    simulate   the planner's hit rate on a routing trace, on the CPU, to size the bank
+    plan       what a checkpoint needs and where it goes for a budget (no GPU, no weights read)
+    generate   load a checkpoint and generate from a prompt, printing the text as it comes
+    serve      an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models)
+
+A mistake in the arguments or the input ends in one line on stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,12 @@ import importlib
 import shutil
 import subprocess
 import sys
+import time
+
+from cupool.cli import (CLIParser, existing_dir, fail, fraction, nonnegative_float,
+                        nonnegative_int, positive_int, run, size)
+
+PROG = "cupool"
 
 
 def _version(mod: str) -> str:
@@ -29,6 +43,7 @@ def _nvcc() -> str:
         return f"{path}: failed to run ({e})"
 
 
+# --- info ------------------------------------------------------------------------------------------
 def info(args) -> int:
     import torch
 
@@ -41,15 +56,12 @@ def info(args) -> int:
     print(f"transformers  {_version('transformers')}")
     print(f"nvidia-ml-py  {_version('pynvml')}")
     print(f"nvcc          {_nvcc()}")
-    if not torch.cuda.is_available():
-        print("\nNo CUDA GPU is visible to this process (torch.cuda.is_available() is False); "
-              "cupool needs one to serve models. CPU tools (tests, `simulate`) still work.")
-        return 1
     try:
-        cp = _cuda.cupy()
-    except _cuda.CupyMissingError as e:
-        print(f"\n{e}")
+        _cuda.require_gpu("serving a model")
+    except (_cuda.NoGPUError, _cuda.CupyMissingError) as e:
+        print(f"\n{e}. CPU tools (tests, `simulate`, `plan`) still work.")
         return 1
+    cp = _cuda.cupy()
     rt = cp.cuda.runtime
 
     def ver(v: int) -> str:
@@ -69,8 +81,7 @@ def info(args) -> int:
     print()
     print(cupool.report())
     print()
-    ok = _selftest()
-    return 0 if ok else 2
+    return 0 if _selftest() else 2
 
 
 def _selftest() -> bool:
@@ -92,6 +103,7 @@ def _selftest() -> bool:
         return False
 
 
+# --- simulate --------------------------------------------------------------------------------------
 def simulate(args) -> int:
     """Hit rate of the reference planner on a trace (CPU only)."""
     from cupool import trace as tr
@@ -99,38 +111,205 @@ def simulate(args) -> int:
     if args.trace:
         t = tr.Trace.load(args.trace)
     else:
+        if args.top_k > args.experts:
+            raise ValueError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
         kind = tr.synthetic if args.synthetic == "locality" else tr.uniform
         kw = dict(tr.QWEN3_LOCALITY) if args.synthetic == "locality" else {}
         t = kind(args.steps, args.layers, args.experts, args.top_k, seed=args.seed, **kw)
-    rows = args.rows if args.rows else [max(t.ids.shape[-1], t.num_experts * p // 100)
-                                         for p in (25, 50, 100)]
-    print(f"trace: {t.steps} steps, {t.num_layers} layers, E={t.num_experts}, "
-          f"top_k={t.ids.shape[-1]}, tokens/step={t.ids.shape[2]}; {t.note}")
+    K, E = t.ids.shape[-1], t.num_experts
+    if args.warmup >= t.steps:
+        raise ValueError(f"--warmup {args.warmup} must be less than the trace's {t.steps} steps")
+    rows = args.rows if args.rows else sorted({max(K, E * p // 100) for p in (25, 50, 100)})
+    for r in rows:
+        if not K <= r <= E:
+            raise ValueError(f"--rows {r}: bank rows per layer must be in [top_k={K}, E={E}]")
+    print(f"trace: {t.steps} steps, {t.num_layers} layers, E={E}, top_k={K}, "
+          f"tokens/step={t.ids.shape[2]}; {t.note}")
     print(f"reuse: next token {t.reuse(1):.3f}, within 8 tokens {t.reuse(8):.3f}")
     for r in rows:
         res = run_simulation(t, r, warmup_steps=args.warmup)
         owned = res["rows_owned"]
-        print(f"rows/layer {r:5d} ({100 * r / t.num_experts:5.1f}% of experts): hit rate "
+        print(f"rows/layer {r:5d} ({100 * r / E:5.1f}% of experts): hit rate "
               f"{res['hit_rate']:.3f}   rows owned per layer min/max {min(owned)}/{max(owned)}")
     return 0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cupool", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+# --- plan ------------------------------------------------------------------------------------------
+def plan(args) -> int:
+    """What goes where for a budget, from config.json and the safetensors headers alone."""
+    import torch
+    from transformers import AutoConfig
+
+    from cupool.budget import rows_for_budget
+    from cupool.checkpoints import open_checkpoint
+    from cupool.gemm import workspace_bytes
+    from cupool.kvcache import kv_bytes_per_token
+    from cupool.layout import RowLayout
+    from cupool.store import fmt_bytes
+
+    dtype = torch.bfloat16
+    with open_checkpoint(args.model, include_mtp=args.mtp) as ck:
+        config = AutoConfig.from_pretrained(args.model)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        K = int(getattr(text, "num_experts_per_tok", 0) or 0)
+        if K < 1:
+            raise ValueError(f"{args.model}/config.json gives no num_experts_per_tok (top-k)")
+        L, E, H, I = len(ck.moe_layers), ck.num_experts, ck.hidden, ck.intermediate
+        dense = ck.dense_bytes(dtype)
+        sizes = ck.expert_sizes()
+        fmt = ck.format
+    layout = RowLayout(H, I)
+    stride = -(-layout.row_bytes // 256) * 256
+    limit = getattr(text, "max_position_embeddings", None)
+    context = args.context or min(4096, limit or 4096)
+    per_token = kv_bytes_per_token(config)
+    kv = per_token * context * args.batch
+    work = workspace_bytes(layout, K, args.batch, args.prefill_tokens, E)
+    fixed = dense + work + args.batch * K * stride + 64 * L * E + (1 << 20)
+    print(f"model        {getattr(config, 'model_type', '?')}, checkpoint {fmt}: {L} MoE layers of "
+          f"{E} experts (top-{K}), H={H}, I={I}")
+    print(f"dense part   {fmt_bytes(dense):>12}  on the GPU (bf16)")
+    print(f"experts      {fmt_bytes(sizes.store_bytes):>12}  in pinned host memory "
+          f"({L} x {E} rows of {fmt_bytes(layout.row_bytes)}, NVFP4)")
+    print(f"KV cache     {fmt_bytes(kv):>12}  on the GPU ({args.batch} x {context} tokens, "
+          f"{fmt_bytes(per_token)} a token)")
+    print(f"workspaces   {fmt_bytes(work + args.batch * K * stride + 64 * L * E):>12}  on the GPU "
+          f"(GEMM, staging rows, planner tables)")
+    if limit and context > limit:
+        print(f"context      {context} tokens: more than the model's max_position_embeddings "
+              f"({limit}); it cannot be served")
+        return 1
+    if args.budget is None:
+        print(f"budget       none given: the bank takes what the GPU has free at load time "
+              f"(every expert resident needs {fmt_bytes(fixed + kv + L * E * stride)})")
+        return 0
+    try:
+        rows = rows_for_budget(args.budget, fixed=fixed, row_stride=stride, num_layers=L,
+                               top_k=K, num_experts=E, kv_reserve=kv)
+    except ValueError as e:
+        print(f"budget       {fmt_bytes(args.budget):>12}  does not fit: {e}")
+        return 1
+    bank = rows * L * stride
+    print(f"bank         {fmt_bytes(bank):>12}  {rows} rows per layer ({100 * rows / E:.0f}% of "
+          f"the experts on the GPU at once)")
+    print(f"budget       {fmt_bytes(args.budget):>12}  fits: {fmt_bytes(fixed + kv + bank)} on the "
+          f"GPU, {fmt_bytes(sizes.store_bytes)} pinned in host memory")
+    return 0
+
+
+# --- generate --------------------------------------------------------------------------------------
+def generate(args) -> int:
+    import torch
+
+    from cupool.engine import Engine
+    from cupool.sampling import SamplingParams
+    from cupool.serve.loader import load
+
+    t0 = time.perf_counter()
+    model, pool, tok = load(args.model, args.device, budget=args.budget, max_batch=1,
+                            dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
+    load_s = time.perf_counter() - t0
+    if args.prompt_ids is not None:
+        ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]
+    elif tok is None:
+        raise ValueError(f"{args.model} has no tokenizer: give --prompt-ids (token ids) instead "
+                         f"of --prompt")
+    else:
+        ids = tok(args.prompt).input_ids
+    limit = getattr(model.config, "max_position_embeddings", None) or len(ids) + args.max_new_tokens
+    engine = Engine(model, pool, tokenizer=tok, max_batch=1,
+                    max_len=min(limit, len(ids) + args.max_new_tokens + 1), compile=args.compile)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, max_tokens=args.max_new_tokens)
+    print(f"loaded in {load_s:.1f} s; prompt of {len(ids)} tokens", file=sys.stderr)
+    if pool is not None:
+        pool.bank.reset_stats()
+    req = None
+    for ev in engine.stream(ids, params):
+        req = ev.request
+        piece = ev.text if tok is not None else ("" if ev.token_id is None else f"{ev.token_id} ")
+        print(piece, end="", flush=True)
+    print()
+    first = req.first_token_at - req.submitted_at if req.first_token_at else float("nan")
+    print(f"{len(req.output_ids)} tokens ({req.finish_reason}); first token after {first:.2f} s; "
+          f"decode {req.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+    if pool is not None:
+        stats = pool.stats()
+        hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
+        print(f"bank hit rate {hits / max(1, hits + misses):.3f} ({hits} hits, {misses} misses)",
+              file=sys.stderr)
+        print(pool.report(), file=sys.stderr)
+    return 0
+
+
+# --- the parser --------------------------------------------------------------------------------------
+def build_parser() -> CLIParser:
+    p = CLIParser(prog=PROG, description=__doc__, formatter_class=_Raw)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=CLIParser)
     sub.add_parser("info", help="GPU, memory, versions, and a kernel compile check")
+
     s = sub.add_parser("simulate", help="hit rate of the planner on a routing trace (CPU only)")
     s.add_argument("--trace", help=".npz trace from cupool.trace (default: a synthetic one)")
-    s.add_argument("--rows", type=int, nargs="+", help="bank rows per layer (default: 25/50/100%% of E)")
+    s.add_argument("--rows", type=positive_int, nargs="+",
+                   help="bank rows per layer (default: 25/50/100%% of E)")
     s.add_argument("--synthetic", choices=["locality", "uniform"], default="locality")
-    s.add_argument("--steps", type=int, default=256)
-    s.add_argument("--layers", type=int, default=48)
-    s.add_argument("--experts", type=int, default=128)
-    s.add_argument("--top-k", type=int, default=8)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--warmup", type=int, default=8, help="steps not counted (cold bank)")
-    args = p.parse_args(argv)
-    return {"info": info, "simulate": simulate}[args.command](args)
+    s.add_argument("--steps", type=positive_int, default=256)
+    s.add_argument("--layers", type=positive_int, default=48)
+    s.add_argument("--experts", type=positive_int, default=128)
+    s.add_argument("--top-k", type=positive_int, default=8)
+    s.add_argument("--seed", type=nonnegative_int, default=0)
+    s.add_argument("--warmup", type=nonnegative_int, default=8, help="steps not counted (cold bank)")
+
+    pl = sub.add_parser("plan", help="what a checkpoint needs for a budget (no GPU, no weights)")
+    pl.add_argument("--model", required=True, type=existing_dir, help="checkpoint directory")
+    pl.add_argument("--budget", type=size, help="GPU memory the model may use, e.g. 24GiB")
+    pl.add_argument("--context", type=positive_int,
+                    help="tokens a sequence holds (default: 4096 or the model's limit if lower)")
+    pl.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together")
+    pl.add_argument("--prefill-tokens", type=positive_int, default=4096,
+                    help="tokens of one prefill GEMM call (longer prompts run in chunks)")
+    pl.add_argument("--mtp", action="store_true", help="count the MTP layers' experts too")
+
+    g = sub.add_parser("generate", help="load a checkpoint and generate from a prompt")
+    g.add_argument("--model", required=True, type=existing_dir, help="checkpoint directory")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text (needs the checkpoint's tokenizer)")
+    src.add_argument("--prompt-ids", help="the prompt as token ids, e.g. '1 15 27'")
+    g.add_argument("--budget", type=size, help="GPU memory the model may use, e.g. 24GiB")
+    g.add_argument("--max-new-tokens", type=positive_int, default=64)
+    g.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=nonnegative_int, default=0)
+    g.add_argument("--top-p", type=fraction, default=1.0)
+    g.add_argument("--seed", type=nonnegative_int)
+    g.add_argument("--compile", action="store_true", help="the decode step through torch.compile")
+    g.add_argument("--device", default="cuda", help="cuda (a pool) or cpu (unwrapped, for tests)")
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    try:
+        from cupool.serve.cli import add_arguments
+        add_arguments(sv)
+        sv.set_defaults(serve_available=True)
+    except ImportError as e:
+        sv.set_defaults(serve_available=False, serve_error=str(e))
+    return p
+
+
+class _Raw(argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _dispatch(args) -> int:
+    if args.command == "serve":
+        if not args.serve_available:
+            return fail(f"{PROG} serve", f"the server needs the 'serve' extra: pip install "
+                                         f"'cupool[serve]' ({args.serve_error})")
+        from cupool.serve.cli import run as serve
+        return serve(args)
+    return {"info": info, "simulate": simulate, "plan": plan, "generate": generate}[args.command](args)
+
+
+def main(argv=None) -> int:
+    return run(_dispatch, build_parser(), argv)
 
 
 if __name__ == "__main__":

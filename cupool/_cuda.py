@@ -39,11 +39,12 @@ def cupy():
 
 
 def require_gpu(what: str = "this operation") -> None:
-    """Raise a clear error when no CUDA device or no CuPy is there."""
-    cupy()
+    """Raise a clear error when no CUDA device (NoGPUError) or no CuPy (CupyMissingError) is
+    there: the same message from every entry point."""
     if not torch.cuda.is_available():
         raise NoGPUError(f"{what} needs a CUDA GPU, and torch sees none "
                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda})")
+    cupy()
 
 
 def device_index(device=None) -> int:

@@ -96,6 +96,59 @@ def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:
     return kind
 
 
+def workspace_shapes(layout: RowLayout, topk: int, max_decode_tokens: int,
+                     max_prefill_tokens: int, num_experts: int, scratch_rows: int = 32,
+                     scratch_buffers: int = 2, prefill_config: GemmConfig = PREFILL):
+    """({name: (shape, dtype)} of the decode workspaces, the same of the prefill ones; {} for
+    prefill when max_prefill_tokens is 0). MoEGemm allocates exactly these; `workspace_bytes`
+    sums them without a GPU (`python -m cupool plan`)."""
+    hp, ip = layout.hp, layout.ip
+    i32, i64, f32, f16, bf16 = torch.int32, torch.int64, torch.float32, torch.float16, torch.bfloat16
+    T, W = max_decode_tokens, max_decode_tokens * topk
+    decode = dict(
+        xh=((T, hp), f16), xscale=((T,), f32),
+        range=((5,), i32),                             # moe_align.cu: in place, fresh, all
+        unit_addr=((W,), i64), unit_lanes=((W * PAIR_WIDE.nt,), i32), unit_count=((W,), i32),
+        lane_w=((W,), f32),
+        act=((W, ip), bf16),                           # SiLU·up rows
+        yw=((W, hp), f32),
+        group_done=((hp // 16,), i32),
+        sync=((2 + W,), i32),                          # moe_decode: ticket, finished, per unit
+    )
+    if not max_prefill_tokens:
+        return decode, {}
+    P, WP = max_prefill_tokens, max_prefill_tokens * topk
+    nbuf = min(scratch_buffers, scratch_rows)
+    chunk = scratch_rows // nbuf
+    nchunks = -(-num_experts // chunk)
+    max_units = WP // prefill_config.nt + num_experts
+    stride = -(-layout.row_bytes // 256) * 256
+    prefill = dict(
+        xh=((P, hp), f16), xscale=((P,), f32),
+        phase_off=((nchunks + 2,), i32),
+        unit_addr=((max_units,), i64), unit_lanes=((max_units * prefill_config.nt,), i32),
+        unit_count=((max_units,), i32),
+        lane_w=((WP,), f32), lane_e=((WP,), i32),
+        act=((WP, ip), bf16),
+        out32=((P, hp), f32),
+        copies=((nchunks * chunk, 2), i32), n_copies=((nchunks,), i32),
+        scratch=((scratch_rows, stride), torch.uint8),
+    )
+    return decode, prefill
+
+
+def workspace_bytes(*args, **kwargs) -> int:
+    """Bytes of every workspace `workspace_shapes` lists (the same arguments)."""
+    total = 0
+    for shapes in workspace_shapes(*args, **kwargs):
+        for shape, dtype in shapes.values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
 class MoEGemm:
     """Workspaces and compiled kernels for one expert shape, dtype and device.
 
@@ -154,54 +207,24 @@ class MoEGemm:
         self.decode_kernel = resolve_decode_kernel(decode_kernel,
                                                    torch.cuda.get_device_capability(dev))
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        hp, ip = layout.hp, layout.ip
-        i32 = dict(dtype=torch.int32, device=dev)
-        f32 = dict(dtype=torch.float32, device=dev)
         self.max_decode_tokens = int(max_decode_tokens)
-        wd = self.max_decode_tokens * self.topk
-        # decode workspaces (units <= lanes)
-        self._d = dict(
-            xh=torch.zeros(self.max_decode_tokens, hp, dtype=torch.float16, device=dev),
-            xscale=torch.zeros(self.max_decode_tokens, **f32),
-            range=torch.zeros(5, **i32),          # moe_align.cu: in place, fresh, all
-            unit_addr=torch.zeros(wd, dtype=torch.int64, device=dev),
-            unit_lanes=torch.zeros(wd * PAIR_WIDE.nt, **i32),
-            unit_count=torch.zeros(wd, **i32),
-            lane_w=torch.zeros(wd, **f32),
-            act=torch.zeros(wd, ip, dtype=torch.bfloat16, device=dev),   # SiLU·up rows
-            yw=torch.zeros(wd, hp, **f32),
-            group_done=torch.zeros(hp // 16, **i32),
-            sync=torch.zeros(2 + wd, **i32),      # moe_decode: ticket, finished, per unit
-        )
-        self.error = torch.zeros(1, **i32)
+        self.error = torch.zeros(1, dtype=torch.int32, device=dev)
         self.num_experts = int(num_experts)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.scratch_rows = int(scratch_rows)
         # chunk buffers (as many as asked for, at most one a row) and experts a chunk (C)
         self._nbuf = min(int(scratch_buffers), self.scratch_rows)
         self._chunk = self.scratch_rows // self._nbuf
+        shapes_d, shapes_p = workspace_shapes(layout, self.topk, self.max_decode_tokens,
+                                              self.max_prefill_tokens, self.num_experts,
+                                              self.scratch_rows, scratch_buffers, prefill_config)
+        alloc = lambda shapes: {k: torch.zeros(sh, dtype=dt, device=dev)  # noqa: E731
+                                for k, (sh, dt) in shapes.items()}
+        self._d = alloc(shapes_d)
         self._p = None
         if max_prefill_tokens:
-            wp = self.max_prefill_tokens * self.topk
-            max_units = wp // prefill_config.nt + self.num_experts
             nchunks = -(-self.num_experts // self._chunk)
-            stride = -(-layout.row_bytes // 256) * 256
-            self._p = dict(
-                xh=torch.zeros(self.max_prefill_tokens, hp, dtype=torch.float16, device=dev),
-                xscale=torch.zeros(self.max_prefill_tokens, **f32),
-                phase_off=torch.zeros(nchunks + 2, **i32),
-                unit_addr=torch.zeros(max_units, dtype=torch.int64, device=dev),
-                unit_lanes=torch.zeros(max_units * prefill_config.nt, **i32),
-                unit_count=torch.zeros(max_units, **i32),
-                lane_w=torch.zeros(wp, **f32),
-                lane_e=torch.zeros(wp, **i32),
-                act=torch.zeros(wp, ip, dtype=torch.bfloat16, device=dev),
-                out32=torch.zeros(self.max_prefill_tokens, hp, **f32),
-                copies=torch.zeros(nchunks * self._chunk, 2, **i32),
-                n_copies=torch.zeros(nchunks, **i32),
-                scratch=torch.zeros(self.scratch_rows, stride, dtype=torch.uint8, device=dev),
-                nchunks=nchunks,
-            )
+            self._p = dict(alloc(shapes_p), nchunks=nchunks)
             # per chunk c: its GEMM's unit range, its copy list and count (views made once: a
             # call walks every chunk, and a view costs microseconds of host time)
             p = self._p

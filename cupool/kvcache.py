@@ -121,3 +121,20 @@ def _additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     zero = torch.zeros((), dtype=dtype, device=ok.device)
     low = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=ok.device)
     return torch.where(ok, zero, low)
+
+
+def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
+    """Bytes the KV cache holds for one token of one sequence, from a transformers config: every
+    layer's keys and values (multi-head latent attention, as DeepSeek-V2/V3 run it in transformers,
+    keeps full per-head keys of qk_nope + qk_rope dims and values of v_head_dim)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    if getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_rope_head_dim", None):
+        k = heads * (int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim))
+        v = heads * int(cfg.v_head_dim)
+    else:
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        k = v = kv_heads * dim
+    return layers * (k + v) * dtype_bytes

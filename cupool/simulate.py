@@ -22,9 +22,14 @@ def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = No
     """
     L, K = trace.num_layers, trace.ids.shape[-1]
     W = trace.ids.shape[2] * K
-    if not K <= rows_per_layer <= trace.num_experts:
-        raise ValueError(f"rows_per_layer must be in [top_k={K}, E={trace.num_experts}], "
-                         f"got {rows_per_layer}")
+    if isinstance(rows_per_layer, bool) or not isinstance(rows_per_layer, (int, np.integer)) \
+            or not K <= rows_per_layer <= trace.num_experts:
+        raise ValueError(f"rows_per_layer must be an int in [top_k={K}, E={trace.num_experts}], "
+                         f"got {rows_per_layer!r}")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) \
+            or not 0 <= warmup_steps < trace.steps:
+        raise ValueError(f"warmup_steps must be an int in [0, steps={trace.steps}), got "
+                         f"{warmup_steps!r}: the hit rate needs at least one step after warm-up")
     ref = ReferencePlanner(L, trace.num_experts, rows_per_layer, staging_rows or W)
     ref.open()
     base = np.zeros_like(ref.counters)

@@ -119,9 +119,10 @@ class HostStore:
         self.pinned = bool(pinned)
         self.rows_per_chunk = max(1, int(chunk_bytes) // self.row_stride)
         n_rows = self.num_layers * self.num_experts
-        self.device = _cuda.device_index(device) if pinned else None
         if pinned:
-            _cuda.require_gpu("a pinned host store")
+            _cuda.require_gpu("a pinned host store (pinned=False gives pageable memory without "
+                              "device addresses)")
+        self.device = _cuda.device_index(device) if pinned else None
         self._chunks = []
         try:
             for first in range(0, n_rows, self.rows_per_chunk):

@@ -19,6 +19,10 @@ from pathlib import Path
 import numpy as np
 
 
+class TraceError(ValueError):
+    """A trace file or array that is not a routing trace (the message says what is wrong)."""
+
+
 @dataclasses.dataclass
 class Trace:
     ids: np.ndarray           # [S, L, T, K] expert ids
@@ -26,14 +30,22 @@ class Trace:
     note: str = ""
 
     def __post_init__(self):
-        if self.ids.ndim != 4:
-            raise ValueError(f"trace ids must be [steps, layers, tokens, top_k], got shape "
-                             f"{self.ids.shape}")
+        ids = np.asarray(self.ids)
+        if ids.dtype.kind not in "iu":
+            raise TraceError(f"trace ids must be integers, got dtype {ids.dtype}")
+        if ids.ndim != 4 or 0 in ids.shape:
+            raise TraceError(f"trace ids must be [steps, layers, tokens, top_k], none of them 0, "
+                             f"got shape {ids.shape}")
+        n = self.num_experts
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n < 2**31:
+            raise TraceError(f"num_experts must be an int in [1, 2^31), got {n!r}")
+        self.ids = ids
         bad = (self.ids < -1) | (self.ids >= self.num_experts)
         if bad.any():
             first = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise ValueError(f"trace has {int(bad.sum())} ids outside [-1, {self.num_experts}); "
+            raise TraceError(f"trace has {int(bad.sum())} ids outside [-1, {self.num_experts}); "
                              f"first at {first}: {int(self.ids[first])}")
+        self.ids = self.ids.astype(np.int32)
 
     @property
     def steps(self) -> int:
@@ -51,9 +63,31 @@ class Trace:
 
     @classmethod
     def load(cls, path) -> Trace:
-        with np.load(path) as f:
-            return cls(ids=f["ids"].astype(np.int32), num_experts=int(f["num_experts"]),
-                       note=str(f["note"]) if "note" in f else "")
+        """Read a trace written by `save`; TraceError naming the file for anything else (a missing,
+        truncated or foreign file, non-integer or out-of-range ids)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such trace file")
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                names = set(f.files)
+                if not {"ids", "num_experts"} <= names:
+                    raise TraceError(f"{path}: not a cupool routing trace (it holds "
+                                     f"{sorted(names)[:6]}, a trace holds 'ids' and "
+                                     f"'num_experts')")
+                ids, n = f["ids"], f["num_experts"]
+                note = str(f["note"]) if "note" in names else ""
+        except TraceError:
+            raise
+        except Exception as e:  # noqa: BLE001 (zip, pickle and format errors all mean the same)
+            raise TraceError(f"{path}: not a readable .npz trace ({type(e).__name__}: {e})") from None
+        if n.shape != () or n.dtype.kind not in "iu":
+            raise TraceError(f"{path}: num_experts must be an integer scalar, got {n.dtype} "
+                             f"{list(n.shape)}")
+        try:
+            return cls(ids=ids, num_experts=int(n), note=note)
+        except TraceError as e:
+            raise TraceError(f"{path}: {e}") from None
 
     def reuse(self, window: int = 1) -> float:
         """Fraction of selections (valid ids) that appeared in the same layer within the previous

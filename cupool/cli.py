@@ -1,0 +1,133 @@
+"""Command-line plumbing shared by `python -m cupool`, the examples and the benchmarks: a user's
+mistake (a bad argument, a missing file, a budget too small, no GPU) ends in one line on stderr
+and exit code 2, never a traceback; a bug still shows its traceback.
+
+    p = CLIParser(prog="bench_x.py", description=__doc__)
+    p.add_argument("--rows", type=positive_int, default=32)
+    sys.exit(run(main, p))          # main(args) -> int
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Callable
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are a user's mistake: their message is the whole story."""
+    from cupool._cuda import CupyMissingError, NoGPUError
+    from cupool.budget import BudgetError
+    from cupool.checkpoints import CheckpointError
+    errs: list[type[BaseException]] = [ValueError, FileNotFoundError,
+                                       IsADirectoryError, NotADirectoryError, PermissionError,
+                                       NoGPUError, CupyMissingError, BudgetError, CheckpointError,
+                                       MemoryError]
+    try:
+        from cupool.adapters import UnsupportedModelError
+        errs.append(UnsupportedModelError)
+    except ImportError:
+        pass
+    return tuple(errs)
+
+
+class CLIParser(argparse.ArgumentParser):
+    """argparse, with errors as one line: "<prog>: error: <message>" and exit code 2."""
+
+    def error(self, message: str):  # noqa: D102 (argparse's hook)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def fail(prog: str, message: str) -> int:
+    """Print the one-line error and return the exit code 2."""
+    text = " ".join(str(message).split())               # one line, whatever the message held
+    print(f"{prog}: error: {text}", file=sys.stderr)
+    return 2
+
+
+def run(main: Callable[[argparse.Namespace], int | None], parser: argparse.ArgumentParser,
+        argv=None) -> int:
+    """Parse `argv` with `parser` and call main(args); user errors end as `fail` does."""
+    args = parser.parse_args(argv)
+    try:
+        rc = main(args)
+    except KeyboardInterrupt:
+        return 130
+    except user_errors() as e:
+        return fail(parser.prog, e)
+    return 0 if rc is None else int(rc)
+
+
+# --- argument types (argparse turns their ValueError/ArgumentTypeError into a one-line error) ----
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    v = _int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}")
+    return v
+
+
+def nonnegative_int(text: str) -> int:
+    v = _int(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {v}")
+    return v
+
+
+def port(text: str) -> int:
+    v = _int(text)
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {v}")
+    return v
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and 0 < v <= 1):
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return v
+
+
+def nonnegative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
+def size(text: str) -> int:
+    """Bytes from '24GiB', '512MiB', '40GB' or a plain integer."""
+    from cupool.budget import parse_bytes
+    try:
+        return parse_bytes(int(text) if text.strip().isdigit() else text, "size")
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e).replace("size=", "")) from None
+
+
+def existing_file(text: str) -> Path:
+    p = Path(text)
+    if not p.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return p
+
+
+def existing_dir(text: str) -> Path:
+    p = Path(text)
+    if not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    return p
