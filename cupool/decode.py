@@ -15,6 +15,8 @@ import weakref
 
 import torch
 
+from cupool.engine import cache_kwarg
+
 # Per model, shared by every GraphDecoder on it: the compiled forward and the static cache (reset
 # between runs). A new cache object per run would make torch.compile guard-fail and recompile.
 # The compiled wrapper refers to its model, so it cannot be a value of a dict weakly keyed by the
@@ -103,8 +105,8 @@ class GraphDecoder:
         cache = self._cache(B)
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True,
-                       cache_position=torch.arange(S, device=dev)).logits
+        kw = {cache_kwarg(model): cache, "use_cache": True}
+        logits = model(input_ids=ids, cache_position=torch.arange(S, device=dev), **kw).logits
         tok = logits[:, -1, :].argmax(-1, keepdim=True)                  # [B, 1]
         torch.cuda.synchronize(dev)
         t1 = time.perf_counter()
@@ -115,8 +117,7 @@ class GraphDecoder:
         forward = self.compiled if self.compiled is not None else model
 
         def step():
-            lg = forward(input_ids=tok, past_key_values=cache, use_cache=True,
-                       cache_position=pos).logits
+            lg = forward(input_ids=tok, cache_position=pos, **kw).logits
             tok.copy_(lg[:, -1, :].argmax(-1, keepdim=True))
             pos.add_(1)
 

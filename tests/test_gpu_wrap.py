@@ -12,7 +12,7 @@ weights back (bf16), run by transformers' own experts implementation. Tolerances
   pooled run and the reference may pick different experts, and that step's logits then differ by
   far more than the tolerance although every GEMM call is right (on the GPU, 2026-11-29: mixtral
   step 30, layer 2, reference logits 0.0007 apart, step error 0.32; each of the run's 93 decode
-  calls within 0.004 of its float reference: benchmarks/check_wrap_calls.py). Such a step is left
+  calls within 0.004 of its float reference: tests/test_gpu_wrap_calls.py). Such a step is left
   out of the step-logit comparison if the swapped experts' reference router logits are closer
   than ROUTER_TIE, at most MAX_ROUTER_TIES steps a run; a swap between experts further apart fails.
 """
@@ -40,18 +40,21 @@ def rel(a, b):
 def greedy_eager(model, prompt, n):
     """Greedy tokens with a static cache, eager, and the logits of each step."""
     from transformers import StaticCache
+
+    from cupool.engine import cache_kwarg
     cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + n)
+    kw = {cache_kwarg(model): cache, "use_cache": True}
     S = prompt.shape[1]
-    lg = model(input_ids=prompt, past_key_values=cache, use_cache=True,
-               cache_position=torch.arange(S, device=prompt.device)).logits[:, -1]
+    lg = model(input_ids=prompt, cache_position=torch.arange(S, device=prompt.device),
+               **kw).logits[:, -1]
     toks, logits = [], []
     for i in range(n):
         tok = lg.argmax(-1, keepdim=True)
         toks.append(tok)
         logits.append(lg)
         if i + 1 < n:
-            lg = model(input_ids=tok, past_key_values=cache, use_cache=True,
-                       cache_position=torch.tensor([S + i], device=prompt.device)).logits[:, -1]
+            lg = model(input_ids=tok, cache_position=torch.tensor([S + i], device=prompt.device),
+                       **kw).logits[:, -1]
     return torch.cat(toks, 1), torch.stack(logits, 1)
 
 
@@ -194,10 +197,12 @@ def test_capture_with_gate_closed_keeps_placement():
     pool = cupool.wrap(model, rows=2, max_decode_tokens=1, progress=False)
     prompt = torch.randint(3, 64, (1, 4), device="cuda")
     from transformers import StaticCache
+
+    from cupool.engine import cache_kwarg
     with torch.inference_mode():
         cache = StaticCache(config=model.config, max_cache_len=16)
-        model(input_ids=prompt, past_key_values=cache, use_cache=True,
-              cache_position=torch.arange(4, device="cuda"))
+        kw = {cache_kwarg(model): cache, "use_cache": True}
+        model(input_ids=prompt, cache_position=torch.arange(4, device="cuda"), **kw)
         tok = prompt[:, -1:].clone()
         pos = torch.tensor([4], device="cuda")
         before = {k: v.clone() for k, v in (("key_of", pool.bank.key_of), ("slot_of", pool.bank.slot_of),
@@ -206,11 +211,11 @@ def test_capture_with_gate_closed_keeps_placement():
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(3):
-                model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+                model(input_ids=tok, cache_position=pos, **kw)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=pos)
+            model(input_ids=tok, cache_position=pos, **kw)
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()

@@ -1,0 +1,144 @@
+"""Serving throughput: several concurrent streams decoded together by `cupool.Engine` through the
+pool, on the Qwen3-30B-A3B shape (synthetic weights) at a half-size bank.
+
+For each number of concurrent streams (1, 4, 8, 16 by default) as many requests are submitted at
+once (16-token prompts, `--tokens` new tokens each, greedy), and the engine decodes them together
+in its captured step (B = the stream count): aggregate tok/s (all generated tokens over the wall
+time from submission to the last token) and per-request decode tok/s, beside the batch-1 run as
+the baseline; then the same at 8 streams with sampling (temperature 0.8, top-p 0.95) against
+greedy. The hit rate of each case comes from the pool's counters. Routing: the synthetic model's
+own router (random weights: near-uniform routing, the hard case for a bank), or with
+`--routing locality` a trace with Qwen3-like locality replayed in its place (each stream a token
+of the trace's steps).
+
+    python benchmarks/bench_serve.py
+    python benchmarks/bench_serve.py --small          # 2 layers, for a quick check
+
+Writes benchmarks/results/bench_serve.json for a full run (--json PATH for any run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import save  # noqa: E402
+
+from cupool.cli import CLIParser, positive_int, run  # noqa: E402
+
+
+def build(layers: int, max_batch: int, seed: int, compile: bool):
+    import cupool
+    from cupool import synthetic
+    shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=layers)
+    model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, seed=seed, **shape)
+    E, K = shape["num_experts"], shape["num_experts_per_tok"]
+    layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pool = cupool.wrap(model, rows=E // 2, layers=specs, max_decode_tokens=max_batch,
+                       expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"),
+                       progress=False)
+    return model, pool, shape
+
+
+def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: bool,
+             compile: bool, seed: int) -> dict:
+    import cupool
+    eng = cupool.Engine(model, pool, max_batch=streams, max_len=prompt_len + tokens + 8,
+                        eos_token_id=[], compile=compile)
+    g = torch.Generator().manual_seed(seed + streams)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(streams)]
+    params = [cupool.SamplingParams(temperature=0.8 if sampled else 0.0, top_p=0.95 if sampled else 1,
+                                    seed=seed + i, max_tokens=tokens) for i in range(streams)]
+    eng.generate(prompts, [cupool.SamplingParams(max_tokens=4, temperature=p.temperature,
+                                                 top_p=p.top_p, seed=p.seed) for p in params])
+    torch.cuda.synchronize()
+    pool.bank.reset_stats()
+    t0 = time.perf_counter()
+    reqs = eng.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n = sum(len(r.output_ids) for r in reqs)
+    last_first = max(r.first_token_at for r in reqs)
+    decode_wall = max(r.finished_at for r in reqs) - last_first
+    stats = pool.stats()
+    hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
+    per = [r.decode_tokens_per_s for r in reqs]
+    return {"streams": streams, "sampled": sampled, "tokens_generated": n, "wall_s": wall,
+            "aggregate_tok_per_s": n / wall,
+            "aggregate_decode_tok_per_s": streams * (tokens - 1) / decode_wall,
+            "per_request_tok_per_s_median": statistics.median(per),
+            "per_request_tok_per_s_min": min(per), "hit_rate": hits / max(1, hits + misses),
+            "steps": eng.steps_run}
+
+
+def main(args) -> int:
+    from cupool import _cuda
+    _cuda.require_gpu("bench_serve")
+    layers = 2 if args.small else args.layers
+    streams = sorted(set(args.streams))
+    model, pool, shape = build(layers, max(streams), args.seed, args.compile)
+    if args.routing == "locality":
+        from cupool import trace as tr
+        from cupool.replay import Replayer
+        t = tr.synthetic(256, layers, shape["num_experts"], shape["num_experts_per_tok"],
+                         tokens=max(streams), seed=args.seed, **tr.QWEN3_LOCALITY)
+        Replayer(pool, t).install()
+    cases = []
+    for b in streams:
+        r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile, args.seed)
+        cases.append(r)
+        print(f"{b:3d} streams greedy : aggregate {r['aggregate_tok_per_s']:7.1f} tok/s (decode "
+              f"{r['aggregate_decode_tok_per_s']:7.1f}), per request "
+              f"{r['per_request_tok_per_s_median']:6.1f} tok/s, hit rate {r['hit_rate']:.3f}",
+              flush=True)
+    b = 8 if 8 in streams else max(streams)
+    sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile, args.seed)
+    greedy = next(c for c in cases if c["streams"] == b)
+    print(f"{b:3d} streams sampled: aggregate {sampled['aggregate_tok_per_s']:7.1f} tok/s, "
+          f"{sampled['aggregate_tok_per_s'] / greedy['aggregate_tok_per_s']:.3f} of greedy, hit "
+          f"rate {sampled['hit_rate']:.3f}", flush=True)
+    one = next((c for c in cases if c["streams"] == 1), None)
+    summary = {}
+    if one is not None:
+        summary = {str(c["streams"]): c["aggregate_tok_per_s"] / one["aggregate_tok_per_s"]
+                   for c in cases}
+        print("aggregate / batch-1: " + ", ".join(f"{k} streams {v:.2f}x" for k, v in summary.items()))
+    results = {"shape": f"Qwen3-30B-A3B, {layers} layers", "bank": "50% of each layer's experts",
+               "routing": args.routing, "tokens_per_request": args.tokens,
+               "prompt_tokens": args.prompt, "compile": args.compile, "cases": cases,
+               "sampled": sampled, "sampled_over_greedy": sampled["aggregate_tok_per_s"]
+               / greedy["aggregate_tok_per_s"], "aggregate_over_batch1": summary}
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    elif not args.small:
+        save("bench_serve", results)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = CLIParser(prog="bench_serve.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=positive_int, default=48)
+    p.add_argument("--streams", type=positive_int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--tokens", type=positive_int, default=64, help="new tokens a request")
+    p.add_argument("--prompt", type=positive_int, default=16, help="prompt tokens a request")
+    p.add_argument("--routing", choices=["router", "locality"], default="router")
+    p.add_argument("--compile", action="store_true", help="the decode step through torch.compile")
+    p.add_argument("--seed", type=positive_int, default=1)
+    p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
+    p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "
+                                  "full run, nothing for --small)")
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(run(main, build_parser()))

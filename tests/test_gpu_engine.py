@@ -1,0 +1,119 @@
+"""cupool.Engine on a wrapped tiny model (GPU): several sequences decoded together through the
+pool in a captured graph give the tokens the dequantized reference gives on the same context,
+inactive slots read no experts, seeded sampling repeats, and the bank stays consistent.
+
+Tolerance: each generated token must be the reference's argmax on the engine's own context
+(teacher forcing), except where the reference's top-2 logits are closer than test_gpu_wrap.TIE (a
+tie within bf16 noise); a router near-tie inside the pooled run can move one step's logits beyond
+that (test_gpu_wrap's docstring), so at most MAX_OFF such steps are allowed over all sequences.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gpu_wrap import TIE, model_for, teacher_forced
+from tiny_models import FAMILIES
+
+import cupool
+from cupool.sampling import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+MAX_OFF = 2
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 60, (n,), generator=g).tolist() for n in lengths]
+
+
+def _check_against_reference(model, reqs):
+    """Unwrapped (dequantized) reference on each sequence; returns the steps off the argmax."""
+    off = []
+    for r in reqs:
+        prompt = torch.tensor([r.prompt_ids], device="cuda")
+        toks = torch.tensor([r.output_ids], device="cuda")
+        with torch.inference_mode():
+            ref = teacher_forced(model, prompt, toks)[0].float()
+        for i, t in enumerate(r.output_ids):
+            if t != int(ref[i].argmax()):
+                top2 = ref[i].topk(2).values
+                if float(top2[0] - top2[1]) >= TIE:
+                    off.append((r.id, i))
+    return off
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_batched_engine_through_the_pool_matches_the_reference(family):
+    model = model_for(family, seed=21)
+    _, (_, E, K, _, _) = FAMILIES[family]
+    pool = cupool.wrap(model, rows=max(K, E // 2), max_decode_tokens=4, max_prefill_tokens=64,
+                       progress=False)
+    eng = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[])
+    ps = _prompts([3, 9, 14, 5, 7, 2], seed=1)                # six requests, four slots
+    reqs = eng.generate(ps, [SamplingParams(max_tokens=n) for n in (16, 12, 16, 6, 10, 16)])
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert [len(r.output_ids) for r in reqs] == [16, 12, 16, 6, 10, 16]
+    assert pool.errors() == []
+    assert pool.verify() > 0
+    pool.unwrap()
+    off = _check_against_reference(model, reqs)
+    assert len(off) <= MAX_OFF, f"{family}: tokens off the reference's argmax at {off}"
+
+
+def test_inactive_slots_read_no_experts():
+    """One request in a 4-slot engine: each decode step's plan sees that one token's K experts
+    a layer, not the stale tokens of the three empty slots (Pool.token_mask)."""
+    model = model_for("qwen3_moe", seed=22)
+    _, (_, E, K, _, _) = FAMILIES["qwen3_moe"]
+    pool = cupool.wrap(model, rows=E // 2, max_decode_tokens=4, max_prefill_tokens=64,
+                       progress=False)
+    eng = cupool.Engine(model, pool, max_batch=4, max_len=40, eos_token_id=[])
+    pool.bank.reset_stats()
+    (r,) = eng.generate(_prompts([9], seed=2), SamplingParams(max_tokens=12))
+    stats = pool.stats()
+    looked_up = sum(s["hits"] + s["misses"] for s in stats)
+    steps = len(r.output_ids) + 1                          # pipelined: one step past the end
+    assert 0 < looked_up <= pool.num_layers * K * steps, (looked_up, steps)
+    assert pool.token_mask is None                          # only set around a step
+
+
+def test_seeded_sampling_repeats_through_the_graph():
+    model = model_for("mixtral", seed=23)
+    _, (_, E, K, _, _) = FAMILIES["mixtral"]
+    pool = cupool.wrap(model, rows=E, max_decode_tokens=3, progress=False)
+    ps = _prompts([4, 6, 3], seed=3)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=40 + i, max_tokens=12)
+              for i in range(3)]
+    runs = [[r.output_ids for r in cupool.Engine(model, pool, max_batch=3, max_len=32,
+                                                 eos_token_id=[]).generate(ps, params)]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    greedy = cupool.Engine(model, pool, max_batch=3, max_len=32, eos_token_id=[]).generate(
+        ps, SamplingParams(max_tokens=12))
+    assert [r.output_ids for r in greedy] != runs[0]
+
+
+def test_long_prompts_run_in_chunks():
+    """A forward of more tokens than the pool's max_prefill_tokens runs the partition path in
+    chunks inside each pooled layer (its logits match the reference as test_gpu_wrap's prompts
+    do), and the engine prefills a long prompt in chunks of its own."""
+    from test_gpu_wrap import LOGIT_TOL, rel
+    model = model_for("qwen3_moe", seed=24)
+    _, (_, E, K, _, _) = FAMILIES["qwen3_moe"]
+    pool = cupool.wrap(model, rows=E // 2, max_decode_tokens=1, max_prefill_tokens=16,
+                       progress=False)
+    p = _prompts([50], seed=4)
+    ids = torch.tensor(p, device="cuda")
+    with torch.inference_mode():
+        chunked = model(input_ids=ids).logits
+    a = cupool.Engine(model, pool, max_batch=1, max_len=60, prefill_chunk=13,
+                      eos_token_id=[]).generate(p, SamplingParams(max_tokens=6))[0]
+    assert pool.errors() == []
+    pool.unwrap()
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits
+    assert rel(chunked, ref) <= LOGIT_TOL, rel(chunked, ref)
+    off = _check_against_reference(model, [a])
+    assert len(off) <= 1, off
