@@ -26,7 +26,6 @@ Steps, each failing with a clear error before the next one takes memory:
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
 from pathlib import Path
@@ -187,9 +186,10 @@ def _ties_embeddings(model) -> bool:
 
 
 def _fresh_buffers(model, device) -> None:
-    """Compute the non-persistent buffers (rotary tables, ...) on `device` as their modules do
-    when built: a module holding one is built again from its config there, and its buffers
-    taken over; a module without a config gets transformers' own initialisation of it."""
+    """Compute the non-persistent buffers (rotary tables, ...) as their modules do when built: a
+    module holding one is built again from its config on the CPU (where transformers builds a
+    model, so the tables are the same bits) and its buffers moved to `device`; a module without
+    a config gets transformers' own initialisation of it."""
     for parent_name, parent in model.named_modules():
         names = [n for n in getattr(parent, "_non_persistent_buffers_set", ())
                  if parent._buffers.get(n) is not None]
@@ -197,9 +197,9 @@ def _fresh_buffers(model, device) -> None:
             continue
         fresh = None
         if getattr(parent, "config", None) is not None:
-            kw = {"device": device} if "device" in inspect.signature(type(parent)).parameters else {}
             try:
-                fresh = type(parent)(config=parent.config, **kw).to(device)
+                with torch.device("cpu"):
+                    fresh = type(parent)(config=parent.config)
             except TypeError:
                 fresh = None
         if fresh is not None:

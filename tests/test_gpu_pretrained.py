@@ -1,0 +1,122 @@
+"""cupool.from_pretrained on tiny checkpoints the test writes (GPU): bf16 as save_pretrained
+writes it, and the same experts as ModelOpt NVFP4 and compressed-tensors NVFP4. The loaded pool
+must equal the same weights built in memory and wrapped: the same store rows byte for byte, the
+same logits bit for bit, the same greedy tokens through the engine."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from test_gpu_wrap import model_for
+from tiny_models import FAMILIES
+
+import cupool
+from cupool.layout import pack_rows
+from cupool.nvfp4 import NVFP4Tensor, quantize
+
+pytestmark = pytest.mark.gpu
+
+_EXPERT = re.compile(r"^(.*\.experts\.\d+\.(?:gate_proj|up_proj|down_proj|w1|w2|w3))\.weight$")
+
+
+def convert(src, dst, fmt: str):
+    """A copy of the bf16 checkpoint `src` whose routed experts are NVFP4 in `fmt`'s names
+    ("modelopt": weight / weight_scale / weight_scale_2 / input_scale and hf_quant_config.json;
+    "compressed-tensors": weight_packed / weight_scale / weight_global_scale (1 / ModelOpt's) /
+    input_global_scale and config.json's quantization_config)."""
+    from safetensors.torch import load_file, save_file
+    dst.mkdir()
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        q, base = quantize(t.float()), m.group(1)
+        if fmt == "modelopt":
+            out.update({f"{base}.weight": q.packed, f"{base}.weight_scale": q.block_scale,
+                        f"{base}.weight_scale_2": q.global_scale.reshape(()),
+                        f"{base}.input_scale": torch.ones(())})
+        else:
+            out.update({f"{base}.weight_packed": q.packed, f"{base}.weight_scale": q.block_scale,
+                        f"{base}.weight_global_scale": (1.0 / q.global_scale).reshape(1),
+                        f"{base}.input_global_scale": torch.ones(1)})
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    for f in ("config.json", "generation_config.json"):
+        shutil.copy(src / f, dst / f)
+    if fmt == "modelopt":
+        (dst / "hf_quant_config.json").write_text(json.dumps({
+            "producer": {"name": "modelopt"},
+            "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                             "exclude_modules": ["lm_head"]}}))
+    else:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
+                                          "weights": {"num_bits": 4, "type": "float",
+                                                      "strategy": "tensor_group",
+                                                      "group_size": 16}}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"]}
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "modelopt", "compressed-tensors"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_from_pretrained_equals_the_model_built_in_memory(tmp_path, family, fmt):
+    model = model_for(family, seed=31)
+    _, (_, E, K, _, _) = FAMILIES[family]
+    src = tmp_path / "bf16"
+    model.save_pretrained(src)
+    d = src if fmt == "bf16" else convert(src, tmp_path / fmt, fmt)
+    loaded = cupool.from_pretrained(d, rows=max(K, E // 2), max_decode_tokens=2, progress=False)
+    assert loaded.tokenizer is None and loaded.model.generation_config is not None
+    twin = copy.deepcopy(model)
+    if fmt == "bf16":
+        pool = cupool.wrap(twin, rows=max(K, E // 2), max_decode_tokens=2, progress=False)
+    else:
+        ckpt_layers = cupool.open_checkpoint(d).moe_layers
+        layout = loaded.pool.layout
+
+        def rows(layer):
+            trios = cupool.read_experts(d, ckpt_layers[layer])
+            stack = [NVFP4Tensor(torch.stack([t[j].packed for t in trios]),
+                                 torch.stack([t[j].block_scale for t in trios]),
+                                 torch.stack([t[j].global_scale for t in trios]))
+                     for j in range(3)]
+            return pack_rows(layout, *stack)
+        pool = cupool.wrap(twin, rows=max(K, E // 2), max_decode_tokens=2, expert_rows=rows,
+                           progress=False)
+    a, b = loaded.pool.store, pool.store
+    assert (a.num_layers, a.num_experts, a.row_bytes) == (b.num_layers, b.num_experts, b.row_bytes)
+    for layer in range(a.num_layers):
+        for e in range(a.num_experts):
+            assert (a.row(layer, e) == b.row(layer, e)).all(), (layer, e)
+    ids = torch.randint(3, 60, (1, 11), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.inference_mode():
+        assert torch.equal(loaded.model(input_ids=ids).logits, twin(input_ids=ids).logits)
+    prompts = [[5, 9, 13], [7, 3, 21, 30, 2]]
+    params = cupool.SamplingParams(max_tokens=10)
+    got = cupool.Engine(loaded.model, loaded.pool, max_batch=2, max_len=32,
+                        eos_token_id=[]).generate(prompts, params)
+    want = cupool.Engine(twin, pool, max_batch=2, max_len=32, eos_token_id=[]).generate(prompts, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert loaded.pool.errors() == [] and loaded.pool.verify() > 0
+
+
+def test_a_budget_too_small_fails_before_the_store_is_filled(tmp_path):
+    model = model_for("qwen3_moe", seed=32)
+    model.save_pretrained(tmp_path / "m")
+    import gc
+    free_before = torch.cuda.mem_get_info()[0]
+    with pytest.raises(cupool.BudgetError, match="too small"):
+        cupool.from_pretrained(tmp_path / "m", budget="64KiB", progress=False)
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.mem_get_info()[0] >= free_before - (64 << 20)
