@@ -34,12 +34,12 @@ from _common import save  # noqa: E402
 from cupool.cli import CLIParser, positive_int, run  # noqa: E402
 
 
-def build(layers: int, max_batch: int, seed: int, compile: bool):
+def build(layers: int, max_batch: int, seed: int):
     import cupool
     from cupool import synthetic
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=layers)
     model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, seed=seed, **shape)
-    E, K = shape["num_experts"], shape["num_experts_per_tok"]
+    E = shape["num_experts"]
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pool = cupool.wrap(model, rows=E // 2, layers=specs, max_decode_tokens=max_batch,
@@ -85,7 +85,7 @@ def main(args) -> int:
     _cuda.require_gpu("bench_serve")
     layers = 2 if args.small else args.layers
     streams = sorted(set(args.streams))
-    model, pool, shape = build(layers, max(streams), args.seed, args.compile)
+    model, pool, shape = build(layers, max(streams), args.seed)
     if args.routing == "locality":
         from cupool import trace as tr
         from cupool.replay import Replayer

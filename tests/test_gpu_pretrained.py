@@ -5,7 +5,6 @@ same logits bit for bit, the same greedy tokens through the engine."""
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -77,7 +76,13 @@ def test_from_pretrained_equals_the_model_built_in_memory(tmp_path, family, fmt)
     d = src if fmt == "bf16" else convert(src, tmp_path / fmt, fmt)
     loaded = cupool.from_pretrained(d, rows=max(K, E // 2), max_decode_tokens=2, progress=False)
     assert loaded.tokenizer is None and loaded.model.generation_config is not None
-    twin = copy.deepcopy(model)
+    # the twin as transformers loads the same directory (model.to(bf16) above also cast the
+    # float32 rotary table to bf16; transformers' loading keeps it float32, as from_pretrained)
+    from transformers import AutoModelForCausalLM
+    twin = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    for name, buf in twin.named_buffers():
+        want = dict(loaded.model.named_buffers())[name]
+        assert buf.dtype == want.dtype and torch.equal(buf.cuda(), want), name
     if fmt == "bf16":
         pool = cupool.wrap(twin, rows=max(K, E // 2), max_decode_tokens=2, progress=False)
     else:

@@ -39,7 +39,9 @@ def test_trace_guards():
     with pytest.raises(ValueError, match="outside"):
         tr.Trace(np.full((2, 1, 1, 2), 9), num_experts=4)
     with pytest.raises(ValueError, match=r"\[steps, layers, tokens, top_k\]"):
-        tr.Trace(np.zeros((2, 2)), num_experts=4)
+        tr.Trace(np.zeros((2, 2), dtype=np.int32), num_experts=4)
+    with pytest.raises(ValueError, match="must be integers"):
+        tr.Trace(np.zeros((2, 1, 1, 2)), num_experts=4)
     with pytest.raises(ValueError, match="top_k=5"):
         tr.synthetic(2, 1, 4, 5)
 

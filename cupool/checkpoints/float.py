@@ -1,0 +1,39 @@
+"""Float checkpoints: bf16 / fp16 / fp32 experts, as the model authors publish them.
+
+Shape legend: L layers · E experts · H hidden · I expert intermediate; weights [N, K] (`F.linear`).
+
+Expert names (the checkpoint's own layer indices l and expert indices e):
+
+    model.layers.{l}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight   [I, H], [I, H], [H, I]
+        Qwen2-MoE / Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE (with dense layers before
+        first_k_dense_replace and `mlp.shared_experts.*` / Qwen2's `mlp.shared_expert.*`, dense)
+    model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight          Mixtral (w1 gate, w3 up)
+    model.layers.{l}.mlp.experts.gate_up_proj   [E, 2I, H], gate rows first   transformers >= 5
+    model.layers.{l}.mlp.experts.down_proj      [E, H, I]                     (fused, F.linear)
+    ...feed_forward.experts.gate_up_proj [E, H, 2I] / down_proj [E, I, H]     Llama-4 (x @ W)
+
+`Checkpoint.experts` returns them as stored (gate, up [n, I, H]; down [n, H, I]); `fill_store` and
+`read_experts` quantize them with `cupool.nvfp4.quantize` (or the bit-identical GPU kernel).
+
+A config.json quantization_config with quant_method "fp8" (DeepSeek-V3's native FP8: float8_e4m3fn
+weights with 128×128 float32 `weight_scale_inv` blocks, config "weight_block_size": [128, 128])
+opens as this format when its experts are float; FP8 experts are refused (cupool serves NVFP4
+experts), FP8 dense weights are dequantized by `dense_tensor`.
+"""
+
+from __future__ import annotations
+
+from cupool.checkpoints.base import Checkpoint
+
+
+class FloatCheckpoint(Checkpoint):
+    """A checkpoint whose routed experts are float (module docstring); format "float"."""
+    format = "float"
+    naming = None
+
+    def fp8_block(self):
+        q = self.quant or {}
+        bs = q.get("weight_block_size") if isinstance(q, dict) else None
+        if isinstance(bs, list) and len(bs) == 2:
+            return int(bs[0]), int(bs[1])
+        return None
