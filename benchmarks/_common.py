@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: CUDA-event timing, the limits measured in the same run, JSON output.
+"""Shared benchmark plumbing: CUDA-event timing, the limits measured in the same run, JSON output
+(each benchmark's canonical file in benchmarks/results/, written only by a full run, or --json).
 
 Every benchmark reports what it achieved beside a limit measured in the same process:
 - `pcie_h2d_GBps`: one large cudaMemcpyAsync from pinned host memory to the device;
@@ -122,13 +123,63 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name()
 
 
-def save(name: str, payload: dict) -> Path:
-    """Write benchmarks/results/<name>.json with the GPU name and date added."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def reduced_by(args, parser, *names: str) -> list[str]:
+    """The options among `names` (dests) that make this run smaller than the default one: a
+    number below its default, a list missing some of its default entries, a flag (a skip) set.
+    Each as it reads on the command line, e.g. '--layers 8 < 16'."""
+    out = []
+    for name in names:
+        value, default = getattr(args, name), parser.get_default(name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            if value and not default:
+                out.append(flag)
+        elif isinstance(default, (list, tuple)):
+            missing = [d for d in default if d not in (value or [])]
+            if missing:
+                out.append(f"{flag} without {' '.join(_text(m) for m in missing)}")
+        elif value is not None and default is not None and value < default:
+            out.append(f"{flag} {_text(value)} < {_text(default)}")
+    return out
+
+
+def _text(v) -> str:
+    if isinstance(v, tuple):
+        return ",".join(map(str, v))
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def results_path(name: str, json_path: Path | None, reduced: list[str]) -> Path | None:
+    """Where this run's results go: `json_path` (--json) when given; else the canonical
+    benchmarks/results/<name>.json, unless the run is reduced (`reduced` names how), which then
+    writes no file (so a quick run never overwrites the canonical one)."""
+    if json_path is not None:
+        return Path(json_path)
+    if reduced:
+        print(f"a reduced run ({'; '.join(reduced)}): writing no results file "
+              f"(--json PATH writes one)")
+        return None
+    return RESULTS / f"{name}.json"
+
+
+def shown(path: Path) -> str:
+    """`path` relative to the checkout when it lies inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def save(name: str, payload: dict, path: Path | None) -> Path | None:
+    """Write `payload` with the benchmark's name, the GPU, the date and torch's version added, to
+    `path` (results_path's answer); nothing when `path` is None."""
+    if path is None:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "gpu": gpu_name(),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "torch": torch.__version__, **payload}
-    path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {shown(path)}")
     return path

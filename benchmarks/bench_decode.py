@@ -23,10 +23,13 @@ token if the misses moved at the PCIe bandwidth measured here and everything els
 resident run's speed); achieved/bound = bound / measured time.
 
 `--compile` runs every mode's decode step through torch.compile (GraphDecoder(compile=True)) and
-adds hf-bf16 compiled; results go to bench_decode_compiled.json/.png. `--merge` keeps the modes
-already in that JSON, so a long run can be split over two calls (`--modes`).
+adds hf-bf16 compiled; the JSON's "compile" says which. `--merge` keeps the modes already in the
+results file that this run does not measure, so a long run can be split over calls (`--modes`);
+it refuses a file of another shape, token count or compile setting.
 
-Writes benchmarks/results/bench_decode[_compiled].json and .png.
+Writes benchmarks/results/bench_decode.json and .png, with or without --compile. A reduced run
+(`--small`, or fewer layers, tokens, repeats or routings than the defaults) writes nothing unless
+--json PATH is given (then PATH and PATH with .png).
 """
 
 from __future__ import annotations
@@ -34,17 +37,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from _baselines import HostLRUBackend, ResidentBackend, UVABackend
-from _common import RESULTS, pcie_h2d_GBps, save
+from _common import pcie_h2d_GBps, reduced_by, results_path, save, shown
 
 import cupool
-from cupool import synthetic
+from cupool import _cuda, synthetic
 from cupool import trace as tr
+from cupool.cli import CLIParser, bounded_int, existing_file, output_file, positive_int, run
 from cupool.replay import Replayer
 
 
@@ -104,10 +110,15 @@ def hf_bf16(shape, prompt, tokens, repeats, impl, compile=False):
 
 
 def plot(results, pool_layers, path):
+    """Tok/s of every mode; beside it, with `pool_layers` (a pool-50 run), its per-layer hit rate
+    and rows owned."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
+    if pool_layers is None:
+        fig, a = plt.subplots(1, 1, figsize=(8, 5))
+    else:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
     modes = [m for m in results["modes"] if "error" not in results["modes"][m]]
     for i, routing in enumerate(("uniform", "locality", "own-router")):
         vals = [results["modes"][m].get(routing, {}).get("tok_per_s", 0) for m in modes]
@@ -115,8 +126,12 @@ def plot(results, pool_layers, path):
             a.bar([j + 0.27 * i for j in range(len(modes))], vals, width=0.27, label=routing)
     a.set_xticks([j + 0.27 for j in range(len(modes))], modes, rotation=45, ha="right")
     a.set_ylabel("tokens / s (batch 1)")
-    a.set_title(f"decode, {results['gpu']}")
+    a.set_title(f"decode, {results.get('gpu', 'GPU not recorded')}")
     a.legend()
+    if pool_layers is None:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
     layers = range(len(pool_layers["per_layer_hit_rate"]))
     b.plot(layers, pool_layers["per_layer_hit_rate"], label="hit rate")
     b.set_ylabel("hit rate")
@@ -129,34 +144,96 @@ def plot(results, pool_layers, path):
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--prompt", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--modes", nargs="+", default=["pool", "uva-eager", "uva-graph", "host-lru",
-                                                  "resident", "hf-bf16"])
-    p.add_argument("--routings", nargs="+", default=["uniform", "locality"])
-    p.add_argument("--small", action="store_true", help="tiny shape (smoke test)")
-    p.add_argument("--plot-only", metavar="JSON", help="redraw the PNG from a results JSON")
+MODES = ["pool", "pool-serial", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16"]
+ROUTINGS = ["uniform", "locality"]
+
+
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="bench_decode.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=positive_int, default=48, help="MoE layers (>= 1)")
+    p.add_argument("--tokens", type=bounded_int(2), default=256,
+                   help="decoded tokens a run (>= 2: rates count the steps after the first)")
+    p.add_argument("--prompt", type=positive_int, default=16, help="prompt length (>= 1)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs a mode (>= 1)")
+    p.add_argument("--modes", nargs="+", choices=MODES,
+                   default=["pool", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16"])
+    p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=ROUTINGS)
+    p.add_argument("--small", action="store_true", help="tiny shape (smoke test; no results "
+                   "file unless --json)")
+    p.add_argument("--plot-only", metavar="JSON", type=existing_file,
+                   help="redraw the PNG (beside the JSON) from a results JSON; needs no GPU")
     p.add_argument("--compile", action="store_true",
                    help="run each mode's decode step through torch.compile (the dense part fused; "
                         "cupool's layers stay opaque ops); hf-bf16 is measured both ways")
     p.add_argument("--merge", action="store_true",
-                   help="keep the modes already in the results JSON that this run does not measure")
-    args = p.parse_args(argv)
-    if args.plot_only:
-        import json
-        from pathlib import Path
-        res = json.loads(Path(args.plot_only).read_text())
-        layers = res["modes"].get("pool-50", {}).get("locality")
-        out = Path(args.plot_only).with_suffix(".png")
+                   help="keep the modes already in the results file that this run does not "
+                        "measure")
+    p.add_argument("--json", type=output_file, metavar="PATH",
+                   help="write the results here (and the plot beside, .png) instead of "
+                        "benchmarks/results/bench_decode.json; a reduced run writes only here")
+    return p
+
+
+def plot_only(path: Path) -> None:
+    try:
+        res = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ValueError(f"--plot-only {path}: not a text (JSON) file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--plot-only {path}: not JSON ({e})") from None
+    if not isinstance(res, dict) or not isinstance(res.get("modes"), dict):
+        raise ValueError(f"--plot-only {path}: no \"modes\": not a bench_decode results file")
+    pool50 = res["modes"].get("pool-50", {})
+    layers = pool50.get("locality") or pool50.get("uniform")
+    out = path.with_suffix(".png")
+    try:
         plot(res, layers, out)
-        print(f"wrote {out}")
-        return
+    except ImportError as e:
+        raise ValueError(f"--plot-only needs matplotlib (pip install matplotlib): {e}") from None
+    print(f"wrote {out}")
+
+
+def merged_modes(path: Path | None, results: dict) -> dict:
+    """The modes of the results file a --merge run adds to, refusing one of another shape,
+    token count or compile setting."""
+    if path is None:
+        raise ValueError("--merge: this reduced run writes no results file to merge into; give "
+                         "--json PATH")
+    if not path.is_file():
+        raise FileNotFoundError(f"--merge: {shown(path)} does not exist: nothing to merge into "
+                                f"(run without --merge first)")
+    try:
+        old = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--merge: {shown(path)} is not JSON ({e})") from None
+    if not isinstance(old, dict) or not isinstance(old.get("modes"), dict):
+        raise ValueError(f"--merge: {shown(path)} has no \"modes\": not a bench_decode file")
+    for key, flag in (("compile", "--compile"), ("tokens", "--tokens"),
+                      ("shape", "--layers/--small")):
+        if key in old and old[key] != json.loads(json.dumps(results[key])):
+            raise ValueError(f"--merge: {shown(path)} holds a run with {key}={old[key]!r} "
+                             f"({flag}), this run has {results[key]!r}")
+    print(f"merging into {shown(path)}: kept {sorted(old['modes'])}", flush=True)
+    return old["modes"]
+
+
+def reduced(args) -> list[str]:
+    """How this run is smaller than the default one (then it writes no canonical file); fewer
+    --modes is not: a long run is split by modes."""
+    return reduced_by(args, build_parser(), "small", "layers", "tokens", "repeats", "routings")
+
+
+def main(args) -> None:
+    if args.plot_only:
+        return plot_only(args.plot_only)
+    _cuda.require_gpu("the end-to-end decode benchmark")
+    out = results_path("bench_decode", args.json, reduced(args))
     shape = dict(synthetic.TINY) if args.small else dict(synthetic.QWEN3_30B_A3B,
                                                           num_hidden_layers=args.layers)
+    results = {"shape": shape, "tokens": args.tokens, "repeats": args.repeats,
+               "compile": args.compile}
+    old_modes = merged_modes(out, results) if args.merge else {}
     L, E, K = shape["num_hidden_layers"], shape["num_experts"], shape["num_experts_per_tok"]
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
     pcie = pcie_h2d_GBps()
@@ -171,26 +248,16 @@ def main(argv=None):
     prompt = torch.randint(0, shape["vocab_size"], (1, args.prompt), device="cuda", generator=gen)
     traces = {"uniform": tr.uniform(args.tokens + 64, L, E, K, seed=1),
               "locality": tr.synthetic(args.tokens + 64, L, E, K, seed=1, **tr.QWEN3_LOCALITY)}
-    results = {"shape": shape, "tokens": args.tokens, "repeats": args.repeats,
-               "pcie_h2d_GBps": pcie, "traces": {k: v.note for k, v in traces.items()},
-               "modes": {}}
+    results.update({"pcie_h2d_GBps": pcie, "traces": {k: v.note for k, v in traces.items()},
+                    "modes": dict(old_modes)})
     modes = results["modes"]
-
-    out_name = ("bench_decode_small" if args.small else "bench_decode") + \
-        ("_compiled" if args.compile else "")
-    if args.merge and (RESULTS / f"{out_name}.json").exists():
-        import json
-        old = json.loads((RESULTS / f"{out_name}.json").read_text())
-        modes.update({k: v for k, v in old.get("modes", {}).items()})
-        print(f"merging into {out_name}.json: kept {sorted(old.get('modes', {}))}", flush=True)
-    results["compile"] = args.compile
 
     def record(name, routing, run, extra=None):
         modes.setdefault(name, {})[routing] = {"tok_per_s": run.tok_per_s, "runs": run.rates,
                                                "capture_s": run.capture_s, **(extra or {})}
         print(f"{name:>14} {routing:>9}: {run.tok_per_s:8.1f} tok/s  {extra or ''}"[:200],
               flush=True)
-        save(out_name, {**results, "partial": True})          # keep what is done if cut short
+        save("bench_decode", {**results, "partial": True}, out)   # keep what is done if cut short
 
     def measure(**kw) -> Run:
         return run_mode(model, pool, prompt, args.tokens, args.repeats, compile=args.compile, **kw)
@@ -266,14 +333,15 @@ def main(argv=None):
         "pool100_over_resident_locality": (tps("pool-100") or 0) / (tps("resident") or float("nan")),
     }
     print("ratios:", {k: round(v, 3) for k, v in results["ratios"].items()})
-    name = out_name
-    save(name, results)
+    save("bench_decode", results, out)
     layers = modes.get("pool-50", {}).get("locality") or modes.get("pool-50", {}).get("uniform")
-    if layers:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        plot({**results, "gpu": torch.cuda.get_device_name()}, layers, RESULTS / f"{name}.png")
-        print(f"wrote {RESULTS / (name + '.png')}")
+    if out is not None and layers:
+        try:
+            plot({**results, "gpu": torch.cuda.get_device_name()}, layers, out.with_suffix(".png"))
+            print(f"wrote {shown(out.with_suffix('.png'))}")
+        except ImportError as e:
+            print(f"no plot: matplotlib is not installed ({e})")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, build_parser()))

@@ -10,13 +10,19 @@
   host store attached and nothing on the host (what a Pool call does: one GEMM pair a scratch
   chunk, each launched from Python), with the host time of each call.
 - prefill, half the experts in pinned host memory: time / (their bytes ÷ PCIe H2D bandwidth).
+
+Writes benchmarks/results/bench_gemm.json. A reduced run (fewer layers, dims, token counts or
+kernels than the defaults, a skipped part, or a --scratch sweep) writes nothing unless --name NAME
+(benchmarks/results/NAME.json) or --json PATH is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import statistics
+import sys
 import time
 
 import torch
@@ -26,11 +32,16 @@ from _common import (
     capture,
     hbm_copy_GBps,
     hbm_read_GBps,
+    RESULTS,
     pcie_h2d_GBps,
+    reduced_by,
+    results_path,
     save,
     time_ms,
 )
 
+from cupool import _cuda
+from cupool.cli import CLIParser, bounded_int, fields, output_file, positive_int, run
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout, unpack_row
 from cupool.ops.moe_gemm import PREFILL
@@ -180,32 +191,70 @@ def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, scratch_rows=32, sc
     return res
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--layers", type=int, default=24, help="distinct layers in the decode graph")
-    p.add_argument("--dims", nargs="+", default=["2048x768", "4096x1536"])
-    p.add_argument("--decode-tokens", nargs="+", type=int, default=[1, 4])
+DIM = bounded_int(16, multiple_of=16)        # NVFP4 blocks are 16 wide
+DECODE_T = bounded_int(1, 32)                # T x top-8 <= moe_decode's 256 lanes
+SCRATCH = fields("x", ROWS=positive_int, BUFFERS=positive_int)
+
+
+def result_name(text: str) -> str:
+    """--name: a file name in benchmarks/results/ (no folder, no .json)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", text) or text.endswith(".json"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a plain name such as bench_gemm_h100 "
+                                         f"(letters, digits, _ . -; no folder, no .json)")
+    return text
+
+
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="bench_gemm.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=bounded_int(8, 1024), default=128,
+                   help="E (in [8, 1024]: top-8 routing, prefill's expert tables)")
+    p.add_argument("--layers", type=positive_int, default=16,
+                   help="distinct layers in the decode graph (>= 1)")
+    p.add_argument("--dims", nargs="+", type=fields("x", H=DIM, I=DIM),
+                   default=[(2048, 768), (4096, 1536)], metavar="HxI",
+                   help="decode layer shapes, multiples of 16 (default 2048x768 4096x1536)")
+    p.add_argument("--decode-tokens", nargs="+", type=DECODE_T, default=[1, 4],
+                   help="decode T (in [1, 32])")
     p.add_argument("--decode-kernels", nargs="+", default=["fused", "pair"],
                    choices=["fused", "pair"], help="MoEGemm decode_kernel values to time")
-    p.add_argument("--prefill-tokens", nargs="+", type=int, default=[512, 2048])
-    p.add_argument("--skip-prefill", action="store_true")
-    p.add_argument("--skip-decode", action="store_true")
-    p.add_argument("--scratch", nargs="+", default=["32x2"], metavar="ROWSxBUFFERS",
+    p.add_argument("--prefill-tokens", nargs="+", type=positive_int, default=[512, 2048],
+                   help="prefill T (>= 1)")
+    skip = p.add_mutually_exclusive_group()
+    skip.add_argument("--skip-prefill", action="store_true")
+    skip.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--scratch", nargs="+", type=SCRATCH, default=[(32, 2)], metavar="ROWSxBUFFERS",
                    help="MoEGemm scratch_rows x scratch_buffers of the half-on-host prefill "
-                        "runs (one run each) and of the partition-path timing")
-    p.add_argument("--name", default="bench_gemm", help="results/<name>.json")
-    args = p.parse_args(argv)
-    try:
-        scratch = [(int(r), int(b)) for r, b in (s.split("x") for s in args.scratch)]
-    except ValueError:                  # not two fields, or not integers
-        p.error(f"--scratch: expected ROWSxBUFFERS values such as 32x2, got {args.scratch}")
+                        "runs (one run each) and of the partition-path timing (default 32x2)")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--name", type=result_name,
+                     help="write benchmarks/results/NAME.json (default: bench_gemm, for a full "
+                          "run only)")
+    out.add_argument("--json", type=output_file, metavar="PATH", help="write the results here")
+    return p
+
+
+def reduced(args) -> list[str]:
+    """How this run is smaller than the default one, or a sweep (then it writes no canonical
+    file)."""
+    parser = build_parser()
+    why = reduced_by(args, parser, "layers", "dims", "decode_tokens", "decode_kernels",
+                     "prefill_tokens", "skip_prefill", "skip_decode")
+    if args.scratch != parser.get_default("scratch"):
+        why.append("a --scratch sweep")
+    return why
+
+
+def main(args) -> None:
+    _cuda.require_gpu("the MoE GEMM benchmark")
+    out = results_path("bench_gemm", args.json or (args.name and RESULTS / f"{args.name}.json"),
+                       reduced(args))
+    scratch = args.scratch
     gen = torch.Generator(device="cuda").manual_seed(0)
     hbm_read, hbm_copy, pcie = hbm_read_GBps(), hbm_copy_GBps(), pcie_h2d_GBps()
     print(f"limits: HBM read {hbm_read:.0f} GB/s, HBM copy {hbm_copy:.0f} GB/s, PCIe H2D {pcie:.1f} GB/s")
     decode, prefill = [], []
-    for dims in [] if args.skip_decode else args.dims:
-        H, I = map(int, dims.split("x"))
+    for H, I in [] if args.skip_decode else args.dims:
         layout = RowLayout(H, I)
         for T, kernel in [(T, k) for T in args.decode_tokens for k in args.decode_kernels]:
             r = bench_decode(layout, args.experts, T, 8, args.layers, gen, hbm_read, kernel)
@@ -231,9 +280,10 @@ def main(argv=None):
                     print(f"prefill T={T} half on host, scratch {rows}x{bufs}: {r['ms']:.3f} ms "
                           f"(host {r['host_ms']:.3f}), PCIe bound "
                           f"{r['pcie_bound_ms']:.3f} ms, ratio {r['ratio_to_pcie_bound']:.2f}")
-    save(args.name, {"hbm_read_GBps": hbm_read, "hbm_copy_GBps": hbm_copy,
-                        "pcie_h2d_GBps": pcie, "decode": decode, "prefill": prefill})
+    save(args.name or "bench_gemm", {
+        "hbm_read_GBps": hbm_read, "hbm_copy_GBps": hbm_copy, "pcie_h2d_GBps": pcie,
+        "layers": args.layers, "decode": decode, "prefill": prefill}, out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, build_parser()))

@@ -9,31 +9,53 @@ Two figures:
 - rows: `quantize_experts_to_rows`, the same quantization plus building the store rows on the GPU.
 Each timed call includes the one host readback per quantize call (the NaN/Inf census), as in use.
 The projected time for 30B parameters assumes the same elements/s.
+
+Writes benchmarks/results/bench_nvfp4.json (a run with a smaller shape or fewer iterations than
+the defaults writes nothing unless --json PATH is given).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
-from _common import hbm_copy_GBps, save, time_ms
+from _common import hbm_copy_GBps, reduced_by, results_path, save, time_ms
 
-from cupool import nvfp4
+from cupool import _cuda, nvfp4
+from cupool.cli import CLIParser, bounded_int, output_file, positive_float, positive_int, run
 from cupool.layout import RowLayout
 from cupool.ops.nvfp4_quant import quantize, quantize_experts_to_rows
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--inter", type=int, default=768)
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="bench_nvfp4.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=positive_int, default=128, help="E (>= 1)")
+    p.add_argument("--hidden", type=bounded_int(16, multiple_of=16), default=2048,
+                   help="H (a multiple of 16: NVFP4 blocks)")
+    p.add_argument("--inter", type=bounded_int(16, multiple_of=16), default=768,
+                   help="I (a multiple of 16)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--params", type=float, default=30e9, help="parameter count to project to")
-    args = p.parse_args(argv)
+    p.add_argument("--iters", type=positive_int, default=20, help="timed calls (>= 1)")
+    p.add_argument("--params", type=positive_float, default=30e9,
+                   help="parameter count to project to (> 0)")
+    p.add_argument("--json", type=output_file, metavar="PATH",
+                   help="write the results here (default: benchmarks/results/bench_nvfp4.json, "
+                        "for a full run only)")
+    return p
+
+
+def reduced(args) -> list[str]:
+    """How this run is smaller than the default one (then it writes no canonical file)."""
+    return reduced_by(args, build_parser(), "experts", "hidden", "inter", "iters")
+
+
+def main(args) -> None:
+    _cuda.require_gpu("the NVFP4 quantization benchmark")
+    out = results_path("bench_nvfp4", args.json, reduced(args))
     E, H, I, dt = args.experts, args.hidden, args.inter, DTYPES[args.dtype]
     esize = torch.empty((), dtype=dt).element_size()
 
@@ -51,7 +73,7 @@ def main(argv=None):
     ref = nvfp4.quantize(gate_up[0, :I].cpu())
     if not (torch.equal(q.packed[0].cpu(), ref.packed)
             and torch.equal(q.block_scale[0].cpu().view(torch.uint8), ref.block_scale.view(torch.uint8))):
-        raise SystemExit("kernel output differs from the reference: not timing a wrong kernel")
+        raise AssertionError("kernel output differs from the reference: not timing a wrong kernel")
 
     outs = [None, None, None]
 
@@ -80,8 +102,8 @@ def main(argv=None):
             res[name].update({"traffic_GBps": t_gbps, "traffic_ratio_to_hbm_copy": t_gbps / hbm})
             line += f"  traffic {t_gbps:6.0f} GB/s ({t_gbps / hbm:.2f})"
         print(line + f"  -> {args.params / 1e9:.0f}B params in {args.params / eps:.2f} s")
-    save("bench_nvfp4", res)
+    save("bench_nvfp4", res, out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, build_parser()))

@@ -18,20 +18,34 @@ timed as in decode, inside a CUDA graph: --copy-graph launches, each on its own 
 in the same run (target >= 0.9). --copy-sweep times more grids of the SM-load kernel (RowCopier
 mode "ld") and --bulk-sweep grids and buffer rings of the bulk-copy kernel (mode "bulk", sm_90+)
 the same way.
+
+Writes benchmarks/results/bench_planner.json (a run that skips a part, or times fewer layers, E,
+lanes, row sizes, calls or replays than the defaults, writes nothing unless --json PATH is given).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 import numpy as np
 import torch
-from _common import capture, pcie_h2d_GBps, save, time_ms
+from _common import capture, pcie_h2d_GBps, reduced_by, results_path, save, time_ms
 
-from cupool import HostStore, kernels
+from cupool import HostStore, _cuda, kernels
 from cupool.bank import Bank
-from cupool.ops.planner import launch_shape
+from cupool.cli import (
+    CLIParser,
+    bounded_int,
+    fields,
+    nonnegative_int,
+    output_file,
+    positive_float,
+    positive_int,
+    run,
+)
+from cupool.ops.planner import MAX_LANES, launch_shape
 from cupool.ops.rowcopy import RowCopier
 
 
@@ -216,41 +230,81 @@ def bench_copy(args, rng, ref_GBps: float) -> list[dict]:
     return results
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--rows-per-layer", type=int, default=256)
-    p.add_argument("--experts", type=int, nargs="+", default=[128, 512],
-                   help="E; with E <= N every expert is resident (hit rate 1)")
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--lanes", type=int, nargs="+", default=[8, 64])
-    p.add_argument("--threads", type=int, nargs="+", default=[0],
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="bench_planner.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=positive_int, default=48, help="L (>= 1)")
+    p.add_argument("--rows-per-layer", type=positive_int, default=256, help="N (>= 1)")
+    p.add_argument("--experts", type=positive_int, nargs="+", default=[128, 512],
+                   help="E (>= --top-k); with E <= N every expert is resident (hit rate 1)")
+    p.add_argument("--top-k", type=positive_int, default=8, help="K (>= 1)")
+    p.add_argument("--lanes", type=bounded_int(1, MAX_LANES), nargs="+", default=[8, 64],
+                   help=f"W, lanes a call (multiples of --top-k, at most {MAX_LANES})")
+    p.add_argument("--threads", type=nonnegative_int, nargs="+", default=[0],
                    help="plan-step block sizes to time (0: the default %s)" %
                         (launch_shape(48 * 256, 64),))
-    p.add_argument("--calls", type=int, default=48, help="layer calls per graph")
-    p.add_argument("--replays", type=int, default=200)
-    p.add_argument("--settle", type=int, default=50, help="untimed replays before timing")
-    p.add_argument("--pools", type=int, default=16, help="distinct id sets rotated through")
-    p.add_argument("--row-mib", type=float, nargs="+", default=[2, 4, 6, 8, 10])
-    p.add_argument("--copy-misses", type=int, default=8)
-    p.add_argument("--copy-rows", type=int, default=8, help="bank rows per layer (copy part)")
-    p.add_argument("--copy-iters", type=int, default=40)
-    p.add_argument("--store-gib", type=float, default=1.0, help="host store size (copy part)")
-    p.add_argument("--copy-graph", type=int, default=4,
-                   help="copy launches (each on its own list) per timed graph replay")
-    p.add_argument("--copy-sweep", nargs="+", type=lambda v: tuple(float(x) for x in v.split(",")),
-                   metavar="BLOCKS_PER_SM,THREADS,UNROLL",
+    p.add_argument("--calls", type=positive_int, default=48, help="layer calls per graph (>= 1)")
+    p.add_argument("--replays", type=positive_int, default=200, help="timed replays (>= 1)")
+    p.add_argument("--settle", type=nonnegative_int, default=50,
+                   help="untimed replays before timing (>= 0)")
+    p.add_argument("--pools", type=positive_int, default=16,
+                   help="distinct id sets rotated through (>= 1)")
+    p.add_argument("--row-mib", type=positive_float, nargs="+", default=[2, 4, 6, 8, 10],
+                   help="row sizes of the copy part, MiB (> 0, whole multiples of 16 bytes)")
+    p.add_argument("--copy-misses", type=bounded_int(1, MAX_LANES), default=8,
+                   help=f"distinct experts a copy call (in [1, {MAX_LANES}])")
+    p.add_argument("--copy-rows", type=positive_int, default=8,
+                   help="bank rows per layer (copy part; >= 1)")
+    p.add_argument("--copy-iters", type=positive_int, default=40, help="timed copy calls (>= 1)")
+    p.add_argument("--store-gib", type=positive_float, default=1.0,
+                   help="host store size (copy part), GiB (> 0)")
+    p.add_argument("--copy-graph", type=positive_int, default=4,
+                   help="copy launches (each on its own list) per timed graph replay (>= 1)")
+    p.add_argument("--copy-sweep", nargs="+", metavar="BLOCKS_PER_SM,THREADS,UNROLL",
+                   type=fields(BLOCKS_PER_SM=positive_float, THREADS=positive_int,
+                               UNROLL=positive_int),
                    help="also time RowCopier(mode='ld') with these grids (BLOCKS_PER_SM may be a "
                         "fraction: 0.25 = a quarter of the SMs)")
-    p.add_argument("--bulk-sweep", nargs="+", type=lambda v: tuple(float(x) for x in v.split(",")),
-                   metavar="BLOCKS_PER_SM,CHUNK_KIB,STAGES",
+    p.add_argument("--bulk-sweep", nargs="+", metavar="BLOCKS_PER_SM,CHUNK_KIB,STAGES",
+                   type=fields(BLOCKS_PER_SM=positive_float, CHUNK_KIB=positive_int,
+                               STAGES=positive_int),
                    help="also time RowCopier(mode='bulk') (sm_90+) with these grids and rings")
-    p.add_argument("--skip-plan", action="store_true")
-    p.add_argument("--skip-copy", action="store_true")
-    args = p.parse_args(argv)
+    skip = p.add_mutually_exclusive_group()
+    skip.add_argument("--skip-plan", action="store_true")
+    skip.add_argument("--skip-copy", action="store_true")
+    p.add_argument("--json", type=output_file, metavar="PATH",
+                   help="write the results here (default: benchmarks/results/bench_planner.json, "
+                        "for a full run only)")
+    return p
+
+
+def check(args) -> None:
+    """What the types cannot see: top-k routing needs E >= K and whole tokens of K lanes, and a
+    copied row is a whole number of 16-byte units."""
+    K = args.top_k
+    if min(args.experts) < K:
+        raise ValueError(f"--experts {min(args.experts)}: top-{K} routing needs E >= --top-k {K}")
+    for W in args.lanes:
+        if W % K:
+            raise ValueError(f"--lanes {W}: must be a multiple of --top-k {K} (tokens of K lanes)")
+    for mib in args.row_mib:
+        if int(mib * (1 << 20)) % 16:
+            raise ValueError(f"--row-mib {mib:g}: a row must be a multiple of 16 bytes, got "
+                             f"{int(mib * (1 << 20))}")
+
+
+def reduced(args) -> list[str]:
+    """How this run is smaller than the default one (then it writes no canonical file)."""
+    return reduced_by(args, build_parser(), "layers", "experts", "lanes", "calls", "replays",
+                      "row_mib", "copy_iters", "store_gib", "skip_plan", "skip_copy")
+
+
+def main(args) -> None:
+    check(args)
+    _cuda.require_gpu("the planner benchmark")
+    out = results_path("bench_planner", args.json, reduced(args))
     rng = np.random.default_rng(0)
-    payload = {"args": vars(args)}
+    payload = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
     if not args.skip_plan:
         payload["plan"] = bench_plan(args, rng)
     if not args.skip_copy:
@@ -258,8 +312,8 @@ def main(argv=None):
         print(f"cudaMemcpy pinned H2D 1 GiB: {ref:.1f} GB/s")
         payload["memcpy_h2d_1GiB_GBps"] = ref
         payload["copy"] = bench_copy(args, rng, ref)
-    save("bench_planner", payload)
+    save("bench_planner", payload, out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, build_parser()))

@@ -5,24 +5,45 @@ needed: it reads the file ncu wrote on the GPU machine."""
 
 from __future__ import annotations
 
-import argparse
 import collections
 import csv
 import gzip
 import io
+import sys
+import zlib
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cupool.cli import CLIParser, existing_file, positive_int, run  # noqa: E402 (after the path)
+
+COLUMNS = ("Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed")
 
 
 def read_rows(path: Path) -> list[dict]:
     """The per-instruction rows: those after the "Address" header whose address is one (ncu and
     the profiled program print their own lines before and between)."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    lines = raw.decode().splitlines()
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as e:
+        raise ValueError(f"{path}: not a gzip file ({e})") from None
+    try:
+        lines = raw.decode().splitlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (an ncu --csv file, or one gzip-compressed "
+                         f"with a .gz name)") from None
     start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
     if start is None:
-        raise SystemExit(f"{path}: no \"Address\" header: not an ncu --page source --csv file")
-    rows = csv.DictReader(io.StringIO("\n".join(lines[start:])))
-    return [r for r in rows if (r.get("Address") or "").startswith("0x")]   # not log lines
+        raise ValueError(f"{path}: no \"Address\" header: not an ncu --page source --csv file")
+    reader = csv.DictReader(io.StringIO("\n".join(lines[start:])))
+    missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise ValueError(f"{path}: no column {missing[0]!r}: run ncu with --section "
+                         f"WarpStateStats --section SourceCounters")
+    rows = [r for r in reader if (r.get("Address") or "").startswith("0x")]   # not log lines
+    if not rows:
+        raise ValueError(f"{path}: no instruction rows after the \"Address\" header")
+    return rows
 
 
 def summarise(rows: list[dict], top: int = 20) -> str:
@@ -48,13 +69,16 @@ def summarise(rows: list[dict], top: int = 20) -> str:
     return "\n".join(out)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("csv", type=Path, help="ncu --page source --csv output (.csv or .csv.gz)")
-    p.add_argument("--top", type=int, default=20, help="instructions to list")
-    args = p.parse_args(argv)
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="ncu_source.py", description=__doc__)
+    p.add_argument("csv", type=existing_file, help="ncu --page source --csv output (.csv or .csv.gz)")
+    p.add_argument("--top", type=positive_int, default=20, help="instructions to list (>= 1)")
+    return p
+
+
+def main(args) -> None:
     print(summarise(read_rows(args.csv), args.top))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, build_parser()))

@@ -7,13 +7,14 @@ and elementwise/reduction (the norms, rotary, router softmax/top-k, residuals, c
 difference between the graph's time and the sum of kernel times is the gaps between kernels.
 `--compile` runs the step through torch.compile (GraphDecoder(compile=True)'s path).
 
-Writes benchmarks/results/profile_decode[_compiled].json.
+Prints its tables; writes the figures as JSON only to --json PATH.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import sys
 import time
 
 import torch
@@ -21,7 +22,11 @@ from _common import capture, save, time_ms
 from torch.profiler import ProfilerActivity, profile
 
 import cupool
-from cupool import synthetic
+from cupool import _cuda, synthetic
+from cupool.cli import CLIParser, bounded_int, output_file, positive_int, run
+
+S = 16                 # prompt tokens
+STEPS_MAX = 256        # the cache holds S + 512 positions; warm-up, timing and replays take 71
 
 GROUPS = (("cupool", ("plan_step", "copy_rows", "moe_decode", "route_decode", "moe_w13",
                       "moe_w2")),
@@ -37,12 +42,19 @@ def group_of(name: str) -> str:
     return "elementwise/reduce/other"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--steps", type=int, default=4, help="profiled eager steps")
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="profile_decode.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=positive_int, default=48, help="MoE layers (>= 1)")
+    p.add_argument("--steps", type=bounded_int(1, STEPS_MAX), default=4,
+                   help=f"profiled eager steps (in [1, {STEPS_MAX}])")
     p.add_argument("--compile", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument("--json", type=output_file, metavar="PATH", help="also write the figures here")
+    return p
+
+
+def main(args) -> None:
+    _cuda.require_gpu("the decode profiler")
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=args.layers)
     E = shape["num_experts"]
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
@@ -51,7 +63,6 @@ def main(argv=None):
     pool = cupool.wrap(model, rows=E, layers=specs, max_decode_tokens=1, max_prefill_tokens=64,
                        expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"))
     from transformers import StaticCache
-    S = 16
     prompt = torch.randint(0, shape["vocab_size"], (1, S), device="cuda", generator=gen)
     cache = StaticCache(config=model.config, max_cache_len=S + 512)
     fwd = torch.compile(model, dynamic=False) if args.compile else model
@@ -97,13 +108,13 @@ def main(argv=None):
         print(f"  {gname:>26}: {ms:7.3f} ms  {n:6.0f} kernels  ({ms / args.layers * 1e3:6.1f} us/layer)")
     for name, (ms, n) in top:
         print(f"  {ms * 1e3 / n:7.2f} us x {n:5.0f} = {ms:6.3f} ms  {name[:110]}")
-    save("profile_decode_compiled" if args.compile else "profile_decode", {
+    save("profile_decode", {
         "layers": args.layers, "compile": args.compile, "graph_ms_per_token": graph_ms,
         "eager_ms_per_token": eager_ms, "kernel_ms_per_token": kernel_ms,
         "kernels_per_token": launches, "warmup_s": warm_s,
         "groups": {k: {"ms": v[0], "kernels": v[1]} for k, v in groups.items()},
-        "top": [{"name": n, "ms": v[0], "count": v[1]} for n, v in top]})
+        "top": [{"name": n, "ms": v[0], "count": v[1]} for n, v in top]}, args.json)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, build_parser()))

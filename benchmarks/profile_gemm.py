@@ -1,14 +1,19 @@
 """Per-kernel device times of one decode layer call and one prefill call (torch.profiler/CUPTI),
-to see where a GEMM benchmark's time goes. Prints one table per case."""
+to see where a GEMM benchmark's time goes. Prints one table per case; with one of --sweep,
+--trace, --prefill-sweep, --prefill-kernels or --prefill-timeline, that diagnostic instead. Writes
+no file."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from _common import ExpertRows
 from torch.profiler import ProfilerActivity, profile
 
+from cupool import _cuda
+from cupool.cli import CLIParser, bounded_int, positive_int, run
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout
 from cupool.ops import moe_decode, moe_gemm
@@ -31,17 +36,22 @@ SWEEP = ("", "minb=3", "minb=4", "w13_split=2", "w13_split=4")
 _BUILD_FIELDS = ("minb", "w13_split")
 
 
-def parse_variant(text: str, option: str = "--sweep") -> dict:
+def parse_variant(text: str) -> dict:
     """"minb=4,w13_split=2" -> {"minb": 4, "w13_split": 2}; "" or "default" -> {} (the build the
-    rules choose). `option` names the command-line option in the error."""
+    rules choose). An argument type (--sweep, --variant)."""
     out = {}
     for part in filter(None, text.replace("default", "").split(",")):
         name, sep, value = part.partition("=")
         if not sep or name.lower() not in _BUILD_FIELDS or not value.isdigit():
-            raise SystemExit(f"{option}: variant {text!r}: expected NAME=INT[,NAME=INT...] with "
-                             f"NAME in {_BUILD_FIELDS}")
+            raise argparse.ArgumentTypeError(
+                f"variant {text!r}: expected NAME=INT[,NAME=INT...] with NAME in "
+                f"{', '.join(_BUILD_FIELDS)}")
         out[name.lower()] = int(value)
     return out
+
+
+def variant_text(variant: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
 
 
 DIMS = {2048: (2048, 768), 4096: (4096, 1536)}
@@ -49,20 +59,22 @@ SWEEP_CASES = ("2048:1", "2048:4", "4096:1", "4096:4")
 
 
 def parse_case(text: str) -> tuple[tuple[int, int], int]:
-    """"H:T" -> ((H, I), T) for the two benchmark dims (Qwen3-30B-A3B and H=4096/I=1536)."""
+    """"H:T" -> ((H, I), T) for the two benchmark dims (Qwen3-30B-A3B and H=4096/I=1536). An
+    argument type (--cases)."""
     h, sep, t = text.partition(":")
     if not sep or not h.isdigit() or not t.isdigit() or int(h) not in DIMS or not 1 <= int(t) <= 16:
-        raise SystemExit(f"--cases: {text!r}: expected H:T with H in {sorted(DIMS)} and T in 1..16")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected H:T with H in {sorted(DIMS)} and T in [1, 16]")
     return DIMS[int(h)], int(t)
 
 
-def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1, cases=SWEEP_CASES):
+def sweep(variants=tuple(map(parse_variant, SWEEP)), layers: int = 16, repeats: int = 1,
+          cases=tuple(map(parse_case, SWEEP_CASES))):
     """Decode layer time (by default T=1 and 4 at H=2048, T=1 and 4 at H=4096) for moe_decode
     builds other than the rules' choice (blocks per SM, warps a w13 strip). The first round also
     checks each variant's outputs against the chosen build's on the same rows and routing (max
     |difference| relative to the output's largest value)."""
     from bench_gemm import bench_decode
-    cases = [parse_case(c) for c in cases]
     gen = torch.Generator(device="cuda")
 
     def run(case, extra, outputs=None):                # same rows and routing for each variant
@@ -74,8 +86,7 @@ def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1, cases=SWEEP_CASES)
 
     ref = {}                                            # case -> the default build's outputs
     for rep in range(repeats):
-        for text in variants:
-            extra = parse_variant(text)
+        for extra in variants:
             for case, ((H, I), T) in enumerate(cases):
                 outs = [] if rep == 0 else None
                 r = run(case, extra, outs)
@@ -87,7 +98,7 @@ def sweep(variants=SWEEP, layers: int = 16, repeats: int = 1, cases=SWEEP_CASES)
                             run(case, {}, ref[case])
                     base = ref[case][0]
                     check = f"  max diff vs default {float((outs[0] - base).abs().max() / base.abs().max()):.1e}"
-                print(f"sweep rep {rep} H={H} T={T} {text or 'default'}: "
+                print(f"sweep rep {rep} H={H} T={T} {variant_text(extra)}: "
                       f"{r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s{check}", flush=True)
 
 
@@ -147,21 +158,21 @@ def trace(T: int = 1, E: int = 128, override: dict | None = None, dims=(2048, 76
             print(f"{name:4s} {'K loop (dur)':14s} {pct((sl[:, 2] - sl[:, 1]) / 1e3)}")
 
 
-def prefill_variant(text: str, option: str = "--prefill-sweep"):
-    """The prefill launch config with the changes of "NAME=INT,..." (fields of
-    cupool.ops.moe_gemm.GemmConfig in any case: NB, MINB, KC2, W2_NS, ...)."""
+def prefill_variant(text: str):
+    """(text, the prefill launch config with the changes of "NAME=INT,...") (fields of
+    cupool.ops.moe_gemm.GemmConfig in any case: NB, MINB, KC2, W2_NS, ...). An argument type
+    (--prefill-sweep)."""
     try:
-        return moe_gemm.config_from_text(text)
+        return text, moe_gemm.config_from_text(text)
     except ValueError as e:
-        raise SystemExit(f"{option}: {e}") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def prefill_sweep(variants, repeats: int = 1, tokens=(512, 2048), E: int = 128):
+def prefill_sweep(configs, repeats: int = 1, tokens=(512, 2048), E: int = 128):
     """Resident prefill time (all experts in GPU rows) for variants of the prefill launch config
-    (prefill_variant's syntax), beside torch bf16 on dequantized weights (timed once per T, with
-    the first variant)."""
+    ((text, config) pairs from prefill_variant), beside torch bf16 on dequantized weights (timed
+    once per T, with the first variant)."""
     from bench_gemm import bench_prefill
-    configs = [(text, prefill_variant(text)) for text in variants]   # checked before GPU work
     layout = RowLayout(2048, 768)
     torch_ms = {}
     for rep in range(repeats):
@@ -225,34 +236,47 @@ def prefill_timeline(T: int, host_fraction: float = 0.5, scratch_rows: int = 32,
     er.store.close()
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--sweep", nargs="*", metavar="NAME=INT[,...]",
-                   help="time moe_decode builds with minb / w13_split forced ('' is the rules' "
-                        "choice; none given: a split/occupancy sweep), then exit")
-    p.add_argument("--repeats", type=int, default=1, help="--sweep: rounds over the variants")
-    p.add_argument("--cases", nargs="+", default=list(SWEEP_CASES), metavar="H:T",
-                   help="--sweep: decode cases, hidden size (2048 or 4096) and tokens")
-    p.add_argument("--variant", default="", metavar="NAME=INT[,...]",
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="profile_gemm.py", description=__doc__)
+    p.add_argument("--experts", type=bounded_int(8, 1024), default=128,
+                   help="E of the default tables, --trace, --prefill-kernels and "
+                        "--prefill-timeline (in [8, 1024]: top-8 routing; --sweep uses 128)")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--sweep", nargs="*", type=parse_variant, metavar="NAME=INT[,...]",
+                      help="time moe_decode builds with minb / w13_split forced ('' is the rules' "
+                           "choice; none given: a split/occupancy sweep), then exit")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="--sweep, --prefill-sweep: rounds over the variants (>= 1)")
+    p.add_argument("--cases", nargs="+", type=parse_case, metavar="H:T",
+                   default=[parse_case(c) for c in SWEEP_CASES],
+                   help="--sweep: decode cases, hidden size (2048 or 4096) and tokens (1 to 16; "
+                        "default %s)" % " ".join(SWEEP_CASES))
+    p.add_argument("--variant", type=parse_variant, default={}, metavar="NAME=INT[,...]",
                    help="--trace: minb / w13_split of the traced build")
     p.add_argument("--hidden", type=int, choices=sorted(DIMS), default=2048,
                    help="--trace: hidden size of the traced layer (I follows: 768 or 1536)")
-    p.add_argument("--trace", type=int, nargs="*", metavar="T",
-                   help="timeline of moe_decode calls of T tokens (default 1), then exit")
-    p.add_argument("--prefill-sweep", nargs="*", metavar="NAME=INT[,...]",
-                   help="resident prefill time for variants of the prefill launch config "
-                        "(GemmConfig fields: NB, MINB, KC, KC2, W2_NS, ...; '' or default is "
-                        "the default)")
-    p.add_argument("--prefill-kernels", type=int, nargs="*", metavar="T",
-                   help="per-kernel times of resident prefill calls of T tokens, then exit")
-    p.add_argument("--prefill-timeline", type=int, nargs="*", metavar="T",
-                   help="kernel timeline of half-on-host prefill calls of T tokens, then exit")
-    p.add_argument("--scratch-rows", type=int, nargs="+", default=[32],
-                   help="--prefill-timeline: MoEGemm scratch_rows values")
-    args = p.parse_args(argv)
+    what.add_argument("--trace", type=bounded_int(1, 32), nargs="*", metavar="T",
+                      help="timeline of moe_decode calls of T tokens (1 to 32; default 1), then "
+                           "exit")
+    what.add_argument("--prefill-sweep", nargs="*", type=prefill_variant, metavar="NAME=INT[,...]",
+                      help="resident prefill time for variants of the prefill launch config "
+                           "(GemmConfig fields: NB, MINB, KC, KC2, W2_NS, ...; '' or default is "
+                           "the default)")
+    what.add_argument("--prefill-kernels", type=positive_int, nargs="*", metavar="T",
+                      help="per-kernel times of resident prefill calls of T tokens (default "
+                           "2048), then exit")
+    what.add_argument("--prefill-timeline", type=positive_int, nargs="*", metavar="T",
+                      help="kernel timeline of half-on-host prefill calls of T tokens (default "
+                           "2048), then exit")
+    p.add_argument("--scratch-rows", type=positive_int, nargs="+", default=[32],
+                   help="--prefill-timeline: MoEGemm scratch_rows values (>= 1)")
+    return p
+
+
+def main(args) -> None:
+    _cuda.require_gpu("the MoE GEMM profiler")
     if args.prefill_sweep is not None:
-        prefill_sweep(args.prefill_sweep or ["default"], repeats=args.repeats)
+        prefill_sweep(args.prefill_sweep or [prefill_variant("default")], repeats=args.repeats)
         return
     if args.prefill_kernels is not None:
         for T in args.prefill_kernels or [2048]:
@@ -261,14 +285,15 @@ def main(argv=None):
     if args.prefill_timeline is not None:
         for T in args.prefill_timeline or [2048]:
             for rows in args.scratch_rows:
-                prefill_timeline(T, scratch_rows=rows)
+                prefill_timeline(T, scratch_rows=rows, E=args.experts)
         return
     if args.sweep is not None:
-        sweep(args.sweep or SWEEP, repeats=args.repeats, cases=args.cases)
+        sweep(args.sweep or [parse_variant(v) for v in SWEEP], repeats=args.repeats,
+              cases=args.cases)
         return
     if args.trace is not None:
         for T in args.trace or [1]:
-            trace(T, override=parse_variant(args.variant, "--variant"), dims=DIMS[args.hidden])
+            trace(T, E=args.experts, override=args.variant, dims=DIMS[args.hidden])
         return
     E, K = args.experts, 8
     layout = RowLayout(2048, 768)
@@ -285,4 +310,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, build_parser()))

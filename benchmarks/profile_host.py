@@ -4,6 +4,8 @@ call. The device is synchronised before each call, so what is timed is the host'
 (argument checks, kernel lookups, launches, stream and event calls).
 
     python benchmarks/profile_host.py [--calls 50] [--top 25]
+
+Prints the profiles; writes no file.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import argparse
 import cProfile
 import io
 import pstats
+import sys
 import time
 
 import torch
 from _common import ExpertRows
 
+from cupool import _cuda
+from cupool.cli import CLIParser, positive_int, run
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout
 
@@ -40,12 +45,17 @@ def profile(fn, calls, top, label):
     print(out.getvalue())
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calls", type=int, default=50)
-    p.add_argument("--top", type=int, default=25)
-    p.add_argument("--tokens", type=int, default=512)
-    args = p.parse_args(argv)
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="profile_host.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calls", type=positive_int, default=50, help="profiled calls a case (>= 1)")
+    p.add_argument("--top", type=positive_int, default=25, help="functions listed (>= 1)")
+    p.add_argument("--tokens", type=positive_int, default=512, help="prefill tokens (>= 1)")
+    return p
+
+
+def main(args) -> None:
+    _cuda.require_gpu("the host-time profiler")
     E, K, T = 128, 8, args.tokens
     layout = RowLayout(2048, 768)
     er = ExpertRows(layout, E, store=True)
@@ -66,4 +76,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, build_parser()))

@@ -10,16 +10,21 @@ Placements: `scattered` (n random rows of the layer's 128, as bench_gemm routes)
 (the layer's first n rows: the same bytes without the spread, which tells whether address
 translation of scattered rows costs anything).
 The same run times moe_decode on bench_gemm's set-up for the comparison.
+
+Writes benchmarks/results/profile_read.json (a run with fewer layers than the default or
+--skip-decode writes nothing unless --json PATH is given).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
-from _common import capture, hbm_read_GBps, save, time_ms
+from _common import capture, hbm_read_GBps, reduced_by, results_path, save, time_ms
 
-from cupool import kernels
+from cupool import _cuda, kernels
+from cupool.cli import CLIParser, bounded_int, output_file, positive_int, run
 from cupool.layout import RowLayout
 
 PIECE = 4096
@@ -52,12 +57,28 @@ def probe(rows, stride, E, n, layers, placement, kernel, grid, gen, hbm):
             "bytes": n * row_bytes, "us": us, "GBps": gbps, "fraction_of_hbm_read": gbps / hbm}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--experts", type=int, default=128)
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="profile_read.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=positive_int, default=16,
+                   help="distinct layers in the graph (>= 1)")
+    p.add_argument("--experts", type=bounded_int(30, 1024), default=128,
+                   help="experts a layer (in [30, 1024]: cases read up to 30 distinct rows)")
     p.add_argument("--skip-decode", action="store_true", help="do not time moe_decode alongside")
-    args = p.parse_args(argv)
+    p.add_argument("--json", type=output_file, metavar="PATH",
+                   help="write the results here (default: benchmarks/results/profile_read.json, "
+                        "for a full run only)")
+    return p
+
+
+def reduced(args) -> list[str]:
+    """How this run is smaller than the default one (then it writes no canonical file)."""
+    return reduced_by(args, build_parser(), "layers", "skip_decode")
+
+
+def main(args) -> None:
+    _cuda.require_gpu("the read-ceiling probe")
+    out = results_path("profile_read", args.json, reduced(args))
     hbm = hbm_read_GBps()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"HBM read {hbm:.0f} GB/s, {sms} SMs")
@@ -86,8 +107,9 @@ def main(argv=None):
             decode.append(r)
             print(f"moe_decode H={H} T={T}: {r['us_per_layer']:.1f} us, {r['distinct_experts']:.1f} rows, "
                   f"{r['GBps']:.0f} GB/s = {r['fraction_of_hbm_read']:.2f} of HBM read", flush=True)
-    save("profile_read", {"hbm_read_GBps": hbm, "layers": args.layers, "cases": cases, "decode": decode})
+    save("profile_read", {"hbm_read_GBps": hbm, "layers": args.layers, "cases": cases,
+                          "decode": decode}, out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main, build_parser()))

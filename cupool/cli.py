@@ -131,3 +131,65 @@ def existing_dir(text: str) -> Path:
     if not p.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: no such directory")
     return p
+
+
+# --- argument types for the benchmarks and examples ----------------------------------------------
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
+def bounded_int(low: int, high: int | None = None, multiple_of: int = 1) -> Callable[[str], int]:
+    """An argument type for integers in [low, high] (no upper bound when high is None) that are
+    multiples of `multiple_of`: bounded_int(2) for '--tokens' of a decode that needs two."""
+    where = f">= {low}" if high is None else f"in [{low}, {high}]"
+    where = (f"a multiple of {multiple_of} " + ("and " if high is None else "") + where
+             if multiple_of > 1 else f"an integer {where}")
+
+    def parse(text: str) -> int:
+        v = _int(text)
+        if v < low or (high is not None and v > high) or v % multiple_of:
+            raise argparse.ArgumentTypeError(f"must be {where}, got {v}")
+        return v
+
+    parse.__name__ = where
+    return parse
+
+
+def output_file(text: str) -> Path:
+    """A file to write: its folder must exist and it must not be a folder itself."""
+    p = Path(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory, not a file")
+    if not p.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory {str(p.parent)!r}")
+    return p
+
+
+def fields(sep: str = ",", **types: Callable[[str], object]) -> Callable[[str], tuple]:
+    """An argument type for "A,B,C": one value a name, each through its own type, as a tuple.
+    fields(BLOCKS=positive_float, THREADS=positive_int) reads '0.5,256' as (0.5, 256);
+    fields("x", ROWS=positive_int, BUFFERS=positive_int) reads '32x2'."""
+    names = list(types)
+    form = sep.join(names)
+
+    def parse(text: str) -> tuple:
+        parts = text.split(sep)
+        if len(parts) != len(names):
+            raise argparse.ArgumentTypeError(f"expected {form}, got {text!r}")
+        out = []
+        for name, part in zip(names, parts):
+            try:
+                out.append(types[name](part.strip()))
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                raise argparse.ArgumentTypeError(f"{text!r}: {name}: {e}") from None
+        return tuple(out)
+
+    parse.__name__ = form
+    return parse

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -45,6 +46,7 @@ from cupool.kvcache import SlotCache
 from cupool.sampling import SamplingParams, sample
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+log = logging.getLogger("cupool")
 
 
 def cache_kwarg(model) -> str:
@@ -90,6 +92,9 @@ class Request:
         self.output_ids: list[int] = []
         self.text = ""                # detokenized output (stop string excluded)
         self._sent = 0                # characters of `text` already released in events
+        self._context = prompt_ids[-5:]   # prompt tokens that give the first tokens' spacing
+        self._prefix_at = 0           # detokenizing offsets into _context + output_ids
+        self._read_at = len(self._context)
         self.finished = False
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -204,6 +209,7 @@ class Engine:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.broken: str | None = None
+        self.broken_error: BaseException | None = None
         self.steps_run = 0
 
     # --- configuration helpers ----------------------------------------------------------------------
@@ -314,6 +320,8 @@ class Engine:
         self._incoming.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the engine's loop did not stop within {timeout} s")
             self._thread = None
         for r in self._pending + [r for r in self._slots if r is not None]:
             self._finish(r, FINISH_CANCELLED)
@@ -325,7 +333,9 @@ class Engine:
             try:
                 busy = self.iterate(block=True)
             except Exception as e:  # noqa: BLE001 (the engine reports, then refuses new work)
+                log.exception("cupool: the engine stopped")
                 self.broken = f"{type(e).__name__}: {e}"
+                self.broken_error = e
                 for r in self._pending + [r for r in self._slots if r is not None]:
                     r.error = self.broken
                     self._finish(r, FINISH_ERROR)
@@ -510,50 +520,64 @@ class Engine:
             return
         r.output_ids.append(token)
         reason = None
-        text_done = False
         if self.tokenizer is not None:
-            r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-            for s in p.stop:
-                at = r.text.find(s)
-                if at >= 0:
-                    r.text = r.text[:at]
-                    reason, text_done = FINISH_STOP, True
+            before = len(r.text)
+            self._detokenize(r)
+            if p.stop:                               # only where a stop string can newly end
+                tail = max(0, before - max(len(x) for x in p.stop) + 1)
+                hits = [(i, x) for x in p.stop if (i := r.text.find(x, tail)) >= 0]
+                if hits:
+                    r.text = r.text[:min(hits)[0]]
+                    reason = FINISH_STOP
         if reason is None and (len(r.output_ids) >= p.max_tokens
                                or len(r.prompt_ids) + len(r.output_ids) >= self.max_len):
             reason = FINISH_LENGTH
-        r.finish_reason = reason
-        self._emit(r, token, final=reason is not None, held=not text_done)
-        if reason is not None:
-            self._finish(r, reason, emit=False)
-            self._free(b)
+        if reason is None:
+            self._emit(r, token, final=False)
+            return
+        self._finish(r, reason, token)
+        self._free(b)
 
-    def _emit(self, r: Request, token: int | None, final: bool, held: bool = True) -> None:
-        """Release the text that can no longer change: while running, hold back a possible
-        start of a stop string and an incomplete character at the end."""
+    def _detokenize(self, r: Request) -> None:
+        """Append the text of r's newest token: the decode of the tokens after a lagging offset
+        minus the decode of those before the newest (a few tokens of context, so tokenizers that
+        space by context agree with a full decode); held while it ends in an incomplete
+        character."""
+        ids = r._context + r.output_ids
+        prefix = self.tokenizer.decode(ids[r._prefix_at:r._read_at], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[r._prefix_at:], skip_special_tokens=True)
+        if full.endswith("\ufffd") or not full.startswith(prefix):
+            return                                   # more bytes of a character to come
+        r.text += full[len(prefix):]
+        r._prefix_at, r._read_at = r._read_at, len(ids)
+
+    def _emit(self, r: Request, token: int | None, final: bool) -> None:
+        """Release the text that can no longer change (while running, a possible start of a stop
+        string is held back) and call the request's callback; a callback that raises cancels its
+        own request only."""
         end = len(r.text)
-        if not final:
-            if r.text.endswith("\ufffd"):
-                end = len(r.text.rstrip("\ufffd"))
-            if r.params.stop and held:
-                keep = max(len(s) for s in r.params.stop) - 1
-                end = max(r._sent, min(end, len(r.text) - keep))
+        if not final and r.params.stop:
+            keep = max(len(x) for x in r.params.stop) - 1
+            end = max(r._sent, len(r.text) - keep)
         delta = r.text[r._sent:end]
         r._sent = max(r._sent, end)
-        if final:
-            r.finished_at = time.perf_counter()
-        if final:
-            r.finished = True
-        if r.on_event is not None:
+        if r.on_event is None:
+            return
+        try:
             r.on_event(Event(r, token, delta, final, r.finish_reason if final else None))
+        except Exception as e:  # noqa: BLE001 (a caller's bug must not stop the other requests)
+            log.exception("cupool: the event callback of request %d raised; it is cancelled", r.id)
+            r.error = f"its event callback raised {type(e).__name__}: {e}"
+            r.cancelled.set()
 
-    def _finish(self, r: Request, reason: str, emit: bool = True) -> None:
-        if r.finished:
+    def _finish(self, r: Request, reason: str, token: int | None = None) -> None:
+        """End r with `reason`: the final event (with its last token, if any), then `done`."""
+        if r.done.is_set():
             return
         r.finish_reason = reason
-        if emit:
-            self._emit(r, None, final=True)
         r.finished = True
-        r.finished_at = r.finished_at or time.perf_counter()
+        r.finished_at = time.perf_counter()
+        self._emit(r, token, final=True)
         r.done.set()
 
     def _free(self, b: int) -> None:
@@ -561,6 +585,25 @@ class Engine:
         self.active[b] = False
 
     # --- facts ----------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Occupancy: running sequences, requests waiting for a slot, decode steps run so far.
+        Read from any thread (a snapshot; it may be one iteration old)."""
+        return {"running": sum(r is not None for r in self._slots),
+                "waiting": len(self._pending) + self._incoming.qsize(),
+                "slots": self.max_batch, "steps": self.steps_run}
+
+    def warmup(self) -> None:
+        """Run two tiny requests (greedy, then sampled) so that the KV cache is allocated and both
+        decode graphs are captured before the first real request; the pool's counters are reset
+        after. Call it before `start()`."""
+        if self._thread is not None:
+            raise RuntimeError("warmup() must run before start()")
+        for t in (0.0, 1.0):
+            self.generate([[0]], SamplingParams(temperature=t, max_tokens=2, seed=0,
+                                                ignore_eos=True))
+        if self.pool is not None:
+            self.pool.bank.reset_stats()
+
     def memory_parts(self) -> list[tuple[str, int, str]]:
         return [("KV cache (slots)", self.cache.nbytes(), self.device.type)]
 

@@ -16,6 +16,7 @@ hit rate, and where the GPU memory went.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -26,39 +27,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 import cupool
-from cupool import synthetic
+from cupool import _cuda, synthetic
+from cupool.cli import (
+    CLIParser,
+    bounded_int,
+    fraction,
+    nonnegative_int,
+    output_file,
+    positive_int,
+    run,
+    size,
+)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    size = p.add_mutually_exclusive_group()
-    size.add_argument("--full", action="store_true", help="the full Qwen3-30B-A3B shape (48 layers)")
-    size.add_argument("--small", action="store_true", help="a tiny model (seconds; for tests)")
-    p.add_argument("--layers", type=int, default=8, help="MoE layers (default 8; --full: 48)")
-    p.add_argument("--bank", type=float, default=0.5,
-                   help="fraction of each layer's experts the bank holds at start (default 0.5)")
-    p.add_argument("--budget", help="GPU memory the whole model may use (e.g. '20GiB'); "
-                   "overrides --bank")
-    p.add_argument("--tokens", type=int, default=128, help="tokens to decode")
-    p.add_argument("--prompt", type=int, default=16, help="prompt length")
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="decode_loop.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--full", action="store_true",
+                       help="the full Qwen3-30B-A3B shape (48 layers)")
+    shape.add_argument("--small", action="store_true", help="a tiny model (seconds; for tests)")
+    p.add_argument("--layers", type=positive_int, default=8,
+                   help="MoE layers (>= 1; default 8; --full: 48)")
+    p.add_argument("--bank", type=fraction, default=0.5,
+                   help="fraction of each layer's experts the bank holds at start (in (0, 1]; "
+                        "default 0.5)")
+    p.add_argument("--budget", type=size, help="GPU memory the whole model may use (e.g. "
+                   "'20GiB'); overrides --bank")
+    p.add_argument("--tokens", type=bounded_int(2), default=128, help="tokens to decode (>= 2)")
+    p.add_argument("--prompt", type=positive_int, default=16, help="prompt length (>= 1)")
     p.add_argument("--routing", choices=["router", "locality", "uniform"], default="locality",
                    help="router: the model's own (random, near uniform); locality/uniform: replay "
                         "a synthetic trace (locality: ~45%% reuse at the next token)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--compile", action="store_true",
                    help="fuse the dense part with torch.compile before capture (cupool's layers "
                         "stay opaque ops); the first step compiles (19 s measured for 8 layers, "
                         "more for 48); bench_decode measured 1.5-1.8x the tok/s of the "
                         "uncompiled step on an H200")
-    p.add_argument("--json", help="also write the figures to this JSON file")
-    args = p.parse_args(argv)
-    if not 0 < args.bank <= 1:
-        p.error(f"--bank must be in (0, 1], got {args.bank}")
-    if args.tokens < 2:
-        p.error("--tokens must be >= 2")
-    if args.layers < 1:
-        p.error("--layers must be >= 1")
-    return args
+    p.add_argument("--json", type=output_file, metavar="PATH",
+                   help="also write the figures to this JSON file")
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def shape_of(args) -> dict:
@@ -67,11 +80,8 @@ def shape_of(args) -> dict:
     return dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=48 if args.full else args.layers)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("decode_loop needs a CUDA GPU (torch.cuda.is_available() is False)")
-        return 1
+def main(args) -> int:
+    _cuda.require_gpu("the decode-loop example")
     shape = shape_of(args)
     L, E, K = shape["num_hidden_layers"], shape["num_experts"], shape["num_experts_per_tok"]
     H, I = shape["hidden_size"], shape["moe_intermediate_size"]
@@ -102,6 +112,8 @@ def main(argv=None) -> int:
     misses = sum(s["misses"] for s in stats)
     copied = sum(s["bytes_copied"] for s in stats)
     figures = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "layers": L, "experts": E, "top_k": K, "rows_per_layer": pool.rows_per_layer,
         "tokens": args.tokens, "routing": args.routing, "compile": args.compile,
         "tok_per_s": res.tokens_per_s,
@@ -123,4 +135,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main, build_parser()))

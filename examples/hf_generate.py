@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 import cupool
+from cupool import _cuda
+from cupool.cli import CLIParser, nonnegative_int, positive_int, run
 
 FAMILIES = {
     "qwen3_moe": dict(hidden_size=256, head_dim=32, intermediate_size=512, moe_intermediate_size=128,
@@ -31,15 +33,42 @@ FAMILIES = {
 }
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+# families whose first layers are dense: MoE layers start at this index
+FIRST_MOE = {"deepseek_v3": FAMILIES["deepseek_v3"]["first_k_dense_replace"]}
+
+
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="hf_generate.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--rows", type=int, default=None,
-                   help="bank rows per layer (default: a quarter of the experts, at least top-k)")
-    p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--layers", type=positive_int, default=4,
+                   help="decoder layers (>= 1; deepseek_v3: >= 2, its first is dense)")
+    p.add_argument("--rows", type=positive_int, default=None,
+                   help="bank rows per layer (top-k to the experts a layer; default: a quarter "
+                        "of the experts, at least top-k)")
+    p.add_argument("--tokens", type=positive_int, default=24, help="tokens to generate (>= 1)")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
+def check(args) -> None:
+    """What the types cannot see: a family whose first layers are dense needs more layers than
+    those, and --rows within [top-k, experts] of the family."""
+    first = FIRST_MOE.get(args.family, 0)
+    if args.layers <= first:
+        raise ValueError(f"--layers {args.layers}: {args.family} keeps its first {first} "
+                         f"decoder layers dense (first_k_dense_replace); give --layers >= "
+                         f"{first + 1} for a MoE layer")
+    cfg = FAMILIES[args.family]
+    E = next(cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in cfg)
+    K = cfg["num_experts_per_tok"]
+    if args.rows is not None and not K <= args.rows <= E:
+        raise ValueError(f"--rows {args.rows}: {args.family} routes top-{K} of {E} experts; give "
+                         f"--rows in [{K}, {E}]")
 
 
 def build(family: str, layers: int, seed: int):
@@ -57,11 +86,9 @@ def build(family: str, layers: int, seed: int):
     return model
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("hf_generate needs a CUDA GPU (torch.cuda.is_available() is False)")
-        return 1
+def main(args) -> int:
+    check(args)
+    _cuda.require_gpu("the transformers generate example")
     model = build(args.family, args.layers, args.seed)
     specs = cupool.adapters.find_moe_layers(model)
     E, K = specs[0].num_experts, specs[0].top_k
@@ -87,4 +114,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main, build_parser()))

@@ -1,26 +1,264 @@
-"""Benchmarks import and parse their arguments without a GPU (`--help`), and bench_decode redraws
-its plot from a results JSON (`--plot-only`, where matplotlib is installed)."""
+"""Benchmarks and examples as commands on a machine without a GPU: `--help` works; a run with
+valid arguments ends in one line on stderr saying a CUDA GPU is needed, exit code 2; a user's
+mistake in an argument ends in one line naming the argument, exit code 2, never a traceback. Also:
+reduced runs write no canonical results file, bench_decode redraws its plot from a results JSON
+(`--plot-only`, where matplotlib is installed), and ncu_source.py summarises an ncu CSV.
+
+Every script runs as a subprocess at least once (GPUs hidden: CUDA_VISIBLE_DEVICES=""), all of
+them in parallel, once for the module; each costs torch's import, so the full list of mistakes
+runs in this process through `cupool.cli.run`, the same path as the scripts' `__main__`, and a
+representative part of it as subprocesses too."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from cupool import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+EXAMPLES = ROOT / "examples"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+EXAMPLE_SCRIPTS = ("budget_report.py", "decode_loop.py", "hf_generate.py")
+MINE = ("bench_store.py", "bench_nvfp4.py", "bench_planner.py", "bench_gemm.py", "bench_decode.py",
+        "profile_decode.py", "profile_gemm.py", "profile_host.py", "profile_read.py",
+        "ncu_source.py") + EXAMPLE_SCRIPTS
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_help(script):
-    r = subprocess.run([sys.executable, str(BENCH / script), "--help"], cwd=BENCH,
-                       capture_output=True, text=True, timeout=120)
+def where(script: str) -> Path:
+    return (EXAMPLES if script in EXAMPLE_SCRIPTS else BENCH) / script
+
+
+# every GPU benchmark and example with valid arguments: one line, "needs a CUDA GPU", exit 2
+NEEDS_GPU = [
+    ["bench_store.py"],
+    ["bench_nvfp4.py", "--dtype", "fp16"],
+    ["bench_planner.py", "--skip-copy", "--lanes", "16"],
+    ["bench_gemm.py", "--layers", "8", "--scratch", "32x2", "48x3"],
+    ["bench_decode.py", "--small", "--compile"],
+    ["profile_decode.py", "--layers", "2"],
+    ["profile_gemm.py", "--sweep", "minb=4", "default"],
+    ["profile_host.py", "--tokens", "64"],
+    ["profile_read.py", "--skip-decode"],
+    ["decode_loop.py", "--small", "--bank", "1"],
+    ["hf_generate.py", "--family", "mixtral"],
+]
+
+# a user's mistake: (command, what the one line names); these run as subprocesses and in this
+# process, the list after them in this process only; every script at least once
+BAD_SUBPROCESS = [
+    (["bench_store.py", "--rows", "0"], "--rows"),
+    (["bench_gemm.py", "--layers", "-2"], "--layers"),
+    (["bench_planner.py", "--lanes", "12"], "--lanes"),                  # not a multiple of top-8
+    (["bench_decode.py", "--plot-only", "benchmarks/run_gpu.sh"], "--plot-only"),   # not JSON
+    (["budget_report.py", "--budget", "lots"], "--budget"),
+    (["decode_loop.py", "--tokens", "-3"], "--tokens"),
+    (["decode_loop.py", "--bank", "1.5"], "--bank"),                     # a fraction, (0, 1]
+]
+BAD = BAD_SUBPROCESS + [
+    (["bench_store.py", "--sizes", "1MiB", "lots"], "--sizes"),
+    (["bench_store.py", "--sizes", "17"], "--sizes"),                    # not whole 16 bytes
+    (["bench_nvfp4.py", "--hidden", "100"], "--hidden"),
+    (["bench_nvfp4.py", "--params", "-1"], "--params"),
+    (["bench_planner.py", "--copy-sweep", "2,0,4"], "--copy-sweep"),
+    (["bench_planner.py", "--experts", "4"], "--experts"),               # fewer than top-8
+    (["bench_planner.py", "--skip-plan", "--skip-copy"], "--skip"),
+    (["bench_gemm.py", "--scratch", "32"], "--scratch"),
+    (["bench_gemm.py", "--dims", "2048x700"], "--dims"),
+    (["bench_gemm.py", "--decode-tokens", "0"], "--decode-tokens"),
+    (["bench_gemm.py", "--name", "../elsewhere"], "--name"),
+    (["bench_decode.py", "--tokens", "1"], "--tokens"),
+    (["bench_decode.py", "--repeats", "0"], "--repeats"),
+    (["bench_decode.py", "--modes", "pool-75"], "--modes"),
+    (["bench_decode.py", "--json", "no/such/dir/r.json"], "--json"),
+    (["bench_decode.py", "--plot-only", "no-such.json"], "--plot-only"),
+    (["profile_decode.py", "--steps", "0"], "--steps"),
+    (["profile_decode.py", "--layers", "-2"], "--layers"),
+    (["profile_gemm.py", "--cases", "2048:17"], "--cases"),
+    (["profile_gemm.py", "--sweep", "stage=2"], "--sweep"),
+    (["profile_gemm.py", "--prefill-sweep", "NB=x"], "--prefill-sweep"),
+    (["profile_gemm.py", "--trace", "1", "--sweep"], "--sweep"),         # one diagnostic a run
+    (["profile_host.py", "--calls", "many"], "--calls"),
+    (["profile_read.py", "--experts", "8"], "--experts"),
+    (["ncu_source.py", "--top", "0", "x.csv"], "--top"),
+    (["ncu_source.py", "no-such.csv"], "csv"),
+    (["budget_report.py", "--budget", "1GiB", "--steps", "0"], "--steps"),
+    (["budget_report.py", "--budget", "1GiB", "--trace", "no-such.npz"], "--trace"),
+    (["decode_loop.py", "--bank", "0"], "--bank"),
+    (["decode_loop.py", "--budget", "lots"], "--budget"),
+    (["decode_loop.py", "--layers", "-2"], "--layers"),
+    (["hf_generate.py", "--layers", "-2"], "--layers"),
+    (["hf_generate.py", "--family", "deepseek_v3", "--layers", "1"], "--layers"),  # first is dense
+    (["hf_generate.py", "--rows", "1"], "--rows"),                       # fewer than top-k
+]
+
+HELP = [[s, "--help"] for s in SCRIPTS]
+
+
+def key(cmd) -> str:
+    return " ".join(cmd)
+
+
+def _run(cmd) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, str(where(cmd[0])), *cmd[1:]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def ran() -> dict[str, subprocess.CompletedProcess]:
+    """Every subprocess command of this file, run once, in parallel."""
+    cmds = HELP + NEEDS_GPU + [c for c, _ in BAD_SUBPROCESS]
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(zip(map(key, cmds), pool.map(_run, cmds)))
+
+
+def one_line(stderr: str, rc: int, script: str) -> str:
+    """The single stderr line of a command that ended on a user's mistake."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr[-3000:]
+    assert rc == 2, (rc, stderr)
+    assert lines[0].startswith(f"{script}: error: "), lines[0]
+    return lines[0]
+
+
+def load(script: str):
+    """A script as a module (its `__main__` block not run)."""
+    path = where(script)
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(f"cli_{path.stem}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod                   # dataclasses look their module up
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(path.parent))
+    return mod
+
+
+def in_process(cmd, monkeypatch) -> int:
+    """`cmd` through cupool.cli.run, as the script's `__main__` does; its exit code."""
+    monkeypatch.chdir(ROOT)
+    mod = load(cmd[0])
+    try:
+        return cli.run(mod.main, mod.build_parser(), cmd[1:])
+    except SystemExit as e:                       # argparse's own exit, as in the script
+        return e.code
+
+
+@pytest.mark.parametrize("cmd", HELP, ids=key)
+def test_help(ran, cmd):
+    r = ran[key(cmd)]
     assert r.returncode == 0, r.stderr[-2000:]
     assert "usage:" in r.stdout
+
+
+@pytest.mark.parametrize("script", EXAMPLE_SCRIPTS)
+def test_help_examples(script, capsys):
+    with pytest.raises(SystemExit) as e:
+        load(script).build_parser().parse_args(["--help"])
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", NEEDS_GPU, ids=key)
+def test_needs_gpu_in_one_line(ran, cmd):
+    r = ran[key(cmd)]
+    assert "needs a CUDA GPU" in one_line(r.stderr, r.returncode, cmd[0])
+
+
+@pytest.mark.parametrize("cmd,names", BAD, ids=[key(c) for c, _ in BAD])
+def test_bad_argument_in_one_line(cmd, names, monkeypatch, capsys):
+    rc = in_process(cmd, monkeypatch)
+    line = one_line(capsys.readouterr().err, rc, cmd[0])
+    assert names in line and "needs a CUDA GPU" not in line, line
+
+
+@pytest.mark.parametrize("cmd,names", BAD_SUBPROCESS, ids=[key(c) for c, _ in BAD_SUBPROCESS])
+def test_bad_argument_in_one_line_subprocess(ran, cmd, names):
+    r = ran[key(cmd)]
+    line = one_line(r.stderr, r.returncode, cmd[0])
+    assert names in line and "needs a CUDA GPU" not in line, line
+
+
+def test_every_script_covered():
+    as_subprocess = {c[0] for c in NEEDS_GPU} | {c[0] for c, _ in BAD_SUBPROCESS}
+    assert set(MINE) - {"ncu_source.py"} <= as_subprocess      # ncu_source: test_ncu_source_*
+    assert set(MINE) <= {c[0] for c, _ in BAD}
+    assert set(MINE) - set(EXAMPLE_SCRIPTS) <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script,argv,reduced", [
+    ("bench_gemm", [], False),
+    ("bench_gemm", ["--layers", "8"], True),
+    ("bench_gemm", ["--decode-tokens", "1"], True),
+    ("bench_gemm", ["--scratch", "32x2", "48x3"], True),                  # a sweep
+    ("bench_gemm", ["--decode-tokens", "1", "4", "8", "--layers", "24"], False),
+    ("bench_decode", ["--compile", "--modes", "pool-serial"], False),     # a part of a split run
+    ("bench_decode", ["--small"], True),
+    ("bench_decode", ["--tokens", "16"], True),
+    ("bench_planner", ["--copy-sweep", "2,512,4"], False),
+    ("bench_planner", ["--skip-copy", "--experts", "128", "--lanes", "8", "--replays", "20"], True),
+    ("bench_store", ["--rows", "16"], False),
+    ("bench_store", ["--sizes", "2MiB"], True),
+    ("bench_nvfp4", ["--experts", "16"], True),
+    ("profile_read", ["--skip-decode"], True),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else str(v))
+def test_reduced_runs_write_no_canonical_file(script, argv, reduced, tmp_path, capsys):
+    """A full run writes benchmarks/results/<name>.json; a reduced one nothing unless --json."""
+    common, mod = load("_common.py"), load(f"{script}.py")
+    why = mod.reduced(mod.build_parser().parse_args(argv))
+    assert bool(why) == reduced, why
+    path = common.results_path(script, None, why)
+    assert (path is None) == reduced
+    assert path is None or path == common.RESULTS / f"{script}.json"
+    assert common.results_path(script, tmp_path / "r.json", why) == tmp_path / "r.json"
+
+
+def test_bench_decode_merge_refusals(tmp_path):
+    """--merge adds to a results file of the same shape, tokens and compile setting only."""
+    bd = load("bench_decode.py")
+    run = {"shape": {"num_hidden_layers": 48}, "tokens": 256, "compile": True}
+    with pytest.raises(ValueError, match="--json PATH"):
+        bd.merged_modes(None, run)                        # a reduced run writes no file
+    with pytest.raises(FileNotFoundError, match="nothing to merge into"):
+        bd.merged_modes(tmp_path / "none.json", run)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({**run, "compile": False, "modes": {"resident": {}}}))
+    with pytest.raises(ValueError, match="compile=False"):
+        bd.merged_modes(path, run)
+    path.write_text(json.dumps({**run, "tokens": 16, "modes": {"resident": {}}}))
+    with pytest.raises(ValueError, match="tokens=16"):
+        bd.merged_modes(path, run)
+    path.write_text(json.dumps({**run, "modes": {"resident": {"locality": {}}}}))
+    assert bd.merged_modes(path, run) == {"resident": {"locality": {}}}
+
+
+def test_argument_types():
+    from cupool.cli import bounded_int, fields, output_file, positive_float, positive_int
+    assert bounded_int(2)("2") == 2 and bounded_int(16, multiple_of=16)("48") == 48
+    assert fields("x", ROWS=positive_int, BUFFERS=positive_int)("32x2") == (32, 2)
+    assert fields(A=positive_float, B=positive_int)("0.25,8") == (0.25, 8)
+    assert positive_float("1e9") == 1e9
+    for parse, text, says in ((bounded_int(2), "1", ">= 2"), (bounded_int(1, 32), "33", "[1, 32]"),
+                              (bounded_int(16, multiple_of=16), "24", "multiple of 16"),
+                              (fields(A=positive_int, B=positive_int), "1", "expected A,B"),
+                              (fields(A=positive_int, B=positive_int), "1,0", "B: must be"),
+                              (positive_float, "0", "> 0"), (positive_float, "nan", "> 0"),
+                              (output_file, "/no/such/dir/x.json", "no such directory")):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
+            parse(text)
 
 
 def test_bench_decode_plot_only(tmp_path):
@@ -76,17 +314,17 @@ def test_ncu_source_summary(tmp_path):
     bad.write_text("not,an,ncu,file\n")
     r = subprocess.run([sys.executable, str(BENCH / "ncu_source.py"), str(bad)],
                        cwd=BENCH, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "no \"Address\" header" in r.stderr
+    assert "no \"Address\" header" in one_line(r.stderr, r.returncode, "ncu_source.py")
 
 
 def test_profile_gemm_cases():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import profile_gemm
-    finally:
-        sys.path.remove(str(BENCH))
+    profile_gemm = load("profile_gemm.py")
     assert profile_gemm.parse_case("2048:3") == ((2048, 768), 3)
     assert profile_gemm.parse_case("4096:16") == ((4096, 1536), 16)
     for bad in ("2048", "1024:1", "2048:0", "2048:17", "x:1"):
-        with pytest.raises(SystemExit, match="--cases"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected H:T"):
             profile_gemm.parse_case(bad)
+    assert profile_gemm.parse_variant("minb=4,w13_split=2") == {"minb": 4, "w13_split": 2}
+    assert profile_gemm.parse_variant("default") == {}
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME=INT"):
+        profile_gemm.parse_variant("stage=2")

@@ -159,3 +159,42 @@ def test_no_deprecated_transformers_call():
         warnings.simplefilter("error", DeprecationWarning)
         Engine(model, max_batch=2, max_len=24).generate(prompts(7, [4, 6]),
                                                         SamplingParams(max_tokens=4))
+
+
+def test_done_is_set_for_every_finish_and_callbacks_cannot_stop_others():
+    model = hf_model("qwen3_moe", seed=11)
+    eng = Engine(model, max_batch=2, max_len=32, eos_token_id=[])
+    (r,) = eng.generate(prompts(8, [3]), SamplingParams(max_tokens=4))
+    assert r.finish_reason == "length" and r.done.is_set()
+    calls = [0]
+
+    def bad(ev):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("a bug in the caller")
+    broken = eng.submit(prompts(9, [5])[0], SamplingParams(max_tokens=20), bad)
+    fine = eng.submit(prompts(10, [4])[0], SamplingParams(max_tokens=20))
+    eng.run_until_idle()
+    assert broken.finish_reason == "cancelled" and "callback raised" in broken.error
+    assert fine.finish_reason == "length" and len(fine.output_ids) == 20
+    assert eng.stats()["running"] == 0 and eng.broken is None
+
+
+def test_incremental_text_equals_a_full_decode_and_stops_cut_it():
+    from serve_fixtures import build_tokenizer
+    tok = build_tokenizer()
+    model = hf_model("qwen3_moe", seed=12)
+    eng = Engine(model, tokenizer=tok, max_batch=2, max_len=48, eos_token_id=[])
+    ps = prompts(11, [5, 8])
+    pieces = {0: [], 1: []}
+    reqs = eng.generate(ps, SamplingParams(max_tokens=30),
+                        on_event=lambda ev: pieces[ev.request.id % 2].append(ev.text))
+    for r in reqs:
+        full = tok.decode(r.output_ids, skip_special_tokens=True)
+        assert r.text == full
+        assert "".join(pieces[r.id % 2]) == full
+    text = reqs[0].text
+    stop = text[10:12] if len(text) >= 12 else None
+    if stop:
+        cut = eng.generate([ps[0]], SamplingParams(max_tokens=30, stop=[stop]))[0]
+        assert cut.finish_reason == "stop" and cut.text == text[:text.find(stop)]

@@ -50,7 +50,9 @@ def test_budget_report_runs_on_cpu():
 def test_budget_report_too_small():
     r = subprocess.run([sys.executable, str(EXAMPLES / "budget_report.py"), "--budget", "1MiB",
                         "--small", "--steps", "8"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "too small" in r.stdout
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "too small" in lines[0], r.stderr
 
 
 @pytest.mark.gpu

@@ -99,6 +99,10 @@ def test_wheel_ships_kernel_sources(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for src in (ROOT / "rawkernels").glob("*.cu*"):
         assert f"cupool/rawkernels/{src.name}" in names, f"{src.name} missing from the wheel"
+    for src in (ROOT / "cupool").rglob("*.py"):                 # every module, subpackages too
+        rel = src.relative_to(ROOT).as_posix()
+        assert rel in names, f"{rel} missing from the wheel (pyproject's packages list)"
+    assert any(n.endswith("/LICENSE") or n.endswith("licenses/LICENSE") for n in names)
 
 
 def test_version():

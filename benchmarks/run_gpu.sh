@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in stages, run from the checkout's root on a machine with a GPU:
+#
+#     benchmarks/run_gpu.sh tests sanitize bench decode
+#
+# Each stage's output goes to a log in $OUT (default .out/); a summary line a stage (exit code,
+# seconds, the log's last pytest/sanitizer/error line) is printed last. Benchmarks write their
+# canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
+#
+# Stages: wrap, gemm-tests, tests, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
+# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-source, ncu-prefill, profile-decode,
+# bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
+# decode-compile, decode-compile-serial, decode-compile-rest.
+#
+# Settings (environment):
+#   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
+#   SWEEP_CASES="2048:1 4096:4"   its decode cases, H:T;  SWEEP_REPEATS=2  rounds over them
+#   PREFILL_SWEEP="default NB=2,MINB=1"  prefill launch configs of `prefill-sweep`
+#   GEMM_ARGS="..."               extra bench_gemm.py arguments of `gemm-bench`
+#   TESTS_TIMEOUT, SANITIZE_TIMEOUT  seconds of the `tests` and `sanitize-gemm` stages
+#   COPY="bench_gemm.json ..."    results files copied into $OUT at the end
+#   BUNDLE=1                      packs the logs and benchmarks/results/ into $OUT/bundle.tgz
+set -u
+OUT=${OUT:-.out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+summary=()
+# pytest's per-test timeout where the plugin is installed (unquoted below: empty or two words,
+# as $PLANNER_SWEEP, $NCU_SECTIONS, $SWEEP and the other lists of words are split on purpose)
+PYTEST_TIMEOUT=
+if python3 -c "import pytest_timeout" 2>/dev/null; then PYTEST_TIMEOUT="--timeout 300"; fi
+PYTEST=(python3 -m pytest -m gpu -q -p no:cacheprovider -ra)
+# copy-kernel grids timed beside the Bank's own: "ld" (SM loads) and "bulk" (cp.async.bulk)
+PLANNER_SWEEP="--copy-sweep 2,512,4 0.25,256,8 --bulk-sweep 1,16,4 0.5,16,4 0.25,16,4 0.25,32,4 0.125,32,4"
+NCU_SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis"
+NCU_SOURCE="ncu --clock-control none --section WarpStateStats --section SourceCounters --page source --print-source sass --csv"
+run() {  # name, timeout seconds, command...
+  local name=$1 t=$2; shift 2
+  local t0=$SECONDS
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$name rc=$rc $((SECONDS - t0))s: $(grep -E 'passed|failed|ERROR SUMMARY|error|Error' "$OUT/$name.log" | tail -1)")
+}
+for stage in "$@"; do
+  case $stage in
+    wrap)     run pytest_wrap 300 "${PYTEST[@]}" $PYTEST_TIMEOUT -s tests/test_gpu_wrap.py tests/test_examples.py ;;
+    gemm-tests) run pytest_gemm 200 "${PYTEST[@]}" tests/test_gpu_gemm.py ;;
+    tests)    run pytest_gpu "${TESTS_TIMEOUT:-480}" "${PYTEST[@]}" $PYTEST_TIMEOUT tests ;;
+    sanitize) run memcheck 150 compute-sanitizer --tool memcheck python3 tests/gpu_planner_sanitize.py
+              run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
+    sanitize-decode) for tool in memcheck racecheck synccheck; do
+              run "decode_$tool" 200 compute-sanitizer --tool $tool python3 tests/gpu_decode_sanitize.py; done ;;
+    sanitize-gemm) for tool in memcheck racecheck synccheck; do
+              run "gemm_$tool" "${SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool $tool python3 tests/gpu_gemm_sanitize.py; done ;;
+    profile)  run profile 120 python3 benchmarks/profile_gemm.py ;;
+    sweep)    run sweep 300 python3 benchmarks/profile_gemm.py --sweep ${SWEEP:-} --repeats "${SWEEP_REPEATS:-1}" ${SWEEP_CASES:+--cases $SWEEP_CASES} ;;
+    prefill-kernels) run prefill_kernels 120 python3 benchmarks/profile_gemm.py --prefill-kernels 512 2048 ;;
+    prefill-sweep) run prefill_sweep 400 python3 benchmarks/profile_gemm.py --prefill-sweep ${PREFILL_SWEEP:-default} --repeats "${SWEEP_REPEATS:-1}" ;;
+    trace)    run trace 120 python3 benchmarks/profile_gemm.py --trace 1 4
+              run trace_4096 120 python3 benchmarks/profile_gemm.py --trace 1 4 --hidden 4096 ;;
+    read)     run profile_read 240 python3 benchmarks/profile_read.py ;;
+    ncu)      run ncu_gemm 200 ncu --clock-control none $NCU_SECTIONS -k regex:"moe_decode|route_decode|moe_w13|moe_w2" --launch-skip 3 -c 3 python3 benchmarks/profile_gemm.py
+              run ncu_plan 200 ncu --clock-control none $NCU_SECTIONS -k regex:"plan_step" --launch-skip 200 -c 2 python3 benchmarks/bench_planner.py --skip-copy --experts 128 --lanes 8 --replays 20 ;;
+    ncu-source) run ncu_source 200 $NCU_SOURCE -k regex:moe_decode --launch-skip 3 -c 1 python3 benchmarks/profile_gemm.py
+              gzip -f "$OUT/ncu_source.log" ;;   # summarise with benchmarks/ncu_source.py
+    ncu-prefill) run prefill_kernels 120 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
+              run ncu_prefill 300 ncu --clock-control none $NCU_SECTIONS --section ComputeWorkloadAnalysis -k regex:"moe_w13|moe_w2" --launch-skip 2 -c 2 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
+              for k in moe_w13 moe_w2; do
+                run "ncu_source_$k" 300 $NCU_SOURCE -k regex:$k --launch-skip 1 -c 1 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
+                gzip -f "$OUT/ncu_source_$k.log"; done ;;
+    profile-decode) run profile_decode 200 python3 benchmarks/profile_decode.py --json "$OUT/profile_decode.json"
+              run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --compile --layers 8 --json "$OUT/profile_decode_compiled.json" ;;
+    bench)    run bench_store 120 python3 benchmarks/bench_store.py --rows 16
+              run bench_nvfp4 120 python3 benchmarks/bench_nvfp4.py
+              run bench_planner 180 python3 benchmarks/bench_planner.py $PLANNER_SWEEP
+              run bench_gemm 240 python3 benchmarks/bench_gemm.py --layers 16 ;;
+    planner)  run bench_planner 150 python3 benchmarks/bench_planner.py $PLANNER_SWEEP ;;
+    gemm-bench) run bench_gemm 150 python3 benchmarks/bench_gemm.py --layers 16 ${GEMM_ARGS:-} ;;
+    example)  run decode_loop 300 python3 examples/decode_loop.py --json "$OUT/decode_loop.json" ;;
+    decode)   run bench_decode 560 python3 benchmarks/bench_decode.py ;;
+    decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 --json "$OUT/bench_decode_small.json" ;;
+    decode-compile-small) run bench_decode_small_compiled 300 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 2 --compile --json "$OUT/bench_decode_small_compiled.json" ;;
+    # the canonical bench_decode.json in three parts, each merged into the one before
+    decode-compile) run bench_decode_compiled 590 python3 benchmarks/bench_decode.py --compile --modes pool resident uva-graph ;;
+    decode-compile-serial) run bench_decode_compiled_serial 590 python3 benchmarks/bench_decode.py --compile --merge --modes pool-serial ;;
+    decode-compile-rest) run bench_decode_compiled_rest 590 python3 benchmarks/bench_decode.py --compile --merge --modes uva-eager hf-bf16 ;;
+    *)        summary+=("$stage: no such stage (see the list at the top of $0)") ;;
+  esac
+done
+for f in ${COPY:-}; do cp "benchmarks/results/$f" "$OUT/" 2>/dev/null || summary+=("COPY: no benchmarks/results/$f"); done
+if [ -n "${BUNDLE:-}" ]; then   # everything in one file: logs and every results file
+  cp -r benchmarks/results "$OUT/results"
+  tar czf bundle.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv bundle.tgz "$OUT/"
+fi
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,475 @@
+"""The OpenAI-compatible HTTP API over one `cupool.Engine`: `create_app(engine, tokenizer,
+model_name)` returns the FastAPI app.
+
+Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions,
+GET /health. The request and response formats are in `cupool.serve.protocol`.
+
+How a generation runs: the handler checks and tokenizes the request (tokenizing on a worker
+thread), submits one engine request per prompt (`Engine.submit` only queues), and waits for the
+engine's events, which its callback hands from the engine's thread to the event loop with
+`call_soon_threadsafe`. Nothing on the event loop waits for the engine, so every HTTP request
+is submitted to the one engine at once and concurrent requests share its decode batch.
+
+A client that goes away cancels its engine requests, which frees their slots: a stream when
+sending to it fails or uvicorn reports the disconnect, a non-streaming request when uvicorn
+reports the disconnect while it waits.
+
+Errors are OpenAI's error object with a fitting status: request validation (FastAPI's 422) is
+turned into 400, an unknown model is 404 `model_not_found`, anything unexpected is a 500 with
+a generic message while the traceback goes to the log ("cupool.serve").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import json
+import logging
+import re
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cupool.serve import protocol as P
+from cupool.serve.protocol import APIError, bad_request
+
+log = logging.getLogger("cupool.serve")
+
+
+class ServerState:
+    """What the app serves, and counts of finished engine requests by finish_reason."""
+
+    def __init__(self, engine, tokenizer, model_name: str):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.created = int(time.time())
+        self.finished: collections.Counter = collections.Counter()
+        self.running = 0
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "cupool", "max_model_len": self.engine.max_len}
+
+
+class Generation:
+    """The engine requests of one HTTP request (one per prompt), their events handed from the
+    engine's thread to the event loop.
+
+    `events()` yields (choice index, Event) until every request has finished; `cancel()` cancels
+    those that have not (idempotent)."""
+
+    def __init__(self, state: ServerState, prompts: list[list[int]], params: list,
+                 prompt_param: str = "prompt"):
+        self.state = state
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.requests = []
+        self.index: dict[int, int] = {}
+        self.started = time.perf_counter()
+        try:
+            for i, (ids, sp) in enumerate(zip(prompts, params)):
+                self._submit(i, len(prompts), ids, sp, prompt_param)
+        except BaseException:
+            self.cancel()
+            raise
+
+    def _submit(self, i: int, n: int, ids: list[int], sp, prompt_param: str) -> None:
+        try:
+            r = self.state.engine.submit(ids, sp, self._on_event)
+        except ValueError as e:                  # the engine's checks: context, vocabulary
+            where = f"prompt {i}: " if n > 1 else ""
+            code = "context_length_exceeded" if "exceed the context" in str(e) else None
+            raise bad_request(f"{where}{e}", prompt_param, code) from None
+        except RuntimeError as e:                # the engine stopped after an error
+            log.error("refusing a request: %s", e)
+            raise APIError(503, "the server cannot generate: its engine stopped after an error "
+                           "(see the server's log)", type="server_error") from None
+        self.requests.append(r)
+        self.index[r.id] = i
+        self.state.running += 1
+
+    def _on_event(self, ev) -> None:
+        """On the engine's thread: hand the event to the loop (cancel when the loop is gone)."""
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, ev)
+        except RuntimeError:                     # the event loop is closed: no one listens
+            ev.request.cancel()
+
+    def _deliver(self, ev) -> None:
+        """On the loop: count a finished request, queue the event for `events()`."""
+        if ev.finished:
+            self.state.running -= 1
+            self.state.finished[ev.finish_reason] += 1
+            if ev.finish_reason == "error":
+                log.error("request %d failed in the engine: %s", ev.request.id, ev.request.error)
+        self.queue.put_nowait(ev)
+
+    async def events(self):
+        """(choice index, Event) as they land, until every request has finished (once)."""
+        remaining = len(self.requests)
+        while remaining:
+            ev = await self.queue.get()
+            if ev.finished:
+                remaining -= 1
+            yield self.index[ev.request.id], ev
+
+    async def wait(self) -> None:
+        """Until every request has finished."""
+        async for _ in self.events():
+            pass
+
+    def cancel(self) -> None:
+        """Cancel the requests that have not finished (their slots free at the engine's next
+        iteration)."""
+        for r in self.requests:
+            if not r.finished:
+                r.cancel()
+
+    def usage(self) -> dict:
+        """OpenAI's usage object over every request (read once they have finished)."""
+        return P.usage(sum(len(r.prompt_ids) for r in self.requests),
+                       sum(len(r.output_ids) for r in self.requests))
+
+    def log_done(self, what: str, rid: str) -> None:
+        u = self.usage()
+        reasons = ",".join(sorted({str(r.finish_reason) for r in self.requests}))
+        log.info("%s %s: %d prompt + %d completion tokens, %s, %.3f s", what, rid,
+                 u["prompt_tokens"], u["completion_tokens"], reasons,
+                 time.perf_counter() - self.started)
+
+
+def outcome_error(r) -> APIError | None:
+    """The error a finished engine request reports to its client (None: it completed)."""
+    if r.finish_reason == "error":
+        return APIError(500, "generation failed in the engine (see the server's log)",
+                        type="server_error")
+    if r.finish_reason == "cancelled":
+        return APIError(503, "the generation was cancelled: the server is shutting down",
+                        type="server_error")
+    return None
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream that calls `on_close` however it ends: completed, the client
+    gone (sending failed or uvicorn reported the disconnect), or the server stopping."""
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close):
+        super().__init__(content, headers={"Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying `obj` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def disconnected(request: Request) -> None:
+    """Return when uvicorn reports that the client of `request` went away (its body is read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_done(gen: Generation, request: Request) -> bool:
+    """Wait for every engine request of `gen`; False (and the requests cancelled) where the
+    client disconnects first."""
+    waiting = asyncio.ensure_future(gen.wait())
+    gone = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        finished = waiting.done()
+        if not finished:
+            waiting.cancel()
+            gen.cancel()
+    if not finished:
+        return False
+    waiting.result()                         # raises what the wait raised
+    return True
+
+
+def _guarded(handler):
+    """Turn an unexpected exception of an endpoint into a logged 500 (APIError passes)."""
+    @functools.wraps(handler)
+    async def run(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except APIError:
+            raise
+        except Exception as e:
+            log.exception("internal error in %s", handler.__name__)
+            raise APIError(500, f"internal server error ({type(e).__name__}); see the server's "
+                           f"log", type="server_error") from None
+    return run
+
+
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\])$")   # in pydantic's locs
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line for FastAPI's validation errors, and the parameter it concerns."""
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [x for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            pos = f" at character {loc[0]}" if loc else ""
+            return f"the request body is not valid JSON: {detail}{pos}", None
+        name = ""
+        for x in loc:
+            name += f"[{x}]" if isinstance(x, int) else (f".{x}" if name else str(x))
+        if param is None:
+            param = name or None
+        if kind == "missing" and not loc:
+            parts.append("the request needs a JSON object as its body")
+        elif kind == "model_attributes_type" and not loc:
+            parts.append("the request body must be a JSON object (content-type: application/json)")
+        elif kind == "missing":
+            parts.append(f"{name} is required")
+        elif kind == "extra_forbidden":
+            parts.append(f"unknown or unsupported parameter {name!r}")
+        elif kind == "value_error":
+            parts.append(str((err.get("ctx") or {}).get("error", err.get("msg"))))
+        else:
+            parts.append(f"{name}: {err.get('msg')}" if name else str(err.get("msg")))
+        if len(parts) == 3:
+            break
+    return "; ".join(parts) or "invalid request", param
+
+
+def create_app(engine, tokenizer, model_name: str) -> FastAPI:
+    """The FastAPI app serving `engine` (started by the caller: `engine.start()`) as
+    `model_name`; `tokenizer` (None: token-id prompts only, no chat) tokenizes prompts and
+    applies the chat template."""
+    state = ServerState(engine, tokenizer, model_name)
+    app = FastAPI(title="cupool", summary="OpenAI-compatible API of a cupool Engine",
+                  version=_version())
+    app.state.cupool = state
+
+    # --- errors -------------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return JSONResponse(P.error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "unknown_url", 405: "method_not_allowed"}.get(exc.status_code)
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(P.error_body(message, kind, code=code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        log.error("unhandled error on %s %s", request.method, request.url.path,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        return JSONResponse(P.error_body("internal server error; see the server's log",
+                                         "server_error"), status_code=500)
+
+    # --- helpers --------------------------------------------------------------------------------------
+    def check_model(name: str) -> None:
+        if name != state.model_name:
+            raise APIError(404, f"the model {name!r} does not exist: this server serves "
+                           f"{state.model_name!r}", param="model", code="model_not_found")
+
+    def params_for(req, prompts: list[list[int]]) -> list:
+        if req.stop and state.tokenizer is None:
+            raise bad_request("stop strings need a tokenizer and this model has none: use "
+                              "stop_token_ids", "stop")
+        asked = P.requested_max_tokens(req)
+        out = []
+        for ids in prompts:
+            n = asked if asked is not None else P.default_max_tokens(len(ids), engine.max_len)
+            out.append(P.sampling_params(req, n))
+        return out
+
+    def tokenize_prompts(prompt) -> list[list[int]]:
+        items = [prompt] if isinstance(prompt, str) or (
+            prompt and all(isinstance(x, int) for x in prompt)) else list(prompt)
+        if not items:
+            raise bad_request("prompt is empty: give a string or token ids", "prompt")
+        out = []
+        for p in items:
+            if isinstance(p, str):
+                if state.tokenizer is None:
+                    raise bad_request("this model has no tokenizer: give the prompt as token "
+                                      "ids (a list of ints)", "prompt")
+                out.append(list(state.tokenizer(p)["input_ids"]))
+            else:
+                out.append(list(p))
+        return out
+
+    def chat_prompt(messages: list[dict]) -> list[int]:
+        tok = state.tokenizer
+        if tok is None:
+            raise bad_request("this model has no tokenizer, so no chat template: use "
+                              "/v1/completions with token-id prompts", "messages")
+        if not getattr(tok, "chat_template", None):
+            raise bad_request("this model's tokenizer has no chat template: use "
+                              "/v1/completions", "messages")
+        from jinja2 import TemplateError
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as e:
+            raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def token_ids(req, r) -> list[int] | None:
+        return list(r.output_ids) if req.return_token_ids else None
+
+    # --- endpoints ------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if engine.broken:
+            return JSONResponse(P.error_body(f"the engine stopped after an error: "
+                                             f"{engine.broken}", "server_error"), status_code=503)
+        return {"status": "ok", "running": state.running, "finished": dict(state.finished)}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [state.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        check_model(model_id)
+        return state.model_card()
+
+    @app.post("/v1/completions")
+    @_guarded
+    async def completions(body: P.CompletionRequest, request: Request):
+        check_model(body.model)
+        P.check_completion(body)
+        prompts = await run_in_threadpool(tokenize_prompts, body.prompt)
+        params = params_for(body, prompts)
+        gen = Generation(state, prompts, params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return EventStream(_stream_completion(gen, body, rid, created), gen.cancel)
+        if not await until_done(gen, request):      # no one reads this: the client is gone
+            return JSONResponse(P.error_body("the client disconnected"), status_code=499)
+        for r in gen.requests:
+            if (err := outcome_error(r)) is not None:
+                raise err
+        gen.log_done("completion", rid)
+        choices = [P.completion_choice(i, r.text, P.FINISH_REASONS[r.finish_reason],
+                                       token_ids(body, r),
+                                       r.prompt_ids if body.return_token_ids else None)
+                   for i, r in enumerate(gen.requests)]
+        return P.envelope("text_completion", rid, created, state.model_name, choices,
+                          gen.usage())
+
+    @app.post("/v1/chat/completions")
+    @_guarded
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        P.check_chat(body)
+        ids = await run_in_threadpool(chat_prompt, P.chat_messages(body))
+        params = params_for(body, [ids])
+        gen = Generation(state, [ids], params, prompt_param="messages")
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return EventStream(_stream_chat(gen, body, rid, created), gen.cancel)
+        if not await until_done(gen, request):
+            return JSONResponse(P.error_body("the client disconnected"), status_code=499)
+        r = gen.requests[0]
+        if (err := outcome_error(r)) is not None:
+            raise err
+        gen.log_done("chat completion", rid)
+        choice = P.chat_choice(0, r.text, P.FINISH_REASONS[r.finish_reason], token_ids(body, r),
+                               r.prompt_ids if body.return_token_ids else None)
+        return P.envelope("chat.completion", rid, created, state.model_name, [choice],
+                          gen.usage())
+
+    # --- streams --------------------------------------------------------------------------------------
+    def include_usage(body) -> bool:
+        return bool(body.stream_options and body.stream_options.include_usage)
+
+    async def _stream(gen: Generation, body, rid: str, created: int, obj: str, what: str,
+                      first, piece, last):
+        """The chunks of a stream: `first()` (or None), then `piece(index, text, token_ids)`
+        per event with text, `last(index, finish_reason)` per finished request, the usage chunk
+        where asked, and [DONE]. A request that fails ends the stream with an error object."""
+        with_usage = include_usage(body)
+
+        def chunk(choices, usage_=None):
+            return sse(P.envelope(obj, rid, created, state.model_name, choices, usage_,
+                                  with_usage_key=with_usage))
+        try:
+            if first is not None:
+                yield chunk([first()])
+            async for i, ev in gen.events():
+                ids = [ev.token_id] if body.return_token_ids and ev.token_id is not None else None
+                if ev.text or ids:
+                    yield chunk([piece(i, ev.text, ids)])
+                if ev.finished:
+                    if (err := outcome_error(ev.request)) is not None:
+                        gen.cancel()
+                        yield sse(err.body())
+                        yield SSE_DONE
+                        return
+                    yield chunk([last(i, P.FINISH_REASONS[ev.finish_reason])])
+            if with_usage:
+                yield chunk([], gen.usage())
+            yield SSE_DONE
+            gen.log_done(what, rid)
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except Exception as e:
+            gen.cancel()
+            log.exception("internal error in the stream of %s", rid)
+            yield sse(P.error_body(f"internal server error ({type(e).__name__}); see the "
+                                   f"server's log", "server_error"))
+            yield SSE_DONE
+        finally:
+            gen.cancel()
+
+    def _stream_completion(gen, body, rid, created):
+        return _stream(
+            gen, body, rid, created, "text_completion", "completion", None,
+            lambda i, text, ids: P.completion_chunk_choice(i, text, None, ids),
+            lambda i, reason: P.completion_chunk_choice(i, "", reason))
+
+    def _stream_chat(gen, body, rid, created):
+        return _stream(
+            gen, body, rid, created, "chat.completion.chunk", "chat completion",
+            lambda: P.chat_chunk_choice(0, {"role": "assistant", "content": ""}, None),
+            lambda i, text, ids: P.chat_chunk_choice(i, {"content": text}, None, ids),
+            lambda i, reason: P.chat_chunk_choice(i, {}, reason))
+
+    return app
+
+
+def _version() -> str:
+    from cupool import __version__
+    return __version__

@@ -1,0 +1,277 @@
+"""The `serve` subcommand: `add_arguments(parser)` declares its options, `run(args) -> int` serves
+(`HELP` is its one-line description for a subparser).
+
+    python -m cupool serve --model DIR [--budget 40GiB] [--host 127.0.0.1 --port 8000]
+
+`run` checks every option before it loads anything: a user's mistake (a missing directory, no
+config.json, a port outside 0..65535, --max-batch < 1, a budget that does not parse, a CUDA
+device that is not there, a port already taken) ends with one line on stderr and exit code 2.
+Then it binds the port, loads the model (`cupool.serve.loader`), starts one `cupool.Engine`,
+and runs the FastAPI app (`cupool.serve.app`) under uvicorn until Ctrl-C, printing the URL once
+it is ready. Importing this module imports neither FastAPI nor uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import logging
+import socket
+import sys
+from pathlib import Path
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PROG = "cupool serve"
+HELP = "serve a model directory over an OpenAI-compatible HTTP API (FastAPI + uvicorn)"
+
+
+class UsageError(ValueError):
+    """An option the user gave cannot be served (the message is the one line printed)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `serve`. Numbers are checked by `run`, so that every mistake reads the
+    same: one line and exit code 2."""
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="a transformers model directory (config.json, safetensors weights, "
+                             "tokenizer files for text prompts and chat)")
+    parser.add_argument("--budget", metavar="SIZE",
+                        help="GPU memory for the whole model, e.g. 40GiB (CUDA only; default: "
+                             "what cupool.from_pretrained chooses)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on "
+                        "(default: %(default)s)")
+    parser.add_argument("--port", default="8000", help="TCP port, 0 for any free one "
+                        "(default: %(default)s)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N (default: cuda if a GPU is visible, else cpu)")
+    parser.add_argument("--max-batch", default="8", metavar="B",
+                        help="sequences decoded together (default: %(default)s)")
+    parser.add_argument("--max-len", default=None, metavar="N",
+                        help="tokens a sequence holds, prompt and output (default: the model's "
+                             "max_position_embeddings, at most 4096)")
+    parser.add_argument("--dtype", default="auto", metavar="|".join(DTYPES),
+                        help="weights and activations (default: auto, the checkpoint's on the "
+                             "CPU, cupool's on CUDA)")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="the model's name in the API (default: the directory's name)")
+    parser.add_argument("--log-level", default="info", metavar="|".join(LOG_LEVELS),
+                        help="(default: %(default)s)")
+
+
+@dataclasses.dataclass
+class Options:
+    """The checked options of `serve`."""
+    model_dir: Path
+    budget: int | None
+    host: str
+    port: int
+    device: str
+    max_batch: int
+    max_len: int
+    dtype: object
+    model_name: str
+    log_level: str
+
+
+def _int(value, flag: str, lo: int, hi: int | None = None) -> int:
+    text = str(value).strip()
+    try:
+        n = int(text)
+    except ValueError:
+        raise UsageError(f"{flag} must be an integer, got {value!r}") from None
+    if n < lo or (hi is not None and n > hi):
+        span = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        raise UsageError(f"{flag} must be {span}, got {n}")
+    return n
+
+
+def _device(value) -> str:
+    import torch
+    if value is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(str(value))
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {value!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type != "cuda":
+        raise UsageError(f"--device {value!r} is not served: use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {value}: no CUDA device is visible to torch "
+                         f"(torch.cuda.is_available() is False); use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {value}: there are {torch.cuda.device_count()} CUDA devices")
+    return str(dev)
+
+
+def _dtype(value, device: str):
+    import torch
+    name = str(value).strip().lower()
+    if name not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+    if name == "auto":
+        return None
+    if device != "cpu" and name == "float32":
+        raise UsageError("--dtype float32 is not served on CUDA: use bfloat16 or float16")
+    return getattr(torch, name)
+
+
+def check_options(args) -> Options:
+    """`args` (from the parser of `add_arguments`) checked and converted; UsageError with the
+    one line to print where one is wrong. Reads the directory's config.json, loads nothing."""
+    from cupool.budget import parse_bytes
+    from cupool.serve.loader import LoadError, read_config, resolve_max_len
+
+    log_level = str(args.log_level).strip().lower()
+    if log_level not in LOG_LEVELS:
+        raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, "
+                         f"got {args.log_level!r}")
+    port = _int(args.port, "--port", 0, 65535)
+    max_batch = _int(args.max_batch, "--max-batch", 1)
+    max_len = None if args.max_len is None else _int(args.max_len, "--max-len", 2)
+    device = _device(args.device)
+    budget = None
+    if args.budget is not None:
+        try:
+            budget = parse_bytes(str(args.budget), "--budget")
+        except (TypeError, ValueError) as e:
+            raise UsageError(str(e)) from None
+        if device == "cpu":
+            raise UsageError("--budget applies to a CUDA device; the CPU serves the model "
+                             "unwrapped (leave --budget out)")
+    dtype = _dtype(args.dtype, device)
+    try:
+        cfg = read_config(args.model)
+        max_len = resolve_max_len(cfg, max_len)
+    except LoadError as e:
+        raise UsageError(str(e).replace("max_len=", "--max-len ")) from None
+    model_dir = Path(args.model).expanduser()
+    name = args.served_model_name if args.served_model_name else model_dir.resolve().name
+    if not str(args.host).strip():
+        raise UsageError("--host is empty")
+    return Options(model_dir, budget, str(args.host).strip(), port, device, max_batch, max_len,
+                   dtype, name, log_level)
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), not listening yet (uvicorn listens on it)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UsageError(f"--host {host!r} does not resolve: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/v1"
+
+
+def run(args) -> int:
+    """Serve until interrupted; the process's exit code: 0 after Ctrl-C once serving (uvicorn
+    finishes the open requests first, up to 30 s), 130 for Ctrl-C while loading, 2 for a
+    user's mistake, 1 where loading or serving failed otherwise. SIGTERM: uvicorn shuts down the
+    same way, then re-raises the signal, so the process ends by it (143), as process managers
+    expect."""
+    try:
+        opts = check_options(args)
+    except UsageError as e:
+        return _fail(str(e))
+    logging.basicConfig(level=opts.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("cupool.serve")
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        return _fail(f"serving needs {' and '.join(missing)}: pip install 'cupool[serve]'")
+    try:
+        sock = _bind(opts.host, opts.port)
+    except UsageError as e:
+        return _fail(str(e))
+    engine = None
+    try:
+        from cupool.engine import Engine
+        from cupool.serve.app import create_app
+        from cupool.serve.loader import LoadError, load
+
+        log.info("loading %s on %s", opts.model_dir, opts.device)
+        try:
+            model, pool, tokenizer = load(opts.model_dir, opts.device, budget=opts.budget,
+                                          max_batch=opts.max_batch, max_len=opts.max_len,
+                                          dtype=opts.dtype)
+        except LoadError as e:
+            return _fail(str(e))
+        try:
+            engine = Engine(model, pool, tokenizer=tokenizer, max_batch=opts.max_batch,
+                            max_len=opts.max_len)
+        except ValueError as e:
+            return _fail(str(e))
+        engine.start()
+        app = create_app(engine, tokenizer, opts.model_name)
+        url = _url(sock)
+
+        def ready() -> None:
+            print(f"{PROG}: {opts.model_name} ({opts.device}, {opts.max_batch} sequences x "
+                  f"{opts.max_len} tokens) at {url}  (OpenAI API; Ctrl-C stops)", flush=True)
+
+        try:
+            _serve(app, sock, opts.log_level, ready)
+        except KeyboardInterrupt:    # uvicorn stopped on Ctrl-C, then re-raised the signal
+            pass
+        print(f"{PROG}: stopped", file=sys.stderr, flush=True)
+        return 0
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except SystemExit as e:                          # uvicorn's exit on a failed startup
+        return _fail(f"the server did not start (exit {e.code})", 1)
+    except Exception as e:
+        log.debug("serve failed", exc_info=True)
+        return _fail(f"{type(e).__name__}: {e} (--log-level debug shows the traceback)", 1)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        sock.close()
+
+
+def _serve(app, sock: socket.socket, log_level: str, on_ready) -> None:
+    """Run `app` under uvicorn on `sock` until interrupted; `on_ready()` once it listens."""
+    import uvicorn
+
+    class ReadyServer(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                on_ready()
+
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=30)
+    ReadyServer(config).run(sockets=[sock])
+
+
+def main(argv=None) -> int:
+    """`serve` alone, for `python -m cupool.serve.cli` (the package's CLI wires add_arguments
+    and run into `python -m cupool serve`)."""
+    parser = argparse.ArgumentParser(prog=PROG, description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Loading a model directory for serving: `load(model_dir, device, ...) -> Loaded(model, pool,
+tokenizer)`.
+
+- On the CPU: `transformers.AutoModelForCausalLM.from_pretrained(dir)`, unwrapped (pool None).
+  What the tests use; fine for tiny models, slow for real ones.
+- On a CUDA device: `cupool.from_pretrained(dir, budget=..., max_decode_tokens=max_batch)`: the
+  experts in host memory, served through a pool.
+
+The tokenizer is the directory's (`AutoTokenizer.from_pretrained`) where it has tokenizer files;
+without them it is None, and the server then takes token-id prompts only (no chat). A directory
+whose tokenizer files do not load is an error, not a model without a tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+log = logging.getLogger("cupool.serve")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+DEFAULT_MAX_LEN_CAP = 4096
+
+
+class LoadError(ValueError):
+    """The model directory cannot be served as given (what is wrong, in one line)."""
+
+
+class Loaded(NamedTuple):
+    model: object
+    pool: object | None
+    tokenizer: object | None
+
+
+def check_dir(model_dir) -> Path:
+    """The directory as a Path, after checking it exists and holds a readable config.json."""
+    path = Path(model_dir).expanduser()
+    if not path.exists():
+        raise LoadError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise LoadError(f"{str(path)!r} is not a directory (give the model's directory)")
+    if not (path / "config.json").is_file():
+        raise LoadError(f"{str(path)!r} has no config.json: it is not a transformers model "
+                        f"directory")
+    return path
+
+
+def read_config(model_dir) -> dict:
+    """config.json of the directory, as a dict (LoadError where it is missing or not JSON)."""
+    path = check_dir(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"{str(path)!r} cannot be read as JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoadError(f"{str(path)!r} is not a JSON object")
+    return cfg
+
+
+def _positions(cfg: dict) -> int | None:
+    n = cfg.get("max_position_embeddings")
+    if n is None and isinstance(cfg.get("text_config"), dict):       # multimodal wrappers
+        n = cfg["text_config"].get("max_position_embeddings")
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def resolve_max_len(cfg: dict, max_len: int | None) -> int:
+    """The context a slot holds: `max_len` checked against the model's max_position_embeddings,
+    or by default min(max_position_embeddings, 4096) (4096 where the config gives none)."""
+    limit = _positions(cfg)
+    if max_len is None:
+        return min(limit, DEFAULT_MAX_LEN_CAP) if limit else DEFAULT_MAX_LEN_CAP
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+        raise LoadError(f"max_len must be an int >= 2, got {max_len!r}")
+    if limit and max_len > limit:
+        raise LoadError(f"max_len={max_len} exceeds the model's max_position_embeddings={limit}")
+    return max_len
+
+
+def load_tokenizer(model_dir):
+    """The directory's tokenizer, or None where it has no tokenizer files (LoadError where the
+    files are there but do not load)."""
+    path = Path(model_dir)
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        log.warning("%s has no tokenizer: prompts must be token ids, and chat is refused", path)
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:                  # any failure of the files, reported in one line
+        raise LoadError(f"the tokenizer in {str(path)!r} does not load: "
+                        f"{type(e).__name__}: {e}") from e
+
+
+def load(model_dir, device, budget=None, max_batch: int = 8, max_len: int | None = None,
+         dtype=None) -> Loaded:
+    """Load `model_dir` for serving on `device` ("cpu", "cuda", "cuda:N").
+
+    budget: GPU memory for the whole model (bytes or "40GiB"; CUDA only, None: cupool's default).
+    max_batch: sequences decoded together (the pool is built for that many decode tokens).
+    max_len: checked against the model's positions (see `resolve_max_len`).
+    dtype: of the weights and activations; None: the checkpoint's own on the CPU, cupool's
+        default on CUDA.
+    """
+    import torch
+
+    path = check_dir(model_dir)
+    resolve_max_len(read_config(path), max_len)
+    dev = torch.device(device)
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise LoadError(f"max_batch must be an int >= 1, got {max_batch!r}")
+    if dev.type == "cpu":
+        if budget is not None:
+            raise LoadError("a memory budget applies to a CUDA device; the CPU serves the model "
+                            "unwrapped (leave the budget out)")
+        return _load_cpu(path, dtype)
+    if dev.type == "cuda":
+        return _load_cuda(path, dev, budget, max_batch, dtype)
+    raise LoadError(f"device {device!r} is not served: use cpu or cuda[:N]")
+
+
+def _load_cpu(path: Path, dtype) -> Loaded:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto" if dtype is None else dtype)
+    return Loaded(model.eval(), None, tokenizer)
+
+
+def _load_cuda(path: Path, device, budget, max_batch: int, dtype) -> Loaded:
+    import cupool
+
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    if device.index is not None:
+        kwargs["device"] = str(device)
+    model, pool, tokenizer = cupool.from_pretrained(path, budget=budget,
+                                                    max_decode_tokens=max_batch, **kwargs)
+    return Loaded(model, pool, tokenizer)

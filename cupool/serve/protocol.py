@@ -1,0 +1,315 @@
+"""The OpenAI-compatible wire format of `cupool serve`: request models (pydantic), the checks that
+turn a request into `SamplingParams`, the error object, and the response and chunk objects.
+
+Requests are parsed strictly: a field of the wrong type ("0.5" for a number, 1.0 for an integer)
+and a field this server does not know (tools, response_format, ...) are refused rather than
+coerced or ignored. Parameters OpenAI defines whose only supported value is the neutral one
+(n, presence_penalty, frequency_penalty, logit_bias, logprobs, echo, best_of, suffix) are
+accepted at that value and refused otherwise, each with a message that says so.
+
+Defaults where a request leaves a field out: temperature 1 and top_p 1 (OpenAI's), no top-k,
+a seed drawn from the OS, and max_tokens = what is left of the context after the prompt,
+capped at DEFAULT_MAX_TOKENS.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+from cupool.sampling import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256      # cap of the max_tokens a request that gives none gets
+FINISH_REASONS = {"stop": "stop", "length": "length"}   # engine -> OpenAI
+
+
+class APIError(Exception):
+    """A request the server refuses or cannot serve, as OpenAI reports it: the HTTP status and
+    the error object `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = \
+            status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# --- shapes checked before the type union, for one clear message instead of one per branch ------
+def _prompt_shape(v: Any) -> Any:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            return v
+        if all(isinstance(x, str) for x in v):
+            return v
+        if all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in x) for x in v):
+            return v
+    raise ValueError("prompt must be a string, a list of token ids (ints), or a list of "
+                     "prompts (strings, or lists of token ids)")
+
+
+def _stop_shape(v: Any) -> Any:
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return v
+    raise ValueError("stop must be a string or a list of strings")
+
+
+def _content_shape(v: Any) -> Any:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str)
+                                   and isinstance(p.get("text", ""), str) for p in v):
+        return v
+    raise ValueError("content must be a string or a list of content parts "
+                     "({\"type\": \"text\", \"text\": ...})")
+
+
+Prompt = Annotated[str | list[int] | list[str] | list[list[int]], BeforeValidator(_prompt_shape)]
+Stop = Annotated[str | list[str] | None, BeforeValidator(_stop_shape)]
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: include_usage adds a last chunk (choices []) with the usage."""
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _Generation(BaseModel):
+    """Fields both endpoints take. Extensions (as vLLM accepts them): top_k (-1 or 0: off),
+    ignore_eos, stop_token_ids, return_token_ids (token ids in each choice and chunk)."""
+    model_config = _STRICT
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None           # an end-user id for the caller's records; not used
+
+
+class CompletionRequest(_Generation):
+    """POST /v1/completions. Several prompts in one request are served as choices 0, 1, ...
+    (one per prompt, in order), as OpenAI does."""
+    prompt: Prompt
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only {"type": "text", "text": ...} is served."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A message of the conversation; which roles exist is up to the model's chat template."""
+    model_config = _STRICT
+    role: str
+    content: Annotated[str | list[ContentPart], BeforeValidator(_content_shape)]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Generation):
+    """POST /v1/chat/completions. max_completion_tokens is max_tokens under its newer name."""
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+# --- checks ---------------------------------------------------------------------------------------
+def check_common(req: _Generation) -> None:
+    """Refuse what this server does not do, naming the parameter (APIError 400)."""
+    if req.n not in (None, 1):
+        raise bad_request(f"n={req.n} is not supported: this server returns one choice per "
+                          f"prompt (n=1); send several requests instead", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if v not in (None, 0):
+            raise bad_request(f"{name}={v} is not supported (only 0)", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_common(req)
+    if req.logprobs is not None:
+        raise bad_request("logprobs is not supported", "logprobs")
+    if req.echo:
+        raise bad_request("echo is not supported", "echo")
+    if req.best_of not in (None, 1):
+        raise bad_request(f"best_of={req.best_of} is not supported (only 1)", "best_of")
+    if req.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    check_common(req)
+    if req.logprobs:
+        raise bad_request("logprobs is not supported", "logprobs")
+    if req.top_logprobs is not None:
+        raise bad_request("top_logprobs is not supported", "top_logprobs")
+    if not req.messages:
+        raise bad_request("messages is empty: give at least one message", "messages")
+    for i, m in enumerate(req.messages):
+        if not m.role:
+            raise bad_request(f"messages[{i}].role is empty", f"messages[{i}].role")
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}].content[{j}]: only text parts "
+                                      f"({{\"type\": \"text\", \"text\": ...}}) are supported, "
+                                      f"got type {part.type!r}", f"messages[{i}].content")
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise bad_request(f"max_tokens={req.max_tokens} and max_completion_tokens="
+                          f"{req.max_completion_tokens} disagree: give one of them",
+                          "max_completion_tokens")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The conversation as the chat template takes it: text parts joined by newlines."""
+    out = []
+    for m in req.messages:
+        content = m.content if isinstance(m.content, str) else \
+            "\n".join(p.text for p in m.content)
+        d = {"role": m.role, "content": content}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def requested_max_tokens(req: _Generation) -> int | None:
+    """max_tokens (or max_completion_tokens) as given, checked to be >= 1; None when absent."""
+    n, name = req.max_tokens, "max_tokens"
+    if n is None and isinstance(req, ChatCompletionRequest):
+        n, name = req.max_completion_tokens, "max_completion_tokens"
+    if n is not None and n < 1:
+        raise bad_request(f"{name} must be >= 1, got {n}", name)
+    return n
+
+
+def default_max_tokens(prompt_len: int, max_len: int) -> int:
+    """What is left of the context after the prompt, capped at DEFAULT_MAX_TOKENS; at least 1,
+    so that a prompt that fills the context is refused by the engine with the numbers."""
+    return max(1, min(DEFAULT_MAX_TOKENS, max_len - prompt_len))
+
+
+def sampling_params(req: _Generation, max_tokens: int) -> SamplingParams:
+    """The engine's SamplingParams of a request (APIError 400 naming the field when one is out
+    of range)."""
+    t = 1.0 if req.temperature is None else req.temperature
+    if not math.isfinite(t) or t < 0:
+        raise bad_request(f"temperature must be a number >= 0, got {t}", "temperature")
+    p = 1.0 if req.top_p is None else req.top_p
+    if not 0 < p <= 1:
+        raise bad_request(f"top_p must be in (0, 1], got {p}", "top_p")
+    k = 0 if req.top_k is None else req.top_k
+    if k < -1:
+        raise bad_request(f"top_k must be >= 1, or -1 or 0 for no limit; got {k}", "top_k")
+    if req.seed is not None and not 0 <= req.seed < 2**63:
+        raise bad_request(f"seed must be in [0, 2^63), got {req.seed}", "seed")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(s == "" for s in stop):
+        raise bad_request("stop strings must not be empty", "stop")
+    ids = list(req.stop_token_ids or [])
+    if any(i < 0 for i in ids):
+        raise bad_request("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
+    try:
+        return SamplingParams(temperature=float(t), top_k=max(k, 0), top_p=float(p), seed=req.seed,
+                              max_tokens=max_tokens, stop=stop, stop_token_ids=ids,
+                              ignore_eos=req.ignore_eos)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+# --- responses ------------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      token_ids: list[int] | None = None,
+                      prompt_token_ids: list[int] | None = None) -> dict:
+    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        c["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        c["prompt_token_ids"] = prompt_token_ids
+    return c
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None,
+                token_ids: list[int] | None = None,
+                prompt_token_ids: list[int] | None = None) -> dict:
+    c = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+         "finish_reason": finish_reason}
+    if token_ids is not None:
+        c["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        c["prompt_token_ids"] = prompt_token_ids
+    return c
+
+
+def completion_chunk_choice(index: int, text: str, finish_reason: str | None,
+                            token_ids: list[int] | None = None) -> dict:
+    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        c["token_ids"] = token_ids
+    return c
+
+
+def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None,
+                      token_ids: list[int] | None = None) -> dict:
+    c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        c["token_ids"] = token_ids
+    return c
+
+
+def envelope(obj: str, id: str, created: int, model: str, choices: list[dict],
+             usage_: dict | None = None, *, with_usage_key: bool = True) -> dict:
+    """A response or chunk object: `obj` is "text_completion", "chat.completion" or
+    "chat.completion.chunk". `with_usage_key`: write "usage" (null when absent)."""
+    out = {"id": id, "object": obj, "created": created, "model": model, "choices": choices}
+    if with_usage_key:
+        out["usage"] = usage_
+    return out

@@ -1,0 +1,160 @@
+"""Fixtures for the `cupool.serve` tests: a tiny model directory written the way published ones are
+(config.json, model.safetensors, generation_config.json, tokenizer files with a chat template),
+and a live server on 127.0.0.1 running in a background thread.
+
+The tokenizer is built here with the `tokenizers` library, so nothing is downloaded: one token per
+character over a fixed alphabet (lower-cased input), eight special tokens, and a decoder that
+concatenates the characters. Its 64 ids match the tiny model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+PAD, BOS, EOS, UNK, END = 0, 1, 2, 3, 7
+ALPHABET = " abcdefghijklmnopqrstuvwxyz0123456789.,!?'\"-:;()[]/+=*#\n"  # 56 characters
+VOCAB = len(SPECIAL) + len(ALPHABET)
+assert VOCAB == 64, VOCAB
+
+# Knows three roles and refuses others through `raise_exception` (as published templates do).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception(\"this chat template knows the roles system, user and assistant, not '\""
+    " + message['role'] + \"'\") -}}"
+    "{%- endif -%}"
+    "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+
+MODEL_CONFIG = {"vocab_size": VOCAB, "hidden_size": 48, "head_dim": 16, "intermediate_size": 64,
+                "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+                "max_position_embeddings": 256, "pad_token_id": PAD, "bos_token_id": BOS,
+                "eos_token_id": EOS}
+
+
+def build_tokenizer():
+    """The character-level `PreTrainedTokenizerFast` of the tiny model (64 ids, a chat template)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + list(ALPHABET))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.normalizer = normalizers.Lowercase()
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>", pad_token="<pad>",
+                                  additional_special_tokens=SPECIAL[4:])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def write_tiny_model(directory, *, tokenizer: bool = True, seed: int = 0) -> Path:
+    """Write a randomly initialised tiny Qwen3-MoE (2 layers, 8 experts, 64 ids) with
+    save_pretrained into `directory`, plus the tokenizer unless `tokenizer` is False. EOS ids
+    are "</s>" and "<|end|>" (generation_config.json). Returns the directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    directory = Path(directory)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **MODEL_CONFIG),
+                                             dtype=torch.float32)
+    with torch.no_grad():
+        for m in model.modules():             # fused experts are left as allocated: fill them
+            if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
+                m.gate_up_proj.normal_(0, 0.2)
+                m.down_proj.normal_(0, 0.2)
+    model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=[EOS, END],
+                                               pad_token_id=PAD)
+    model.save_pretrained(directory)
+    if tokenizer:
+        build_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`cupool.serve` on 127.0.0.1 in a background thread: the model of `model_dir` loaded on the
+    CPU, one started Engine, the FastAPI app under uvicorn on a free port.
+
+    Attributes: base_url ("http://127.0.0.1:PORT/v1"), engine, tokenizer, app, model_name.
+    `close()` stops uvicorn, then the engine.
+    """
+
+    def __init__(self, model_dir, *, max_batch: int = 8, max_len: int = 128,
+                 model_name: str = "tiny-moe"):
+        import uvicorn
+
+        from cupool.engine import Engine
+        from cupool.serve.app import create_app
+        from cupool.serve.loader import load
+
+        model, pool, self.tokenizer = load(model_dir, "cpu", max_batch=max_batch, max_len=max_len)
+        self.engine = Engine(model, pool, tokenizer=self.tokenizer, max_batch=max_batch,
+                             max_len=max_len)
+        self.engine.start()
+        self.model_name = model_name
+        self.app = create_app(self.engine, self.tokenizer, model_name)
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        port = self._sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+
+    def busy_slots(self) -> int:
+        """Slots of the engine that hold a request, plus requests queued for one."""
+        eng = self.engine
+        return sum(r is not None for r in eng._slots) + len(eng._pending) + eng._incoming.qsize()
+
+    def wait_idle(self, timeout: float = 10.0) -> int:
+        """Wait until the engine holds no request (or the timeout); returns the busy count."""
+        deadline = time.monotonic() + timeout
+        while (busy := self.busy_slots()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return busy
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def sse_data(lines) -> list[str]:
+    """The `data:` payloads of a server-sent event stream, from its lines, in order."""
+    return [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
+
+
+def read_json(path) -> dict:
+    return json.loads(Path(path).read_text())
