@@ -72,6 +72,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     stats = pool.stats()
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
     per = [r.decode_tokens_per_s for r in reqs]
+    eng.close()
     return {"streams": streams, "sampled": sampled, "tokens_generated": n, "wall_s": wall,
             "aggregate_tok_per_s": n / wall,
             "aggregate_decode_tok_per_s": streams * (tokens - 1) / decode_wall,

@@ -31,7 +31,9 @@ on the thread that drives the engine (`run_until_idle`, `generate`, or the backg
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import inspect
 import itertools
 import logging
@@ -442,19 +444,16 @@ class Engine:
         self.cache.pos.add_(act.to(torch.int64)).clamp_(max=self.max_len - 1)
         self.steps.add_(act.to(torch.int64))
 
+    @contextlib.contextmanager
     def _masked(self):
         """The pool's token mask set to the active slots for the duration of a step."""
-        pool = self.pool
-
-        class _Ctx:
-            def __enter__(s):
-                if pool is not None:
-                    pool.token_mask = self.active
-
-            def __exit__(s, *exc):
-                if pool is not None:
-                    pool.token_mask = None
-        return _Ctx()
+        if self.pool is not None:
+            self.pool.token_mask = self.active
+        try:
+            yield
+        finally:
+            if self.pool is not None:
+                self.pool.token_mask = None
 
     def _capture(self, greedy_only: bool) -> torch.cuda.CUDAGraph:
         """Warm up and capture the step (gate closed, every slot inactive meanwhile: the dummy
@@ -472,9 +471,16 @@ class Engine:
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self._graph_pool), self._masked():
-            self._step(greedy_only)
+        # A collection during capture could free another engine's graph, whose teardown is not
+        # allowed while a stream captures (it invalidates this capture): collect first, then hold.
+        gc.collect()
+        gc.disable()
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._graph_pool), self._masked():
+                self._step(greedy_only)
+        finally:
+            gc.enable()
         self.active.copy_(saved)
         if self.pool is not None:
             self.pool.open()
@@ -583,6 +589,17 @@ class Engine:
     def _free(self, b: int) -> None:
         self._slots[b] = None
         self.active[b] = False
+
+    def close(self) -> None:
+        """Release the captured graphs and the KV cache (the engine cannot run afterwards).
+        Engines hold GPU memory until closed or collected; close one before building another."""
+        if self._thread is not None:
+            self.shutdown()
+        self._graphs.clear()
+        self._graph_pool = None
+        self.cache.keys = [None] * self.cache.num_layers
+        self.cache.values = [None] * self.cache.num_layers
+        self.broken = self.broken or "closed"
 
     # --- facts ----------------------------------------------------------------------------------------
     def stats(self) -> dict:
