@@ -11,8 +11,10 @@ Each is then loaded in a child process that reports its load time, peak host RSS
 peak GPU memory (torch's allocator and NVML), decodes greedily through the graph decoder, and
 (for the NVFP4 one) prefills a `--context`-token prompt through the engine at a half-size bank.
 A second child builds the same model in memory (the dense part from the same seed, the experts
-as rows straight into `wrap`) and decodes the same prompt: the tokens must be equal and the
-decode tok/s within a few percent.
+as rows straight into `wrap`) and decodes the same prompt: the store rows (a CRC of every 7th),
+the dense tensors and the tokens must be equal, the decode tok/s within a few percent. The
+16-token prompt goes through the decode path (max_decode_tokens=16), which is deterministic; the
+prefill path sums experts with fp32 atomics, whose order varies from run to run.
 
     python benchmarks/bench_load.py                      # full: 48 NVFP4 layers, 16 bf16 layers
     python benchmarks/bench_load.py --small              # a minute's check on a few layers
@@ -34,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import save  # noqa: E402
+from _common import results_path, save  # noqa: E402
 
 from cupool.cli import CLIParser, positive_int, run  # noqa: E402
 
@@ -127,6 +129,24 @@ def _peaks() -> dict:
             "nvml_process_gpu_bytes": g.process}
 
 
+def _fingerprint(store, every: int = 7) -> int:
+    """CRC-32 over every `every`-th row of the store (all layers)."""
+    import zlib
+    crc = 0
+    for k in range(0, store.num_layers * store.num_experts, every):
+        crc = zlib.crc32(store.row(k // store.num_experts, k % store.num_experts), crc)
+    return crc
+
+
+def _dense_fingerprint(model) -> float:
+    """A float64 sum of every dense parameter and buffer, weighted by position (order-sensitive)."""
+    total = 0.0
+    for i, (_, t) in enumerate(sorted(model.state_dict().items())):
+        if t.numel() and t.is_floating_point():
+            total += (i + 1) * float(t.double().sum())
+    return total
+
+
 def _decode(model, pool, prompt, tokens: int) -> dict:
     import cupool
     dec = cupool.GraphDecoder(model, pool, max_len=prompt.shape[1] + tokens)
@@ -165,7 +185,7 @@ def child(args) -> int:
     rows = E // 2
     t0 = time.perf_counter()
     if args.child == "load":
-        model, pool, _ = cupool.from_pretrained(args.dir, rows=rows, max_decode_tokens=1,
+        model, pool, _ = cupool.from_pretrained(args.dir, rows=rows, max_decode_tokens=16,
                                                 progress=False)
     else:
         model, specs = dense_model(args.layers, args.context, args.seed)
@@ -178,10 +198,11 @@ def child(args) -> int:
                 mats = tuple(quantize(m) for m in mats)
             return pack_rows(layout, *mats)
         pool = cupool.wrap(model, rows=rows, layers=specs, expert_rows=experts,
-                           max_decode_tokens=1, progress=False)
+                           max_decode_tokens=16, progress=False)
     torch.cuda.synchronize()
     out = {"load_s": time.perf_counter() - t0, "store_bytes": pool.store.nbytes,
-           "bank_rows_per_layer": rows, **_peaks()}
+           "bank_rows_per_layer": rows, **_peaks(), "store_fingerprint": _fingerprint(pool.store),
+           "dense_fingerprint": _dense_fingerprint(model)}
     prompt = torch.randint(0, model.config.vocab_size, (1, 16),
                            generator=torch.Generator().manual_seed(3)).cuda()
     out["decode"] = _decode(model, pool, prompt, args.tokens)
@@ -227,16 +248,20 @@ def main(args) -> int:
             loaded = _run_child("load", kind, layers, d, args)
             memory = _run_child("memory", kind, layers, d, args)
             same = loaded["decode"]["tokens"] == memory["decode"]["tokens"]
+            same_store = loaded["store_fingerprint"] == memory["store_fingerprint"]
+            same_dense = loaded["dense_fingerprint"] == memory["dense_fingerprint"]
             ratio = loaded["decode"]["tok_per_s"] / memory["decode"]["tok_per_s"]
             results["cases"][kind] = {
                 "layers": layers, "checkpoint_bytes": size, "write_s": write_s,
                 "from_pretrained": loaded, "in_memory": memory,
-                "tokens_equal": same, "decode_tok_per_s_ratio": ratio,
+                "tokens_equal": same, "store_rows_equal": same_store,
+                "dense_equal": same_dense, "decode_tok_per_s_ratio": ratio,
                 "host_rss_minus_store_bytes": loaded["peak_host_rss_bytes"] - loaded["store_bytes"]}
             print(f"{kind}: load {loaded['load_s']:.1f} s, peak RSS "
                   f"{fmt_bytes(loaded['peak_host_rss_bytes'])} (store "
                   f"{fmt_bytes(loaded['store_bytes'])}), peak GPU (torch) "
-                  f"{fmt_bytes(loaded['peak_torch_gpu_bytes'])}; tokens equal {same}; decode "
+                  f"{fmt_bytes(loaded['peak_torch_gpu_bytes'])}; store rows equal {same_store}, dense equal "
+                  f"{same_dense}, tokens equal {same}; decode "
                   f"{loaded['decode']['tok_per_s']:.1f} vs {memory['decode']['tok_per_s']:.1f} "
                   f"tok/s ({ratio:.3f})", flush=True)
             if "prefill" in loaded:
@@ -245,10 +270,8 @@ def main(args) -> int:
                       f"= {pf['prefill_tok_per_s']:.0f} tok/s", flush=True)
             for f in d.iterdir():
                 f.unlink()
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    elif not small and nv_layers == 48:
-        save("bench_load", results)
+    reduced = (["--small"] if small else []) + ([f"--layers {nv_layers} < 48"] if nv_layers < 48 else [])
+    save("bench_load", results, results_path("bench_load", args.json, reduced))
     return 0
 
 

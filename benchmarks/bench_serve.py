@@ -20,7 +20,6 @@ Writes benchmarks/results/bench_serve.json for a full run (--json PATH for any r
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import save  # noqa: E402
+from _common import results_path, save  # noqa: E402
 
 from cupool.cli import CLIParser, positive_int, run  # noqa: E402
 
@@ -73,7 +72,10 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
     per = [r.decode_tokens_per_s for r in reqs]
     eng.close()
-    return {"streams": streams, "sampled": sampled, "tokens_generated": n, "wall_s": wall,
+    diag = {"hits": hits, "misses": misses, "staged": sum(s["staged"] for s in stats),
+            "promotions": sum(s["promotions"] for s in stats),
+            "gate_open": int(pool.bank.gate.item()), "errors": pool.errors()}
+    return {"diagnostics": diag,"streams": streams, "sampled": sampled, "tokens_generated": n, "wall_s": wall,
             "aggregate_tok_per_s": n / wall,
             "aggregate_decode_tok_per_s": streams * (tokens - 1) / decode_wall,
             "per_request_tok_per_s_median": statistics.median(per),
@@ -118,10 +120,8 @@ def main(args) -> int:
                "prompt_tokens": args.prompt, "compile": args.compile, "cases": cases,
                "sampled": sampled, "sampled_over_greedy": sampled["aggregate_tok_per_s"]
                / greedy["aggregate_tok_per_s"], "aggregate_over_batch1": summary}
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    elif not args.small:
-        save("bench_serve", results)
+    reduced = ["--small"] if args.small else []
+    save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
 
 
