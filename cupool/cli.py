@@ -89,25 +89,24 @@ def port(text: str) -> int:
     return v
 
 
-def fraction(text: str) -> float:
-    """A number in (0, 1]."""
+def _float(text: str, ok, want: str) -> float:
+    """float(text) if it is finite and ok(value), else the argparse error saying `want`."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(v) and 0 < v <= 1):
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    if not (math.isfinite(v) and ok(v)):
+        raise argparse.ArgumentTypeError(f"must be {want}, got {text}")
     return v
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    return _float(text, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def nonnegative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return v
+    return _float(text, lambda v: v >= 0, "a finite number >= 0")
 
 
 def size(text: str) -> int:
@@ -136,13 +135,7 @@ def existing_dir(text: str) -> Path:
 # --- argument types for the benchmarks and examples ----------------------------------------------
 def positive_float(text: str) -> float:
     """A finite number > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
+    return _float(text, lambda v: v > 0, "a finite number > 0")
 
 
 def bounded_int(low: int, high: int | None = None, multiple_of: int = 1) -> Callable[[str], int]:

@@ -14,7 +14,19 @@ import torch
 from cupool.trace import Trace
 
 
-class Replayer:
+class _Hook:
+    """Installs itself as its pool's routing hook (`install`) and removes itself (`uninstall`)."""
+    pool = None
+
+    def install(self) -> None:
+        self.pool.routing_hook = self
+
+    def uninstall(self) -> None:
+        if self.pool.routing_hook is self:
+            self.pool.routing_hook = None
+
+
+class Replayer(_Hook):
     """Feeds a trace to a wrapped model's MoE layers in place of the router's choice.
 
     `install()` sets itself as the pool's routing hook: every pooled layer call reads
@@ -53,15 +65,9 @@ class Replayer:
             self.advance()
         return got
 
-    def install(self) -> None:
-        self.pool.routing_hook = self
-
-    def uninstall(self) -> None:
-        if self.pool.routing_hook is self:
-            self.pool.routing_hook = None
 
 
-class Recorder:
+class Recorder(_Hook):
     """Records each layer call's ids of an eager run (a host read per call: recording only).
 
     `trace()` returns the Trace of the decode steps recorded (calls with `tokens` tokens; prefill
@@ -83,13 +89,6 @@ class Recorder:
         """The routing hook: records and keeps the router's ids."""
         self.append(layer, ids)
         return ids
-
-    def install(self) -> None:
-        self.pool.routing_hook = self
-
-    def uninstall(self) -> None:
-        if self.pool.routing_hook is self:
-            self.pool.routing_hook = None
 
     def trace(self) -> Trace:
         full = [s for s in self.steps if len(s) == self.pool.num_layers]
