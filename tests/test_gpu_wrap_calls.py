@@ -86,7 +86,7 @@ class CallChecker:
                 where.append("stage" if idx >= first_staging else "bank")
             else:
                 where.append("host")
-            stale += int(not torch.equal(r, torch.as_tensor(pool.store.row(self._layer, e))))
+            stale += int(not torch.equal(r, torch.from_numpy(pool.store.row(self._layer, e).copy())))
             deq.append(tuple(dequantize(q).to(x.device) for q in unpack_row(layout, r)))
         T = x.shape[0]
         ids = torch.tensor([i if d is not None else -1 for i, d in enumerate(deq)],
