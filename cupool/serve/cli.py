@@ -223,6 +223,8 @@ def run(args) -> int:
                             max_len=opts.max_len)
         except ValueError as e:
             return _fail(str(e))
+        if engine.graph:
+            engine.warmup()               # capture the decode graphs before the first request
         engine.start()
         app = create_app(engine, tokenizer, opts.model_name)
         url = _url(sock)
