@@ -98,7 +98,7 @@ class ExpertRows:
         from cupool import HostStore
         from cupool.synthetic import random_rows_fast
         rows = random_rows_fast(layout, E, device="cuda")
-        self.bank = torch.zeros(E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")
+        self.bank = torch.zeros(E, layout.row_stride, dtype=torch.uint8, device="cuda")
         self.bank[:, :layout.row_bytes] = rows
         self.addr = self.bank.data_ptr() + torch.arange(E, device="cuda") * self.bank.stride(0)
         self.cpu = rows.cpu()

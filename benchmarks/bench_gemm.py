@@ -70,7 +70,7 @@ def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused", override=Non
     """Layer time of a graph of `layers` decode calls; `outputs` (a list), if given, gets the
     outputs of every layer after the timed replays. `override`: moe_decode build fields to force
     (profile_gemm --sweep)."""
-    rows = torch.empty(layers * E, -(-layout.row_bytes // 256) * 256, dtype=torch.uint8, device="cuda")
+    rows = torch.empty(layers * E, layout.row_stride, dtype=torch.uint8, device="cuda")
     for layer in range(layers):
         rows[layer * E:(layer + 1) * E, :layout.row_bytes] = random_rows_fast(layout, E, device="cuda")
     gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=max(T, 1), decode_kernel=kernel)

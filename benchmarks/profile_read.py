@@ -31,7 +31,7 @@ PIECE = 4096
 
 
 def layer_rows(layout, E, layers):
-    stride = -(-layout.row_bytes // 256) * 256
+    stride = layout.row_stride
     rows = torch.empty(layers * E, stride, dtype=torch.uint8, device="cuda")
     rows.view(torch.int32).random_()                     # not zeros: nothing compressible
     return rows, stride

@@ -140,7 +140,7 @@ def plan(args) -> int:
     import torch
     from transformers import AutoConfig
 
-    from cupool.budget import rows_for_budget
+    from cupool.budget import MARGIN_BYTES, rows_for_budget, staging_and_tables_bytes
     from cupool.checkpoints import open_checkpoint
     from cupool.gemm import workspace_bytes
     from cupool.kvcache import kv_bytes_per_token
@@ -159,13 +159,14 @@ def plan(args) -> int:
         sizes = ck.expert_sizes()
         fmt = ck.format
     layout = RowLayout(H, I)
-    stride = -(-layout.row_bytes // 256) * 256
+    stride = layout.row_stride
     limit = getattr(text, "max_position_embeddings", None)
     context = args.context or min(4096, limit or 4096)
     per_token = kv_bytes_per_token(config)
     kv = per_token * context * args.batch
-    work = workspace_bytes(layout, K, args.batch, args.prefill_tokens, E)
-    fixed = dense + work + args.batch * K * stride + 64 * L * E + (1 << 20)
+    work = workspace_bytes(layout, K, args.batch, args.prefill_tokens, E) + \
+        staging_and_tables_bytes(L, E, args.batch * K, stride)
+    fixed = dense + work + MARGIN_BYTES
     print(f"model        {getattr(config, 'model_type', '?')}, checkpoint {fmt}: {L} MoE layers of "
           f"{E} experts (top-{K}), H={H}, I={I}")
     print(f"dense part   {fmt_bytes(dense):>12}  on the GPU (bf16)")
@@ -173,7 +174,7 @@ def plan(args) -> int:
           f"({L} x {E} rows of {fmt_bytes(layout.row_bytes)}, NVFP4)")
     print(f"KV cache     {fmt_bytes(kv):>12}  on the GPU ({args.batch} x {context} tokens, "
           f"{fmt_bytes(per_token)} a token)")
-    print(f"workspaces   {fmt_bytes(work + args.batch * K * stride + 64 * L * E):>12}  on the GPU "
+    print(f"workspaces   {fmt_bytes(work):>12}  on the GPU "
           f"(GEMM, staging rows, planner tables)")
     if limit and context > limit:
         print(f"context      {context} tokens: more than the model's max_position_embeddings "

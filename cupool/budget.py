@@ -149,6 +149,18 @@ def report(pool=None, device=None) -> MemoryReport:
     return MemoryReport(gpu_memory(device), parts)
 
 
+# Kept free beside the pool's parts when rows are sized from a budget.
+MARGIN_BYTES = 1 << 20
+
+
+def staging_and_tables_bytes(num_layers: int, num_experts: int, max_lanes: int,
+                             row_stride: int) -> int:
+    """GPU bytes of a pool beside its bank and GEMM workspaces: one staging row per decode lane
+    and the planner's tables (at most 64 bytes a (layer, expert) key, the store's address table
+    included)."""
+    return max_lanes * row_stride + 64 * num_layers * num_experts
+
+
 def rows_for_budget(budget: int, *, fixed: int, row_stride: int, num_layers: int, top_k: int,
                     num_experts: int, kv_reserve: int = 0) -> int:
     """Bank rows per layer that `budget` bytes buy once `fixed` bytes (the rest of the model,

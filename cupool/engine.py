@@ -206,6 +206,7 @@ class Engine:
         self._inflight = None            # (host tokens, event, owners) of the step not read yet
         self._host_tok = [torch.zeros(B, dtype=torch.int64, pin_memory=dev.type == "cuda")
                           for _ in range(2)]
+        self._host_ready = [torch.cuda.Event() if dev.type == "cuda" else None for _ in range(2)]
         self._flip = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -498,12 +499,10 @@ class Engine:
             with self._masked():
                 self._step(greedy)
         self.steps_run += 1
-        buf = self._host_tok[self._flip]
+        buf, ev = self._host_tok[self._flip], self._host_ready[self._flip]
         self._flip ^= 1
         buf.copy_(self.tok[:, 0], non_blocking=True)
-        ev = None
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event()
+        if ev is not None:
             ev.record()
         return buf, ev, list(self._slots)
 

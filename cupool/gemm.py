@@ -23,6 +23,8 @@ Both return out [T, H] in x's dtype (bf16 or fp16) on torch's current stream.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cupool import _cuda, kernels
@@ -96,6 +98,14 @@ def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:
     return kind
 
 
+def scratch_chunks(scratch_rows: int, scratch_buffers: int, num_experts: int) -> tuple[int, int, int]:
+    """(buffers, experts a chunk, chunks) of the prefill scratch: as many buffers as asked for, at
+    most one a row; each chunk fills one buffer; enough chunks for every expert of a layer."""
+    nbuf = min(scratch_buffers, scratch_rows)
+    chunk = scratch_rows // nbuf
+    return nbuf, chunk, -(-num_experts // chunk)
+
+
 def workspace_shapes(layout: RowLayout, topk: int, max_decode_tokens: int,
                      max_prefill_tokens: int, num_experts: int, scratch_rows: int = 32,
                      scratch_buffers: int = 2, prefill_config: GemmConfig = PREFILL):
@@ -118,11 +128,8 @@ def workspace_shapes(layout: RowLayout, topk: int, max_decode_tokens: int,
     if not max_prefill_tokens:
         return decode, {}
     P, WP = max_prefill_tokens, max_prefill_tokens * topk
-    nbuf = min(scratch_buffers, scratch_rows)
-    chunk = scratch_rows // nbuf
-    nchunks = -(-num_experts // chunk)
+    _, chunk, nchunks = scratch_chunks(scratch_rows, scratch_buffers, num_experts)
     max_units = WP // prefill_config.nt + num_experts
-    stride = -(-layout.row_bytes // 256) * 256
     prefill = dict(
         xh=((P, hp), f16), xscale=((P,), f32),
         phase_off=((nchunks + 2,), i32),
@@ -132,7 +139,7 @@ def workspace_shapes(layout: RowLayout, topk: int, max_decode_tokens: int,
         act=((WP, ip), bf16),
         out32=((P, hp), f32),
         copies=((nchunks * chunk, 2), i32), n_copies=((nchunks,), i32),
-        scratch=((scratch_rows, stride), torch.uint8),
+        scratch=((scratch_rows, layout.row_stride), torch.uint8),
     )
     return decode, prefill
 
@@ -142,10 +149,7 @@ def workspace_bytes(*args, **kwargs) -> int:
     total = 0
     for shapes in workspace_shapes(*args, **kwargs):
         for shape, dtype in shapes.values():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * torch.empty((), dtype=dtype).element_size()
+            total += math.prod(shape) * dtype.itemsize
     return total
 
 
@@ -212,9 +216,8 @@ class MoEGemm:
         self.num_experts = int(num_experts)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.scratch_rows = int(scratch_rows)
-        # chunk buffers (as many as asked for, at most one a row) and experts a chunk (C)
-        self._nbuf = min(int(scratch_buffers), self.scratch_rows)
-        self._chunk = self.scratch_rows // self._nbuf
+        self._nbuf, self._chunk, nchunks = scratch_chunks(self.scratch_rows, int(scratch_buffers),
+                                                           self.num_experts)
         shapes_d, shapes_p = workspace_shapes(layout, self.topk, self.max_decode_tokens,
                                               self.max_prefill_tokens, self.num_experts,
                                               self.scratch_rows, scratch_buffers, prefill_config)
@@ -223,7 +226,6 @@ class MoEGemm:
         self._d = alloc(shapes_d)
         self._p = None
         if max_prefill_tokens:
-            nchunks = -(-self.num_experts // self._chunk)
             self._p = dict(alloc(shapes_p), nchunks=nchunks)
             # per chunk c: its GEMM's unit range, its copy list and count (views made once: a
             # call walks every chunk, and a view costs microseconds of host time)

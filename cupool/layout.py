@@ -102,6 +102,12 @@ class RowLayout:
     def row_bytes(self) -> int:
         return self.w2_offset + (self.hp // 16) * self.w2_strip_bytes
 
+    @property
+    def row_stride(self) -> int:
+        """row_bytes rounded up to 256: where the host store (its default alignment), the bank
+        and the prefill scratch place consecutive rows."""
+        return _roundup(self.row_bytes, 256)
+
     def defines(self) -> dict:
         """The -D defines kernels compile with for this layout."""
         return {"HP": self.hp, "IP": self.ip, "ROW_W2_OFFSET": self.w2_offset}

@@ -25,7 +25,7 @@ import torch
 from cupool import _cuda
 from cupool.adapters import MoELayerSpec, check_consistent, find_moe_layers
 from cupool.bank import Bank
-from cupool.budget import parse_bytes, rows_for_device
+from cupool.budget import MARGIN_BYTES, parse_bytes, rows_for_device, staging_and_tables_bytes
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout, pack_rows
 from cupool.ops.nvfp4_quant import quantize as gpu_quantize
@@ -108,10 +108,9 @@ def plan(specs: list[MoELayerSpec], *, pending_bytes: int, rows=None, budget=Non
                    max_prefill_tokens=max_prefill_tokens, num_experts=E,
                    scratch_rows=scratch_rows, scratch_buffers=scratch_buffers, device=dev)
     if rows is None:
-        row_stride = -(-layout.row_bytes // 256) * 256
-        # staging rows, the planner's tables and a margin, beside the rest of the model
-        extra = pending_bytes + max_lanes * row_stride + 64 * L * E + (1 << 20)
-        rows = rows_for_device(budget_bytes, row_stride, L, K, E, extra, dev, kv)
+        extra = (pending_bytes + staging_and_tables_bytes(L, E, max_lanes, layout.row_stride)
+                 + MARGIN_BYTES)
+        rows = rows_for_device(budget_bytes, layout.row_stride, L, K, E, extra, dev, kv)
     return PoolPlan(layout, gemm, rows, dev, max_lanes, L, E)
 
 

@@ -63,7 +63,7 @@ def main(args) -> int:
                                                           num_hidden_layers=args.layers)
     L, E, K = shape["num_hidden_layers"], shape["num_experts"], shape["num_experts_per_tok"]
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
-    stride = -(-layout.row_bytes // 256) * 256
+    stride = layout.row_stride
     budget, kv = args.budget, args.kv_reserve
     dense = dense_bytes(shape)
     staging = 8 * K * stride                                # decode of up to 8 tokens
