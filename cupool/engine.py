@@ -51,22 +51,19 @@ FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "
 log = logging.getLogger("cupool")
 
 
-def cache_kwarg(model) -> str:
-    """The keyword a model's forward takes its KV cache under: `cache` (transformers ≥ 5.24, where
-    `past_key_values` is deprecated) or `past_key_values` (earlier 5.x releases)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _takes(model, name: str) -> bool:
+    """Whether the model's forward has a parameter `name`."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
     return name in params
+
+
+def cache_kwarg(model) -> str:
+    """The keyword a model's forward takes its KV cache under: `cache` (transformers ≥ 5.24, where
+    `past_key_values` is deprecated) or `past_key_values` (earlier 5.x releases)."""
+    return "cache" if _takes(model, "cache") else "past_key_values"
 
 
 @dataclasses.dataclass

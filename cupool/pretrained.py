@@ -41,6 +41,8 @@ log = logging.getLogger("cupool")
 
 # files of a model directory worth fetching from a hub (weights, configs, tokenizers)
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "tokenizer*"]
+# files that make a directory's tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # checkpoint tensors a model may lack without harm (older exports' per-layer rotary tables)
 _IGNORED = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)
 _LAYER_NO = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -232,8 +234,7 @@ def load_dense(model, mapping: dict[str, str], ckpt: Checkpoint, device) -> None
 
 
 def _tokenizer(directory: Path):
-    if not any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                   "tokenizer.model")):
+    if not any((directory / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
     try:

@@ -249,10 +249,6 @@ def _short(xs, n: int = 8) -> str:
     return f"{xs[:n]}{' ...' if len(xs) > n else ''}"
 
 
-def _unravel(flat: int, shape) -> tuple[int, ...]:
-    return nvfp4.unravel(flat, shape)
-
-
 def check_nvfp4(q: NVFP4Tensor, s_label, g_label, hint: str) -> None:
     """CheckpointError unless every matrix of a stack (q.block_scale [n, N, K/16], q.global_scale
     [n]) has plausible scales (module docstring); s_label(i) / g_label(i) name matrix i's block
@@ -265,7 +261,7 @@ def check_nvfp4(q: NVFP4Tensor, s_label, g_label, hint: str) -> None:
         i, j = (int(x) for x in torch.nonzero(bad)[0])
         v = float(flat[i, j])
         what = "NaN" if math.isnan(v) else "negative"
-        raise CheckpointError(f"{s_label(i)}: block scale {v} at {_unravel(j, s.shape[1:])} is "
+        raise CheckpointError(f"{s_label(i)}: block scale {v} at {nvfp4.unravel(j, s.shape[1:])} is "
                               f"{what}; NVFP4 block scales are finite and >= 0")
     g = q.global_scale.float().reshape(n)
     bad = ~torch.isfinite(g) | (g < 0)

@@ -16,22 +16,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import NamedTuple
+
+from cupool.pretrained import TOKENIZER_FILES, Loaded
 
 log = logging.getLogger("cupool.serve")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DEFAULT_MAX_LEN_CAP = 4096
 
 
 class LoadError(ValueError):
     """The model directory cannot be served as given (what is wrong, in one line)."""
-
-
-class Loaded(NamedTuple):
-    model: object
-    pool: object | None
-    tokenizer: object | None
 
 
 def check_dir(model_dir) -> Path:
@@ -135,6 +129,4 @@ def _load_cuda(path: Path, device, budget, max_batch: int, dtype) -> Loaded:
     kwargs = {} if dtype is None else {"dtype": dtype}
     if device.index is not None:
         kwargs["device"] = str(device)
-    model, pool, tokenizer = cupool.from_pretrained(path, budget=budget,
-                                                    max_decode_tokens=max_batch, **kwargs)
-    return Loaded(model, pool, tokenizer)
+    return cupool.from_pretrained(path, budget=budget, max_decode_tokens=max_batch, **kwargs)
