@@ -617,9 +617,6 @@ class Engine:
         if self.pool is not None:
             self.pool.bank.reset_stats()
 
-    def memory_parts(self) -> list[tuple[str, int, str]]:
-        return [("KV cache (slots)", self.cache.nbytes(), self.device.type)]
-
     def __repr__(self) -> str:
         return (f"Engine(B={self.max_batch}, max_len={self.max_len}, graph={self.graph}, "
                 f"{'pool' if self.pool is not None else 'no pool'}, {self.device})")

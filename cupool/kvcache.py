@@ -108,13 +108,6 @@ class SlotCache:
         ok = self._visible(q[:, None], j[None, :], window)[None, None]
         return ok if boolean else _additive(ok, dtype)
 
-    def reset_slot(self, slot: int) -> None:
-        """Forget slot `slot`'s tokens (its next prefill starts at position 0)."""
-        self.pos[slot] = 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
-
 
 def _additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where visible, the dtype's lowest value elsewhere (added to attention scores)."""
