@@ -146,18 +146,41 @@ def plot(results, pool_layers, path):
 
 MODES = ["pool", "pool-serial", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16"]
 ROUTINGS = ["uniform", "locality"]
+# --model: (shape, dense-part builder, results name, default modes, bank sizes of "pool" in % of
+# E). gpt-oss (biased experts, the clamped SwiGLU, H = I = 2880) is measured against its own
+# resident ceiling; its 64.6 GB of rows fit an H200 once (resident), not twice (no pool-100).
+MODELS = {
+    "qwen3-30b-a3b": (synthetic.QWEN3_30B_A3B, synthetic.qwen3_moe_dense_on_gpu, "bench_decode",
+                      ["pool", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16"],
+                      (25, 50, 100)),
+    "gpt-oss-120b": (synthetic.GPT_OSS_120B, synthetic.gpt_oss_dense_on_gpu,
+                     "bench_decode_gpt_oss_120b", ["pool", "resident"], (25, 50)),
+}
+
+
+def shape_keys(shape: dict) -> tuple[int, int, int, int, int, int]:
+    """(L, E, K, H, I, vocab) of a Qwen3-MoE or gpt-oss config dict."""
+    E = shape.get("num_experts", shape.get("num_local_experts"))
+    I = shape.get("moe_intermediate_size", shape["intermediate_size"])
+    return (shape["num_hidden_layers"], E, shape["num_experts_per_tok"], shape["hidden_size"], I,
+            shape["vocab_size"])
 
 
 def build_parser() -> CLIParser:
     p = CLIParser(prog="bench_decode.py", description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=positive_int, default=48, help="MoE layers (>= 1)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="MoE layers (>= 1; default: the model's, 48 for qwen3-30b-a3b, 36 for "
+                        "gpt-oss-120b)")
     p.add_argument("--tokens", type=bounded_int(2), default=256,
                    help="decoded tokens a run (>= 2: rates count the steps after the first)")
     p.add_argument("--prompt", type=positive_int, default=16, help="prompt length (>= 1)")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs a mode (>= 1)")
-    p.add_argument("--modes", nargs="+", choices=MODES,
-                   default=["pool", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16"])
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b",
+                   help="the synthetic model's shape (default qwen3-30b-a3b; gpt-oss-120b writes "
+                        "bench_decode_gpt_oss_120b.json and measures pool and resident modes)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                   help="modes to run (default: the model's own list, see --model)")
     p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=ROUTINGS)
     p.add_argument("--small", action="store_true", help="tiny shape (smoke test; no results "
                    "file unless --json)")
@@ -221,31 +244,42 @@ def merged_modes(path: Path | None, results: dict) -> dict:
 def reduced(args) -> list[str]:
     """How this run is smaller than the default one (then it writes no canonical file); fewer
     --modes is not: a long run is split by modes."""
-    return reduced_by(args, build_parser(), "small", "layers", "tokens", "repeats", "routings")
+    why = reduced_by(args, build_parser(), "small", "tokens", "repeats", "routings")
+    full = MODELS[args.model][0]["num_hidden_layers"]
+    if args.layers is not None and args.layers < full:
+        why.append(f"--layers {args.layers} < {full}")
+    return why
 
 
 def main(args) -> None:
     if args.plot_only:
         return plot_only(args.plot_only)
+    full_shape, dense_on_gpu, result_name, default_modes, fractions = MODELS[args.model]
+    if args.modes is None:
+        args.modes = default_modes
+    if "hf-bf16" in args.modes and args.model != "qwen3-30b-a3b":
+        raise ValueError(f"--modes hf-bf16 is measured for qwen3-30b-a3b only, not {args.model}")
     _cuda.require_gpu("the end-to-end decode benchmark")
-    out = results_path("bench_decode", args.json, reduced(args))
-    shape = dict(synthetic.TINY) if args.small else dict(synthetic.QWEN3_30B_A3B,
-                                                          num_hidden_layers=args.layers)
-    results = {"shape": shape, "tokens": args.tokens, "repeats": args.repeats,
-               "compile": args.compile}
+    out = results_path(result_name, args.json, reduced(args))
+    tiny = synthetic.TINY if args.model == "qwen3-30b-a3b" else synthetic.GPT_OSS_TINY
+    shape = dict(tiny) if args.small else dict(full_shape,
+                                               num_hidden_layers=args.layers or
+                                               full_shape["num_hidden_layers"])
+    results = {"model": args.model, "shape": shape, "tokens": args.tokens,
+               "repeats": args.repeats, "compile": args.compile}
     old_modes = merged_modes(out, results) if args.merge else {}
-    L, E, K = shape["num_hidden_layers"], shape["num_experts"], shape["num_experts_per_tok"]
-    layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
+    L, E, K, H, I, vocab = shape_keys(shape)
+    model, specs = dense_on_gpu("cuda", torch.bfloat16, **shape)
+    layout = cupool.RowLayout(H, I, bias=specs[0].bias)
     pcie = pcie_h2d_GBps()
     print(f"PCIe H2D {pcie:.1f} GB/s; model {L} layers E={E} top-{K}", flush=True)
     t0 = time.perf_counter()
-    model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, **shape)
     gen = torch.Generator(device="cuda").manual_seed(0)
     pool = cupool.wrap(model, rows=max(K, E // 2), layers=specs, max_decode_tokens=1,
                        max_prefill_tokens=max(64, args.prompt),
                        expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"))
     print(f"built in {time.perf_counter() - t0:.0f} s: {pool}", flush=True)
-    prompt = torch.randint(0, shape["vocab_size"], (1, args.prompt), device="cuda", generator=gen)
+    prompt = torch.randint(0, vocab, (1, args.prompt), device="cuda", generator=gen)
     traces = {"uniform": tr.uniform(args.tokens + 64, L, E, K, seed=1),
               "locality": tr.synthetic(args.tokens + 64, L, E, K, seed=1, **tr.QWEN3_LOCALITY)}
     results.update({"pcie_h2d_GBps": pcie, "traces": {k: v.note for k, v in traces.items()},
@@ -257,7 +291,7 @@ def main(args) -> None:
                                                "capture_s": run.capture_s, **(extra or {})}
         print(f"{name:>14} {routing:>9}: {run.tok_per_s:8.1f} tok/s  {extra or ''}"[:200],
               flush=True)
-        save("bench_decode", {**results, "partial": True}, out)   # keep what is done if cut short
+        save(result_name, {**results, "partial": True}, out)   # keep what is done if cut short
 
     def measure(**kw) -> Run:
         return run_mode(model, pool, prompt, args.tokens, args.repeats, compile=args.compile, **kw)
@@ -270,7 +304,7 @@ def main(args) -> None:
             record("resident", routing, run)
             resident_ms = 1e3 / run.tok_per_s
         if "pool" in args.modes:
-            for frac in (25, 50, 100):
+            for frac in fractions:
                 rows = max(K, E * frac // 100)
                 pool.overlap_copies = True
                 run = measure(replay=replay, rows=rows)
@@ -331,9 +365,11 @@ def main(args) -> None:
             (tps("pool-50") or 0) / (tps("hf-bf16-batched_mm-compiled", "own-router") or float("nan")),
         "pool100_over_resident_uniform": (tps("pool-100", "uniform") or 0) / (tps("resident", "uniform") or float("nan")),
         "pool100_over_resident_locality": (tps("pool-100") or 0) / (tps("resident") or float("nan")),
+        "pool50_over_resident_uniform": (tps("pool-50", "uniform") or 0) / (tps("resident", "uniform") or float("nan")),
+        "pool50_over_resident_locality": (tps("pool-50") or 0) / (tps("resident") or float("nan")),
     }
     print("ratios:", {k: round(v, 3) for k, v in results["ratios"].items()})
-    save("bench_decode", results, out)
+    save(result_name, results, out)
     layers = modes.get("pool-50", {}).get("locality") or modes.get("pool-50", {}).get("uniform")
     if out is not None and layers:
         try:

@@ -41,6 +41,7 @@ from _common import (
 )
 
 from cupool import _cuda
+from cupool.activation import SILU, swiglu_clamp
 from cupool.cli import CLIParser, bounded_int, fields, output_file, positive_int, run
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout, unpack_row
@@ -66,14 +67,16 @@ def decode_call(gemm, x, lane_addr, w, out, override=None):
     return out
 
 
-def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused", override=None, outputs=None):
+def bench_decode(layout, E, T, K, layers, gen, hbm, kernel="fused", override=None, outputs=None,
+                 activation=SILU):
     """Layer time of a graph of `layers` decode calls; `outputs` (a list), if given, gets the
     outputs of every layer after the timed replays. `override`: moe_decode build fields to force
     (profile_gemm --sweep)."""
     rows = torch.empty(layers * E, layout.row_stride, dtype=torch.uint8, device="cuda")
     for layer in range(layers):
         rows[layer * E:(layer + 1) * E, :layout.row_bytes] = random_rows_fast(layout, E, device="cuda")
-    gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=max(T, 1), decode_kernel=kernel)
+    gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=max(T, 1), decode_kernel=kernel,
+                   activation=activation)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     outs, addrs, weights, distinct = [], [], [], []
     for layer in range(layers):
@@ -150,13 +153,13 @@ def host_ms(fn, iters=20):
 
 
 def bench_prefill(layout, E, T, K, gen, pcie, host_fraction, scratch_rows=32, scratch_buffers=2,
-                  baseline=True, config=PREFILL):
+                  baseline=True, config=PREFILL, activation=SILU):
     er = ExpertRows(layout, E, store=True)
     store, cpu_rows = er.store, er.cpu
     on_host, expert_addr = er.resident_addr(host_fraction)
     gemm = MoEGemm(layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
                    scratch_rows=scratch_rows, scratch_buffers=scratch_buffers,
-                   prefill_config=config)
+                   prefill_config=config, activation=activation)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
     ids, w = routing(T, K, E, gen)
     out = torch.empty_like(x)
@@ -223,6 +226,9 @@ def build_parser() -> CLIParser:
     skip = p.add_mutually_exclusive_group()
     skip.add_argument("--skip-prefill", action="store_true")
     skip.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--skip-gpt-oss", action="store_true",
+                   help="leave out the gpt-oss-20b / -120b shapes (H = I = 2880, top-4, E = 32 / "
+                        "128, biased experts, clamped SwiGLU)")
     p.add_argument("--scratch", nargs="+", type=SCRATCH, default=[(32, 2)], metavar="ROWSxBUFFERS",
                    help="MoEGemm scratch_rows x scratch_buffers of the half-on-host prefill "
                         "runs (one run each) and of the partition-path timing (default 32x2)")
@@ -239,7 +245,7 @@ def reduced(args) -> list[str]:
     file)."""
     parser = build_parser()
     why = reduced_by(args, parser, "layers", "dims", "decode_tokens", "decode_kernels",
-                     "prefill_tokens", "skip_prefill", "skip_decode")
+                     "prefill_tokens", "skip_prefill", "skip_decode", "skip_gpt_oss")
     if args.scratch != parser.get_default("scratch"):
         why.append("a --scratch sweep")
     return why
@@ -280,9 +286,41 @@ def main(args) -> None:
                     print(f"prefill T={T} half on host, scratch {rows}x{bufs}: {r['ms']:.3f} ms "
                           f"(host {r['host_ms']:.3f}), PCIe bound "
                           f"{r['pcie_bound_ms']:.3f} ms, ratio {r['ratio_to_pcie_bound']:.2f}")
+    gpt_oss = [] if args.skip_gpt_oss else bench_gpt_oss(args, gen, hbm_read, pcie)
     save(args.name or "bench_gemm", {
         "hbm_read_GBps": hbm_read, "hbm_copy_GBps": hbm_copy, "pcie_h2d_GBps": pcie,
-        "layers": args.layers, "decode": decode, "prefill": prefill}, out)
+        "layers": args.layers, "decode": decode, "prefill": prefill, "gpt_oss": gpt_oss}, out)
+
+
+# gpt-oss's experts: (model, E); H = I = 2880, top-4, rows with biases, the clamped SwiGLU
+GPT_OSS = (("gpt-oss-20b", 32), ("gpt-oss-120b", 128))
+
+
+def bench_gpt_oss(args, gen, hbm_read, pcie) -> list[dict]:
+    """Decode (each --decode-tokens, each kernel) and resident / half-on-host prefill at gpt-oss's
+    dims; the prefill has no torch baseline (torch has no clamped-SwiGLU grouped GEMM to compare
+    with), so its figures are times (and the PCIe bound with half on the host)."""
+    layout, act, K = RowLayout(2880, 2880, bias=True), swiglu_clamp(1.702, 7.0), 4
+    out = []
+    for model, E in GPT_OSS:
+        for T, kernel in ([] if args.skip_decode else
+                          [(T, k) for T in args.decode_tokens for k in args.decode_kernels]):
+            r = bench_decode(layout, E, T, K, args.layers, gen, hbm_read, kernel, activation=act)
+            out.append({"model": model, "part": "decode", **r})
+            print(f"{model} decode {kernel} T={T}: {r['us_per_layer']:.1f} us/layer, "
+                  f"{r['GBps']:.0f} GB/s = {r['fraction_of_hbm_read']:.2f} of HBM read")
+        if args.skip_prefill or model != "gpt-oss-120b":
+            continue
+        for T in args.prefill_tokens[:1]:
+            for frac in (0.0, 0.5):
+                r = bench_prefill(layout, E, T, K, gen, pcie, frac, *args.scratch[0],
+                                  baseline=False, activation=act)
+                out.append({"model": model, "part": "prefill", **r})
+                bound = (f", PCIe bound {r['pcie_bound_ms']:.3f} ms, ratio "
+                         f"{r['ratio_to_pcie_bound']:.2f}" if frac else "")
+                print(f"{model} prefill T={T} {'half on host' if frac else 'resident'}: "
+                      f"{r['ms']:.3f} ms{bound}")
+    return out
 
 
 if __name__ == "__main__":

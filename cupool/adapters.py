@@ -2,7 +2,8 @@
 
 Shape legend (ARCHITECTURE.md): L MoE layers · E experts per layer · K top-k · H hidden size ·
 I expert intermediate size. Weights are returned in the `F.linear` convention ([out, in]):
-gate and up [I, H], down [H, I]; an expert computes down(SiLU(gate·x) ⊙ (up·x)).
+gate and up [I, H], down [H, I]; an expert computes down(act(gate·x + b_g, up·x + b_u)) + b_d,
+act SiLU(gate)·up for most families (biases absent), gpt-oss's clamped SwiGLU for gpt-oss.
 
 Two kinds of layer are recognised, both by what a module *is*, never by the model's class name:
 
@@ -47,9 +48,16 @@ Other transformers families whose experts modules carry the decorator with the d
 (Qwen3-Next, Qwen3.5-MoE, GLM-4-MoE, DeepSeek-V2, Jamba, PhiMoE, MiniMax, ERNIE-4.5-MoE, ...)
 are found the same way; only the five above are in the tests.
 
+Experts with biases and a clamped SwiGLU (gpt-oss: ``has_bias``, interleaved gate/up, transposed,
+``_apply_gate`` = (clamp(up) + 1) · g · σ(alpha · g), g = min(gate, limit), alpha and limit on the
+module) are served: the activation is whichever of `cupool.activation`'s the probe of
+``_apply_gate`` matches (SiLU, or the clamped SwiGLU with the module's own alpha and limit), and
+the biases go into each expert's row.
+
 Not supported (an ``UnsupportedModelError`` "<module path>: unsupported, because ..." rather than
-wrong output): biases in experts (gpt-oss), experts without a gate (has_gate=False), activations
-other than SiLU, a custom ``_apply_gate`` (gpt-oss's and DeepSeek-V4's clamped SwiGLU), expert
+wrong output): experts without a gate (has_gate=False), an ``_apply_gate`` that computes neither
+activation (the message gives the difference from each), biases on per-expert nn.Linear lists,
+expert
 weights that are not float (already quantized), fused 3-D experts without the decorator (Llama-4,
 LongCat-Flash: their layout cannot be known), experts lists with unequal shapes or whose forward is
 not SwiGLU, and anything else named ``experts`` (including an experts module cupool already
@@ -65,6 +73,8 @@ import operator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cupool.activation import SILU, Activation, swiglu_clamp
 
 KIND_HF = "hf_experts"
 KIND_LIST = "linear_list"
@@ -111,6 +121,8 @@ class MoELayerSpec:
     concatenated: bool = True  # hf_experts: gate rows first (True) or interleaved g0, u0, g1, ... (False)
     transposed: bool = False   # hf_experts: stored [E, H, 2I] / [E, I, H] instead of [E, 2I, H] / [E, H, I]
     linear_names: tuple[str, str, str] = LINEAR_NAMES[0]   # linear_list: (gate, up, down) attributes
+    bias: bool = False         # hf_experts: gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]
+    activation: Activation = SILU   # what `_apply_gate` computes (found by probe)
     released: bool = False
 
     def _live(self, what: str) -> None:
@@ -158,10 +170,22 @@ class MoELayerSpec:
         gate, up = self._split(gate_up, 1)
         return gate, up, down
 
+    def biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(gate [E, I], up [E, I], down [E, H]) bias views, or None for bias-free experts."""
+        if not self.bias:
+            return None
+        self._live("biases")
+        gate_up = self.module.gate_up_proj_bias.detach()        # [E, 2I], laid out as the weights
+        gate, up = self._split(gate_up, 1)
+        return gate, up, self.module.down_proj_bias.detach()
+
     def _weight_slots(self) -> list[tuple[nn.Module, str]]:
         if self.kind == KIND_LIST:
             return [(getattr(m, n), "weight") for m in self.module for n in self.linear_names]
-        return [(self.module, "gate_up_proj"), (self.module, "down_proj")]
+        slots = [(self.module, "gate_up_proj"), (self.module, "down_proj")]
+        if self.bias:
+            slots += [(self.module, "gate_up_proj_bias"), (self.module, "down_proj_bias")]
+        return slots
 
     def release(self) -> None:
         """Replace the expert weights by 0-element parameters (same dtype, device and rank), so
@@ -175,11 +199,15 @@ class MoELayerSpec:
             setattr(owner, attr, nn.Parameter(empty, requires_grad=False))
         self.released = True
 
-    def restore(self, weights, device=None) -> None:
+    def restore(self, weights, device=None, biases=None) -> None:
         """The inverse of `release`: put E (gate [I, H], up [I, H], down [H, I]) tuples back into
         the module in its own layout (fused, interleaved, transposed as it was) and in `dtype`, on
-        `device` (default: where the weights were). Used by unwrap to hand back dequantized
-        weights; the new parameters do not require grad."""
+        `device` (default: where the weights were); for experts with biases also `biases`
+        (gate [E, I], up [E, I], down [E, H]). Used by unwrap to hand back dequantized weights;
+        the new parameters do not require grad."""
+        if self.bias != (biases is not None):
+            raise ValueError(f"{self.name}: restore needs biases exactly when the experts have "
+                             f"them (bias={self.bias})")
         weights = list(weights)
         E, H, I = self.num_experts, self.hidden, self.intermediate
         if len(weights) != E:
@@ -209,6 +237,14 @@ class MoELayerSpec:
                 gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
             self.module.gate_up_proj = param(gate_up)
             self.module.down_proj = param(down)
+            if biases is not None:
+                bg, bu, bd = biases
+                if self.concatenated:
+                    bgu = torch.cat([bg, bu], dim=1)                            # [E, 2I]
+                else:
+                    bgu = torch.stack([bg, bu], dim=2).reshape(E, 2 * I)
+                self.module.gate_up_proj_bias = param(bgu)
+                self.module.down_proj_bias = param(bd)
         self.device = device
         self.released = False
 
@@ -332,9 +368,37 @@ def _has_fused_params(module: nn.Module) -> bool:
                for n in ("gate_up_proj", "down_proj", "up_proj"))
 
 
+def _number(owner, names) -> tuple[str | None, float | None]:
+    """(name, value) of the first attribute of `owner` in `names` that is a real number."""
+    for n in names:
+        v = getattr(owner, n, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return n, float(v)
+    return None, None
+
+
+def _activation_candidates(module: nn.Module) -> list[tuple[Activation, str]]:
+    """What `_apply_gate` may compute, each with where its parameters came from: SiLU(gate)·up,
+    and the clamped SwiGLU where the module (or its config) carries an alpha and a limit."""
+    out = [(SILU, "")]
+    cfg = getattr(module, "config", None)
+    wa, alpha = _number(module, ("alpha",))
+    wl, limit = _number(module, ("limit",))
+    if alpha is None:
+        wa, alpha = _number(cfg, ("swiglu_alpha",))
+        wa = wa and f"config.{wa}"
+    if limit is None:
+        wl, limit = _number(cfg, ("swiglu_limit",))
+        wl = wl and f"config.{wl}"
+    if alpha is not None and limit is not None and limit > 0:
+        out.append((swiglu_clamp(alpha, limit), f" ({wa} = {alpha:g}, {wl} = {limit:g})"))
+    return out
+
+
 def _check_apply_gate(path: str, module: nn.Module, I: int, concatenated: bool,
-                      device: torch.device) -> None:
-    """`_apply_gate` maps [S, 2I] -> [S, I]; it must be SiLU(gate)·up for the declared layout."""
+                      device: torch.device) -> Activation:
+    """`_apply_gate` maps [S, 2I] -> [S, I]; it must compute one of the activations the kernels
+    have (`cupool.activation`) for the declared layout. Returns that activation."""
     apply = getattr(module, "_apply_gate", None)
     if apply is None:
         raise UnsupportedModelError(path, "it has no _apply_gate, so how gate and up combine is unknown")
@@ -348,23 +412,50 @@ def _check_apply_gate(path: str, module: nn.Module, I: int, concatenated: bool,
         raise UnsupportedModelError(
             path, f"its _apply_gate failed on a probe input [3, 2I={2 * I}] ({type(exc).__name__}: "
                   f"{exc})") from exc
-    ok, diff = _close(got, F.silu(gate) * up, torch.float32)
-    if not ok:
-        layout = "gate rows first" if concatenated else "gate/up interleaved"
-        qual = getattr(getattr(type(module), "_apply_gate", None), "__qualname__", "_apply_gate")
-        raise UnsupportedModelError(
-            path, f"its _apply_gate ({qual}) does not compute SiLU(gate)·up with {layout} "
-                  f"(is_concatenated={concatenated}): on a probe input it differs by up to {diff:.3g}")
+    tried = []
+    for act, where in _activation_candidates(module):
+        ok, diff = _close(got, act(gate, up), torch.float32)
+        if ok:
+            return act
+        tried.append(f"{act.describe()}{where} by up to {diff:.3g}")
+    layout = "gate rows first" if concatenated else "gate/up interleaved"
+    qual = getattr(getattr(type(module), "_apply_gate", None), "__qualname__", "_apply_gate")
+    raise UnsupportedModelError(
+        path, f"its _apply_gate ({qual}) computes none of the activations cupool's kernels have, "
+              f"with {layout} (is_concatenated={concatenated}): on a probe input it differs from "
+              f"{'; from '.join(tried)}")
+
+
+def _check_biases(path: str, module: nn.Module, E: int, H: int, I: int) -> bool:
+    """Whether the experts have biases; if so they must be gate_up_proj_bias [E, 2I] (laid out
+    as gate_up_proj's rows) and down_proj_bias [E, H], float."""
+    declared = bool(module.has_bias)
+    names = [n for n, _ in module.named_parameters(recurse=False) if n.endswith("_bias")]
+    if not declared and not names:
+        return False
+    want = {"gate_up_proj_bias": (E, 2 * I), "down_proj_bias": (E, H)}
+    extra = sorted(set(names) - set(want))
+    if extra:
+        raise UnsupportedModelError(path, f"it has bias parameters {extra} beyond gate_up_proj_bias "
+                                          f"and down_proj_bias")
+    for n, shape in want.items():
+        b = getattr(module, n, None)
+        if not isinstance(b, torch.Tensor):
+            raise UnsupportedModelError(
+                path, f"has_bias={declared} but {n} is {type(b).__name__}, not a tensor "
+                      f"{list(shape)}")
+        if tuple(b.shape) != shape:
+            raise UnsupportedModelError(path, f"{n} is {list(b.shape)}, expected {list(shape)}")
+        if b.dtype not in _FLOATS:
+            raise UnsupportedModelError(path, f"{n} is {b.dtype}, not a float dtype")
+    return True
 
 
 def _hf_spec(path: str, parent_path: str, module: nn.Module, parent: nn.Module) -> dict:
-    if module.has_bias or any(n.endswith("_bias") for n, _ in module.named_parameters(recurse=False)):
-        raise UnsupportedModelError(
-            path, "its experts have biases (has_bias=True); cupool's NVFP4 expert GEMM has no bias term")
     if not module.has_gate:
         raise UnsupportedModelError(
             path, "its experts have no gate projection (has_gate=False computes down(act(up·x))); "
-                  "cupool computes down(SiLU(gate·x)·(up·x))")
+                  "cupool computes down(act(gate·x, up·x))")
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
@@ -395,12 +486,14 @@ def _hf_spec(path: str, parent_path: str, module: nn.Module, parent: nn.Module) 
     if down.device != gate_up.device:
         raise UnsupportedModelError(
             path, f"gate_up_proj is on {gate_up.device} but down_proj on {down.device}")
+    bias = _check_biases(path, module, E, H, I)
     _check_activation(path, module)
-    _check_apply_gate(path, module, I, concatenated, _probe_device(gate_up))
+    activation = _check_apply_gate(path, module, I, concatenated, _probe_device(gate_up))
     _check_router(path, parent_path, parent, E, H)
     K = _find_top_k(path, parent_path, module, parent, E)
     return dict(kind=KIND_HF, num_experts=E, top_k=K, hidden=H, intermediate=I, dtype=gate_up.dtype,
-                device=gate_up.device, concatenated=concatenated, transposed=transposed)
+                device=gate_up.device, concatenated=concatenated, transposed=transposed,
+                bias=bias, activation=activation)
 
 
 # --- per-expert nn.Linear lists --------------------------------------------------------------------
@@ -458,7 +551,8 @@ def _list_spec(path: str, parent_path: str, experts: nn.ModuleList, parent: nn.M
                 raise UnsupportedModelError(f"{epath}.{n}", f"it is {type(lin).__name__}, not nn.Linear")
             if lin.bias is not None:
                 raise UnsupportedModelError(
-                    f"{epath}.{n}", "it has a bias; cupool's NVFP4 expert GEMM has no bias term")
+                    f"{epath}.{n}", "it has a bias; cupool reads expert biases from transformers "
+                                    "experts modules (gate_up_proj_bias, down_proj_bias) only")
             if tuple(lin.weight.shape) != shapes[n]:
                 raise UnsupportedModelError(
                     f"{epath}.{n}", f"its weight is {list(lin.weight.shape)} but expert 0's "
@@ -564,11 +658,13 @@ def find_moe_layers(model: nn.Module) -> list[MoELayerSpec]:
 
 
 _CONSISTENT_FIELDS = (("num_experts", "E"), ("top_k", "top_k"), ("hidden", "H"),
-                      ("intermediate", "I"), ("dtype", "dtype"))
+                      ("intermediate", "I"), ("dtype", "dtype"), ("bias", "bias"),
+                      ("activation", "activation"))
 
 
 def check_consistent(specs: list[MoELayerSpec]) -> None:
-    """Raise ValueError naming the first layer whose E, top_k, H, I or dtype differs from layer 0's:
+    """Raise ValueError naming the first layer whose E, top_k, H, I, dtype, biases or activation
+    differs from layer 0's:
     one bank row layout and one GEMM serve every layer."""
     specs = list(specs)
     if not specs:
@@ -581,4 +677,4 @@ def check_consistent(specs: list[MoELayerSpec]) -> None:
                 raise ValueError(
                     f"MoE layer {s.index} ({s.name}) differs from layer {ref.index} ({ref.name}): "
                     f"{label} = {got} there, {want} in layer {ref.index}; every MoE layer must have "
-                    f"the same E, top_k, H, I and dtype")
+                    f"the same E, top_k, H, I, dtype, biases and activation")

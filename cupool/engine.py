@@ -228,19 +228,30 @@ class Engine:
         return {int(i) for i in ids}
 
     @staticmethod
-    def _sliding_window(cfg) -> int | None:
-        """One attention window for the whole model, or None (full attention). Models whose
-        layers mix window sizes are refused: their masks differ per layer."""
+    def _sliding_window(cfg) -> int | None | dict:
+        """The attention window of every layer: None (full attention), one window, or for models
+        whose layers mix full and sliding-window attention (gpt-oss) {layer type: window or
+        None}; the masks are then a dict by layer type, which transformers' models of such
+        families take in place of one mask. Other layer types are refused."""
         types = set(getattr(cfg, "layer_types", None) or [])
         window = getattr(cfg, "sliding_window", None)
+        use = bool(window) and getattr(cfg, "use_sliding_window", True) is not False
         if len(types) > 1:
-            raise ValueError(f"the model's layers mix attention types {sorted(types)}; cupool's "
-                             f"Engine builds one mask for every layer")
+            known = {"full_attention", "sliding_attention"}
+            if not types <= known or not use:
+                raise ValueError(f"the model's layers mix attention types {sorted(types)}; "
+                                 f"cupool's Engine builds masks for full_attention and "
+                                 f"sliding_attention (with config.sliding_window) only")
+            return {"full_attention": None, "sliding_attention": int(window)}
         if types == {"full_attention"}:
             return None
-        if window and getattr(cfg, "use_sliding_window", True) is not False:
-            return int(window)
-        return None
+        return int(window) if use else None
+
+    def _masks(self, make):
+        """make(window) for the model's one window, or a dict of them by layer type."""
+        if isinstance(self._window, dict):
+            return {kind: make(w) for kind, w in self._window.items()}
+        return make(self._window)
 
     # --- requests -----------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None,
@@ -410,7 +421,8 @@ class Engine:
             for a in range(0, S, self.prefill_chunk):
                 e = min(S, a + self.prefill_chunk)
                 self.cache.prefill_mode(b, a, e - a)
-                mask = self.cache.prefill_mask(self.dtype, self._window, self._mask_bool)
+                mask = self._masks(lambda w: self.cache.prefill_mask(self.dtype, w,
+                                                                      self._mask_bool))
                 out = self.model(input_ids=ids[None, a:e],
                                  position_ids=torch.arange(a, e, device=dev)[None],
                                  **self._fwd_kwargs(mask))
@@ -432,7 +444,7 @@ class Engine:
     def _step(self, greedy_only: bool) -> None:
         """One decode step of every slot, device-only (what the graph captures)."""
         self.cache.decode_mode()
-        mask = self.cache.decode_mask(self.dtype, self._window, self._mask_bool)
+        mask = self._masks(lambda w: self.cache.decode_mask(self.dtype, w, self._mask_bool))
         out = self._forward(input_ids=self.tok, position_ids=self.cache.pos[:, None],
                             **self._fwd_kwargs(mask))
         nxt = sample(out.logits[:, -1, :], self.temperature, self.top_k, self.top_p,

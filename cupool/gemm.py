@@ -28,6 +28,7 @@ import math
 import torch
 
 from cupool import _cuda, kernels
+from cupool.activation import SILU, Activation
 from cupool.layout import RowLayout
 from cupool.ops import ACT_DTYPES, W_DTYPES
 from cupool.ops.moe_decode import MAX_LANES as FUSED_MAX_LANES
@@ -120,7 +121,7 @@ def workspace_shapes(layout: RowLayout, topk: int, max_decode_tokens: int,
         range=((5,), i32),                             # moe_align.cu: in place, fresh, all
         unit_addr=((W,), i64), unit_lanes=((W * PAIR_WIDE.nt,), i32), unit_count=((W,), i32),
         lane_w=((W,), f32),
-        act=((W, ip), bf16),                           # SiLU·up rows
+        act=((W, ip), bf16),                           # act(gate, up) rows
         yw=((W, hp), f32),
         group_done=((hp // 16,), i32),
         sync=((2 + W,), i32),                          # moe_decode: ticket, finished, per unit
@@ -180,13 +181,19 @@ class MoEGemm:
             and their sums run in different orders).
         prefill_config: the launch config of prefill's moe_w13 / moe_w2
             (`cupool.ops.moe_gemm.PREFILL` by default; tuning sweeps pass others).
+        activation: what the experts compute between w13 and w2 (`cupool.activation`): SiLU
+            (default) or gpt-oss's clamped SwiGLU. Biases come with the rows (`layout.bias`).
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
                  max_decode_tokens: int = 16, max_prefill_tokens: int = 0, num_experts: int = 0,
                  scratch_rows: int = 32, scratch_buffers: int = 2, decode_kernel: str = "auto",
-                 prefill_config: GemmConfig = PREFILL, device=None):
+                 prefill_config: GemmConfig = PREFILL, activation: Activation = SILU,
+                 device=None):
         _cuda.require_gpu("the MoE GEMM")
+        if not isinstance(activation, Activation):
+            raise TypeError(f"activation must be a cupool.activation.Activation, got "
+                            f"{type(activation).__name__}")
         if dtype not in ACT_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         if topk < 1:
@@ -206,6 +213,7 @@ class MoEGemm:
             raise ValueError(f"prefill needs num_experts in [1, 1024], got {num_experts}")
         self.layout, self.topk, self.dtype = layout, int(topk), dtype
         self.prefill_config = prefill_config
+        self.activation = activation
         self.device = torch.device("cuda", _cuda.device_index(device))
         dev = self.device
         self.decode_kernel = resolve_decode_kernel(decode_kernel,
@@ -236,8 +244,8 @@ class MoEGemm:
         self._copier = None
         self._copy_stream = None          # prefill's scratch copies (made on first use)
         self._events: list = []           # per chunk: (copied, free), made on first use
-        self.decoder = DecodeKernel(layout, dtype, dev)       # moe_decode builds and launches
-        self._kernels = GemmKernels(layout, self.topk, dtype, dev)
+        self.decoder = DecodeKernel(layout, dtype, dev, activation)   # moe_decode builds, launches
+        self._kernels = GemmKernels(layout, self.topk, dtype, dev, activation)
 
     @property
     def decode_workspaces(self) -> dict:

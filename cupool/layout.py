@@ -3,15 +3,18 @@
 Shape legend: H hidden size, I expert intermediate size; Hp = roundup(H, 64), Ip = roundup(I, 64)
 (padding is zero weights with zero scales, so it contributes nothing).
 
-A row holds one expert: w13 = [gate; up] ([2I, H]), w2 ([H, I]), both NVFP4, and their global
-scales. It is laid out for the tensor-core fragments of `mma.m16n8k16` (A operand = weights):
+A row holds one expert: w13 = [gate; up] ([2I, H]), w2 ([H, I]), both NVFP4, their global
+scales and, for experts with biases (gpt-oss), the biases. It is laid out for the tensor-core
+fragments of `mma.m16n8k16` (A operand = weights):
 
     row (row_bytes, 16-byte multiple)
-    +---------+---------------------------------------------+--------------------------------+
-    | header  | w13: Ip/16 strip pairs                       | w2: Hp/16 strips               |
-    | 256 B   | [gate strip 0][up strip 0][gate strip 1]...  | [strip 0][strip 1]...          |
-    +---------+---------------------------------------------+--------------------------------+
+    +---------+---------------------------------------------+----------------------+-------------+
+    | header  | w13: Ip/16 strip pairs                       | w2: Hp/16 strips     | biases      |
+    | 256 B   | [gate strip 0][up strip 0][gate strip 1]...  | [strip 0][strip 1].. | (bias only) |
+    +---------+---------------------------------------------+----------------------+-------------+
     header: float32 gs_gate, gs_up, gs_down (global scales), zeros after.
+    biases (RowLayout(bias=True) only, at bias_offset): float32 gate[Ip], up[Ip], down[Hp], zero
+    past I and H. They travel with the row through the store, the bank and the prefill scratch.
 
     strip (16 matrix rows × Kp columns; Kp = Hp for w13, Ip for w2), 9·Kp bytes:
     +-------------------------+-------------------------+-----
@@ -38,7 +41,8 @@ scales. It is laid out for the tensor-core fragments of `mma.m16n8k16` (A operan
     chunk c, scale part: byte 2L is the E4M3 block scale of (row g, columns 64c+16t …), byte
     2L+1 that of (row g+8, the same columns): lane L's two scales, one 16-bit load.
 
-Row sizes: 256 + 27/16·Hp·Ip bytes (Qwen3-30B-A3B, H=2048, I=768: 2,654,464 B = 2.53 MiB).
+Row sizes: 256 + 27/16·Hp·Ip bytes (Qwen3-30B-A3B, H=2048, I=768: 2,654,464 B = 2.53 MiB), plus
+4·(2·Ip + Hp) with biases (gpt-oss, H = I = 2880: 13,997,056 + 34,560 B = 13.4 MiB).
 
 `pack_row` / `unpack_row` convert NVFP4Tensors ↔ a row exactly; nothing else knows the layout,
 so a different GEMM layout changes only this file (and the kernels that read it).
@@ -64,15 +68,18 @@ def _roundup(x: int, m: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RowLayout:
-    """Offsets of one expert row for hidden size H and intermediate size I."""
+    """Offsets of one expert row for hidden size H and intermediate size I (and biases)."""
     hidden: int          # H
     intermediate: int    # I
+    bias: bool = False   # the row ends with the experts' float32 biases (gate, up, down)
 
     def __post_init__(self):
         for name, v in (("hidden", self.hidden), ("intermediate", self.intermediate)):
             if not isinstance(v, (int, np.integer)) or v <= 0 or v % 16:
                 raise ValueError(f"{name} size must be a positive multiple of 16 (NVFP4 blocks "
                                  f"are 16 wide), got {v!r}")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"bias must be a bool, got {self.bias!r}")
 
     @property
     def hp(self) -> int:
@@ -99,8 +106,18 @@ class RowLayout:
         return HEADER_BYTES + 2 * (self.ip // 16) * self.w13_strip_bytes
 
     @property
-    def row_bytes(self) -> int:
+    def bias_offset(self) -> int:
+        """Where the biases start: right after w2 (a 16-byte multiple: Hp, Ip are multiples of
+        64)."""
         return self.w2_offset + (self.hp // 16) * self.w2_strip_bytes
+
+    @property
+    def bias_bytes(self) -> int:
+        return 4 * (2 * self.ip + self.hp) if self.bias else 0
+
+    @property
+    def row_bytes(self) -> int:
+        return self.bias_offset + self.bias_bytes
 
     @property
     def row_stride(self) -> int:
@@ -109,8 +126,12 @@ class RowLayout:
         return _roundup(self.row_bytes, 256)
 
     def defines(self) -> dict:
-        """The -D defines kernels compile with for this layout."""
-        return {"HP": self.hp, "IP": self.ip, "ROW_W2_OFFSET": self.w2_offset}
+        """The -D defines kernels compile with for this layout (ROW_BIAS only with biases, so a
+        bias-free layout builds exactly the kernels it always has)."""
+        d = {"HP": self.hp, "IP": self.ip, "ROW_W2_OFFSET": self.w2_offset}
+        if self.bias:
+            d["ROW_BIAS"] = 1
+        return d
 
 
 # --- strip packing ------------------------------------------------------------------------------
@@ -244,11 +265,51 @@ def _padded(q: NVFP4Tensor, rows: int, cols: int, name: str):
     return codes, sc
 
 
+def _bias_section(layout: RowLayout, bias, lead: tuple, device) -> torch.Tensor:
+    """uint8 [*lead, bias_bytes] of biases (gate [*lead, I], up [*lead, I], down [*lead, H]):
+    float32, zero-padded to Ip, Ip, Hp. Empty for a bias-free layout, which must get bias=None."""
+    if not layout.bias:
+        if bias is not None:
+            raise ValueError("bias: given, but the layout has no biases (RowLayout(bias=True))")
+        return torch.zeros(*lead, 0, dtype=torch.uint8, device=device)
+    if bias is None or len(bias) != 3:
+        raise ValueError("bias: the layout has biases; pass (gate [I], up [I], down [H]) float "
+                         "tensors")
+    H, I = layout.hidden, layout.intermediate
+    out = torch.zeros(*lead, 2 * layout.ip + layout.hp, dtype=torch.float32, device=device)
+    for name, b, n, at in (("gate", bias[0], I, 0), ("up", bias[1], I, layout.ip),
+                           ("down", bias[2], H, 2 * layout.ip)):
+        if not isinstance(b, torch.Tensor) or not b.is_floating_point():
+            raise TypeError(f"bias {name}: expected a float tensor, got "
+                            f"{getattr(b, 'dtype', type(b).__name__)}")
+        if tuple(b.shape) != (*lead, n):
+            raise ValueError(f"bias {name}: expected shape {[*lead, n]}, got {list(b.shape)}")
+        bf = b.detach().to(device=device, dtype=torch.float32)
+        if not bool(torch.isfinite(bf).all()):
+            raise ValueError(f"bias {name}: holds NaN or Inf")
+        out[..., at:at + n] = bf
+    return out.view(torch.uint8)
+
+
+def unpack_bias(layout: RowLayout, row) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The biases of a row (uint8, numpy or torch) as float32 (gate [I], up [I], down [H])."""
+    if not layout.bias:
+        raise ValueError("unpack_bias: the layout has no biases")
+    r = torch.as_tensor(np.array(row, copy=True)) if not isinstance(row, torch.Tensor) else row.cpu()
+    r = r.reshape(-1)[:layout.row_bytes]
+    if r.numel() != layout.row_bytes:
+        raise ValueError(f"row: expected {layout.row_bytes} bytes, got {r.numel()}")
+    f = r[layout.bias_offset:].clone().view(torch.float32)
+    ip, I, H = layout.ip, layout.intermediate, layout.hidden
+    return f[:I].clone(), f[ip:ip + I].clone(), f[2 * ip:2 * ip + H].clone()
+
+
 def pack_row(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4Tensor,
-             out: np.ndarray | torch.Tensor | None = None) -> torch.Tensor:
+             out: np.ndarray | torch.Tensor | None = None, *, bias=None) -> torch.Tensor:
     """One expert's NVFP4 matrices -> its row (uint8 [row_bytes]); written into `out` if given.
 
-    gate, up: [I, H] (w1, w3); down: [H, I] (w2); each with a scalar global scale.
+    gate, up: [I, H] (w1, w3); down: [H, I] (w2); each with a scalar global scale. bias: (gate
+    [I], up [I], down [H]) float tensors, required by (and only by) a layout with biases.
     """
     H, I, hp, ip = layout.hidden, layout.intermediate, layout.hp, layout.ip
     for name, q, shape in (("gate", gate, (I, H)), ("up", up, (I, H)), ("down", down, (H, I))):
@@ -267,7 +328,7 @@ def pack_row(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4T
     header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     header[:12] = torch.tensor([float(gate.global_scale), float(up.global_scale),
                                 float(down.global_scale)], dtype=torch.float32).view(torch.uint8)
-    row = torch.cat([header, w13, w2])
+    row = torch.cat([header, w13, w2, _bias_section(layout, bias, (), "cpu")])
     assert row.numel() == layout.row_bytes
     if out is not None:
         dst = torch.from_numpy(out) if isinstance(out, np.ndarray) else out
@@ -288,7 +349,7 @@ def unpack_row(layout: RowLayout, row) -> tuple[NVFP4Tensor, NVFP4Tensor, NVFP4T
     H, I, hp, ip = layout.hidden, layout.intermediate, layout.hp, layout.ip
     scales = r[:12].clone().view(torch.float32)
     w13 = r[layout.w13_offset:layout.w2_offset].reshape(ip // 16, 2, 9 * hp)
-    w2 = r[layout.w2_offset:].reshape(hp // 16, 9 * ip)
+    w2 = r[layout.w2_offset:layout.bias_offset].reshape(hp // 16, 9 * ip)
 
     def mk(strips, kp, n, k, gscale):
         codes, sc = _unstrips(strips.contiguous(), kp)
@@ -328,14 +389,16 @@ def _strips_stack(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.T
 
 
 def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4Tensor,
-              out: torch.Tensor | None = None, *, chunk: int | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, *, chunk: int | None = None,
+              bias=None) -> torch.Tensor:
     """E experts' stacked NVFP4 matrices -> their rows, uint8 [E, row_bytes], on the tensors' device.
 
     gate, up: [E, I, H] (packed [E, I, H/2]); down: [E, H, I]; global scales [E]. Row e is byte for
     byte `pack_row(layout, gate[e], up[e], down[e])`; this is the same index map applied with
     batched torch ops, so a GPU builds rows without a host round trip. `out` ([E, >= row_bytes]
     uint8, any device) receives them if given. `chunk` experts are converted at a time (default:
-    about 1 GiB of temporaries).
+    about 1 GiB of temporaries). bias: (gate [E, I], up [E, I], down [E, H]) float tensors,
+    required by (and only by) a layout with biases.
     """
     H, I, hp, ip = layout.hidden, layout.intermediate, layout.hp, layout.ip
     e = gate.packed.shape[0] if gate.packed.dim() == 3 else -1
@@ -353,6 +416,7 @@ def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4
         if q.packed.device != gate.packed.device:
             raise ValueError(f"{name} is on {q.packed.device}, gate on {gate.packed.device}")
     dev = gate.packed.device
+    biases = _bias_section(layout, bias, (e,), dev)        # checked before any work
     if out is None:
         out = torch.empty(e, layout.row_bytes, dtype=torch.uint8, device=dev)
     elif out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != e \
@@ -373,6 +437,6 @@ def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4
         header = torch.zeros(hi - lo, HEADER_BYTES, dtype=torch.uint8, device=dev)
         gs = torch.stack([q.global_scale.to(device=dev, dtype=torch.float32) for q in part], dim=1)
         header[:, :12] = gs.contiguous().view(torch.uint8)
-        rows = torch.cat([header, w13, w2], dim=1)
+        rows = torch.cat([header, w13, w2, biases[lo:hi]], dim=1)
         out[lo:hi, :layout.row_bytes].copy_(rows)
     return out

@@ -16,7 +16,7 @@ from cupool.bank import Bank
 from cupool.budget import MemoryReport, report
 from cupool.gemm import MoEGemm
 from cupool.layer import PooledExperts
-from cupool.layout import RowLayout, unpack_row
+from cupool.layout import RowLayout, unpack_bias, unpack_row
 from cupool.nvfp4 import dequantize
 from cupool.reference.planner import PlanError
 from cupool.store import HostStore, fmt_bytes
@@ -89,7 +89,12 @@ class Pool:
                 mats = [unpack_row(self.layout, self.store.row(spec.index, e))
                         for e in range(self.num_experts)]
                 deq = [tuple(dequantize(q).to(spec.dtype) for q in trio) for trio in mats]
-                spec.restore(deq, self.device)
+                biases = None
+                if self.layout.bias:
+                    per = [unpack_bias(self.layout, self.store.row(spec.index, e))
+                           for e in range(self.num_experts)]
+                    biases = tuple(torch.stack([b[i] for b in per]) for i in range(3))
+                spec.restore(deq, self.device, biases)
         self.bank = None
         self.gemm = None
         self.store.close()

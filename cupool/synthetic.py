@@ -40,15 +40,27 @@ def dequantize_exact(q: NVFP4Tensor, dtype=torch.float32) -> torch.Tensor:
     return (vals * s * q.global_scale.to(torch.float32)).to(dtype)
 
 
-def random_experts(layout: RowLayout, num_experts: int, generator: torch.Generator | None = None):
-    """(rows uint8 [E, row_bytes], [(gate, up, down) NVFP4Tensor per expert]) on the CPU."""
+def random_biases(layout: RowLayout, num_experts: int, generator: torch.Generator | None = None,
+                  device="cpu"):
+    """Random expert biases (gate [E, I], up [E, I], down [E, H]), float32, bf16-representable
+    (as checkpoints store them), of about the size of the matrices' outputs (std 0.5)."""
+    H, I = layout.hidden, layout.intermediate
+    return tuple((torch.randn(num_experts, n, generator=generator) * 0.5).to(torch.bfloat16)
+                 .float().to(device) for n in (I, I, H))
+
+
+def random_experts(layout: RowLayout, num_experts: int, generator: torch.Generator | None = None,
+                   *, biases=None):
+    """(rows uint8 [E, row_bytes], [(gate, up, down) NVFP4Tensor per expert]) on the CPU. A
+    layout with biases needs `biases` (gate [E, I], up [E, I], down [E, H]; `random_biases`)."""
     H, I = layout.hidden, layout.intermediate
     rows = torch.empty(num_experts, layout.row_bytes, dtype=torch.uint8)
     mats = []
     for e in range(num_experts):
         g, u, d = (random_nvfp4(I, H, generator), random_nvfp4(I, H, generator),
                    random_nvfp4(H, I, generator))
-        pack_row(layout, g, u, d, out=rows[e])
+        pack_row(layout, g, u, d, out=rows[e],
+                 bias=None if biases is None else tuple(b[e] for b in biases))
         mats.append((g, u, d))
     return rows, mats
 
@@ -76,6 +88,9 @@ def random_rows_fast(layout: RowLayout, num_experts: int, generator: torch.Gener
     hdr = torch.tensor([0.25 / math.sqrt(hp)] * 2 + [0.25 / math.sqrt(ip)], dtype=torch.float32)
     rows[:, :12] = hdr.view(torch.uint8).to(device)
     rows[:, 12:256] = 0
+    if layout.bias:                                  # finite biases (random bytes are not)
+        b = torch.randn(num_experts, 2 * ip + hp, generator=generator, device=device) * 0.5
+        rows[:, layout.bias_offset:] = b.view(torch.uint8)
     return rows
 
 
@@ -90,20 +105,50 @@ TINY = dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, hidden_si
             num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256)
 
 
+# gpt-oss-120b (transformers' GptOssConfig defaults: 36 layers, 128 experts, top-4, H = I = 2880,
+# alternating sliding-window / full attention with sinks); gpt-oss-20b is 24 layers, 32 experts.
+GPT_OSS_120B = dict(num_hidden_layers=36, num_local_experts=128, num_experts_per_tok=4,
+                    hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                    num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128,
+                    max_position_embeddings=131072)
+GPT_OSS_20B = dict(GPT_OSS_120B, num_hidden_layers=24, num_local_experts=32)
+GPT_OSS_TINY = dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=4,
+                    hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=128, sliding_window=16,
+                    max_position_embeddings=256)
+
+
 def qwen3_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, **shape):
     """A Qwen3-MoE causal LM whose dense part (attention, norms, router, embeddings) lives on
     `device` with random weights and whose experts hold no memory yet.
 
     The model is built on the meta device, the experts' parameters are released (0 elements),
     then only what is left is materialized on `device` and initialised (normal(0, 0.02) matrices,
-    unit norms, fresh rotary tables). Returns (model, specs): pass `specs` and NVFP4 rows to
-    `cupool.wrap(model, layers=specs, expert_rows=...)`. A 30B-parameter shape costs only its
-    ~2 GB dense part here.
+    unit norms, zero biases and attention sinks, fresh rotary tables). Returns (model, specs):
+    pass `specs` and NVFP4 rows to `cupool.wrap(model, layers=specs, expert_rows=...)`. A
+    30B-parameter shape costs only its ~2 GB dense part here.
     """
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
+    cfg = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **shape}, dtype=dtype, tie_word_embeddings=False)
+    return _dense_on_gpu(cfg, device, dtype, seed)
+
+
+def gpt_oss_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, **shape):
+    """`qwen3_moe_dense_on_gpu` for a gpt-oss causal LM (GPT_OSS_120B unless `shape` says
+    otherwise): its experts have biases and the clamped SwiGLU, so their rows are
+    `RowLayout(H, I, bias=True)` rows (`random_rows_fast` fills the biases)."""
+    from transformers import GptOssConfig
+    shape = {**GPT_OSS_120B, **shape}
+    layer_types = [("sliding_attention", "full_attention")[i % 2]
+                   for i in range(shape["num_hidden_layers"])]
+    cfg = GptOssConfig(**shape, layer_types=layer_types, dtype=dtype, tie_word_embeddings=False)
+    return _dense_on_gpu(cfg, device, dtype, seed)
+
+
+def _dense_on_gpu(cfg, device, dtype, seed):
+    from transformers import AutoModelForCausalLM
 
     from cupool.adapters import find_moe_layers
-    cfg = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **shape}, dtype=dtype, tie_word_embeddings=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     specs = find_moe_layers(model)
@@ -115,8 +160,8 @@ def qwen3_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, *
         for name, p in model.named_parameters():
             if p.numel() == 0:
                 continue
-            if p.dim() == 1:                       # norms
-                p.fill_(1.0)
+            if p.dim() == 1:                       # norms; biases and sinks start at zero
+                p.fill_(0.0 if name.endswith(("bias", "sinks")) else 1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
         for parent in model.modules():            # rotary tables were left uninitialised

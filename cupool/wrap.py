@@ -4,7 +4,8 @@ Shape legend (ARCHITECTURE.md): L MoE layers · E experts · K top-k · H hidden
 N rows per layer.
 
 wrap():
-1. finds the MoE layers (`cupool.adapters`), checks that they agree on E, K, H, I and dtype;
+1. finds the MoE layers (`cupool.adapters`), checks that they agree on E, K, H, I, dtype, biases
+   and activation (the row layout carries the biases, the GEMM compiles the activation in);
 2. sizes the bank before anything is converted: `rows` per layer, or what `budget` leaves after
    the rest of the model, the workspaces, staging and the KV-cache reserve (and what NVML says is
    free), so a budget that cannot work fails before any memory is taken;
@@ -41,13 +42,15 @@ def _layer_rows(spec: MoELayerSpec, layout: RowLayout, device, chunk: int = 16):
     for e0 in range(0, E, chunk):
         e1 = min(E, e0 + chunk)
         if stacked is not None:
-            g, u, d = (t[e0:e1].to(device, non_blocking=True) for t in stacked)
+            g, u, d = (t[e0:e1].to(device, non_blocking=True).contiguous() for t in stacked)
         else:
             mats = [spec.expert(e) for e in range(e0, e1)]
             g, u, d = (torch.stack([m[i] for m in mats]).to(device) for i in range(3))
+        biases = spec.biases()
+        bias = None if biases is None else tuple(b[e0:e1].to(device) for b in biases)
         rows = pack_rows(layout, gpu_quantize(g, name=f"{spec.name} gate"),
                          gpu_quantize(u, name=f"{spec.name} up"),
-                         gpu_quantize(d, name=f"{spec.name} down"))
+                         gpu_quantize(d, name=f"{spec.name} down"), bias=bias)
         out[e0:e1].copy_(rows, non_blocking=True)
     torch.cuda.current_stream(device).synchronize()
     return out
@@ -102,11 +105,12 @@ def plan(specs: list[MoELayerSpec], *, pending_bytes: int, rows=None, budget=Non
         raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
     _cuda.require_gpu("cupool.wrap")
     dev = torch.device("cuda", _cuda.device_index(device))
-    layout = RowLayout(H, I)
+    layout = RowLayout(H, I, bias=s0.bias)
     max_lanes = max_decode_tokens * K
     gemm = MoEGemm(layout, K, s0.dtype, max_decode_tokens=max_decode_tokens,
                    max_prefill_tokens=max_prefill_tokens, num_experts=E,
-                   scratch_rows=scratch_rows, scratch_buffers=scratch_buffers, device=dev)
+                   scratch_rows=scratch_rows, scratch_buffers=scratch_buffers,
+                   activation=s0.activation, device=dev)
     if rows is None:
         extra = (pending_bytes + staging_and_tables_bytes(L, E, max_lanes, layout.row_stride)
                  + MARGIN_BYTES)

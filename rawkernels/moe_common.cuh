@@ -1,8 +1,10 @@
 // What the MoE GEMM kernels share (moe_gemm.cu: prefill; moe_decode.cu: decode): the row layout's
 // offsets, cache-hinted loads, the A fragments of one 64-column chunk, the slots of a unit, and the
-// epilogues of w13 (SiLU·up) and w2 (router weight, sum over top-k).
+// epilogues of w13 (biases, activation) and w2 (bias, router weight, sum over top-k).
 //
-// Include after the configuration macros HP, IP, NT and OUT_BF16 (topk_sum's output dtype).
+// Include after the configuration macros HP, IP, NT and OUT_BF16 (topk_sum's output dtype), and
+// optionally ROW_BIAS (1: rows end with float32 biases, cupool/layout.py) and ACT / ACT_ALPHA /
+// ACT_LIMIT (the activation, cupool/activation.py; ACT 0 is SiLU(gate)·up).
 #pragma once
 #include "common.cuh"
 #include "mma_fp4.cuh"
@@ -13,6 +15,14 @@
 #define W2_OFFSET (256 + 2 * (IP / 16) * W13_STRIP)
 #define CHUNK_BYTES 576                    // a 64-column chunk: 512 B of packed codes, 64 B of scales
 #define CHUNK_SCALES 512                   // offset of its scale bytes (lane L: bytes 2L, 2L+1)
+#define ROW_BIAS_OFFSET (W2_OFFSET + (HP / 16) * W2_STRIP)  // float32 gate[IP], up[IP], down[HP]
+#ifndef ROW_BIAS
+#define ROW_BIAS 0
+#endif
+#ifndef ACT
+#define ACT 0             // 0: SiLU(gate)·up; 1: clamped SwiGLU (ACT_ALPHA, ACT_LIMIT)
+#endif
+static_assert(ACT == 0 || ACT == 1, "ACT: 0 SiLU, 1 clamped SwiGLU");
 
 static_assert(NT % 8 == 0 && NT >= 8, "NT must be a multiple of 8");
 static_assert(HP % 64 == 0 && IP % 64 == 0, "HP and IP are padded to 64");
@@ -86,39 +96,72 @@ CUPOOL_DEVICE void for_each_slot(int ntiles, int lane, const SlotInfo* si, F f) 
     }
 }
 
+// The expert's activation of one (gate, up) pair at true scale, biases added (cupool/activation.py).
+CUPOOL_DEVICE float expert_act(float gate, float up) {
+#if ACT == 0
+    return gate / (1.0f + __expf(-gate)) * up;
+#else
+    const float g = fminf(gate, ACT_LIMIT);
+    const float u = fminf(fmaxf(up, -ACT_LIMIT), ACT_LIMIT);
+    return (u + 1.0f) * (g / (1.0f + __expf(-ACT_ALPHA * g)));
+#endif
+}
+
 // w13 of strip pair p (acc[0] gate, acc[1] up, fp32 sums over all of K; gs_*: the global
-// scales times dequant_unscale): act[l, 16p + row] = SiLU(gate)·up at true scale, in bf16 (what
-// w2 then multiplies as it is), for every slot's lane l.
+// scales times dequant_unscale): act[l, 16p + row] = act(gate + b_gate, up + b_up) at true scale,
+// in bf16 (what w2 then multiplies as it is), for every slot's lane l. bias_gate / bias_up: the
+// biases of the pair's 16 rows (ROW_BIAS only; shared or global memory).
 CUPOOL_DEVICE void w13_epilogue(const float (&acc)[2][NTILES][4], int ntiles, const SlotInfo* si,
-                                float gs_gate, float gs_up, int p, int lane, u16* act) {
+                                float gs_gate, float gs_up, int p, int lane, u16* act,
+                                const float* bias_gate, const float* bias_up) {
     const int g = lane >> 2;
+#if ROW_BIAS
+    const float bg[2] = {bias_gate[g], bias_gate[g + 8]}, bu[2] = {bias_up[g], bias_up[g + 8]};
+#endif
     for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
         if (l < 0) return;
         const float ts = si->scale[n];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const float gate = acc[0][nt][2 * half + e] * gs_gate * ts;
-            const float up = acc[1][nt][2 * half + e] * gs_up * ts;
-            act[(i64)l * IP + p * 16 + g + 8 * half] = f32_to_bf16(gate / (1.0f + __expf(-gate)) * up);
+            float gate = acc[0][nt][2 * half + e] * gs_gate * ts;
+            float up = acc[1][nt][2 * half + e] * gs_up * ts;
+#if ROW_BIAS
+            gate += bg[half];
+            up += bu[half];
+#endif
+            act[(i64)l * IP + p * 16 + g + 8 * half] = f32_to_bf16(expert_act(gate, up));
         }
     });
 }
 
 // w2 of output strip p (acc: fp32 sums over all of K; gs_down: the global scale times
-// dequant_unscale) times the router weight of each lane:
-// yw[l, h] (reduce 0, summed later in fixed order) or atomically into out32[token, h] (reduce 1).
+// dequant_unscale), plus the bias of its 16 rows (bias_down, ROW_BIAS only), times the router
+// weight of each lane: yw[l, h] (reduce 0, summed later in fixed order) or atomically into
+// out32[token, h] (reduce 1).
 CUPOOL_DEVICE void w2_epilogue(const float (&acc)[NTILES][4], int ntiles, const SlotInfo* si,
                                float gs_down, int p, int lane, const float* lane_w, int topk,
-                               int hidden, bool reduce_atomic, float* yw, float* out32) {
+                               int hidden, bool reduce_atomic, float* yw, float* out32,
+                               const float* bias_down) {
     const int g = lane >> 2;
+#if ROW_BIAS
+    const float bd[2] = {bias_down[g], bias_down[g + 8]};
+#endif
     for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
         if (l < 0) return;
+#if ROW_BIAS
+        const float f = gs_down * si->scale[n];
+#else
         const float f = gs_down * si->scale[n] * lane_w[l];
+#endif
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int h = p * 16 + g + 8 * half;
             if (h >= hidden) continue;
+#if ROW_BIAS
+            const float y = (acc[nt][2 * half + e] * f + bd[half]) * lane_w[l];
+#else
             const float y = acc[nt][2 * half + e] * f;
+#endif
             if (reduce_atomic) atomicAdd(out32 + (i64)(l / topk) * HP + h, y);
             else yw[(i64)l * HP + h] = y;
         }

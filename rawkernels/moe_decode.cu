@@ -1,4 +1,5 @@
-// NVFP4 MoE decode, w13 → SiLU·up → w2 → weighted sum over top-k, in one launch per unit range.
+// NVFP4 MoE decode, w13 → activation (SiLU·up, or clamped SwiGLU; biases where the rows have them)
+// → w2 → weighted sum over top-k, in one launch per unit range.
 //
 // Why one launch: at T ≤ 16 a layer reads ~20 MB of rows, a few µs of HBM time, while separate
 // w13 and w2 launches each pay a start, a chain of dependent loads and a tail. Here blocks take
@@ -19,7 +20,7 @@
 // the bytes in flight are bounded by shared memory, not registers; a warp issues its second stage
 // only once the first has landed (run_stages). w13 multiplies x as it is: its weights are
 // dequantised to the model's dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish
-// before the first multiply. w13 writes SiLU·up as bf16 act rows; after the wait, w2 reads its B
+// before the first multiply. w13 writes the activation as bf16 act rows; after the wait, w2 reads its B
 // fragments straight from them (L2) and multiplies them with bf16-dequantised weights.
 //
 // Front: every block groups the call's lanes into units itself (group_lanes, in shared memory:
@@ -216,7 +217,10 @@ struct Smem {
     float* lane_w;          // [MAXW] router weight of each lane (0: padding or rejected)
     u8* unit_lanes;         // [MAXW][NT]
     u8* unit_count;         // [MAXW]
+    float* bias;            // ROW_BIAS: [BIAS_FLOATS] the item's biases (w13: per pair, 16 gate
+                            // then 16 up; w2: 16 per output strip)
 };
+constexpr int BIAS_FLOATS = ROW_BIAS ? 128 : 0;           // ≥ 32·PPI and ≥ 16·WM2
 
 CUPOOL_DEVICE Smem carve(u8* smem) {
     Smem m;
@@ -227,9 +231,12 @@ CUPOOL_DEVICE Smem carve(u8* smem) {
     m.lane_w = reinterpret_cast<float*>(m.unit_addr + MAXW);
     m.unit_lanes = reinterpret_cast<u8*>(m.lane_w + MAXW);
     m.unit_count = m.unit_lanes + MAXW * NT;
+    m.bias = reinterpret_cast<float*>(m.unit_count + MAXW);   // 8-byte aligned (MAXW % 8 == 0)
     return m;
 }
 static_assert(sizeof(SlotInfo) % 8 == 0, "the unit table after SlotInfo is 8-byte aligned");
+static_assert(!ROW_BIAS || (BIAS_FLOATS >= 32 * PPI && BIAS_FLOATS >= 16 * WM2),
+              "the bias buffer holds an item's biases");
 
 CUPOOL_DEVICE void put_partial(const Smem& m, int warp, int lane, const float (&acc)[NTILES][4]) {
 #pragma unroll
@@ -327,6 +334,13 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
     issue_first(ws, strip, c0, c1, lane, 1);                  // stage 0 only
     const float* hdr = reinterpret_cast<const float*>(row);
     const float gs_gate = hdr[0], gs_up = hdr[1];              // in flight during the K loop
+#if ROW_BIAS
+    if (threadIdx.x < 32 * PPI) {                              // pair j: 16 gate, then 16 up
+        const int j = threadIdx.x >> 5, r = threadIdx.x & 31;
+        const float* b = reinterpret_cast<const float*>(row + ROW_BIAS_OFFSET);
+        m.bias[threadIdx.x] = b[(r < 16 ? 0 : IP) + 16 * (PPI * i + j) + (r & 15)];
+    }
+#endif
     if (threadIdx.x < NT) {
         m.si->lane[threadIdx.x] = slot_lane(m, u);
         m.si->scale[threadIdx.x] = 1.0f;                       // x goes in unscaled
@@ -353,8 +367,10 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
         float gu[2][NTILES][4];
         sum_partials(m, warp, KS13, lane, gu[0]);
         sum_partials(m, warp + KS13, KS13, lane, gu[1]);
+        const float* bias = m.bias + 32 * (s / 2);
         w13_epilogue(gu, ntiles, m.si, gs_gate * dequant_unscale<IN_BF16>(),
-                     gs_up * dequant_unscale<IN_BF16>(), PPI * i + s / 2, lane, a.act);
+                     gs_up * dequant_unscale<IN_BF16>(), PPI * i + s / 2, lane, a.act, bias,
+                     bias + 16);
         __threadfence();                                       // act before the count
     }
     __syncthreads();
@@ -375,6 +391,11 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     WarpStages& ws = m.stages[warp];
     issue_first(ws, strip, c0, c1, lane, 1);                  // stage 0 only
     const float gs_down = reinterpret_cast<const float*>(row)[2];
+#if ROW_BIAS
+    if (threadIdx.x < 16 * WM2 && grp * WM2 * 16 + (int)threadIdx.x < HP)
+        m.bias[threadIdx.x] = reinterpret_cast<const float*>(row + ROW_BIAS_OFFSET)[
+            2 * IP + grp * WM2 * 16 + threadIdx.x];
+#endif
     if (threadIdx.x < NT) {
         m.si->lane[threadIdx.x] = slot_lane(m, u);
         m.si->scale[threadIdx.x] = 1.0f;                       // act goes in as w13 wrote it
@@ -407,7 +428,7 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
     }
     if (ks == 0 && st < NS)
         w2_epilogue(acc, ntiles, m.si, gs_down * dequant_unscale<true>(), st, lane, m.lane_w,
-                    a.topk, a.hidden, false, a.yw, nullptr);
+                    a.topk, a.hidden, false, a.yw, nullptr, m.bias + 16 * wm);
     // the last unit to finish this strip group sums over top-k in fixed order
     if (last_arrival(a.group_done + grp, a.all_units, s_last))
         topk_sum(grp * WM2 * 16, WM2 * 16, a.tokens, a.topk, a.hidden, m.lane_w, a.yw, a.out);

@@ -1,5 +1,6 @@
-// NVFP4 MoE GEMM: w13 (gate/up) + SiLU(gate)·up, then w2 scaled by the router weight and summed
-// over top-k. Weights are read from expert rows in the kernel layout of cupool/layout.py, wherever
+// NVFP4 MoE GEMM: w13 (gate/up) + the activation (SiLU(gate)·up, or gpt-oss's clamped SwiGLU;
+// biases where the rows have them, moe_common.cuh), then w2 (+ bias) scaled by the router weight
+// and summed over top-k. Weights are read from expert rows in the kernel layout of cupool/layout.py, wherever
 // they are (bank row, staging row, or pinned host memory through a UVA address).
 //
 // Work sketch
@@ -339,8 +340,9 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         ksplit_reduce<2>(acc, red, wm, ks, lane);
         if (ks == 0 && active) {
             const float* hdr = reinterpret_cast<const float*>(row);
+            const float* bias = reinterpret_cast<const float*>(row + ROW_BIAS_OFFSET) + 16 * p;
             w13_epilogue(acc, ntiles, si, hdr[0] * dequant_unscale<false>(),
-                         hdr[1] * dequant_unscale<false>(), p, lane, act);
+                         hdr[1] * dequant_unscale<false>(), p, lane, act, bias, bias + IP);
         }
     }
 }
@@ -373,7 +375,7 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
     const Range rg = unit_range(range);
     constexpr int NS = HP / 16;                                  // output strips
     constexpr int GROUPS = (NS / W2_NS + WARPS_M - 1) / WARPS_M;
-    constexpr int GROUP_ROWS = WARPS_M * W2_NS * 16;             // output rows of a group
+    [[maybe_unused]] constexpr int GROUP_ROWS = WARPS_M * W2_NS * 16;   // rows of a group
     const int items = rg.count * GROUPS;
 #if REDUCE == 0
     const int all_units = unit_range(all_range).count;
@@ -427,7 +429,8 @@ moe_w2(const i32* __restrict__ range,       // this launch's units
 #pragma unroll
             for (int s = 0; s < W2_NS; ++s)
                 w2_epilogue(acc[s], ntiles, si, gs, p + s, lane, lane_w, topk, hidden, REDUCE == 1,
-                            yw, out32);
+                            yw, out32, reinterpret_cast<const float*>(row + ROW_BIAS_OFFSET)
+                                           + 2 * IP + 16 * (p + s));
         }
 #if REDUCE == 0
         // The last unit to finish this strip group sums over top-k in fixed order.

@@ -23,6 +23,7 @@ from tiny_models import (
 )
 from torch import nn
 
+from cupool.activation import SILU, swiglu_clamp
 from cupool.adapters import (
     KIND_HF,
     KIND_LIST,
@@ -59,7 +60,10 @@ def test_family_detected(hf_models, family):
         assert (s.dtype, s.device) == (torch.float32, torch.device("cpu"))
         assert s.module is model.model.layers[i].mlp.experts
         assert s.parent is model.model.layers[i].mlp
-        assert (s.concatenated, s.transposed) == (True, False)
+        gpt_oss = family == "gpt_oss"             # interleaved, transposed, biased, clamped
+        assert (s.concatenated, s.transposed, s.bias) == \
+            ((False, True, True) if gpt_oss else (True, False, False))
+        assert s.activation == (swiglu_clamp(1.702, 7.0) if gpt_oss else SILU)
     check_consistent(specs)
 
 
@@ -72,9 +76,14 @@ def test_family_views(hf_models, family):
         sg, su, sd = s.stacked()
         assert sg.shape == su.shape == (s.num_experts, I, s.hidden)
         assert sd.shape == (s.num_experts, s.hidden, I)
+        if s.transposed:                          # gpt-oss: [E, H, 2I] / [E, I, H]
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         for e in range(s.num_experts):
             g, u, d = s.expert(e)
-            assert torch.equal(g, gate_up[e, :I]) and torch.equal(u, gate_up[e, I:])
+            if s.concatenated:
+                assert torch.equal(g, gate_up[e, :I]) and torch.equal(u, gate_up[e, I:])
+            else:                                 # interleaved rows g0, u0, g1, u1, ...
+                assert torch.equal(g, gate_up[e, 0::2]) and torch.equal(u, gate_up[e, 1::2])
             assert torch.equal(d, down[e])
             assert torch.equal(g, sg[e]) and torch.equal(u, su[e]) and torch.equal(d, sd[e])
             # a view: same storage, no copy, and no autograd history attached
@@ -147,10 +156,11 @@ def _release_restore_round_trip(spec, x, ids, w):
     """release() then restore(expert copies) gives back the same parameters and the same output."""
     shapes = [tuple(p.shape) for p in spec.module.parameters()]
     copies = [tuple(t.clone() for t in spec.expert(e)) for e in range(spec.num_experts)]
+    biases = None if not spec.bias else tuple(b.clone() for b in spec.biases())
     with torch.no_grad():
         before = spec.module(x, ids, w) if spec.kind == KIND_HF else spec.parent(x)
     spec.release()
-    spec.restore(copies)
+    spec.restore(copies, biases=biases)
     assert not spec.released and [tuple(p.shape) for p in spec.module.parameters()] == shapes
     for e in range(spec.num_experts):
         assert all(torch.equal(a, b) for a, b in zip(spec.expert(e), copies[e]))
@@ -159,18 +169,21 @@ def _release_restore_round_trip(spec, x, ids, w):
     assert torch.equal(before, after)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_restore_round_trip_family(family):
     pytest.importorskip("transformers")
     spec = find_moe_layers(hf_model(family))[0]
     x = torch.randn(4, spec.hidden, generator=torch.Generator().manual_seed(7))
     _release_restore_round_trip(spec, x, *_routing(spec.num_experts, spec.top_k, 4, seed=8))
+    biases = spec.biases()
     with pytest.raises(ValueError, match=r"restore needs E=8"):
-        spec.restore([])
+        spec.restore([], biases=biases)
     bad = [tuple(t.clone() for t in spec.expert(e)) for e in range(spec.num_experts)]
+    with pytest.raises(ValueError, match=r"restore needs biases exactly when"):
+        spec.restore(bad, biases=None if biases is not None else bad[0])
     bad[3] = (bad[3][0].t(), bad[3][1], bad[3][2])
     with pytest.raises(ValueError, match=rf"expert 3: expected gate, up \[I={spec.intermediate}, H=48\]"):
-        spec.restore(bad)
+        spec.restore(bad, biases=biases)
 
 
 def test_expert_index_checked(hf_models):
@@ -271,14 +284,70 @@ def test_interleaved_flag_with_default_gate_is_refused():
         find_moe_layers(_hand_made(is_concatenated=False))
 
 
-def test_custom_gate_is_refused():
-    with pytest.raises(UnsupportedModelError, match="does not compute SiLU"):
+def test_clamped_gate_without_its_parameters_is_refused():
+    # the clamped SwiGLU is only a candidate where the module carries alpha and limit
+    with pytest.raises(UnsupportedModelError, match=r"computes none of the activations .*SiLU"):
         find_moe_layers(_hand_made(_clamped_gate, is_concatenated=False))
 
 
-def test_hf_biases_refused():
-    with pytest.raises(UnsupportedModelError, match=r"^0\.experts: unsupported, because .*bias"):
-        find_moe_layers(_hand_made(has_bias=True))
+def test_clamped_gate_with_its_parameters_is_found():
+    model = _hand_made(_clamped_gate, is_concatenated=False)
+    for blk in model:
+        blk.experts.alpha, blk.experts.limit = 1.702, 7.0
+    assert {s.activation for s in find_moe_layers(model)} == {swiglu_clamp(1.702, 7.0)}
+    for blk in model:                         # parameters that disagree with what it computes
+        blk.experts.limit = 5.0
+    with pytest.raises(UnsupportedModelError, match=r"limit = 5.*differs|computes none"):
+        find_moe_layers(model)
+
+
+def _gptoss_gate(self, gate_up_out):
+    # transformers' GptOssExperts._apply_gate, reading alpha and limit from the module
+    gate, up = gate_up_out[..., ::2], gate_up_out[..., 1::2]
+    gate = gate.clamp(min=None, max=self.limit)
+    up = up.clamp(min=-self.limit, max=self.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+@pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])
+def test_hf_biases_are_read(impl):
+    """Biased, interleaved, transposed experts (gpt-oss's layout): biases() is the parameters'
+    de-interleaved view and transformers' own implementation equals the reference built from
+    what the adapter hands out."""
+    model = _hand_made(_gptoss_gate, _hf_config(impl), has_bias=True, is_concatenated=False,
+                       is_transposed=True)
+    g = torch.Generator().manual_seed(8)
+    for blk in model:
+        blk.experts.alpha, blk.experts.limit = 1.702, 7.0
+        with torch.no_grad():
+            blk.experts.gate_up_proj_bias.copy_(torch.randn(6, 32, generator=g))
+            blk.experts.down_proj_bias.copy_(torch.randn(6, 48, generator=g))
+    s = find_moe_layers(model)[0]
+    assert s.bias and s.activation == swiglu_clamp(1.702, 7.0)
+    bg, bu, bd = s.biases()
+    assert torch.equal(bg, s.module.gate_up_proj_bias[:, 0::2])
+    assert torch.equal(bu, s.module.gate_up_proj_bias[:, 1::2])
+    assert torch.equal(bd, s.module.down_proj_bias)
+    x = torch.randn(7, 48, generator=g) * 3
+    ids, w = _routing(6, 2, 7, seed=9)
+    with torch.no_grad():
+        got = s.module(x, ids, w)
+    want = moe_reference(s, x, ids, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _release_restore_round_trip(s, x, ids, w)
+
+
+def test_hf_bias_shapes_checked():
+    model = _hand_made(_gptoss_gate, has_bias=True, is_concatenated=False, is_transposed=True)
+    for blk in model:
+        blk.experts.alpha, blk.experts.limit = 1.702, 7.0
+    model[0].experts.down_proj_bias = nn.Parameter(torch.zeros(6, 47))
+    with pytest.raises(UnsupportedModelError, match=r"0\.experts: .*down_proj_bias is \[6, 47\], "
+                                                   r"expected \[6, 48\]"):
+        find_moe_layers(model)
+    model[0].experts.down_proj_bias = None
+    with pytest.raises(UnsupportedModelError, match=r"has_bias=True but down_proj_bias is NoneType"):
+        find_moe_layers(model)
 
 
 def test_hf_no_gate_refused():

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from cupool.engine import Engine, cache_kwarg  # noqa: E402
 from cupool.sampling import SamplingParams  # noqa: E402
 
-FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 
 
 @torch.inference_mode()

@@ -44,7 +44,7 @@ def _check_against_reference(model, reqs):
     return off
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_batched_engine_through_the_pool_matches_the_reference(family):
     model = model_for(family, seed=21)
     _, (_, E, K, _, _) = FAMILIES[family]

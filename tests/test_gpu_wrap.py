@@ -277,7 +277,7 @@ def test_wrap_guards():
 def test_family_layer_outputs(family):
     """One pooled layer against the float reference on the same inputs (no model around it, so
     no amplification through later layers): decode width and prefill width."""
-    from cupool.layout import unpack_row
+    from cupool.layout import unpack_bias, unpack_row
     from cupool.nvfp4 import dequantize
     from cupool.reference.moe import reference_moe
     model = model_for(family, seed=4)
@@ -287,6 +287,10 @@ def test_family_layer_outputs(family):
     for layer in range(pool.num_layers):
         deq = [tuple(dequantize(q).cuda() for q in unpack_row(pool.layout, pool.store.row(layer, e)))
                for e in range(E)]
+        biases = None                       # gpt-oss: the rows' biases, the clamped SwiGLU
+        if pool.layout.bias:
+            biases = [tuple(b.cuda() for b in unpack_bias(pool.layout, pool.store.row(layer, e)))
+                      for e in range(E)]
         for T in (1, 2, 9):                                   # decode, decode, partition path
             x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
             ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).cuda()
@@ -294,7 +298,8 @@ def test_family_layer_outputs(family):
             pool.overlap_copies = True                    # copies beside the GEMM (opt-in)
             out = pool.layers[layer](x, ids, w)
             pool.overlap_copies = False
-            assert rel(out, reference_moe(x, ids, w, deq)) <= 1e-2, (layer, T)
+            ref = reference_moe(x, ids, w, deq, activation=pool.gemm.activation, biases=biases)
+            assert rel(out, ref) <= 1e-2, (layer, T)
             if T * K <= pool.bank.max_lanes:
                 # gate closed: the placement stays, so a second call meets the same rows; the
                 # one-stream path (copies, then one GEMM pass: the default) must give the same bits

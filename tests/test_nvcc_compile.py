@@ -5,6 +5,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 from cupool import kernels
 from cupool.layout import RowLayout
@@ -199,3 +200,37 @@ def test_debug_env_adds_lineinfo(monkeypatch):
     assert "-lineinfo" in kernels._options(None)
     monkeypatch.setenv("CUPOOL_KERNEL_DEBUG", "0")
     assert "-lineinfo" not in kernels._options(None)
+
+
+# gpt-oss experts (biases in the rows, clamped SwiGLU compiled in, H = I = 2880: 45 chunks a
+# strip, not a power of two): every build the launchers make for them compiles without spills.
+_GPTOSS = RowLayout(2880, 2880, bias=True)
+
+
+def _gptoss_decode_builds():
+    from cupool.activation import swiglu_clamp
+    act = swiglu_clamp(1.702, 7.0)
+    out = []
+    for nt, maxw, minb, split in [(8, 64, 4, 4), (8, 64, 3, 4), (8, 64, 4, 2), (16, 256, 3, 4),
+                                  (16, 256, 3, 2)]:
+        b = moe_decode.Build(nt=nt, maxw=maxw, minb=minb, w13_split=split, xalign=1, w_dtype=0)
+        out.append(moe_decode.defines(b, _GPTOSS, torch.bfloat16, act))
+    return out
+
+
+@pytest.mark.parametrize("defines", _gptoss_decode_builds(),
+                         ids=lambda d: f"NT{d['NT']}-MINB{d['MINB']}-KS{d['W13_KSPLIT']}")
+def test_gptoss_decode_builds_without_spills(nvcc, tmp_path, defines):
+    assert defines["ROW_BIAS"] == 1 and defines["ACT"] == 1
+    spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_decode.cu", defines, tmp_path / "o.cubin")
+    assert spills and all(s == 0 for s in spills), spills
+
+
+def test_gptoss_prefill_and_pair_builds_without_spills(nvcc, tmp_path):
+    from cupool.activation import swiglu_clamp
+    from cupool.ops.moe_gemm import PAIR_SMALL, PAIR_WIDE
+    act = swiglu_clamp(1.702, 7.0)
+    for cfg in (PREFILL, PAIR_SMALL, PAIR_WIDE):
+        d = config_defines(cfg, _GPTOSS, torch.bfloat16, act)
+        spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_gemm.cu", d, tmp_path / "o.cubin")
+        assert spills and all(s == 0 for s in spills), (cfg, spills)

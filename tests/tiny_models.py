@@ -36,6 +36,12 @@ FAMILIES = {
                          first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16,
                          q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8),
                     ([1, 2], 8, 2, 48, 16)),
+    # Experts with biases, gate/up interleaved and transposed, clamped SwiGLU (alpha, limit from
+    # the config); attention with sinks, alternating sliding-window layers.
+    "gpt_oss": (dict(_COMMON, hidden_size=48, intermediate_size=32, head_dim=16,
+                     num_local_experts=8, num_experts_per_tok=4, sliding_window=8,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                ([0, 1, 2], 8, 4, 48, 32)),
 }
 
 
@@ -57,23 +63,29 @@ def hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
             if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
                 m.gate_up_proj.normal_(0, 0.2)
                 m.down_proj.normal_(0, 0.2)
+            for name in ("gate_up_proj_bias", "down_proj_bias"):      # gpt-oss: biases matter
+                if isinstance(getattr(m, name, None), torch.Tensor):
+                    getattr(m, name).normal_(0, 0.1)
     return model.eval()
 
 
 class RouterLog:
     """The routers' outputs while inside `with`: every MoE block of `model` (a module with `.gate`
-    and `.experts` whose gate returns (router_logits, weights, chosen experts), as in the
-    transformers 5 families above), per MoE layer in model order. `rows()` gives each layer's
-    (logits [positions, E] float32, chosen [positions, K]) over all calls, in call order."""
+    or `.router` (gpt-oss) and `.experts` whose router returns (router_logits, weights, chosen
+    experts), as in the transformers 5 families above), per MoE layer in model order. `rows()`
+    gives each layer's (logits [positions, E] float32, chosen [positions, K]) over all calls, in
+    call order."""
 
     def __init__(self, model: nn.Module):
-        self.blocks = [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+        self.blocks = [m for m in model.modules()
+                       if (hasattr(m, "gate") or hasattr(m, "router")) and hasattr(m, "experts")]
         self.calls: dict[int, list] = {}
         self._handles: list = []
 
     def __enter__(self) -> RouterLog:
         for i, b in enumerate(self.blocks):
-            self._handles.append(b.gate.register_forward_hook(self._hook(i)))
+            router = b.gate if hasattr(b, "gate") else b.router
+            self._handles.append(router.register_forward_hook(self._hook(i)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -180,12 +192,16 @@ class ListMoEModel(nn.Module):
 
 
 def moe_reference(spec, x, ids, weights):
-    """out [T, H] = Σ_k weights[:, k] · down(SiLU(gate·x) · up·x) of expert ids[:, k], from
-    spec.expert(e): what the pooled layer must compute from the weights the adapter hands out."""
+    """out [T, H] = Σ_k weights[:, k] · (down(act(gate·x + b_g, up·x + b_u)) + b_d) of expert
+    ids[:, k], from spec.expert(e), spec.biases() and spec.activation: what the pooled layer must
+    compute from what the adapter hands out."""
     out = torch.zeros_like(x)
+    biases = spec.biases()
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
-            gate, up, down = spec.expert(int(ids[t, k]))
-            h = F.silu(F.linear(x[t], gate)) * F.linear(x[t], up)
-            out[t] += weights[t, k] * F.linear(h, down)
+            e = int(ids[t, k])
+            gate, up, down = spec.expert(e)
+            bg, bu, bd = (None, None, None) if biases is None else (b[e] for b in biases)
+            h = spec.activation(F.linear(x[t], gate, bg), F.linear(x[t], up, bu))
+            out[t] += weights[t, k] * F.linear(h, down, bd)
     return out

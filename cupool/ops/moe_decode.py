@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from cupool import kernels
+from cupool.activation import SILU, Activation
 from cupool.layout import CHUNK_BYTES, RowLayout
 from cupool.ops import ACT_DTYPES, W_DTYPES
 
@@ -48,14 +49,17 @@ def stage_ring_bytes() -> int:
     return (8 * NBUF + 4 + 15) // 16 * 16 + NBUF * STAGE * CHUNK_BYTES
 
 
-def shared_bytes(build: Build) -> int:
+BIAS_FLOATS = 128         # moe_decode.cu's BIAS_FLOATS: an item's biases (rows with biases only)
+
+
+def shared_bytes(build: Build, bias: bool = False) -> int:
     """Dynamic shared memory of a block (moe_decode.cu's `carve`): the warps' stage rings, the
     K-split partial sums [WARPS][NT/8 · 4][32] floats, the SlotInfo (NT lanes and scales), then
     the unit table of the call: unit_addr [MAXW] i64, lane_w [MAXW] f32, unit_lanes [MAXW][NT]
-    u8, unit_count [MAXW] u8."""
+    u8, unit_count [MAXW] u8; then, for rows with biases, BIAS_FLOATS f32."""
     nt, maxw = build.nt, build.maxw
     return (WARPS * stage_ring_bytes() + WARPS * (nt // 8) * 4 * 32 * 4 + nt * 8
-            + maxw * (8 + 4 + nt + 1))
+            + maxw * (8 + 4 + nt + 1) + (4 * BIAS_FLOATS if bias else 0))
 
 
 def w2_ksplit(layout: RowLayout) -> int:
@@ -110,9 +114,11 @@ def choose(layout: RowLayout, sms: int, lanes: int, x: torch.Tensor,
                  xalign=int(x.data_ptr() % 16 == 0), w_dtype=W_DTYPES[weights.dtype])
 
 
-def defines(build: Build, layout: RowLayout, dtype: torch.dtype) -> dict:
-    """The -D macros moe_decode.cu is compiled with for a build, layout and activation dtype."""
-    d = {**layout.defines(), "NT": build.nt, "MAXW": build.maxw, "OUT_BF16": ACT_DTYPES[dtype],
+def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
+            activation: Activation = SILU) -> dict:
+    """The -D macros moe_decode.cu is compiled with for a build, layout, activation dtype and
+    expert activation."""
+    d = {**layout.defines(), **activation.defines(), "NT": build.nt, "MAXW": build.maxw, "OUT_BF16": ACT_DTYPES[dtype],
          "IN_BF16": ACT_DTYPES[dtype], "W_DTYPE": build.w_dtype, "XALIGN": build.xalign,
          "HFULL": int(layout.hidden == layout.hp), "MINB": build.minb,
          "W13_KSPLIT": build.w13_split}
@@ -131,10 +137,12 @@ class DecodeKernel:
     """moe_decode for one row layout, activation dtype and device: compiled builds (cached) and
     their persistent grids."""
 
-    def __init__(self, layout: RowLayout, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layout: RowLayout, dtype: torch.dtype, device: torch.device,
+                 activation: Activation = SILU):
         if dtype not in ACT_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
+        self.activation = activation
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._compiled: dict[Build, tuple] = {}
 
@@ -145,8 +153,9 @@ class DecodeKernel:
         got = self._compiled.get(build)
         if got is None:
             fn = kernels.function("moe_decode", "moe_decode",
-                                  defines(build, self.layout, self.dtype), self.device)
-            smem = shared_bytes(build)
+                                  defines(build, self.layout, self.dtype, self.activation),
+                                  self.device)
+            smem = shared_bytes(build, self.layout.bias)
             got = self._compiled[build] = (fn, kernels.resident_grid(fn, 32 * WARPS, smem,
                                                                      self.device), smem)
         return got

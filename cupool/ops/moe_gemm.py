@@ -6,7 +6,8 @@ I intermediate; Hp, Ip are H and I rounded up to 64. A *unit* is up to NT lanes 
 that share every dequantized weight fragment.
 
 moe_align.cu groups lanes into units (route_decode for decode, align_experts for prefill) and
-prepares x (prep_x); moe_gemm.cu's moe_w13 writes SiLU(gate)·up per lane, moe_w2 multiplies it
+prepares x (prep_x); moe_gemm.cu's moe_w13 writes act(gate, up) per lane (SiLU(gate)·up or
+the clamped SwiGLU, biases added where the rows have them), moe_w2 multiplies it
 by w2, and the top-k sum is moe_w2's (REDUCE 0, decode) or moe_finish's (REDUCE 1, prefill:
 fp32 atomics into out32, then one cast).
 
@@ -21,6 +22,7 @@ import dataclasses
 import torch
 
 from cupool import kernels
+from cupool.activation import SILU, Activation
 from cupool.layout import RowLayout
 from cupool.ops import ACT_DTYPES
 
@@ -73,9 +75,11 @@ def w2_cols(cfg: GemmConfig, layout: RowLayout) -> int:
     return layout.ip if cfg.nt * (layout.ip + 8) * 2 <= W2_WHOLE_BYTES else min(cfg.kc, layout.ip)
 
 
-def defines(cfg: GemmConfig, layout: RowLayout, dtype=torch.bfloat16) -> dict:
-    """The -D macros moe_gemm.cu is compiled with for a config, layout and output dtype."""
-    return {**layout.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit, "WARPS_M": cfg.warps_m,
+def defines(cfg: GemmConfig, layout: RowLayout, dtype=torch.bfloat16,
+            activation: Activation = SILU) -> dict:
+    """The -D macros moe_gemm.cu is compiled with for a config, layout, output dtype and expert
+    activation."""
+    return {**layout.defines(), **activation.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit, "WARPS_M": cfg.warps_m,
             "KC": min(cfg.kc, layout.hp), "W2_KC": w2_cols(cfg, layout), "NB": cfg.nb,
             "OUT_BF16": ACT_DTYPES[dtype], "REDUCE": cfg.reduce, "PREFETCH_W2": cfg.prefetch_w2,
             "MINB": cfg.minb, "W2_NS": cfg.w2_ns, "NTG": cfg.ntg}
@@ -99,17 +103,20 @@ class GemmKernels:
     kernels, their grids and shared memory, resolved once per config (prefill launches a pair per
     scratch chunk, and the host's time per launch bounds how fast small chunks go)."""
 
-    def __init__(self, layout: RowLayout, topk: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layout: RowLayout, topk: int, dtype: torch.dtype, device: torch.device,
+                 activation: Activation = SILU):
         if dtype not in ACT_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         self.layout, self.topk, self.dtype = layout, int(topk), dtype
+        self.activation = activation
         self.device = torch.device(device)
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._pairs: dict[GemmConfig, tuple] = {}
 
     def gemm(self, cfg: GemmConfig, name: str):
         """A moe_gemm.cu kernel compiled for `cfg`."""
-        return kernels.function("moe_gemm", name, defines(cfg, self.layout, self.dtype),
+        return kernels.function("moe_gemm", name,
+                                defines(cfg, self.layout, self.dtype, self.activation),
                                 self.device)
 
     def align(self, nt: int, name: str, x: torch.Tensor, ids64: int = 1, w_dtype: int = 0):
