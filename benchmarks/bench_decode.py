@@ -52,6 +52,7 @@ from cupool import _cuda, synthetic
 from cupool import trace as tr
 from cupool.cli import CLIParser, bounded_int, existing_file, output_file, positive_int, run
 from cupool.replay import Replayer
+from cupool.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -63,8 +64,9 @@ class Run:
 
 
 def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, replay=None,
-             rows=None, compile=False) -> Run:
-    """`repeats` decode runs of one mode."""
+             rows=None, compile=False, driver="graph") -> Run:
+    """`repeats` decode runs of one mode, through GraphDecoder (driver "graph") or the Engine
+    (driver "engine": one slot, greedy; its decode graph captured after a warm-up request)."""
     rates, captures, stats = [], [], None
     for _ in range(repeats):
         if pool is not None:
@@ -74,11 +76,23 @@ def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, 
             if replay is not None:
                 replay.step.zero_()
                 replay.install()
-        dec = cupool.GraphDecoder(model, pool if backend is None else None,
-                                  max_len=prompt.shape[1] + tokens, graph=graph, compile=compile)
-        res = dec.generate(prompt, tokens)
-        rates.append(res.tokens_per_s)
-        captures.append(round(res.capture_s, 2))
+        if driver == "engine":
+            t0 = time.perf_counter()
+            eng = cupool.Engine(model, pool, max_batch=1, max_len=prompt.shape[1] + tokens,
+                                graph=graph, compile=compile, eos_token_id=[])
+            eng.warmup()
+            captures.append(round(time.perf_counter() - t0, 2))
+            req = eng.generate([prompt[0].tolist()],
+                               SamplingParams(max_tokens=tokens, ignore_eos=True))[0]
+            rates.append(req.decode_tokens_per_s)
+            del eng
+        else:
+            dec = cupool.GraphDecoder(model, pool if backend is None else None,
+                                      max_len=prompt.shape[1] + tokens, graph=graph,
+                                      compile=compile)
+            res = dec.generate(prompt, tokens)
+            rates.append(res.tokens_per_s)
+            captures.append(round(res.capture_s, 2))
         if pool is not None and backend is None:
             stats = pool.stats()
     if pool is not None:
@@ -147,14 +161,17 @@ def plot(results, pool_layers, path):
 MODES = ["pool", "pool-serial", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16"]
 ROUTINGS = ["uniform", "locality"]
 # --model: (shape, dense-part builder, results name, default modes, bank sizes of "pool" in % of
-# E). gpt-oss (biased experts, the clamped SwiGLU, H = I = 2880) is measured against its own
-# resident ceiling; its 64.6 GB of rows fit an H200 once (resident), not twice (no pool-100).
+# E, driver). gpt-oss (biased experts, the clamped SwiGLU, H = I = 2880) is measured against its
+# own resident ceiling; its 64.6 GB of rows fit an H200 once (resident), not twice (no pool-100).
+# It decodes through the Engine: transformers runs gpt-oss's attention eagerly (its sinks have
+# no SDPA path), and the eager mask code copies a host scalar a call, which no CUDA graph can
+# capture; the Engine passes masks of its own (GraphDecoder refuses such models).
 MODELS = {
     "qwen3-30b-a3b": (synthetic.QWEN3_30B_A3B, synthetic.qwen3_moe_dense_on_gpu, "bench_decode",
                       ["pool", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16"],
-                      (25, 50, 100)),
+                      (25, 50, 100), "graph"),
     "gpt-oss-120b": (synthetic.GPT_OSS_120B, synthetic.gpt_oss_dense_on_gpu,
-                     "bench_decode_gpt_oss_120b", ["pool", "resident"], (25, 50)),
+                     "bench_decode_gpt_oss_120b", ["pool", "resident"], (25, 50), "engine"),
 }
 
 
@@ -254,7 +271,10 @@ def reduced(args) -> list[str]:
 def main(args) -> None:
     if args.plot_only:
         return plot_only(args.plot_only)
-    full_shape, dense_on_gpu, result_name, default_modes, fractions = MODELS[args.model]
+    full_shape, dense_on_gpu, result_name, default_modes, fractions, driver = MODELS[args.model]
+    if driver == "engine" and ({"uva-eager", "host-lru"} & set(args.modes or [])):
+        raise ValueError(f"--model {args.model} decodes through the Engine, which captures its "
+                         f"step: the eager modes uva-eager and host-lru are not measured for it")
     if args.modes is None:
         args.modes = default_modes
     if "hf-bf16" in args.modes and args.model != "qwen3-30b-a3b":
@@ -265,7 +285,7 @@ def main(args) -> None:
     shape = dict(tiny) if args.small else dict(full_shape,
                                                num_hidden_layers=args.layers or
                                                full_shape["num_hidden_layers"])
-    results = {"model": args.model, "shape": shape, "tokens": args.tokens,
+    results = {"model": args.model, "driver": driver, "shape": shape, "tokens": args.tokens,
                "repeats": args.repeats, "compile": args.compile}
     old_modes = merged_modes(out, results) if args.merge else {}
     L, E, K, H, I, vocab = shape_keys(shape)
@@ -294,7 +314,8 @@ def main(args) -> None:
         save(result_name, {**results, "partial": True}, out)   # keep what is done if cut short
 
     def measure(**kw) -> Run:
-        return run_mode(model, pool, prompt, args.tokens, args.repeats, compile=args.compile, **kw)
+        return run_mode(model, pool, prompt, args.tokens, args.repeats, compile=args.compile,
+                        driver=driver, **kw)
 
     resident = ResidentBackend(pool) if "resident" in args.modes or "pool" in args.modes else None
     for routing in args.routings:

@@ -158,7 +158,8 @@ def plan(args) -> int:
         dense = ck.dense_bytes(dtype)
         sizes = ck.expert_sizes()
         fmt = ck.format
-    layout = RowLayout(H, I)
+        bias = ck.has_bias
+    layout = RowLayout(H, I, bias=bias)
     stride = layout.row_stride
     limit = getattr(text, "max_position_embeddings", None)
     context = args.context or min(4096, limit or 4096)
@@ -170,8 +171,9 @@ def plan(args) -> int:
     print(f"model        {getattr(config, 'model_type', '?')}, checkpoint {fmt}: {L} MoE layers of "
           f"{E} experts (top-{K}), H={H}, I={I}")
     print(f"dense part   {fmt_bytes(dense):>12}  on the GPU (bf16)")
+    what = "NVFP4 + biases" if bias else "NVFP4"
     print(f"experts      {fmt_bytes(sizes.store_bytes):>12}  in pinned host memory "
-          f"({L} x {E} rows of {fmt_bytes(layout.row_bytes)}, NVFP4)")
+          f"({L} x {E} rows of {fmt_bytes(layout.row_bytes)}, {what})")
     print(f"KV cache     {fmt_bytes(kv):>12}  on the GPU ({args.batch} x {context} tokens, "
           f"{fmt_bytes(per_token)} a token)")
     print(f"workspaces   {fmt_bytes(work):>12}  on the GPU "

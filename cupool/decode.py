@@ -77,6 +77,12 @@ class GraphDecoder:
         self.device = next(model.parameters()).device
         if self.device.type != "cuda":
             raise ValueError(f"the model must be on a CUDA device, it is on {self.device}")
+        attn = getattr(model.config, "_attn_implementation", None)
+        if self.graph and attn == "eager":
+            raise ValueError("GraphDecoder cannot capture a model whose attention runs eagerly in "
+                             "transformers (its mask code copies a host value each call; gpt-oss "
+                             "has no other attention path): use cupool.Engine, which passes its "
+                             "own masks, or graph=False")
 
     def _cache(self, batch: int):
         from transformers import StaticCache

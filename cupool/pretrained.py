@@ -8,15 +8,18 @@ Steps, each failing with a clear error before the next one takes memory:
    (its cache, then a download through huggingface_hub; config, safetensors and tokenizer files).
 2. The checkpoint is opened from config.json and the safetensors headers (`cupool.checkpoints`:
    format detection, every routed expert's names, dtypes and shapes checked; nothing read).
-3. The transformers model is built from config.json on the meta device (no memory), its MoE
-   layers found (`cupool.adapters`) and compared with the checkpoint's (layer numbers, E, H, I),
-   and the checkpoint's dense tensors are matched to the model's parameters by name and shape
-   (`dense_plan`).
+3. The transformers model is built from config.json on the meta device (no memory; the
+   quantization config dropped, so no transformers quantizer — ModelOpt, compressed-tensors,
+   MXFP4 — takes part), its MoE layers found (`cupool.adapters`) and compared with the
+   checkpoint's (layer numbers, E, H, I, biases), and the checkpoint's dense tensors are matched
+   to the model's parameters by name and shape (`dense_plan`; expert biases are expert tensors,
+   attention sinks and router biases dense ones).
 4. Rows per layer are decided from the budget (`cupool.wrap.plan`) with the dense part counted
    from the headers: a budget that cannot work fails here.
 5. The pinned host store is filled from the checkpoint layer by layer, a window of experts at a
-   time (bf16/fp16 experts quantized on the GPU; NVFP4 experts laid out as stored), with a
-   progress bar: host memory is the store plus one window.
+   time (bf16/fp16 experts quantized on the GPU; NVFP4 experts laid out as stored; MXFP4 experts
+   converted to NVFP4, exactly where the format allows, `cupool.checkpoints.mxfp4`; biases into
+   the rows), with a progress bar: host memory is the store plus one window.
 6. The dense part (attention, norms, routers, embeddings, shared experts, dense MLP layers) is
    materialised on the GPU and loaded tensor by tensor from the checkpoint (NVFP4/FP8 dense
    weights dequantized to `dtype`); non-persistent buffers (rotary tables) are computed as
@@ -117,6 +120,12 @@ def match_layers(specs: list[MoELayerSpec], ckpt: Checkpoint) -> list[int]:
         if have != ck:
             raise CheckpointError(f"{spec.name}: the model has E, H, I = {have}, the checkpoint "
                                   f"{ckpt.path} {ck}")
+        if spec.bias != ckpt.has_bias:
+            model_has = "have" if spec.bias else "have no"
+            ckpt_has = "have them" if ckpt.has_bias else "have none"
+            raise CheckpointError(f"{spec.name}: the model's experts {model_has} biases "
+                                  f"(bias={spec.bias}), the checkpoint's ({ckpt.path}) {ckpt_has} "
+                                  f"(has_bias={ckpt.has_bias})")
         layers.append(got)
     return layers
 

@@ -15,7 +15,9 @@ Qwen/Qwen2-57B-A14B, allenai/OLMoE-1B-7B, deepseek-ai/DeepSeek-V3 (MTP layer 61,
 weight_scale_inv), zai-org/GLM-4.5-Air, mistralai/Mixtral-8x7B, meta-llama/Llama-4-Scout
 (fused experts [E, H, 2I]), Qwen/Qwen3-Next (mtp.*), transformers 5's fused MoE experts, ModelOpt's
 unified HF export (nvidia/*-NVFP4, hf_quant_config.json) and llm-compressor's
-nvfp4-pack-quantized compressor (RedHatAI/*-NVFP4).
+nvfp4-pack-quantized compressor (RedHatAI/*-NVFP4); openai/gpt-oss-20b (MXFP4 `*_blocks` /
+`*_scales` experts with biases, attention sinks, a router with a bias) and its bf16 export
+(unsloth/gpt-oss-20b-BF16: gate_up_proj [E, H, 2I], gate/up interleaved along 2I).
 """
 
 from __future__ import annotations
@@ -630,3 +632,211 @@ def open_files_under(directory) -> list[str]:
         if target.startswith(str(directory)):
             out.append(target)
     return out
+
+
+# --- gpt-oss: MXFP4 and bf16 experts with biases --------------------------------------------------
+E2M1_TABLE = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+GPT_OSS_NOT_CONVERT = ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                       "model.embed_tokens", "lm_head"]
+
+
+def gpt_oss(rng, L=2, E=4, H=64, I=64, V=32) -> Arch:
+    """openai/gpt-oss-20b's layout at toy size: every layer MoE with fused experts and biases,
+    attention with q/k/v/o biases and sinks, sliding and full attention alternating, a router
+    with a bias. config.json as published but without its quantization_config
+    (`mxfp4_config_json` adds it); the experts come from `put_mxfp4_experts` or
+    `put_gpt_oss_float_experts`."""
+    heads, kv, hd = 4, 2, 16
+    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+           "attention_dropout": 0.0, "experts_per_token": min(4, E), "head_dim": hd,
+           "hidden_act": "silu", "hidden_size": H, "initial_context_length": 4096,
+           "initializer_range": 0.02, "intermediate_size": I,
+           "layer_types": ["sliding_attention" if li % 2 == 0 else "full_attention"
+                           for li in range(L)],
+           "max_position_embeddings": 4096, "num_attention_heads": heads,
+           "num_experts_per_tok": min(4, E), "num_hidden_layers": L, "num_key_value_heads": kv,
+           "num_local_experts": E, "output_router_logits": False, "rms_norm_eps": 1e-5,
+           "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 1.0,
+                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                            "truncate": False},
+           "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+           "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True,
+           "vocab_size": V, "pad_token_id": 0, "eos_token_id": 2, "torch_dtype": "bfloat16"}
+    t = {}
+    _top(rng, t, V, H)
+    for li in range(L):
+        pre = f"model.layers.{li}"
+        _layer_norms(t, pre, H)
+        _attn(rng, t, pre, H, heads, kv, hd, bias=True)
+        t[f"{pre}.self_attn.o_proj.bias"] = _w(rng, H)
+        t[f"{pre}.self_attn.sinks"] = _w(rng, heads, scale=1.0)
+        t[f"{pre}.mlp.router.weight"] = _w(rng, E, H)
+        t[f"{pre}.mlp.router.bias"] = _w(rng, E)
+    return Arch(cfg, t, "model.layers.{l}.mlp.experts", PROJ, list(range(L)),
+                fused_style="gpt_oss")
+
+
+def mxfp4_config_json(config: dict, not_convert=GPT_OSS_NOT_CONVERT) -> dict:
+    """config.json with gpt-oss's published quantization_config."""
+    c = dict(config)
+    c["quantization_config"] = {"modules_to_not_convert": list(not_convert),
+                                "quant_method": "mxfp4"}
+    return c
+
+
+def _dims(arch: Arch):
+    c = arch.config.get("text_config", arch.config)
+    return c["num_local_experts"], c["hidden_size"], c["intermediate_size"]
+
+
+def mxfp4_matrices(rng, E: int, N: int, K: int, exponents=(118, 127), zeros: float = 0.05):
+    """(blocks uint8 [E, N, K/32, 16], scales uint8 [E, N, K/32]) of random MXFP4 matrices: random
+    code bytes, E8M0 exponents uniform in `exponents` (inclusive); a fraction `zeros` of the
+    blocks holds only ±0 codes with an exponent above the range (it must not set the matrix's
+    top)."""
+    lo, hi = exponents
+    blocks = torch.from_numpy(rng.integers(0, 256, (E, N, K // 32, 16), dtype=np.uint8))
+    scales = torch.from_numpy(rng.integers(lo, hi + 1, (E, N, K // 32)).astype(np.uint8))
+    z = torch.from_numpy(rng.random((E, N, K // 32)) < zeros)
+    signs = torch.from_numpy(rng.integers(0, 2, (E, N, K // 32, 16, 2)).astype(np.uint8)) * 8
+    zero_bytes = signs[..., 0] | (signs[..., 1] << 4)
+    blocks = torch.where(z[..., None], zero_bytes, blocks)
+    scales = torch.where(z, torch.full_like(scales, min(254, hi + 3)), scales)
+    return blocks, scales
+
+
+def mxfp4_experts(rng, arch: Arch, exponents=(118, 127)) -> dict:
+    """{layer: (gate_up_blocks [E, 2I, H/32, 16], gate_up_scales [E, 2I, H/32], down_blocks
+    [E, H, I/32, 16], down_scales [E, H, I/32])}, rows as gpt-oss stores them (gate_up's 2I rows
+    interleaved: row 2i gate i, 2i + 1 up i)."""
+    E, H, I = _dims(arch)
+    out = {}
+    for layer in arch.moe_layers:
+        out[layer] = (*mxfp4_matrices(rng, E, 2 * I, H, exponents),
+                      *mxfp4_matrices(rng, E, H, I, exponents))
+    return out
+
+
+def gpt_oss_biases(rng, arch: Arch) -> dict:
+    """{layer: (gate_up_bias [E, 2I] interleaved, down_bias [E, H])}, float32 values that bf16
+    holds exactly (what a reader returns after the bf16 round trip)."""
+    E, H, I = _dims(arch)
+    return {layer: (_w(rng, E, 2 * I, scale=0.1).to(torch.bfloat16).float(),
+                    _w(rng, E, H, scale=0.1).to(torch.bfloat16).float())
+            for layer in arch.moe_layers}
+
+
+def put_mxfp4_experts(t: dict, arch: Arch, mx: dict, biases: dict | None = None) -> None:
+    """MXFP4 experts under gpt-oss's names ({mid}.gate_up_proj_blocks / _scales / _bias,
+    {mid}.down_proj_blocks / _scales / _bias)."""
+    for layer, (gb, gs, db, ds) in mx.items():
+        pre = arch.prefix(layer)
+        t[f"{pre}.gate_up_proj_blocks"] = gb.contiguous()
+        t[f"{pre}.gate_up_proj_scales"] = gs.contiguous()
+        t[f"{pre}.down_proj_blocks"] = db.contiguous()
+        t[f"{pre}.down_proj_scales"] = ds.contiguous()
+        if biases is not None:
+            t[f"{pre}.gate_up_proj_bias"] = biases[layer][0].clone()
+            t[f"{pre}.down_proj_bias"] = biases[layer][1].clone()
+
+
+def interleave(gate: torch.Tensor, up: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """gate and up [..., I, ...] -> [..., 2I, ...]: gate i at 2i, up i at 2i + 1 along dim."""
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+
+
+def put_gpt_oss_float_experts(t: dict, arch: Arch, experts: dict, biases: dict | None = None, *,
+                              transposed: bool = True) -> None:
+    """Float experts as gpt-oss's bf16 exports hold them: gate_up_proj [E, H, 2I] with gate and
+    up interleaved along 2I and down_proj [E, I, H] (transposed=False: [E, 2I, H] rows
+    interleaved and [E, H, I]); biases in their stored form."""
+    for layer, (g, u, d) in experts.items():
+        pre = arch.prefix(layer)
+        gu = interleave(g, u, 1)                                       # [E, 2I, H]
+        t[f"{pre}.gate_up_proj"] = (gu.transpose(1, 2) if transposed else gu).contiguous()
+        t[f"{pre}.down_proj"] = (d.transpose(1, 2) if transposed else d).contiguous()
+        if biases is not None:
+            t[f"{pre}.gate_up_proj_bias"] = biases[layer][0].clone()
+            t[f"{pre}.down_proj_bias"] = biases[layer][1].clone()
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 [..., N, K] of MXFP4 blocks [..., N, K/32, 16] and E8M0 scales [..., N, K/32], by
+    the format's definition: e2m1(code) · 2^(s − 127), the even element in the low nibble."""
+    table = np.array(E2M1_TABLE, dtype=np.float64)
+    b = blocks.numpy()
+    vals = np.stack([table[b & 0xF], table[b >> 4]], axis=-1).reshape(*b.shape[:-1], 32)
+    vals = np.ldexp(vals, scales.numpy().astype(np.int64)[..., None] - 127)
+    return torch.from_numpy(vals.reshape(*b.shape[:-2], b.shape[-2] * 32))
+
+
+def set_gpt_oss_experts(model, mx: dict) -> None:
+    """Put MXFP4 experts, dequantized (exact in bf16 for exponents in bf16's normal range), into a
+    transformers gpt-oss model: gate_up_proj [E, H, 2I] = the blocks' 2I interleaved rows,
+    transposed, as transformers' own MXFP4 dequantization lays them out."""
+    for layer, (gb, gs, db, ds) in mx.items():
+        ex = model.model.layers[layer].mlp.experts
+        with torch.no_grad():
+            gu = dequantize_mxfp4(gb, gs).transpose(1, 2)
+            dn = dequantize_mxfp4(db, ds).transpose(1, 2)
+            ex.gate_up_proj.copy_(gu.to(ex.gate_up_proj.dtype))
+            ex.down_proj.copy_(dn.to(ex.down_proj.dtype))
+            assert torch.equal(ex.gate_up_proj.double(), gu), "exponents outside bf16's range"
+
+
+def mxfp4_copy(src, dst, mx: dict) -> Path:
+    """A copy of the bf16 gpt-oss checkpoint `src` (transformers' save_pretrained) whose routed
+    experts are the MXFP4 tensors `mx` (biases kept as saved) and whose config.json has the
+    published quantization_config."""
+    from safetensors.torch import load_file
+    dst = Path(dst)
+    dst.mkdir(parents=True)
+    out = {}
+    for name, v in load_file(Path(src) / "model.safetensors").items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            continue
+        out[name] = v
+    for layer, (gb, gs, db, ds) in mx.items():
+        pre = f"model.layers.{layer}.mlp.experts"
+        out.update({f"{pre}.gate_up_proj_blocks": gb.contiguous(),
+                    f"{pre}.gate_up_proj_scales": gs.contiguous(),
+                    f"{pre}.down_proj_blocks": db.contiguous(),
+                    f"{pre}.down_proj_scales": ds.contiguous()})
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(mxfp4_config_json(cfg), indent=2))
+    gen = Path(src) / "generation_config.json"
+    if gen.is_file():
+        (dst / "generation_config.json").write_text(gen.read_text())
+    return dst
+
+
+def hf_gpt_oss(seed: int = 0, *, L: int = 2, E: int = 8, K: int = 4, H: int = 64, I: int = 96,
+               V: int = 64, dtype=torch.bfloat16):
+    """A randomly initialised transformers gpt-oss causal LM on the CPU (eval), sizes MXFP4 can
+    hold (H, I multiples of 32; I = 96 not a power of two), sliding and full attention
+    alternating, the experts' biases non-zero."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(
+        "gpt_oss", num_hidden_layers=L, num_local_experts=E, num_experts_per_tok=K,
+        hidden_size=H, intermediate_size=I, head_dim=16, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=V, max_position_embeddings=64, sliding_window=8,
+        layer_types=["sliding_attention" if li % 2 == 0 else "full_attention" for li in range(L)],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():
+        for m in model.modules():
+            for name in ("gate_up_proj_bias", "down_proj_bias"):
+                if isinstance(getattr(m, name, None), torch.Tensor):
+                    getattr(m, name).normal_(0, 0.05)
+    return model.eval()
+
+
+def gpt_oss_model_mxfp4(rng, model, exponents=(118, 123)) -> dict:
+    """MXFP4 experts sized for a transformers gpt-oss `model` (every layer), as `mxfp4_experts`."""
+    c = model.config
+    E, H, I = c.num_local_experts, c.hidden_size, c.intermediate_size
+    return {layer: (*mxfp4_matrices(rng, E, 2 * I, H, exponents),
+                    *mxfp4_matrices(rng, E, H, I, exponents))
+            for layer in range(c.num_hidden_layers)}

@@ -1,7 +1,8 @@
 """What cupool.checkpoints refuses, each with a CheckpointError naming the file or tensor and the
 values: FP8 experts (DeepSeek-V3's native weight_scale_inv, ModelOpt FP8), int4 AWQ / GPTQ
-(config and tensors), MXFP4 (gpt-oss *_blocks / *_scales), unknown quant_method / quant_algo,
-expert biases, missing shards and experts, wrong dtypes and shapes, layers that disagree, and
+(config and tensors), gpt-oss MXFP4 tensors in a checkpoint of another quantization, unknown
+quant_method / quant_algo, expert biases on part of a layer, missing shards and experts, wrong
+dtypes and shapes, layers that disagree, and
 implausible NVFP4 scales (NaN / negative block scales; global scales <= 0, NaN, inf; a reciprocal
 global scale convention)."""
 
@@ -148,27 +149,34 @@ def _gpt_oss(tmp_path, rng, *, mxfp4=True):
     return save(tmp_path / "oss", t, cfg)
 
 
-def test_mxfp4_gpt_oss(tmp_path, rng):
+def test_mxfp4_tensors_in_a_checkpoint_of_another_quantization(tmp_path, rng):
+    """gpt-oss's *_blocks / *_scales are read by the MXFP4 reader alone (its own tests:
+    test_checkpoints_mxfp4.py); a config declaring another quantization does not get them."""
     d = _gpt_oss(tmp_path, rng)
-    with pytest.raises(CheckpointError, match=r"quant_method 'mxfp4' \(gpt-oss \*_blocks / "
-                                              r"\*_scales experts\): MXFP4 experts are not yet "
-                                              r"supported"):
-        open_checkpoint(d)
+    assert open_checkpoint(d).format == "mxfp4"
     cfg = json.loads((d / "config.json").read_text())
-    del cfg["quantization_config"]
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                  "group_size": 16}
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.experts.gate_up_proj: MXFP4 "
                                               r"experts \(gpt-oss style .*gate_up_proj_blocks "
                                               r"\(uint8 \[4, 64, 2, 16\].*gate_up_proj_scales "
-                                              r"\(uint8 \[4, 64, 2\].*are not yet supported"):
+                                              r"\(uint8 \[4, 64, 2\].*in a modelopt-nvfp4 "
+                                              r"checkpoint"):
         open_checkpoint(d)
 
 
-def test_expert_biases(tmp_path, rng):
+@pytest.mark.parametrize("drop,there", [("down_proj_bias", "gate_up_proj_bias"),
+                                        ("gate_up_proj_bias", "down_proj_bias")])
+def test_expert_biases_on_part_of_a_layer(tmp_path, rng, drop, there):
     d = _gpt_oss(tmp_path, rng, mxfp4=False)
-    with pytest.raises(CheckpointError, match=r"experts.gate_up_proj: expert biases \(.*"
-                                              r"gate_up_proj_bias \(bfloat16 \[4, 64\].*are not "
-                                              r"supported: cupool's expert GEMM has none"):
+    assert open_checkpoint(d).has_bias
+    f = d / "model.safetensors"
+    tensors = load_file(f)
+    del tensors[f"model.layers.0.mlp.experts.{drop}"]
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"layer 0: tensor model.layers.0.mlp.experts.{drop} "
+                                              rf"is missing, but .*{there} \(bfloat16 .* is there"):
         open_checkpoint(d)
 
 

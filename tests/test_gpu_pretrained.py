@@ -1,7 +1,8 @@
 """cupool.from_pretrained on tiny checkpoints the test writes (GPU): bf16 as save_pretrained
-writes it, and the same experts as ModelOpt NVFP4 and compressed-tensors NVFP4. The loaded pool
-must equal the same weights built in memory and wrapped: the same store rows byte for byte, the
-same logits bit for bit, the same greedy tokens through the engine."""
+writes it, and the same experts as ModelOpt NVFP4 and compressed-tensors NVFP4; gpt-oss as
+openai publishes it (MXFP4 experts with biases). The loaded pool must equal the same weights
+built in memory and wrapped: the same store rows byte for byte, the same logits bit for bit, the
+same greedy tokens through the engine."""
 
 from __future__ import annotations
 
@@ -125,3 +126,71 @@ def test_a_budget_too_small_fails_before_the_store_is_filled(tmp_path):
     gc.collect()
     torch.cuda.empty_cache()
     assert torch.cuda.mem_get_info()[0] >= free_before - (64 << 20)
+
+
+def test_from_pretrained_gpt_oss_mxfp4(tmp_path):
+    """gpt-oss MXFP4 (experts converted to NVFP4 at load, exactly for these exponents; biases in
+    the rows; the clamped SwiGLU): the loaded pool equals the model built in memory and wrapped
+    with rows made from the checkpoint's experts, bit for bit; and transformers' own forward of
+    the same model (its experts the dequantized MXFP4 values, exact in bf16) within
+    test_gpu_wrap's NVFP4 tolerance."""
+    import numpy as np
+    from checkpoint_fixtures import (
+        gpt_oss_model_mxfp4,
+        hf_gpt_oss,
+        mxfp4_copy,
+        set_gpt_oss_experts,
+    )
+    from test_gpu_wrap import LOGIT_TOL, rel
+    from transformers import AutoModelForCausalLM
+
+    model = hf_gpt_oss(seed=33)                    # H = 64, I = 96, E = 8, K = 4, 2 layers
+    mx = gpt_oss_model_mxfp4(np.random.default_rng(33), model, exponents=(118, 123))
+    set_gpt_oss_experts(model, mx)
+    src = tmp_path / "bf16"
+    model.save_pretrained(src)
+    d = mxfp4_copy(src, tmp_path / "mxfp4", mx)
+    E, K = model.config.num_local_experts, model.config.num_experts_per_tok
+    rows = max(K, E // 2)
+    loaded = cupool.from_pretrained(d, rows=rows, max_decode_tokens=2, progress=False)
+    layout = loaded.pool.layout
+    assert layout.bias and loaded.pool.gemm.activation.kind == "swiglu_clamp"
+    twin = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    for name, buf in twin.named_buffers():
+        want = dict(loaded.model.named_buffers())[name]
+        assert buf.dtype == want.dtype and torch.equal(buf.cuda(), want), name
+    ckpt = cupool.open_checkpoint(d)
+
+    def expert_rows(layer):
+        ex = ckpt.experts(ckpt.moe_layers[layer])
+        return pack_rows(layout, *ex.nvfp4(), bias=ex.bias)
+    try:
+        pool = cupool.wrap(twin, rows=rows, max_decode_tokens=2, expert_rows=expert_rows,
+                           progress=False)
+        assert ckpt.conversion.lossy == [] and ckpt.conversion.blocks > 0
+    finally:
+        ckpt.close()
+    a, b = loaded.pool.store, pool.store
+    assert (a.num_layers, a.num_experts, a.row_bytes) == (b.num_layers, b.num_experts, b.row_bytes)
+    for layer in range(a.num_layers):
+        for e in range(a.num_experts):
+            assert (a.row(layer, e) == b.row(layer, e)).all(), (layer, e)
+    ids = torch.randint(3, 60, (1, 11), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.inference_mode():
+        got = loaded.model(input_ids=ids).logits
+        assert torch.equal(got, twin(input_ids=ids).logits)
+    # transformers' own experts on the dequantized weights: NVFP4 holds them exactly, so what
+    # differs is the GEMM's rounding (test_gpu_wrap's tolerance)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).cuda().eval()
+    ref.config._experts_implementation_internal = "eager"
+    with torch.inference_mode():
+        want = ref(input_ids=ids).logits
+    assert rel(got, want) <= LOGIT_TOL, rel(got, want)
+    prompts = [[5, 9, 13], [7, 3, 21, 30, 2]]
+    params = cupool.SamplingParams(max_tokens=10)
+    got_t = cupool.Engine(loaded.model, loaded.pool, max_batch=2, max_len=32,
+                          eos_token_id=[]).generate(prompts, params)
+    want_t = cupool.Engine(twin, pool, max_batch=2, max_len=32,
+                           eos_token_id=[]).generate(prompts, params)
+    assert [r.output_ids for r in got_t] == [r.output_ids for r in want_t]
+    assert loaded.pool.errors() == [] and loaded.pool.verify() > 0

@@ -50,7 +50,8 @@ def test_dense_part_and_experts_give_the_saved_models_logits(tmp_path, family):
             assert torch.allclose(b.float(), dict(ref.named_buffers())[name].float()), name
         for spec, layer in zip(specs, layers):                 # experts back from the checkpoint
             ex = ckpt.experts(layer)
-            spec.restore([(ex.gate[e], ex.up[e], ex.down[e]) for e in range(ex.n)], "cpu")
+            spec.restore([(ex.gate[e], ex.up[e], ex.down[e]) for e in range(ex.n)], "cpu",
+                         ex.bias)
     finally:
         ckpt.close()
     ids = torch.randint(3, 60, (1, 9), generator=torch.Generator().manual_seed(1))

@@ -11,19 +11,33 @@ How a checkpoint names its routed experts (all found from the tensor names, neve
                  proj: gate_proj | up_proj | down_proj, or Mixtral's w1 | w3 | w2
     fused        {head}{l}.{mid}.gate_up_proj{suffix}      [E, 2I, H] gate rows first (transformers >= 5)
                  {head}{l}.{mid}.down_proj{suffix}         [E, H, I]
-                 or transposed, as Llama-4 holds them: gate_up [E, H, 2I], down [E, I, H]
+                 or transposed, as Llama-4 and gpt-oss hold them: gate_up [E, H, 2I], down [E, I, H]
     head: e.g. "model.layers.", "model.language_model.layers.", "mtp.layers."; mid ends with the
     component "experts" ("mlp.experts", "block_sparse_moe.experts", "feed_forward.experts"), so
     shared experts ("mlp.shared_experts", "mlp.shared_expert") are dense tensors.
+
+Expert biases (gpt-oss) are read where the checkpoint has them: fused `{mid}.gate_up_proj_bias`
+[E, 2I] (laid out like gate_up's 2I rows) and `{mid}.down_proj_bias` [E, H], or per expert
+`{proj}.bias` [I] / [H] on all three projections; `Experts.bias` gives them as float32 (gate
+[n, I], up [n, I], down [n, H]). A layer has biases on every projection or on none, and every
+MoE layer agrees (`Checkpoint.has_bias`).
+
+How gate and up share a fused gate_up (weights, MXFP4 blocks and scales, biases alike), one rule
+from config.json, never inferred from the values: **interleaved** (row or column 2i is gate i,
+2i + 1 is up i) when config.json's model_type (top level or text sub-config) is "gpt_oss", whose
+transformers experts module declares is_concatenated=False; **gate first** (rows [0, I) gate,
+[I, 2I) up) for every other model type. Whether a stack is transposed follows from the shapes:
+[E, 2I, H] + [E, H, I] or [E, H, 2I] + [E, I, H] (never both, as 2I != I).
 
 Layer indices are the checkpoint's own. Multi-token-prediction (MTP) layers, `mtp.*` names or
 `{head}{L + k}` beyond config.json's num_hidden_layers L, are left out unless include_mtp; then
 `mtp.layers.{k}` is layer L + k (vLLM's numbering).
 
 Expert kinds: float (the checkpoint's bf16/fp16/fp32 tensors, returned as stored) or NVFP4 in
-ModelOpt's convention (`NVFP4Tensor`: packed uint8 [n, N, K/2], even element in the low nibble;
-block_scale float8_e4m3fn [n, N, K/16]; global_scale float32 [n]; value = e2m1 · block_scale ·
-global_scale). Every NVFP4 window is checked before it is returned: block scales finite and >= 0,
+ModelOpt's convention, as stored or converted from MXFP4 (`cupool.checkpoints.mxfp4`):
+`NVFP4Tensor` with packed uint8 [n, N, K/2], even element in the low nibble; block_scale
+float8_e4m3fn [n, N, K/16]; global_scale float32 [n]; value = e2m1 · block_scale ·
+global_scale. Every NVFP4 window is checked before it is returned: block scales finite and >= 0,
 global scales finite and > 0 (0 only for an all-zero matrix, whose block scales are all 0, as
 `cupool.nvfp4.quantize` writes it), and the largest weight the scales can express,
 6 · max(block_scale) · global_scale, at most MAX_IMPLIED_WEIGHT = 1e4. In ModelOpt's convention
@@ -59,6 +73,10 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 HIDDEN_KEYS = ("hidden_size",)
 INTERMEDIATE_KEYS = ("moe_intermediate_size", "intermediate_size")
 SUBCONFIGS = ("text_config", "language_config", "llm_config")
+# model types whose fused gate_up interleaves gate and up (module docstring: the one rule)
+INTERLEAVED_MODEL_TYPES = ("gpt_oss",)
+# model types whose every decoder layer is an MoE layer (config.json says no more)
+ALL_MOE_MODEL_TYPES = ("mixtral", "olmoe", "gpt_oss")
 # suffixes of a quantized dense Linear that fold into its `.weight`; KV-cache scales of a
 # quantized checkpoint are dropped too (cupool runs attention in the dtype asked for)
 ACTIVATION_SCALES = ("input_scale", "input_global_scale", "output_scale")
@@ -85,6 +103,8 @@ class Experts:
     kind FLOAT: gate, up [n, I, H] and down [n, H, I] in the checkpoint's dtype (bf16, fp16 or
     fp32; gate and up may be views of one [n, 2I, H] buffer). kind NVFP4: three stacked
     `NVFP4Tensor`s of those logical shapes in ModelOpt's convention (see the module docstring).
+    bias: None, or float32 (gate [n, I], up [n, I], down [n, H]) for experts with biases, gate and
+    up taken apart like the weights.
     """
     kind: ExpertKind
     layer: int
@@ -93,6 +113,7 @@ class Experts:
     gate: torch.Tensor | NVFP4Tensor
     up: torch.Tensor | NVFP4Tensor
     down: torch.Tensor | NVFP4Tensor
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def n(self) -> int:
@@ -119,9 +140,10 @@ class ExpertSizes:
     """The routed experts' sizes in bytes, for planning from headers alone.
 
     codes = L·E·3·H·I / 2 (E2M1 codes, two a byte), block_scales = L·E·3·H·I / 16 (one e4m3 per
-    16), global_scales = L·E·3·4; row_bytes = RowLayout(H, I).row_bytes (one expert in the store,
-    padding to 64 included), store_bytes = L·E·row_stride (rows at `align`-byte strides, as
-    HostStore places them); checkpoint_bytes: what the expert tensors occupy in the files.
+    16), global_scales = L·E·3·4, biases = L·E·(2I + H)·4 (float32, 0 without biases); row_bytes =
+    RowLayout(H, I, bias=has_bias).row_bytes (one expert in the store, padding to 64 and biases
+    included), store_bytes = L·E·row_stride (rows at `align`-byte strides, as HostStore places
+    them); checkpoint_bytes: what the expert tensors occupy in the files.
     """
     layers: int
     experts: int
@@ -130,6 +152,7 @@ class ExpertSizes:
     codes: int
     block_scales: int
     global_scales: int
+    biases: int
     row_bytes: int
     store_bytes: int
     checkpoint_bytes: int
@@ -184,6 +207,9 @@ class _Layer:
     fused: tuple | None = None            # (gate_up roles, down roles)
     transposed: tuple = (False, False)
     global_mode: tuple = ("expert", "expert")    # fused NVFP4: shared | expert | expert_half
+    bias: bool = False                    # roles carry "b" (the bias TensorInfo) on every matrix
+    interleaved: bool = False             # fused gate_up: gate/up interleaved (module docstring)
+    source: str = "stored"                # "stored" (read as is) | "mxfp4" (converted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,9 +261,31 @@ def expected_moe_layers(config: dict, num_layers: int) -> tuple[set[int], str] |
         step = int(c["interleave_moe_layer_step"])
         return {i for i in range(L) if step > 0 and (i + 1) % step == 0}, \
             f"interleave_moe_layer_step={step}"
-    if c.get("model_type", config.get("model_type")) in ("mixtral", "olmoe"):
-        return set(range(L)), f"model_type={c.get('model_type', config.get('model_type'))!r}"
+    if model_type(config) in ALL_MOE_MODEL_TYPES:
+        return set(range(L)), f"model_type={model_type(config)!r}"
     return None
+
+
+def model_type(config: dict) -> str | None:
+    """config.json's model_type: the text sub-config's where it has one, else the top level's."""
+    return _sub(config).get("model_type", config.get("model_type"))
+
+
+def split_gate_up(t: torch.Tensor, interleaved: bool, dim: int = 1):
+    """(gate, up) views of a fused gate_up stack whose dim `dim` is 2I long: rows 2i and 2i + 1
+    when interleaved, else [0, I) and [I, 2I) (module docstring)."""
+    n2 = t.shape[dim]
+    if interleaved:
+        pairs = t.unflatten(dim, (n2 // 2, 2))
+        return pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)
+    return t.narrow(dim, 0, n2 // 2), t.narrow(dim, n2 // 2, n2 // 2)
+
+
+def gate_up_rows(interleaved: bool, I: int) -> tuple[str, str]:
+    """How the gate and up halves of a fused gate_up are named in messages."""
+    if interleaved:
+        return "rows 0::2 (gate)", "rows 1::2 (up)"
+    return f"rows [0, {I})", f"rows [{I}, {2 * I})"
 
 
 def _is_mtp_head(head: str) -> bool:
@@ -294,15 +342,18 @@ class Checkpoint:
     """A checkpoint directory opened from config.json and the safetensors headers.
 
     Attributes: path, config (config.json as a dict), format ("float", "modelopt-nvfp4",
-    "compressed-tensors-nvfp4"), include_mtp, index (`TensorIndex`), moe_layers (checkpoint
-    layer indices with routed experts, in order), num_experts E, hidden H, intermediate I, each
-    checked against config.json where it gives them.
+    "compressed-tensors-nvfp4", "mxfp4"), include_mtp, index (`TensorIndex`), moe_layers
+    (checkpoint layer indices with routed experts, in order), num_experts E, hidden H,
+    intermediate I, each checked against config.json where it gives them; has_bias (the experts
+    have biases, every MoE layer alike); conversion (None, or the running tally of what reading
+    converted, `cupool.checkpoints.mxfp4.ConversionTally`, for formats read by conversion).
 
     Reads data only in `experts`, `dense_tensor` and `read_experts`-style callers; `close()` (or
     a `with` block) closes the files.
     """
     format = "?"
     naming: NVFP4Naming | None = None
+    conversion = None
 
     def __init__(self, path, index: TensorIndex, config: dict, quant=None, *,
                  include_mtp: bool = False):
@@ -413,6 +464,13 @@ class Checkpoint:
         self.moe_layers = sorted(self._layers)
         self.num_experts, self.hidden, self.intermediate = \
             first.experts, first.hidden, first.intermediate
+        other = next((s for s in self._layers.values() if s.bias != first.bias), None)
+        if other is not None:
+            a, b = (first, other) if first.bias else (other, first)
+            raise CheckpointError(f"layers disagree on expert biases: layer {a.index} "
+                                  f"({a.group.base}) has them, layer {b.index} ({b.group.base}) "
+                                  f"has none; one row layout serves every MoE layer")
+        self.has_bias = first.bias
         for keys, val, what in ((EXPERT_KEYS, self.num_experts, "E"),
                                 (HIDDEN_KEYS, self.hidden, "H"),
                                 (INTERMEDIATE_KEYS, self.intermediate, "I")):
@@ -488,7 +546,46 @@ class Checkpoint:
         for p, shape in enumerate(((i_, h_), (i_, h_), (h_, i_))):
             for roles in per[p]:
                 self._check_matrix(roles, kind, shape, dtype, ref=w0)
-        return _Layer(idx, g, kind, dtype, n_exp, h_, i_, per=per)
+        with_bias = [(e, proj) for e in range(n_exp) for p, proj in enumerate(spelling)
+                     if "b" in per[p][e]]
+        if with_bias and len(with_bias) != 3 * n_exp:
+            e, proj = next((e, proj) for e in range(n_exp) for p, proj in enumerate(spelling)
+                           if "b" not in per[p][e])
+            e0, p0 = with_bias[0]
+            raise CheckpointError(f"layer {idx}: tensor {mod(e, proj)}.bias is missing, but "
+                                  f"{mod(e0, p0)}.bias is there; a layer's experts have biases "
+                                  f"on all three projections or on none")
+        if with_bias:
+            for p, rows in enumerate((i_, i_, h_)):
+                for roles in per[p]:
+                    self._check_bias(roles["b"], (rows,))
+        return _Layer(idx, g, kind, dtype, n_exp, h_, i_, per=per, bias=bool(with_bias))
+
+    def _check_bias(self, b: TensorInfo, shape: tuple) -> None:
+        """A bias tensor's dtype (float) and shape, from the header."""
+        if b.dtype not in FLOAT_DTYPES or tuple(b.shape) != tuple(shape):
+            raise CheckpointError(f"{b.describe()}: expected a bf16/fp16/fp32 bias {list(shape)}")
+
+    def _fused_biases(self, idx: int, g: _Group, r0: dict, r1: dict, n_exp: int, h_: int,
+                      i_: int) -> bool:
+        """Whether a fused layer has biases (gate_up_proj_bias [E, 2I] and down_proj_bias [E, H],
+        both or neither), their headers checked."""
+        have = [r.get("b") for r in (r0, r1)]
+        if any(b is None for b in have) and any(b is not None for b in have):
+            there = next(b for b in have if b is not None)
+            proj = FUSED_PROJS[have.index(None)]
+            raise CheckpointError(f"layer {idx}: tensor {g.base}.{proj}_bias is missing, but "
+                                  f"{there.describe()} is there; a layer's experts have biases on "
+                                  f"gate_up and down or on neither")
+        if have[0] is None:
+            return False
+        self._check_bias(have[0], (n_exp, 2 * i_))
+        self._check_bias(have[1], (n_exp, h_))
+        return True
+
+    def _interleaved(self) -> bool:
+        """Whether fused gate_up stacks interleave gate and up (module docstring: the one rule)."""
+        return model_type(self.config) in INTERLEAVED_MODEL_TYPES
 
     def _check_matrix(self, roles: dict, kind: ExpertKind, shape, dtype, ref: TensorInfo) -> None:
         """Shapes/dtypes of one matrix [N, K] as headers give them."""
@@ -546,7 +643,9 @@ class Checkpoint:
             if gu.dtype != dn.dtype:
                 raise CheckpointError(f"layer {idx}: {gu.describe()} and {dn.describe()} differ "
                                       f"in dtype")
-            return _Layer(idx, g, k0, gu.dtype, n_exp, h_, i_, fused=(r0, r1), transposed=tr)
+            return _Layer(idx, g, k0, gu.dtype, n_exp, h_, i_, fused=(r0, r1), transposed=tr,
+                          bias=self._fused_biases(idx, g, r0, r1, n_exp, h_, i_),
+                          interleaved=self._interleaved())
         (n0, k_0, t0), (n1, k_1, t1) = (self._fused_nvfp4_shape(r) for r in (r0, r1))
         if n0 % 2 or (n0 // 2, k_0) != (k_1, n1):
             raise CheckpointError(f"layer {idx}: {gu.describe()} holds [E, {n0}, {k_0}] weights "
@@ -569,7 +668,9 @@ class Checkpoint:
                                       f"one per expert ([{n_exp}]) or, for gate_up, one per expert "
                                       f"and half ([{n_exp}, 2])")
         return _Layer(idx, g, k0, None, n_exp, h_, i_, fused=(r0, r1), transposed=(t0, t1),
-                      global_mode=tuple(modes))
+                      global_mode=tuple(modes),
+                      bias=self._fused_biases(idx, g, r0, r1, n_exp, h_, i_),
+                      interleaved=self._interleaved())
 
     def _fused_nvfp4_shape(self, roles) -> tuple[int, int, bool]:
         """(N, K, transposed) of a fused NVFP4 stack: packed [E, N, K/2] with scales [E, N, K/16],
@@ -593,24 +694,31 @@ class Checkpoint:
     def _classify(self, module: str, comps: dict, aliases: list[str]):
         """(kind, roles) of one expert projection from its tensors; CheckpointError naming them
         for every format cupool does not serve."""
-        served = ("cupool serves float (bf16/fp16/fp32), ModelOpt NVFP4 and compressed-tensors "
-                  "nvfp4-pack-quantized experts")
+        served = ("cupool serves float (bf16/fp16/fp32), ModelOpt NVFP4, compressed-tensors "
+                  "nvfp4-pack-quantized and gpt-oss MXFP4 experts")
 
         def refuse(what):
             raise CheckpointError(f"{module}: {what}; {served}")
 
         def d(k):
-            return comps[k].describe()
+            return every[k].describe()
 
+        every = comps
+        bias = comps.get("bias")
+        comps = {k: v for k, v in comps.items() if k != "bias"}
         if "blocks" in comps or ("scales" in comps and "weight" not in comps
                                  and "qweight" not in comps):
             found = ", ".join(d(k) for k in ("blocks", "scales") if k in comps)
-            refuse(f"MXFP4 experts (gpt-oss style {found}) are not yet supported")
+            if self.format == "mxfp4":
+                refuse(f"MXFP4 tensors ({found}) outside gpt-oss's fused layout: MXFP4 experts "
+                       f"are read as {{mid}}.gate_up_proj_blocks / _scales and "
+                       f"{{mid}}.down_proj_blocks / _scales")
+            refuse(f"MXFP4 experts (gpt-oss style {found}) in a {self.format} checkpoint: they are "
+                   f"read from checkpoints whose config.json quantization_config has quant_method "
+                   f"'mxfp4' (or none)")
         if "qweight" in comps:
             found = ", ".join(d(k) for k in ("qweight", "qzeros", "scales") if k in comps)
             refuse(f"int4 AWQ/GPTQ experts ({found}) are not supported")
-        if "bias" in comps:
-            refuse(f"expert biases ({d('bias')}) are not supported: cupool's expert GEMM has none")
         if "pre_quant_scale" in comps:
             refuse(f"{d('pre_quant_scale')}: AWQ-style activation smoothing is not supported")
         nm = self.naming
@@ -631,7 +739,7 @@ class Checkpoint:
         else:
             w = comps.get("weight")
             if w is None:
-                refuse(f"no weight tensor (found {[d(k) for k in comps]})")
+                refuse(f"no weight tensor (found {[d(k) for k in every]})")
             if w.dtype in FLOAT_DTYPES:
                 kind = ExpertKind.FLOAT
             elif w.dtype in FP8_DTYPES:
@@ -655,6 +763,8 @@ class Checkpoint:
         else:
             roles = {"w": comps[nm.weight], "s": comps[nm.block_scale],
                      "g": comps[nm.global_scale]}
+        if bias is not None:
+            roles["b"] = bias
         dec = self.declared(aliases)
         if dec is not None and dec[0] != kind.value:
             raise CheckpointError(f"{module}: {dec[1]} declares it {dec[0]}, but its tensors are "
@@ -772,9 +882,10 @@ class Checkpoint:
         """The experts [start, stop) of checkpoint layer `layer`, reading only those bytes.
 
         Returns `Experts`: float gate/up [n, I, H] and down [n, H, I] in the stored dtype, or
-        NVFP4Tensors in ModelOpt's convention (scales checked, module docstring). Fused 3-D
-        tensors are read as one dim-0 slice each; transposed ones ([E, H, 2I], [E, K/2, N]) are
-        transposed into the [n, N, K] order (one extra window-sized copy).
+        NVFP4Tensors in ModelOpt's convention (scales checked, module docstring), and the biases
+        (float32) where the experts have them. Fused 3-D tensors are read as one dim-0 slice
+        each; transposed ones ([E, H, 2I], [E, K/2, N]) are transposed into the [n, N, K] order
+        and interleaved gate/up rows taken apart (one extra window-sized copy).
         """
         spec = self._layer(layer)
         stop = spec.experts if stop is None else int(stop)
@@ -786,7 +897,36 @@ class Checkpoint:
             mats = self._read_fused(spec, start, stop)
         else:
             mats = self._read_per_expert(spec, start, stop)
-        return Experts(spec.kind, spec.index, start, stop, *mats)
+        bias = self._read_biases(spec, start, stop) if spec.bias else None
+        return Experts(spec.kind, spec.index, start, stop, *mats, bias=bias)
+
+    def _read_biases(self, spec: _Layer, start: int, stop: int):
+        """float32 (gate [n, I], up [n, I], down [n, H]) biases of experts [start, stop);
+        CheckpointError naming the tensor and index of a NaN/Inf."""
+        n, H, I = stop - start, spec.hidden, spec.intermediate
+
+        def finite(b, name, first):
+            bad = ~torch.isfinite(b)
+            if bool(bad.any()):
+                at = [int(x) for x in torch.nonzero(bad)[0]]
+                where = [first + at[0], *at[1:]] if first is not None else at[1:]
+                raise CheckpointError(f"{name}: bias {float(b[tuple(at)])} at {where}; expert "
+                                      f"biases must be finite")
+            return b
+
+        if spec.fused is not None:
+            r0, r1 = spec.fused
+            gu = finite(self.index.read(r0["b"].name, start, stop).float(), r0["b"].name, start)
+            gate, up = (h.contiguous() for h in split_gate_up(gu, spec.interleaved))
+            down = finite(self.index.read(r1["b"].name, start, stop).float(), r1["b"].name, start)
+            return gate, up, down
+        out = []
+        for p, rows in enumerate((I, I, H)):
+            b = torch.empty(n, rows, dtype=torch.float32)
+            for i, r in enumerate(spec.per[p][start:stop]):
+                b[i] = finite(self.index.read(r["b"].name).float()[None], r["b"].name, None)[0]
+            out.append(b)
+        return tuple(out)
 
     def _read_per_expert(self, spec: _Layer, start: int, stop: int):
         n, H, I = stop - start, spec.hidden, spec.intermediate
@@ -833,10 +973,12 @@ class Checkpoint:
         if spec.kind is ExpertKind.FLOAT:
             gu = self.index.read(r0["w"].name, start, stop)
             dn = self.index.read(r1["w"].name, start, stop)
-            if spec.transposed[0]:
-                gu = gu.transpose(1, 2).contiguous()
             if spec.transposed[1]:
                 dn = dn.transpose(1, 2).contiguous()
+            if spec.transposed[0] or spec.interleaved:
+                gu = gu.transpose(1, 2) if spec.transposed[0] else gu
+                gate, up = (h.contiguous() for h in split_gate_up(gu, spec.interleaved))
+                return gate, up, dn
             return gu[:, :I], gu[:, I:], dn
         mats = []
         for r, tr, mode in zip((r0, r1), spec.transposed, spec.global_mode):
@@ -858,14 +1000,19 @@ class Checkpoint:
             mats.append((r, packed, scale, gs))
         out = []
         for j, (r, packed, scale, gs) in enumerate(mats):
-            halves = ((0, I, gs[0]), (I, 2 * I, gs[1])) if j == 0 else ((None, None, gs[0]),)
-            for lo, hi, g in halves:
-                p = packed if lo is None else packed[:, lo:hi]
-                s = scale if lo is None else scale[:, lo:hi]
+            if j == 0:
+                ps = split_gate_up(packed, spec.interleaved)
+                ss = split_gate_up(scale, spec.interleaved)
+                labels = gate_up_rows(spec.interleaved, I)
+                halves = [(ps[h], ss[h], gs[h], f" {labels[h]}") for h in (0, 1)]
+                if spec.interleaved:
+                    halves = [(p.contiguous(), s.contiguous(), g, rw) for p, s, g, rw in halves]
+            else:
+                halves = [(packed, scale, gs[0], "")]
+            for p, s, g, rows in halves:
                 sname, gname = r["s"].name, r["g"].name
                 g = self._global(g, lambda i, gn=gname: f"{gn}[{start + i}]")
                 q = NVFP4Tensor(p, s, g)
-                rows = "" if lo is None else f" rows [{lo}, {hi})"
                 check_nvfp4(q, lambda i, sn=sname, rw=rows: f"{sn}[{start + i}]{rw}",
                             lambda i, gn=gname: self._g_label(f"{gn}[{start + i}]"),
                             self.naming.hint)
@@ -875,11 +1022,12 @@ class Checkpoint:
     def expert_sizes(self, align: int = 256) -> ExpertSizes:
         """Sizes of the routed experts of `moe_layers` in NVFP4 and in the store (no data read)."""
         L, E, H, I = len(self.moe_layers), self.num_experts, self.hidden, self.intermediate
-        row = RowLayout(H, I).row_bytes
+        row = RowLayout(H, I, bias=self.has_bias).row_bytes
         stride = -(-row // align) * align
         ck = sum(self.index[n].nbytes for idx in self.moe_layers for n in self.expert_names(idx))
+        biases = L * E * (2 * I + H) * 4 if self.has_bias else 0
         return ExpertSizes(L, E, H, I, L * E * 3 * H * I // 2, L * E * 3 * H * I // BLOCK,
-                           L * E * 3 * 4, row, L * E * stride, ck)
+                           L * E * 3 * 4, biases, row, L * E * stride, ck)
 
     # --- public: dense -------------------------------------------------------------------------
     def dense_names(self) -> list[str]:
@@ -969,7 +1117,7 @@ class Checkpoint:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({str(self.path)!r}, format={self.format!r}, "
                 f"L={len(self.moe_layers)}, E={self.num_experts}, H={self.hidden}, "
-                f"I={self.intermediate})")
+                f"I={self.intermediate}{', bias' if self.has_bias else ''})")
 
 
 def _fused_suffix(s: str) -> str:

@@ -9,12 +9,15 @@ Detection, from the config files first and the tensors second:
   float-quantized, int4 pack-quantized, MXFP4 refused);
 - quant_method "fp8" (DeepSeek-V3's native FP8): "float" when the experts are float, refused when
   they are FP8 (they are, in DeepSeek's own releases);
-- quant_method awq / gptq (int4: qweight/qzeros/scales), mxfp4 (gpt-oss `*_blocks`/`*_scales`:
-  not yet supported), bitsandbytes, and any other: refused, naming the file and value;
-- no quantization config: ModelOpt or compressed-tensors when the tensors are theirs
-  (`*weight_scale_2`, `*weight_packed` + `*weight_global_scale`), else "float".
+- quant_method "mxfp4" (gpt-oss `*_blocks` / `*_scales` experts): "mxfp4", converted to NVFP4
+  as they are read (`cupool.checkpoints.mxfp4`);
+- quant_method awq / gptq (int4: qweight/qzeros/scales), bitsandbytes, and any other: refused,
+  naming the file and value;
+- no quantization config: ModelOpt, compressed-tensors or MXFP4 when the tensors are theirs
+  (`*weight_scale_2`, `*weight_packed` + `*weight_global_scale`, `*_proj_blocks`), else "float".
 The chosen reader then checks every routed-expert tensor's dtype and shape from the headers, so
-an FP8, int4 or MXFP4 expert is refused whatever the config says.
+an FP8 or int4 expert is refused whatever the config says, and MXFP4 experts are read only by
+the MXFP4 reader.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ from cupool.checkpoints.float import FloatCheckpoint
 from cupool.checkpoints.index import TensorIndex
 from cupool.checkpoints.modelopt import HF_QUANT_CONFIG, ModelOptCheckpoint
 from cupool.checkpoints.modelopt import read_quant_config as read_modelopt_config
+from cupool.checkpoints.mxfp4 import Mxfp4Checkpoint
+from cupool.checkpoints.mxfp4 import read_quant_config as read_mxfp4_config
 from cupool.nvfp4 import NVFP4Tensor
 
 CONFIG = "config.json"
 _INT4 = {"awq": "int4 AWQ", "awq_marlin": "int4 AWQ", "gptq": "int4 GPTQ",
          "gptq_marlin": "int4 GPTQ", "auto-round": "int4 AutoRound", "autoround": "int4 AutoRound"}
-FORMATS = ("float", "modelopt-nvfp4", "compressed-tensors-nvfp4")
+FORMATS = ("float", "modelopt-nvfp4", "compressed-tensors-nvfp4", "mxfp4")
+MXFP4_NAMES = ("gate_up_proj_blocks", "down_proj_blocks")
 
 
 def declared_format(directory: Path, config: dict):
@@ -67,8 +73,7 @@ def declared_format(directory: Path, config: dict):
                               f"{_INT4[m]} experts (qweight/qzeros/scales) are not supported; "
                               f"{served}")
     if m == "mxfp4":
-        raise CheckpointError(f"{where}: quant_method 'mxfp4' (gpt-oss *_blocks / *_scales "
-                              f"experts): MXFP4 experts are not yet supported; {served}")
+        return Mxfp4Checkpoint, read_mxfp4_config(q, where)
     if m is None:
         raise CheckpointError(f"{where}: no quant_method (keys: {sorted(q)}); {served}")
     raise CheckpointError(f"{where}: quant_method {method!r} is not one cupool serves; {served}")
@@ -81,6 +86,8 @@ def _sniff(index: TensorIndex):
             return ModelOptCheckpoint
         if name.endswith(".weight_global_scale"):
             return CompressedTensorsCheckpoint
+        if name.endswith(MXFP4_NAMES):
+            return Mxfp4Checkpoint
     return FloatCheckpoint
 
 
@@ -90,7 +97,7 @@ def open_checkpoint(path, *, include_mtp: bool = False) -> Checkpoint:
     headers. No tensor data is read.
 
     Returns the format's `Checkpoint` (`.format` one of "float", "modelopt-nvfp4",
-    "compressed-tensors-nvfp4"), whose `moe_layers`, `num_experts` E, `hidden` H and
+    "compressed-tensors-nvfp4", "mxfp4"), whose `moe_layers`, `num_experts` E, `hidden` H and
     `intermediate` I are checked against config.json where it states them. MTP layers are left
     out unless include_mtp. CheckpointError (a ValueError) naming the file or tensor and the values
     for anything it cannot serve (see the module docstring); nothing stays open after one.
@@ -119,8 +126,9 @@ def read_experts(path, layer: int, *, include_mtp: bool = False, window: int | N
                  ) -> list[tuple[NVFP4Tensor, NVFP4Tensor, NVFP4Tensor]]:
     """Checkpoint layer `layer`'s experts, one (gate [I, H], up [I, H], down [H, I]) tuple of 2-D
     NVFP4Tensors (ModelOpt convention, scalar global scales) per expert, whatever the format: NVFP4
-    checkpoints as stored (compressed-tensors' global scale inverted), float ones quantized with
-    the CPU reference `cupool.nvfp4.quantize`. CPU only.
+    checkpoints as stored (compressed-tensors' global scale inverted), MXFP4 ones converted,
+    float ones quantized with the CPU reference `cupool.nvfp4.quantize`. CPU only. Expert biases
+    are not part of it (`Checkpoint.experts(...).bias` has them).
 
     path: a checkpoint directory or an open `Checkpoint` (left open). window: experts read at a
     time (default: the `fill_store` default for this layout).
@@ -132,7 +140,7 @@ def read_experts(path, layer: int, *, include_mtp: bool = False, window: int | N
     ck = open_checkpoint(path, include_mtp=include_mtp) if own else path
     try:
         ck._layer(layer)
-        w = window or default_window(RowLayout(ck.hidden, ck.intermediate))
+        w = window or default_window(RowLayout(ck.hidden, ck.intermediate, bias=ck.has_bias))
         out = []
         for lo in range(0, ck.num_experts, w):
             hi = min(ck.num_experts, lo + w)

@@ -11,6 +11,13 @@ Expert names (the checkpoint's own layer indices l and expert indices e):
     model.layers.{l}.mlp.experts.gate_up_proj   [E, 2I, H], gate rows first   transformers >= 5
     model.layers.{l}.mlp.experts.down_proj      [E, H, I]                     (fused, F.linear)
     ...feed_forward.experts.gate_up_proj [E, H, 2I] / down_proj [E, I, H]     Llama-4 (x @ W)
+    model.layers.{l}.mlp.experts.gate_up_proj [E, H, 2I], gate/up interleaved  gpt-oss in bf16
+        along 2I (column 2i gate i, 2i + 1 up i), gate_up_proj_bias [E, 2I]    (e.g. unsloth/
+        interleaved alike, down_proj [E, I, H], down_proj_bias [E, H]          gpt-oss-20b-BF16)
+
+Interleaving is decided by config.json's model_type ("gpt_oss": interleaved, every other type:
+gate first), never by the values: `cupool.checkpoints.base` states the rule. Biases come back as
+float32 in `Experts.bias`.
 
 `Checkpoint.experts` returns them as stored (gate, up [n, I, H]; down [n, H, I]); `fill_store` and
 `read_experts` quantize them with `cupool.nvfp4.quantize` (or the bit-identical GPU kernel).
