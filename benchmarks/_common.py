@@ -120,7 +120,8 @@ class ExpertRows:
 
 
 def gpu_name() -> str:
-    return torch.cuda.get_device_name()
+    """The GPU's name, or "none (CPU simulation)" for results computed without one."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU simulation)"
 
 
 def reduced_by(args, parser, *names: str) -> list[str]:

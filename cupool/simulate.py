@@ -9,17 +9,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupool.reference.planner import HITS, MISSES, ReferencePlanner
+from cupool.reference.planner import HITS, LRU, MISSES, Policy, ReferencePlanner
 from cupool.trace import Trace
 
 
 def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = None,
-             warmup_steps: int = 0) -> dict:
+             warmup_steps: int = 0, policy: Policy = LRU, prefetch: bool = False) -> dict:
     """Replay `trace` through the reference planner with the gate open.
 
     Returns the hit rate (hits / (hits + misses)) over the steps after `warmup_steps`, per layer
-    too, and the rows each layer owns at the end (shows rows moving between layers).
+    too, and the rows each layer owns at the end (shows rows moving between layers). `policy`:
+    the victim rule (`cupool.reference.planner.Policy`; LRU is the kernel's). `prefetch`: the
+    trace's predicted ids of each layer are prefetched right after the previous layer's step
+    (`ReferencePlanner.prefetch`; needs `trace.predicted`); then the result also counts rows
+    prefetched, used and wasted.
     """
+    if prefetch and trace.predicted is None:
+        raise ValueError("prefetch=True needs a trace with predicted ids "
+                         "(cupool.trace.with_predictions)")
     L, K = trace.num_layers, trace.ids.shape[-1]
     W = trace.ids.shape[2] * K
     if isinstance(rows_per_layer, bool) or not isinstance(rows_per_layer, (int, np.integer)) \
@@ -30,18 +37,28 @@ def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = No
             or not 0 <= warmup_steps < trace.steps:
         raise ValueError(f"warmup_steps must be an int in [0, steps={trace.steps}), got "
                          f"{warmup_steps!r}: the hit rate needs at least one step after warm-up")
-    ref = ReferencePlanner(L, trace.num_experts, rows_per_layer, staging_rows or W)
+    ref = ReferencePlanner(L, trace.num_experts, rows_per_layer, staging_rows or W,
+                           policy=policy)
     ref.open()
     base = np.zeros_like(ref.counters)
+    pbase = np.zeros_like(ref.prefetch_counters)
     for s in range(trace.steps):
         if s == warmup_steps:
             base = ref.counters.copy()
+            pbase = ref.prefetch_counters.copy()
         for layer in range(L):
             ref.step(layer, trace.ids[s, layer].reshape(-1))
+            if prefetch:                          # the next layer's predicted ids, ahead of it
+                nl, ns = (layer + 1, s) if layer + 1 < L else (0, s + 1)
+                if ns < trace.steps:
+                    ref.prefetch(nl, trace.predicted[ns, nl].reshape(-1))
     c = ref.counters - base
+    pc = (ref.prefetch_counters - pbase).sum(axis=0)
     hits, misses = int(c[:, HITS].sum()), int(c[:, MISSES].sum())
     owned = np.bincount(ref.key_of[ref.key_of >= 0] // trace.num_experts, minlength=L)
     return {"hit_rate": hits / max(1, hits + misses), "hits": hits, "misses": misses,
             "per_layer_hit_rate": [float(c[l, HITS] / max(1, c[l, HITS] + c[l, MISSES]))
                                    for l in range(L)],
-            "rows_owned": owned.tolist()}
+            "rows_owned": owned.tolist(), "policy": policy.describe(),
+            **({"prefetched": int(pc[0]), "prefetch_used": int(pc[1]),
+                "prefetch_wasted": int(pc[2])} if prefetch else {})}

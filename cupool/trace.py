@@ -6,7 +6,12 @@ E experts. A trace is `ids` int16/int32 [S, L, T, K] (expert ids; −1 padding) 
 - `Trace.load` / `Trace.save`: files, validated when read;
 - `synthetic(...)`: traces with a stated reuse and skew, e.g. the locality published for
   Qwen3-30B-A3B (about 45% of selections repeat at the next token, 80% within 8 tokens);
-  `uniform(...)`: what a random router gives.
+  `uniform(...)`: what a random router gives;
+- `with_predictions(trace, accuracy)`: the same trace carrying, beside each step's actual ids,
+  the ids a predictor would have named for that step and layer before it ran (`predicted`
+  [S, L, T, K]), a stated fraction of them right; the wrong ones are drawn from the trace's own
+  per-layer popularity. What a prefetch is measured against where the model's own predictor
+  cannot be (a synthetic model's router predicts nothing a trained one would).
 Traces are recorded and replayed through the pool's routing hook (`cupool.replay`) and replayed
 on the CPU through the reference planner (`cupool.simulate`).
 """
@@ -28,6 +33,7 @@ class Trace:
     ids: np.ndarray           # [S, L, T, K] expert ids
     num_experts: int
     note: str = ""
+    predicted: np.ndarray | None = None   # [S, L, T, K'] predicted ids (−1: none), or None
 
     def __post_init__(self):
         ids = np.asarray(self.ids)
@@ -46,6 +52,19 @@ class Trace:
             raise TraceError(f"trace has {int(bad.sum())} ids outside [-1, {self.num_experts}); "
                              f"first at {first}: {int(self.ids[first])}")
         self.ids = self.ids.astype(np.int32)
+        if self.predicted is not None:
+            p = np.asarray(self.predicted)
+            if p.dtype.kind not in "iu":
+                raise TraceError(f"predicted ids must be integers, got dtype {p.dtype}")
+            if p.ndim != 4 or p.shape[:3] != self.ids.shape[:3]:
+                raise TraceError(f"predicted ids must be [steps, layers, tokens, k] with the ids' "
+                                 f"{list(self.ids.shape[:3])} first, got {list(p.shape)}")
+            bad = (p < -1) | (p >= self.num_experts)
+            if bad.any():
+                first = tuple(int(i) for i in np.argwhere(bad)[0])
+                raise TraceError(f"predicted ids outside [-1, {self.num_experts}): first at "
+                                 f"{first}: {int(p[first])}")
+            self.predicted = p.astype(np.int32)
 
     @property
     def steps(self) -> int:
@@ -57,8 +76,10 @@ class Trace:
 
     def save(self, path) -> Path:
         path = Path(path)
-        np.savez_compressed(path, ids=self.ids.astype(np.int16 if self.num_experts < 32767 else np.int32),
-                            num_experts=self.num_experts, note=self.note)
+        small = np.int16 if self.num_experts < 32767 else np.int32
+        extra = {} if self.predicted is None else {"predicted": self.predicted.astype(small)}
+        np.savez_compressed(path, ids=self.ids.astype(small), num_experts=self.num_experts,
+                            note=self.note, **extra)
         return path if path.suffix == ".npz" else path.with_suffix(path.suffix + ".npz")
 
     @classmethod
@@ -77,6 +98,7 @@ class Trace:
                                      f"'num_experts')")
                 ids, n = f["ids"], f["num_experts"]
                 note = str(f["note"]) if "note" in names else ""
+                predicted = f["predicted"] if "predicted" in names else None
         except TraceError:
             raise
         except Exception as e:  # noqa: BLE001 (zip, pickle and format errors all mean the same)
@@ -85,7 +107,7 @@ class Trace:
             raise TraceError(f"{path}: num_experts must be an integer scalar, got {n.dtype} "
                              f"{list(n.shape)}")
         try:
-            return cls(ids=ids, num_experts=int(n), note=note)
+            return cls(ids=ids, num_experts=int(n), note=note, predicted=predicted)
         except TraceError as e:
             raise TraceError(f"{path}: {e}") from None
 
@@ -161,3 +183,39 @@ def uniform(steps: int, num_layers: int, num_experts: int, top_k: int, *, tokens
     rng = np.random.default_rng(seed)
     ids = np.argsort(rng.random((steps, num_layers, tokens, num_experts)), axis=-1)[..., :top_k]
     return Trace(ids.astype(np.int32), num_experts, note=f"uniform seed={seed}")
+
+
+def with_predictions(trace: Trace, accuracy: float, *, seed: int = 0) -> Trace:
+    """`trace` with `predicted` ids at `accuracy`: for each step, layer and token, each of the K
+    actual ids is named with probability `accuracy` (so that fraction of the K predicted ids is
+    right, in expectation); each other slot names an expert that is not among the actual ones,
+    drawn from that layer's popularity over the whole trace (its own statistics). The note says
+    the accuracy achieved."""
+    if isinstance(accuracy, bool) or not isinstance(accuracy, (int, float)) \
+            or not 0 <= accuracy <= 1:
+        raise ValueError(f"accuracy must be a number in [0, 1], got {accuracy!r}")
+    ids = trace.ids
+    S, L, T, K = ids.shape
+    E = trace.num_experts
+    rng = np.random.default_rng(seed)
+    pred = np.full_like(ids, -1)
+    right = total = 0
+    for layer in range(L):
+        sel = ids[:, layer].reshape(-1)
+        pop = np.bincount(sel[sel >= 0], minlength=E).astype(np.float64) + 1e-9
+        for s in range(S):
+            for t in range(T):
+                actual = [int(e) for e in ids[s, layer, t] if e >= 0]
+                keep = [e for e in actual if rng.random() < accuracy]
+                others = pop.copy()
+                others[actual] = 0.0
+                n = min(len(actual) - len(keep), int((others > 0).sum()))
+                wrong = (rng.choice(E, size=n, replace=False, p=others / others.sum()).tolist()
+                         if n else [])
+                row = keep + wrong
+                pred[s, layer, t, :len(row)] = row
+                right += len(keep)
+                total += len(actual)
+    note = (f"{trace.note}; predicted ids at accuracy {accuracy:g} (achieved "
+            f"{right / max(1, total):.3f}, seed {seed})")
+    return Trace(ids, E, note=note, predicted=pred)

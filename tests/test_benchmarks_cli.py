@@ -32,6 +32,7 @@ EXAMPLES = ROOT / "examples"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 EXAMPLE_SCRIPTS = ("budget_report.py", "decode_loop.py", "hf_generate.py")
 MINE = ("bench_store.py", "bench_nvfp4.py", "bench_planner.py", "bench_gemm.py", "bench_decode.py",
+        "bench_long.py",
         "profile_decode.py", "profile_gemm.py", "profile_host.py", "profile_read.py",
         "ncu_source.py") + EXAMPLE_SCRIPTS
 
@@ -47,6 +48,8 @@ NEEDS_GPU = [
     ["bench_planner.py", "--skip-copy", "--lanes", "16"],
     ["bench_gemm.py", "--layers", "8", "--scratch", "32x2", "48x3"],
     ["bench_decode.py", "--small", "--compile"],
+    ["bench_decode.py", "--model", "gpt-oss-120b", "--small"],
+    ["bench_long.py", "--contexts", "4096", "--soak-steps", "96"],
     ["profile_decode.py", "--layers", "2"],
     ["profile_gemm.py", "--sweep", "minb=4", "default"],
     ["profile_host.py", "--tokens", "64"],
@@ -62,6 +65,7 @@ BAD_SUBPROCESS = [
     (["bench_gemm.py", "--layers", "-2"], "--layers"),
     (["bench_planner.py", "--lanes", "12"], "--lanes"),                  # not a multiple of top-8
     (["bench_decode.py", "--plot-only", "benchmarks/run_gpu.sh"], "--plot-only"),   # not JSON
+    (["bench_long.py", "--contexts", "8"], "--contexts"),
     (["budget_report.py", "--budget", "lots"], "--budget"),
     (["decode_loop.py", "--tokens", "-3"], "--tokens"),
     (["decode_loop.py", "--bank", "1.5"], "--bank"),                     # a fraction, (0, 1]
@@ -83,6 +87,10 @@ BAD = BAD_SUBPROCESS + [
     (["bench_decode.py", "--modes", "pool-75"], "--modes"),
     (["bench_decode.py", "--json", "no/such/dir/r.json"], "--json"),
     (["bench_decode.py", "--plot-only", "no-such.json"], "--plot-only"),
+    (["bench_decode.py", "--model", "gpt-oss-20b"], "--model"),
+    (["bench_decode.py", "--model", "gpt-oss-120b", "--modes", "hf-bf16"], "hf-bf16"),
+    (["bench_long.py", "--bank", "5"], "--bank"),
+    (["bench_long.py", "--soak-steps", "0"], "--soak-steps"),
     (["profile_decode.py", "--steps", "0"], "--steps"),
     (["profile_decode.py", "--layers", "-2"], "--layers"),
     (["profile_gemm.py", "--cases", "2048:17"], "--cases"),
@@ -208,6 +216,12 @@ def test_every_script_covered():
     ("bench_decode", ["--compile", "--modes", "pool-serial"], False),     # a part of a split run
     ("bench_decode", ["--small"], True),
     ("bench_decode", ["--tokens", "16"], True),
+    ("bench_decode", ["--model", "gpt-oss-120b"], False),
+    ("bench_decode", ["--model", "gpt-oss-120b", "--layers", "8"], True),
+    ("bench_long", [], False),
+    ("bench_long", ["--contexts", "4096", "32768"], True),
+    ("bench_long", ["--soak-steps", "1000"], True),
+    ("bench_gemm", ["--skip-gpt-oss"], True),
     ("bench_planner", ["--copy-sweep", "2,512,4"], False),
     ("bench_planner", ["--skip-copy", "--experts", "128", "--lanes", "8", "--replays", "20"], True),
     ("bench_store", ["--rows", "16"], False),

@@ -11,7 +11,9 @@ with the kernel, which defines the same values (ERR_BAD_ID, ERR_STAGING_OVERFLOW
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 
 import numpy as np
 
@@ -30,6 +32,49 @@ class PlanError(enum.IntFlag):
         """The set flags' names, e.g. ['BAD_ID'] (str() of an IntFlag is just the number on
         Python >= 3.11)."""
         return [f.name for f in PlanError if f.value and f.value & self.value]
+
+
+POLICIES = ("lru", "lfru")
+# Prefetch counters [L, 3] (reference model and simulator only; the kernel has none yet).
+PREFETCH_COUNTERS = ("prefetched", "prefetch_used", "prefetch_wasted")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How a miss picks its victim among the rows not used in the current step.
+
+    - "lru" (the kernel's): the smallest (last_use, row).
+    - "lfru" (frequency-weighted LRU): the smallest (last_use + weight · freq, row), freq a use
+      count that halves every `half_life` clock ticks (freq ← freq · 2^(−Δ/half_life) + 1 at each
+      use, Δ the ticks since the last one): a row used often may be older than a row used once.
+      With `protect` > 0, rows used within the last `protect` ticks are never victims while any
+      other row not used this step exists (a protect-recent variant: frequency cannot evict a
+      row that was just brought in).
+    Clock ticks are plan steps of any layer: L ticks a decoded token. weight 0 is LRU.
+    """
+    kind: str = "lru"
+    weight: float = 0.0
+    half_life: float = math.inf
+    protect: int = 0
+
+    def __post_init__(self):
+        if self.kind not in POLICIES:
+            raise ValueError(f"policy kind must be one of {POLICIES}, got {self.kind!r}")
+        if self.kind == "lru" and (self.weight or self.protect or self.half_life != math.inf):
+            raise ValueError("the 'lru' policy takes no weight, half_life or protect")
+        if not (self.weight >= 0 and self.half_life > 0 and self.protect >= 0):
+            raise ValueError(f"lfru needs weight >= 0, half_life > 0, protect >= 0; got "
+                             f"weight={self.weight}, half_life={self.half_life}, "
+                             f"protect={self.protect}")
+
+    def describe(self) -> str:
+        if self.kind == "lru":
+            return "LRU"
+        p = f", protect {self.protect}" if self.protect else ""
+        return f"LFRU(weight {self.weight:g}, half-life {self.half_life:g}{p})"
+
+
+LRU = Policy()
 
 
 def initial_placement(num_layers: int, num_experts: int, rows_per_layer: int,
@@ -146,10 +191,23 @@ class ReferencePlanner:
       promotions  misses that took a bank row (a victim);
       steals      promotions whose victim held another layer's key (the cross-layer growth);
       staged      misses that took a staging row (no victim).
+
+    Policies and prefetch (reference model and simulator only; the kernel implements LRU
+    without prefetch): `policy` replaces step 4's victim rule (`Policy`); `prefetch(layer, ids)`,
+    called between two steps, brings the predicted experts of the next step of `layer` in ahead:
+      - gate closed: nothing. Predicted ids (valid, deduplicated) of `layer` are *protected* (never
+        victims, of misses or of other prefetches) until their row is used or the next step of
+        `layer` ends, whichever comes first;
+      - a predicted id without a row takes a victim as a miss would (a row not used in the
+        current step and not protected; none: it is skipped, never staged), last_use = clock,
+        and (key, row) joins the prefetch's copy list;
+      - the next step of `layer` finds prefetched rows as hits; `prefetch_counters[layer]`
+        counts prefetched rows, those used in that step and those wasted (not used).
+    A wrong prediction costs a copy and, for one step, a row: never a wrong route.
     """
 
     def __init__(self, num_layers: int, num_experts: int, rows_per_layer: int,
-                 staging_rows: int, initial=None):
+                 staging_rows: int, initial=None, policy: Policy = LRU):
         for name, v, lo in (("num_layers", num_layers, 1), ("num_experts", num_experts, 1),
                             ("rows_per_layer", rows_per_layer, 1), ("staging_rows", staging_rows, 0)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
@@ -167,6 +225,15 @@ class ReferencePlanner:
         self.gate = False
         self.error = PlanError.NONE
         self.counters = np.zeros((self.num_layers, len(COUNTERS)), dtype=np.int64)
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
+        self.policy = policy
+        self.freq = np.zeros(self.num_rows, dtype=np.float64)      # lfru: decayed use counts
+        self.protected = np.zeros(self.num_rows, dtype=bool)       # prefetch protection
+        self.protected_for = np.full(self.num_rows, -1, dtype=np.int64)   # the layer it waits for
+        self.prefetched = np.zeros(self.num_rows, dtype=bool)      # copied by a prefetch, unused
+        self.prefetch_counters = np.zeros((self.num_layers, len(PREFETCH_COUNTERS)),
+                                          dtype=np.int64)
 
     def open(self) -> None:
         self.gate = True
@@ -175,12 +242,29 @@ class ReferencePlanner:
         self.gate = False
 
     def _victim(self) -> int:
-        """Row with the smallest (last_use, row) among rows with last_use < clock, or −1."""
-        cand = np.flatnonzero(self.last_use < self.clock)
+        """The policy's victim among rows with last_use < clock and not protected, or −1 (LRU:
+        the smallest (last_use, row))."""
+        free = (self.last_use < self.clock) & ~self.protected
+        cand = np.flatnonzero(free)
         if cand.size == 0:
             return -1
-        lu = self.last_use[cand]
-        return int(cand[np.argmin(lu)])   # argmin returns the first, i.e. the lowest row, on ties
+        pol = self.policy
+        if pol.kind == "lru":
+            lu = self.last_use[cand]
+            return int(cand[np.argmin(lu)])   # argmin returns the first (lowest row) on ties
+        if pol.protect:
+            old = cand[self.last_use[cand] < self.clock - pol.protect]
+            cand = old if old.size else cand
+        age = (self.clock - self.last_use[cand]) / pol.half_life
+        score = self.last_use[cand] + pol.weight * self.freq[cand] * np.exp2(-age)
+        return int(cand[np.argmin(score)])
+
+    def _use(self, row: int) -> None:
+        """Row `row` used at the current clock (a hit, or taken by a miss or prefetch)."""
+        if self.policy.kind == "lfru":
+            dt = self.clock - self.last_use[row]
+            self.freq[row] = self.freq[row] * 2.0 ** (-dt / self.policy.half_life) + 1.0
+        self.last_use[row] = self.clock
 
     def step(self, layer: int, ids) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """One layer call: (routes int32 [W], copies [(key, row), ...] in copy order)."""
@@ -205,7 +289,12 @@ class ReferencePlanner:
         if self.gate:
             self.clock += 1
             for k in hits:
-                self.last_use[row_of[k]] = self.clock
+                r = row_of[k]
+                self._use(r)
+                if self.prefetched[r]:
+                    self.prefetch_counters[layer, 1] += 1
+                    self.prefetched[r] = False
+                self.protected[r] = False
         # 4. misses
         copies = []
         promotions = steals = staged = 0
@@ -218,7 +307,8 @@ class ReferencePlanner:
                     steals += old // E != layer
                 self.slot_of[k] = victim
                 self.key_of[victim] = k
-                self.last_use[victim] = self.clock
+                self.freq[victim] = 0.0
+                self._use(victim)
                 row = victim
                 promotions += 1
             elif staged < S:
@@ -235,7 +325,53 @@ class ReferencePlanner:
                           dtype=np.int32)
         if self.gate:
             self.counters[layer] += (len(hits), len(misses), promotions, steals, staged)
+            # the step ends: this layer's prefetched rows lose their protection; unused ones
+            # were wasted
+            mine = self.protected_for == layer
+            self.prefetch_counters[layer, 2] += int((mine & self.prefetched).sum())
+            self.prefetched[mine] = False
+            self.protected[mine] = False
+            self.protected_for[mine] = -1
         return routes, copies
+
+    def prefetch(self, layer: int, ids) -> list[tuple[int, int]]:
+        """Bring the predicted experts `ids` of the next step of `layer` in (see the class
+        docstring); returns the copy list [(key, row), ...]."""
+        L, E = self.num_layers, self.num_experts
+        if not 0 <= layer < L:
+            raise IndexError(f"layer {layer} out of range [0, {L})")
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"ids must be integers, got dtype {ids.dtype}")
+        if not self.gate:
+            return []
+        ids = ids.reshape(-1).astype(np.int64)
+        keys = list(dict.fromkeys(int(layer * E + e) for e in ids if 0 <= e < E))
+        for k in keys:                            # what is already there stays until used
+            r = int(self.slot_of[k])
+            if r >= 0:
+                self.protected[r] = True
+                self.protected_for[r] = layer
+        copies = []
+        for k in keys:
+            if self.slot_of[k] >= 0:
+                continue
+            victim = self._victim()
+            if victim < 0:
+                continue
+            old = int(self.key_of[victim])
+            if old >= 0:
+                self.slot_of[old] = -1
+            self.slot_of[k] = victim
+            self.key_of[victim] = k
+            self.freq[victim] = 0.0
+            self._use(victim)
+            self.protected[victim] = True
+            self.protected_for[victim] = layer
+            self.prefetched[victim] = True
+            copies.append((k, victim))
+        self.prefetch_counters[layer, 0] += len(copies)
+        return copies
 
     def state(self) -> dict:
         """Copies of the tables, under the names `Bank.tables()` uses."""

@@ -1,0 +1,92 @@
+"""Eviction policies and prefetch on routing traces, simulated on the CPU with the reference
+planner (no GPU): the hit rates that decide what the kernel should implement.
+
+Traces (48 layers, 128 experts, top-8, the Qwen3-30B-A3B shape; `--steps` decoded tokens after
+`--warmup` tokens of warm-up): "uniform" (a random router), "locality" (the published
+Qwen3-30B-A3B reuse, `cupool.trace.QWEN3_LOCALITY`) and "skewed" (less reuse, a Zipf-1.0
+popularity: where frequency should matter most). Banks of 25/50/75% of each layer's experts.
+
+- policies: LRU (the kernel's), LFRU at a few weights and half-lives, LFRU with recent rows
+  protected (`cupool.reference.planner.Policy`); parameters in tokens (L = 48 clock ticks);
+- prefetch: LRU with each layer's predicted ids prefetched after the previous layer's step
+  (`ReferencePlanner.prefetch`), on the trace with predictions at 60/80/95% accuracy
+  (`cupool.trace.with_predictions`); beside the hit rate, rows prefetched / used / wasted a token.
+  Prefetched rows count as hits: the bytes still cross PCIe, but ahead of the step that needs
+  them, under the previous layers' compute.
+
+Writes benchmarks/results/sim_policies.json (a reduced run: nothing unless --json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from _common import reduced_by, results_path, save
+
+from cupool import trace as tr
+from cupool.cli import CLIParser, output_file, positive_int, run
+from cupool.reference.planner import LRU, Policy
+from cupool.simulate import simulate
+
+L, E, K = 48, 128, 8
+BANKS = (25, 50, 75)
+TRACES = {"uniform": {}, "locality": tr.QWEN3_LOCALITY,
+          "skewed": dict(reuse_next=0.2, reuse_window=0.4, window=8, skew=1.0)}
+
+
+def policies() -> list[Policy]:
+    t = L                                              # clock ticks a token
+    return [LRU] + [Policy("lfru", weight=w * t, half_life=h * t) for w, h in
+                    ((2, 16), (8, 64), (32, 256))] + \
+        [Policy("lfru", weight=8 * t, half_life=64 * t, protect=p * t) for p in (1, 4)]
+
+
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="sim_policies.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=positive_int, default=512, help="decoded tokens measured")
+    p.add_argument("--warmup", type=positive_int, default=64, help="tokens before measuring")
+    p.add_argument("--json", type=output_file, metavar="PATH",
+                   help="write the results here instead of benchmarks/results/sim_policies.json")
+    return p
+
+
+def main(args) -> None:
+    out = results_path("sim_policies", args.json, reduced_by(args, build_parser(), "steps"))
+    n = args.steps + args.warmup
+    traces = {name: (tr.uniform(n, L, E, K, seed=1) if not kw else
+                     tr.synthetic(n, L, E, K, seed=1, **kw)) for name, kw in TRACES.items()}
+    res = {"shape": {"layers": L, "experts": E, "top_k": K}, "steps": args.steps,
+           "warmup": args.warmup, "traces": {k: v.note for k, v in traces.items()},
+           "policies": [], "prefetch": []}
+    t0 = time.perf_counter()
+    for name, trace in traces.items():
+        for bank in BANKS:
+            rows = E * bank // 100
+            for pol in policies():
+                r = simulate(trace, rows, warmup_steps=args.warmup, policy=pol)
+                res["policies"].append({"trace": name, "bank_percent": bank, "policy": pol.describe(),
+                                        "hit_rate": r["hit_rate"]})
+                print(f"{name:>8} bank {bank}% {pol.describe():<42} hit rate {r['hit_rate']:.4f}",
+                      flush=True)
+            for acc in (0.6, 0.8, 0.95):
+                tp = tr.with_predictions(trace, acc, seed=2)
+                r = simulate(tp, rows, warmup_steps=args.warmup, prefetch=True)
+                per = {k: r[k] / args.steps for k in ("prefetched", "prefetch_used",
+                                                        "prefetch_wasted")}
+                res["prefetch"].append({"trace": name, "bank_percent": bank, "accuracy": acc,
+                                        "hit_rate": r["hit_rate"],
+                                        "misses_per_token": r["misses"] / args.steps,
+                                        **{f"{k}_per_token": v for k, v in per.items()}})
+                print(f"{name:>8} bank {bank}% prefetch at {acc:.2f}: hit rate "
+                      f"{r['hit_rate']:.4f}, a token: {per['prefetched']:.1f} rows prefetched, "
+                      f"{per['prefetch_used']:.1f} used, {per['prefetch_wasted']:.1f} wasted, "
+                      f"{r['misses'] / args.steps:.1f} misses", flush=True)
+    res["seconds"] = time.perf_counter() - t0
+    save("sim_policies", res, out)
+
+
+if __name__ == "__main__":
+    sys.exit(run(main, build_parser()))
