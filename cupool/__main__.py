@@ -126,11 +126,19 @@ def simulate(args) -> int:
     print(f"trace: {t.steps} steps, {t.num_layers} layers, E={E}, top_k={K}, "
           f"tokens/step={t.ids.shape[2]}; {t.note}")
     print(f"reuse: next token {t.reuse(1):.3f}, within 8 tokens {t.reuse(8):.3f}")
+    tp = tr.with_predictions(t, args.prefetch_accuracy, seed=args.seed) \
+        if args.prefetch_accuracy is not None else None
     for r in rows:
         res = run_simulation(t, r, warmup_steps=args.warmup)
         owned = res["rows_owned"]
         print(f"rows/layer {r:5d} ({100 * r / E:5.1f}% of experts): hit rate "
               f"{res['hit_rate']:.3f}   rows owned per layer min/max {min(owned)}/{max(owned)}")
+        if tp is not None:
+            pre = run_simulation(tp, r, warmup_steps=args.warmup, prefetch=True)
+            n = t.steps - args.warmup
+            print(f"    with prefetch at {args.prefetch_accuracy:g} accuracy (reference model): "
+                  f"hit rate {pre['hit_rate']:.3f}; a step: {pre['prefetched'] / n:.1f} rows "
+                  f"prefetched, {pre['prefetch_wasted'] / n:.1f} of them wasted")
     return 0
 
 
@@ -262,6 +270,10 @@ def build_parser() -> CLIParser:
     s.add_argument("--top-k", type=positive_int, default=8)
     s.add_argument("--seed", type=nonnegative_int, default=0)
     s.add_argument("--warmup", type=nonnegative_int, default=8, help="steps not counted (cold bank)")
+    s.add_argument("--prefetch-accuracy", type=fraction, metavar="P",
+                   help="also simulate prefetching each layer's predicted experts, a fraction P "
+                        "of them right (the planner's reference model; predictions drawn by "
+                        "cupool.trace.with_predictions)")
 
     pl = sub.add_parser("plan", help="what a checkpoint needs for a budget (no GPU, no weights)")
     pl.add_argument("--model", required=True, type=existing_dir, help="checkpoint directory")

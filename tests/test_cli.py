@@ -45,6 +45,7 @@ def parse_error(capsys, *argv):
     (["simulate", "--layers", "-2"], "--layers"),
     (["simulate", "--steps", "0"], "--steps"),
     (["simulate", "--top-k", "0"], "--top-k"),
+    (["simulate", "--prefetch-accuracy", "1.5"], "--prefetch-accuracy"),
     (["simulate", "--steps", "x"], "--steps"),
     (["plan", "--model", "/no/such/dir"], "no such directory"),
     (["plan"], "--model"),
@@ -69,6 +70,16 @@ def test_simulate_runs(capsys):
                      "2", "--rows", "4", "16", capsys=capsys)
     assert rc == 0
     assert "rows/layer     4" in out and "rows/layer    16" in out and "hit rate 1.000" in out
+
+
+def test_simulate_with_prefetch(capsys):
+    rc, out, _ = run("simulate", "--steps", "40", "--layers", "3", "--experts", "16", "--top-k",
+                     "2", "--rows", "4", "--prefetch-accuracy", "0.8", capsys=capsys)
+    assert rc == 0
+    assert "with prefetch at 0.8 accuracy (reference model): hit rate" in out
+    plain = float(out.split("hit rate ")[1].split()[0])
+    prefetched = float(out.split("hit rate ")[2].split(";")[0])
+    assert prefetched > plain
 
 
 def _npz(path, **arrays):
