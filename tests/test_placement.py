@@ -104,7 +104,7 @@ def test_plan_model_on_the_meta_device_over_two_devices(family):
     expert = {id(p) for s in specs for p in s.module.parameters()}
     dense = sum(p.numel() * 2 for p in model.parameters() if id(p) not in expert) + \
         sum(b.numel() * 2 for b in model.buffers())                 # rotary tables
-    E, K, L = specs[0].num_experts, specs[0].top_k, len(specs)
+    E, L = specs[0].num_experts, len(specs)
     # two devices, each short of the whole model with every expert: it must split
     budget = dense // 2 + (L * E * layout.row_stride) * 3 // 5 + L * (10_000 + 4096)
     plan = plan_model(model, specs, devices=[0, 1], budgets=[budget, budget],
