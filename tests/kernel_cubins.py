@@ -5,7 +5,8 @@ hashes before and after: `python tests/kernel_cubins.py > before.txt`, edit, the
 `python tests/kernel_cubins.py --compare before.txt` (exit code 1 on any difference).
 
 BUILDS lists, for every source, its default build (no -D) and the -D sets the launchers pass at
-the Qwen3-30B-A3B (H=2048, I=768) and H=4096/I=1536 dims: the moe_decode variants the per-call
+the Qwen3-30B-A3B (H=2048, I=768), H=4096/I=1536 and gpt-oss (H = I = 2880, biases, clamped
+SwiGLU) dims: the moe_decode variants the per-call
 rules choose, the moe_gemm configs (pair decode and prefill), moe_align, the planner, the row copy
 kernels, the quantizer. The sets are written out here rather than taken from the launchers, so a
 change to a launcher's rule shows up as a change of hashes only where it changes a kernel.
@@ -26,6 +27,9 @@ KERNELS = ROOT / "rawkernels"
 
 _QWEN = "-DHP=2048 -DIP=768 -DROW_W2_OFFSET=1769728"
 _BIG = "-DHP=4096 -DIP=1536 -DROW_W2_OFFSET=7078144"
+# gpt-oss: H = I = 2880, rows with biases, the clamped SwiGLU (alpha 1.702, limit 7.0 in float32)
+_GPTOSS = ("-DHP=2880 -DIP=2880 -DROW_W2_OFFSET=9331456 -DROW_BIAS=1 -DACT=1 "
+           "-DACT_ALPHA=0x1.b3b6460000000p+0f -DACT_LIMIT=0x1.c000000000000p+2f")
 
 
 def _gemm(dims: str, nt, ksplit, warps_m, kc, w2_kc, nb, reduce, prefetch, minb, w2_ns) -> str:
@@ -69,6 +73,9 @@ BUILDS: list[tuple[str, str]] = [
     ("moe_decode", _decode("-DHP=128 -DIP=64 -DROW_W2_OFFSET=4864", 16, 256, 3, 4, HFULL=0,
                            XALIGN=0, IN_BF16=0, OUT_BF16=0, W_DTYPE=1)),
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, DECODE_TRACE=1)),      # the profiling build
+    ("moe_decode", _decode(_GPTOSS, 8, 64, 3, 4)),                        # gpt-oss T=1, K=4
+    ("moe_decode", _decode(_GPTOSS, 8, 64, 4, 4)),                        # gpt-oss T=4..16
+    ("moe_gemm", _gemm(_GPTOSS, 64, 1, 8, 256, 256, 1, 1, 0, 2, 2)),      # gpt-oss prefill
 ]
 
 
