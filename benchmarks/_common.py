@@ -119,6 +119,12 @@ class ExpertRows:
         return on_host, torch.where(on_host.cuda(), torch.zeros_like(self.addr), self.addr)
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM of /proc/self/status), in bytes."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("VmHWM")).split()[1]) * 1024
+
+
 def gpu_name() -> str:
     """The GPU's name, or "none (CPU simulation)" for results computed without one."""
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU simulation)"

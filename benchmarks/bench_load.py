@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import results_path, save  # noqa: E402
+from _common import peak_rss_bytes, results_path, save  # noqa: E402
 
 from cupool.cli import CLIParser, positive_int, run  # noqa: E402
 
@@ -121,8 +121,7 @@ def write_checkpoint(path: Path, kind: str, layers: int, context: int, seed: int
 
 
 def _peaks() -> dict:
-    status = Path("/proc/self/status").read_text()
-    hwm = int(next(ln for ln in status.splitlines() if ln.startswith("VmHWM")).split()[1]) * 1024
+    hwm = peak_rss_bytes()
     from cupool.budget import gpu_memory
     g = gpu_memory()
     return {"peak_host_rss_bytes": hwm, "peak_torch_gpu_bytes": torch.cuda.max_memory_allocated(),

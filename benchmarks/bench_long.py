@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import resource
 import sys
 import time
 
 import torch
-from _common import reduced_by, results_path, save
+from _common import peak_rss_bytes, reduced_by, results_path, save
 
 import cupool
 from cupool import _cuda, synthetic
@@ -36,10 +35,6 @@ from cupool import trace as tr
 from cupool.cli import CLIParser, bounded_int, output_file, positive_int, run
 from cupool.replay import Replayer
 from cupool.sampling import SamplingParams
-
-
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20      # KiB on Linux
 
 
 def prefill(model, pool, vocab: int, context: int, chunk: int, gen) -> dict:
@@ -55,7 +50,7 @@ def prefill(model, pool, vocab: int, context: int, chunk: int, gen) -> dict:
     s = time.perf_counter() - t0
     out = {"context": context, "seconds": s, "tok_per_s": context / s,
            "peak_gpu_GiB": torch.cuda.max_memory_allocated() / 2**30,
-           "peak_rss_GiB": peak_rss_gib(), "finish": req.finish_reason, "errors": pool.errors()}
+           "peak_rss_GiB": peak_rss_bytes() / 2**30, "finish": req.finish_reason, "errors": pool.errors()}
     del eng
     gc.collect()
     torch.cuda.empty_cache()

@@ -75,6 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cupool.activation import SILU, Activation, swiglu_clamp
+from cupool.checkpoints.base import join_gate_up, split_gate_up
 
 KIND_HF = "hf_experts"
 KIND_LIST = "linear_list"
@@ -131,13 +132,7 @@ class MoELayerSpec:
 
     def _split(self, gate_up: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """gate_up [..., 2I (dim), ...] -> (gate, up) views along `dim`."""
-        I = self.intermediate
-        if self.concatenated:
-            return gate_up.narrow(dim, 0, I), gate_up.narrow(dim, I, I)
-        idx = [slice(None)] * gate_up.dim()
-        gate_idx, up_idx = list(idx), list(idx)
-        gate_idx[dim], up_idx[dim] = slice(0, None, 2), slice(1, None, 2)
-        return gate_up[tuple(gate_idx)], gate_up[tuple(up_idx)]
+        return split_gate_up(gate_up, not self.concatenated, dim)
 
     def expert(self, e) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I, H], up [I, H], down [H, I]) of expert `e`, detached views of the module's
@@ -229,21 +224,14 @@ class MoELayerSpec:
                     getattr(m, n).weight = param(w)
         else:
             gate, up, down = (torch.stack([trio[i] for trio in weights]) for i in range(3))
-            if self.concatenated:
-                gate_up = torch.cat([gate, up], dim=1)                          # [E, 2I, H]
-            else:  # rows g0, u0, g1, u1, ...
-                gate_up = torch.stack([gate, up], dim=2).reshape(E, 2 * I, H)
+            gate_up = join_gate_up(gate, up, not self.concatenated)             # [E, 2I, H]
             if self.transposed:
                 gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
             self.module.gate_up_proj = param(gate_up)
             self.module.down_proj = param(down)
             if biases is not None:
                 bg, bu, bd = biases
-                if self.concatenated:
-                    bgu = torch.cat([bg, bu], dim=1)                            # [E, 2I]
-                else:
-                    bgu = torch.stack([bg, bu], dim=2).reshape(E, 2 * I)
-                self.module.gate_up_proj_bias = param(bgu)
+                self.module.gate_up_proj_bias = param(join_gate_up(bg, bu, not self.concatenated))
                 self.module.down_proj_bias = param(bd)
         self.device = device
         self.released = False

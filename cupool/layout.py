@@ -291,15 +291,24 @@ def _bias_section(layout: RowLayout, bias, lead: tuple, device) -> torch.Tensor:
     return out.view(torch.uint8)
 
 
+def _row_tensor(layout: RowLayout, row) -> torch.Tensor:
+    """A row (uint8, numpy or torch, any device) as a flat CPU uint8 tensor of row_bytes."""
+    if isinstance(row, torch.Tensor):
+        r = row.cpu()
+    else:                                    # torch wants a writable array (a store's rows are not)
+        arr = np.asarray(row)
+        r = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    r = r.reshape(-1)[:layout.row_bytes]
+    if r.numel() != layout.row_bytes:
+        raise ValueError(f"row: expected {layout.row_bytes} bytes, got {r.numel()}")
+    return r
+
+
 def unpack_bias(layout: RowLayout, row) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The biases of a row (uint8, numpy or torch) as float32 (gate [I], up [I], down [H])."""
     if not layout.bias:
         raise ValueError("unpack_bias: the layout has no biases")
-    r = torch.as_tensor(np.array(row, copy=True)) if not isinstance(row, torch.Tensor) else row.cpu()
-    r = r.reshape(-1)[:layout.row_bytes]
-    if r.numel() != layout.row_bytes:
-        raise ValueError(f"row: expected {layout.row_bytes} bytes, got {r.numel()}")
-    f = r[layout.bias_offset:].clone().view(torch.float32)
+    f = _row_tensor(layout, row)[layout.bias_offset:].clone().view(torch.float32)
     ip, I, H = layout.ip, layout.intermediate, layout.hidden
     return f[:I].clone(), f[ip:ip + I].clone(), f[2 * ip:2 * ip + H].clone()
 
@@ -338,14 +347,7 @@ def pack_row(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4T
 
 def unpack_row(layout: RowLayout, row) -> tuple[NVFP4Tensor, NVFP4Tensor, NVFP4Tensor]:
     """Inverse of `pack_row`: a row (uint8, numpy or torch) -> (gate, up, down) NVFP4Tensors."""
-    if isinstance(row, torch.Tensor):
-        r = row.cpu()
-    else:                                    # torch wants a writable array (a store's rows are not)
-        arr = np.asarray(row)
-        r = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-    r = r.reshape(-1)[:layout.row_bytes]
-    if r.numel() != layout.row_bytes:
-        raise ValueError(f"row: expected {layout.row_bytes} bytes, got {r.numel()}")
+    r = _row_tensor(layout, row)
     H, I, hp, ip = layout.hidden, layout.intermediate, layout.hp, layout.ip
     scales = r[:12].clone().view(torch.float32)
     w13 = r[layout.w13_offset:layout.w2_offset].reshape(ip // 16, 2, 9 * hp)

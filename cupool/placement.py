@@ -25,7 +25,6 @@ is the placement in transformers' `device_map` form. This module plans; no GPU i
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 
 from torch import nn
@@ -154,8 +153,8 @@ def split(layer_bytes, moe_layer, *, devices, budgets, head_bytes: int, tail_byt
 
     lo_r, hi_r = top_k, num_experts
     if pack(lo_r) is None:
-        raise BudgetError(_overflow(devices, budgets, need, L, D, top_k, layer_bytes, kv,
-                                    head_bytes, tail_bytes))
+        raise BudgetError(_overflow(devices, budgets, top_k,
+                                    sum(layer_bytes) + L * kv + head_bytes + tail_bytes))
     while lo_r < hi_r:                                # the largest rows every device can give
         mid = (lo_r + hi_r + 1) // 2
         if pack(mid) is not None:
@@ -179,9 +178,8 @@ def split(layer_bytes, moe_layer, *, devices, budgets, head_bytes: int, tail_byt
     return SplitPlan(tuple(segments))
 
 
-def _overflow(devices, budgets, need, L, D, K, layer_bytes, kv, head, tail) -> str:
+def _overflow(devices, budgets, K: int, minimum: int) -> str:
     total_budget = sum(budgets)
-    minimum = sum(layer_bytes) + L * kv + head + tail
     return (f"the budgets {[fmt_bytes(b) for b in budgets]} of devices {devices} cannot hold the "
             f"model with top-k={K} rows a MoE layer: its dense part and KV cache alone are "
             f"{fmt_bytes(minimum)} of {fmt_bytes(total_budget)}, and each device also needs its "
@@ -189,9 +187,6 @@ def _overflow(devices, budgets, need, L, D, K, layer_bytes, kv, head, tail) -> s
 
 
 # --- from a transformers model ---------------------------------------------------------------------
-_LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<i>\d+)$")
-
-
 def decoder_layers(model: nn.Module) -> tuple[str, list[str]]:
     """(stack name, [layer module names]) of the model's decoder layers: the ModuleList named
     `layers` holding the most modules."""
@@ -220,7 +215,7 @@ def plan_model(model: nn.Module, specs, *, devices, budgets, kv_bytes_per_layer:
     expert_ids = {id(p) for s in specs for p in s.module.parameters()}
     layer_of = {}
     for s in specs:
-        owner = next((i for i, n in enumerate(names) if s.name.startswith(n + ".")), None)
+        owner = _layer_index(s.name, stack)
         if owner is None:
             raise ValueError(f"MoE layer {s.index} ({s.name}) is in no decoder layer of {stack}")
         layer_of[owner] = s.index
@@ -228,6 +223,7 @@ def plan_model(model: nn.Module, specs, *, devices, budgets, kv_bytes_per_layer:
     head, tail = 0, 0
     head_names, tail_names = set(), set()
     seen = set()
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}   # registration order
     tied_embed = None
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -242,19 +238,18 @@ def plan_model(model: nn.Module, specs, *, devices, budgets, kv_bytes_per_layer:
         if id(t) in expert_ids or id(t) in seen:
             continue
         seen.add(id(t))
-        m = next((i for i, n in enumerate(names) if full.startswith(n + ".")), None)
+        m = _layer_index(full, stack)
         if m is not None:
             sizes[m] += nbytes(t)
             continue
-        mod = full.rpartition(".")[0]
-        before = _comes_before(model, mod, stack)
-        is_tied = tied_embed is not None and t is tied_embed.weight
-        if before and not is_tied:
+        top = _top_module(full.rpartition(".")[0], stack)
+        before = order.get(top, len(order)) < order[stack]   # embeddings before the layers
+        if before and not (tied_embed is not None and t is tied_embed.weight):
             head += nbytes(t)
-            head_names.add(_top_module(mod, stack))
+            head_names.add(top)
         else:
             tail += nbytes(t)
-            tail_names.add(_top_module(mod, stack))
+            tail_names.add(top)
     if tied_embed is not None:                       # the tied weight's modules sit together
         for n, m in model.named_modules():
             if m is tied_embed or m is out:
@@ -277,11 +272,9 @@ def _top_module(module: str, stack: str) -> str:
     return module.split(".")[0] if module else module
 
 
-def _comes_before(model: nn.Module, module: str, stack: str) -> bool:
-    """Whether `module` is registered before the decoder layers (embeddings, rotary tables) rather
-    than after them (final norm, output head), by module registration order."""
-    order = [n for n, _ in model.named_modules()]
-    try:
-        return order.index(_top_module(module, stack)) < order.index(stack)
-    except ValueError:
-        return False
+def _layer_index(name: str, stack: str) -> int | None:
+    """i for a tensor of decoder layer `{stack}.{i}.`, else None."""
+    if not name.startswith(stack + "."):
+        return None
+    head = name[len(stack) + 1:].split(".", 1)[0]
+    return int(head) if head.isdigit() else None

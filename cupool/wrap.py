@@ -38,7 +38,7 @@ def _layer_rows(spec: MoELayerSpec, layout: RowLayout, device, chunk: int = 16):
     """uint8 [E, row_bytes] (CPU) of one layer, quantized on the GPU `chunk` experts at a time."""
     E = spec.num_experts
     out = torch.empty(E, layout.row_bytes, dtype=torch.uint8).pin_memory()
-    stacked = spec.stacked()
+    stacked, biases = spec.stacked(), spec.biases()
     for e0 in range(0, E, chunk):
         e1 = min(E, e0 + chunk)
         if stacked is not None:
@@ -46,7 +46,6 @@ def _layer_rows(spec: MoELayerSpec, layout: RowLayout, device, chunk: int = 16):
         else:
             mats = [spec.expert(e) for e in range(e0, e1)]
             g, u, d = (torch.stack([m[i] for m in mats]).to(device) for i in range(3))
-        biases = spec.biases()
         bias = None if biases is None else tuple(b[e0:e1].to(device) for b in biases)
         rows = pack_rows(layout, gpu_quantize(g, name=f"{spec.name} gate"),
                          gpu_quantize(u, name=f"{spec.name} up"),

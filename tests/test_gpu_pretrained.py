@@ -67,6 +67,40 @@ def convert(src, dst, fmt: str):
     return dst
 
 
+def assert_same_buffers(twin, model):
+    """Every buffer of `twin` (as transformers loads the directory) equals the loaded model's."""
+    mine = dict(model.named_buffers())
+    for name, buf in twin.named_buffers():
+        want = mine[name]
+        assert buf.dtype == want.dtype and torch.equal(buf.cuda(), want), name
+
+
+def assert_same_pool(loaded, twin, pool) -> torch.Tensor:
+    """The loaded pool's store rows equal the twin pool's, and so do the logits of one prompt
+    (returned)."""
+    a, b = loaded.pool.store, pool.store
+    assert (a.num_layers, a.num_experts, a.row_bytes) == (b.num_layers, b.num_experts, b.row_bytes)
+    for layer in range(a.num_layers):
+        for e in range(a.num_experts):
+            assert (a.row(layer, e) == b.row(layer, e)).all(), (layer, e)
+    ids = torch.randint(3, 60, (1, 11), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.inference_mode():
+        got = loaded.model(input_ids=ids).logits
+        assert torch.equal(got, twin(input_ids=ids).logits)
+    return got
+
+
+def assert_same_tokens(loaded, twin, pool) -> None:
+    """The engine generates the same tokens through both pools; the loaded one is clean."""
+    prompts = [[5, 9, 13], [7, 3, 21, 30, 2]]
+    params = cupool.SamplingParams(max_tokens=10)
+    got = cupool.Engine(loaded.model, loaded.pool, max_batch=2, max_len=32,
+                        eos_token_id=[]).generate(prompts, params)
+    want = cupool.Engine(twin, pool, max_batch=2, max_len=32, eos_token_id=[]).generate(prompts, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert loaded.pool.errors() == [] and loaded.pool.verify() > 0
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "modelopt", "compressed-tensors"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_from_pretrained_equals_the_model_built_in_memory(tmp_path, family, fmt):
@@ -81,9 +115,7 @@ def test_from_pretrained_equals_the_model_built_in_memory(tmp_path, family, fmt)
     # float32 rotary table to bf16; transformers' loading keeps it float32, as from_pretrained)
     from transformers import AutoModelForCausalLM
     twin = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
-    for name, buf in twin.named_buffers():
-        want = dict(loaded.model.named_buffers())[name]
-        assert buf.dtype == want.dtype and torch.equal(buf.cuda(), want), name
+    assert_same_buffers(twin, loaded.model)
     if fmt == "bf16":
         pool = cupool.wrap(twin, rows=max(K, E // 2), max_decode_tokens=2, progress=False)
     else:
@@ -99,21 +131,8 @@ def test_from_pretrained_equals_the_model_built_in_memory(tmp_path, family, fmt)
             return pack_rows(layout, *stack)
         pool = cupool.wrap(twin, rows=max(K, E // 2), max_decode_tokens=2, expert_rows=rows,
                            progress=False)
-    a, b = loaded.pool.store, pool.store
-    assert (a.num_layers, a.num_experts, a.row_bytes) == (b.num_layers, b.num_experts, b.row_bytes)
-    for layer in range(a.num_layers):
-        for e in range(a.num_experts):
-            assert (a.row(layer, e) == b.row(layer, e)).all(), (layer, e)
-    ids = torch.randint(3, 60, (1, 11), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    with torch.inference_mode():
-        assert torch.equal(loaded.model(input_ids=ids).logits, twin(input_ids=ids).logits)
-    prompts = [[5, 9, 13], [7, 3, 21, 30, 2]]
-    params = cupool.SamplingParams(max_tokens=10)
-    got = cupool.Engine(loaded.model, loaded.pool, max_batch=2, max_len=32,
-                        eos_token_id=[]).generate(prompts, params)
-    want = cupool.Engine(twin, pool, max_batch=2, max_len=32, eos_token_id=[]).generate(prompts, params)
-    assert [r.output_ids for r in got] == [r.output_ids for r in want]
-    assert loaded.pool.errors() == [] and loaded.pool.verify() > 0
+    assert_same_pool(loaded, twin, pool)
+    assert_same_tokens(loaded, twin, pool)
 
 
 def test_a_budget_too_small_fails_before_the_store_is_filled(tmp_path):
@@ -156,9 +175,7 @@ def test_from_pretrained_gpt_oss_mxfp4(tmp_path):
     layout = loaded.pool.layout
     assert layout.bias and loaded.pool.gemm.activation.kind == "swiglu_clamp"
     twin = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
-    for name, buf in twin.named_buffers():
-        want = dict(loaded.model.named_buffers())[name]
-        assert buf.dtype == want.dtype and torch.equal(buf.cuda(), want), name
+    assert_same_buffers(twin, loaded.model)
     ckpt = cupool.open_checkpoint(d)
 
     def expert_rows(layer):
@@ -170,15 +187,8 @@ def test_from_pretrained_gpt_oss_mxfp4(tmp_path):
         assert ckpt.conversion.lossy == [] and ckpt.conversion.blocks > 0
     finally:
         ckpt.close()
-    a, b = loaded.pool.store, pool.store
-    assert (a.num_layers, a.num_experts, a.row_bytes) == (b.num_layers, b.num_experts, b.row_bytes)
-    for layer in range(a.num_layers):
-        for e in range(a.num_experts):
-            assert (a.row(layer, e) == b.row(layer, e)).all(), (layer, e)
+    got = assert_same_pool(loaded, twin, pool)
     ids = torch.randint(3, 60, (1, 11), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    with torch.inference_mode():
-        got = loaded.model(input_ids=ids).logits
-        assert torch.equal(got, twin(input_ids=ids).logits)
     # transformers' own experts on the dequantized weights: NVFP4 holds them exactly, so what
     # differs is the GEMM's rounding (test_gpu_wrap's tolerance)
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).cuda().eval()
@@ -186,11 +196,4 @@ def test_from_pretrained_gpt_oss_mxfp4(tmp_path):
     with torch.inference_mode():
         want = ref(input_ids=ids).logits
     assert rel(got, want) <= LOGIT_TOL, rel(got, want)
-    prompts = [[5, 9, 13], [7, 3, 21, 30, 2]]
-    params = cupool.SamplingParams(max_tokens=10)
-    got_t = cupool.Engine(loaded.model, loaded.pool, max_batch=2, max_len=32,
-                          eos_token_id=[]).generate(prompts, params)
-    want_t = cupool.Engine(twin, pool, max_batch=2, max_len=32,
-                           eos_token_id=[]).generate(prompts, params)
-    assert [r.output_ids for r in got_t] == [r.output_ids for r in want_t]
-    assert loaded.pool.errors() == [] and loaded.pool.verify() > 0
+    assert_same_tokens(loaded, twin, pool)

@@ -281,6 +281,14 @@ def split_gate_up(t: torch.Tensor, interleaved: bool, dim: int = 1):
     return t.narrow(dim, 0, n2 // 2), t.narrow(dim, n2 // 2, n2 // 2)
 
 
+def join_gate_up(gate: torch.Tensor, up: torch.Tensor, interleaved: bool,
+                 dim: int = 1) -> torch.Tensor:
+    """Inverse of `split_gate_up`: the fused stack (a new tensor) whose dim `dim` is 2I long."""
+    if interleaved:
+        return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+    return torch.cat([gate, up], dim=dim)
+
+
 def gate_up_rows(interleaved: bool, I: int) -> tuple[str, str]:
     """How the gate and up halves of a fused gate_up are named in messages."""
     if interleaved:

@@ -229,11 +229,16 @@ class ReferencePlanner:
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
         self.policy = policy
         self.freq = np.zeros(self.num_rows, dtype=np.float64)      # lfru: decayed use counts
-        self.protected = np.zeros(self.num_rows, dtype=bool)       # prefetch protection
-        self.protected_for = np.full(self.num_rows, -1, dtype=np.int64)   # the layer it waits for
+        self.protected_for = np.full(self.num_rows, -1, dtype=np.int64)   # prefetch: the layer
+                                                                           # a row waits for, or -1
         self.prefetched = np.zeros(self.num_rows, dtype=bool)      # copied by a prefetch, unused
         self.prefetch_counters = np.zeros((self.num_layers, len(PREFETCH_COUNTERS)),
                                           dtype=np.int64)
+
+    @property
+    def protected(self) -> np.ndarray:
+        """bool [R]: rows a prefetch protects (never victims) until used or their step ends."""
+        return self.protected_for >= 0
 
     def open(self) -> None:
         self.gate = True
@@ -294,7 +299,7 @@ class ReferencePlanner:
                 if self.prefetched[r]:
                     self.prefetch_counters[layer, 1] += 1
                     self.prefetched[r] = False
-                self.protected[r] = False
+                self.protected_for[r] = -1
         # 4. misses
         copies = []
         promotions = steals = staged = 0
@@ -330,7 +335,6 @@ class ReferencePlanner:
             mine = self.protected_for == layer
             self.prefetch_counters[layer, 2] += int((mine & self.prefetched).sum())
             self.prefetched[mine] = False
-            self.protected[mine] = False
             self.protected_for[mine] = -1
         return routes, copies
 
@@ -350,7 +354,6 @@ class ReferencePlanner:
         for k in keys:                            # what is already there stays until used
             r = int(self.slot_of[k])
             if r >= 0:
-                self.protected[r] = True
                 self.protected_for[r] = layer
         copies = []
         for k in keys:
@@ -366,7 +369,6 @@ class ReferencePlanner:
             self.key_of[victim] = k
             self.freq[victim] = 0.0
             self._use(victim)
-            self.protected[victim] = True
             self.protected_for[victim] = layer
             self.prefetched[victim] = True
             copies.append((k, victim))
