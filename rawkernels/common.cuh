@@ -30,6 +30,16 @@ CUPOOL_DEVICE void st16(void* p, u32x4 v) {
                  :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// bf16 <-> float32: a bf16 is the high half of a float32 (exact); rounding to bf16 is to nearest
+// even, as torch rounds.
+CUPOOL_DEVICE float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }
+
+CUPOOL_DEVICE u16 f32_to_bf16(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
 CUPOOL_DEVICE float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

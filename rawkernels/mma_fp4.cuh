@@ -125,14 +125,6 @@ CUPOOL_DEVICE float nan_max(float a, float b) {
     return (a != a || b != b) ? __int_as_float(0x7fffffff) : fmaxf(a, b);
 }
 
-CUPOOL_DEVICE float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }
-
-CUPOOL_DEVICE u16 f32_to_bf16(float f) {
-    u16 h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
 // Power-of-two scale that brings a row whose largest magnitude is `amax` to [2^13, 2^14) in
 // fp16 (exact for bf16 values within 2^27 of the row's largest). 1 for zero, Inf or NaN rows,
 // so non-finite values pass through and show up in the output.
