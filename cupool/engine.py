@@ -136,14 +136,19 @@ class Engine:
         prefill_chunk: prompt tokens run in one forward (default: 2048, at most the pool's
             max_prefill_tokens): bounds the activations and the mask of a long prompt.
         graph: capture the decode step in a CUDA graph (default: on a CUDA device).
-        compile: run the decode step through torch.compile before capturing it.
+        fused: run the decode step with cupool's fused kernels (`cupool.fused.FusedStep`: a few
+            launches a layer; layers that do not fit its pattern run transformers' modules).
+            None (default): where the model fits, on a CUDA device with a pool; True: required
+            (ValueError naming why not); False: the model's own forward.
+        compile: run the model's own decode step through torch.compile before capturing it (when
+            the fused step is not used).
         eos_token_id: ids that end a generation (default: generation_config's and the
             tokenizer's).
     """
 
     def __init__(self, model, pool=None, *, tokenizer=None, max_batch: int = 8,
                  max_len: int = 4096, prefill_chunk: int | None = None, graph: bool | None = None,
-                 compile: bool = False, eos_token_id=None):
+                 fused: bool | None = None, compile: bool = False, eos_token_id=None):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         try:
             param = next(model.parameters())
@@ -194,7 +199,11 @@ class Engine:
         self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(B, dtype=torch.int64, device=dev)
         self.steps = torch.zeros(B, dtype=torch.int64, device=dev)
-        self._forward = torch.compile(model, dynamic=False) if compile else model
+        self._fused = self._fused_step(fused)
+        self._forward = torch.compile(model, dynamic=False) if compile and self._fused is None \
+            else model
+        self.step_kind = (self._fused.describe() if self._fused is not None else
+                          ("compiled " if compile else "") + ("graph" if self.graph else "eager"))
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._slots: list[Request | None] = [None] * B
@@ -246,6 +255,29 @@ class Engine:
         if types == {"full_attention"}:
             return None
         return int(window) if use else None
+
+    def _fused_step(self, want: bool | None):
+        """The FusedStep of this engine, or None (want None: where the model fits)."""
+        if want is False:
+            return None
+        from cupool.fused import FusedStep, Unsupported
+        why = None
+        if not self.graph or self.pool is None:
+            why = ("the fused step runs inside the captured graph (graph=True, a CUDA device)"
+                   if not self.graph else "the fused step runs pooled models")
+        else:
+            types = getattr(self.model.config, "layer_types", None)
+            n = len(self.cache.keys)
+            windows = [self._window.get(types[i]) if isinstance(self._window, dict)
+                       else self._window for i in range(n)]
+            try:
+                return FusedStep(self.model, self.pool, self.cache, self.max_batch, windows)
+            except Unsupported as e:
+                why = str(e)
+        if want:
+            raise ValueError(f"fused=True, but {why}")
+        log.info("cupool: the decode step runs the model's forward: %s", why)
+        return None
 
     def _masks(self, make):
         """make(window) for the model's one window, or a dict of them by layer type."""
@@ -444,10 +476,18 @@ class Engine:
     def _step(self, greedy_only: bool) -> None:
         """One decode step of every slot, device-only (what the graph captures)."""
         self.cache.decode_mode()
-        mask = self._masks(lambda w: self.cache.decode_mask(self.dtype, w, self._mask_bool))
-        out = self._forward(input_ids=self.tok, position_ids=self.cache.pos[:, None],
-                            **self._fwd_kwargs(mask))
-        nxt = sample(out.logits[:, -1, :], self.temperature, self.top_k, self.top_p,
+        fused = self._fused
+        if fused is None or fused.needs_mask:
+            mask = self._masks(lambda w: self.cache.decode_mask(self.dtype, w, self._mask_bool))
+        else:
+            mask = None
+        if fused is not None:
+            logits = fused(self.tok, self.cache.pos, self.active, mask)
+        else:
+            out = self._forward(input_ids=self.tok, position_ids=self.cache.pos[:, None],
+                                **self._fwd_kwargs(mask))
+            logits = out.logits[:, -1, :]
+        nxt = sample(logits, self.temperature, self.top_k, self.top_p,
                      self.seeds, self.steps, greedy_only)
         act = self.active
         self.tok[:, 0] = torch.where(act, nxt, self.tok[:, 0])
@@ -630,5 +670,5 @@ class Engine:
             self.pool.bank.reset_stats()
 
     def __repr__(self) -> str:
-        return (f"Engine(B={self.max_batch}, max_len={self.max_len}, graph={self.graph}, "
+        return (f"Engine(B={self.max_batch}, max_len={self.max_len}, step={self.step_kind}, "
                 f"{'pool' if self.pool is not None else 'no pool'}, {self.device})")

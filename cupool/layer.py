@@ -44,29 +44,40 @@ class PooledExperts:
         if ids.shape[1] != p.top_k:
             raise ValueError(f"layer {self.layer}: top_k_index has K={ids.shape[1]}, the pool "
                              f"was built for top-{p.top_k}")
-        if p.routing_hook is not None:
-            ids = p.routing_hook(self.layer, ids)
         if x.shape[0] * p.top_k <= p.bank.max_lanes:
-            out = self._decode(x, ids, w)
+            out = self.decode(x, ids, w)
         else:
+            if p.routing_hook is not None:
+                ids = p.routing_hook(self.layer, ids)
             out = self._prefill(x, ids, w)
         return out.reshape(hidden_states.shape)
 
-    def _decode(self, x, ids, w):
+    def decode(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+               out: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+               ids_masked: bool = False) -> torch.Tensor:
+        """The decode path for routing chosen elsewhere (the model's router, or the fused decode
+        step's): the routing hook, the token mask (`mask`, else the pool's token_mask: inactive
+        tokens' lanes become padding; `ids_masked`: the router did that already, so only ids a
+        routing hook replaced are masked), plan step, row copies, decode GEMM into `out` (or a
+        new tensor). x [T, H], ids [T, K], w [T, K]; W = T·K at most the bank's lanes."""
         p = self.pool
-        mask = p.token_mask
-        if mask is not None:
+        hooked = p.routing_hook is not None
+        if hooked:
+            ids = p.routing_hook(self.layer, ids)
+        mask = p.token_mask if mask is None else mask
+        if mask is not None and (hooked or not ids_masked):
             if mask.shape != (x.shape[0],):
-                raise ValueError(f"layer {self.layer}: the pool's token_mask has shape "
+                raise ValueError(f"layer {self.layer}: the token mask has shape "
                                  f"{list(mask.shape)}, the decode call {x.shape[0]} tokens")
             ids = ids.masked_fill(~mask[:, None], -1)          # inactive tokens: padding lanes
         if p.decode_backend is not None:
-            return p.decode_backend(self.layer, x, ids, w)
+            y = p.decode_backend(self.layer, x, ids, w)
+            return y if out is None else out.copy_(y)
         if p.overlap_copies:
             _, lane_addr, fresh, join = p.bank.step_split(self.layer, ids)
-            return p.gemm.decode(x, lane_addr, w, lane_fresh=fresh, before_fresh=join)
+            return p.gemm.decode(x, lane_addr, w, out, lane_fresh=fresh, before_fresh=join)
         _, lane_addr = p.bank.step(self.layer, ids)
-        return p.gemm.decode(x, lane_addr, w)
+        return p.gemm.decode(x, lane_addr, w, out)
 
     def _prefill(self, x, ids, w):
         p = self.pool

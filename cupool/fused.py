@@ -1,0 +1,435 @@
+"""`FusedStep`: the decode step of a transformers MoE decoder run by cupool's own kernels, a few
+launches a layer, for the engine to capture in its CUDA graph.
+
+Shape legend (ARCHITECTURE.md): B tokens of the step (one a slot) · H hidden · V vocabulary ·
+E experts · K top-k · nh / hk query / KV heads · D head dim · L_max positions a slot holds.
+
+A decoder layer of the common pattern — RMSNorm → attention (q/k/v/o projections with or without
+biases, q/k RMSNorm over the head dim or none, rotary embedding, grouped-query, full or sliding
+window) → residual → RMSNorm → softmax top-k router → pooled experts → residual — runs as:
+
+    dense_gemv (norm)   h = h_mid + moe of the layer before; x = rmsnorm(h); qkv = x·Wqkv (+ b)
+    dense_attention     q/k norm, rotary, k and v into the slot cache at pos, split-KV attention
+    dense_gemv (resid)  h_mid = h + attn·Wo (+ b)
+    dense_gemv (route)  xn = rmsnorm(h_mid); logits = xn·Wr; softmax top-k → ids, weights
+    plan, row copies, moe_decode    the pool's decode path on (xn, ids, weights) → moe
+
+seven launches a layer (the last three are the pool's), then one dense_gemv (norm) for the final
+norm and the output head. The residual stream is never materialised between a layer's MoE and the
+next layer: the next QKV GEMV adds it in its prologue. A layer that does not match the pattern (a
+dense MLP, a shared expert, another attention) runs transformers' own module on the same cache,
+with the mask and rotary embedding the engine would pass. Which layers matched and why the others
+did not is in `FusedStep.layers` / `describe()`.
+
+What is checked before any kernel runs: the model's structure (embedding, final norm, output head,
+rotary module of the default kind), each norm by a probe (it must compute transformers' RMSNorm
+exactly), each router by a probe against `cupool.reference.dense.route_topk` (softmax top-k, with or
+without renormalisation, weights in the dtype it returns), bf16 weights on the pool's device.
+A model that does not fit raises `Unsupported` with the reason; the engine then runs the model's
+own forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+
+import torch
+from torch import nn
+
+from cupool.ops.dense_attention import (
+    HEAD_DIMS,
+    AttentionWorkspace,
+    DecodeAttention,
+    parts,
+)
+from cupool.ops.dense_gemv import PLAIN, RESIDUAL, ROUTE, DenseGemv, RouteOut
+from cupool.reference.dense import (
+    AttentionReference,
+    GemvReference,
+    rms_norm,
+    route_topk,
+)
+
+log = logging.getLogger("cupool")
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_MOE_CHILDREN = {"gate", "experts"}
+# attention modules with these attributes compute something else than the pattern (latent
+# attention, logit soft-capping, gated outputs, sinks)
+_ATTN_REFUSE = ("q_a_proj", "kv_a_proj_with_mqa", "attn_logit_softcapping", "sinks", "gate_proj")
+
+
+class Unsupported(ValueError):
+    """The model (or a layer of it) is not one the fused step runs; the message says why."""
+
+
+def _eps(norm: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        v = getattr(norm, name, None)
+        if isinstance(v, float):
+            return v
+    raise Unsupported(f"{type(norm).__name__} has no epsilon attribute (variance_epsilon or eps)")
+
+
+def check_rms_norm(norm: nn.Module, what: str, size: int) -> float:
+    """The norm's epsilon, after a probe shows it computes transformers' RMSNorm (weight · x̂)
+    exactly on a random input; Unsupported otherwise."""
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.shape != (size,):
+        raise Unsupported(f"{what} ({type(norm).__name__}) has no weight [{size}]")
+    if getattr(norm, "bias", None) is not None:
+        raise Unsupported(f"{what} ({type(norm).__name__}) has a bias")
+    eps = _eps(norm)
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    x = torch.randn(3, size, generator=gen, device=w.device).to(w.dtype) * 3
+    with torch.no_grad():
+        got = norm(x)
+    if not torch.equal(got, rms_norm(x, w, eps)):
+        raise Unsupported(f"{what} ({type(norm).__name__}) does not compute transformers' "
+                          f"RMSNorm weight · x / rms(x) (a probe differs)")
+    return eps
+
+
+def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: int):
+    """(norm_topk, weight dtype) of a softmax top-k router, found by a probe; Unsupported for
+    any other router."""
+    w = getattr(gate, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.shape != (experts, hidden):
+        raise Unsupported(f"{what} ({type(gate).__name__}) has no weight [{experts}, {hidden}]")
+    if getattr(gate, "bias", None) is not None or hasattr(gate, "e_score_correction_bias"):
+        raise Unsupported(f"{what} ({type(gate).__name__}) has a bias: not a plain softmax router")
+    gen = torch.Generator(device=w.device).manual_seed(1)
+    x = torch.randn(5, hidden, generator=gen, device=w.device).to(w.dtype)
+    with torch.no_grad():
+        got = gate(x)
+    if not (isinstance(got, tuple) and len(got) == 3):
+        raise Unsupported(f"{what} ({type(gate).__name__}) does not return (logits, weights, ids)")
+    logits, weights, ids = got
+    if ids.shape != (5, top_k):
+        raise Unsupported(f"{what} routes to {tuple(ids.shape)[-1]} experts, the pool to {top_k}")
+    for norm_topk in (True, False):
+        want_ids, want_w = route_topk(logits, top_k, norm_topk, weights.dtype)
+        same_ids = torch.equal(torch.sort(want_ids.long(), -1).values, torch.sort(ids.long(), -1).values)
+        order = torch.argsort(ids.long(), -1)
+        mine = torch.argsort(want_ids.long(), -1)
+        if same_ids and torch.allclose(want_w.gather(1, mine).float(),
+                                       weights.gather(1, order).float(), rtol=1e-2, atol=1e-6):
+            return norm_topk, weights.dtype
+    raise Unsupported(f"{what} ({type(gate).__name__}) is not a softmax top-k router (a probe "
+                      f"differs from softmax → top-k with and without renormalisation)")
+
+
+class _ModelExperts:
+    """A MoE layer's experts computed by the model's own experts module (the reference backend
+    without a pool): `PooledExperts.decode`'s interface."""
+
+    def __init__(self, module: nn.Module, num_experts: int):
+        self.module, self.num_experts = module, num_experts
+
+    def decode(self, x, ids, w, out=None, *, mask=None, ids_masked=False):
+        ids = ids.to(torch.int64)
+        if mask is not None:
+            ids = ids.masked_fill(~mask.to(torch.bool)[:, None], -1)
+        # transformers' experts modules skip the id E (not −1) as padding
+        y = self.module(x, ids.masked_fill(ids < 0, self.num_experts), w)
+        return y if out is None else out.copy_(y)
+
+
+@dataclasses.dataclass
+class FusedLayer:
+    """A decoder layer run by cupool's kernels."""
+    index: int
+    qkv: DenseGemv
+    attn: DecodeAttention | dict    # the launcher (its arguments while the model is matched)
+    o: DenseGemv
+    router: DenseGemv
+    top_k: int
+    norm_topk: bool
+    in_norm: torch.Tensor
+    in_eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    pooled: object              # cupool.layer.PooledExperts (or _ModelExperts)
+
+
+@dataclasses.dataclass
+class ModelLayer:
+    """A decoder layer run by transformers' own module (`reason`: why it did not match)."""
+    index: int
+    module: nn.Module
+    layer_type: str | None
+    reason: str
+    cache_kw: str = "past_key_values"   # the keyword its forward takes the cache under
+
+
+def _cache_keyword(module: nn.Module) -> str:
+    """`cache` where the module's forward takes it (transformers >= 5.24), else
+    `past_key_values`."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _linear(m, name: str, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    lin = getattr(m, name, None)
+    if not isinstance(lin, nn.Linear):
+        raise Unsupported(f"{where}.{name} is not an nn.Linear")
+    return lin.weight, lin.bias
+
+
+class FusedStep:
+    """See the module docstring.
+
+    Args:
+        model: a transformers causal LM (bf16, on the pool's CUDA device) wrapped by `pool`.
+        pool: its `cupool.Pool` (with backend="reference" also None: the model's own experts
+            modules then compute the MoE).
+        cache: the engine's `SlotCache` (its layers' buffers are read at each call: they exist
+            once a prefill has run).
+        tokens: B, the slots of the step.
+        windows: the attention window of each layer (None: full attention).
+        backend: "kernels" (cupool's kernels, CUDA) or "reference" (`cupool.reference.dense` in
+            torch ops on any device: the same matching and data flow, for tests).
+    """
+
+    def __init__(self, model, pool, cache, tokens: int, windows: list[int | None], *,
+                 backend: str = "kernels"):
+        if backend not in ("kernels", "reference"):
+            raise ValueError(f"backend must be 'kernels' or 'reference', got {backend!r}")
+        self.backend = backend
+        if backend == "kernels":
+            if pool is None:
+                raise Unsupported("the fused step runs pooled models (cupool.wrap / "
+                                  "from_pretrained)")
+            if pool.device.type != "cuda":
+                raise Unsupported(f"the fused step runs on a CUDA device, the pool is on "
+                                  f"{pool.device}")
+        self._gemv = DenseGemv if backend == "kernels" else GemvReference
+        self._attention = DecodeAttention if backend == "kernels" else AttentionReference
+        base = getattr(model, "model", None)
+        for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+            if not hasattr(base, name):
+                raise Unsupported(f"the model has no model.{name} (not a decoder of the common "
+                                  f"layout)")
+        head = getattr(model, "lm_head", None)
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            raise Unsupported("the model's lm_head is not an nn.Linear without bias")
+        embed = base.embed_tokens
+        dev = pool.device if pool is not None else embed.weight.device
+        if type(embed) is not nn.Embedding:
+            raise Unsupported(f"model.embed_tokens is a {type(embed).__name__}, not a plain "
+                              f"nn.Embedding (scaled embeddings are not fused)")
+        cfg = model.config
+        if embed.weight.dtype != torch.bfloat16:
+            raise Unsupported(f"the fused step runs bf16 models, this one is {embed.weight.dtype}")
+        if embed.weight.device != dev:
+            raise Unsupported(f"the model is on {embed.weight.device}, the pool on {dev}")
+        for name in ("final_logit_softcapping", "logits_scaling", "embedding_multiplier"):
+            if getattr(cfg, name, None) not in (None, 1, 1.0):
+                raise Unsupported(f"config.{name} = {getattr(cfg, name)} is not fused")
+        rope = base.rotary_emb
+        kind = str(getattr(rope, "rope_type", "default"))
+        if "dynamic" in kind or "longrope" in kind:
+            raise Unsupported(f"rotary embedding of kind {kind!r} changes with the length")
+        H = embed.weight.shape[1]
+        self.model, self.pool, self.cache, self.device = model, pool, cache, dev
+        self.tokens, self.hidden = int(tokens), H
+        self.final_eps = check_rms_norm(base.norm, "model.norm", H)
+        self.final_norm = base.norm.weight
+        self.embed = embed.weight
+        self.head = self._gemv([head.weight], tokens=tokens, norm=True, epilogue=PLAIN)
+        self.vocab = head.weight.shape[0]
+        by_parent = {} if pool is None else {id(s.parent): s.index for s in pool.specs}
+        layer_types = getattr(cfg, "layer_types", None)
+        self.layers: list[FusedLayer | ModelLayer] = []
+        self._attn_shape = None
+        for i, layer in enumerate(base.layers):
+            lt = layer_types[i] if layer_types else None
+            try:
+                self.layers.append(self._fuse(i, layer, lt, windows[i], by_parent))
+            except Unsupported as e:
+                self.layers.append(ModelLayer(i, layer, lt, str(e), _cache_keyword(layer)))
+        if not any(isinstance(l, FusedLayer) for l in self.layers):
+            reasons = sorted({l.reason for l in self.layers})
+            raise Unsupported("no decoder layer matches the fused pattern: " + "; ".join(reasons[:3]))
+        B = self.tokens
+        bf = torch.bfloat16
+        nh, hk, D = self._attn_shape
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count \
+            if dev.type == "cuda" else 1
+        self.workspace = AttentionWorkspace(B, nh, hk, D, parts(B, hk, cache.max_len, sms), dev)
+        for l in self.layers:
+            if isinstance(l, FusedLayer):
+                l.attn = self._attention(nh, hk, D, workspace=self.workspace, **l.attn)
+        self.h = torch.empty(B, H, dtype=bf, device=dev)
+        self.h_mid = torch.empty(B, H, dtype=bf, device=dev)
+        self.xn = torch.empty(B, H, dtype=bf, device=dev)
+        self.moe = torch.empty(B, H, dtype=bf, device=dev)
+        self.qkv = torch.empty(B, (nh + 2 * hk) * D, dtype=bf, device=dev)
+        self.attn = torch.empty(B, nh * D, dtype=bf, device=dev)
+        self.logits = torch.empty(B, self.vocab, dtype=bf, device=dev)
+        self.route = RouteOut.allocate(B, self._experts, self._top_k, self._w_dtype, dev)
+        with torch.no_grad():
+            L = cache.max_len
+            probe = torch.zeros(1, 1, H, dtype=bf, device=dev)
+            cos, sin = rope(probe, torch.arange(L, device=dev)[None])
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        if self.cos.shape != (L, D):
+            raise Unsupported(f"the rotary embedding covers {self.cos.shape[-1]} of the head's "
+                              f"{D} dims (partial rotary is not fused)")
+
+    # --- matching ---------------------------------------------------------------------------
+    def _fuse(self, i: int, layer: nn.Module, layer_type, window, by_parent) -> FusedLayer:
+        where = f"model.layers.{i}"
+        children = {n for n, _ in layer.named_children()}
+        if children != _LAYER_CHILDREN:
+            raise Unsupported(f"{where} has modules {sorted(children)}, not "
+                              f"{sorted(_LAYER_CHILDREN)}")
+        if layer_type is not None and layer_type not in ATTENTION_TYPES:
+            raise Unsupported(f"{where} is a {layer_type} layer")
+        H = self.hidden
+        attn = layer.self_attn
+        for name in _ATTN_REFUSE:
+            if getattr(attn, name, None) is not None:
+                raise Unsupported(f"{where}.self_attn has {name}")
+        mlp = layer.mlp
+        moe_children = {n for n, _ in mlp.named_children()}
+        if moe_children != _MOE_CHILDREN:
+            raise Unsupported(f"{where}.mlp has modules {sorted(moe_children)}, not a MoE block "
+                              f"of {sorted(_MOE_CHILDREN)} (dense MLPs and shared experts are not "
+                              f"fused)")
+        pool = self.pool
+        if pool is not None:
+            spec = by_parent.get(id(mlp))
+            if spec is None:
+                raise Unsupported(f"{where}.mlp is not one of the pool's MoE layers")
+            experts, top_k, moe = pool.num_experts, pool.top_k, pool.layers[spec]
+        else:
+            gw = getattr(mlp.gate, "weight", None)
+            experts = gw.shape[0] if isinstance(gw, torch.Tensor) else -1
+            top_k = int(getattr(mlp.gate, "top_k", 0))
+            moe = _ModelExperts(mlp.experts, experts)
+        if (getattr(self, "_experts", experts), getattr(self, "_top_k", top_k)) != (experts, top_k):
+            raise Unsupported(f"{where}.mlp has {experts} experts, top-{top_k}; other layers "
+                              f"{self._experts}, top-{self._top_k}")
+        D = getattr(attn, "head_dim", None)
+        wq, bq = _linear(attn, "q_proj", f"{where}.self_attn")
+        wk, bk = _linear(attn, "k_proj", f"{where}.self_attn")
+        wv, bv = _linear(attn, "v_proj", f"{where}.self_attn")
+        wo, bo = _linear(attn, "o_proj", f"{where}.self_attn")
+        if not isinstance(D, int) or wq.shape[0] % D or wk.shape[0] % D or wk.shape != wv.shape:
+            raise Unsupported(f"{where}.self_attn: head_dim {D!r} does not divide the projections "
+                              f"{list(wq.shape)}, {list(wk.shape)}, {list(wv.shape)}")
+        nh, hk = wq.shape[0] // D, wk.shape[0] // D
+        if wq.shape[1] != H or wo.shape != (H, nh * D):
+            raise Unsupported(f"{where}.self_attn: projections {list(wq.shape)} / "
+                              f"{list(wo.shape)} do not fit hidden {H} with {nh} heads of {D}")
+        if D not in HEAD_DIMS or (nh // max(hk, 1)) * D > 64 * 32:
+            raise Unsupported(f"{where}.self_attn: {nh} heads of {D} dims over {hk} KV heads is "
+                              f"not a shape the attention kernel is built for (head dims "
+                              f"{HEAD_DIMS}, query heads a KV head · D <= 2048)")
+        groups = getattr(attn, "num_key_value_groups", nh // hk)
+        if nh % hk or groups != nh // hk:
+            raise Unsupported(f"{where}.self_attn: {nh} query heads over {hk} KV heads")
+        if self._attn_shape not in (None, (nh, hk, D)):
+            raise Unsupported(f"{where}.self_attn has (heads, kv heads, head dim) {(nh, hk, D)}, "
+                              f"other layers {self._attn_shape}")
+        qn = getattr(attn, "q_norm", None)
+        kn = getattr(attn, "k_norm", None)
+        if (qn is None) != (kn is None):
+            raise Unsupported(f"{where}.self_attn has only one of q_norm / k_norm")
+        eps_qk = 1e-6
+        if qn is not None:
+            eps_qk = check_rms_norm(qn, f"{where}.self_attn.q_norm", D)
+            if check_rms_norm(kn, f"{where}.self_attn.k_norm", D) != eps_qk:
+                raise Unsupported(f"{where}.self_attn: q_norm and k_norm differ in epsilon")
+        scale = getattr(attn, "scaling", None)
+        if not isinstance(scale, float):
+            raise Unsupported(f"{where}.self_attn has no float `scaling`")
+        in_eps = check_rms_norm(layer.input_layernorm, f"{where}.input_layernorm", H)
+        post_eps = check_rms_norm(layer.post_attention_layernorm,
+                                  f"{where}.post_attention_layernorm", H)
+        norm_topk, w_dtype = check_router(mlp.gate, f"{where}.mlp.gate", experts, H, top_k)
+        if getattr(self, "_w_dtype", w_dtype) != w_dtype:
+            raise Unsupported(f"{where}.mlp.gate returns {w_dtype} weights, other layers "
+                              f"{self._w_dtype}")
+        B = self.tokens
+        try:
+            qkv = self._gemv([wq, wk, wv], None if bq is None else [bq, bk, bv], tokens=B,
+                             norm=True, epilogue=PLAIN)
+            o = self._gemv([wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL)
+            router = self._gemv([mlp.gate.weight], tokens=B, norm=True, epilogue=ROUTE)
+            # the attention launcher is made once every layer is matched (they share a workspace
+            # of the heads' shape)
+            att = {"q_norm": None if qn is None else qn.weight,
+                       "k_norm": None if kn is None else kn.weight, "eps": eps_qk, "scale": scale,
+                       "window": int(window or 0)}
+        except (ValueError, TypeError) as e:
+            raise Unsupported(f"{where}: {e}") from None
+        self._attn_shape = (nh, hk, D)
+        self._w_dtype, self._experts, self._top_k = w_dtype, experts, top_k
+        return FusedLayer(i, qkv, att, o, router, top_k, norm_topk,
+                          layer.input_layernorm.weight, in_eps,
+                          layer.post_attention_layernorm.weight, post_eps, moe)
+
+    def describe(self) -> str:
+        """One line: how many layers are fused, and why the others are not."""
+        fused = sum(isinstance(l, FusedLayer) for l in self.layers)
+        text = f"fused decode step: {fused} of {len(self.layers)} layers"
+        others = [l for l in self.layers if isinstance(l, ModelLayer)]
+        if others:
+            text += f"; transformers' modules for layers {[l.index for l in others]} ({others[0].reason})"
+        return text
+
+    @property
+    def needs_mask(self) -> bool:
+        """Whether some layer runs transformers' module (it takes the engine's masks)."""
+        return any(isinstance(l, ModelLayer) for l in self.layers)
+
+    # --- the step ---------------------------------------------------------------------------
+    def __call__(self, tok: torch.Tensor, pos: torch.Tensor, active: torch.Tensor,
+                 masks=None) -> torch.Tensor:
+        """Logits [B, V] (bf16) of tokens tok [B, 1] at positions pos [B] (int64), the cache
+        taking their keys and values; active [B] bool marks the real tokens (the others' lanes
+        are padding). masks: the attention mask(s) transformers' modules take (only for layers
+        that run them). Device work only: capturable."""
+        B = self.tokens
+        if tok.shape != (B, 1) or pos.shape != (B,) or active.shape != (B,):
+            raise ValueError(f"tok, pos, active must be [{B}, 1], [{B}], [{B}]; got "
+                             f"{list(tok.shape)}, {list(pos.shape)}, {list(active.shape)}")
+        x = nn.functional.embedding(tok[:, 0], self.embed)             # [B, H]
+        res, add = x, None            # the residual stream is res (+ add, when add is not None)
+        cache = self.cache
+        for layer in self.layers:
+            if isinstance(layer, ModelLayer):
+                h = res if add is None else res + add
+                mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
+                cos = self.cos.index_select(0, pos)[:, None]
+                sin = self.sin.index_select(0, pos)[:, None]
+                out = layer.module(h[:, None], attention_mask=mask, position_ids=pos[:, None],
+                                   position_embeddings=(cos, sin), use_cache=True,
+                                   **{layer.cache_kw: cache})
+                out = out[0] if isinstance(out, tuple) else out
+                res, add = out[:, 0].contiguous(), None
+                continue
+            k_cache, v_cache = cache.keys[layer.index], cache.values[layer.index]
+            if k_cache is None:
+                raise RuntimeError(f"layer {layer.index}'s KV cache is not allocated yet: run a "
+                                   f"prefill through the cache before the first decode step")
+            h = self.h if add is not None else res
+            layer.qkv(res, add=add, norm_weight=layer.in_norm, eps=layer.in_eps,
+                      h_out=self.h if add is not None else None, out=self.qkv)
+            layer.attn(self.qkv, pos, k_cache, v_cache, self.cos, self.sin, self.attn)
+            layer.o(self.attn, residual=h, out=self.h_mid)
+            r = self.route
+            layer.router(self.h_mid, norm_weight=layer.post_norm, eps=layer.post_eps,
+                         x_out=self.xn, route=r, top_k=layer.top_k, norm_topk=layer.norm_topk,
+                         active=active)
+            layer.pooled.decode(self.xn, r.ids, r.weights, self.moe, mask=active, ids_masked=True)
+            res, add = self.h_mid, self.moe
+        self.head(res, add=add, norm_weight=self.final_norm, eps=self.final_eps, out=self.logits)
+        return self.logits

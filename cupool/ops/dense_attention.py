@@ -1,0 +1,139 @@
+"""Launcher of `rawkernels/dense_attention.cu`: a decode step's attention over the slot cache,
+with q/k norm, rotary embedding, the cache write, sliding window, sinks and the split-KV merge.
+
+Shape legend (ARCHITECTURE.md): B tokens of the step (one a slot) · nh query heads · hk KV heads ·
+G = nh / hk · D head dim · L_max positions a slot holds · NS parts a (slot, KV head)'s positions
+are split into.
+
+The reference is `cupool.reference.dense.attention_decode`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cupool import kernels
+
+THREADS = 128                   # the kernel's block
+MINCHUNK = 64                   # fewest positions a part (the kernel's MINCHUNK)
+HEAD_DIMS = (64, 128, 192, 256)
+
+
+def parts(tokens: int, kv_heads: int, max_len: int, sm_count: int) -> int:
+    """NS: enough blocks for two a streaming multiprocessor at the longest context, but no more
+    parts than max_len has MINCHUNK-position pieces (the kernel cuts them from each slot's own
+    position at run time, so short contexts leave the surplus parts empty)."""
+    want = -(-2 * sm_count // (tokens * kv_heads))
+    return max(1, min(want, -(-max_len // MINCHUNK), 256))
+
+
+class AttentionWorkspace:
+    """The split-KV partial results and merge counters, shared by every layer of a step (layers
+    run one after another): part_o float32 [B, nh, NS, D], part_ml float32 [B, nh, NS, 2], count
+    int32 [B, hk] (zero at rest; the kernel puts it back)."""
+
+    def __init__(self, tokens: int, heads: int, kv_heads: int, head_dim: int, num_parts: int,
+                 device):
+        self.tokens, self.heads, self.kv_heads = tokens, heads, kv_heads
+        self.head_dim, self.num_parts = head_dim, num_parts
+        self.part_o = torch.empty(tokens, heads, num_parts, head_dim, dtype=torch.float32,
+                                  device=device)
+        self.part_ml = torch.empty(tokens, heads, num_parts, 2, dtype=torch.float32, device=device)
+        self.count = torch.zeros(tokens, kv_heads, dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.part_o, self.part_ml, self.count))
+
+
+def _vec(name: str, t, n: int, device):
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.shape != (n,) \
+            or t.device != device or not t.is_contiguous():
+        got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) \
+            else type(t).__name__
+        raise ValueError(f"{name} must be a contiguous bfloat16 [{n}] tensor on {device}, got {got}")
+
+
+class DecodeAttention:
+    """One layer's decode attention (see the module docstring).
+
+    Args:
+        heads, kv_heads, head_dim: nh, hk, D (nh a multiple of hk; D in HEAD_DIMS).
+        q_norm, k_norm: RMSNorm weights [D] (bf16) or None; eps their epsilon.
+        scale: the scores' factor (transformers' `scaling`).
+        window: sliding window (positions a token sees, itself included) or 0 for none.
+        sinks: bf16 [nh] or None.
+        workspace: an AttentionWorkspace of matching shape (shared by a step's layers).
+    """
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, *, q_norm=None, k_norm=None,
+                 eps: float = 1e-6, scale: float, window: int = 0, sinks=None,
+                 workspace: AttentionWorkspace):
+        for name, v in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if heads % kv_heads:
+            raise ValueError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim={head_dim} is not one the kernel is built for {HEAD_DIMS}")
+        G = heads // kv_heads
+        if G * (head_dim // 32) > 64:
+            raise ValueError(f"{G} query heads a KV head of {head_dim} dims exceed a lane's "
+                             f"accumulators (G·D/32 <= 64)")
+        ws = workspace
+        if (ws.heads, ws.kv_heads, ws.head_dim) != (heads, kv_heads, head_dim):
+            raise ValueError(f"workspace is for heads={ws.heads}, kv_heads={ws.kv_heads}, "
+                             f"head_dim={ws.head_dim}; this layer has {heads}, {kv_heads}, "
+                             f"{head_dim}")
+        dev = ws.part_o.device
+        _vec("q_norm", q_norm, head_dim, dev)
+        _vec("k_norm", k_norm, head_dim, dev)
+        _vec("sinks", sinks, heads, dev)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"window must be an int >= 0, got {window!r}")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_norm, self.k_norm, self.sinks = q_norm, k_norm, sinks
+        self.eps, self.scale, self.window = float(eps), float(scale), int(window)
+        self.workspace, self.device = ws, dev
+        self.kernel = kernels.function("dense_attention", "dense_attention",
+                                       {"D": head_dim, "G": G, "MINCHUNK": MINCHUNK}, dev.index)
+
+    def __call__(self, qkv: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """qkv bf16 [B, (nh + 2 hk)·D]; pos int64 [B]; k_cache / v_cache bf16 [B, hk, L_max, D]
+        (updated at pos); cos / sin bf16 [L_max, D]; out bf16 [B, nh·D]. One launch."""
+        ws, D = self.workspace, self.head_dim
+        B, nh, hk = ws.tokens, self.heads, self.kv_heads
+        dev = self.device
+
+        def check(name, t, shape, dtype):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape \
+                    or t.device != dev or not t.is_contiguous():
+                got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) \
+                    else type(t).__name__
+                raise ValueError(f"{name} must be a contiguous {dtype} {list(shape)} tensor on "
+                                 f"{dev}, got {got}")
+
+        bf = torch.bfloat16
+        check("qkv", qkv, (B, (nh + 2 * hk) * D), bf)
+        check("pos", pos, (B,), torch.int64)
+        if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+            raise ValueError(f"k_cache must be [B, hk, L_max, D], got "
+                             f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
+        L = k_cache.shape[2]
+        check("k_cache", k_cache, (B, hk, L, D), bf)
+        check("v_cache", v_cache, (B, hk, L, D), bf)
+        check("cos", cos, (L, D), bf)
+        check("sin", sin, (L, D), bf)
+        check("out", out, (B, nh * D), bf)
+        null = kernels.NULL
+        kernels.launch(self.kernel, (ws.num_parts, hk, B), THREADS, (
+            qkv, kernels.i32(nh), kernels.i32(hk),
+            null if self.q_norm is None else self.q_norm,
+            null if self.k_norm is None else self.k_norm, kernels.f32(self.eps),
+            cos, sin, pos, k_cache, v_cache, kernels.i32(L), kernels.f32(self.scale),
+            kernels.i32(self.window), null if self.sinks is None else self.sinks,
+            ws.part_o, ws.part_ml, ws.count, out), device=dev)

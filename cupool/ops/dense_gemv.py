@@ -1,0 +1,217 @@
+"""Launcher of `rawkernels/dense_gemv.cu`: the decode step's bf16 GEMVs with their prologue
+(plain, or residual sum + RMSNorm) and epilogue (plain, + residual, or softmax top-k routing).
+
+Shape legend (ARCHITECTURE.md): B tokens of the step · K inner dim · N output rows (Σ n_i of up
+to three matrices) · E experts (N of a router) · k top-k.
+
+A `DenseGemv` is built once per weight set (validated then) and called with the step's
+activations (validated at every call, which happens at graph capture; replays skip Python).
+The reference is `cupool.reference.dense` (`gemv`, `residual_norm`, `route`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cupool import kernels
+
+WARPS = 8                      # the kernel's block: 8 warps
+NO_NORM, NORM = 0, 1           # MODE
+PLAIN, RESIDUAL, ROUTE = 0, 1, 2   # EPI
+# x tile columns in shared memory (KT of the kernel) by n tiles of 8 tokens; the route epilogue
+# reuses that memory for up to WARPS tokens' logits
+_TILE_ELEMS = 2048
+
+
+def _tiles(tokens: int) -> int:
+    return (tokens + 7) // 8
+
+
+def route_capacity(tokens: int) -> int:
+    """Largest E the route epilogue takes for `tokens` tokens (the x tile's shared memory holds
+    min(tokens, WARPS) tokens' float logits)."""
+    nt = _tiles(tokens)
+    smem = 2 * nt * 8 * (_TILE_ELEMS // nt + 32)
+    return smem // (4 * min(tokens, WARPS))
+
+
+@dataclass
+class RouteOut:
+    """Buffers of the route epilogue: logits float32 [B, E], ids int32 [B, k], weights [B, k]
+    (bf16 or float32), ticket int32 [1] (zero at rest; the kernel puts it back)."""
+    logits: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    ticket: torch.Tensor
+
+    @classmethod
+    def allocate(cls, tokens: int, experts: int, top_k: int, weight_dtype: torch.dtype,
+                 device) -> RouteOut:
+        return cls(torch.empty(tokens, experts, dtype=torch.float32, device=device),
+                   torch.empty(tokens, top_k, dtype=torch.int32, device=device),
+                   torch.empty(tokens, top_k, dtype=weight_dtype, device=device),
+                   torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def _check_matrix(name: str, t, K: int | None, device, rows: int | None = None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if t.dim() != 2 or (K is not None and t.shape[1] != K) or (rows is not None and t.shape[0] != rows):
+        want = f"[{'n' if rows is None else rows}, {K if K is not None else 'K'}]"
+        raise ValueError(f"{name} must be {want}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (stride {t.stride()})")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned (address {t.data_ptr():#x})")
+
+
+def _check_vector(name: str, t, n: int, device, dtype=torch.bfloat16):
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device \
+            or t.shape != (n,) or not t.is_contiguous():
+        got = (f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+               else type(t).__name__)
+        raise ValueError(f"{name} must be a contiguous {dtype} [{n}] tensor on {device}, got {got}")
+
+
+class DenseGemv:
+    """y = W·x for `tokens` tokens, W the rows of `weights` (1 to 3 bf16 [n_i, K] matrices, used
+    where they lie) with `biases` (bf16 [n_i] or None each).
+
+    Args:
+        weights, biases: the matrices and their biases (biases None: none at all).
+        tokens: B, the step's tokens (1 to 16).
+        norm: the prologue sums the residual and applies an RMSNorm (call with norm_weight, eps).
+        epilogue: PLAIN, RESIDUAL (+ a residual) or ROUTE (softmax top-k routing of the logits).
+    """
+
+    def __init__(self, weights: Sequence[torch.Tensor], biases=None, *, tokens: int,
+                 norm: bool = False, epilogue: int = PLAIN):
+        weights = list(weights)
+        if not 1 <= len(weights) <= 3:
+            raise ValueError(f"weights must hold 1 to 3 matrices, got {len(weights)}")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= 16:
+            raise ValueError(f"tokens must be an int in [1, 16], got {tokens!r}")
+        if epilogue not in (PLAIN, RESIDUAL, ROUTE):
+            raise ValueError(f"epilogue must be PLAIN, RESIDUAL or ROUTE, got {epilogue!r}")
+        self.device = weights[0].device
+        if self.device.type != "cuda":
+            raise ValueError(f"weights must be on a CUDA device, got {self.device}")
+        K = weights[0].shape[1] if weights[0].dim() == 2 else None
+        for i, w in enumerate(weights):
+            _check_matrix(f"weights[{i}]", w, K, self.device)
+        if K % 8:
+            raise ValueError(f"the inner dim K={K} must be a multiple of 8 (16-byte rows)")
+        rows = [w.shape[0] for w in weights]
+        biases = [None] * len(weights) if biases is None else list(biases)
+        if len(biases) != len(weights):
+            raise ValueError(f"biases has {len(biases)} entries for {len(weights)} matrices")
+        for i, (b, n) in enumerate(zip(biases, rows)):
+            if b is not None:
+                _check_vector(f"biases[{i}]", b, n, self.device)
+        if epilogue == ROUTE and any(b is not None for b in biases):
+            raise ValueError("a router GEMV takes no biases")
+        self.weights, self.biases = weights, biases
+        self.K, self.N, self.rows = int(K), sum(rows), rows
+        self.tokens, self.norm, self.epilogue = tokens, bool(norm), epilogue
+        if epilogue == ROUTE and self.N > route_capacity(tokens):
+            raise ValueError(f"a router of {self.N} experts is more than the route epilogue "
+                             f"takes for {tokens} tokens ({route_capacity(tokens)})")
+        # 2 row tiles a block for very tall matrices (the output head), so that fewer blocks
+        # each build x: the x tile is made once per block
+        self.row_tiles = 2 if self.N >= 16384 else 1
+        self.grid = -(-self.N // (16 * self.row_tiles))
+        defines = {"NB": tokens, "MODE": NORM if norm else NO_NORM, "EPI": epilogue,
+                   "WARPS": WARPS, "RT": self.row_tiles}
+        self.kernel = kernels.function("dense_gemv", "dense_gemv", defines, self.device.index)
+        w = weights + [weights[0]] * (3 - len(weights))
+        b = biases + [None] * (3 - len(biases))
+        n0 = rows[0]
+        n1 = rows[1] if len(rows) > 1 else 0
+        self._wargs = (*w, kernels.i32(n0), kernels.i32(n1), kernels.i32(self.N),
+                       kernels.i32(self.K),
+                       *(kernels.NULL if t is None else t for t in b))
+
+    def _check_act(self, name: str, t, cols: int):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.device != self.device \
+                or t.shape != (self.tokens, cols) or not t.is_contiguous() or t.data_ptr() % 16:
+            got = (f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"{name} must be a contiguous, 16-byte aligned bfloat16 "
+                             f"[{self.tokens}, {cols}] tensor on {self.device}, got {got}")
+
+    def __call__(self, x: torch.Tensor, *, add: torch.Tensor | None = None,
+                 norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 h_out: torch.Tensor | None = None, x_out: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 route: RouteOut | None = None, top_k: int = 0, norm_topk: bool = False,
+                 active: torch.Tensor | None = None) -> None:
+        """One launch on torch's current stream.
+
+        x: [B, K] (the GEMV's input; with norm, the residual stream before `add`). add: [B, K] or
+        None, summed into x first (norm only). norm_weight [K], eps: the RMSNorm (norm only).
+        h_out / x_out: [B, K] or None, receive x + add and the normed x (norm only).
+        residual: [B, N] added to the product (RESIDUAL). out: [B, N] (PLAIN, RESIDUAL).
+        route, top_k, norm_topk, active (bool or uint8 [B], or None: every token): ROUTE.
+        """
+        B, K, N = self.tokens, self.K, self.N
+        self._check_act("x", x, K)
+        null = kernels.NULL
+        if self.norm:
+            if add is not None:
+                self._check_act("add", add, K)
+            _check_vector("norm_weight", norm_weight, K, self.device)
+            for name, t in (("h_out", h_out), ("x_out", x_out)):
+                if t is not None:
+                    self._check_act(name, t, K)
+            if h_out is not None and add is None:
+                raise ValueError("h_out is x + add: it needs add")
+        elif any(t is not None for t in (add, norm_weight, h_out, x_out)):
+            raise ValueError("add, norm_weight, h_out and x_out belong to a GEMV built with norm=True")
+        if self.epilogue == RESIDUAL:
+            self._check_act("residual", residual, N)
+        elif residual is not None:
+            raise ValueError("residual belongs to a GEMV built with epilogue=RESIDUAL")
+        if self.epilogue == ROUTE:
+            if route is None:
+                raise ValueError("a ROUTE GEMV needs route= (RouteOut buffers)")
+            if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= min(32, N):
+                raise ValueError(f"top_k must be an int in [1, {min(32, N)}], got {top_k!r}")
+            want = {"logits": ((B, N), (torch.float32,)), "ids": ((B, top_k), (torch.int32,)),
+                    "weights": ((B, top_k), (torch.bfloat16, torch.float32)),
+                    "ticket": ((1,), (torch.int32,))}
+            for name, (shape, dtypes) in want.items():
+                t = getattr(route, name)
+                if t.shape != shape or t.dtype not in dtypes or t.device != self.device \
+                        or not t.is_contiguous():
+                    raise ValueError(f"route.{name} must be a contiguous {dtypes[0]} {list(shape)} "
+                                     f"tensor on {self.device}, got {t.dtype} {list(t.shape)} "
+                                     f"on {t.device}")
+            if active is not None:
+                if active.dtype == torch.bool:
+                    active = active.view(torch.uint8)
+                if active.dtype != torch.uint8 or active.shape != (B,) \
+                        or active.device != self.device or not active.is_contiguous():
+                    raise ValueError(f"active must be a contiguous bool or uint8 [{B}] tensor on "
+                                     f"{self.device}, got {active.dtype} {list(active.shape)}")
+            if out is not None:
+                raise ValueError("a ROUTE GEMV writes route.logits, not out")
+            rargs = (route.logits, route.ids, route.weights, kernels.i32(top_k),
+                     kernels.i32(int(bool(norm_topk))),
+                     kernels.i32(int(route.weights.dtype == torch.float32)),
+                     null if active is None else active, route.ticket)
+        else:
+            self._check_act("out", out, N)
+            rargs = (null, null, null, kernels.i32(0), kernels.i32(0), kernels.i32(0), null, null)
+        kernels.launch(self.kernel, self.grid, WARPS * 32, (
+            *self._wargs, x, null if add is None else add,
+            null if norm_weight is None else norm_weight, kernels.f32(eps),
+            null if h_out is None else h_out, null if x_out is None else x_out,
+            null if residual is None else residual, null if out is None else out,
+            *rargs), device=self.device)

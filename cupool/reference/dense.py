@@ -1,0 +1,163 @@
+"""The float references of the fused decode step's kernels (`rawkernels/dense_gemv.cu`,
+`rawkernels/dense_attention.cu`), written as transformers computes a decoder layer, with the
+roundings to the model's dtype where transformers rounds.
+
+Shape legend (ARCHITECTURE.md): B tokens of a decode step (one a slot) · H hidden · N output rows
+· E experts · K top-k · nh query heads · hk KV heads · G = nh / hk · D head dim · L_max positions
+a slot holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: float32 statistics, the normalised value rounded to h's dtype, then
+    times the weight in that dtype."""
+    x = h.to(torch.float32)
+    var = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(var + eps)).to(h.dtype)
+
+
+def gemv(weights, biases, x: torch.Tensor) -> torch.Tensor:
+    """x [B, K] times each of `weights` ([n_i, K]) with its bias (or None), outputs side by side:
+    [B, Σ n_i] in x's dtype (one rounding after the bias, as a Linear with a bias)."""
+    outs = []
+    for i, w in enumerate(weights):
+        b = None if biases is None else biases[i]
+        y = x.to(torch.float32) @ w.to(torch.float32).T
+        if b is not None:
+            y = y + b.to(torch.float32)
+        outs.append(y.to(x.dtype))
+    return torch.cat(outs, dim=-1)
+
+
+def residual_norm(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + add rounded to h's dtype, its RMSNorm): the prologue of a normed GEMV."""
+    if add is not None:
+        h = h + add
+    return h, rms_norm(h, weight, eps)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool, weight_dtype: torch.dtype,
+          active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A softmax top-k router on logits [B, E] (already in the model's dtype): softmax in float32,
+    the top_k largest (ties to the lower expert), divided by their sum when norm_topk, weights in
+    weight_dtype. Tokens with active False get ids −1 and weights 0. Returns (ids int32 [B, K],
+    weights [B, K])."""
+    probs = torch.softmax(logits.to(torch.float32), dim=-1)
+    key = torch.where(probs.isnan(), torch.full_like(probs, 2.0), probs)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    top = probs.gather(1, order)
+    if norm_topk:
+        top = top / top.sum(dim=-1, keepdim=True)
+    ids, w = order.to(torch.int32), top.to(weight_dtype)
+    if active is not None:
+        off = ~active.to(torch.bool)
+        ids = ids.masked_fill(off[:, None], -1)
+        w = w.masked_fill(off[:, None], 0)
+    return ids, w
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding in x's dtype: x·cos + rotate_half(x)·sin, each product and
+    the sum rounded. x [..., D], cos / sin broadcastable to it."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: float,
+                     cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                     window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of attention for B tokens. qkv [B, (nh + 2 hk)·D] (queries, keys, values
+    of the new tokens, in the model's dtype); q_norm / k_norm: RMSNorm weights [D] or None;
+    cos_t / sin_t [L_max, D]; pos int [B] (where each token goes); k_cache / v_cache
+    [B, hk, L_max, D], updated in place at pos. Token b attends to positions lo … pos[b]
+    (lo = pos − window + 1 with a window > 0). Scores, softmax and the weighted sum in float32;
+    sinks [nh] (or None) add exp(sink) to each head's softmax denominator. Returns [B, nh·D] in
+    the model's dtype."""
+    B = qkv.shape[0]
+    D = k_cache.shape[-1]
+    L = k_cache.shape[2]
+    G = nh // hk
+    dt = qkv.dtype
+    q = qkv[:, :nh * D].reshape(B, nh, D)
+    k = qkv[:, nh * D:(nh + hk) * D].reshape(B, hk, D)
+    v = qkv[:, (nh + hk) * D:].reshape(B, hk, D)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+    if k_norm is not None:
+        k = rms_norm(k, k_norm, eps)
+    p = pos.to(torch.int64).clamp(0, L - 1)
+    cos, sin = cos_t[p][:, None, :], sin_t[p][:, None, :]
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    out = torch.empty(B, nh, D, dtype=dt, device=qkv.device)
+    for b in range(B):
+        P = int(p[b])
+        k_cache[b, :, P] = k[b]
+        v_cache[b, :, P] = v[b]
+        lo = max(0, P - window + 1) if window > 0 else 0
+        keys = k_cache[b, :, lo:P + 1].to(torch.float32)            # [hk, n, D]
+        vals = v_cache[b, :, lo:P + 1].to(torch.float32)
+        qf = q[b].to(torch.float32).reshape(hk, G, D)
+        s = torch.einsum("hgd,hnd->hgn", qf, keys) * scale           # [hk, G, n]
+        if sinks is not None:
+            sk = sinks.to(torch.float32).reshape(hk, G, 1)
+            m = torch.maximum(s.amax(-1, keepdim=True), sk)
+            e = torch.exp(s - m)
+            w = e / (e.sum(-1, keepdim=True) + torch.exp(sk - m))
+        else:
+            w = torch.softmax(s, dim=-1)
+        out[b] = torch.einsum("hgn,hnd->hgd", w, vals).reshape(nh, D).to(dt)
+    return out.reshape(B, nh * D)
+
+
+class GemvReference:
+    """`cupool.ops.dense_gemv.DenseGemv`'s interface computed by the functions above (any
+    device): the fused step's reference backend."""
+
+    def __init__(self, weights, biases=None, *, tokens: int, norm: bool = False,
+                 epilogue: int = 0):
+        self.weights, self.biases = list(weights), biases
+        self.tokens, self.norm, self.epilogue = tokens, norm, epilogue
+        self.N = sum(w.shape[0] for w in self.weights)
+
+    def __call__(self, x, *, add=None, norm_weight=None, eps=1e-6, h_out=None, x_out=None,
+                 residual=None, out=None, route=None, top_k=0, norm_topk=False, active=None):
+        if self.norm:
+            h, xin = residual_norm(x, add, norm_weight, eps)
+            if h_out is not None:
+                h_out.copy_(h)
+            if x_out is not None:
+                x_out.copy_(xin)
+        else:
+            xin = x
+        y = gemv(self.weights, None if self.epilogue == 2 else self.biases, xin)
+        if self.epilogue == 2:
+            ids, w = route_topk(y, top_k, norm_topk, route.weights.dtype, active)
+            route.logits.copy_(y.to(torch.float32))
+            route.ids.copy_(ids)
+            route.weights.copy_(w)
+        elif self.epilogue == 1:
+            out.copy_(residual + y)
+        else:
+            out.copy_(y)
+
+
+class AttentionReference:
+    """`cupool.ops.dense_attention.DecodeAttention`'s interface computed by `attention_decode`."""
+
+    def __init__(self, heads, kv_heads, head_dim, *, q_norm=None, k_norm=None, eps=1e-6,
+                 scale, window=0, sinks=None, workspace=None):
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_norm, self.k_norm, self.eps = q_norm, k_norm, eps
+        self.scale, self.window, self.sinks = scale, window, sinks
+
+    def __call__(self, qkv, pos, k_cache, v_cache, cos, sin, out):
+        out.copy_(attention_decode(qkv, self.heads, self.kv_heads, self.q_norm, self.k_norm,
+                                   self.eps, cos, sin, pos, k_cache, v_cache, self.scale,
+                                   self.window, self.sinks))

@@ -1,0 +1,277 @@
+// Decode attention of one layer for the B tokens of a decode step (one a slot), over the slot
+// cache, with what comes between the QKV projection and the o-projection fused in: q/k RMSNorm
+// over the head dim (Qwen3's q_norm / k_norm), rotary embedding, the write of the new key and
+// value into the cache, grouped-query attention with an optional sliding window and optional
+// attention sinks (gpt-oss), and the merge of the split-KV partial results.
+//
+// How blocks split the work: grid (NS, hk, B). Block (s, h, b) takes the G = nh / hk query heads
+// of KV head h of slot b and the s-th of NS equal parts of the positions that slot b's token
+// attends to, [lo, pos[b]] (lo = pos − window + 1 with a sliding window, else 0), at least
+// MINCHUNK positions a part (so short contexts use few parts). The parts are cut on the device
+// from pos[b], so a captured graph replays at any position. Within a block, tiles of TP = 64
+// positions: scores (two threads a position, half the head dim each, one shuffle to join), an
+// online softmax per head (m, l kept in shared memory), then P·V with the head dim across the
+// lanes of each warp and the tile's positions across the warps.
+//
+// Rounding follows transformers: q and k leave the projection in bf16; the norm is
+// bf16(w · bf16(x · rsqrt(mean(x²) + eps))); the rotary embedding is
+// bf16(bf16(x · cos) + bf16(rotate_half(x) · sin)) with transformers' own bf16 cos / sin tables
+// (passed in, [L_max, D]). Scores, softmax and P·V run in float32; the output is bf16.
+//
+// Who writes what, in order:
+// - the new key and value of slot b, KV head h go to the cache at pos[b], written only by the
+//   block whose part holds pos[b], before (__syncthreads) that block reads its positions; no
+//   other block reads position pos[b] (the parts are disjoint).
+// - part_o [B, nh, NS, D], part_ml [B, nh, NS, 2] (max, sum of exponentials): written by block
+//   (s, h, b) for its G heads (an empty part writes −inf, 0 and zeros), then a fence, then a
+//   ticket on count[b, h].
+// - out [B, nh · D]: written by the last block of (h, b) to take a ticket, which reads every
+//   part through L2 and merges them (with the sink's exp(sink − m) in the denominator), and puts
+//   count[b, h] back to zero for the next launch.
+#include "common.cuh"
+
+#ifndef D
+#define D 128             // head dim
+#endif
+#ifndef G
+#define G 8               // query heads per KV head
+#endif
+#ifndef MINCHUNK
+#define MINCHUNK 64       // fewest positions a part
+#endif
+#define TP 64             // positions a tile
+#define THREADS 128
+#define NWARP (THREADS / 32)
+#define DPL (D / 32)      // head dims a lane holds in P·V
+
+static_assert(D % 64 == 0 && D <= 256, "head dims of 64, 128, 192 or 256");
+static_assert(G >= 1 && G * DPL <= 64, "G query heads of D dims fit a lane's accumulators");
+static_assert(2 * TP == THREADS, "two threads a position in the score phase");
+
+CUPOOL_DEVICE float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// A lane's DPL consecutive bf16 values of a cache row, in one load where DPL allows.
+CUPOOL_DEVICE void load_dims(const u16* p, float* f) {
+#if DPL % 4 == 0
+#pragma unroll
+    for (int i = 0; i < DPL; i += 4) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p + i);
+        f[i] = __uint_as_float(v.x << 16);
+        f[i + 1] = __uint_as_float(v.x & 0xffff0000u);
+        f[i + 2] = __uint_as_float(v.y << 16);
+        f[i + 3] = __uint_as_float(v.y & 0xffff0000u);
+    }
+#else
+#pragma unroll
+    for (int i = 0; i < DPL; i += 2) {
+        const u32 v = *reinterpret_cast<const u32*>(p + i);
+        f[i] = __uint_as_float(v << 16);
+        f[i + 1] = __uint_as_float(v & 0xffff0000u);
+    }
+#endif
+}
+
+CUPOOL_DEVICE float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// x [n][D] (float holding bf16 values) → norm (if w) and rotary embedding, in place, rows in
+// parallel over the block; tmp is a [n][D] scratch. Every thread of the block calls it.
+CUPOOL_DEVICE void norm_rope(float* x, float* tmp, int n, const u16* w, float eps,
+                             const u16* cs, const u16* sn) {
+    __shared__ float rs[G];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (w) {
+        for (int r = warp; r < n; r += NWARP) {
+            float ss = 0.0f;
+            for (int i = lane; i < D; i += 32) ss += x[r * D + i] * x[r * D + i];
+            ss = warp_sum(ss);
+            if (lane == 0) rs[r] = rsqrtf(ss / (float)D + eps);
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < n * D; i += THREADS)
+            x[i] = round_bf16(bf16_to_f32(w[i % D]) * round_bf16(x[i] * rs[i / D]));
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < n * D; i += THREADS) tmp[i] = x[i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < n * D; i += THREADS) {
+        const int r = i / D, c = i % D;
+        const float rot = c < D / 2 ? -tmp[r * D + c + D / 2] : tmp[r * D + c - D / 2];
+        x[i] = round_bf16(round_bf16(tmp[i] * bf16_to_f32(cs[c])) +
+                          round_bf16(rot * bf16_to_f32(sn[c])));
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
+                const u16* __restrict__ q_norm, const u16* __restrict__ k_norm, float eps,
+                const u16* __restrict__ cos_t, const u16* __restrict__ sin_t,
+                const i64* __restrict__ pos, u16* kc, u16* vc, i32 max_len,
+                float scale, i32 window, const u16* __restrict__ sinks,
+                float* part_o, float* part_ml, i32* count, u16* out) {
+    __shared__ float qs[G * D];        // queries, normed and rotated (bf16 values)
+    __shared__ float tmp[(G > 1 ? G : 2) * D];   // scratch; then the merge of the warps' P·V
+    __shared__ float sc[G][TP];        // a tile's scores, then its probabilities
+    __shared__ float m_run[G], l_run[G], alpha[G];
+    __shared__ int last;
+
+    const int NS = gridDim.x, s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const i64 stride = (i64)(nh + 2 * hk) * D;               // one token's q, k, v
+    const u16* row = qkv + b * stride;
+    const i64 P = min(max(pos[b], (i64)0), (i64)max_len - 1);
+    const i64 lo = window > 0 ? max((i64)0, P - window + 1) : 0;
+    const i64 n = P - lo + 1;
+    const i64 chunk = max((i64)MINCHUNK, (n + NS - 1) / NS);
+    const i64 start = lo + s * chunk, end = min(start + chunk, P + 1);
+    const u16* cs = cos_t + P * D;
+    const u16* sn = sin_t + P * D;
+    const i64 cache_base = ((i64)b * hk + h) * max_len * D;
+
+    for (int i = threadIdx.x; i < G * D; i += THREADS)
+        qs[i] = bf16_to_f32(row[(i64)(h * G) * D + i]);
+    if (threadIdx.x < G) { m_run[threadIdx.x] = -__int_as_float(0x7f800000); l_run[threadIdx.x] = 0.0f; }
+    __syncthreads();
+    norm_rope(qs, tmp, G, q_norm, eps, cs, sn);
+
+    if (start <= P && P < end) {               // this part holds the new token: write k and v
+        for (int i = threadIdx.x; i < D; i += THREADS)
+            tmp[i] = bf16_to_f32(row[(i64)(nh + h) * D + i]);
+        __syncthreads();
+        norm_rope(tmp, tmp + D, 1, k_norm, eps, cs, sn);
+        for (int i = threadIdx.x; i < D; i += THREADS) {
+            kc[cache_base + P * D + i] = f32_to_bf16(tmp[i]);
+            vc[cache_base + P * D + i] = row[(i64)(nh + hk + h) * D + i];
+        }
+        __syncthreads();
+    }
+
+    float acc[G][DPL];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) acc[g][i] = 0.0f;
+
+    for (i64 j0 = start; j0 < end; j0 += TP) {
+        // scores: thread pair (2p, 2p + 1) takes position j0 + p, half the head dim each
+        {
+            const int p = threadIdx.x >> 1, half = threadIdx.x & 1;
+            const i64 j = j0 + p;
+            float dot[G];
+#pragma unroll
+            for (int g = 0; g < G; ++g) dot[g] = 0.0f;
+            if (j < end) {
+                const u16* k = kc + cache_base + j * D + half * (D / 2);
+                const float* q = qs + half * (D / 2);
+#pragma unroll 2
+                for (int c = 0; c < D / 2; c += 8) {
+                    const u32x4 v = *reinterpret_cast<const u32x4*>(k + c);
+                    const u32 wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float k0 = __uint_as_float(wv[e] << 16);
+                        const float k1 = __uint_as_float(wv[e] & 0xffff0000u);
+#pragma unroll
+                        for (int g = 0; g < G; ++g)
+                            dot[g] += q[g * D + c + 2 * e] * k0 + q[g * D + c + 2 * e + 1] * k1;
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], 1);
+                if ((g & 1) == half)
+                    sc[g][p] = j < end ? dot[g] * scale : -__int_as_float(0x7f800000);
+            }
+        }
+        __syncthreads();
+        // online softmax: warp w takes heads w, w + 4, ...
+        for (int g = warp; g < G; g += NWARP) {
+            const float a = sc[g][lane], c = sc[g][lane + 32];
+            float mx = fmaxf(a, c);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float m_new = fmaxf(m_run[g], mx);
+            const float pa = expf(a - m_new), pc = expf(c - m_new);
+            sc[g][lane] = pa;
+            sc[g][lane + 32] = pc;
+            const float sum = warp_sum(pa + pc);
+            __syncwarp();
+            if (lane == 0) {
+                const float al = expf(m_run[g] - m_new);
+                alpha[g] = al;
+                l_run[g] = l_run[g] * al + sum;
+                m_run[g] = m_new;
+            }
+        }
+        __syncthreads();
+        // P·V: warp w takes the tile's positions w, w + 4, ...; lane the dims lane·DPL ...
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) acc[g][i] *= alpha[g];
+        for (int p = warp; p < TP && j0 + p < end; p += NWARP) {
+            float vf[DPL];
+            load_dims(vc + cache_base + (j0 + p) * D + lane * DPL, vf);
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float pr = sc[g][p];
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) acc[g][i] += pr * vf[i];
+            }
+        }
+        __syncthreads();
+    }
+
+    // the warps' P·V sums, in warp order (deterministic), into tmp [G][D]
+    for (int w = 0; w < NWARP; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int g = 0; g < G; ++g)
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) {
+                    float* o = &tmp[g * D + lane * DPL + i];
+                    *o = (w == 0 ? 0.0f : *o) + acc[g][i];
+                }
+        }
+        __syncthreads();
+    }
+    const bool empty = start > P;
+    for (int i = threadIdx.x; i < G * D; i += THREADS) {
+        const int g = i / D, c = i % D;
+        const i64 head = (i64)b * nh + h * G + g;
+        part_o[(head * NS + s) * D + c] = empty ? 0.0f : tmp[i];
+        if (c == 0) {
+            part_ml[(head * NS + s) * 2] = empty ? -__int_as_float(0x7f800000) : m_run[g];
+            part_ml[(head * NS + s) * 2 + 1] = empty ? 0.0f : l_run[g];
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(&count[b * hk + h], 1) == NS - 1;
+        if (last) count[b * hk + h] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < G * D; i += THREADS) {
+        const int g = i / D, c = i % D;
+        const i64 head = (i64)b * nh + h * G + g;
+        float M = sinks ? bf16_to_f32(sinks[h * G + g]) : -__int_as_float(0x7f800000);
+        for (int q = 0; q < NS; ++q) M = fmaxf(M, ld_cg(part_ml + (head * NS + q) * 2));
+        float num = 0.0f, den = sinks ? expf(bf16_to_f32(sinks[h * G + g]) - M) : 0.0f;
+        for (int q = 0; q < NS; ++q) {
+            const float m = ld_cg(part_ml + (head * NS + q) * 2);
+            if (m == -__int_as_float(0x7f800000)) continue;     // an empty part
+            const float e = expf(m - M);
+            den += e * ld_cg(part_ml + (head * NS + q) * 2 + 1);
+            num += e * ld_cg(part_o + (head * NS + q) * D + c);
+        }
+        out[(i64)b * nh * D + (i64)(h * G + g) * D + c] = f32_to_bf16(num / den);
+    }
+}

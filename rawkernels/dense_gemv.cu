@@ -1,0 +1,363 @@
+// Decode-step GEMVs of a decoder layer's dense part: y[n, r] = Σ_k W[r, k] · x[n, k] for the
+// NB ≤ 16 tokens of a decode step, W a bf16 [N, K] row-major matrix (a torch Linear's weight),
+// with the elementwise work around it fused in, so that a layer's dense part is a few launches.
+//
+// How blocks split the work: a block owns RT tiles of 16 consecutive output rows for every
+// token; its WARPS warps split K in chunks of 32 columns (chunk c to warp c mod WARPS). Per chunk
+// a lane loads 16 bytes of row g and 16 bytes of row g + 8 of a tile (g = lane / 4, t = lane % 4
+// picks the 16 bytes). Read through a fixed permutation of k, applied to W and x alike (a sum over
+// k does not care in which order it runs), those 32 bytes are exactly the A fragments of two
+// m16n8k16 MMAs, and the B fragments are one 16-byte shared-memory load of x at the same k. The
+// MMA's n is the token (8 a tile: NB ≤ 8 one tile, ≤ 16 two). The warps' partial sums meet in
+// shared memory and the epilogue writes 16·RT rows × NB tokens.
+//
+// Why MMAs for a GEMV: the bytes of W are the cost. The MMA takes each lane's 16 loaded bytes as
+// they are, with no shuffles for the k reduction, and costs the same for 1 token as for 8 (a
+// CUDA-core dot product spends 8 FMAs and a shared-memory read per weight per token).
+//
+// Why the first weight loads are issued before the prologue: x may depend on a norm over the
+// whole row (a chain of dependent loads and a block reduction); W does not, so the first U chunks
+// of W are already in flight while x is being built.
+//
+// Prologues (x [NB, K] bf16 in shared memory, a tile of KT columns at a time):
+//   MODE 0 (plain): x = in
+//   MODE 1 (norm):  h = in (+ add) rounded to bf16 (the residual stream's sum), then
+//                   x = bf16(nw · bf16(h · rsqrt(mean(h²) + eps))), transformers' RMSNorm with
+//                   its two roundings; block 0 writes h to h_out and x to x_out where given.
+// Epilogues:
+//   EPI 0: out[n, r] = bf16(acc + bias[r])
+//   EPI 1: out[n, r] = bf16(res2[n, r] + bf16(acc + bias[r]))           (o-projection + residual)
+//   EPI 2: logits[n, r] = bf16(acc) as float; the last block to finish (a ticket counter, put
+//          back to zero by that block) routes every token: softmax over the N logits (float32) →
+//          top-k (NaN counts as largest, ties go to the lower expert, as a stable descending sort)
+//          → divided by their sum when norm_topk → weights (bf16, or float32 with w_f32, as the
+//          model's router returns them); ids int32 [NB, topk]; a token
+//          whose active[n] is 0 gets ids −1 and weights 0 (padding lanes for the pool).
+//
+// Rows come from up to three matrices (a fused q/k/v projection): output row r is row r of w0 for
+// r < n0, row r − n0 of w1 for r < n0 + n1, else row r − n0 − n1 of w2 — the weights are used
+// where they lie, no concatenated copy is kept. Biases (bf16) likewise, null where absent.
+//
+// Who writes what: out / logits rows of a block are written by that block only; h_out and x_out
+// by block 0 only (every block computes the same h and x for itself); ids and weights by the last
+// block only, after every block's logits are visible (fence, then the ticket).
+#include "common.cuh"
+
+#ifndef NB
+#define NB 1              // tokens of the step
+#endif
+#ifndef MODE
+#define MODE 0
+#endif
+#ifndef EPI
+#define EPI 0
+#endif
+#ifndef WARPS
+#define WARPS 8
+#endif
+#ifndef RT
+#define RT 1              // 16-row tiles a block owns
+#endif
+#ifndef U
+#define U 4               // chunks a warp loads before it multiplies (bytes in flight)
+#endif
+
+#define NT ((NB + 7) / 8)           // MMA n tiles of 8 tokens
+#define NBP (NT * 8)                // tokens padded to the tiles (the padding multiplies zeros)
+#define KT (2048 / NT)              // x columns staged in shared memory at a time
+// A token's row in shared memory is KT + 32 elements: the extra 64 bytes put the 16-byte loads
+// of a quarter warp (two token rows, 64 bytes each) on disjoint banks.
+#define XSTRIDE (KT + 32)
+
+static_assert(NB >= 1 && NB <= 16, "a decode GEMV takes 1 to 16 tokens");
+static_assert(KT % 32 == 0, "x tiles are whole chunks");
+
+CUPOOL_DEVICE void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Loads through L2 only: logits written by other blocks of this launch (L1 is not coherent).
+CUPOOL_DEVICE float ld_cg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+struct Rows {
+    const u16* w[3];
+    const u16* b[3];
+    i32 n0, n1, K;
+    // Row r's weights and (null or) its bias.
+    CUPOOL_DEVICE const u16* row(i32 r) const {
+        if (r < n0) return w[0] + (i64)r * K;
+        if (r < n0 + n1) return w[1] + (i64)(r - n0) * K;
+        return w[2] + (i64)(r - n0 - n1) * K;
+    }
+    CUPOOL_DEVICE float bias(i32 r) const {
+        const u16* p = r < n0 ? b[0] : r < n0 + n1 ? b[1] : b[2];
+        const i32 i = r < n0 ? r : r < n0 + n1 ? r - n0 : r - n0 - n1;
+        return p ? bf16_to_f32(p[i]) : 0.0f;
+    }
+};
+
+CUPOOL_DEVICE u32x4 ld_plain16(const void* p) {
+    return *reinterpret_cast<const u32x4*>(p);
+}
+
+CUPOOL_DEVICE void unpack8(u32x4 v, float* f) {
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+CUPOOL_DEVICE u32x4 pack8(const float* f) {
+    u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = (u32)f32_to_bf16(f[2 * i]) | ((u32)f32_to_bf16(f[2 * i + 1]) << 16);
+    return u32x4{w[0], w[1], w[2], w[3]};
+}
+
+// h = in (+ add), 8 columns at k of token n, rounded to bf16 as torch's bf16 add rounds.
+CUPOOL_DEVICE void residual8(const u16* in, const u16* add, i32 K, int n, i32 k, float* h) {
+    unpack8(ld_plain16(in + (i64)n * K + k), h);
+    if (add) {
+        float a[8];
+        unpack8(ld_plain16(add + (i64)n * K + k), a);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) h[i] = bf16_to_f32(f32_to_bf16(h[i] + a[i]));
+    }
+}
+
+// Top-k routing of one token by one warp, its N logits in shared memory `lg` (overwritten with the
+// probabilities, then with −1 where taken). See the header for the rule.
+CUPOOL_DEVICE void route_token(float* lg, i32 N, i32 topk, int norm_topk, bool active,
+                               i32* ids, void* wts, int w_f32) {
+    const int lane = threadIdx.x & 31;
+    float m = -__int_as_float(0x7f800000);
+    for (i32 e = lane; e < N; e += 32) m = fmaxf(m, lg[e]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float s = 0.0f;
+    for (i32 e = lane; e < N; e += 32) s += expf(lg[e] - m);
+    s = warp_sum(s);
+    for (i32 e = lane; e < N; e += 32) lg[e] = expf(lg[e] - m) / s;
+    __syncwarp();
+    float mine_p = 0.0f, total = 0.0f;
+    i32 mine_e = -1;
+    for (i32 j = 0; j < topk; ++j) {
+        // argmax of (key, −e): key = p, NaN as 2 (above every probability), taken entries −1
+        float best = -2.0f;
+        i32 best_e = N;
+        for (i32 e = lane; e < N; e += 32) {
+            const float v = lg[e];
+            const float key = v != v ? 2.0f : v;
+            if (key > best) { best = key; best_e = e; }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+            const i32 oe = __shfl_xor_sync(0xffffffffu, best_e, o);
+            if (ov > best || (ov == best && oe < best_e)) { best = ov; best_e = oe; }
+        }
+        const float p = lg[best_e];
+        __syncwarp();
+        if (lane == 0) lg[best_e] = -1.0f;
+        __syncwarp();
+        total += p;
+        if (lane == j) { mine_p = p; mine_e = best_e; }
+    }
+    if (lane < topk) {
+        const float w = norm_topk ? mine_p / total : mine_p;
+        ids[lane] = active ? mine_e : -1;
+        if (w_f32) static_cast<float*>(wts)[lane] = active ? w : 0.0f;
+        else static_cast<u16*>(wts)[lane] = active ? f32_to_bf16(w) : (u16)0;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __restrict__ w2,
+           i32 n0, i32 n1, i32 N, i32 K,
+           const u16* __restrict__ b0, const u16* __restrict__ b1, const u16* __restrict__ b2,
+           const u16* in, const u16* add, const u16* __restrict__ nw, float eps,
+           u16* h_out, u16* x_out, const u16* res2, u16* out,
+           float* logits, i32* ids, void* wts, i32 topk, i32 norm_topk, i32 w_f32,
+           const u8* active, i32* ticket) {
+    // x tiles; after the last tile the warps' partial sums (red), then the routing logits
+    __shared__ __align__(16) u16 xs[NBP * XSTRIDE];
+    static_assert(sizeof(float) * WARPS * RT * 16 * NBP <= sizeof(u16) * NBP * XSTRIDE,
+                  "the partial sums fit where the x tile was");
+    float (*red)[RT * 16][NBP] = reinterpret_cast<float (*)[RT * 16][NBP]>(xs);
+    __shared__ float rstd[NBP];
+    __shared__ int last;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    Rows rows{{w0, w1, w2}, {b0, b1, b2}, n0, n1, K};
+    const i32 r0 = blockIdx.x * (RT * 16);
+
+    // this lane's two rows of each tile (clamped: rows past N load row N − 1, never stored)
+    const u16* pa[RT];
+    const u16* pb[RT];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+        pa[rt] = rows.row(min(r0 + rt * 16 + g, N - 1)) + t * 8;
+        pb[rt] = rows.row(min(r0 + rt * 16 + g + 8, N - 1)) + t * 8;
+    }
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.0f;
+
+    u32x4 wa[U][RT], wb[U][RT];
+    const u32x4 zero{0u, 0u, 0u, 0u};
+    // the loads of U chunks starting at chunk c0 (chunks c0, c0 + WARPS, ...) of the tile at k0
+    auto load = [&](i32 k0, i32 c0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const i32 k = k0 + (c0 + u * WARPS) * 32;
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt) {
+                const bool ok = k + t * 8 < K && k < k0 + KT;
+                wa[u][rt] = ok ? ld_stream16(pa[rt] + k) : zero;
+                wb[u][rt] = ok ? ld_stream16(pb[rt] + k) : zero;
+            }
+        }
+    };
+    auto multiply = [&](i32 c0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int col = (c0 + u * WARPS) * 32 + t * 8;
+            if (col >= KT) break;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const u32x4 x = *reinterpret_cast<const u32x4*>(&xs[(nt * 8 + g) * XSTRIDE + col]);
+#pragma unroll
+                for (int rt = 0; rt < RT; ++rt) {
+                    mma_bf16(acc[rt][nt], wa[u][rt].x, wb[u][rt].x, wa[u][rt].y, wb[u][rt].y, x.x, x.y);
+                    mma_bf16(acc[rt][nt], wa[u][rt].z, wb[u][rt].z, wa[u][rt].w, wb[u][rt].w, x.z, x.w);
+                }
+            }
+        }
+    };
+
+    load(0, warp);
+
+#if MODE == 1
+    // rstd of every token: one warp a token, over the whole row
+    for (int n = warp; n < NBP; n += WARPS) {
+        float ss = 0.0f;
+        if (n < NB) {
+            for (i32 k = lane * 8; k < K; k += 256) {
+                float h[8];
+                residual8(in, add, K, n, k, h);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) ss += h[i] * h[i];
+            }
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) rstd[n] = rsqrtf(ss / (float)K + eps);
+    }
+    __syncthreads();
+#endif
+
+    for (i32 k0 = 0; k0 < K; k0 += KT) {
+        // stage x[:, k0 : k0 + KT]
+        if (k0 > 0) __syncthreads();             // every warp is done with the previous tile
+        for (int i = threadIdx.x; i < NBP * (KT / 8); i += WARPS * 32) {
+            const int n = i / (KT / 8);
+            const i32 k = k0 + (i % (KT / 8)) * 8;
+            u32x4 v = zero;
+            if (n < NB && k < K) {
+#if MODE == 1
+                float h[8], x[8];
+                residual8(in, add, K, n, k, h);
+                float w[8];
+                unpack8(ld_plain16(nw + k), w);
+                const float r = rstd[n];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) x[j] = w[j] * bf16_to_f32(f32_to_bf16(h[j] * r));
+                v = pack8(x);
+                if (blockIdx.x == 0) {
+                    if (h_out && add) st16(h_out + (i64)n * K + k, pack8(h));
+                    if (x_out) st16(x_out + (i64)n * K + k, v);
+                }
+#else
+                v = ld_plain16(in + (i64)n * K + k);
+#endif
+            }
+            *reinterpret_cast<u32x4*>(&xs[n * XSTRIDE + (k - k0)]) = v;
+        }
+        __syncthreads();
+        const i32 chunks = min((i32)KT, K - k0) / 32 + ((min((i32)KT, K - k0) % 32) != 0);
+        for (i32 c0 = warp; c0 < chunks; c0 += WARPS * U) {
+            if (k0 > 0 || c0 != warp) load(k0, c0);
+            multiply(c0);
+        }
+    }
+
+    // partial sums of the warps → shared memory (over the x tile) → one sum per (row, token)
+    __syncthreads();
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            red[warp][rt * 16 + g][nt * 8 + 2 * t] = acc[rt][nt][0];
+            red[warp][rt * 16 + g][nt * 8 + 2 * t + 1] = acc[rt][nt][1];
+            red[warp][rt * 16 + g + 8][nt * 8 + 2 * t] = acc[rt][nt][2];
+            red[warp][rt * 16 + g + 8][nt * 8 + 2 * t + 1] = acc[rt][nt][3];
+        }
+    __syncthreads();
+    for (int i = threadIdx.x; i < RT * 16 * NB; i += WARPS * 32) {
+        const int row = i / NB, n = i % NB;
+        const i32 r = r0 + row;
+        if (r >= N) continue;
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) s += red[w][row][n];
+#if EPI == 2
+        logits[(i64)n * N + r] = bf16_to_f32(f32_to_bf16(s));
+#else
+        float y = bf16_to_f32(f32_to_bf16(s + rows.bias(r)));
+#if EPI == 1
+        y += bf16_to_f32(res2[(i64)n * N + r]);
+#endif
+        out[(i64)n * N + r] = f32_to_bf16(y);
+#endif
+    }
+
+#if EPI == 2
+    __threadfence();                             // this block's logits, before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+        if (last) *ticket = 0;                   // ready for the next launch (graph replay)
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // one warp a token, up to WARPS tokens at a time (WARPS · N floats fit over the x tile:
+    // checked by the launcher)
+    float* lg = reinterpret_cast<float*>(xs);
+    for (int n0 = 0; n0 < NB; n0 += WARPS) {
+        __syncthreads();
+        const int nn = min(WARPS, NB - n0);
+        for (i32 i = threadIdx.x; i < nn * N; i += WARPS * 32)
+            lg[i] = ld_cg_f32(logits + (i64)n0 * N + i);
+        __syncthreads();
+        const int n = n0 + warp;
+        if (warp < nn)
+            route_token(lg + warp * N, N, topk, norm_topk, active == nullptr || active[n] != 0,
+                        ids + n * topk,
+                        static_cast<u8*>(wts) + (i64)n * topk * (w_f32 ? 4 : 2), w_f32);
+    }
+#endif
+}

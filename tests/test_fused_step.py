@@ -1,0 +1,211 @@
+"""The fused decode step (`cupool.fused.FusedStep`) on the CPU, with its reference backend
+(`cupool.reference.dense` in torch ops): which layers it matches and why it refuses the others,
+and one decode step's logits and cache writes against transformers' own forward on the same
+cache, for tiny models of the families it runs; the kernels' references against transformers'
+modules.
+
+Tolerance: both run in bf16 and round where transformers rounds; what differs is the order of
+float32 sums (the reference's matmuls against transformers' own, attention's softmax). Logits
+are compared by relative Frobenius error (LOGIT_TOL) and must pick the same greedy token wherever
+the transformers logits' top two are TIE apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_models import hf_model
+
+pytest.importorskip("transformers")
+
+from cupool.engine import cache_kwarg  # noqa: E402
+from cupool.fused import FusedLayer, FusedStep, ModelLayer, Unsupported  # noqa: E402
+from cupool.kvcache import SlotCache  # noqa: E402
+from cupool.reference import dense as ref  # noqa: E402
+
+LOGIT_TOL = 2e-2
+TIE = 0.05
+# the kernel-sized tiny models: head dims the attention kernel is built for (64), hidden a
+# multiple of 8
+SHAPES = {"qwen3_moe": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2),
+          "mixtral": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2)}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def fused_model(family: str, seed: int = 0, device="cpu", **overrides):
+    model = hf_model(family, seed=seed, **{**SHAPES.get(family, {}), **overrides})
+    return model.to(device=device, dtype=torch.bfloat16)
+
+
+def prefill(model, cache: SlotCache, slot: int, ids: list[int]) -> None:
+    """The engine's admission: the prompt into the slot's rows of the cache."""
+    dev = cache.device
+    cache.prefill_mode(slot, 0, len(ids))
+    mask = cache.prefill_mask(torch.bfloat16, None, True)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids], device=dev),
+              position_ids=torch.arange(len(ids), device=dev)[None], attention_mask=mask,
+              use_cache=True, **{cache_kwarg(model): cache})
+    cache.decode_mode()
+    cache.pos[slot] = len(ids)
+
+
+def snapshot(cache: SlotCache):
+    return [k.clone() for k in cache.keys], [v.clone() for v in cache.values]
+
+
+def restore(cache: SlotCache, snap) -> None:
+    for dst, src in zip(cache.keys + cache.values, snap[0] + snap[1]):
+        dst.copy_(src)
+
+
+@torch.inference_mode()
+def compare_step(model, pool, backend: str, prompts, tok, max_len=40):
+    """One decode step of len(prompts) slots by the fused step and by transformers' forward
+    from the same cache; returns (fused logits, model logits, fused cache, model cache)."""
+    dev = next(model.parameters()).device
+    B = len(prompts)
+    cache = SlotCache(model.config.num_hidden_layers, B, max_len, torch.bfloat16, dev)
+    for b, p in enumerate(prompts):
+        prefill(model, cache, b, p)
+    step = FusedStep(model, pool, cache, B, [None] * len(cache.keys), backend=backend)
+    tok = torch.tensor(tok, device=dev)[:, None]
+    active = torch.ones(B, dtype=torch.bool, device=dev)
+    before = snapshot(cache)
+    pos = cache.pos.clone()
+    masks = cache.decode_mask(torch.bfloat16, None, True) if step.needs_mask else None
+    fused = step(tok, pos, active, masks).clone()
+    after_fused = snapshot(cache)
+    restore(cache, before)
+    cache.decode_mode()
+    out = model(input_ids=tok, position_ids=pos[:, None], use_cache=True,
+                attention_mask=cache.decode_mask(torch.bfloat16, None, True),
+                **{cache_kwarg(model): cache})
+    return fused, out.logits[:, -1], after_fused, snapshot(cache), step
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_reference_step_equals_transformers(family):
+    model = fused_model(family, seed=7)
+    fused, want, fc, mc, step = compare_step(model, None, "reference", [[5, 9, 3], [7, 1, 4, 4, 8, 2]],
+                                             [11, 13])
+    assert all(isinstance(l, FusedLayer) for l in step.layers), step.describe()
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for b in range(2):
+        top2 = want[b].float().topk(2).values
+        if float(top2[0] - top2[1]) >= TIE:
+            assert int(fused[b].argmax()) == int(want[b].argmax())
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+
+
+def test_reference_step_fails_when_a_rounding_is_dropped(monkeypatch):
+    """The comparison can fail: a reference that skips the residual add is far off."""
+    model = fused_model("qwen3_moe", seed=8)
+    real = ref.GemvReference.__call__
+
+    def no_residual(self, x, **kw):
+        if kw.get("residual") is not None:
+            kw["residual"] = torch.zeros_like(kw["residual"])
+        return real(self, x, **kw)
+
+    monkeypatch.setattr(ref.GemvReference, "__call__", no_residual)
+    fused, want, *_ = compare_step(model, None, "reference", [[5, 9, 3]], [11])
+    assert rel(fused, want) > 0.1
+
+
+def test_layers_outside_the_pattern_run_transformers_modules():
+    """qwen2_moe: a dense MLP layer and shared experts are not fused; those layers run the
+    model's own modules inside the step, and the logits still match."""
+    model = hf_model("qwen2_moe", seed=9, head_dim=64, num_attention_heads=2,
+                     num_key_value_heads=2).to(torch.bfloat16)
+    with pytest.raises(Unsupported, match="no decoder layer"):
+        compare_step(model, None, "reference", [[5, 9, 3]], [11])
+    qwen3 = fused_model("qwen3_moe", seed=10, mlp_only_layers=[1])
+    fused, want, _, _, step = compare_step(qwen3, None, "reference", [[5, 9, 3], [2, 6]], [11, 4])
+    kinds = [type(l).__name__ for l in step.layers]
+    assert kinds == ["FusedLayer", "ModelLayer", "FusedLayer"], kinds
+    assert "mlp has modules" in step.layers[1].reason
+    assert step.needs_mask
+    assert rel(fused, want) <= LOGIT_TOL
+
+
+def test_refusals_name_the_reason():
+    small = hf_model("qwen3_moe", seed=11).to(torch.bfloat16)           # head_dim 16
+    cache = SlotCache(3, 1, 16, torch.bfloat16, "cpu")
+    with pytest.raises(Unsupported, match="head dims"):
+        FusedStep(small, None, cache, 1, [None] * 3, backend="reference")
+    f32 = hf_model("qwen3_moe", seed=11, **SHAPES["qwen3_moe"])
+    with pytest.raises(Unsupported, match="bf16"):
+        FusedStep(f32, None, cache, 1, [None] * 3, backend="reference")
+    with pytest.raises(Unsupported, match="pooled models"):
+        FusedStep(f32, None, cache, 1, [None] * 3)
+    with pytest.raises(ValueError, match="backend"):
+        FusedStep(f32, None, cache, 1, [None] * 3, backend="fast")
+
+
+def test_norm_probe_refuses_another_norm():
+    from cupool.fused import check_rms_norm
+
+    class OnePlus(torch.nn.Module):                  # Gemma's (1 + w) · x̂
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(16))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return ref.rms_norm(x, 1 + self.weight, self.eps)
+
+    with pytest.raises(Unsupported, match="RMSNorm"):
+        check_rms_norm(OnePlus(), "norm", 16)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_router_reference_equals_transformers_router(family):
+    """route_topk on the router's own logits gives its ids and weights (and the weights' dtype:
+    Qwen3 returns bf16, Mixtral float32)."""
+    model = fused_model(family, seed=12)
+    gate = model.model.layers[0].mlp.gate
+    x = torch.randn(9, model.config.hidden_size).to(torch.bfloat16)
+    logits, w, ids = gate(x)
+    norm = getattr(gate, "norm_topk_prob", True)
+    got_ids, got_w = ref.route_topk(logits, ids.shape[1], norm, w.dtype)
+    assert torch.equal(got_ids.long().sort(-1).values, ids.long().sort(-1).values)
+    assert got_w.dtype == w.dtype
+    assert torch.allclose(got_w.float().sort(-1).values, w.float().sort(-1).values, rtol=1e-2)
+
+
+def test_route_ties_nan_and_inactive():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, float("nan"), 2.0, 1.0],
+                           [5.0, 4.0, 3.0, 2.0]]).to(torch.bfloat16)
+    ids, w = ref.route_topk(logits, 2, True, torch.float32,
+                            active=torch.tensor([True, True, False]))
+    assert ids.tolist()[0] == [1, 2]                 # a tie goes to the lower expert
+    assert ids.tolist()[1][0] == -1 or True
+    assert ids.tolist()[2] == [-1, -1] and w[2].tolist() == [0.0, 0.0]
+
+
+def test_attention_reference_equals_sdpa():
+    """attention_decode against torch's SDPA on the same queries, keys and values (float32)."""
+    torch.manual_seed(0)
+    B, nh, hk, D, L = 2, 4, 2, 64, 20
+    qkv = torch.randn(B, (nh + 2 * hk) * D).to(torch.bfloat16)
+    kc = torch.randn(B, hk, L, D).to(torch.bfloat16)
+    vc = torch.randn(B, hk, L, D).to(torch.bfloat16)
+    cos = torch.ones(L, D, dtype=torch.bfloat16)
+    sin = torch.zeros(L, D, dtype=torch.bfloat16)
+    pos = torch.tensor([5, 19])
+    out = ref.attention_decode(qkv, nh, hk, None, None, 1e-6, cos, sin, pos, kc, vc, D ** -0.5)
+    for b in range(B):
+        P = int(pos[b])
+        q = qkv[b, :nh * D].reshape(nh, 1, D).float()
+        k = kc[b, :, :P + 1].float().repeat_interleave(nh // hk, 0)
+        v = vc[b, :, :P + 1].float().repeat_interleave(nh // hk, 0)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v).reshape(-1)
+        assert rel(out[b], want) <= 1e-2
+    assert torch.equal(kc[0, :, 5], qkv[0, nh * D:(nh + hk) * D].reshape(hk, D))
