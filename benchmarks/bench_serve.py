@@ -1,15 +1,18 @@
-"""Serving throughput: several concurrent streams decoded together by `cupool.Engine` through the
-pool, on the Qwen3-30B-A3B shape (synthetic weights) at a half-size bank.
+"""Serving throughput, as `cupool serve` delivers it: concurrent streams decoded together by
+`cupool.Engine` with its defaults (the fused decode step where the model fits), through the pool,
+on the Qwen3-30B-A3B shape (synthetic weights), for each bank size asked for (default: every
+expert resident, then half of each layer's experts).
 
 For each number of concurrent streams (1, 4, 8, 16 by default) as many requests are submitted at
 once (16-token prompts, `--tokens` new tokens each, greedy), and the engine decodes them together
 in its captured step (B = the stream count): aggregate tok/s (all generated tokens over the wall
 time from submission to the last token) and per-request decode tok/s, beside the batch-1 run as
 the baseline; then the same at 8 streams with sampling (temperature 0.8, top-p 0.95) against
-greedy. The hit rate of each case comes from the pool's counters. Routing: the synthetic model's
-own router (random weights: near-uniform routing, the hard case for a bank), or with
-`--routing locality` a trace with Qwen3-like locality replayed in its place (each stream a token
-of the trace's steps).
+greedy. The hit rate of each case comes from the pool's counters. Routing (`--routing`):
+`locality` (default) replays a trace with Qwen3-like locality in place of the router, one
+independent stream a sequence (`cupool.trace.streams`: stream 0 is bench_decode's one-token
+trace, so batch 1 replays the same routing), or `router`: the synthetic model's own router
+(random weights: near-uniform routing, the hard case for a bank).
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --small          # 2 layers, for a quick check
@@ -20,6 +23,7 @@ Writes benchmarks/results/bench_serve.json for a full run (--json PATH for any r
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -33,7 +37,18 @@ from _common import results_path, save  # noqa: E402
 from cupool.cli import CLIParser, positive_int, run  # noqa: E402
 
 
-def build(layers: int, max_batch: int, seed: int):
+def bank_fraction(text: str) -> float:
+    """A bank size as a fraction of each layer's experts, in (0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return v
+
+
+def build(layers: int, max_batch: int, seed: int, bank: float):
     import cupool
     from cupool import synthetic
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=layers)
@@ -41,17 +56,18 @@ def build(layers: int, max_batch: int, seed: int):
     E = shape["num_experts"]
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    pool = cupool.wrap(model, rows=E // 2, layers=specs, max_decode_tokens=max_batch,
+    rows = max(shape["num_experts_per_tok"], round(E * bank))
+    pool = cupool.wrap(model, rows=rows, layers=specs, max_decode_tokens=max_batch,
                        expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"),
                        progress=False)
     return model, pool, shape
 
 
 def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: bool,
-             compile: bool, seed: int) -> dict:
+             compile: bool, fused: bool, seed: int) -> dict:
     import cupool
     eng = cupool.Engine(model, pool, max_batch=streams, max_len=prompt_len + tokens + 8,
-                        eos_token_id=[], compile=compile)
+                        eos_token_id=[], compile=compile, fused=None if fused else False)
     g = torch.Generator().manual_seed(seed + streams)
     vocab = model.config.vocab_size
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(streams)]
@@ -75,7 +91,8 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     diag = {"hits": hits, "misses": misses, "staged": sum(s["staged"] for s in stats),
             "promotions": sum(s["promotions"] for s in stats),
             "gate_open": int(pool.bank.gate.item()), "errors": pool.errors()}
-    return {"diagnostics": diag,"streams": streams, "sampled": sampled, "tokens_generated": n, "wall_s": wall,
+    return {"diagnostics": diag, "step": eng.step_kind, "streams": streams, "sampled": sampled,
+            "tokens_generated": n, "wall_s": wall,
             "aggregate_tok_per_s": n / wall,
             "aggregate_decode_tok_per_s": streams * (tokens - 1) / decode_wall,
             "per_request_tok_per_s_median": statistics.median(per),
@@ -83,43 +100,58 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
             "steps": eng.steps_run}
 
 
-def main(args) -> int:
-    from cupool import _cuda
-    _cuda.require_gpu("bench_serve")
-    layers = 2 if args.small else args.layers
-    streams = sorted(set(args.streams))
-    model, pool, shape = build(layers, max(streams), args.seed)
+def run_bank(args, layers: int, streams: list[int], bank: float) -> dict:
+    model, pool, shape = build(layers, max(streams), args.seed, bank)
     if args.routing == "locality":
         from cupool import trace as tr
         from cupool.replay import Replayer
-        t = tr.synthetic(256, layers, shape["num_experts"], shape["num_experts_per_tok"],
-                         tokens=max(streams), seed=args.seed, **tr.QWEN3_LOCALITY)
+        t = tr.streams(args.tokens + 192, layers, shape["num_experts"],
+                       shape["num_experts_per_tok"], max(streams), seed=args.seed,
+                       **tr.QWEN3_LOCALITY)
         Replayer(pool, t).install()
+    label = f"bank {bank:.0%}"
     cases = []
     for b in streams:
-        r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile, args.seed)
+        r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
+                     not args.no_fused, args.seed)
         cases.append(r)
-        print(f"{b:3d} streams greedy : aggregate {r['aggregate_tok_per_s']:7.1f} tok/s (decode "
-              f"{r['aggregate_decode_tok_per_s']:7.1f}), per request "
-              f"{r['per_request_tok_per_s_median']:6.1f} tok/s, hit rate {r['hit_rate']:.3f}",
-              flush=True)
+        print(f"{label}: {b:3d} streams greedy : aggregate {r['aggregate_tok_per_s']:7.1f} tok/s "
+              f"(decode {r['aggregate_decode_tok_per_s']:7.1f}), per request "
+              f"{r['per_request_tok_per_s_median']:6.1f} tok/s, hit rate {r['hit_rate']:.3f} "
+              f"[{r['step']}]", flush=True)
     b = 8 if 8 in streams else max(streams)
-    sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile, args.seed)
+    sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile,
+                       not args.no_fused, args.seed)
     greedy = next(c for c in cases if c["streams"] == b)
-    print(f"{b:3d} streams sampled: aggregate {sampled['aggregate_tok_per_s']:7.1f} tok/s, "
-          f"{sampled['aggregate_tok_per_s'] / greedy['aggregate_tok_per_s']:.3f} of greedy, hit "
-          f"rate {sampled['hit_rate']:.3f}", flush=True)
+    print(f"{label}: {b:3d} streams sampled: aggregate {sampled['aggregate_tok_per_s']:7.1f} "
+          f"tok/s, {sampled['aggregate_tok_per_s'] / greedy['aggregate_tok_per_s']:.3f} of "
+          f"greedy, hit rate {sampled['hit_rate']:.3f}", flush=True)
     one = next((c for c in cases if c["streams"] == 1), None)
     summary = {}
     if one is not None:
         summary = {str(c["streams"]): c["aggregate_tok_per_s"] / one["aggregate_tok_per_s"]
                    for c in cases}
-        print("aggregate / batch-1: " + ", ".join(f"{k} streams {v:.2f}x" for k, v in summary.items()))
-    results = {"shape": f"Qwen3-30B-A3B, {layers} layers", "bank": "50% of each layer's experts",
-               "routing": args.routing, "tokens_per_request": args.tokens,
-               "prompt_tokens": args.prompt, "compile": args.compile, "cases": cases,
-               "sampled": sampled, "sampled_over_greedy": sampled["aggregate_tok_per_s"]
-               / greedy["aggregate_tok_per_s"], "aggregate_over_batch1": summary}
+        print(f"{label}: aggregate / batch-1: " +
+              ", ".join(f"{k} streams {v:.2f}x" for k, v in summary.items()))
+    pool.unwrap(restore_weights=False)
+    del model, pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"bank": bank, "cases": cases, "sampled": sampled,
+            "sampled_over_greedy": sampled["aggregate_tok_per_s"] / greedy["aggregate_tok_per_s"],
+            "aggregate_over_batch1": summary}
+
+
+def main(args) -> int:
+    from cupool import _cuda
+    _cuda.require_gpu("bench_serve")
+    layers = 2 if args.small else args.layers
+    streams = sorted(set(args.streams))
+    banks = [run_bank(args, layers, streams, bank) for bank in args.banks]
+    results = {"shape": f"Qwen3-30B-A3B, {layers} layers", "routing": args.routing,
+               "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
+               "compile": args.compile, "fused": not args.no_fused, "banks": banks,
+               "gpu": torch.cuda.get_device_name()}
     reduced = ["--small"] if args.small else []
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
@@ -132,8 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=positive_int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--tokens", type=positive_int, default=64, help="new tokens a request")
     p.add_argument("--prompt", type=positive_int, default=16, help="prompt tokens a request")
-    p.add_argument("--routing", choices=["router", "locality"], default="router")
-    p.add_argument("--compile", action="store_true", help="the decode step through torch.compile")
+    p.add_argument("--banks", type=bank_fraction, nargs="+", default=[1.0, 0.5],
+                   help="bank sizes, as fractions of each layer's experts (default 1.0 0.5)")
+    p.add_argument("--routing", choices=["router", "locality"], default="locality")
+    p.add_argument("--no-fused", action="store_true",
+                   help="the model's own forward instead of the fused decode step")
+    p.add_argument("--compile", action="store_true",
+                   help="the model's forward through torch.compile (where the fused step is "
+                        "not used)")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
     p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "

@@ -69,7 +69,7 @@ for stage in "$@"; do
                 run "ncu_source_$k" 300 $NCU_SOURCE -k regex:$k --launch-skip 1 -c 1 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
                 gzip -f "$OUT/ncu_source_$k.log"; done ;;
     profile-decode) run profile_decode 200 python3 benchmarks/profile_decode.py --json "$OUT/profile_decode.json"
-              run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --compile --layers 8 --json "$OUT/profile_decode_compiled.json" ;;
+              run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --step compiled --layers 8 --json "$OUT/profile_decode_compiled.json" ;;
     bench)    run bench_store 120 python3 benchmarks/bench_store.py --rows 16
               run bench_nvfp4 120 python3 benchmarks/bench_nvfp4.py
               run bench_planner 180 python3 benchmarks/bench_planner.py $PLANNER_SWEEP

@@ -177,6 +177,21 @@ def synthetic(steps: int, num_layers: int, num_experts: int, top_k: int, *, toke
 QWEN3_LOCALITY = dict(reuse_next=0.37, reuse_window=0.78, window=8, skew=0.2)
 
 
+def streams(steps: int, num_layers: int, num_experts: int, top_k: int, count: int, *,
+            seed: int = 0, **locality) -> Trace:
+    """`count` independent sequences decoded together: token t of every step is its own
+    one-token `synthetic` trace (seed + t), so each sequence has the locality of a single
+    stream, and token 0 is exactly `synthetic(..., seed=seed)`. (A `synthetic` trace of several
+    tokens is one routing history shared by all of them: one of its tokens alone reuses far
+    less than a single stream does.)"""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be an int >= 1, got {count!r}")
+    parts = [synthetic(steps, num_layers, num_experts, top_k, seed=seed + t, **locality)
+             for t in range(count)]
+    ids = np.concatenate([p.ids for p in parts], axis=2)
+    return Trace(ids, num_experts, note=f"{count} independent streams; stream 0: {parts[0].note}")
+
+
 def uniform(steps: int, num_layers: int, num_experts: int, top_k: int, *, tokens: int = 1,
             seed: int = 0) -> Trace:
     """Independent uniform routing (what a random router gives)."""

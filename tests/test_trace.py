@@ -65,3 +65,21 @@ def test_simulate_cli():
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "rows/layer     8" in r.stdout and "hit rate" in r.stdout
+
+
+def test_streams_are_independent_single_stream_traces():
+    """tr.streams: token 0 is the one-token synthetic trace of the same seed, every token keeps
+    a single stream's locality; a several-token synthetic trace shares one history, so one of its
+    tokens alone reuses less (why a batch-1 replay of it hit less than bench_decode's trace)."""
+    from cupool.simulate import simulate
+    L, E, K = 4, 64, 8
+    st = tr.streams(96, L, E, K, 3, seed=5, **tr.QWEN3_LOCALITY)
+    one = tr.synthetic(96, L, E, K, seed=5, **tr.QWEN3_LOCALITY)
+    assert st.ids.shape == (96, L, 3, K)
+    assert np.array_equal(st.ids[:, :, 0], one.ids[:, :, 0])
+    shared = tr.synthetic(96, L, E, K, tokens=16, seed=5, **tr.QWEN3_LOCALITY)
+    alone = simulate(tr.Trace(st.ids[:, :, 2:3], E), E // 2)["hit_rate"]
+    diluted = simulate(tr.Trace(shared.ids[:, :, :1], E), E // 2)["hit_rate"]
+    assert alone > diluted + 0.1, (alone, diluted)
+    with pytest.raises(ValueError, match="count"):
+        tr.streams(8, L, E, K, 0)

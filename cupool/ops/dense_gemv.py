@@ -167,6 +167,9 @@ class DenseGemv:
             if add is not None:
                 self._check_act("add", add, K)
             _check_vector("norm_weight", norm_weight, K, self.device)
+            if norm_weight.data_ptr() % 16:
+                raise ValueError(f"norm_weight must be 16-byte aligned (address "
+                                 f"{norm_weight.data_ptr():#x})")
             for name, t in (("h_out", h_out), ("x_out", x_out)):
                 if t is not None:
                     self._check_act(name, t, K)

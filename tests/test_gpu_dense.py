@@ -1,0 +1,276 @@
+"""The fused decode step's kernels against their references (GPU): `dense_gemv.cu` (plain,
+residual + RMSNorm prologue, residual and routing epilogues) and `dense_attention.cu` (q/k norm,
+rotary, cache write, split-KV attention with windows and sinks), at the Qwen3-30B-A3B shapes and
+odd ones, on fresh random inputs with outputs poisoned; then `FusedStep` on wrapped tiny models
+against transformers' forward through the same pool, and the engine's greedy tokens.
+
+Tolerances: a bf16 output differs from the reference by its own rounding and the order of float32
+sums: relative Frobenius error ≤ GEMV_TOL, every element within ELEM_ULPS bf16 steps of its size
+plus ATOL. Sums the kernel must round exactly as torch does (the residual h = in + add) are
+compared for equality; the RMSNorm output may differ by one bf16 step where the two rsqrt
+implementations straddle a rounding boundary. Routing is checked exactly: the kernel's ids and
+weights must be the reference rule applied to the kernel's own logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cupool.reference import dense as ref
+
+pytestmark = pytest.mark.gpu
+
+GEMV_TOL = 4e-3
+ELEM_ULPS = 2 ** -6        # four bf16 steps of the value's size
+ATOL = 1e-3
+ATTN_TOL = 1e-2
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def close(got, want, what: str):
+    assert not got.isnan().any(), f"{what}: NaN left (a poisoned element not written)"
+    assert rel(got, want) <= GEMV_TOL, f"{what}: relative error {rel(got, want):.2e}"
+    bad = (got.float() - want.float()).abs() > want.float().abs() * ELEM_ULPS + ATOL
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, first at {bad.nonzero()[0].tolist()}"
+
+
+def rand(*shape, scale=1.0, gen=None):
+    return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+
+def poison(*shape, dtype=torch.bfloat16):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+GEMV_CASES = [  # tokens, rows of each matrix, K
+    (1, [4096, 512, 512], 2048), (8, [4096, 512, 512], 2048), (16, [2048], 4096),
+    (1, [2048], 4096), (3, [100, 37, 37], 136), (13, [33], 4104), (5, [16], 8),
+    (2, [20011], 264),                                  # tall: two row tiles a block
+]
+
+
+@pytest.mark.parametrize("tokens,rows,K", GEMV_CASES)
+@pytest.mark.parametrize("variant", ["plain", "norm", "norm_add", "residual", "bias"])
+def test_dense_gemv_matches_reference(tokens, rows, K, variant):
+    from cupool.ops.dense_gemv import NORM, PLAIN, RESIDUAL, DenseGemv  # noqa: F401
+    gen = torch.Generator(device="cuda").manual_seed(hash((tokens, K, variant)) & 0xffff)
+    ws = [rand(n, K, scale=0.05, gen=gen) for n in rows]
+    bs = [rand(n, scale=0.5, gen=gen) for n in rows] if variant == "bias" else None
+    N = sum(rows)
+    norm = variant.startswith("norm")
+    epi = RESIDUAL if variant == "residual" else PLAIN
+    op = DenseGemv(ws, bs, tokens=tokens, norm=norm, epilogue=epi)
+    x = rand(tokens, K, scale=2.0, gen=gen)
+    add = rand(tokens, K, gen=gen) if variant == "norm_add" else None
+    nw = rand(K, scale=0.3, gen=gen) + 1 if norm else None
+    res = rand(tokens, N, gen=gen) if epi == RESIDUAL else None
+    out = poison(tokens, N)
+    h_out = poison(tokens, K) if add is not None else None
+    x_out = poison(tokens, K) if norm else None
+    kw = {}
+    if norm:
+        kw = dict(add=add, norm_weight=nw, eps=1e-6, h_out=h_out, x_out=x_out)
+    op(x, residual=res, out=out, **kw)
+    torch.cuda.synchronize()
+    if norm:
+        h, xin = ref.residual_norm(x, add, nw, 1e-6)
+        if add is not None:
+            assert torch.equal(h_out, h), "h = in + add must round as torch's bf16 add"
+        step = xin.float().abs() * 2 ** -7 + 1e-30
+        assert ((x_out.float() - xin.float()).abs() <= step).all(), "x_out off by > 1 bf16 step"
+    else:
+        xin = x
+    want = ref.gemv(ws, bs, xin)
+    if res is not None:
+        want = res + want
+    close(out, want, f"{variant} tokens={tokens} rows={rows} K={K}")
+
+
+@pytest.mark.parametrize("tokens,E,K", [(1, 128, 8), (8, 128, 8), (16, 128, 8), (3, 512, 10),
+                                        (5, 60, 4)])
+@pytest.mark.parametrize("norm_topk", [True, False])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+def test_dense_gemv_routes(tokens, E, K, norm_topk, wdtype):
+    from cupool.ops.dense_gemv import ROUTE, DenseGemv, RouteOut
+    gen = torch.Generator(device="cuda").manual_seed(E * 31 + tokens)
+    H = 2048
+    w = rand(E, H, scale=0.02, gen=gen)
+    op = DenseGemv([w], tokens=tokens, norm=True, epilogue=ROUTE)
+    r = RouteOut.allocate(tokens, E, K, wdtype, "cuda")
+    r.logits.fill_(float("nan"))
+    r.ids.fill_(-7)
+    r.weights.fill_(float("nan"))
+    h = rand(tokens, H, scale=3.0, gen=gen)
+    nw = rand(H, scale=0.3, gen=gen) + 1
+    active = torch.rand(tokens, device="cuda", generator=gen) > 0.3
+    xn = poison(tokens, H)
+    for _ in range(2):                     # twice: the ticket must be back at zero
+        op(h, norm_weight=nw, eps=1e-6, x_out=xn, route=r, top_k=K, norm_topk=norm_topk,
+           active=active)
+    torch.cuda.synchronize()
+    assert int(r.ticket.item()) == 0
+    _, xin = ref.residual_norm(h, None, nw, 1e-6)
+    want_logits = ref.gemv([w], None, xin)
+    close(r.logits.to(torch.bfloat16), want_logits, "router logits")
+    ids, wts = ref.route_topk(r.logits.to(torch.bfloat16), K, norm_topk, wdtype, active)
+    assert torch.equal(r.ids, ids), (r.ids, ids)
+    if wdtype == torch.bfloat16:
+        assert torch.equal(r.weights, wts)
+    else:
+        assert torch.allclose(r.weights, wts, rtol=1e-6, atol=1e-7)
+
+
+ATTN_CASES = [  # B, nh, hk, D, L, qk_norm, window, sinks
+    (1, 32, 4, 128, 4096, True, 0, False),        # Qwen3-30B-A3B
+    (4, 32, 4, 128, 700, True, 0, False),
+    (3, 8, 8, 64, 300, False, 0, False),
+    (5, 16, 2, 128, 257, True, 40, False),
+    (2, 8, 2, 64, 200, False, 16, True),          # gpt-oss-like: window and sinks
+    (1, 4, 1, 256, 130, True, 0, True),
+]
+
+
+@pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", ATTN_CASES)
+def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sinks):
+    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
+    gen = torch.Generator(device="cuda").manual_seed(B * 1000 + L)
+    qkv = rand(B, (nh + 2 * hk) * D, gen=gen)
+    kc = rand(B, hk, L, D, gen=gen)
+    vc = rand(B, hk, L, D, gen=gen)
+    ang = torch.rand(L, D // 2, device="cuda", generator=gen) * 6.3
+    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
+    qn = rand(D, scale=0.3, gen=gen) + 1 if qk_norm else None
+    kn = rand(D, scale=0.3, gen=gen) + 1 if qk_norm else None
+    sk = rand(nh, gen=gen) if sinks else None
+    pos = torch.randint(0, L, (B,), device="cuda", generator=gen)
+    pos[0] = L - 1
+    if B > 1:
+        pos[1] = 0
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms), "cuda")
+    op = DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
+                         window=window, sinks=sk, workspace=ws)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kc_ref, vc_ref,
+                                D ** -0.5, window, sk)
+    for _ in range(2):                      # twice: the merge counters must be back at zero
+        out = poison(B, nh * D)
+        op(qkv, pos, kc, vc, cos, sin, out)
+    torch.cuda.synchronize()
+    assert int(ws.count.abs().sum()) == 0
+    assert not out.isnan().any()
+    for b in range(B):
+        assert rel(out[b], want[b]) <= ATTN_TOL, (b, rel(out[b], want[b]))
+    written = torch.zeros(B, L, dtype=torch.bool, device="cuda")
+    written[torch.arange(B), pos] = True
+    for got, exp in ((kc, kc_ref), (vc, vc_ref)):
+        assert torch.equal(got.transpose(1, 2)[~written], exp.transpose(1, 2)[~written])
+        new, new_ref = got.transpose(1, 2)[written].float(), exp.transpose(1, 2)[written].float()
+        assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
+
+
+def test_dense_attention_replays_at_new_positions():
+    """Captured once, replayed with pos moved on the device: the parts are cut at run time."""
+    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
+    B, nh, hk, D, L = 2, 32, 4, 128, 1024
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    qkv = rand(B, (nh + 2 * hk) * D, gen=gen)
+    kc, vc = rand(B, hk, L, D, gen=gen), rand(B, hk, L, D, gen=gen)
+    cos = torch.ones(L, D, dtype=torch.bfloat16, device="cuda")
+    sin = torch.zeros(L, D, dtype=torch.bfloat16, device="cuda")
+    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, 132), "cuda")
+    op = DecodeAttention(nh, hk, D, scale=D ** -0.5, workspace=ws)
+    pos = torch.tensor([3, 10], device="cuda")
+    out = torch.empty(B, nh * D, dtype=torch.bfloat16, device="cuda")
+    op(qkv, pos, kc, vc, cos, sin, out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        op(qkv, pos, kc, vc, cos, sin, out)
+    for p in ([100, 1023], [700, 64], [0, 513]):
+        pos.copy_(torch.tensor(p))
+        out.fill_(float("nan"))
+        g.replay()
+        kr, vr = kc.clone(), vc.clone()
+        want = ref.attention_decode(qkv, nh, hk, None, None, 1e-6, cos, sin, pos, kr, vr,
+                                    D ** -0.5)
+        torch.cuda.synchronize()
+        assert rel(out, want) <= ATTN_TOL, (p, rel(out, want))
+
+
+# --- the fused step on wrapped tiny models -------------------------------------------------------
+def _wrapped(family: str, seed: int, rows=None, **overrides):
+    import cupool
+    from test_fused_step import fused_model
+    model = fused_model(family, seed=seed, device="cuda", **overrides)
+    with torch.no_grad():
+        for m in model.modules():             # real-model-sized experts (test_gpu_wrap.model_for)
+            if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
+                m.gate_up_proj.normal_(0, 0.05)
+                m.down_proj.normal_(0, 0.05)
+    E = model.model.layers[0].mlp.gate.weight.shape[0]
+    pool = cupool.wrap(model, rows=rows or E // 2, max_decode_tokens=4, progress=False)
+    return model, pool
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_step_matches_transformers_through_the_pool(family):
+    from test_fused_step import LOGIT_TOL, compare_step
+    model, pool = _wrapped(family, seed=31)
+    fused, want, fc, mc, step = compare_step(model, pool, "kernels",
+                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9, 9, 13]], [11, 13])
+    assert step.describe().startswith("fused decode step: 3 of 3 layers"), step.describe()
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+    assert pool.errors() == []
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_engine_fused_greedy_matches_the_reference(family):
+    """The engine's default step on a model that fits: fused, captured, gate open, half the
+    experts banked; tokens checked as test_gpu_engine checks the unfused engine's."""
+    import cupool
+    from test_gpu_engine import MAX_OFF, _check_against_reference, _prompts
+
+    from cupool.sampling import SamplingParams
+    model, pool = _wrapped(family, seed=32)
+    eng = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[])
+    assert eng.step_kind.startswith("fused"), eng.step_kind
+    ps = _prompts([3, 9, 14, 5, 7, 2], seed=1)
+    reqs = eng.generate(ps, [SamplingParams(max_tokens=n) for n in (16, 12, 16, 6, 10, 16)])
+    assert [len(r.output_ids) for r in reqs] == [16, 12, 16, 6, 10, 16]
+    assert pool.errors() == []
+    assert pool.verify() > 0
+    stats = pool.stats()
+    assert sum(s["hits"] + s["misses"] for s in stats) > 0
+    pool.unwrap()
+    off = _check_against_reference(model, reqs)
+    assert len(off) <= MAX_OFF, f"{family}: tokens off the reference's argmax at {off}"
+
+
+def test_engine_fused_equals_unfused_sampling_seeded():
+    """Seeded sampling through the fused step: the same seed repeats, and greedy tokens of the
+    fused and the unfused engine agree on most steps (bf16 noise may flip a near-tie)."""
+    import cupool
+    from test_gpu_engine import _prompts
+
+    from cupool.sampling import SamplingParams
+    model, pool = _wrapped("qwen3_moe", seed=33, rows=8)
+    ps = _prompts([4, 6, 3], seed=3)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=40 + i, max_tokens=10)
+              for i in range(3)]
+    runs = [[r.output_ids for r in cupool.Engine(model, pool, max_batch=3, max_len=32,
+                                                 eos_token_id=[]).generate(ps, params)]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    a = cupool.Engine(model, pool, max_batch=3, max_len=32, eos_token_id=[], fused=True)
+    b = cupool.Engine(model, pool, max_batch=3, max_len=32, eos_token_id=[], fused=False)
+    ga = [r.output_ids for r in a.generate(ps, SamplingParams(max_tokens=10))]
+    gb = [r.output_ids for r in b.generate(ps, SamplingParams(max_tokens=10))]
+    same = sum(x == y for ra, rb in zip(ga, gb) for x, y in zip(ra, rb))
+    assert same >= 0.8 * 30, (ga, gb)
