@@ -27,7 +27,8 @@
 //   ticket on count[b, h].
 // - out [B, nh · D]: written by the last block of (h, b) to take a ticket, which reads every
 //   part through L2 and merges them (with the sink's exp(sink − m) in the denominator), and puts
-//   count[b, h] back to zero for the next launch.
+//   count[b, h] back to zero for the next launch. An empty part (−inf, 0, zeros) weighs 0.
+//   The merge's part weights live in the block's scratch: G · NS ≤ max(G, 2) · D, so NS ≤ 64.
 #include "common.cuh"
 
 #ifndef D
@@ -48,9 +49,11 @@ static_assert(D % 64 == 0 && D <= 256, "head dims of 64, 128, 192 or 256");
 static_assert(G >= 1 && G * DPL <= 64, "G query heads of D dims fit a lane's accumulators");
 static_assert(2 * TP == THREADS, "two threads a position in the score phase");
 
+// Loads through L2 only (other blocks wrote these; L1 is not coherent). Not volatile: a merge
+// issues its loads together; the barrier before them keeps them after the ticket (memory clobber).
 CUPOOL_DEVICE float ld_cg(const float* p) {
     float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    asm("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
     return v;
 }
 
@@ -259,19 +262,37 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // the merge: part weights per head first (G·NS ≤ the scratch, checked by the launcher),
+    // then each output element sums its NS parts with loads that depend on nothing
+    float* wm = tmp;                           // [G][NS]: max, then the part's weight
+    float* wl = qs;                            // [G][NS]: sum of exponentials
+    for (int i = threadIdx.x; i < G * NS; i += THREADS) {
+        const int g = i / NS, q = i % NS;
+        const i64 head = (i64)b * nh + h * G + g;
+        wm[i] = ld_cg(part_ml + (head * NS + q) * 2);
+        wl[i] = ld_cg(part_ml + (head * NS + q) * 2 + 1);
+    }
+    __syncthreads();
+    for (int g = warp; g < G; g += NWARP) {
+        const float sink = sinks ? bf16_to_f32(sinks[h * G + g]) : -__int_as_float(0x7f800000);
+        float M = sink;
+        for (int q = lane; q < NS; q += 32) M = fmaxf(M, wm[g * NS + q]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float den = 0.0f;
+        for (int q = lane; q < NS; q += 32) den += expf(wm[g * NS + q] - M) * wl[g * NS + q];
+        den = warp_sum(den) + (sinks ? expf(sink - M) : 0.0f);
+        __syncwarp();
+        for (int q = lane; q < NS; q += 32) wm[g * NS + q] = expf(wm[g * NS + q] - M) / den;
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < G * D; i += THREADS) {
         const int g = i / D, c = i % D;
         const i64 head = (i64)b * nh + h * G + g;
-        float M = sinks ? bf16_to_f32(sinks[h * G + g]) : -__int_as_float(0x7f800000);
-        for (int q = 0; q < NS; ++q) M = fmaxf(M, ld_cg(part_ml + (head * NS + q) * 2));
-        float num = 0.0f, den = sinks ? expf(bf16_to_f32(sinks[h * G + g]) - M) : 0.0f;
-        for (int q = 0; q < NS; ++q) {
-            const float m = ld_cg(part_ml + (head * NS + q) * 2);
-            if (m == -__int_as_float(0x7f800000)) continue;     // an empty part
-            const float e = expf(m - M);
-            den += e * ld_cg(part_ml + (head * NS + q) * 2 + 1);
-            num += e * ld_cg(part_o + (head * NS + q) * D + c);
-        }
-        out[(i64)b * nh * D + (i64)(h * G + g) * D + c] = f32_to_bf16(num / den);
+        const float* o = part_o + head * NS * D + c;
+        float num = 0.0f;
+#pragma unroll 8
+        for (int q = 0; q < NS; ++q) num += wm[g * NS + q] * ld_cg(o + (i64)q * D);
+        out[(i64)b * nh * D + (i64)(h * G + g) * D + c] = f32_to_bf16(num);
     }
 }

@@ -17,7 +17,8 @@
 //
 // Why the first weight loads are issued before the prologue: x may depend on a norm over the
 // whole row (a chain of dependent loads and a block reduction); W does not, so the first U chunks
-// of W are already in flight while x is being built.
+// of W are already in flight while x is being built. After that, two register buffers of U
+// chunks alternate: one is multiplied while the other's loads are in flight.
 //
 // Prologues (x [NB, K] bf16 in shared memory, a tile of KT columns at a time):
 //   MODE 0 (plain): x = in
@@ -59,7 +60,7 @@
 #define RT 1              // 16-row tiles a block owns
 #endif
 #ifndef U
-#define U 4               // chunks a warp loads before it multiplies (bytes in flight)
+#define U (RT > 1 ? 2 : 4)   // chunks a register buffer holds (two buffers: 2·U chunks in flight)
 #endif
 
 #define NT ((NB + 7) / 8)           // MMA n tiles of 8 tokens
@@ -217,45 +218,49 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.0f;
 
-    u32x4 wa[U][RT], wb[U][RT];
+    // two register buffers of U chunks: the next U chunks' loads are in flight while the
+    // current ones are multiplied
+    u32x4 a_lo[U][RT], a_hi[U][RT], b_lo[U][RT], b_hi[U][RT];
     const u32x4 zero{0u, 0u, 0u, 0u};
-    // the loads of U chunks starting at chunk c0 (chunks c0, c0 + WARPS, ...) of the tile at k0
-    auto load = [&](i32 k0, i32 c0) {
+    // the loads of U chunks starting at chunk c0 (chunks c0, c0 + WARPS, ...) of the tile at k0;
+    // lo: rows g, hi: rows g + 8 of each row tile
+    auto load = [&](u32x4 (&lo)[U][RT], u32x4 (&hi)[U][RT], i32 k0, i32 c0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const i32 k = k0 + (c0 + u * WARPS) * 32;
 #pragma unroll
             for (int rt = 0; rt < RT; ++rt) {
                 const bool ok = k + t * 8 < K && k < k0 + KT;
-                wa[u][rt] = ok ? ld_stream16(pa[rt] + k) : zero;
-                wb[u][rt] = ok ? ld_stream16(pb[rt] + k) : zero;
+                lo[u][rt] = ok ? ld_stream16(pa[rt] + k) : zero;
+                hi[u][rt] = ok ? ld_stream16(pb[rt] + k) : zero;
             }
         }
     };
-    auto multiply = [&](i32 c0) {
+    auto multiply = [&](u32x4 (&lo)[U][RT], u32x4 (&hi)[U][RT], i32 c0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int col = (c0 + u * WARPS) * 32 + t * 8;
-            if (col >= KT) break;
+            if (col >= KT) break;                 // the same for every lane: KT is whole chunks
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const u32x4 x = *reinterpret_cast<const u32x4*>(&xs[(nt * 8 + g) * XSTRIDE + col]);
 #pragma unroll
                 for (int rt = 0; rt < RT; ++rt) {
-                    mma_bf16(acc[rt][nt], wa[u][rt].x, wb[u][rt].x, wa[u][rt].y, wb[u][rt].y, x.x, x.y);
-                    mma_bf16(acc[rt][nt], wa[u][rt].z, wb[u][rt].z, wa[u][rt].w, wb[u][rt].w, x.z, x.w);
+                    mma_bf16(acc[rt][nt], lo[u][rt].x, hi[u][rt].x, lo[u][rt].y, hi[u][rt].y, x.x, x.y);
+                    mma_bf16(acc[rt][nt], lo[u][rt].z, hi[u][rt].z, lo[u][rt].w, hi[u][rt].w, x.z, x.w);
                 }
             }
         }
     };
 
-    load(0, warp);
+    load(a_lo, a_hi, 0, warp);
 
 #if MODE == 1
     // rstd of every token: one warp a token, over the whole row
     for (int n = warp; n < NBP; n += WARPS) {
         float ss = 0.0f;
         if (n < NB) {
+#pragma unroll 4
             for (i32 k = lane * 8; k < K; k += 256) {
                 float h[8];
                 residual8(in, add, K, n, k, h);
@@ -298,9 +303,15 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
         }
         __syncthreads();
         const i32 chunks = min((i32)KT, K - k0) / 32 + ((min((i32)KT, K - k0) % 32) != 0);
-        for (i32 c0 = warp; c0 < chunks; c0 += WARPS * U) {
-            if (k0 > 0 || c0 != warp) load(k0, c0);
-            multiply(c0);
+        if (k0 > 0) load(a_lo, a_hi, k0, warp);
+        for (i32 c0 = warp; c0 < chunks; c0 += 2 * WARPS * U) {
+            const i32 c1 = c0 + WARPS * U;
+            if (c1 < chunks) load(b_lo, b_hi, k0, c1);
+            multiply(a_lo, a_hi, c0);
+            if (c1 < chunks) {
+                if (c1 + WARPS * U < chunks) load(a_lo, a_hi, k0, c1 + WARPS * U);
+                multiply(b_lo, b_hi, c1);
+            }
         }
     }
 

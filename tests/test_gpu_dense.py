@@ -31,10 +31,13 @@ def rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def close(got, want, what: str):
+def close(got, want, what: str, size=None):
+    """size: the magnitude each element's rounding scales with (default |want|; a residual sum
+    rounds at the size of its terms, which may cancel)."""
     assert not got.isnan().any(), f"{what}: NaN left (a poisoned element not written)"
     assert rel(got, want) <= GEMV_TOL, f"{what}: relative error {rel(got, want):.2e}"
-    bad = (got.float() - want.float()).abs() > want.float().abs() * ELEM_ULPS + ATOL
+    size = want.float().abs() if size is None else size
+    bad = (got.float() - want.float()).abs() > size * ELEM_ULPS + ATOL
     assert not bad.any(), f"{what}: {int(bad.sum())} elements off, first at {bad.nonzero()[0].tolist()}"
 
 
@@ -85,9 +88,11 @@ def test_dense_gemv_matches_reference(tokens, rows, K, variant):
     else:
         xin = x
     want = ref.gemv(ws, bs, xin)
+    size = None
     if res is not None:
+        size = res.float().abs() + want.float().abs()
         want = res + want
-    close(out, want, f"{variant} tokens={tokens} rows={rows} K={K}")
+    close(out, want, f"{variant} tokens={tokens} rows={rows} K={K}", size)
 
 
 @pytest.mark.parametrize("tokens,E,K", [(1, 128, 8), (8, 128, 8), (16, 128, 8), (3, 512, 10),
@@ -118,8 +123,8 @@ def test_dense_gemv_routes(tokens, E, K, norm_topk, wdtype):
     close(r.logits.to(torch.bfloat16), want_logits, "router logits")
     ids, wts = ref.route_topk(r.logits.to(torch.bfloat16), K, norm_topk, wdtype, active)
     assert torch.equal(r.ids, ids), (r.ids, ids)
-    if wdtype == torch.bfloat16:
-        assert torch.equal(r.weights, wts)
+    if wdtype == torch.bfloat16:          # one bf16 step where float division orders differ
+        assert torch.allclose(r.weights.float(), wts.float(), rtol=2 ** -7, atol=0)
     else:
         assert torch.allclose(r.weights, wts, rtol=1e-6, atol=1e-7)
 

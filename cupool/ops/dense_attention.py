@@ -17,6 +17,8 @@ from cupool import kernels
 THREADS = 128                   # the kernel's block
 MINCHUNK = 64                   # fewest positions a part (the kernel's MINCHUNK)
 HEAD_DIMS = (64, 128, 192, 256)
+# the merge keeps G · NS part weights where the block's G · D scratch is: NS ≤ 64 for D ≥ 64
+MAX_PARTS = 64
 
 
 def parts(tokens: int, kv_heads: int, max_len: int, sm_count: int) -> int:
@@ -24,7 +26,7 @@ def parts(tokens: int, kv_heads: int, max_len: int, sm_count: int) -> int:
     parts than max_len has MINCHUNK-position pieces (the kernel cuts them from each slot's own
     position at run time, so short contexts leave the surplus parts empty)."""
     want = -(-2 * sm_count // (tokens * kv_heads))
-    return max(1, min(want, -(-max_len // MINCHUNK), 256))
+    return max(1, min(want, -(-max_len // MINCHUNK), MAX_PARTS))
 
 
 class AttentionWorkspace:
@@ -83,6 +85,9 @@ class DecodeAttention:
             raise ValueError(f"{G} query heads a KV head of {head_dim} dims exceed a lane's "
                              f"accumulators (G·D/32 <= 64)")
         ws = workspace
+        if not 1 <= ws.num_parts <= MAX_PARTS:
+            raise ValueError(f"workspace has {ws.num_parts} parts; the kernel merges 1 to "
+                             f"{MAX_PARTS}")
         if (ws.heads, ws.kv_heads, ws.head_dim) != (heads, kv_heads, head_dim):
             raise ValueError(f"workspace is for heads={ws.heads}, kv_heads={ws.kv_heads}, "
                              f"head_dim={ws.head_dim}; this layer has {heads}, {kv_heads}, "
