@@ -22,8 +22,11 @@ place of the router. For each pool run: hit rate, PCIe bytes per token, and the 
 token if the misses moved at the PCIe bandwidth measured here and everything else ran at the
 resident run's speed); achieved/bound = bound / measured time.
 
-`--compile` runs every mode's decode step through torch.compile (GraphDecoder(compile=True)) and
-adds hf-bf16 compiled; the JSON's "compile" says which. `--merge` keeps the modes already in the
+Every mode decodes through `cupool.Engine` with its defaults (what `cupool serve` runs: the fused
+decode step where the model fits, one slot, its step captured in a CUDA graph; the eager modes
+with graph=False). `--compile` runs the model's own decode step through torch.compile where the
+fused step is not used (the baselines that swap the experts' computation, hf-bf16) and adds
+hf-bf16 compiled; the JSON's "compile" says which. `--merge` keeps the modes already in the
 results file that this run does not measure, so a long run can be split over calls (`--modes`);
 it refuses a file of another shape, token count or compile setting.
 
@@ -64,9 +67,9 @@ class Run:
 
 
 def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, replay=None,
-             rows=None, compile=False, driver="graph") -> Run:
-    """`repeats` decode runs of one mode, through GraphDecoder (driver "graph") or the Engine
-    (driver "engine": one slot, greedy; its decode graph captured after a warm-up request)."""
+             rows=None, compile=False) -> Run:
+    """`repeats` decode runs of one mode through the Engine with serve's defaults (one slot,
+    greedy; its decode graphs captured by a warm-up before the timed request)."""
     rates, captures, stats = [], [], None
     for _ in range(repeats):
         if pool is not None:
@@ -76,23 +79,16 @@ def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, 
             if replay is not None:
                 replay.step.zero_()
                 replay.install()
-        if driver == "engine":
-            t0 = time.perf_counter()
-            eng = cupool.Engine(model, pool, max_batch=1, max_len=prompt.shape[1] + tokens,
-                                graph=graph, compile=compile, eos_token_id=[])
-            eng.warmup()
-            captures.append(round(time.perf_counter() - t0, 2))
-            req = eng.generate([prompt[0].tolist()],
-                               SamplingParams(max_tokens=tokens, ignore_eos=True))[0]
-            rates.append(req.decode_tokens_per_s)
-            del eng
-        else:
-            dec = cupool.GraphDecoder(model, pool if backend is None else None,
-                                      max_len=prompt.shape[1] + tokens, graph=graph,
-                                      compile=compile)
-            res = dec.generate(prompt, tokens)
-            rates.append(res.tokens_per_s)
-            captures.append(round(res.capture_s, 2))
+        t0 = time.perf_counter()
+        eng = cupool.Engine(model, pool, max_batch=1, max_len=prompt.shape[1] + tokens,
+                            graph=graph, compile=compile, eos_token_id=[])
+        eng.warmup()
+        captures.append(round(time.perf_counter() - t0, 2))
+        req = eng.generate([prompt[0].tolist()],
+                           SamplingParams(max_tokens=tokens, ignore_eos=True))[0]
+        rates.append(req.decode_tokens_per_s)
+        eng.close()
+        del eng
         if pool is not None and backend is None:
             stats = pool.stats()
     if pool is not None:
@@ -161,17 +157,14 @@ def plot(results, pool_layers, path):
 MODES = ["pool", "pool-serial", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16"]
 ROUTINGS = ["uniform", "locality"]
 # --model: (shape, dense-part builder, results name, default modes, bank sizes of "pool" in % of
-# E, driver). gpt-oss (biased experts, the clamped SwiGLU, H = I = 2880) is measured against its
-# own resident ceiling; its 64.6 GB of rows fit an H200 once (resident), not twice (no pool-100).
-# It decodes through the Engine: transformers runs gpt-oss's attention eagerly (its sinks have
-# no SDPA path), and the eager mask code copies a host scalar a call, which no CUDA graph can
-# capture; the Engine passes masks of its own (GraphDecoder refuses such models).
+# E). gpt-oss (biased experts, the clamped SwiGLU, H = I = 2880) is measured against its own
+# resident ceiling; its 64.6 GB of rows fit an H200 once (resident), not twice (no pool-100).
 MODELS = {
     "qwen3-30b-a3b": (synthetic.QWEN3_30B_A3B, synthetic.qwen3_moe_dense_on_gpu, "bench_decode",
                       ["pool", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16"],
-                      (25, 50, 100), "graph"),
+                      (25, 50, 100)),
     "gpt-oss-120b": (synthetic.GPT_OSS_120B, synthetic.gpt_oss_dense_on_gpu,
-                     "bench_decode_gpt_oss_120b", ["pool", "resident"], (25, 50), "engine"),
+                     "bench_decode_gpt_oss_120b", ["pool", "resident"], (25, 50)),
 }
 
 
@@ -271,10 +264,7 @@ def reduced(args) -> list[str]:
 def main(args) -> None:
     if args.plot_only:
         return plot_only(args.plot_only)
-    full_shape, dense_on_gpu, result_name, default_modes, fractions, driver = MODELS[args.model]
-    if driver == "engine" and ({"uva-eager", "host-lru"} & set(args.modes or [])):
-        raise ValueError(f"--model {args.model} decodes through the Engine, which captures its "
-                         f"step: the eager modes uva-eager and host-lru are not measured for it")
+    full_shape, dense_on_gpu, result_name, default_modes, fractions = MODELS[args.model]
     if args.modes is None:
         args.modes = default_modes
     if "hf-bf16" in args.modes and args.model != "qwen3-30b-a3b":
@@ -285,7 +275,7 @@ def main(args) -> None:
     shape = dict(tiny) if args.small else dict(full_shape,
                                                num_hidden_layers=args.layers or
                                                full_shape["num_hidden_layers"])
-    results = {"model": args.model, "driver": driver, "shape": shape, "tokens": args.tokens,
+    results = {"model": args.model, "driver": "engine", "shape": shape, "tokens": args.tokens,
                "repeats": args.repeats, "compile": args.compile}
     old_modes = merged_modes(out, results) if args.merge else {}
     L, E, K, H, I, vocab = shape_keys(shape)
@@ -315,7 +305,7 @@ def main(args) -> None:
 
     def measure(**kw) -> Run:
         return run_mode(model, pool, prompt, args.tokens, args.repeats, compile=args.compile,
-                        driver=driver, **kw)
+                        **kw)
 
     resident = ResidentBackend(pool) if "resident" in args.modes or "pool" in args.modes else None
     for routing in args.routings:

@@ -148,13 +148,17 @@ def _dense_fingerprint(model) -> float:
 
 def _decode(model, pool, prompt, tokens: int) -> dict:
     import cupool
-    dec = cupool.GraphDecoder(model, pool, max_len=prompt.shape[1] + tokens)
+    eng = cupool.Engine(model, pool, max_batch=1, max_len=prompt.shape[1] + tokens,
+                        eos_token_id=[])
+    eng.warmup()
     rates, out = [], None
     for _ in range(3):
         pool.bank.reset_stats()
-        res = dec.generate(prompt, tokens)
-        rates.append(res.tokens_per_s)
-        out = res.tokens[0].tolist()
+        req = eng.generate([prompt[0].tolist()],
+                           cupool.SamplingParams(max_tokens=tokens, ignore_eos=True))[0]
+        rates.append(req.decode_tokens_per_s)
+        out = req.output_ids
+    eng.close()
     stats = pool.stats()
     hits = sum(s["hits"] for s in stats)
     misses = sum(s["misses"] for s in stats)

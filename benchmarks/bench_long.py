@@ -64,12 +64,14 @@ def soak(model, pool, layers: int, experts: int, top_k: int, vocab: int, steps: 
     replay.install()
     pool.bank.reset_stats()
     prompt = torch.randint(0, vocab, (1, 16), device="cuda")
-    dec = cupool.GraphDecoder(model, pool, max_len=16 + tokens)
-    res = dec.generate(prompt, tokens)
+    eng = cupool.Engine(model, pool, max_batch=1, max_len=16 + tokens, eos_token_id=[])
+    req = eng.generate([prompt[0].tolist()], SamplingParams(max_tokens=tokens, ignore_eos=True))[0]
+    eng.close()
     replay.uninstall()
     st = pool.stats()
     hits, misses = sum(s["hits"] for s in st), sum(s["misses"] for s in st)
-    out = {"layer_steps": (tokens - 1) * layers, "tokens": tokens, "tok_per_s": res.tokens_per_s,
+    out = {"layer_steps": (tokens - 1) * layers, "tokens": tokens,
+           "tok_per_s": req.decode_tokens_per_s,
            "hit_rate": hits / max(1, hits + misses), "errors": pool.errors()}
     try:
         out["verify_rows"] = pool.verify()

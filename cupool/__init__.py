@@ -14,7 +14,6 @@ decode step stays inside one CUDA graph. ARCHITECTURE.md describes how.
 
 from cupool.budget import BudgetError, parse_bytes, report
 from cupool.checkpoints import CheckpointError, open_checkpoint, read_experts
-from cupool.decode import GraphDecoder
 from cupool.engine import Engine, Request
 from cupool.layout import RowLayout
 from cupool.pool import Pool
@@ -29,7 +28,6 @@ __all__ = [
     "BudgetError",
     "CheckpointError",
     "Engine",
-    "GraphDecoder",
     "HostStore",
     "Loaded",
     "Pool",

@@ -1,5 +1,5 @@
-"""The main job: a Qwen3-MoE-shaped model whose experts live in the cupool bank, decoding in one
-CUDA graph per token.
+"""The main job: a Qwen3-MoE-shaped model whose experts live in the cupool bank, decoded by
+`cupool.Engine` as `cupool serve` runs it (the fused decode step, one CUDA graph per token).
 
 The dense part (attention, norms, router, embeddings) is built on the GPU with random weights and
 the experts directly as random NVFP4 rows (a 30B-parameter model is never materialised in bf16).
@@ -10,7 +10,7 @@ hit rate, and where the GPU memory went.
     python examples/decode_loop.py                 # default: 8 layers of the Qwen3-30B-A3B shape
     python examples/decode_loop.py --full          # all 48 layers (needs ~16 GiB pinned memory)
     python examples/decode_loop.py --small         # a tiny model (tests)
-    python examples/decode_loop.py --full --compile  # dense part through torch.compile
+    python examples/decode_loop.py --full --compile  # torch.compile where the step is not fused
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ def build_parser() -> CLIParser:
                    help="router: the model's own (random, near uniform); locality/uniform: replay "
                         "a synthetic trace (locality: ~45%% reuse at the next token)")
     p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--no-fused", action="store_true",
+                   help="run the model's own forward instead of the fused decode step")
     p.add_argument("--compile", action="store_true",
-                   help="fuse the dense part with torch.compile before capture (cupool's layers "
-                        "stay opaque ops); the first step compiles (19 s measured for 8 layers, "
-                        "more for 48); bench_decode measured 1.5-1.8x the tok/s of the "
-                        "uncompiled step on an H200")
+                   help="with --no-fused: the model's forward through torch.compile before "
+                        "capture (cupool's layers stay opaque ops; the first step compiles)")
     p.add_argument("--json", type=output_file, metavar="PATH",
                    help="also write the figures to this JSON file")
     return p
@@ -104,9 +104,16 @@ def main(args) -> int:
         Replayer(pool, trace).install()
         print(f"routing: {trace.note}")
     prompt = torch.randint(0, shape["vocab_size"], (1, args.prompt), device="cuda", generator=gen)
-    decoder = cupool.GraphDecoder(model, pool, max_len=args.prompt + args.tokens,
-                                  compile=args.compile)
-    res = decoder.generate(prompt, args.tokens)
+    t1 = time.perf_counter()
+    engine = cupool.Engine(model, pool, max_batch=1, max_len=args.prompt + args.tokens,
+                           fused=False if args.no_fused else None, compile=args.compile,
+                           eos_token_id=[])
+    engine.warmup()                               # the decode graphs, captured before timing
+    capture_s = time.perf_counter() - t1
+    req = engine.generate([prompt[0].tolist()],
+                          cupool.SamplingParams(max_tokens=args.tokens, ignore_eos=True))[0]
+    tok_per_s = req.decode_tokens_per_s
+    prefill_s = req.first_token_at - req.submitted_at
     stats = pool.stats()
     hits = sum(s["hits"] for s in stats)
     misses = sum(s["misses"] for s in stats)
@@ -116,15 +123,15 @@ def main(args) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "layers": L, "experts": E, "top_k": K, "rows_per_layer": pool.rows_per_layer,
         "tokens": args.tokens, "routing": args.routing, "compile": args.compile,
-        "tok_per_s": res.tokens_per_s,
-        "ms_per_token": 1e3 / res.tokens_per_s, "prefill_s": res.prefill_s,
-        "capture_s": res.capture_s, "hit_rate": hits / max(1, hits + misses),
+        "step": engine.step_kind, "tok_per_s": tok_per_s,
+        "ms_per_token": 1e3 / tok_per_s, "prefill_s": prefill_s,
+        "capture_s": capture_s, "hit_rate": hits / max(1, hits + misses),
         "pcie_bytes_per_token": copied / max(1, args.tokens - 1),
         "errors": pool.errors(),
     }
-    print(f"decoded {args.tokens} tokens: {res.tokens_per_s:.1f} tok/s "
-          f"({figures['ms_per_token']:.2f} ms/token), prefill {res.prefill_s * 1e3:.0f} ms, "
-          f"capture {res.capture_s:.2f} s")
+    print(f"decoded {args.tokens} tokens ({engine.step_kind}): {tok_per_s:.1f} tok/s "
+          f"({figures['ms_per_token']:.2f} ms/token), prefill {prefill_s * 1e3:.0f} ms, "
+          f"capture {capture_s:.2f} s")
     print(f"hit rate {figures['hit_rate']:.3f}, {figures['pcie_bytes_per_token'] / 2**20:.1f} MiB "
           f"over PCIe per token, errors: {figures['errors'] or 'none'}")
     print(pool.stats_table())

@@ -101,13 +101,17 @@ def main(args) -> int:
     with torch.inference_mode():
         eager = model.generate(prompt, max_new_tokens=args.tokens, do_sample=False,
                                min_new_tokens=args.tokens)[:, prompt.shape[1]:]
-    graph = cupool.GraphDecoder(model, pool, max_len=prompt.shape[1] + args.tokens)
-    res = graph.generate(prompt, args.tokens)
-    same = torch.equal(eager, res.tokens)
+    engine = cupool.Engine(model, pool, max_batch=1, max_len=prompt.shape[1] + args.tokens,
+                           eos_token_id=[])
+    req = engine.generate([prompt[0].tolist()],
+                          cupool.SamplingParams(max_tokens=args.tokens, ignore_eos=True))[0]
+    same = eager[0].tolist() == req.output_ids
     print(f"transformers generate (eager): {eager[0].tolist()}")
-    print(f"cupool graph decode:           {res.tokens[0].tolist()}  ({res.tokens_per_s:.1f} tok/s)")
-    # Both run the same pooled kernels; they can still part on a near-tie because transformers'
-    # generate uses a dynamic KV cache and the graph decoder a static one (other attention shapes).
+    print(f"cupool engine ({engine.step_kind}): {req.output_ids}  "
+          f"({req.decode_tokens_per_s:.1f} tok/s)")
+    # Both run the same pooled MoE kernels; they can still part on a near-tie because
+    # transformers' generate uses a dynamic KV cache and its own attention, the engine its slot
+    # cache (and, where the model fits, its fused decode kernels).
     print(f"identical greedy tokens: {same}")
     print(pool.stats_table())
     return 0

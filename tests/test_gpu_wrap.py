@@ -152,12 +152,11 @@ def test_family_matches_dequantized_reference(family):
         full_wrapped = model(prompt).logits          # 8 tokens x K lanes > 2 x K: partition path
         # capture with the gate closed leaves the placement alone
         key_before = pool.bank.key_of.clone()
-        # gpt-oss's attention runs eagerly in transformers, which GraphDecoder cannot capture
-        # (test_gpu_engine captures it through the Engine); the same loop then runs uncaptured
-        graph = model.config._attn_implementation != "eager"
-        dec = cupool.GraphDecoder(model, pool, max_len=8 + 32, graph=graph)
-        res = dec.generate(prompt, 32)                # closes, captures, opens, replays
-        graph_tokens = res.tokens
+        eng = cupool.Engine(model, pool, max_batch=1, max_len=8 + 32, eos_token_id=[])
+        req = eng.generate([prompt[0].tolist()],        # closes, captures, opens, replays
+                           cupool.SamplingParams(max_tokens=32, ignore_eos=True))[0]
+        graph_tokens = torch.tensor([req.output_ids], device="cuda")
+        eng.close()
         st = pool.stats()
         pool.close()
         with RouterLog(model) as routes:

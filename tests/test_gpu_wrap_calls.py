@@ -137,8 +137,10 @@ def test_every_decode_call_matches_the_rows_it_read(family, steps=32, show=12):
                            generator=torch.Generator("cuda").manual_seed(2))
     with torch.inference_mode():
         model(prompt)
-        graph = model.config._attn_implementation != "eager"     # gpt-oss: see test_gpu_wrap
-        cupool.GraphDecoder(model, pool, max_len=8 + steps, graph=graph).generate(prompt, steps)
+        eng = cupool.Engine(model, pool, max_batch=1, max_len=8 + steps, eos_token_id=[])
+        eng.generate([prompt[0].tolist()], cupool.SamplingParams(max_tokens=steps,
+                                                                 ignore_eos=True))
+        eng.close()
         pool.close()
         checker.active = True
         with RouterLog(model) as routes:
