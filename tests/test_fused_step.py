@@ -20,7 +20,7 @@ from tiny_models import hf_model
 pytest.importorskip("transformers")
 
 from cupool.engine import cache_kwarg  # noqa: E402
-from cupool.fused import FusedLayer, FusedStep, ModelLayer, Unsupported  # noqa: E402
+from cupool.fused import FusedLayer, FusedStep, Unsupported  # noqa: E402
 from cupool.kvcache import SlotCache  # noqa: E402
 from cupool.reference import dense as ref  # noqa: E402
 
