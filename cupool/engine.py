@@ -448,17 +448,19 @@ class Engine:
         self.top_p[b] = float(p.top_p)
         self.seeds[b] = r.seed
         self.steps[b] = 0
+        prefilling = self.pool.prefilling() if self.pool is not None else contextlib.nullcontext()
         try:
             logits = None
-            for a in range(0, S, self.prefill_chunk):
-                e = min(S, a + self.prefill_chunk)
-                self.cache.prefill_mode(b, a, e - a)
-                mask = self._masks(lambda w: self.cache.prefill_mask(self.dtype, w,
-                                                                      self._mask_bool))
-                out = self.model(input_ids=ids[None, a:e],
-                                 position_ids=torch.arange(a, e, device=dev)[None],
-                                 **self._fwd_kwargs(mask))
-                logits = out.logits[:, -1, :]
+            with prefilling:
+                for a in range(0, S, self.prefill_chunk):
+                    e = min(S, a + self.prefill_chunk)
+                    self.cache.prefill_mode(b, a, e - a)
+                    mask = self._masks(lambda w: self.cache.prefill_mask(self.dtype, w,
+                                                                          self._mask_bool))
+                    out = self.model(input_ids=ids[None, a:e],
+                                     position_ids=torch.arange(a, e, device=dev)[None],
+                                     **self._fwd_kwargs(mask))
+                    logits = out.logits[:, -1, :]
             first = sample(logits, self.temperature[b:b + 1], self.top_k[b:b + 1],
                            self.top_p[b:b + 1], self.seeds[b:b + 1], self.steps[b:b + 1],
                            greedy_only=p.temperature == 0)

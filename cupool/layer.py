@@ -44,7 +44,7 @@ class PooledExperts:
         if ids.shape[1] != p.top_k:
             raise ValueError(f"layer {self.layer}: top_k_index has K={ids.shape[1]}, the pool "
                              f"was built for top-{p.top_k}")
-        if x.shape[0] * p.top_k <= p.bank.max_lanes:
+        if x.shape[0] * p.top_k <= p.bank.max_lanes and not p.prefill_only:
             out = self.decode(x, ids, w)
         else:
             if p.routing_hook is not None:

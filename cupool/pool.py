@@ -8,6 +8,8 @@ it. `stats_table()` and `report()` say what the pool did and holds; `unwrap()` u
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from cupool import swap
@@ -41,6 +43,9 @@ class Pool:
         # lanes become padding: no expert reads, no placement change). cupool.Engine sets it to
         # its active slots around each batched decode step.
         self.token_mask: torch.Tensor | None = None
+        # True while a prompt is prefilled (`prefilling()`): every layer call takes the partition
+        # path, whatever its width, so prompts never move the placement nor count as hits/misses.
+        self.prefill_only = False
         # decode: copies on a second stream beside the GEMM of the rows in place. Off by default:
         # with the one-launch decode GEMM it bought ~1% at a half-size bank and cost ~10% with
         # every expert resident on an H200 (the second launch; docs/PERFORMANCE.md).
@@ -114,6 +119,17 @@ class Pool:
         self.rows_per_layer = rows
 
     # --- gate, checks, stats ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def prefilling(self):
+        """Inside: layer calls are prompt prefill (the partition path, placement untouched),
+        even when they are narrow enough for the decode path. The engine admits requests in it,
+        so the bank and its counters follow decode steps alone."""
+        before, self.prefill_only = self.prefill_only, True
+        try:
+            yield
+        finally:
+            self.prefill_only = before
+
     def open(self, verify: bool = True, sample: int | None = 64) -> None:
         """Open the gate (placement starts following the routing). Verifies tables and `sample`
         bank rows against the host store first."""

@@ -40,6 +40,17 @@ CUPOOL_DEVICE u16 f32_to_bf16(float f) {
     return h;
 }
 
+CUPOOL_DEVICE float ld_f32_cg(const float* p) {     // L2 only: data written by other blocks
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// A hint that the 128-byte line at p will be read soon: fetched into L2, no register held.
+CUPOOL_DEVICE void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
 CUPOOL_DEVICE float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -135,6 +135,24 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     const u16* sn = sin_t + P * D;
     const i64 cache_base = ((i64)b * hk + h) * max_len * D;
 
+    // Everything below reads data no earlier phase writes (the cache rows of this part, the
+    // norms, the rotary row) only after a chain of dependent phases: ask for all of it now, so
+    // those reads find it in L2. The first tile's keys and values are most of it.
+    {
+        const i64 first = min(end, start + TP);
+        const int lines = D * 2 / 128;                    // 128-byte lines a cache row
+        for (i64 i = threadIdx.x; i < (first - start) * lines; i += THREADS) {
+            const i64 off = cache_base + (start + i / lines) * D + (i % lines) * 64;
+            prefetch_l2(kc + off);
+            prefetch_l2(vc + off);
+        }
+        if (threadIdx.x < lines) {
+            prefetch_l2(cs + threadIdx.x * 64);
+            prefetch_l2(sn + threadIdx.x * 64);
+            if (q_norm) prefetch_l2(q_norm + threadIdx.x * 64);
+            if (k_norm) prefetch_l2(k_norm + threadIdx.x * 64);
+        }
+    }
     for (int i = threadIdx.x; i < G * D; i += THREADS)
         qs[i] = bf16_to_f32(row[(i64)(h * G) * D + i]);
     if (threadIdx.x < G) { m_run[threadIdx.x] = -__int_as_float(0x7f800000); l_run[threadIdx.x] = 0.0f; }

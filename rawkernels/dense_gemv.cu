@@ -80,13 +80,6 @@ CUPOOL_DEVICE void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u3
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Loads through L2 only: logits written by other blocks of this launch (L1 is not coherent).
-CUPOOL_DEVICE float ld_cg_f32(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
 struct Rows {
     const u16* w[3];
     const u16* b[3];
@@ -256,22 +249,38 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
     load(a_lo, a_hi, 0, warp);
 
 #if MODE == 1
-    // rstd of every token: one warp a token, over the whole row
-    for (int n = warp; n < NBP; n += WARPS) {
-        float ss = 0.0f;
-        if (n < NB) {
-#pragma unroll 4
-            for (i32 k = lane * 8; k < K; k += 256) {
+    // the norm's weights are read only while x is staged: bring them to L2 now
+    for (i32 k = threadIdx.x * 64; k < K; k += WARPS * 32 * 64) prefetch_l2(nw + k);
+    // rstd of every token: the whole block sums each token's squares (every thread's loads of
+    // all NB tokens in flight at once), then one sum a token across the warps
+    {
+        __shared__ float part[WARPS][NB];
+        float ss[NB];
+#pragma unroll
+        for (int n = 0; n < NB; ++n) ss[n] = 0.0f;
+        for (i32 k = threadIdx.x * 8; k < K; k += WARPS * 32 * 8) {
+#pragma unroll
+            for (int n = 0; n < NB; ++n) {
                 float h[8];
                 residual8(in, add, K, n, k, h);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) ss += h[i] * h[i];
+                for (int i = 0; i < 8; ++i) ss[n] += h[i] * h[i];
             }
         }
-        ss = warp_sum(ss);
-        if (lane == 0) rstd[n] = rsqrtf(ss / (float)K + eps);
+#pragma unroll
+        for (int n = 0; n < NB; ++n) {
+            const float v = warp_sum(ss[n]);
+            if (lane == 0) part[warp][n] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < NB) {
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) v += part[w][threadIdx.x];
+            rstd[threadIdx.x] = rsqrtf(v / (float)K + eps);
+        }
+        __syncthreads();
     }
-    __syncthreads();
 #endif
 
     for (i32 k0 = 0; k0 < K; k0 += KT) {
@@ -362,7 +371,7 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
         __syncthreads();
         const int nn = min(WARPS, NB - n0);
         for (i32 i = threadIdx.x; i < nn * N; i += WARPS * 32)
-            lg[i] = ld_cg_f32(logits + (i64)n0 * N + i);
+            lg[i] = ld_f32_cg(logits + (i64)n0 * N + i);
         __syncthreads();
         const int n = n0 + warp;
         if (warp < nn)

@@ -40,16 +40,6 @@ CUPOOL_DEVICE u32x4 ld_u32x4_cg(const void* p) {
     return v;
 }
 
-CUPOOL_DEVICE float ld_f32_cg(const float* p) {     // L2 only: data written by other blocks
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
-CUPOOL_DEVICE void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-
 // Four k-tiles of A fragments (fp16, or bf16 with BF) from one lane's 16-byte chunk word and
 // its two scale bytes (the 16-bit word at CHUNK_SCALES + 2·lane of the chunk).
 template <bool BF>
