@@ -1,6 +1,6 @@
 """`python -m cupool <command>` (also the `cupool` script):
 
-    info       the GPU, versions, and whether the kernels compile and run
+    info       the GPU, versions, the kernels' architecture and paths, whether they compile and run
     simulate   the planner's hit rate on a routing trace, on the CPU, to size the bank
     plan       what a checkpoint needs and where it goes for a budget (no GPU, no weights read)
     generate   load a checkpoint and generate from a prompt, printing the text as it comes
@@ -61,6 +61,7 @@ def info(args) -> int:
     except (_cuda.NoGPUError, _cuda.CupyMissingError) as e:
         print(f"\n{e}. CPU tools (tests, `simulate`, `plan`) still work.")
         return 1
+    tgt = _cuda.target()          # UnsupportedGPUError / a bad CUPOOL_ARCH: one line, exit 2
     cp = _cuda.cupy()
     rt = cp.cuda.runtime
 
@@ -81,23 +82,45 @@ def info(args) -> int:
     print()
     print(cupool.report())
     print()
-    return 0 if _selftest() else 2
+    print(path_lines(tgt))
+    return 0 if _selftest(tgt) else 2
 
 
-def _selftest() -> bool:
-    """Compile and run the selftest kernel through the loader on torch's stream."""
+def path_lines(tgt) -> str:
+    """What `info` says of the code path a Target gives: the architecture built for, the row
+    copies, the decode GEMM, the shared-memory limits launches keep to."""
+    from cupool.gemm import decode_form
+    copies = {"bulk": "bulk (the bulk-copy engine, copy_rows_bulk)",
+              "ld": "ld (SM loads, copy_rows)"}[tgt.copy_mode]
+    stages = "bulk copies" if tgt.bulk_copy else "cp.async"
+    return "\n".join([
+        f"kernels for   {tgt.describe()}",
+        f"row copies    {copies}",
+        f"decode GEMM   {decode_form()}; weight stages by {stages}",
+        f"shared memory {tgt.smem_block // 1024} KiB a block, {tgt.smem_sm // 1024} KiB an SM, "
+        f"{tgt.sms} SMs"])
+
+
+def _selftest(tgt) -> bool:
+    """Compile and run the selftest kernels through the loader on torch's stream: axpb's result,
+    and the __CUDA_ARCH__ the code reports against the target's."""
     import torch
 
     from cupool import kernels
+    how = "NVRTC PTX, compiled by the driver" if tgt.forced else "NVRTC"
     try:
         k = kernels.function("selftest", "axpb")
         x = torch.randn(1000, device="cuda")
         b = torch.tensor([0.5], device="cuda")
         y = torch.full_like(x, float("nan"))
         kernels.launch(k, 4, 256, (x, b, y, kernels.f32(2.0), kernels.i32(x.numel())))
-        good = torch.allclose(y, 2 * x + 0.5)
-        print(f"kernels       NVRTC compile + launch on torch's stream: {'ok' if good else 'WRONG RESULT'}")
-        return bool(good)
+        arch = torch.full((1,), -1, dtype=torch.int32, device="cuda")
+        kernels.launch(kernels.function("selftest", "cuda_arch"), 1, 32, (arch,))
+        ran = int(arch.item())
+        good = bool(torch.allclose(y, 2 * x + 0.5)) and ran == 10 * tgt.sm
+        print(f"kernels       {how} compile + launch on torch's stream: "
+              f"{'ok' if good else 'WRONG RESULT'} (__CUDA_ARCH__ {ran})")
+        return good
     except Exception as e:  # noqa: BLE001
         print(f"kernels       compile/launch failed: {e}")
         return False
