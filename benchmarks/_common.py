@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+ARCH_ENV = "CUPOOL_ARCH"     # cupool._cuda.ARCH_ENV: runs of another architecture's code are
+                             # labelled so and never overwrite the canonical results
 
 
 def time_ms(fn, *, warmup: int = 5, iters: int = 50, setup=None) -> float:
@@ -126,8 +129,15 @@ def peak_rss_bytes() -> int:
 
 
 def gpu_name() -> str:
-    """The GPU's name, or "none (CPU simulation)" for results computed without one."""
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU simulation)"
+    """The GPU's name, or "none (CPU simulation)" for results computed without one; with
+    CUPOOL_ARCH, which code it ran ("NVIDIA H200 running sm_86 code (CUPOOL_ARCH=86, ...)")."""
+    if not torch.cuda.is_available():
+        return "none (CPU simulation)"
+    name = torch.cuda.get_device_name()
+    if os.environ.get(ARCH_ENV, "").strip():
+        from cupool import _cuda
+        return f"{name} running {_cuda.target().describe()}"
+    return name
 
 
 def reduced_by(args, parser, *names: str) -> list[str]:
@@ -162,6 +172,8 @@ def results_path(name: str, json_path: Path | None, reduced: list[str]) -> Path 
     writes no file (so a quick run never overwrites the canonical one)."""
     if json_path is not None:
         return Path(json_path)
+    if os.environ.get(ARCH_ENV, "").strip():             # another architecture's code
+        reduced = [*reduced, f"{ARCH_ENV}={os.environ[ARCH_ENV]}"]
     if reduced:
         print(f"a reduced run ({'; '.join(reduced)}): writing no results file "
               f"(--json PATH writes one)")

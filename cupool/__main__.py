@@ -1,8 +1,9 @@
 """`python -m cupool <command>` (also the `cupool` script):
 
-    info       the GPU, versions, and whether the kernels compile and run
+    info       the GPU, versions, the kernels' architecture and paths, whether they compile and run
     simulate   the planner's hit rate on a routing trace, on the CPU, to size the bank
-    plan       what a checkpoint needs and where it goes for a budget (no GPU, no weights read)
+    plan       what a checkpoint needs and where it goes for a budget, and an estimate of its
+               decode speed on a GPU (no GPU needed, no weights read)
     generate   load a checkpoint and generate from a prompt, printing the text as it comes
     serve      an OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models)
 
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import shutil
 import subprocess
 import sys
 import time
 
-from cupool.cli import (CLIParser, existing_dir, fail, fraction, nonnegative_float,
-                        nonnegative_int, positive_int, run, size)
+from cupool.cli import (CLIParser, existing_dir, existing_file, fail, fraction,
+                        nonnegative_float, nonnegative_int, positive_int, run, size)
 
 PROG = "cupool"
 
@@ -61,6 +63,7 @@ def info(args) -> int:
     except (_cuda.NoGPUError, _cuda.CupyMissingError) as e:
         print(f"\n{e}. CPU tools (tests, `simulate`, `plan`) still work.")
         return 1
+    tgt = _cuda.target()          # UnsupportedGPUError / a bad CUPOOL_ARCH: one line, exit 2
     cp = _cuda.cupy()
     rt = cp.cuda.runtime
 
@@ -81,23 +84,45 @@ def info(args) -> int:
     print()
     print(cupool.report())
     print()
-    return 0 if _selftest() else 2
+    print(path_lines(tgt))
+    return 0 if _selftest(tgt) else 2
 
 
-def _selftest() -> bool:
-    """Compile and run the selftest kernel through the loader on torch's stream."""
+def path_lines(tgt) -> str:
+    """What `info` says of the code path a Target gives: the architecture built for, the row
+    copies, the decode GEMM, the shared-memory limits launches keep to."""
+    from cupool.gemm import decode_form
+    copies = {"bulk": "bulk (the bulk-copy engine, copy_rows_bulk)",
+              "ld": "ld (SM loads, copy_rows)"}[tgt.copy_mode]
+    stages = "bulk copies" if tgt.bulk_copy else "cp.async"
+    return "\n".join([
+        f"kernels for   {tgt.describe()}",
+        f"row copies    {copies}",
+        f"decode GEMM   {decode_form()}; weight stages by {stages}",
+        f"shared memory {tgt.smem_block // 1024} KiB a block, {tgt.smem_sm // 1024} KiB an SM, "
+        f"{tgt.sms} SMs"])
+
+
+def _selftest(tgt) -> bool:
+    """Compile and run the selftest kernels through the loader on torch's stream: axpb's result,
+    and the __CUDA_ARCH__ the code reports against the target's."""
     import torch
 
     from cupool import kernels
+    how = "NVRTC PTX, compiled by the driver" if tgt.forced else "NVRTC"
     try:
         k = kernels.function("selftest", "axpb")
         x = torch.randn(1000, device="cuda")
         b = torch.tensor([0.5], device="cuda")
         y = torch.full_like(x, float("nan"))
         kernels.launch(k, 4, 256, (x, b, y, kernels.f32(2.0), kernels.i32(x.numel())))
-        good = torch.allclose(y, 2 * x + 0.5)
-        print(f"kernels       NVRTC compile + launch on torch's stream: {'ok' if good else 'WRONG RESULT'}")
-        return bool(good)
+        arch = torch.full((1,), -1, dtype=torch.int32, device="cuda")
+        kernels.launch(kernels.function("selftest", "cuda_arch"), 1, 32, (arch,))
+        ran = int(arch.item())
+        good = bool(torch.allclose(y, 2 * x + 0.5)) and ran == 10 * tgt.sm
+        print(f"kernels       {how} compile + launch on torch's stream: "
+              f"{'ok' if good else 'WRONG RESULT'} (__CUDA_ARCH__ {ran})")
+        return good
     except Exception as e:  # noqa: BLE001
         print(f"kernels       compile/launch failed: {e}")
         return False
@@ -164,6 +189,7 @@ def plan(args) -> int:
             raise ValueError(f"{args.model}/config.json gives no num_experts_per_tok (top-k)")
         L, E, H, I = len(ck.moe_layers), ck.num_experts, ck.hidden, ck.intermediate
         dense = ck.dense_bytes(dtype)
+        dense_read = {n: math.prod(ck.dense_shape(n)) * dtype.itemsize for n in ck.dense_names()}
         sizes = ck.expert_sizes()
         fmt = ck.format
         bias = ck.has_bias
@@ -205,7 +231,59 @@ def plan(args) -> int:
           f"the experts on the GPU at once)")
     print(f"budget       {fmt_bytes(args.budget):>12}  fits: {fmt_bytes(fixed + kv + bank)} on the "
           f"GPU, {fmt_bytes(sizes.store_bytes)} pinned in host memory")
+    print(speed_lines(args, rows=rows, topk=K, num_experts=E, moe_layers=L, layout=layout,
+                      config=config, text=text, dense=dense_read))
     return 0
+
+
+def speed_lines(args, *, rows, topk, num_experts, moe_layers, layout, config, text,
+                dense) -> str:
+    """`plan`'s estimate of batch-1 decode speed for the bank of `rows` rows per layer."""
+    import torch
+
+    from cupool import estimate as est
+    from cupool.store import fmt_bytes
+    if args.gpu:
+        gpu = args.gpu
+    elif torch.cuda.is_available():
+        gpu = est.device_gpu(torch.cuda.current_device())
+    else:
+        return (f"speed        give --gpu NAME ({', '.join(est.GPUS)}) for an estimate of "
+                f"decode tokens a second")
+    if rows >= num_experts:
+        hit, why = 1.0, "every expert in the bank"
+    elif args.hit_rate is not None:
+        hit, why = args.hit_rate, "--hit-rate"
+    elif args.trace:
+        hit, why = _trace_hit_rate(args.trace, rows, moe_layers, num_experts), f"{args.trace}"
+    else:
+        hit, why = rows / num_experts, "rows/E as uniform routing gives; real routing hits more " \
+                                       "(--trace or --hit-rate)"
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    kw = dict(dense_bytes=est.dense_read_bytes(dense, tied), row_bytes=layout.row_bytes,
+              topk=topk, moe_layers=moe_layers,
+              layers=int(getattr(text, "num_hidden_layers", moe_layers) or moe_layers),
+              hit_rate=hit)
+    fast, eager = (est.estimate(gpu, mode=m, **kw) for m in ("compiled", "eager"))
+    return "\n".join([
+        f"speed        ESTIMATE for {gpu.describe()}, batch 1, hit rate {hit:.2f} ({why}):",
+        f"             ~{fast.tok_per_s:.0f} tok/s decode compiled (Engine(compile=True)), "
+        f"~{eager.tok_per_s:.0f} tok/s eager; a token reads {fmt_bytes(fast.mem_bytes)} of GPU "
+        f"memory and copies {fmt_bytes(fast.pcie_bytes)} over PCIe",
+        "             (cupool.estimate: bytes and a fixed time a layer, fitted to H200 "
+        "measurements; not a measurement)"])
+
+
+def _trace_hit_rate(path, rows: int, moe_layers: int, num_experts: int) -> float:
+    """The bank's hit rate on a routing trace (reference planner, CPU), the trace checked to be
+    the model's (layers, experts)."""
+    from cupool import trace as tr
+    from cupool.simulate import simulate as run_simulation
+    t = tr.Trace.load(path)
+    if (t.num_layers, t.num_experts) != (moe_layers, num_experts):
+        raise ValueError(f"--trace {path}: {t.num_layers} layers of {t.num_experts} experts, the "
+                         f"model has {moe_layers} MoE layers of {num_experts}")
+    return float(run_simulation(t, rows, warmup_steps=min(8, t.steps - 1))["hit_rate"])
 
 
 # --- generate --------------------------------------------------------------------------------------
@@ -284,6 +362,13 @@ def build_parser() -> CLIParser:
     pl.add_argument("--prefill-tokens", type=positive_int, default=4096,
                     help="tokens of one prefill GEMM call (longer prompts run in chunks)")
     pl.add_argument("--mtp", action="store_true", help="count the MTP layers' experts too")
+    pl.add_argument("--gpu", type=_table_gpu, help="estimate decode speed on this GPU (RTX 3090, RTX 4090, "
+                                  "RTX 5090, RTX PRO 6000, A100, H100, H200; default: this "
+                                  "machine's GPU, if any)")
+    hit = pl.add_mutually_exclusive_group()
+    hit.add_argument("--hit-rate", type=fraction, help="the bank's hit rate for the estimate")
+    hit.add_argument("--trace", type=existing_file,
+                     help="routing trace (.npz, cupool.trace) whose hit rate the estimate uses")
 
     g = sub.add_parser("generate", help="load a checkpoint and generate from a prompt")
     g.add_argument("--model", required=True, type=existing_dir, help="checkpoint directory")
@@ -307,6 +392,14 @@ def build_parser() -> CLIParser:
     except ImportError as e:
         sv.set_defaults(serve_available=False, serve_error=str(e))
     return p
+
+
+def _table_gpu(text: str):
+    from cupool.estimate import find_gpu
+    try:
+        return find_gpu(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class _Raw(argparse.RawDescriptionHelpFormatter):

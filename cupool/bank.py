@@ -62,8 +62,9 @@ class Bank:
         ring: capacity of the plan step's LRU ring, a power of two ≥ R (default
             `cupool.ops.planner.ring_capacity`; a tight one compacts often, which tests use).
         copy_mode: the row-copy kernel (`cupool.ops.rowcopy.RowCopier` modes): "bulk" (Hopper bulk
-            copies, sm_90+), "ld" (SM loads, any GPU), or "auto" (default): "bulk" on compute
-            capability ≥ 9.0, else "ld". The choice is `copy_mode` on the bank.
+            copies, sm_90+), "ld" (SM loads, any GPU), or "auto" (default): "bulk" where the
+            kernels are built for sm_90 or newer, else "ld" (`cupool._cuda.target`, which
+            CUPOOL_ARCH sets). The choice is `copy_mode` on the bank.
         copy_blocks: the copy kernel's fixed grid (default: the RowCopier default).
     The gate starts closed: steps route correctly through staging but move nothing until `open()`.
     """
@@ -132,7 +133,7 @@ class Bank:
 
     @property
     def copy_mode(self) -> str:
-        """The row-copy kernel in use: "bulk" or "ld" ("auto" resolved for this GPU)."""
+        """The row-copy kernel in use: "bulk" or "ld" ("auto" resolved for the target)."""
         return self._copy.mode
 
     @property

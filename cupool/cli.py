@@ -18,13 +18,13 @@ from typing import Callable
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are a user's mistake: their message is the whole story."""
-    from cupool._cuda import CupyMissingError, NoGPUError
+    from cupool._cuda import CupyMissingError, NoGPUError, UnsupportedGPUError
     from cupool.budget import BudgetError
     from cupool.checkpoints import CheckpointError
     errs: list[type[BaseException]] = [ValueError, FileNotFoundError,
                                        IsADirectoryError, NotADirectoryError, PermissionError,
-                                       NoGPUError, CupyMissingError, BudgetError, CheckpointError,
-                                       MemoryError]
+                                       NoGPUError, CupyMissingError, UnsupportedGPUError,
+                                       BudgetError, CheckpointError, MemoryError]
     try:
         from cupool.adapters import UnsupportedModelError
         errs.append(UnsupportedModelError)

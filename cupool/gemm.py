@@ -11,8 +11,8 @@ each call; the launches are `cupool.ops.moe_decode` (one-launch decode) and `cup
 Two paths, both with fixed grids and sizes read on the device:
 - `decode(x, lane_addr, topk_weights)`: lanes come with the address of their expert's row (what
   the plan step writes: bank row, staging row, or a host UVA address; 0 = padding). Memory-bound;
-  a deterministic sum over top-k. Graph-capturable. One launch (moe_decode, compute capability
-  9.0+) up to 256 lanes; otherwise route_decode, then w13 and w2 launches.
+  a deterministic sum over top-k. Graph-capturable. One launch (moe_decode) up to 256 lanes;
+  otherwise route_decode, then w13 and w2 launches.
 - `prefill(x, topk_ids, topk_weights, expert_addr, ...)`: the partition path. Experts whose row is
   on the GPU (expert_addr[e] ≠ 0) are computed from there; the others are copied once per call
   into a bounded scratch of `scratch_rows` rows, chunk by chunk, and computed from the scratch;
@@ -84,19 +84,21 @@ def check_routing(topk_weights: torch.Tensor, tokens: int, device, topk_ids=None
 DECODE_KERNELS = ("auto", "fused", "pair")
 
 
-def resolve_decode_kernel(kind: str, capability: tuple[int, int]) -> str:
-    """The decode kernel for `kind` on a GPU of `capability`: "auto" is "fused" on compute
-    capability 9.0 and newer (moe_decode uses Hopper bulk copies and bf16x2 multiplies), else
-    "pair"; "fused" on an older GPU is an error."""
+def resolve_decode_kernel(kind: str) -> str:
+    """The decode kernel for `kind`: "auto" is "fused" on every architecture cupool builds for
+    (moe_decode stages its weights with bulk copies on sm_90+ and with cp.async before, and
+    multiplies bf16 pairs with fma where sm_80-89 have no bf16x2 multiply)."""
     if kind not in DECODE_KERNELS:
         raise ValueError(f"decode_kernel must be one of {DECODE_KERNELS}, got {kind!r}")
-    hopper = tuple(capability) >= (9, 0)
-    if kind == "auto":
-        return "fused" if hopper else "pair"
-    if kind == "fused" and not hopper:
-        raise ValueError(f"decode_kernel='fused' needs compute capability 9.0 or newer, the GPU "
-                         f"has {capability[0]}.{capability[1]}; use 'pair' or 'auto'")
-    return kind
+    return "fused" if kind == "auto" else kind
+
+
+def decode_form(kind: str = "auto") -> str:
+    """In words, the decode GEMM a `decode_kernel` value gives (`cupool info`)."""
+    if resolve_decode_kernel(kind) == "fused":
+        return (f"one launch (moe_decode) up to {FUSED_MAX_LANES} lanes, two launches (moe_w13, "
+                f"moe_w2) past that")
+    return "two launches (route_decode, moe_w13, moe_w2)"
 
 
 def scratch_chunks(scratch_rows: int, scratch_buffers: int, num_experts: int) -> tuple[int, int, int]:
@@ -172,11 +174,10 @@ class MoEGemm:
             last GEMM after the last copy, but more launches a call (host time). Default 32 rows
             in 2 buffers: chunks of 16 experts.
         decode_kernel: "fused": one launch groups the lanes and does w13 (weights dequantised
-            to the model's dtype), SiLU·up, w2 and the top-k sum (moe_decode.cu; compute
-            capability 9.0+), for calls of up to 256 lanes (T·K); wider calls, and "pair", use
-            route_decode, then a w13 and a w2 launch (moe_align.cu, moe_gemm.cu). "auto"
-            (default): "fused" where the GPU has it, else "pair"; `decode_kernel` holds the
-            choice. Both are deterministic and hand SiLU·up from w13 to w2 in bf16, but they are
+            to the model's dtype), SiLU·up, w2 and the top-k sum (moe_decode.cu), for calls of
+            up to 256 lanes (T·K); wider calls, and "pair", use route_decode, then a w13 and a
+            w2 launch (moe_align.cu, moe_gemm.cu). "auto" (default): "fused";
+            `decode_kernel` holds the choice. Both are deterministic and hand SiLU·up from w13 to w2 in bf16, but they are
             not bit-identical (the pair multiplies x as fp16 scaled per token, moe_decode as it is,
             and their sums run in different orders).
         prefill_config: the launch config of prefill's moe_w13 / moe_w2
@@ -216,9 +217,8 @@ class MoEGemm:
         self.activation = activation
         self.device = torch.device("cuda", _cuda.device_index(device))
         dev = self.device
-        self.decode_kernel = resolve_decode_kernel(decode_kernel,
-                                                   torch.cuda.get_device_capability(dev))
-        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.decode_kernel = resolve_decode_kernel(decode_kernel)
+        self.sms = _cuda.target(dev).sms
         self.max_decode_tokens = int(max_decode_tokens)
         self.error = torch.zeros(1, dtype=torch.int32, device=dev)
         self.num_experts = int(num_experts)

@@ -7,8 +7,14 @@ handing the text to NVRTC. That way:
 - compile errors name the real file and line (`rawkernels/common.cuh(12): error ...`).
 System headers (`<...>`) are left to NVRTC; cupool's kernels use none.
 
-Options: `-std=c++17`, the device's own compute capability (CuPy picks it), `-D` defines from the
-caller, and `-lineinfo` when CUPOOL_KERNEL_DEBUG=1.
+Options: `-std=c++17`, `-D` defines from the caller, and `-lineinfo` when CUPOOL_KERNEL_DEBUG=1.
+Architecture (`cupool._cuda.target`): by default the device's own compute capability (CuPy picks
+it and compiles to a cubin). With CUPOOL_ARCH=80|86|89|90|100|120 every kernel is compiled by
+NVRTC (through CuPy) as PTX for compute_<arch>, written to the PTX cache
+($XDG_CACHE_HOME/cupool/ptx, default ~/.cache/cupool/ptx; named by a hash of the text, options,
+arch and NVRTC version) and loaded from that file, so the driver compiles it for the GPU in hand:
+the code that runs is what that architecture runs (`__CUDA_ARCH__` = 10 · arch, its copy paths).
+`launch` and `resident_grid` keep to the target's shared memory per block and per SM.
 
 `launch` puts a kernel on torch's current stream with cuLaunchKernel and the arguments packed in
 one array (`pack_args`); eager prefill calls make ~30 launches, and CuPy's own call spent ~45 µs
@@ -109,28 +115,74 @@ _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
 
 
+def ptx_cache_dir() -> Path:
+    """Where CUPOOL_ARCH builds keep their PTX files."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cupool" / "ptx"
+
+
+def _ptx_file(name: str, text: str, opts: tuple[str, ...], sm: int) -> Path:
+    """PTX of a source for compute_<sm>, compiled by NVRTC once and kept in `ptx_cache_dir()`
+    under a name that hashes everything the PTX depends on."""
+    nvrtc = _cuda.cupy().cuda.nvrtc
+    version = ".".join(map(str, nvrtc.getVersion()))
+    arch_opts = (*opts, "--device-as-default-execution-space", f"-arch=compute_{sm}")
+    digest = hashlib.sha256("\0".join((text, *arch_opts, version)).encode()).hexdigest()[:32]
+    path = ptx_cache_dir() / f"{name}-compute_{sm}-{digest}.ptx"
+    if path.is_file():
+        return path
+    prog = nvrtc.createProgram(text, f"rawkernels/{name}.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(arch_opts))
+        except nvrtc.NVRTCError:
+            raise KernelCompileError(
+                f"compiling rawkernels/{name}.cu for compute_{sm} failed (options "
+                f"{' '.join(arch_opts)}):\n{nvrtc.getProgramLog(prog)}") from None
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(ptx)
+    os.replace(tmp, path)                  # another process may be writing the same file
+    return path
+
+
 def load(name: str, defines: dict | None = None, device=None):
     """The compiled `cupy.RawModule` of `rawkernels/<name>.cu` on `device` (default: current).
 
-    Cached per (name, device, options, text of source and headers).
+    Cached per (name, device, architecture, options, text of source and headers). Under
+    CUPOOL_ARCH the module is loaded from PTX for that architecture (see the module docstring).
     """
     cp = _cuda.cupy()
     idx = _cuda.device_index(device)
+    tgt = _cuda.target(idx)
     text, _ = expand(name)
     opts = _options(defines)
-    key = (name, idx, opts, hashlib.sha256(text.encode()).hexdigest())
+    key = (name, idx, tgt.sm, tgt.forced, opts, hashlib.sha256(text.encode()).hexdigest())
     with _lock:
         mod = _modules.get(key)
         if mod is not None:
             return mod
         with cp.cuda.Device(idx):
-            mod = cp.RawModule(code=text, options=opts)
-            try:
-                mod.compile()
-            except cp.cuda.compiler.CompileException as e:
-                raise KernelCompileError(
-                    f"compiling rawkernels/{name}.cu failed (options {' '.join(opts)}):\n"
-                    f"{e.get_message()}") from None
+            if tgt.forced:
+                path = _ptx_file(name, text, opts, tgt.sm)
+                mod = cp.RawModule(path=str(path))
+                try:
+                    mod.compile()                  # the driver compiles the PTX for this GPU
+                except cp.cuda.driver.CUDADriverError as e:
+                    raise KernelCompileError(
+                        f"the driver could not load {path} (rawkernels/{name}.cu built for "
+                        f"compute_{tgt.sm}, options {' '.join(opts)}): {e}") from None
+            else:
+                mod = cp.RawModule(code=text, options=opts)
+                try:
+                    mod.compile()
+                except cp.cuda.compiler.CompileException as e:
+                    raise KernelCompileError(
+                        f"compiling rawkernels/{name}.cu failed (options {' '.join(opts)}):\n"
+                        f"{e.get_message()}") from None
         _modules[key] = mod
         return mod
 
@@ -147,7 +199,7 @@ def function(name: str, kernel: str, defines: dict | None = None, device=None):
     """
     idx = _cuda.device_index(device)
     key = (name, kernel, tuple(sorted((defines or {}).items())), idx,
-           os.environ.get("CUPOOL_KERNEL_DEBUG", ""))
+           os.environ.get("CUPOOL_KERNEL_DEBUG", ""), os.environ.get(_cuda.ARCH_ENV, ""))
     fn = _functions.get(key)
     if fn is None:
         fn = load(name, defines, idx).get_function(kernel)
@@ -242,10 +294,16 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None,
         raise ValueError(f"block of {threads} threads is more than this kernel can launch "
                          f"({facts.max_threads}: {kernel.num_regs} registers a thread); use "
                          f"fewer threads")
+    idx = _cuda.device_index(device)
     if shared_mem > facts.smem:
+        room = _cuda.target(idx).smem_block - kernel.shared_size_bytes
+        if shared_mem > room:
+            tgt = _cuda.target(idx)
+            raise ValueError(f"shared_mem={shared_mem} bytes is more than a block may use on "
+                             f"sm_{tgt.sm} ({room} bytes beside the kernel's "
+                             f"{kernel.shared_size_bytes} static bytes)")
         kernel.max_dynamic_shared_size_bytes = max(kernel.max_dynamic_shared_size_bytes, shared_mem)
         facts.smem = shared_mem
-    idx = _cuda.device_index(device)
     fptr = facts.handle
     packed = pack_args(args) if fptr is not None and idx == torch.cuda.current_device() else None
     if packed is not None:
@@ -269,21 +327,23 @@ _grids: dict[tuple, int] = {}
 def resident_grid(kernel, threads: int, shared_mem: int, device=None) -> int:
     """Blocks of a persistent launch: as many as fit on the GPU at once (registers, shared memory
     and threads of an SM, at most 32 blocks an SM), so every block starts at once and loops over
-    the work items. Cached per (kernel, block, shared memory, device)."""
+    the work items. Shared memory of an SM is the target's (`cupool._cuda.target`: the GPU's own,
+    capped by CUPOOL_ARCH). Cached per (kernel, block, shared memory, device, target)."""
     idx = _cuda.device_index(device)
-    key = (id(kernel), threads, shared_mem, idx)
+    tgt = _cuda.target(idx)
+    key = (id(kernel), threads, shared_mem, idx, tgt)
     got = _grids.get(key)
     if got is None:
         _kernel_facts(kernel)                    # keeps the kernel alive, so its id stays its own
         props = torch.cuda.get_device_properties(idx)
         regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
-        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+        smem_sm = tgt.smem_sm
         threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
         regs = -(-max(kernel.num_regs, 1) // 8) * 8          # allocated 8 registers at a time
         by_regs = regs_sm // (regs * threads)
         by_smem = smem_sm // (shared_mem + kernel.shared_size_bytes + 1024)   # 1 KiB reserved
         per_sm = max(1, min(by_regs, by_smem, threads_sm // threads, 32))
-        got = _grids[key] = props.multi_processor_count * per_sm
+        got = _grids[key] = tgt.sms * per_sm
     return got
 
 

@@ -1,9 +1,20 @@
-// Asynchronous copies into shared memory: cp.async (16 bytes a thread, tracked by commit groups;
-// moe_gemm.cu's activation staging) and the bulk-copy (TMA) engine with mbarriers (sm_90 and
-// later; moe_decode.cu, rowcopy.cu, read_probe.cu), plus the proxy fence between them and
-// ordinary accesses.
+// Asynchronous copies into shared memory: cp.async (16 bytes a thread, sm_80+, tracked by commit
+// groups or by an mbarrier; moe_gemm.cu's activation staging, moe_decode.cu's stages before
+// sm_90) and the bulk-copy (TMA) engine with mbarrier transaction counts (sm_90 and later;
+// moe_decode.cu, rowcopy.cu, read_probe.cu), plus the proxy fence between them and ordinary
+// accesses.
 #pragma once
 #include "common.cuh"
+
+// 1 where the bulk-copy engine and mbarrier transaction counts exist (sm_90 and later: Hopper,
+// Blackwell), 0 before (sm_80-89: A100, RTX 30xx/40xx) and in nvcc's host pass. Kernels choose
+// their copy path with it at compile time; the launchers choose their kernels from the same
+// fact (cupool._cuda.Arch.bulk_copy).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CUPOOL_BULK_COPY 1
+#else
+#define CUPOOL_BULK_COPY 0
+#endif
 
 // Shared-window address of a shared-memory object, as the bulk-copy and mbarrier operands take it.
 CUPOOL_DEVICE u32 smem_addr(const void* p) {
@@ -52,14 +63,24 @@ CUPOOL_DEVICE void mbar_arrive_expect(u32 bar, u32 bytes) {
 }
 
 // Block until the phase with parity `parity` of `bar` has completed. try_wait suspends the
-// thread for a while inside the instruction, so this loop does not spin hot.
+// thread for a while inside the instruction, so this loop does not spin hot; before sm_90 there
+// is only test_wait, which returns at once, so the loop polls.
 CUPOOL_DEVICE void mbar_wait(u32 bar, u32 parity) {
+#if CUPOOL_BULK_COPY
     asm volatile(
         "{\n\t.reg .pred done;\n"
         "wait_%=:\n\t"
         "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
         "@!done bra wait_%=;\n}"
         :: "r"(bar), "r"(parity) : "memory");
+#else
+    asm volatile(
+        "{\n\t.reg .pred done;\n"
+        "wait_%=:\n\t"
+        "mbarrier.test_wait.parity.shared.b64 done, [%0], %1;\n\t"
+        "@!done bra wait_%=;\n}"
+        :: "r"(bar), "r"(parity) : "memory");
+#endif
 }
 
 // Order this thread's shared-memory accesses through the generic proxy against those through
@@ -73,6 +94,20 @@ CUPOOL_DEVICE void fence_proxy_async_smem() {
 CUPOOL_DEVICE void cp_async16_zfill(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
                  :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+// cp.async of 16 bytes (L2 only) from global memory (device memory, or host memory through its
+// UVA address) into shared memory.
+CUPOOL_DEVICE void cp_async16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 :: "r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// Arrive on `bar` once every cp.async this thread has issued so far has landed. With .noinc the
+// arrival is one of the phase's expected arrivals (mbar_init's count), so a barrier that N
+// threads arrive on this way is initialised with count N.
+CUPOOL_DEVICE void cp_async_arrive_noinc(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared.b64 [%0];" :: "r"(bar) : "memory");
 }
 
 CUPOOL_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }

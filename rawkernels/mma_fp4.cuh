@@ -35,11 +35,18 @@ CUPOOL_DEVICE u32 fp4x2_raw(u32 w) {
         return (shift_left<MAG_SHIFT>(w) & MAG) | (shift_left<SIGN_SHIFT>(w) & 0x80008000u);
 }
 
+// Two products of 16-bit floats, each rounded once. sm_80-89 have no bf16x2 multiply (PTX's
+// mul.bf16x2 is sm_90+); there a · b + (-0) by fma.bf16x2 is the same result bit for bit: the
+// exact product rounded once, a zero product keeps its sign (x + -0 = x), subnormal inputs kept.
 template <bool BF>
 CUPOOL_DEVICE u32 hmul2(u32 a, u32 b) {
     u32 d;
     if (BF)
+#if __CUDA_ARCH__ >= 900
         asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#endif
     else
         asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
     return d;

@@ -16,9 +16,10 @@
 // A wait that still runs past ~1 s sets error bit 8 and goes on (wrong output, never a hang).
 //
 // Weights go global → shared memory per warp in a ring of NBUF buffers of STAGE chunks (4.6 KB a
-// stage), each stage one bulk copy (a chunk's scale bytes follow its packed codes, layout.py), so
-// the bytes in flight are bounded by shared memory, not registers; a warp issues its second stage
-// only once the first has landed (run_stages). w13 multiplies x as it is: its weights are
+// stage), each stage one bulk copy on sm_90+ (a chunk's scale bytes follow its packed codes,
+// layout.py) or the warp's 16-byte cp.async copies before sm_90 (issue_stage), so the bytes in
+// flight are bounded by shared memory, not registers; a warp issues its second stage only once
+// the first has landed (run_stages). w13 multiplies x as it is: its weights are
 // dequantised to the model's dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish
 // before the first multiply. w13 writes the activation as bf16 act rows; after the wait, w2 reads its B
 // fragments straight from them (L2) and multiplies them with bf16-dequantised weights.
@@ -142,16 +143,33 @@ CUPOOL_DEVICE void k_slice(int ks, int ksplit, int nc, int& c0, int& c1) {
     c1 = min(c0 + per, nc);
 }
 
-// Copy chunks [c, min(c + STAGE, c1)) of a strip into stage `buf`: one bulk copy (lane 0, one
-// instruction a stage), completed on bar[buf]; nothing is issued if there are no chunks.
+// Arrivals that complete a phase of a stage barrier: the lane that issues the stage's bulk copy
+// (sm_90+), or, before sm_90, each of the warp's 32 lanes once its cp.async copies have landed.
+constexpr u32 STAGE_ARRIVALS = CUPOOL_BULK_COPY ? 1 : 32;
+
+// Copy chunks [c, min(c + STAGE, c1)) of a strip into stage `buf`, completed on bar[buf]; nothing
+// is issued if there are no chunks. Every lane of the warp calls it (n is the same for all).
+// sm_90+: one bulk copy (lane 0, one instruction a stage). Before sm_90 there is no bulk-copy
+// engine: the lanes copy the stage 16 bytes at a time (cp.async, 4.5 copies a lane) and each
+// arrives on the barrier when its copies have landed, so the ring, its parities and the waits
+// are the same on every architecture.
 CUPOOL_DEVICE void issue_stage(WarpStages& ws, int buf, const u8* strip, int c, int c1, int lane) {
     const int n = min(STAGE, c1 - c);
+#if CUPOOL_BULK_COPY
     if (n > 0 && lane == 0) {
         const u32 bar = smem_addr(&ws.bar[buf]);
         fence_proxy_async_smem();            // the buffer's last reads were generic loads
         mbar_arrive_expect(bar, n * CHUNK_BYTES);
         bulk_load(smem_addr(&ws.w[buf][0]), strip + (i64)c * CHUNK_BYTES, n * CHUNK_BYTES, bar);
     }
+#else
+    if (n > 0) {
+        const u8* src = strip + (i64)c * CHUNK_BYTES;
+        for (int v = lane; v < n * (CHUNK_BYTES / 16); v += 32)
+            cp_async16(&ws.w[buf][16 * v], src + 16 * v);
+        cp_async_arrive_noinc(smem_addr(&ws.bar[buf]));
+    }
+#endif
 }
 
 // Stages 0 .. n - 1 (n ≤ NBUF) of chunks [c0, c1), into buffers 0 .. n - 1. The items issue
@@ -473,9 +491,11 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     }
     if ((threadIdx.x & 31) == 0) {        // the scratch is dead: each warp's stage barriers
         WarpStages& ws = m.stages[threadIdx.x >> 5];
-        for (int b = 0; b < NBUF; ++b) mbar_init(smem_addr(&ws.bar[b]), 1);
+        for (int b = 0; b < NBUF; ++b) mbar_init(smem_addr(&ws.bar[b]), STAGE_ARRIVALS);
         ws.parity = 0;
+#if CUPOOL_BULK_COPY
         fence_proxy_async_smem();
+#endif
     }
     __syncwarp();
     stamp_at(trace, TRACE_ITEMS * 4 + blockIdx.x * 2 + 1);

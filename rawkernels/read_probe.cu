@@ -4,10 +4,12 @@
 //
 // read_rows:      plain 16-byte loads; block b reads the b-th contiguous span of the rows' bytes
 //                 (UNROLL loads in flight a thread), so the whole grid streams at once.
-// read_rows_bulk: bulk copies into shared memory, as moe_decode reads its weights: each warp
+// read_rows_bulk: copies into shared memory, as moe_decode reads its weights: each warp
 //                 takes 4 KiB pieces (piece p = its global warp id + k · all warps), two 2 KiB
-//                 bulk copies on one barrier, one wait, then the lanes read the piece back, so
-//                 only 4 KiB a warp is in flight (moe_decode: two stages of 2.3 KB).
+//                 bulk copies on one barrier (sm_90+; before sm_90, as moe_decode there, the
+//                 lanes' 16-byte cp.async copies, each lane arriving on the barrier), one wait,
+//                 then the lanes read the piece back, so only 4 KiB a warp is in flight
+//                 (moe_decode: two stages of 2.3 KB).
 // Both fold what they read (XOR of every 32-bit word) into one word a block, sink[blockIdx.x], so
 // the loads cannot be dropped and a test can check that every byte was read exactly once.
 #include "common.cuh"
@@ -66,20 +68,31 @@ read_rows_bulk(const i64* __restrict__ addr, i32 n, i32 row_pieces,   // row byt
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 b = smem_addr(&bar[warp]);
     if (lane == 0) {
+#if CUPOOL_BULK_COPY
         mbar_init(b, 1);
         fence_proxy_async_smem();
+#else
+        mbar_init(b, 32);                                    // every lane's copies arrive
+#endif
     }
     __syncwarp();
     const int pieces = n * row_pieces, warps = gridDim.x * 8;
     u32 acc = 0, parity = 0;
     for (int p = blockIdx.x * 8 + warp; p < pieces; p += warps) {
         const u8* src = reinterpret_cast<const u8*>(addr[p / row_pieces]) + (i64)(p % row_pieces) * PIECE;
+#if CUPOOL_BULK_COPY
         if (lane == 0) {
             fence_proxy_async_smem();
             mbar_arrive_expect(b, PIECE);
             bulk_load(smem_addr(&buf[warp][0]), src, HALF, b);
             bulk_load(smem_addr(&buf[warp][HALF]), src + HALF, HALF, b);
         }
+#else
+#pragma unroll
+        for (int i = 0; i < PIECE / 512; ++i)
+            cp_async16(&buf[warp][i * 512 + lane * 16], src + i * 512 + lane * 16);
+        cp_async_arrive_noinc(b);
+#endif
         mbar_wait(b, parity);
         parity ^= 1u;
 #pragma unroll

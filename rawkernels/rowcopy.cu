@@ -1,6 +1,7 @@
 // Row copies from the host store (pinned, read through UVA pointers) into GPU rows.
 // Two kernels with one contract: copy_rows (SM loads, any GPU) and copy_rows_bulk (Hopper bulk
-// copies, sm_90+, further down).
+// copies, sm_90+, further down; built for every architecture, but before sm_90 its body only
+// traps: cupool/ops/rowcopy.py picks copy_rows there).
 //
 // Work sketch: a fixed grid (chosen at build time, never from data) walks the copy list that the
 // plan step wrote. The list's length is read from device memory, so an empty list costs only the
@@ -132,6 +133,7 @@ extern "C" __global__ void copy_rows_bulk(const i64* __restrict__ src_of_key,  /
                                           const i32* __restrict__ n_copies,    // [1]
                                           u8* __restrict__ dst_base,           // rows of row_stride
                                           i64 row_stride, i64 row_bytes, i32 max_copies) {
+#if CUPOOL_BULK_COPY
     extern __shared__ __align__(128) u8 buf[];              // [NSTAGES][CHUNK]
     __shared__ __align__(8) u64 full[NSTAGES];              // one mbarrier per buffer
     if (threadIdx.x != 0) return;                            // one thread issues every copy
@@ -184,4 +186,10 @@ extern "C" __global__ void copy_rows_bulk(const i64* __restrict__ src_of_key,  /
     // Shared memory must outlive the stores that read it; waiting for full completion (not only
     // the reads) also leaves no write of this kernel in flight when the block retires.
     bulk_wait_all();
+#else
+    // No bulk-copy engine before sm_90. The launcher never picks this kernel there (RowCopier's
+    // mode "auto" is "ld", and "bulk" is refused); launched all the same, it fails loudly rather
+    // than copying nothing.
+    __trap();
+#endif
 }

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from cupool import HostStore, kernels, report
+from cupool import HostStore, _cuda, kernels, report
 from cupool.ops.rowcopy import RowCopier
 
 pytestmark = pytest.mark.gpu
@@ -81,6 +81,16 @@ BULK_SETTINGS = [(16384, 4, None), (4096, 2, 7), (65536, 3, 2), (1040, 5, 3)]
 BULK_ROWS = [16, 4096 + 48, 3 * 16384 + 80, (2 << 20) + 16]
 
 
+def _need_bulk(shared_mem: int = 0) -> None:
+    """Skip where the kernels are built without bulk copies (before sm_90, e.g. CUPOOL_ARCH=86)
+    or a block cannot hold `shared_mem` bytes (sm_120's 99 KiB)."""
+    tgt = _cuda.target()
+    if not tgt.bulk_copy:
+        pytest.skip(f"bulk copies need sm_90+ code; the kernels are built for {tgt.describe()}")
+    if shared_mem > tgt.smem_block - 1024:
+        pytest.skip(f"{shared_mem} bytes of shared memory a block: more than sm_{tgt.sm} allows")
+
+
 def _check_copied(dst, host, E, keys, targets, listed, row, why):
     """The first `listed` pairs (keys[i] -> row targets[i]) hold their host row's bytes and
     keep the poison past row_bytes; every other dst row is all poison."""
@@ -97,6 +107,7 @@ def _check_copied(dst, host, E, keys, targets, listed, row, why):
 @pytest.mark.parametrize("chunk,stages,blocks", BULK_SETTINGS,
                          ids=[f"chunk{c}-stages{s}-blocks{b}" for c, s, b in BULK_SETTINGS])
 def test_bulk_rowcopy_copies_exactly_the_listed_rows(rng, chunk, stages, blocks, row):
+    _need_bulk(chunk * stages)
     L, E, n_dst, max_copies, n = 2, 3, 8, 5, 3
     store = HostStore(L, E, row)
     host = rng.integers(0, 256, size=(L, E, row), dtype=np.uint8)
@@ -130,6 +141,7 @@ def test_bulk_rowcopy_copies_exactly_the_listed_rows(rng, chunk, stages, blocks,
 def test_bulk_rowcopy_in_cuda_graph(rng):
     # one capture serves every list length: 72 KiB of shared memory a block (over the 48 KiB
     # default) is set up when the copier is built, not inside the capture
+    _need_bulk(24576 * 3)
     row, E, max_copies = 3 * 16384 + 80, 4, 4
     store = HostStore(1, E, row)
     host = rng.integers(0, 256, size=(1, E, row), dtype=np.uint8)
@@ -161,12 +173,17 @@ def test_bulk_rowcopy_in_cuda_graph(rng):
 def test_bulk_rowcopy_rejects_what_the_device_cannot_hold():
     store = HostStore(1, 2, 4096)
     dst = torch.zeros(2, store.row_stride, dtype=torch.uint8, device="cuda")
-    if torch.cuda.get_device_capability() < (9, 0):
-        with pytest.raises(ValueError, match="compute capability 9.0"):
+    tgt = _cuda.target()
+    if not tgt.bulk_copy:
+        with pytest.raises(ValueError, match="needs kernels built for sm_90"):
             RowCopier(store.address_table(), 4096, dst, 2, mode="bulk")
+        assert RowCopier(store.address_table(), 4096, dst, 2).mode == "ld"
     else:
         with pytest.raises(ValueError, match="chunk \\* stages"):
             RowCopier(store.address_table(), 4096, dst, 2, mode="bulk", chunk=128 << 10, stages=2)
+        # the default ring fits the target's block: 4 buffers of 32 KiB, 3 where a block has 99 KiB
+        auto = RowCopier(store.address_table(), 4096, dst, 2)
+        assert auto.mode == "bulk" and auto.shared_mem <= tgt.smem_block - 1024
     store.close()
 
 

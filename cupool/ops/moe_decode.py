@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from cupool import kernels
+from cupool import _cuda, kernels
 from cupool.activation import SILU, Activation
 from cupool.layout import CHUNK_BYTES, RowLayout
 from cupool.ops import ACT_DTYPES, W_DTYPES
@@ -143,7 +143,7 @@ class DecodeKernel:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
         self.activation = activation
-        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.sms = _cuda.target(self.device).sms
         self._compiled: dict[Build, tuple] = {}
 
     def choose(self, lanes: int, x: torch.Tensor, weights: torch.Tensor) -> Build:

@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from cupool import kernels
+from cupool import _cuda, kernels
 from cupool.activation import SILU, Activation
 from cupool.layout import RowLayout
 from cupool.ops import ACT_DTYPES
@@ -48,8 +48,8 @@ class GemmConfig:
 # its items (two such blocks still share an SM: 2 x 100 KiB of an H100/H200 SM's 228 KiB).
 W2_WHOLE_BYTES = 100 * 1024
 
-# The pair's decode (route_decode, moe_w13, moe_w2; decode_kernel="pair", GPUs before sm_90, or
-# calls of more than 256 lanes): one token per unit is typical, so K is split over 8 warps, the
+# The pair's decode (route_decode, moe_w13, moe_w2; decode_kernel="pair", or calls of more than
+# 256 lanes): one token per unit is typical, so K is split over 8 warps, the
 # whole K range staged at once (one barrier pair per item) and registers capped for 3 blocks per
 # SM, so that every item of a Qwen3-30B-A3B layer (8 units x 48 strip pairs) has a block from
 # the start; w13 pulls w2's rows into L2 for moe_w2. Chosen by a sweep of configs on an H200
@@ -110,7 +110,7 @@ class GemmKernels:
         self.layout, self.topk, self.dtype = layout, int(topk), dtype
         self.activation = activation
         self.device = torch.device(device)
-        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.sms = _cuda.target(self.device).sms
         self._pairs: dict[GemmConfig, tuple] = {}
 
     def gemm(self, cfg: GemmConfig, name: str):

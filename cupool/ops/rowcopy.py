@@ -8,21 +8,31 @@ from __future__ import annotations
 
 import torch
 
-from cupool import kernels
+from cupool import _cuda, kernels
 
 MODES = ("auto", "ld", "bulk")
+MAX_STAGES = 4           # "bulk": buffers a block keeps by default, where shared memory allows
+
+
+def bulk_stages(chunk: int, smem_block: int, static: int = 64) -> int:
+    """Default "bulk" buffers a block: MAX_STAGES where they fit the shared memory a block may use
+    (`smem_block`, less the kernel's static bytes), else as many as fit (a 99 KiB sm_120 block
+    takes 3 of 32 KiB), at least 2."""
+    return max(2, min(MAX_STAGES, (smem_block - static) // chunk))
 
 
 class RowCopier:
     """Copies listed (key, row) pairs from host-store addresses into rows at `dst_base`.
 
     Modes:
-        "auto" (default): "bulk" on compute capability ≥ 9.0, else "ld"; `mode` holds the choice.
+        "auto" (default): "bulk" where the kernels are built for sm_90 or newer, else "ld"
+            (`cupool._cuda.target`: the GPU's own architecture, or CUPOOL_ARCH's); `mode` holds
+            the choice.
         "ld": `copy_rows`; every thread keeps `unroll` 16-byte SM loads of the host row
             in flight, then stores them. Runs on any GPU.
         "bulk": `copy_rows_bulk`; one thread a block drives Hopper's bulk-copy engine
             (`cp.async.bulk`), host row → a ring of `stages` shared-memory buffers of `chunk`
-            bytes → GPU row. Needs compute capability 9.0 or newer (sm_90+).
+            bytes → GPU row. Needs kernels built for sm_90 or newer (Hopper, Blackwell).
 
     Args:
         src_of_key: int64 CUDA tensor [L*E] of UVA row addresses (`HostStore.address_table`).
@@ -37,21 +47,24 @@ class RowCopier:
         threads, unroll: "ld" only: threads a block (default 512) and 16-byte loads in flight
             per thread. "bulk" blocks are one warp.
         chunk, stages: "bulk" only: bytes per bulk copy (a multiple of 16; a row's last chunk may
-            be shorter) and buffers per block. A block takes chunk * stages bytes of shared
-            memory, which must fit the device's per-block opt-in limit (227 KiB on H100/H200);
-            for 2 blocks per SM to run at once, keep it under about half the SM's shared memory.
+            be shorter) and buffers per block (default `bulk_stages`: 4, or as many as fit). A
+            block takes chunk * stages bytes of shared memory, which must fit the per-block
+            limit of the target (227 KiB on H100/H200, 99 KiB on sm_120); for 2 blocks per SM to
+            run at once, keep it under about half the SM's shared memory.
     """
 
     def __init__(self, src_of_key: torch.Tensor, row_bytes: int, dst: torch.Tensor,
                  max_copies: int, *, mode: str = "auto", blocks: int | None = None,
-                 threads: int = 512, unroll: int = 4, chunk: int = 32768, stages: int = 4):
+                 threads: int = 512, unroll: int = 4, chunk: int = 32768,
+                 stages: int | None = None):
         # Checks that need no device come first, so they hold (and are tested) anywhere.
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "bulk":
             if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk % 16:
                 raise ValueError(f"chunk must be a positive multiple of 16 bytes, got {chunk!r}")
-            if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
+            if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
+                                       or stages < 2):
                 raise ValueError(f"stages must be an int >= 2 (one buffer loads while another "
                                  f"stores), got {stages!r}")
         else:
@@ -72,30 +85,31 @@ class RowCopier:
         self.src_of_key, self.dst = src_of_key, dst
         self.row_bytes, self.max_copies = int(row_bytes), int(max_copies)
         dev = dst.device.index
-        props = torch.cuda.get_device_properties(dev)
+        tgt = _cuda.target(dev)
         if mode == "auto":
-            mode = "bulk" if props.major >= 9 else "ld"
+            mode = tgt.copy_mode
         self.mode = mode
-        sms = props.multi_processor_count
+        sms = tgt.sms
         self.blocks = int(blocks or (2 * sms if mode == "ld" else -(-sms // 8)))
         if mode == "ld":
             self.threads, self.shared_mem = threads, 0
             self.kernel = kernels.function("rowcopy", "copy_rows", {"UNROLL": unroll}, dev)
             return
-        if (props.major, props.minor) < (9, 0):
-            raise ValueError(f"mode='bulk' needs compute capability 9.0 or newer (Hopper bulk "
-                             f"copies); dst is on {dst.device}, {props.name}, compute capability "
-                             f"{props.major}.{props.minor}; use mode='ld'")
+        if not tgt.bulk_copy:
+            raise ValueError(f"mode='bulk' needs kernels built for sm_90 or newer (Hopper bulk "
+                             f"copies); dst is on {dst.device}, built for {tgt.describe()}; use "
+                             f"mode='ld' or 'auto'")
+        if stages is None:
+            stages = bulk_stages(chunk, tgt.smem_block)
         self.threads = 32
         self.chunk, self.stages = chunk, stages
         self.shared_mem = chunk * stages
         self.kernel = kernels.function("rowcopy", "copy_rows_bulk",
                                        {"CHUNK": chunk, "NSTAGES": stages}, dev)
-        optin = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
-        room = optin - self.kernel.shared_size_bytes          # less the mbarriers (static)
+        room = tgt.smem_block - self.kernel.shared_size_bytes   # less the mbarriers (static)
         if self.shared_mem > room:
             raise ValueError(f"chunk * stages = {chunk} * {stages} = {self.shared_mem} bytes of "
-                             f"shared memory a block is more than {props.name} allows "
+                             f"shared memory a block is more than sm_{tgt.sm} allows "
                              f"({room} bytes beside the kernel's {self.kernel.shared_size_bytes} "
                              f"static bytes); use a smaller chunk or fewer stages")
         # Set once here, not on a launch that a CUDA graph may be capturing.

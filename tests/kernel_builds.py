@@ -1,0 +1,130 @@
+"""The one table of kernel builds: every `rawkernels/*.cu` is registered here.
+
+- `BUILDS`: each source's default build (no -D) and the production -D sets the launchers pass.
+  `tests/test_nvcc_compile.py` compiles every one of them with nvcc for every architecture in
+  `ARCHS` (without warnings), and `tests/kernel_cubins.py` hashes their sm_90 cubins.
+- `VARIANTS`: other -D sets the launchers can pass (other dims, dtypes, unit sizes); compiled for
+  sm_90 only, to keep the CPU suite's compile time down (the code they select is architecture
+  independent: the architecture-specific parts sit in the headers every build includes).
+
+A new `.cu` adds its default build and its production builds to BUILDS (a test fails for a
+source that has no default build here).
+
+BUILDS holds the builds at the Qwen3-30B-A3B (H=2048, I=768), H=4096/I=1536 and gpt-oss (H = I =
+2880, biases, clamped SwiGLU) dims: the moe_decode variants the per-call rules choose, the
+moe_gemm configs (pair decode and prefill), moe_align, the planner, the row copy kernels, the
+quantizer. The sets are written out here rather than taken from the launchers, so a change to a
+launcher's rule shows up as a change of hashes only where it changes a kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = ROOT / "rawkernels"
+
+# The architectures cupool builds for (cupool._cuda.ARCHS): A100; RTX 30xx; RTX 40xx; H100/H200;
+# B200; RTX 50xx / RTX PRO 6000.
+ARCHS = (80, 86, 89, 90, 100, 120)
+
+_QWEN = "-DHP=2048 -DIP=768 -DROW_W2_OFFSET=1769728"
+_BIG = "-DHP=4096 -DIP=1536 -DROW_W2_OFFSET=7078144"
+# gpt-oss: H = I = 2880, rows with biases, the clamped SwiGLU (alpha 1.702, limit 7.0 in float32)
+_GPTOSS = ("-DHP=2880 -DIP=2880 -DROW_W2_OFFSET=9331456 -DROW_BIAS=1 -DACT=1 "
+           "-DACT_ALPHA=0x1.b3b6460000000p+0f -DACT_LIMIT=0x1.c000000000000p+2f")
+
+
+def _gemm(dims: str, nt, ksplit, warps_m, kc, w2_kc, nb, reduce, prefetch, minb, w2_ns) -> str:
+    return (f"{dims} -DNT={nt} -DKSPLIT={ksplit} -DWARPS_M={warps_m} -DKC={kc} -DW2_KC={w2_kc} "
+            f"-DNB={nb} -DOUT_BF16=1 -DREDUCE={reduce} -DPREFETCH_W2={prefetch} -DMINB={minb} "
+            f"-DW2_NS={w2_ns} -DNTG=4")
+
+
+def _decode(dims: str, nt: int, maxw: int, minb: int, split: int, **over) -> str:
+    d = {**dict(OUT_BF16=1, IN_BF16=1, W_DTYPE=0, XALIGN=1, HFULL=1), **over}
+    rest = " ".join(f"-D{k}={v}" for k, v in d.items())
+    return f"{dims} -DNT={nt} -DMAXW={maxw} {rest} -DMINB={minb} -DW13_KSPLIT={split}"
+
+
+BUILDS: list[tuple[str, str]] = [
+    ("selftest", ""),
+    ("read_probe", ""),
+    ("nvfp4_quant", ""),
+    ("nvfp4_quant", "-DTHREADS=256 -DUNROLL=4"),
+    ("planner", ""),
+    ("planner", "-DTHREADS=128 -DITEMS=4"),
+    ("planner", "-DTHREADS=1024 -DITEMS=4"),
+    ("rowcopy", ""),
+    ("rowcopy", "-DUNROLL=4"),
+    ("rowcopy", "-DCHUNK=32768 -DNSTAGES=4"),
+    ("moe_align", ""),
+    ("moe_align", "-DNT=8 -DHP=2048 -DIN_BF16=1 -DIDS64=1 -DXVEC=1 -DW_DTYPE=0"),
+    ("moe_align", "-DNT=64 -DHP=2048 -DIN_BF16=1 -DIDS64=1 -DXVEC=1 -DW_DTYPE=0"),
+    ("moe_align", "-DNT=64 -DHP=4096 -DIN_BF16=0 -DIDS64=0 -DXVEC=0 -DW_DTYPE=1"),
+    ("moe_gemm", ""),
+    ("moe_gemm", _gemm(_QWEN, 8, 8, 1, 2048, 768, 2, 0, 1, 3, 1)),        # pair decode, small
+    ("moe_gemm", _gemm(_QWEN, 16, 4, 1, 1024, 768, 8, 0, 1, 1, 1)),       # pair decode, wide
+    ("moe_gemm", _gemm(_QWEN, 64, 1, 8, 256, 768, 1, 1, 0, 2, 2)),        # prefill
+    ("moe_gemm", _gemm(_BIG, 64, 1, 8, 256, 256, 1, 1, 0, 2, 2)),         # prefill, H=4096
+    ("moe_decode", ""),
+    ("moe_decode", _decode(_QWEN, 8, 64, 3, 4)),                          # T=1, K=8
+    ("moe_decode", _decode(_QWEN, 8, 64, 4, 2)),                          # T=4..8
+    ("moe_decode", _decode(_QWEN, 16, 256, 3, 2)),                        # T=16
+    ("moe_decode", _decode(_BIG, 8, 64, 4, 4)),
+    ("moe_decode", _decode(_BIG, 16, 256, 3, 4)),
+    ("moe_decode", _decode("-DHP=128 -DIP=64 -DROW_W2_OFFSET=4864", 16, 256, 3, 4, HFULL=0,
+                           XALIGN=0, IN_BF16=0, OUT_BF16=0, W_DTYPE=1)),
+    ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, DECODE_TRACE=1)),      # the profiling build
+    ("moe_decode", _decode(_GPTOSS, 8, 64, 3, 4)),                        # gpt-oss T=1, K=4
+    ("moe_decode", _decode(_GPTOSS, 8, 64, 4, 4)),                        # gpt-oss T=4..16
+    ("moe_gemm", _gemm(_GPTOSS, 64, 1, 8, 256, 256, 1, 1, 0, 2, 2)),      # gpt-oss prefill
+]
+
+
+# Configurations the launchers (cupool/ops) compile besides each file's defaults: moe_decode's
+# units of 8 and 16 lanes with each W13_KSPLIT the kernel takes (1, 2, 4; the launcher's rule
+# picks 2 or 4), fp16 activations in and out, bf16/fp16 router weights, unaligned x, H < Hp and
+# H=4096; moe_gemm's prefill config and other dims; then moe_decode's DECODE_TRACE profiling build.
+VARIANTS = [
+    ("moe_gemm", "-DNT=64 -DKSPLIT=1 -DWARPS_M=8 -DKC=256 -DNB=1 -DREDUCE=1 -DMINB=2 -DOUT_BF16=0"),
+    ("moe_gemm", "-DNT=8 -DHP=4096 -DIP=1536"),
+    ("moe_gemm", "-DNT=16 -DHP=128 -DIP=64 -DKC=128"),
+    ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=1"),
+    ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=2"),
+    ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=4 -DHP=4096 -DIP=1536"),
+    ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DW13_KSPLIT=1 -DHP=4096 -DIP=1536"),
+    ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DW13_KSPLIT=2"),
+    ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DW13_KSPLIT=4 -DW_DTYPE=2"),
+    ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DOUT_BF16=0 -DIN_BF16=0 -DW_DTYPE=1 -DXALIGN=0"),
+    ("moe_decode", "-DNT=8 -DMAXW=64 -DOUT_BF16=0 -DIN_BF16=0 -DHP=128 -DIP=64 -DHFULL=0"),
+    ("moe_align", "-DNT=64 -DIDS64=0 -DIN_BF16=0"),
+    ("moe_align", "-DNT=8 -DXVEC=1 -DW_DTYPE=2"),
+    ("planner", "-DTHREADS=1024 -DITEMS=4"),
+    ("rowcopy", "-DCHUNK=1040 -DNSTAGES=5"),
+    ("rowcopy", "-DCHUNK=65536 -DNSTAGES=3 -DUNROLL=8"),
+    ("moe_decode", "-DDECODE_TRACE=1"),
+    ("moe_decode", "-DDECODE_TRACE=1 -DNT=16 -DMAXW=256 -DW13_KSPLIT=2 -DHP=128 -DIP=64 -DHFULL=0"),
+]
+
+
+def nvcc_command(nvcc: str, name: str, defines: str, arch: int, out: Path | str,
+                 extra: tuple[str, ...] = ()) -> list[str]:
+    """nvcc compiling rawkernels/<name>.cu with `defines` to a cubin for sm_<arch>."""
+    return [nvcc, "-std=c++17", f"-arch=sm_{arch}", f"-I{KERNELS}", "-cubin", *extra,
+            *defines.split(), "-o", str(out), str(KERNELS / f"{name}.cu")]
+
+
+def compile_many(nvcc: str, jobs: list[tuple[str, str, int]], out_dir: Path,
+                 workers: int | None = None) -> list[subprocess.CompletedProcess]:
+    """Compile (name, defines, arch) jobs in parallel (one nvcc a core); results in job order,
+    the cubin of job i at out_dir / f"{i}.cubin"."""
+    def one(i_job):
+        i, (name, defines, arch) = i_job
+        return subprocess.run(nvcc_command(nvcc, name, defines, arch, out_dir / f"{i}.cubin"),
+                              capture_output=True, text=True, timeout=600)
+    with ThreadPoolExecutor(workers or max(2, os.cpu_count() or 2)) as ex:
+        return list(ex.map(one, enumerate(jobs)))
