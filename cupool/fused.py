@@ -38,6 +38,7 @@ import logging
 import torch
 from torch import nn
 
+from cupool import _cuda
 from cupool.ops.dense_attention import (
     HEAD_DIMS,
     AttentionWorkspace,
@@ -259,8 +260,7 @@ class FusedStep:
         B = self.tokens
         bf = torch.bfloat16
         nh, hk, D = self._attn_shape
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count \
-            if dev.type == "cuda" else 1
+        sms = _cuda.target(dev).sms if dev.type == "cuda" else 1
         self.workspace = AttentionWorkspace(B, nh, hk, D, parts(B, hk, cache.max_len, sms), dev)
         for l in self.layers:
             if isinstance(l, FusedLayer):

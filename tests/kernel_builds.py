@@ -82,6 +82,15 @@ BUILDS: list[tuple[str, str]] = [
     ("moe_decode", _decode(_GPTOSS, 8, 64, 3, 4)),                        # gpt-oss T=1, K=4
     ("moe_decode", _decode(_GPTOSS, 8, 64, 4, 4)),                        # gpt-oss T=4..16
     ("moe_gemm", _gemm(_GPTOSS, 64, 1, 8, 256, 256, 1, 1, 0, 2, 2)),      # gpt-oss prefill
+    # the fused decode step at batch 1 (Qwen3-30B-A3B): QKV (norm), o-projection (+ residual),
+    # router (norm, routing), output head (norm, two row tiles a block); its attention
+    ("dense_gemv", ""),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=8 -DRT=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=2"),
+    ("dense_attention", ""),
+    ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64"),
 ]
 
 
@@ -107,6 +116,14 @@ VARIANTS = [
     ("rowcopy", "-DCHUNK=1040 -DNSTAGES=5"),
     ("rowcopy", "-DCHUNK=65536 -DNSTAGES=3 -DUNROLL=8"),
     ("moe_decode", "-DDECODE_TRACE=1"),
+    # the fused decode step at 8 and 16 tokens (two MMA n tiles), other head shapes
+    ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1"),
+    ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=2"),
+    ("dense_gemv", "-DNB=13 -DMODE=0 -DEPI=1 -DWARPS=8 -DRT=1"),
+    ("dense_attention", "-DD=64 -DG=8 -DMINCHUNK=64"),
+    ("dense_attention", "-DD=128 -DG=16 -DMINCHUNK=64"),
+    ("dense_attention", "-DD=256 -DG=4 -DMINCHUNK=64"),
+    ("dense_attention", "-DD=64 -DG=1 -DMINCHUNK=64"),
     ("moe_decode", "-DDECODE_TRACE=1 -DNT=16 -DMAXW=256 -DW13_KSPLIT=2 -DHP=128 -DIP=64 -DHFULL=0"),
 ]
 
