@@ -187,8 +187,12 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
     static_assert(sizeof(float) * WARPS * RT * 16 * NBP <= sizeof(u16) * NBP * XSTRIDE,
                   "the partial sums fit where the x tile was");
     float (*red)[RT * 16][NBP] = reinterpret_cast<float (*)[RT * 16][NBP]>(xs);
+#if MODE == 1
     __shared__ float rstd[NBP];
+#endif
+#if EPI == 2
     __shared__ int last;
+#endif
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
