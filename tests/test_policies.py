@@ -113,7 +113,7 @@ def test_wrong_prediction_is_evicted_last_and_counted_wasted():
 def test_predicted_resident_row_is_restamped_and_keeps_its_mark():
     p = ReferencePlanner(1, 8, 3, 4)
     p.open()
-    (k, row), = p.prefetch(0, [5])                    # tick 1: row 0
+    (_, row), = p.prefetch(0, [5])                    # tick 1: row 0
     p.step(0, [1])                                    # tick 2
     assert p.prefetch(0, [5, 5, -1]) == []            # tick 3: a hit: stamped, still marked
     assert p.last_use[row] == 3 and p.prefetched[row]
