@@ -6,6 +6,8 @@ A layer call is `(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]
 torch's current stream. Decode (W ≤ the bank's max lanes): plan step + row copies + decode GEMM,
 graph-capturable; with the pool's `overlap_copies` the copies run on a second stream while the
 GEMM works on the experts already in the bank, and the copied experts follow in a second launch.
+With the pool's prefetch on (`Pool.enable_prefetch`), every call first joins the prefetch in
+flight, and a decode call issues the next layer's prefetch right after its plan step.
 Wider calls (prefill) take the partition path (resident experts from the bank, the others from
 the host store through a bounded scratch), which leaves the placement alone; a call wider than
 the GEMM's `max_prefill_tokens` runs in chunks of that many tokens (exact: experts act on each
@@ -35,6 +37,8 @@ class PooledExperts:
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         p = self.pool
+        if p.prefetcher is not None:
+            p.prefetcher.join()            # before anything reads or plans the bank
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.device != p.device:
             raise ValueError(f"layer {self.layer}: hidden_states must be on {p.device}, got "
                              f"{getattr(hidden_states, 'device', type(hidden_states).__name__)}")
@@ -62,10 +66,17 @@ class PooledExperts:
             ids = ids.masked_fill(~mask[:, None], -1)          # inactive tokens: padding lanes
         if p.decode_backend is not None:
             return p.decode_backend(self.layer, x, ids, w)
+        pre = p.prefetcher
+        if pre is not None:
+            pre.observe(self.layer, ids)
         if p.overlap_copies:
             _, lane_addr, fresh, join = p.bank.step_split(self.layer, ids)
+            if pre is not None:                                # beside this layer's GEMM
+                pre.issue(self.layer + 1, x, mask)
             return p.gemm.decode(x, lane_addr, w, lane_fresh=fresh, before_fresh=join)
         _, lane_addr = p.bank.step(self.layer, ids)
+        if pre is not None:
+            pre.issue(self.layer + 1, x, mask)
         return p.gemm.decode(x, lane_addr, w)
 
     def _prefill(self, x, ids, w):

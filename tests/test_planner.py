@@ -671,3 +671,35 @@ def test_bank_host_side_methods_on_cpu_tables(pageable_store):
     assert parts["bank"] == (L * N * 256, "gpu") and parts["staging"] == (S * 256, "gpu")
     assert parts["planner tables"][0] == t.nbytes() + L * E * 8
     assert parts["host store"] == (pageable_store.nbytes, "host")
+
+
+def test_prefetch_tables_and_bank_stats_on_cpu_tables(pageable_store):
+    """The prefetch tables (DeviceTables.build(prefetch=True)): their state under the reference's
+    names, their bytes, and a prefetching bank's stats and reset."""
+    from cupool.ops.planner import DeviceTables
+    L, E, N, S, W = 2, 4, 2, 8, 8
+    key_of = initial_placement(L, E, N)
+    plain = DeviceTables.build(key_of, L, E, W, "cpu")
+    t = DeviceTables.build(key_of, L, E, W, "cpu", prefetch=True)
+    assert not plain.prefetch and plain.pf_flag is None and t.prefetch
+    assert t.nbytes() == plain.nbytes() + 4 + 4 * L * N + 8 * L * 3 + 8 * W + 4
+    ref = ReferencePlanner(L, E, N, S)
+    st = t.to_numpy()
+    for k, v in {**ref.state(), **ref.prefetch_state()}.items():
+        np.testing.assert_array_equal(st[k], v, err_msg=k)
+    assert st["touched"] == 0 and "touched" not in plain.to_numpy()
+    b = Bank.__new__(Bank)
+    b.store, b.num_layers, b.num_experts, b.rows_per_layer = pageable_store, L, E, N
+    b.num_rows, b.staging_rows, b.max_lanes = L * N, S, W
+    b.row_bytes, b.row_stride = pageable_store.row_bytes, pageable_store.row_stride
+    b.tables = t
+    b.slot_of, b.key_of, b.counters, b.error, b.gate = t.slot_of, t.key_of, t.counters, t.error, t.gate
+    assert b.prefetching
+    t.pf_counters[1] = torch.tensor([5, 3, 1])
+    rows, text = b.stats()
+    assert {k: rows[1][k] for k in ("prefetched", "prefetch_used", "prefetch_wasted",
+                                    "bytes_prefetched")} == \
+        {"prefetched": 5, "prefetch_used": 3, "prefetch_wasted": 1, "bytes_prefetched": 5 * 256}
+    assert text.splitlines()[-1].startswith("prefetch: 5 rows") and "1 waiting" in text
+    b.reset_stats()
+    assert (t.pf_counters == 0).all()
