@@ -58,17 +58,18 @@ class RouterPredictor:
                 raise ValueError(f"{spec.name}: the router of this layer has no weight "
                                  f"[E={spec.num_experts}, H={spec.hidden}] to predict with (its "
                                  f"block holds {type(router).__name__ if router else 'none'})")
-            b = getattr(router, "bias", None)
-            corr = getattr(router, "e_score_correction_bias", None)
-            self.routers.append((w, b if isinstance(b, torch.Tensor) else None,
-                                 corr if isinstance(corr, torch.Tensor) else None))
+            self.routers.append(router)   # its tensors are read at each call: a model moved
+                                          # (or re-materialised) after this keeps working
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
                                   or not 1 <= top_k <= min(s.num_experts for s in specs)):
             raise ValueError(f"top_k must be an int in [1, E], got {top_k!r}")
         self.top_k = [top_k or s.top_k for s in specs]
 
     def __call__(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        w, b, corr = self.routers[layer]
+        router = self.routers[layer]
+        w = router.weight
+        b, corr = (t if isinstance(t, torch.Tensor) else None for t in
+                   (getattr(router, "bias", None), getattr(router, "e_score_correction_bias", None)))
         logits = F.linear(hidden.to(w.dtype), w, b)                              # [T, E]
         scores = logits if corr is None else torch.sigmoid(logits.float()) + corr
         return torch.topk(scores, self.top_k[layer], dim=-1).indices             # [T, K']

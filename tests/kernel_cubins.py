@@ -52,6 +52,7 @@ BUILDS: list[tuple[str, str]] = [
     ("planner", ""),
     ("planner", "-DTHREADS=128 -DITEMS=4"),
     ("planner", "-DTHREADS=1024 -DITEMS=4"),
+    ("planner", "-DTHREADS=128 -DITEMS=4 -DPREFETCH=1"),   # Bank(prefetch=True)
     ("rowcopy", ""),
     ("rowcopy", "-DUNROLL=4"),
     ("rowcopy", "-DCHUNK=32768 -DNSTAGES=4"),

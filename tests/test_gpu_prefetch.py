@@ -113,8 +113,10 @@ def test_pool_prefetch_leaves_decode_unchanged(overlap):
     pool = cupool.wrap(model, rows=E // 2, max_decode_tokens=3, max_prefill_tokens=64,
                        progress=False)
     pool.overlap_copies = overlap
-    ps = _prompts([5, 9, 3, 7], seed=6)
-    params = [SamplingParams(max_tokens=n) for n in (14, 9, 14, 11)]
+    # prompts of at most 3 tokens: their prefill takes the decode path too (T·K <= the bank's
+    # lanes), which is deterministic; the partition path's fp32 atomics are not bit for bit
+    ps = _prompts([3, 2, 3, 1], seed=6)
+    params = [SamplingParams(max_tokens=n) for n in (20, 12, 18, 16)]
 
     def run():
         eng = cupool.Engine(model, pool, max_batch=3, max_len=40, eos_token_id=[])

@@ -50,6 +50,8 @@ VARIANTS = [
     ("moe_align", "-DNT=64 -DIDS64=0 -DIN_BF16=0"),
     ("moe_align", "-DNT=8 -DXVEC=1 -DW_DTYPE=2"),
     ("planner", "-DTHREADS=1024 -DITEMS=4"),
+    ("planner", "-DPREFETCH=1"),
+    ("planner", "-DPREFETCH=1 -DTHREADS=1024 -DITEMS=2"),
     ("rowcopy", "-DCHUNK=1040 -DNSTAGES=5"),
     ("rowcopy", "-DCHUNK=65536 -DNSTAGES=3 -DUNROLL=8"),
     ("moe_decode", "-DDECODE_TRACE=1"),
