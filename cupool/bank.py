@@ -134,6 +134,11 @@ class Bank:
         return self._plan.threads, self._plan.items
 
     @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The stream `step_split` copies on (None before its first call)."""
+        return self._copy_stream
+
+    @property
     def prefetching(self) -> bool:
         """Whether this bank runs prefetch steps (built with `prefetch=True`)."""
         return self.tables.prefetch

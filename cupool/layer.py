@@ -71,8 +71,8 @@ class PooledExperts:
             pre.observe(self.layer, ids)
         if p.overlap_copies:
             _, lane_addr, fresh, join = p.bank.step_split(self.layer, ids)
-            if pre is not None:                                # beside this layer's GEMM
-                pre.issue(self.layer + 1, x, mask)
+            if pre is not None:           # beside this layer's GEMM, after its own row copies
+                pre.issue(self.layer + 1, x, mask, after=(p.bank.copy_stream,))
             return p.gemm.decode(x, lane_addr, w, lane_fresh=fresh, before_fresh=join)
         _, lane_addr = p.bank.step(self.layer, ids)
         if pre is not None:

@@ -126,17 +126,22 @@ class Prefetcher:
         self.total = torch.zeros(1, dtype=torch.int64, device=dev)
 
     def issue(self, layer: int, hidden: torch.Tensor,
-              token_mask: torch.Tensor | None = None) -> None:
+              token_mask: torch.Tensor | None = None, after=()) -> None:
         """Prefetch `layer`'s predicted experts, predicted from `hidden` [T, H] (the previous MoE
         layer's input), on the side stream; nothing for a layer outside [1, L) (layer 0 is not
         predicted; L: past the last). `token_mask` bool [T]: tokens not to predict for (their ids
-        become padding). Joins the prefetch before it first (one at a time)."""
+        become padding). `after`: streams whose work so far the prefetch waits for besides the
+        current one's (the previous layer's row copies on another stream: its misses are on the
+        critical path, the prefetch's copies would only share PCIe with them). Joins the
+        prefetch before it first (one at a time)."""
         self.join()
         if not 1 <= layer < self.bank.num_layers:
             return
         cur = torch.cuda.current_stream(self.bank.device)
         side = self.stream
         side.wait_stream(cur)
+        for s in after:
+            side.wait_stream(s)
         with torch.cuda.stream(side):
             ids = self.predict(layer, hidden)                                    # [T, K']
             if token_mask is not None:
