@@ -14,7 +14,16 @@ as NVFP4 rows in pinned host memory (built directly, never as bf16). Batch 1, a 
 - host-lru: per-layer LRU on the host (routing read back each layer, cudaMemcpyAsync), eager;
 - resident: all experts on the GPU in NVFP4, graph (the ceiling);
 - hf-bf16-<impl>: the unwrapped transformers model with bf16 experts resident, its experts
-  implementation batched_mm / grouped_mm, one decode step captured (its own random router).
+  implementation batched_mm / grouped_mm, one decode step captured (its own random router);
+- pool-prefetch: pool-<bank> (`--prefetch-banks`, default 50) with prefetch on
+  (`Pool.enable_prefetch`: after layer l's plan step layer l + 1's predicted experts are copied
+  on a side stream inside the graph), the predictor either a trace's predicted ids at each of
+  `--prefetch-accuracy` (`cupool.trace.with_predictions`, on every routing; result keys
+  "<routing>@<accuracy>") or, on the model's own routing ("own-router"), the model's own
+  predictor (layer l + 1's router on layer l's MoE input), beside pool-<bank> without prefetch
+  on that routing; copies beside the GEMM (`overlap_copies`) as in pool-<bank>. Reported:
+  tok/s, hit rate, prefetched / wasted / missed bytes a token, and the predictor's accuracy (on
+  this synthetic model, whose random routers say nothing of a trained model's).
 
 Routing: "uniform" (independent uniform draws, what a random router gives) and "locality" (a
 synthetic trace with the published Qwen3-30B-A3B reuse, cupool.trace.QWEN3_LOCALITY), replayed in
@@ -54,6 +63,7 @@ import cupool
 from cupool import _cuda, synthetic
 from cupool import trace as tr
 from cupool.cli import CLIParser, bounded_int, existing_file, output_file, positive_int, run
+from cupool.prefetch import TracePredictor
 from cupool.replay import Replayer
 from cupool.sampling import SamplingParams
 
@@ -105,6 +115,25 @@ def pool_figures(stats, tokens, row_bytes):
             "rows_owned": [s["rows_owned"] for s in stats]}
 
 
+def prefetch_figures(stats, tokens, row_bytes) -> dict:
+    """Prefetch counters of a run (a prefetching pool's stats) a token: rows and bytes
+    prefetched, used, wasted (evicted before use)."""
+    n = {k: sum(s[k] for s in stats) for k in ("prefetched", "prefetch_used", "prefetch_wasted")}
+    return {"prefetched_rows_per_token": n["prefetched"] / (tokens - 1),
+            "prefetch_used_rows_per_token": n["prefetch_used"] / (tokens - 1),
+            "prefetch_wasted_rows_per_token": n["prefetch_wasted"] / (tokens - 1),
+            "prefetched_bytes_per_token": n["prefetched"] * row_bytes / (tokens - 1),
+            "prefetch_wasted_bytes_per_token": n["prefetch_wasted"] * row_bytes / (tokens - 1)}
+
+
+def trace_accuracy(trace) -> float:
+    """Fraction of the selections of layers 1 … L−1 that the trace's predictions name for the
+    same step and token (layer 0 is never predicted)."""
+    act, pred = trace.ids[:, 1:], trace.predicted[:, 1:]
+    named = (act[..., :, None] == pred[..., None, :]).any(-1) & (act >= 0)
+    return float(named.sum() / max(1, (act >= 0).sum()))
+
+
 def hf_bf16(shape, prompt, tokens, repeats, impl, compile=False):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
     cfg = Qwen3MoeConfig(**shape, dtype=torch.bfloat16, tie_word_embeddings=False)
@@ -154,7 +183,8 @@ def plot(results, pool_layers, path):
     fig.savefig(path, dpi=110)
 
 
-MODES = ["pool", "pool-serial", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16"]
+MODES = ["pool", "pool-serial", "uva-eager", "uva-graph", "host-lru", "resident", "hf-bf16",
+         "pool-prefetch"]
 ROUTINGS = ["uniform", "locality"]
 # --model: (shape, dense-part builder, results name, default modes, bank sizes of "pool" in % of
 # E). gpt-oss (biased experts, the clamped SwiGLU, H = I = 2880) is measured against its own
@@ -192,6 +222,11 @@ def build_parser() -> CLIParser:
     p.add_argument("--modes", nargs="+", choices=MODES, default=None,
                    help="modes to run (default: the model's own list, see --model)")
     p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=ROUTINGS)
+    p.add_argument("--prefetch-accuracy", nargs="+", type=float, default=[0.6, 0.8, 0.95],
+                   metavar="A", help="pool-prefetch: accuracies of the traces' predicted ids "
+                                     "(each in [0, 1])")
+    p.add_argument("--prefetch-banks", nargs="+", type=bounded_int(1), default=[50],
+                   metavar="PERCENT", help="pool-prefetch: bank sizes in %% of E (default 50)")
     p.add_argument("--small", action="store_true", help="tiny shape (smoke test; no results "
                    "file unless --json)")
     p.add_argument("--plot-only", metavar="JSON", type=existing_file,
@@ -269,6 +304,12 @@ def main(args) -> None:
         args.modes = default_modes
     if "hf-bf16" in args.modes and args.model != "qwen3-30b-a3b":
         raise ValueError(f"--modes hf-bf16 is measured for qwen3-30b-a3b only, not {args.model}")
+    bad = [a for a in args.prefetch_accuracy if not 0 <= a <= 1]
+    if bad:
+        raise ValueError(f"--prefetch-accuracy must be in [0, 1], got {bad[0]:g}")
+    bad = [b for b in args.prefetch_banks if b > 100]
+    if bad:
+        raise ValueError(f"--prefetch-banks are percentages of E in [1, 100], got {bad[0]}")
     _cuda.require_gpu("the end-to-end decode benchmark")
     out = results_path(result_name, args.json, reduced(args))
     tiny = synthetic.TINY if args.model == "qwen3-30b-a3b" else synthetic.GPT_OSS_TINY
@@ -299,17 +340,36 @@ def main(args) -> None:
     def record(name, routing, run, extra=None):
         modes.setdefault(name, {})[routing] = {"tok_per_s": run.tok_per_s, "runs": run.rates,
                                                "capture_s": run.capture_s, **(extra or {})}
-        print(f"{name:>14} {routing:>9}: {run.tok_per_s:8.1f} tok/s  {extra or ''}"[:200],
+        print(f"{name:>14} {routing:>9}: {run.tok_per_s:8.1f} tok/s  {extra or ''}"[:300],
               flush=True)
         save(result_name, {**results, "partial": True}, out)   # keep what is done if cut short
+        return run
 
     def measure(**kw) -> Run:
         return run_mode(model, pool, prompt, args.tokens, args.repeats, compile=args.compile,
                         **kw)
 
-    resident = ResidentBackend(pool) if "resident" in args.modes or "pool" in args.modes else None
+    resident = ResidentBackend(pool) if {"resident", "pool", "pool-prefetch"} & set(args.modes) \
+        else None
+
+    def prefetch_run(name, routing, rows, predictor, base_tps, res_ms, extra):
+        """One pool-prefetch measurement: tok/s, hit rate, bytes a token, against `base_tps` (the
+        same bank without prefetch) and the resident run (`res_ms` a token). Copies beside the
+        GEMM (`overlap_copies`) as in the pool-<bank> runs it is compared with."""
+        pool.enable_prefetch(predictor)
+        pool.overlap_copies = True
+        run = measure(replay=replay_now, rows=rows)
+        pool.overlap_copies = False
+        fig = pool_figures(run.stats, args.tokens, layout.row_bytes)
+        fig.update(prefetch_figures(run.stats, args.tokens, layout.row_bytes), **extra,
+                   rows_per_layer=rows, errors=pool.errors(),
+                   over_pool_without_prefetch=run.tok_per_s / base_tps if base_tps else None,
+                   over_resident=run.tok_per_s * res_ms / 1e3 if res_ms else None)
+        pool.disable_prefetch()
+        record(name, routing, run, fig)
+    replay_now = None
     for routing in args.routings:
-        replay = Replayer(pool, traces[routing])
+        replay = replay_now = Replayer(pool, traces[routing])
         if resident is not None:
             run = measure(backend=resident, replay=replay)
             record("resident", routing, run)
@@ -326,6 +386,17 @@ def main(args) -> None:
                            achieved_over_bound=run.tok_per_s * bound_ms / 1e3,
                            errors=pool.errors())
                 record(f"pool-{frac}", routing, run, fig)
+        if "pool-prefetch" in args.modes:     # a trace's predictions at stated accuracies
+            for frac in args.prefetch_banks:
+                rows = max(K, E * frac // 100)
+                base = modes.get(f"pool-{frac}", {}).get(routing, {}).get("tok_per_s")
+                for acc in args.prefetch_accuracy:
+                    tp = tr.with_predictions(traces[routing], acc, seed=2)
+                    prefetch_run(f"pool-prefetch-{frac}", f"{routing}@{acc:g}", rows,
+                                 TracePredictor(replay, tp), base, resident_ms,
+                                 {"predictor": f"trace predictions, accuracy {acc:g}",
+                                  "predictor_accuracy": trace_accuracy(tp)})
+            pool.resize_bank(pool.rows_per_layer, prefetch=False)   # the plain planner again
         if "pool-serial" in args.modes:       # pool-50 and -100 with copies, then one GEMM pass
             for frac in (50, 100):
                 pool.overlap_copies = False
@@ -346,6 +417,26 @@ def main(args) -> None:
                     "pcie_bytes_per_token": lru.bytes_copied / (args.repeats * (args.tokens - 1))})
             lru.free()
         replay.uninstall()
+    replay_now = None
+    if "pool-prefetch" in args.modes:         # the model's own routing and its own predictor
+        res_ms = 1e3 / record("resident", "own-router", measure(backend=resident)).tok_per_s
+        for frac in args.prefetch_banks:
+            rows = max(K, E * frac // 100)
+            pool.overlap_copies = True                   # as pool-<bank> on the traces
+            run = measure(rows=rows)
+            pool.overlap_copies = False
+            record(f"pool-{frac}", "own-router", run,
+                   dict(pool_figures(run.stats, args.tokens, layout.row_bytes), rows_per_layer=rows))
+            pre = pool.enable_prefetch(track_accuracy=True)          # accuracy: a run of its own
+            run_mode(model, pool, prompt, args.tokens, 1, compile=args.compile, driver=driver,
+                     rows=rows)
+            acc = pre.accuracy()
+            prefetch_run(f"pool-prefetch-{frac}", "own-router", rows, None, run.tok_per_s, res_ms,
+                         {"predictor": "layer l+1's router on layer l's MoE input",
+                          "predictor_accuracy_synthetic_model": acc,
+                          "note": "synthetic model: random router weights; a trained model's "
+                                  "accuracy is not this"})
+        pool.resize_bank(pool.rows_per_layer, prefetch=False)
     if resident is not None:
         resident.free()
     pool.resize_bank(K)                       # give the bank's memory back before hf-bf16

@@ -12,7 +12,11 @@ greedy. The hit rate of each case comes from the pool's counters. Routing (`--ro
 `locality` (default) replays a trace with Qwen3-like locality in place of the router, one
 independent stream a sequence (`cupool.trace.streams`: stream 0 is bench_decode's one-token
 trace, so batch 1 replays the same routing), or `router`: the synthetic model's own router
-(random weights: near-uniform routing, the hard case for a bank).
+(random weights: near-uniform routing, the hard case for a bank). `--prefetch router` turns the
+pool's prefetch on with the model's own predictor (layer l + 1's router on layer l's MoE input),
+`--prefetch trace` (with `--routing locality`) with the trace's predicted ids at
+`--prefetch-accuracy`; each case then also reports the rows prefetched and wasted (evicted before
+use), in bytes a generated token. Prefetch runs are reduced runs (written only with --json).
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --small          # 2 layers, for a quick check
@@ -86,6 +90,12 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     decode_wall = max(r.finished_at for r in reqs) - last_first
     stats = pool.stats()
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
+    prefetch = {}
+    if pool.prefetcher is not None:
+        row = pool.layout.row_bytes
+        prefetch = {"prefetched_bytes_per_token": sum(s["prefetched"] for s in stats) * row / n,
+                    "prefetch_wasted_bytes_per_token":
+                        sum(s["prefetch_wasted"] for s in stats) * row / n}
     per = [r.decode_tokens_per_s for r in reqs]
     eng.close()
     diag = {"hits": hits, "misses": misses, "staged": sum(s["staged"] for s in stats),
@@ -97,7 +107,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
             "aggregate_decode_tok_per_s": streams * (tokens - 1) / decode_wall,
             "per_request_tok_per_s_median": statistics.median(per),
             "per_request_tok_per_s_min": min(per), "hit_rate": hits / max(1, hits + misses),
-            "steps": eng.steps_run}
+            "steps": eng.steps_run, **prefetch}
 
 
 def run_bank(args, layers: int, streams: list[int], bank: float) -> dict:
@@ -108,7 +118,14 @@ def run_bank(args, layers: int, streams: list[int], bank: float) -> dict:
         t = tr.streams(args.tokens + 192, layers, shape["num_experts"],
                        shape["num_experts_per_tok"], max(streams), seed=args.seed,
                        **tr.QWEN3_LOCALITY)
-        Replayer(pool, t).install()
+        replayer = Replayer(pool, t)
+        replayer.install()
+    if args.prefetch == "router":
+        pool.enable_prefetch()
+    elif args.prefetch == "trace":
+        from cupool.prefetch import TracePredictor
+        pool.enable_prefetch(TracePredictor(replayer, tr.with_predictions(
+            t, args.prefetch_accuracy, seed=args.seed)))
     label = f"bank {bank:.0%}"
     cases = []
     for b in streams:
@@ -118,7 +135,10 @@ def run_bank(args, layers: int, streams: list[int], bank: float) -> dict:
         print(f"{label}: {b:3d} streams greedy : aggregate {r['aggregate_tok_per_s']:7.1f} tok/s "
               f"(decode {r['aggregate_decode_tok_per_s']:7.1f}), per request "
               f"{r['per_request_tok_per_s_median']:6.1f} tok/s, hit rate {r['hit_rate']:.3f} "
-              f"[{r['step']}]", flush=True)
+              f"[{r['step']}]"
+              + (f", prefetched {r['prefetched_bytes_per_token'] / 1e6:.1f} MB a token "
+                 f"({r['prefetch_wasted_bytes_per_token'] / 1e6:.1f} MB wasted)"
+                 if "prefetched_bytes_per_token" in r else ""), flush=True)
     b = 8 if 8 in streams else max(streams)
     sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile,
                        not args.no_fused, args.seed)
@@ -143,6 +163,10 @@ def run_bank(args, layers: int, streams: list[int], bank: float) -> dict:
 
 
 def main(args) -> int:
+    if args.prefetch == "trace" and args.routing != "locality":
+        raise ValueError("--prefetch trace needs --routing locality (the trace's predictions)")
+    if not 0 <= args.prefetch_accuracy <= 1:
+        raise ValueError(f"--prefetch-accuracy must be in [0, 1], got {args.prefetch_accuracy:g}")
     from cupool import _cuda
     _cuda.require_gpu("bench_serve")
     layers = 2 if args.small else args.layers
@@ -150,9 +174,12 @@ def main(args) -> int:
     banks = [run_bank(args, layers, streams, bank) for bank in args.banks]
     results = {"shape": f"Qwen3-30B-A3B, {layers} layers", "routing": args.routing,
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
-               "compile": args.compile, "fused": not args.no_fused, "banks": banks,
-               "gpu": torch.cuda.get_device_name()}
-    reduced = ["--small"] if args.small else []
+               "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
+               **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
+                  else {}),
+               "banks": banks, "gpu": torch.cuda.get_device_name()}
+    reduced = (["--small"] if args.small else []) + \
+        ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
 
@@ -172,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="the model's forward through torch.compile (where the fused step is "
                         "not used)")
+    p.add_argument("--prefetch", choices=["off", "router", "trace"], default="off",
+                   help="the pool's prefetch: off (default), the model's own predictor, or the "
+                        "trace's predicted ids (--routing locality)")
+    p.add_argument("--prefetch-accuracy", type=float, default=0.8,
+                   help="--prefetch trace: accuracy of the predicted ids (default 0.8)")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
     p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "

@@ -8,11 +8,12 @@ popularity: where frequency should matter most). Banks of 25/50/75% of each laye
 
 - policies: LRU (the kernel's), LFRU at a few weights and half-lives, LFRU with recent rows
   protected (`cupool.reference.planner.Policy`); parameters in tokens (L = 48 clock ticks);
-- prefetch: LRU with each layer's predicted ids prefetched after the previous layer's step
-  (`ReferencePlanner.prefetch`), on the trace with predictions at 60/80/95% accuracy
-  (`cupool.trace.with_predictions`); beside the hit rate, rows prefetched / used / wasted a token.
-  Prefetched rows count as hits: the bytes still cross PCIe, but ahead of the step that needs
-  them, under the previous layers' compute.
+- prefetch: LRU with layer l + 1's predicted ids prefetched right after layer l's step, as the
+  pool does (`ReferencePlanner.prefetch`: a plan step of its own in which rows used at that tick
+  or the one before are not eligible; layer 0 is not predicted), on the trace with predictions at
+  60/80/95% accuracy (`cupool.trace.with_predictions`); beside the hit rate, rows prefetched /
+  used / wasted (evicted before any use) a token. Prefetched rows count as hits: the bytes still
+  cross PCIe, but ahead of the step that needs them, under the previous layer's compute.
 
 Writes benchmarks/results/sim_policies.json (a reduced run: nothing unless --json).
 """

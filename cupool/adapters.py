@@ -194,6 +194,12 @@ class MoELayerSpec:
             setattr(owner, attr, nn.Parameter(empty, requires_grad=False))
         self.released = True
 
+    def router(self) -> nn.Module | None:
+        """The block's router module (`gate` or `router` of `parent`), or None: what computes the
+        routing this layer's experts receive (`cupool.prefetch.RouterPredictor` reads its
+        weight [E, H] to predict this layer's experts from the previous layer's input)."""
+        return _owner(self.parent, ("gate", "router"))[1]
+
     def restore(self, weights, device=None, biases=None) -> None:
         """The inverse of `release`: put E (gate [I, H], up [I, H], down [H, I]) tuples back into
         the module in its own layout (fused, interleaved, transposed as it was) and in `dtype`, on

@@ -9,7 +9,9 @@ addresses never change and a captured CUDA graph keeps working. A layer call (`s
 launches on torch's current stream — the plan step (`rawkernels/planner.cu`) and the row copies
 (`rawkernels/rowcopy.cu`) — with no host sync; the GEMM then reads each lane's weights at
 `lane_addr`. Everything else here (open with verification, stats, errors) reads the device and
-belongs outside the hot path.
+belongs outside the hot path. A Bank built with `prefetch=True` also runs prefetch steps
+(`prefetch` + `copy_prefetched`: a predicted layer's experts brought in ahead of its step, with
+their own copy list; `cupool.prefetch.Prefetcher` issues them on a side stream).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cupool.ops.planner import MAX_LANES, DeviceTables, PlanStep
 from cupool.ops.rowcopy import MODES, RowCopier
 from cupool.reference.planner import (
     COUNTERS,
+    PREFETCH_COUNTERS,
     PlanError,
     check_tables,
     initial_placement,
@@ -66,13 +69,15 @@ class Bank:
             kernels are built for sm_90 or newer, else "ld" (`cupool._cuda.target`, which
             CUPOOL_ARCH sets). The choice is `copy_mode` on the bank.
         copy_blocks: the copy kernel's fixed grid (default: the RowCopier default).
+        prefetch: build the planner's PREFETCH variant and its tables, for `prefetch` steps
+            (default False: the plain planner).
     The gate starts closed: steps route correctly through staging but move nothing until `open()`.
     """
 
     def __init__(self, store: HostStore, rows_per_layer: int, staging_rows: int,
                  max_lanes: int, initial=None, device=None, *, threads: int | None = None,
                  items: int | None = None, ring: int | None = None, copy_mode: str = "auto",
-                 copy_blocks: int | None = None):
+                 copy_blocks: int | None = None, prefetch: bool = False):
         if not isinstance(store, HostStore):
             raise TypeError(f"store must be a cupool.HostStore, got {type(store).__name__}")
         if copy_mode not in MODES:
@@ -105,7 +110,7 @@ class Bank:
         self.initial_key_of = key_of
         self.rows = torch.zeros((self.num_rows + S, self.row_stride), dtype=torch.uint8,
                                 device=dev)
-        self.tables = DeviceTables.build(key_of, L, E, W, dev, ring=ring)
+        self.tables = DeviceTables.build(key_of, L, E, W, dev, ring=ring, prefetch=bool(prefetch))
         t = self.tables
         self.slot_of, self.key_of, self.last_use = t.slot_of, t.key_of, t.last_use
         self.ring, self.pos_of, self.ring_ends = t.ring, t.pos_of, t.ends
@@ -117,9 +122,7 @@ class Bank:
         self._copy_stream = None   # step_split's, made on first use
         self._copy = RowCopier(self.src_of_key, self.row_bytes, self.rows, W, mode=copy_mode,
                                blocks=copy_blocks)
-        self._compare = kernels.function("planner", "compare_rows",
-                                         {"THREADS": self._plan.threads, "ITEMS": self._plan.items},
-                                         idx)
+        self._compare = kernels.function("planner", "compare_rows", self._plan.defines, idx)
         owned = np.flatnonzero(key_of >= 0)
         if owned.size:
             fill = torch.from_numpy(np.stack([key_of[owned], owned], 1).astype(np.int32)).to(dev)
@@ -130,6 +133,16 @@ class Bank:
     def plan_block(self) -> tuple[int, int]:
         """(threads, items) of the plan-step launch (one block)."""
         return self._plan.threads, self._plan.items
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The stream `step_split` copies on (None before its first call)."""
+        return self._copy_stream
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether this bank runs prefetch steps (built with `prefetch=True`)."""
+        return self.tables.prefetch
 
     @property
     def copy_mode(self) -> str:
@@ -160,6 +173,24 @@ class Bank:
         W = self._plan(layer, ids)
         self._copy(self.copies, self.n_copies)
         return self.routes[:W], self.lane_addr[:W]
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> int:
+        """Prefetch step for `layer` (`ReferencePlanner.prefetch`): `ids` (int32/int64 CUDA, any
+        shape, W ≤ max_lanes, −1 padding) are its predicted experts; the misses take eligible
+        victims and fill the prefetch copy list (`tables.pf_copies`, `tables.pf_n_copies`), which
+        `copy_prefetched` copies. Writes none of the plan step's outputs, so a GEMM reading the
+        last step's `lane_addr` and that step's row copies may run beside it. Returns W; no host
+        sync; graph-capturable. Nothing may plan (a step or another prefetch) until its copies
+        have landed."""
+        return self._plan.prefetch(layer, ids)
+
+    def copy_prefetched(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy the rows listed by the last prefetch step (the row-copy kernel, fixed grid, the
+        list's length read on the device) on `stream` (default: torch's current stream)."""
+        t = self.tables
+        if not t.prefetch:
+            raise RuntimeError("this bank was built without prefetch (Bank(..., prefetch=True))")
+        self._copy(t.pf_copies, t.pf_n_copies, stream=stream)
 
     def step_split(self, layer: int, ids: torch.Tensor):
         """`step` with the copies on the bank's copy stream, so work on the rows already in place
@@ -219,6 +250,13 @@ class Bank:
         L, E = self.num_layers, self.num_experts
         problems = st["ring_problems"] + check_tables(
             L * E, st["slot_of"], st["key_of"], st["last_use"], st["clock"], st["order"])
+        if "touched" in st:                 # the prefetch tables
+            last = int((st["last_use"] == st["clock"]).sum()) if st["clock"] else 0
+            if st["touched"] != last:
+                problems.append(f"touched = {st['touched']}, but {last} rows were stamped at "
+                                f"clock {st['clock']}")
+            empty = np.flatnonzero((st["prefetched"] != 0) & (st["key_of"] < 0))
+            problems += [f"row {r} is marked prefetched but holds no key" for r in empty[:8]]
         key_of = st["key_of"]
         rows = np.flatnonzero((key_of >= 0) & (key_of < L * E))
         if sample is not None and sample < rows.size:
@@ -257,12 +295,16 @@ class Bank:
 
     def reset_stats(self) -> None:
         self.counters.zero_()
+        if self.tables.prefetch:
+            self.tables.pf_counters.zero_()
 
     def stats(self) -> tuple[list[dict], str]:
         """Per-layer counters (counted while the gate is open) and rows owned now: a list of dicts
-        (layer, hits, misses, hit_rate, promotions, steals, staged, rows_owned, bytes_copied) and
-        the same as a formatted table."""
+        (layer, hits, misses, hit_rate, promotions, steals, staged, rows_owned, bytes_copied;
+        a prefetching bank adds prefetched, prefetch_used, prefetch_wasted and bytes_prefetched)
+        and the same as a formatted table."""
         c = self.counters.cpu().numpy()
+        pf = self.tables.pf_counters.cpu().numpy() if self.tables.prefetch else None
         key_of = self.key_of.cpu().numpy()
         owned = np.bincount(key_of[key_of >= 0] // self.num_experts, minlength=self.num_layers)
         table = []
@@ -273,6 +315,10 @@ class Bank:
                           "hit_rate": d["hits"] / looked_up if looked_up else float("nan"),
                           "rows_owned": int(owned[layer]),
                           "bytes_copied": (d["promotions"] + d["staged"]) * self.row_bytes})
+            if pf is not None:
+                table[-1].update({name: int(pf[layer, i])
+                                  for i, name in enumerate(PREFETCH_COUNTERS)},
+                                 bytes_prefetched=int(pf[layer, 0]) * self.row_bytes)
         head = (f"{'layer':>5} {'hits':>10} {'misses':>10} {'hit rate':>8} {'promotions':>10} "
                 f"{'steals':>8} {'staged':>8} {'rows':>6} {'copied':>11}")
         lines = [head]
@@ -286,6 +332,11 @@ class Bank:
         lines.append(f"{'all':>5} {tot['hits']:>10} {tot['misses']:>10} {rate:>8.3f} "
                      f"{tot['promotions']:>10} {tot['steals']:>8} {tot['staged']:>8} "
                      f"{tot['rows_owned']:>6} {fmt_bytes(tot['bytes_copied']):>11}")
+        if pf is not None:
+            n = pf.sum(axis=0)
+            lines.append(f"prefetch: {n[0]} rows ({fmt_bytes(int(n[0]) * self.row_bytes)}), "
+                         f"{n[1]} used, {n[2]} wasted (evicted unused), "
+                         f"{n[0] - n[1] - n[2]} waiting")
         return table, "\n".join(lines)
 
     def memory_parts(self) -> list[tuple[str, int, str]]:
@@ -298,4 +349,5 @@ class Bank:
     def __repr__(self) -> str:
         return (f"Bank(L={self.num_layers}, E={self.num_experts}, N={self.rows_per_layer}, "
                 f"R={self.num_rows}, S={self.staging_rows}, max_lanes={self.max_lanes}, "
-                f"row={fmt_bytes(self.row_bytes)}, {self.device})")
+                f"row={fmt_bytes(self.row_bytes)}, {self.device}"
+                f"{', prefetch' if self.tables.prefetch else ''})")

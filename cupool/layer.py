@@ -6,6 +6,8 @@ A layer call is `(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]
 torch's current stream. Decode (W ≤ the bank's max lanes): plan step + row copies + decode GEMM,
 graph-capturable; with the pool's `overlap_copies` the copies run on a second stream while the
 GEMM works on the experts already in the bank, and the copied experts follow in a second launch.
+With the pool's prefetch on (`Pool.enable_prefetch`), every call first joins the prefetch in
+flight, and a decode call issues the next layer's prefetch right after its plan step.
 Wider calls (prefill) take the partition path (resident experts from the bank, the others from
 the host store through a bounded scratch), which leaves the placement alone; a call wider than
 the GEMM's `max_prefill_tokens` runs in chunks of that many tokens (exact: experts act on each
@@ -61,6 +63,8 @@ class PooledExperts:
         routing hook replaced are masked), plan step, row copies, decode GEMM into `out` (or a
         new tensor). x [T, H], ids [T, K], w [T, K]; W = T·K at most the bank's lanes."""
         p = self.pool
+        if p.prefetcher is not None:
+            p.prefetcher.join()            # before anything reads or plans the bank
         hooked = p.routing_hook is not None
         if hooked:
             ids = p.routing_hook(self.layer, ids)
@@ -73,14 +77,23 @@ class PooledExperts:
         if p.decode_backend is not None:
             y = p.decode_backend(self.layer, x, ids, w)
             return y if out is None else out.copy_(y)
+        pre = p.prefetcher
+        if pre is not None:
+            pre.observe(self.layer, ids)
         if p.overlap_copies:
             _, lane_addr, fresh, join = p.bank.step_split(self.layer, ids)
+            if pre is not None:           # beside this layer's GEMM, after its own row copies
+                pre.issue(self.layer + 1, x, mask, after=(p.bank.copy_stream,))
             return p.gemm.decode(x, lane_addr, w, out, lane_fresh=fresh, before_fresh=join)
         _, lane_addr = p.bank.step(self.layer, ids)
+        if pre is not None:
+            pre.issue(self.layer + 1, x, mask)
         return p.gemm.decode(x, lane_addr, w, out)
 
     def _prefill(self, x, ids, w):
         p = self.pool
+        if p.prefetcher is not None:
+            p.prefetcher.join()            # before anything reads the bank
         resident = p.expert_addresses(self.layer)
         host = p.store.address_table()
         step = p.gemm.max_prefill_tokens

@@ -4,6 +4,7 @@ Shape legend (ARCHITECTURE.md): L MoE layers · E experts · K top-k · N rows p
 
 The gate starts closed (warm-up and graph capture must not move the placement); `open()` opens
 it. `stats_table()` and `report()` say what the pool did and holds; `unwrap()` undoes the swap.
+`enable_prefetch()` turns on prefetch in decode calls (`cupool.prefetch`; off by default).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from cupool.gemm import MoEGemm
 from cupool.layer import PooledExperts
 from cupool.layout import RowLayout, unpack_bias, unpack_row
 from cupool.nvfp4 import dequantize
+from cupool.prefetch import Prefetcher, RouterPredictor
 from cupool.reference.planner import PlanError
 from cupool.store import HostStore, fmt_bytes
 
@@ -50,6 +52,11 @@ class Pool:
         # with the one-launch decode GEMM it bought ~1% at a half-size bank and cost ~10% with
         # every expert resident on an H200 (the second launch; docs/PERFORMANCE.md).
         self.overlap_copies = False
+        # None, or the Prefetcher of decode calls (`enable_prefetch`): after layer l's plan step,
+        # layer l + 1's predicted experts are brought in on a side stream. Off by default: it
+        # pays only where its copies hide under compute and the predictor is right often enough
+        # (docs/PERFORMANCE.md; bench_decode --modes pool-prefetch); keep it off where it loses.
+        self.prefetcher: Prefetcher | None = None
 
     # --- hooks --------------------------------------------------------------------------------
     @property
@@ -88,6 +95,7 @@ class Pool:
         """Undo the swap. With `restore_weights`, each experts module gets back its weights as
         the dequantized NVFP4 values (the original bf16 weights were released at wrap time), on
         the pool's device in the model's dtype. The store and bank are freed."""
+        self.disable_prefetch()
         swap.uninstall(self._restore)
         if restore_weights:
             for spec in self.specs:
@@ -104,19 +112,65 @@ class Pool:
         self.gemm = None
         self.store.close()
 
-    def resize_bank(self, rows: int) -> None:
+    def resize_bank(self, rows: int, *, prefetch: bool | None = None) -> None:
         """Replace the bank by one of `rows` rows per layer (initial placement, gate closed,
         counters zero). The old bank's memory is released first. Any captured graph that used the
-        old bank must be captured again."""
+        old bank must be captured again. `prefetch`: build the planner's prefetch variant (None:
+        as the old bank)."""
         if isinstance(rows, bool) or not isinstance(rows, int) or not self.top_k <= rows <= self.num_experts:
             raise ValueError(f"rows must be an int with top_k={self.top_k} <= rows <= "
                              f"E={self.num_experts}, got {rows!r}")
         max_lanes, staging = self.bank.max_lanes, self.bank.staging_rows
+        prefetch = self.bank.prefetching if prefetch is None else bool(prefetch)
+        self.join_prefetch()
         self.bank = None
         torch.cuda.empty_cache()
         self.bank = Bank(self.store, rows, staging_rows=staging, max_lanes=max_lanes,
-                         device=self.device)
+                         device=self.device, prefetch=prefetch)
         self.rows_per_layer = rows
+        if self.prefetcher is not None:
+            self.prefetcher.bank = self.bank
+
+    # --- prefetch -----------------------------------------------------------------------------
+    def enable_prefetch(self, predictor=None, *, top_k: int | None = None,
+                        track_accuracy: bool = False) -> Prefetcher:
+        """Turn prefetch on for decode calls (`cupool.prefetch`): after layer l's plan step, layer
+        l + 1's predicted experts are brought into the bank on a side stream, joined before the
+        next plan step; captured graphs include it. `predictor`: fn(layer, hidden [T, H]) -> ids
+        [T, K'] (default `RouterPredictor`: layer l + 1's router on layer l's MoE input, top
+        `top_k`, default K). `track_accuracy`: count how often predictions are right
+        (`Prefetcher.accuracy`; a few more launches a layer). A bank without the planner's
+        prefetch variant is rebuilt with it first (as `resize_bank`: placement reset, gate
+        closed): call this before warm-up and capture. Returns the Prefetcher."""
+        if predictor is not None and not callable(predictor):
+            raise TypeError(f"predictor must be callable or None, got {type(predictor).__name__}")
+        predict = predictor if predictor is not None else RouterPredictor(self.specs, top_k)
+        if not self.bank.prefetching:
+            self.resize_bank(self.rows_per_layer, prefetch=True)
+        self.disable_prefetch()
+        self.prefetcher = Prefetcher(self.bank, predict, track_accuracy=track_accuracy)
+        return self.prefetcher
+
+    def disable_prefetch(self) -> None:
+        """Turn prefetch off (the bank keeps its planner variant, which plans alike without
+        prefetches). Captured graphs that prefetch must be captured again."""
+        if self.prefetcher is not None:
+            self.prefetcher.join()
+            self.prefetcher = None
+
+    def prefetch(self, layer: int, hidden: torch.Tensor,
+                 token_mask: torch.Tensor | None = None) -> None:
+        """For a decode step of its own: prefetch `layer`'s predicted experts from `hidden`
+        [T, H], the previous MoE layer's input, right after that layer's plan step
+        (`Prefetcher.issue`). Call `join_prefetch` before the next plan step."""
+        if self.prefetcher is None:
+            raise RuntimeError("prefetch is off for this pool: call Pool.enable_prefetch() first")
+        self.prefetcher.issue(layer, hidden, token_mask)
+
+    def join_prefetch(self) -> None:
+        """Make torch's current stream wait for the prefetch in flight, if any."""
+        if self.prefetcher is not None:
+            self.prefetcher.join()
 
     # --- gate, checks, stats ------------------------------------------------------------------
     @contextlib.contextmanager

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from cupool.reference.planner import HITS, LRU, MISSES, Policy, ReferencePlanner
+from cupool.reference.planner import (
+    HITS,
+    LRU,
+    MISSES,
+    PREFETCH_COUNTERS,
+    Policy,
+    ReferencePlanner,
+)
 from cupool.trace import Trace
 
 
@@ -19,10 +26,12 @@ def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = No
 
     Returns the hit rate (hits / (hits + misses)) over the steps after `warmup_steps`, per layer
     too, and the rows each layer owns at the end (shows rows moving between layers). `policy`:
-    the victim rule (`cupool.reference.planner.Policy`; LRU is the kernel's). `prefetch`: the
-    trace's predicted ids of each layer are prefetched right after the previous layer's step
-    (`ReferencePlanner.prefetch`; needs `trace.predicted`); then the result also counts rows
-    prefetched, used and wasted.
+    the victim rule (`cupool.reference.planner.Policy`; LRU is the kernel's). `prefetch`: as the
+    pool does in a decode step, right after layer l's step, layer l + 1's predicted ids of the
+    same step are prefetched (`ReferencePlanner.prefetch`; needs `trace.predicted`), for
+    l = 0 … L − 2 (layer 0 is not predicted: nothing runs before it in a step). Then the result
+    also counts rows prefetched, used and wasted (`PREFETCH_COUNTERS`), and the rows still
+    marked prefetched at the end ("prefetch_pending").
     """
     if prefetch and trace.predicted is None:
         raise ValueError("prefetch=True needs a trace with predicted ids "
@@ -48,10 +57,8 @@ def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = No
             pbase = ref.prefetch_counters.copy()
         for layer in range(L):
             ref.step(layer, trace.ids[s, layer].reshape(-1))
-            if prefetch:                          # the next layer's predicted ids, ahead of it
-                nl, ns = (layer + 1, s) if layer + 1 < L else (0, s + 1)
-                if ns < trace.steps:
-                    ref.prefetch(nl, trace.predicted[ns, nl].reshape(-1))
+            if prefetch and layer + 1 < L:        # the next layer's predicted ids, ahead of it
+                ref.prefetch(layer + 1, trace.predicted[s, layer + 1].reshape(-1))
     c = ref.counters - base
     pc = (ref.prefetch_counters - pbase).sum(axis=0)
     hits, misses = int(c[:, HITS].sum()), int(c[:, MISSES].sum())
@@ -60,5 +67,5 @@ def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = No
             "per_layer_hit_rate": [float(c[l, HITS] / max(1, c[l, HITS] + c[l, MISSES]))
                                    for l in range(L)],
             "rows_owned": owned.tolist(), "policy": policy.describe(),
-            **({"prefetched": int(pc[0]), "prefetch_used": int(pc[1]),
-                "prefetch_wasted": int(pc[2])} if prefetch else {})}
+            **({name: int(pc[i]) for i, name in enumerate(PREFETCH_COUNTERS)} if prefetch else {}),
+            **({"prefetch_pending": int(ref.prefetched.sum())} if prefetch else {})}

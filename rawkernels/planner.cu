@@ -2,8 +2,8 @@
 // whole decode step (plan -> row copies -> GEMM) stays in one CUDA graph without host readback.
 //
 // Semantics: exactly `cupool.reference.planner.ReferencePlanner.step` (ARCHITECTURE.md, "Planner
-// semantics"); the reference's docstring is the specification and the GPU tests compare the two
-// after every step.
+// semantics"), and in the PREFETCH build also `ReferencePlanner.prefetch` (below); the
+// reference's docstring is the specification and the GPU tests compare the two after every step.
 // Shape legend: L layers, E experts per layer, R = L*N bank rows, S staging rows, W lanes.
 //
 // Work sketch: one block of THREADS threads (fixed grid: the launch never depends on data).
@@ -72,6 +72,30 @@
 //     row is one the copy list fills, so the GEMM can run the other lanes while it is copied). copies[j]: the thread of miss j in D.
 //   - clock/gate/counters/error: read in A (counters and error by thread 0, kept in shared
 //     memory), written by thread 0 in F, after barriers.
+//
+// PREFETCH build (-DPREFETCH=1; the default build has none of what follows, so its binaries are
+// those of a planner without prefetch). Three more tables: `touched` [1] (rows stamped by the
+// last open tick), `pf_flag` [R] (1: a prefetch filled the row and no step has used it since),
+// `pf_counters` [L, 3] (prefetched, prefetch_used, prefetch_wasted by the prefetched key's layer).
+//   - plan_step_*: as above, plus: a hit on a flagged row clears the flag and counts
+//     prefetch_used; a flagged victim counts prefetch_wasted (for its old key's layer) and is
+//     unflagged; an open step writes touched = T.
+//   - prefetch_step_*: the same launch with the ids a prediction: hits are stamped (the flag
+//     kept), misses take victims among *eligible* rows only and are skipped when none is left
+//     (never staged, no error), victims are flagged, no routes / lane_addr / lane_fresh are
+//     written, and `copies` / `n_copies` are the prefetch's own list; the plan counters stay.
+//     Eligible = not used in this tick nor the one before (last_use < max(clock - 1, 1)): the
+//     previous tick's step may still have a GEMM reading its rows while these copies land.
+//     Why no last_use is read for that: the rows of the last open tick are exactly the window's
+//     last `touched` entries (appended together, and nothing has punched holes into them since),
+//     and every other non-hit row comes before them. So with Y = those tail entries that are not
+//     hits now (a hit's ring position says whether it lies in the tail), the eligible rows are
+//     the first R - H - Y non-hole non-hit entries, V = min(M, R - H - Y), and phase C's walk is
+//     the plan step's unchanged: its first V eligible entries are eligible, the cut is the first
+//     entry it keeps, compaction keeps the young entries behind the others.
+//   Who touches what (beyond the list above): touched: read in A, written by thread 0 in F.
+//   pf_flag: B (hits of a plan step) and D (victims) on disjoint rows. pf_counters: atomics only
+//   (D for other layers' wasted rows, thread 0 in F for its own layer's columns).
 #include "common.cuh"
 
 #ifndef THREADS
@@ -80,6 +104,9 @@
 #ifndef ITEMS
 #define ITEMS 4       // window entries a thread holds per tile (tile = THREADS * ITEMS)
 #endif
+#ifndef PREFETCH
+#define PREFETCH 0    // 1: the prefetch build (prefetch_step_*, the tables touched, pf_flag,
+#endif                //    pf_counters)
 
 #define NWARPS (THREADS / 32)
 #define TILE (THREADS * ITEMS)
@@ -87,6 +114,11 @@
 #define NUM_COUNTERS 5  // hits, misses, promotions, steals, staged (reference.planner.COUNTERS)
 #define ERR_BAD_ID 1
 #define ERR_STAGING_OVERFLOW 2
+// prefetched, prefetch_used, prefetch_wasted (reference.planner.PREFETCH_COUNTERS)
+#define NUM_PF_COUNTERS 3
+#define PF_PREFETCHED 0
+#define PF_USED 1
+#define PF_WASTED 2
 
 static_assert(THREADS % 32 == 0 && THREADS >= 32 && THREADS <= 1024,
               "THREADS must be a multiple of 32 in [32, 1024]");
@@ -148,7 +180,8 @@ CUPOOL_DEVICE void load_tile(const i32* ring, int mask, int head, int span, int 
     }
 }
 
-template <typename Id>
+// PF: the prefetch mode (only instantiated in the PREFETCH build).
+template <typename Id, bool PF>
 CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E, i32 R, i32 S,
                              i32* __restrict__ slot_of, i32* __restrict__ key_of,
                              i64* __restrict__ last_use, i32* __restrict__ ring,
@@ -157,7 +190,12 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
                              i32* __restrict__ error, i64* __restrict__ counters,
                              i32* __restrict__ routes, i64* __restrict__ lane_addr,
                              i32* __restrict__ lane_fresh, i32* __restrict__ copies,
-                             i32* __restrict__ n_copies, i64 rows_base, i64 row_stride) {
+                             i32* __restrict__ n_copies, i64 rows_base, i64 row_stride
+#if PREFETCH
+                             , i32* __restrict__ touched, i32* __restrict__ pf_flag,
+                             i64* __restrict__ pf_counters
+#endif
+                             ) {
     // Dynamic shared memory: first_lane [E] (the lowest lane asking for each expert of this
     // layer), then two row bitmaps of ceil(R/32) words: hit rows, and rows taken as victims.
     extern __shared__ u32 dyn_smem[];
@@ -174,6 +212,10 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     __shared__ i32 s_scratch[2][32];       // block-scan scratch, used alternately
     __shared__ i64 s_old[NUM_COUNTERS + 1];  // this layer's counters and the error word, as read
     __shared__ i32 s_error, s_steals, s_cut;
+#if PREFETCH
+    __shared__ i32 s_young_hits, s_pf_used;  // prefetch mode: hits in the last tick's tail;
+                                             // plan mode: hits on flagged rows
+#endif
 
     const int t = threadIdx.x, lane = t & 31;
 
@@ -191,7 +233,14 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         s_error = 0;
         s_steals = 0;
         s_cut = span;  // no eligible entry V in the window: every entry dies this step
+#if PREFETCH
+        s_young_hits = 0;
+        s_pf_used = 0;
+#endif
     }
+#if PREFETCH
+    const int prev_touched = *touched;  // the window's last prev_touched entries: the last tick's
+#endif
     for (int i = t; i < E; i += THREADS) first_lane[i] = THREADS;
     for (int i = t; i < 2 * nwords; i += THREADS) hit_bits[i] = 0u;  // both bitmaps
     __syncthreads();
@@ -217,6 +266,14 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
             last_use[slot] = now;
             hit_pos = pos_of[slot];
             set_bit(hit_bits, slot);
+#if PREFETCH
+            if constexpr (PF) {
+                if (((hit_pos - head) & ring_mask) >= span - prev_touched) atomicAdd(&s_young_hits, 1);
+            } else if (pf_flag[slot]) {
+                pf_flag[slot] = 0;
+                atomicAdd(&s_pf_used, 1);
+            }
+#endif
         }
     }
     // Misses in the low half, hits in the high half: W <= 1024 keeps both below 2^16.
@@ -227,7 +284,13 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         s_miss_key[before & 0xffff] = key;
         s_miss_lane[before & 0xffff] = t;
     }
+#if PREFETCH
+    // prefetch mode: the last tick's rows that are not hits now are not eligible (s_young_hits is
+    // complete: the scan's barrier)
+    const int V = open ? min(M, R - H - (PF ? prev_touched - s_young_hits : 0)) : 0;
+#else
     const int V = open ? min(M, R - H) : 0;  // misses that get a bank row
+#endif
     const int T = H + V;                      // rows stamped with `now` this step
     const bool compact = open && T > 0 && span + T > ring_mask + 1;
 
@@ -283,12 +346,25 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
             if (old >= 0) {
                 slot_of[old] = -1;
                 if (old / E != layer) atomicAdd(&s_steals, 1);
+#if PREFETCH
+                if (pf_flag[r])
+                    atomicAdd(reinterpret_cast<unsigned long long*>(
+                                  &pf_counters[(i64)(old / E) * NUM_PF_COUNTERS + PF_WASTED]),
+                              1ull);
+#endif
             }
+#if PREFETCH
+            pf_flag[r] = PF ? 1 : 0;
+#endif
             slot_of[k] = r;
             key_of[r] = k;
             last_use[r] = now;
         } else {
+#if PREFETCH
+            r = !PF && t - V < S ? R + (t - V) : -1;  // a prefetch never stages
+#else
             r = t - V < S ? R + (t - V) : -1;
+#endif
         }
         s_route[s_miss_lane[t]] = r;
         s_fresh[s_miss_lane[t]] = r >= 0;
@@ -331,13 +407,39 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     }
 
     // ---- F. per-lane outputs and the scalars --------------------------------------------------
+#if PREFETCH
+    if (!PF && t < W) {  // a prefetch routes nothing (the GEMM running beside it reads these)
+#else
     if (t < W) {
+#endif
         const int route = e >= 0 ? s_route[first_lane[e]] : -1;
         routes[t] = route;
         lane_addr[t] = route >= 0 ? rows_base + (i64)route * row_stride : 0;
         lane_fresh[t] = e >= 0 ? s_fresh[first_lane[e]] : 0;
     }
+#if PREFETCH
+    if (t == 0 && PF) {
+        *n_copies = V;
+        if (s_error) *error = (i32)s_old[NUM_COUNTERS] | s_error;
+        if (open) {
+            *clock = now;
+            *touched = T;
+            atomicAdd(reinterpret_cast<unsigned long long*>(
+                          &pf_counters[(i64)layer * NUM_PF_COUNTERS + PF_PREFETCHED]),
+                      (unsigned long long)V);
+        }
+    }
+    if (t == 0 && !PF && open) {
+        *touched = T;
+        if (s_pf_used)
+            atomicAdd(reinterpret_cast<unsigned long long*>(
+                          &pf_counters[(i64)layer * NUM_PF_COUNTERS + PF_USED]),
+                      (unsigned long long)s_pf_used);
+    }
+    if (t == 0 && !PF) {
+#else
     if (t == 0) {
+#endif
         const int staged = M - V;
         const int staged_ok = min(staged, S);
         *n_copies = V + staged_ok;
@@ -363,18 +465,39 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
 #define PLAN_STEP_PASS                                                                        \
     W, layer, E, R, S, slot_of, key_of, last_use, ring, pos_of, ends, ring_mask, clock, gate,  \
         error, counters, routes, lane_addr, lane_fresh, copies, n_copies, rows_base, row_stride
+#if PREFETCH
+#define PF_ARGS , i32 *touched, i32 *pf_flag, i64 *pf_counters
+#define PF_PASS , touched, pf_flag, pf_counters
+#else
+#define PF_ARGS
+#define PF_PASS
+#endif
 
 // Two entry points because routers hand out int64 (torch.topk) or int32 ids; reading either
 // directly avoids a cast kernel in the graph.
 extern "C" __global__ void __launch_bounds__(THREADS)
-plan_step_i32(const i32* __restrict__ ids, PLAN_STEP_ARGS) {
-    plan_step<i32>(ids, PLAN_STEP_PASS);
+plan_step_i32(const i32* __restrict__ ids, PLAN_STEP_ARGS PF_ARGS) {
+    plan_step<i32, false>(ids, PLAN_STEP_PASS PF_PASS);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-plan_step_i64(const i64* __restrict__ ids, PLAN_STEP_ARGS) {
-    plan_step<i64>(ids, PLAN_STEP_PASS);
+plan_step_i64(const i64* __restrict__ ids, PLAN_STEP_ARGS PF_ARGS) {
+    plan_step<i64, false>(ids, PLAN_STEP_PASS PF_PASS);
 }
+
+#if PREFETCH
+// The prefetch mode: `copies` / `n_copies` are the prefetch's own list; routes, lane_addr and
+// lane_fresh are not written (pass any buffers of the right type).
+extern "C" __global__ void __launch_bounds__(THREADS)
+prefetch_step_i32(const i32* __restrict__ ids, PLAN_STEP_ARGS PF_ARGS) {
+    plan_step<i32, true>(ids, PLAN_STEP_PASS PF_PASS);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+prefetch_step_i64(const i64* __restrict__ ids, PLAN_STEP_ARGS PF_ARGS) {
+    plan_step<i64, true>(ids, PLAN_STEP_PASS PF_PASS);
+}
+#endif
 
 // Verification (not the hot path): compares bank rows with their host-store rows, both read on
 // the GPU (the host row through its UVA address), for the (key, row) pairs listed.

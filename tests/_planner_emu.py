@@ -3,7 +3,9 @@
 The kernel source is compiled with g++ against tests/emu/common.cuh (the CUDA features it uses,
 emulated with one std::thread per CUDA thread), optionally with ThreadSanitizer, and driven over a
 random trace; after every step its routes, lane addresses, copy list and tables must equal the
-reference's. Used by tests/test_planner.py; also runnable: `python tests/_planner_emu.py --tsan`.
+reference's. With `prefetch`, the PREFETCH build runs a trace of plan and prefetch steps mixed
+(`random_mixed_trace`), and the prefetch tables and lists are compared too. Used by
+tests/test_planner.py; also runnable: `python tests/_planner_emu.py --tsan [--prefetch]`.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ if str(ROOT) not in sys.path:
 from cupool.ops.planner import ring_capacity
 from cupool.reference.planner import (
     COUNTERS,
+    PREFETCH_COUNTERS,
     ReferencePlanner,
     initial_placement,
-    lru_order,
 )
 
 EMU = Path(__file__).resolve().parent / "emu"
 DYN_DECL = "extern __shared__ u32 dyn_smem[];"
 ROWS_BASE, ROW_STRIDE = 0x7F0000000000, 4352
+POISON32, POISON64 = 0x5A5A5A5A, 0x5A5A5A5A5A5A     # what planner_main fills outputs with
 
 
 def unavailable() -> str | None:
@@ -49,8 +52,9 @@ def unavailable() -> str | None:
 
 
 def build(workdir: Path, threads: int, items: int, tsan: bool = False,
-          source: str | None = None) -> Path:
-    """Compile the plan step (or `source`, a variant of it) for the CPU; returns the executable."""
+          source: str | None = None, prefetch: bool = False) -> Path:
+    """Compile the plan step (or `source`, a variant of it) for the CPU; returns the executable.
+    `prefetch`: the PREFETCH build (plan and prefetch steps)."""
     src = source if source is not None else (ROOT / "rawkernels" / "planner.cu").read_text()
     if DYN_DECL not in src:
         raise RuntimeError(f"planner.cu no longer declares `{DYN_DECL}`; update {__file__}")
@@ -59,9 +63,10 @@ def build(workdir: Path, threads: int, items: int, tsan: bool = False,
     exe = workdir / ("planner_tsan" if tsan else "planner_emu")
     cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O1" if tsan else "-O2", "-g",
            "-Wall", "-Wno-unknown-pragmas", f"-DTHREADS={threads}", f"-DITEMS={items}",
-           f"-I{workdir}", f"-I{EMU}", str(EMU / "planner_main.cpp"), "-o", str(exe), "-pthread"]
-    if tsan:
-        cmd.insert(1, "-fsanitize=thread")
+           f"-DPREFETCH={int(prefetch)}", f"-I{workdir}", f"-I{EMU}",
+           str(EMU / "planner_main.cpp"), "-o", str(exe), "-pthread"]
+    if tsan:                      # OS threads: ThreadSanitizer sees what fibers would hide
+        cmd[1:1] = ["-fsanitize=thread", "-DEMU_THREADS=1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"emulation build failed:\n{' '.join(cmd)}\n{r.stderr}")
@@ -89,6 +94,40 @@ def random_trace(rng, L, E, steps, max_lanes, p_flip=(0.1, 0.01)):
     return trace
 
 
+def random_mixed_trace(rng, L, E, steps, max_lanes, p_flip=(0.1, 0.01), p_prefetch=0.5):
+    """[(gate, layer, kind, ids int64)]: `random_trace`'s plan steps (kind 0), each followed with
+    probability `p_prefetch` by a prefetch step (kind 1), of the next layer mostly, else of any
+    layer (the same one too, so that predicted rows can be rows of the tick before), and now and
+    then a second prefetch right after the first. A prefetch names the layer's ids of its last
+    plan step, each kept with probability 0.7 (right) or replaced by a random id (wrong; −1
+    padding and the odd invalid id too), or at times an entirely random wide prediction (which
+    can run out of eligible rows)."""
+    last = [np.zeros(0, np.int64) for _ in range(L)]
+    out = []
+    for gate, layer, ids in random_trace(rng, L, E, steps, max_lanes, p_flip):
+        out.append((gate, layer, 0, ids))
+        last[layer] = ids
+        n = int(rng.random() < p_prefetch) + int(rng.random() < 0.1 * p_prefetch)
+        for _ in range(n):
+            nxt = (layer + 1) % L if rng.random() < 0.7 else int(rng.integers(L))
+            if rng.random() < 0.8:
+                pred = last[nxt].copy()
+                wrong = rng.random(pred.size) >= 0.7
+                pred[wrong] = rng.integers(-1, E, size=int(wrong.sum()))
+            else:
+                pred = rng.integers(-1, E, size=int(rng.integers(0, max_lanes + 1)))
+            bad = rng.random(pred.size) < 0.005
+            pred[bad] = rng.choice([E, -2, 2**40], size=int(bad.sum()))
+            out.append((gate, nxt, 1, pred.astype(np.int64)))
+    return out[:steps]
+
+
+def same(got, want, err_msg="") -> None:
+    """np.testing.assert_array_equal, with a fast path for the equal case (runs every step)."""
+    if not np.array_equal(got, want):
+        np.testing.assert_array_equal(got, want, err_msg=err_msg)
+
+
 def fresh_lanes(routes, copies) -> np.ndarray:
     """int [W]: 1 where the lane's row is one the step's copy list fills (the reference's view of
     the kernel's lane_fresh)."""
@@ -97,23 +136,28 @@ def fresh_lanes(routes, copies) -> np.ndarray:
 
 
 def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=None,
-        timeout=900, source=None, p_flip=(0.1, 0.01), ring=None) -> int:
+        timeout=900, source=None, p_flip=(0.1, 0.01), ring=None, prefetch=False,
+        report: dict | None = None) -> int:
     """Build, run the trace, compare every step; returns the number of steps compared.
-    `ring`: the LRU ring's capacity (default `ring_capacity(R)`; a small one compacts often)."""
+    `ring`: the LRU ring's capacity (default `ring_capacity(R)`; a small one compacts often).
+    `prefetch`: the PREFETCH build over `random_mixed_trace` (plan and prefetch steps).
+    `report`: receives the reference's final counters and prefetch counters, and how many
+    prefetch steps ran with the gate open and how many predicted ids they skipped."""
     rng = np.random.default_rng(seed)
     ref = ReferencePlanner(L, E, N, S, initial)
     R = ref.num_rows
-    trace = random_trace(rng, L, E, steps, max_lanes, p_flip)
+    trace = random_mixed_trace(rng, L, E, steps, max_lanes, p_flip) if prefetch else \
+        [(g, layer, 0, ids) for g, layer, ids in random_trace(rng, L, E, steps, max_lanes, p_flip)]
     # int64 ids only where they fit int32, so the i32 entry point sees the same values
-    is64 = [bool(rng.random() < 0.5) or np.any(np.abs(ids) > 2**31 - 1) for _, _, ids in trace]
+    is64 = [bool(rng.random() < 0.5) or np.any(np.abs(ids) > 2**31 - 1) for *_, ids in trace]
     C = ring_capacity(R) if ring is None else int(ring)
-    words = [R, E, L, S, max_lanes, ROWS_BASE, ROW_STRIDE, steps, C]
+    words = [R, E, L, S, max_lanes, ROWS_BASE, ROW_STRIDE, len(trace), C]
     words += initial_placement(L, E, N, initial).tolist()
-    for (gate, layer, ids), wide in zip(trace, is64):
-        words += [gate, layer, int(wide), ids.size] + ids.tolist()
+    for (gate, layer, kind, ids), wide in zip(trace, is64):
+        words += [gate, layer, kind, int(wide), ids.size] + ids.tolist()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        exe = build(tmp, threads, items, tsan, source)
+        exe = build(tmp, threads, items, tsan, source, prefetch)
         np.array(words, dtype=np.int64).tofile(tmp / "in.bin")
         try:
             r = subprocess.run([str(exe), str(tmp / "in.bin"), str(tmp / "out.bin")],
@@ -131,52 +175,89 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
         p += n
         return out[p - n:p]
 
-    for i, (gate, layer, ids) in enumerate(trace):
+    def copy_list(n):
+        """The n (key, row) pairs the harness wrote (it writes min(n, max_lanes), 0 if n < 0)."""
+        return [tuple(c) for c in take(2 * max(0, min(n, max_lanes))).reshape(-1, 2).tolist()]
+
+    open_prefetches = skipped = 0
+    for i, (gate, layer, kind, ids) in enumerate(trace):
         if gate:
             ref.open()
         else:
             ref.close()
-        routes, copies = ref.step(layer, ids)
         W = ids.size
-        where = f"step {i} (layer {layer}, W={W}, gate {gate}, ids {ids.tolist()})"
+        where = (f"step {i} ({'prefetch' if kind else 'plan'}, layer {layer}, W={W}, gate {gate}, "
+                 f"ids {ids.tolist()})")
         got_routes, got_addr, got_fresh = take(W), take(W), take(W)
         n = int(take(1)[0])
-        got_copies = take(2 * n).reshape(-1, 2) if 0 <= n <= max_lanes else None
+        got_copies = copy_list(n)
+        if kind == 0:
+            routes, copies = ref.step(layer, ids)
+            same(got_routes, routes, err_msg=f"routes, {where}")
+            want_addr = np.where(routes >= 0, ROWS_BASE + routes.astype(np.int64) * ROW_STRIDE, 0)
+            same(got_addr, want_addr, err_msg=f"lane_addr, {where}")
+            same(got_fresh, fresh_lanes(routes, copies),
+                                          err_msg=f"lane_fresh, {where}")
+            assert n == len(copies) and got_copies == copies, \
+                f"copies {n} {got_copies}, expected {copies}, {where}"
+        else:                                   # a prefetch leaves the plan step's outputs alone
+            pf_copies = ref.prefetch(layer, ids)
+            if gate:
+                open_prefetches += 1
+                misses = {int(e) for e in ids if 0 <= e < E and ref.slot_of[layer * E + e] < 0}
+                skipped += len(misses)      # predicted ids left without a row
+            assert (got_routes == POISON32).all() and (got_addr == POISON64).all() \
+                and (got_fresh == POISON32).all(), f"a prefetch wrote routes, {where}"
+            assert n == POISON32, f"a prefetch wrote the plan step's n_copies ({n}), {where}"
         st = ref.state()
-        np.testing.assert_array_equal(got_routes, routes, err_msg=f"routes, {where}")
-        want_addr = np.where(routes >= 0, ROWS_BASE + routes.astype(np.int64) * ROW_STRIDE, 0)
-        np.testing.assert_array_equal(got_addr, want_addr, err_msg=f"lane_addr, {where}")
-        np.testing.assert_array_equal(got_fresh, fresh_lanes(routes, copies),
-                                      err_msg=f"lane_fresh, {where}")
-        assert got_copies is not None and [tuple(c) for c in got_copies.tolist()] == copies, \
-            f"copies {n} {got_copies}, expected {copies}, {where}"
         for name, size in (("slot_of", L * E), ("key_of", R), ("last_use", R)):
-            np.testing.assert_array_equal(take(size), st[name], err_msg=f"{name}, {where}")
+            same(take(size), st[name], err_msg=f"{name}, {where}")
         head, span = take(2)
         assert 0 <= head < C and R <= span <= C, f"ring head {head} span {span} (C={C}), {where}"
         order = take(int(take(1)[0]))
-        np.testing.assert_array_equal(order, st["order"], err_msg=f"ring order (-2: pos_of "
+        same(order, st["order"], err_msg=f"ring order (-2: pos_of "
                                       f"disagrees), {where}")
         assert int(take(1)[0]) == st["clock"], f"clock, {where}"
         assert int(take(1)[0]) == st["error"], f"error, {where}"
-        np.testing.assert_array_equal(take(L * len(COUNTERS)).reshape(L, -1), st["counters"],
+        same(take(L * len(COUNTERS)).reshape(L, -1), st["counters"],
                                       err_msg=f"counters, {where}")
-        np.testing.assert_array_equal(st["order"], lru_order(st["last_use"]))
+        if prefetch:
+            pn = int(take(1)[0])
+            got_pf = copy_list(pn)
+            if kind == 1:
+                assert pn == len(pf_copies) and got_pf == pf_copies, \
+                    f"prefetch copies {pn} {got_pf}, expected {pf_copies}, {where}"
+            else:
+                assert pn == POISON32, f"a plan step wrote the prefetch's n_copies, {where}"
+            touched = int(take(1)[0])
+            want = int((st["last_use"] == st["clock"]).sum()) if st["clock"] else 0
+            assert touched == want, f"touched {touched}, rows of the last tick {want}, {where}"
+            pst = ref.prefetch_state()
+            same(take(R), pst["prefetched"], err_msg=f"pf_flag, {where}")
+            same(take(L * len(PREFETCH_COUNTERS)).reshape(L, -1),
+                                          pst["prefetch_counters"],
+                                          err_msg=f"prefetch counters, {where}")
     assert p == out.size, "trailing output"
+    if report is not None:
+        report.update(counters=ref.counters.copy(), prefetch_counters=ref.prefetch_counters.copy(),
+                      open_prefetches=open_prefetches, skipped=skipped)
     return len(trace)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tsan", action="store_true")
+    ap.add_argument("--prefetch", action="store_true", help="the PREFETCH build, plan and "
+                    "prefetch steps mixed")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shape", nargs=7, type=int, metavar=("L", "E", "N", "S", "LANES", "THREADS",
                                                            "ITEMS"), default=[5, 13, 3, 64, 64, 64, 1])
     a = ap.parse_args(argv)
     L, E, N, S, lanes, threads, items = a.shape
-    n = run(L, E, N, S, lanes, threads, items, a.steps, a.seed, tsan=a.tsan)
-    print(f"{n} steps: emulated kernel == reference{' (ThreadSanitizer clean)' if a.tsan else ''}")
+    n = run(L, E, N, S, lanes, threads, items, a.steps, a.seed, tsan=a.tsan, prefetch=a.prefetch)
+    print(f"{n} steps{' (plan and prefetch)' if a.prefetch else ''}: emulated kernel == "
+          f"reference{' (ThreadSanitizer clean)' if a.tsan else ''}")
 
 
 if __name__ == "__main__":

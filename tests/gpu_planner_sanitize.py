@@ -1,8 +1,9 @@
 """A short planner run for compute-sanitizer (a script; pytest does not collect it).
 
 Random plan + copy steps compared with the reference after each one, a captured graph of several
-layer calls replayed with new ids (gate opened after capture), verify(), and a few steps of the
-benchmark's shape (its default block). Exits non-zero on any mismatch.
+layer calls replayed with new ids (gate opened after capture), verify(), a few steps of the
+benchmark's shape (its default block), and plan and prefetch steps mixed through the PREFETCH
+build. Exits non-zero on any mismatch.
 
     compute-sanitizer --tool memcheck  python tests/gpu_planner_sanitize.py
     compute-sanitizer --tool racecheck python tests/gpu_planner_sanitize.py --steps 100 --big-steps 4
@@ -14,7 +15,7 @@ import argparse
 
 import numpy as np
 import torch
-from test_gpu_planner import Harness, run_random
+from test_gpu_planner import Harness, MixedRun, run_random
 
 
 def graph_replays(rng, h: Harness, replays: int) -> None:
@@ -54,6 +55,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--replays", type=int, default=5)
     ap.add_argument("--big-steps", type=int, default=10, help="steps of the L=48, N=256 shape")
+    ap.add_argument("--prefetch-steps", type=int, default=200,
+                    help="plan and prefetch steps through the PREFETCH build")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     rng = np.random.default_rng(a.seed)
@@ -68,6 +71,11 @@ def main(argv=None):
         big.bank.verify()
         big.close()
         print(f"L=48 N=256 bank: {a.big_steps} steps == reference")
+    if a.prefetch_steps:
+        m = MixedRun(rng, L=5, E=17, N=3, S=64, lanes=64, row_bytes=1024 + 48)
+        m.run(a.prefetch_steps, batch=50)
+        m.close()
+        print(f"PREFETCH build: {a.prefetch_steps} plan and prefetch steps == reference")
     print("OK")
 
 

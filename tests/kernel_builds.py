@@ -58,6 +58,7 @@ BUILDS: list[tuple[str, str]] = [
     ("planner", ""),
     ("planner", "-DTHREADS=128 -DITEMS=4"),
     ("planner", "-DTHREADS=1024 -DITEMS=4"),
+    ("planner", "-DTHREADS=128 -DITEMS=4 -DPREFETCH=1"),   # Bank(prefetch=True)
     ("rowcopy", ""),
     ("rowcopy", "-DUNROLL=4"),
     ("rowcopy", "-DCHUNK=32768 -DNSTAGES=4"),
@@ -113,6 +114,8 @@ VARIANTS = [
     ("moe_align", "-DNT=64 -DIDS64=0 -DIN_BF16=0"),
     ("moe_align", "-DNT=8 -DXVEC=1 -DW_DTYPE=2"),
     ("planner", "-DTHREADS=1024 -DITEMS=4"),
+    ("planner", "-DPREFETCH=1"),
+    ("planner", "-DPREFETCH=1 -DTHREADS=1024 -DITEMS=2"),
     ("rowcopy", "-DCHUNK=1040 -DNSTAGES=5"),
     ("rowcopy", "-DCHUNK=65536 -DNSTAGES=3 -DUNROLL=8"),
     ("moe_decode", "-DDECODE_TRACE=1"),

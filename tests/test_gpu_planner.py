@@ -1,15 +1,16 @@
 """GPU checks of the planner: the plan-step kernel equals the reference after every step, the
-rows it routes to hold the right bytes, graph replay equals eager launches, verify() finds damage."""
+rows it routes to hold the right bytes, graph replay equals eager launches, verify() finds damage;
+the PREFETCH build over plan and prefetch steps mixed equals the reference after every step."""
 
 import numpy as np
 import pytest
 import torch
-from _planner_emu import fresh_lanes, random_trace
+from _planner_emu import fresh_lanes, random_mixed_trace, random_trace
 
 from cupool import HostStore
 from cupool.bank import Bank, BankVerifyError
 from cupool.ops.planner import ring_order
-from cupool.reference.planner import COUNTERS, PlanError, ReferencePlanner
+from cupool.reference.planner import COUNTERS, PREFETCH_COUNTERS, PlanError, ReferencePlanner
 
 pytestmark = pytest.mark.gpu
 
@@ -373,3 +374,202 @@ def test_step_guards(rng):
     routes, addr = b.step(1, torch.tensor([[1, -1], [3, 1]], device="cuda"))
     assert routes.tolist() == [3, -1, 4, 3]            # R = 4: expert 3 is staged in row 4
     h.close()
+
+
+# --- the PREFETCH build: plan and prefetch steps mixed -------------------------------------------------
+
+class MixedRun:
+    """A prefetching Bank driven over `random_mixed_trace` in batches: each step's outputs and
+    tables are gathered on the device into one row of a snapshot buffer (no host sync between
+    steps), the batch is read back at once and compared with the reference step by step."""
+
+    NAMES = ("slot_of", "key_of", "last_use", "ring", "pos_of", "ends", "clock", "gate", "error",
+             "counters", "touched", "pf_flag", "pf_counters", "routes", "lane_addr", "lane_fresh",
+             "n_copies", "copies", "pf_n_copies", "pf_copies", "bad_lanes", "bad_prefetched")
+
+    def __init__(self, rng, L, E, N, S, lanes, row_bytes, **shape):
+        self.rng, self.L, self.E, self.lanes = rng, L, E, lanes
+        self.store, self.expect = make_store(rng, L, E, row_bytes)
+        self.bank = Bank(self.store, N, S, lanes, prefetch=True, **shape)
+        self.ref = ReferencePlanner(L, E, N, S)
+        self.R = self.bank.num_rows
+        self.open_prefetches = self.skipped = 0
+        self.gate = 0                                 # the bank's gate, as last set
+
+    def _parts(self, layer, ids_dev):
+        b, t = self.bank, self.bank.tables
+        W = ids_dev.numel()
+        keys = (layer * self.E + ids_dev.long()).clamp(0, self.L * self.E - 1)
+        r = t.routes[:W].long()
+        got = b.rows[r.clamp(0, b.rows.shape[0] - 1), :b.row_bytes]
+        bad_lanes = ((got != self.expect[keys]).any(dim=1) & (r >= 0) & (r < b.rows.shape[0])).sum()
+        # the prefetch list's rows after its copies: their keys' host bytes
+        n = t.pf_n_copies.long()
+        j = torch.arange(self.lanes, device="cuda")
+        pk = t.pf_copies[:, 0].long().clamp(0, self.L * self.E - 1)
+        pr = t.pf_copies[:, 1].long().clamp(0, self.R - 1)
+        bad_pf = ((b.rows[pr, :b.row_bytes] != self.expect[pk]).any(dim=1) & (j < n)).sum()
+        return [t.slot_of, t.key_of, t.last_use, t.ring, t.pos_of, t.ends, t.clock, t.gate,
+                t.error, t.counters, t.touched, t.pf_flag, t.pf_counters, t.routes, t.lane_addr,
+                t.lane_fresh, t.n_copies, t.copies, t.pf_n_copies, t.pf_copies, bad_lanes, bad_pf]
+
+    def run(self, steps, batch=256, p_flip=(0.1, 0.01)):
+        b, t = self.bank, self.bank.tables
+        trace = random_mixed_trace(self.rng, self.L, self.E, steps, self.lanes, p_flip)
+        ids_all = np.full((len(trace), self.lanes), -1, dtype=np.int64)
+        for i, (*_, ids) in enumerate(trace):
+            ids_all[i, :ids.size] = ids
+        ids64 = torch.from_numpy(ids_all).cuda()
+        ids32 = torch.from_numpy(np.clip(ids_all, -2**31, 2**31 - 1).astype(np.int32)).cuda()
+        wide = [bool(np.any(np.abs(ids) > 2**31 - 1)) or self.rng.random() < 0.5
+                for *_, ids in trace]
+        sizes = None
+        for start in range(0, len(trace), batch):
+            chunk = trace[start:start + batch]
+            snap = None
+            for k, (gate, layer, kind, ids) in enumerate(chunk):
+                i = start + k
+                if gate != self.gate:
+                    b.open(verify=False) if gate else b.close()
+                    self.gate = gate
+                for buf in (t.routes, t.lane_fresh, t.copies, t.n_copies, t.pf_copies,
+                            t.pf_n_copies):
+                    buf.fill_(POISON32)
+                t.lane_addr.fill_(POISON64)
+                ids_dev = (ids64 if wide[i] else ids32)[i, :ids.size]
+                if kind:
+                    b.prefetch(layer, ids_dev)
+                    b.copy_prefetched()
+                else:
+                    b.step(layer, ids_dev)
+                parts = [x.reshape(-1).to(torch.int64) for x in self._parts(layer, ids_dev)]
+                if snap is None:
+                    sizes = [x.numel() for x in parts]
+                    snap = torch.empty(len(chunk), sum(sizes), dtype=torch.int64, device="cuda")
+                snap[k].copy_(torch.cat(parts))
+            rows = snap.cpu().numpy()
+            for k, (gate, layer, kind, ids) in enumerate(chunk):
+                self._compare(start + k, gate, layer, kind, ids,
+                              dict(zip(self.NAMES, np.split(rows[k], np.cumsum(sizes)[:-1]))))
+            assert b.verify() == int((self.ref.key_of >= 0).sum())
+        return trace
+
+    def _compare(self, i, gate, layer, kind, ids, got):
+        ref, W = self.ref, ids.size
+        if gate:
+            ref.open()
+        else:
+            ref.close()
+        where = (f"step {i} ({'prefetch' if kind else 'plan'}, layer {layer}, W={W}, gate {gate}, "
+                 f"ids {ids.tolist()})")
+        head, span = (int(v) for v in got["ends"])
+        assert 0 <= head < got["ring"].size and self.R <= span <= got["ring"].size, where
+        got["order"], problems = ring_order(got["ring"], got["pos_of"], head, span)
+        assert problems == [], f"{problems}, {where}"
+        if kind:
+            misses = {int(e) for e in ids if 0 <= e < self.E and ref.slot_of[layer * self.E + e] < 0}
+            want_pf = ref.prefetch(layer, ids)
+            if gate:
+                self.open_prefetches += 1
+                self.skipped += len(misses) - len(want_pf)
+            n = int(got["pf_n_copies"][0])
+            assert n == len(want_pf), f"pf_n_copies {n} != {len(want_pf)}, {where}"
+            pf = got["pf_copies"].reshape(-1, 2)[:n]
+            assert [tuple(c) for c in pf.tolist()] == want_pf, f"prefetch copies, {where}"
+            assert int(got["bad_prefetched"][0]) == 0, f"prefetched rows hold wrong bytes, {where}"
+            for name, poison in (("routes", POISON32), ("lane_addr", POISON64),
+                                 ("lane_fresh", POISON32), ("n_copies", POISON32),
+                                 ("copies", POISON32)):
+                assert (got[name] == poison).all(), f"a prefetch wrote {name}, {where}"
+        else:
+            want_routes, want_copies = ref.step(layer, ids)
+            np.testing.assert_array_equal(got["routes"][:W], want_routes, err_msg=f"routes, {where}")
+            base, stride = self.bank.rows.data_ptr(), self.bank.row_stride
+            want_addr = np.where(want_routes >= 0, base + want_routes.astype(np.int64) * stride, 0)
+            np.testing.assert_array_equal(got["lane_addr"][:W], want_addr,
+                                          err_msg=f"lane_addr, {where}")
+            np.testing.assert_array_equal(got["lane_fresh"][:W],
+                                          fresh_lanes(want_routes, want_copies),
+                                          err_msg=f"lane_fresh, {where}")
+            n = int(got["n_copies"][0])
+            assert n == len(want_copies), f"n_copies {n} != {len(want_copies)}, {where}"
+            copies = got["copies"].reshape(-1, 2)[:n]
+            assert [tuple(c) for c in copies.tolist()] == want_copies, f"copies, {where}"
+            assert int(got["bad_lanes"][0]) == 0, f"lanes read wrong bytes, {where}"
+            assert (got["pf_n_copies"] == POISON32).all(), f"a step wrote pf_n_copies, {where}"
+        st = {**ref.state(), **ref.prefetch_state()}
+        for name in ("slot_of", "key_of", "last_use", "order"):
+            np.testing.assert_array_equal(got[name], st[name], err_msg=f"{name}, {where}")
+        for name in ("clock", "gate", "error"):
+            assert int(got[name][0]) == st[name], f"{name}: {got[name][0]} != {st[name]}, {where}"
+        np.testing.assert_array_equal(got["counters"].reshape(self.L, len(COUNTERS)),
+                                      st["counters"], err_msg=f"counters, {where}")
+        np.testing.assert_array_equal(got["pf_flag"], st["prefetched"], err_msg=f"pf_flag, {where}")
+        np.testing.assert_array_equal(got["pf_counters"].reshape(self.L, len(PREFETCH_COUNTERS)),
+                                      st["prefetch_counters"], err_msg=f"prefetch counters, {where}")
+        touched = int((st["last_use"] == st["clock"]).sum()) if st["clock"] else 0
+        assert int(got["touched"][0]) == touched, f"touched, {where}"
+
+    def close(self):
+        self.store.close()
+
+
+def test_prefetch_kernel_equals_reference_on_10000_mixed_steps(rng):
+    """10,000 steps (plan steps, and prefetches of the next or any layer with predictions right
+    and wrong) through the PREFETCH build: after every step the tables, touched, flags, counters,
+    routes, both copy lists and the rows they filled equal the reference's; a prefetch writes
+    none of the plan step's outputs. R = 15 < E = 17 and wide predictions: prefetches run out of
+    eligible rows too."""
+    h = MixedRun(rng, L=5, E=17, N=3, S=64, lanes=64, row_bytes=4096 + 48)
+    trace = h.run(10_000)
+    pc = h.ref.prefetch_counters.sum(axis=0)
+    assert (pc > 0).all(), pc                         # prefetched, used and wasted rows
+    assert h.open_prefetches > 2500 and h.skipped > 0
+    assert sum(kind for _, _, kind, _ in trace) > 2500
+    c = h.ref.counters
+    assert c[:, COUNTERS.index("steals")].sum() > 0 and c[:, COUNTERS.index("staged")].sum() > 0
+    assert h.ref.error & PlanError.BAD_ID
+    h.close()
+
+
+@pytest.mark.parametrize("L,E,N,threads,items,ring,steps", [
+    (7, 40, 30, 64, 1, None, 2000),    # R = 210 in tiles of 64: the multi-tile loop
+    (7, 40, 30, 64, 2, 256, 2000),     # ... with a tight ring: compaction over several tiles
+    (5, 17, 3, None, None, 16, 2000),  # R = 15 in a ring of 16: compaction nearly every step
+    (48, 512, 256, None, None, None, 400),  # the benchmark's shape with the default block
+])
+def test_prefetch_kernel_equals_reference_other_shapes(rng, L, E, N, threads, items, ring, steps):
+    h = MixedRun(rng, L, E, N, S=64, lanes=64, row_bytes=256, threads=threads, items=items,
+                 ring=ring)
+    h.run(steps, batch=200, p_flip=(0.3, 0.01))
+    assert h.ref.prefetch_counters[:, 0].sum() > 0
+    h.close()
+
+
+def test_plain_and_prefetch_builds_plan_alike(rng):
+    """Without prefetch steps the PREFETCH build's plan step is the plain one: two banks in
+    lockstep keep equal tables, and the prefetch tables stay zero."""
+    L, E, N, S, W = 4, 21, 5, 64, 48
+    store, _ = make_store(rng, L, E, 512)
+    a, b = Bank(store, N, S, W), Bank(store, N, S, W, prefetch=True)
+    assert not a.prefetching and b.prefetching and "prefetch" in repr(b)
+    for x in (a, b):
+        x.open()
+    for _, layer, ids in random_trace(rng, L, E, 500, W):
+        d = torch.from_numpy(ids).cuda()
+        ra, la = a.step(layer, d)
+        rb, lb = b.step(layer, d)
+        assert torch.equal(ra, rb) and torch.equal(a.copies[:int(a.n_copies)],
+                                                   b.copies[:int(b.n_copies)])
+    sa, sb = a.state(), b.state()
+    for name in ("slot_of", "key_of", "last_use", "order", "clock", "counters"):
+        np.testing.assert_array_equal(sa[name], sb[name], err_msg=name)
+    assert (sb["prefetched"] == 0).all() and (sb["prefetch_counters"] == 0).all()
+    with pytest.raises(RuntimeError, match="without prefetch"):
+        a.copy_prefetched()
+    with pytest.raises(RuntimeError, match="prefetch tables"):
+        a.prefetch(0, torch.zeros(2, dtype=torch.int32, device="cuda"))
+    rows, text = b.stats()
+    assert rows[0]["prefetched"] == 0 and "prefetch: 0 rows" in text
+    a = b = None
+    store.close()

@@ -17,6 +17,7 @@ LAYERS = {
     "cupool.bank": 3, "cupool.gemm": 3,
     "cupool.adapters": 4, "cupool.layer": 4, "cupool.swap": 4, "cupool.pool": 4,
     "cupool.wrap": 4, "cupool.simulate": 4, "cupool.replay": 4, "cupool.placement": 4,
+    "cupool.prefetch": 4,
     "cupool.checkpoints": 3, "cupool.pretrained": 5,
     "cupool.kvcache": 6, "cupool.sampling": 6, "cupool.engine": 6, "cupool.fused": 6,
     "cupool.serve": 7, "cupool.cli": 7, "cupool.__main__": 7, "cupool.synthetic": 7,

@@ -269,7 +269,12 @@ class KernelModel:
     window entries that are neither holes nor hit rows; the head moves to eligible entry V (or the
     whole window is compacted when the appends would not fit); touched rows are appended in row
     order and hits leave holes. It never reads last_use; the test proves it equals the reference
-    (whose victim search is the definition)."""
+    (whose victim search is the definition).
+
+    Prefetch mode (the PREFETCH build): `touched` = rows stamped by the last open tick, which are
+    the window's last `touched` entries. A prefetch's eligible rows are the other non-hit
+    entries, all of which come before them, so V = min(M, R − H − Y), Y = those tail entries
+    that are not hits now, and the walk is the plan step's."""
 
     def __init__(self, ref: ReferencePlanner, C: int):
         self.L, self.E, self.R, self.S = (ref.num_layers, ref.num_experts, ref.num_rows,
@@ -282,13 +287,16 @@ class KernelModel:
         self.pos_of = np.empty(self.R, dtype=np.int32)
         self.pos_of[st["order"]] = np.arange(self.R)
         self.clock, self.gate, self.compactions = 0, False, 0
+        self.touched = 0
+        self.prefetched = np.zeros(self.R, dtype=bool)
+        self.pf_counters = np.zeros((self.L, 3), dtype=np.int64)
 
     def order(self):
         order, problems = ring_order(self.ring, self.pos_of, self.head, self.span)
         assert problems == []
         return order
 
-    def step(self, layer, ids):
+    def step(self, layer, ids, prefetch=False):
         E, R, S, C = self.E, self.R, self.S, self.C
         ids = np.asarray(ids, dtype=np.int64)
         W = ids.size
@@ -301,6 +309,7 @@ class KernelModel:
         route_of_lane = {}
         touched = np.zeros(R, dtype=bool)
         hit_pos, misses = [], []
+        young_hits = 0
         for t in range(W):
             if e[t] >= 0 and first_lane[int(e[t])] == t:
                 key = layer * E + int(e[t])
@@ -311,10 +320,15 @@ class KernelModel:
                         self.last_use[slot] = now
                         touched[slot] = True
                         hit_pos.append(int(self.pos_of[slot]))
+                        young_hits += (hit_pos[-1] - self.head) % C >= self.span - self.touched
+                        if self.prefetched[slot] and not prefetch:
+                            self.prefetched[slot] = False
+                            self.pf_counters[layer, 1] += 1
                 else:
                     misses.append((key, t))
         H, M = int(touched.sum()), len(misses)
-        V = min(M, R - H) if self.gate else 0
+        young = self.touched - young_hits if prefetch else 0
+        V = min(M, R - H - young) if self.gate else 0
         T = H + V
         compact = self.gate and T > 0 and self.span + T > C
         window = self.ring[(self.head + np.arange(self.span)) % C]
@@ -337,10 +351,13 @@ class KernelModel:
                 old = int(self.key_of[row])
                 if old >= 0:
                     self.slot_of[old] = -1
+                    if self.prefetched[row]:
+                        self.pf_counters[old // E, 2] += 1
+                self.prefetched[row] = prefetch
                 self.slot_of[key], self.key_of[row], self.last_use[row] = row, key, now
                 touched[row] = True
             else:
-                row = R + (j - V) if j - V < S else -1
+                row = R + (j - V) if j - V < S and not prefetch else -1
             route_of_lane[t] = row
             if row >= 0:
                 copies.append((key, row))
@@ -351,6 +368,10 @@ class KernelModel:
             p = (new_head + n_kept + np.arange(T)) % C
             self.ring[p], self.pos_of[rows] = rows, p
             self.head, self.span = new_head, n_kept + T
+        if self.gate:
+            self.touched = T
+            if prefetch:
+                self.pf_counters[layer, 0] += V
         routes = np.array([route_of_lane[first_lane[int(x)]] if x >= 0 else -1 for x in e],
                           dtype=np.int32)
         self.clock = now
@@ -381,6 +402,52 @@ def test_kernel_algorithm_equals_reference(rng, L, E, N, S, C):
                            ("last_use", model.last_use), ("order", model.order())):
             np.testing.assert_array_equal(st[name], mine, err_msg=f"{name}, step {i}")
     if C < 2 * ref.num_rows:              # a tight ring: the trace must reach the rare path
+        assert model.compactions > 0
+
+
+@pytest.mark.parametrize("L,E,N,S,C", [(5, 13, 3, 64, 16), (5, 13, 3, 64, 64), (2, 9, 4, 2, 8),
+                                       (6, 30, 10, 16, 128), (3, 40, 4, 16, 16)])
+def test_kernel_algorithm_with_prefetch_equals_reference(rng, L, E, N, S, C):
+    """Plan and prefetch steps mixed (predictions right and wrong, wide ones that run out of
+    eligible rows): the ring with `touched` equals the reference's last_use rule."""
+    ref = ReferencePlanner(L, E, N, S)
+    model = KernelModel(ref, C)
+    hot = [hot_distribution(rng, E) for _ in range(L)]
+    prev = [np.zeros(0, np.int64)] * L
+    kinds = [0, 0]
+    for i in range(3000):
+        if rng.random() < (0.01 if ref.gate else 0.1):
+            if ref.gate:
+                ref.close()
+            else:
+                ref.open()
+            model.gate = ref.gate
+        layer = int(rng.integers(L))
+        prefetch = bool(rng.random() < 0.5)
+        if prefetch and rng.random() < 0.5:       # a prediction: the layer's last ids, mangled
+            ids = prev[layer].copy()
+            wrong = rng.random(ids.size) < 0.3
+            ids[wrong] = rng.integers(-1, E, size=int(wrong.sum()))
+        else:
+            ids = random_ids(rng, E, int(rng.integers(1, 50)), hot[layer])
+        if not prefetch:
+            prev[layer] = ids
+        kinds[prefetch] += ref.gate
+        if prefetch:
+            c1, (_, c2) = ref.prefetch(layer, ids), model.step(layer, ids, prefetch=True)
+        else:
+            (r1, c1), (r2, c2) = ref.step(layer, ids), model.step(layer, ids)
+            np.testing.assert_array_equal(r1, r2, err_msg=f"routes, step {i}")
+        assert c1 == c2, f"copies, step {i} (prefetch {prefetch})"
+        st = {**ref.state(), **ref.prefetch_state()}
+        for name, mine in (("slot_of", model.slot_of), ("key_of", model.key_of),
+                           ("last_use", model.last_use), ("order", model.order()),
+                           ("prefetched", model.prefetched),
+                           ("prefetch_counters", model.pf_counters)):
+            np.testing.assert_array_equal(st[name], mine, err_msg=f"{name}, step {i}")
+    assert min(kinds) > 500 and ref.prefetch_counters[:, 0].sum() > 0
+    assert ref.prefetch_counters[:, 1].sum() > 0 and ref.prefetch_counters[:, 2].sum() > 0
+    if C < 2 * ref.num_rows:
         assert model.compactions > 0
 
 
@@ -507,10 +574,53 @@ def test_kernel_source_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, la
                             ring=ring) == steps
 
 
+@pytest.mark.parametrize("L,E,N,S,lanes,threads,items,steps,ring", [
+    (5, 17, 3, 64, 32, 32, 1, 10_000, None),  # 10,000 plan and prefetch steps; R = 15 < E = 17
+    (7, 40, 30, 64, 64, 64, 1, 1500, 256),    # R = 210: several tiles, and compaction
+    (3, 9, 2, 4, 64, 64, 2, 800, None),       # S < lanes, a tiny bank: predictions run out of rows
+    (3, 5, 9, 64, 64, 64, 1, 600, 32),        # N > E: empty rows
+    (48, 512, 256, 64, 64, 128, 4, 40, None), # the benchmark's shape and default block
+])
+def test_prefetch_build_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, lanes, threads,
+                                                         items, steps, ring):
+    """The PREFETCH build over plan steps each followed, half the time, by a prefetch of the next
+    layer whose predictions are mostly right (its ids of the last step, 30% replaced) or
+    random: routes, copy lists, tables, `touched`, flags and counters equal the reference's after
+    every step, and a prefetch leaves the plan step's outputs alone."""
+    seed = int(rng.integers(2**31))
+    flips = (0.7, 0.1) if steps < 50 else (0.1, 0.01)
+    rep = {}
+    assert _planner_emu.run(L, E, N, S, lanes, threads, items, steps, seed, p_flip=flips,
+                            ring=ring, prefetch=True, report=rep) == steps
+    if steps >= 800:                      # the trace reached every path, or it proves little
+        pc = rep["prefetch_counters"].sum(axis=0)
+        assert rep["open_prefetches"] > steps // 5 and (pc > 0).all(), rep
+        if E > N and L * N < 2 * lanes:   # a small bank: some predictions find no eligible row
+            assert rep["skipped"] > 0, rep
+
+
 @pytest.mark.slow
 def test_kernel_source_is_race_free_under_thread_sanitizer(gxx, rng):
     seed = int(rng.integers(2**31))
     assert _planner_emu.run(7, 40, 30, 64, 64, 64, 1, 150, seed, tsan=True) == 150
+
+
+@pytest.mark.slow
+def test_prefetch_build_is_race_free_under_thread_sanitizer(gxx, rng):
+    seed = int(rng.integers(2**31))
+    assert _planner_emu.run(7, 40, 30, 64, 64, 64, 1, 150, seed, tsan=True, prefetch=True,
+                            p_flip=(0.7, 0.01)) == 150
+
+
+def test_emulation_reports_a_barrier_some_threads_skip(gxx):
+    """The fiber emulation aborts on a __syncthreads that only part of the block reaches
+    (on a GPU: a hang or undefined behaviour) instead of running on."""
+    src = (_planner_emu.ROOT / "rawkernels" / "planner.cu").read_text()
+    tag = "    __syncthreads();  // s_victim*"
+    assert tag in src
+    with pytest.raises(AssertionError, match="deadlock"):
+        _planner_emu.run(5, 13, 3, 64, 64, 64, 1, 50, 1, p_flip=(1.0, 0.0),
+                         source=src.replace(tag, "    if (threadIdx.x < 32) __syncthreads(); //", 1))
 
 
 @pytest.mark.slow
@@ -561,3 +671,35 @@ def test_bank_host_side_methods_on_cpu_tables(pageable_store):
     assert parts["bank"] == (L * N * 256, "gpu") and parts["staging"] == (S * 256, "gpu")
     assert parts["planner tables"][0] == t.nbytes() + L * E * 8
     assert parts["host store"] == (pageable_store.nbytes, "host")
+
+
+def test_prefetch_tables_and_bank_stats_on_cpu_tables(pageable_store):
+    """The prefetch tables (DeviceTables.build(prefetch=True)): their state under the reference's
+    names, their bytes, and a prefetching bank's stats and reset."""
+    from cupool.ops.planner import DeviceTables
+    L, E, N, S, W = 2, 4, 2, 8, 8
+    key_of = initial_placement(L, E, N)
+    plain = DeviceTables.build(key_of, L, E, W, "cpu")
+    t = DeviceTables.build(key_of, L, E, W, "cpu", prefetch=True)
+    assert not plain.prefetch and plain.pf_flag is None and t.prefetch
+    assert t.nbytes() == plain.nbytes() + 4 + 4 * L * N + 8 * L * 3 + 8 * W + 4
+    ref = ReferencePlanner(L, E, N, S)
+    st = t.to_numpy()
+    for k, v in {**ref.state(), **ref.prefetch_state()}.items():
+        np.testing.assert_array_equal(st[k], v, err_msg=k)
+    assert st["touched"] == 0 and "touched" not in plain.to_numpy()
+    b = Bank.__new__(Bank)
+    b.store, b.num_layers, b.num_experts, b.rows_per_layer = pageable_store, L, E, N
+    b.num_rows, b.staging_rows, b.max_lanes = L * N, S, W
+    b.row_bytes, b.row_stride = pageable_store.row_bytes, pageable_store.row_stride
+    b.tables = t
+    b.slot_of, b.key_of, b.counters, b.error, b.gate = t.slot_of, t.key_of, t.counters, t.error, t.gate
+    assert b.prefetching
+    t.pf_counters[1] = torch.tensor([5, 3, 1])
+    rows, text = b.stats()
+    assert {k: rows[1][k] for k in ("prefetched", "prefetch_used", "prefetch_wasted",
+                                    "bytes_prefetched")} == \
+        {"prefetched": 5, "prefetch_used": 3, "prefetch_wasted": 1, "bytes_prefetched": 5 * 256}
+    assert text.splitlines()[-1].startswith("prefetch: 5 rows") and "1 waiting" in text
+    b.reset_stats()
+    assert (t.pf_counters == 0).all()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cupool import trace as tr
-from cupool.reference.planner import LRU, Policy, ReferencePlanner
+from cupool.reference.planner import LRU, PlanError, Policy, ReferencePlanner
 from cupool.simulate import simulate
 
 
@@ -63,39 +63,76 @@ def test_policy_guards(kw, match):
 def test_prefetched_row_is_a_hit_and_counted():
     p = ReferencePlanner(2, 8, 2, 4)                  # layer 0 holds 0, 1; layer 1 holds 0, 1
     p.open()
-    p.step(0, [0, 1])
-    copies = p.prefetch(1, [5, 0])                    # 0 is resident, 5 is not
+    p.step(0, [0, 1])                                 # tick 1: rows 0, 1
+    copies = p.prefetch(1, [5, 0])                    # tick 2: 0 is resident, 5 is not
     assert [k for k, _ in copies] == [8 + 5]
     row = copies[0][1]
-    assert p.key_of[row] == 13 and p.protected[row]
-    assert p.protected[p.slot_of[8]]                  # the resident predicted row is kept too
+    assert row == 3 and p.key_of[row] == 13 and p.prefetched[row]   # row 2 holds (1, 0): a hit
+    assert p.clock == 2 and p.last_use.tolist() == [1, 1, 2, 2]     # stamped: the LRU tail
+    assert p.counters.sum() == 2                      # a prefetch counts no hits or misses
     _, c2 = p.step(1, [5, 0])                         # 5: a hit now, no copy
-    assert c2 == [] and p.counters[1, 0] == 2 and p.counters[1, 1] == 0
+    assert c2 == [] and p.counters[1].tolist() == [2, 0, 0, 0, 0]
     assert p.prefetch_counters[1].tolist() == [1, 1, 0]
-    assert not p.protected.any()
+    assert not p.prefetched.any()
     assert p.check() == []
 
 
-def test_wrong_prediction_costs_a_row_for_one_step_only():
-    p = ReferencePlanner(1, 8, 3, 4)                  # rows hold 0, 1, 2
+def test_prefetch_never_takes_a_row_of_the_step_before_it():
+    p = ReferencePlanner(2, 8, 2, 4)                  # rows 0, 1: layer 0; rows 2, 3: layer 1
     p.open()
-    p.step(0, [0, 1])
-    copies = p.prefetch(0, [7])                       # wrong: 7 will not be used
-    (k, row), = copies
-    routes, c = p.step(0, [3, 4])                     # two misses: 7's row is protected
-    assert row not in [r for _, r in c] and p.key_of[row] == k
+    p.step(0, [0, 1])                                 # tick 1: rows 0, 1 (their GEMM may run)
+    copies = p.prefetch(1, [2, 3, 4])                 # tick 2: eligible rows: last_use < 1
+    assert copies == [(10, 2), (11, 3)]               # 4 is skipped: rows 0, 1 are not eligible
+    assert p.slot_of[12] == -1 and p.error == 0
+    _, c = p.step(0, [5])                             # a step may take them (tick 3: LRU row 0)
+    assert c == [(5, 0)]
+
+
+def test_every_row_is_eligible_at_the_first_tick():
+    p = ReferencePlanner(1, 8, 2, 4)
+    p.open()
+    assert p.prefetch(0, [5, 6, 7]) == [(5, 0), (6, 1)]   # clock 0 -> 1: nothing was used
+    assert p.prefetch_counters[0].tolist() == [2, 0, 0]
+
+
+def test_wrong_prediction_is_evicted_last_and_counted_wasted():
+    p = ReferencePlanner(1, 8, 4, 4)                  # rows hold 0, 1, 2, 3
+    p.open()
+    p.step(0, [0])                                    # tick 1: row 0
+    (k, row), = p.prefetch(0, [7])                    # tick 2: wrong; takes row 1 (LRU)
+    assert (k, row) == (7, 1)
+    _, c = p.step(0, [4, 5])                          # tick 3: rows 2, 3 go first (older)
+    assert [r for _, r in c] == [2, 3] and p.key_of[row] == 7
+    _, c = p.step(0, [6])                             # tick 4: row 0 (tick 1) before row 1 (2)
+    assert c == [(6, 0)]
+    _, c = p.step(0, [2])                             # tick 5: now the prefetched row goes
+    assert c == [(2, 1)]
     assert p.prefetch_counters[0].tolist() == [1, 0, 1]
-    _, c = p.step(0, [5, 6])                          # protection ended: 7's row may go now
-    assert row in [r for _, r in c]
+
+
+def test_predicted_resident_row_is_restamped_and_keeps_its_mark():
+    p = ReferencePlanner(1, 8, 3, 4)
+    p.open()
+    (_, row), = p.prefetch(0, [5])                    # tick 1: row 0
+    p.step(0, [1])                                    # tick 2
+    assert p.prefetch(0, [5, 5, -1]) == []            # tick 3: a hit: stamped, still marked
+    assert p.last_use[row] == 3 and p.prefetched[row]
+    p.step(0, [5])
+    assert p.prefetch_counters[0].tolist() == [1, 1, 0]
 
 
 def test_prefetch_with_gate_closed_or_no_victim_does_nothing():
     p = ReferencePlanner(1, 8, 2, 4)
-    assert p.prefetch(0, [5]) == []                   # gate closed
+    before = p.state()
+    assert p.prefetch(0, [5, 9]) == []                # gate closed: no copies, no tick ...
+    assert p.error == PlanError.BAD_ID                # ... but a bad id is flagged, as a step does
+    for name in ("slot_of", "key_of", "last_use", "clock", "counters"):
+        np.testing.assert_array_equal(p.state()[name], before[name], err_msg=name)
+    p.error = PlanError.NONE
     p.open()
-    p.step(0, [0, 1])                                 # every row used in the current step
-    assert p.prefetch(0, [5]) == []                   # no victim: skipped, never staged
-    assert p.prefetch_counters.sum() == 0
+    p.step(0, [0, 1])                                 # tick 1: every row
+    assert p.prefetch(0, [5]) == []                   # tick 2: no eligible row: skipped, not staged
+    assert p.prefetch_counters.sum() == 0 and p.error == 0 and p.clock == 2
     with pytest.raises(IndexError):
         p.prefetch(3, [1])
     with pytest.raises(TypeError):
@@ -103,9 +140,10 @@ def test_prefetch_with_gate_closed_or_no_victim_does_nothing():
 
 
 def test_prefetch_random_steps_keep_routes_right():
-    """10,000 layer steps with random predictions (right and wrong, out-of-range ids too): every
-    route is a row holding the lane's key (or a staging row this step), the tables stay a
-    bijection, and a protected row is never a victim."""
+    """10,000 layer steps, each followed by a prefetch of the next layer with random predictions
+    (right and wrong, out-of-range ids too): every route is a row holding the lane's key (or a
+    staging row this step), the tables stay a bijection, a prefetch's victims are eligible, and
+    the counters add up."""
     rng = np.random.default_rng(5)
     L, E, N, S, K = 4, 12, 4, 8, 3
     p = ReferencePlanner(L, E, N, S)
@@ -114,11 +152,7 @@ def test_prefetch_random_steps_keep_routes_right():
         layer = i % L
         ids = rng.choice(E, size=K, replace=False)
         ids[rng.random(K) < 0.05] = -1
-        protected_before = set(np.flatnonzero(p.protected).tolist())
-        keys_before = {r: int(p.key_of[r]) for r in protected_before}
         routes, copies = p.step(layer, ids)
-        for r in protected_before:                    # protected rows were not taken by misses
-            assert r not in [row for _, row in copies] or keys_before[r] == p.key_of[r]
         for e, r in zip(ids, routes):
             if e < 0:
                 assert r == -1
@@ -126,12 +160,23 @@ def test_prefetch_random_steps_keep_routes_right():
                 assert p.key_of[r] == layer * E + e
             else:
                 assert (layer * E + e, r) in copies   # staged for this step
-        pred = rng.choice(E + 2, size=K, replace=False) - 1       # some −1, some out of range
-        p.prefetch((layer + 1) % L, pred)
+        nxt = (layer + 1) % L
+        right = rng.random(K) < 0.7                   # about 70% of the predictions right
+        pred = np.where(right, ids, rng.integers(-1, E + 2, size=K))
+        last_before, clock_before = p.last_use.copy(), p.clock
+        pf = p.prefetch(nxt, pred if rng.random() < 0.5 else ids[::-1].copy())
+        for k, r in pf:
+            assert k // E == nxt and p.key_of[r] == k and p.prefetched[r]
+            assert last_before[r] < max(clock_before, 1)
         if i % 500 == 0:
             assert p.check() == []
-    assert p.check() == [] and p.error == 0
-    assert p.prefetch_counters[:, 0].sum() == p.prefetch_counters[:, 1:].sum() + p.prefetched.sum()
+    assert p.check() == [] and p.error == PlanError.BAD_ID
+    c = p.prefetch_counters
+    assert (c[:, 0] > 0).all() and (c[:, 1] > 0).all() and (c[:, 2] > 0).all()
+    assert c[:, 0].sum() == c[:, 1:].sum() + p.prefetched.sum()
+    for layer in range(L):
+        marked = p.prefetched & (p.key_of // E == layer) & (p.key_of >= 0)
+        assert c[layer, 0] == c[layer, 1] + c[layer, 2] + marked.sum()
 
 
 # --- traces with predictions -------------------------------------------------------------------------

@@ -6,17 +6,19 @@ W lanes of one layer call · C the LRU ring's capacity.
 `DeviceTables` are the planner's state at fixed device addresses; `PlanStep` validates a step's
 arguments and launches the kernel on torch's current stream. The semantics are those of
 `cupool.reference.planner.ReferencePlanner`, which the GPU tests compare the kernel with.
+With `prefetch=True` both use the kernel's PREFETCH build: three more tables and a prefetch list,
+and `PlanStep.prefetch` (`ReferencePlanner.prefetch`); without it the kernel is the plain build.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
 
 from cupool import _cuda, kernels
-from cupool.reference.planner import COUNTERS
+from cupool.reference.planner import COUNTERS, PREFETCH_COUNTERS
 
 # Largest W of one plan step: one lane per thread of the kernel's single block.
 MAX_LANES = 1024
@@ -58,6 +60,10 @@ class DeviceTables:
     Outputs of the last step, reused by every layer call: routes int32 [max_lanes] · lane_addr
     int64 [max_lanes] · lane_fresh int32 [max_lanes] (1 where the copy list fills the lane's row)
     · copies int32 [max_lanes, 2] · n_copies int32 [1].
+    Prefetch tables (None unless built with `prefetch=True`): touched int32 [1] (rows stamped by
+    the last open tick: the ring window's last entries) · pf_flag int32 [R] (1: filled by a
+    prefetch, not used since) · pf_counters int64 [L, 3] (`PREFETCH_COUNTERS`) · pf_copies int32
+    [max_lanes, 2] and pf_n_copies int32 [1] (the last prefetch's copy list).
     """
 
     slot_of: torch.Tensor
@@ -75,12 +81,23 @@ class DeviceTables:
     lane_fresh: torch.Tensor
     copies: torch.Tensor
     n_copies: torch.Tensor
+    touched: torch.Tensor | None = field(default=None)
+    pf_flag: torch.Tensor | None = field(default=None)
+    pf_counters: torch.Tensor | None = field(default=None)
+    pf_copies: torch.Tensor | None = field(default=None)
+    pf_n_copies: torch.Tensor | None = field(default=None)
+
+    @property
+    def prefetch(self) -> bool:
+        """Whether these tables have the prefetch tables (the PREFETCH build's)."""
+        return self.pf_flag is not None
 
     @classmethod
     def build(cls, key_of: np.ndarray, num_layers: int, num_experts: int, max_lanes: int,
-              device, ring: int | None = None) -> DeviceTables:
+              device, ring: int | None = None, prefetch: bool = False) -> DeviceTables:
         """Tables for the placement `key_of` (from `initial_placement`), all rows unused.
-        `ring`: the LRU ring's capacity (default `ring_capacity(R)`; tests pass a small one)."""
+        `ring`: the LRU ring's capacity (default `ring_capacity(R)`; tests pass a small one).
+        `prefetch`: add the prefetch tables (zero: nothing prefetched, no tick yet)."""
         R = key_of.size
         C = ring_capacity(R) if ring is None else int(ring)
         if C & (C - 1) or C < R:
@@ -108,22 +125,35 @@ class DeviceTables:
             lane_addr=torch.zeros(max_lanes, dtype=torch.int64, device=device),
             lane_fresh=torch.zeros(max_lanes, dtype=torch.int32, device=device),
             copies=torch.zeros(max_lanes, 2, dtype=torch.int32, device=device),
-            n_copies=torch.zeros(1, dtype=torch.int32, device=device))
+            n_copies=torch.zeros(1, dtype=torch.int32, device=device),
+            **({} if not prefetch else dict(
+                touched=torch.zeros(1, dtype=torch.int32, device=device),
+                pf_flag=torch.zeros(R, dtype=torch.int32, device=device),
+                pf_counters=torch.zeros(num_layers, len(PREFETCH_COUNTERS), dtype=torch.int64,
+                                        device=device),
+                pf_copies=torch.zeros(max_lanes, 2, dtype=torch.int32, device=device),
+                pf_n_copies=torch.zeros(1, dtype=torch.int32, device=device))))
 
     def nbytes(self) -> int:
-        return sum(getattr(self, f.name).nbytes for f in fields(self))
+        return sum(getattr(self, f.name).nbytes for f in fields(self)
+                   if getattr(self, f.name) is not None)
 
     def to_numpy(self) -> dict:
         """Host copies of the state tables (one synchronising read each; not for the hot path).
         "order" is the ring's window read in order (`ring_order`); "ring_problems" lists what is
-        wrong with the ring itself."""
+        wrong with the ring itself. With the prefetch tables also "touched", "prefetched" (the
+        flags) and "prefetch_counters" (`ReferencePlanner.prefetch_state`'s names)."""
         head, span = (int(v) for v in self.ends.cpu())
         order, problems = ring_order(self.ring.cpu().numpy(), self.pos_of.cpu().numpy(), head, span)
-        return {"slot_of": self.slot_of.cpu().numpy(), "key_of": self.key_of.cpu().numpy(),
-                "last_use": self.last_use.cpu().numpy(), "order": order,
-                "ring_problems": problems, "ring_head": head, "ring_span": span,
-                "clock": int(self.clock.item()), "gate": int(self.gate.item()),
-                "error": int(self.error.item()), "counters": self.counters.cpu().numpy()}
+        out = {"slot_of": self.slot_of.cpu().numpy(), "key_of": self.key_of.cpu().numpy(),
+               "last_use": self.last_use.cpu().numpy(), "order": order,
+               "ring_problems": problems, "ring_head": head, "ring_span": span,
+               "clock": int(self.clock.item()), "gate": int(self.gate.item()),
+               "error": int(self.error.item()), "counters": self.counters.cpu().numpy()}
+        if self.prefetch:
+            out.update(touched=int(self.touched.item()), prefetched=self.pf_flag.cpu().numpy(),
+                       prefetch_counters=self.pf_counters.cpu().numpy())
+        return out
 
 
 def launch_shape(num_rows: int, max_lanes: int) -> tuple[int, int]:
@@ -164,6 +194,8 @@ class PlanStep:
             stride reach the kernel (for lane_addr).
         threads, items: block shape (default `launch_shape`); tests use tiny ones to exercise
             the kernel's multi-tile path.
+    The kernel's PREFETCH build when `tables` has the prefetch tables (`DeviceTables.prefetch`):
+    then plan steps also keep them, and `prefetch` launches the prefetch mode.
     """
 
     def __init__(self, tables: DeviceTables, num_layers: int, num_experts: int,
@@ -184,12 +216,17 @@ class PlanStep:
             raise ValueError(f"items must be in [1, 32], got {self.items}")
         # first-lane table [E] + hit and taken bitmaps [ceil(R/32)] each, all 4-byte words
         self.shared_mem = 4 * (self.num_experts + 2 * -(-self.num_rows // 32))
-        defines = {"THREADS": self.threads, "ITEMS": self.items}
+        self.defines = {"THREADS": self.threads, "ITEMS": self.items}
+        if tables.prefetch:
+            self.defines["PREFETCH"] = 1
         dev = self.device.index
-        self.kernels = {torch.int32: kernels.function("planner", "plan_step_i32", defines, dev),
-                        torch.int64: kernels.function("planner", "plan_step_i64", defines, dev)}
+        fn = lambda name: kernels.function("planner", name, self.defines, dev)  # noqa: E731
+        self.kernels = {torch.int32: fn("plan_step_i32"), torch.int64: fn("plan_step_i64")}
+        self.prefetch_kernels = {torch.int32: fn("prefetch_step_i32"),
+                                 torch.int64: fn("prefetch_step_i64")} if tables.prefetch else None
         limit = _shared_mem_limit(dev)
-        static = 24 * self.threads + 4 * 64 + 8 * 6 + 12  # planner.cu's __shared__ arrays
+        # planner.cu's __shared__ arrays (and the PREFETCH build's two more ints)
+        static = 24 * self.threads + 4 * 64 + 8 * 6 + 12 + (8 if tables.prefetch else 0)
         if self.shared_mem + static > limit:
             raise ValueError(f"the plan step needs {self.shared_mem + static} bytes of shared "
                              f"memory (E={self.num_experts}, R={self.num_rows}), more than the "
@@ -197,18 +234,33 @@ class PlanStep:
 
     def __call__(self, layer: int, ids: torch.Tensor) -> int:
         """One plan step for `layer` on torch's current stream; returns W. No host sync."""
+        return self._launch(self.kernels, layer, ids, self.tables.copies, self.tables.n_copies)
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> int:
+        """One prefetch step for `layer` (ids: its predicted experts, any shape, −1 padding) on
+        torch's current stream: fills the tables' pf_copies / pf_n_copies and writes none of the
+        plan step's outputs; returns W. No host sync. Needs the prefetch tables."""
+        if self.prefetch_kernels is None:
+            raise RuntimeError("this plan step was built without the prefetch tables "
+                               "(DeviceTables.build(..., prefetch=True))")
+        t = self.tables
+        return self._launch(self.prefetch_kernels, layer, ids, t.pf_copies, t.pf_n_copies)
+
+    def _launch(self, fns: dict, layer: int, ids: torch.Tensor, copies: torch.Tensor,
+                n_copies: torch.Tensor) -> int:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
                 or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
         W = check_ids(ids, self.max_lanes, self.device)
         t = self.tables
-        kernels.launch(self.kernels[ids.dtype], 1, self.threads, (
+        extra = (t.touched, t.pf_flag, t.pf_counters) if t.prefetch else ()
+        kernels.launch(fns[ids.dtype], 1, self.threads, (
             ids, kernels.i32(W), kernels.i32(layer), kernels.i32(self.num_experts),
             kernels.i32(self.num_rows), kernels.i32(self.staging_rows),
             t.slot_of, t.key_of, t.last_use, t.ring, t.pos_of, t.ends,
             kernels.i32(t.ring.numel() - 1), t.clock, t.gate, t.error, t.counters,
-            t.routes, t.lane_addr, t.lane_fresh, t.copies, t.n_copies,
-            kernels.i64(self.rows_base), kernels.i64(self.row_stride)),
+            t.routes, t.lane_addr, t.lane_fresh, copies, n_copies,
+            kernels.i64(self.rows_base), kernels.i64(self.row_stride), *extra),
             shared_mem=self.shared_mem, device=self.device)
         return W
 

@@ -3,10 +3,11 @@
 Shape legend (ARCHITECTURE.md): L layers · E experts per layer · N rows per layer at start · R = L·N
 bank rows · S staging rows · W lanes of one layer call (T tokens × K, −1 for padding).
 
-`ReferencePlanner` defines what a plan step does; `rawkernels/planner.cu`, launched by
-`cupool.ops.planner.PlanStep`, does the same on the GPU in one launch and is tested against it
-after every step. The error bits (`PlanError`) and the counter columns (`COUNTERS`) are shared
-with the kernel, which defines the same values (ERR_BAD_ID, ERR_STAGING_OVERFLOW, NUM_COUNTERS).
+`ReferencePlanner` defines what a plan step and a prefetch step do; `rawkernels/planner.cu`,
+launched by `cupool.ops.planner.PlanStep`, does the same on the GPU in one launch each and is
+tested against it after every step. The error bits (`PlanError`) and the counter columns
+(`COUNTERS`, `PREFETCH_COUNTERS`) are shared with the kernel, which defines the same values
+(ERR_BAD_ID, ERR_STAGING_OVERFLOW, NUM_COUNTERS, NUM_PF_COUNTERS).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ class PlanError(enum.IntFlag):
 
 
 POLICIES = ("lru", "lfru")
-# Prefetch counters [L, 3] (reference model and simulator only; the kernel has none yet).
+# Columns of the per-layer prefetch counters [L, 3] (same order in rawkernels/planner.cu's
+# PREFETCH build), counted for the layer of the prefetched key.
 PREFETCH_COUNTERS = ("prefetched", "prefetch_used", "prefetch_wasted")
+PREFETCHED, PREFETCH_USED, PREFETCH_WASTED = range(len(PREFETCH_COUNTERS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +165,9 @@ class ReferencePlanner:
       clock   int          advanced once per step while the gate is open (0 at build);
       gate    bool         closed (False) at build;
       error   PlanError    sticky bits, never cleared by a step;
-      counters int64 [L, 5] per layer, columns COUNTERS, counted only while the gate is open.
+      counters int64 [L, 5] per layer, columns COUNTERS, counted only while the gate is open;
+      prefetched bool [R]  rows a prefetch filled that no step has used since (False at build);
+      prefetch_counters int64 [L, 3]  columns PREFETCH_COUNTERS, by the prefetched key's layer.
     Initial placement: `initial_placement` (layer l's first N experts, or a given [L, N] order, in
     rows l·N … l·N+N−1).
 
@@ -192,18 +197,38 @@ class ReferencePlanner:
       steals      promotions whose victim held another layer's key (the cross-layer growth);
       staged      misses that took a staging row (no victim).
 
-    Policies and prefetch (reference model and simulator only; the kernel implements LRU
-    without prefetch): `policy` replaces step 4's victim rule (`Policy`); `prefetch(layer, ids)`,
-    called between two steps, brings the predicted experts of the next step of `layer` in ahead:
-      - gate closed: nothing. Predicted ids (valid, deduplicated) of `layer` are *protected* (never
-        victims, of misses or of other prefetches) until their row is used or the next step of
-        `layer` ends, whichever comes first;
-      - a predicted id without a row takes a victim as a miss would (a row not used in the
-        current step and not protected; none: it is skipped, never staged), last_use = clock,
-        and (key, row) joins the prefetch's copy list;
-      - the next step of `layer` finds prefetched rows as hits; `prefetch_counters[layer]`
-        counts prefetched rows, those used in that step and those wasted (not used).
-    A wrong prediction costs a copy and, for one step, a row: never a wrong route.
+    prefetch(layer, ids[W]) — a plan step in which the ids are a prediction of `layer`'s next
+    step (issued while an earlier layer still computes; the kernel's prefetch mode):
+      1. As step 1 (−1 padding; an id outside [0, E) sets BAD_ID, whatever the gate) and step 2
+         (dedupe in first-occurrence order; hit or miss against the tables at the start).
+      2. Gate closed: nothing else happens (no copies).
+      3. Gate open: clock += 1 (a tick of its own, like a step); every hit row gets
+         last_use = clock (a predicted row moves to the LRU tail; whether it was prefetched is
+         unchanged).
+      4. Misses, in order: a row is *eligible* if last_use < max(clock − 1, 1), i.e. it was used
+         neither in this prefetch nor at the tick before it (the step of the layer still
+         computing, whose GEMM may be reading its rows while the prefetch's copies land); at
+         clock 1 every row is eligible, nothing having been used. The victim is the eligible row
+         with the smallest (last_use, row) (the policy's victim among eligible rows); the
+         victim's old key loses its row, the predicted key takes it, last_use = clock, the row
+         is marked prefetched, and (key, row) joins the prefetch's copy list. No eligible row:
+         the predicted id is skipped — never staged, never an error.
+      5. No routes, and `counters` do not change; the prefetch's copy list (victims in miss
+         order, at most W entries) is its own.
+    A prefetched row is an ordinary bank row: the next step of its layer finds it as a hit, and
+    LRU evicts it last among rows not used since (its last_use is the prefetch's tick), which is
+    all the protection a prediction gets. A wrong prediction costs a copy and a row that LRU
+    reclaims in time: never a wrong route.
+
+    Prefetch counters (gate open only), by the layer of the prefetched key:
+      prefetched       rows a prefetch filled (its copy-list entries);
+      prefetch_used    prefetched rows that a step then found as hits (the flag is cleared);
+      prefetch_wasted  prefetched rows taken as victims (by a step or a prefetch) before any use.
+    prefetched − prefetch_used − prefetch_wasted = rows still marked prefetched.
+
+    Policies (reference model and simulator only; the kernel implements LRU): `policy` replaces
+    the victim rule of step 4 and prefetch step 4 (`Policy`). A prefetch's hits and victims
+    set last_use only: a prediction is not a use for a frequency count.
     """
 
     def __init__(self, num_layers: int, num_experts: int, rows_per_layer: int,
@@ -229,16 +254,9 @@ class ReferencePlanner:
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
         self.policy = policy
         self.freq = np.zeros(self.num_rows, dtype=np.float64)      # lfru: decayed use counts
-        self.protected_for = np.full(self.num_rows, -1, dtype=np.int64)   # prefetch: the layer
-                                                                           # a row waits for, or -1
-        self.prefetched = np.zeros(self.num_rows, dtype=bool)      # copied by a prefetch, unused
+        self.prefetched = np.zeros(self.num_rows, dtype=bool)
         self.prefetch_counters = np.zeros((self.num_layers, len(PREFETCH_COUNTERS)),
                                           dtype=np.int64)
-
-    @property
-    def protected(self) -> np.ndarray:
-        """bool [R]: rows a prefetch protects (never victims) until used or their step ends."""
-        return self.protected_for >= 0
 
     def open(self) -> None:
         self.gate = True
@@ -246,17 +264,15 @@ class ReferencePlanner:
     def close(self) -> None:
         self.gate = False
 
-    def _victim(self) -> int:
-        """The policy's victim among rows with last_use < clock and not protected, or −1 (LRU:
-        the smallest (last_use, row))."""
-        free = (self.last_use < self.clock) & ~self.protected
-        cand = np.flatnonzero(free)
+    def _victim(self, below: int) -> int:
+        """The policy's victim among rows with last_use < `below`, or −1 (LRU: the smallest
+        (last_use, row))."""
+        cand = np.flatnonzero(self.last_use < below)
         if cand.size == 0:
             return -1
         pol = self.policy
         if pol.kind == "lru":
-            lu = self.last_use[cand]
-            return int(cand[np.argmin(lu)])   # argmin returns the first (lowest row) on ties
+            return int(cand[np.argmin(self.last_use[cand])])   # argmin: the lowest row on ties
         if pol.protect:
             old = cand[self.last_use[cand] < self.clock - pol.protect]
             cand = old if old.size else cand
@@ -265,28 +281,46 @@ class ReferencePlanner:
         return int(cand[np.argmin(score)])
 
     def _use(self, row: int) -> None:
-        """Row `row` used at the current clock (a hit, or taken by a miss or prefetch)."""
+        """Row `row` used by a step at the current clock (a hit, or taken by a miss)."""
         if self.policy.kind == "lfru":
             dt = self.clock - self.last_use[row]
             self.freq[row] = self.freq[row] * 2.0 ** (-dt / self.policy.half_life) + 1.0
         self.last_use[row] = self.clock
 
-    def step(self, layer: int, ids) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """One layer call: (routes int32 [W], copies [(key, row), ...] in copy order)."""
-        L, E, R, S = self.num_layers, self.num_experts, self.num_rows, self.staging_rows
+    def _take(self, victim: int, key: int) -> int:
+        """`key` takes row `victim`; returns the layer of the key it held (−1: empty row).
+        A prefetched victim was wasted."""
+        old = int(self.key_of[victim])
+        if old >= 0:
+            self.slot_of[old] = -1
+            if self.prefetched[victim]:
+                self.prefetch_counters[old // self.num_experts, PREFETCH_WASTED] += 1
+        self.prefetched[victim] = False
+        self.slot_of[key] = victim
+        self.key_of[victim] = key
+        self.freq[victim] = 0.0
+        return old // self.num_experts if old >= 0 else -1
+
+    def _keys(self, layer: int, ids) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Checks; (ids int64 [W], valid bool [W], unique keys in first-occurrence order).
+        Sets BAD_ID for an id that is neither −1 nor in [0, E)."""
+        L, E = self.num_layers, self.num_experts
         if not 0 <= layer < L:
             raise IndexError(f"layer {layer} out of range [0, {L})")
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
             raise TypeError(f"ids must be integers, got dtype {ids.dtype}")
         ids = ids.reshape(-1).astype(np.int64)
-
-        # 1. padding and invalid lanes
         valid = (ids >= 0) & (ids < E)
         if np.any(~valid & (ids != -1)):
             self.error |= PlanError.BAD_ID
-        # 2. dedupe in first-occurrence order; classify against the tables at the step's start
-        uniq = list(dict.fromkeys(int(layer * E + e) for e in ids[valid]))
+        return ids, valid, list(dict.fromkeys(int(layer * E + e) for e in ids[valid]))
+
+    def step(self, layer: int, ids) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """One layer call: (routes int32 [W], copies [(key, row), ...] in copy order)."""
+        E, R, S = self.num_experts, self.num_rows, self.staging_rows
+        # 1., 2. padding, invalid lanes, dedupe; classify against the tables at the step's start
+        ids, valid, uniq = self._keys(layer, ids)
         hits = [k for k in uniq if self.slot_of[k] >= 0]
         misses = [k for k in uniq if self.slot_of[k] < 0]
         row_of = {k: int(self.slot_of[k]) for k in hits}
@@ -297,22 +331,16 @@ class ReferencePlanner:
                 r = row_of[k]
                 self._use(r)
                 if self.prefetched[r]:
-                    self.prefetch_counters[layer, 1] += 1
+                    self.prefetch_counters[layer, PREFETCH_USED] += 1
                     self.prefetched[r] = False
-                self.protected_for[r] = -1
         # 4. misses
         copies = []
         promotions = steals = staged = 0
         for k in misses:
-            victim = self._victim() if self.gate else -1
+            victim = self._victim(self.clock) if self.gate else -1
             if victim >= 0:
-                old = int(self.key_of[victim])
-                if old >= 0:
-                    self.slot_of[old] = -1
-                    steals += old // E != layer
-                self.slot_of[k] = victim
-                self.key_of[victim] = k
-                self.freq[victim] = 0.0
+                old_layer = self._take(victim, k)
+                steals += old_layer >= 0 and old_layer != layer
                 self._use(victim)
                 row = victim
                 promotions += 1
@@ -330,49 +358,30 @@ class ReferencePlanner:
                           dtype=np.int32)
         if self.gate:
             self.counters[layer] += (len(hits), len(misses), promotions, steals, staged)
-            # the step ends: this layer's prefetched rows lose their protection; unused ones
-            # were wasted
-            mine = self.protected_for == layer
-            self.prefetch_counters[layer, 2] += int((mine & self.prefetched).sum())
-            self.prefetched[mine] = False
-            self.protected_for[mine] = -1
         return routes, copies
 
     def prefetch(self, layer: int, ids) -> list[tuple[int, int]]:
-        """Bring the predicted experts `ids` of the next step of `layer` in (see the class
-        docstring); returns the copy list [(key, row), ...]."""
-        L, E = self.num_layers, self.num_experts
-        if not 0 <= layer < L:
-            raise IndexError(f"layer {layer} out of range [0, {L})")
-        ids = np.asarray(ids)
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"ids must be integers, got dtype {ids.dtype}")
+        """Bring the predicted experts `ids` of the next step of `layer` in (the class
+        docstring's prefetch rule); returns the prefetch's copy list [(key, row), ...]."""
+        _, _, uniq = self._keys(layer, ids)
         if not self.gate:
             return []
-        ids = ids.reshape(-1).astype(np.int64)
-        keys = list(dict.fromkeys(int(layer * E + e) for e in ids if 0 <= e < E))
-        for k in keys:                            # what is already there stays until used
-            r = int(self.slot_of[k])
-            if r >= 0:
-                self.protected_for[r] = layer
+        hits = [k for k in uniq if self.slot_of[k] >= 0]
+        misses = [k for k in uniq if self.slot_of[k] < 0]
+        self.clock += 1
+        for k in hits:
+            self.last_use[self.slot_of[k]] = self.clock
+        below = max(self.clock - 1, 1)          # not used now nor at the tick before
         copies = []
-        for k in keys:
-            if self.slot_of[k] >= 0:
-                continue
-            victim = self._victim()
+        for k in misses:
+            victim = self._victim(below)
             if victim < 0:
-                continue
-            old = int(self.key_of[victim])
-            if old >= 0:
-                self.slot_of[old] = -1
-            self.slot_of[k] = victim
-            self.key_of[victim] = k
-            self.freq[victim] = 0.0
-            self._use(victim)
-            self.protected_for[victim] = layer
+                continue                          # skipped: a prefetch never stages
+            self._take(victim, k)
+            self.last_use[victim] = self.clock
             self.prefetched[victim] = True
             copies.append((k, victim))
-        self.prefetch_counters[layer, 0] += len(copies)
+        self.prefetch_counters[layer, PREFETCHED] += len(copies)
         return copies
 
     def state(self) -> dict:
@@ -382,8 +391,15 @@ class ReferencePlanner:
                 "clock": int(self.clock), "gate": int(self.gate), "error": int(self.error),
                 "counters": self.counters.copy()}
 
+    def prefetch_state(self) -> dict:
+        """Copies of the prefetch tables (a prefetching Bank's `state()` holds them too):
+        "prefetched" int32 [R] (1 where marked) and "prefetch_counters" int64 [L, 3]."""
+        return {"prefetched": self.prefetched.astype(np.int32),
+                "prefetch_counters": self.prefetch_counters.copy()}
+
     def load(self, state: dict) -> None:
-        """Take over a state (e.g. a Bank's `tables()`), so the model can follow from there."""
+        """Take over a state (e.g. a Bank's `state()`), so the model can follow from there. The
+        prefetch tables are taken when the state holds them, else cleared."""
         self.slot_of = np.asarray(state["slot_of"], dtype=np.int32).copy()
         self.key_of = np.asarray(state["key_of"], dtype=np.int32).copy()
         self.last_use = np.asarray(state["last_use"], dtype=np.int64).copy()
@@ -391,6 +407,11 @@ class ReferencePlanner:
         self.gate = bool(state["gate"])
         self.error = PlanError(int(state["error"]))
         self.counters = np.asarray(state["counters"], dtype=np.int64).copy()
+        R, L = self.num_rows, self.num_layers
+        self.prefetched = (np.asarray(state["prefetched"]) != 0).copy() \
+            if "prefetched" in state else np.zeros(R, dtype=bool)
+        self.prefetch_counters = np.asarray(state["prefetch_counters"], dtype=np.int64).copy() \
+            if "prefetch_counters" in state else np.zeros((L, len(PREFETCH_COUNTERS)), np.int64)
 
     def check(self) -> list[str]:
         """Problems with the current tables (empty when consistent)."""

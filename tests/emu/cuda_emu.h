@@ -3,23 +3,35 @@
 // that two threads make without a barrier between them: what compute-sanitizer's racecheck finds
 // on the GPU, found here without one).
 //
-// One std::thread per CUDA thread of ONE block. __syncthreads is a std::barrier over the block;
-// warp intrinsics exchange values through a per-warp buffer between two barriers over the warp's
-// 32 threads, so a warp intrinsic reached by only part of a warp deadlocks (the harness times out)
-// instead of silently working. `__shared__` becomes `static`: one block per launch, launches one
-// after another. Not emulated: several blocks, memory fences beyond barriers, texture/async ops.
+// Each CUDA thread of ONE block is a fiber (ucontext) on one OS thread by default, or, built with
+// -DEMU_THREADS=1 (the ThreadSanitizer builds), a std::thread. __syncthreads is a barrier over the
+// block; warp intrinsics exchange values through a per-warp buffer and a barrier over the warp's
+// 32 threads, so a warp intrinsic or __syncthreads reached by only part of a warp or block
+// deadlocks instead of silently working: fibers report it and abort, threads hang (the harness
+// times out). Fibers switch only at barriers, so a run is deterministic and about ten times
+// faster than one thread per CUDA thread on a few cores; races are what the threads build is for.
+// `__shared__` becomes `static`: one block per launch, launches one after another. Not emulated:
+// several blocks, memory fences beyond barriers, texture/async ops.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
-#include <thread>
 #include <vector>
+
+#ifndef EMU_THREADS
+#define EMU_THREADS 0
+#endif
+#if EMU_THREADS
+#include <barrier>
+#include <thread>
+#else
+#include <ucontext.h>
+#endif
 
 #define __global__
 #define __device__
@@ -30,13 +42,67 @@
 struct EmuDim3 {
     unsigned x = 0, y = 0, z = 0;
 };
+
+#if EMU_THREADS
 inline thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
+inline thread_local unsigned emu_exchange_count = 0;  // warp exchanges this thread has made
+inline unsigned& emu_exchanges() { return emu_exchange_count; }
+
+using EmuBarrier = std::barrier<>;
+#else
+// One OS thread runs every fiber: these are set by the scheduler before it resumes a fiber.
+inline EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
+
+struct EmuFiber {
+    ucontext_t ctx;
+    unsigned exchanges = 0;  // warp exchanges this fiber has made
+    bool done = false;
+};
+inline EmuFiber* emu_fibers = nullptr;
+inline int emu_cur = -1;              // the fiber running now
+inline ucontext_t emu_scheduler;
+inline unsigned long emu_progress = 0;  // barrier arrivals and finished fibers, for deadlocks
+inline void (*emu_call)(void*) = nullptr;
+inline void* emu_body = nullptr;
+
+inline unsigned& emu_exchanges() { return emu_fibers[emu_cur].exchanges; }
+
+inline void emu_yield() { swapcontext(&emu_fibers[emu_cur].ctx, &emu_scheduler); }
+
+// The last fiber to arrive opens the barrier (a new generation) and runs on; the others wait,
+// yielding, until they see the generation change.
+class EmuBarrier {
+public:
+    explicit EmuBarrier(int n) : n_(n) {}
+    void arrive_and_wait() {
+        ++emu_progress;
+        const unsigned long gen = gen_;
+        if (++arrived_ == n_) {
+            arrived_ = 0;
+            ++gen_;
+            return;
+        }
+        while (gen_ == gen) emu_yield();
+    }
+
+private:
+    const int n_;
+    int arrived_ = 0;
+    unsigned long gen_ = 0;
+};
+
+inline void emu_fiber_main() {
+    emu_call(emu_body);
+    emu_fibers[emu_cur].done = true;
+    ++emu_progress;
+}  // returns to uc_link: the scheduler
+#endif
 
 struct EmuWarp {
-    std::barrier<> bar{32};
-    long long vals[32];
+    EmuBarrier bar{32};
+    long long vals[2][32];  // exchanges alternate between two buffers (see emu_warp_exchange)
 };
-inline std::barrier<>* emu_block_barrier = nullptr;
+inline EmuBarrier* emu_block_barrier = nullptr;
 inline EmuWarp* emu_warps = nullptr;
 inline unsigned* emu_dyn_smem = nullptr;  // what `extern __shared__` arrays point to
 
@@ -49,16 +115,18 @@ inline void emu_check_mask(unsigned mask) {
     }
 }
 
-// Every lane publishes v; `pick(lane, vals)` reads what the intrinsic returns to this lane.
+// Every lane publishes v; `pick(lane, vals)` reads what the intrinsic returns to this lane. One
+// warp barrier an exchange: exchange n writes buffer n % 2, and a lane can only write that buffer
+// again at exchange n + 2, after passing exchange n + 1's barrier, which every lane reaches only
+// once it has read exchange n's values.
 template <class T, class Pick>
 T emu_warp_exchange(T v, Pick pick) {
     const int lane = threadIdx.x & 31;
     EmuWarp& w = emu_warps[threadIdx.x >> 5];
-    w.vals[lane] = static_cast<long long>(v);
+    long long* vals = w.vals[emu_exchanges()++ & 1];
+    vals[lane] = static_cast<long long>(v);
     w.bar.arrive_and_wait();
-    const T out = static_cast<T>(pick(lane, w.vals));
-    w.bar.arrive_and_wait();  // nobody overwrites vals before every lane has read
-    return out;
+    return static_cast<T>(pick(lane, vals));
 }
 
 inline unsigned __ballot_sync(unsigned mask, int pred) {
@@ -120,15 +188,20 @@ void emu_launch(int threads, std::size_t smem_bytes, F body) {
     }
     std::vector<unsigned> dyn((smem_bytes + 3) / 4 + 1, 0xABABABABu);
     emu_dyn_smem = dyn.data();
-    std::barrier<> block(threads);
+    EmuBarrier block(threads);
     emu_block_barrier = &block;
     std::unique_ptr<EmuWarp[]> warps(new EmuWarp[threads / 32]);
     emu_warps = warps.get();
+    blockIdx = {0, 0, 0};
+    blockDim = {static_cast<unsigned>(threads), 1, 1};
+    gridDim = {1, 1, 1};
+#if EMU_THREADS
     std::vector<std::thread> pool;
     pool.reserve(threads);
     for (int t = 0; t < threads; ++t) {
         pool.emplace_back([t, threads, &body] {
             threadIdx = {static_cast<unsigned>(t), 0, 0};
+            emu_exchanges() = 0;
             blockIdx = {0, 0, 0};
             blockDim = {static_cast<unsigned>(threads), 1, 1};
             gridDim = {1, 1, 1};
@@ -136,4 +209,41 @@ void emu_launch(int threads, std::size_t smem_bytes, F body) {
         });
     }
     for (auto& th : pool) th.join();
+#else
+    constexpr std::size_t STACK = 64 << 10;  // the kernels keep a few small arrays on the stack
+    std::unique_ptr<char[]> stacks(new char[STACK * threads]);
+    std::unique_ptr<EmuFiber[]> fibers(new EmuFiber[threads]);
+    emu_fibers = fibers.get();
+    emu_body = &body;
+    emu_call = [](void* p) { (*static_cast<F*>(p))(); };
+    for (int t = 0; t < threads; ++t) {
+        ucontext_t& c = fibers[t].ctx;
+        getcontext(&c);
+        c.uc_stack.ss_sp = stacks.get() + STACK * t;
+        c.uc_stack.ss_size = STACK;
+        c.uc_link = &emu_scheduler;
+        makecontext(&c, emu_fiber_main, 0);
+    }
+    // Round robin: each fiber runs until it waits at a barrier or ends. A round in which every
+    // fiber only found its barrier still closed can never end: some threads wait at a barrier
+    // that the others will not reach.
+    for (int live = threads; live > 0;) {
+        const unsigned long before = emu_progress;
+        for (int t = 0; t < threads; ++t) {
+            if (fibers[t].done) continue;
+            emu_cur = t;
+            threadIdx = {static_cast<unsigned>(t), 0, 0};
+            swapcontext(&emu_scheduler, &fibers[t].ctx);
+            live -= fibers[t].done;
+        }
+        if (live > 0 && emu_progress == before) {
+            std::fprintf(stderr, "cuda_emu: deadlock: %d of %d threads wait at a barrier (a "
+                         "__syncthreads or warp intrinsic) that the others do not reach\n",
+                         live, threads);
+            std::abort();
+        }
+    }
+    emu_fibers = nullptr;
+    emu_cur = -1;
+#endif
 }

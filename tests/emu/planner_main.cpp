@@ -2,11 +2,14 @@
 // every step's outputs and tables, for tests/_planner_emu.py to compare with the reference.
 //
 // Input (int64 words): R, E, L, S, max_lanes, rows_base, row_stride, steps, C (ring capacity, a
-// power of two >= R), key_of[R], then per step: gate, layer, is64, W, ids[W].
+// power of two >= R), key_of[R], then per step: gate, layer, kind (0 plan step, 1 prefetch step:
+// the PREFETCH build only), is64, W, ids[W].
 // Output per step (int64 words): routes[W], lane_addr[W], lane_fresh[W], n_copies, copies[2*n_copies],
 // slot_of[L*E], key_of[R], last_use[R], head, span, n_live, order[n_live] (the window's
 // non-holes in window order, each checked against pos_of: -2 where pos_of disagrees), clock,
-// error, counters[L*5].
+// error, counters[L*5]; the PREFETCH build then adds pf_n_copies, pf_copies[2*pf_n_copies],
+// touched, pf_flag[R], pf_counters[L*3]. A prefetch step writes its list to the pf_ buffers: the
+// plan step's outputs above must keep their poison.
 #include "planner.cu"  // the kernel, copied next to the emulated common.cuh
 
 #include <cstdio>
@@ -62,11 +65,26 @@ int main(int argc, char** argv) {
     std::vector<i32> routes(max_lanes), copies(2 * (size_t)max_lanes);
     std::vector<i64> lane_addr(max_lanes);
     std::vector<i32> lane_fresh(max_lanes);
+#if PREFETCH
+    i32 touched = 0, pf_n_copies = 0;
+    std::vector<i32> pf_flag(R, 0), pf_copies(2 * (size_t)max_lanes);
+    std::vector<i64> pf_counters((size_t)L * NUM_PF_COUNTERS, 0);
+#define EMU_PF , &touched, pf_flag.data(), pf_counters.data()
+#else
+#define EMU_PF
+#endif
     const std::size_t smem = 4 * ((size_t)E + 2 * ((R + 31) / 32));  // as cupool.planner.PlanStep
 
     for (long long s = 0; s < steps; ++s) {
         gate = (i32)next();
         const int layer = (int)next();
+        const bool prefetch = next() != 0;
+#if !PREFETCH
+        if (prefetch) {
+            std::fprintf(stderr, "planner_main: a prefetch step needs the PREFETCH build\n");
+            return 2;
+        }
+#endif
         const bool is64 = next() != 0;
         const int W = (int)next();
         std::vector<i64> ids64(W + 1);
@@ -78,17 +96,39 @@ int main(int argc, char** argv) {
         std::fill(lane_fresh.begin(), lane_fresh.end(), 0x5A5A5A5A);
         std::fill(copies.begin(), copies.end(), 0x5A5A5A5A);
         n_copies = 0x5A5A5A5A;
+#if PREFETCH
+        std::fill(pf_copies.begin(), pf_copies.end(), 0x5A5A5A5A);
+        pf_n_copies = 0x5A5A5A5A;
+        if (prefetch) {
+            emu_launch(THREADS, smem, [&] {
+                if (is64)
+                    prefetch_step_i64(ids64.data(), W, layer, E, R, S, slot_of.data(),
+                                      key_of.data(), last_use.data(), ring.data(), pos_of.data(),
+                                      ends, C - 1, &clock, &gate, &error, counters.data(),
+                                      routes.data(), lane_addr.data(), lane_fresh.data(),
+                                      pf_copies.data(), &pf_n_copies, rows_base, row_stride EMU_PF);
+                else
+                    prefetch_step_i32(ids32.data(), W, layer, E, R, S, slot_of.data(),
+                                      key_of.data(), last_use.data(), ring.data(), pos_of.data(),
+                                      ends, C - 1, &clock, &gate, &error, counters.data(),
+                                      routes.data(), lane_addr.data(), lane_fresh.data(),
+                                      pf_copies.data(), &pf_n_copies, rows_base, row_stride EMU_PF);
+            });
+        } else
+#endif
         emu_launch(THREADS, smem, [&] {
             if (is64)
                 plan_step_i64(ids64.data(), W, layer, E, R, S, slot_of.data(), key_of.data(),
                               last_use.data(), ring.data(), pos_of.data(), ends, C - 1, &clock,
                               &gate, &error, counters.data(), routes.data(), lane_addr.data(),
-                              lane_fresh.data(), copies.data(), &n_copies, rows_base, row_stride);
+                              lane_fresh.data(), copies.data(), &n_copies, rows_base,
+                              row_stride EMU_PF);
             else
                 plan_step_i32(ids32.data(), W, layer, E, R, S, slot_of.data(), key_of.data(),
                               last_use.data(), ring.data(), pos_of.data(), ends, C - 1, &clock,
                               &gate, &error, counters.data(), routes.data(), lane_addr.data(),
-                              lane_fresh.data(), copies.data(), &n_copies, rows_base, row_stride);
+                              lane_fresh.data(), copies.data(), &n_copies, rows_base,
+                              row_stride EMU_PF);
         });
         put(fo, routes.data(), W);
         put(fo, lane_addr.data(), W);
@@ -111,6 +151,13 @@ int main(int argc, char** argv) {
         put(fo, &clock, 1);
         put(fo, &error, 1);
         put(fo, counters.data(), (long long)counters.size());
+#if PREFETCH
+        put(fo, &pf_n_copies, 1);
+        put(fo, pf_copies.data(), 2 * (long long)std::max(0, std::min(pf_n_copies, max_lanes)));
+        put(fo, &touched, 1);
+        put(fo, pf_flag.data(), R);
+        put(fo, pf_counters.data(), (long long)pf_counters.size());
+#endif
     }
     std::fclose(fo);
     return 0;
