@@ -92,7 +92,7 @@ BAD = BAD_SUBPROCESS + [
     (["bench_decode.py", "--modes", "pool-prefetch", "--prefetch-accuracy", "1.5"],
      "--prefetch-accuracy"),
     (["bench_decode.py", "--prefetch-banks", "150"], "--prefetch-banks"),
-    (["bench_serve.py", "--prefetch", "trace"], "--routing locality"),
+    (["bench_serve.py", "--prefetch", "trace", "--routing", "router"], "--routing locality"),
     (["bench_serve.py", "--prefetch", "router", "--prefetch-accuracy", "2"], "--prefetch-accuracy"),
     (["bench_long.py", "--bank", "5"], "--bank"),
     (["bench_long.py", "--soak-steps", "0"], "--soak-steps"),
