@@ -37,6 +37,10 @@ def test_cupool_arch_loads_ptx_for_that_architecture(arch, monkeypatch, tmp_path
     dev = _cuda.device_sm(torch.cuda.get_device_capability())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv(_cuda.ARCH_ENV, str(arch))
+    # modules this process loaded before (under the same CUPOOL_ARCH) must not be reused here:
+    # the PTX has to be built and written for this test
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(kernels, "_functions", {})
     if arch > dev:
         with pytest.raises(_cuda.UnsupportedGPUError, match=f"CUPOOL_ARCH={arch}"):
             kernels.function("selftest", "axpb")
