@@ -14,9 +14,10 @@ row is read from GPU memory once, hit or miss (a miss is copied into the bank fi
 also crosses PCIe (1 − hit rate of the K·L rows). layers: every decoder layer, dense ones too.
 
 The constants are fitted to one GPU's measurements (`H200`, with their source) by `fit`:
-pcie_eff and the fixed part by a least-squares line through the pool rows of bench_decode.json
-(time against bytes copied), hbm_eff from bench_gemm.json's measured HBM read, and the eager
-step's layer_s from bench_serve.json's single-stream rows. Other GPUs take their own bandwidths
+pcie_eff and the compiled step's fixed part by a least-squares line through the pool rows of
+bench_decode.json (time against bytes copied), hbm_eff from bench_gemm.json's measured HBM read,
+and the fused step's layer_s (the engine's default, what `cupool serve` runs) from
+bench_serve.json's single-stream rows (every expert resident and a 50% bank). Other GPUs take their own bandwidths
 (`GPUS`, or the device's own from NVML) with the same fractions and the same fixed time a
 layer, which is the estimate's main assumption. After new H200 measurements, `python -m
 cupool.estimate` prints the constants `fit` gets from benchmarks/results; put them into `H200`
@@ -97,17 +98,17 @@ class Calibration:
     """The model's constants (module docstring) and where they come from."""
     hbm_eff: float           # fraction of peak memory bandwidth the weight reads reach
     pcie_eff: float          # fraction of the PCIe link's bandwidth the bank's copies reach
-    layer_s: dict            # fixed seconds a decoder layer: "compiled" (torch.compile'd step),
-                             # "eager" (the Engine's default)
+    layer_s: dict            # fixed seconds a decoder layer: "fused" (the Engine's default
+                             # step), "compiled" (the model's forward through torch.compile)
     source: str
 
 
 H200 = Calibration(
-    hbm_eff=0.905, pcie_eff=0.825, layer_s={"compiled": 99.7e-6, "eager": 160.3e-6},
+    hbm_eff=0.905, pcie_eff=0.825, layer_s={"fused": 71.5e-6, "compiled": 99.7e-6},
     source="NVIDIA H200, Qwen3-30B-A3B shape (48 layers, E=128, top-8): "
            "benchmarks/results/bench_decode.json (2026-11-29; pool-25/50/100 x uniform/locality, "
-           "compiled), bench_serve.json (2026-12-01; 1 stream, router and locality routing, "
-           "eager), bench_gemm.json (2026-12-01; HBM read 4,342 GB/s)")
+           "compiled), bench_serve.json (2026-12-02; 1 stream, resident and 50% bank, locality "
+           "trace, fused step), bench_gemm.json (2026-12-01; HBM read 4,342 GB/s)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +126,7 @@ def dense_read_bytes(dense: dict[str, int], tied: bool) -> int:
 
 
 def estimate(gpu: GPU, *, dense_bytes: float, row_bytes: float, topk: int, moe_layers: int,
-             layers: int, hit_rate: float, mode: str = "compiled",
+             layers: int, hit_rate: float, mode: str = "fused",
              cal: Calibration = H200) -> Estimate:
     """Batch-1 decode tokens a second on `gpu` (module docstring)."""
     if not 0.0 <= hit_rate <= 1.0:
@@ -172,12 +173,16 @@ def measured_points(decode: dict, serve: dict) -> list[tuple[str, str, float, fl
         for r in ("uniform", "locality"):
             x = decode["modes"][m][r]
             out.append((f"bench_decode {m} {r}", "compiled", x["hit_rate"], x["tok_per_s"]))
-    for label, case in (("router", serve["cases"][0]), ("locality", serve["locality"]["cases"][0])):
+    if not serve.get("fused"):
+        raise ValueError("bench_serve.json is not a run of the fused step (its \"fused\" is not "
+                         "true): the fused calibration needs one")
+    for bank in serve["banks"]:
+        case = bank["cases"][0]
         if case["streams"] != 1:
-            raise ValueError(f"bench_serve.json's first {label} case must be 1 stream, got "
-                             f"{case['streams']}")
-        out.append((f"bench_serve 1 stream {label}", "eager", case["hit_rate"],
-                    case["aggregate_decode_tok_per_s"]))
+            raise ValueError(f"bench_serve.json's first case of bank {bank['bank']} must be 1 "
+                             f"stream, got {case['streams']}")
+        out.append((f"bench_serve 1 stream, {bank['bank']:.0%} bank, {serve['routing']}",
+                    "fused", case["hit_rate"], case["aggregate_decode_tok_per_s"]))
     return out
 
 
@@ -195,12 +200,12 @@ def fit(decode: dict, serve: dict, gemm: dict, shape: dict | None = None) -> Cal
     a = np.array([[1.0, (1.0 - hit) * rows] for hit, _ in pts])
     fixed, per_byte = np.linalg.lstsq(a, np.array([t for _, t in pts]), rcond=None)[0]
     pcie_eff = 1.0 / (per_byte * gpu.pcie_GBps * 1e9)
-    eager = [1.0 / tps - (1.0 - hit) * rows * per_byte - mem_s
-             for what, mode, hit, tps in measured_points(decode, serve) if mode == "eager"]
+    fused = [1.0 / tps - (1.0 - hit) * rows * per_byte - mem_s
+             for what, mode, hit, tps in measured_points(decode, serve) if mode == "fused"]
     return Calibration(
         hbm_eff=round(float(hbm_eff), 3), pcie_eff=round(float(pcie_eff), 3),
-        layer_s={"compiled": round(float(fixed - mem_s) / s["layers"], 7),
-                 "eager": round(float(np.mean(eager)) / s["layers"], 7)},
+        layer_s={"fused": round(float(np.mean(fused)) / s["layers"], 7),
+                 "compiled": round(float(fixed - mem_s) / s["layers"], 7)},
         source=f"fitted to {decode['gpu']} results of {decode['date']} / {serve['date']} / "
                f"{gemm['date']}")
 

@@ -32,7 +32,8 @@ def test_constants_are_the_fit_of_the_results(results):
 
 def test_estimate_reproduces_the_h200_measurements(results):
     """Resident, 25/50/100 % banks under uniform and locality routing (compiled), one stream of
-    the Engine (eager): every estimate within 15 % of the measured tok/s."""
+    the Engine with its fused step (resident and a 50% bank): every estimate within 15 % of the
+    measured tok/s."""
     decode, serve, _, shape = results
     h200 = est.find_gpu("NVIDIA H200")
     points = est.measured_points(decode, serve)
@@ -54,7 +55,7 @@ def test_qwen3_bench_shape_reads():
 
 def test_the_model_adds_bytes_fixed_time_and_misses():
     gpu = est.GPU("test", 1000, 4)
-    cal = est.Calibration(0.5, 0.5, {"compiled": 1e-4, "eager": 2e-4}, "made up")
+    cal = est.Calibration(0.5, 0.5, {"fused": 1e-4, "compiled": 2e-4}, "made up")
     e = est.estimate(gpu, dense_bytes=1e9, row_bytes=1e6, topk=4, moe_layers=10, layers=12,
                      hit_rate=0.75, cal=cal)
     assert e.mem_bytes == 1e9 + 40e6 and e.pcie_bytes == pytest.approx(10e6)
@@ -115,7 +116,7 @@ def test_plan_prints_the_estimate_for_a_gpu(qwen_dir, capsys):
     assert "ESTIMATE for RTX 3090 (memory 936 GB/s, PCIe Gen4 x16 31.5 GB/s)" in speed
     assert "hit rate 0.50 (--hit-rate)" in speed and "not a measurement" in speed
     tok = [float(w[1:]) for w in speed.split() if w.startswith("~")]
-    assert len(tok) == 2 and tok[0] > tok[1] > 0                   # compiled, eager
+    assert len(tok) == 2 and tok[0] > tok[1] > 0                   # fused, compiled
 
 
 def test_plan_without_a_gpu_asks_for_one(qwen_dir, capsys):
