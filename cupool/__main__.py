@@ -307,8 +307,13 @@ def generate(args) -> int:
     else:
         ids = tok(args.prompt).input_ids
     limit = getattr(model.config, "max_position_embeddings", None) or len(ids) + args.max_new_tokens
+    # the fastest step by default: the fused decode step where the model fits, else the model's
+    # forward through torch.compile (on a GPU)
     engine = Engine(model, pool, tokenizer=tok, max_batch=1,
-                    max_len=min(limit, len(ids) + args.max_new_tokens + 1), compile=args.compile)
+                    max_len=min(limit, len(ids) + args.max_new_tokens + 1),
+                    fused=False if args.no_fused else None,
+                    compile=args.device != "cpu" and not args.no_compile)
+    print(f"decode step: {engine.step_kind}", file=sys.stderr)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_new_tokens)
     print(f"loaded in {load_s:.1f} s; prompt of {len(ids)} tokens", file=sys.stderr)
@@ -382,7 +387,11 @@ def build_parser() -> CLIParser:
     g.add_argument("--top-k", type=nonnegative_int, default=0)
     g.add_argument("--top-p", type=fraction, default=1.0)
     g.add_argument("--seed", type=nonnegative_int)
-    g.add_argument("--compile", action="store_true", help="the decode step through torch.compile")
+    g.add_argument("--no-fused", action="store_true",
+                   help="run the model's own forward instead of cupool's fused decode step")
+    g.add_argument("--no-compile", action="store_true",
+                   help="where the fused step is not used, do not put the model's forward "
+                        "through torch.compile (which takes tens of seconds at the start)")
     g.add_argument("--device", default="cuda", help="cuda (a pool) or cpu (unwrapped, for tests)")
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
