@@ -221,3 +221,28 @@ def test_prefetch_raises_the_simulated_hit_rate():
     assert rates[1]["prefetch_wasted"] < rates[0]["prefetch_wasted"]
     assert math.isclose(rates[0]["hits"] / (rates[0]["hits"] + rates[0]["misses"]),
                         rates[0]["hit_rate"])
+
+
+def test_a_promotion_cap_keeps_a_batch_from_evicting_the_whole_bank():
+    """16 independent streams decoded together ask for more experts a step than a half bank
+    holds: uncapped LRU evicts every row before its next use (hit rate ~0); capping a step's
+    promotions (the rest staged) keeps a working set and hits again. A step never promotes more
+    than the cap, and misses = promotions + staged."""
+    from cupool import trace as tr
+    from cupool.reference.planner import MISSES, PROMOTIONS, STAGED, Policy, ReferencePlanner
+    from cupool.simulate import simulate
+    L, E, K, T = 4, 64, 8, 16
+    t = tr.streams(40, L, E, K, T, seed=2, **tr.QWEN3_LOCALITY)
+    plain = simulate(t, E // 2)["hit_rate"]
+    capped = simulate(t, E // 2, policy=Policy(promote=8))["hit_rate"]
+    assert plain < 0.05 and capped > plain + 0.2, (plain, capped)
+    ref = ReferencePlanner(L, E, E // 2, T * K, policy=Policy(promote=8))
+    ref.open()
+    for s in range(5):
+        before = ref.counters.copy()
+        ref.step(0, t.ids[s, 0].reshape(-1))
+        d = ref.counters - before
+        assert d[0, PROMOTIONS] <= 8
+        assert d[0, MISSES] == d[0, PROMOTIONS] + d[0, STAGED]
+    with pytest.raises(ValueError, match="promote"):
+        Policy(promote=-1)

@@ -54,27 +54,35 @@ class Policy:
       other row not used this step exists (a protect-recent variant: frequency cannot evict a
       row that was just brought in).
     Clock ticks are plan steps of any layer: L ticks a decoded token. weight 0 is LRU.
+    `promote` > 0 (either kind) caps the misses of one step that take a bank row: the first
+    `promote` misses in order take victims, the rest are staged (read for this step only, the
+    bank untouched). Several sequences decoded together can ask for more experts in one step
+    than a bank holds; uncapped, LRU then evicts every row before its next use.
     """
     kind: str = "lru"
     weight: float = 0.0
     half_life: float = math.inf
     protect: int = 0
+    promote: int = 0
 
     def __post_init__(self):
         if self.kind not in POLICIES:
             raise ValueError(f"policy kind must be one of {POLICIES}, got {self.kind!r}")
         if self.kind == "lru" and (self.weight or self.protect or self.half_life != math.inf):
             raise ValueError("the 'lru' policy takes no weight, half_life or protect")
+        if isinstance(self.promote, bool) or not isinstance(self.promote, int) or self.promote < 0:
+            raise ValueError(f"promote must be an int >= 0 (0: no cap), got {self.promote!r}")
         if not (self.weight >= 0 and self.half_life > 0 and self.protect >= 0):
             raise ValueError(f"lfru needs weight >= 0, half_life > 0, protect >= 0; got "
                              f"weight={self.weight}, half_life={self.half_life}, "
                              f"protect={self.protect}")
 
     def describe(self) -> str:
+        cap = f", at most {self.promote} promotions a step" if self.promote else ""
         if self.kind == "lru":
-            return "LRU"
+            return f"LRU{cap}"
         p = f", protect {self.protect}" if self.protect else ""
-        return f"LFRU(weight {self.weight:g}, half-life {self.half_life:g}{p})"
+        return f"LFRU(weight {self.weight:g}, half-life {self.half_life:g}{p}{cap})"
 
 
 LRU = Policy()
@@ -336,8 +344,9 @@ class ReferencePlanner:
         # 4. misses
         copies = []
         promotions = steals = staged = 0
+        cap = self.policy.promote or len(misses)
         for k in misses:
-            victim = self._victim(self.clock) if self.gate else -1
+            victim = self._victim(self.clock) if self.gate and promotions < cap else -1
             if victim >= 0:
                 old_layer = self._take(victim, k)
                 steals += old_layer >= 0 and old_layer != layer
