@@ -93,11 +93,13 @@ class LiveServer:
     CPU, one started Engine, the FastAPI app under uvicorn on a free port.
 
     Attributes: base_url ("http://127.0.0.1:PORT/v1"), engine, tokenizer, app, model_name.
-    `close()` stops uvicorn, then the engine.
+    `close()` stops uvicorn (as SIGTERM does: open requests may finish for up to
+    `shutdown_timeout` s), then the engine. Other keywords go to `create_app`.
     """
 
     def __init__(self, model_dir, *, max_batch: int = 8, max_len: int = 128,
-                 model_name: str = "tiny-moe"):
+                 model_name: str = "tiny-moe", shutdown_timeout: float | None = None,
+                 engine_kwargs: dict | None = None, **app_kwargs):
         import uvicorn
 
         from cupool.engine import Engine
@@ -106,15 +108,16 @@ class LiveServer:
 
         model, pool, self.tokenizer = load(model_dir, "cpu", max_batch=max_batch, max_len=max_len)
         self.engine = Engine(model, pool, tokenizer=self.tokenizer, max_batch=max_batch,
-                             max_len=max_len)
+                             max_len=max_len, **(engine_kwargs or {}))
         self.engine.start()
         self.model_name = model_name
-        self.app = create_app(self.engine, self.tokenizer, model_name)
+        self.app = create_app(self.engine, self.tokenizer, model_name, **app_kwargs)
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}/v1"
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on")
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=shutdown_timeout)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="uvicorn", daemon=True)
@@ -138,9 +141,9 @@ class LiveServer:
             time.sleep(0.02)
         return busy
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10) -> None:
         self._server.should_exit = True
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)
         self._sock.close()
         self.engine.shutdown()
 
@@ -158,3 +161,27 @@ def sse_data(lines) -> list[str]:
 
 def read_json(path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+class Forced:
+    """A token-mask constraint (`Engine.submit(..., constraint=)`) that allows exactly the
+    tokens of `script`, in order, then ends the request: the engine emits that sequence whatever
+    the model's logits say. A scripted "model" for tests of what the server makes of a model's
+    output (tool calls, reasoning), run through the real sampling step and token mask."""
+
+    def __init__(self, script: list[int]):
+        if not script:
+            raise ValueError("script is empty")
+        self.script, self.at = list(script), 0
+
+    def fill(self, words) -> None:
+        words.zero_()
+        t = self.script[min(self.at, len(self.script) - 1)]
+        words[t // 32] = (1 << (t % 32)) - (1 << 32 if t % 32 == 31 else 0)   # int32 bit
+
+    def accept(self, token: int) -> None:
+        if self.at < len(self.script) and token == self.script[self.at]:
+            self.at += 1
+
+    def done(self) -> bool:
+        return self.at >= len(self.script)

@@ -2,7 +2,12 @@
 model_name)` returns the FastAPI app.
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions,
-GET /health. The request and response formats are in `cupool.serve.protocol`.
+GET /health, GET /metrics (Prometheus text, `cupool.serve.metrics`). The request and response
+formats are in `cupool.serve.protocol`.
+
+Operations: with an API key (`cupool.serve.auth`) every endpoint but /health answers 401 without
+it. With `max_queue`, a request that would leave more than that many engine requests waiting for
+a slot is refused with 429 at once (OpenAI's error object), rather than queued without bound.
 
 How a generation runs: the handler checks and tokenizes the request (tokenizing on a worker
 thread), submits one engine request per prompt (`Engine.submit` only queues), and waits for the
@@ -32,11 +37,13 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cupool.serve import auth
 from cupool.serve import protocol as P
+from cupool.serve.metrics import CONTENT_TYPE, Metrics
 from cupool.serve.protocol import APIError, bad_request
 
 log = logging.getLogger("cupool.serve")
@@ -45,11 +52,27 @@ log = logging.getLogger("cupool.serve")
 class ServerState:
     """What the app serves, and counts of finished engine requests by finish_reason."""
 
-    def __init__(self, engine, tokenizer, model_name: str):
+    def __init__(self, engine, tokenizer, model_name: str, api_key: str | None = None,
+                 max_queue: int | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.api_key, self.max_queue = api_key, max_queue
         self.created = int(time.time())
         self.finished: collections.Counter = collections.Counter()
-        self.running = 0
+        self.running = 0              # engine requests submitted and not finished
+        self.metrics = Metrics(engine)
+
+    def check_queue(self, n: int) -> None:
+        """429 where admitting n more engine requests would leave more than max_queue of them
+        waiting for a slot."""
+        if self.max_queue is None:
+            return
+        waiting = self.running + n - self.engine.max_batch
+        if waiting > self.max_queue:
+            self.metrics.rejected.labels("queue_full").inc()
+            raise APIError(429, f"the server is busy: {self.running} requests hold or wait for "
+                           f"its {self.engine.max_batch} slots and at most {self.max_queue} may "
+                           f"wait (--max-queue); retry later", type="rate_limit_error",
+                           code="queue_full")
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created,
@@ -64,13 +87,18 @@ class Generation:
     those that have not (idempotent)."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], params: list,
-                 prompt_param: str = "prompt"):
+                 prompt_param: str = "prompt", endpoint: str = "completions",
+                 constraints: list | None = None):
         self.state = state
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.requests = []
         self.index: dict[int, int] = {}
+        self.endpoint = endpoint
+        self.constraints = constraints or [None] * len(prompts)
         self.started = time.perf_counter()
+        self._last_token: dict[int, float] = {}
+        state.check_queue(len(prompts))
         try:
             for i, (ids, sp) in enumerate(zip(prompts, params)):
                 self._submit(i, len(prompts), ids, sp, prompt_param)
@@ -80,7 +108,7 @@ class Generation:
 
     def _submit(self, i: int, n: int, ids: list[int], sp, prompt_param: str) -> None:
         try:
-            r = self.state.engine.submit(ids, sp, self._on_event)
+            r = self.state.engine.submit(ids, sp, self._on_event, self.constraints[i])
         except ValueError as e:                  # the engine's checks: context, vocabulary
             where = f"prompt {i}: " if n > 1 else ""
             code = "context_length_exceeded" if "exceed the context" in str(e) else None
@@ -101,12 +129,22 @@ class Generation:
             ev.request.cancel()
 
     def _deliver(self, ev) -> None:
-        """On the loop: count a finished request, queue the event for `events()`."""
+        """On the loop: time and count the event, queue it for `events()`."""
+        r, now, m = ev.request, time.perf_counter(), self.state.metrics
+        if ev.token_id is not None:
+            last = self._last_token.get(r.id)
+            if last is None:
+                m.ttft.observe(now - self.started)
+            else:
+                m.itl.observe(now - last)
+            self._last_token[r.id] = now
         if ev.finished:
             self.state.running -= 1
             self.state.finished[ev.finish_reason] += 1
+            m.finished(self.endpoint, str(ev.finish_reason), len(r.prompt_ids), r.cached_tokens,
+                       len(r.output_ids))
             if ev.finish_reason == "error":
-                log.error("request %d failed in the engine: %s", ev.request.id, ev.request.error)
+                log.error("request %d failed in the engine: %s", r.id, r.error)
         self.queue.put_nowait(ev)
 
     async def events(self):
@@ -133,7 +171,8 @@ class Generation:
     def usage(self) -> dict:
         """OpenAI's usage object over every request (read once they have finished)."""
         return P.usage(sum(len(r.prompt_ids) for r in self.requests),
-                       sum(len(r.output_ids) for r in self.requests))
+                       sum(len(r.output_ids) for r in self.requests),
+                       sum(r.cached_tokens for r in self.requests))
 
     def log_done(self, what: str, rid: str) -> None:
         u = self.usage()
@@ -256,14 +295,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def create_app(engine, tokenizer, model_name: str) -> FastAPI:
+def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None,
+               max_queue: int | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller: `engine.start()`) as
     `model_name`; `tokenizer` (None: token-id prompts only, no chat) tokenizes prompts and
-    applies the chat template."""
-    state = ServerState(engine, tokenizer, model_name)
+    applies the chat template. `api_key`: required on every endpoint but /health (None: open).
+    `max_queue`: most engine requests waiting for a slot (None: no bound)."""
+    if max_queue is not None and (isinstance(max_queue, bool) or not isinstance(max_queue, int)
+                                  or max_queue < 0):
+        raise ValueError(f"max_queue must be None or an int >= 0, got {max_queue!r}")
+    state = ServerState(engine, tokenizer, model_name, api_key, max_queue)
     app = FastAPI(title="cupool", summary="OpenAI-compatible API of a cupool Engine",
                   version=_version())
     app.state.cupool = state
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if auth.allowed(request.url.path, request.headers, state.api_key):
+            return await call_next(request)
+        state.metrics.rejected.labels("unauthorized").inc()
+        message = auth.refusal(request.headers)
+        return JSONResponse(P.error_body(message, "invalid_request_error", code="invalid_api_key"),
+                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
     # --- errors -------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -347,6 +400,19 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
     def token_ids(req, r) -> list[int] | None:
         return list(r.output_ids) if req.return_token_ids else None
 
+    @functools.lru_cache(maxsize=65536)
+    def text_of(token: int) -> str:
+        tok = state.tokenizer
+        return tok.decode([token]) if tok is not None else f"<{token}>"
+
+    def completion_lp(body, entries, offset=0):
+        if body.logprobs is None:
+            return None
+        return P.completion_logprobs(entries, text_of, offset)
+
+    def chat_lp(body, entries):
+        return P.chat_logprobs(entries, text_of) if body.logprobs else None
+
     # --- endpoints ------------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
@@ -354,6 +420,10 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
             return JSONResponse(P.error_body(f"the engine stopped after an error: "
                                              f"{engine.broken}", "server_error"), status_code=503)
         return {"status": "ok", "running": state.running, "finished": dict(state.finished)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models():
@@ -371,7 +441,7 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
         P.check_completion(body)
         prompts = await run_in_threadpool(tokenize_prompts, body.prompt)
         params = params_for(body, prompts)
-        gen = Generation(state, prompts, params)
+        gen = Generation(state, prompts, params, endpoint="completions")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return EventStream(_stream_completion(gen, body, rid, created), gen.cancel)
@@ -383,7 +453,8 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
         gen.log_done("completion", rid)
         choices = [P.completion_choice(i, r.text, P.FINISH_REASONS[r.finish_reason],
                                        token_ids(body, r),
-                                       r.prompt_ids if body.return_token_ids else None)
+                                       r.prompt_ids if body.return_token_ids else None,
+                                       completion_lp(body, r.logprobs))
                    for i, r in enumerate(gen.requests)]
         return P.envelope("text_completion", rid, created, state.model_name, choices,
                           gen.usage())
@@ -395,7 +466,7 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
         P.check_chat(body)
         ids = await run_in_threadpool(chat_prompt, P.chat_messages(body))
         params = params_for(body, [ids])
-        gen = Generation(state, [ids], params, prompt_param="messages")
+        gen = Generation(state, [ids], params, prompt_param="messages", endpoint="chat")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return EventStream(_stream_chat(gen, body, rid, created), gen.cancel)
@@ -406,7 +477,8 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
             raise err
         gen.log_done("chat completion", rid)
         choice = P.chat_choice(0, r.text, P.FINISH_REASONS[r.finish_reason], token_ids(body, r),
-                               r.prompt_ids if body.return_token_ids else None)
+                               r.prompt_ids if body.return_token_ids else None,
+                               chat_lp(body, r.logprobs))
         return P.envelope("chat.completion", rid, created, state.model_name, [choice],
                           gen.usage())
 
@@ -416,9 +488,10 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
 
     async def _stream(gen: Generation, body, rid: str, created: int, obj: str, what: str,
                       first, piece, last):
-        """The chunks of a stream: `first()` (or None), then `piece(index, text, token_ids)`
-        per event with text, `last(index, finish_reason)` per finished request, the usage chunk
-        where asked, and [DONE]. A request that fails ends the stream with an error object."""
+        """The chunks of a stream: `first()` (or None), then `piece(index, text, token_ids,
+        logprobs entries)` per event with text, a token id or logprobs to send,
+        `last(index, finish_reason)` per finished request, the usage chunk where asked, and
+        [DONE]. A request that fails ends the stream with an error object."""
         with_usage = include_usage(body)
 
         def chunk(choices, usage_=None):
@@ -429,8 +502,9 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
                 yield chunk([first()])
             async for i, ev in gen.events():
                 ids = [ev.token_id] if body.return_token_ids and ev.token_id is not None else None
-                if ev.text or ids:
-                    yield chunk([piece(i, ev.text, ids)])
+                lps = [ev.logprobs] if ev.logprobs is not None else None
+                if ev.text or ids or lps:
+                    yield chunk([piece(i, ev.text, ids, lps)])
                 if ev.finished:
                     if (err := outcome_error(ev.request)) is not None:
                         gen.cancel()
@@ -457,14 +531,16 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
     def _stream_completion(gen, body, rid, created):
         return _stream(
             gen, body, rid, created, "text_completion", "completion", None,
-            lambda i, text, ids: P.completion_chunk_choice(i, text, None, ids),
+            lambda i, text, ids, lps: P.completion_chunk_choice(
+                i, text, None, ids, completion_lp(body, lps or [])),
             lambda i, reason: P.completion_chunk_choice(i, "", reason))
 
     def _stream_chat(gen, body, rid, created):
         return _stream(
             gen, body, rid, created, "chat.completion.chunk", "chat completion",
             lambda: P.chat_chunk_choice(0, {"role": "assistant", "content": ""}, None),
-            lambda i, text, ids: P.chat_chunk_choice(i, {"content": text}, None, ids),
+            lambda i, text, ids, lps: P.chat_chunk_choice(
+                i, {"content": text}, None, ids, chat_lp(body, lps or [])),
             lambda i, reason: P.chat_chunk_choice(i, {}, reason))
 
     return app

@@ -2,10 +2,11 @@
 turn a request into `SamplingParams`, the error object, and the response and chunk objects.
 
 Requests are parsed strictly: a field of the wrong type ("0.5" for a number, 1.0 for an integer)
-and a field this server does not know (tools, response_format, ...) are refused rather than
-coerced or ignored. Parameters OpenAI defines whose only supported value is the neutral one
-(n, presence_penalty, frequency_penalty, logit_bias, logprobs, echo, best_of, suffix) are
-accepted at that value and refused otherwise, each with a message that says so.
+and a field this server does not know are refused rather than coerced or ignored. Parameters
+OpenAI defines whose only supported value is the neutral one (n, presence_penalty,
+frequency_penalty, logit_bias, echo, best_of, suffix) are accepted at that value and refused
+otherwise, each with a message that says so. logprobs are the model's own log-probabilities
+(before temperature, top-k/top-p and grammar masks), at most MAX_LOGPROBS alternatives a token.
 
 Defaults where a request leaves a field out: temperature 1 and top_p 1 (OpenAI's), no top-k,
 a seed drawn from the OS, and max_tokens = what is left of the context after the prompt,
@@ -19,7 +20,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
-from cupool.sampling import SamplingParams
+from cupool.sampling import MAX_LOGPROBS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256      # cap of the max_tokens a request that gives none gets
 FINISH_REASONS = {"stop": "stop", "length": "length"}   # engine -> OpenAI
@@ -169,8 +170,9 @@ def check_common(req: _Generation) -> None:
 
 def check_completion(req: CompletionRequest) -> None:
     check_common(req)
-    if req.logprobs is not None:
-        raise bad_request("logprobs is not supported", "logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in 0..{MAX_LOGPROBS}, got {req.logprobs}",
+                          "logprobs")
     if req.echo:
         raise bad_request("echo is not supported", "echo")
     if req.best_of not in (None, 1):
@@ -181,10 +183,12 @@ def check_completion(req: CompletionRequest) -> None:
 
 def check_chat(req: ChatCompletionRequest) -> None:
     check_common(req)
-    if req.logprobs:
-        raise bad_request("logprobs is not supported", "logprobs")
     if req.top_logprobs is not None:
-        raise bad_request("top_logprobs is not supported", "top_logprobs")
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got "
+                              f"{req.top_logprobs}", "top_logprobs")
     if not req.messages:
         raise bad_request("messages is empty: give at least one message", "messages")
     for i, m in enumerate(req.messages):
@@ -232,6 +236,13 @@ def default_max_tokens(prompt_len: int, max_len: int) -> int:
     return max(1, min(DEFAULT_MAX_TOKENS, max_len - prompt_len))
 
 
+def logprobs_asked(req: _Generation) -> int | None:
+    """The alternatives a token reports (0: the chosen token's alone), or None (no logprobs)."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return getattr(req, "logprobs", None)
+
+
 def sampling_params(req: _Generation, max_tokens: int) -> SamplingParams:
     """The engine's SamplingParams of a request (APIError 400 naming the field when one is out
     of range)."""
@@ -255,21 +266,24 @@ def sampling_params(req: _Generation, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(temperature=float(t), top_k=max(k, 0), top_p=float(p), seed=req.seed,
                               max_tokens=max_tokens, stop=stop, stop_token_ids=ids,
-                              ignore_eos=req.ignore_eos)
+                              ignore_eos=req.ignore_eos, logprobs=logprobs_asked(req))
     except ValueError as e:
         raise bad_request(str(e)) from None
 
 
 # --- responses ------------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens whose KV a slot already held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None,
                       token_ids: list[int] | None = None,
-                      prompt_token_ids: list[int] | None = None) -> dict:
-    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                      prompt_token_ids: list[int] | None = None,
+                      logprobs: dict | None = None) -> dict:
+    c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         c["token_ids"] = token_ids
     if prompt_token_ids is not None:
@@ -279,9 +293,10 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
 
 def chat_choice(index: int, text: str, finish_reason: str | None,
                 token_ids: list[int] | None = None,
-                prompt_token_ids: list[int] | None = None) -> dict:
-    c = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-         "finish_reason": finish_reason}
+                prompt_token_ids: list[int] | None = None,
+                logprobs: dict | None = None) -> dict:
+    c = {"index": index, "message": {"role": "assistant", "content": text},
+         "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         c["token_ids"] = token_ids
     if prompt_token_ids is not None:
@@ -290,16 +305,17 @@ def chat_choice(index: int, text: str, finish_reason: str | None,
 
 
 def completion_chunk_choice(index: int, text: str, finish_reason: str | None,
-                            token_ids: list[int] | None = None) -> dict:
-    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                            token_ids: list[int] | None = None,
+                            logprobs: dict | None = None) -> dict:
+    c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         c["token_ids"] = token_ids
     return c
 
 
 def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None,
-                      token_ids: list[int] | None = None) -> dict:
-    c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                      token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+    c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         c["token_ids"] = token_ids
     return c
@@ -313,3 +329,34 @@ def envelope(obj: str, id: str, created: int, model: str, choices: list[dict],
     if with_usage_key:
         out["usage"] = usage_
     return out
+
+
+# --- logprobs -------------------------------------------------------------------------------------
+def _token_entry(text_of, token: int, logprob: float) -> dict:
+    t = text_of(token)
+    return {"token": t, "logprob": logprob, "bytes": list(t.encode("utf-8"))}
+
+
+def chat_logprobs(entries, text_of) -> dict:
+    """A chat choice's logprobs object from the engine's (token, logprob, [(id, logprob)])
+    entries; `text_of(id)` is a token's text."""
+    content = []
+    for token, lp, top in entries:
+        e = _token_entry(text_of, token, lp)
+        e["top_logprobs"] = [_token_entry(text_of, i, v) for i, v in top]
+        content.append(e)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries, text_of, offset: int = 0) -> dict:
+    """A completion choice's (legacy) logprobs object; text offsets start at `offset`."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for token, lp, top in entries:
+        t = text_of(token)
+        offsets.append(offset)
+        offset += len(t)
+        tokens.append(t)
+        lps.append(lp)
+        tops.append({text_of(i): v for i, v in top})
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
