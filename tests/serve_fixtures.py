@@ -185,3 +185,88 @@ class Forced:
 
     def done(self) -> bool:
         return self.at >= len(self.script)
+
+
+# --- tokenizers and models of the chat-format families (tests/chat_templates.py) ------------------
+FAMILY_VOCAB = 128
+FAMILY_CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))   # 97 characters
+FAMILY_SLOTS = FAMILY_VOCAB - len(FAMILY_CHARS)                    # ids of special/added tokens
+
+
+def build_family_tokenizer(family: str):
+    """A character-level tokenizer (every printable ASCII character one token, case kept) with
+    `family`'s special and added tokens and chat template, 128 ids."""
+    from chat_templates import FAMILIES
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    template, special, added, _eos, bos = FAMILIES[family]
+    marks = ["<pad>", "<unk>"] + special + added
+    if len(marks) > FAMILY_SLOTS:
+        raise ValueError(f"{family}: {len(marks)} special tokens, room for {FAMILY_SLOTS}")
+    marks += [f"<|reserved_{i}|>" for i in range(FAMILY_SLOTS - len(marks))]
+    vocab = {tok: i for i, tok in enumerate(marks + list(FAMILY_CHARS))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                             for t in ["<pad>", "<unk>"] + special])
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<pad>",
+                                  bos_token=bos, eos_token=_eos[0],
+                                  additional_special_tokens=special)
+    tok.chat_template = template
+    return tok
+
+
+def write_family_model(directory, family: str, *, seed: int = 0) -> Path:
+    """The tiny Qwen3-MoE of `write_tiny_model` with 128 ids and `family`'s tokenizer, chat
+    template and EOS ids (generation_config.json)."""
+    from chat_templates import FAMILIES
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    directory = Path(directory)
+    tok = build_family_tokenizer(family)
+    eos = [tok.convert_tokens_to_ids(t) for t in FAMILIES[family][3]]
+    torch.manual_seed(seed)
+    cfg = dict(MODEL_CONFIG, vocab_size=FAMILY_VOCAB, max_position_embeddings=2048,
+               eos_token_id=eos[0], pad_token_id=0,
+               bos_token_id=None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **cfg),
+                                             dtype=torch.float32)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
+                m.gate_up_proj.normal_(0, 0.2)
+                m.down_proj.normal_(0, 0.2)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=0)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return directory
+
+
+class Scripted:
+    """Makes `engine` emit scripted outputs: each submitted request takes the next script of
+    `push(text)` (its tokens, then `eos`), through the `Forced` constraint. The prompts the
+    engine was given are kept in `prompts`."""
+
+    def __init__(self, engine, tokenizer, eos: int):
+        self.tokenizer, self.eos = tokenizer, eos
+        self.scripts: list[list[int]] = []
+        self.prompts: list[list[int]] = []
+        real = engine.submit
+
+        def submit(ids, params=None, on_event=None, constraint=None):
+            self.prompts.append(list(ids))
+            if self.scripts:
+                constraint = Forced(self.scripts.pop(0))
+            return real(ids, params, on_event, constraint)
+        engine.submit = submit
+
+    def push(self, text: str, eos: bool = True) -> None:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self.tokenizer.decode(ids) != text:
+            raise ValueError(f"the test tokenizer does not round-trip {text!r}")
+        self.scripts.append(ids + ([self.eos] if eos else []))
+
+    def prompt_text(self, k: int = -1) -> str:
+        return self.tokenizer.decode(self.prompts[k])

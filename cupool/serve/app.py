@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cupool.serve import auth
+from cupool.serve import auth, chat, formats
 from cupool.serve import protocol as P
 from cupool.serve.metrics import CONTENT_TYPE, Metrics
 from cupool.serve.protocol import APIError, bad_request
@@ -60,6 +60,7 @@ class ServerState:
         self.finished: collections.Counter = collections.Counter()
         self.running = 0              # engine requests submitted and not finished
         self.metrics = Metrics(engine)
+        self.format = formats.detect(chat.template_text(tokenizer)) if tokenizer else None
 
     def check_queue(self, n: int) -> None:
         """429 where admitting n more engine requests would leave more than max_queue of them
@@ -380,23 +381,6 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
                 out.append(list(p))
         return out
 
-    def chat_prompt(messages: list[dict]) -> list[int]:
-        tok = state.tokenizer
-        if tok is None:
-            raise bad_request("this model has no tokenizer, so no chat template: use "
-                              "/v1/completions with token-id prompts", "messages")
-        if not getattr(tok, "chat_template", None):
-            raise bad_request("this model's tokenizer has no chat template: use "
-                              "/v1/completions", "messages")
-        from jinja2 import TemplateError
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except TemplateError as e:
-            raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-
     def token_ids(req, r) -> list[int] | None:
         return list(r.output_ids) if req.return_token_ids else None
 
@@ -464,19 +448,30 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         check_model(body.model)
         P.check_chat(body)
-        ids = await run_in_threadpool(chat_prompt, P.chat_messages(body))
-        params = params_for(body, [ids])
-        gen = Generation(state, [ids], params, prompt_param="messages", endpoint="chat")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        plan = await run_in_threadpool(
+            chat.plan, state.tokenizer, state.format, P.chat_messages(body), tools=tools,
+            tool_choice=body.tool_choice, template_kwargs=P.template_kwargs(body))
+        params = params_for(body, [plan.ids])
+        params[0].skip_special_tokens = plan.skip_special_tokens
+        gen = Generation(state, [plan.ids], params, prompt_param="messages", endpoint="chat")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        one_call = body.parallel_tool_calls is False
         if body.stream:
-            return EventStream(_stream_chat(gen, body, rid, created), gen.cancel)
+            return EventStream(_stream_chat(gen, body, rid, created, plan, one_call), gen.cancel)
         if not await until_done(gen, request):
             return JSONResponse(P.error_body("the client disconnected"), status_code=499)
         r = gen.requests[0]
         if (err := outcome_error(r)) is not None:
             raise err
         gen.log_done("chat completion", rid)
-        choice = P.chat_choice(0, r.text, P.FINISH_REASONS[r.finish_reason], token_ids(body, r),
+        out = plan.output()
+        out.feed(r.text)
+        out.finish()
+        calls = out.calls[:1] if one_call else out.calls
+        reason = "tool_calls" if calls else P.FINISH_REASONS[r.finish_reason]
+        choice = P.chat_choice(0, P.assistant_message(out.content, out.reasoning, calls), reason,
+                               token_ids(body, r),
                                r.prompt_ids if body.return_token_ids else None,
                                chat_lp(body, r.logprobs))
         return P.envelope("chat.completion", rid, created, state.model_name, [choice],
@@ -487,11 +482,11 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
         return bool(body.stream_options and body.stream_options.include_usage)
 
     async def _stream(gen: Generation, body, rid: str, created: int, obj: str, what: str,
-                      first, piece, last):
-        """The chunks of a stream: `first()` (or None), then `piece(index, text, token_ids,
-        logprobs entries)` per event with text, a token id or logprobs to send,
-        `last(index, finish_reason)` per finished request, the usage chunk where asked, and
-        [DONE]. A request that fails ends the stream with an error object."""
+                      first, pieces, last):
+        """The chunks of a stream: `first()` (or None), then the choices `pieces(index, event)`
+        gives for each event, those of `last(index, event)` for each finished request, the
+        usage chunk where asked, and [DONE]. A request that fails ends the stream with an error
+        object."""
         with_usage = include_usage(body)
 
         def chunk(choices, usage_=None):
@@ -501,17 +496,16 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
             if first is not None:
                 yield chunk([first()])
             async for i, ev in gen.events():
-                ids = [ev.token_id] if body.return_token_ids and ev.token_id is not None else None
-                lps = [ev.logprobs] if ev.logprobs is not None else None
-                if ev.text or ids or lps:
-                    yield chunk([piece(i, ev.text, ids, lps)])
+                for c in pieces(i, ev):
+                    yield chunk([c])
                 if ev.finished:
                     if (err := outcome_error(ev.request)) is not None:
                         gen.cancel()
                         yield sse(err.body())
                         yield SSE_DONE
                         return
-                    yield chunk([last(i, P.FINISH_REASONS[ev.finish_reason])])
+                    for c in last(i, ev):
+                        yield chunk([c])
             if with_usage:
                 yield chunk([], gen.usage())
             yield SSE_DONE
@@ -528,22 +522,63 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
         finally:
             gen.cancel()
 
-    def _stream_completion(gen, body, rid, created):
-        return _stream(
-            gen, body, rid, created, "text_completion", "completion", None,
-            lambda i, text, ids, lps: P.completion_chunk_choice(
-                i, text, None, ids, completion_lp(body, lps or [])),
-            lambda i, reason: P.completion_chunk_choice(i, "", reason))
+    def _event_extras(body, ev):
+        ids = [ev.token_id] if body.return_token_ids and ev.token_id is not None else None
+        lps = [ev.logprobs] if ev.logprobs is not None else None
+        return ids, lps
 
-    def _stream_chat(gen, body, rid, created):
+    def _stream_completion(gen, body, rid, created):
+        def pieces(i, ev):
+            ids, lps = _event_extras(body, ev)
+            if not (ev.text or ids or lps):
+                return []
+            return [P.completion_chunk_choice(i, ev.text, None, ids,
+                                              completion_lp(body, lps or []))]
+        return _stream(
+            gen, body, rid, created, "text_completion", "completion", None, pieces,
+            lambda i, ev: [P.completion_chunk_choice(i, "", P.FINISH_REASONS[ev.finish_reason])])
+
+    def _stream_chat(gen, body, rid, created, plan, one_call: bool):
+        out = plan.output()
+
+        def deltas(i, ev, parsed):
+            ids, lps = _event_extras(body, ev)
+            found = []
+            for piece in parsed:
+                if piece.kind == "tool":
+                    k = out.calls.index(piece.call)
+                    if one_call and k > 0:
+                        continue
+                    found.append({"tool_calls": [P.tool_call_out(k, piece.call)]})
+                elif piece.text:
+                    key = "reasoning_content" if piece.kind == "reasoning" else "content"
+                    found.append({key: piece.text})
+            if not found and (ids or lps):
+                found.append({})
+            choices = [P.chat_chunk_choice(i, d, None) for d in found]
+            if choices:                   # token ids and logprobs ride on the event's first delta
+                choices[0]["logprobs"] = chat_lp(body, lps or [])
+                if ids is not None:
+                    choices[0]["token_ids"] = ids
+            return choices
+
+        def last(i, ev):
+            choices = deltas(i, _NoExtras, out.finish())      # what the parser held back
+            reason = "tool_calls" if out.calls else P.FINISH_REASONS[ev.finish_reason]
+            return choices + [P.chat_chunk_choice(i, {}, reason)]
+
         return _stream(
             gen, body, rid, created, "chat.completion.chunk", "chat completion",
             lambda: P.chat_chunk_choice(0, {"role": "assistant", "content": ""}, None),
-            lambda i, text, ids, lps: P.chat_chunk_choice(
-                i, {"content": text}, None, ids, chat_lp(body, lps or [])),
-            lambda i, reason: P.chat_chunk_choice(i, {}, reason))
+            lambda i, ev: deltas(i, ev, out.feed(ev.text)), last)
 
     return app
+
+
+class _NoExtras:
+    """An event without token ids or logprobs (for the pieces a parser releases at the end)."""
+    token_id = None
+    logprobs = None
 
 
 def _version() -> str:
