@@ -95,6 +95,7 @@ class Request:
         self.constraint = constraint  # fill(words) / accept(token) / done(): a token-mask hook
         self.logprobs: list[tuple] = []   # per output token, where params.logprobs is set
         self.cached_tokens = 0            # prompt tokens whose KV a slot already held
+        self.stop_string: str | None = None   # the stop string that ended it, if one did
         self.seed = params.resolved_seed()
         self.on_event = on_event
         self.output_ids: list[int] = []
@@ -619,6 +620,7 @@ class Engine:
                 hits = [(i, x) for x in p.stop if (i := r.text.find(x, tail)) >= 0]
                 if hits:
                     r.text = r.text[:min(hits)[0]]
+                    r.stop_string = min(hits)[1]
                     reason = FINISH_STOP
         if reason is None and r.constraint is not None and r.constraint.done():
             reason = FINISH_STOP

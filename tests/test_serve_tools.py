@@ -208,3 +208,105 @@ def test_reasoning_split_without_tools(fam):
         fam.push(second, EOS.get(fam.family, (None, None))[1])
         msg, reason = chat(fam, ASK, stream)
         assert msg == {"content": ANSWER, "reasoning": THOUGHT2, "calls": []} and reason == "stop"
+
+
+# --- the same through Anthropic's Messages API and its client ------------------------------------
+anthropic = pytest.importorskip("anthropic")
+
+
+def anthropic_client(fam, key="unused"):
+    return anthropic.Anthropic(base_url=fam.live.base_url[:-len("/v1")], api_key=key,
+                               max_retries=0, timeout=60)
+
+
+def message(fam, messages, stream=False, **kw):
+    c = anthropic_client(fam)
+    kw.setdefault("max_tokens", 150)
+    try:
+        if not stream:
+            return c.messages.create(model=fam.family, messages=messages, **kw)
+        with c.messages.stream(model=fam.family, messages=messages, **kw) as s:
+            kinds = [ev.type for ev in s]
+            final = s.get_final_message()
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+        return final
+    finally:
+        c.close()
+
+
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "The weather of a city now",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_tool_round_trip(fam, stream):
+    first, second = OUTPUTS[fam.family]
+    eos = EOS.get(fam.family, (None, None))
+    fam.push(first, eos[0])
+    ask = [{"role": "user", "content": ASK[1]["content"]}]
+    m = message(fam, ask, stream, system=ASK[0]["content"], tools=ANTHROPIC_TOOLS)
+    assert m.stop_reason == "tool_use" and m.role == "assistant" and m.type == "message"
+    kinds = [b.type for b in m.content]
+    want_thinking = bool(REASONS[fam.family][0])
+    assert kinds == (["thinking"] if want_thinking else []) + ["tool_use"]
+    if want_thinking:
+        assert m.content[0].thinking == THOUGHT
+    use = m.content[-1]
+    assert use.name == "get_weather" and use.input == {"city": "Paris"} and use.id
+    assert m.usage.input_tokens == len(fam.script.prompts[-1]) and m.usage.output_tokens > 0
+    assert "You are brief." in fam.script.prompt_text()
+
+    history = ask + [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                         for b in m.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": RESULT}]}]
+    fam.push(second, eos[1])
+    m = message(fam, history, stream, system=ASK[0]["content"], tools=ANTHROPIC_TOOLS)
+    assert m.stop_reason == "end_turn"
+    texts = [b.text for b in m.content if b.type == "text"]
+    assert texts == [ANSWER]
+    assert [b.thinking for b in m.content if b.type == "thinking"] == \
+        ([THOUGHT2] if want_thinking else [])
+    assert RESULT in fam.script.prompt_text()
+
+
+@pytest.mark.parametrize("fam", ["qwen3"], indirect=True)
+def test_anthropic_requests(fam):
+    """Stop sequences, max_tokens, thinking disabled, count_tokens, and Anthropic's errors."""
+    fam.push("Plain answer. The end")
+    m = message(fam, [{"role": "user", "content": "hi"}], stop_sequences=["The end"],
+                thinking={"type": "disabled"})
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "The end")
+    assert m.content[0].text == "Plain answer. "
+    assert fam.script.prompt_text().endswith("<think>\n\n</think>\n\n")
+    fam.push("abcdefghij")
+    m = message(fam, [{"role": "user", "content": "hi"}], max_tokens=4)
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 4
+    c = anthropic_client(fam)
+    n = c.messages.count_tokens(model="qwen3", messages=[{"role": "user", "content": "hi"}])
+    assert n.input_tokens == len(fam.tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)["input_ids"])
+    with pytest.raises(anthropic.NotFoundError) as e:
+        c.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model="qwen3", max_tokens=5, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {}}]}])
+    assert e.value.body["type"] == "error" and "image" in e.value.body["error"]["message"]
+    r = httpx.post(fam.live.base_url + "/messages", json={"model": "qwen3", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    c.close()
+
+
+def test_anthropic_api_key(tmp_path):
+    d = write_family_model(tmp_path / "qwen3", "qwen3")
+    with LiveServer(d, max_batch=1, max_len=1024, model_name="qwen3", api_key="k-1") as s:
+        c = anthropic.Anthropic(base_url=s.base_url[:-3], api_key="wrong", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            c.messages.create(model="qwen3", max_tokens=2,
+                              messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["error"]["type"] == "authentication_error"
+        ok = anthropic.Anthropic(base_url=s.base_url[:-3], api_key="k-1", max_retries=0)
+        m = ok.messages.create(model="qwen3", max_tokens=2,
+                               messages=[{"role": "user", "content": "hi"}])
+        assert m.usage.output_tokens <= 2

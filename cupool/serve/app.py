@@ -2,8 +2,12 @@
 model_name)` returns the FastAPI app.
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions,
-GET /health, GET /metrics (Prometheus text, `cupool.serve.metrics`). The request and response
-formats are in `cupool.serve.protocol`.
+POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API,
+`cupool.serve.messages`), GET /health, GET /metrics (Prometheus text, `cupool.serve.metrics`).
+The OpenAI request and response formats are in `cupool.serve.protocol`; chat requests of both
+APIs are rendered and their outputs parsed (tool calls, reasoning) by `cupool.serve.chat` with
+the model's chat format (`cupool.serve.formats`). Generations and their events:
+`cupool.serve.generation`.
 
 Operations: with an API key (`cupool.serve.auth`) every endpoint but /health answers 401 without
 it. With `max_queue`, a request that would leave more than that many engine requests waiting for
@@ -19,17 +23,16 @@ A client that goes away cancels its engine requests, which frees their slots: a 
 sending to it fails or uvicorn reports the disconnect, a non-streaming request when uvicorn
 reports the disconnect while it waits.
 
-Errors are OpenAI's error object with a fitting status: request validation (FastAPI's 422) is
-turned into 400, an unknown model is 404 `model_not_found`, anything unexpected is a 500 with
-a generic message while the traceback goes to the log ("cupool.serve").
+Errors are OpenAI's error object (Anthropic's on /v1/messages) with a fitting status: request
+validation (FastAPI's 422) is turned into 400, an unknown model is 404 `model_not_found`,
+anything unexpected is a 500 with a generic message while the traceback goes to the log
+("cupool.serve").
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
-import json
 import logging
 import re
 import time
@@ -37,213 +40,18 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cupool.serve import auth, chat, formats
+from cupool.serve import auth, chat, messages
 from cupool.serve import protocol as P
-from cupool.serve.metrics import CONTENT_TYPE, Metrics
+from cupool.serve.generation import (SSE_DONE, EventStream, Generation, ServerState,
+                                     outcome_error, sse, until_done)
+from cupool.serve.metrics import CONTENT_TYPE
 from cupool.serve.protocol import APIError, bad_request
 
 log = logging.getLogger("cupool.serve")
-
-
-class ServerState:
-    """What the app serves, and counts of finished engine requests by finish_reason."""
-
-    def __init__(self, engine, tokenizer, model_name: str, api_key: str | None = None,
-                 max_queue: int | None = None):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.api_key, self.max_queue = api_key, max_queue
-        self.created = int(time.time())
-        self.finished: collections.Counter = collections.Counter()
-        self.running = 0              # engine requests submitted and not finished
-        self.metrics = Metrics(engine)
-        self.format = formats.detect(chat.template_text(tokenizer)) if tokenizer else None
-
-    def check_queue(self, n: int) -> None:
-        """429 where admitting n more engine requests would leave more than max_queue of them
-        waiting for a slot."""
-        if self.max_queue is None:
-            return
-        waiting = self.running + n - self.engine.max_batch
-        if waiting > self.max_queue:
-            self.metrics.rejected.labels("queue_full").inc()
-            raise APIError(429, f"the server is busy: {self.running} requests hold or wait for "
-                           f"its {self.engine.max_batch} slots and at most {self.max_queue} may "
-                           f"wait (--max-queue); retry later", type="rate_limit_error",
-                           code="queue_full")
-
-    def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "cupool", "max_model_len": self.engine.max_len}
-
-
-class Generation:
-    """The engine requests of one HTTP request (one per prompt), their events handed from the
-    engine's thread to the event loop.
-
-    `events()` yields (choice index, Event) until every request has finished; `cancel()` cancels
-    those that have not (idempotent)."""
-
-    def __init__(self, state: ServerState, prompts: list[list[int]], params: list,
-                 prompt_param: str = "prompt", endpoint: str = "completions",
-                 constraints: list | None = None):
-        self.state = state
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.requests = []
-        self.index: dict[int, int] = {}
-        self.endpoint = endpoint
-        self.constraints = constraints or [None] * len(prompts)
-        self.started = time.perf_counter()
-        self._last_token: dict[int, float] = {}
-        state.check_queue(len(prompts))
-        try:
-            for i, (ids, sp) in enumerate(zip(prompts, params)):
-                self._submit(i, len(prompts), ids, sp, prompt_param)
-        except BaseException:
-            self.cancel()
-            raise
-
-    def _submit(self, i: int, n: int, ids: list[int], sp, prompt_param: str) -> None:
-        try:
-            r = self.state.engine.submit(ids, sp, self._on_event, self.constraints[i])
-        except ValueError as e:                  # the engine's checks: context, vocabulary
-            where = f"prompt {i}: " if n > 1 else ""
-            code = "context_length_exceeded" if "exceed the context" in str(e) else None
-            raise bad_request(f"{where}{e}", prompt_param, code) from None
-        except RuntimeError as e:                # the engine stopped after an error
-            log.error("refusing a request: %s", e)
-            raise APIError(503, "the server cannot generate: its engine stopped after an error "
-                           "(see the server's log)", type="server_error") from None
-        self.requests.append(r)
-        self.index[r.id] = i
-        self.state.running += 1
-
-    def _on_event(self, ev) -> None:
-        """On the engine's thread: hand the event to the loop (cancel when the loop is gone)."""
-        try:
-            self.loop.call_soon_threadsafe(self._deliver, ev)
-        except RuntimeError:                     # the event loop is closed: no one listens
-            ev.request.cancel()
-
-    def _deliver(self, ev) -> None:
-        """On the loop: time and count the event, queue it for `events()`."""
-        r, now, m = ev.request, time.perf_counter(), self.state.metrics
-        if ev.token_id is not None:
-            last = self._last_token.get(r.id)
-            if last is None:
-                m.ttft.observe(now - self.started)
-            else:
-                m.itl.observe(now - last)
-            self._last_token[r.id] = now
-        if ev.finished:
-            self.state.running -= 1
-            self.state.finished[ev.finish_reason] += 1
-            m.finished(self.endpoint, str(ev.finish_reason), len(r.prompt_ids), r.cached_tokens,
-                       len(r.output_ids))
-            if ev.finish_reason == "error":
-                log.error("request %d failed in the engine: %s", r.id, r.error)
-        self.queue.put_nowait(ev)
-
-    async def events(self):
-        """(choice index, Event) as they land, until every request has finished (once)."""
-        remaining = len(self.requests)
-        while remaining:
-            ev = await self.queue.get()
-            if ev.finished:
-                remaining -= 1
-            yield self.index[ev.request.id], ev
-
-    async def wait(self) -> None:
-        """Until every request has finished."""
-        async for _ in self.events():
-            pass
-
-    def cancel(self) -> None:
-        """Cancel the requests that have not finished (their slots free at the engine's next
-        iteration)."""
-        for r in self.requests:
-            if not r.finished:
-                r.cancel()
-
-    def usage(self) -> dict:
-        """OpenAI's usage object over every request (read once they have finished)."""
-        return P.usage(sum(len(r.prompt_ids) for r in self.requests),
-                       sum(len(r.output_ids) for r in self.requests),
-                       sum(r.cached_tokens for r in self.requests))
-
-    def log_done(self, what: str, rid: str) -> None:
-        u = self.usage()
-        reasons = ",".join(sorted({str(r.finish_reason) for r in self.requests}))
-        log.info("%s %s: %d prompt + %d completion tokens, %s, %.3f s", what, rid,
-                 u["prompt_tokens"], u["completion_tokens"], reasons,
-                 time.perf_counter() - self.started)
-
-
-def outcome_error(r) -> APIError | None:
-    """The error a finished engine request reports to its client (None: it completed)."""
-    if r.finish_reason == "error":
-        return APIError(500, "generation failed in the engine (see the server's log)",
-                        type="server_error")
-    if r.finish_reason == "cancelled":
-        return APIError(503, "the generation was cancelled: the server is shutting down",
-                        type="server_error")
-    return None
-
-
-class EventStream(StreamingResponse):
-    """A server-sent event stream that calls `on_close` however it ends: completed, the client
-    gone (sending failed or uvicorn reported the disconnect), or the server stopping."""
-    media_type = "text/event-stream"
-
-    def __init__(self, content, on_close):
-        super().__init__(content, headers={"Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def sse(obj) -> str:
-    """One server-sent event carrying `obj` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-async def disconnected(request: Request) -> None:
-    """Return when uvicorn reports that the client of `request` went away (its body is read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def until_done(gen: Generation, request: Request) -> bool:
-    """Wait for every engine request of `gen`; False (and the requests cancelled) where the
-    client disconnects first."""
-    waiting = asyncio.ensure_future(gen.wait())
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        finished = waiting.done()
-        if not finished:
-            waiting.cancel()
-            gen.cancel()
-    if not finished:
-        return False
-    waiting.result()                         # raises what the wait raised
-    return True
 
 
 def _guarded(handler):
@@ -310,24 +118,31 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
                   version=_version())
     app.state.cupool = state
 
+    def error(request: Request, status: int, body: dict, headers=None) -> JSONResponse:
+        """An error response: OpenAI's object `body`, or Anthropic's on /v1/messages."""
+        if messages.is_messages_path(request.url.path):
+            body = messages.error_body(status, body["error"]["message"])
+        return JSONResponse(body, status_code=status, headers=headers)
+
     @app.middleware("http")
     async def require_key(request: Request, call_next):
         if auth.allowed(request.url.path, request.headers, state.api_key):
             return await call_next(request)
         state.metrics.rejected.labels("unauthorized").inc()
         message = auth.refusal(request.headers)
-        return JSONResponse(P.error_body(message, "invalid_request_error", code="invalid_api_key"),
-                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return error(request, 401, P.error_body(message, "invalid_request_error",
+                                                code="invalid_api_key"),
+                     headers={"WWW-Authenticate": "Bearer"})
 
     # --- errors -------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error(request, exc.status, exc.body())
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return JSONResponse(P.error_body(message, param=param), status_code=400)
+        return error(request, 400, P.error_body(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
@@ -338,15 +153,15 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(P.error_body(message, kind, code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return error(request, exc.status_code, P.error_body(message, kind, code=code),
+                     headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):
         log.error("unhandled error on %s %s", request.method, request.url.path,
                   exc_info=(type(exc), exc, exc.__traceback__))
-        return JSONResponse(P.error_body("internal server error; see the server's log",
-                                         "server_error"), status_code=500)
+        return error(request, 500, P.error_body("internal server error; see the server's log",
+                                                "server_error"))
 
     # --- helpers --------------------------------------------------------------------------------------
     def check_model(name: str) -> None:
@@ -476,6 +291,80 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
                                chat_lp(body, r.logprobs))
         return P.envelope("chat.completion", rid, created, state.model_name, [choice],
                           gen.usage())
+
+    # --- the Anthropic Messages API ---------------------------------------------------------------
+    def messages_plan(body):
+        tools, choice, one = messages.tools_and_choice(body)
+        return chat.plan(state.tokenizer, state.format, messages.conversation(body), tools=tools,
+                         tool_choice=choice, template_kwargs=messages.template_kwargs(body)), one
+
+    @app.post("/v1/messages")
+    @_guarded
+    async def create_message(body: messages.MessagesRequest, request: Request):
+        check_model(body.model)
+        plan, one_call = await run_in_threadpool(messages_plan, body)
+        sp = messages.sampling_params(body)
+        sp.skip_special_tokens = plan.skip_special_tokens
+        gen = Generation(state, [plan.ids], [sp], prompt_param="messages", endpoint="messages")
+        mid = messages.message_id()
+        if body.stream:
+            return EventStream(_stream_message(gen, body, mid, plan, one_call), gen.cancel)
+        if not await until_done(gen, request):
+            return JSONResponse(messages.error_body(499, "the client disconnected"),
+                                status_code=499)
+        r = gen.requests[0]
+        if (err := outcome_error(r)) is not None:
+            raise err
+        gen.log_done("message", mid)
+        out = plan.output()
+        out.feed(r.text)
+        out.finish()
+        calls = out.calls[:1] if one_call else out.calls
+        return messages.message(mid, state.model_name, r, out, calls)
+
+    @app.post("/v1/messages/count_tokens")
+    @_guarded
+    async def count_message_tokens(body: messages.CountTokensRequest):
+        check_model(body.model)
+        plan, _ = await run_in_threadpool(messages_plan, body)
+        return {"input_tokens": len(plan.ids)}
+
+    async def _stream_message(gen: Generation, body, mid: str, plan, one_call: bool):
+        out, blocks = plan.output(), messages.BlockStream()
+        r = gen.requests[0]
+        try:
+            start = {"id": mid, "type": "message", "role": "assistant",
+                     "model": state.model_name, "content": [], "stop_reason": None,
+                     "stop_sequence": None, "usage": {"input_tokens": len(r.prompt_ids),
+                                                      "output_tokens": 0}}
+            yield messages.event("message_start", {"message": start})
+            async for _, ev in gen.events():
+                for line in blocks.pieces(out.feed(ev.text), one_call, out.calls):
+                    yield line
+                if not ev.finished:
+                    continue
+                if (err := outcome_error(ev.request)) is not None:
+                    gen.cancel()
+                    yield messages.event("error", messages.error_body(err.status, err.message))
+                    return
+                for line in blocks.pieces(out.finish(), one_call, out.calls) + blocks.close():
+                    yield line
+                reason, seq = messages.stop_reason(r, out.calls)
+                yield messages.event("message_delta", {
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": messages.usage(r)})
+                yield messages.event("message_stop", {})
+            gen.log_done("message", mid)
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except Exception as e:
+            gen.cancel()
+            log.exception("internal error in the stream of %s", mid)
+            yield messages.event("error", messages.error_body(
+                500, f"internal server error ({type(e).__name__}); see the server's log"))
+        finally:
+            gen.cancel()
 
     # --- streams --------------------------------------------------------------------------------------
     def include_usage(body) -> bool:
