@@ -194,10 +194,11 @@ FAMILY_SLOTS = FAMILY_VOCAB - len(FAMILY_CHARS)                    # ids of spec
 
 
 def build_family_tokenizer(family: str):
-    """A character-level tokenizer (every printable ASCII character one token, case kept) with
-    `family`'s special and added tokens and chat template, 128 ids."""
+    """A byte-level BPE tokenizer, as the families' own are, without merges: every printable
+    ASCII character one token (case kept), with `family`'s special and added tokens and chat
+    template, 128 ids."""
     from chat_templates import FAMILIES
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     template, special, added, _eos, bos = FAMILIES[family]
@@ -205,9 +206,12 @@ def build_family_tokenizer(family: str):
     if len(marks) > FAMILY_SLOTS:
         raise ValueError(f"{family}: {len(marks)} special tokens, room for {FAMILY_SLOTS}")
     marks += [f"<|reserved_{i}|>" for i in range(FAMILY_SLOTS - len(marks))]
-    vocab = {tok: i for i, tok in enumerate(marks + list(FAMILY_CHARS))}
+    byte_char = pre_tokenizers.ByteLevel.alphabet()       # the 256 byte characters
+    visible = {b: c for b, c in _bytes_to_unicode().items() if c in byte_char}
+    vocab = {tok: i for i, tok in enumerate(marks + [visible[ord(ch)] for ch in FAMILY_CHARS])}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    core.decoder = decoders.Fuse()
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False)
                              for t in ["<pad>", "<unk>"] + special])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
@@ -216,6 +220,20 @@ def build_family_tokenizer(family: str):
                                   additional_special_tokens=special)
     tok.chat_template = template
     return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-to-character map of byte-level BPE: printable bytes stand for themselves,
+    the others are shifted past 255."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(keep, chars)}
 
 
 def write_family_model(directory, family: str, *, seed: int = 0) -> Path:

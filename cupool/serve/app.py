@@ -48,6 +48,7 @@ from cupool.serve import auth, chat, messages
 from cupool.serve import protocol as P
 from cupool.serve.generation import (SSE_DONE, EventStream, Generation, ServerState,
                                      outcome_error, sse, until_done)
+from cupool.serve.grammar import Grammars
 from cupool.serve.metrics import CONTENT_TYPE
 from cupool.serve.protocol import APIError, bad_request
 
@@ -264,12 +265,18 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
         check_model(body.model)
         P.check_chat(body)
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        schema = Grammars.schema_of(body.response_format)
         plan = await run_in_threadpool(
             chat.plan, state.tokenizer, state.format, P.chat_messages(body), tools=tools,
-            tool_choice=body.tool_choice, template_kwargs=P.template_kwargs(body))
+            tool_choice=body.tool_choice, template_kwargs=P.template_kwargs(body),
+            structured=schema is not None)
         params = params_for(body, [plan.ids])
         params[0].skip_special_tokens = plan.skip_special_tokens
-        gen = Generation(state, [plan.ids], params, prompt_param="messages", endpoint="chat")
+        constraint = None
+        if schema is not None:
+            constraint = await run_in_threadpool(state.grammars.constraint, schema)
+        gen = Generation(state, [plan.ids], params, prompt_param="messages", endpoint="chat",
+                         constraints=[constraint])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         one_call = body.parallel_tool_calls is False
         if body.stream:

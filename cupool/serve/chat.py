@@ -118,8 +118,10 @@ def _message_for_template(m: dict, fmt: ChatFormat | None) -> dict:
 
 def plan(tokenizer, fmt: ChatFormat | None, messages: list[dict], *, tools: list | None = None,
          tool_choice=None, template_kwargs: dict | None = None,
-         param: str = "messages") -> ChatPlan:
-    """Render and tokenize the conversation; APIError 400 for what cannot be served."""
+         param: str = "messages", structured: bool = False) -> ChatPlan:
+    """Render and tokenize the conversation; APIError 400 for what cannot be served.
+    `structured`: the answer is constrained by a grammar (response_format), so it is content
+    from its first token: not with tools, nor after a prompt that opens reasoning."""
     from jinja2 import TemplateError
 
     if tokenizer is None:
@@ -145,6 +147,9 @@ def plan(tokenizer, fmt: ChatFormat | None, messages: list[dict], *, tools: list
         if choice == "required":
             raise bad_request("tool_choice 'required' needs tools", "tool_choice")
     parse = bool(tools) and choice != "none"
+    if structured and parse:
+        raise bad_request("response_format and tools cannot be combined here: give one of "
+                          "them (or tool_choice 'none')", "response_format")
     if parse and fmt is None:
         raise bad_request("this model's chat template writes tool calls in a format cupool does "
                           "not know (it knows Qwen3 / Qwen3-Next / Qwen3.8-Flash-Next, gpt-oss "
@@ -160,6 +165,11 @@ def plan(tokenizer, fmt: ChatFormat | None, messages: list[dict], *, tools: list
     opener = ""
     if parse and (name is not None or choice == "required"):
         opener = fmt.opener(name)
+    if structured and fmt is not None and fmt.opens_reasoning(text):
+        raise bad_request("response_format: this prompt opens the model's reasoning, which a "
+                          "grammar-constrained answer cannot hold; turn thinking off "
+                          "(chat_template_kwargs {\"enable_thinking\": false})",
+                          "response_format")
     ids = tokenizer(text + opener, add_special_tokens=False)["input_ids"]
     skip = True
     if fmt is not None:
@@ -167,4 +177,5 @@ def plan(tokenizer, fmt: ChatFormat | None, messages: list[dict], *, tools: list
         special |= {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                     if getattr(t, "special", False)}
         skip = not any(m in special for m in fmt.markers)
-    return ChatPlan([int(i) for i in ids], text, fmt, tools if parse else None, opener, skip)
+    return ChatPlan([int(i) for i in ids], text, None if structured else fmt,
+                    tools if parse else None, opener, skip)

@@ -19,6 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from cupool.serve import chat, formats
 from cupool.serve import protocol as P
+from cupool.serve.grammar import Grammars
 from cupool.serve.metrics import Metrics
 from cupool.serve.protocol import APIError, bad_request
 
@@ -37,6 +38,7 @@ class ServerState:
         self.running = 0              # engine requests submitted and not finished
         self.metrics = Metrics(engine)
         self.format = formats.detect(chat.template_text(tokenizer)) if tokenizer else None
+        self.grammars = Grammars(tokenizer, engine.vocab, engine.eos_ids)
 
     def check_queue(self, n: int) -> None:
         """429 where admitting n more engine requests would leave more than max_queue of them

@@ -55,6 +55,10 @@ class ChatFormat:
         parse tool calls (False: their text is content)."""
         raise NotImplementedError
 
+    def opens_reasoning(self, prompt_text: str) -> bool:
+        """Whether the prompt ends inside the reasoning region (the answer starts there)."""
+        return False
+
     def opener(self, name: str | None) -> str:
         """Text that starts the assistant's answer with a tool call (of `name`, or of a
         function the model picks): what tool_choice "required" or a named function appends to

@@ -54,7 +54,10 @@ class DeepSeek(ChatFormat):
 
     def parser(self, prompt_text: str, tools):
         return TagParser(THINK, CALLS if tools else None, parse_block,
-                         reasoning=prompt_text.rstrip().endswith(THINK[0]))
+                         reasoning=self.opens_reasoning(prompt_text))
+
+    def opens_reasoning(self, prompt_text: str) -> bool:
+        return prompt_text.rstrip().endswith(THINK[0])
 
     def opener(self, name: str | None) -> str:
         if name is None:

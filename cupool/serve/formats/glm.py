@@ -52,7 +52,10 @@ class Glm(ChatFormat):
         from cupool.serve.formats.qwen import param_types
         types = param_types(tools)
         return TagParser(THINK, CALL if tools else None, lambda b: parse_body(b, types),
-                         reasoning=prompt_text.rstrip().endswith(THINK[0]))
+                         reasoning=self.opens_reasoning(prompt_text))
+
+    def opens_reasoning(self, prompt_text: str) -> bool:
+        return prompt_text.rstrip().endswith(THINK[0])
 
     def opener(self, name: str | None) -> str:
         return "<tool_call>" + (f"{name}\n" if name else "")

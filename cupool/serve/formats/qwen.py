@@ -83,7 +83,10 @@ class Qwen(ChatFormat):
                 return parse_xml_body(text, types)
             return parse_json_body(text)
         return TagParser(THINK, CALL if tools else None, body,
-                         reasoning=prompt_text.rstrip().endswith(THINK[0]))
+                         reasoning=self.opens_reasoning(prompt_text))
+
+    def opens_reasoning(self, prompt_text: str) -> bool:
+        return prompt_text.rstrip().endswith(THINK[0])
 
     def opener(self, name: str | None) -> str:
         if self.xml:
