@@ -65,6 +65,21 @@ def _takes(model, name: str) -> bool:
     return name in params
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (a binary search over slice equality:
+    list comparisons run in C, which matters for prompts of many thousand tokens)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def cache_kwarg(model) -> str:
     """The keyword a model's forward takes its KV cache under: `cache` (transformers ≥ 5.24, where
     `past_key_values` is deprecated) or `past_key_values` (earlier 5.x releases)."""
@@ -149,11 +164,23 @@ class Engine:
         compile: run the decode step through torch.compile before capturing it.
         eos_token_id: ids that end a generation (default: generation_config's and the
             tokenizer's).
+        reuse_prefix: a request whose prompt starts with tokens a free slot still holds (the
+            previous turn of a conversation) takes that slot and prefills only the rest (see
+            "Prefix reuse" below); other requests take the least recently used free slot.
+
+    Prefix reuse: a finished request leaves its prompt and output in its slot's KV rows; the
+    slot remembers those tokens until another request takes it. The cached prefixes are
+    therefore bounded by the slots themselves (no memory beyond the KV cache), and a request
+    without a match takes the least recently used free slot, so the most recently used
+    prefixes stay longest. A match reuses min(common prefix, prompt - 1) positions (the last
+    prompt token is always run, for its logits); `Request.cached_tokens` says how many. Only
+    the plain attention `SlotCache` is reused: a model whose cache holds other state
+    (recurrent layers) is always prefilled from the start.
     """
 
     def __init__(self, model, pool=None, *, tokenizer=None, max_batch: int = 8,
                  max_len: int = 4096, prefill_chunk: int | None = None, graph: bool | None = None,
-                 compile: bool = False, eos_token_id=None):
+                 compile: bool = False, eos_token_id=None, reuse_prefix: bool = True):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         try:
             param = next(model.parameters())
@@ -214,6 +241,11 @@ class Engine:
         self._graphs: dict[StepKind, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._slots: list[Request | None] = [None] * B
+        self.reuse_prefix = bool(reuse_prefix)
+        self._held: list[list[int] | None] = [None] * B   # tokens a free slot's KV holds
+        self._last_use = [0] * B                           # LRU order of the slots
+        self._uses = itertools.count(1)
+        self.prefill_tokens = 0                            # prompt tokens run through prefill
         self._incoming: queue.Queue = queue.Queue()
         self._pending: list[Request] = []
         self._inflight = None            # (host tokens, event, owners) of the step not read yet
@@ -396,7 +428,8 @@ class Engine:
             if r.cancelled.is_set():
                 self._finish(r, FINISH_CANCELLED)
                 continue
-            self._admit(self._slots.index(None), r)
+            b, start = self._take_slot(r)
+            self._admit(b, r, start)
         launched = None
         if self._inflight is not None and self._kind().masked:
             self._read_step(*self._inflight)          # a token mask needs the token before it
@@ -439,6 +472,8 @@ class Engine:
         dev, ids = self.device, torch.tensor(r.prompt_ids, dtype=torch.int64, device=self.device)
         S = ids.numel()
         self._slots[b] = r
+        r.cached_tokens = start
+        self.prefill_tokens += S - start
         p = r.params
         self.temperature[b] = float(p.temperature)
         self.top_k[b] = int(p.top_k)
@@ -678,8 +713,43 @@ class Engine:
         r.done.set()
 
     def _free(self, b: int) -> None:
+        r = self._slots[b]
+        if r is not None and r.finish_reason != FINISH_ERROR:
+            self._held[b] = self._kv_tokens(r)
         self._slots[b] = None
         self.active[b] = False
+
+    # --- prefix reuse (bookkeeping of what free slots hold) ------------------------------------
+    def _reusable(self) -> bool:
+        """Reuse needs a cache whose slot state is its KV rows alone: the plain SlotCache."""
+        return self.reuse_prefix and type(self.cache) is SlotCache
+
+    @staticmethod
+    def _kv_tokens(r: Request) -> list[int]:
+        """The tokens whose KV a finished request's slot holds at positions 0, 1, ...: its prompt
+        and every output token but the last (a token's KV is written by the step that feeds it,
+        which may not have run for the last one)."""
+        return r.prompt_ids + r.output_ids[:-1]
+
+    def _take_slot(self, r: Request) -> tuple[int, int]:
+        """(slot, positions to reuse) for r: the free slot holding the longest prefix of its
+        prompt, else the least recently used free slot (0 positions)."""
+        free = [b for b, x in enumerate(self._slots) if x is None]
+        best, start = None, 0
+        if self._reusable():
+            for b in free:
+                held = self._held[b]
+                if not held:
+                    continue
+                n = _common_prefix(held, r.prompt_ids)
+                if n > start:
+                    best, start = b, n
+        if best is None:
+            best = min(free, key=lambda b: self._last_use[b])
+        start = min(start, len(r.prompt_ids) - 1)
+        self._held[best] = None
+        self._last_use[best] = next(self._uses)
+        return best, start
 
     def close(self) -> None:
         """Release the captured graphs and the KV cache (the engine cannot run afterwards).
@@ -688,6 +758,7 @@ class Engine:
             self.shutdown()
         self._graphs.clear()
         self._graph_pool = None
+        self._held = [None] * self.max_batch
         self.cache.keys = [None] * self.cache.num_layers
         self.cache.values = [None] * self.cache.num_layers
         self.broken = self.broken or "closed"

@@ -83,3 +83,70 @@ def test_a_forced_sequence_beside_free_requests():
     for i in (0, 2):
         alone = free.generate([ps[i]], params[i])[0]
         assert reqs[i].output_ids == alone.output_ids       # unconstrained rows: untouched
+
+
+# --- prefix reuse --------------------------------------------------------------------------------
+def conversation(engine, turns, first, new, n_out):
+    """Turns of a growing context: each prompt is the one before, its output and `new` tokens.
+    Returns [(prompt, Request)]."""
+    out, prompt = [], list(first)
+    for k in range(turns):
+        r = engine.generate([prompt], SamplingParams(max_tokens=n_out))[0]
+        out.append((prompt, r))
+        prompt = prompt + r.output_ids + new[k]
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])      # gpt-oss: sliding windows
+def test_prefix_reuse_prefills_only_new_tokens_and_gives_the_cold_tokens(family):
+    model = hf_model(family, seed=21)
+    first, *new = prompts(9, [11, 5, 7, 3, 6, 4])
+    warm = Engine(model, max_batch=2, max_len=64, eos_token_id=[])
+    cold = Engine(model, max_batch=2, max_len=64, eos_token_id=[], reuse_prefix=False)
+    turns = conversation(warm, 5, first, new, 4)
+    for k, (prompt, r) in enumerate(turns):
+        before = cold.prefill_tokens
+        want = cold.generate([prompt], SamplingParams(max_tokens=4))[0]
+        assert cold.prefill_tokens - before == len(prompt) and want.cached_tokens == 0
+        assert r.output_ids == want.output_ids, k
+        if k == 0:
+            assert r.cached_tokens == 0
+            continue
+        prev_prompt, prev = turns[k - 1]
+        assert r.cached_tokens == len(prev_prompt) + len(prev.output_ids) - 1, k
+    assert warm.prefill_tokens == sum(len(p) - r.cached_tokens for p, r in turns)
+    assert warm.prefill_tokens < sum(len(p) for p, _ in turns) // 2
+
+
+def test_prefix_slots_lru_and_divergence():
+    model = hf_model("qwen3_moe", seed=22)
+    a, b, c, d = prompts(10, [9, 8, 7, 10])
+    eng = Engine(model, max_batch=2, max_len=48, eos_token_id=[])
+    ra = eng.generate([a], SamplingParams(max_tokens=3))[0]
+    eng.generate([b], SamplingParams(max_tokens=3))             # b takes the other slot
+    # a continuation of a reuses a's slot; an unrelated prompt takes the LRU slot (b's)
+    r = eng.generate([a + ra.output_ids + [5, 6]], SamplingParams(max_tokens=3))[0]
+    assert r.cached_tokens == len(a) + 2
+    eng.generate([c], SamplingParams(max_tokens=3))             # evicts b's prefix, not a's
+    r = eng.generate([b + [7]], SamplingParams(max_tokens=3))[0]
+    assert r.cached_tokens == 0                                 # b was evicted
+    # a prompt that diverges inside the held tokens reuses the common part only
+    r = eng.generate([c[:4] + d], SamplingParams(max_tokens=3))[0]
+    assert r.cached_tokens == 4
+    # the same prompt again: everything but its last token
+    r2 = eng.generate([c[:4] + d], SamplingParams(max_tokens=3))[0]
+    assert r2.cached_tokens == len(c[:4] + d) - 1 and r2.output_ids == r.output_ids
+
+
+def test_no_reuse_for_other_caches():
+    """A cache that is not the plain SlotCache (e.g. with recurrent state) is never reused."""
+    from cupool.kvcache import SlotCache
+
+    class OtherCache(SlotCache):
+        pass
+    model = hf_model("qwen3_moe", seed=23)
+    eng = Engine(model, max_batch=1, max_len=32, eos_token_id=[])
+    eng.cache = OtherCache(eng.cache.num_layers, 1, 32, eng.dtype, eng.device)
+    p = prompts(11, [6])[0]
+    eng.generate([p], SamplingParams(max_tokens=2))
+    assert eng.generate([p + [3]], SamplingParams(max_tokens=2))[0].cached_tokens == 0
