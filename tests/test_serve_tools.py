@@ -64,7 +64,7 @@ class FamilyServer:
         self.script = Scripted(self.live.engine, tok, tok.convert_tokens_to_ids(
             FAMILIES[family][3][0]))
         self.client = openai.OpenAI(base_url=self.live.base_url, api_key="unused",
-                                    max_retries=0, timeout=60)
+                                    max_retries=0, timeout=300)
 
     def push(self, text, eos_token=None):
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
@@ -216,7 +216,7 @@ anthropic = pytest.importorskip("anthropic")
 
 def anthropic_client(fam, key="unused"):
     return anthropic.Anthropic(base_url=fam.live.base_url[:-len("/v1")], api_key=key,
-                               max_retries=0, timeout=60)
+                               max_retries=0, timeout=300)
 
 
 def message(fam, messages, stream=False, **kw):
