@@ -163,7 +163,10 @@ def test_logprobs(server, plain_model):
                                        extra_body={"ignore_eos": True})
     streamed = [e for ch in stream if ch.choices and ch.choices[0].logprobs
                 for e in ch.choices[0].logprobs.content]
-    assert [e.logprob for e in streamed] == [e.logprob for e in content]
+    # tolerance: the second request reuses the first's prompt KV (prefix reuse), so its last
+    # prompt token runs alone rather than in the prompt's chunk: last-bit differences
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
     comp = c.completions.create(model=M, prompt="abc", max_tokens=4, temperature=0, logprobs=2,
                                 extra_body={"ignore_eos": True})
     lp = comp.choices[0].logprobs
