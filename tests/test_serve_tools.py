@@ -253,7 +253,9 @@ def test_anthropic_tool_round_trip(fam, stream):
         assert m.content[0].thinking == THOUGHT
     use = m.content[-1]
     assert use.name == "get_weather" and use.input == {"city": "Paris"} and use.id
-    assert m.usage.input_tokens == len(fam.script.prompts[-1]) and m.usage.output_tokens > 0
+    # input_tokens: prefilled; cache_read_input_tokens: reused from a slot (prefix reuse)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(fam.script.prompts[-1])
+    assert m.usage.output_tokens > 0
     assert "You are brief." in fam.script.prompt_text()
 
     history = ask + [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
