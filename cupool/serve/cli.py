@@ -25,7 +25,8 @@ from pathlib import Path
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PROG = "cupool serve"
-HELP = "serve a model directory over an OpenAI-compatible HTTP API (FastAPI + uvicorn)"
+HELP = ("serve a model directory over OpenAI- and Anthropic-compatible HTTP APIs "
+        "(FastAPI + uvicorn)")
 
 
 class UsageError(ValueError):
@@ -223,7 +224,8 @@ def run(args) -> int:
     logging.basicConfig(level=opts.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("cupool.serve")
-    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client")
+               if importlib.util.find_spec(m) is None]
     if missing:
         return _fail(f"serving needs {' and '.join(missing)}: pip install 'cupool[serve]'")
     try:
@@ -257,7 +259,8 @@ def run(args) -> int:
 
         def ready() -> None:
             print(f"{PROG}: {opts.model_name} ({opts.device}, {opts.max_batch} sequences x "
-                  f"{opts.max_len} tokens) at {url}  (OpenAI API; Ctrl-C stops)", flush=True)
+                  f"{opts.max_len} tokens) at {url}  (OpenAI and Anthropic APIs; Ctrl-C "
+                  f"stops)", flush=True)
 
         try:
             _serve(app, sock, opts.log_level, ready, opts.shutdown_timeout)

@@ -89,7 +89,11 @@ class Grammars:
 
     def constraint(self, schema: dict) -> GrammarConstraint:
         """A fresh matcher of `schema` (APIError 400 where llguidance cannot compile it)."""
-        import llguidance
+        try:
+            import llguidance
+        except ImportError:
+            raise bad_request("structured output needs llguidance on the server (pip install "
+                              "'cupool[serve]')", "response_format") from None
         if self.tokenizer is None:
             raise bad_request("structured output needs the model's tokenizer", "response_format")
         try:
