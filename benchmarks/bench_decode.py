@@ -428,7 +428,7 @@ def main(args) -> None:
             record(f"pool-{frac}", "own-router", run,
                    dict(pool_figures(run.stats, args.tokens, layout.row_bytes), rows_per_layer=rows))
             pre = pool.enable_prefetch(track_accuracy=True)          # accuracy: a run of its own
-            run_mode(model, pool, prompt, args.tokens, 1, compile=args.compile, driver=driver,
+            run_mode(model, pool, prompt, args.tokens, 1, compile=args.compile,
                      rows=rows)
             acc = pre.accuracy()
             prefetch_run(f"pool-prefetch-{frac}", "own-router", rows, None, run.tok_per_s, res_ms,

@@ -31,6 +31,7 @@ on the thread that drives the engine (`run_until_idle`, `generate`, or the backg
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -45,7 +46,11 @@ from typing import Callable
 import torch
 
 from cupool.kvcache import SlotCache
-from cupool.sampling import SamplingParams, sample
+from cupool.sampling import (MAX_LOGPROBS, SamplingParams, apply_token_mask, mask_words, sample,
+                             token_logprobs)
+
+StepKind = collections.namedtuple("StepKind", "greedy logprobs masked")
+"""A decode step's variant: greedy only (no sort), logprobs written, a token mask applied."""
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 log = logging.getLogger("cupool")
@@ -58,6 +63,21 @@ def _takes(model, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (a binary search over slice equality:
+    list comparisons run in C, which matters for prompts of many thousand tokens)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def cache_kwarg(model) -> str:
@@ -74,6 +94,7 @@ class Event:
     text: str                     # text released by this event ("" while held back)
     finished: bool
     finish_reason: str | None     # "stop", "length", "cancelled", "error"
+    logprobs: tuple | None = None  # (chosen logprob, [(id, logprob), ...]) where asked
 
 
 class Request:
@@ -82,10 +103,14 @@ class Request:
     _ids = itertools.count()
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams,
-                 on_event: Callable[[Event], None] | None):
+                 on_event: Callable[[Event], None] | None, constraint=None):
         self.id = next(Request._ids)
         self.prompt_ids = prompt_ids
         self.params = params
+        self.constraint = constraint  # fill(words) / accept(token) / done(): a token-mask hook
+        self.logprobs: list[tuple] = []   # per output token, where params.logprobs is set
+        self.cached_tokens = 0            # prompt tokens whose KV a slot already held
+        self.stop_string: str | None = None   # the stop string that ended it, if one did
         self.seed = params.resolved_seed()
         self.on_event = on_event
         self.output_ids: list[int] = []
@@ -144,11 +169,24 @@ class Engine:
             the fused step is not used).
         eos_token_id: ids that end a generation (default: generation_config's and the
             tokenizer's).
+        reuse_prefix: a request whose prompt starts with tokens a free slot still holds (the
+            previous turn of a conversation) takes that slot and prefills only the rest (see
+            "Prefix reuse" below); other requests take the least recently used free slot.
+
+    Prefix reuse: a finished request leaves its prompt and output in its slot's KV rows; the
+    slot remembers those tokens until another request takes it. The cached prefixes are
+    therefore bounded by the slots themselves (no memory beyond the KV cache), and a request
+    without a match takes the least recently used free slot, so the most recently used
+    prefixes stay longest. A match reuses min(common prefix, prompt - 1) positions (the last
+    prompt token is always run, for its logits); `Request.cached_tokens` says how many. Only
+    the plain attention `SlotCache` is reused: a model whose cache holds other state
+    (recurrent layers) is always prefilled from the start.
     """
 
     def __init__(self, model, pool=None, *, tokenizer=None, max_batch: int = 8,
                  max_len: int = 4096, prefill_chunk: int | None = None, graph: bool | None = None,
-                 fused: bool | None = None, compile: bool = False, eos_token_id=None):
+                 fused: bool | None = None, compile: bool = False, eos_token_id=None,
+                 reuse_prefix: bool = True):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         try:
             param = next(model.parameters())
@@ -199,20 +237,34 @@ class Engine:
         self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(B, dtype=torch.int64, device=dev)
         self.steps = torch.zeros(B, dtype=torch.int64, device=dev)
+        # logprobs of the step's tokens (chosen, top MAX_LOGPROBS) and the grammar token mask
+        self.lp_chosen = torch.zeros(B, dtype=torch.float32, device=dev)
+        self.lp_top = torch.zeros(B, MAX_LOGPROBS, dtype=torch.float32, device=dev)
+        self.lp_ids = torch.zeros(B, MAX_LOGPROBS, dtype=torch.int64, device=dev)
+        self.mask = torch.full((B, mask_words(self.vocab)), -1, dtype=torch.int32, device=dev)
+        self._host_mask = torch.full_like(self.mask, -1, device="cpu")
         self._fused = self._fused_step(fused)
         self._forward = torch.compile(model, dynamic=False) if compile and self._fused is None \
             else model
         self.step_kind = (self._fused.describe() if self._fused is not None else
                           ("compiled " if compile else "") + ("graph" if self.graph else "eager"))
-        self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[StepKind, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._slots: list[Request | None] = [None] * B
+        self.reuse_prefix = bool(reuse_prefix)
+        self._held: list[list[int] | None] = [None] * B   # tokens a free slot's KV holds
+        self._last_use = [0] * B                           # LRU order of the slots
+        self._uses = itertools.count(1)
+        self.prefill_tokens = 0                            # prompt tokens run through prefill
         self._incoming: queue.Queue = queue.Queue()
         self._pending: list[Request] = []
         self._inflight = None            # (host tokens, event, owners) of the step not read yet
         self._host_tok = [torch.zeros(B, dtype=torch.int64, pin_memory=dev.type == "cuda")
                           for _ in range(2)]
         self._host_ready = [torch.cuda.Event() if dev.type == "cuda" else None for _ in range(2)]
+        self._host_lp = [tuple(torch.zeros(t.shape, dtype=t.dtype, pin_memory=dev.type == "cuda")
+                               for t in (self.lp_chosen, self.lp_top, self.lp_ids))
+                         for _ in range(2)]
         self._flip = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -287,9 +339,15 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None,
-               on_event: Callable[[Event], None] | None = None) -> Request:
+               on_event: Callable[[Event], None] | None = None, constraint=None) -> Request:
         """Queue a request; ValueError for token ids outside the vocabulary or a prompt that
-        cannot fit. `on_event` is called (on the engine's thread) for every event."""
+        cannot fit. `on_event` is called (on the engine's thread) for every event.
+
+        `constraint` (a grammar's matcher, or None) masks the tokens the request may sample:
+        `fill(words)` writes the allowed ids of its next token into an int32 [ceil(V / 32)] row
+        (`cupool.sampling.apply_token_mask`'s layout), `accept(token)` takes the sampled token,
+        `done()` says the constraint is complete (the request then ends with "stop"). Steps of
+        a constrained request are not pipelined: each mask needs the token before it."""
         if self.broken:
             raise RuntimeError(f"the engine stopped after an error: {self.broken}")
         params = params if params is not None else SamplingParams()
@@ -311,7 +369,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (the engine has none); use "
                              "stop_token_ids")
-        req = Request(ids, params, on_event)
+        req = Request(ids, params, on_event, constraint)
         self._incoming.put(req)
         return req
 
@@ -403,8 +461,12 @@ class Engine:
             if r.cancelled.is_set():
                 self._finish(r, FINISH_CANCELLED)
                 continue
-            self._admit(self._slots.index(None), r)
+            b, start = self._take_slot(r)
+            self._admit(b, r, start)
         launched = None
+        if self._inflight is not None and self._kind().masked:
+            self._read_step(*self._inflight)          # a token mask needs the token before it
+            self._inflight = None
         if any(r is not None for r in self._slots):
             launched = self._launch_step()
         if self._inflight is not None:
@@ -437,11 +499,14 @@ class Engine:
                 **self._logits_kw}
 
     @torch.inference_mode()
-    def _admit(self, b: int, r: Request) -> None:
-        """Run r's prompt into slot b and sample its first token (one host read)."""
+    def _admit(self, b: int, r: Request, start: int = 0) -> None:
+        """Run r's prompt from position `start` (the slot holds the KV of the tokens before it)
+        into slot b and sample its first token (one host read)."""
         dev, ids = self.device, torch.tensor(r.prompt_ids, dtype=torch.int64, device=self.device)
         S = ids.numel()
         self._slots[b] = r
+        r.cached_tokens = start
+        self.prefill_tokens += S - start
         p = r.params
         self.temperature[b] = float(p.temperature)
         self.top_k[b] = int(p.top_k)
@@ -452,7 +517,7 @@ class Engine:
         try:
             logits = None
             with prefilling:
-                for a in range(0, S, self.prefill_chunk):
+                for a in range(start, S, self.prefill_chunk):
                     e = min(S, a + self.prefill_chunk)
                     self.cache.prefill_mode(b, a, e - a)
                     mask = self._masks(lambda w: self.cache.prefill_mask(self.dtype, w,
@@ -461,9 +526,14 @@ class Engine:
                                      position_ids=torch.arange(a, e, device=dev)[None],
                                      **self._fwd_kwargs(mask))
                     logits = out.logits[:, -1, :]
-            first = sample(logits, self.temperature[b:b + 1], self.top_k[b:b + 1],
+            scores = logits
+            if r.constraint is not None:
+                self._fill_masks([b])
+                scores = apply_token_mask(logits, self.mask[b:b + 1])
+            first = sample(scores, self.temperature[b:b + 1], self.top_k[b:b + 1],
                            self.top_p[b:b + 1], self.seeds[b:b + 1], self.steps[b:b + 1],
                            greedy_only=p.temperature == 0)
+            lp = token_logprobs(logits, first) if p.logprobs is not None else None
         finally:
             self.cache.decode_mode()
         self.cache.pos[b] = S
@@ -472,10 +542,36 @@ class Engine:
         self.active[b] = True
         token = int(first[0])                                 # the admission's one host read
         r.first_token_at = time.perf_counter()
+        if lp is not None:
+            self._note_logprobs(r, token, *(t[0].tolist() for t in lp))
         self._accept(b, r, token)
 
+    # --- logprobs and token masks (the sampling step's extra outputs and input) -----------------
+    def _note_logprobs(self, r: Request, token: int, chosen: float, top_vals, top_ids) -> None:
+        """Keep the logprobs of r's sampled `token` (its top r.params.logprobs alternatives)."""
+        k = r.params.logprobs
+        r.logprobs.append((token, float(chosen), list(zip(top_ids[:k], top_vals[:k]))))
+
+    def _fill_masks(self, slots) -> None:
+        """Copy the constraints' next-token masks of `slots` into the device mask (other rows: all
+        ids allowed). Runs on the host between steps."""
+        host = self._host_mask
+        host.fill_(-1)
+        for b in slots:
+            r = self._slots[b]
+            if r is not None and r.constraint is not None:
+                r.constraint.fill(host[b])
+        self.mask.copy_(host)       # pageable memory: the host row is free again on return
+
+    def _kind(self) -> "StepKind":
+        """The step variant the active slots need (each variant is its own captured graph)."""
+        live = [r for r in self._slots if r is not None]
+        return StepKind(greedy=all(r.params.temperature == 0 for r in live),
+                        logprobs=any(r.params.logprobs is not None for r in live),
+                        masked=any(r.constraint is not None for r in live))
+
     # --- decode steps ---------------------------------------------------------------------------------
-    def _step(self, greedy_only: bool) -> None:
+    def _step(self, kind: "StepKind") -> None:
         """One decode step of every slot, device-only (what the graph captures)."""
         self.cache.decode_mode()
         fused = self._fused
@@ -489,8 +585,13 @@ class Engine:
             out = self._forward(input_ids=self.tok, position_ids=self.cache.pos[:, None],
                                 **self._fwd_kwargs(mask))
             logits = out.logits[:, -1, :]
-        nxt = sample(logits, self.temperature, self.top_k, self.top_p,
-                     self.seeds, self.steps, greedy_only)
+        scores = apply_token_mask(logits, self.mask) if kind.masked else logits
+        nxt = sample(scores, self.temperature, self.top_k, self.top_p,
+                     self.seeds, self.steps, kind.greedy)
+        if kind.logprobs:
+            for buf, val in zip((self.lp_chosen, self.lp_top, self.lp_ids),
+                                token_logprobs(logits, nxt)):
+                buf.copy_(val)
         act = self.active
         self.tok[:, 0] = torch.where(act, nxt, self.tok[:, 0])
         self.cache.pos.add_(act.to(torch.int64)).clamp_(max=self.max_len - 1)
@@ -507,7 +608,7 @@ class Engine:
             if self.pool is not None:
                 self.pool.token_mask = None
 
-    def _capture(self, greedy_only: bool) -> torch.cuda.CUDAGraph:
+    def _capture(self, kind: "StepKind") -> torch.cuda.CUDAGraph:
         """Warm up and capture the step (gate closed, every slot inactive meanwhile: the dummy
         steps write only positions no slot has filled yet and move no rows)."""
         dev = self.device
@@ -519,7 +620,7 @@ class Engine:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side), self._masked():
             for _ in range(3):
-                self._step(greedy_only)
+                self._step(kind)
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
@@ -530,7 +631,7 @@ class Engine:
         try:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._graph_pool), self._masked():
-                self._step(greedy_only)
+                self._step(kind)
         finally:
             gc.enable()
         self.active.copy_(saved)
@@ -540,37 +641,49 @@ class Engine:
 
     @torch.inference_mode()
     def _launch_step(self):
-        greedy = all(r is None or r.params.temperature == 0 for r in self._slots)
+        kind = self._kind()
+        if kind.masked:
+            self._fill_masks(range(self.max_batch))
         if self.graph:
-            g = self._graphs.get(greedy)
+            g = self._graphs.get(kind)
             if g is None:
-                g = self._graphs[greedy] = self._capture(greedy)
+                g = self._graphs[kind] = self._capture(kind)
             g.replay()
         else:
             with self._masked():
-                self._step(greedy)
+                self._step(kind)
         self.steps_run += 1
         buf, ev = self._host_tok[self._flip], self._host_ready[self._flip]
+        lp = self._host_lp[self._flip] if kind.logprobs else None
         self._flip ^= 1
         buf.copy_(self.tok[:, 0], non_blocking=True)
+        if lp is not None:
+            for host, dev in zip(lp, (self.lp_chosen, self.lp_top, self.lp_ids)):
+                host.copy_(dev, non_blocking=True)
         if ev is not None:
             ev.record()
-        return buf, ev, list(self._slots)
+        return buf, ev, list(self._slots), lp
 
-    def _read_step(self, buf, ev, owners) -> None:
+    def _read_step(self, buf, ev, owners, lp=None) -> None:
         if ev is not None:
             ev.synchronize()
         tokens = buf.tolist()
+        lists = [t.tolist() for t in lp] if lp is not None else None
         for b, r in enumerate(owners):
             if r is None or r.finished or self._slots[b] is not r:
                 continue                      # finished after the step was launched
+            if lists is not None and r.params.logprobs is not None:
+                self._note_logprobs(r, tokens[b], lists[0][b], lists[1][b], lists[2][b])
             self._accept(b, r, tokens[b])
 
     # --- output -----------------------------------------------------------------------------------
     def _accept(self, b: int, r: Request, token: int) -> None:
         """Take one sampled token of r (in slot b): check stops, emit, free the slot when done."""
         p = r.params
+        if r.constraint is not None:
+            r.constraint.accept(token)
         if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
+            del r.logprobs[len(r.output_ids):]       # a stop token is not part of the output
             self._finish(r, FINISH_STOP)
             self._free(b)
             return
@@ -584,7 +697,10 @@ class Engine:
                 hits = [(i, x) for x in p.stop if (i := r.text.find(x, tail)) >= 0]
                 if hits:
                     r.text = r.text[:min(hits)[0]]
+                    r.stop_string = min(hits)[1]
                     reason = FINISH_STOP
+        if reason is None and r.constraint is not None and r.constraint.done():
+            reason = FINISH_STOP
         if reason is None and (len(r.output_ids) >= p.max_tokens
                                or len(r.prompt_ids) + len(r.output_ids) >= self.max_len):
             reason = FINISH_LENGTH
@@ -600,8 +716,9 @@ class Engine:
         space by context agree with a full decode); held while it ends in an incomplete
         character."""
         ids = r._context + r.output_ids
-        prefix = self.tokenizer.decode(ids[r._prefix_at:r._read_at], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[r._prefix_at:], skip_special_tokens=True)
+        skip = r.params.skip_special_tokens
+        prefix = self.tokenizer.decode(ids[r._prefix_at:r._read_at], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[r._prefix_at:], skip_special_tokens=skip)
         if full.endswith("\ufffd") or not full.startswith(prefix):
             return                                   # more bytes of a character to come
         r.text += full[len(prefix):]
@@ -619,8 +736,9 @@ class Engine:
         r._sent = max(r._sent, end)
         if r.on_event is None:
             return
+        lp = r.logprobs[-1] if token is not None and r.logprobs else None
         try:
-            r.on_event(Event(r, token, delta, final, r.finish_reason if final else None))
+            r.on_event(Event(r, token, delta, final, r.finish_reason if final else None, lp))
         except Exception as e:  # noqa: BLE001 (a caller's bug must not stop the other requests)
             log.exception("cupool: the event callback of request %d raised; it is cancelled", r.id)
             r.error = f"its event callback raised {type(e).__name__}: {e}"
@@ -637,8 +755,43 @@ class Engine:
         r.done.set()
 
     def _free(self, b: int) -> None:
+        r = self._slots[b]
+        if r is not None and r.finish_reason != FINISH_ERROR:
+            self._held[b] = self._kv_tokens(r)
         self._slots[b] = None
         self.active[b] = False
+
+    # --- prefix reuse (bookkeeping of what free slots hold) ------------------------------------
+    def _reusable(self) -> bool:
+        """Reuse needs a cache whose slot state is its KV rows alone: the plain SlotCache."""
+        return self.reuse_prefix and type(self.cache) is SlotCache
+
+    @staticmethod
+    def _kv_tokens(r: Request) -> list[int]:
+        """The tokens whose KV a finished request's slot holds at positions 0, 1, ...: its prompt
+        and every output token but the last (a token's KV is written by the step that feeds it,
+        which may not have run for the last one)."""
+        return r.prompt_ids + r.output_ids[:-1]
+
+    def _take_slot(self, r: Request) -> tuple[int, int]:
+        """(slot, positions to reuse) for r: the free slot holding the longest prefix of its
+        prompt, else the least recently used free slot (0 positions)."""
+        free = [b for b, x in enumerate(self._slots) if x is None]
+        best, start = None, 0
+        if self._reusable():
+            for b in free:
+                held = self._held[b]
+                if not held:
+                    continue
+                n = _common_prefix(held, r.prompt_ids)
+                if n > start:
+                    best, start = b, n
+        if best is None:
+            best = min(free, key=lambda b: self._last_use[b])
+        start = min(start, len(r.prompt_ids) - 1)
+        self._held[best] = None
+        self._last_use[best] = next(self._uses)
+        return best, start
 
     def close(self) -> None:
         """Release the captured graphs and the KV cache (the engine cannot run afterwards).
@@ -647,6 +800,7 @@ class Engine:
             self.shutdown()
         self._graphs.clear()
         self._graph_pool = None
+        self._held = [None] * self.max_batch
         self.cache.keys = [None] * self.cache.num_layers
         self.cache.values = [None] * self.cache.num_layers
         self.broken = self.broken or "closed"

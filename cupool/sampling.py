@@ -24,6 +24,7 @@ import os
 import torch
 
 _M32 = 0xFFFFFFFF
+MAX_LOGPROBS = 20       # most alternatives a token reports (OpenAI's top_logprobs limit)
 
 
 @dataclasses.dataclass
@@ -39,6 +40,10 @@ class SamplingParams:
     stop: strings that end the generation when they appear in the text (not included in it).
     stop_token_ids: token ids that end the generation besides the model's EOS ids.
     ignore_eos: do not stop at the model's EOS ids.
+    logprobs: None, or report the log-probability of each chosen token and the `logprobs` most
+        likely ones (0 ≤ logprobs ≤ MAX_LOGPROBS), from the model's own distribution.
+    skip_special_tokens: leave special tokens out of the text (True) or keep them (chat formats
+        whose markers are special tokens parse them).
     """
     temperature: float = 0.0
     top_k: int = 0
@@ -48,6 +53,8 @@ class SamplingParams:
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -78,6 +85,10 @@ class SamplingParams:
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0
                 for i in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of token ids (ints >= 0)")
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)
+                               or not 0 <= lp <= MAX_LOGPROBS):
+            raise bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
 
     def resolved_seed(self) -> int:
         """The seed, or one drawn from the OS where none was given (fixed per call of this)."""
@@ -132,3 +143,27 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     score = (vals + gumbel.gather(1, order)).masked_fill(~keep, float("-inf"))
     sampled = order.gather(1, score.argmax(dim=-1, keepdim=True))[:, 0]
     return torch.where(temperature > 0, sampled, greedy)
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int = MAX_LOGPROBS):
+    """Log-probabilities under softmax(logits) (the model's distribution, before temperature and
+    masks): of `chosen` int64 [B] -> float32 [B], and the k most likely tokens -> values float32
+    [B, k], ids int64 [B, k]. Fixed shapes, so a captured step can hold it."""
+    lp = torch.log_softmax(logits.float(), dim=-1)                         # [B, V]
+    top_vals, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)              # [B, k]
+    return lp.gather(1, chosen[:, None])[:, 0], top_vals, top_ids
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words of a token mask over `vocab` ids (bit v % 32 of word v // 32: id v allowed)."""
+    return (vocab + 31) // 32
+
+
+def apply_token_mask(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with the ids a bitmask words int32 [B, ceil(V / 32)] does not allow set to
+    -inf (a row of all ones bits leaves its logits as they are). The bit layout is llguidance's
+    and xgrammar's, so a grammar library fills the words directly."""
+    V = logits.shape[-1]
+    v = torch.arange(V, device=logits.device)
+    bits = (words[:, v // 32] >> (v % 32).to(torch.int32)) & 1                 # [B, V]
+    return logits.masked_fill(bits == 0, float("-inf"))

@@ -32,7 +32,7 @@ EXAMPLES = ROOT / "examples"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 EXAMPLE_SCRIPTS = ("budget_report.py", "decode_loop.py", "hf_generate.py")
 MINE = ("bench_store.py", "bench_nvfp4.py", "bench_planner.py", "bench_gemm.py", "bench_decode.py",
-        "bench_long.py",
+        "bench_long.py", "bench_prefix.py",
         "profile_decode.py", "profile_gemm.py", "profile_host.py", "profile_read.py",
         "ncu_source.py") + EXAMPLE_SCRIPTS
 
@@ -50,6 +50,7 @@ NEEDS_GPU = [
     ["bench_decode.py", "--small", "--compile"],
     ["bench_decode.py", "--model", "gpt-oss-120b", "--small"],
     ["bench_long.py", "--contexts", "4096", "--soak-steps", "96"],
+    ["bench_prefix.py", "--small"],
     ["profile_decode.py", "--layers", "2"],
     ["profile_gemm.py", "--sweep", "minb=4", "default"],
     ["profile_host.py", "--tokens", "64"],
@@ -66,6 +67,7 @@ BAD_SUBPROCESS = [
     (["bench_planner.py", "--lanes", "12"], "--lanes"),                  # not a multiple of top-8
     (["bench_decode.py", "--plot-only", "benchmarks/run_gpu.sh"], "--plot-only"),   # not JSON
     (["bench_long.py", "--contexts", "8"], "--contexts"),
+    (["bench_prefix.py", "--prefix", "8"], "--prefix"),
     (["budget_report.py", "--budget", "lots"], "--budget"),
     (["decode_loop.py", "--tokens", "-3"], "--tokens"),
     (["decode_loop.py", "--bank", "1.5"], "--bank"),                     # a fraction, (0, 1]
@@ -96,6 +98,8 @@ BAD = BAD_SUBPROCESS + [
     (["bench_serve.py", "--prefetch", "router", "--prefetch-accuracy", "2"], "--prefetch-accuracy"),
     (["bench_long.py", "--bank", "5"], "--bank"),
     (["bench_long.py", "--soak-steps", "0"], "--soak-steps"),
+    (["bench_prefix.py", "--new", "0"], "--new"),
+    (["bench_prefix.py", "--bank", "3"], "--bank"),
     (["profile_decode.py", "--steps", "0"], "--steps"),
     (["profile_decode.py", "--layers", "-2"], "--layers"),
     (["profile_gemm.py", "--cases", "2048:17"], "--cases"),
@@ -226,6 +230,9 @@ def test_every_script_covered():
     ("bench_long", [], False),
     ("bench_long", ["--contexts", "4096", "32768"], True),
     ("bench_long", ["--soak-steps", "1000"], True),
+    ("bench_prefix", [], False),
+    ("bench_prefix", ["--prefix", "4096"], True),
+    ("bench_prefix", ["--small"], True),
     ("bench_gemm", ["--skip-gpt-oss"], True),
     ("bench_planner", ["--copy-sweep", "2,512,4"], False),
     ("bench_planner", ["--skip-copy", "--experts", "128", "--lanes", "8", "--replays", "20"], True),

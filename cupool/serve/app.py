@@ -2,7 +2,16 @@
 model_name)` returns the FastAPI app.
 
 Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions,
-GET /health. The request and response formats are in `cupool.serve.protocol`.
+POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API,
+`cupool.serve.messages`), GET /health, GET /metrics (Prometheus text, `cupool.serve.metrics`).
+The OpenAI request and response formats are in `cupool.serve.protocol`; chat requests of both
+APIs are rendered and their outputs parsed (tool calls, reasoning) by `cupool.serve.chat` with
+the model's chat format (`cupool.serve.formats`). Generations and their events:
+`cupool.serve.generation`.
+
+Operations: with an API key (`cupool.serve.auth`) every endpoint but /health answers 401 without
+it. With `max_queue`, a request that would leave more than that many engine requests waiting for
+a slot is refused with 429 at once (OpenAI's error object), rather than queued without bound.
 
 How a generation runs: the handler checks and tokenizes the request (tokenizing on a worker
 thread), submits one engine request per prompt (`Engine.submit` only queues), and waits for the
@@ -14,17 +23,16 @@ A client that goes away cancels its engine requests, which frees their slots: a 
 sending to it fails or uvicorn reports the disconnect, a non-streaming request when uvicorn
 reports the disconnect while it waits.
 
-Errors are OpenAI's error object with a fitting status: request validation (FastAPI's 422) is
-turned into 400, an unknown model is 404 `model_not_found`, anything unexpected is a 500 with
-a generic message while the traceback goes to the log ("cupool.serve").
+Errors are OpenAI's error object (Anthropic's on /v1/messages) with a fitting status: request
+validation (FastAPI's 422) is turned into 400, an unknown model is 404 `model_not_found`,
+anything unexpected is a 500 with a generic message while the traceback goes to the log
+("cupool.serve").
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
-import json
 import logging
 import re
 import time
@@ -32,178 +40,19 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cupool.serve import auth, chat, messages
 from cupool.serve import protocol as P
+from cupool.serve.generation import (SSE_DONE, EventStream, Generation, ServerState,
+                                     outcome_error, sse, until_done)
+from cupool.serve.grammar import Grammars
+from cupool.serve.metrics import CONTENT_TYPE
 from cupool.serve.protocol import APIError, bad_request
 
 log = logging.getLogger("cupool.serve")
-
-
-class ServerState:
-    """What the app serves, and counts of finished engine requests by finish_reason."""
-
-    def __init__(self, engine, tokenizer, model_name: str):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.created = int(time.time())
-        self.finished: collections.Counter = collections.Counter()
-        self.running = 0
-
-    def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "cupool", "max_model_len": self.engine.max_len}
-
-
-class Generation:
-    """The engine requests of one HTTP request (one per prompt), their events handed from the
-    engine's thread to the event loop.
-
-    `events()` yields (choice index, Event) until every request has finished; `cancel()` cancels
-    those that have not (idempotent)."""
-
-    def __init__(self, state: ServerState, prompts: list[list[int]], params: list,
-                 prompt_param: str = "prompt"):
-        self.state = state
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.requests = []
-        self.index: dict[int, int] = {}
-        self.started = time.perf_counter()
-        try:
-            for i, (ids, sp) in enumerate(zip(prompts, params)):
-                self._submit(i, len(prompts), ids, sp, prompt_param)
-        except BaseException:
-            self.cancel()
-            raise
-
-    def _submit(self, i: int, n: int, ids: list[int], sp, prompt_param: str) -> None:
-        try:
-            r = self.state.engine.submit(ids, sp, self._on_event)
-        except ValueError as e:                  # the engine's checks: context, vocabulary
-            where = f"prompt {i}: " if n > 1 else ""
-            code = "context_length_exceeded" if "exceed the context" in str(e) else None
-            raise bad_request(f"{where}{e}", prompt_param, code) from None
-        except RuntimeError as e:                # the engine stopped after an error
-            log.error("refusing a request: %s", e)
-            raise APIError(503, "the server cannot generate: its engine stopped after an error "
-                           "(see the server's log)", type="server_error") from None
-        self.requests.append(r)
-        self.index[r.id] = i
-        self.state.running += 1
-
-    def _on_event(self, ev) -> None:
-        """On the engine's thread: hand the event to the loop (cancel when the loop is gone)."""
-        try:
-            self.loop.call_soon_threadsafe(self._deliver, ev)
-        except RuntimeError:                     # the event loop is closed: no one listens
-            ev.request.cancel()
-
-    def _deliver(self, ev) -> None:
-        """On the loop: count a finished request, queue the event for `events()`."""
-        if ev.finished:
-            self.state.running -= 1
-            self.state.finished[ev.finish_reason] += 1
-            if ev.finish_reason == "error":
-                log.error("request %d failed in the engine: %s", ev.request.id, ev.request.error)
-        self.queue.put_nowait(ev)
-
-    async def events(self):
-        """(choice index, Event) as they land, until every request has finished (once)."""
-        remaining = len(self.requests)
-        while remaining:
-            ev = await self.queue.get()
-            if ev.finished:
-                remaining -= 1
-            yield self.index[ev.request.id], ev
-
-    async def wait(self) -> None:
-        """Until every request has finished."""
-        async for _ in self.events():
-            pass
-
-    def cancel(self) -> None:
-        """Cancel the requests that have not finished (their slots free at the engine's next
-        iteration)."""
-        for r in self.requests:
-            if not r.finished:
-                r.cancel()
-
-    def usage(self) -> dict:
-        """OpenAI's usage object over every request (read once they have finished)."""
-        return P.usage(sum(len(r.prompt_ids) for r in self.requests),
-                       sum(len(r.output_ids) for r in self.requests))
-
-    def log_done(self, what: str, rid: str) -> None:
-        u = self.usage()
-        reasons = ",".join(sorted({str(r.finish_reason) for r in self.requests}))
-        log.info("%s %s: %d prompt + %d completion tokens, %s, %.3f s", what, rid,
-                 u["prompt_tokens"], u["completion_tokens"], reasons,
-                 time.perf_counter() - self.started)
-
-
-def outcome_error(r) -> APIError | None:
-    """The error a finished engine request reports to its client (None: it completed)."""
-    if r.finish_reason == "error":
-        return APIError(500, "generation failed in the engine (see the server's log)",
-                        type="server_error")
-    if r.finish_reason == "cancelled":
-        return APIError(503, "the generation was cancelled: the server is shutting down",
-                        type="server_error")
-    return None
-
-
-class EventStream(StreamingResponse):
-    """A server-sent event stream that calls `on_close` however it ends: completed, the client
-    gone (sending failed or uvicorn reported the disconnect), or the server stopping."""
-    media_type = "text/event-stream"
-
-    def __init__(self, content, on_close):
-        super().__init__(content, headers={"Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def sse(obj) -> str:
-    """One server-sent event carrying `obj` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-async def disconnected(request: Request) -> None:
-    """Return when uvicorn reports that the client of `request` went away (its body is read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def until_done(gen: Generation, request: Request) -> bool:
-    """Wait for every engine request of `gen`; False (and the requests cancelled) where the
-    client disconnects first."""
-    waiting = asyncio.ensure_future(gen.wait())
-    gone = asyncio.ensure_future(disconnected(request))
-    try:
-        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        finished = waiting.done()
-        if not finished:
-            waiting.cancel()
-            gen.cancel()
-    if not finished:
-        return False
-    waiting.result()                         # raises what the wait raised
-    return True
 
 
 def _guarded(handler):
@@ -256,24 +105,45 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def create_app(engine, tokenizer, model_name: str) -> FastAPI:
+def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None,
+               max_queue: int | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (started by the caller: `engine.start()`) as
     `model_name`; `tokenizer` (None: token-id prompts only, no chat) tokenizes prompts and
-    applies the chat template."""
-    state = ServerState(engine, tokenizer, model_name)
+    applies the chat template. `api_key`: required on every endpoint but /health (None: open).
+    `max_queue`: most engine requests waiting for a slot (None: no bound)."""
+    if max_queue is not None and (isinstance(max_queue, bool) or not isinstance(max_queue, int)
+                                  or max_queue < 0):
+        raise ValueError(f"max_queue must be None or an int >= 0, got {max_queue!r}")
+    state = ServerState(engine, tokenizer, model_name, api_key, max_queue)
     app = FastAPI(title="cupool", summary="OpenAI-compatible API of a cupool Engine",
                   version=_version())
     app.state.cupool = state
 
+    def error(request: Request, status: int, body: dict, headers=None) -> JSONResponse:
+        """An error response: OpenAI's object `body`, or Anthropic's on /v1/messages."""
+        if messages.is_messages_path(request.url.path):
+            body = messages.error_body(status, body["error"]["message"])
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if auth.allowed(request.url.path, request.headers, state.api_key):
+            return await call_next(request)
+        state.metrics.rejected.labels("unauthorized").inc()
+        message = auth.refusal(request.headers)
+        return error(request, 401, P.error_body(message, "invalid_request_error",
+                                                code="invalid_api_key"),
+                     headers={"WWW-Authenticate": "Bearer"})
+
     # --- errors -------------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error(request, exc.status, exc.body())
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return JSONResponse(P.error_body(message, param=param), status_code=400)
+        return error(request, 400, P.error_body(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
@@ -284,15 +154,15 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(P.error_body(message, kind, code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return error(request, exc.status_code, P.error_body(message, kind, code=code),
+                     headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):
         log.error("unhandled error on %s %s", request.method, request.url.path,
                   exc_info=(type(exc), exc, exc.__traceback__))
-        return JSONResponse(P.error_body("internal server error; see the server's log",
-                                         "server_error"), status_code=500)
+        return error(request, 500, P.error_body("internal server error; see the server's log",
+                                                "server_error"))
 
     # --- helpers --------------------------------------------------------------------------------------
     def check_model(name: str) -> None:
@@ -327,25 +197,21 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
                 out.append(list(p))
         return out
 
-    def chat_prompt(messages: list[dict]) -> list[int]:
-        tok = state.tokenizer
-        if tok is None:
-            raise bad_request("this model has no tokenizer, so no chat template: use "
-                              "/v1/completions with token-id prompts", "messages")
-        if not getattr(tok, "chat_template", None):
-            raise bad_request("this model's tokenizer has no chat template: use "
-                              "/v1/completions", "messages")
-        from jinja2 import TemplateError
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except TemplateError as e:
-            raise bad_request(f"the chat template refused the messages: {e}", "messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-
     def token_ids(req, r) -> list[int] | None:
         return list(r.output_ids) if req.return_token_ids else None
+
+    @functools.lru_cache(maxsize=65536)
+    def text_of(token: int) -> str:
+        tok = state.tokenizer
+        return tok.decode([token]) if tok is not None else f"<{token}>"
+
+    def completion_lp(body, entries, offset=0):
+        if body.logprobs is None:
+            return None
+        return P.completion_logprobs(entries, text_of, offset)
+
+    def chat_lp(body, entries):
+        return P.chat_logprobs(entries, text_of) if body.logprobs else None
 
     # --- endpoints ------------------------------------------------------------------------------------
     @app.get("/health")
@@ -354,6 +220,10 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
             return JSONResponse(P.error_body(f"the engine stopped after an error: "
                                              f"{engine.broken}", "server_error"), status_code=503)
         return {"status": "ok", "running": state.running, "finished": dict(state.finished)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models():
@@ -371,7 +241,7 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
         P.check_completion(body)
         prompts = await run_in_threadpool(tokenize_prompts, body.prompt)
         params = params_for(body, prompts)
-        gen = Generation(state, prompts, params)
+        gen = Generation(state, prompts, params, endpoint="completions")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return EventStream(_stream_completion(gen, body, rid, created), gen.cancel)
@@ -383,7 +253,8 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
         gen.log_done("completion", rid)
         choices = [P.completion_choice(i, r.text, P.FINISH_REASONS[r.finish_reason],
                                        token_ids(body, r),
-                                       r.prompt_ids if body.return_token_ids else None)
+                                       r.prompt_ids if body.return_token_ids else None,
+                                       completion_lp(body, r.logprobs))
                    for i, r in enumerate(gen.requests)]
         return P.envelope("text_completion", rid, created, state.model_name, choices,
                           gen.usage())
@@ -393,32 +264,125 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         check_model(body.model)
         P.check_chat(body)
-        ids = await run_in_threadpool(chat_prompt, P.chat_messages(body))
-        params = params_for(body, [ids])
-        gen = Generation(state, [ids], params, prompt_param="messages")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        schema = Grammars.schema_of(body.response_format)
+        plan = await run_in_threadpool(
+            chat.plan, state.tokenizer, state.format, P.chat_messages(body), tools=tools,
+            tool_choice=body.tool_choice, template_kwargs=P.template_kwargs(body),
+            structured=schema is not None)
+        params = params_for(body, [plan.ids])
+        params[0].skip_special_tokens = plan.skip_special_tokens
+        constraint = None
+        if schema is not None:
+            constraint = await run_in_threadpool(state.grammars.constraint, schema)
+        gen = Generation(state, [plan.ids], params, prompt_param="messages", endpoint="chat",
+                         constraints=[constraint])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        one_call = body.parallel_tool_calls is False
         if body.stream:
-            return EventStream(_stream_chat(gen, body, rid, created), gen.cancel)
+            return EventStream(_stream_chat(gen, body, rid, created, plan, one_call), gen.cancel)
         if not await until_done(gen, request):
             return JSONResponse(P.error_body("the client disconnected"), status_code=499)
         r = gen.requests[0]
         if (err := outcome_error(r)) is not None:
             raise err
         gen.log_done("chat completion", rid)
-        choice = P.chat_choice(0, r.text, P.FINISH_REASONS[r.finish_reason], token_ids(body, r),
-                               r.prompt_ids if body.return_token_ids else None)
+        out = plan.output()
+        out.feed(r.text)
+        out.finish()
+        calls = out.calls[:1] if one_call else out.calls
+        reason = "tool_calls" if calls else P.FINISH_REASONS[r.finish_reason]
+        choice = P.chat_choice(0, P.assistant_message(out.content, out.reasoning, calls), reason,
+                               token_ids(body, r),
+                               r.prompt_ids if body.return_token_ids else None,
+                               chat_lp(body, r.logprobs))
         return P.envelope("chat.completion", rid, created, state.model_name, [choice],
                           gen.usage())
+
+    # --- the Anthropic Messages API ---------------------------------------------------------------
+    def messages_plan(body):
+        tools, choice, one = messages.tools_and_choice(body)
+        return chat.plan(state.tokenizer, state.format, messages.conversation(body), tools=tools,
+                         tool_choice=choice, template_kwargs=messages.template_kwargs(body)), one
+
+    @app.post("/v1/messages")
+    @_guarded
+    async def create_message(body: messages.MessagesRequest, request: Request):
+        check_model(body.model)
+        plan, one_call = await run_in_threadpool(messages_plan, body)
+        sp = messages.sampling_params(body)
+        sp.skip_special_tokens = plan.skip_special_tokens
+        gen = Generation(state, [plan.ids], [sp], prompt_param="messages", endpoint="messages")
+        mid = messages.message_id()
+        if body.stream:
+            return EventStream(_stream_message(gen, body, mid, plan, one_call), gen.cancel)
+        if not await until_done(gen, request):
+            return JSONResponse(messages.error_body(499, "the client disconnected"),
+                                status_code=499)
+        r = gen.requests[0]
+        if (err := outcome_error(r)) is not None:
+            raise err
+        gen.log_done("message", mid)
+        out = plan.output()
+        out.feed(r.text)
+        out.finish()
+        calls = out.calls[:1] if one_call else out.calls
+        return messages.message(mid, state.model_name, r, out, calls)
+
+    @app.post("/v1/messages/count_tokens")
+    @_guarded
+    async def count_message_tokens(body: messages.CountTokensRequest):
+        check_model(body.model)
+        plan, _ = await run_in_threadpool(messages_plan, body)
+        return {"input_tokens": len(plan.ids)}
+
+    async def _stream_message(gen: Generation, body, mid: str, plan, one_call: bool):
+        out, blocks = plan.output(), messages.BlockStream()
+        r = gen.requests[0]
+        try:
+            start = {"id": mid, "type": "message", "role": "assistant",
+                     "model": state.model_name, "content": [], "stop_reason": None,
+                     "stop_sequence": None, "usage": {"input_tokens": len(r.prompt_ids),
+                                                      "output_tokens": 0}}
+            yield messages.event("message_start", {"message": start})
+            async for _, ev in gen.events():
+                for line in blocks.pieces(out.feed(ev.text), one_call, out.calls):
+                    yield line
+                if not ev.finished:
+                    continue
+                if (err := outcome_error(ev.request)) is not None:
+                    gen.cancel()
+                    yield messages.event("error", messages.error_body(err.status, err.message))
+                    return
+                for line in blocks.pieces(out.finish(), one_call, out.calls) + blocks.close():
+                    yield line
+                reason, seq = messages.stop_reason(r, out.calls)
+                yield messages.event("message_delta", {
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": messages.usage(r)})
+                yield messages.event("message_stop", {})
+            gen.log_done("message", mid)
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except Exception as e:
+            gen.cancel()
+            log.exception("internal error in the stream of %s", mid)
+            yield messages.event("error", messages.error_body(
+                500, f"internal server error ({type(e).__name__}); see the server's log"))
+        finally:
+            gen.cancel()
 
     # --- streams --------------------------------------------------------------------------------------
     def include_usage(body) -> bool:
         return bool(body.stream_options and body.stream_options.include_usage)
 
     async def _stream(gen: Generation, body, rid: str, created: int, obj: str, what: str,
-                      first, piece, last):
-        """The chunks of a stream: `first()` (or None), then `piece(index, text, token_ids)`
-        per event with text, `last(index, finish_reason)` per finished request, the usage chunk
-        where asked, and [DONE]. A request that fails ends the stream with an error object."""
+                      first, pieces, last):
+        """The chunks of a stream: `first()` (or None), then the choices `pieces(index, event)`
+        gives for each event, those of `last(index, event)` for each finished request, the
+        usage chunk where asked, and [DONE]. A request that fails ends the stream with an error
+        object."""
         with_usage = include_usage(body)
 
         def chunk(choices, usage_=None):
@@ -428,16 +392,16 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
             if first is not None:
                 yield chunk([first()])
             async for i, ev in gen.events():
-                ids = [ev.token_id] if body.return_token_ids and ev.token_id is not None else None
-                if ev.text or ids:
-                    yield chunk([piece(i, ev.text, ids)])
+                for c in pieces(i, ev):
+                    yield chunk([c])
                 if ev.finished:
                     if (err := outcome_error(ev.request)) is not None:
                         gen.cancel()
                         yield sse(err.body())
                         yield SSE_DONE
                         return
-                    yield chunk([last(i, P.FINISH_REASONS[ev.finish_reason])])
+                    for c in last(i, ev):
+                        yield chunk([c])
             if with_usage:
                 yield chunk([], gen.usage())
             yield SSE_DONE
@@ -454,20 +418,63 @@ def create_app(engine, tokenizer, model_name: str) -> FastAPI:
         finally:
             gen.cancel()
 
-    def _stream_completion(gen, body, rid, created):
-        return _stream(
-            gen, body, rid, created, "text_completion", "completion", None,
-            lambda i, text, ids: P.completion_chunk_choice(i, text, None, ids),
-            lambda i, reason: P.completion_chunk_choice(i, "", reason))
+    def _event_extras(body, ev):
+        ids = [ev.token_id] if body.return_token_ids and ev.token_id is not None else None
+        lps = [ev.logprobs] if ev.logprobs is not None else None
+        return ids, lps
 
-    def _stream_chat(gen, body, rid, created):
+    def _stream_completion(gen, body, rid, created):
+        def pieces(i, ev):
+            ids, lps = _event_extras(body, ev)
+            if not (ev.text or ids or lps):
+                return []
+            return [P.completion_chunk_choice(i, ev.text, None, ids,
+                                              completion_lp(body, lps or []))]
+        return _stream(
+            gen, body, rid, created, "text_completion", "completion", None, pieces,
+            lambda i, ev: [P.completion_chunk_choice(i, "", P.FINISH_REASONS[ev.finish_reason])])
+
+    def _stream_chat(gen, body, rid, created, plan, one_call: bool):
+        out = plan.output()
+
+        def deltas(i, ev, parsed):
+            ids, lps = _event_extras(body, ev)
+            found = []
+            for piece in parsed:
+                if piece.kind == "tool":
+                    k = out.calls.index(piece.call)
+                    if one_call and k > 0:
+                        continue
+                    found.append({"tool_calls": [P.tool_call_out(k, piece.call)]})
+                elif piece.text:
+                    key = "reasoning_content" if piece.kind == "reasoning" else "content"
+                    found.append({key: piece.text})
+            if not found and (ids or lps):
+                found.append({})
+            choices = [P.chat_chunk_choice(i, d, None) for d in found]
+            if choices:                   # token ids and logprobs ride on the event's first delta
+                choices[0]["logprobs"] = chat_lp(body, lps or [])
+                if ids is not None:
+                    choices[0]["token_ids"] = ids
+            return choices
+
+        def last(i, ev):
+            choices = deltas(i, _NoExtras, out.finish())      # what the parser held back
+            reason = "tool_calls" if out.calls else P.FINISH_REASONS[ev.finish_reason]
+            return choices + [P.chat_chunk_choice(i, {}, reason)]
+
         return _stream(
             gen, body, rid, created, "chat.completion.chunk", "chat completion",
             lambda: P.chat_chunk_choice(0, {"role": "assistant", "content": ""}, None),
-            lambda i, text, ids: P.chat_chunk_choice(i, {"content": text}, None, ids),
-            lambda i, reason: P.chat_chunk_choice(i, {}, reason))
+            lambda i, ev: deltas(i, ev, out.feed(ev.text)), last)
 
     return app
+
+
+class _NoExtras:
+    """An event without token ids or logprobs (for the pieces a parser releases at the end)."""
+    token_id = None
+    logprobs = None
 
 
 def _version() -> str:

@@ -2,6 +2,7 @@
 (`HELP` is its one-line description for a subparser).
 
     python -m cupool serve --model DIR [--budget 40GiB] [--host 127.0.0.1 --port 8000]
+                           [--api-key KEY] [--max-queue N] [--shutdown-timeout S]
 
 `run` checks every option before it loads anything: a user's mistake (a missing directory, no
 config.json, a port outside 0..65535, --max-batch < 1, a budget that does not parse, a CUDA
@@ -24,7 +25,8 @@ from pathlib import Path
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PROG = "cupool serve"
-HELP = "serve a model directory over an OpenAI-compatible HTTP API (FastAPI + uvicorn)"
+HELP = ("serve a model directory over OpenAI- and Anthropic-compatible HTTP APIs "
+        "(FastAPI + uvicorn)")
 
 
 class UsageError(ValueError):
@@ -58,6 +60,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's name in the API (default: the directory's name)")
     parser.add_argument("--log-level", default="info", metavar="|".join(LOG_LEVELS),
                         help="(default: %(default)s)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require this key on every endpoint but /health (default: the "
+                             "environment variable CUPOOL_API_KEY, else none)")
+    parser.add_argument("--max-queue", default=None, metavar="N",
+                        help="most requests waiting for a slot; more are refused with 429 "
+                             "(default: no bound)")
+    parser.add_argument("--shutdown-timeout", default="30", metavar="S",
+                        help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to "
+                             "finish before they are cancelled (default: %(default)s)")
 
 
 @dataclasses.dataclass
@@ -73,6 +84,9 @@ class Options:
     dtype: object
     model_name: str
     log_level: str
+    api_key: str | None = None
+    max_queue: int | None = None
+    shutdown_timeout: float = 30.0
 
 
 def _int(value, flag: str, lo: int, hi: int | None = None) -> int:
@@ -152,8 +166,20 @@ def check_options(args) -> Options:
     name = args.served_model_name if args.served_model_name else model_dir.resolve().name
     if not str(args.host).strip():
         raise UsageError("--host is empty")
+    from cupool.serve.auth import ENV, key_from_env
+    if args.api_key is not None and not str(args.api_key).strip():
+        raise UsageError(f"--api-key is empty (leave it out, or set {ENV}, for no key)")
+    api_key = key_from_env(args.api_key)
+    max_queue = None if args.max_queue is None else _int(args.max_queue, "--max-queue", 0)
+    try:
+        shutdown = float(str(args.shutdown_timeout).strip())
+    except ValueError:
+        raise UsageError(f"--shutdown-timeout must be a number of seconds, got "
+                         f"{args.shutdown_timeout!r}") from None
+    if not 0 <= shutdown < float("inf"):
+        raise UsageError(f"--shutdown-timeout must be >= 0, got {shutdown}")
     return Options(model_dir, budget, str(args.host).strip(), port, device, max_batch, max_len,
-                   dtype, name, log_level)
+                   dtype, name, log_level, api_key, max_queue, shutdown)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -187,8 +213,8 @@ def _url(sock: socket.socket) -> str:
 
 def run(args) -> int:
     """Serve until interrupted; the process's exit code: 0 after Ctrl-C once serving (uvicorn
-    finishes the open requests first, up to 30 s), 130 for Ctrl-C while loading, 2 for a
-    user's mistake, 1 where loading or serving failed otherwise. SIGTERM: uvicorn shuts down the
+    finishes the open requests first, up to --shutdown-timeout s), 130 for Ctrl-C while loading,
+    2 for a user's mistake, 1 where loading or serving failed otherwise. SIGTERM: uvicorn shuts down the
     same way, then re-raises the signal, so the process ends by it (143), as process managers
     expect."""
     try:
@@ -198,7 +224,8 @@ def run(args) -> int:
     logging.basicConfig(level=opts.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("cupool.serve")
-    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client")
+               if importlib.util.find_spec(m) is None]
     if missing:
         return _fail(f"serving needs {' and '.join(missing)}: pip install 'cupool[serve]'")
     try:
@@ -226,15 +253,17 @@ def run(args) -> int:
         if engine.graph:
             engine.warmup()               # capture the decode graphs before the first request
         engine.start()
-        app = create_app(engine, tokenizer, opts.model_name)
+        app = create_app(engine, tokenizer, opts.model_name, api_key=opts.api_key,
+                         max_queue=opts.max_queue)
         url = _url(sock)
 
         def ready() -> None:
             print(f"{PROG}: {opts.model_name} ({opts.device}, {opts.max_batch} sequences x "
-                  f"{opts.max_len} tokens) at {url}  (OpenAI API; Ctrl-C stops)", flush=True)
+                  f"{opts.max_len} tokens) at {url}  (OpenAI and Anthropic APIs; Ctrl-C "
+                  f"stops)", flush=True)
 
         try:
-            _serve(app, sock, opts.log_level, ready)
+            _serve(app, sock, opts.log_level, ready, opts.shutdown_timeout)
         except KeyboardInterrupt:    # uvicorn stopped on Ctrl-C, then re-raised the signal
             pass
         print(f"{PROG}: stopped", file=sys.stderr, flush=True)
@@ -252,8 +281,10 @@ def run(args) -> int:
         sock.close()
 
 
-def _serve(app, sock: socket.socket, log_level: str, on_ready) -> None:
-    """Run `app` under uvicorn on `sock` until interrupted; `on_ready()` once it listens."""
+def _serve(app, sock: socket.socket, log_level: str, on_ready, shutdown_timeout: float) -> None:
+    """Run `app` under uvicorn on `sock` until interrupted; `on_ready()` once it listens. On
+    SIGTERM or SIGINT uvicorn stops listening, lets the open requests finish for up to
+    `shutdown_timeout` s, then cancels the rest (their engine requests with them)."""
     import uvicorn
 
     class ReadyServer(uvicorn.Server):
@@ -263,7 +294,7 @@ def _serve(app, sock: socket.socket, log_level: str, on_ready) -> None:
                 on_ready()
 
     config = uvicorn.Config(app, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=shutdown_timeout)
     ReadyServer(config).run(sockets=[sock])
 
 

@@ -1,0 +1,76 @@
+"""Prefix reuse through `cupool serve` on the CPU: an agent loop of 5 turns with a growing
+context, with the real `openai` client (and the `anthropic` one for two turns). Turns 2-5 find
+the previous turn's tokens in a slot and prefill only their new tokens (counted by the engine),
+report them as usage.prompt_tokens_details.cached_tokens / cache_read_input_tokens, and answer
+with the tokens of cold runs (an engine that never reuses)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+from serve_fixtures import LiveServer, write_family_model, write_tiny_model  # noqa: E402
+
+from cupool.engine import Engine, _common_prefix  # noqa: E402
+from cupool.sampling import SamplingParams  # noqa: E402
+from cupool.serve.loader import load  # noqa: E402
+
+M = "tiny-moe"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("prefix") / "tiny-moe")
+
+
+def test_agent_loop_prefills_only_new_tokens(model_dir):
+    model, _, tok = load(model_dir, "cpu")
+    cold = Engine(model, tokenizer=tok, max_batch=1, max_len=256, reuse_prefix=False)
+    with LiveServer(model_dir, max_batch=2, max_len=256) as s:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=60)
+        msgs = [{"role": "system", "content": "you are an agent."},
+                {"role": "user", "content": "list the files."}]
+        held = None
+        for turn in range(5):
+            before = s.engine.prefill_tokens
+            r = c.chat.completions.create(model=M, messages=msgs, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True,
+                                                      "return_token_ids": True})
+            choice = r.choices[0]
+            prompt, output = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            prefilled = s.engine.prefill_tokens - before
+            assert prefilled == len(prompt) - cached, turn            # only the new tokens
+            if turn == 0:
+                assert cached == 0
+            else:
+                want = min(_common_prefix(held, prompt), len(prompt) - 1)
+                assert cached == want and cached > len(prompt) // 2, (turn, cached, len(prompt))
+            # the tokens of a cold run of the same prompt
+            ref = cold.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+            assert output == ref.output_ids, turn
+            held = prompt + output[:-1]
+            msgs += [{"role": "assistant", "content": choice.message.content},
+                     {"role": "user", "content": f"now step {turn + 2}."}]
+        c.close()
+
+
+def test_anthropic_reports_cache_reads(tmp_path):
+    d = write_family_model(tmp_path / "qwen3", "qwen3")
+    with LiveServer(d, max_batch=1, max_len=1024, model_name="qwen3") as s:
+        c = anthropic.Anthropic(base_url=s.base_url[:-3], api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": "Hello there."}]
+        m1 = c.messages.create(model="qwen3", max_tokens=6, messages=msgs)
+        assert m1.usage.cache_read_input_tokens == 0
+        total1 = m1.usage.input_tokens
+        msgs += [{"role": "assistant", "content": m1.content[0].text if m1.content else ""},
+                 {"role": "user", "content": "And again."}]
+        before = s.engine.prefill_tokens
+        m2 = c.messages.create(model="qwen3", max_tokens=6, messages=msgs)
+        assert m2.usage.cache_read_input_tokens >= total1 - 1
+        assert s.engine.prefill_tokens - before == m2.usage.input_tokens
+        c.close()
