@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", default=None, metavar="N",
                         help="most requests waiting for a slot; more are refused with 429 "
                              "(default: no bound)")
+    parser.add_argument("--no-fused", action="store_true",
+                        help="run the model's own forward instead of cupool's fused decode step "
+                             "(default: fused where the model fits)")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="where the fused step is not used, do not put the model's forward "
+                             "through torch.compile (default on CUDA: compiled, which adds tens "
+                             "of seconds before the server is ready)")
     parser.add_argument("--shutdown-timeout", default="30", metavar="S",
                         help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to "
                              "finish before they are cancelled (default: %(default)s)")
@@ -87,6 +94,8 @@ class Options:
     api_key: str | None = None
     max_queue: int | None = None
     shutdown_timeout: float = 30.0
+    fused: bool = True
+    compile: bool = True
 
 
 def _int(value, flag: str, lo: int, hi: int | None = None) -> int:
@@ -179,7 +188,9 @@ def check_options(args) -> Options:
     if not 0 <= shutdown < float("inf"):
         raise UsageError(f"--shutdown-timeout must be >= 0, got {shutdown}")
     return Options(model_dir, budget, str(args.host).strip(), port, device, max_batch, max_len,
-                   dtype, name, log_level, api_key, max_queue, shutdown)
+                   dtype, name, log_level, api_key, max_queue, shutdown,
+                   fused=not getattr(args, "no_fused", False),
+                   compile=device != "cpu" and not getattr(args, "no_compile", False))
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -246,12 +257,15 @@ def run(args) -> int:
         except LoadError as e:
             return _fail(str(e))
         try:
+            # the fastest step by default: fused where the model fits, else the compiled forward
             engine = Engine(model, pool, tokenizer=tokenizer, max_batch=opts.max_batch,
-                            max_len=opts.max_len)
+                            max_len=opts.max_len, fused=None if opts.fused else False,
+                            compile=opts.compile)
         except ValueError as e:
             return _fail(str(e))
+        log.info("decode step: %s", engine.step_kind)
         if engine.graph:
-            engine.warmup()               # capture the decode graphs before the first request
+            engine.warmup()               # compile and capture the decode step before "ready"
         engine.start()
         app = create_app(engine, tokenizer, opts.model_name, api_key=opts.api_key,
                          max_queue=opts.max_queue)
