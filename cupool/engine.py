@@ -44,10 +44,20 @@ from typing import Callable
 
 import torch
 
+from cupool import graphsafe
 from cupool.kvcache import SlotCache
 from cupool.sampling import SamplingParams, sample
+from cupool.slotstate import StateSlotCache
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+# Layer types (config.layer_types) the engine masks as attention, and those that keep a per-slot
+# state instead (cupool.slotstate) and take no mask. indexed_attention is transformers 5.24's name
+# for qwen4_exp's sparse attention, qwen_sparse_attention 5.17's; moe and mlp are Nemotron-H's
+# blocks without a token mixer.
+ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "indexed_attention",
+                             "qwen_sparse_attention"})
+STATE_TYPES = frozenset({"linear_attention", "mamba", "moe", "mlp"})
+NO_MASK = "no mask"
 log = logging.getLogger("cupool")
 
 
@@ -181,12 +191,13 @@ class Engine:
         self.eos_ids = self._eos_ids(eos_token_id)
         self.dtype = param.dtype                   # of the activations, keys and values
         self._cache_kw = cache_kwarg(model)
+        self._use_cache = graphsafe.use_cache_flag(model)
         self._logits_kw = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
         self._window = self._sliding_window(cfg)
         self._mask_bool = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
         n_layers = int(getattr(cfg, "num_hidden_layers"))
         B, dev = max_batch, self.device
-        self.cache = SlotCache(n_layers, B, max_len, self.dtype, dev)
+        self.cache = self._make_cache(cfg, n_layers)
         self.tok = torch.zeros(B, 1, dtype=torch.int64, device=dev)
         self.active = torch.zeros(B, dtype=torch.bool, device=dev)
         self.temperature = torch.zeros(B, dtype=torch.float32, device=dev)
@@ -194,6 +205,9 @@ class Engine:
         self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(B, dtype=torch.int64, device=dev)
         self.steps = torch.zeros(B, dtype=torch.int64, device=dev)
+        fixed = graphsafe.prepare(model)
+        if fixed:
+            log.info("cupool: graph-safe forwards installed in %s", ", ".join(fixed))
         self._forward = torch.compile(model, dynamic=False) if compile else model
         self._graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
@@ -230,28 +244,50 @@ class Engine:
     @staticmethod
     def _sliding_window(cfg) -> int | None | dict:
         """The attention window of every layer: None (full attention), one window, or for models
-        whose layers mix full and sliding-window attention (gpt-oss) {layer type: window or
-        None}; the masks are then a dict by layer type, which transformers' models of such
-        families take in place of one mask. Other layer types are refused."""
+        whose layers are of several types {layer type: window, None, or NO_MASK}; the masks are
+        then a dict by layer type, which transformers' models of such families take in place of
+        one mask. Attention types (`ATTENTION_TYPES`) get a causal mask (indexed attention: the
+        full causal mask its indexer narrows); layers that carry a state instead of keys
+        (`STATE_TYPES`) get none (a slot's tokens are never padding). Other types are refused."""
         types = set(getattr(cfg, "layer_types", None) or [])
         window = getattr(cfg, "sliding_window", None)
         use = bool(window) and getattr(cfg, "use_sliding_window", True) is not False
         if len(types) > 1:
-            known = {"full_attention", "sliding_attention"}
-            if not types <= known or not use:
+            unknown = types - ATTENTION_TYPES - STATE_TYPES
+            if unknown:
                 raise ValueError(f"the model's layers mix attention types {sorted(types)}; "
-                                 f"cupool's Engine builds masks for full_attention and "
-                                 f"sliding_attention (with config.sliding_window) only")
-            return {"full_attention": None, "sliding_attention": int(window)}
+                                 f"cupool's Engine runs {sorted(ATTENTION_TYPES)} (masks) and "
+                                 f"{sorted(STATE_TYPES)} (per-slot states), not {sorted(unknown)}")
+            if "sliding_attention" in types and not use:
+                raise ValueError("the model has sliding_attention layers but no sliding window "
+                                 f"(config.sliding_window={window!r})")
+            if "sliding_attention" not in types and use:
+                raise ValueError(f"the model's layers are of types {sorted(types)} with "
+                                 f"config.sliding_window={window}: its full_attention layers "
+                                 f"would slide, which the engine does not build for such models")
+            return {kind: (int(window) if kind == "sliding_attention" else
+                           NO_MASK if kind in STATE_TYPES else None) for kind in sorted(types)}
+        if types and types <= STATE_TYPES:
+            raise ValueError(f"the model has no attention layer (layer types {sorted(types)}); "
+                             f"cupool's Engine serves models with attention")
         if types == {"full_attention"}:
             return None
         return int(window) if use else None
 
     def _masks(self, make):
-        """make(window) for the model's one window, or a dict of them by layer type."""
+        """make(window) for the model's one window, or a dict of them by layer type (None for
+        the layers that take no mask)."""
         if isinstance(self._window, dict):
-            return {kind: make(w) for kind, w in self._window.items()}
+            return {kind: (None if w is NO_MASK else make(w)) for kind, w in self._window.items()}
         return make(self._window)
+
+    def _make_cache(self, cfg, n_layers: int) -> SlotCache:
+        """SlotCache for attention-only models; StateSlotCache where layers keep per-slot states
+        (linear attention, Mamba, n-gram embeddings, indexer keys)."""
+        kinds = self._window.values() if isinstance(self._window, dict) else ()
+        stateful = any(k is NO_MASK for k in kinds) or graphsafe.needs_states(self.model)
+        cls = StateSlotCache if stateful else SlotCache
+        return cls(n_layers, self.max_batch, self.max_len, self.dtype, self.device)
 
     # --- requests -----------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None,
@@ -401,7 +437,7 @@ class Engine:
 
     # --- prefill --------------------------------------------------------------------------------------
     def _fwd_kwargs(self, mask) -> dict:
-        return {self._cache_kw: self.cache, "use_cache": True, "attention_mask": mask,
+        return {self._cache_kw: self.cache, "use_cache": self._use_cache, "attention_mask": mask,
                 **self._logits_kw}
 
     @torch.inference_mode()
@@ -416,6 +452,7 @@ class Engine:
         self.top_p[b] = float(p.top_p)
         self.seeds[b] = r.seed
         self.steps[b] = 0
+        self._reset_slot(b)
         try:
             logits = None
             for a in range(0, S, self.prefill_chunk):
@@ -439,6 +476,12 @@ class Engine:
         token = int(first[0])                                 # the admission's one host read
         r.first_token_at = time.perf_counter()
         self._accept(b, r, token)
+
+    def _reset_slot(self, b: int) -> None:
+        """A slot taking a new request starts from clean per-slot states (attention rows need
+        nothing: the masks hide every position past the slot's own)."""
+        if isinstance(self.cache, StateSlotCache):
+            self.cache.reset_slot(b)
 
     # --- decode steps ---------------------------------------------------------------------------------
     def _step(self, greedy_only: bool) -> None:
@@ -607,6 +650,8 @@ class Engine:
         self._graph_pool = None
         self.cache.keys = [None] * self.cache.num_layers
         self.cache.values = [None] * self.cache.num_layers
+        if isinstance(self.cache, StateSlotCache):
+            self.cache.release()
         self.broken = self.broken or "closed"
 
     # --- facts ----------------------------------------------------------------------------------------

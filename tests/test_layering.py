@@ -19,6 +19,7 @@ LAYERS = {
     "cupool.wrap": 4, "cupool.simulate": 4, "cupool.replay": 4, "cupool.placement": 4,
     "cupool.checkpoints": 3, "cupool.pretrained": 5,
     "cupool.kvcache": 6, "cupool.sampling": 6, "cupool.engine": 6, "cupool.decode": 6,
+    "cupool.slotstate": 6, "cupool.graphsafe": 6,
     "cupool.serve": 7, "cupool.cli": 7, "cupool.__main__": 7, "cupool.synthetic": 7,
     "cupool": 7,                                       # the package's __init__: the public API
 }
