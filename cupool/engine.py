@@ -45,19 +45,12 @@ from typing import Callable
 import torch
 
 from cupool import graphsafe
-from cupool.kvcache import SlotCache
+from cupool.kvcache import ATTENTION_TYPES, STATE_TYPES, SlotCache
 from cupool.sampling import SamplingParams, sample
 from cupool.slotstate import StateSlotCache
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
-# Layer types (config.layer_types) the engine masks as attention, and those that keep a per-slot
-# state instead (cupool.slotstate) and take no mask. indexed_attention is transformers 5.24's name
-# for qwen4_exp's sparse attention, qwen_sparse_attention 5.17's; moe and mlp are Nemotron-H's
-# blocks without a token mixer.
-ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "indexed_attention",
-                             "qwen_sparse_attention"})
-STATE_TYPES = frozenset({"linear_attention", "mamba", "moe", "mlp"})
-NO_MASK = "no mask"
+NO_MASK = "no mask"           # a layer type that takes no mask (kvcache.STATE_TYPES)
 log = logging.getLogger("cupool")
 
 
@@ -510,9 +503,11 @@ class Engine:
 
     def _capture(self, greedy_only: bool) -> torch.cuda.CUDAGraph:
         """Warm up and capture the step (gate closed, every slot inactive meanwhile: the dummy
-        steps write only positions no slot has filled yet and move no rows)."""
+        steps write only positions no slot has filled yet and move no rows; per-slot states,
+        which every step advances, are put back afterwards)."""
         dev = self.device
         saved = self.active.clone()
+        states = self._save_states()
         if self.pool is not None:
             self.pool.close()
         self.active.zero_()
@@ -535,9 +530,19 @@ class Engine:
         finally:
             gc.enable()
         self.active.copy_(saved)
+        self._restore_states(states)
         if self.pool is not None:
             self.pool.open()
         return g
+
+    def _save_states(self):
+        """A copy of every per-slot state (None for attention-only caches): a decode step advances
+        the states of every slot, the dummy steps of a capture included."""
+        return self.cache.snapshot() if isinstance(self.cache, StateSlotCache) else None
+
+    def _restore_states(self, states) -> None:
+        if states is not None:
+            self.cache.restore(states)
 
     @torch.inference_mode()
     def _launch_step(self):

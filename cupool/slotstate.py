@@ -233,6 +233,18 @@ class StateSlotCache(SlotCache):
             for t in layer.tensors():
                 t[slot].zero_()
 
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of every state tensor, for `restore`."""
+        return [t.clone() for layer in self.layers for t in layer.tensors()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        """Copy a `snapshot` back in place (the addresses stay)."""
+        tensors = [t for layer in self.layers for t in layer.tensors()]
+        if len(tensors) != len(saved):
+            raise ValueError(f"a snapshot of {len(saved)} tensors for a cache of {len(tensors)}")
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+
     def state_bytes(self) -> int:
         """Bytes of every per-slot state allocated so far (all slots)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())

@@ -28,6 +28,7 @@ from cupool.adapters import MoELayerSpec, check_consistent, find_moe_layers
 from cupool.bank import Bank
 from cupool.budget import MARGIN_BYTES, parse_bytes, rows_for_device, staging_and_tables_bytes
 from cupool.gemm import MoEGemm
+from cupool.hosttable import host_table_names, place_host_tables
 from cupool.layout import RowLayout, pack_rows
 from cupool.ops.nvfp4_quant import quantize as gpu_quantize
 from cupool.pool import Pool
@@ -172,9 +173,11 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
     E = s0.num_experts
     dev = torch.device("cuda", _cuda.device_index(device)) if torch.cuda.is_available() else None
     expert_params = {id(p) for s in specs for p in s.module.parameters()}
+    named = dict(model.named_parameters())
+    tables = {id(named[n]) for n in host_table_names(model)}     # stay in host memory
     pending = sum(t.numel() * t.element_size()
                   for t in list(model.parameters()) + list(model.buffers())
-                  if id(t) not in expert_params and t.device != dev)
+                  if id(t) not in expert_params | tables and t.device != dev)
     p = plan(specs, pending_bytes=pending, rows=rows, budget=budget, device=device,
              kv_reserve=kv_reserve, max_decode_tokens=max_decode_tokens,
              max_prefill_tokens=max_prefill_tokens, scratch_rows=scratch_rows,
@@ -207,5 +210,8 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
                 return r
             store.fill(make_layer, progress=progress, desc="quantize experts -> NVFP4 store")
 
-    return assemble(model, specs, p, fill, route_fn=route_fn,
-                    before_bank=lambda: model.to(p.device))
+    def dense():
+        place_host_tables(model, p.device)          # before .to(): they never touch the GPU
+        model.to(p.device)
+
+    return assemble(model, specs, p, fill, route_fn=route_fn, before_bank=dense)

@@ -152,3 +152,19 @@ def test_mask_plan_by_layer_type():
         _plan(layer_types=["sliding_attention", "full_attention"], sliding_window=None)
     with pytest.raises(ValueError, match="no attention layer"):
         _plan(layer_types=["linear_attention"])
+
+
+def test_snapshot_and_restore_keep_addresses():
+    """What the engine does around a capture: the dummy steps advance every slot's states."""
+    c = _cache()
+    c.decode_mode()
+    c.update_conv_state(_rand(B, C, K), 0, conv_kernel_size=K)
+    c.update_recurrent_state(_rand(B, 2, 3), 1)
+    saved = c.snapshot()
+    addrs = [t.data_ptr() for layer in c.layers for t in layer.tensors()]
+    c.update_conv_state(_rand(B, C, 1, seed=5), 0)
+    c.update_recurrent_state(_rand(B, 2, 3, seed=6), 1)
+    c.restore(saved)
+    now = [t for layer in c.layers for t in layer.tensors()]
+    assert [t.data_ptr() for t in now] == addrs
+    assert all(torch.equal(t, s) for t, s in zip(now, saved))

@@ -88,6 +88,20 @@ _PER_EXPERT = re.compile(rf"^{_HEAD}(?:(?P<e1>\d+)\.(?P<p1>{_PROJ})|(?P<p2>{_PRO
                          r"\.(?P<suffix>[A-Za-z0-9_]+)$")
 _FUSED = re.compile(rf"^{_HEAD}(?P<proj>gate_up_proj|down_proj)"
                     r"(?P<suffix>(?:_[A-Za-z0-9_]+)?(?:\.[A-Za-z0-9_]+)?)$")
+# Fused experts stored under other names, read as the fused names they stand for (transformers'
+# own renames): Granite's (GraniteMoe, Granite-4) block_sparse_moe.input_linear [E, 2I, H], gate
+# rows first, and output_linear [E, H, I].
+FUSED_ALIASES = ((re.compile(r"\.block_sparse_moe\.input_linear(?=[._])"),
+                  ".block_sparse_moe.experts.gate_up_proj"),
+                 (re.compile(r"\.block_sparse_moe\.output_linear(?=[._])"),
+                  ".block_sparse_moe.experts.down_proj"))
+
+
+def fused_alias(name: str) -> str:
+    """`name` with a FUSED_ALIASES rename applied (unchanged where none applies)."""
+    for pat, rep in FUSED_ALIASES:
+        name = pat.sub(rep, name, count=1)
+    return name
 
 
 class ExpertKind(enum.Enum):
@@ -400,7 +414,7 @@ class Checkpoint:
                 g.order.add(order)
                 self._expert_names.add(name)
                 continue
-            m = _FUSED.match(name)
+            m = _FUSED.match(fused_alias(name))
             if m:
                 g = groups.setdefault((m["head"], int(m["layer"]), m["mid"]),
                                       _Group(m["head"], int(m["layer"]), m["mid"]))
