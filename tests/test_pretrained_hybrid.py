@@ -106,3 +106,139 @@ def test_plan_counts_the_host_tables_in_host_memory(tmp_path, capsys):
     cfg = ref.config
     per_token = (2 * cfg.num_key_value_heads * cfg.head_dim + cfg.indexer_head_dim) * 2
     assert f"{per_token} B a token" in out
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen4_exp"])
+def test_multimodal_release_loads_as_the_text_model(tmp_path, family):
+    """Qwen3.5 and Qwen3.8-Flash-Next are released as image-text models (config model_type
+    qwen3_5_moe / qwen4_exp with a text_config; tensors under model.language_model.* beside
+    model.visual.*): from_pretrained builds the causal LM of the text config, takes the language
+    model's tensors through transformers' prefix change and leaves the vision tower out; the
+    logits on text equal the saved model's."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    kw, _ = HYBRID_FAMILIES[f"{family}_text"]
+    text = {**kw, "initializer_range": 0.15}
+    if family == "qwen4_exp":
+        text["split_ngram_parts"] = 2
+    cfg = AutoConfig.for_model(family, text_config=text, vision_config=dict(
+        depth=1, hidden_size=32, num_heads=2, out_hidden_size=48, intermediate_size=32))
+    torch.manual_seed(4)
+    ref = AutoModelForImageTextToText.from_config(cfg, dtype=torch.bfloat16).eval()
+    d = tmp_path / family
+    ref.save_pretrained(d)
+    from safetensors import safe_open
+    names = []
+    for f in d.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as s:
+            names += list(s.keys())
+    assert any(n.startswith("model.language_model.layers.") for n in names)
+    assert any(n.startswith("model.visual.") for n in names)
+    ckpt, model, specs, layers = _load_cpu(d)
+    try:
+        for spec, layer in zip(specs, layers):
+            ex = ckpt.experts(layer)
+            spec.restore([(ex.gate[e], ex.up[e], ex.down[e]) for e in range(ex.n)], "cpu",
+                         ex.bias)
+    finally:
+        ckpt.close()
+    ids = torch.randint(3, 60, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+
+
+def _experts_to_nvfp4(d, fmt):
+    """Rewrite a saved checkpoint's per-expert float weights as the NVFP4 releases store them:
+    ModelOpt (weight uint8, weight_scale e4m3, weight_scale_2, input_scale; hf_quant_config.json)
+    or compressed-tensors (weight_packed, weight_scale, weight_global_scale = 1 / global,
+    input_global_scale; quantization_config), the rest left in bf16 as those releases leave a
+    hybrid's linear attention. Returns {expert weight name: dequantized float32 weight}."""
+    import json
+    import re
+
+    from checkpoint_fixtures import ct_config_json, modelopt_hf_quant
+    from safetensors.torch import load_file, save_file
+
+    from cupool import nvfp4
+    pat = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+    deq = {}
+    for f in sorted(d.glob("*.safetensors")):
+        t = load_file(str(f))
+        out = {}
+        for n, w in t.items():
+            if not pat.search(n):
+                out[n] = w
+                continue
+            q = nvfp4.quantize(w.float()[None])
+            g = q.global_scale
+            if fmt != "modelopt":        # stored 1 / global; a reader gives back 1 / (1 / global)
+                q = nvfp4.NVFP4Tensor(q.packed, q.block_scale,
+                                      torch.ones_like(g) / (torch.ones_like(g) / g))
+            deq[n] = nvfp4.dequantize(q, torch.float32)[0]
+            base = n[:-len(".weight")]
+            if fmt == "modelopt":
+                out[f"{base}.weight"] = q.packed[0]
+                out[f"{base}.weight_scale"] = q.block_scale[0]
+                out[f"{base}.weight_scale_2"] = q.global_scale[0].reshape(())
+                out[f"{base}.input_scale"] = torch.tensor(0.01)
+            else:
+                out[f"{base}.weight_packed"] = q.packed[0]
+                out[f"{base}.weight_scale"] = q.block_scale[0]
+                out[f"{base}.weight_global_scale"] = torch.ones(1) / g[0].reshape(1)
+                out[f"{base}.input_global_scale"] = torch.tensor([100.0])
+        save_file(out, str(f), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    if fmt == "modelopt":
+        (d / "hf_quant_config.json").write_text(json.dumps(modelopt_hf_quant(
+            exclude=["lm_head", "*linear_attn*", "*visual*", "*mlp.gate", "*shared_expert*"])))
+    else:
+        cfg = ct_config_json(cfg, ignore=["lm_head", "re:.*linear_attn.*", "re:.*visual.*",
+                                          "re:.*mlp.gate$", "re:.*shared_expert.*",
+                                          "re:.*self_attn.*"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    return deq
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_nvfp4_releases_of_qwen3_5_load(tmp_path, fmt):
+    """A Qwen3.5 image-text release with NVFP4 experts (ModelOpt or compressed-tensors names)
+    and bf16 linear attention: the experts come back as stored (their dequantized values give
+    the saved model's logits with the same dequantized experts)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from cupool import nvfp4
+    kw, _ = HYBRID_FAMILIES["qwen3_5_moe_text"]
+    cfg = AutoConfig.for_model("qwen3_5_moe", text_config={**kw, "initializer_range": 0.15},
+                               vision_config=dict(depth=1, hidden_size=32, num_heads=2,
+                                                  out_hidden_size=48, intermediate_size=32))
+    torch.manual_seed(6)
+    ref = AutoModelForImageTextToText.from_config(cfg, dtype=torch.bfloat16).eval()
+    d = tmp_path / fmt
+    ref.save_pretrained(d)
+    deq = _experts_to_nvfp4(d, fmt)
+    with torch.no_grad():                      # the reference with the same dequantized experts
+        for m in ref.modules():
+            if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
+                name = next(n for n, x in ref.named_modules() if x is m)
+                layer = int(name.split(".layers.")[1].split(".")[0])
+                pre = f"model.language_model.layers.{layer}.mlp.experts"
+                for e in range(m.gate_up_proj.shape[0]):
+                    g, u, dn = (deq[f"{pre}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj",
+                                                                        "down_proj"))
+                    m.gate_up_proj[e].copy_(torch.cat([g, u]))
+                    m.down_proj[e].copy_(dn)
+    ckpt, model, specs, layers = _load_cpu(d)
+    try:
+        want_fmt = "modelopt-nvfp4" if fmt == "modelopt" else "compressed-tensors-nvfp4"
+        assert ckpt.format == want_fmt
+        for spec, layer in zip(specs, layers):
+            ex = ckpt.experts(layer)
+            mats = [nvfp4.dequantize(q, torch.float32) for q in (ex.gate, ex.up, ex.down)]
+            spec.restore([(mats[0][e], mats[1][e], mats[2][e]) for e in range(ex.n)], "cpu",
+                         None)
+    finally:
+        ckpt.close()
+    ids = torch.randint(3, 60, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                   rtol=0, atol=0)
