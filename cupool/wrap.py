@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from cupool import _cuda
-from cupool.adapters import MoELayerSpec, check_consistent, find_moe_layers
+from cupool.adapters import MoELayerSpec, UnsupportedModelError, check_consistent, find_moe_layers
 from cupool.bank import Bank
 from cupool.budget import MARGIN_BYTES, parse_bytes, rows_for_device, staging_and_tables_bytes
 from cupool.gemm import MoEGemm
@@ -43,13 +43,14 @@ def _layer_rows(spec: MoELayerSpec, layout: RowLayout, device, chunk: int = 16):
     for e0 in range(0, E, chunk):
         e1 = min(E, e0 + chunk)
         if stacked is not None:
-            g, u, d = (t[e0:e1].to(device, non_blocking=True).contiguous() for t in stacked)
+            g, u, d = (None if t is None else t[e0:e1].to(device, non_blocking=True).contiguous()
+                       for t in stacked)
         else:
             mats = [spec.expert(e) for e in range(e0, e1)]
             g, u, d = (torch.stack([m[i] for m in mats]).to(device) for i in range(3))
         bias = None if biases is None else tuple(b[e0:e1].to(device) for b in biases)
-        rows = pack_rows(layout, gpu_quantize(g, name=f"{spec.name} gate"),
-                         gpu_quantize(u, name=f"{spec.name} up"),
+        qg = None if g is None else gpu_quantize(g, name=f"{spec.name} gate")
+        rows = pack_rows(layout, qg, gpu_quantize(u, name=f"{spec.name} up"),
                          gpu_quantize(d, name=f"{spec.name} down"), bias=bias)
         out[e0:e1].copy_(rows, non_blocking=True)
     torch.cuda.current_stream(device).synchronize()
@@ -103,9 +104,14 @@ def plan(specs: list[MoELayerSpec], *, pending_bytes: int, rows=None, budget=Non
     if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) \
             or max_prefill_tokens < 1:
         raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
+    if not s0.gated:
+        raise UnsupportedModelError(
+            s0.name, f"its experts have no gate ({s0.activation.describe()}): their rows "
+                     f"(RowLayout(gated=False)) and float reference exist, but the decode and "
+                     f"prefill kernels for them do not yet")
     _cuda.require_gpu("cupool.wrap")
     dev = torch.device("cuda", _cuda.device_index(device))
-    layout = RowLayout(H, I, bias=s0.bias)
+    layout = RowLayout(H, I, bias=s0.bias, gated=s0.gated)
     max_lanes = max_decode_tokens * K
     gemm = MoEGemm(layout, K, s0.dtype, max_decode_tokens=max_decode_tokens,
                    max_prefill_tokens=max_prefill_tokens, num_experts=E,

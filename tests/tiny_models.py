@@ -290,8 +290,8 @@ class ListMoEModel(nn.Module):
 
 def moe_reference(spec, x, ids, weights):
     """out [T, H] = Σ_k weights[:, k] · (down(act(gate·x + b_g, up·x + b_u)) + b_d) of expert
-    ids[:, k], from spec.expert(e), spec.biases() and spec.activation: what the pooled layer must
-    compute from what the adapter hands out."""
+    ids[:, k] (act(up·x) for non-gated experts), from spec.expert(e), spec.biases() and
+    spec.activation: what the pooled layer must compute from what the adapter hands out."""
     out = torch.zeros_like(x)
     biases = spec.biases()
     for t in range(x.shape[0]):
@@ -299,6 +299,7 @@ def moe_reference(spec, x, ids, weights):
             e = int(ids[t, k])
             gate, up, down = spec.expert(e)
             bg, bu, bd = (None, None, None) if biases is None else (b[e] for b in biases)
-            h = spec.activation(F.linear(x[t], gate, bg), F.linear(x[t], up, bu))
+            g = None if gate is None else F.linear(x[t], gate, bg)      # None: non-gated
+            h = spec.activation(g, F.linear(x[t], up, bu))
             out[t] += weights[t, k] * F.linear(h, down, bd)
     return out
