@@ -137,7 +137,8 @@ class Engine:
         max_len: positions a slot holds (prompt + generated tokens), at most the model's
             max_position_embeddings.
         prefill_chunk: prompt tokens run in one forward (default: 2048, at most the pool's
-            max_prefill_tokens): bounds the activations and the mask of a long prompt.
+            max_prefill_tokens): bounds the activations and the mask of a long prompt. Models
+            whose layers cannot continue a chunk from a state (Jamba) take a prompt whole.
         graph: capture the decode step in a CUDA graph (default: on a CUDA device).
         compile: run the decode step through torch.compile before capturing it.
         eos_token_id: ids that end a generation (default: generation_config's and the
@@ -176,6 +177,10 @@ class Engine:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         if pool is not None:
             chunk = min(chunk, pool.gemm.max_prefill_tokens or chunk)
+        whole = graphsafe.whole_prompt_prefill(model)
+        if whole is not None:               # one forward a prompt: chunks could not continue
+            log.info("cupool: prompts are prefilled in one forward: %s", whole)
+            chunk = max_len
         self.prefill_chunk = chunk
         self.max_batch, self.max_len = max_batch, max_len
         self.graph = (self.device.type == "cuda") if graph is None else bool(graph)
@@ -274,13 +279,11 @@ class Engine:
             return {kind: (None if w is NO_MASK else make(w)) for kind, w in self._window.items()}
         return make(self._window)
 
-    def _make_cache(self, cfg, n_layers: int) -> SlotCache:
-        """SlotCache for attention-only models; StateSlotCache where layers keep per-slot states
-        (linear attention, Mamba, n-gram embeddings, indexer keys)."""
-        kinds = self._window.values() if isinstance(self._window, dict) else ()
-        stateful = any(k is NO_MASK for k in kinds) or graphsafe.needs_states(self.model)
-        cls = StateSlotCache if stateful else SlotCache
-        return cls(n_layers, self.max_batch, self.max_len, self.dtype, self.device)
+    def _make_cache(self, cfg, n_layers: int) -> StateSlotCache:
+        """The slots' cache: SlotCache's keys and values for attention layers, plus per-slot
+        states for the layers that keep them (StateSlotCache allocates those on first use, so
+        an attention-only model holds exactly SlotCache's tensors)."""
+        return StateSlotCache(n_layers, self.max_batch, self.max_len, self.dtype, self.device)
 
     # --- requests -----------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None,
@@ -473,8 +476,7 @@ class Engine:
     def _reset_slot(self, b: int) -> None:
         """A slot taking a new request starts from clean per-slot states (attention rows need
         nothing: the masks hide every position past the slot's own)."""
-        if isinstance(self.cache, StateSlotCache):
-            self.cache.reset_slot(b)
+        self.cache.reset_slot(b)
 
     # --- decode steps ---------------------------------------------------------------------------------
     def _step(self, greedy_only: bool) -> None:
@@ -536,13 +538,12 @@ class Engine:
         return g
 
     def _save_states(self):
-        """A copy of every per-slot state (None for attention-only caches): a decode step advances
-        the states of every slot, the dummy steps of a capture included."""
-        return self.cache.snapshot() if isinstance(self.cache, StateSlotCache) else None
+        """A copy of every per-slot state (none for attention-only models): a decode step
+        advances the states of every slot, the dummy steps of a capture included."""
+        return self.cache.snapshot()
 
     def _restore_states(self, states) -> None:
-        if states is not None:
-            self.cache.restore(states)
+        self.cache.restore(states)
 
     @torch.inference_mode()
     def _launch_step(self):
@@ -653,10 +654,7 @@ class Engine:
             self.shutdown()
         self._graphs.clear()
         self._graph_pool = None
-        self.cache.keys = [None] * self.cache.num_layers
-        self.cache.values = [None] * self.cache.num_layers
-        if isinstance(self.cache, StateSlotCache):
-            self.cache.release()
+        self.cache.release()
         self.broken = self.broken or "closed"
 
     # --- facts ----------------------------------------------------------------------------------------

@@ -63,11 +63,21 @@ def use_cache_flag(model: nn.Module) -> bool:
     return not (cls is not None and any(isinstance(m, cls) for m in model.modules()))
 
 
-def needs_states(model: nn.Module) -> bool:
-    """Whether the model has modules that keep per-slot state beside attention keys (the QSA
-    indexer's keys)."""
-    cls = _qsa_indexer_cls()
-    return cls is not None and any(isinstance(m, cls) for m in model.modules())
+# Modules whose multi-token forward starts from a zero state whatever the cache holds (Jamba's
+# Mamba mixer: its selective scan takes no initial state), so a prompt cannot be prefilled in
+# several chunks: (module path, class name).
+_NO_CONTINUATION = (("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"),)
+
+
+def whole_prompt_prefill(model: nn.Module) -> str | None:
+    """Why the model's prompts must be prefilled in one forward (a module that cannot continue a
+    multi-token forward from a state), or None."""
+    for path, name in _NO_CONTINUATION:
+        cls = _cls(path, name)
+        if cls is not None and any(isinstance(m, cls) for m in model.modules()):
+            return (f"its {name} restarts a multi-token forward from a zero state (its scan takes "
+                    f"no initial state)")
+    return None
 
 
 def prepare(model: nn.Module) -> list[str]:

@@ -119,10 +119,10 @@ def _additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # Layer types (config.layer_types) whose layers keep keys and values for every position, and those
 # that keep a per-slot state instead (cupool.slotstate) and take no mask. indexed_attention is
 # transformers 5.24's name for qwen4_exp's QSA attention, qwen_sparse_attention 5.17's; moe and
-# mlp are Nemotron-H's blocks without a token mixer.
+# mlp are Nemotron-H's blocks without a token mixer; conv is LFM2's short-convolution layer.
 ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "indexed_attention",
                              "qwen_sparse_attention"})
-STATE_TYPES = frozenset({"linear_attention", "mamba", "moe", "mlp"})
+STATE_TYPES = frozenset({"linear_attention", "mamba", "moe", "mlp", "conv"})
 INDEXED_TYPES = frozenset({"indexed_attention", "qwen_sparse_attention"})
 
 
