@@ -81,7 +81,8 @@ class _Owner:
 
 def mapped_empty(shape, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(host, gpu): one pinned, mapped allocation of `shape` and `dtype` seen as a CPU tensor
-    (to fill it) and as a CUDA tensor on `device` (what kernels read, over PCIe)."""
+    (to fill it) and as a CUDA tensor on `device` (what kernels read, over PCIe). The allocation
+    lives as long as `gpu` does (it holds the owner): keep `gpu`, use `host` only meanwhile."""
     from cupool.store import _PinnedChunk
     cp = _cuda.cupy()
     dev = _cuda.device_index(device)

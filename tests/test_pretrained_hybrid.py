@@ -242,3 +242,13 @@ def test_nvfp4_releases_of_qwen3_5_load(tmp_path, fmt):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits,
                                    rtol=0, atol=0)
+
+
+def test_placing_host_tables_needs_a_gpu_only_where_there_are_tables():
+    from cupool.hosttable import place_host_tables
+    assert place_host_tables(hybrid_model("qwen3_next"), "cuda") == 0      # nothing to place
+    model = hybrid_model("qwen4_exp_text")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present (test_gpu_engine_hybrid.py places tables there)")
+    with pytest.raises(RuntimeError, match="placing tables in mapped host memory"):
+        place_host_tables(model, "cuda")
