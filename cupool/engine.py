@@ -7,7 +7,8 @@ positions a slot holds.
 How a request runs:
 1. `submit(prompt_ids, params)` checks it (token ids, prompt + max_tokens ≤ max_len) and queues it.
 2. When a slot is free, the request is *admitted*: its prompt is run eagerly into the slot's rows
-   of the KV cache (`cupool.kvcache.SlotCache`) in chunks of `prefill_chunk` tokens (any prompt
+   of the cache (`cupool.slotstate.StateSlotCache`: `SlotCache`'s keys and values, plus the
+   per-slot states of hybrid layers, zeroed first) in chunks of `prefill_chunk` tokens (any prompt
    length works; through a pool, a chunk takes the partition path), and its first token is
    sampled from the last position's logits.
 3. Every active slot then advances one token per *step*: the model's forward on [B, 1] tokens at
@@ -45,7 +46,7 @@ from typing import Callable
 import torch
 
 from cupool import graphsafe
-from cupool.kvcache import ATTENTION_TYPES, STATE_TYPES, SlotCache
+from cupool.kvcache import ATTENTION_TYPES, STATE_TYPES
 from cupool.sampling import SamplingParams, sample
 from cupool.slotstate import StateSlotCache
 
