@@ -195,11 +195,17 @@ MODELS = {
                       (25, 50, 100)),
     "gpt-oss-120b": (synthetic.GPT_OSS_120B, synthetic.gpt_oss_dense_on_gpu,
                      "bench_decode_gpt_oss_120b", ["pool", "resident"], (25, 50)),
+    # Qwen3.8-Flash-Next's shape (synthetic.QWEN4_EXP): gated delta nets and QSA attention keep
+    # per-slot states (its layers run transformers' modules inside the engine's step).
+    "qwen4_exp": (synthetic.QWEN4_EXP, synthetic.qwen4_exp_dense_on_gpu, "bench_decode_qwen4_exp",
+                  ["pool", "resident"], (25, 50)),
 }
+TINY_SHAPES = {"qwen3-30b-a3b": synthetic.TINY, "gpt-oss-120b": synthetic.GPT_OSS_TINY,
+               "qwen4_exp": synthetic.QWEN4_EXP_TINY}
 
 
 def shape_keys(shape: dict) -> tuple[int, int, int, int, int, int]:
-    """(L, E, K, H, I, vocab) of a Qwen3-MoE or gpt-oss config dict."""
+    """(L, E, K, H, I, vocab) of a Qwen3-MoE, gpt-oss or qwen4_exp config dict."""
     E = shape.get("num_experts", shape.get("num_local_experts"))
     I = shape.get("moe_intermediate_size", shape["intermediate_size"])
     return (shape["num_hidden_layers"], E, shape["num_experts_per_tok"], shape["hidden_size"], I,
@@ -217,8 +223,9 @@ def build_parser() -> CLIParser:
     p.add_argument("--prompt", type=positive_int, default=16, help="prompt length (>= 1)")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs a mode (>= 1)")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b",
-                   help="the synthetic model's shape (default qwen3-30b-a3b; gpt-oss-120b writes "
-                        "bench_decode_gpt_oss_120b.json and measures pool and resident modes)")
+                   help="the synthetic model's shape (default qwen3-30b-a3b; gpt-oss-120b and "
+                        "qwen4_exp write bench_decode_<model>.json and measure pool and resident "
+                        "modes)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=None,
                    help="modes to run (default: the model's own list, see --model)")
     p.add_argument("--routings", nargs="+", choices=ROUTINGS, default=ROUTINGS)
@@ -312,7 +319,7 @@ def main(args) -> None:
         raise ValueError(f"--prefetch-banks are percentages of E in [1, 100], got {bad[0]}")
     _cuda.require_gpu("the end-to-end decode benchmark")
     out = results_path(result_name, args.json, reduced(args))
-    tiny = synthetic.TINY if args.model == "qwen3-30b-a3b" else synthetic.GPT_OSS_TINY
+    tiny = TINY_SHAPES[args.model]
     shape = dict(tiny) if args.small else dict(full_shape,
                                                num_hidden_layers=args.layers or
                                                full_shape["num_hidden_layers"])

@@ -176,6 +176,7 @@ def plan(args) -> int:
     from cupool.budget import MARGIN_BYTES, rows_for_budget, staging_and_tables_bytes
     from cupool.checkpoints import open_checkpoint
     from cupool.gemm import workspace_bytes
+    from cupool.hosttable import is_table_name, table_patterns
     from cupool.kvcache import kv_bytes_per_token
     from cupool.layout import RowLayout
     from cupool.store import fmt_bytes
@@ -189,7 +190,13 @@ def plan(args) -> int:
             raise ValueError(f"{args.model}/config.json gives no num_experts_per_tok (top-k)")
         L, E, H, I = len(ck.moe_layers), ck.num_experts, ck.hidden, ck.intermediate
         dense = ck.dense_bytes(dtype)
-        dense_read = {n: math.prod(ck.dense_shape(n)) * dtype.itemsize for n in ck.dense_names()}
+        patterns = table_patterns(config)
+        item = torch.empty((), dtype=dtype).element_size()
+        tables = sum(math.prod(ck.dense_shape(n)) * item for n in ck.dense_names()
+                     if is_table_name(n, patterns))
+        dense -= tables
+        dense_read = {n: math.prod(ck.dense_shape(n)) * item for n in ck.dense_names()
+                      if not is_table_name(n, patterns)}
         sizes = ck.expert_sizes()
         fmt = ck.format
         bias = ck.has_bias
@@ -208,6 +215,9 @@ def plan(args) -> int:
     what = "NVFP4 + biases" if bias else "NVFP4"
     print(f"experts      {fmt_bytes(sizes.store_bytes):>12}  in pinned host memory "
           f"({L} x {E} rows of {fmt_bytes(layout.row_bytes)}, {what})")
+    if tables:
+        print(f"host tables  {fmt_bytes(tables):>12}  in pinned host memory (read by the GPU in "
+              f"place: {', '.join(patterns)})")
     print(f"KV cache     {fmt_bytes(kv):>12}  on the GPU ({args.batch} x {context} tokens, "
           f"{fmt_bytes(per_token)} a token)")
     print(f"workspaces   {fmt_bytes(work):>12}  on the GPU "
@@ -230,7 +240,7 @@ def plan(args) -> int:
     print(f"bank         {fmt_bytes(bank):>12}  {rows} rows per layer ({100 * rows / E:.0f}% of "
           f"the experts on the GPU at once)")
     print(f"budget       {fmt_bytes(args.budget):>12}  fits: {fmt_bytes(fixed + kv + bank)} on the "
-          f"GPU, {fmt_bytes(sizes.store_bytes)} pinned in host memory")
+          f"GPU, {fmt_bytes(sizes.store_bytes + tables)} pinned in host memory")
     print(speed_lines(args, rows=rows, topk=K, num_experts=E, moe_layers=L, layout=layout,
                       config=config, text=text, dense=dense_read))
     return 0

@@ -10,10 +10,13 @@ rows that w2 multiplies.
                                                                             Mixtral, OLMoE, ...
     "swiglu_clamp"   g = min(gate, limit), u = clamp(up, -limit, limit),    gpt-oss (alpha 1.702,
                      (u + 1) · g · σ(alpha · g)                             limit 7.0 from config)
+    "relu2"          ReLU(up)² (no gate: `gated` False, the row holds no     Nemotron-H
+                     gate half, `cupool.layout.RowLayout(gated=False)`)
 
 One `Activation` serves a pool: the kernels compile it in (`defines`: ACT, ACT_ALPHA, ACT_LIMIT as
-exact float32 hex literals; "silu" adds none, so its builds are the kernels cupool always had),
-and `__call__` is the float reference the tests hold them to. alpha and limit are the model's
+exact float32 hex literals; "silu" adds none, so its builds are the kernels cupool always had;
+"relu2" is ACT 2, for rows without a gate half), and `__call__` is the float reference the tests
+hold them to (a non-gated activation takes gate=None). alpha and limit are the model's
 (read from its experts module or config), never defaults of this module.
 """
 
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-KINDS = ("silu", "swiglu_clamp")
+KINDS = ("silu", "swiglu_clamp", "relu2")
 
 
 def _f32(v: float) -> float:
@@ -44,9 +47,9 @@ class Activation:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"activation kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "silu":
+        if self.kind in ("silu", "relu2"):
             if self.alpha is not None or self.limit is not None:
-                raise ValueError("the 'silu' activation takes no alpha or limit")
+                raise ValueError(f"the {self.kind!r} activation takes no alpha or limit")
             return
         for name in ("alpha", "limit"):
             v = getattr(self, name)
@@ -57,8 +60,17 @@ class Activation:
         object.__setattr__(self, "alpha", _f32(self.alpha))
         object.__setattr__(self, "limit", _f32(self.limit))
 
-    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The float reference: act(gate, up) in gate's dtype."""
+    @property
+    def gated(self) -> bool:
+        """Whether the experts have a gate projection (w13 = [gate; up]) or only up."""
+        return self.kind != "relu2"
+
+    def __call__(self, gate: torch.Tensor | None, up: torch.Tensor) -> torch.Tensor:
+        """The float reference: act(gate, up) in up's dtype (gate None for a non-gated one)."""
+        if self.gated != (gate is not None):
+            raise ValueError(f"{self.kind}: gate must be {'a tensor' if self.gated else 'None'}")
+        if self.kind == "relu2":
+            return F.relu(up).square()
         if self.kind == "silu":
             return F.silu(gate) * up
         g = gate.clamp(max=self.limit)
@@ -69,17 +81,24 @@ class Activation:
         """The -D macros moe_common.cuh's epilogue compiles this activation with."""
         if self.kind == "silu":
             return {}
+        if self.kind == "relu2":
+            return {"ACT": 2}
         return {"ACT": 1, "ACT_ALPHA": float.hex(self.alpha) + "f",
                 "ACT_LIMIT": float.hex(self.limit) + "f"}
 
     def describe(self) -> str:
         if self.kind == "silu":
             return "SiLU(gate)·up"
+        if self.kind == "relu2":
+            return "ReLU(up)² (no gate)"
         return (f"clamped SwiGLU (gate ≤ {self.limit:g}, |up| ≤ {self.limit:g}, "
                 f"(up + 1)·gate·σ({self.alpha:g}·gate))")
 
 
 SILU = Activation()
+
+
+RELU2 = Activation("relu2")
 
 
 def swiglu_clamp(alpha: float, limit: float) -> Activation:

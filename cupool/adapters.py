@@ -54,9 +54,15 @@ module) are served: the activation is whichever of `cupool.activation`'s the pro
 ``_apply_gate`` matches (SiLU, or the clamped SwiGLU with the module's own alpha and limit), and
 the biases go into each expert's row.
 
+Experts without a gate (``has_gate=False``: Nemotron-H's ``up_proj`` [E, I, H] and ``down_proj``,
+down(act_fn(up·x))) are read with ``gated=False`` and ``expert(e)`` = (None, up, down) when their
+``act_fn`` measures as ReLU² (`cupool.activation.RELU2`); their rows are
+``RowLayout(gated=False)``. `cupool.wrap` refuses them by name until the decode and prefill
+kernels have a non-gated build.
+
 Not supported (an ``UnsupportedModelError`` "<module path>: unsupported, because ..." rather than
-wrong output): experts without a gate (has_gate=False), an ``_apply_gate`` that computes neither
-activation (the message gives the difference from each), biases on per-expert nn.Linear lists,
+wrong output): experts whose outputs are normalised (has_post_expert_norm), non-gated experts with
+another act_fn or with biases, an ``_apply_gate`` that computes neither activation (the message gives the difference from each), biases on per-expert nn.Linear lists,
 expert
 weights that are not float (already quantized), fused 3-D experts without the decorator (Llama-4,
 LongCat-Flash: their layout cannot be known), experts lists with unequal shapes or whose forward is
@@ -74,7 +80,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cupool.activation import SILU, Activation, swiglu_clamp
+from cupool.activation import RELU2, SILU, Activation, swiglu_clamp
 from cupool.checkpoints.base import join_gate_up, split_gate_up
 
 KIND_HF = "hf_experts"
@@ -124,6 +130,7 @@ class MoELayerSpec:
     linear_names: tuple[str, str, str] = LINEAR_NAMES[0]   # linear_list: (gate, up, down) attributes
     bias: bool = False         # hf_experts: gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]
     activation: Activation = SILU   # what `_apply_gate` computes (found by probe)
+    gated: bool = True         # hf_experts: gate_up_proj; False: up_proj alone (Nemotron-H)
     released: bool = False
 
     def _live(self, what: str) -> None:
@@ -134,9 +141,10 @@ class MoELayerSpec:
         """gate_up [..., 2I (dim), ...] -> (gate, up) views along `dim`."""
         return split_gate_up(gate_up, not self.concatenated, dim)
 
-    def expert(self, e) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def expert(self, e) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """(gate [I, H], up [I, H], down [H, I]) of expert `e`, detached views of the module's
-        weights (non-contiguous for transposed or interleaved layouts)."""
+        weights (non-contiguous for transposed or interleaved layouts); gate None for non-gated
+        experts."""
         self._live("expert")
         e = operator.index(e)
         if not 0 <= e < self.num_experts:
@@ -144,6 +152,10 @@ class MoELayerSpec:
         if self.kind == KIND_LIST:
             m = self.module[e]
             return tuple(getattr(m, n).weight.detach() for n in self.linear_names)
+        if not self.gated:
+            up = self.module.up_proj.detach()[e]                # [I, H] or [H, I]
+            down = self.module.down_proj.detach()[e]
+            return (None, up.t(), down.t()) if self.transposed else (None, up, down)
         gate_up = self.module.gate_up_proj.detach()[e]          # [2I, H] or [H, 2I]
         down = self.module.down_proj.detach()[e]                # [H, I] or [I, H]
         if self.transposed:
@@ -158,6 +170,11 @@ class MoELayerSpec:
         self._live("stacked")
         if self.kind == KIND_LIST:
             return None
+        if not self.gated:
+            up, down = self.module.up_proj.detach(), self.module.down_proj.detach()
+            if self.transposed:
+                up, down = up.transpose(1, 2), down.transpose(1, 2)
+            return None, up, down
         gate_up = self.module.gate_up_proj.detach()             # [E, 2I, H] or [E, H, 2I]
         down = self.module.down_proj.detach()                   # [E, H, I] or [E, I, H]
         if self.transposed:
@@ -177,7 +194,8 @@ class MoELayerSpec:
     def _weight_slots(self) -> list[tuple[nn.Module, str]]:
         if self.kind == KIND_LIST:
             return [(getattr(m, n), "weight") for m in self.module for n in self.linear_names]
-        slots = [(self.module, "gate_up_proj"), (self.module, "down_proj")]
+        slots = [(self.module, "gate_up_proj" if self.gated else "up_proj"),
+                 (self.module, "down_proj")]
         if self.bias:
             slots += [(self.module, "gate_up_proj_bias"), (self.module, "down_proj_bias")]
         return slots
@@ -214,7 +232,10 @@ class MoELayerSpec:
         if len(weights) != E:
             raise ValueError(f"{self.name}: restore needs E={E} (gate, up, down) tuples, got {len(weights)}")
         for e, trio in enumerate(weights):
-            shapes = [tuple(t.shape) for t in trio]
+            if (trio[0] is None) == self.gated:
+                raise ValueError(f"{self.name}: expert {e}: gate must be "
+                                 f"{'a tensor' if self.gated else 'None (non-gated experts)'}")
+            shapes = [tuple(t.shape) if t is not None else (I, H) for t in trio]
             if shapes != [(I, H), (I, H), (H, I)]:
                 raise ValueError(f"{self.name}: expert {e}: expected gate, up [I={I}, H={H}] and down "
                                  f"[H, I], got {[list(s) for s in shapes]}")
@@ -228,6 +249,12 @@ class MoELayerSpec:
             for m, trio in zip(self.module, weights):
                 for n, w in zip(self.linear_names, trio):
                     getattr(m, n).weight = param(w)
+        elif not self.gated:
+            up, down = (torch.stack([trio[i] for trio in weights]) for i in (1, 2))
+            if self.transposed:
+                up, down = up.transpose(1, 2), down.transpose(1, 2)
+            self.module.up_proj = param(up)
+            self.module.down_proj = param(down)
         else:
             gate, up, down = (torch.stack([trio[i] for trio in weights]) for i in range(3))
             gate_up = join_gate_up(gate, up, not self.concatenated)             # [E, 2I, H]
@@ -445,11 +472,67 @@ def _check_biases(path: str, module: nn.Module, E: int, H: int, I: int) -> bool:
     return True
 
 
-def _hf_spec(path: str, parent_path: str, module: nn.Module, parent: nn.Module) -> dict:
-    if not module.has_gate:
+# Activations of experts without a gate (act(up·x)) that rows and references have.
+_NONGATED = (RELU2,)
+
+
+def _nongated_spec(path: str, parent_path: str, module: nn.Module, parent: nn.Module) -> dict:
+    """An experts module with has_gate=False: up_proj [E, I, H] ([E, H, I] transposed) and
+    down_proj [E, H, I] ([E, I, H]); it computes down(act_fn(up·x)), act_fn measured on a probe
+    (ReLU², Nemotron-H's)."""
+    up, down = getattr(module, "up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor)
+            and up.dim() == 3 and down.dim() == 3):
+        shapes = [list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                  for t in (up, down)]
         raise UnsupportedModelError(
-            path, "its experts have no gate projection (has_gate=False computes down(act(up·x))); "
-                  "cupool computes down(act(gate·x, up·x))")
+            path, f"its experts have no gate, and up_proj / down_proj are not two 3-D tensors "
+                  f"(got {shapes[0]} / {shapes[1]})")
+    transposed = bool(module.is_transposed)
+    E = up.shape[0]
+    I, H = (up.shape[2], up.shape[1]) if transposed else (up.shape[1], up.shape[2])
+    want = (E, I, H) if transposed else (E, H, I)
+    if tuple(down.shape) != want:
+        raise UnsupportedModelError(path, f"down_proj is {list(down.shape)} but up_proj "
+                                          f"{list(up.shape)} implies {list(want)}")
+    if module.has_bias:
+        raise UnsupportedModelError(path, "its experts have no gate but have biases; rows of "
+                                          "non-gated experts carry none")
+    if up.dtype not in _FLOATS or down.dtype != up.dtype:
+        raise UnsupportedModelError(
+            path, f"its expert weights are {up.dtype} / {down.dtype}, not one of float32, float16, "
+                  f"bfloat16 (already quantized? load the model unquantized)")
+    act_fn = getattr(module, "act_fn", None)
+    if act_fn is None:
+        raise UnsupportedModelError(path, "its experts have no gate and no act_fn to measure")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g) * _PROBE_SCALE
+    dev = _probe_device(up)
+    x = x.to(dev)
+    with torch.no_grad():
+        got = act_fn(x.to(up.dtype)).float()
+    diffs = []
+    for act in _NONGATED:
+        ok, err = _close(got, act(None, x.to(up.dtype)).float(), up.dtype)
+        if ok:
+            _check_router(path, parent_path, parent, E, H)
+            K = _find_top_k(path, parent_path, module, parent, E)
+            return dict(kind=KIND_HF, num_experts=E, top_k=K, hidden=H, intermediate=I,
+                        dtype=up.dtype, device=up.device, concatenated=True,
+                        transposed=transposed, bias=False, activation=act, gated=False)
+        diffs.append(f"{act.describe()}: max error {err:.3g}")
+    raise UnsupportedModelError(
+        path, f"its experts have no gate and their act_fn ({_act_name(act_fn)}) computes none of "
+              f"the non-gated activations cupool has ({'; '.join(diffs)})")
+
+
+def _hf_spec(path: str, parent_path: str, module: nn.Module, parent: nn.Module) -> dict:
+    if getattr(module, "has_post_expert_norm", False):
+        raise UnsupportedModelError(
+            path, "its experts normalise each expert's output (has_post_expert_norm=True), which "
+                  "cupool's expert GEMM does not compute")
+    if not module.has_gate:
+        return _nongated_spec(path, parent_path, module, parent)
     gate_up = getattr(module, "gate_up_proj", None)
     down = getattr(module, "down_proj", None)
     if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)

@@ -7,7 +7,8 @@ positions a slot holds.
 How a request runs:
 1. `submit(prompt_ids, params)` checks it (token ids, prompt + max_tokens ≤ max_len) and queues it.
 2. When a slot is free, the request is *admitted*: its prompt is run eagerly into the slot's rows
-   of the KV cache (`cupool.kvcache.SlotCache`) in chunks of `prefill_chunk` tokens (any prompt
+   of the cache (`cupool.slotstate.StateSlotCache`: `SlotCache`'s keys and values, plus the
+   per-slot states of hybrid layers, zeroed first) in chunks of `prefill_chunk` tokens (any prompt
    length works; through a pool, a chunk takes the partition path), and its first token is
    sampled from the last position's logits.
 3. Every active slot then advances one token per *step*: the model's forward on [B, 1] tokens at
@@ -45,14 +46,17 @@ from typing import Callable
 
 import torch
 
-from cupool.kvcache import SlotCache
+from cupool import graphsafe
+from cupool.kvcache import ATTENTION_TYPES, STATE_TYPES
 from cupool.sampling import (MAX_LOGPROBS, SamplingParams, apply_token_mask, mask_words, sample,
                              token_logprobs)
+from cupool.slotstate import StateSlotCache
 
 StepKind = collections.namedtuple("StepKind", "greedy logprobs masked")
 """A decode step's variant: greedy only (no sort), logprobs written, a token mask applied."""
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
+NO_MASK = "no mask"           # a layer type that takes no mask (kvcache.STATE_TYPES)
 log = logging.getLogger("cupool")
 
 
@@ -159,7 +163,8 @@ class Engine:
         max_len: positions a slot holds (prompt + generated tokens), at most the model's
             max_position_embeddings.
         prefill_chunk: prompt tokens run in one forward (default: 2048, at most the pool's
-            max_prefill_tokens): bounds the activations and the mask of a long prompt.
+            max_prefill_tokens): bounds the activations and the mask of a long prompt. Models
+            whose layers cannot continue a chunk from a state (Jamba) take a prompt whole.
         graph: capture the decode step in a CUDA graph (default: on a CUDA device).
         fused: run the decode step with cupool's fused kernels (`cupool.fused.FusedStep`: a few
             launches a layer; layers that do not fit its pattern run transformers' modules).
@@ -216,6 +221,10 @@ class Engine:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         if pool is not None:
             chunk = min(chunk, pool.gemm.max_prefill_tokens or chunk)
+        whole = graphsafe.whole_prompt_prefill(model)
+        if whole is not None:               # one forward a prompt: chunks could not continue
+            log.info("cupool: prompts are prefilled in one forward: %s", whole)
+            chunk = max_len
         self.prefill_chunk = chunk
         self.max_batch, self.max_len = max_batch, max_len
         self.graph = (self.device.type == "cuda") if graph is None else bool(graph)
@@ -224,12 +233,13 @@ class Engine:
         self.eos_ids = self._eos_ids(eos_token_id)
         self.dtype = param.dtype                   # of the activations, keys and values
         self._cache_kw = cache_kwarg(model)
+        self._use_cache = graphsafe.use_cache_flag(model)
         self._logits_kw = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
         self._window = self._sliding_window(cfg)
         self._mask_bool = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
         n_layers = int(getattr(cfg, "num_hidden_layers"))
         B, dev = max_batch, self.device
-        self.cache = SlotCache(n_layers, B, max_len, self.dtype, dev)
+        self.cache = self._make_cache(cfg, n_layers)
         self.tok = torch.zeros(B, 1, dtype=torch.int64, device=dev)
         self.active = torch.zeros(B, dtype=torch.bool, device=dev)
         self.temperature = torch.zeros(B, dtype=torch.float32, device=dev)
@@ -243,6 +253,9 @@ class Engine:
         self.lp_ids = torch.zeros(B, MAX_LOGPROBS, dtype=torch.int64, device=dev)
         self.mask = torch.full((B, mask_words(self.vocab)), -1, dtype=torch.int32, device=dev)
         self._host_mask = torch.full_like(self.mask, -1, device="cpu")
+        fixed = graphsafe.prepare(model)
+        if fixed:
+            log.info("cupool: graph-safe forwards installed in %s", ", ".join(fixed))
         self._fused = self._fused_step(fused)
         self._forward = torch.compile(model, dynamic=False) if compile and self._fused is None \
             else model
@@ -291,19 +304,32 @@ class Engine:
     @staticmethod
     def _sliding_window(cfg) -> int | None | dict:
         """The attention window of every layer: None (full attention), one window, or for models
-        whose layers mix full and sliding-window attention (gpt-oss) {layer type: window or
-        None}; the masks are then a dict by layer type, which transformers' models of such
-        families take in place of one mask. Other layer types are refused."""
+        whose layers are of several types {layer type: window, None, or NO_MASK}; the masks are
+        then a dict by layer type, which transformers' models of such families take in place of
+        one mask. Attention types (`ATTENTION_TYPES`) get a causal mask (indexed attention: the
+        full causal mask its indexer narrows); layers that carry a state instead of keys
+        (`STATE_TYPES`) get none (a slot's tokens are never padding). Other types are refused."""
         types = set(getattr(cfg, "layer_types", None) or [])
         window = getattr(cfg, "sliding_window", None)
         use = bool(window) and getattr(cfg, "use_sliding_window", True) is not False
         if len(types) > 1:
-            known = {"full_attention", "sliding_attention"}
-            if not types <= known or not use:
+            unknown = types - ATTENTION_TYPES - STATE_TYPES
+            if unknown:
                 raise ValueError(f"the model's layers mix attention types {sorted(types)}; "
-                                 f"cupool's Engine builds masks for full_attention and "
-                                 f"sliding_attention (with config.sliding_window) only")
-            return {"full_attention": None, "sliding_attention": int(window)}
+                                 f"cupool's Engine runs {sorted(ATTENTION_TYPES)} (masks) and "
+                                 f"{sorted(STATE_TYPES)} (per-slot states), not {sorted(unknown)}")
+            if "sliding_attention" in types and not use:
+                raise ValueError("the model has sliding_attention layers but no sliding window "
+                                 f"(config.sliding_window={window!r})")
+            if "sliding_attention" not in types and use:
+                raise ValueError(f"the model's layers are of types {sorted(types)} with "
+                                 f"config.sliding_window={window}: its full_attention layers "
+                                 f"would slide, which the engine does not build for such models")
+            return {kind: (int(window) if kind == "sliding_attention" else
+                           NO_MASK if kind in STATE_TYPES else None) for kind in sorted(types)}
+        if types and types <= STATE_TYPES:
+            raise ValueError(f"the model has no attention layer (layer types {sorted(types)}); "
+                             f"cupool's Engine serves models with attention")
         if types == {"full_attention"}:
             return None
         return int(window) if use else None
@@ -332,10 +358,17 @@ class Engine:
         return None
 
     def _masks(self, make):
-        """make(window) for the model's one window, or a dict of them by layer type."""
+        """make(window) for the model's one window, or a dict of them by layer type (None for
+        the layers that take no mask)."""
         if isinstance(self._window, dict):
-            return {kind: make(w) for kind, w in self._window.items()}
+            return {kind: (None if w is NO_MASK else make(w)) for kind, w in self._window.items()}
         return make(self._window)
+
+    def _make_cache(self, cfg, n_layers: int) -> StateSlotCache:
+        """The slots' cache: SlotCache's keys and values for attention layers, plus per-slot
+        states for the layers that keep them (StateSlotCache allocates those on first use, so
+        an attention-only model holds exactly SlotCache's tensors)."""
+        return StateSlotCache(n_layers, self.max_batch, self.max_len, self.dtype, self.device)
 
     # --- requests -----------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None,
@@ -495,7 +528,7 @@ class Engine:
 
     # --- prefill --------------------------------------------------------------------------------------
     def _fwd_kwargs(self, mask) -> dict:
-        return {self._cache_kw: self.cache, "use_cache": True, "attention_mask": mask,
+        return {self._cache_kw: self.cache, "use_cache": self._use_cache, "attention_mask": mask,
                 **self._logits_kw}
 
     @torch.inference_mode()
@@ -513,6 +546,7 @@ class Engine:
         self.top_p[b] = float(p.top_p)
         self.seeds[b] = r.seed
         self.steps[b] = 0
+        self._reset_slot(b)
         prefilling = self.pool.prefilling() if self.pool is not None else contextlib.nullcontext()
         try:
             logits = None
@@ -570,6 +604,11 @@ class Engine:
                         logprobs=any(r.params.logprobs is not None for r in live),
                         masked=any(r.constraint is not None for r in live))
 
+    def _reset_slot(self, b: int) -> None:
+        """A slot taking a new request starts from clean per-slot states (attention rows need
+        nothing: the masks hide every position past the slot's own)."""
+        self.cache.reset_slot(b)
+
     # --- decode steps ---------------------------------------------------------------------------------
     def _step(self, kind: "StepKind") -> None:
         """One decode step of every slot, device-only (what the graph captures)."""
@@ -610,9 +649,11 @@ class Engine:
 
     def _capture(self, kind: "StepKind") -> torch.cuda.CUDAGraph:
         """Warm up and capture the step (gate closed, every slot inactive meanwhile: the dummy
-        steps write only positions no slot has filled yet and move no rows)."""
+        steps write only positions no slot has filled yet and move no rows; per-slot states,
+        which every step advances, are put back afterwards)."""
         dev = self.device
         saved = self.active.clone()
+        states = self._save_states()
         if self.pool is not None:
             self.pool.close()
         self.active.zero_()
@@ -635,9 +676,18 @@ class Engine:
         finally:
             gc.enable()
         self.active.copy_(saved)
+        self._restore_states(states)
         if self.pool is not None:
             self.pool.open()
         return g
+
+    def _save_states(self):
+        """A copy of every per-slot state (none for attention-only models): a decode step
+        advances the states of every slot, the dummy steps of a capture included."""
+        return self.cache.snapshot()
+
+    def _restore_states(self, states) -> None:
+        self.cache.restore(states)
 
     @torch.inference_mode()
     def _launch_step(self):
@@ -763,8 +813,9 @@ class Engine:
 
     # --- prefix reuse (bookkeeping of what free slots hold) ------------------------------------
     def _reusable(self) -> bool:
-        """Reuse needs a cache whose slot state is its KV rows alone: the plain SlotCache."""
-        return self.reuse_prefix and type(self.cache) is SlotCache
+        """Reuse needs a cache whose slot state is its KV rows alone: no per-slot state (a
+        recurrent layer's, an indexer's) has been allocated."""
+        return self.reuse_prefix and self.cache.state_bytes() == 0
 
     @staticmethod
     def _kv_tokens(r: Request) -> list[int]:
@@ -801,8 +852,7 @@ class Engine:
         self._graphs.clear()
         self._graph_pool = None
         self._held = [None] * self.max_batch
-        self.cache.keys = [None] * self.cache.num_layers
-        self.cache.values = [None] * self.cache.num_layers
+        self.cache.release()
         self.broken = self.broken or "closed"
 
     # --- facts ----------------------------------------------------------------------------------------

@@ -116,12 +116,26 @@ def _additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(ok, zero, low)
 
 
+# Layer types (config.layer_types) whose layers keep keys and values for every position, and those
+# that keep a per-slot state instead (cupool.slotstate) and take no mask. indexed_attention is
+# transformers 5.24's name for qwen4_exp's QSA attention, qwen_sparse_attention 5.17's; moe and
+# mlp are Nemotron-H's blocks without a token mixer; conv is LFM2's short-convolution layer.
+ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "indexed_attention",
+                             "qwen_sparse_attention"})
+STATE_TYPES = frozenset({"linear_attention", "mamba", "moe", "mlp", "conv"})
+INDEXED_TYPES = frozenset({"indexed_attention", "qwen_sparse_attention"})
+
+
 def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
     """Bytes the KV cache holds for one token of one sequence, from a transformers config: every
-    layer's keys and values (multi-head latent attention, as DeepSeek-V2/V3 run it in transformers,
-    keeps full per-head keys of qk_nope + qk_rope dims and values of v_head_dim)."""
+    attention layer's keys and values (multi-head latent attention, as DeepSeek-V2/V3 run it in
+    transformers, keeps full per-head keys of qk_nope + qk_rope dims and values of v_head_dim),
+    plus an indexed attention layer's indexer key. Layers of the state types keep no keys (their
+    per-slot states do not grow with the context)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = int(cfg.num_hidden_layers)
+    types = list(getattr(cfg, "layer_types", None) or [])
+    layers = sum(t in ATTENTION_TYPES for t in types) if types else int(cfg.num_hidden_layers)
+    indexed = sum(t in INDEXED_TYPES for t in types)
     heads = int(cfg.num_attention_heads)
     if getattr(cfg, "kv_lora_rank", None) and getattr(cfg, "qk_rope_head_dim", None):
         k = heads * (int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim))
@@ -130,4 +144,5 @@ def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
         k = v = kv_heads * dim
-    return layers * (k + v) * dtype_bytes
+    index = indexed * int(getattr(cfg, "indexer_head_dim", 0) or 0)
+    return (layers * (k + v) + index) * dtype_bytes

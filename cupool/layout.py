@@ -44,6 +44,12 @@ fragments of `mma.m16n8k16` (A operand = weights):
 Row sizes: 256 + 27/16·Hp·Ip bytes (Qwen3-30B-A3B, H=2048, I=768: 2,654,464 B = 2.53 MiB), plus
 4·(2·Ip + Hp) with biases (gpt-oss, H = I = 2880: 13,997,056 + 34,560 B = 13.4 MiB).
 
+Experts without a gate projection (Nemotron-H: down(act(up·x)), `RowLayout(gated=False)`): w13 is
+the up matrix alone, Ip/16 up strips one after another (no gate strips between them), so w2
+starts at 256 + 9·Hp·Ip/16; the header's gate scale (first float) is 0. Row size 256 +
+18/16·Hp·Ip. Such rows carry no biases. Kernels compile this layout with ROW_GATED=0 (gated
+layouts define nothing new, so their builds are unchanged).
+
 `pack_row` / `unpack_row` convert NVFP4Tensors ↔ a row exactly; nothing else knows the layout,
 so a different GEMM layout changes only this file (and the kernels that read it).
 """
@@ -72,6 +78,7 @@ class RowLayout:
     hidden: int          # H
     intermediate: int    # I
     bias: bool = False   # the row ends with the experts' float32 biases (gate, up, down)
+    gated: bool = True   # w13 = [gate; up] strip pairs; False: up strips alone (no gate)
 
     def __post_init__(self):
         for name, v in (("hidden", self.hidden), ("intermediate", self.intermediate)):
@@ -80,6 +87,10 @@ class RowLayout:
                                  f"are 16 wide), got {v!r}")
         if not isinstance(self.bias, bool):
             raise ValueError(f"bias must be a bool, got {self.bias!r}")
+        if not isinstance(self.gated, bool):
+            raise ValueError(f"gated must be a bool, got {self.gated!r}")
+        if self.bias and not self.gated:
+            raise ValueError("rows of non-gated experts (gated=False) carry no biases")
 
     @property
     def hp(self) -> int:
@@ -102,8 +113,13 @@ class RowLayout:
         return HEADER_BYTES
 
     @property
+    def w13_strips(self) -> int:
+        """Strips of w13: a gate and an up strip per 16 rows of I, or the up strips alone."""
+        return (2 if self.gated else 1) * (self.ip // 16)
+
+    @property
     def w2_offset(self) -> int:
-        return HEADER_BYTES + 2 * (self.ip // 16) * self.w13_strip_bytes
+        return HEADER_BYTES + self.w13_strips * self.w13_strip_bytes
 
     @property
     def bias_offset(self) -> int:
@@ -131,6 +147,8 @@ class RowLayout:
         d = {"HP": self.hp, "IP": self.ip, "ROW_W2_OFFSET": self.w2_offset}
         if self.bias:
             d["ROW_BIAS"] = 1
+        if not self.gated:
+            d["ROW_GATED"] = 0
         return d
 
 
@@ -317,25 +335,33 @@ def pack_row(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4T
              out: np.ndarray | torch.Tensor | None = None, *, bias=None) -> torch.Tensor:
     """One expert's NVFP4 matrices -> its row (uint8 [row_bytes]); written into `out` if given.
 
-    gate, up: [I, H] (w1, w3); down: [H, I] (w2); each with a scalar global scale. bias: (gate
+    gate, up: [I, H] (w1, w3; gate None for a non-gated layout); down: [H, I] (w2); each with a
+    scalar global scale. bias: (gate
     [I], up [I], down [H]) float tensors, required by (and only by) a layout with biases.
     """
     H, I, hp, ip = layout.hidden, layout.intermediate, layout.hp, layout.ip
+    _check_gate(layout, gate)
     for name, q, shape in (("gate", gate, (I, H)), ("up", up, (I, H)), ("down", down, (H, I))):
+        if q is None:
+            continue
         got = (q.packed.shape[0], q.packed.shape[-1] * 2) if q.packed.dim() == 2 else tuple(q.packed.shape)
         if got != shape:
             raise ValueError(f"{name}: expected shape {list(shape)} for H={H}, I={I}, got {list(got)}")
         if q.global_scale.numel() != 1:
             raise ValueError(f"{name}: expected one global scale, got shape {tuple(q.global_scale.shape)}")
-    g_codes, g_sc = _padded(gate, ip, hp, "gate")
     u_codes, u_sc = _padded(up, ip, hp, "up")
     d_codes, d_sc = _padded(down, hp, ip, "down")
-    gs = _strips(g_codes, g_sc, hp)                        # [Ip/16, 9·Hp]
-    us = _strips(u_codes, u_sc, hp)
-    w13 = torch.stack([gs, us], dim=1).reshape(-1)         # gate strip j, up strip j, ...
+    us = _strips(u_codes, u_sc, hp)                        # [Ip/16, 9·Hp]
+    if layout.gated:
+        g_codes, g_sc = _padded(gate, ip, hp, "gate")
+        gs = _strips(g_codes, g_sc, hp)
+        w13 = torch.stack([gs, us], dim=1).reshape(-1)     # gate strip j, up strip j, ...
+    else:
+        w13 = us.reshape(-1)                               # up strip j, up strip j + 1, ...
     w2 = _strips(d_codes, d_sc, ip).reshape(-1)
     header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    header[:12] = torch.tensor([float(gate.global_scale), float(up.global_scale),
+    g_scale = float(gate.global_scale) if gate is not None else 0.0
+    header[:12] = torch.tensor([g_scale, float(up.global_scale),
                                 float(down.global_scale)], dtype=torch.float32).view(torch.uint8)
     row = torch.cat([header, w13, w2, _bias_section(layout, bias, (), "cpu")])
     assert row.numel() == layout.row_bytes
@@ -345,12 +371,21 @@ def pack_row(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4T
     return row
 
 
-def unpack_row(layout: RowLayout, row) -> tuple[NVFP4Tensor, NVFP4Tensor, NVFP4Tensor]:
-    """Inverse of `pack_row`: a row (uint8, numpy or torch) -> (gate, up, down) NVFP4Tensors."""
+def _check_gate(layout: RowLayout, gate) -> None:
+    if layout.gated and gate is None:
+        raise ValueError("gate: the layout is gated (w13 = [gate; up]); pass the gate matrices")
+    if not layout.gated and gate is not None:
+        raise ValueError("gate: the layout has no gate (RowLayout(gated=False)); pass gate=None")
+
+
+def unpack_row(layout: RowLayout, row) -> tuple[NVFP4Tensor | None, NVFP4Tensor, NVFP4Tensor]:
+    """Inverse of `pack_row`: a row (uint8, numpy or torch) -> (gate, up, down) NVFP4Tensors
+    (gate None for a non-gated layout)."""
     r = _row_tensor(layout, row)
     H, I, hp, ip = layout.hidden, layout.intermediate, layout.hp, layout.ip
     scales = r[:12].clone().view(torch.float32)
-    w13 = r[layout.w13_offset:layout.w2_offset].reshape(ip // 16, 2, 9 * hp)
+    w13 = r[layout.w13_offset:layout.w2_offset].reshape(ip // 16, 2 if layout.gated else 1,
+                                                         9 * hp)
     w2 = r[layout.w2_offset:layout.bias_offset].reshape(hp // 16, 9 * ip)
 
     def mk(strips, kp, n, k, gscale):
@@ -358,6 +393,8 @@ def unpack_row(layout: RowLayout, row) -> tuple[NVFP4Tensor, NVFP4Tensor, NVFP4T
         return NVFP4Tensor(packed=_pack_codes(codes[:n, :k]),
                            block_scale=sc[:n, :k // 16].contiguous().view(torch.float8_e4m3fn),
                            global_scale=gscale.clone().reshape(()))
+    if not layout.gated:
+        return None, mk(w13[:, 0], hp, I, H, scales[1]), mk(w2, ip, H, I, scales[2])
     return (mk(w13[:, 0], hp, I, H, scales[0]), mk(w13[:, 1], hp, I, H, scales[1]),
             mk(w2, ip, H, I, scales[2]))
 
@@ -395,7 +432,8 @@ def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4
               bias=None) -> torch.Tensor:
     """E experts' stacked NVFP4 matrices -> their rows, uint8 [E, row_bytes], on the tensors' device.
 
-    gate, up: [E, I, H] (packed [E, I, H/2]); down: [E, H, I]; global scales [E]. Row e is byte for
+    gate, up: [E, I, H] (packed [E, I, H/2]; gate None for a non-gated layout); down: [E, H, I];
+    global scales [E]. Row e is byte for
     byte `pack_row(layout, gate[e], up[e], down[e])`; this is the same index map applied with
     batched torch ops, so a GPU builds rows without a host round trip. `out` ([E, >= row_bytes]
     uint8, any device) receives them if given. `chunk` experts are converted at a time (default:
@@ -403,11 +441,15 @@ def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4
     required by (and only by) a layout with biases.
     """
     H, I, hp, ip = layout.hidden, layout.intermediate, layout.hp, layout.ip
-    e = gate.packed.shape[0] if gate.packed.dim() == 3 else -1
+    _check_gate(layout, gate)
+    first = up if gate is None else gate
+    e = first.packed.shape[0] if first.packed.dim() == 3 else -1
     for name, q, shape in (("gate", gate, (I, H)), ("up", up, (I, H)), ("down", down, (H, I))):
+        if q is None:
+            continue
         if q.packed.dim() != 3 or q.packed.shape[0] != e:
             raise ValueError(f"{name}: expected a stack [E, N, K/2] with the E of gate, got packed "
-                             f"shape {list(q.packed.shape)} (gate: {list(gate.packed.shape)})")
+                             f"shape {list(q.packed.shape)} (gate: {list(first.packed.shape)})")
         got = (q.packed.shape[1], q.packed.shape[2] * 2)
         if got != shape:
             raise ValueError(f"{name}: expected matrices {list(shape)} for H={H}, I={I}, got "
@@ -415,9 +457,9 @@ def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4
         if tuple(q.global_scale.shape) != (e,):
             raise ValueError(f"{name}: expected global scales [{e}], got "
                              f"{list(q.global_scale.shape)}")
-        if q.packed.device != gate.packed.device:
-            raise ValueError(f"{name} is on {q.packed.device}, gate on {gate.packed.device}")
-    dev = gate.packed.device
+        if q.packed.device != first.packed.device:
+            raise ValueError(f"{name} is on {q.packed.device}, gate on {first.packed.device}")
+    dev = first.packed.device
     biases = _bias_section(layout, bias, (e,), dev)        # checked before any work
     if out is None:
         out = torch.empty(e, layout.row_bytes, dtype=torch.uint8, device=dev)
@@ -429,15 +471,20 @@ def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4
         chunk = max(1, (1 << 30) // (16 * 3 * hp * ip))    # ~16 bytes of temporaries per code
     for lo in range(0, e, chunk):
         hi = min(e, lo + chunk)
-        part = [q[lo:hi] for q in (gate, up, down)]
-        g_codes, g_sc = _padded_stack(part[0], ip, hp, "gate", hi - lo)
+        part = [None if q is None else q[lo:hi] for q in (gate, up, down)]
         u_codes, u_sc = _padded_stack(part[1], ip, hp, "up", hi - lo)
         d_codes, d_sc = _padded_stack(part[2], hp, ip, "down", hi - lo)
-        w13 = torch.stack([_strips_stack(g_codes, g_sc, hp), _strips_stack(u_codes, u_sc, hp)],
-                          dim=2).reshape(hi - lo, -1)        # gate strip j, up strip j, ...
+        us = _strips_stack(u_codes, u_sc, hp)
+        if layout.gated:
+            g_codes, g_sc = _padded_stack(part[0], ip, hp, "gate", hi - lo)
+            w13 = torch.stack([_strips_stack(g_codes, g_sc, hp), us],
+                              dim=2).reshape(hi - lo, -1)    # gate strip j, up strip j, ...
+        else:
+            w13 = us.reshape(hi - lo, -1)                    # up strips alone
         w2 = _strips_stack(d_codes, d_sc, ip).reshape(hi - lo, -1)
         header = torch.zeros(hi - lo, HEADER_BYTES, dtype=torch.uint8, device=dev)
-        gs = torch.stack([q.global_scale.to(device=dev, dtype=torch.float32) for q in part], dim=1)
+        scales = [torch.zeros(hi - lo) if q is None else q.global_scale for q in part]
+        gs = torch.stack([g.to(device=dev, dtype=torch.float32) for g in scales], dim=1)
         header[:, :12] = gs.contiguous().view(torch.uint8)
         rows = torch.cat([header, w13, w2, biases[lo:hi]], dim=1)
         out[lo:hi, :layout.row_bytes].copy_(rows)

@@ -101,7 +101,8 @@ class Pool:
             for spec in self.specs:
                 mats = [unpack_row(self.layout, self.store.row(spec.index, e))
                         for e in range(self.num_experts)]
-                deq = [tuple(dequantize(q).to(spec.dtype) for q in trio) for trio in mats]
+                deq = [tuple(None if q is None else dequantize(q).to(spec.dtype) for q in trio)
+                       for trio in mats]
                 biases = None
                 if self.layout.bias:
                     per = [unpack_bias(self.layout, self.store.row(spec.index, e))

@@ -38,6 +38,7 @@ import torch
 
 from cupool.adapters import MoELayerSpec, find_moe_layers
 from cupool.checkpoints import Checkpoint, CheckpointError, fill_store, open_checkpoint
+from cupool.hosttable import as_table_parameter, host_table_bytes, host_table_names, mapped_empty
 from cupool.wrap import assemble, plan
 
 log = logging.getLogger("cupool")
@@ -130,54 +131,139 @@ def match_layers(specs: list[MoELayerSpec], ckpt: Checkpoint) -> list[int]:
     return layers
 
 
-def _renames(model) -> list[tuple[re.Pattern, str]]:
-    """Checkpoint-name rewrites for the model's family: transformers' own renames where its
-    conversion mapping has them, and Mixtral-style `block_sparse_moe` → `mlp`."""
-    out = []
+def _conversion_rules(model) -> list:
+    """transformers' checkpoint conversion rules for the model's family ([] where the installed
+    release has none, or its API moved)."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        for rule in get_checkpoint_conversion_mapping(model.config.model_type) or []:
-            if type(rule).__name__ != "WeightRenaming":
-                continue
-            src, dst = getattr(rule, "source_patterns", None), getattr(rule, "target_patterns", None)
-            src = src if isinstance(src, (list, tuple)) else [src]
-            dst = dst if isinstance(dst, (list, tuple)) else [dst]
-            if len(dst) == 1 and all(isinstance(s, str) for s in src) and isinstance(dst[0], str):
-                out += [(re.compile(s), dst[0]) for s in src]
-    except Exception:  # noqa: BLE001 (an API that moved: the built-in rule below still applies)
-        pass
-    out.append((re.compile(r"\.block_sparse_moe\."), ".mlp."))
+        return list(get_checkpoint_conversion_mapping(model.config.model_type) or [])
+    except Exception:  # noqa: BLE001 (an API that moved: the built-in rules still apply)
+        return []
+
+
+def _is(rule, cls_name: str) -> bool:
+    return any(c.__name__ == cls_name for c in type(rule).__mro__)
+
+
+def _patterns(rule, attr: str) -> list:
+    v = getattr(rule, attr, None)
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+def _renames(model) -> list[tuple[re.Pattern, str]]:
+    """Checkpoint-name rewrites for the model's family: transformers' own renames (prefix changes
+    included, e.g. Qwen3.5's `model.language_model.` → `model.`), applied in order."""
+    out = []
+    for rule in _conversion_rules(model):
+        if not _is(rule, "WeightRenaming"):
+            continue
+        src, dst = _patterns(rule, "source_patterns"), _patterns(rule, "target_patterns")
+        if len(dst) == 1 and all(isinstance(x, str) for x in src) and isinstance(dst[0], str):
+            out += [(re.compile(x), dst[0]) for x in src]
     return out
 
 
-def dense_plan(model, specs: list[MoELayerSpec], ckpt: Checkpoint) -> dict[str, str]:
-    """{model parameter/buffer name: checkpoint tensor name} for every dense tensor, checked by
-    name and shape from the headers alone. CheckpointError lists what the model needs and the
-    checkpoint lacks (tied output embeddings excepted), or a shape that differs; tensors the
-    model has no place for are logged and skipped."""
+# Mixtral-style names, tried when the family's own renames leave a name without a place.
+_BUILTIN_RENAMES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),)
+
+
+class _Concat(NamedTuple):
+    """Checkpoint tensors concatenated along dim 0 into one model tensor (transformers'
+    Concatenate(dim=0) converters): numbered shards (`shard_*`, qwen4_exp's n-gram tables) or
+    named parts in a fixed order (Kimi's q/k/v short convolutions)."""
+    sources: tuple[re.Pattern, ...]       # one numbered pattern (group "k"), or one per part
+    target: str
+
+    def match(self, name: str):
+        """(target name, order key) for a source tensor name, or None."""
+        for i, pat in enumerate(self.sources):
+            m = pat.search(name)
+            if m:
+                k = int(m.group("k")) if "k" in pat.groupindex else i
+                return name[:m.start()] + self.target + name[m.end():], k
+        return None
+
+
+def _concats(model) -> list[_Concat]:
+    out = []
+    for rule in _conversion_rules(model):
+        ops = getattr(rule, "operations", None) or []
+        if not _is(rule, "WeightConverter") or len(ops) != 1 or \
+                type(ops[0]).__name__ != "Concatenate" or getattr(ops[0], "dim", None) != 0:
+            continue
+        src, dst = _patterns(rule, "source_patterns"), _patterns(rule, "target_patterns")
+        if len(dst) != 1 or not all(isinstance(x, str) for x in src + dst):
+            continue
+        if len(src) == 1 and src[0].count("*") == 1:
+            a, b = (re.escape(x) for x in src[0].split("*"))
+            pats = (re.compile(rf"(?:^|(?<=\.)){a}(?P<k>\d+){b}$"),)
+        elif "*" not in "".join(src):
+            pats = tuple(re.compile(rf"(?:^|(?<=\.)){re.escape(x)}$") for x in src)
+        else:
+            continue
+        out.append(_Concat(pats, dst[0]))
+    return out
+
+
+def _candidates(name: str, renames) -> list[str]:
+    """The model names a checkpoint name may stand for, most specific first."""
+    cand = name
+    for pat, rep in renames:
+        cand = pat.sub(rep, cand)
+    out = [name, cand]
+    for pat, rep in _BUILTIN_RENAMES:
+        out.append(pat.sub(rep, cand))
+    return out
+
+
+def dense_plan(model, specs: list[MoELayerSpec], ckpt: Checkpoint) -> dict[str, str | list[str]]:
+    """{model parameter/buffer name: checkpoint tensor name, or the names of the parts it is
+    concatenated from along dim 0} for every dense tensor, checked by name and shape from the
+    headers alone. CheckpointError lists what the model needs and the checkpoint lacks (tied
+    output embeddings excepted), or a shape that differs; tensors the model has no place for
+    are logged and skipped."""
     expert_ids = {id(p) for s in specs for p in s.module.parameters()}
     targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in expert_ids}
     tied = set()                       # names of the one tensor tied input/output embeddings share
     if _ties_embeddings(model) and model.get_output_embeddings() is not None:
         out_w = model.get_output_embeddings().weight
         tied = {n for n, t in targets.items() if t is out_w}
-    renames = _renames(model)
+    renames, concats = _renames(model), _concats(model)
     mapping, unused = {}, []
+    parts: dict[str, list[tuple[int, str]]] = {}
     for name in ckpt.dense_names():
-        cand = name
-        if cand not in targets:
-            for pat, rep in renames:
-                cand = pat.sub(rep, cand)
-        if cand not in targets:
+        found = None
+        for cand in _candidates(name, renames):
+            if cand in targets:
+                found = cand
+                break
+            hit = next((h for c in concats if (h := c.match(cand)) and h[0] in targets), None)
+            if hit is not None:
+                parts.setdefault(hit[0], []).append((hit[1], name))
+                found = ""
+                break
+        if found is None:
             if not any(p.search(name) for p in _IGNORED):
                 unused.append(name)
             continue
+        if not found:
+            continue
         shape = tuple(ckpt.dense_shape(name))
-        want = tuple(targets[cand].shape)
+        want = tuple(targets[found].shape)
         if shape != want:
             raise CheckpointError(f"checkpoint tensor {name!r} has shape {list(shape)}, the model's "
-                                  f"{cand} is {list(want)}")
-        mapping[cand] = name
+                                  f"{found} is {list(want)}")
+        mapping[found] = name
+    for target, got in parts.items():
+        names = [n for _, n in sorted(got)]
+        shapes = [tuple(ckpt.dense_shape(n)) for n in names]
+        want = tuple(targets[target].shape)
+        joined = (sum(s[0] for s in shapes), *shapes[0][1:]) if shapes else ()
+        if any(s[1:] != shapes[0][1:] for s in shapes) or joined != want:
+            raise CheckpointError(f"the {len(names)} parts of {target} ({names[0]} ...) have "
+                                  f"shapes {[list(s) for s in shapes[:4]]}: joined along dim 0 "
+                                  f"they make {list(joined)}, the model's is {list(want)}")
+        mapping[target] = names
     loaded_tied = any(n in mapping for n in tied)
     missing = [n for n in targets if n not in mapping and not (n in tied and loaded_tied)]
     if missing:
@@ -226,20 +312,56 @@ def _fresh_buffers(model, device) -> None:
 
 
 @torch.no_grad()
-def load_dense(model, mapping: dict[str, str], ckpt: Checkpoint, device) -> None:
+def load_dense(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint, device) -> None:
     """Materialise the model's dense part on `device` (the released experts hold no memory) and
-    fill it from the checkpoint, one tensor at a time."""
+    fill it from the checkpoint, one tensor (or one part) at a time. On a CUDA device the host
+    tables (`cupool.hosttable`: qwen4_exp's n-gram embeddings) go to pinned, mapped host memory
+    instead, filled part by part."""
+    device = torch.device(device)
+    host = host_table_names(model) if device.type == "cuda" else []
+    held = {n: _hold_off(model, n) for n in host}
     model.to_empty(device=device)
     targets = model.state_dict(keep_vars=True)
     for target, name in mapping.items():
+        if target in held:
+            continue
         t = targets[target]
-        t.copy_(ckpt.dense_tensor(name, t.dtype if t.is_floating_point() else torch.float32))
+        _fill(t, ckpt, name)
+    for target, (shape, dtype) in held.items():
+        cpu, gpu = mapped_empty(shape, dtype, device)
+        _fill(cpu, ckpt, mapping[target])
+        owner, _, attr = target.rpartition(".")
+        setattr(model.get_submodule(owner), attr, as_table_parameter(gpu))
     if _ties_embeddings(model):
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
         if out is not None and inp is not None:
             out.weight = inp.weight
-    _fresh_buffers(model, torch.device(device))
+    _fresh_buffers(model, device)
     model.eval()
+
+
+def _hold_off(model, name: str) -> tuple[tuple, torch.dtype]:
+    """Swap parameter `name` for an empty one (so `to_empty` allocates nothing for it); returns
+    its shape and dtype."""
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    p = getattr(module, attr)
+    setattr(module, attr, torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device="meta"),
+                                             requires_grad=False))
+    return tuple(p.shape), p.dtype
+
+
+def _fill(t: torch.Tensor, ckpt: Checkpoint, name: str | list[str]) -> None:
+    """Copy a checkpoint tensor, or its parts one after another along dim 0, into t."""
+    dtype = t.dtype if t.is_floating_point() else torch.float32
+    if isinstance(name, str):
+        t.copy_(ckpt.dense_tensor(name, dtype))
+        return
+    row = 0
+    for part in name:
+        x = ckpt.dense_tensor(part, dtype)
+        t[row:row + x.shape[0]].copy_(x)
+        row += x.shape[0]
 
 
 def _tokenizer(directory: Path):
@@ -293,7 +415,8 @@ def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="
         mapping = dense_plan(model, specs, ckpt)
         for spec in specs:
             spec.release()
-        p = plan(specs, pending_bytes=ckpt.dense_bytes(dtype), rows=rows, budget=budget,
+        on_gpu = ckpt.dense_bytes(dtype) - host_table_bytes(model, dtype)
+        p = plan(specs, pending_bytes=on_gpu, rows=rows, budget=budget,
                  device=device, **wrap_kwargs)
 
         def fill(store):

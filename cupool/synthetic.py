@@ -118,6 +118,28 @@ GPT_OSS_TINY = dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_to
                     max_position_embeddings=256)
 
 
+# Qwen3.8-Flash-Next (transformers' `qwen4_exp_text` defaults: 40 layers of gated delta nets with a
+# QSA (indexed) attention layer every 4th, H = 2048, 512 experts top-10 of I = 512 plus a gated
+# shared expert, 4 hyper-connection streams, vocabulary 248,320). transformers' defaults leave the
+# QSA indexer unset (the model cannot be built without it): its sizes here are chosen (16 index
+# heads of 256, the attention's head dim, which the rotary dims must fit; budget 2048 tokens in
+# blocks of 16), not the release's. No n-gram embedding layers
+# (the defaults have none; benchmarks/bench_ngram.py measures their gather).
+QWEN4_EXP = dict(num_hidden_layers=40, num_experts=512, num_experts_per_tok=10, hidden_size=2048,
+                 moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                 num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                 vocab_size=248320, max_position_embeddings=32768, indexer_n_heads=16,
+                 indexer_kv_heads=1, indexer_head_dim=256, indexer_budget=2048,
+                 indexer_compress_ratio=16)
+QWEN4_EXP_TINY = dict(QWEN4_EXP, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                      hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                      max_position_embeddings=256, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                      hc_lowrank=16, indexer_n_heads=2, indexer_head_dim=16, indexer_budget=32,
+                      indexer_compress_ratio=8)
+
+
 def qwen3_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, **shape):
     """A Qwen3-MoE causal LM whose dense part (attention, norms, router, embeddings) lives on
     `device` with random weights and whose experts hold no memory yet.
@@ -142,6 +164,15 @@ def gpt_oss_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, **s
     layer_types = [("sliding_attention", "full_attention")[i % 2]
                    for i in range(shape["num_hidden_layers"])]
     cfg = GptOssConfig(**shape, layer_types=layer_types, dtype=dtype, tie_word_embeddings=False)
+    return _dense_on_gpu(cfg, device, dtype, seed)
+
+
+def qwen4_exp_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, **shape):
+    """`qwen3_moe_dense_on_gpu` for a `qwen4_exp_text` causal LM (QWEN4_EXP unless `shape` says
+    otherwise); it decodes through the Engine (per-slot states, QSA indexer)."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("qwen4_exp_text", **{**QWEN4_EXP, **shape}, dtype=dtype,
+                               tie_word_embeddings=False)
     return _dense_on_gpu(cfg, device, dtype, seed)
 
 

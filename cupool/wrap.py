@@ -24,10 +24,11 @@ import dataclasses
 import torch
 
 from cupool import _cuda
-from cupool.adapters import MoELayerSpec, check_consistent, find_moe_layers
+from cupool.adapters import MoELayerSpec, UnsupportedModelError, check_consistent, find_moe_layers
 from cupool.bank import Bank
 from cupool.budget import MARGIN_BYTES, parse_bytes, rows_for_device, staging_and_tables_bytes
 from cupool.gemm import MoEGemm
+from cupool.hosttable import host_table_names, place_host_tables
 from cupool.layout import RowLayout, pack_rows
 from cupool.ops.nvfp4_quant import quantize as gpu_quantize
 from cupool.pool import Pool
@@ -42,13 +43,14 @@ def _layer_rows(spec: MoELayerSpec, layout: RowLayout, device, chunk: int = 16):
     for e0 in range(0, E, chunk):
         e1 = min(E, e0 + chunk)
         if stacked is not None:
-            g, u, d = (t[e0:e1].to(device, non_blocking=True).contiguous() for t in stacked)
+            g, u, d = (None if t is None else t[e0:e1].to(device, non_blocking=True).contiguous()
+                       for t in stacked)
         else:
             mats = [spec.expert(e) for e in range(e0, e1)]
             g, u, d = (torch.stack([m[i] for m in mats]).to(device) for i in range(3))
         bias = None if biases is None else tuple(b[e0:e1].to(device) for b in biases)
-        rows = pack_rows(layout, gpu_quantize(g, name=f"{spec.name} gate"),
-                         gpu_quantize(u, name=f"{spec.name} up"),
+        qg = None if g is None else gpu_quantize(g, name=f"{spec.name} gate")
+        rows = pack_rows(layout, qg, gpu_quantize(u, name=f"{spec.name} up"),
                          gpu_quantize(d, name=f"{spec.name} down"), bias=bias)
         out[e0:e1].copy_(rows, non_blocking=True)
     torch.cuda.current_stream(device).synchronize()
@@ -102,9 +104,14 @@ def plan(specs: list[MoELayerSpec], *, pending_bytes: int, rows=None, budget=Non
     if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) \
             or max_prefill_tokens < 1:
         raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
+    if not s0.gated:
+        raise UnsupportedModelError(
+            s0.name, f"its experts have no gate ({s0.activation.describe()}): their rows "
+                     f"(RowLayout(gated=False)) and float reference exist, but the decode and "
+                     f"prefill kernels for them do not yet")
     _cuda.require_gpu("cupool.wrap")
     dev = torch.device("cuda", _cuda.device_index(device))
-    layout = RowLayout(H, I, bias=s0.bias)
+    layout = RowLayout(H, I, bias=s0.bias, gated=s0.gated)
     max_lanes = max_decode_tokens * K
     gemm = MoEGemm(layout, K, s0.dtype, max_decode_tokens=max_decode_tokens,
                    max_prefill_tokens=max_prefill_tokens, num_experts=E,
@@ -172,9 +179,11 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
     E = s0.num_experts
     dev = torch.device("cuda", _cuda.device_index(device)) if torch.cuda.is_available() else None
     expert_params = {id(p) for s in specs for p in s.module.parameters()}
+    named = dict(model.named_parameters())
+    tables = {id(named[n]) for n in host_table_names(model)}     # stay in host memory
     pending = sum(t.numel() * t.element_size()
                   for t in list(model.parameters()) + list(model.buffers())
-                  if id(t) not in expert_params and t.device != dev)
+                  if id(t) not in expert_params | tables and t.device != dev)
     p = plan(specs, pending_bytes=pending, rows=rows, budget=budget, device=device,
              kv_reserve=kv_reserve, max_decode_tokens=max_decode_tokens,
              max_prefill_tokens=max_prefill_tokens, scratch_rows=scratch_rows,
@@ -207,5 +216,8 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
                 return r
             store.fill(make_layer, progress=progress, desc="quantize experts -> NVFP4 store")
 
-    return assemble(model, specs, p, fill, route_fn=route_fn,
-                    before_bank=lambda: model.to(p.device))
+    def dense():
+        place_host_tables(model, p.device)          # before .to(): they never touch the GPU
+        model.to(p.device)
+
+    return assemble(model, specs, p, fill, route_fn=route_fn, before_bank=dense)

@@ -512,6 +512,53 @@ def fp8_dense(t: dict, module: str, how: str = "tensor", block=(128, 128),
     return w8.float() * full
 
 
+def fp8_quantize(w: torch.Tensor, how: str = "block", block=(128, 128),
+                 scale_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, scale, dequantized float32) of a float [N, K] matrix, as DeepSeek's
+    and Qwen's FP8 exporters write it: how "block" (scale [ceil(N/bn), ceil(K/bk)] = amax / 448
+    of each bn × bk block, partial blocks at the edges) or "channel" ([N, 1]); the scale in
+    `scale_dtype` (float32: DeepSeek-V3, Kimi-K2; bf16: Qwen3.5's weight_scale_inv)."""
+    w = w.float()
+    n, k = w.shape
+    if how == "channel":
+        s = (w.abs().amax(dim=1, keepdim=True) / 448).to(scale_dtype)
+        full = s.float()
+    else:
+        bn, bk = block
+        pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+        pad[:n, :k] = w.abs()
+        s = pad.reshape(pad.shape[0] // bn, bn, pad.shape[1] // bk, bk).amax(dim=(1, 3)) / 448
+        s = torch.where(s > 0, s, torch.ones_like(s)).to(scale_dtype)
+        full = s.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    w8 = (w / full).to(torch.float8_e4m3fn)
+    return w8, s, w8.float() * full
+
+
+def put_fp8_experts(t: dict, arch: Arch, experts: dict, *, how: str = "block", block=(128, 128),
+                    scale_dtype=torch.float32, scale_name: str = "weight_scale_inv") -> dict:
+    """FP8 experts under the arch's per-expert names (`{pre}.{e}.{proj}.weight` float8_e4m3fn +
+    `{scale_name}`); returns {layer: (gate, up, down)} of their dequantized float32 values."""
+    out = {}
+    for layer, mats in experts.items():
+        pre = arch.prefix(layer)
+        deq = [torch.empty(m.shape) for m in mats]
+        for e in range(mats[0].shape[0]):
+            for p, (proj, w) in enumerate(zip(arch.spelling, mats)):
+                w8, sc, dq = fp8_quantize(w[e], how, block, scale_dtype)
+                t[f"{pre}.{e}.{proj}.weight"] = w8
+                t[f"{pre}.{e}.{proj}.{scale_name}"] = sc
+                deq[p][e] = dq
+        out[layer] = tuple(deq)
+    return out
+
+
+def fp8_config_json(config: dict, block=(128, 128), **extra) -> dict:
+    """config.json with the quantization_config DeepSeek-V3, Kimi-K2 and Qwen's -FP8 publish."""
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+         "weight_block_size": list(block), **extra}
+    return dict(config, quantization_config=q)
+
+
 # --- writing -------------------------------------------------------------------------------------
 def save(directory, tensors: dict, config: dict, *, shards: int = 1, dtype=torch.bfloat16,
          hf_quant_config: dict | None = None) -> Path:

@@ -350,8 +350,11 @@ def test_hf_bias_shapes_checked():
         find_moe_layers(model)
 
 
-def test_hf_no_gate_refused():
-    with pytest.raises(UnsupportedModelError, match="because .*has_gate=False"):
+def test_hf_no_gate_needs_up_proj():
+    """has_gate=False reads up_proj (test_nongated.py); a module declaring it without one is
+    refused."""
+    with pytest.raises(UnsupportedModelError, match="because its experts have no gate, and "
+                                                    "up_proj / down_proj are not two 3-D tensors"):
         find_moe_layers(_hand_made(has_gate=False))
 
 

@@ -32,7 +32,7 @@ EXAMPLES = ROOT / "examples"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 EXAMPLE_SCRIPTS = ("budget_report.py", "decode_loop.py", "hf_generate.py")
 MINE = ("bench_store.py", "bench_nvfp4.py", "bench_planner.py", "bench_gemm.py", "bench_decode.py",
-        "bench_long.py", "bench_prefix.py",
+        "bench_long.py", "bench_prefix.py", "bench_ngram.py",
         "profile_decode.py", "profile_gemm.py", "profile_host.py", "profile_read.py",
         "ncu_source.py") + EXAMPLE_SCRIPTS
 
@@ -49,6 +49,8 @@ NEEDS_GPU = [
     ["bench_gemm.py", "--layers", "8", "--scratch", "32x2", "48x3"],
     ["bench_decode.py", "--small", "--compile"],
     ["bench_decode.py", "--model", "gpt-oss-120b", "--small"],
+    ["bench_decode.py", "--model", "qwen4_exp", "--small"],
+    ["bench_ngram.py", "--table", "1GiB", "--batches", "1", "4"],
     ["bench_long.py", "--contexts", "4096", "--soak-steps", "96"],
     ["bench_prefix.py", "--small"],
     ["profile_decode.py", "--layers", "2"],
@@ -68,6 +70,7 @@ BAD_SUBPROCESS = [
     (["bench_decode.py", "--plot-only", "benchmarks/run_gpu.sh"], "--plot-only"),   # not JSON
     (["bench_long.py", "--contexts", "8"], "--contexts"),
     (["bench_prefix.py", "--prefix", "8"], "--prefix"),
+    (["bench_ngram.py", "--table", "lots"], "--table"),
     (["budget_report.py", "--budget", "lots"], "--budget"),
     (["decode_loop.py", "--tokens", "-3"], "--tokens"),
     (["decode_loop.py", "--bank", "1.5"], "--bank"),                     # a fraction, (0, 1]
@@ -97,6 +100,7 @@ BAD = BAD_SUBPROCESS + [
     (["bench_serve.py", "--prefetch", "trace", "--routing", "router"], "--routing locality"),
     (["bench_serve.py", "--prefetch", "router", "--prefetch-accuracy", "2"], "--prefetch-accuracy"),
     (["bench_long.py", "--bank", "5"], "--bank"),
+    (["bench_ngram.py", "--batches", "0"], "--batches"),
     (["bench_long.py", "--soak-steps", "0"], "--soak-steps"),
     (["bench_prefix.py", "--new", "0"], "--new"),
     (["bench_prefix.py", "--bank", "3"], "--bank"),

@@ -417,7 +417,9 @@ def _matches_gpt_oss_experts(d, stored):
         for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
             getattr(module, n).copy_(stored[f"{pre}.{n}"].float())
     x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    act = swiglu_clamp(cfg.swiglu_alpha, cfg.swiglu_limit)
+    # the module's own alpha and limit: transformers >= 5.24 takes them from the config
+    # (swiglu_alpha, swiglu_limit), earlier releases fix them in the module
+    act = swiglu_clamp(module.alpha, module.limit)
     with open_checkpoint(d) as ck:
         ex = ck.experts(0)
         for e in range(ex.n):

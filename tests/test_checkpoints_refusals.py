@@ -1,5 +1,5 @@
 """What cupool.checkpoints refuses, each with a CheckpointError naming the file or tensor and the
-values: FP8 experts (DeepSeek-V3's native weight_scale_inv, ModelOpt FP8), int4 AWQ / GPTQ
+values: FP8 experts without their scales, ModelOpt FP8 experts, int4 AWQ / GPTQ
 (config and tensors), gpt-oss MXFP4 tensors in a checkpoint of another quantization, unknown
 quant_method / quant_algo, expert biases on part of a layer, missing shards and experts, wrong
 dtypes and shapes, layers that disagree, and
@@ -46,23 +46,20 @@ def _edit(d, fn):
 
 
 # --- formats -------------------------------------------------------------------------------------
-def test_deepseek_native_fp8_experts(tmp_path, rng):
-    """deepseek-ai/DeepSeek-V3: float8_e4m3fn experts with 128×128 float32 weight_scale_inv."""
+def test_fp8_experts_without_scales(tmp_path, rng):
+    """float8_e4m3fn experts need their weight_scale_inv (or weight_scale) beside them; with one,
+    they are read (test_checkpoints_fp8.py)."""
     a, t, _ex = _float_ckpt(tmp_path, rng)
     for k in [k for k in t if ".experts." in k]:
-        w = t.pop(k)
-        t[k] = w.float().to(torch.float8_e4m3fn)
-        t[k.replace(".weight", ".weight_scale_inv")] = torch.ones(-(-w.shape[0] // 128),
-                                                                  -(-w.shape[1] // 128))
+        t[k] = t[k].float().to(torch.float8_e4m3fn)
     cfg = dict(a.config, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
                                               "quant_method": "fp8",
                                               "weight_block_size": [128, 128]})
     d = save(tmp_path / "ds", t, cfg)
     with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.experts.0.gate_proj: FP8 experts "
                                               r"\(model.layers.0.mlp.experts.0.gate_proj.weight "
-                                              r"\(float8_e4m3fn \[32, 64\], model.safetensors\), "
-                                              r".*weight_scale_inv \(float32 \[1, 1\].*are not "
-                                              r"supported; cupool serves float"):
+                                              r"\(float8_e4m3fn \[32, 64\], model.safetensors\)\) "
+                                              r"are not supported here"):
         open_checkpoint(d)
 
 
@@ -78,10 +75,11 @@ def test_modelopt_fp8(tmp_path, rng):
     with pytest.raises(CheckpointError, match=r"hf_quant_config.json: quant_algo 'FP8' quantizes "
                                               r"the experts to FP8, which cupool does not serve"):
         open_checkpoint(d)
-    (d / "hf_quant_config.json").unlink()                   # the tensors say it just as well
-    with pytest.raises(CheckpointError, match=r"experts.0.gate_proj: FP8 experts .*float8_e4m3fn "
-                                              r"\[32, 64\].*weight_scale \(float32 \[\]"):
-        open_checkpoint(d)
+    # without the config, the tensors are FP8 experts with per-tensor scales: read as FP8
+    # (test_checkpoints_fp8.py), converted to NVFP4 at load
+    (d / "hf_quant_config.json").unlink()
+    with open_checkpoint(d) as ck:
+        assert ck.format == "fp8"
 
 
 def _int4(t, kind):

@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "cupool"
 LAYERS = {
     "cupool._cuda": 0, "cupool.kernels": 0, "cupool.rawkernels": 0,
     "cupool.nvfp4": 1, "cupool.layout": 1, "cupool.store": 1, "cupool.budget": 1,
-    "cupool.trace": 1, "cupool.activation": 1, "cupool.estimate": 1,
+    "cupool.trace": 1, "cupool.activation": 1, "cupool.estimate": 1, "cupool.hosttable": 1,
     "cupool.reference": 2, "cupool.ops": 2,
     "cupool.bank": 3, "cupool.gemm": 3,
     "cupool.adapters": 4, "cupool.layer": 4, "cupool.swap": 4, "cupool.pool": 4,
@@ -20,6 +20,7 @@ LAYERS = {
     "cupool.prefetch": 4,
     "cupool.checkpoints": 3, "cupool.pretrained": 5,
     "cupool.kvcache": 6, "cupool.sampling": 6, "cupool.engine": 6, "cupool.fused": 6,
+    "cupool.slotstate": 6, "cupool.graphsafe": 6,
     "cupool.serve": 7, "cupool.cli": 7, "cupool.__main__": 7, "cupool.synthetic": 7,
     "cupool": 7,                                       # the package's __init__: the public API
 }

@@ -45,6 +45,110 @@ FAMILIES = {
 }
 
 
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+               linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
+# Hybrid families (layers that keep a state instead of keys, or need graph-safe forwards), for the
+# engine: model_type -> (config kwargs, expected (MoE layer numbers, E, K, H, I, experts path with
+# {i} for the layer)). Layer types mix full attention with the family's recurrent layer at two
+# places, so a chunked prefill crosses both kinds.
+HYBRID_FAMILIES = {
+    "qwen3_next": (dict(_COMMON, num_hidden_layers=4, hidden_size=48, head_dim=16,
+                        intermediate_size=64, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                        layer_types=["linear_attention", "linear_attention", "full_attention",
+                                     "linear_attention"], **_LINEAR),
+                   ([0, 1, 2, 3], 8, 2, 48, 32, "model.layers.{i}.mlp.experts")),
+    "qwen3_5_moe_text": (dict(_COMMON, num_hidden_layers=4, hidden_size=48, head_dim=16,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                              num_experts=8, num_experts_per_tok=2,
+                              layer_types=["linear_attention", "full_attention",
+                                           "linear_attention", "full_attention"], **_LINEAR),
+                         ([0, 1, 2, 3], 8, 2, 48, 32, "model.layers.{i}.mlp.experts")),
+    # Qwen3.8-Flash-Next: gated delta nets, QSA (indexed) attention, 2 hyper-connection streams,
+    # n-gram per-layer embeddings on layers 1 and 3 (one-indexed). 4 indexer heads make exact
+    # score ties (all heads' dot products negative) rare; budget 8 of blocks of 4 keeps 2 blocks.
+    "qwen4_exp_text": (dict(_COMMON, num_hidden_layers=4, hidden_size=48, head_dim=16,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                            num_experts=8, num_experts_per_tok=2, hc_count=2, hc_lowrank=8,
+                            ple_layer_ids=[1, 3], ple_embed_dim=16, heads_per_ngram=4,
+                            ngram_vocab_size_base=50, split_ngram_parts=1, indexer_n_heads=4,
+                            indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                            indexer_compress_ratio=4, **_LINEAR),
+                       ([0, 1, 2, 3], 8, 2, 48, 32, "model.layers.{i}.mlp.experts")),
+    # Kimi delta attention + MLA full attention; layer 0 dense.
+    "kimi_linear": (dict(_COMMON, num_hidden_layers=4, hidden_size=48, intermediate_size=64,
+                         moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                         n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None,
+                         qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8,
+                         linear_head_dim=8, linear_num_heads=4,
+                         layer_types=["linear_attention", "full_attention", "linear_attention",
+                                      "full_attention"],
+                         mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
+                    ([1, 2, 3], 8, 2, 48, 32, "model.layers.{i}.mlp.experts")),
+    # Granite-4: Mamba-2 mixers and attention.
+    "granitemoehybrid": (dict(_COMMON, num_hidden_layers=4, hidden_size=48, intermediate_size=32,
+                              shared_intermediate_size=32, num_local_experts=8,
+                              num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=12,
+                              mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1,
+                              layer_types=["mamba", "attention", "mamba", "mamba"]),
+                         ([0, 1, 2, 3], 8, 2, 48, 32, "model.layers.{i}.block_sparse_moe.experts")),
+    # MiniMax: lightning (linear) attention and full attention.
+    "minimax": (dict(_COMMON, num_hidden_layers=4, hidden_size=48, head_dim=16,
+                     intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                     block_size=8, layer_types=["linear_attention", "full_attention",
+                                                "linear_attention", "full_attention"]),
+                ([0, 1, 2, 3], 8, 2, 48, 32, "model.layers.{i}.mlp.experts")),
+    "phimoe": (dict(_COMMON, hidden_size=48, intermediate_size=32, num_local_experts=4,
+                    num_experts_per_tok=2),
+               ([0, 1, 2], 4, 2, 48, 32, "model.layers.{i}.mlp.experts")),
+    # MLA with num_key_value_heads != num_attention_heads; layer 0 dense.
+    "deepseek_v2": (dict(_COMMON, hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
+                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                         first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                         qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8,
+                         num_attention_heads=4, num_key_value_heads=1),
+                    ([1, 2], 8, 2, 48, 16, "model.layers.{i}.mlp.experts")),
+    # Nemotron-H: Mamba-2, attention, non-gated MoE (relu^2) and MLP blocks, one a layer.
+    "nemotron_h": (dict(_COMMON, num_hidden_layers=4, hidden_size=48, intermediate_size=32,
+                        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_shared_expert_intermediate_size=32, mamba_num_heads=4,
+                        mamba_head_dim=12, ssm_state_size=8, n_groups=1, conv_kernel=4,
+                        expand=1, layer_types=["linear_attention", "moe", "full_attention",
+                                               "mlp"]),
+                   ([1], 8, 2, 48, 32, "model.layers.{i}.mixer.experts")),
+}
+
+
+def hybrid_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A randomly initialised causal LM of a HYBRID_FAMILIES family on the CPU, experts spread
+    as hf_model spreads them, every other weight large enough that each layer counts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    kwargs, _ = HYBRID_FAMILIES[family]
+    torch.manual_seed(seed)
+    # initializer_range 0.15 (transformers' default 0.02) gives token mixers outputs of the
+    # residual stream's size: at 0.02, qwen4_exp's last logits moved by 0.006 (std 0.07) when
+    # the first 20 of 23 tokens were dropped, so a lost recurrent state went unnoticed.
+    cfg = AutoConfig.for_model(family, **{"initializer_range": 0.15, **kwargs, **overrides})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    _spread_experts(model)
+    return model.eval()
+
+
+def _spread_experts(model):
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
+                m.gate_up_proj.normal_(0, 0.2)
+                m.down_proj.normal_(0, 0.2)
+            elif hasattr(m, "up_proj") and isinstance(getattr(m, "up_proj"), torch.Tensor):
+                m.up_proj.normal_(0, 0.2)          # non-gated experts (Nemotron-H)
+                m.down_proj.normal_(0, 0.2)
+            for name in ("gate_up_proj_bias", "down_proj_bias"):      # gpt-oss: biases matter
+                if isinstance(getattr(m, name, None), torch.Tensor):
+                    getattr(m, name).normal_(0, 0.1)
+
+
 def hf_config(family: str, **overrides):
     from transformers import AutoConfig
     kwargs, _ = FAMILIES[family]
@@ -58,14 +162,7 @@ def hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     model = AutoModelForCausalLM.from_config(hf_config(family, **overrides), dtype=dtype)
     # from_config leaves fused expert parameters as initialised; make them clearly non-zero and
     # distinct per row so that a wrong slice cannot match by accident.
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
-                m.gate_up_proj.normal_(0, 0.2)
-                m.down_proj.normal_(0, 0.2)
-            for name in ("gate_up_proj_bias", "down_proj_bias"):      # gpt-oss: biases matter
-                if isinstance(getattr(m, name, None), torch.Tensor):
-                    getattr(m, name).normal_(0, 0.1)
+    _spread_experts(model)
     return model.eval()
 
 
@@ -193,8 +290,8 @@ class ListMoEModel(nn.Module):
 
 def moe_reference(spec, x, ids, weights):
     """out [T, H] = Σ_k weights[:, k] · (down(act(gate·x + b_g, up·x + b_u)) + b_d) of expert
-    ids[:, k], from spec.expert(e), spec.biases() and spec.activation: what the pooled layer must
-    compute from what the adapter hands out."""
+    ids[:, k] (act(up·x) for non-gated experts), from spec.expert(e), spec.biases() and
+    spec.activation: what the pooled layer must compute from what the adapter hands out."""
     out = torch.zeros_like(x)
     biases = spec.biases()
     for t in range(x.shape[0]):
@@ -202,6 +299,7 @@ def moe_reference(spec, x, ids, weights):
             e = int(ids[t, k])
             gate, up, down = spec.expert(e)
             bg, bu, bd = (None, None, None) if biases is None else (b[e] for b in biases)
-            h = spec.activation(F.linear(x[t], gate, bg), F.linear(x[t], up, bu))
+            g = None if gate is None else F.linear(x[t], gate, bg)      # None: non-gated
+            h = spec.activation(g, F.linear(x[t], up, bu))
             out[t] += weights[t, k] * F.linear(h, down, bd)
     return out

@@ -88,6 +88,20 @@ _PER_EXPERT = re.compile(rf"^{_HEAD}(?:(?P<e1>\d+)\.(?P<p1>{_PROJ})|(?P<p2>{_PRO
                          r"\.(?P<suffix>[A-Za-z0-9_]+)$")
 _FUSED = re.compile(rf"^{_HEAD}(?P<proj>gate_up_proj|down_proj)"
                     r"(?P<suffix>(?:_[A-Za-z0-9_]+)?(?:\.[A-Za-z0-9_]+)?)$")
+# Fused experts stored under other names, read as the fused names they stand for (transformers'
+# own renames): Granite's (GraniteMoe, Granite-4) block_sparse_moe.input_linear [E, 2I, H], gate
+# rows first, and output_linear [E, H, I].
+FUSED_ALIASES = ((re.compile(r"\.block_sparse_moe\.input_linear(?=[._])"),
+                  ".block_sparse_moe.experts.gate_up_proj"),
+                 (re.compile(r"\.block_sparse_moe\.output_linear(?=[._])"),
+                  ".block_sparse_moe.experts.down_proj"))
+
+
+def fused_alias(name: str) -> str:
+    """`name` with a FUSED_ALIASES rename applied (unchanged where none applies)."""
+    for pat, rep in FUSED_ALIASES:
+        name = pat.sub(rep, name, count=1)
+    return name
 
 
 class ExpertKind(enum.Enum):
@@ -362,6 +376,7 @@ class Checkpoint:
     format = "?"
     naming: NVFP4Naming | None = None
     conversion = None
+    reads_fp8_experts = False      # block-scaled FP8 experts dequantized (`checkpoints.fp8`)
 
     def __init__(self, path, index: TensorIndex, config: dict, quant=None, *,
                  include_mtp: bool = False):
@@ -400,7 +415,7 @@ class Checkpoint:
                 g.order.add(order)
                 self._expert_names.add(name)
                 continue
-            m = _FUSED.match(name)
+            m = _FUSED.match(fused_alias(name))
             if m:
                 g = groups.setdefault((m["head"], int(m["layer"]), m["mid"]),
                                       _Group(m["head"], int(m["layer"]), m["mid"]))
@@ -479,6 +494,10 @@ class Checkpoint:
                                   f"({a.group.base}) has them, layer {b.index} ({b.group.base}) "
                                   f"has none; one row layout serves every MoE layer")
         self.has_bias = first.bias
+        if any(sp.source == "fp8" for sp in self._layers.values()):
+            from cupool.checkpoints.fp8 import Fp8Tally
+            self.format = "fp8"
+            self.conversion = Fp8Tally()
         for keys, val, what in ((EXPERT_KEYS, self.num_experts, "E"),
                                 (HIDDEN_KEYS, self.hidden, "H"),
                                 (INTERMEDIATE_KEYS, self.intermediate, "I")):
@@ -567,7 +586,12 @@ class Checkpoint:
             for p, rows in enumerate((i_, i_, h_)):
                 for roles in per[p]:
                     self._check_bias(roles["b"], (rows,))
-        return _Layer(idx, g, kind, dtype, n_exp, h_, i_, per=per, bias=bool(with_bias))
+        fp8 = kind is ExpertKind.FLOAT and "s" in per[0][0]
+        if fp8 and not all("s" in r for rows in per for r in rows):
+            raise CheckpointError(f"layer {idx}: some experts' weights are FP8 with scales and "
+                                  f"some are not; a layer's experts share one format")
+        return _Layer(idx, g, kind, dtype, n_exp, h_, i_, per=per, bias=bool(with_bias),
+                      source="fp8" if fp8 else "stored")
 
     def _check_bias(self, b: TensorInfo, shape: tuple) -> None:
         """A bias tensor's dtype (float) and shape, from the header."""
@@ -638,6 +662,11 @@ class Checkpoint:
             raise CheckpointError(f"layer {idx}: {gu.describe()} and {dn.describe()} hold "
                                   f"{n_exp} and {dn.shape[0]} experts; config.json gives "
                                   f"{cfg_e}")
+        if k0 is ExpertKind.FLOAT and ("s" in r0 or "s" in r1):
+            raise CheckpointError(f"layer {idx}: fused FP8 experts ({gu.describe()}) are not "
+                                  f"supported; FP8 experts are read per expert "
+                                  f"({g.base}.<e>.gate_proj.weight + weight_scale_inv), as "
+                                  f"DeepSeek-V3, Kimi-K2 and Qwen publish them")
         if k0 is ExpertKind.FLOAT:
             (a, b), (c, d) = gu.shape[1:], dn.shape[1:]
             if (a, b) == (2 * d, c):
@@ -752,8 +781,15 @@ class Checkpoint:
                 kind = ExpertKind.FLOAT
             elif w.dtype in FP8_DTYPES:
                 scale = comps.get("weight_scale_inv") or comps.get("weight_scale")
-                refuse(f"FP8 experts ({w.describe()}"
-                       f"{', ' + scale.describe() if scale else ''}) are not supported")
+                if scale is None or not self.reads_fp8_experts:
+                    refuse(f"FP8 experts ({w.describe()}"
+                           f"{', ' + scale.describe() if scale else ''}) are not supported "
+                           f"here (block-scaled FP8 experts are read from checkpoints whose "
+                           f"config.json quantization_config has quant_method 'fp8', or none, "
+                           f"with weight_scale_inv / weight_scale beside each weight)")
+                if len(w.shape) == 2:
+                    self._fp8_layout(w, scale)           # the scale's shape fits the weight
+                kind = ExpertKind.FLOAT
             elif w.dtype == torch.uint8:
                 if nm is None or nm.weight != "weight":
                     refuse(f"{w.describe()} is a uint8 weight with no NVFP4 scales this "
@@ -768,6 +804,8 @@ class Checkpoint:
                 refuse(f"{w.describe()}: dtype {w.dtype} is not an expert format cupool reads")
         if kind is ExpertKind.FLOAT:
             roles = {"w": comps["weight"]}
+            if comps["weight"].dtype in FP8_DTYPES:
+                roles["s"] = comps.get("weight_scale_inv") or comps["weight_scale"]
         else:
             roles = {"w": comps[nm.weight], "s": comps[nm.block_scale],
                      "g": comps[nm.global_scale]}
@@ -886,6 +924,16 @@ class Checkpoint:
         """The tensor names holding this layer's routed experts (weights and scales)."""
         return self._layer(layer).group.names()
 
+    def matrix_names(self, layer: int, start: int, stop: int) -> list[list[str]]:
+        """[gate, up, down] lists of the weight tensors of experts [start, stop) of a per-expert
+        layer (what conversion tallies name)."""
+        spec = self._layer(layer)
+        if spec.per is None:
+            gu, dn = (f"{spec.group.base}.{p}" for p in FUSED_PROJS)
+            return [[f"{t}[{e}]{h}" for e in range(start, stop)]
+                    for t, h in ((gu, " (gate)"), (gu, " (up)"), (dn, ""))]
+        return [[r["w"].name for r in spec.per[p][start:stop]] for p in range(3)]
+
     def experts(self, layer: int, start: int = 0, stop: int | None = None) -> Experts:
         """The experts [start, stop) of checkpoint layer `layer`, reading only those bytes.
 
@@ -941,6 +989,12 @@ class Checkpoint:
         out = []
         for p, (rows, cols) in enumerate(((I, H), (I, H), (H, I))):
             roles = spec.per[p][start:stop]
+            if spec.kind is ExpertKind.FLOAT and spec.source == "fp8":
+                w = torch.empty(n, rows, cols, dtype=torch.float32)
+                for i, r in enumerate(roles):
+                    w[i] = self._fp8_dequantize(r["w"], r["s"])
+                out.append(w)
+                continue
             if spec.kind is ExpertKind.FLOAT:
                 w = torch.empty(n, rows, cols, dtype=spec.dtype)
                 for i, r in enumerate(roles):
@@ -1088,9 +1142,13 @@ class Checkpoint:
             check_nvfp4(q, lambda i: r["s"].name, lambda i: self._g_label(r["g"].name),
                         self.naming.hint)
             return nvfp4.dequantize(q[0], torch.float32).to(dtype)
-        w = self.index.read(r["w"].name).float()
-        s = self.index.read(r["s"].name).float()
-        how, bn, bk = self._fp8_layout(r["w"], r["s"])
+        return self._fp8_dequantize(r["w"], r["s"]).to(dtype)
+
+    def _fp8_dequantize(self, w_info: TensorInfo, s_info: TensorInfo) -> torch.Tensor:
+        """float32 [N, K]: an FP8 weight times its per-tensor, per-row or block scale."""
+        w = self.index.read(w_info.name).float()
+        s = self.index.read(s_info.name).float()
+        how, bn, bk = self._fp8_layout(w_info, s_info)
         n, k = w.shape
         if how == "tensor":
             w = w * s.reshape(())
@@ -1098,7 +1156,13 @@ class Checkpoint:
             w = w * s.reshape(n, 1)
         else:
             w = w * _expand_blocks(s, n, k, bn, bk)
-        return w.to(dtype)
+        bad = ~torch.isfinite(w)
+        if bool(bad.any()):
+            at = [int(x) for x in torch.nonzero(bad)[0]]
+            raise CheckpointError(f"{w_info.name}: dequantized value {float(w[tuple(at)])} at "
+                                  f"{at} (with {s_info.name}); FP8 weights and scales must be "
+                                  f"finite")
+        return w
 
     def dense_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
         """Bytes of every dense tensor as `dense_tensor(name, dtype)` returns it (no data read)."""

@@ -7,8 +7,9 @@ Detection, from the config files first and the tensors second:
   ("modelopt-nvfp4"; quant_algo checked: FP8, int4 AWQ, MXFP4 and unknown algorithms refused);
 - quant_method "compressed-tensors": "compressed-tensors-nvfp4" (format checked: FP8
   float-quantized, int4 pack-quantized, MXFP4 refused);
-- quant_method "fp8" (DeepSeek-V3's native FP8): "float" when the experts are float, refused when
-  they are FP8 (they are, in DeepSeek's own releases);
+- quant_method "fp8" (DeepSeek-V3/R1, Kimi-K2, Qwen's -FP8): "float" when the experts are float,
+  "fp8" when they are block-scaled FP8 (`cupool.checkpoints.fp8`: read dequantized, converted to
+  NVFP4 at load, the error of each matrix tallied);
 - quant_method "mxfp4" (gpt-oss `*_blocks` / `*_scales` experts): "mxfp4", converted to NVFP4
   as they are read (`cupool.checkpoints.mxfp4`);
 - quant_method awq / gptq (int4: qweight/qzeros/scales), bitsandbytes, and any other: refused,
@@ -16,8 +17,8 @@ Detection, from the config files first and the tensors second:
 - no quantization config: ModelOpt, compressed-tensors or MXFP4 when the tensors are theirs
   (`*weight_scale_2`, `*weight_packed` + `*weight_global_scale`, `*_proj_blocks`), else "float".
 The chosen reader then checks every routed-expert tensor's dtype and shape from the headers, so
-an FP8 or int4 expert is refused whatever the config says, and MXFP4 experts are read only by
-the MXFP4 reader.
+an int4 expert (or an FP8 one without its scale) is refused whatever the config says, and MXFP4
+experts are read only by the MXFP4 reader.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from cupool.nvfp4 import NVFP4Tensor
 CONFIG = "config.json"
 _INT4 = {"awq": "int4 AWQ", "awq_marlin": "int4 AWQ", "gptq": "int4 GPTQ",
          "gptq_marlin": "int4 GPTQ", "auto-round": "int4 AutoRound", "autoround": "int4 AutoRound"}
-FORMATS = ("float", "modelopt-nvfp4", "compressed-tensors-nvfp4", "mxfp4")
+FORMATS = ("float", "fp8", "modelopt-nvfp4", "compressed-tensors-nvfp4", "mxfp4")
 MXFP4_NAMES = ("gate_up_proj_blocks", "down_proj_blocks")
 
 
@@ -96,7 +97,7 @@ def open_checkpoint(path, *, include_mtp: bool = False) -> Checkpoint:
     model.safetensors.index.json; optional hf_quant_config.json) from its config files and tensor
     headers. No tensor data is read.
 
-    Returns the format's `Checkpoint` (`.format` one of "float", "modelopt-nvfp4",
+    Returns the format's `Checkpoint` (`.format` one of "float", "fp8", "modelopt-nvfp4",
     "compressed-tensors-nvfp4", "mxfp4"), whose `moe_layers`, `num_experts` E, `hidden` H and
     `intermediate` I are checked against config.json where it states them. MTP layers are left
     out unless include_mtp. CheckpointError (a ValueError) naming the file or tensor and the values

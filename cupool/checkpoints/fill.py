@@ -10,7 +10,9 @@ converts them), lay them out as store rows with the experts' biases where they h
 (`cupool.layout.pack_rows`), and write the rows into the store before the next window is read.
 Host memory is the store plus one window's temporaries, never a whole layer in float. A fill of
 an MXFP4 checkpoint ends with one line on the `cupool` logger: how many blocks converted exactly
-and which were requantized (WARNING when any was, INFO otherwise).
+and which were requantized (WARNING when any was, INFO otherwise); a fill of block-scaled FP8
+experts (read dequantized to float32, quantized like float ones) one line with the matrices'
+errors against their FP8 values (`cupool.checkpoints.fp8`; WARNING for outliers).
 
 The temporaries of a window of n experts on the CPU are bounded by n · expert_temp_bytes(layout,
 itemsize), with
@@ -70,22 +72,31 @@ def _device(device) -> torch.device:
     return dev
 
 
-def _rows(ex, layout: _layout.RowLayout, dev: torch.device) -> torch.Tensor:
-    """uint8 [n, row_bytes] CPU rows of a window of experts (with their biases, if any)."""
+def _rows(ck: Checkpoint, ex, layout: _layout.RowLayout, dev: torch.device) -> torch.Tensor:
+    """uint8 [n, row_bytes] CPU rows of a window of experts (with their biases, if any); float
+    experts converted from FP8 have each matrix's error tallied (`cupool.checkpoints.fp8`)."""
+    measure = ex.kind is ExpertKind.FLOAT and ck._layer(ex.layer).source == "fp8"
     if dev.type == "cpu":
-        return _layout.pack_rows(layout, *ex.nvfp4(), chunk=ex.n, bias=ex.bias)
-    if ex.kind is ExpertKind.FLOAT:
+        mats = ex.nvfp4()
+        floats = (ex.gate, ex.up, ex.down)
+    elif ex.kind is ExpertKind.FLOAT:
         from cupool.ops.nvfp4_quant import quantize as gpu_quantize
-        mats = []
+        mats, floats = [], []
         for proj, w in zip(("gate", "up", "down"), (ex.gate, ex.up, ex.down)):
+            wd = w.to(dev)
             try:
-                mats.append(gpu_quantize(w.to(dev), name=proj))
+                mats.append(gpu_quantize(wd, name=proj))
             except ValueError as e:
                 raise CheckpointError(f"layer {ex.layer}, experts [{ex.start}, {ex.stop}): "
                                       f"{e}") from None
+            floats.append(wd)
     else:
         mats = [NVFP4Tensor(q.packed.to(dev), q.block_scale.to(dev), q.global_scale.to(dev))
                 for q in (ex.gate, ex.up, ex.down)]
+    if measure:
+        from cupool.checkpoints.fp8 import matrix_errors
+        for names, q, w in zip(ck.matrix_names(ex.layer, ex.start, ex.stop), mats, floats):
+            ck.conversion.record(names, *matrix_errors(q, w))
     bias = None if ex.bias is None else tuple(b.to(dev) for b in ex.bias)
     return _layout.pack_rows(layout, *mats, chunk=ex.n, bias=bias).cpu()
 
@@ -103,7 +114,7 @@ def fill_store(store, ckpt, layout: _layout.RowLayout, *, layers=None, device=No
     reference, a CUDA device with the bit-identical GPU kernel; NVFP4 experts are laid out
     unchanged either way. window: experts per window (default `default_window`: temporaries
     ≤ 1 GiB, module docstring). Rows go in through `store.write_row` as each window is done.
-    A checkpoint read by conversion (MXFP4) logs what this fill converted at the end (module
+    A checkpoint read by conversion (MXFP4, FP8) logs what this fill converted at the end (module
     docstring).
     """
     own = not isinstance(ckpt, Checkpoint)
@@ -144,13 +155,15 @@ def fill_store(store, ckpt, layout: _layout.RowLayout, *, layers=None, device=No
                    unit="expert", disable=not progress)
         for li, (layer, kind) in enumerate(zip(layers, kinds)):
             spec = ck._layer(layer)
-            item = spec.dtype.itemsize if kind is ExpertKind.FLOAT else 1
+            # FP8 experts are read dequantized to float32
+            item = (4 if spec.source == "fp8" else spec.dtype.itemsize) \
+                if kind is ExpertKind.FLOAT else 1
             w = window or default_window(layout, item)
             bar.set_postfix(layer=layer)
             for lo in range(0, E, w):
                 hi = min(E, lo + w)
                 ex = ck.experts(layer, lo, hi)
-                rows = _rows(ex, layout, dev)
+                rows = _rows(ck, ex, layout, dev)
                 del ex
                 for i in range(hi - lo):
                     store.write_row(li, lo + i, rows[i])

@@ -24,8 +24,10 @@ float32 in `Experts.bias`.
 
 A config.json quantization_config with quant_method "fp8" (DeepSeek-V3's native FP8: float8_e4m3fn
 weights with 128×128 float32 `weight_scale_inv` blocks, config "weight_block_size": [128, 128])
-opens as this format when its experts are float; FP8 experts are refused (cupool serves NVFP4
-experts), FP8 dense weights are dequantized by `dense_tensor`.
+opens as this format when its experts are float; FP8 dense weights are dequantized by
+`dense_tensor`. Block-scaled FP8 experts (DeepSeek-V3, Kimi-K2, Qwen's -FP8) open as format "fp8":
+read dequantized to float32, quantized to NVFP4 like float experts, the error of each matrix
+tallied (`cupool.checkpoints.fp8`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class FloatCheckpoint(Checkpoint):
     """A checkpoint whose routed experts are float (module docstring); format "float"."""
     format = "float"
     naming = None
+    reads_fp8_experts = True       # format "fp8" then (`cupool.checkpoints.fp8`)
 
     def fp8_block(self):
         q = self.quant or {}
