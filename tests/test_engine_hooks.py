@@ -139,14 +139,12 @@ def test_prefix_slots_lru_and_divergence():
 
 
 def test_no_reuse_for_other_caches():
-    """A cache that is not the plain SlotCache (e.g. with recurrent state) is never reused."""
-    from cupool.kvcache import SlotCache
-
-    class OtherCache(SlotCache):
-        pass
-    model = hf_model("qwen3_moe", seed=23)
+    """A model whose slots hold per-slot state besides their KV rows (a gated delta net's
+    convolution and recurrent states) is never reused: the next turn is prefilled in full."""
+    from tiny_models import hybrid_model
+    model = hybrid_model("qwen3_next", seed=23)
     eng = Engine(model, max_batch=1, max_len=32, eos_token_id=[])
-    eng.cache = OtherCache(eng.cache.num_layers, 1, 32, eng.dtype, eng.device)
     p = prompts(11, [6])[0]
     eng.generate([p], SamplingParams(max_tokens=2))
+    assert eng.cache.state_bytes() > 0
     assert eng.generate([p + [3]], SamplingParams(max_tokens=2))[0].cached_tokens == 0
