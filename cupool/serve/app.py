@@ -210,6 +210,18 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
             return None
         return P.completion_logprobs(entries, text_of, offset)
 
+    def finished_output(gen, plan, one_call: bool, what: str, rid: str):
+        """A finished one-request generation's (request, parsed output, tool calls): its error
+        raised, its end logged, its text through the chat format's parser."""
+        r = gen.requests[0]
+        if (err := outcome_error(r)) is not None:
+            raise err
+        gen.log_done(what, rid)
+        out = plan.output()
+        out.feed(r.text)
+        out.finish()
+        return r, out, (out.calls[:1] if one_call else out.calls)
+
     def chat_lp(body, entries):
         return P.chat_logprobs(entries, text_of) if body.logprobs else None
 
@@ -283,14 +295,7 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
             return EventStream(_stream_chat(gen, body, rid, created, plan, one_call), gen.cancel)
         if not await until_done(gen, request):
             return JSONResponse(P.error_body("the client disconnected"), status_code=499)
-        r = gen.requests[0]
-        if (err := outcome_error(r)) is not None:
-            raise err
-        gen.log_done("chat completion", rid)
-        out = plan.output()
-        out.feed(r.text)
-        out.finish()
-        calls = out.calls[:1] if one_call else out.calls
+        r, out, calls = finished_output(gen, plan, one_call, "chat completion", rid)
         reason = "tool_calls" if calls else P.FINISH_REASONS[r.finish_reason]
         choice = P.chat_choice(0, P.assistant_message(out.content, out.reasoning, calls), reason,
                                token_ids(body, r),
@@ -319,14 +324,7 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
         if not await until_done(gen, request):
             return JSONResponse(messages.error_body(499, "the client disconnected"),
                                 status_code=499)
-        r = gen.requests[0]
-        if (err := outcome_error(r)) is not None:
-            raise err
-        gen.log_done("message", mid)
-        out = plan.output()
-        out.feed(r.text)
-        out.finish()
-        calls = out.calls[:1] if one_call else out.calls
+        r, out, calls = finished_output(gen, plan, one_call, "message", mid)
         return messages.message(mid, state.model_name, r, out, calls)
 
     @app.post("/v1/messages/count_tokens")
