@@ -67,7 +67,9 @@ def test_anthropic_reports_cache_reads(tmp_path):
         m1 = c.messages.create(model="qwen3", max_tokens=6, messages=msgs)
         assert m1.usage.cache_read_input_tokens == 0
         total1 = m1.usage.input_tokens
-        msgs += [{"role": "assistant", "content": m1.content[0].text if m1.content else ""},
+        # the random model may open a thinking block: the reply's text blocks (maybe none)
+        reply = "".join(b.text for b in m1.content if b.type == "text")
+        msgs += [{"role": "assistant", "content": reply},
                  {"role": "user", "content": "And again."}]
         before = s.engine.prefill_tokens
         m2 = c.messages.create(model="qwen3", max_tokens=6, messages=msgs)
