@@ -73,13 +73,6 @@
 static_assert(NB >= 1 && NB <= 16, "a decode GEMV takes 1 to 16 tokens");
 static_assert(KT % 32 == 0, "x tiles are whole chunks");
 
-CUPOOL_DEVICE void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 struct Rows {
     const u16* w[3];
     const u16* b[3];
@@ -243,8 +236,10 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
                 const u32x4 x = *reinterpret_cast<const u32x4*>(&xs[(nt * 8 + g) * XSTRIDE + col]);
 #pragma unroll
                 for (int rt = 0; rt < RT; ++rt) {
-                    mma_bf16(acc[rt][nt], lo[u][rt].x, hi[u][rt].x, lo[u][rt].y, hi[u][rt].y, x.x, x.y);
-                    mma_bf16(acc[rt][nt], lo[u][rt].z, hi[u][rt].z, lo[u][rt].w, hi[u][rt].w, x.z, x.w);
+                    const u32 a0[4] = {lo[u][rt].x, hi[u][rt].x, lo[u][rt].y, hi[u][rt].y};
+                    const u32 a1[4] = {lo[u][rt].z, hi[u][rt].z, lo[u][rt].w, hi[u][rt].w};
+                    mma16816<true>(acc[rt][nt], a0, x.x, x.y);
+                    mma16816<true>(acc[rt][nt], a1, x.z, x.w);
                 }
             }
         }

@@ -99,22 +99,6 @@ CUPOOL_DEVICE void dequant_tile(u32 w, u32 s, u32 (&a)[4]) {
     a[3] = hmul2<BF>(fp4x2_raw<BF, 3>(w), s_hi);        // row g+8, k-slots 2t+8, 2t+9
 }
 
-// D += A(16x16, row) · B(16x8, col), fp16 or bf16 inputs, fp32 accumulate. Not volatile: it
-// touches no memory, so the compiler may schedule the fragment loads of later tiles around it.
-template <bool BF>
-CUPOOL_DEVICE void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    if (BF)
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    else
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 CUPOOL_DEVICE u16 f32_to_f16(float f) {
     u16 h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
