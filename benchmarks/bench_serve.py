@@ -38,18 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import results_path, save  # noqa: E402
 
-from cupool.cli import CLIParser, positive_int, run  # noqa: E402
+from cupool.cli import CLIParser, fraction, positive_int, run  # noqa: E402
 
-
-def bank_fraction(text: str) -> float:
-    """A bank size as a fraction of each layer's experts, in (0, 1]."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return v
 
 
 def build(layers: int, max_batch: int, seed: int, bank: float):
@@ -191,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=positive_int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--tokens", type=positive_int, default=64, help="new tokens a request")
     p.add_argument("--prompt", type=positive_int, default=16, help="prompt tokens a request")
-    p.add_argument("--banks", type=bank_fraction, nargs="+", default=[1.0, 0.5],
+    p.add_argument("--banks", type=fraction, nargs="+", default=[1.0, 0.5],
                    help="bank sizes, as fractions of each layer's experts (default 1.0 0.5)")
     p.add_argument("--routing", choices=["router", "locality"], default="locality")
     p.add_argument("--no-fused", action="store_true",

@@ -32,13 +32,13 @@ own forward.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 
 import torch
 from torch import nn
 
 from cupool import _cuda
+from cupool.engine import cache_kwarg
 from cupool.ops.dense_attention import (
     HEAD_DIMS,
     AttentionWorkspace,
@@ -165,16 +165,6 @@ class ModelLayer:
     cache_kw: str = "past_key_values"   # the keyword its forward takes the cache under
 
 
-def _cache_keyword(module: nn.Module) -> str:
-    """`cache` where the module's forward takes it (transformers >= 5.24), else
-    `past_key_values`."""
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _linear(m, name: str, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     lin = getattr(m, name, None)
     if not isinstance(lin, nn.Linear):
@@ -247,13 +237,14 @@ class FusedStep:
         by_parent = {} if pool is None else {id(s.parent): s.index for s in pool.specs}
         layer_types = getattr(cfg, "layer_types", None)
         self.layers: list[FusedLayer | ModelLayer] = []
-        self._attn_shape = None
+        # what every fused layer must share, set by the first one matched
+        self._attn_shape = self._w_dtype = self._experts = self._top_k = None
         for i, layer in enumerate(base.layers):
             lt = layer_types[i] if layer_types else None
             try:
                 self.layers.append(self._fuse(i, layer, lt, windows[i], by_parent))
             except Unsupported as e:
-                self.layers.append(ModelLayer(i, layer, lt, str(e), _cache_keyword(layer)))
+                self.layers.append(ModelLayer(i, layer, lt, str(e), cache_kwarg(layer)))
         if not any(isinstance(l, FusedLayer) for l in self.layers):
             reasons = sorted({l.reason for l in self.layers})
             raise Unsupported("no decoder layer matches the fused pattern: " + "; ".join(reasons[:3]))
@@ -313,7 +304,7 @@ class FusedStep:
             experts = gw.shape[0] if isinstance(gw, torch.Tensor) else -1
             top_k = int(getattr(mlp.gate, "top_k", 0))
             moe = _ModelExperts(mlp.experts, experts)
-        if (getattr(self, "_experts", experts), getattr(self, "_top_k", top_k)) != (experts, top_k):
+        if self._experts is not None and (self._experts, self._top_k) != (experts, top_k):
             raise Unsupported(f"{where}.mlp has {experts} experts, top-{top_k}; other layers "
                               f"{self._experts}, top-{self._top_k}")
         D = getattr(attn, "head_dim", None)
@@ -354,7 +345,7 @@ class FusedStep:
         post_eps = check_rms_norm(layer.post_attention_layernorm,
                                   f"{where}.post_attention_layernorm", H)
         norm_topk, w_dtype = check_router(mlp.gate, f"{where}.mlp.gate", experts, H, top_k)
-        if getattr(self, "_w_dtype", w_dtype) != w_dtype:
+        if self._w_dtype not in (None, w_dtype):
             raise Unsupported(f"{where}.mlp.gate returns {w_dtype} weights, other layers "
                               f"{self._w_dtype}")
         B = self.tokens
@@ -404,14 +395,16 @@ class FusedStep:
         x = nn.functional.embedding(tok[:, 0], self.embed)             # [B, H]
         res, add = x, None            # the residual stream is res (+ add, when add is not None)
         cache = self.cache
+        rotary = None        # the step's cos / sin rows, gathered once for transformers' layers
         for layer in self.layers:
             if isinstance(layer, ModelLayer):
                 h = res if add is None else res + add
                 mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
-                cos = self.cos.index_select(0, pos)[:, None]
-                sin = self.sin.index_select(0, pos)[:, None]
+                if rotary is None:
+                    rotary = (self.cos.index_select(0, pos)[:, None],
+                              self.sin.index_select(0, pos)[:, None])
                 out = layer.module(h[:, None], attention_mask=mask, position_ids=pos[:, None],
-                                   position_embeddings=(cos, sin), use_cache=True,
+                                   position_embeddings=rotary, use_cache=True,
                                    **{layer.cache_kw: cache})
                 out = out[0] if isinstance(out, tuple) else out
                 res, add = out[:, 0].contiguous(), None

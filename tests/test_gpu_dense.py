@@ -17,6 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_fused_step import rel
+
 from cupool.reference import dense as ref
 
 pytestmark = pytest.mark.gpu
@@ -25,10 +27,6 @@ GEMV_TOL = 4e-3
 ELEM_ULPS = 2 ** -6        # four bf16 steps of the value's size
 ATOL = 1e-3
 ATTN_TOL = 1e-2
-
-
-def rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
 def close(got, want, what: str, size=None):
