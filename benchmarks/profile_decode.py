@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 import cupool
 from cupool import _cuda, synthetic
 from cupool.cli import CLIParser, bounded_int, output_file, positive_int, run
+from cupool.engine import StepKind
 
 S = 16                 # prompt tokens
 
@@ -72,7 +73,8 @@ def main(args) -> None:
                         fused=args.step == "fused", compile=args.step == "compiled")
     prompt = torch.randint(0, shape["vocab_size"], (S,), generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
-    eng.generate([prompt.tolist()] * B, cupool.SamplingParams(max_tokens=3))   # KV, graphs
+    # KV, and the greedy step's graph (the step the profile runs)
+    eng.generate([prompt.tolist()] * B, cupool.SamplingParams(max_tokens=3, temperature=0.0))
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
     # every slot active at a real position, so the step reads what a running batch reads
@@ -80,9 +82,11 @@ def main(args) -> None:
     eng.cache.pos.fill_(S)
     pool.bank.reset_stats()
 
+    kind = StepKind(greedy=True, logprobs=False, masked=False)
+
     def eager():
         with eng._masked():
-            eng._step(True)
+            eng._step(kind)
 
     with torch.inference_mode():
         eager_ms = time_ms(eager, warmup=2, iters=10)
@@ -90,7 +94,7 @@ def main(args) -> None:
             for _ in range(args.steps):
                 eager()
             torch.cuda.synchronize()
-        graph = eng._graphs[True]
+        graph = eng._graphs[kind]
         graph_ms = time_ms(graph.replay, warmup=5, iters=50)
     kern = collections.defaultdict(lambda: [0.0, 0])
     for ev in prof.events():

@@ -62,6 +62,7 @@ ARCHS = {a.sm: a for a in (
 )}
 MIN_SM = 80               # bf16 mma.sync, cp.async and mbarriers: Ampere and newer
 ARCH_ENV = "CUPOOL_ARCH"
+DEPENDENT_ENV = "CUPOOL_DEPENDENT_LAUNCH"   # 0: every launch waits for the one before
 
 
 def parse_arch(value: str) -> int | None:
@@ -88,6 +89,13 @@ class Target:
     smem_sm: int           # shared memory of an SM, bytes (the same)
     sms: int               # streaming multiprocessors of the GPU
     bulk_copy: bool        # the code has bulk copies (sm_90+)
+
+    @property
+    def dependent_launch(self) -> bool:
+        """Whether kernels launched as dependents (`cupool.kernels.launch(..., dependent=True)`)
+        overlap the kernel before them: the code has griddepcontrol (sm_90+) and
+        CUPOOL_DEPENDENT_LAUNCH is not 0."""
+        return self.sm >= 90 and os.environ.get(DEPENDENT_ENV, "1").strip() != "0"
 
     @property
     def copy_mode(self) -> str:

@@ -18,12 +18,17 @@ the code that runs is what that architecture runs (`__CUDA_ARCH__` = 10 · arch,
 
 `launch` puts a kernel on torch's current stream with cuLaunchKernel and the arguments packed in
 one array (`pack_args`); eager prefill calls make ~30 launches, and CuPy's own call spent ~45 µs
-of Python on each.
+of Python on each. A launch `dependent=True` goes through cuLaunchKernelEx with programmatic
+stream serialization (sm_90+; `rawkernels/common.cuh` says what such a kernel may do before it
+waits), so a decode step's chain of short kernels overlaps each kernel's start, and its weight
+loads, with the end of the one before; captured graphs keep these edges. CUPOOL_DEPENDENT_LAUNCH=0
+turns it off (every launch then waits for the one before, as on pre-Hopper targets).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import math
 import os
@@ -272,8 +277,72 @@ def _raw_stream(idx: int) -> int:
     return torch.cuda.current_stream(idx).cuda_stream
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, 4 bytes of padding, a 64-byte union (8-byte aligned)."""
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_uint32),
+                ("value", ctypes.c_uint64 * 8)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+    _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3),
+                ("shared_mem", ctypes.c_uint32), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint32)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6         # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _DriverLaunch:
+    """cuLaunchKernelEx from the driver library, with the one attribute a dependent launch sets
+    (kept here: the config points at it)."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.launch_ex = lib.cuLaunchKernelEx
+        self.launch_ex.restype = ctypes.c_int
+        self.launch_ex.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_void_p]
+        self.error_string = lib.cuGetErrorString
+        self.error_string.restype = ctypes.c_int
+        self.error_string.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.attr = _LaunchAttribute()
+        self.attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        self.attr.value[0] = 1                     # programmaticStreamSerializationAllowed
+        self.config = _LaunchConfig()
+        self.config.attrs = ctypes.pointer(self.attr)
+        self.config.num_attrs = 1
+
+    def __call__(self, fptr: int, grid, block, shared_mem: int, stream: int, params: int) -> None:
+        c = self.config
+        c.grid[:] = grid
+        c.block[:] = block
+        c.shared_mem = shared_mem
+        c.stream = stream
+        rc = self.launch_ex(ctypes.byref(c), fptr, params, None)
+        if rc:
+            msg = ctypes.c_char_p()
+            self.error_string(rc, ctypes.byref(msg))
+            raise RuntimeError(f"cuLaunchKernelEx (a dependent launch) failed: error {rc} "
+                               f"({(msg.value or b'?').decode()}); CUPOOL_DEPENDENT_LAUNCH=0 turns "
+                               f"dependent launches off")
+
+
+_driver_launch: _DriverLaunch | None = None
+_launch_lock = threading.Lock()
+
+
+def _dependent_launch() -> _DriverLaunch:
+    global _driver_launch
+    if _driver_launch is None:
+        with _launch_lock:
+            if _driver_launch is None:
+                _driver_launch = _DriverLaunch()
+    return _driver_launch
+
+
 def launch(kernel, grid, block, args, shared_mem: int = 0, device=None,
-           stream: torch.cuda.Stream | None = None) -> None:
+           stream: torch.cuda.Stream | None = None, dependent: bool = False) -> None:
     """Launch on `stream` (a torch stream of `device`), by default torch's current stream of
     `device`. Grid and block are ints or tuples.
 
@@ -283,6 +352,11 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None,
     Launches straight through cuLaunchKernel with the arguments packed in one array (CuPy's own
     call converted each argument in Python: ~45 µs a launch, which bounded eager prefill calls
     of ~30 launches); CuPy's call remains for arguments of other kinds and other devices.
+
+    dependent: the kernel follows `rawkernels/common.cuh`'s rule for dependent launches (it waits
+    for its producers before reading their output and lets its consumers launch only after
+    that); on targets with `dependent_launch` it then starts while the kernel before it runs.
+    Elsewhere, and through CuPy's call, it is an ordinary launch.
     """
     grid = grid if isinstance(grid, tuple) else (int(grid),)
     block = block if isinstance(block, tuple) else (int(block),)
@@ -312,6 +386,9 @@ def launch(kernel, grid, block, args, shared_mem: int = 0, device=None,
         base = packed.ctypes.data
         params = _SLOT_OFFSETS[:len(packed)] + np.uint64(base)
         handle = _raw_stream(idx) if stream is None else stream.cuda_stream
+        if dependent and _cuda.target(idx).dependent_launch:
+            _dependent_launch()(fptr, g, b, shared_mem, handle, params.ctypes.data)
+            return
         _cuda.cupy().cuda.driver.launchKernel(fptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
                                               handle, params.ctypes.data, 0)
         return

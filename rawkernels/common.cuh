@@ -67,6 +67,28 @@ CUPOOL_DEVICE void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
 
+// Programmatic dependent launch (sm_90 and newer). A decode step is a chain of short kernels,
+// each reading the one before's output; launched as a dependent (`cupool.kernels.launch(...,
+// dependent=True)`), a kernel starts while the one before it still runs and does the work that
+// needs none of that output (weight loads, L2 prefetches) before `wait_for_producers`, which
+// returns once every earlier kernel of the stream has finished and its writes are visible.
+// `let_consumers_launch` lets the next dependent start its own early part. The rule that keeps
+// this safe: a kernel launched as a dependent calls `let_consumers_launch` only after
+// `wait_for_producers`, so a dependent's early part runs beside at most one unfinished kernel and
+// may read anything older than that one; before its wait it writes nothing. Both are no-ops in a
+// launch that did not ask for it, and before sm_90 (where the launcher never asks).
+CUPOOL_DEVICE void wait_for_producers() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+CUPOOL_DEVICE void let_consumers_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 CUPOOL_DEVICE float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

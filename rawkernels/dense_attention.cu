@@ -153,6 +153,10 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
             if (k_norm) prefetch_l2(k_norm + threadIdx.x * 64);
         }
     }
+    // qkv is the kernel before's output (pos, the cache's older rows, the norms and the rotary
+    // table are older: read above, before the wait, when launched as a dependent)
+    wait_for_producers();
+    let_consumers_launch();
     for (int i = threadIdx.x; i < G * D; i += THREADS)
         qs[i] = bf16_to_f32(row[(i64)(h * G) * D + i]);
     if (threadIdx.x < G) { m_run[threadIdx.x] = -__int_as_float(0x7f800000); l_run[threadIdx.x] = 0.0f; }

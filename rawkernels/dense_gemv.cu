@@ -16,9 +16,11 @@
 // CUDA-core dot product spends 8 FMAs and a shared-memory read per weight per token).
 //
 // Why the first weight loads are issued before the prologue: x may depend on a norm over the
-// whole row (a chain of dependent loads and a block reduction); W does not, so the first U chunks
-// of W are already in flight while x is being built. After that, two register buffers of U
-// chunks alternate: one is multiplied while the other's loads are in flight.
+// whole row (a chain of dependent loads and a block reduction); W does not, so the first 2·U
+// chunks of W (both register buffers) are already in flight while x is being built. Launched as
+// a dependent (common.cuh), those loads are issued even before the kernel that writes the input
+// has finished: only then does the block wait for it. After that, the two buffers alternate: one
+// is multiplied while the other's loads are in flight.
 //
 // Prologues (x [NB, K] bf16 in shared memory, a tile of KT columns at a time):
 //   MODE 0 (plain): x = in
@@ -245,11 +247,19 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
         }
     };
 
+    // both buffers' first chunks of the first x tile: only weights, so before the wait
+    const i32 chunks0 = min((i32)KT, K) / 32 + ((min((i32)KT, K) % 32) != 0);
     load(a_lo, a_hi, 0, warp);
-
+    if (warp + WARPS * U < chunks0) load(b_lo, b_hi, 0, warp + WARPS * U);
 #if MODE == 1
     // the norm's weights are read only while x is staged: bring them to L2 now
     for (i32 k = threadIdx.x * 64; k < K; k += WARPS * 32 * 64) prefetch_l2(nw + k);
+#endif
+    // in, add and res2 are the kernel before's output; every write below comes after this
+    wait_for_producers();
+    let_consumers_launch();
+
+#if MODE == 1
     // rstd of every token: the whole block sums each token's squares (every thread's loads of
     // all NB tokens in flight at once), then one sum a token across the warps
     {
@@ -314,7 +324,7 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
         if (k0 > 0) load(a_lo, a_hi, k0, warp);
         for (i32 c0 = warp; c0 < chunks; c0 += 2 * WARPS * U) {
             const i32 c1 = c0 + WARPS * U;
-            if (c1 < chunks) load(b_lo, b_hi, k0, c1);
+            if (c1 < chunks && (k0 > 0 || c0 != warp)) load(b_lo, b_hi, k0, c1);   // else loaded
             multiply(a_lo, a_hi, c0);
             if (c1 < chunks) {
                 if (c1 + WARPS * U < chunks) load(a_lo, a_hi, k0, c1 + WARPS * U);

@@ -473,6 +473,9 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     __shared__ int s_last, s_held, s_total;
     __shared__ Args a;                    // in shared memory: registers stay with the K loop
     const Smem m = carve(smem);
+    // launched as an ordinary launch (everything before it has finished): the next kernel, if
+    // launched as a dependent, may start its early part (weight loads) now (common.cuh)
+    let_consumers_launch();
     stamp_at(trace, TRACE_ITEMS * 4 + blockIdx.x * 2);         // block stamps after the items'
     if (threadIdx.x == 0) {
         a.trace = trace;

@@ -124,3 +124,23 @@ def test_info_refuses_a_bad_cupool_arch_in_one_line(monkeypatch, capsys, env, wo
     rc = cli.main(["info"])
     _, err = capsys.readouterr()
     _one_line_error(rc, err, *words)
+
+
+def test_dependent_launches_only_with_sm_90_code(monkeypatch):
+    monkeypatch.delenv(_cuda.DEPENDENT_ENV, raising=False)
+    assert target(H200).dependent_launch and target(RTX5090).dependent_launch
+    assert not target(RTX3090).dependent_launch
+    assert not target(H200, "89").dependent_launch       # the PTX has no griddepcontrol
+    monkeypatch.setenv(_cuda.DEPENDENT_ENV, "0")
+    assert not target(H200).dependent_launch
+
+
+def test_dependent_launch_structs_match_cuda_h():
+    """CUlaunchAttribute and CUlaunchConfig as cuda.h lays them out (x86-64 and aarch64)."""
+    import ctypes
+    assert ctypes.sizeof(kernels._LaunchAttribute) == 72
+    assert kernels._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(kernels._LaunchConfig) == 56
+    assert [getattr(kernels._LaunchConfig, f).offset
+            for f in ("grid", "block", "shared_mem", "stream", "attrs", "num_attrs")] \
+        == [0, 12, 24, 32, 40, 48]

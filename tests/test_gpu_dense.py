@@ -277,3 +277,76 @@ def test_engine_fused_equals_unfused_sampling_seeded():
     gb = [r.output_ids for r in b.generate(ps, SamplingParams(max_tokens=10))]
     same = sum(x == y for ra, rb in zip(ga, gb) for x, y in zip(ra, rb))
     assert same >= 0.8 * 30, (ga, gb)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_dependent_launches_change_no_bit_of_a_captured_chain(tokens, monkeypatch):
+    """The fused step's launch pattern: a torch op writes the input, then QKV (norm prologue) →
+    attention → o-projection (+ residual) → router (norm + routing), replayed as one graph on
+    new inputs each time. Captured with dependent launches (each kernel's weight loads start
+    before the kernel before it has finished) the outputs must equal, bit for bit, the same chain
+    captured with ordinary launches: a kernel that read its input before waiting would read the
+    previous replay's. (Every kernel of the chain is deterministic: no float atomics.)"""
+    from cupool import _cuda
+    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
+    from cupool.ops.dense_gemv import NORM, RESIDUAL, ROUTE, DenseGemv, RouteOut
+
+    if _cuda.target().sm < 90:
+        pytest.skip("dependent launches need sm_90 code (CUPOOL_ARCH below 90 builds without)")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, H, nh, hk, D, E, L = tokens, 2048, 32, 4, 128, 128, 256
+    wq, wk, wv = rand(nh * D, H, scale=0.02, gen=g), rand(hk * D, H, scale=0.02, gen=g), \
+        rand(hk * D, H, scale=0.02, gen=g)
+    wo, wr = rand(H, nh * D, scale=0.02, gen=g), rand(E, H, scale=0.05, gen=g)
+    n1, n2 = rand(H, gen=g) + 1, rand(H, gen=g) + 1
+    qn, kn = rand(D, gen=g) + 1, rand(D, gen=g) + 1
+    cos, sin = rand(L, D, gen=g), rand(L, D, gen=g)
+    inputs = [rand(B, H, gen=g) for _ in range(4)]
+    pos_all = [torch.randint(0, L, (B,), device="cuda", generator=g) for _ in range(4)]
+
+    def chain():
+        qkv = DenseGemv([wq, wk, wv], tokens=B, norm=True)
+        ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, _cuda.target().sms), "cuda")
+        attn = DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
+                               workspace=ws)
+        o = DenseGemv([wo], tokens=B, epilogue=RESIDUAL)
+        router = DenseGemv([wr], tokens=B, norm=True, epilogue=ROUTE)
+        x, pos = torch.empty_like(inputs[0]), torch.empty_like(pos_all[0])
+        kc = rand(B, hk, L, D, gen=torch.Generator(device="cuda").manual_seed(3))
+        vc = rand(B, hk, L, D, gen=torch.Generator(device="cuda").manual_seed(4))
+        bufs = dict(qkv=poison(B, (nh + 2 * hk) * D), a=poison(B, nh * D), h=poison(B, H),
+                    xn=poison(B, H), r=RouteOut.allocate(B, E, 8, torch.bfloat16, "cuda"))
+
+        def step():
+            qkv(x, norm_weight=n1, eps=1e-6, out=bufs["qkv"])
+            attn(bufs["qkv"], pos, kc, vc, cos, sin, bufs["a"])
+            o(bufs["a"], residual=x, out=bufs["h"])
+            router(bufs["h"], norm_weight=n2, eps=1e-6, x_out=bufs["xn"], route=bufs["r"],
+                   top_k=8, norm_topk=True)
+
+        x.copy_(inputs[0]); pos.copy_(pos_all[0])
+        step()                                     # compiles and checks the arguments
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        outs = []
+        for i in range(12):
+            x.copy_(inputs[i % 4]); pos.copy_(pos_all[i % 4])
+            graph.replay()
+            outs.append([t.clone() for t in (bufs["qkv"], bufs["a"], bufs["h"], bufs["xn"],
+                                             bufs["r"].ids, bufs["r"].weights, kc, vc)])
+        torch.cuda.synchronize()
+        return outs
+
+    monkeypatch.setenv("CUPOOL_DEPENDENT_LAUNCH", "0")
+    assert not _cuda.target().dependent_launch
+    want = chain()
+    monkeypatch.setenv("CUPOOL_DEPENDENT_LAUNCH", "1")
+    assert _cuda.target().dependent_launch
+    got = chain()
+    names = ["qkv", "attention", "o-projection", "normed x", "ids", "weights", "keys", "values"]
+    for i, (gs, ws) in enumerate(zip(got, want)):
+        for name, a, b in zip(names, gs, ws):
+            assert not a.isnan().any() if a.is_floating_point() else True, f"replay {i}: {name} NaN"
+            assert torch.equal(a, b), f"replay {i}: {name} differs with dependent launches"

@@ -6,6 +6,11 @@ G = nh / hk · D head dim · L_max positions a slot holds · NS parts a (slot, K
 are split into.
 
 The reference is `cupool.reference.dense.attention_decode`.
+
+The launch is a dependent one (`cupool.kernels.launch`): the kernel reads pos, the cache's older
+rows, the norms and the rotary tables before it waits for the kernel before it, so none of
+those may be that kernel's output (in the fused step it is the QKV projection; a torch op before
+it always finishes first).
 """
 
 from __future__ import annotations
@@ -141,4 +146,4 @@ class DecodeAttention:
             null if self.k_norm is None else self.k_norm, kernels.f32(self.eps),
             cos, sin, pos, k_cache, v_cache, kernels.i32(L), kernels.f32(self.scale),
             kernels.i32(self.window), null if self.sinks is None else self.sinks,
-            ws.part_o, ws.part_ml, ws.count, out), device=dev)
+            ws.part_o, ws.part_ml, ws.count, out), device=dev, dependent=True)

@@ -7,6 +7,9 @@ to three matrices) · E experts (N of a router) · k top-k.
 A `DenseGemv` is built once per weight set (validated then) and called with the step's
 activations (validated at every call, which happens at graph capture; replays skip Python).
 The reference is `cupool.reference.dense` (`gemv`, `residual_norm`, `route`).
+
+The launch is a dependent one (`cupool.kernels.launch`): the kernel loads its weights before it
+waits for the kernel before it, so the weights may not be that kernel's output.
 """
 
 from __future__ import annotations
@@ -217,4 +220,4 @@ class DenseGemv:
             null if norm_weight is None else norm_weight, kernels.f32(eps),
             null if h_out is None else h_out, null if x_out is None else x_out,
             null if residual is None else residual, null if out is None else out,
-            *rargs), device=self.device)
+            *rargs), device=self.device, dependent=True)
