@@ -142,7 +142,7 @@ def trace(T: int = 1, E: int = 128, override: dict | None = None, dims=(2048, 76
         bl = bl[bl[:, 0] > 0]
         t0 = bl[:, 0].min()
         units = len(set(ids.reshape(-1).tolist()))
-        ppi = 8 // (2 * build.w13_split)                      # strip pairs a w13 item
+        ppi = moe_decode.act_strips_per_item(layout, build.w13_split)
         n13, n2 = units * (layout.ip // 16) // ppi, units * moe_decode.w2_items(layout)
         us = lambda v: (v - t0) / 1e3
         pct = lambda v: " ".join(f"{np.percentile(v, q):6.2f}" for q in (0, 10, 50, 90, 100))

@@ -57,8 +57,8 @@ the biases go into each expert's row.
 Experts without a gate (``has_gate=False``: Nemotron-H's ``up_proj`` [E, I, H] and ``down_proj``,
 down(act_fn(up·x))) are read with ``gated=False`` and ``expert(e)`` = (None, up, down) when their
 ``act_fn`` measures as ReLU² (`cupool.activation.RELU2`); their rows are
-``RowLayout(gated=False)``. `cupool.wrap` refuses them by name until the decode and prefill
-kernels have a non-gated build.
+``RowLayout(gated=False)`` and the kernels' ROW_GATED=0 builds compute them. `cupool.wrap` fills
+them from the model's own weights only (`cupool.checkpoints` reads experts as gate, up, down).
 
 Not supported (an ``UnsupportedModelError`` "<module path>: unsupported, because ..." rather than
 wrong output): experts whose outputs are normalised (has_post_expert_norm), non-gated experts with

@@ -30,7 +30,7 @@ import torch
 from cupool import _cuda, kernels
 from cupool.activation import SILU, Activation
 from cupool.layout import RowLayout
-from cupool.ops import ACT_DTYPES, W_DTYPES
+from cupool.ops import ACT_DTYPES, W_DTYPES, check_experts
 from cupool.ops.moe_decode import MAX_LANES as FUSED_MAX_LANES
 from cupool.ops.moe_decode import DecodeKernel
 from cupool.ops.moe_gemm import PAIR_SMALL, PAIR_WIDE, PREFILL, GemmConfig, GemmKernels
@@ -183,7 +183,9 @@ class MoEGemm:
         prefill_config: the launch config of prefill's moe_w13 / moe_w2
             (`cupool.ops.moe_gemm.PREFILL` by default; tuning sweeps pass others).
         activation: what the experts compute between w13 and w2 (`cupool.activation`): SiLU
-            (default) or gpt-oss's clamped SwiGLU. Biases come with the rows (`layout.bias`).
+            (default) or gpt-oss's clamped SwiGLU for a gated layout, ReLU(up)² (`RELU2`) for a
+            layout without a gate (`RowLayout(gated=False)`, Nemotron-H); another pairing is a
+            ValueError. Biases come with the rows (`layout.bias`).
     """
 
     def __init__(self, layout: RowLayout, topk: int, dtype=torch.bfloat16, *,
@@ -195,6 +197,9 @@ class MoEGemm:
         if not isinstance(activation, Activation):
             raise TypeError(f"activation must be a cupool.activation.Activation, got "
                             f"{type(activation).__name__}")
+        if not isinstance(layout, RowLayout):
+            raise TypeError(f"layout must be a cupool.layout.RowLayout, got {type(layout).__name__}")
+        check_experts(layout, activation)
         if dtype not in ACT_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         if topk < 1:

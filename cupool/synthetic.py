@@ -51,14 +51,15 @@ def random_biases(layout: RowLayout, num_experts: int, generator: torch.Generato
 
 def random_experts(layout: RowLayout, num_experts: int, generator: torch.Generator | None = None,
                    *, biases=None):
-    """(rows uint8 [E, row_bytes], [(gate, up, down) NVFP4Tensor per expert]) on the CPU. A
-    layout with biases needs `biases` (gate [E, I], up [E, I], down [E, H]; `random_biases`)."""
+    """(rows uint8 [E, row_bytes], [(gate, up, down) NVFP4Tensor per expert]) on the CPU (gate
+    None for a layout without a gate). A layout with biases needs `biases` (gate [E, I], up
+    [E, I], down [E, H]; `random_biases`)."""
     H, I = layout.hidden, layout.intermediate
     rows = torch.empty(num_experts, layout.row_bytes, dtype=torch.uint8)
     mats = []
     for e in range(num_experts):
-        g, u, d = (random_nvfp4(I, H, generator), random_nvfp4(I, H, generator),
-                   random_nvfp4(H, I, generator))
+        g = random_nvfp4(I, H, generator) if layout.gated else None
+        u, d = random_nvfp4(I, H, generator), random_nvfp4(H, I, generator)
         pack_row(layout, g, u, d, out=rows[e],
                  bias=None if biases is None else tuple(b[e] for b in biases))
         mats.append((g, u, d))
@@ -83,9 +84,11 @@ def random_rows_fast(layout: RowLayout, num_experts: int, generator: torch.Gener
         expo = torch.randint(3, 11, sc.shape, dtype=torch.uint8, generator=generator, device=device)
         sc.copy_((expo << 3) | (sc & 7))
 
-    fix_scales(layout.w13_offset, 2 * (ip // 16), hp)
+    fix_scales(layout.w13_offset, layout.w13_strips, hp)
     fix_scales(layout.w2_offset, hp // 16, ip)
-    hdr = torch.tensor([0.25 / math.sqrt(hp)] * 2 + [0.25 / math.sqrt(ip)], dtype=torch.float32)
+    gate_scale = 0.25 / math.sqrt(hp) if layout.gated else 0.0      # no gate: no gate scale
+    hdr = torch.tensor([gate_scale, 0.25 / math.sqrt(hp), 0.25 / math.sqrt(ip)],
+                       dtype=torch.float32)
     rows[:, :12] = hdr.view(torch.uint8).to(device)
     rows[:, 12:256] = 0
     if layout.bias:                                  # finite biases (random bytes are not)

@@ -104,11 +104,6 @@ def plan(specs: list[MoELayerSpec], *, pending_bytes: int, rows=None, budget=Non
     if isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) \
             or max_prefill_tokens < 1:
         raise ValueError(f"max_prefill_tokens must be an int >= 1, got {max_prefill_tokens!r}")
-    if not s0.gated:
-        raise UnsupportedModelError(
-            s0.name, f"its experts have no gate ({s0.activation.describe()}): their rows "
-                     f"(RowLayout(gated=False)) and float reference exist, but the decode and "
-                     f"prefill kernels for them do not yet")
     _cuda.require_gpu("cupool.wrap")
     dev = torch.device("cuda", _cuda.device_index(device))
     layout = RowLayout(H, I, bias=s0.bias, gated=s0.gated)
@@ -176,6 +171,11 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
         raise ValueError("this model is already wrapped by cupool (call pool.unwrap() first)")
     specs = list(layers) if layers is not None else find_moe_layers(model)
     s0 = check_specs(specs)
+    if checkpoint is not None and not s0.gated:
+        raise UnsupportedModelError(
+            s0.name, f"its experts have no gate ({s0.activation.describe()}) and "
+                     f"cupool.checkpoints reads experts as (gate, up, down) only; wrap the "
+                     f"model with its own expert weights (no checkpoint=)")
     E = s0.num_experts
     dev = torch.device("cuda", _cuda.device_index(device)) if torch.cuda.is_available() else None
     expert_params = {id(p) for s in specs for p in s.module.parameters()}

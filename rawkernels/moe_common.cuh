@@ -3,8 +3,13 @@
 // epilogues of w13 (biases, activation) and w2 (bias, router weight, sum over top-k).
 //
 // Include after the configuration macros HP, IP, NT and OUT_BF16 (topk_sum's output dtype), and
-// optionally ROW_BIAS (1: rows end with float32 biases, cupool/layout.py) and ACT / ACT_ALPHA /
-// ACT_LIMIT (the activation, cupool/activation.py; ACT 0 is SiLU(gate)·up).
+// optionally ROW_BIAS (1: rows end with float32 biases, cupool/layout.py), ROW_GATED (0: w13 is
+// the up strips alone, experts without a gate; default 1, [gate; up] strip pairs) and ACT /
+// ACT_ALPHA / ACT_LIMIT (the activation, cupool/activation.py; ACT 0 is SiLU(gate)·up).
+//
+// A w13 *act strip* is what one strip of act (16 of its IP columns) is made from: a (gate, up)
+// strip pair in gated rows, one up strip in rows without a gate. Both kernels count w13 work in
+// act strips (IP / 16 of an expert either way) and multiply W13_SPS strips for each.
 #pragma once
 #include "common.cuh"
 #include "mma_fp4.cuh"
@@ -12,7 +17,11 @@
 #define NTILES (NT / 8)
 #define W13_STRIP (9 * HP)                 // bytes of one 16-row strip of w13 (K = HP)
 #define W2_STRIP (9 * IP)                  // bytes of one 16-row strip of w2 (K = IP)
-#define W2_OFFSET (256 + 2 * (IP / 16) * W13_STRIP)
+#ifndef ROW_GATED
+#define ROW_GATED 1
+#endif
+#define W13_SPS (ROW_GATED ? 2 : 1)        // w13 strips an act strip is made from
+#define W2_OFFSET (256 + W13_SPS * (IP / 16) * W13_STRIP)
 #define CHUNK_BYTES 576                    // a 64-column chunk: 512 B of packed codes, 64 B of scales
 #define CHUNK_SCALES 512                   // offset of its scale bytes (lane L: bytes 2L, 2L+1)
 #define ROW_BIAS_OFFSET (W2_OFFSET + (HP / 16) * W2_STRIP)  // float32 gate[IP], up[IP], down[HP]
@@ -20,9 +29,16 @@
 #define ROW_BIAS 0
 #endif
 #ifndef ACT
-#define ACT 0             // 0: SiLU(gate)·up; 1: clamped SwiGLU (ACT_ALPHA, ACT_LIMIT)
+#define ACT 0             // 0: SiLU(gate)·up; 1: clamped SwiGLU (ACT_ALPHA, ACT_LIMIT); 2: ReLU(up)²
 #endif
-static_assert(ACT == 0 || ACT == 1, "ACT: 0 SiLU, 1 clamped SwiGLU");
+static_assert(ACT == 0 || ACT == 1 || ACT == 2, "ACT: 0 SiLU, 1 clamped SwiGLU, 2 ReLU(up)^2");
+static_assert(ROW_GATED == 0 || ROW_GATED == 1, "ROW_GATED: 1 [gate; up] strip pairs, 0 up alone");
+static_assert((ACT == 2) == (ROW_GATED == 0),
+              "ReLU(up)^2 (ACT 2) is the activation of rows without a gate (ROW_GATED 0), and only it");
+static_assert(ROW_GATED || !ROW_BIAS, "rows without a gate carry no biases (cupool/layout.py)");
+#ifdef ROW_W2_OFFSET
+static_assert(ROW_W2_OFFSET == W2_OFFSET, "w2's offset differs from cupool/layout.py's");
+#endif
 
 static_assert(NT % 8 == 0 && NT >= 8, "NT must be a multiple of 8");
 static_assert(HP % 64 == 0 && IP % 64 == 0, "HP and IP are padded to 64");
@@ -86,6 +102,7 @@ CUPOOL_DEVICE void for_each_slot(int ntiles, int lane, const SlotInfo* si, F f) 
     }
 }
 
+#if ROW_GATED
 // The expert's activation of one (gate, up) pair at true scale, biases added (cupool/activation.py).
 CUPOOL_DEVICE float expert_act(float gate, float up) {
 #if ACT == 0
@@ -96,7 +113,15 @@ CUPOOL_DEVICE float expert_act(float gate, float up) {
     return (u + 1.0f) * (g / (1.0f + __expf(-ACT_ALPHA * g)));
 #endif
 }
+#else
+// The activation of experts without a gate, of up at true scale: ReLU(up)² (ACT 2).
+CUPOOL_DEVICE float expert_act_up(float up) {
+    const float r = fmaxf(up, 0.0f);
+    return r * r;
+}
+#endif
 
+#if ROW_GATED
 // w13 of strip pair p (acc[0] gate, acc[1] up, fp32 sums over all of K; gs_*: the global
 // scales times dequant_unscale): act[l, 16p + row] = act(gate + b_gate, up + b_up) at true scale,
 // in bf16 (what w2 then multiplies as it is), for every slot's lane l. bias_gate / bias_up: the
@@ -123,6 +148,23 @@ CUPOOL_DEVICE void w13_epilogue(const float (&acc)[2][NTILES][4], int ntiles, co
         }
     });
 }
+#else
+// w13 of up strip p in rows without a gate (acc: fp32 sums over all of K; gs_up: the up global
+// scale times dequant_unscale): act[l, 16p + row] = ReLU(up)² at true scale, in bf16, for every
+// slot's lane l.
+CUPOOL_DEVICE void w13_epilogue_up(const float (&acc)[NTILES][4], int ntiles, const SlotInfo* si,
+                                   float gs_up, int p, int lane, u16* act) {
+    const int g = lane >> 2;
+    for_each_slot(ntiles, lane, si, [&](int nt, int e, int n, int l) {
+        if (l < 0) return;
+        const float f = gs_up * si->scale[n];
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            act[(i64)l * IP + p * 16 + g + 8 * half] =
+                f32_to_bf16(expert_act_up(acc[nt][2 * half + e] * f));
+    });
+}
+#endif
 
 // w2 of output strip p (acc: fp32 sums over all of K; gs_down: the global scale times
 // dequant_unscale), plus the bias of its 16 rows (bias_down, ROW_BIAS only), times the router

@@ -1,12 +1,14 @@
-// NVFP4 MoE decode, w13 → activation (SiLU·up, or clamped SwiGLU; biases where the rows have them)
-// → w2 → weighted sum over top-k, in one launch per unit range.
+// NVFP4 MoE decode, w13 → activation (SiLU·up, or clamped SwiGLU; biases where the rows have them;
+// ReLU(up)² for rows without a gate, ROW_GATED 0) → w2 → weighted sum over top-k, in one launch
+// per unit range.
 //
 // Why one launch: at T ≤ 16 a layer reads ~20 MB of rows, a few µs of HBM time, while separate
 // w13 and w2 launches each pay a start, a chain of dependent loads and a tail. Here blocks take
-// items in one order: first the w13 items (unit, strip pairs) of every unit of the range,
-// then the w2 items (unit, group of output strips). A w2 item issues its weight loads first (they
-// do not depend on w13) and only then waits until its unit's w13 items have all arrived (a
-// per-unit counter), so w2's bytes stream in while w13 finishes.
+// items in one order: first the w13 items (unit, act strips: strip pairs, or up strips in rows
+// without a gate) of every unit of the range, then the w2 items (unit, group of output strips).
+// A w2 item issues its weight loads first (they do not depend on w13) and only then waits until
+// its unit's w13 items have all arrived (a per-unit counter), so w2's bytes stream in while w13
+// finishes.
 //
 // No deadlock: items are numbered w13 first, then w2; block b starts on item b, and every later
 // item is claimed from a ticket counter in that order, at most one ahead of the item the block
@@ -33,15 +35,16 @@
 // bit for bit.
 //
 // Tables and counters, in the order they are written:
-// - act[l, 16p ... 16p + 15] (bf16): written only by the w13 item that holds strip pair p of lane
-//   l's unit (the pair's first gate warp), then a fence, then unit_done[u] += its pairs.
+// - act[l, 16p ... 16p + 15] (bf16): written only by the w13 item that holds act strip p of lane
+//   l's unit (strip pair p, by the pair's first gate warp; or, without a gate, up strip p, by its
+//   first warp), then a fence, then unit_done[u] += its act strips.
 // - a w2 item of unit u reads the act rows of u's lanes only after unit_done[u] has reached NP
 //   (acquire load), and through L2, since other blocks wrote them. It writes yw[l, h] for the h
 //   of its output strips (nothing else writes yw), then arrives on group_done[its strip group].
 // - out[t, h] for the rows h of a strip group: written by the block that arrives last on that
 //   group's group_done (one arrival per unit of the call, over all of its launches), which sums
 //   yw over top-k in k order; or zeros, by the whole grid, when every lane is padding.
-// Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 strip pairs of
+// Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 act strips of
 // unit u done. The last block of a launch puts them back to zero; group_done is reset by its last
 // unit.
 #include "common.cuh"
@@ -96,17 +99,20 @@
 
 constexpr int NC13 = HP / 64;              // chunks of a w13 strip
 constexpr int NC2 = IP / 64;               // chunks of a w2 strip
-constexpr int NP = IP / 16;                // w13 strip pairs (gate, up) of an expert
+constexpr int NP = IP / 16;                // w13 act strips of an expert (moe_common.cuh)
 constexpr int NS = HP / 16;                // w2 output strips of an expert
-// w13: the warps split the K of each strip of PPI strip pairs (gate, up): 2·PPI strips × KS13.
-// The launcher picks KS13 a call (cupool/ops/moe_decode.py, w13_split): 2 (two pairs an item,
-// twice the chunks a warp) where the call has items enough for that, else 4.
+// w13: the warps split the K of each of the SPI strips of an item: SPI × KS13 warps. An item
+// makes PPI act strips: SPI / 2 strip pairs (gate, up), or SPI up strips in rows without a gate.
+// The launcher picks KS13 a call (cupool/ops/moe_decode.py, w13_split): 2 (twice the strips an
+// item, twice the chunks a warp) where the call has items enough for that, else 4.
 #ifndef W13_KSPLIT
 #define W13_KSPLIT 4      // warps splitting K of a w13 strip (1, 2, 4)
 #endif
 constexpr int KS13 = W13_KSPLIT;
-constexpr int PPI = WARPS / (2 * KS13);    // strip pairs of a w13 item
-static_assert(PPI * 2 * KS13 == WARPS && NP % PPI == 0, "W13_KSPLIT must be 1, 2 or 4");
+constexpr int SPI = WARPS / KS13;          // w13 strips of an item
+constexpr int PPI = SPI / W13_SPS;         // act strips of a w13 item
+static_assert(SPI * KS13 == WARPS && PPI * W13_SPS == SPI && NP % PPI == 0,
+              "W13_KSPLIT must be 1, 2 or 4, and an item's act strips divide the expert's");
 constexpr int NI13 = NP / PPI;             // w13 items of a unit
 // w2: KS2 warps split the K of a strip: one where its chunks fit the stage ring at once
 // (IP ≤ 512), else 2 up to 32 chunks (IP ≤ 2048), then 4, then 8. More warps put more of a
@@ -337,21 +343,26 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
     __syncthreads();
 }
 
-// w13 item: gate and up strips of pairs PPI·i ... PPI·i + PPI - 1 of unit u; pair j's gate strip
-// is K-sliced by warps 2j·KS13 ..., its up strip by the KS13 warps after them (PPI 1: warps 0..3
-// gate, 4..7 up).
+// w13 item: strips SPI·i ... SPI·i + SPI - 1 of unit u's w13, i.e. act strips PPI·i ...
+// PPI·i + PPI - 1; strip s is K-sliced by warps s·KS13 ... s·KS13 + KS13 - 1. Gated rows: pair j's
+// gate strip is strip 2j, its up strip 2j + 1 (PPI 1: warps 0..3 gate, 4..7 up). Rows without a
+// gate: strip j is up strip j (KS13 4: warps 0..3 act strip 2i, 4..7 act strip 2i + 1).
 CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item) {
     stamp(a.trace, item, 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int s = warp / KS13, ks = warp % KS13;              // strip s of the item: pair s / 2
+    const int s = warp / KS13, ks = warp % KS13;              // strip s of the item
     const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
-    const u8* strip = row + 256 + (i64)(2 * PPI * i + s) * W13_STRIP;
+    const u8* strip = row + 256 + (i64)(SPI * i + s) * W13_STRIP;
     int c0, c1;
     k_slice(ks, KS13, NC13, c0, c1);
     WarpStages& ws = m.stages[warp];
     issue_first(ws, strip, c0, c1, lane, 1);                  // stage 0 only
     const float* hdr = reinterpret_cast<const float*>(row);
+#if ROW_GATED
     const float gs_gate = hdr[0], gs_up = hdr[1];              // in flight during the K loop
+#else
+    const float gs_up = hdr[1];                                // (no gate: hdr[0] unused)
+#endif
 #if ROW_BIAS
     if (threadIdx.x < 32 * PPI) {                              // pair j: 16 gate, then 16 up
         const int j = threadIdx.x >> 5, r = threadIdx.x & 31;
@@ -381,6 +392,7 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
     stamp(a.trace, item, 2);
     put_partial(m, warp, lane, acc);
     __syncthreads();
+#if ROW_GATED
     if (ks == 0 && s % 2 == 0) {                               // the pair's first gate warp
         float gu[2][NTILES][4];
         sum_partials(m, warp, KS13, lane, gu[0]);
@@ -391,8 +403,17 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
                      bias + 16);
         __threadfence();                                       // act before the count
     }
+#else
+    if (ks == 0) {                                             // the up strip's first warp
+        float up[NTILES][4];
+        sum_partials(m, warp, KS13, lane, up);
+        w13_epilogue_up(up, ntiles, m.si, gs_up * dequant_unscale<IN_BF16>(), PPI * i + s, lane,
+                        a.act);
+        __threadfence();                                       // act before the count
+    }
+#endif
     __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(a.unit_done + u, PPI);    // pairs done
+    if (threadIdx.x == 0) atomicAdd(a.unit_done + u, PPI);    // act strips done
     stamp(a.trace, item, 3);
 }
 

@@ -1,13 +1,15 @@
 // NVFP4 MoE GEMM: w13 (gate/up) + the activation (SiLU(gate)·up, or gpt-oss's clamped SwiGLU;
-// biases where the rows have them, moe_common.cuh), then w2 (+ bias) scaled by the router weight
-// and summed over top-k. Weights are read from expert rows in the kernel layout of cupool/layout.py, wherever
-// they are (bank row, staging row, or pinned host memory through a UVA address).
+// biases where the rows have them; ReLU(up)² of up alone in rows without a gate, ROW_GATED 0;
+// moe_common.cuh), then w2 (+ bias) scaled by the router weight and summed over top-k. Weights
+// are read from expert rows in the kernel layout of cupool/layout.py, wherever they are (bank
+// row, staging row, or pinned host memory through a UVA address).
 //
 // Work sketch
 // - A *unit* is one expert's weights plus up to NT lanes (a lane = one (token, k) pair) routed to
 //   it; the align kernel (moe_align.cu) builds the unit table. An *item* is (unit, group of WARPS_M
 //   strips): for w13 a strip is a (gate strip, up strip) pair of 16 rows each, so SiLU·up fuses in
-//   registers; for w2 a strip is 16 output rows of H.
+//   registers (rows without a gate: one up strip, W13_SPS = 1); for w2 a strip is 16 output rows
+//   of H.
 // - A block is WARPS_M × KSPLIT warps: WARPS_M warps on different strips of the same unit (they
 //   share the activations staged in shared memory), KSPLIT warps splitting K of each strip (decode:
 //   one token per unit, so K-splitting is what puts enough loads in flight to fill HBM).
@@ -26,8 +28,8 @@
 //   consecutive items of one unit reuse its staged act rows where w2 stages all of K at once.
 //
 // Outputs and invariants
-// - moe_w13 writes act[lane, 0:IP] (bf16, SiLU(gate)·up at true scale) for every lane of every
-//   unit in its range; nothing else writes act.
+// - moe_w13 writes act[lane, 0:IP] (bf16, act(gate, up) or act(up) at true scale) for every lane
+//   of every unit in its range; nothing else writes act.
 // - moe_w2 (REDUCE 0, decode): writes yw[lane, h] = weight(lane) · (w2 · act)[h] for its units,
 //   then the last unit to finish a strip group (per-group arrival counter against the units of
 //   `all_range`, reset by that block) sums yw over k in fixed order for every token and writes
@@ -272,7 +274,8 @@ CUPOOL_DEVICE SlotInfo* slot_info(u8* smem) {
 }
 
 // ------------------------------------------------------------------------------------------
-// w13: act[lane, j] = SiLU(gate_j · x) · (up_j · x) for the unit's lanes, in bf16.
+// w13: act[lane, j] = act(gate_j · x, up_j · x) (rows without a gate: act(up_j · x)) for the
+// unit's lanes, in bf16.
 // ------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(THREADS, MINB)
 moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of this launch
@@ -286,11 +289,11 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
     extern __shared__ __align__(16) u8 smem[];
     u16* xs = reinterpret_cast<u16*>(smem);
     float* red = red_buffer<Stage13::BYTES>(smem);
-    SlotInfo* si = slot_info<Stage13::BYTES, 2>(smem);
+    SlotInfo* si = slot_info<Stage13::BYTES, W13_SPS>(smem);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp / KSPLIT, ks = warp % KSPLIT;
     const Range rg = unit_range(range);
-    constexpr int NP = IP / 16;                                 // strip pairs per expert
+    constexpr int NP = IP / 16;                                 // act strips per expert
     constexpr int GROUPS = (NP + WARPS_M - 1) / WARPS_M;
     const int items = rg.count * GROUPS;
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
@@ -300,16 +303,20 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
         const int count = unit_count[u];
         const int ntiles = (count + 7) >> 3;
         const u8* row = reinterpret_cast<const u8*>(unit_addr[u]);
-        Strips<2> strips;
+        Strips<W13_SPS> strips;
+#if ROW_GATED
         strips.p[0] = row + 256 + (i64)(2 * p) * W13_STRIP;         // gate rows 16p..16p+15
         strips.p[1] = strips.p[0] + W13_STRIP;                       // up rows, same j
+#else
+        strips.p[0] = row + 256 + (i64)p * W13_STRIP;               // up rows 16p..16p+15
+#endif
 
         // First weight batch in flight before anything else: it depends only on unit_addr.
-        Batch<2> b;
+        Batch<W13_SPS> b;
         {
             int lo, hi;
             warp_chunks(0, Stage13::COLS, ks, lo, hi);
-            if (active) load_batch<2>(b, strips, lo, hi, lane);
+            if (active) load_batch<W13_SPS>(b, strips, lo, hi, lane);
         }
 #if PREFETCH_W2
         // Pull this unit's w2 rows towards L2 now, so moe_w2 reads them from L2: each of the
@@ -335,14 +342,18 @@ moe_w13(const i32* __restrict__ range,        // [2] first unit, end unit of thi
             return l >= 0 ? xh + (i64)(l / topk) * HP : nullptr;
         };
         stage_rows<Stage13::STRIDE>(xs, ntiles, 0, Stage13::COLS, x_row);
-        float acc[2][NTILES][4] = {};
-        item_k_loop<2, HP, false, Stage13>(b, strips, active, ks, xs, ntiles, acc, lane, x_row);
-        ksplit_reduce<2>(acc, red, wm, ks, lane);
+        float acc[W13_SPS][NTILES][4] = {};
+        item_k_loop<W13_SPS, HP, false, Stage13>(b, strips, active, ks, xs, ntiles, acc, lane, x_row);
+        ksplit_reduce<W13_SPS>(acc, red, wm, ks, lane);
         if (ks == 0 && active) {
             const float* hdr = reinterpret_cast<const float*>(row);
+#if ROW_GATED
             const float* bias = reinterpret_cast<const float*>(row + ROW_BIAS_OFFSET) + 16 * p;
             w13_epilogue(acc, ntiles, si, hdr[0] * dequant_unscale<false>(),
                          hdr[1] * dequant_unscale<false>(), p, lane, act, bias, bias + IP);
+#else
+            w13_epilogue_up(acc[0], ntiles, si, hdr[1] * dequant_unscale<false>(), p, lane, act);
+#endif
         }
     }
 }

@@ -10,8 +10,9 @@
 A new `.cu` adds its default build and its production builds to BUILDS (a test fails for a
 source that has no default build here).
 
-BUILDS holds the builds at the Qwen3-30B-A3B (H=2048, I=768), H=4096/I=1536 and gpt-oss (H = I =
-2880, biases, clamped SwiGLU) dims: the moe_decode variants the per-call rules choose, the
+BUILDS holds the builds at the Qwen3-30B-A3B (H=2048, I=768), H=4096/I=1536, gpt-oss (H = I =
+2880, biases, clamped SwiGLU) and Nemotron-3-Nano-30B-A3B (H=2688, I=1856, experts without a
+gate: ROW_GATED=0, ReLU(up)²) dims: the moe_decode variants the per-call rules choose, the
 moe_gemm configs (pair decode and prefill), moe_align, the planner, the row copy kernels, the
 quantizer. The sets are written out here rather than taken from the launchers, so a change to a
 launcher's rule shows up as a change of hashes only where it changes a kernel.
@@ -36,6 +37,9 @@ _BIG = "-DHP=4096 -DIP=1536 -DROW_W2_OFFSET=7078144"
 # gpt-oss: H = I = 2880, rows with biases, the clamped SwiGLU (alpha 1.702, limit 7.0 in float32)
 _GPTOSS = ("-DHP=2880 -DIP=2880 -DROW_W2_OFFSET=9331456 -DROW_BIAS=1 -DACT=1 "
            "-DACT_ALPHA=0x1.b3b6460000000p+0f -DACT_LIMIT=0x1.c000000000000p+2f")
+# Nemotron-3-Nano-30B-A3B: H=2688, I=1856 (29 chunks a w2 strip), rows without gate strips,
+# ReLU(up)² (RowLayout(2688, 1856, gated=False).defines() and RELU2.defines())
+_NEMOTRON = "-DHP=2688 -DIP=1856 -DROW_W2_OFFSET=2806528 -DROW_GATED=0 -DACT=2"
 
 
 def _gemm(dims: str, nt, ksplit, warps_m, kc, w2_kc, nb, reduce, prefetch, minb, w2_ns) -> str:
@@ -77,12 +81,16 @@ BUILDS: list[tuple[str, str]] = [
     ("moe_decode", _decode(_QWEN, 16, 256, 3, 2)),                        # T=16
     ("moe_decode", _decode(_BIG, 8, 64, 4, 4)),
     ("moe_decode", _decode(_BIG, 16, 256, 3, 4)),
-    ("moe_decode", _decode("-DHP=128 -DIP=64 -DROW_W2_OFFSET=4864", 16, 256, 3, 4, HFULL=0,
+    ("moe_decode", _decode("-DHP=128 -DIP=64 -DROW_W2_OFFSET=9472", 16, 256, 3, 4, HFULL=0,
                            XALIGN=0, IN_BF16=0, OUT_BF16=0, W_DTYPE=1)),
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, DECODE_TRACE=1)),      # the profiling build
     ("moe_decode", _decode(_GPTOSS, 8, 64, 3, 4)),                        # gpt-oss T=1, K=4
     ("moe_decode", _decode(_GPTOSS, 8, 64, 4, 4)),                        # gpt-oss T=4..16
     ("moe_gemm", _gemm(_GPTOSS, 64, 1, 8, 256, 256, 1, 1, 0, 2, 2)),      # gpt-oss prefill
+    ("moe_decode", _decode(_NEMOTRON, 8, 64, 3, 4)),                      # Nemotron-H T=1, K=6
+    ("moe_decode", _decode(_NEMOTRON, 8, 64, 4, 4)),                      # Nemotron-H T=2..10
+    ("moe_decode", _decode(_NEMOTRON, 16, 256, 3, 4)),                    # Nemotron-H T=11..42
+    ("moe_gemm", _gemm(_NEMOTRON, 64, 1, 8, 256, 256, 1, 1, 0, 2, 2)),    # Nemotron-H prefill
     # the fused decode step at batch 1 (Qwen3-30B-A3B): QKV (norm), o-projection (+ residual),
     # router (norm, routing), output head (norm, two row tiles a block); its attention
     ("dense_gemv", ""),
@@ -128,6 +136,17 @@ VARIANTS = [
     ("dense_attention", "-DD=256 -DG=4 -DMINCHUNK=64"),
     ("dense_attention", "-DD=64 -DG=1 -DMINCHUNK=64"),
     ("moe_decode", "-DDECODE_TRACE=1 -DNT=16 -DMAXW=256 -DW13_KSPLIT=2 -DHP=128 -DIP=64 -DHFULL=0"),
+    # experts without a gate (ROW_GATED=0, ReLU(up)²): the Nemotron-H pair decode (calls of more
+    # than 256 lanes), the other W13_KSPLITs, fp16 and padded dims (H=80, I=48), unit of 16 lanes
+    ("moe_gemm", _gemm(_NEMOTRON, 8, 8, 1, 2048, 1856, 2, 0, 1, 3, 1)),
+    ("moe_gemm", _gemm(_NEMOTRON, 16, 4, 1, 1024, 1856, 8, 0, 1, 1, 1)),
+    ("moe_decode", f"{_NEMOTRON} -DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=2"),
+    ("moe_decode", ("-DHP=128 -DIP=64 -DROW_W2_OFFSET=4864 -DROW_GATED=0 -DACT=2 -DNT=16 -DMAXW=256 "
+                    "-DMINB=3 -DW13_KSPLIT=2 -DOUT_BF16=0 -DIN_BF16=0 -DHFULL=0 -DXALIGN=0")),
+    ("moe_gemm", ("-DHP=128 -DIP=64 -DROW_W2_OFFSET=4864 -DROW_GATED=0 -DACT=2 -DNT=16 -DKC=128 "
+                  "-DOUT_BF16=0")),
+    ("moe_gemm", ("-DHP=128 -DIP=64 -DROW_GATED=0 -DACT=2 -DNT=64 -DKSPLIT=1 -DWARPS_M=8 -DKC=64 "
+                  "-DW2_KC=64 -DNB=1 -DREDUCE=1 -DMINB=2 -DW2_NS=2")),
 ]
 
 

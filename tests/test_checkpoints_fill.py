@@ -184,3 +184,11 @@ def test_gpu_path_equals_cpu(tmp_path, rng, fmt):
         for e in range(5):
             np.testing.assert_array_equal(gpu.row(li, e), cpu.row(li, e))
     _expect_rows(gpu, layout, want, [0, 1, 2])
+
+
+def test_a_layout_without_gate_is_refused(tmp_path, rng):
+    """Checkpoint experts are read as (gate, up, down): rows without a gate are not filled."""
+    d, _a, _want = _ckpt(tmp_path, rng, "float")
+    store = HostStore(3, 5, RowLayout(H, I, gated=False).row_bytes, pinned=False)
+    with pytest.raises(CheckpointError, match=r"layout has no gate \(RowLayout\(gated=False\)\)"):
+        fill_store(store, d, RowLayout(H, I, gated=False), progress=False)

@@ -25,7 +25,7 @@ from cupool.sampling import SamplingParams
 pytestmark = pytest.mark.gpu
 
 FAMILIES = sorted(HYBRID_FAMILIES)
-POOLED = [f for f in FAMILIES if f != "nemotron_h"]    # non-gated experts: not in rows yet
+POOLED = FAMILIES         # nemotron_h: experts without a gate (ROW_GATED=0 builds)
 
 
 def _run(model, graph, pool=None, max_batch=2):
@@ -68,6 +68,9 @@ def _bf16_model(family, seed):
         for m in model.modules():
             if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
                 m.gate_up_proj.normal_(0, 0.05)
+                m.down_proj.normal_(0, 0.05)
+            elif hasattr(m, "up_proj") and isinstance(m.up_proj, torch.Tensor):   # no gate
+                m.up_proj.normal_(0, 0.05)
                 m.down_proj.normal_(0, 0.05)
     return model.to(torch.bfloat16)
 

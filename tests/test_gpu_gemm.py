@@ -31,13 +31,18 @@ def rel_err(out, ref):
 class Placed:
     """E experts' rows spread over a device 'bank', device 'staging' rows and a pinned host store."""
 
-    def __init__(self, H, I, E, seed, *, bias=False, activation=SILU):
-        self.layout = RowLayout(H, I, bias=bias)
+    def __init__(self, H, I, E, seed, *, bias=False, activation=SILU, gated=True, gate_scale=None):
+        """gated False: rows without gate strips (activation RELU2); gate_scale: a float written
+        over every row's gate global scale (rows without a gate: one the kernels must not read)."""
+        self.layout = RowLayout(H, I, bias=bias, gated=gated)
         self.activation = activation
         gen = torch.Generator().manual_seed(seed)
         b = random_biases(self.layout, E, gen) if bias else None
         rows, mats = random_experts(self.layout, E, gen, biases=b)
-        self.deq = [tuple(dequantize_exact(m).cuda() for m in trio) for trio in mats]
+        if gate_scale is not None:
+            rows[:, :4] = torch.tensor([gate_scale], dtype=torch.float32).view(torch.uint8)
+        self.deq = [tuple(None if m is None else dequantize_exact(m).cuda() for m in trio)
+                    for trio in mats]
         self.biases = None if b is None else [tuple(t[e].cuda() for t in b) for e in range(E)]
         self.store = HostStore(1, E, self.layout.row_bytes)
         self.store.fill(lambda _l: rows, progress=False)

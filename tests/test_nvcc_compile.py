@@ -235,3 +235,51 @@ def test_gptoss_prefill_and_pair_builds_without_spills(nvcc, tmp_path):
         d = config_defines(cfg, _GPTOSS, torch.bfloat16, act)
         spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_gemm.cu", d, tmp_path / "o.cubin")
         assert spills and all(s == 0 for s in spills), (cfg, spills)
+
+
+# Experts without a gate (Nemotron-3-Nano-30B-A3B: H=2688, I=1856, up strips alone, ReLU(up)²):
+# every build the launchers make for them compiles without spills.
+_NEMOTRON = RowLayout(2688, 1856, gated=False)
+
+
+def _nemotron_decode_builds():
+    from cupool.activation import RELU2
+    out = []
+    for nt, maxw, minb, split in [(8, 64, 3, 4), (8, 64, 4, 4), (8, 64, 4, 2), (16, 256, 3, 4),
+                                  (16, 256, 3, 2)]:
+        b = moe_decode.Build(nt=nt, maxw=maxw, minb=minb, w13_split=split, xalign=1, w_dtype=0)
+        out.append(moe_decode.defines(b, _NEMOTRON, torch.bfloat16, RELU2))
+    return out
+
+
+@pytest.mark.parametrize("defines", _nemotron_decode_builds(),
+                         ids=lambda d: f"NT{d['NT']}-MINB{d['MINB']}-KS{d['W13_KSPLIT']}")
+def test_nongated_decode_builds_without_spills(nvcc, tmp_path, defines):
+    assert defines["ROW_GATED"] == 0 and defines["ACT"] == 2
+    spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_decode.cu", defines, tmp_path / "o.cubin")
+    assert spills and all(s == 0 for s in spills), spills
+
+
+def test_nongated_prefill_and_pair_builds_without_spills(nvcc, tmp_path):
+    from cupool.activation import RELU2
+    from cupool.ops.moe_gemm import PAIR_SMALL, PAIR_WIDE
+    for cfg in (PREFILL, PAIR_SMALL, PAIR_WIDE):
+        d = config_defines(cfg, _NEMOTRON, torch.bfloat16, RELU2)
+        spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_gemm.cu", d, tmp_path / "o.cubin")
+        assert len(spills) == 3 and all(s == 0 for s in spills), (cfg, spills)
+
+
+@pytest.mark.parametrize("name", ["moe_decode", "moe_gemm"])
+@pytest.mark.parametrize("defines,message", [
+    ("-DROW_GATED=0", "is the activation of rows without a gate"),           # SiLU, no gate
+    ("-DACT=2 -DACT_ALPHA=1.0f -DACT_LIMIT=1.0f", "is the activation of rows without a gate"),
+    ("-DROW_GATED=0 -DACT=2 -DROW_BIAS=1", "rows without a gate carry no biases"),
+    ("-DROW_GATED=0 -DACT=2 -DROW_W2_OFFSET=1769728", "w2's offset differs"),   # the gated one
+    ("-DROW_W2_OFFSET=884992", "w2's offset differs"),                        # the non-gated one
+])
+def test_kernels_refuse_what_they_have_no_build_for(nvcc, tmp_path, name, defines, message):
+    """moe_common.cuh's static_asserts: a layout and an activation that do not pair, biases in
+    rows without a gate, and a ROW_W2_OFFSET (cupool/layout.py's) other than the kernel's."""
+    r = subprocess.run(nvcc_command(nvcc, name, defines, 90, tmp_path / "o.cubin"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and message in r.stderr, r.stderr

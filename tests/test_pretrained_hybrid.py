@@ -19,7 +19,7 @@ from cupool import hosttable  # noqa: E402
 from cupool import pretrained as P  # noqa: E402
 from cupool.checkpoints import open_checkpoint  # noqa: E402
 
-# Nemotron-H's experts have no gate projection: its checkpoints wait for non-gated rows.
+# Nemotron-H's experts have no gate projection, and cupool.checkpoints reads (gate, up, down).
 LOADABLE = sorted(f for f in HYBRID_FAMILIES if f != "nemotron_h")
 
 

@@ -124,6 +124,9 @@ def fill_store(store, ckpt, layout: _layout.RowLayout, *, layers=None, device=No
         if (layout.hidden, layout.intermediate) != (ck.hidden, ck.intermediate):
             raise CheckpointError(f"layout is H={layout.hidden}, I={layout.intermediate} but the "
                                   f"experts of {ck.path} are H={ck.hidden}, I={ck.intermediate}")
+        if not layout.gated:
+            raise CheckpointError(f"layout has no gate (RowLayout(gated=False)), but checkpoint "
+                                  f"experts are read as (gate, up, down): {ck.path}")
         if layout.bias != ck.has_bias:
             raise CheckpointError(f"layout has bias={layout.bias} but the experts of {ck.path} "
                                   f"{'have' if ck.has_bias else 'have no'} biases "

@@ -21,7 +21,7 @@ import torch
 from cupool import _cuda, kernels
 from cupool.activation import SILU, Activation
 from cupool.layout import CHUNK_BYTES, RowLayout
-from cupool.ops import ACT_DTYPES, W_DTYPES
+from cupool.ops import ACT_DTYPES, W_DTYPES, check_experts
 
 MAX_LANES = 256          # the kernel groups the call's lanes one a thread of its 256-thread block
 WARPS = 8                # moe_decode.cu's WARPS
@@ -74,30 +74,46 @@ def w2_items(layout: RowLayout) -> int:
     return -(-(layout.hp // 16) // (WARPS // w2_ksplit(layout)))
 
 
-def w13_items_fill(layout: RowLayout, sms: int, lanes: int, pairs_per_item: int,
+def act_strips_per_item(layout: RowLayout, w13_split: int) -> int:
+    """Act strips (16 columns of act: a (gate, up) strip pair, or one up strip in rows without a
+    gate) one w13 item makes when `w13_split` warps split the K of a strip (moe_decode.cu's PPI):
+    the block's WARPS warps take WARPS / w13_split strips."""
+    if w13_split not in (1, 2, 4):
+        raise ValueError(f"w13_split must be 1, 2 or 4, got {w13_split!r}")
+    return WARPS // w13_split // (2 if layout.gated else 1)
+
+
+def w13_items(layout: RowLayout, lanes: int, w13_split: int) -> int:
+    """w13 items of a call of `lanes` lanes, one unit a lane (an upper bound: lanes of one expert
+    share a unit): Ip/16 act strips a unit, `act_strips_per_item` an item."""
+    return lanes * (layout.ip // 16) // act_strips_per_item(layout, w13_split)
+
+
+def w13_items_fill(layout: RowLayout, sms: int, lanes: int, w13_split: int,
                    blocks_per_sm: int) -> bool:
-    """Whether the w13 items of a call of `lanes` lanes (lanes · Ip/16 strip pairs, an upper bound:
-    lanes of one expert share a unit) fill a grid of `blocks_per_sm` blocks on each of `sms` SMs."""
-    return lanes * (layout.ip // 16) // pairs_per_item >= blocks_per_sm * sms
+    """Whether the w13 items of a call of `lanes` lanes at `w13_split` (`w13_items`) fill a grid of
+    `blocks_per_sm` blocks on each of `sms` SMs."""
+    return w13_items(layout, lanes, w13_split) >= blocks_per_sm * sms
 
 
 def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int) -> int:
     """Blocks per SM a build's registers must allow, for a call of `lanes` lanes.
 
-    4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone, one strip pair an
-    item, fill a grid of 4 blocks per SM; else 3 (at most 80 registers). On an H200 (K=8, same
+    4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone, at 4 warps a strip
+    (one strip pair an item; two up strips in rows without a gate), fill a grid of 4 blocks per
+    SM; else 3 (at most 80 registers). On an H200 (K=8, same
     output bits) 4 measured 6–12% faster where the items fill the grid (H=2048 T=4, H=4096 T=1
     and T=4) and 5% slower at H=2048 T=1 (384 items for 528 blocks). Units of 16 lanes spill at
     64 registers and keep 3 (tests/test_nvcc_compile.py checks both facts)."""
-    return 4 if nt == 8 and w13_items_fill(layout, sms, lanes, 1, 4) else 3
+    return 4 if nt == 8 and w13_items_fill(layout, sms, lanes, 4, 4) else 3
 
 
 def w13_split(layout: RowLayout, sms: int, lanes: int, minb: int) -> int:
     """Warps splitting the K of a w13 strip for a call of `lanes` lanes at `minb` blocks per SM.
 
-    2 (items of two strip pairs: twice the chunks a warp, one start and one set of barriers for
-    both) where a strip is at most 32 chunks (Hp ≤ 2048) and the call's w13 items at two pairs an
-    item still fill the grid; else 4 (one pair an item). On an H200 (K=8) 2 measured 4–8% faster
+    2 (items of twice the strips: twice the chunks a warp, one start and one set of barriers for
+    them) where a strip is at most 32 chunks (Hp ≤ 2048) and the call's w13 items at that split
+    still fill the grid; else 4 (one strip pair an item, two up strips in rows without a gate). On an H200 (K=8) 2 measured 4–8% faster
     at H=2048 for T = 4, 8, 16, the same at T=3 and slower at T ≤ 2; at H=4096 never faster."""
     fills = w13_items_fill(layout, sms, lanes, 2, minb)
     return 2 if layout.hp <= 2048 and fills else 4
@@ -117,7 +133,8 @@ def choose(layout: RowLayout, sms: int, lanes: int, x: torch.Tensor,
 def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
             activation: Activation = SILU) -> dict:
     """The -D macros moe_decode.cu is compiled with for a build, layout, activation dtype and
-    expert activation."""
+    expert activation (one the layout's experts take: `cupool.ops.check_experts`)."""
+    check_experts(layout, activation)
     d = {**layout.defines(), **activation.defines(), "NT": build.nt, "MAXW": build.maxw, "OUT_BF16": ACT_DTYPES[dtype],
          "IN_BF16": ACT_DTYPES[dtype], "W_DTYPE": build.w_dtype, "XALIGN": build.xalign,
          "HFULL": int(layout.hidden == layout.hp), "MINB": build.minb,
@@ -141,6 +158,7 @@ class DecodeKernel:
                  activation: Activation = SILU):
         if dtype not in ACT_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        check_experts(layout, activation)
         self.layout, self.dtype, self.device = layout, dtype, torch.device(device)
         self.activation = activation
         self.sms = _cuda.target(self.device).sms

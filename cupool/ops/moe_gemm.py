@@ -7,7 +7,8 @@ that share every dequantized weight fragment.
 
 moe_align.cu groups lanes into units (route_decode for decode, align_experts for prefill) and
 prepares x (prep_x); moe_gemm.cu's moe_w13 writes act(gate, up) per lane (SiLU(gate)·up or
-the clamped SwiGLU, biases added where the rows have them), moe_w2 multiplies it
+the clamped SwiGLU, biases added where the rows have them; ReLU(up)² in rows without a gate),
+moe_w2 multiplies it
 by w2, and the top-k sum is moe_w2's (REDUCE 0, decode) or moe_finish's (REDUCE 1, prefill:
 fp32 atomics into out32, then one cast).
 
@@ -24,7 +25,7 @@ import torch
 from cupool import _cuda, kernels
 from cupool.activation import SILU, Activation
 from cupool.layout import RowLayout
-from cupool.ops import ACT_DTYPES
+from cupool.ops import ACT_DTYPES, check_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,8 @@ def w2_cols(cfg: GemmConfig, layout: RowLayout) -> int:
 def defines(cfg: GemmConfig, layout: RowLayout, dtype=torch.bfloat16,
             activation: Activation = SILU) -> dict:
     """The -D macros moe_gemm.cu is compiled with for a config, layout, output dtype and expert
-    activation."""
+    activation (one the layout's experts take: `cupool.ops.check_experts`)."""
+    check_experts(layout, activation)
     return {**layout.defines(), **activation.defines(), "NT": cfg.nt, "KSPLIT": cfg.ksplit, "WARPS_M": cfg.warps_m,
             "KC": min(cfg.kc, layout.hp), "W2_KC": w2_cols(cfg, layout), "NB": cfg.nb,
             "OUT_BF16": ACT_DTYPES[dtype], "REDUCE": cfg.reduce, "PREFETCH_W2": cfg.prefetch_w2,
@@ -88,10 +90,12 @@ def defines(cfg: GemmConfig, layout: RowLayout, dtype=torch.bfloat16,
 def shared_bytes(cfg: GemmConfig, layout: RowLayout, kernel: str) -> int:
     """Dynamic shared memory of moe_w13 or moe_w2 (moe_gemm.cu's Staging, red_buffer and
     slot_info): the staging buffers (two where K takes more than one stage), the K-split
-    partials, the per-slot data."""
+    partials (of 2 strips a w13 warp, gate and up, or 1 in rows without a gate), the per-slot
+    data."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    kp, cols, ns = ((layout.hp, min(cfg.kc, layout.hp), 2) if kernel == "moe_w13"
+    sps = 2 if layout.gated else 1
+    kp, cols, ns = ((layout.hp, min(cfg.kc, layout.hp), sps) if kernel == "moe_w13"
                     else (layout.ip, w2_cols(cfg, layout), cfg.w2_ns))
     nbuf = 2 if kp > cols else 1
     red = (cfg.ksplit - 1) * cfg.warps_m * ns * (cfg.nt // 8) * 4 * 32 * 4
@@ -107,6 +111,7 @@ class GemmKernels:
                  activation: Activation = SILU):
         if dtype not in ACT_DTYPES:
             raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        check_experts(layout, activation)
         self.layout, self.topk, self.dtype = layout, int(topk), dtype
         self.activation = activation
         self.device = torch.device(device)
