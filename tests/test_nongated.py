@@ -1,8 +1,8 @@
 """Experts without a gate projection (Nemotron-H: down(ReLU(up·x)²)): the activation's float
 reference against transformers' relu2, the row layout without gate strips (round trip, batched
 packing, sizes), the adapter reading transformers' NemotronHExperts (views, release/restore, its
-own forward equal to the reference), and cupool.wrap refusing them by name until the kernels
-have a non-gated build."""
+own forward equal to the reference; a latent MoE, whose router is wider than its experts), and
+cupool.wrap refusing them by name until the kernels have a non-gated build."""
 
 from __future__ import annotations
 
@@ -117,3 +117,29 @@ def test_wrap_names_what_is_missing(nemotron):
                                                     r"because its experts have no gate "
                                                     r"\(ReLU\(up\)² \(no gate\)\).*kernels"):
         cupool.wrap(nemotron.to(torch.bfloat16), rows=4)
+
+
+def test_adapter_reads_a_latent_moe():
+    """Nemotron-3-Super's latent MoE (moe_latent_size): the experts work in the latent size, the
+    router scores the block's input of hidden_size; the experts module's own forward equals the
+    reference on the latent inputs. A router of any other width is still refused."""
+    pytest.importorskip("transformers")
+    from cupool.adapters import UnsupportedModelError, find_moe_layers
+    model = hybrid_model("nemotron_h", seed=6, moe_latent_size=16)
+    s = find_moe_layers(model)[0]
+    assert (s.hidden, s.intermediate, s.gated) == (16, 32, False)
+    assert tuple(s.router().weight.shape) == (8, 48)
+    x = _rand(5, 16, seed=7)
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:2]
+                       for t in range(5)])
+    w = torch.rand(5, 2, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        got = s.module(x, ids, w)
+    torch.testing.assert_close(got, reference_moe(x, ids, w, s.expert, activation=RELU2),
+                               rtol=1e-5, atol=1e-5)
+    gate = model.model.layers[1].mixer.gate
+    gate.weight = torch.nn.Parameter(torch.zeros(8, 40))
+    with pytest.raises(UnsupportedModelError, match=r"router model\.layers\.1\.mixer\.gate has "
+                                                    r"weight \[8, 40\], expected \[E=8, H=16\] or "
+                                                    r"\[E=8, hidden_size=48\]"):
+        find_moe_layers(model)
