@@ -338,7 +338,8 @@ NEMOTRON_PATTERN = "MEM*E-"
 
 def nemotron_h(rng, L=None, E=8, H=64, I=32, V=64, *, pattern=NEMOTRON_PATTERN,
                latent: int | None = None, shared=True) -> Arch:
-    """Nemotron-H as NVIDIA publishes it (the Nano-30B-A3B config's keys at toy size):
+    """Nemotron-H as NVIDIA publishes it (the Nano-30B-A3B config's keys at toy size, its
+    auto_map to the release's own code included, which transformers >= 5 does not need):
     hybrid_override_pattern and num_hidden_layers, `backbone.embeddings`, `backbone.norm_f`,
     per layer `backbone.layers.{l}.norm` and one `mixer`: Mamba-2 (in_proj [2·Im + 2·G·N + h, H],
     conv1d over Im + 2·G·N channels with a bias, A_log, D, dt_bias [h], a gated norm [Im],
@@ -354,6 +355,9 @@ def nemotron_h(rng, L=None, E=8, H=64, I=32, V=64, *, pattern=NEMOTRON_PATTERN,
     im = heads * head_dim
     shared_i = 2 * I
     cfg = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+           "auto_map": {"AutoConfig": "configuration_nemotron_h.NemotronHConfig",
+                        "AutoModel": "modeling_nemotron_h.NemotronHForCausalLM",
+                        "AutoModelForCausalLM": "modeling_nemotron_h.NemotronHForCausalLM"},
            "attention_bias": False, "chunk_size": 128, "conv_kernel": conv, "expand": 2,
            "head_dim": 16, "hidden_size": H, "hybrid_override_pattern": pattern,
            "initializer_range": 0.02, "intermediate_size": 3 * I, "layer_norm_epsilon": 1e-5,
