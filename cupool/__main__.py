@@ -200,7 +200,8 @@ def plan(args) -> int:
         sizes = ck.expert_sizes()
         fmt = ck.format
         bias = ck.has_bias
-    layout = RowLayout(H, I, bias=bias)
+        gated = ck.gated
+    layout = RowLayout(H, I, bias=bias, gated=gated)
     stride = layout.row_stride
     limit = getattr(text, "max_position_embeddings", None)
     context = args.context or min(4096, limit or 4096)

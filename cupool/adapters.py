@@ -56,9 +56,10 @@ the biases go into each expert's row.
 
 Experts without a gate (``has_gate=False``: Nemotron-H's ``up_proj`` [E, I, H] and ``down_proj``,
 down(act_fn(up·x))) are read with ``gated=False`` and ``expert(e)`` = (None, up, down) when their
-``act_fn`` measures as ReLU² (`cupool.activation.RELU2`); their rows are
-``RowLayout(gated=False)`` and the kernels' ROW_GATED=0 builds compute them. `cupool.wrap` fills
-them from the model's own weights only (`cupool.checkpoints` reads experts as gate, up, down).
+``act_fn`` measures as ReLU² (`cupool.activation.RELU2`); with a latent MoE (Nemotron-3-Super's
+``moe_latent_size``) H is the latent size the experts work in, the block's router scoring its
+input of hidden_size before ``fc1_latent_proj``; their rows are ``RowLayout(gated=False)`` and the
+kernels' ROW_GATED=0 builds compute them.
 
 Not supported (an ``UnsupportedModelError`` "<module path>: unsupported, because ..." rather than
 wrong output): experts whose outputs are normalised (has_post_expert_norm), non-gated experts with
@@ -359,8 +360,11 @@ def _find_top_k(path: str, parent_path: str, module: nn.Module, parent: nn.Modul
     return K
 
 
-def _check_router(path: str, parent_path: str, parent: nn.Module, E: int, H: int) -> None:
-    """The router must score exactly the experts this module holds (routing ids index rows)."""
+def _check_router(path: str, parent_path: str, parent: nn.Module, E: int, H: int,
+                  block_in: int | None = None) -> None:
+    """The router must score exactly the experts this module holds (routing ids index rows).
+    Its weight is [E, H], or [E, block_in] where the block's input is not the experts' (a latent
+    MoE projects the block's input of size block_in to the experts' H after routing it)."""
     rname, router = _owner(parent, ("gate", "router"))
     if router is None:
         return
@@ -370,9 +374,12 @@ def _check_router(path: str, parent_path: str, parent: nn.Module, E: int, H: int
     if isinstance(n, int) and n != E:
         raise UnsupportedModelError(
             path, f"the router {where} has num_experts = {n} but the experts module holds E = {E}")
-    if isinstance(w, torch.Tensor) and w.dim() == 2 and tuple(w.shape) != (E, H):
+    ok = {(E, H)} | ({(E, block_in)} if block_in is not None else set())
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and tuple(w.shape) not in ok:
+        want = " or ".join(f"[E={E}, {x}]" for x in [f"H={H}"] + (
+            [f"hidden_size={block_in}"] if block_in is not None else []))
         raise UnsupportedModelError(
-            path, f"the router {where} has weight {list(w.shape)}, expected [E={E}, H={H}]")
+            path, f"the router {where} has weight {list(w.shape)}, expected {want}")
 
 
 # --- transformers >= 5 experts modules ---------------------------------------------------------------
@@ -479,7 +486,9 @@ _NONGATED = (RELU2,)
 def _nongated_spec(path: str, parent_path: str, module: nn.Module, parent: nn.Module) -> dict:
     """An experts module with has_gate=False: up_proj [E, I, H] ([E, H, I] transposed) and
     down_proj [E, H, I] ([E, I, H]); it computes down(act_fn(up·x)), act_fn measured on a probe
-    (ReLU², Nemotron-H's)."""
+    (ReLU², Nemotron-H's). With a latent MoE (config moe_latent_size, Nemotron-3-Super) H is the
+    latent size: the block routes its input [.., hidden_size] and projects it to H for the
+    experts (fc1_latent_proj) and back (fc2_latent_proj), both left to the block."""
     up, down = getattr(module, "up_proj", None), getattr(module, "down_proj", None)
     if not (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor)
             and up.dim() == 3 and down.dim() == 3):
@@ -515,7 +524,10 @@ def _nongated_spec(path: str, parent_path: str, module: nn.Module, parent: nn.Mo
     for act in _NONGATED:
         ok, err = _close(got, act(None, x.to(up.dtype)).float(), up.dtype)
         if ok:
-            _check_router(path, parent_path, parent, E, H)
+            cfg = getattr(module, "config", None)
+            latent = getattr(cfg, "moe_latent_size", None)
+            block_in = getattr(cfg, "hidden_size", None) if latent is not None else None
+            _check_router(path, parent_path, parent, E, H, block_in)
             K = _find_top_k(path, parent_path, module, parent, E)
             return dict(kind=KIND_HF, num_experts=E, top_k=K, hidden=H, intermediate=I,
                         dtype=up.dtype, device=up.device, concatenated=True,

@@ -10,8 +10,10 @@ Steps, each failing with a clear error before the next one takes memory:
    format detection, every routed expert's names, dtypes and shapes checked; nothing read).
 3. The transformers model is built from config.json on the meta device (no memory; the
    quantization config dropped, so no transformers quantizer — ModelOpt, compressed-tensors,
-   MXFP4 — takes part), its MoE layers found (`cupool.adapters`) and compared with the
-   checkpoint's (layer numbers, E, H, I, biases), and the checkpoint's dense tensors are matched
+   MXFP4 — takes part; the tensors transformers' from_pretrained keeps in float32, such as the
+   sigmoid routers' e_score_correction_bias, float32 as it loads them), its MoE layers found
+   (`cupool.adapters`) and compared with the checkpoint's (layer numbers, E, H, I, biases,
+   whether the experts have a gate), and the checkpoint's dense tensors are matched
    to the model's parameters by name and shape (`dense_plan`; expert biases are expert tensors,
    attention sinks and router biases dense ones).
 4. Rows per layer are decided from the budget (`cupool.wrap.plan`) with the dense part counted
@@ -29,6 +31,7 @@ Steps, each failing with a clear error before the next one takes memory:
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import re
 from pathlib import Path
@@ -100,7 +103,44 @@ def skeleton(directory: Path, dtype: torch.dtype):
         raise CheckpointError(f"{directory}: transformers cannot build a causal LM from its "
                               f"config.json (model_type {getattr(config, 'model_type', '?')!r}: "
                               f"{type(e).__name__}: {e})") from None
+    keep_fp32(model, dtype)
     return config, model
+
+
+def _fp32_patterns(model, dtype: torch.dtype) -> list[str]:
+    """The names transformers' from_pretrained keeps in float32 when it loads `model` in `dtype`:
+    `_keep_in_fp32_modules_strict` for bf16 and fp16, `_keep_in_fp32_modules` for fp16 too."""
+    out = []
+    if dtype in (torch.bfloat16, torch.float16):
+        out += list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        out += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return out
+
+
+def keep_fp32(model, dtype: torch.dtype) -> None:
+    """Give the parameters and buffers transformers' from_pretrained keeps in float32 (e.g. the
+    routers' e_score_correction_bias of DeepSeek-V3-style sigmoid routers, Nemotron-H's among
+    them) float32 storage on the meta skeleton, as from_pretrained loads them: transformers >=
+    5.24 builds them so, 5.17's from_config does not. A name is kept when a pattern (fnmatch
+    where it has a wildcard) occurs in it."""
+    pats = _fp32_patterns(model, dtype)
+    if not pats:
+        return
+
+    def kept(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, f"*{p}*") if "*" in p else p in name for p in pats)
+
+    for mname, module in model.named_modules():
+        for store in (module._parameters, module._buffers):
+            for attr, t in store.items():
+                full = f"{mname}.{attr}" if mname else attr
+                if t is None or not t.is_floating_point() or t.dtype == torch.float32 \
+                        or not kept(full):
+                    continue
+                new = torch.empty_like(t, dtype=torch.float32)
+                store[attr] = (torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                               if isinstance(t, torch.nn.Parameter) else new)
 
 
 def match_layers(specs: list[MoELayerSpec], ckpt: Checkpoint) -> list[int]:
@@ -127,6 +167,12 @@ def match_layers(specs: list[MoELayerSpec], ckpt: Checkpoint) -> list[int]:
             raise CheckpointError(f"{spec.name}: the model's experts {model_has} biases "
                                   f"(bias={spec.bias}), the checkpoint's ({ckpt.path}) {ckpt_has} "
                                   f"(has_bias={ckpt.has_bias})")
+        if spec.gated != ckpt.gated:
+            model_has = "have a" if spec.gated else "have no"
+            ckpt_has = "have one" if ckpt.gated else "have none"
+            raise CheckpointError(f"{spec.name}: the model's experts {model_has} gate projection "
+                                  f"(gated={spec.gated}), the checkpoint's ({ckpt.path}) "
+                                  f"{ckpt_has} (gated={ckpt.gated})")
         layers.append(got)
     return layers
 

@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from cupool import _cuda
-from cupool.adapters import MoELayerSpec, UnsupportedModelError, check_consistent, find_moe_layers
+from cupool.adapters import MoELayerSpec, check_consistent, find_moe_layers
 from cupool.bank import Bank
 from cupool.budget import MARGIN_BYTES, parse_bytes, rows_for_device, staging_and_tables_bytes
 from cupool.gemm import MoEGemm
@@ -171,11 +171,6 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
         raise ValueError("this model is already wrapped by cupool (call pool.unwrap() first)")
     specs = list(layers) if layers is not None else find_moe_layers(model)
     s0 = check_specs(specs)
-    if checkpoint is not None and not s0.gated:
-        raise UnsupportedModelError(
-            s0.name, f"its experts have no gate ({s0.activation.describe()}) and "
-                     f"cupool.checkpoints reads experts as (gate, up, down) only; wrap the "
-                     f"model with its own expert weights (no checkpoint=)")
     E = s0.num_experts
     dev = torch.device("cuda", _cuda.device_index(device)) if torch.cuda.is_available() else None
     expert_params = {id(p) for s in specs for p in s.module.parameters()}

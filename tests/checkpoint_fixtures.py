@@ -17,7 +17,13 @@ weight_scale_inv), zai-org/GLM-4.5-Air, mistralai/Mixtral-8x7B, meta-llama/Llama
 unified HF export (nvidia/*-NVFP4, hf_quant_config.json) and llm-compressor's
 nvfp4-pack-quantized compressor (RedHatAI/*-NVFP4); openai/gpt-oss-20b (MXFP4 `*_blocks` /
 `*_scales` experts with biases, attention sinks, a router with a bias) and its bf16 export
-(unsloth/gpt-oss-20b-BF16: gate_up_proj [E, H, 2I], gate/up interleaved along 2I).
+(unsloth/gpt-oss-20b-BF16: gate_up_proj [E, H, 2I], gate/up interleaved along 2I); NVIDIA's
+Nemotron-H releases (nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 and -NVFP4, transformers'
+nemotron_h, vLLM's nemotron_h.py): `backbone.*` names, non-gated experts
+`backbone.layers.{l}.mixer.experts.{e}.{up_proj,down_proj}`, the sigmoid router's
+`mixer.gate.weight` and float32 `e_score_correction_bias`, `mixer.shared_experts`, Mamba-2 mixers,
+config.json's hybrid_override_pattern, and for the NVFP4 release ModelOpt's names for the routed
+and shared experts and the Mamba projections it quantizes.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from cupool.nvfp4 import NVFP4Tensor, quantize
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL = ("w1", "w3", "w2")
+NONGATED = (None, "up_proj", "down_proj")      # Nemotron-H: no gate projection
 
 
 @dataclasses.dataclass
@@ -43,7 +50,7 @@ class Arch:
     config: dict
     dense: dict                       # name -> tensor (float32; cast on save)
     expert_prefix: str                # e.g. "model.layers.{l}.mlp.experts"
-    spelling: tuple                   # PROJ or MIXTRAL
+    spelling: tuple                   # PROJ, MIXTRAL or NONGATED (gate None)
     moe_layers: list                  # main layers with routed experts
     mtp: dict = dataclasses.field(default_factory=dict)   # cupool layer index -> expert prefix
     mtp_dense: set = dataclasses.field(default_factory=set)
@@ -323,6 +330,90 @@ def qwen3_next(rng, L=2, E=4, H=64, I=32, V=32) -> Arch:
                 mtp={L: "mtp.layers.0.mlp.experts"}, mtp_dense=mtp_dense)
 
 
+# Nemotron-3-Nano-30B-A3B's pattern is "MEMEM*EMEMEM*E...": M Mamba-2, E MoE, * attention,
+# - MLP. This one has every kind, two MoE layers (one right after the attention layer) and a
+# Mamba layer that feeds the attention layer (the one the NVFP4 release keeps in bf16).
+NEMOTRON_PATTERN = "MEM*E-"
+
+
+def nemotron_h(rng, L=None, E=8, H=64, I=32, V=64, *, pattern=NEMOTRON_PATTERN,
+               latent: int | None = None, shared=True) -> Arch:
+    """Nemotron-H as NVIDIA publishes it (the Nano-30B-A3B config's keys at toy size, its
+    auto_map to the release's own code included, which transformers >= 5 does not need):
+    hybrid_override_pattern and num_hidden_layers, `backbone.embeddings`, `backbone.norm_f`,
+    per layer `backbone.layers.{l}.norm` and one `mixer`: Mamba-2 (in_proj [2·Im + 2·G·N + h, H],
+    conv1d over Im + 2·G·N channels with a bias, A_log, D, dt_bias [h], a gated norm [Im],
+    out_proj [H, Im]; Im = h · head_dim), attention (q/k/v/o_proj, no rotary), an MLP (up_proj,
+    down_proj, ReLU²) or MoE: the router `mixer.gate.weight` [E, H] with float32
+    `e_score_correction_bias` [E], `mixer.shared_experts.{up,down}_proj` and the routed experts
+    `mixer.experts.{e}.{up,down}_proj` (no gate). latent: Nemotron-3-Super's latent MoE
+    (moe_latent_size; `mixer.fc1_latent_proj` [latent, H], `fc2_latent_proj` [H, latent]; the
+    experts then work in [I, latent]). L defaults to len(pattern)."""
+    L = len(pattern) if L is None else L
+    assert L == len(pattern)
+    heads, head_dim, groups, state, conv = 4, 16, 2, 8, 4
+    im = heads * head_dim
+    shared_i = 2 * I
+    cfg = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+           "auto_map": {"AutoConfig": "configuration_nemotron_h.NemotronHConfig",
+                        "AutoModel": "modeling_nemotron_h.NemotronHForCausalLM",
+                        "AutoModelForCausalLM": "modeling_nemotron_h.NemotronHForCausalLM"},
+           "attention_bias": False, "chunk_size": 128, "conv_kernel": conv, "expand": 2,
+           "head_dim": 16, "hidden_size": H, "hybrid_override_pattern": pattern,
+           "initializer_range": 0.02, "intermediate_size": 3 * I, "layer_norm_epsilon": 1e-5,
+           "mamba_head_dim": head_dim, "mamba_hidden_act": "silu", "mamba_num_heads": heads,
+           "mamba_proj_bias": False, "max_position_embeddings": 256, "mlp_bias": False,
+           "mlp_hidden_act": "relu2", "moe_intermediate_size": I,
+           "moe_shared_expert_intermediate_size": shared_i, "moe_latent_size": latent,
+           "n_group": 1, "n_groups": groups, "n_routed_experts": E,
+           "n_shared_experts": 1 if shared else 0, "norm_eps": 1e-5, "norm_topk_prob": True,
+           "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": L,
+           "num_key_value_heads": 2, "num_logits_to_keep": 1, "pad_token_id": 0,
+           "bos_token_id": 1, "eos_token_id": 2, "rescale_prenorm_residual": True,
+           "residual_in_fp32": False, "routed_scaling_factor": 2.5, "ssm_state_size": state,
+           "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16",
+           "use_bias": False, "use_cache": True, "use_conv_bias": True, "vocab_size": V}
+    t = {"backbone.embeddings.weight": _w(rng, V, H), "backbone.norm_f.weight": _norm(H),
+         "lm_head.weight": _w(rng, V, H)}
+    moe = []
+    for li, kind in enumerate(pattern):
+        pre = f"backbone.layers.{li}"
+        t[f"{pre}.norm.weight"] = _norm(H) + _w(rng, H)
+        m = f"{pre}.mixer"
+        if kind == "M":
+            conv_dim = im + 2 * groups * state
+            t[f"{m}.in_proj.weight"] = _w(rng, 2 * im + 2 * groups * state + heads, H)
+            t[f"{m}.conv1d.weight"] = _w(rng, conv_dim, 1, conv, scale=0.3)
+            t[f"{m}.conv1d.bias"] = _w(rng, conv_dim)
+            t[f"{m}.A_log"] = torch.log(torch.arange(1, heads + 1, dtype=torch.float32))
+            t[f"{m}.D"] = torch.ones(heads)
+            t[f"{m}.dt_bias"] = _w(rng, heads, scale=0.5)
+            t[f"{m}.norm.weight"] = _norm(im)
+            t[f"{m}.out_proj.weight"] = _w(rng, H, im)
+        elif kind == "*":
+            t[f"{m}.q_proj.weight"] = _w(rng, 4 * 16, H)
+            t[f"{m}.k_proj.weight"] = _w(rng, 2 * 16, H)
+            t[f"{m}.v_proj.weight"] = _w(rng, 2 * 16, H)
+            t[f"{m}.o_proj.weight"] = _w(rng, H, 4 * 16)
+        elif kind == "-":
+            t[f"{m}.up_proj.weight"] = _w(rng, 3 * I, H)
+            t[f"{m}.down_proj.weight"] = _w(rng, H, 3 * I)
+        elif kind == "E":
+            moe.append(li)
+            t[f"{m}.gate.weight"] = _w(rng, E, H, scale=0.5)
+            t[f"{m}.gate.e_score_correction_bias"] = _w(rng, E, scale=0.1)
+            if shared:
+                t[f"{m}.shared_experts.up_proj.weight"] = _w(rng, shared_i, H)
+                t[f"{m}.shared_experts.down_proj.weight"] = _w(rng, H, shared_i)
+            if latent is not None:
+                t[f"{m}.fc1_latent_proj.weight"] = _w(rng, latent, H)
+                t[f"{m}.fc2_latent_proj.weight"] = _w(rng, H, latent)
+        else:
+            raise ValueError(f"pattern character {kind!r}")
+    return Arch(cfg, t, "backbone.layers.{l}.mixer.experts", NONGATED, moe)
+
+
+# the gated families (Nemotron-H's releases: `nemotron_release`, test_checkpoints_nemotron)
 ARCHS = {"qwen3_moe": qwen3_moe, "qwen3_moe_fused": qwen3_moe_fused, "olmoe": olmoe,
          "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe, "qwen2_moe": qwen2_moe,
          "mixtral": mixtral, "llama4": llama4, "qwen3_next": qwen3_next}
@@ -331,15 +422,19 @@ ARCHS = {"qwen3_moe": qwen3_moe, "qwen3_moe_fused": qwen3_moe_fused, "olmoe": ol
 # --- experts -------------------------------------------------------------------------------------
 def float_experts(rng, arch: Arch, dtype=torch.bfloat16, include_mtp=True) -> dict:
     """{layer: (gate [E, I, H], up [E, I, H], down [E, H, I])} in `dtype`, each matrix with its own
-    magnitude, for every MoE (and MTP) layer of `arch`."""
+    magnitude, for every MoE (and MTP) layer of `arch` (gate None for an arch without a gate;
+    H is moe_latent_size where the config sets it)."""
     c = arch.config.get("text_config", arch.config)
     E = next(c[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in c)
-    H = c["hidden_size"]
+    H = c.get("moe_latent_size") or c["hidden_size"]
     I = c.get("moe_intermediate_size") or c["intermediate_size"]
     out = {}
     for layer in arch.all_moe_layers(include_mtp):
         mats = []
-        for shape in ((E, I, H), (E, I, H), (E, H, I)):
+        for proj, shape in zip(arch.spelling, ((E, I, H), (E, I, H), (E, H, I))):
+            if proj is None:
+                mats.append(None)
+                continue
             w = _w(rng, *shape, scale=1.0)
             w = w * torch.from_numpy(rng.uniform(0.01, 0.2, (E, 1, 1)).astype(np.float32))
             mats.append(w.to(dtype))
@@ -354,10 +449,10 @@ def reference_nvfp4(experts: dict, scale2: str = "half") -> dict:
     or "shared" (one global scale for all experts of a tensor, as Llama-4's export has it)."""
     out = {}
     for layer, (g, u, d) in experts.items():
-        E, I = g.shape[0], g.shape[1]
-        if scale2 == "half":
-            out[layer] = tuple(quantize(w) for w in (g, u, d))
+        if scale2 == "half" or g is None:          # experts without a gate: one matrix each
+            out[layer] = tuple(None if w is None else quantize(w) for w in (g, u, d))
             continue
+        E, I = g.shape[0], g.shape[1]
         gu = torch.cat([g, u], dim=1)
         if scale2 == "expert":
             qgu, qd = quantize(gu), quantize(d)
@@ -380,9 +475,10 @@ def put_float_experts(t: dict, arch: Arch, experts: dict, *, style: str | None =
     for layer, (g, u, d) in experts.items():
         pre = arch.prefix(layer)
         if style == "per":
-            for e in range(g.shape[0]):
+            for e in range(u.shape[0]):
                 for proj, w in zip(arch.spelling, (g, u, d)):
-                    t[f"{pre}.{e}.{proj}.weight"] = w[e].clone()
+                    if proj is not None and w is not None:      # None: left out
+                        t[f"{pre}.{e}.{proj}.weight"] = w[e].clone()
         elif style == "fused":
             t[f"{pre}.gate_up_proj"] = torch.cat([g, u], dim=1).contiguous()
             t[f"{pre}.down_proj"] = d.contiguous()
@@ -402,8 +498,10 @@ def put_modelopt_experts(t: dict, arch: Arch, q: dict, *, style: str = "ep",
     for layer, (g, u, d) in q.items():
         pre = arch.prefix(layer)
         if style in ("ep", "pe"):
-            for e in range(g.packed.shape[0]):
+            for e in range(u.packed.shape[0]):
                 for proj, m in zip(arch.spelling, (g, u, d)):
+                    if proj is None:
+                        continue
                     base = f"{pre}.{e}.{proj}" if style == "ep" else f"{pre}.{proj}.{e}"
                     t[f"{base}.weight"] = m.packed[e].clone()
                     t[f"{base}.weight_scale"] = m.block_scale[e].clone()
@@ -454,8 +552,10 @@ def put_ct_experts(t: dict, arch: Arch, q: dict, *, layers=None) -> None:
         if layers is not None and layer not in layers:
             continue
         pre = arch.prefix(layer)
-        for e in range(g.packed.shape[0]):
+        for e in range(u.packed.shape[0]):
             for proj, m in zip(arch.spelling, (g, u, d)):
+                if proj is None:
+                    continue
                 base = f"{pre}.{e}.{proj}"
                 t[f"{base}.weight_packed"] = m.packed[e].clone()
                 t[f"{base}.weight_scale"] = m.block_scale[e].clone()
@@ -560,6 +660,10 @@ def fp8_config_json(config: dict, block=(128, 128), **extra) -> dict:
 
 
 # --- writing -------------------------------------------------------------------------------------
+# float32 tensors `save` keeps in float32 (scales, routers' score-correction biases)
+KEEP_FP32 = ("scale", "scale_2", "global_scale", "scale_inv", "e_score_correction_bias")
+
+
 def save(directory, tensors: dict, config: dict, *, shards: int = 1, dtype=torch.bfloat16,
          hf_quant_config: dict | None = None) -> Path:
     """Write a checkpoint directory. Float32 tensors are cast to `dtype` (scales that must stay
@@ -567,11 +671,10 @@ def save(directory, tensors: dict, config: dict, *, shards: int = 1, dtype=torch
     e_score_correction_bias); shards > 1 writes model-0000i-of-0000n.safetensors and the index."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    keep32 = ("scale", "scale_2", "global_scale", "scale_inv", "e_score_correction_bias")
     out = {}
     for k, v in tensors.items():
         v = v.detach().cpu()
-        if v.dtype == torch.float32 and not k.endswith(keep32):
+        if v.dtype == torch.float32 and not k.endswith(KEEP_FP32):
             v = v.to(dtype)
         out[k] = v.contiguous()
     names = list(out)
@@ -887,3 +990,89 @@ def gpt_oss_model_mxfp4(rng, model, exponents=(118, 123)) -> dict:
     return {layer: (*mxfp4_matrices(rng, E, 2 * I, H, exponents),
                     *mxfp4_matrices(rng, E, H, I, exponents))
             for layer in range(c.num_hidden_layers)}
+
+
+# --- Nemotron-H releases: bf16, ModelOpt NVFP4 (Nano), ModelOpt MIXED_PRECISION (Super-style) ----
+NEMOTRON_FORMATS = ("bf16", "nvfp4", "mixed")
+
+
+def nemotron_release(directory, rng, fmt: str, *, latent: int | None = None,
+                     pattern: str = NEMOTRON_PATTERN, layer_list: bool = False):
+    """A Nemotron-H checkpoint as NVIDIA publishes it, and its float32 twin.
+
+    fmt "bf16" (nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16): every tensor bf16, routers' score
+    correction biases float32. "nvfp4" (the -NVFP4 release, ModelOpt quant_algo NVFP4 in
+    hf_quant_config.json, kv_cache_quant_algo FP8): routed and shared experts NVFP4 (weight,
+    weight_scale, weight_scale_2, input_scale), the Mamba mixers' in_proj / out_proj NVFP4 except
+    in the Mamba layer that feeds an attention layer, attention in bf16 with its KV-cache scales
+    (k_proj.k_scale, v_proj.v_scale), routers, conv1d, norms, embeddings and lm_head excluded.
+    "mixed" (ModelOpt MIXED_PRECISION in config.json's quantization_config, as the Super and
+    Lightning releases have it): routed experts W4A16_NVFP4, every Mamba in_proj / out_proj FP8
+    (float8_e4m3fn weight, float32 per-tensor weight_scale, input_scale), the rest bf16.
+    latent: moe_latent_size (Nemotron-3-Super's latent MoE). layer_list: config.json gives
+    layers_block_type (transformers >= 5's list) instead of hybrid_override_pattern and
+    num_hidden_layers.
+
+    Returns (directory, twin, arch, experts): twin a float32 checkpoint of the same model whose
+    every tensor is what the release's dequantizes to (the directory itself for bf16), for
+    transformers' own from_pretrained; experts {layer: (None, up, down)} NVFP4Tensors of the
+    routed experts (the stored ones; for bf16 the reference quantizer's of the stored bf16).
+    """
+    from cupool.nvfp4 import dequantize
+    directory = Path(directory)
+    a = nemotron_h(rng, pattern=pattern, latent=latent)
+    if layer_list:
+        names = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
+        a.config.pop("hybrid_override_pattern")
+        a.config.pop("num_hidden_layers")
+        a.config["layers_block_type"] = [names[c] for c in pattern]
+    t = dict(a.dense)
+    if fmt == "bf16":
+        ex = float_experts(rng, a, torch.bfloat16)
+        put_float_experts(t, a, ex)
+        d = save(directory / "bf16", t, a.config)
+        return d, d, a, reference_nvfp4({k: tuple(None if w is None else w.float() for w in v)
+                                         for k, v in ex.items()})
+    if fmt not in NEMOTRON_FORMATS:
+        raise ValueError(fmt)
+    q = reference_nvfp4(float_experts(rng, a, torch.float32))
+    # the twin holds what the release holds: its bf16 tensors' values (then the dequantized ones)
+    twin = {k: v if k.endswith(KEEP_FP32) else v.to(torch.bfloat16).float() for k, v in t.items()}
+    put_modelopt_experts(t, a, q, style="ep")
+    for layer, mats in q.items():
+        put_float_experts(twin, a, {layer: tuple(None if m is None else dequantize(m)
+                                                 for m in mats)})
+    feeds_attention = {i for i in range(len(pattern) - 1) if pattern[i:i + 2] == "M*"}
+    for li, kind in enumerate(pattern):
+        m = f"backbone.layers.{li}.mixer"
+        if kind == "M" and (fmt == "mixed" or li not in feeds_attention):
+            for proj in ("in_proj", "out_proj"):
+                twin[f"{m}.{proj}.weight"] = (nvfp4_dense(t, f"{m}.{proj}") if fmt == "nvfp4"
+                                              else fp8_dense(t, f"{m}.{proj}", "tensor"))
+        elif kind == "E" and fmt == "nvfp4" and f"{m}.shared_experts.up_proj.weight" in t:
+            for proj in ("up_proj", "down_proj"):
+                twin[f"{m}.shared_experts.{proj}.weight"] = \
+                    nvfp4_dense(t, f"{m}.shared_experts.{proj}")
+        elif kind == "*" and fmt == "nvfp4":
+            t[f"{m}.k_proj.k_scale"] = torch.tensor(0.02)
+            t[f"{m}.v_proj.v_scale"] = torch.tensor(0.03)
+    cfg, hq = dict(a.config), None
+    if fmt == "nvfp4":
+        exclude = ["lm_head", "*.mixer.gate", "*conv1d*"]
+        exclude += [f"backbone.layers.{li}.mixer*" for li, k in enumerate(pattern)
+                    if k == "*" or li in feeds_attention]
+        hq = modelopt_hf_quant("NVFP4", exclude=exclude, kv_cache_quant_algo="FP8")
+    else:
+        layers = {f"{a.prefix(layer)}.{e}.{proj}": {"quant_algo": "W4A16_NVFP4", "group_size": 16}
+                  for layer in a.moe_layers for e in range(cfg["n_routed_experts"])
+                  for proj in ("up_proj", "down_proj")}
+        layers.update({f"backbone.layers.{li}.mixer.{proj}": {"quant_algo": "FP8"}
+                       for li, k in enumerate(pattern) if k == "M"
+                       for proj in ("in_proj", "out_proj")})
+        cfg = modelopt_config_json(cfg, "MIXED_PRECISION", ignore=["lm_head", "*.mixer.gate",
+                                                                   "*conv1d*"],
+                                   quantized_layers=layers)
+        cfg["quantization_config"]["kv_cache_quant_algo"] = "FP8"
+    d = save(directory / fmt, t, cfg, hf_quant_config=hq)
+    tw = save(directory / f"{fmt}-twin", twin, a.config, dtype=torch.float32)
+    return d, tw, a, q

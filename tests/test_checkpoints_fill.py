@@ -186,9 +186,10 @@ def test_gpu_path_equals_cpu(tmp_path, rng, fmt):
     _expect_rows(gpu, layout, want, [0, 1, 2])
 
 
-def test_a_layout_without_gate_is_refused(tmp_path, rng):
-    """Checkpoint experts are read as (gate, up, down): rows without a gate are not filled."""
+def test_a_layout_without_gate_is_refused_for_gated_experts(tmp_path, rng):
+    """A checkpoint whose experts have a gate does not fill rows without one."""
     d, _a, _want = _ckpt(tmp_path, rng, "float")
     store = HostStore(3, 5, RowLayout(H, I, gated=False).row_bytes, pinned=False)
-    with pytest.raises(CheckpointError, match=r"layout has no gate \(RowLayout\(gated=False\)\)"):
+    with pytest.raises(CheckpointError, match=r"layout has gated=False but the experts of .* have gate "
+                                            r"projection \(gated=True\)"):
         fill_store(store, d, RowLayout(H, I, gated=False), progress=False)

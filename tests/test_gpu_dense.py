@@ -289,7 +289,7 @@ def test_dependent_launches_change_no_bit_of_a_captured_chain(tokens, monkeypatc
     previous replay's. (Every kernel of the chain is deterministic: no float atomics.)"""
     from cupool import _cuda
     from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
-    from cupool.ops.dense_gemv import NORM, RESIDUAL, ROUTE, DenseGemv, RouteOut
+    from cupool.ops.dense_gemv import RESIDUAL, ROUTE, DenseGemv, RouteOut
 
     if _cuda.target().sm < 90:
         pytest.skip("dependent launches need sm_90 code (CUPOOL_ARCH below 90 builds without)")

@@ -197,3 +197,55 @@ def test_from_pretrained_gpt_oss_mxfp4(tmp_path):
         want = ref(input_ids=ids).logits
     assert rel(got, want) <= LOGIT_TOL, rel(got, want)
     assert_same_tokens(loaded, twin, pool)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "mixed"])
+def test_from_pretrained_nemotron_h(tmp_path, fmt):
+    """Nemotron-H as NVIDIA publishes it (checkpoint_fixtures.nemotron_release: `backbone.*`
+    names, experts without a gate, the sigmoid router with its score-correction bias, shared
+    experts, Mamba-2 and attention layers; bf16, ModelOpt NVFP4 and MIXED_PRECISION with a latent
+    MoE): the loaded pool equals the twin (transformers' from_pretrained of the same weights)
+    wrapped with rows made from the checkpoint's experts, row for row and logit for logit; the
+    engine gives both the same tokens; and transformers' own forward with the dequantized experts
+    agrees within test_gpu_wrap's NVFP4 tolerance."""
+    import numpy as np
+    from checkpoint_fixtures import nemotron_release
+    from test_gpu_wrap import LOGIT_TOL, rel
+    from transformers import AutoModelForCausalLM
+
+    from cupool.nvfp4 import dequantize
+    d, twin_dir, _, q = nemotron_release(tmp_path, np.random.default_rng(41), fmt,
+                                         latent=32 if fmt == "mixed" else None,
+                                         layer_list=fmt == "mixed")
+    rows = 4                                            # E = 8, top-2
+    loaded = cupool.from_pretrained(d, rows=rows, max_decode_tokens=2, progress=False)
+    layout = loaded.pool.layout
+    assert not layout.gated and loaded.pool.gemm.activation.kind == "relu2"
+    twin = AutoModelForCausalLM.from_pretrained(twin_dir, dtype=torch.bfloat16).eval()
+    assert_same_buffers(twin, loaded.model)
+    ckpt = cupool.open_checkpoint(d)
+
+    def expert_rows(layer):
+        return pack_rows(layout, *ckpt.experts(ckpt.moe_layers[layer]).nvfp4())
+    try:
+        pool = cupool.wrap(twin, rows=rows, max_decode_tokens=2, expert_rows=expert_rows,
+                           progress=False)
+        moe_layers = ckpt.moe_layers
+    finally:
+        ckpt.close()
+    got = assert_same_pool(loaded, twin, pool)
+    # transformers' experts on the rows' dequantized weights (rounded to bf16, the model's dtype)
+    ref = AutoModelForCausalLM.from_pretrained(twin_dir, dtype=torch.bfloat16).eval()
+    ref.config._experts_implementation_internal = "eager"
+    with torch.no_grad():
+        for layer in moe_layers:
+            ex = ref.model.layers[layer].mixer.experts
+            ex.up_proj.copy_(dequantize(q[layer][1], torch.float32))
+            ex.down_proj.copy_(dequantize(q[layer][2], torch.float32))
+    ref = ref.cuda()
+    ids = torch.randint(3, 60, (1, 11), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(1))   # assert_same_pool's
+    with torch.inference_mode():
+        want = ref(input_ids=ids).logits
+    assert rel(got, want) <= LOGIT_TOL, rel(got, want)
+    assert_same_tokens(loaded, twin, pool)

@@ -2,9 +2,9 @@
 float reference against transformers' relu2, the row layout without gate strips (round trip,
 batched packing, sizes, synthetic rows), the float reference of such rows, the launchers' rules
 and -D macros for them (the builds tests/kernel_builds.py registers), the pairing of layout and
-activation, the adapter reading transformers' NemotronHExperts (views, release/restore, its own
-forward equal to the reference), and what cupool.wrap still refuses for them (a checkpoint).
-The kernels themselves: tests/test_gpu_nongated.py."""
+activation, and the adapter reading transformers' NemotronHExperts (views, release/restore, its
+own forward equal to the reference; a latent MoE, whose router is wider than its experts).
+The kernels themselves: tests/test_gpu_nongated.py; checkpoints: tests/test_checkpoints_nemotron.py."""
 
 from __future__ import annotations
 
@@ -129,17 +129,6 @@ def test_wrap_no_longer_refuses_them(nemotron_bf16):
     with pytest.raises(NoGPUError, match="cupool.wrap needs a CUDA GPU"):
         cupool.wrap(nemotron_bf16, rows=4, progress=False)
     assert not any(s.released for s in find_moe_layers(nemotron_bf16))
-
-
-def test_wrap_refuses_a_checkpoint_for_them(nemotron_bf16, tmp_path):
-    """cupool.checkpoints reads experts as (gate, up, down): wrap(checkpoint=...) of a model
-    without gates is refused by name before anything is converted."""
-    import cupool
-    from cupool.adapters import UnsupportedModelError
-    with pytest.raises(UnsupportedModelError, match=r"layers\.1\.mixer\.experts: unsupported, "
-                                                    r"because its experts have no gate .*"
-                                                    r"cupool\.checkpoints"):
-        cupool.wrap(nemotron_bf16, rows=4, checkpoint=tmp_path, progress=False)
 
 
 # --- the references and synthetic rows --------------------------------------------------------
@@ -272,3 +261,29 @@ def test_w13_shared_memory_without_gate():
                                                                       "moe_w13") == red(2) - red(1)
     assert shared_bytes(PAIR_SMALL, gated, "moe_w2") == shared_bytes(PAIR_SMALL, NEMOTRON, "moe_w2")
     assert shared_bytes(PREFILL, gated, "moe_w13") == shared_bytes(PREFILL, NEMOTRON, "moe_w13")
+
+
+def test_adapter_reads_a_latent_moe():
+    """Nemotron-3-Super's latent MoE (moe_latent_size): the experts work in the latent size, the
+    router scores the block's input of hidden_size; the experts module's own forward equals the
+    reference on the latent inputs. A router of any other width is still refused."""
+    pytest.importorskip("transformers")
+    from cupool.adapters import UnsupportedModelError, find_moe_layers
+    model = hybrid_model("nemotron_h", seed=6, moe_latent_size=16)
+    s = find_moe_layers(model)[0]
+    assert (s.hidden, s.intermediate, s.gated) == (16, 32, False)
+    assert tuple(s.router().weight.shape) == (8, 48)
+    x = _rand(5, 16, seed=7)
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:2]
+                       for t in range(5)])
+    w = torch.rand(5, 2, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        got = s.module(x, ids, w)
+    torch.testing.assert_close(got, reference_moe(x, ids, w, s.expert, activation=RELU2),
+                               rtol=1e-5, atol=1e-5)
+    gate = model.model.layers[1].mixer.gate
+    gate.weight = torch.nn.Parameter(torch.zeros(8, 40))
+    with pytest.raises(UnsupportedModelError, match=r"router model\.layers\.1\.mixer\.gate has "
+                                                    r"weight \[8, 40\], expected \[E=8, H=16\] or "
+                                                    r"\[E=8, hidden_size=48\]"):
+        find_moe_layers(model)

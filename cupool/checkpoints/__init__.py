@@ -7,8 +7,9 @@ size; projections in `F.linear` form: gate, up [I, H], down [H, I].
     ck.format, ck.moe_layers, ck.num_experts, ck.hidden, ck.intermediate
     ex = ck.experts(layer, 0, 8)                       # experts [0, 8) of one layer, only their bytes
     ck.dense_names(); ck.dense_tensor(name, torch.bfloat16); ck.dense_bytes(); ck.expert_sizes()
-    fill_store(store, ck, RowLayout(ck.hidden, ck.intermediate, bias=ck.has_bias))
+    fill_store(store, ck, RowLayout(ck.hidden, ck.intermediate, bias=ck.has_bias, gated=ck.gated))
     read_experts(path, layer)                          # [(gate, up, down) NVFP4Tensors] per expert
+                                                       # (gate None: Nemotron-H, no gate)
 
 Modules:
     errors.py              CheckpointError (a ValueError), JSON loading

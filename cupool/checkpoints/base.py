@@ -12,9 +12,18 @@ How a checkpoint names its routed experts (all found from the tensor names, neve
     fused        {head}{l}.{mid}.gate_up_proj{suffix}      [E, 2I, H] gate rows first (transformers >= 5)
                  {head}{l}.{mid}.down_proj{suffix}         [E, H, I]
                  or transposed, as Llama-4 and gpt-oss hold them: gate_up [E, H, 2I], down [E, I, H]
-    head: e.g. "model.layers.", "model.language_model.layers.", "mtp.layers."; mid ends with the
-    component "experts" ("mlp.experts", "block_sparse_moe.experts", "feed_forward.experts"), so
-    shared experts ("mlp.shared_experts", "mlp.shared_expert") are dense tensors.
+    head: e.g. "model.layers.", "model.language_model.layers.", "backbone.layers.", "mtp.layers.";
+    mid ends with the component "experts" ("mlp.experts", "block_sparse_moe.experts",
+    "feed_forward.experts", Nemotron-H's "mixer.experts"), so shared experts
+    ("mlp.shared_experts", "mlp.shared_expert", "mixer.shared_experts") are dense tensors.
+
+Experts without a gate projection (Nemotron-H: down(relu²(up·x))) have up_proj and down_proj
+alone, per expert (`backbone.layers.{l}.mixer.experts.{e}.up_proj.weight`, as NVIDIA publishes
+them and transformers saves them); whether a checkpoint's experts have a gate is one rule from
+config.json, never inferred from the names: **non-gated** when its model_type is "nemotron_h",
+gated for every other model type. `Experts.gate` is then None, `Checkpoint.gated` False, and their
+rows are `RowLayout(gated=False)`. Fused stacks of such experts and non-gated experts with biases
+are refused.
 
 Expert biases (gpt-oss) are read where the checkpoint has them: fused `{mid}.gate_up_proj_bias`
 [E, 2I] (laid out like gate_up's 2I rows) and `{mid}.down_proj_bias` [E, H], or per expert
@@ -30,8 +39,13 @@ transformers experts module declares is_concatenated=False; **gate first** (rows
 [E, 2I, H] + [E, H, I] or [E, H, 2I] + [E, I, H] (never both, as 2I != I).
 
 Layer indices are the checkpoint's own. Multi-token-prediction (MTP) layers, `mtp.*` names or
-`{head}{L + k}` beyond config.json's num_hidden_layers L, are left out unless include_mtp; then
-`mtp.layers.{k}` is layer L + k (vLLM's numbering).
+`{head}{L + k}` beyond config.json's num_hidden_layers L (for Nemotron-H, whose config may give
+only its layer list, the length of hybrid_override_pattern or layers_block_type), are left out
+unless include_mtp; then `mtp.layers.{k}` is layer L + k (vLLM's numbering).
+
+The experts' H is their input size: config.json's moe_latent_size where it is set (Nemotron-H's
+latent MoE, whose experts compute in a smaller space between the block's own fc1/fc2 latent
+projections), else hidden_size.
 
 Expert kinds: float (the checkpoint's bf16/fp16/fp32 tensors, returned as stored) or NVFP4 in
 ModelOpt's convention, as stored or converted from MXFP4 (`cupool.checkpoints.mxfp4`):
@@ -70,11 +84,17 @@ SPELLINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 FUSED_PROJS = ("gate_up_proj", "down_proj")
 # names of config.json values, in the order they are looked up (top level, then text_config...)
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-HIDDEN_KEYS = ("hidden_size",)
+HIDDEN_KEYS = ("moe_latent_size", "hidden_size")        # the experts' input size (docstring)
 INTERMEDIATE_KEYS = ("moe_intermediate_size", "intermediate_size")
 SUBCONFIGS = ("text_config", "language_config", "llm_config")
 # model types whose fused gate_up interleaves gate and up (module docstring: the one rule)
 INTERLEAVED_MODEL_TYPES = ("gpt_oss",)
+# model types whose experts have no gate projection: down(act(up·x)) (module docstring)
+NONGATED_MODEL_TYPES = ("nemotron_h",)
+NONGATED_SPELLING = (None, "up_proj", "down_proj")
+# Nemotron-H's layer lists: the MoE layers are the "E"s of hybrid_override_pattern, or the
+# "moe"s of layers_block_type (transformers >= 5 writes the list; releases give either)
+PATTERN_KEY, BLOCKS_KEY = "hybrid_override_pattern", "layers_block_type"
 # model types whose every decoder layer is an MoE layer (config.json says no more)
 ALL_MOE_MODEL_TYPES = ("mixtral", "olmoe", "gpt_oss")
 # suffixes of a quantized dense Linear that fold into its `.weight`; KV-cache scales of a
@@ -86,7 +106,8 @@ _PROJ = r"gate_proj|up_proj|down_proj|w1|w3|w2"
 _HEAD = r"(?P<head>(?:[^.]+\.)+?)(?P<layer>\d+)\.(?P<mid>(?:[^.]+\.)*?experts)\."
 _PER_EXPERT = re.compile(rf"^{_HEAD}(?:(?P<e1>\d+)\.(?P<p1>{_PROJ})|(?P<p2>{_PROJ})\.(?P<e2>\d+))"
                          r"\.(?P<suffix>[A-Za-z0-9_]+)$")
-_FUSED = re.compile(rf"^{_HEAD}(?P<proj>gate_up_proj|down_proj)"
+# up_proj: a fused stack of non-gated experts (recognised so that it can be refused by name)
+_FUSED = re.compile(rf"^{_HEAD}(?P<proj>gate_up_proj|up_proj|down_proj)"
                     r"(?P<suffix>(?:_[A-Za-z0-9_]+)?(?:\.[A-Za-z0-9_]+)?)$")
 # Fused experts stored under other names, read as the fused names they stand for (transformers'
 # own renames): Granite's (GraniteMoe, Granite-4) block_sparse_moe.input_linear [E, 2I, H], gate
@@ -117,14 +138,15 @@ class Experts:
     kind FLOAT: gate, up [n, I, H] and down [n, H, I] in the checkpoint's dtype (bf16, fp16 or
     fp32; gate and up may be views of one [n, 2I, H] buffer). kind NVFP4: three stacked
     `NVFP4Tensor`s of those logical shapes in ModelOpt's convention (see the module docstring).
-    bias: None, or float32 (gate [n, I], up [n, I], down [n, H]) for experts with biases, gate and
-    up taken apart like the weights.
+    gate is None for experts without a gate projection (Nemotron-H). bias: None, or float32 (gate
+    [n, I], up [n, I], down [n, H]) for experts with biases, gate and up taken apart like the
+    weights.
     """
     kind: ExpertKind
     layer: int
     start: int
     stop: int
-    gate: torch.Tensor | NVFP4Tensor
+    gate: torch.Tensor | NVFP4Tensor | None
     up: torch.Tensor | NVFP4Tensor
     down: torch.Tensor | NVFP4Tensor
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -133,14 +155,18 @@ class Experts:
     def n(self) -> int:
         return self.stop - self.start
 
-    def nvfp4(self) -> tuple[NVFP4Tensor, NVFP4Tensor, NVFP4Tensor]:
+    def nvfp4(self) -> tuple[NVFP4Tensor | None, NVFP4Tensor, NVFP4Tensor]:
         """(gate, up, down) as NVFP4Tensors: as read for NVFP4 experts; float ones quantized by the
         CPU reference `cupool.nvfp4.quantize`, one global scale per matrix (ModelOpt's w1, w3,
-        w2). CheckpointError naming the layer and experts for NaN/Inf weights."""
+        w2); gate None for non-gated experts. CheckpointError naming the layer and experts for
+        NaN/Inf weights."""
         if self.kind is ExpertKind.NVFP4:
             return self.gate, self.up, self.down
         out = []
         for proj, w in zip(("gate", "up", "down"), (self.gate, self.up, self.down)):
+            if w is None:
+                out.append(None)
+                continue
             try:
                 out.append(nvfp4.quantize(w))
             except ValueError as e:
@@ -153,11 +179,12 @@ class Experts:
 class ExpertSizes:
     """The routed experts' sizes in bytes, for planning from headers alone.
 
-    codes = L·E·3·H·I / 2 (E2M1 codes, two a byte), block_scales = L·E·3·H·I / 16 (one e4m3 per
-    16), global_scales = L·E·3·4, biases = L·E·(2I + H)·4 (float32, 0 without biases); row_bytes =
-    RowLayout(H, I, bias=has_bias).row_bytes (one expert in the store, padding to 64 and biases
-    included), store_bytes = L·E·row_stride (rows at `align`-byte strides, as HostStore places
-    them); checkpoint_bytes: what the expert tensors occupy in the files.
+    With m = 3 matrices an expert (gate, up, down; 2 for experts without a gate): codes =
+    L·E·m·H·I / 2 (E2M1 codes, two a byte), block_scales = L·E·m·H·I / 16 (one e4m3 per 16),
+    global_scales = L·E·m·4, biases = L·E·(2I + H)·4 (float32, 0 without biases); row_bytes =
+    RowLayout(H, I, bias=has_bias, gated=gated).row_bytes (one expert in the store, padding to
+    64 and biases included), store_bytes = L·E·row_stride (rows at `align`-byte strides, as
+    HostStore places them); checkpoint_bytes: what the expert tensors occupy in the files.
     """
     layers: int
     experts: int
@@ -217,13 +244,15 @@ class _Layer:
     experts: int
     hidden: int
     intermediate: int
-    per: list | None = None               # [proj][e] -> {"w"|"s"|"g": TensorInfo}
+    per: list | None = None               # [proj][e] -> {"w"|"s"|"g": TensorInfo}; [0] None
+                                          # for non-gated experts
     fused: tuple | None = None            # (gate_up roles, down roles)
     transposed: tuple = (False, False)
     global_mode: tuple = ("expert", "expert")    # fused NVFP4: shared | expert | expert_half
     bias: bool = False                    # roles carry "b" (the bias TensorInfo) on every matrix
     interleaved: bool = False             # fused gate_up: gate/up interleaved (module docstring)
     source: str = "stored"                # "stored" (read as is) | "mxfp4" (converted)
+    gated: bool = True                    # False: up and down alone (NONGATED_MODEL_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,12 +283,45 @@ def _sub(config: dict) -> dict:
     return config
 
 
+def layer_list(config: dict) -> tuple[str, list[str]] | None:
+    """(key, one type a layer) of a Nemotron-H config's layer list: hybrid_override_pattern's
+    characters ("M" Mamba, "E" MoE, "*" attention, "-" MLP) or layers_block_type's entries
+    ("mamba" / "linear_attention", "moe", "attention" / "full_attention", "mlp"), the MoE layers
+    as "moe" either way; None where the config has neither."""
+    c = _sub(config)
+    pattern = c.get(PATTERN_KEY)
+    if isinstance(pattern, str) and pattern:
+        return PATTERN_KEY, ["moe" if ch == "E" else ch for ch in pattern]
+    blocks = c.get(BLOCKS_KEY)
+    if isinstance(blocks, list) and blocks:
+        return BLOCKS_KEY, [str(b) for b in blocks]
+    return None
+
+
+def num_layers(config: dict) -> tuple[str | None, int | None]:
+    """(where, L): config.json's num_hidden_layers, or the length of a Nemotron-H layer list
+    where num_hidden_layers is absent (transformers >= 5 writes the list alone)."""
+    where, L = config_value(config, ("num_hidden_layers",))
+    if L is not None:
+        return where, int(L)
+    found = layer_list(config)
+    if found is not None:
+        return f"len({found[0]})", len(found[1])
+    return None, None
+
+
 def expected_moe_layers(config: dict, num_layers: int) -> tuple[set[int], str] | None:
     """The MoE layers config.json implies, with the keys that say so; None where it does not say
     (first_k_dense_replace/moe_layer_freq: DeepSeek, GLM; mlp_only_layers/decoder_sparse_step:
-    Qwen; interleave_moe_layer_step / moe_layers: Llama-4; Mixtral and OLMoE: every layer)."""
+    Qwen; interleave_moe_layer_step / moe_layers: Llama-4; hybrid_override_pattern /
+    layers_block_type: Nemotron-H; Mixtral and OLMoE: every layer)."""
     c = _sub(config)
     L = num_layers
+    found = layer_list(config)
+    if found is not None:
+        key, types = found
+        shown = c[key] if key == PATTERN_KEY else f"[{len(types)} entries]"
+        return {i for i, t in enumerate(types) if t == "moe"}, f"{key}={shown}"
     if isinstance(c.get("moe_layers"), list):
         return {int(i) for i in c["moe_layers"]}, "moe_layers"
     if c.get("first_k_dense_replace") is not None:
@@ -367,8 +429,10 @@ class Checkpoint:
     "compressed-tensors-nvfp4", "mxfp4"), include_mtp, index (`TensorIndex`), moe_layers
     (checkpoint layer indices with routed experts, in order), num_experts E, hidden H,
     intermediate I, each checked against config.json where it gives them; has_bias (the experts
-    have biases, every MoE layer alike); conversion (None, or the running tally of what reading
-    converted, `cupool.checkpoints.mxfp4.ConversionTally`, for formats read by conversion).
+    have biases, every MoE layer alike); gated (False for experts without a gate projection,
+    Nemotron-H's: `Experts.gate` is None; module docstring); conversion (None, or the running
+    tally of what reading converted, `cupool.checkpoints.mxfp4.ConversionTally`, for formats read
+    by conversion).
 
     Reads data only in `experts`, `dense_tensor` and `read_experts`-style callers; `close()` (or
     a `with` block) closes the files.
@@ -426,8 +490,8 @@ class Checkpoint:
                 f"{self.path}: no routed-expert tensors (names like "
                 f"'model.layers.<l>.mlp.experts.<e>.gate_proj.weight', '...experts.<e>.w1.weight' "
                 f"or '...experts.gate_up_proj'); first names: {_short(self.index.names(), 6)}")
-        where, L = config_value(self.config, ("num_hidden_layers",))
-        self.num_hidden_layers = int(L) if L is not None else None
+        _, L = num_layers(self.config)
+        self.num_hidden_layers = L
         heads = sorted({h for (h, _, _) in groups if not _is_mtp_head(h)})
         if len(heads) != 1:
             raise CheckpointError(f"{self.path}: routed experts under "
@@ -494,6 +558,7 @@ class Checkpoint:
                                   f"({a.group.base}) has them, layer {b.index} ({b.group.base}) "
                                   f"has none; one row layout serves every MoE layer")
         self.has_bias = first.bias
+        self.gated = first.gated           # one rule for every layer (module docstring)
         if any(sp.source == "fp8" for sp in self._layers.values()):
             from cupool.checkpoints.fp8 import Fp8Tally
             self.format = "fp8"
@@ -521,6 +586,16 @@ class Checkpoint:
             raise CheckpointError(f"layer {idx}: experts both per expert ({g.base}.<e>...) and "
                                   f"fused ({g.base}.gate_up_proj...); expected one form")
         if g.fused:
+            if "up_proj" in g.fused or not self._gated():
+                names = ", ".join(i.describe() for c in g.fused.values() for i in c.values())
+                how = (f"config.json's model_type {model_type(self.config)!r} has experts without "
+                       f"a gate, which are read per expert ({g.base}.<e>.up_proj.weight and "
+                       f"down_proj.weight, as NVIDIA publishes and transformers saves them)"
+                       if not self._gated() else
+                       f"an up_proj stack belongs to experts without a gate, which config.json's "
+                       f"model_type {model_type(self.config)!r} does not have")
+                raise CheckpointError(f"layer {idx}: fused expert stacks ({names}) are not read: "
+                                      f"{how}")
             return self._fused_spec(idx, g)
         return self._per_expert_spec(idx, g)
 
@@ -530,25 +605,41 @@ class Checkpoint:
                                   f"(experts.<e>.<proj> and experts.<proj>.<e>)")
         order = next(iter(g.order))
         projs = {p for (_, p) in g.per}
-        spelling = next((s for s in SPELLINGS if projs <= set(s)), None)
-        if spelling is None:
-            raise CheckpointError(f"layer {idx}: {g.base} mixes projection names {sorted(projs)}; "
-                                  f"expected gate_proj/up_proj/down_proj or w1/w3/w2")
         present = sorted({e for (e, _) in g.per})
-        _, cfg_e = config_value(self.config, EXPERT_KEYS)
-        n_exp = int(cfg_e) if cfg_e is not None else present[-1] + 1
 
         def mod(e, p):
             return f"{g.base}.{e}.{p}" if order == "ep" else f"{g.base}.{p}.{e}"
 
+        gated = self._gated()
+        if gated:
+            spelling = next((s for s in SPELLINGS if projs <= set(s)), None)
+            if spelling is None:
+                raise CheckpointError(f"layer {idx}: {g.base} mixes projection names "
+                                      f"{sorted(projs)}; expected gate_proj/up_proj/down_proj or "
+                                      f"w1/w3/w2")
+        else:
+            spelling = NONGATED_SPELLING
+            odd = sorted(projs - set(spelling))
+            if odd:
+                e = next(e for (e, p) in sorted(g.per) if p == odd[0])
+                raise CheckpointError(
+                    f"layer {idx}: {mod(e, odd[0])}.weight: config.json's model_type "
+                    f"{model_type(self.config)!r} has experts without a gate (down(act(up·x))), "
+                    f"named up_proj and down_proj; this checkpoint's experts have "
+                    f"{sorted(projs)}")
+        _, cfg_e = config_value(self.config, EXPERT_KEYS)
+        n_exp = int(cfg_e) if cfg_e is not None else present[-1] + 1
         extra = [e for e in present if e >= n_exp]
         if extra:
-            raise CheckpointError(f"layer {idx}: {mod(extra[0], spelling[0])}.weight is expert "
+            first = next(p for p in spelling if p)
+            raise CheckpointError(f"layer {idx}: {mod(extra[0], first)}.weight is expert "
                                   f"{extra[0]}, but config.json gives {n_exp} experts")
-        per: list[list[dict]] = [[], [], []]
+        per: list = [[] if proj else None for proj in spelling]
         kinds: dict = {}
         for e in range(n_exp):
             for p, proj in enumerate(spelling):
+                if proj is None:
+                    continue
                 comps = g.per.get((e, proj))
                 if comps is None:
                     raise CheckpointError(
@@ -562,7 +653,7 @@ class Checkpoint:
                                   f"{kinds[ExpertKind.FLOAT]} float and {kinds[ExpertKind.NVFP4]} "
                                   f"NVFP4; a layer's experts must share one")
         kind = next(iter(kinds))
-        w0 = per[0][0]["w"]
+        w0 = per[0 if gated else 1][0]["w"]            # gate (or up): [I, H]
         if len(w0.shape) != 2:
             raise CheckpointError(f"{w0.describe()}: expected a 2-D [I, H] weight")
         if kind is ExpertKind.FLOAT:
@@ -571,10 +662,14 @@ class Checkpoint:
             i_, h_ = w0.shape[0], 2 * w0.shape[1]
         dtype = w0.dtype if kind is ExpertKind.FLOAT else None
         for p, shape in enumerate(((i_, h_), (i_, h_), (h_, i_))):
-            for roles in per[p]:
+            for roles in per[p] or ():
                 self._check_matrix(roles, kind, shape, dtype, ref=w0)
         with_bias = [(e, proj) for e in range(n_exp) for p, proj in enumerate(spelling)
-                     if "b" in per[p][e]]
+                     if proj and "b" in per[p][e]]
+        if with_bias and not gated:
+            e0, p0 = with_bias[0]
+            raise CheckpointError(f"layer {idx}: {mod(e0, p0)}.bias: experts without a gate "
+                                  f"carry no biases in cupool's rows (RowLayout(gated=False))")
         if with_bias and len(with_bias) != 3 * n_exp:
             e, proj = next((e, proj) for e in range(n_exp) for p, proj in enumerate(spelling)
                            if "b" not in per[p][e])
@@ -586,12 +681,12 @@ class Checkpoint:
             for p, rows in enumerate((i_, i_, h_)):
                 for roles in per[p]:
                     self._check_bias(roles["b"], (rows,))
-        fp8 = kind is ExpertKind.FLOAT and "s" in per[0][0]
-        if fp8 and not all("s" in r for rows in per for r in rows):
+        fp8 = kind is ExpertKind.FLOAT and "s" in per[0 if gated else 1][0]
+        if fp8 and not all("s" in r for rows in per if rows for r in rows):
             raise CheckpointError(f"layer {idx}: some experts' weights are FP8 with scales and "
                                   f"some are not; a layer's experts share one format")
         return _Layer(idx, g, kind, dtype, n_exp, h_, i_, per=per, bias=bool(with_bias),
-                      source="fp8" if fp8 else "stored")
+                      source="fp8" if fp8 else "stored", gated=gated)
 
     def _check_bias(self, b: TensorInfo, shape: tuple) -> None:
         """A bias tensor's dtype (float) and shape, from the header."""
@@ -618,6 +713,10 @@ class Checkpoint:
     def _interleaved(self) -> bool:
         """Whether fused gate_up stacks interleave gate and up (module docstring: the one rule)."""
         return model_type(self.config) in INTERLEAVED_MODEL_TYPES
+
+    def _gated(self) -> bool:
+        """Whether the experts have a gate projection (module docstring: the one rule)."""
+        return model_type(self.config) not in NONGATED_MODEL_TYPES
 
     def _check_matrix(self, roles: dict, kind: ExpertKind, shape, dtype, ref: TensorInfo) -> None:
         """Shapes/dtypes of one matrix [N, K] as headers give them."""
@@ -926,22 +1025,24 @@ class Checkpoint:
 
     def matrix_names(self, layer: int, start: int, stop: int) -> list[list[str]]:
         """[gate, up, down] lists of the weight tensors of experts [start, stop) of a per-expert
-        layer (what conversion tallies name)."""
+        layer (what conversion tallies name; gate [] for non-gated experts)."""
         spec = self._layer(layer)
         if spec.per is None:
             gu, dn = (f"{spec.group.base}.{p}" for p in FUSED_PROJS)
             return [[f"{t}[{e}]{h}" for e in range(start, stop)]
                     for t, h in ((gu, " (gate)"), (gu, " (up)"), (dn, ""))]
-        return [[r["w"].name for r in spec.per[p][start:stop]] for p in range(3)]
+        return [[r["w"].name for r in spec.per[p][start:stop]] if spec.per[p] else []
+                for p in range(3)]
 
     def experts(self, layer: int, start: int = 0, stop: int | None = None) -> Experts:
         """The experts [start, stop) of checkpoint layer `layer`, reading only those bytes.
 
         Returns `Experts`: float gate/up [n, I, H] and down [n, H, I] in the stored dtype, or
-        NVFP4Tensors in ModelOpt's convention (scales checked, module docstring), and the biases
-        (float32) where the experts have them. Fused 3-D tensors are read as one dim-0 slice
-        each; transposed ones ([E, H, 2I], [E, K/2, N]) are transposed into the [n, N, K] order
-        and interleaved gate/up rows taken apart (one extra window-sized copy).
+        NVFP4Tensors in ModelOpt's convention (scales checked, module docstring), gate None for
+        experts without a gate, and the biases (float32) where the experts have them. Fused 3-D
+        tensors are read as one dim-0 slice each; transposed ones ([E, H, 2I], [E, K/2, N]) are
+        transposed into the [n, N, K] order and interleaved gate/up rows taken apart (one extra
+        window-sized copy).
         """
         spec = self._layer(layer)
         stop = spec.experts if stop is None else int(stop)
@@ -988,6 +1089,9 @@ class Checkpoint:
         n, H, I = stop - start, spec.hidden, spec.intermediate
         out = []
         for p, (rows, cols) in enumerate(((I, H), (I, H), (H, I))):
+            if spec.per[p] is None:                      # no gate projection
+                out.append(None)
+                continue
             roles = spec.per[p][start:stop]
             if spec.kind is ExpertKind.FLOAT and spec.source == "fp8":
                 w = torch.empty(n, rows, cols, dtype=torch.float32)
@@ -1084,12 +1188,13 @@ class Checkpoint:
     def expert_sizes(self, align: int = 256) -> ExpertSizes:
         """Sizes of the routed experts of `moe_layers` in NVFP4 and in the store (no data read)."""
         L, E, H, I = len(self.moe_layers), self.num_experts, self.hidden, self.intermediate
-        row = RowLayout(H, I, bias=self.has_bias).row_bytes
+        row = RowLayout(H, I, bias=self.has_bias, gated=self.gated).row_bytes
         stride = -(-row // align) * align
         ck = sum(self.index[n].nbytes for idx in self.moe_layers for n in self.expert_names(idx))
         biases = L * E * (2 * I + H) * 4 if self.has_bias else 0
-        return ExpertSizes(L, E, H, I, L * E * 3 * H * I // 2, L * E * 3 * H * I // BLOCK,
-                           L * E * 3 * 4, biases, row, L * E * stride, ck)
+        m = 3 if self.gated else 2
+        return ExpertSizes(L, E, H, I, L * E * m * H * I // 2, L * E * m * H * I // BLOCK,
+                           L * E * m * 4, biases, row, L * E * stride, ck)
 
     # --- public: dense -------------------------------------------------------------------------
     def dense_names(self) -> list[str]:

@@ -124,9 +124,10 @@ def open_checkpoint(path, *, include_mtp: bool = False) -> Checkpoint:
 
 
 def read_experts(path, layer: int, *, include_mtp: bool = False, window: int | None = None
-                 ) -> list[tuple[NVFP4Tensor, NVFP4Tensor, NVFP4Tensor]]:
+                 ) -> list[tuple[NVFP4Tensor | None, NVFP4Tensor, NVFP4Tensor]]:
     """Checkpoint layer `layer`'s experts, one (gate [I, H], up [I, H], down [H, I]) tuple of 2-D
-    NVFP4Tensors (ModelOpt convention, scalar global scales) per expert, whatever the format: NVFP4
+    NVFP4Tensors (ModelOpt convention, scalar global scales; gate None for experts without a gate
+    projection) per expert, whatever the format: NVFP4
     checkpoints as stored (compressed-tensors' global scale inverted), MXFP4 ones converted,
     float ones quantized with the CPU reference `cupool.nvfp4.quantize`. CPU only. Expert biases
     are not part of it (`Checkpoint.experts(...).bias` has them).
@@ -141,12 +142,13 @@ def read_experts(path, layer: int, *, include_mtp: bool = False, window: int | N
     ck = open_checkpoint(path, include_mtp=include_mtp) if own else path
     try:
         ck._layer(layer)
-        w = window or default_window(RowLayout(ck.hidden, ck.intermediate, bias=ck.has_bias))
+        w = window or default_window(RowLayout(ck.hidden, ck.intermediate, bias=ck.has_bias,
+                                               gated=ck.gated))
         out = []
         for lo in range(0, ck.num_experts, w):
             hi = min(ck.num_experts, lo + w)
             g, u, dn = ck.experts(layer, lo, hi).nvfp4()
-            out.extend((g[i], u[i], dn[i]) for i in range(hi - lo))
+            out.extend((None if g is None else g[i], u[i], dn[i]) for i in range(hi - lo))
         return out
     finally:
         if own:

@@ -83,6 +83,10 @@ def _rows(ck: Checkpoint, ex, layout: _layout.RowLayout, dev: torch.device) -> t
         from cupool.ops.nvfp4_quant import quantize as gpu_quantize
         mats, floats = [], []
         for proj, w in zip(("gate", "up", "down"), (ex.gate, ex.up, ex.down)):
+            if w is None:                                   # experts without a gate
+                mats.append(None)
+                floats.append(None)
+                continue
             wd = w.to(dev)
             try:
                 mats.append(gpu_quantize(wd, name=proj))
@@ -91,12 +95,14 @@ def _rows(ck: Checkpoint, ex, layout: _layout.RowLayout, dev: torch.device) -> t
                                       f"{e}") from None
             floats.append(wd)
     else:
-        mats = [NVFP4Tensor(q.packed.to(dev), q.block_scale.to(dev), q.global_scale.to(dev))
+        mats = [None if q is None else
+                NVFP4Tensor(q.packed.to(dev), q.block_scale.to(dev), q.global_scale.to(dev))
                 for q in (ex.gate, ex.up, ex.down)]
     if measure:
         from cupool.checkpoints.fp8 import matrix_errors
         for names, q, w in zip(ck.matrix_names(ex.layer, ex.start, ex.stop), mats, floats):
-            ck.conversion.record(names, *matrix_errors(q, w))
+            if q is not None:
+                ck.conversion.record(names, *matrix_errors(q, w))
     bias = None if ex.bias is None else tuple(b.to(dev) for b in ex.bias)
     return _layout.pack_rows(layout, *mats, chunk=ex.n, bias=bias).cpu()
 
@@ -108,9 +114,10 @@ def fill_store(store, ckpt, layout: _layout.RowLayout, *, layers=None, device=No
 
     ckpt: an open `Checkpoint` (left open) or a checkpoint directory (opened and closed here).
     layout: the `RowLayout` of H, I, with biases exactly when the checkpoint's experts have them
-    (`ckpt.has_bias`); store rows must be layout.row_bytes long and the store must have the
-    checkpoint's E experts a layer. layers: the checkpoint layer of each store layer
-    (default `ckpt.moe_layers`). device: None / "cpu" quantizes float experts with the CPU
+    (`ckpt.has_bias`) and gated as they are (`ckpt.gated`: False for experts without a gate
+    projection, whose rows hold up and down alone); store rows must be layout.row_bytes long
+    and the store must have the checkpoint's E experts a layer. layers: the checkpoint layer of
+    each store layer (default `ckpt.moe_layers`). device: None / "cpu" quantizes float experts with the CPU
     reference, a CUDA device with the bit-identical GPU kernel; NVFP4 experts are laid out
     unchanged either way. window: experts per window (default `default_window`: temporaries
     ≤ 1 GiB, module docstring). Rows go in through `store.write_row` as each window is done.
@@ -124,14 +131,16 @@ def fill_store(store, ckpt, layout: _layout.RowLayout, *, layers=None, device=No
         if (layout.hidden, layout.intermediate) != (ck.hidden, ck.intermediate):
             raise CheckpointError(f"layout is H={layout.hidden}, I={layout.intermediate} but the "
                                   f"experts of {ck.path} are H={ck.hidden}, I={ck.intermediate}")
-        if not layout.gated:
-            raise CheckpointError(f"layout has no gate (RowLayout(gated=False)), but checkpoint "
-                                  f"experts are read as (gate, up, down): {ck.path}")
         if layout.bias != ck.has_bias:
             raise CheckpointError(f"layout has bias={layout.bias} but the experts of {ck.path} "
                                   f"{'have' if ck.has_bias else 'have no'} biases "
                                   f"(has_bias={ck.has_bias}): their rows need RowLayout("
                                   f"{ck.hidden}, {ck.intermediate}, bias={ck.has_bias})")
+        if layout.gated != ck.gated:
+            raise CheckpointError(f"layout has gated={layout.gated} but the experts of {ck.path} "
+                                  f"{'have' if ck.gated else 'have no'} gate projection "
+                                  f"(gated={ck.gated}): their rows need RowLayout("
+                                  f"{ck.hidden}, {ck.intermediate}, gated={ck.gated})")
         if store.row_bytes != layout.row_bytes:
             raise ValueError(f"store rows are {store.row_bytes} bytes but the layout's rows are "
                              f"{layout.row_bytes} (H={layout.hidden}, I={layout.intermediate})")

@@ -8,6 +8,8 @@ Expert names (the checkpoint's own layer indices l and expert indices e):
         Qwen2-MoE / Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE (with dense layers before
         first_k_dense_replace and `mlp.shared_experts.*` / Qwen2's `mlp.shared_expert.*`, dense)
     model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight          Mixtral (w1 gate, w3 up)
+    backbone.layers.{l}.mixer.experts.{e}.{up_proj,down_proj}.weight         Nemotron-H: no gate
+        (`Experts.gate` None; MoE layers from hybrid_override_pattern / layers_block_type)
     model.layers.{l}.mlp.experts.gate_up_proj   [E, 2I, H], gate rows first   transformers >= 5
     model.layers.{l}.mlp.experts.down_proj      [E, H, I]                     (fused, F.linear)
     ...feed_forward.experts.gate_up_proj [E, H, 2I] / down_proj [E, I, H]     Llama-4 (x @ W)
