@@ -17,9 +17,15 @@ pool's prefetch on with the model's own predictor (layer l + 1's router on layer
 `--prefetch trace` (with `--routing locality`) with the trace's predicted ids at
 `--prefetch-accuracy`; each case then also reports the rows prefetched and wasted (evicted before
 use), in bytes a generated token. Prefetch runs are reduced runs (written only with --json).
+`--promote` sets the pool's promotion cap (`Pool.promote`; default auto, the pool's own default:
+no cap while a step's lanes fit a layer's rows, a quarter of a layer's rows past that); each case
+reports the cap its steps launched with and the misses staged. A run with another cap is a
+reduced run.
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --small          # 2 layers, for a quick check
+    python benchmarks/bench_serve.py --streams 1 8 16 --banks 0.5              # the default cap
+    python benchmarks/bench_serve.py --streams 1 8 16 --banks 0.5 --promote 0  # uncapped LRU
 
 Writes benchmarks/results/bench_serve.json for a full run (--json PATH for any run).
 """
@@ -38,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import results_path, save  # noqa: E402
 
-from cupool.cli import CLIParser, fraction, positive_int, run  # noqa: E402
+from cupool.cli import CLIParser, fraction, positive_int, promote, run  # noqa: E402
 
 
 
@@ -88,7 +94,9 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
                         sum(s["prefetch_wasted"] for s in stats) * row / n}
     per = [r.decode_tokens_per_s for r in reqs]
     eng.close()
+    K = pool.top_k
     diag = {"hits": hits, "misses": misses, "staged": sum(s["staged"] for s in stats),
+            "promote_cap": pool.bank.promotion_cap(streams * K),
             "promotions": sum(s["promotions"] for s in stats),
             "gate_open": int(pool.bank.gate.item()), "errors": pool.errors()}
     return {"diagnostics": diag, "step": eng.step_kind, "streams": streams, "sampled": sampled,
@@ -102,6 +110,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
 
 def run_bank(args, layers: int, streams: list[int], bank: float) -> dict:
     model, pool, shape = build(layers, max(streams), args.seed, bank)
+    pool.promote = args.promote
     if args.routing == "locality":
         from cupool import trace as tr
         from cupool.replay import Replayer
@@ -125,7 +134,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float) -> dict:
         print(f"{label}: {b:3d} streams greedy : aggregate {r['aggregate_tok_per_s']:7.1f} tok/s "
               f"(decode {r['aggregate_decode_tok_per_s']:7.1f}), per request "
               f"{r['per_request_tok_per_s_median']:6.1f} tok/s, hit rate {r['hit_rate']:.3f} "
-              f"[{r['step']}]"
+              f"(cap {r['diagnostics']['promote_cap'] or 'none'}) [{r['step']}]"
               + (f", prefetched {r['prefetched_bytes_per_token'] / 1e6:.1f} MB a token "
                  f"({r['prefetch_wasted_bytes_per_token'] / 1e6:.1f} MB wasted)"
                  if "prefetched_bytes_per_token" in r else ""), flush=True)
@@ -165,11 +174,13 @@ def main(args) -> int:
     results = {"shape": f"Qwen3-30B-A3B, {layers} layers", "routing": args.routing,
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
+               "promote": args.promote,
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
                "banks": banks, "gpu": torch.cuda.get_device_name()}
     reduced = (["--small"] if args.small else []) + \
-        ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else [])
+        ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else []) + \
+        ([f"--promote {args.promote}"] if args.promote != "auto" else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
 
@@ -194,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "trace's predicted ids (--routing locality)")
     p.add_argument("--prefetch-accuracy", type=float, default=0.8,
                    help="--prefetch trace: accuracy of the predicted ids (default 0.8)")
+    p.add_argument("--promote", type=promote, default="auto", metavar="auto|N",
+                   help="the pool's promotion cap (Pool.promote): auto (default, the pool's "
+                        "own), or N misses a step (0: no cap)")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
     p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "

@@ -13,7 +13,16 @@ popularity: where frequency should matter most). Banks of 25/50/75% of each laye
   or the one before are not eligible; layer 0 is not predicted), on the trace with predictions at
   60/80/95% accuracy (`cupool.trace.with_predictions`); beside the hit rate, rows prefetched /
   used / wasted (evicted before any use) a token. Prefetched rows count as hits: the bytes still
-  cross PCIe, but ahead of the step that needs them, under the previous layer's compute.
+  cross PCIe, but ahead of the step that needs them, under the previous layer's compute;
+- promote: several sequences decoded together (`cupool.trace.streams`: 1, 2, 4, 8, 16
+  independent locality streams, one token each a step), LRU uncapped against LRU with at most N
+  promotions a step (the other misses staged) for caps of a half … a sixteenth of a layer's rows,
+  and the pool's default (`default_promote`: no cap while a step's lanes fit a layer's rows, a
+  quarter of them past that); beside the hit rate, bank misses a layer call (what crosses PCIe).
+  The rows of the table in docs/PERFORMANCE.md that justify the default.
+
+    python benchmarks/sim_policies.py                     # all three parts
+    python benchmarks/sim_policies.py --parts promote     # only the promotion caps
 
 Writes benchmarks/results/sim_policies.json (a reduced run: nothing unless --json).
 """
@@ -28,11 +37,14 @@ from _common import reduced_by, results_path, save
 
 from cupool import trace as tr
 from cupool.cli import CLIParser, output_file, positive_int, run
-from cupool.reference.planner import LRU, Policy
+from cupool.reference.planner import LRU, Policy, default_promote
 from cupool.simulate import simulate
 
 L, E, K = 48, 128, 8
 BANKS = (25, 50, 75)
+PARTS = ("policies", "prefetch", "promote")
+STREAMS = (1, 2, 4, 8, 16)
+CAP_DIVISORS = (2, 4, 8, 16)          # caps tried: rows per layer / these
 TRACES = {"uniform": {}, "locality": tr.QWEN3_LOCALITY,
           "skewed": dict(reuse_next=0.2, reuse_window=0.4, window=8, skew=1.0)}
 
@@ -49,30 +61,37 @@ def build_parser() -> CLIParser:
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=512, help="decoded tokens measured")
     p.add_argument("--warmup", type=positive_int, default=64, help="tokens before measuring")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="what to simulate (default: all of policies, prefetch, promote)")
     p.add_argument("--json", type=output_file, metavar="PATH",
                    help="write the results here instead of benchmarks/results/sim_policies.json")
     return p
 
 
 def main(args) -> None:
-    out = results_path("sim_policies", args.json, reduced_by(args, build_parser(), "steps"))
+    out = results_path("sim_policies", args.json,
+                       reduced_by(args, build_parser(), "steps", "parts"))
     n = args.steps + args.warmup
     traces = {name: (tr.uniform(n, L, E, K, seed=1) if not kw else
                      tr.synthetic(n, L, E, K, seed=1, **kw)) for name, kw in TRACES.items()}
     res = {"shape": {"layers": L, "experts": E, "top_k": K}, "steps": args.steps,
            "warmup": args.warmup, "traces": {k: v.note for k, v in traces.items()},
-           "policies": [], "prefetch": []}
+           "policies": [], "prefetch": [], "promote": []}
     t0 = time.perf_counter()
+    if "promote" in args.parts:
+        res["promote"] = promote(args)
     for name, trace in traces.items():
+        if "policies" not in args.parts and "prefetch" not in args.parts:
+            break
         for bank in BANKS:
             rows = E * bank // 100
-            for pol in policies():
+            for pol in policies() if "policies" in args.parts else []:
                 r = simulate(trace, rows, warmup_steps=args.warmup, policy=pol)
                 res["policies"].append({"trace": name, "bank_percent": bank, "policy": pol.describe(),
                                         "hit_rate": r["hit_rate"]})
                 print(f"{name:>8} bank {bank}% {pol.describe():<42} hit rate {r['hit_rate']:.4f}",
                       flush=True)
-            for acc in (0.6, 0.8, 0.95):
+            for acc in (0.6, 0.8, 0.95) if "prefetch" in args.parts else ():
                 tp = tr.with_predictions(trace, acc, seed=2)
                 r = simulate(tp, rows, warmup_steps=args.warmup, prefetch=True)
                 per = {k: r[k] / args.steps for k in ("prefetched", "prefetch_used",
@@ -87,6 +106,34 @@ def main(args) -> None:
                       f"{r['misses'] / args.steps:.1f} misses", flush=True)
     res["seconds"] = time.perf_counter() - t0
     save("sim_policies", res, out)
+
+
+def promote(args) -> list[dict]:
+    """Hit rates of several streams decoded together, uncapped LRU against promotion caps."""
+    n = args.steps + args.warmup
+    out = []
+    for streams in STREAMS:
+        trace = tr.streams(n, L, E, K, streams, seed=1, **tr.QWEN3_LOCALITY)
+        for bank in BANKS:
+            rows = E * bank // 100
+            auto = default_promote(rows, streams * K)
+            caps = {"uncapped": 0, **{f"N/{d}": rows // d for d in CAP_DIVISORS}}
+            results = {}
+            for label, cap in caps.items():
+                results[label] = simulate(trace, rows, warmup_steps=args.warmup,
+                                          policy=Policy(promote=cap))
+            # the pool's default is one of the caps above (or none)
+            same = next(label for label, cap in caps.items() if cap == auto)
+            for label, r in results.items():
+                out.append({"streams": streams, "bank_percent": bank, "cap": label,
+                            "promote": caps[label], "default": label == same,
+                            "hit_rate": r["hit_rate"],
+                            "misses_per_layer_call": r["misses"] / (args.steps * L)})
+            print(f"{streams:2d} streams, bank {bank}%: " + ", ".join(
+                f"{label} {r['hit_rate']:.3f}" + ("*" if label == same else "")
+                for label, r in results.items()) + f"  (* the default, promote {auto})",
+                flush=True)
+    return out
 
 
 if __name__ == "__main__":

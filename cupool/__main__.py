@@ -21,7 +21,7 @@ import sys
 import time
 
 from cupool.cli import (CLIParser, existing_dir, existing_file, fail, fraction,
-                        nonnegative_float, nonnegative_int, positive_int, run, size)
+                        nonnegative_float, nonnegative_int, positive_int, promote, run, size)
 
 PROG = "cupool"
 
@@ -132,15 +132,24 @@ def _selftest(tgt) -> bool:
 def simulate(args) -> int:
     """Hit rate of the reference planner on a trace (CPU only)."""
     from cupool import trace as tr
+    from cupool.reference.planner import Policy
     from cupool.simulate import simulate as run_simulation
     if args.trace:
+        if args.streams != 1:
+            raise ValueError(f"--streams {args.streams} is for a synthetic trace; a trace file "
+                             f"has its own tokens a step")
         t = tr.Trace.load(args.trace)
     else:
         if args.top_k > args.experts:
             raise ValueError(f"--top-k {args.top_k} exceeds --experts {args.experts}")
-        kind = tr.synthetic if args.synthetic == "locality" else tr.uniform
-        kw = dict(tr.QWEN3_LOCALITY) if args.synthetic == "locality" else {}
-        t = kind(args.steps, args.layers, args.experts, args.top_k, seed=args.seed, **kw)
+        shape = (args.steps, args.layers, args.experts, args.top_k)
+        if args.synthetic == "uniform":
+            t = tr.uniform(*shape, tokens=args.streams, seed=args.seed)
+        elif args.streams == 1:
+            t = tr.synthetic(*shape, seed=args.seed, **tr.QWEN3_LOCALITY)
+        else:
+            t = tr.streams(*shape, args.streams, seed=args.seed, **tr.QWEN3_LOCALITY)
+    policy = None if args.promote == "auto" else Policy(promote=args.promote)
     K, E = t.ids.shape[-1], t.num_experts
     if args.warmup >= t.steps:
         raise ValueError(f"--warmup {args.warmup} must be less than the trace's {t.steps} steps")
@@ -154,12 +163,13 @@ def simulate(args) -> int:
     tp = tr.with_predictions(t, args.prefetch_accuracy, seed=args.seed) \
         if args.prefetch_accuracy is not None else None
     for r in rows:
-        res = run_simulation(t, r, warmup_steps=args.warmup)
+        res = run_simulation(t, r, warmup_steps=args.warmup, policy=policy)
         owned = res["rows_owned"]
         print(f"rows/layer {r:5d} ({100 * r / E:5.1f}% of experts): hit rate "
-              f"{res['hit_rate']:.3f}   rows owned per layer min/max {min(owned)}/{max(owned)}")
+              f"{res['hit_rate']:.3f}   rows owned per layer min/max {min(owned)}/{max(owned)}"
+              f"   [{res['policy']}]")
         if tp is not None:
-            pre = run_simulation(tp, r, warmup_steps=args.warmup, prefetch=True)
+            pre = run_simulation(tp, r, warmup_steps=args.warmup, prefetch=True, policy=policy)
             n = t.steps - args.warmup
             print(f"    with prefetch at {args.prefetch_accuracy:g} accuracy (reference model): "
                   f"hit rate {pre['hit_rate']:.3f}; a step: {pre['prefetched'] / n:.1f} rows "
@@ -365,6 +375,12 @@ def build_parser() -> CLIParser:
     s.add_argument("--top-k", type=positive_int, default=8)
     s.add_argument("--seed", type=nonnegative_int, default=0)
     s.add_argument("--warmup", type=nonnegative_int, default=8, help="steps not counted (cold bank)")
+    s.add_argument("--streams", type=positive_int, default=1,
+                   help="sequences decoded together (a synthetic trace of that many independent "
+                        "streams, cupool.trace.streams; default 1)")
+    s.add_argument("--promote", type=promote, default="auto", metavar="auto|N",
+                   help="the cap on a step's promotions, as Pool.promote: auto (default, what a "
+                        "pool does), or N (0: no cap)")
     s.add_argument("--prefetch-accuracy", type=fraction, metavar="P",
                    help="also simulate prefetching each layer's predicted experts, a fraction P "
                         "of them right (the planner's reference model; predictions drawn by "

@@ -11,7 +11,10 @@ launches on torch's current stream — the plan step (`rawkernels/planner.cu`) a
 `lane_addr`. Everything else here (open with verification, stats, errors) reads the device and
 belongs outside the hot path. A Bank built with `prefetch=True` also runs prefetch steps
 (`prefetch` + `copy_prefetched`: a predicted layer's experts brought in ahead of its step, with
-their own copy list; `cupool.prefetch.Prefetcher` issues them on a side stream).
+their own copy list; `cupool.prefetch.Prefetcher` issues them on a side stream). `promote` caps
+the misses of one step that take a bank row (the rest are staged): a fixed cap, or "auto", the
+pool's default (`cupool.reference.planner.default_promote`: none for a step whose lanes fit a
+layer's rows).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from cupool.reference.planner import (
     PREFETCH_COUNTERS,
     PlanError,
     check_tables,
+    default_promote,
     initial_placement,
 )
 from cupool.store import HostStore, fmt_bytes
@@ -51,6 +55,15 @@ def _positive_int(name: str, v, lo: int = 1) -> int:
     return int(v)
 
 
+def check_promote(v) -> int | str:
+    """A promotion-cap setting: "auto", or an int >= 0 (0: no cap)."""
+    if isinstance(v, str) and v == "auto":
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < 2**31:
+        raise ValueError(f"promote must be 'auto' or an int >= 0 (0: no cap), got {v!r}")
+    return int(v)
+
+
 class Bank:
     """R = L·N GPU rows of the store's row size + S staging rows, and the planner tables.
 
@@ -71,17 +84,24 @@ class Bank:
         copy_blocks: the copy kernel's fixed grid (default: the RowCopier default).
         prefetch: build the planner's PREFETCH variant and its tables, for `prefetch` steps
             (default False: the plain planner).
+        promote: the promotion cap of a step (`Policy.promote`): at most that many of its misses
+            take a bank row, the others are staged (read for that step only). 0 (default): no
+            cap, every miss that finds a victim takes it; "auto": `default_promote(N, W)` for a
+            step of W lanes (what a pool uses). Settable later (`bank.promote`); a captured
+            graph keeps the cap of its capture.
     The gate starts closed: steps route correctly through staging but move nothing until `open()`.
     """
 
     def __init__(self, store: HostStore, rows_per_layer: int, staging_rows: int,
                  max_lanes: int, initial=None, device=None, *, threads: int | None = None,
                  items: int | None = None, ring: int | None = None, copy_mode: str = "auto",
-                 copy_blocks: int | None = None, prefetch: bool = False):
+                 copy_blocks: int | None = None, prefetch: bool = False,
+                 promote: int | str = 0):
         if not isinstance(store, HostStore):
             raise TypeError(f"store must be a cupool.HostStore, got {type(store).__name__}")
         if copy_mode not in MODES:
             raise ValueError(f"copy_mode must be one of {MODES}, got {copy_mode!r}")
+        self._promote = check_promote(promote)
         L, E = store.num_layers, store.num_experts
         N = _positive_int("rows_per_layer", rows_per_layer)
         S = _positive_int("staging_rows", staging_rows)
@@ -145,6 +165,24 @@ class Bank:
         return self.tables.prefetch
 
     @property
+    def promote(self) -> int | str:
+        """The promotion-cap setting: an int (0: no cap) or "auto" (`promotion_cap`)."""
+        return self._promote
+
+    @promote.setter
+    def promote(self, v) -> None:
+        self._promote = check_promote(v)
+
+    def promotion_cap(self, lanes: int) -> int:
+        """The cap a step of `lanes` lanes launches with (0: none)."""
+        if self._promote == "auto":
+            return default_promote(self.rows_per_layer, int(lanes))
+        return self._promote
+
+    def _cap(self, ids) -> int:
+        return self.promotion_cap(ids.numel()) if isinstance(ids, torch.Tensor) else 0
+
+    @property
     def copy_mode(self) -> str:
         """The row-copy kernel in use: "bulk" or "ld" ("auto" resolved for the target)."""
         return self._copy.mode
@@ -157,7 +195,7 @@ class Bank:
     # --- the hot path --------------------------------------------------------------------------
     def plan(self, layer: int, ids: torch.Tensor) -> int:
         """Plan step only (fills routes, lane_addr, copies, n_copies); returns W."""
-        return self._plan(layer, ids)
+        return self._plan(layer, ids, self._cap(ids))
 
     def copy_rows(self) -> None:
         """Copy the rows listed by the last plan step (fixed grid; length read on the device)."""
@@ -170,7 +208,7 @@ class Bank:
         Returns views (routes int32 [W], lane_addr int64 [W]) of buffers that the next call
         overwrites: the physical row of each lane (−1 padding) and its device address (0 padding).
         """
-        W = self._plan(layer, ids)
+        W = self._plan(layer, ids, self._cap(ids))
         self._copy(self.copies, self.n_copies)
         return self.routes[:W], self.lane_addr[:W]
 
@@ -203,7 +241,7 @@ class Bank:
         list is reused). The copies only write rows no lane of this step reads in place (victims
         are never rows used this step; staging rows belong to this step's misses).
         """
-        W = self._plan(layer, ids)
+        W = self._plan(layer, ids, self._cap(ids))
         cur = torch.cuda.current_stream(self.device)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
@@ -350,4 +388,5 @@ class Bank:
         return (f"Bank(L={self.num_layers}, E={self.num_experts}, N={self.rows_per_layer}, "
                 f"R={self.num_rows}, S={self.staging_rows}, max_lanes={self.max_lanes}, "
                 f"row={fmt_bytes(self.row_bytes)}, {self.device}"
-                f"{', prefetch' if self.tables.prefetch else ''})")
+                f"{', prefetch' if self.tables.prefetch else ''}"
+                f"{f', promote={self._promote}' if self._promote else ''})")

@@ -82,6 +82,17 @@ def nonnegative_int(text: str) -> int:
     return v
 
 
+def promote(text: str) -> int | str:
+    """A promotion cap (`cupool.Pool.promote`): "auto" or an integer >= 0 (0: no cap)."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        return nonnegative_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {text!r}") \
+            from e
+
+
 def port(text: str) -> int:
     v = _int(text)
     if not 1 <= v <= 65535:

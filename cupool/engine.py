@@ -23,7 +23,10 @@ How a request runs:
 
 Through a pool, the step's T = B tokens make one plan step per layer, so an expert row several
 sequences route to is planned and copied once; the lanes of inactive slots are padding
-(`Pool.token_mask`), so they read no experts and move no rows.
+(`Pool.token_mask`), so they read no experts and move no rows. Once the step's B·K lanes
+outnumber a layer's bank rows, the pool caps the misses of a step that take a bank row
+(`Pool.promote`, "auto" by default; the rest are staged), so B sequences together cannot evict
+every row before its next use.
 
 Thread safety: `submit` and `Request.cancel` may be called from any thread; everything else runs
 on the thread that drives the engine (`run_until_idle`, `generate`, or the background loop of

@@ -5,6 +5,8 @@ Shape legend (ARCHITECTURE.md): L MoE layers · E experts · K top-k · N rows p
 The gate starts closed (warm-up and graph capture must not move the placement); `open()` opens
 it. `stats_table()` and `report()` say what the pool did and holds; `unwrap()` undoes the swap.
 `enable_prefetch()` turns on prefetch in decode calls (`cupool.prefetch`; off by default).
+`promote` caps the misses of one decode call that take a bank row ("auto" by default: a cap once
+the call's lanes exceed a layer's rows, i.e. several sequences decoded together).
 """
 
 from __future__ import annotations
@@ -122,15 +124,33 @@ class Pool:
             raise ValueError(f"rows must be an int with top_k={self.top_k} <= rows <= "
                              f"E={self.num_experts}, got {rows!r}")
         max_lanes, staging = self.bank.max_lanes, self.bank.staging_rows
+        promote = self.bank.promote
         prefetch = self.bank.prefetching if prefetch is None else bool(prefetch)
         self.join_prefetch()
         self.bank = None
         torch.cuda.empty_cache()
         self.bank = Bank(self.store, rows, staging_rows=staging, max_lanes=max_lanes,
-                         device=self.device, prefetch=prefetch)
+                         device=self.device, prefetch=prefetch, promote=promote)
         self.rows_per_layer = rows
         if self.prefetcher is not None:
             self.prefetcher.bank = self.bank
+
+    # --- policy -------------------------------------------------------------------------------
+    @property
+    def promote(self) -> int | str:
+        """The cap on a decode call's promotions (misses that take a bank row; the others are
+        staged: read for that call only). "auto" (default): none while the call's lanes (T·K)
+        fit a layer's rows, a quarter of a layer's rows once they do not
+        (`cupool.reference.planner.default_promote`): several sequences decoded together then
+        ask for more experts a token than the bank holds, and uncapped LRU would evict every row
+        before its next use. An int: that cap for every call; 0: no cap. Set it before graph
+        capture (`cupool.Engine` captures on its first step): a captured graph keeps the cap of
+        its capture."""
+        return self.bank.promote
+
+    @promote.setter
+    def promote(self, v) -> None:
+        self.bank.promote = v
 
     # --- prefetch -----------------------------------------------------------------------------
     def enable_prefetch(self, predictor=None, *, top_k: int | None = None,

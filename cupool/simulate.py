@@ -11,22 +11,24 @@ import numpy as np
 
 from cupool.reference.planner import (
     HITS,
-    LRU,
     MISSES,
     PREFETCH_COUNTERS,
     Policy,
     ReferencePlanner,
+    default_promote,
 )
 from cupool.trace import Trace
 
 
 def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = None,
-             warmup_steps: int = 0, policy: Policy = LRU, prefetch: bool = False) -> dict:
+             warmup_steps: int = 0, policy: Policy | None = None, prefetch: bool = False) -> dict:
     """Replay `trace` through the reference planner with the gate open.
 
     Returns the hit rate (hits / (hits + misses)) over the steps after `warmup_steps`, per layer
     too, and the rows each layer owns at the end (shows rows moving between layers). `policy`:
-    the victim rule (`cupool.reference.planner.Policy`; LRU is the kernel's). `prefetch`: as the
+    the victim rule (`cupool.reference.planner.Policy`; the kernel's is LRU with a promotion
+    cap); None (default): what a pool does, LRU with `default_promote(rows_per_layer, T·K)` (no
+    cap for one token a step). `prefetch`: as the
     pool does in a decode step, right after layer l's step, layer l + 1's predicted ids of the
     same step are prefetched (`ReferencePlanner.prefetch`; needs `trace.predicted`), for
     l = 0 … L − 2 (layer 0 is not predicted: nothing runs before it in a step). Then the result
@@ -46,6 +48,8 @@ def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = No
             or not 0 <= warmup_steps < trace.steps:
         raise ValueError(f"warmup_steps must be an int in [0, steps={trace.steps}), got "
                          f"{warmup_steps!r}: the hit rate needs at least one step after warm-up")
+    if policy is None:
+        policy = Policy(promote=default_promote(int(rows_per_layer), W))
     ref = ReferencePlanner(L, trace.num_experts, rows_per_layer, staging_rows or W,
                            policy=policy)
     ref.open()

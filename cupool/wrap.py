@@ -131,7 +131,7 @@ def assemble(model, specs: list[MoELayerSpec], p: PoolPlan, fill, *, route_fn=No
         if before_bank is not None:
             before_bank()
         bank = Bank(store, p.rows, staging_rows=p.max_lanes, max_lanes=p.max_lanes,
-                    device=p.device)
+                    device=p.device, promote="auto")
     except BaseException:
         store.close()
         raise

@@ -21,12 +21,15 @@
 //      first-occurrence order). First lanes read slot_of: a hit stamps last_use, sets its hit bit
 //      and reads its window position (pos_of) (gate open); a block scan numbers the misses
 //      j = 0..M-1 in lane order.
-//   C. Gate open and (V = min(M, R - H) > 0 or the appends would overflow the ring): walk the
+//   C. Gate open and (V = min(M, P, R - H) > 0 or the appends would overflow the ring): walk the
 //      window from head in tiles of THREADS*ITEMS entries held in registers, ranked with warp
 //      ballots and one block scan of the warp totals. "Eligible" = not a hole and not a hit row.
 //      The first V eligible entries are the victims (exactly the V smallest (last_use, row) among
 //      rows not used this step: what taking the LRU row miss by miss, in order, yields); a
-//      victim's old key is read here and its taken bit set.
+//      victim's old key is read here and its taken bit set. P is the promotion cap (`promote`,
+//      a launch argument; 0: none, P = M): a step of many sequences can miss more experts than
+//      the bank can give up without evicting what the next steps use, so only its first P
+//      misses take rows and the rest are staged (ReferencePlanner's Policy.promote).
 //      - usual case: stop at the tile holding eligible entry number V; the new head is that
 //        entry's position (everything before it is a hole, a hit or a victim: dead after this
 //        step), so nothing in the ring is written here.
@@ -34,7 +37,8 @@
 //        the head): walk the whole window and write the eligible non-victims back-to-back from
 //        head, updating their pos_of; the window then holds R - T entries and no holes.
 //   D. Miss j: j < V takes victim j (its old key loses its row); otherwise staging row R + (j-V)
-//      if j - V < S, else no row (error flag). Each miss writes copy-list entry j.
+//      if j - V < S, else no row (error flag): a miss past the cap is staged like one that found
+//      no victim. Each miss writes copy-list entry j.
 //   E. Gate open (same phase as D; they share no data): the touched rows (hit or taken bit), in
 //      row order, are appended at the tail (ring and pos_of); outside compaction each hit's old
 //      position becomes a hole; thread 0 writes the new head and span.
@@ -82,8 +86,9 @@
 //     unflagged; an open step writes touched = T.
 //   - prefetch_step_*: the same launch with the ids a prediction: hits are stamped (the flag
 //     kept), misses take victims among *eligible* rows only and are skipped when none is left
-//     (never staged, no error), victims are flagged, no routes / lane_addr / lane_fresh are
-//     written, and `copies` / `n_copies` are the prefetch's own list; the plan counters stay.
+//     (never staged, no error; `promote` does not apply), victims are flagged, no routes /
+//     lane_addr / lane_fresh are written, and `copies` / `n_copies` are the prefetch's own list;
+//     the plan counters stay.
 //     Eligible = not used in this tick nor the one before (last_use < max(clock - 1, 1)): the
 //     previous tick's step may still have a GEMM reading its rows while these copies land.
 //     Why no last_use is read for that: the rows of the last open tick are exactly the window's
@@ -183,6 +188,7 @@ CUPOOL_DEVICE void load_tile(const i32* ring, int mask, int head, int span, int 
 // PF: the prefetch mode (only instantiated in the PREFETCH build).
 template <typename Id, bool PF>
 CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E, i32 R, i32 S,
+                             i32 promote,
                              i32* __restrict__ slot_of, i32* __restrict__ key_of,
                              i64* __restrict__ last_use, i32* __restrict__ ring,
                              i32* __restrict__ pos_of, i32* __restrict__ ends, i32 ring_mask,
@@ -284,12 +290,15 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         s_miss_key[before & 0xffff] = key;
         s_miss_lane[before & 0xffff] = t;
     }
+    // Misses allowed to take a bank row: the first `promote` (a cap the launcher picks per step;
+    // 0: no cap), all of them in a prefetch. A cap of 0 costs a compare and a select.
+    const int P = promote > 0 && !PF ? min(M, promote) : M;
 #if PREFETCH
     // prefetch mode: the last tick's rows that are not hits now are not eligible (s_young_hits is
     // complete: the scan's barrier)
-    const int V = open ? min(M, R - H - (PF ? prev_touched - s_young_hits : 0)) : 0;
+    const int V = open ? min(P, R - H - (PF ? prev_touched - s_young_hits : 0)) : 0;
 #else
-    const int V = open ? min(M, R - H) : 0;  // misses that get a bank row
+    const int V = open ? min(P, R - H) : 0;  // misses that get a bank row
 #endif
     const int T = H + V;                      // rows stamped with `now` this step
     const bool compact = open && T > 0 && span + T > ring_mask + 1;
@@ -458,13 +467,14 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
 }
 
 #define PLAN_STEP_ARGS                                                                         \
-    i32 W, i32 layer, i32 E, i32 R, i32 S, i32 *slot_of, i32 *key_of, i64 *last_use,           \
-        i32 *ring, i32 *pos_of, i32 *ends, i32 ring_mask, i64 *clock, const i32 *gate,          \
-        i32 *error, i64 *counters, i32 *routes, i64 *lane_addr, i32 *lane_fresh, i32 *copies,   \
-        i32 *n_copies, i64 rows_base, i64 row_stride
+    i32 W, i32 layer, i32 E, i32 R, i32 S, i32 promote, i32 *slot_of, i32 *key_of,             \
+        i64 *last_use, i32 *ring, i32 *pos_of, i32 *ends, i32 ring_mask, i64 *clock,           \
+        const i32 *gate, i32 *error, i64 *counters, i32 *routes, i64 *lane_addr,               \
+        i32 *lane_fresh, i32 *copies, i32 *n_copies, i64 rows_base, i64 row_stride
 #define PLAN_STEP_PASS                                                                        \
-    W, layer, E, R, S, slot_of, key_of, last_use, ring, pos_of, ends, ring_mask, clock, gate,  \
-        error, counters, routes, lane_addr, lane_fresh, copies, n_copies, rows_base, row_stride
+    W, layer, E, R, S, promote, slot_of, key_of, last_use, ring, pos_of, ends, ring_mask,      \
+        clock, gate, error, counters, routes, lane_addr, lane_fresh, copies, n_copies,         \
+        rows_base, row_stride
 #if PREFETCH
 #define PF_ARGS , i32 *touched, i32 *pf_flag, i64 *pf_counters
 #define PF_PASS , touched, pf_flag, pf_counters

@@ -4,8 +4,10 @@ The kernel source is compiled with g++ against tests/emu/common.cuh (the CUDA fe
 emulated with one std::thread per CUDA thread), optionally with ThreadSanitizer, and driven over a
 random trace; after every step its routes, lane addresses, copy list and tables must equal the
 reference's. With `prefetch`, the PREFETCH build runs a trace of plan and prefetch steps mixed
-(`random_mixed_trace`), and the prefetch tables and lists are compared too. Used by
-tests/test_planner.py; also runnable: `python tests/_planner_emu.py --tsan [--prefetch]`.
+(`random_mixed_trace`), and the prefetch tables and lists are compared too. With `promote`, each
+launch gets a promotion cap (`random_caps`) and the reference the same `Policy(promote=...)`.
+Used by tests/test_planner.py; also runnable: `python tests/_planner_emu.py --tsan [--prefetch]
+[--promote]`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ if str(ROOT) not in sys.path:
 from cupool.ops.planner import ring_capacity
 from cupool.reference.planner import (
     COUNTERS,
+    MISSES,
     PREFETCH_COUNTERS,
+    PROMOTIONS,
+    Policy,
     ReferencePlanner,
     initial_placement,
 )
@@ -122,6 +127,16 @@ def random_mixed_trace(rng, L, E, steps, max_lanes, p_flip=(0.1, 0.01), p_prefet
     return out[:steps]
 
 
+def random_caps(rng, steps: int, max_lanes: int) -> list[int]:
+    """A promotion cap for each launch: 0 (none) a quarter of the time, else mostly small caps
+    (1 … 4, which bind whenever a step misses more) and now and then one up to `max_lanes`
+    (which binds only on wide steps)."""
+    small = rng.integers(1, 5, size=steps)
+    wide = rng.integers(1, max_lanes + 1, size=steps)
+    u = rng.random(steps)
+    return np.where(u < 0.25, 0, np.where(u < 0.75, small, wide)).tolist()
+
+
 def same(got, want, err_msg="") -> None:
     """np.testing.assert_array_equal, with a fast path for the equal case (runs every step)."""
     if not np.array_equal(got, want):
@@ -137,12 +152,15 @@ def fresh_lanes(routes, copies) -> np.ndarray:
 
 def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=None,
         timeout=900, source=None, p_flip=(0.1, 0.01), ring=None, prefetch=False,
-        report: dict | None = None) -> int:
+        promote: int | str = 0, report: dict | None = None) -> int:
     """Build, run the trace, compare every step; returns the number of steps compared.
     `ring`: the LRU ring's capacity (default `ring_capacity(R)`; a small one compacts often).
     `prefetch`: the PREFETCH build over `random_mixed_trace` (plan and prefetch steps).
-    `report`: receives the reference's final counters and prefetch counters, and how many
-    prefetch steps ran with the gate open and how many predicted ids they skipped."""
+    `promote`: the promotion cap every launch gets (0: none), or "random": a cap drawn for each
+    launch (`random_caps`; prefetch launches get one too, which they must ignore).
+    `report`: receives the reference's final counters and prefetch counters, how many
+    prefetch steps ran with the gate open and how many predicted ids they skipped, and how many
+    open plan steps the cap bound (staged misses while rows were left to take)."""
     rng = np.random.default_rng(seed)
     ref = ReferencePlanner(L, E, N, S, initial)
     R = ref.num_rows
@@ -150,11 +168,17 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
         [(g, layer, 0, ids) for g, layer, ids in random_trace(rng, L, E, steps, max_lanes, p_flip)]
     # int64 ids only where they fit int32, so the i32 entry point sees the same values
     is64 = [bool(rng.random() < 0.5) or np.any(np.abs(ids) > 2**31 - 1) for *_, ids in trace]
+    if promote == "random":
+        caps = random_caps(rng, len(trace), max_lanes)
+    elif isinstance(promote, int) and not isinstance(promote, bool) and promote >= 0:
+        caps = [promote] * len(trace)
+    else:
+        raise ValueError(f"promote must be an int >= 0 or 'random', got {promote!r}")
     C = ring_capacity(R) if ring is None else int(ring)
     words = [R, E, L, S, max_lanes, ROWS_BASE, ROW_STRIDE, len(trace), C]
     words += initial_placement(L, E, N, initial).tolist()
-    for (gate, layer, kind, ids), wide in zip(trace, is64):
-        words += [gate, layer, kind, int(wide), ids.size] + ids.tolist()
+    for (gate, layer, kind, ids), cap, wide in zip(trace, caps, is64):
+        words += [gate, layer, kind, cap, int(wide), ids.size] + ids.tolist()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         exe = build(tmp, threads, items, tsan, source, prefetch)
@@ -179,20 +203,26 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
         """The n (key, row) pairs the harness wrote (it writes min(n, max_lanes), 0 if n < 0)."""
         return [tuple(c) for c in take(2 * max(0, min(n, max_lanes))).reshape(-1, 2).tolist()]
 
-    open_prefetches = skipped = 0
+    open_prefetches = skipped = capped = 0
     for i, (gate, layer, kind, ids) in enumerate(trace):
         if gate:
             ref.open()
         else:
             ref.close()
+        ref.policy = Policy(promote=caps[i])
         W = ids.size
         where = (f"step {i} ({'prefetch' if kind else 'plan'}, layer {layer}, W={W}, gate {gate}, "
-                 f"ids {ids.tolist()})")
+                 f"cap {caps[i]}, ids {ids.tolist()})")
         got_routes, got_addr, got_fresh = take(W), take(W), take(W)
         n = int(take(1)[0])
         got_copies = copy_list(n)
         if kind == 0:
+            before = ref.counters[layer, [MISSES, PROMOTIONS]].copy()
             routes, copies = ref.step(layer, ids)
+            misses, promoted = ref.counters[layer, [MISSES, PROMOTIONS]] - before
+            if gate and caps[i] and misses > promoted and promoted == caps[i]:
+                hits = int((ref.last_use == ref.clock).sum()) - promoted
+                capped += R - hits > promoted         # rows were left: the cap staged the rest
             same(got_routes, routes, err_msg=f"routes, {where}")
             want_addr = np.where(routes >= 0, ROWS_BASE + routes.astype(np.int64) * ROW_STRIDE, 0)
             same(got_addr, want_addr, err_msg=f"lane_addr, {where}")
@@ -240,7 +270,7 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
     assert p == out.size, "trailing output"
     if report is not None:
         report.update(counters=ref.counters.copy(), prefetch_counters=ref.prefetch_counters.copy(),
-                      open_prefetches=open_prefetches, skipped=skipped)
+                      open_prefetches=open_prefetches, skipped=skipped, capped=capped)
     return len(trace)
 
 
@@ -249,14 +279,17 @@ def main(argv=None):
     ap.add_argument("--tsan", action="store_true")
     ap.add_argument("--prefetch", action="store_true", help="the PREFETCH build, plan and "
                     "prefetch steps mixed")
+    ap.add_argument("--promote", action="store_true", help="a random promotion cap a launch")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shape", nargs=7, type=int, metavar=("L", "E", "N", "S", "LANES", "THREADS",
                                                            "ITEMS"), default=[5, 13, 3, 64, 64, 64, 1])
     a = ap.parse_args(argv)
     L, E, N, S, lanes, threads, items = a.shape
-    n = run(L, E, N, S, lanes, threads, items, a.steps, a.seed, tsan=a.tsan, prefetch=a.prefetch)
-    print(f"{n} steps{' (plan and prefetch)' if a.prefetch else ''}: emulated kernel == "
+    n = run(L, E, N, S, lanes, threads, items, a.steps, a.seed, tsan=a.tsan, prefetch=a.prefetch,
+            promote="random" if a.promote else 0)
+    print(f"{n} steps{' (plan and prefetch)' if a.prefetch else ''}"
+          f"{' with promotion caps' if a.promote else ''}: emulated kernel == "
           f"reference{' (ThreadSanitizer clean)' if a.tsan else ''}")
 
 

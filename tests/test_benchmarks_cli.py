@@ -99,6 +99,8 @@ BAD = BAD_SUBPROCESS + [
     (["bench_decode.py", "--prefetch-banks", "150"], "--prefetch-banks"),
     (["bench_serve.py", "--prefetch", "trace", "--routing", "router"], "--routing locality"),
     (["bench_serve.py", "--prefetch", "router", "--prefetch-accuracy", "2"], "--prefetch-accuracy"),
+    (["bench_serve.py", "--promote", "often"], "--promote"),
+    (["sim_policies.py", "--parts", "lru"], "--parts"),
     (["bench_long.py", "--bank", "5"], "--bank"),
     (["bench_ngram.py", "--batches", "0"], "--batches"),
     (["bench_long.py", "--soak-steps", "0"], "--soak-steps"),

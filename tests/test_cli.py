@@ -47,6 +47,9 @@ def parse_error(capsys, *argv):
     (["simulate", "--top-k", "0"], "--top-k"),
     (["simulate", "--prefetch-accuracy", "1.5"], "--prefetch-accuracy"),
     (["simulate", "--steps", "x"], "--steps"),
+    (["simulate", "--streams", "0"], "--streams"),
+    (["simulate", "--promote", "-1"], "--promote"),
+    (["simulate", "--promote", "some"], "'auto' or an integer >= 0"),
     (["plan", "--model", "/no/such/dir"], "no such directory"),
     (["plan"], "--model"),
     (["generate", "--model", "."], "--prompt"),
@@ -70,6 +73,29 @@ def test_simulate_runs(capsys):
                      "2", "--rows", "4", "16", capsys=capsys)
     assert rc == 0
     assert "rows/layer     4" in out and "rows/layer    16" in out and "hit rate 1.000" in out
+
+
+def test_simulate_several_streams_with_the_pools_cap(capsys):
+    """--streams B: B independent streams a step; --promote auto (default) is the pool's cap
+    (here 32 lanes over 8 rows a layer: at most 2 promotions a step), --promote 0 none."""
+    argv = ("simulate", "--steps", "40", "--layers", "3", "--experts", "32", "--top-k", "4",
+            "--rows", "8", "--streams", "8")
+    rc, out, _ = run(*argv, capsys=capsys)
+    assert rc == 0 and "tokens/step=8" in out and "[LRU, at most 2 promotions a step]" in out
+    capped = float(out.split("hit rate ")[1].split()[0])
+    rc, out, _ = run(*argv, "--promote", "0", capsys=capsys)
+    assert rc == 0 and "[LRU]" in out
+    assert float(out.split("hit rate ")[1].split()[0]) < capped
+    rc, out, _ = run(*argv[:-2], "--promote", "3", capsys=capsys)   # one stream: 4 lanes
+    assert rc == 0 and "[LRU, at most 3 promotions a step]" in out
+
+
+def test_simulate_streams_need_a_synthetic_trace(capsys, tmp_path):
+    t = tr.synthetic(12, 2, 16, 2, seed=1)
+    t.save(tmp_path / "t.npz")
+    rc, _, err = run("simulate", "--trace", str(tmp_path / "t.npz"), "--streams", "2",
+                     capsys=capsys)
+    one_line_error(rc, err, "--streams 2", "trace file")
 
 
 def test_simulate_with_prefetch(capsys):

@@ -1,16 +1,26 @@
 """GPU checks of the planner: the plan-step kernel equals the reference after every step, the
 rows it routes to hold the right bytes, graph replay equals eager launches, verify() finds damage;
-the PREFETCH build over plan and prefetch steps mixed equals the reference after every step."""
+the PREFETCH build over plan and prefetch steps mixed equals the reference after every step; with
+a promotion cap (a fixed one, one drawn for each launch, or the pool's "auto") the kernel equals
+the reference's `Policy(promote=...)`."""
 
 import numpy as np
 import pytest
 import torch
-from _planner_emu import fresh_lanes, random_mixed_trace, random_trace
+from _planner_emu import fresh_lanes, random_caps, random_mixed_trace, random_trace
 
 from cupool import HostStore
 from cupool.bank import Bank, BankVerifyError
 from cupool.ops.planner import ring_order
-from cupool.reference.planner import COUNTERS, PREFETCH_COUNTERS, PlanError, ReferencePlanner
+from cupool.reference.planner import (
+    COUNTERS,
+    PREFETCH_COUNTERS,
+    PROMOTIONS,
+    STAGED,
+    PlanError,
+    Policy,
+    ReferencePlanner,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -27,14 +37,17 @@ def make_store(rng, L, E, row_bytes):
 
 
 class Harness:
-    """A Bank and a ReferencePlanner driven in lockstep, compared with one host read per step."""
+    """A Bank and a ReferencePlanner driven in lockstep, compared with one host read per step.
+    Each step the reference takes the cap the bank launches with (`Bank.promotion_cap`);
+    `capped` counts open steps the cap bound (it promoted exactly the cap and staged the rest)."""
 
-    def __init__(self, rng, L, E, N, S, lanes, row_bytes, **shape):
+    def __init__(self, rng, L, E, N, S, lanes, row_bytes, promote=0, **shape):
         self.L, self.E, self.lanes = L, E, lanes
         self.store, self.expect = make_store(rng, L, E, row_bytes)
-        self.bank = Bank(self.store, N, S, lanes, **shape)
+        self.bank = Bank(self.store, N, S, lanes, promote=promote, **shape)
         self.ref = ReferencePlanner(L, E, N, S)
         self.R = self.bank.num_rows
+        self.capped = 0
 
     def set_gate(self, gate: int, verify: bool = False):
         if gate:
@@ -74,7 +87,13 @@ class Harness:
         got["order"], problems = ring_order(got["ring"], got["pos_of"], head, span)
         assert problems == [], f"{problems}, {where}"
 
+        cap = b.promotion_cap(W)
+        self.ref.policy = Policy(promote=cap)
+        before = self.ref.counters[layer].copy()
         want_routes, want_copies = self.ref.step(layer, ids)
+        d = self.ref.counters[layer] - before
+        self.capped += bool(cap and d[PROMOTIONS] == cap and d[STAGED] > 0)
+        where = f"{where}, cap {cap}"
         st = self.ref.state()
         for name in ("slot_of", "key_of", "last_use", "order"):
             np.testing.assert_array_equal(got[name], st[name], err_msg=f"{name}, {where}")
@@ -99,11 +118,15 @@ class Harness:
         self.store.close()
 
 
-def run_random(rng, h: Harness, steps: int, verify_every: int = 1000, p_flip=(0.1, 0.01)):
+def run_random(rng, h: Harness, steps: int, verify_every: int = 1000, p_flip=(0.1, 0.01),
+               caps: list[int] | None = None):
+    """`caps`: the bank's promotion cap for each step (default: the bank's setting throughout)."""
     trace = random_trace(rng, h.L, h.E, steps, h.lanes, p_flip)
     for i, (gate, layer, ids) in enumerate(trace):
         if gate != h.ref.gate:
             h.set_gate(gate, verify=i % 7 == 0)
+        if caps is not None:
+            h.bank.promote = caps[i]
         wide = np.any(np.abs(ids) > 2**31 - 1) or rng.random() < 0.5
         h.step_and_compare(layer, ids, torch.int64 if wide else torch.int32,
                            f"step {i} (layer {layer}, W={ids.size}, gate {gate}, ids {ids.tolist()})")
@@ -134,6 +157,38 @@ def test_kernel_equals_reference_other_shapes(rng, L, E, N, threads, items, ring
     h = Harness(rng, L, E, N, S=64, lanes=64, row_bytes=256, threads=threads, items=items,
                 ring=ring)
     run_random(rng, h, steps, verify_every=100, p_flip=(0.3, 0.01))
+    h.close()
+
+
+@pytest.mark.parametrize("L,E,N,S,lanes,threads,items,ring,steps", [
+    (5, 17, 3, 64, 64, None, None, None, 4000),      # R = 15 < E: caps bind, and rows run out
+    (7, 40, 30, 128, 128, 128, 1, 256, 1500),        # R = 210 in tiles of 128, a tight ring
+    (4, 64, 8, 128, 128, None, None, None, 1500),    # 16 x top-8 lanes over 8 rows a layer
+    (48, 512, 256, 128, 128, None, None, None, 300),  # the benchmark's shape, wide steps
+])
+def test_kernel_with_promotion_cap_equals_reference(rng, L, E, N, S, lanes, threads, items, ring,
+                                                    steps):
+    """A cap drawn for each launch (none, 1 … 4, or up to the lanes; `random_caps`): tables,
+    routes, copy lists, counters and the routed rows' bytes equal the reference's with the same
+    `Policy(promote=...)` after every step, and the cap bound on many steps."""
+    h = Harness(rng, L, E, N, S, lanes, row_bytes=1024 + 16, threads=threads, items=items,
+                ring=ring)
+    run_random(rng, h, steps, verify_every=500, p_flip=(0.3, 0.01),
+               caps=random_caps(rng, steps, lanes))
+    assert h.capped > steps // 20, h.capped
+    c = h.ref.counters
+    assert c[:, PROMOTIONS].sum() > 0 and c[:, STAGED].sum() > 0
+    h.close()
+
+
+def test_kernel_with_the_pools_default_cap_equals_reference(rng):
+    """promote="auto" (what a pool builds): no cap for a step of at most N lanes, N // 4 past
+    that; the kernel equals the reference given the same cap each step."""
+    h = Harness(rng, L=6, E=64, N=8, S=128, lanes=128, row_bytes=2048 + 16, promote="auto")
+    assert h.bank.promote == "auto"
+    assert [h.bank.promotion_cap(w) for w in (1, 8, 9, 128)] == [0, 0, 2, 2]
+    run_random(rng, h, 2000, verify_every=500, p_flip=(0.3, 0.01))
+    assert h.capped > 100, h.capped
     h.close()
 
 
@@ -196,11 +251,16 @@ def test_staging_overflow_cannot_happen_and_closed_gate_stages(rng):
     h.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_graph_replay_equals_eager_and_reference(rng, dtype):
+@pytest.mark.parametrize("dtype,promote", [(torch.int32, 0), (torch.int64, 0), (torch.int64, 2),
+                                           (torch.int32, "auto")])
+def test_graph_replay_equals_eager_and_reference(rng, dtype, promote):
+    """A captured sequence of layer calls replays like eager launches and the reference. With a
+    cap, each call keeps the cap of its capture: changing the bank's setting afterwards changes
+    eager launches only (the eager bank keeps the setting, so graph == eager == reference)."""
     L, E, N, S, lanes = 5, 13, 3, 64, 64
     store, expect = make_store(rng, L, E, 2048 + 16)
-    bank_g, bank_e = Bank(store, N, S, lanes), Bank(store, N, S, lanes)
+    bank_g, bank_e = Bank(store, N, S, lanes, promote=promote), \
+        Bank(store, N, S, lanes, promote=promote)
     ref = ReferencePlanner(L, E, N, S)
     calls = [(0, 8), (3, 64), (3, 1), (1, 17), (4, 64), (0, 33), (2, 5)]
     C = len(calls)
@@ -232,6 +292,7 @@ def test_graph_replay_equals_eager_and_reference(rng, dtype):
         body(bank_g, out_g)
     torch.cuda.synchronize()
     assert bank_g.state()["clock"] == 0                # capture ran nothing
+    bank_g.promote = 0 if promote else 1               # not seen by the captured launches
 
     for rep in range(40):
         if rep == 10:                                 # opened after capture: replays must see it
@@ -250,7 +311,10 @@ def test_graph_replay_equals_eager_and_reference(rng, dtype):
             out["routes"].fill_(-7)
         graph.replay()
         body(bank_e, out_e)
-        want = [ref.step(layer, ids[c, :W]) for c, (layer, W) in enumerate(calls)]
+        want = []
+        for c, (layer, W) in enumerate(calls):
+            ref.policy = Policy(promote=bank_e.promotion_cap(W))
+            want.append(ref.step(layer, ids[c, :W]))
         torch.cuda.synchronize()
         where = f"replay {rep}"
         for name in ("routes", "copies", "n_copies"):
@@ -381,16 +445,20 @@ def test_step_guards(rng):
 class MixedRun:
     """A prefetching Bank driven over `random_mixed_trace` in batches: each step's outputs and
     tables are gathered on the device into one row of a snapshot buffer (no host sync between
-    steps), the batch is read back at once and compared with the reference step by step."""
+    steps), the batch is read back at once and compared with the reference step by step.
+    `promote="random"`: the bank's promotion cap is drawn for each step (`random_caps`), and the
+    reference's plan step takes the cap the bank launched with."""
 
     NAMES = ("slot_of", "key_of", "last_use", "ring", "pos_of", "ends", "clock", "gate", "error",
              "counters", "touched", "pf_flag", "pf_counters", "routes", "lane_addr", "lane_fresh",
              "n_copies", "copies", "pf_n_copies", "pf_copies", "bad_lanes", "bad_prefetched")
 
-    def __init__(self, rng, L, E, N, S, lanes, row_bytes, **shape):
+    def __init__(self, rng, L, E, N, S, lanes, row_bytes, promote=0, **shape):
         self.rng, self.L, self.E, self.lanes = rng, L, E, lanes
         self.store, self.expect = make_store(rng, L, E, row_bytes)
-        self.bank = Bank(self.store, N, S, lanes, prefetch=True, **shape)
+        self.random_caps = promote == "random"
+        self.bank = Bank(self.store, N, S, lanes, prefetch=True,
+                         promote=0 if self.random_caps else promote, **shape)
         self.ref = ReferencePlanner(L, E, N, S)
         self.R = self.bank.num_rows
         self.open_prefetches = self.skipped = 0
@@ -423,6 +491,8 @@ class MixedRun:
         ids32 = torch.from_numpy(np.clip(ids_all, -2**31, 2**31 - 1).astype(np.int32)).cuda()
         wide = [bool(np.any(np.abs(ids) > 2**31 - 1)) or self.rng.random() < 0.5
                 for *_, ids in trace]
+        caps = random_caps(self.rng, len(trace), self.lanes) if self.random_caps else None
+        used = [0] * len(trace)                       # the cap each plan step launched with
         sizes = None
         for start in range(0, len(trace), batch):
             chunk = trace[start:start + batch]
@@ -437,6 +507,9 @@ class MixedRun:
                     buf.fill_(POISON32)
                 t.lane_addr.fill_(POISON64)
                 ids_dev = (ids64 if wide[i] else ids32)[i, :ids.size]
+                if caps is not None:
+                    b.promote = caps[i]
+                used[i] = b.promotion_cap(ids.size)
                 if kind:
                     b.prefetch(layer, ids_dev)
                     b.copy_prefetched()
@@ -450,18 +523,20 @@ class MixedRun:
             rows = snap.cpu().numpy()
             for k, (gate, layer, kind, ids) in enumerate(chunk):
                 self._compare(start + k, gate, layer, kind, ids,
-                              dict(zip(self.NAMES, np.split(rows[k], np.cumsum(sizes)[:-1]))))
+                              dict(zip(self.NAMES, np.split(rows[k], np.cumsum(sizes)[:-1]))),
+                              used[start + k])
             assert b.verify() == int((self.ref.key_of >= 0).sum())
         return trace
 
-    def _compare(self, i, gate, layer, kind, ids, got):
+    def _compare(self, i, gate, layer, kind, ids, got, cap):
         ref, W = self.ref, ids.size
         if gate:
             ref.open()
         else:
             ref.close()
+        ref.policy = Policy(promote=cap)              # a prefetch is never capped (either side)
         where = (f"step {i} ({'prefetch' if kind else 'plan'}, layer {layer}, W={W}, gate {gate}, "
-                 f"ids {ids.tolist()})")
+                 f"cap {cap}, ids {ids.tolist()})")
         head, span = (int(v) for v in got["ends"])
         assert 0 <= head < got["ring"].size and self.R <= span <= got["ring"].size, where
         got["order"], problems = ring_order(got["ring"], got["pos_of"], head, span)
@@ -546,6 +621,17 @@ def test_prefetch_kernel_equals_reference_other_shapes(rng, L, E, N, threads, it
     h.close()
 
 
+def test_prefetch_kernel_with_promotion_caps_equals_reference(rng):
+    """The PREFETCH build with a cap drawn for each step: plan steps are capped as the
+    reference's, prefetches are not, and the tables, lists and counters stay equal."""
+    h = MixedRun(rng, L=5, E=17, N=3, S=64, lanes=64, row_bytes=1024 + 48, promote="random")
+    h.run(3000, batch=250)
+    c = h.ref.counters
+    assert c[:, PROMOTIONS].sum() > 0 and c[:, STAGED].sum() > 0
+    assert h.ref.prefetch_counters[:, 0].sum() > 0
+    h.close()
+
+
 def test_plain_and_prefetch_builds_plan_alike(rng):
     """Without prefetch steps the PREFETCH build's plan step is the plain one: two banks in
     lockstep keep equal tables, and the prefetch tables stay zero."""
@@ -573,3 +659,52 @@ def test_plain_and_prefetch_builds_plan_alike(rng):
     assert rows[0]["prefetched"] == 0 and "prefetch: 0 rows" in text
     a = b = None
     store.close()
+
+
+# --- the pool's default cap, through the engine ---------------------------------------------------
+
+def test_a_pool_caps_wide_decode_calls_by_default():
+    """`cupool.wrap` builds its bank with promote="auto": with 4 sequences of top-2 (8 lanes) over
+    2 rows a layer, each decode call promotes at most 1 miss (N // 4, at least 1) and stages the
+    rest; a single-token call of 2 lanes is not capped. The tokens are those of the uncapped pool
+    (a cap moves rows, never what a lane reads), `Pool.promote` changes the setting, and
+    resize_bank keeps it."""
+    from test_gpu_engine import _prompts
+    from test_gpu_wrap import model_for
+    from tiny_models import FAMILIES
+
+    import cupool
+    from cupool.sampling import SamplingParams
+    model = model_for("qwen3_moe", seed=33)
+    _, (moe_layers, E, K, _, _) = FAMILIES["qwen3_moe"]
+    pool = cupool.wrap(model, rows=K, max_decode_tokens=4, progress=False)
+    assert pool.promote == "auto" and "promote=auto" in repr(pool.bank)
+    assert pool.bank.promotion_cap(4 * K) == 1 and pool.bank.promotion_cap(K) == 0
+    ps = _prompts([2, 1, 3, 2], seed=9)
+    params = [SamplingParams(max_tokens=n) for n in (14, 10, 12, 16)]
+
+    def run():
+        pool.bank.reset_stats()
+        eng = cupool.Engine(model, pool, max_batch=4, max_len=32, eos_token_id=[])
+        out = [r.output_ids for r in eng.generate(ps, params)]
+        steps = eng.steps_run
+        eng.close()
+        return out, steps, pool.stats()
+
+    capped, steps, stats = run()
+    assert steps > 0 and pool.errors() == []
+    for s in stats:                                   # one decode call a layer a step, cap 1
+        assert s["promotions"] <= steps, (s, steps)
+    assert sum(s["staged"] for s in stats) > 0, stats
+    assert pool.verify() > 0
+    pool.promote = 0
+    plain, _, stats0 = run()
+    assert plain == capped
+    assert sum(s["promotions"] for s in stats0) > sum(s["promotions"] for s in stats)
+    pool.promote = 3
+    pool.resize_bank(K + 1)
+    assert pool.promote == 3 and pool.bank.promotion_cap(K) == 3
+    with pytest.raises(ValueError, match="promote must be 'auto' or an int"):
+        pool.promote = -1
+    assert len(stats) == len(moe_layers)
+    pool.unwrap()

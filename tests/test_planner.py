@@ -16,8 +16,10 @@ from cupool.reference.planner import (
     STAGED,
     STEALS,
     PlanError,
+    Policy,
     ReferencePlanner,
     check_tables,
+    default_promote,
     initial_placement,
     lru_order,
 )
@@ -274,7 +276,10 @@ class KernelModel:
     Prefetch mode (the PREFETCH build): `touched` = rows stamped by the last open tick, which are
     the window's last `touched` entries. A prefetch's eligible rows are the other non-hit
     entries, all of which come before them, so V = min(M, R − H − Y), Y = those tail entries
-    that are not hits now, and the walk is the plan step's."""
+    that are not hits now, and the walk is the plan step's.
+
+    Promotion cap `promote` (> 0, plan steps only): V = min(M, promote, R − H); the misses after
+    the first V are staged as when no victim is left."""
 
     def __init__(self, ref: ReferencePlanner, C: int):
         self.L, self.E, self.R, self.S = (ref.num_layers, ref.num_experts, ref.num_rows,
@@ -296,7 +301,7 @@ class KernelModel:
         assert problems == []
         return order
 
-    def step(self, layer, ids, prefetch=False):
+    def step(self, layer, ids, prefetch=False, promote=0):
         E, R, S, C = self.E, self.R, self.S, self.C
         ids = np.asarray(ids, dtype=np.int64)
         W = ids.size
@@ -328,7 +333,8 @@ class KernelModel:
                     misses.append((key, t))
         H, M = int(touched.sum()), len(misses)
         young = self.touched - young_hits if prefetch else 0
-        V = min(M, R - H - young) if self.gate else 0
+        P = min(M, promote) if promote and not prefetch else M
+        V = min(P, R - H - young) if self.gate else 0
         T = H + V
         compact = self.gate and T > 0 and self.span + T > C
         window = self.ring[(self.head + np.arange(self.span)) % C]
@@ -449,6 +455,95 @@ def test_kernel_algorithm_with_prefetch_equals_reference(rng, L, E, N, S, C):
     assert ref.prefetch_counters[:, 1].sum() > 0 and ref.prefetch_counters[:, 2].sum() > 0
     if C < 2 * ref.num_rows:
         assert model.compactions > 0
+
+
+@pytest.mark.parametrize("L,E,N,S,C", [(5, 13, 3, 64, 16), (6, 30, 10, 64, 128),
+                                       (3, 40, 4, 64, 16), (4, 64, 32, 128, 256)])
+def test_kernel_algorithm_with_promotion_cap_equals_reference(rng, L, E, N, S, C):
+    """A cap drawn for each step (none, small, up to the step's width), prefetch steps mixed in
+    (which the cap must not touch): the ring model equals the reference's Policy(promote=...)."""
+    ref = ReferencePlanner(L, E, N, S)
+    model = KernelModel(ref, C)
+    hot = [hot_distribution(rng, E) for _ in range(L)]
+    capped = 0
+    for i in range(1500):
+        if rng.random() < (0.01 if ref.gate else 0.1):
+            if ref.gate:
+                ref.close()
+            else:
+                ref.open()
+            model.gate = ref.gate
+        layer = int(rng.integers(L))
+        W = int(rng.integers(1, 64))
+        ids = random_ids(rng, E, W, hot[layer])
+        cap = int(rng.choice([0, 1, 2, 3, int(rng.integers(1, W + 1))]))
+        ref.policy = Policy(promote=cap)
+        if rng.random() < 0.2:
+            c1, (_, c2) = ref.prefetch(layer, ids), model.step(layer, ids, prefetch=True,
+                                                                promote=cap)
+        else:
+            before = ref.counters[layer].copy()
+            (r1, c1), (r2, c2) = ref.step(layer, ids), model.step(layer, ids, promote=cap)
+            np.testing.assert_array_equal(r1, r2, err_msg=f"routes, step {i} (cap {cap})")
+            d = ref.counters[layer] - before
+            assert not cap or d[PROMOTIONS] <= cap
+            capped += bool(cap and d[PROMOTIONS] == cap and d[STAGED] > 0)
+        assert c1 == c2, f"copies, step {i} (cap {cap})"
+        st = ref.state()
+        for name, mine in (("slot_of", model.slot_of), ("key_of", model.key_of),
+                           ("last_use", model.last_use), ("order", model.order())):
+            np.testing.assert_array_equal(st[name], mine, err_msg=f"{name}, step {i}")
+    assert capped > 100
+
+
+# --- the promotion cap's settings ------------------------------------------------------------------
+
+def test_default_promote():
+    """No cap while a step's lanes fit a layer's rows (one stream never changes), a quarter of
+    the rows (at least 1) past that."""
+    assert default_promote(64, 8) == 0 and default_promote(64, 64) == 0
+    assert default_promote(64, 65) == 16 and default_promote(64, 128) == 16
+    assert default_promote(32, 128) == 8 and default_promote(3, 64) == 1
+    assert default_promote(8, 0) == 0
+    for args, match in (((0, 8), "rows_per_layer"), ((64, -1), "lanes"), ((1.5, 8), "rows_per"),
+                        ((64, True), "lanes")):
+        with pytest.raises(ValueError, match=match):
+            default_promote(*args)
+
+
+def test_promote_settings_are_checked():
+    from cupool.bank import check_promote
+    from cupool.ops.planner import PlanStep
+    assert check_promote("auto") == "auto" and check_promote(0) == 0
+    assert check_promote(np.int64(7)) == 7 and type(check_promote(np.int64(7))) is int
+    for bad in (-1, 1.5, True, "8", "Auto", None, 2**31):
+        with pytest.raises(ValueError, match=r"promote must be 'auto' or an int >= 0 .*got"):
+            check_promote(bad)
+    for bad in (-1, True, 2.0, "auto"):
+        with pytest.raises(ValueError, match=r"promote must be an int >= 0 \(0: no cap\), got"):
+            Policy(promote=bad)
+    step = PlanStep.__new__(PlanStep)            # the launcher checks the cap before launching
+    for bad in (-1, True, 2.0, "auto", 2**31):
+        with pytest.raises(ValueError, match=r"promote must be an int >= 0 \(0: no cap\), got"):
+            step(0, None, bad)
+
+
+def test_bank_promotion_cap_on_cpu_tables(pageable_store):
+    """The cap a Bank launches with: its setting, or "auto" from its rows and the step's lanes;
+    a bad setting fails before anything is built or set."""
+    with pytest.raises(ValueError, match="promote must be 'auto' or an int >= 0"):
+        Bank(pageable_store, 2, 8, 8, promote=-3)
+    b = Bank.__new__(Bank)
+    b.rows_per_layer, b._promote = 8, 0
+    assert b.promote == 0 and b.promotion_cap(64) == 0
+    b.promote = "auto"
+    assert [b.promotion_cap(w) for w in (1, 8, 9, 64)] == [0, 0, 2, 2]
+    assert b._cap(torch.zeros(3, 4, dtype=torch.int64)) == 2     # W = numel: 12 lanes
+    b.promote = 5
+    assert b.promotion_cap(1) == 5
+    with pytest.raises(ValueError, match="promote"):
+        b.promote = "often"
+    assert b.promote == 5
 
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -599,10 +694,45 @@ def test_prefetch_build_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, l
             assert rep["skipped"] > 0, rep
 
 
+@pytest.mark.parametrize("L,E,N,S,lanes,threads,items,steps,ring,prefetch", [
+    (5, 17, 3, 64, 32, 32, 1, 10_000, None, False),  # 10,000 steps, a cap drawn for each
+    (7, 40, 30, 64, 64, 64, 1, 1500, 256, False),     # R = 210: several tiles, and compaction
+    (4, 64, 8, 128, 128, 128, 1, 1500, None, False),  # 16 x top-8 lanes over 8 rows a layer
+    (3, 9, 2, 4, 64, 64, 2, 800, None, False),        # S < lanes: staging overflows
+    (5, 17, 3, 64, 32, 32, 1, 2000, None, True),      # PREFETCH build: prefetches are not capped
+    (48, 512, 256, 64, 64, 128, 4, 40, None, False),  # the benchmark's shape and default block
+])
+def test_promotion_cap_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, lanes, threads,
+                                                        items, steps, ring, prefetch):
+    """Every launch gets a promotion cap (none, small, or up to the lanes; `random_caps`) and the
+    reference the same `Policy(promote=...)`: routes, copy lists, tables and counters equal after
+    every step, and the cap bound (misses staged while rows were left) on many of them."""
+    seed = int(rng.integers(2**31))
+    flips = (0.7, 0.1) if steps < 50 else (0.1, 0.01)
+    rep = {}
+    assert _planner_emu.run(L, E, N, S, lanes, threads, items, steps, seed, p_flip=flips,
+                            ring=ring, prefetch=prefetch, promote="random", report=rep) == steps
+    if steps >= 800:
+        assert rep["capped"] > steps // 20, rep
+        assert rep["counters"][:, PROMOTIONS].sum() > 0 and rep["counters"][:, STAGED].sum() > 0
+
+
+def test_emulation_rejects_a_bad_cap(gxx):
+    with pytest.raises(ValueError, match="promote must be an int >= 0 or 'random'"):
+        _planner_emu.run(5, 13, 3, 64, 64, 64, 1, 10, 1, promote=-1)
+
+
 @pytest.mark.slow
 def test_kernel_source_is_race_free_under_thread_sanitizer(gxx, rng):
     seed = int(rng.integers(2**31))
     assert _planner_emu.run(7, 40, 30, 64, 64, 64, 1, 150, seed, tsan=True) == 150
+
+
+@pytest.mark.slow
+def test_promotion_cap_is_race_free_under_thread_sanitizer(gxx, rng):
+    seed = int(rng.integers(2**31))
+    assert _planner_emu.run(7, 40, 30, 64, 64, 64, 1, 150, seed, tsan=True,
+                            promote="random") == 150
 
 
 @pytest.mark.slow

@@ -229,13 +229,17 @@ def test_a_promotion_cap_keeps_a_batch_from_evicting_the_whole_bank():
     promotions (the rest staged) keeps a working set and hits again. A step never promotes more
     than the cap, and misses = promotions + staged."""
     from cupool import trace as tr
-    from cupool.reference.planner import MISSES, PROMOTIONS, STAGED, Policy, ReferencePlanner
+    from cupool.reference.planner import (MISSES, PROMOTIONS, STAGED, Policy, ReferencePlanner,
+                                          default_promote)
     from cupool.simulate import simulate
     L, E, K, T = 4, 64, 8, 16
     t = tr.streams(40, L, E, K, T, seed=2, **tr.QWEN3_LOCALITY)
-    plain = simulate(t, E // 2)["hit_rate"]
+    plain = simulate(t, E // 2, policy=LRU)["hit_rate"]
     capped = simulate(t, E // 2, policy=Policy(promote=8))["hit_rate"]
     assert plain < 0.05 and capped > plain + 0.2, (plain, capped)
+    # a pool's default (simulate's, policy=None) caps such a step: E // 2 rows, T·K lanes
+    assert default_promote(E // 2, T * K) == 8
+    assert simulate(t, E // 2)["hit_rate"] == capped
     ref = ReferencePlanner(L, E, E // 2, T * K, policy=Policy(promote=8))
     ref.open()
     for s in range(5):

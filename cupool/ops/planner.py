@@ -232,9 +232,16 @@ class PlanStep:
                              f"memory (E={self.num_experts}, R={self.num_rows}), more than the "
                              f"device's {limit} per block")
 
-    def __call__(self, layer: int, ids: torch.Tensor) -> int:
-        """One plan step for `layer` on torch's current stream; returns W. No host sync."""
-        return self._launch(self.kernels, layer, ids, self.tables.copies, self.tables.n_copies)
+    def __call__(self, layer: int, ids: torch.Tensor, promote: int = 0) -> int:
+        """One plan step for `layer` on torch's current stream; returns W. No host sync.
+        `promote`: the promotion cap (`Policy.promote`): at most that many of the step's misses
+        take a bank row, the others are staged; 0 (default): no cap. A launch argument: a
+        captured graph keeps the cap it was captured with."""
+        if isinstance(promote, bool) or not isinstance(promote, (int, np.integer)) \
+                or not 0 <= promote < 2**31:
+            raise ValueError(f"promote must be an int >= 0 (0: no cap), got {promote!r}")
+        return self._launch(self.kernels, layer, ids, self.tables.copies, self.tables.n_copies,
+                            int(promote))
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> int:
         """One prefetch step for `layer` (ids: its predicted experts, any shape, −1 padding) on
@@ -244,10 +251,10 @@ class PlanStep:
             raise RuntimeError("this plan step was built without the prefetch tables "
                                "(DeviceTables.build(..., prefetch=True))")
         t = self.tables
-        return self._launch(self.prefetch_kernels, layer, ids, t.pf_copies, t.pf_n_copies)
+        return self._launch(self.prefetch_kernels, layer, ids, t.pf_copies, t.pf_n_copies, 0)
 
     def _launch(self, fns: dict, layer: int, ids: torch.Tensor, copies: torch.Tensor,
-                n_copies: torch.Tensor) -> int:
+                n_copies: torch.Tensor, promote: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
                 or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
@@ -256,7 +263,7 @@ class PlanStep:
         extra = (t.touched, t.pf_flag, t.pf_counters) if t.prefetch else ()
         kernels.launch(fns[ids.dtype], 1, self.threads, (
             ids, kernels.i32(W), kernels.i32(layer), kernels.i32(self.num_experts),
-            kernels.i32(self.num_rows), kernels.i32(self.staging_rows),
+            kernels.i32(self.num_rows), kernels.i32(self.staging_rows), kernels.i32(promote),
             t.slot_of, t.key_of, t.last_use, t.ring, t.pos_of, t.ends,
             kernels.i32(t.ring.numel() - 1), t.clock, t.gate, t.error, t.counters,
             t.routes, t.lane_addr, t.lane_fresh, copies, n_copies,

@@ -88,6 +88,28 @@ class Policy:
 LRU = Policy()
 
 
+def default_promote(rows_per_layer: int, lanes: int) -> int:
+    """The promotion cap a pool gives a plan step of `lanes` lanes over a bank of
+    `rows_per_layer` rows a layer (0: no cap): none while a step's lanes fit a layer's rows, a
+    quarter of a layer's rows once they do not.
+
+    A step cannot ask for more experts than it has lanes. While lanes ≤ rows per layer, every
+    layer's working set can stay resident, and a cap would only turn promotions into repeated
+    staging (Qwen3-30B-A3B's shape and locality, a 25% bank, 4 streams of top-8: hit rate 0.538
+    uncapped, 0.485 at N/4). Past that, several sequences together ask for more experts a token
+    than the bank holds, and uncapped LRU evicts every row before its next use; a cap keeps most
+    rows resident long enough to be used again (16 streams at a 50% bank: 0.000 → 0.583; 8 at a
+    25% bank: 0.000 → 0.313). N/4 is the best of N/2 … N/16 at 16 streams on 25% and 50% banks
+    and within 0.05 of the best elsewhere; N/2 turns too many rows over (0.394). Figures:
+    `benchmarks/sim_policies.py --parts promote`, docs/PERFORMANCE.md. One stream (lanes = top-k
+    ≤ rows) is never capped.
+    """
+    for name, v, lo in (("rows_per_layer", rows_per_layer, 1), ("lanes", lanes, 0)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    return 0 if lanes <= rows_per_layer else max(1, int(rows_per_layer) // 4)
+
+
 def initial_placement(num_layers: int, num_experts: int, rows_per_layer: int,
                       initial=None) -> np.ndarray:
     """key_of at build time, int32 [R]: row l·N + i holds key l·E + initial[l, i] (or −1 if empty).
@@ -185,14 +207,15 @@ class ReferencePlanner:
       2. Duplicate ids are removed, keeping first-occurrence (lane) order. A unique id is a hit if
          its key holds a row at the start of the step, else a miss.
       3. Gate open: clock += 1; every hit row gets last_use = clock.
-      4. Misses, in first-occurrence order. Gate open and a victim exists (a row with
+      4. Misses, in first-occurrence order. Gate open, fewer than `policy.promote` misses of
+         this step promoted so far (any number when it is 0), and a victim exists (a row with
          last_use < clock): the victim is the row with the smallest (last_use, row) among them —
          any layer's row, or an empty one. The victim's old key loses its row, the miss's key takes
-         it, last_use = clock, and (key, row) joins the copy list. Otherwise (gate closed, or every
-         row was used this step) the miss takes staging row R + k, k = number of misses staged
-         earlier in this step, for this step only: slot_of is not changed, and (key, R + k) joins
-         the copy list so the GEMM reads the right data. If k ≥ S, STAGING_OVERFLOW is set, the
-         miss gets no row (its lanes route to −1) and no copy.
+         it, last_use = clock, and (key, row) joins the copy list. Otherwise (gate closed, the
+         cap reached, or every row was used this step) the miss takes staging row R + k, k =
+         number of misses staged earlier in this step, for this step only: slot_of is not
+         changed, and (key, R + k) joins the copy list so the GEMM reads the right data. If k ≥ S,
+         STAGING_OVERFLOW is set, the miss gets no row (its lanes route to −1) and no copy.
       5. routes[i] = the row of lane i's expert (bank row, staging row, or −1 for padding).
     Consequences: rows used in the step are never evicted in it; the copy list holds the victims
     first (miss order), then the staged misses (miss order), at most W entries; with the gate closed
@@ -234,9 +257,11 @@ class ReferencePlanner:
       prefetch_wasted  prefetched rows taken as victims (by a step or a prefetch) before any use.
     prefetched − prefetch_used − prefetch_wasted = rows still marked prefetched.
 
-    Policies (reference model and simulator only; the kernel implements LRU): `policy` replaces
-    the victim rule of step 4 and prefetch step 4 (`Policy`). A prefetch's hits and victims
-    set last_use only: a prediction is not a use for a frequency count.
+    Policies: `policy` replaces the victim rule of step 4 and prefetch step 4 (`Policy`); the
+    kernel implements LRU with the promotion cap (`promote`, a launch argument), the other kinds
+    are the reference model's and the simulator's only. The cap applies to plan steps, never to
+    a prefetch. A prefetch's hits and victims set last_use only: a prediction is not a use for a
+    frequency count.
     """
 
     def __init__(self, num_layers: int, num_experts: int, rows_per_layer: int,

@@ -3,7 +3,7 @@
 //
 // Input (int64 words): R, E, L, S, max_lanes, rows_base, row_stride, steps, C (ring capacity, a
 // power of two >= R), key_of[R], then per step: gate, layer, kind (0 plan step, 1 prefetch step:
-// the PREFETCH build only), is64, W, ids[W].
+// the PREFETCH build only), promote (the launch's promotion cap, 0: none), is64, W, ids[W].
 // Output per step (int64 words): routes[W], lane_addr[W], lane_fresh[W], n_copies, copies[2*n_copies],
 // slot_of[L*E], key_of[R], last_use[R], head, span, n_live, order[n_live] (the window's
 // non-holes in window order, each checked against pos_of: -2 where pos_of disagrees), clock,
@@ -79,6 +79,7 @@ int main(int argc, char** argv) {
         gate = (i32)next();
         const int layer = (int)next();
         const bool prefetch = next() != 0;
+        const int promote = (int)next();
 #if !PREFETCH
         if (prefetch) {
             std::fprintf(stderr, "planner_main: a prefetch step needs the PREFETCH build\n");
@@ -102,13 +103,13 @@ int main(int argc, char** argv) {
         if (prefetch) {
             emu_launch(THREADS, smem, [&] {
                 if (is64)
-                    prefetch_step_i64(ids64.data(), W, layer, E, R, S, slot_of.data(),
+                    prefetch_step_i64(ids64.data(), W, layer, E, R, S, promote, slot_of.data(),
                                       key_of.data(), last_use.data(), ring.data(), pos_of.data(),
                                       ends, C - 1, &clock, &gate, &error, counters.data(),
                                       routes.data(), lane_addr.data(), lane_fresh.data(),
                                       pf_copies.data(), &pf_n_copies, rows_base, row_stride EMU_PF);
                 else
-                    prefetch_step_i32(ids32.data(), W, layer, E, R, S, slot_of.data(),
+                    prefetch_step_i32(ids32.data(), W, layer, E, R, S, promote, slot_of.data(),
                                       key_of.data(), last_use.data(), ring.data(), pos_of.data(),
                                       ends, C - 1, &clock, &gate, &error, counters.data(),
                                       routes.data(), lane_addr.data(), lane_fresh.data(),
@@ -118,17 +119,17 @@ int main(int argc, char** argv) {
 #endif
         emu_launch(THREADS, smem, [&] {
             if (is64)
-                plan_step_i64(ids64.data(), W, layer, E, R, S, slot_of.data(), key_of.data(),
-                              last_use.data(), ring.data(), pos_of.data(), ends, C - 1, &clock,
-                              &gate, &error, counters.data(), routes.data(), lane_addr.data(),
-                              lane_fresh.data(), copies.data(), &n_copies, rows_base,
-                              row_stride EMU_PF);
+                plan_step_i64(ids64.data(), W, layer, E, R, S, promote, slot_of.data(),
+                              key_of.data(), last_use.data(), ring.data(), pos_of.data(), ends,
+                              C - 1, &clock, &gate, &error, counters.data(), routes.data(),
+                              lane_addr.data(), lane_fresh.data(), copies.data(), &n_copies,
+                              rows_base, row_stride EMU_PF);
             else
-                plan_step_i32(ids32.data(), W, layer, E, R, S, slot_of.data(), key_of.data(),
-                              last_use.data(), ring.data(), pos_of.data(), ends, C - 1, &clock,
-                              &gate, &error, counters.data(), routes.data(), lane_addr.data(),
-                              lane_fresh.data(), copies.data(), &n_copies, rows_base,
-                              row_stride EMU_PF);
+                plan_step_i32(ids32.data(), W, layer, E, R, S, promote, slot_of.data(),
+                              key_of.data(), last_use.data(), ring.data(), pos_of.data(), ends,
+                              C - 1, &clock, &gate, &error, counters.data(), routes.data(),
+                              lane_addr.data(), lane_fresh.data(), copies.data(), &n_copies,
+                              rows_base, row_stride EMU_PF);
         });
         put(fo, routes.data(), W);
         put(fo, lane_addr.data(), W);
