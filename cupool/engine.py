@@ -391,11 +391,13 @@ class Engine:
         ids = list(prompt_ids)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        # builtins over the list (no Python loop a token: a long prompt's next turn repeats it)
+        if not set(map(type, ids)) <= {int} and \
+                not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError("prompt token ids must be ints")
-        bad = [i for i in ids if not 0 <= i < self.vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        if min(ids) < 0 or max(ids) >= self.vocab:
+            bad = next(i for i in ids if not 0 <= i < self.vocab)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab})")
         need = len(ids) + params.max_tokens
         if need > self.max_len:
             raise ValueError(f"the prompt's {len(ids)} tokens + max_tokens {params.max_tokens} = "
