@@ -8,9 +8,10 @@ How a request runs:
 1. `submit(prompt_ids, params)` checks it (token ids, prompt + max_tokens ≤ max_len) and queues it.
 2. When a slot is free, the request is *admitted*: its prompt is run eagerly into the slot's rows
    of the cache (`cupool.slotstate.StateSlotCache`: `SlotCache`'s keys and values, plus the
-   per-slot states of hybrid layers, zeroed first) in chunks of `prefill_chunk` tokens (any prompt
-   length works; through a pool, a chunk takes the partition path), and its first token is
-   sampled from the last position's logits.
+   per-slot states of hybrid layers, zeroed first, or loaded from the point a reused prefix
+   resumes at: `cupool.prefix`) in chunks of `prefill_chunk` tokens (any prompt length works;
+   through a pool, a chunk takes the partition path), and its first token is sampled from the
+   last position's logits.
 3. Every active slot then advances one token per *step*: the model's forward on [B, 1] tokens at
    each slot's own position, the sampling (`cupool.sampling.sample`) and the position update,
    all on the device. On a GPU the step is captured in a CUDA graph once (two: with and without
