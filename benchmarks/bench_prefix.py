@@ -1,18 +1,34 @@
 """Prefix reuse: the time to first token of a conversation's second turn, prefilled cold against
-reusing the slot that holds the first turn, on one Qwen3-30B-A3B-shaped model.
+reusing the slot that holds the first turn, on one Qwen3-30B-A3B-shaped model, beside the limit
+the PCIe link sets.
 
 Model: 48 layers, 128 experts, top-8, H=2048, I=768, random weights, the experts as NVFP4 rows in
 pinned memory, a bank of `--bank` % of each layer's experts (default 50), as bench_long.py.
 
 Conversation: turn 1 is a shared prefix of `--prefix` tokens (default 16K: a system prompt, tools
-and earlier turns of an agent) and 64 tokens of a question, answered with `--answer` greedy
-tokens (default 32); turn 2 is turn 1, its answer and `--new` new tokens (default 128). Turn 2's
-time to first token (submission to the first token, `cupool.Engine.generate` of one token,
-synchronized) is measured `--repeats` times (default 5, median) on two engines over the same
-model and pool: `reuse_prefix=False` (the whole prompt prefilled) and `reuse_prefix=True` (turn
-1 run before each measurement, untimed, so the slot holds it; only the new tokens are
-prefilled). Both must give the same first token; the reused run reports how many prompt tokens
-it took from the slot (`cached_tokens`). Target: reused >= 10x faster.
+and earlier turns of an agent) and 64 tokens of a question; its answer (`--answer` greedy tokens,
+default 32) is generated once, so both engines measure the same turn 2: turn 1, that answer and
+`--new` new tokens (default 128). Turn 2's time to first token (submission to the first token,
+`cupool.Engine.generate` of one token, synchronized) is measured `--repeats` times (default 5,
+median) on two engines over the same model and pool, both built and warmed up and the answer
+generated before anything is measured (no decode step runs after that, so the bank's placement is
+the same for every run):
+- cold: `reuse_prefix=False`, the whole prompt prefilled;
+- reused: before each measurement (untimed) a one-token request of turn 1 + the answer leaves
+  exactly those tokens in the slot (the first one prefills them, the later ones reuse the
+  slot's previous turn 2 up to there and prefill one token); turn 2 then prefills the new
+  tokens only (`cached_tokens` says how many it took from the slot).
+
+Same answer: the first token's logits (the last prefill chunk's, through a hook on the output
+embedding) of every run: reused against the first cold run (max |difference|, argmax agreement),
+beside the same for the other cold runs against the first (the prefill's fp32 atomics make two
+runs of one prompt differ in their last bits: the variation a reused run is judged against).
+
+Limit: the bytes of expert rows each prefill reads from pinned host memory (the partition path
+copies every routed expert without a bank row once a chunk: misses x row bytes, counted by a
+routing hook in one extra untimed run of each mode) over the host-to-device bandwidth measured in
+this process (`_common.pcie_h2d_GBps`, a pinned copy): the best time to first token the link
+allows, and the achieved one as a fraction of it. Target: reused >= 10x faster than cold.
 
 Writes benchmarks/results/bench_prefix.json. A reduced run (another prefix, --small, another
 bank, fewer repeats) writes nothing unless --json PATH is given.
@@ -27,7 +43,7 @@ import sys
 import time
 
 import torch
-from _common import reduced_by, results_path, save
+from _common import pcie_h2d_GBps, reduced_by, results_path, save
 
 import cupool
 from cupool import _cuda, synthetic
@@ -36,40 +52,87 @@ from cupool.sampling import SamplingParams
 
 TARGET = 10.0
 QUESTION = 64
+ONE = SamplingParams(max_tokens=1, ignore_eos=True)
 
 
-def ttft(engine, prompt) -> tuple[float, object]:
-    """Seconds from submission to the first token of `prompt` (one token generated)."""
+class FirstLogits:
+    """The logits the output embedding gave for the last position of its latest call (with
+    logits_to_keep=1, the last prefill chunk's: what the first token is sampled from)."""
+
+    def __init__(self, model):
+        self.last: torch.Tensor | None = None
+        self._hook = model.get_output_embeddings().register_forward_hook(self._keep)
+
+    def _keep(self, module, args, out) -> None:
+        self.last = out[0, -1].float().clone()          # [V], on the device: no host read
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+
+class HostRows:
+    """A routing hook (`Pool.routing_hook`) that counts, for each prefill layer call, the routed
+    experts without a bank row: the rows the partition path copies from the host (on the
+    device; `rows()` reads the count)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.count = torch.zeros((), dtype=torch.int64, device=pool.device)
+        self.calls = 0
+
+    def __call__(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        E = self.pool.num_experts
+        used = torch.zeros(E, dtype=torch.bool, device=ids.device)
+        used[ids.reshape(-1)] = True
+        self.count += (used & (self.pool.expert_addresses(layer) == 0)).sum()
+        self.calls += 1
+        return ids
+
+    def rows(self) -> int:
+        return int(self.count)
+
+
+def ttft(engine, prompt, logits: FirstLogits) -> tuple[float, object, torch.Tensor]:
+    """Seconds from submission to the first token of `prompt` (one token generated), its
+    Request and its first token's logits."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    r = engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    r = engine.generate([prompt], ONE)[0]
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, r
+    return time.perf_counter() - t0, r, logits.last
 
 
-def second_turn(model, pool, turn1, new, answer: int, repeats: int, reuse: bool,
-                max_len: int, chunk: int) -> dict:
-    eng = cupool.Engine(model, pool, max_batch=1, max_len=max_len, prefill_chunk=chunk,
-                        eos_token_id=[], reuse_prefix=reuse)
-    eng.warmup()
-    times, cached, first = [], [], []
+def host_rows(pool, run_once) -> int:
+    """Expert rows read from the host by `run_once()` (one untimed request)."""
+    counter = HostRows(pool)
+    pool.routing_hook = counter
+    try:
+        run_once()
+    finally:
+        pool.routing_hook = None
+    return counter.rows()
+
+
+def measure(engine, turn2, repeats: int, logits: FirstLogits, prime=None) -> dict:
+    """`repeats` timed turn-2 requests (each after prime(), untimed, where given)."""
+    times, cached, prefilled, first, all_logits = [], [], [], [], []
     for _ in range(repeats):
-        r1 = eng.generate([turn1], SamplingParams(max_tokens=answer, ignore_eos=True))[0]
-        turn2 = turn1 + r1.output_ids + new
-        before = eng.prefill_tokens
-        s, r2 = ttft(eng, turn2)
+        if prime is not None:
+            prime()
+        before = engine.prefill_tokens
+        s, r, lg = ttft(engine, turn2, logits)
         times.append(s)
-        cached.append(r2.cached_tokens)
-        first.append(r2.output_ids[0])
-        prefilled = eng.prefill_tokens - before
-    out = {"reuse_prefix": reuse, "ttft_s": statistics.median(times), "ttft_all_s": times,
-           "turn2_tokens": len(turn2), "cached_tokens": cached, "prefilled_tokens": prefilled,
-           "first_tokens": first, "answer": r1.output_ids, "errors": pool.errors()}
-    eng.close()
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
+        cached.append(r.cached_tokens)
+        prefilled.append(engine.prefill_tokens - before)
+        first.append(r.output_ids[0])
+        all_logits.append(lg)
+    return {"ttft_s": statistics.median(times), "ttft_all_s": times, "cached_tokens": cached,
+            "prefilled_tokens": prefilled, "first_tokens": first, "logits": all_logits}
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    return {"max_abs_diff": float((a - b).abs().max()), "same_argmax": int(a.argmax()) ==
+            int(b.argmax())}
 
 
 def build_parser() -> CLIParser:
@@ -79,7 +142,8 @@ def build_parser() -> CLIParser:
                    help="shared prefix tokens (>= 16)")
     p.add_argument("--new", type=positive_int, default=128, help="turn 2's new tokens (>= 1)")
     p.add_argument("--answer", type=positive_int, default=32, help="turn 1's answer tokens")
-    p.add_argument("--repeats", type=positive_int, default=5, help="measurements a mode")
+    p.add_argument("--repeats", type=bounded_int(2), default=5,
+                   help="measurements a mode (>= 2: two cold runs give the run-to-run variation)")
     p.add_argument("--chunk", type=bounded_int(16), default=4096,
                    help="prompt tokens a forward (the pool's max_prefill_tokens)")
     p.add_argument("--bank", type=bounded_int(7, 100), default=50,
@@ -119,26 +183,76 @@ def main(args) -> None:
     V = shape["vocab_size"]
     turn1 = torch.randint(0, V, (prefix + QUESTION,), generator=cpu_gen).tolist()
     new = torch.randint(0, V, (args.new,), generator=cpu_gen).tolist()
+
+    def engine(reuse: bool):
+        eng = cupool.Engine(model, pool, max_batch=1, max_len=max_len, prefill_chunk=chunk,
+                            eos_token_id=[], reuse_prefix=reuse)
+        eng.warmup()
+        return eng
+
+    cold, warm = engine(False), engine(True)
+    # the answer's decode steps are the last ones: the placement is fixed from here on
+    answer = cold.generate([turn1], SamplingParams(max_tokens=args.answer,
+                                                   ignore_eos=True))[0].output_ids
+    turn2 = turn1 + answer + new
+    held = turn1 + answer
+
+    def prime():
+        warm.generate([held], ONE)
+
+    logits = FirstLogits(model)
+    try:
+        c = measure(cold, turn2, args.repeats, logits)
+        w = measure(warm, turn2, args.repeats, logits, prime)
+        cold_rows = host_rows(pool, lambda: cold.generate([turn2], ONE))
+        prime()
+        warm_rows = host_rows(pool, lambda: warm.generate([turn2], ONE))
+    finally:
+        logits.remove()
+    errors = pool.errors()
+    cold.close()                                     # their KV caches and graphs go
+    warm.close()
+    gc.collect()
+    torch.cuda.empty_cache()
+    pcie = pcie_h2d_GBps()
+    row_bytes = layout.row_bytes
     results = {"shape": shape, "bank_percent": args.bank, "rows_per_layer": rows, "chunk": chunk,
                "prefix_tokens": prefix, "question_tokens": QUESTION, "answer_tokens": args.answer,
-               "new_tokens": args.new, "repeats": args.repeats, "target_speedup": TARGET}
-    for reuse in (False, True):
-        r = second_turn(model, pool, turn1, new, args.answer, args.repeats, reuse, max_len,
-                        chunk)
-        results["reused" if reuse else "cold"] = r
-        print(f"{'reused' if reuse else 'cold':>6}: turn 2 of {r['turn2_tokens']} tokens, time to "
-              f"first token {r['ttft_s'] * 1e3:.1f} ms (median of {args.repeats}), cached "
-              f"{r['cached_tokens'][-1]}, prefilled {r['prefilled_tokens']} {r['errors'] or ''}",
-              flush=True)
-    cold, warm = results["cold"], results["reused"]
-    results["speedup"] = cold["ttft_s"] / warm["ttft_s"]
-    results["cold_prefill_tok_per_s"] = cold["turn2_tokens"] / cold["ttft_s"]
-    results["same_first_tokens"] = cold["first_tokens"] == warm["first_tokens"]
-    results["same_answers"] = cold["answer"] == warm["answer"]
+               "new_tokens": args.new, "turn2_tokens": len(turn2), "repeats": args.repeats,
+               "target_speedup": TARGET, "pcie_h2d_GBps": pcie, "row_bytes": row_bytes,
+               "errors": errors}
+    base = c["logits"][0]
+    for name, m, n_rows in (("cold", c, cold_rows), ("reused", w, warm_rows)):
+        others = m["logits"][1:] if name == "cold" else m["logits"]
+        host_bytes = n_rows * row_bytes
+        bound = host_bytes / (pcie * 1e9)
+        results[name] = {
+            **{k: v for k, v in m.items() if k != "logits"},
+            "vs_first_cold_run": [compare(base, lg) for lg in others],
+            "host_rows": n_rows, "host_bytes": host_bytes, "pcie_bound_s": bound,
+            "fraction_of_pcie_bound": bound / m["ttft_s"]}
+    cr, wr = results["cold"], results["reused"]
+    results["speedup"] = cr["ttft_s"] / wr["ttft_s"]
+    results["cold_prefill_tok_per_s"] = len(turn2) / cr["ttft_s"]
+    results["cold_run_to_run_max_abs_diff"] = max(x["max_abs_diff"]
+                                                  for x in cr["vs_first_cold_run"])
+    results["reused_vs_cold_max_abs_diff"] = max(x["max_abs_diff"]
+                                                 for x in wr["vs_first_cold_run"])
+    results["same_argmax"] = all(x["same_argmax"] for x in wr["vs_first_cold_run"])
+    results["cold_same_argmax"] = all(x["same_argmax"] for x in cr["vs_first_cold_run"])
     results["meets_target"] = results["speedup"] >= TARGET
-    print(f"speedup {results['speedup']:.1f}x (target >= {TARGET:.0f}x), same first tokens: "
-          f"{results['same_first_tokens']}, same turn-1 answers: {results['same_answers']}",
-          flush=True)
+    for name, r in (("cold", cr), ("reused", wr)):
+        print(f"{name:>6}: turn 2 of {len(turn2)} tokens, time to first token "
+              f"{r['ttft_s'] * 1e3:.1f} ms (median of {args.repeats}), cached "
+              f"{r['cached_tokens'][-1]}, prefilled {r['prefilled_tokens'][-1]}; "
+              f"{r['host_rows']} expert rows from the host ({r['host_bytes'] / 1e9:.2f} GB): "
+              f"PCIe bound {r['pcie_bound_s'] * 1e3:.1f} ms at {pcie:.1f} GB/s, achieved "
+              f"{r['fraction_of_pcie_bound']:.0%} of it", flush=True)
+    print(f"speedup {results['speedup']:.1f}x (target >= {TARGET:.0f}x); first-token logits: "
+          f"reused vs cold max |diff| {results['reused_vs_cold_max_abs_diff']:.3g} (argmax "
+          f"{'agrees' if results['same_argmax'] else 'differs'}), cold vs cold "
+          f"{results['cold_run_to_run_max_abs_diff']:.3g} (argmax "
+          f"{'agrees' if results['cold_same_argmax'] else 'differs'}) {errors or ''}", flush=True)
     save("bench_prefix", results, out)
 
 

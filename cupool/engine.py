@@ -8,9 +8,10 @@ How a request runs:
 1. `submit(prompt_ids, params)` checks it (token ids, prompt + max_tokens ≤ max_len) and queues it.
 2. When a slot is free, the request is *admitted*: its prompt is run eagerly into the slot's rows
    of the cache (`cupool.slotstate.StateSlotCache`: `SlotCache`'s keys and values, plus the
-   per-slot states of hybrid layers, zeroed first) in chunks of `prefill_chunk` tokens (any prompt
-   length works; through a pool, a chunk takes the partition path), and its first token is
-   sampled from the last position's logits.
+   per-slot states of hybrid layers, zeroed first, or loaded from the point a reused prefix
+   resumes at: `cupool.prefix`) in chunks of `prefill_chunk` tokens (any prompt length works;
+   through a pool, a chunk takes the partition path), and its first token is sampled from the
+   last position's logits.
 3. Every active slot then advances one token per *step*: the model's forward on [B, 1] tokens at
    each slot's own position, the sampling (`cupool.sampling.sample`) and the position update,
    all on the device. On a GPU the step is captured in a CUDA graph once (two: with and without
@@ -51,6 +52,7 @@ import torch
 
 from cupool import graphsafe
 from cupool.kvcache import ATTENTION_TYPES, STATE_TYPES
+from cupool.prefix import PrefixCache, common_prefix
 from cupool.sampling import (MAX_LOGPROBS, SamplingParams, apply_token_mask, mask_words, sample,
                              token_logprobs)
 from cupool.slotstate import StateSlotCache
@@ -72,19 +74,7 @@ def _takes(model, name: str) -> bool:
     return name in params
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists (a binary search over slice equality:
-    list comparisons run in C, which matters for prompts of many thousand tokens)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+_common_prefix = common_prefix          # the name callers and tests import from here
 
 
 def cache_kwarg(model) -> str:
@@ -117,6 +107,8 @@ class Request:
         self.constraint = constraint  # fill(words) / accept(token) / done(): a token-mask hook
         self.logprobs: list[tuple] = []   # per output token, where params.logprobs is set
         self.cached_tokens = 0            # prompt tokens whose KV a slot already held
+        self._fed = 0                     # decode steps launched that fed this request's tokens
+        self._stop_token: int | None = None   # the EOS / stop token that ended it, if one did
         self.stop_string: str | None = None   # the stop string that ended it, if one did
         self.seed = params.resolved_seed()
         self.on_event = on_event
@@ -180,21 +172,29 @@ class Engine:
         reuse_prefix: a request whose prompt starts with tokens a free slot still holds (the
             previous turn of a conversation) takes that slot and prefills only the rest (see
             "Prefix reuse" below); other requests take the least recently used free slot.
+        resume_points: for models with recurrent layers, at most this many saved copies of a
+            slot's recurrent states (the points a later request can resume from), each
+            `resume_point_bytes` on the model's device, allocated on the first save (default:
+            2 × max_batch, an end-of-prompt and an end-of-request point a slot; 0: such models
+            are always prefilled from the start).
 
-    Prefix reuse: a finished request leaves its prompt and output in its slot's KV rows; the
-    slot remembers those tokens until another request takes it. The cached prefixes are
-    therefore bounded by the slots themselves (no memory beyond the KV cache), and a request
-    without a match takes the least recently used free slot, so the most recently used
-    prefixes stay longest. A match reuses min(common prefix, prompt - 1) positions (the last
-    prompt token is always run, for its logits); `Request.cached_tokens` says how many. Only
-    the plain attention `SlotCache` is reused: a model whose cache holds other state
-    (recurrent layers) is always prefilled from the start.
+    Prefix reuse (`cupool.prefix`): a finished request leaves its prompt and the output tokens
+    its steps fed in its slot's rows; the slot remembers those tokens until another request
+    takes it. A request whose prompt starts with some of them takes that slot and prefills the
+    rest; one without a match takes the free slot least worth keeping (nothing to resume, then
+    least recently used), so the most recently used prefixes stay longest. The last prompt token
+    is always run (its logits give the first token); `Request.cached_tokens` says how many
+    positions were reused. Attention alone: any common prefix is reused, bounded by the slots
+    (no memory beyond the KV cache). Recurrent layers (gated delta nets, Mamba-2, ...): a slot's
+    state is exact only at the points where it was copied out (`resume_points` of them, the
+    least recently saved dropped first): the end of a request's prompt and the end of the
+    request; a request resumes from the longest of those that is a prefix of its prompt.
     """
 
     def __init__(self, model, pool=None, *, tokenizer=None, max_batch: int = 8,
                  max_len: int = 4096, prefill_chunk: int | None = None, graph: bool | None = None,
                  fused: bool | None = None, compile: bool = False, eos_token_id=None,
-                 reuse_prefix: bool = True):
+                 reuse_prefix: bool = True, resume_points: int | None = None):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         try:
             param = next(model.parameters())
@@ -224,6 +224,9 @@ class Engine:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         if pool is not None:
             chunk = min(chunk, pool.gemm.max_prefill_tokens or chunk)
+        points = 2 * max_batch if resume_points is None else resume_points
+        if isinstance(points, bool) or not isinstance(points, int) or points < 0:
+            raise ValueError(f"resume_points must be an int >= 0, got {resume_points!r}")
         whole = graphsafe.whole_prompt_prefill(model)
         if whole is not None:               # one forward a prompt: chunks could not continue
             log.info("cupool: prompts are prefilled in one forward: %s", whole)
@@ -268,9 +271,8 @@ class Engine:
         self._graph_pool = None
         self._slots: list[Request | None] = [None] * B
         self.reuse_prefix = bool(reuse_prefix)
-        self._held: list[list[int] | None] = [None] * B   # tokens a free slot's KV holds
-        self._last_use = [0] * B                           # LRU order of the slots
-        self._uses = itertools.count(1)
+        self.prefix = PrefixCache(self.cache, B, enabled=self.reuse_prefix, points=points,
+                                  resumable=whole is None)
         self.prefill_tokens = 0                            # prompt tokens run through prefill
         self._incoming: queue.Queue = queue.Queue()
         self._pending: list[Request] = []
@@ -393,11 +395,13 @@ class Engine:
         ids = list(prompt_ids)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        # builtins over the list (no Python loop a token: a long prompt's next turn repeats it)
+        if not set(map(type, ids)) <= {int} and \
+                not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError("prompt token ids must be ints")
-        bad = [i for i in ids if not 0 <= i < self.vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab})")
+        if min(ids) < 0 or max(ids) >= self.vocab:
+            bad = next(i for i in ids if not 0 <= i < self.vocab)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab})")
         need = len(ids) + params.max_tokens
         if need > self.max_len:
             raise ValueError(f"the prompt's {len(ids)} tokens + max_tokens {params.max_tokens} = "
@@ -497,8 +501,8 @@ class Engine:
             if r.cancelled.is_set():
                 self._finish(r, FINISH_CANCELLED)
                 continue
-            b, start = self._take_slot(r)
-            self._admit(b, r, start)
+            b, start, entry = self._take_slot(r)
+            self._admit(b, r, start, entry)
         launched = None
         if self._inflight is not None and self._kind().masked:
             self._read_step(*self._inflight)          # a token mask needs the token before it
@@ -535,11 +539,12 @@ class Engine:
                 **self._logits_kw}
 
     @torch.inference_mode()
-    def _admit(self, b: int, r: Request, start: int = 0) -> None:
-        """Run r's prompt from position `start` (the slot holds the KV of the tokens before it)
-        into slot b and sample its first token (one host read)."""
-        dev, ids = self.device, torch.tensor(r.prompt_ids, dtype=torch.int64, device=self.device)
-        S = ids.numel()
+    def _admit(self, b: int, r: Request, start: int = 0, entry: int | None = None) -> None:
+        """Run r's prompt from position `start` (the slot holds the KV of the tokens before it,
+        and saved entry `entry` the recurrent states after them) into slot b and sample its first
+        token (one host read)."""
+        dev, S = self.device, len(r.prompt_ids)
+        ids = torch.tensor(r.prompt_ids[start:], dtype=torch.int64, device=dev)   # [S - start]
         self._slots[b] = r
         r.cached_tokens = start
         self.prefill_tokens += S - start
@@ -549,7 +554,10 @@ class Engine:
         self.top_p[b] = float(p.top_p)
         self.seeds[b] = r.seed
         self.steps[b] = 0
-        self._reset_slot(b)
+        if start == 0:
+            self._reset_slot(b)
+        elif entry is not None:
+            self.prefix.saved.load(entry, b)
         prefilling = self.pool.prefilling() if self.pool is not None else contextlib.nullcontext()
         try:
             logits = None
@@ -559,10 +567,11 @@ class Engine:
                     self.cache.prefill_mode(b, a, e - a)
                     mask = self._masks(lambda w: self.cache.prefill_mask(self.dtype, w,
                                                                           self._mask_bool))
-                    out = self.model(input_ids=ids[None, a:e],
+                    out = self.model(input_ids=ids[None, a - start:e - start],
                                      position_ids=torch.arange(a, e, device=dev)[None],
                                      **self._fwd_kwargs(mask))
                     logits = out.logits[:, -1, :]
+            self.prefix.prompt_done(b, S)
             scores = logits
             if r.constraint is not None:
                 self._fill_masks([b])
@@ -715,7 +724,11 @@ class Engine:
                 host.copy_(dev, non_blocking=True)
         if ev is not None:
             ev.record()
-        return buf, ev, list(self._slots), lp
+        owners = list(self._slots)
+        for r in owners:
+            if r is not None:
+                r._fed += 1                 # this step fed r's newest token (prefix reuse)
+        return buf, ev, owners, lp
 
     def _read_step(self, buf, ev, owners, lp=None) -> None:
         if ev is not None:
@@ -737,6 +750,7 @@ class Engine:
             r.constraint.accept(token)
         if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
             del r.logprobs[len(r.output_ids):]       # a stop token is not part of the output
+            r._stop_token = token
             self._finish(r, FINISH_STOP)
             self._free(b)
             return
@@ -807,45 +821,29 @@ class Engine:
         self._emit(r, token, final=True)
         r.done.set()
 
+    @torch.inference_mode()
     def _free(self, b: int) -> None:
         r = self._slots[b]
-        if r is not None and r.finish_reason != FINISH_ERROR:
-            self._held[b] = self._kv_tokens(r)
+        if r is not None:
+            ok = r.finish_reason != FINISH_ERROR
+            self.prefix.release(b, self._processed(r) if ok else None)
         self._slots[b] = None
         self.active[b] = False
 
-    # --- prefix reuse (bookkeeping of what free slots hold) ------------------------------------
-    def _reusable(self) -> bool:
-        """Reuse needs a cache whose slot state is its KV rows alone: no per-slot state (a
-        recurrent layer's, an indexer's) has been allocated."""
-        return self.reuse_prefix and self.cache.state_bytes() == 0
-
+    # --- prefix reuse (cupool.prefix keeps what free slots hold) ---------------------------------
     @staticmethod
-    def _kv_tokens(r: Request) -> list[int]:
-        """The tokens whose KV a finished request's slot holds at positions 0, 1, ...: its prompt
-        and every output token but the last (a token's KV is written by the step that feeds it,
-        which may not have run for the last one)."""
-        return r.prompt_ids + r.output_ids[:-1]
+    def _processed(r: Request) -> list[int]:
+        """The tokens a finished request's slot has processed, in order: its prompt and the
+        sampled tokens its decode steps fed (the stop token included where a step fed it). The
+        slot's keys and values hold exactly these positions and its recurrent states cover
+        exactly these tokens: every step launched after this point has the slot inactive."""
+        sampled = r.output_ids + ([r._stop_token] if r._stop_token is not None else [])
+        return r.prompt_ids + sampled[:r._fed]
 
-    def _take_slot(self, r: Request) -> tuple[int, int]:
-        """(slot, positions to reuse) for r: the free slot holding the longest prefix of its
-        prompt, else the least recently used free slot (0 positions)."""
+    def _take_slot(self, r: Request) -> tuple[int, int, int | None]:
+        """(slot, positions to reuse, saved states to load) for r (`PrefixCache.take`)."""
         free = [b for b, x in enumerate(self._slots) if x is None]
-        best, start = None, 0
-        if self._reusable():
-            for b in free:
-                held = self._held[b]
-                if not held:
-                    continue
-                n = _common_prefix(held, r.prompt_ids)
-                if n > start:
-                    best, start = b, n
-        if best is None:
-            best = min(free, key=lambda b: self._last_use[b])
-        start = min(start, len(r.prompt_ids) - 1)
-        self._held[best] = None
-        self._last_use[best] = next(self._uses)
-        return best, start
+        return self.prefix.take(r.prompt_ids, free)
 
     def close(self) -> None:
         """Release the captured graphs and the KV cache (the engine cannot run afterwards).
@@ -854,11 +852,18 @@ class Engine:
             self.shutdown()
         self._graphs.clear()
         self._graph_pool = None
-        self._held = [None] * self.max_batch
+        self.prefix.close()
         self.cache.release()
         self.broken = self.broken or "closed"
 
     # --- facts ----------------------------------------------------------------------------------------
+    @property
+    def resume_point_bytes(self) -> int:
+        """Device bytes of one resume point: one slot's recurrent states (0 for a model of
+        attention layers alone, and before the first prefill allocates the states). The saved
+        points take `resume_points` times this, allocated on the first save."""
+        return self.prefix.saved.entry_bytes()
+
     def stats(self) -> dict:
         """Occupancy: running sequences, requests waiting for a slot, decode steps run so far.
         Read from any thread (a snapshot; it may be one iteration old)."""

@@ -28,6 +28,10 @@ transformers 5.17 (`has_previous_state`, `layers[i].conv_states[j]`) and 5.24 (`
 previous request can be read even by a layer that skipped its first-chunk write. Tensors are
 allocated on their first write (shapes and dtypes come from the model: Kimi's recurrent state is
 float32 whatever the model's dtype); run one prefill before capturing a decode step.
+
+`SavedStates` keeps copies of slots' convolution and recurrent states apart from the slots (prefix
+reuse's resume points): a decode step advances every slot's states, a free slot's too, so a state
+a later request may resume from must be copied out when it is exact.
 """
 
 from __future__ import annotations
@@ -254,3 +258,66 @@ class StateSlotCache(SlotCache):
         self.keys = [None] * self.num_layers
         self.values = [None] * self.num_layers
         self.layers = [SlotLayer(self, i) for i in range(self.num_layers)]
+
+
+class SavedStates:
+    """`count` entries, each a copy of one slot's convolution and recurrent states (not the indexer
+    keys: those are per position, like keys and values, and stay valid in the slot's rows), at
+    fixed addresses apart from the slots' rows: the resume points of prefix reuse.
+
+    The decode step never touches them (its captured graph is unchanged); `save` and `load` are
+    eager copies on the current stream, ordered with the steps around them: a save issued after a
+    step is launched copies the state that step leaves, and a load issued before a prefill is what
+    that prefill continues from. Every entry is allocated on the first save, all at once:
+    `count` × `entry_bytes()` bytes on the cache's device (a Qwen3-Next-80B slot, 36 gated delta
+    nets of 32 × 128 × 128 float32 recurrent state and 8192 × 4 convolution state, is 74 MiB).
+    """
+
+    def __init__(self, cache: StateSlotCache, count: int):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        self.cache, self.count = cache, count
+        self._entries: list[torch.Tensor] | None = None     # per state: [count, ...]
+
+    def states(self) -> list[torch.Tensor]:
+        """The cache's convolution and recurrent states [B, ...], in a fixed order (none for a
+        model of attention layers alone, or before the first prefill)."""
+        return [t for layer in self.cache.layers for d in (layer.conv, layer.recurrent)
+                for t in d.values()]
+
+    def entry_bytes(self) -> int:
+        """Bytes of one entry: one slot's states (0 while no state is allocated)."""
+        return sum(t[0].numel() * t.element_size() for t in self.states())
+
+    def allocated_bytes(self) -> int:
+        return 0 if self._entries is None else self.count * self.entry_bytes()
+
+    def _check(self, slot: int, entry: int) -> list[torch.Tensor]:
+        if not 0 <= slot < self.cache.slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.cache.slots})")
+        if not 0 <= entry < self.count:
+            raise ValueError(f"entry {entry} out of range [0, {self.count})")
+        states = self.states()
+        if not states:
+            raise RuntimeError("the cache holds no state to save (attention layers alone, or no "
+                               "prefill has run yet)")
+        if self._entries is None:
+            self._entries = [torch.empty((self.count, *t.shape[1:]), dtype=t.dtype,
+                                         device=t.device) for t in states]
+        elif len(self._entries) != len(states):
+            raise RuntimeError(f"the cache holds {len(states)} states, the saved entries were "
+                               f"made for {len(self._entries)}")
+        return states
+
+    def save(self, slot: int, entry: int) -> None:
+        """Copy slot `slot`'s states into entry `entry`."""
+        states = self._check(slot, entry)
+        torch._foreach_copy_([e[entry] for e in self._entries], [t[slot] for t in states])
+
+    def load(self, entry: int, slot: int) -> None:
+        """Copy entry `entry` into slot `slot`'s states (in place: the addresses stay)."""
+        states = self._check(slot, entry)
+        torch._foreach_copy_([t[slot] for t in states], [e[entry] for e in self._entries])
+
+    def release(self) -> None:
+        self._entries = None

@@ -236,9 +236,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(keep, chars)}
 
 
-def write_family_model(directory, family: str, *, seed: int = 0) -> Path:
-    """The tiny Qwen3-MoE of `write_tiny_model` with 128 ids and `family`'s tokenizer, chat
-    template and EOS ids (generation_config.json)."""
+def write_family_model(directory, family: str, *, seed: int = 0,
+                       model_type: str = "qwen3_moe") -> Path:
+    """The tiny Qwen3-MoE of `write_tiny_model` (or, with `model_type`, the tiny model of that
+    hybrid family of tests/tiny_models.py) with 128 ids and `family`'s tokenizer, chat template
+    and EOS ids (generation_config.json)."""
     from chat_templates import FAMILIES
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -246,10 +248,15 @@ def write_family_model(directory, family: str, *, seed: int = 0) -> Path:
     tok = build_family_tokenizer(family)
     eos = [tok.convert_tokens_to_ids(t) for t in FAMILIES[family][3]]
     torch.manual_seed(seed)
-    cfg = dict(MODEL_CONFIG, vocab_size=FAMILY_VOCAB, max_position_embeddings=2048,
+    if model_type == "qwen3_moe":
+        base = MODEL_CONFIG
+    else:
+        from tiny_models import HYBRID_FAMILIES
+        base = dict(HYBRID_FAMILIES[model_type][0], initializer_range=0.15)
+    cfg = dict(base, vocab_size=FAMILY_VOCAB, max_position_embeddings=2048,
                eos_token_id=eos[0], pad_token_id=0,
                bos_token_id=None)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **cfg),
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg),
                                              dtype=torch.float32)
     with torch.no_grad():
         for m in model.modules():

@@ -1,6 +1,7 @@
 """The Engine's sampling-step outputs and inputs on the CPU: logprobs against the model's own
 log-softmax (alone and batched, greedy and sampled), and the token-mask hook (a constraint that
-forces a token sequence, beside unconstrained requests that must not notice it)."""
+forces a token sequence, beside unconstrained requests that must not notice it); prefix reuse
+of attention-only models (what a finished request leaves in its slot, LRU among the slots)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,8 @@ def test_prefix_reuse_prefills_only_new_tokens_and_gives_the_cold_tokens(family)
             assert r.cached_tokens == 0
             continue
         prev_prompt, prev = turns[k - 1]
-        assert r.cached_tokens == len(prev_prompt) + len(prev.output_ids) - 1, k
+        # the pipelined step launched before the last token was read fed it: every token is held
+        assert r.cached_tokens == len(prev_prompt) + len(prev.output_ids), k
     assert warm.prefill_tokens == sum(len(p) - r.cached_tokens for p, r in turns)
     assert warm.prefill_tokens < sum(len(p) for p, _ in turns) // 2
 
@@ -126,7 +128,7 @@ def test_prefix_slots_lru_and_divergence():
     eng.generate([b], SamplingParams(max_tokens=3))             # b takes the other slot
     # a continuation of a reuses a's slot; an unrelated prompt takes the LRU slot (b's)
     r = eng.generate([a + ra.output_ids + [5, 6]], SamplingParams(max_tokens=3))[0]
-    assert r.cached_tokens == len(a) + 2
+    assert r.cached_tokens == len(a) + 3
     eng.generate([c], SamplingParams(max_tokens=3))             # evicts b's prefix, not a's
     r = eng.generate([b + [7]], SamplingParams(max_tokens=3))[0]
     assert r.cached_tokens == 0                                 # b was evicted
@@ -138,13 +140,31 @@ def test_prefix_slots_lru_and_divergence():
     assert r2.cached_tokens == len(c[:4] + d) - 1 and r2.output_ids == r.output_ids
 
 
-def test_no_reuse_for_other_caches():
-    """A model whose slots hold per-slot state besides their KV rows (a gated delta net's
-    convolution and recurrent states) is never reused: the next turn is prefilled in full."""
-    from tiny_models import hybrid_model
-    model = hybrid_model("qwen3_next", seed=23)
-    eng = Engine(model, max_batch=1, max_len=32, eos_token_id=[])
-    p = prompts(11, [6])[0]
-    eng.generate([p], SamplingParams(max_tokens=2))
-    assert eng.cache.state_bytes() > 0
-    assert eng.generate([p + [3]], SamplingParams(max_tokens=2))[0].cached_tokens == 0
+def test_held_tokens_follow_the_steps_that_fed_them():
+    """A slot holds its prompt and the tokens its decode steps fed: all of them when the step
+    after the last token was already launched (pipelined), all but the last for a request whose
+    steps wait for each token (a token mask), none for one that ends at admission; a stop token
+    a step fed is held too (a chat template puts it back in the next turn's prompt)."""
+    model = hf_model("qwen3_moe", seed=24)
+    p = prompts(12, [7])[0]
+    eng = Engine(model, max_batch=1, max_len=40, eos_token_id=[])
+    cold = Engine(model, max_batch=1, max_len=40, eos_token_id=[], reuse_prefix=False)
+    r = eng.generate([p], SamplingParams(max_tokens=5))[0]
+    assert eng.prefix.held[0] == p + r.output_ids
+    r = eng.generate([p], SamplingParams(max_tokens=1))[0]
+    assert eng.prefix.held[0] == p and r.cached_tokens == len(p) - 1
+    script = [9, 8, 7, 6]
+    eng.submit(p, SamplingParams(max_tokens=4), constraint=Forced(script))
+    eng.run_until_idle()
+    assert eng.prefix.held[0] == p + script[:-1]
+    # a stop token ends the next request; the step that fed it ran
+    out = cold.generate([p], SamplingParams(max_tokens=6))[0].output_ids
+    stop = out[3]
+    assert out.index(stop) > 0                   # a step ran after the first token
+    r = eng.generate([p], SamplingParams(max_tokens=6, stop_token_ids=[stop]))[0]
+    assert r.output_ids == out[:out.index(stop)] and r.finish_reason == "stop"
+    assert eng.prefix.held[0] == p + out[:out.index(stop) + 1]
+    nxt = p + out[:out.index(stop) + 1] + [5, 4]
+    r = eng.generate([nxt], SamplingParams(max_tokens=4))[0]
+    assert r.cached_tokens == len(nxt) - 2
+    assert r.output_ids == cold.generate([nxt], SamplingParams(max_tokens=4))[0].output_ids

@@ -10,6 +10,9 @@
   (cupool.wrap places them), so its decode step gathers their rows over PCIe.
 - The mapped table itself: a CUDA tensor over pinned host memory, and the engine's tokens equal
   those with the table in GPU memory.
+- Prefix reuse with the captured step: a turn resumes from the states saved when the turn before
+  ended (saves and loads are ordered with the graph's replays on the stream; the free slot's own
+  states moved on meanwhile) and gives the tokens of a cold run, with the same graph.
 """
 
 from __future__ import annotations
@@ -116,3 +119,28 @@ def test_ngram_tables_in_mapped_host_memory_give_the_same_tokens():
     for a, b in zip(on_gpu, on_host):
         assert a.output_ids == b.output_ids
     assert torch.cuda.mem_get_info()[0] >= free - (64 << 20)   # the tables took no GPU memory
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text", "qwen4_exp_text",
+                                    "granitemoehybrid"])
+def test_prefix_reuse_with_the_captured_step(family):
+    model = _capturable_experts(hybrid_model(family, seed=33).cuda())
+    first, other, *new = _prompts([9, 4, 5, 1], seed=5)
+    warm = cupool.Engine(model, max_batch=2, max_len=64, prefill_chunk=8, eos_token_id=[])
+    cold = cupool.Engine(model, max_batch=2, max_len=64, prefill_chunk=8, eos_token_id=[],
+                         reuse_prefix=False)
+    # turn 1 ends after 5 tokens while the other slot decodes 20 more steps
+    r1, _ = warm.generate([first, other], [SamplingParams(max_tokens=5),
+                                           SamplingParams(max_tokens=25)])
+    graphs = dict(warm._graphs)
+    assert graphs and warm.resume_point_bytes > 0
+    prompt, prev = first + r1.output_ids + new[0], len(first) + 5
+    for k in range(2):
+        r = warm.generate([prompt], SamplingParams(max_tokens=12))[0]
+        assert r.cached_tokens == prev, (family, k)
+        want = cold.generate([prompt], SamplingParams(max_tokens=12))[0]
+        assert r.output_ids == want.output_ids, (family, k)
+        prompt, prev = prompt + r.output_ids + new[1], len(prompt) + 12
+    assert warm._graphs == graphs                  # the same captured step throughout
+    warm.close()
+    cold.close()

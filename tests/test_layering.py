@@ -20,7 +20,7 @@ LAYERS = {
     "cupool.prefetch": 4,
     "cupool.checkpoints": 3, "cupool.pretrained": 5,
     "cupool.kvcache": 6, "cupool.sampling": 6, "cupool.engine": 6, "cupool.fused": 6,
-    "cupool.slotstate": 6, "cupool.graphsafe": 6,
+    "cupool.slotstate": 6, "cupool.graphsafe": 6, "cupool.prefix": 6,
     "cupool.serve": 7, "cupool.cli": 7, "cupool.__main__": 7, "cupool.synthetic": 7,
     "cupool": 7,                                       # the package's __init__: the public API
 }

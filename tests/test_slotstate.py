@@ -1,15 +1,15 @@
 """cupool.slotstate.StateSlotCache: per-slot convolution and recurrent states through both
 transformers interfaces (5.17's has_previous_state / layers[i].conv_states, 5.24's
 get_conv_state / get_recurrent_state), a first chunk with no previous state, continuation, the
-decode mode's whole-batch tensors updated in place, slot reset, indexer keys; and the engine's
-mask plan by layer type."""
+decode mode's whole-batch tensors updated in place, slot reset, indexer keys; the saved copies of
+slots' states (prefix reuse's resume points); and the engine's mask plan by layer type."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cupool.slotstate import StateSlotCache
+from cupool.slotstate import SavedStates, StateSlotCache
 
 B, L, C, K = 3, 16, 5, 4
 
@@ -168,3 +168,44 @@ def test_snapshot_and_restore_keep_addresses():
     now = [t for layer in c.layers for t in layer.tensors()]
     assert [t.data_ptr() for t in now] == addrs
     assert all(torch.equal(t, s) for t, s in zip(now, saved))
+
+
+def test_saved_states_copy_one_slot_at_fixed_addresses():
+    """An entry holds one slot's convolution and recurrent states (integer states too), not its
+    indexer keys; saving and loading copy in place, and the entries are allocated once."""
+    c = _cache()
+    saved = SavedStates(c, 2)
+    with pytest.raises(RuntimeError, match="no state to save"):
+        saved.save(0, 0)
+    c.decode_mode()
+    c.update_conv_state(_rand(B, C, K), 0, conv_kernel_size=K)
+    c.update_conv_state(torch.randint(0, 9, (B, 3), dtype=torch.int64), 1, state_idx=2,
+                        conv_kernel_size=3)
+    c.update_recurrent_state(_rand(B, 2, 3, seed=1), 1)
+    c.update_indexer(_rand(B, 1, 8, seed=2), 1)
+    states = saved.states()
+    assert len(states) == 3 and all(t is not c.layers[1].index_keys for t in states)
+    assert saved.entry_bytes() == (C * K + 2 * 3) * 4 + 3 * 8       # float32 conv, recurrent; int64
+    assert saved.allocated_bytes() == 0                     # nothing saved yet
+    addrs = [t.data_ptr() for layer in c.layers for t in layer.tensors()]
+    want = [t[2].clone() for t in states]
+    saved.save(2, 1)
+    assert saved.allocated_bytes() == 2 * saved.entry_bytes()
+    entry_addrs = [e.data_ptr() for e in saved._entries]
+    for t in states:                                        # the slot moves on (a decode step)
+        t.copy_(torch.randint_like(t, 1, 50) if not t.is_floating_point() else torch.randn_like(t))
+    other = [t[0].clone() for t in states]
+    keys = c.layers[1].index_keys.clone()
+    saved.load(1, 2)
+    assert all(torch.equal(t[2], w) for t, w in zip(states, want))
+    assert all(torch.equal(t[0], o) for t, o in zip(states, other))      # other slots untouched
+    assert torch.equal(c.layers[1].index_keys, keys)
+    saved.save(0, 0)
+    assert [t.data_ptr() for layer in c.layers for t in layer.tensors()] == addrs
+    assert [e.data_ptr() for e in saved._entries] == entry_addrs
+    with pytest.raises(ValueError, match="entry 2 out of range"):
+        saved.save(0, 2)
+    with pytest.raises(ValueError, match="slot 3 out of range"):
+        saved.load(0, 3)
+    with pytest.raises(ValueError, match="count must be an int >= 0"):
+        SavedStates(c, -1)
