@@ -90,7 +90,8 @@ class Trace:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such trace file")
         try:
-            with np.load(path, allow_pickle=False) as f:
+            # the file is ours to close, whatever np.load makes of it (or fails on)
+            with open(path, "rb") as fh, np.load(fh, allow_pickle=False) as f:
                 names = set(f.files)
                 if not {"ids", "num_experts"} <= names:
                     raise TraceError(f"{path}: not a cupool routing trace (it holds "
