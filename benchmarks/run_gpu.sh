@@ -7,7 +7,7 @@
 # seconds, the log's last pytest/sanitizer/error line) is printed last. Benchmarks write their
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
-# Stages: wrap, gemm-tests, tests, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
+# Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-source, ncu-prefill, profile-decode,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram.
@@ -46,6 +46,18 @@ for stage in "$@"; do
     wrap)     run pytest_wrap 300 "${PYTEST[@]}" $PYTEST_TIMEOUT -s tests/test_gpu_wrap.py tests/test_examples.py ;;
     gemm-tests) run pytest_gemm 200 "${PYTEST[@]}" tests/test_gpu_gemm.py ;;
     tests)    run pytest_gpu "${TESTS_TIMEOUT:-480}" "${PYTEST[@]}" $PYTEST_TIMEOUT tests ;;
+    # the same suite in two parts (the kernels; the pool, engine and models: 332 and 74 tests),
+    # for runs that must fit a time limit; with CUPOOL_ARCH set they test that architecture's code
+    tests-kernels) run pytest_gpu_kernels "${TESTS_TIMEOUT:-480}" "${PYTEST[@]}" $PYTEST_TIMEOUT \
+              tests/test_gpu_planner.py tests/test_gpu_gemm.py tests/test_gpu_nvfp4.py \
+              tests/test_gpu_foundation.py tests/test_gpu_arch.py tests/test_gpu_read_probe.py \
+              tests/test_gpu_dense.py tests/test_gpu_nongated.py tests/test_checkpoints_fill.py ;;
+    tests-models) run pytest_gpu_models "${TESTS_TIMEOUT:-480}" "${PYTEST[@]}" $PYTEST_TIMEOUT \
+              tests --deselect tests/test_gpu_planner.py --deselect tests/test_gpu_gemm.py \
+              --deselect tests/test_gpu_nvfp4.py --deselect tests/test_gpu_foundation.py \
+              --deselect tests/test_gpu_arch.py --deselect tests/test_gpu_read_probe.py \
+              --deselect tests/test_gpu_dense.py --deselect tests/test_gpu_nongated.py \
+              --deselect tests/test_checkpoints_fill.py ;;
     sanitize) run memcheck 150 compute-sanitizer --tool memcheck python3 tests/gpu_planner_sanitize.py
               run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
     sanitize-decode) for tool in memcheck racecheck synccheck; do
