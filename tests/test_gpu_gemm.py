@@ -242,13 +242,15 @@ def test_prefill_big_dims(big, T, K, prefill_config):
     assert gemm.read_error() == []
 
 
-def test_decode_graph_replay_matches_eager(qwen):
-    gen = torch.Generator().manual_seed(11)
-    T, K = 4, 8
-    gemm = MoEGemm(qwen.layout, K, torch.bfloat16, max_decode_tokens=16)
-    x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
-    ids, w = routing(T, K, qwen.E, gen)
-    la = qwen.lane_addr(ids)
+def check_graph_replay_matches_eager(placed, T, K, gen, replays):
+    """A decode call captured in a CUDA graph, replayed on new x, routing and weights (output
+    poisoned before each replay), equals the same call run eagerly bit for bit (the decode GEMM
+    is deterministic) and the reference within TOL; the kernel's counters end at rest."""
+    gemm = placed.gemm(K, max_decode_tokens=16)
+    H = placed.layout.hidden
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+    ids, w = routing(T, K, placed.E, gen)
+    la = placed.lane_addr(ids)
     out = torch.empty_like(x)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -258,17 +260,22 @@ def test_decode_graph_replay_matches_eager(qwen):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         gemm.decode(x, la, w, out=out)
-    for step in range(5):
-        ids, w2 = routing(T, K, qwen.E, gen)
-        x.copy_(torch.randn(T, 2048, generator=gen).to(torch.bfloat16))
-        la.copy_(qwen.lane_addr(ids))
+    for step in range(replays):
+        ids, w2 = routing(T, K, placed.E, gen)
+        x.copy_(torch.randn(T, H, generator=gen).to(torch.bfloat16))
+        la.copy_(placed.lane_addr(ids))
         w.copy_(w2)
         out.fill_(float("nan"))
         g.replay()
         eager = gemm.decode(x.clone(), la.clone(), w.clone())
         torch.cuda.synchronize()
         assert torch.equal(out, eager), f"replay {step} differs from eager (must be deterministic)"
-        assert rel_err(out, reference_moe(x, ids, w, qwen.deq)) <= TOL
+        assert rel_err(out, placed.reference(x, ids, w)) <= TOL
+    assert_counters_at_rest(gemm)
+
+
+def test_decode_graph_replay_matches_eager(qwen):
+    check_graph_replay_matches_eager(qwen, 4, 8, torch.Generator().manual_seed(11), replays=5)
 
 
 @pytest.mark.parametrize("placed_name,T,K", [("qwen", 1, 8), ("qwen", 4, 8), ("small", 3, 2),

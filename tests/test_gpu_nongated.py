@@ -22,7 +22,8 @@ within 1e-2 of the float reference of its rows at decode and prefill widths.
 import pytest
 import torch
 from test_gpu_engine import MAX_OFF, _check_against_reference, _prompts
-from test_gpu_gemm import TOL, Placed, assert_counters_at_rest, rel_err, routing
+from test_gpu_gemm import (TOL, Placed, assert_counters_at_rest, check_graph_replay_matches_eager,
+                           rel_err, routing)
 from tiny_models import HYBRID_FAMILIES, hybrid_model
 
 import cupool
@@ -166,33 +167,8 @@ def test_decode_split_in_place_then_fresh_is_bitwise_one_pass(request, rng, plac
 
 
 def test_decode_graph_replay_matches_eager(nemotron, rng):
-    gen = torch.Generator().manual_seed(seed_of(rng))
-    T, K = 4, 6
-    gemm = nemotron.gemm(K, max_decode_tokens=16)
-    x = torch.randn(T, 2688, generator=gen).to(torch.bfloat16).cuda()
-    ids, w = routing(T, K, nemotron.E, gen)
-    la = nemotron.lane_addr(ids)
-    out = torch.empty_like(x)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        gemm.decode(x, la, w, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gemm.decode(x, la, w, out=out)
-    for step in range(4):
-        ids, w2 = routing(T, K, nemotron.E, gen)
-        x.copy_(torch.randn(T, 2688, generator=gen).to(torch.bfloat16))
-        la.copy_(nemotron.lane_addr(ids))
-        w.copy_(w2)
-        out.fill_(float("nan"))
-        g.replay()
-        eager = gemm.decode(x.clone(), la.clone(), w.clone())
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager), f"replay {step} differs from eager (must be deterministic)"
-        assert rel_err(out, nemotron.reference(x, ids, w)) <= TOL
-    assert_counters_at_rest(gemm)
+    check_graph_replay_matches_eager(nemotron, 4, 6, torch.Generator().manual_seed(seed_of(rng)),
+                                     replays=4)
 
 
 @pytest.mark.parametrize("T", [1, 7, 33, 511])
