@@ -8,7 +8,7 @@
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
 # Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
-# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-source, ncu-prefill, profile-decode,
+# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, profile-decode,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram.
 #
@@ -73,6 +73,9 @@ for stage in "$@"; do
     read)     run profile_read 240 python3 benchmarks/profile_read.py ;;
     ncu)      run ncu_gemm 200 ncu --clock-control none $NCU_SECTIONS -k regex:"moe_decode|route_decode|moe_w13|moe_w2" --launch-skip 3 -c 3 python3 benchmarks/profile_gemm.py
               run ncu_plan 200 ncu --clock-control none $NCU_SECTIONS -k regex:"plan_step" --launch-skip 200 -c 2 python3 benchmarks/bench_planner.py --skip-copy --experts 128 --lanes 8 --replays 20 ;;
+    ncu-dense) run ncu_dense 300 ncu --clock-control none $NCU_SECTIONS -k regex:"dense_gemv|dense_attention" --launch-skip 16 -c 10 python3 benchmarks/profile_decode.py --layers 4 --steps 2
+              run ncu_source_dense 300 $NCU_SOURCE -k regex:"dense_gemv|dense_attention" --launch-skip 16 -c 4 python3 benchmarks/profile_decode.py --layers 4 --steps 2
+              gzip -f "$OUT/ncu_source_dense.log" ;;
     ncu-source) run ncu_source 200 $NCU_SOURCE -k regex:moe_decode --launch-skip 3 -c 1 python3 benchmarks/profile_gemm.py
               gzip -f "$OUT/ncu_source.log" ;;   # summarise with benchmarks/ncu_source.py
     ncu-prefill) run prefill_kernels 120 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
