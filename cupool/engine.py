@@ -10,8 +10,9 @@ How a request runs:
    of the cache (`cupool.slotstate.StateSlotCache`: `SlotCache`'s keys and values, plus the
    per-slot states of hybrid layers, zeroed first, or loaded from the point a reused prefix
    resumes at: `cupool.prefix`) in chunks of `prefill_chunk` tokens (any prompt length works;
-   through a pool, a chunk takes the partition path), and its first token is sampled from the
-   last position's logits.
+   through a pool, a chunk takes the partition path; a chunk also ends at the request's
+   `resume_at`, where hybrid layers' states are copied out), and its first token is sampled from
+   the last position's logits.
 3. Every active slot then advances one token per *step*: the model's forward on [B, 1] tokens at
    each slot's own position, the sampling (`cupool.sampling.sample`) and the position update,
    all on the device. On a GPU the step is captured in a CUDA graph once (two: with and without
@@ -100,11 +101,13 @@ class Request:
     _ids = itertools.count()
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams,
-                 on_event: Callable[[Event], None] | None, constraint=None):
+                 on_event: Callable[[Event], None] | None, constraint=None,
+                 resume_at: int | None = None):
         self.id = next(Request._ids)
         self.prompt_ids = prompt_ids
         self.params = params
         self.constraint = constraint  # fill(words) / accept(token) / done(): a token-mask hook
+        self.resume_at = resume_at    # prompt position to keep a resume point at (submit)
         self.logprobs: list[tuple] = []   # per output token, where params.logprobs is set
         self.cached_tokens = 0            # prompt tokens whose KV a slot already held
         self._fed = 0                     # decode steps launched that fed this request's tokens
@@ -175,8 +178,8 @@ class Engine:
         resume_points: for models with recurrent layers, at most this many saved copies of a
             slot's recurrent states (the points a later request can resume from), each
             `resume_point_bytes` on the model's device, allocated on the first save (default:
-            2 × max_batch, an end-of-prompt and an end-of-request point a slot; 0: such models
-            are always prefilled from the start).
+            3 × max_batch, a request's `resume_at`, end-of-prompt and end-of-request points a
+            slot; 0: such models are always prefilled from the start).
 
     Prefix reuse (`cupool.prefix`): a finished request leaves its prompt and the output tokens
     its steps fed in its slot's rows; the slot remembers those tokens until another request
@@ -187,8 +190,11 @@ class Engine:
     positions were reused. Attention alone: any common prefix is reused, bounded by the slots
     (no memory beyond the KV cache). Recurrent layers (gated delta nets, Mamba-2, ...): a slot's
     state is exact only at the points where it was copied out (`resume_points` of them, the
-    least recently saved dropped first): the end of a request's prompt and the end of the
-    request; a request resumes from the longest of those that is a prefix of its prompt.
+    least recently saved dropped first): the end of a request's prompt, the end of the
+    request, and the position inside the prompt a request names with `submit(..., resume_at=)`
+    (the server's end of the conversation before the chat template's generation prompt, which a
+    next turn keeps where a thinking template drops the rest); a request resumes from the longest
+    of those that is a prefix of its prompt.
     """
 
     def __init__(self, model, pool=None, *, tokenizer=None, max_batch: int = 8,
@@ -224,7 +230,7 @@ class Engine:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         if pool is not None:
             chunk = min(chunk, pool.gemm.max_prefill_tokens or chunk)
-        points = 2 * max_batch if resume_points is None else resume_points
+        points = 3 * max_batch if resume_points is None else resume_points
         if isinstance(points, bool) or not isinstance(points, int) or points < 0:
             raise ValueError(f"resume_points must be an int >= 0, got {resume_points!r}")
         whole = graphsafe.whole_prompt_prefill(model)
@@ -377,9 +383,17 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None,
-               on_event: Callable[[Event], None] | None = None, constraint=None) -> Request:
-        """Queue a request; ValueError for token ids outside the vocabulary or a prompt that
-        cannot fit. `on_event` is called (on the engine's thread) for every event.
+               on_event: Callable[[Event], None] | None = None, constraint=None, *,
+               resume_at: int | None = None) -> Request:
+        """Queue a request; ValueError for token ids outside the vocabulary, a prompt that
+        cannot fit, or a bad `resume_at`. `on_event` is called (on the engine's thread) for every
+        event.
+
+        `resume_at` (0 ≤ resume_at ≤ the prompt's length, or None): a position a later request is
+        expected to resume from, e.g. the end of a chat's conversation before the generation
+        prompt (`cupool serve` gives it). For a model with recurrent layers the prefill ends a
+        chunk there and keeps the states as a resume point, beside the end of the prompt and of
+        the request; for attention alone it changes nothing (any common prefix is reused).
 
         `constraint` (a grammar's matcher, or None) masks the tokens the request may sample:
         `fill(words)` writes the allowed ids of its next token into an int32 [ceil(V / 32)] row
@@ -402,6 +416,11 @@ class Engine:
         if min(ids) < 0 or max(ids) >= self.vocab:
             bad = next(i for i in ids if not 0 <= i < self.vocab)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab})")
+        if resume_at is not None and (isinstance(resume_at, bool) or
+                                      not isinstance(resume_at, int) or
+                                      not 0 <= resume_at <= len(ids)):
+            raise ValueError(f"resume_at must be an int in [0, {len(ids)}] (the prompt's "
+                             f"length), got {resume_at!r}")
         need = len(ids) + params.max_tokens
         if need > self.max_len:
             raise ValueError(f"the prompt's {len(ids)} tokens + max_tokens {params.max_tokens} = "
@@ -409,7 +428,7 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (the engine has none); use "
                              "stop_token_ids")
-        req = Request(ids, params, on_event, constraint)
+        req = Request(ids, params, on_event, constraint, resume_at)
         self._incoming.put(req)
         return req
 
@@ -541,8 +560,8 @@ class Engine:
     @torch.inference_mode()
     def _admit(self, b: int, r: Request, start: int = 0, entry: int | None = None) -> None:
         """Run r's prompt from position `start` (the slot holds the KV of the tokens before it,
-        and saved entry `entry` the recurrent states after them) into slot b and sample its first
-        token (one host read)."""
+        and saved entry `entry` the recurrent states after them) into slot b, keeping a resume
+        point at r.resume_at on the way, and sample its first token (one host read)."""
         dev, S = self.device, len(r.prompt_ids)
         ids = torch.tensor(r.prompt_ids[start:], dtype=torch.int64, device=dev)   # [S - start]
         self._slots[b] = r
@@ -558,12 +577,14 @@ class Engine:
             self._reset_slot(b)
         elif entry is not None:
             self.prefix.saved.load(entry, b)
+        point = self.prefix.point_in_prompt(r.resume_at, start, S)
+        if point == start:                   # the loaded state is the point's
+            self.prefix.keep_point(b, point)
         prefilling = self.pool.prefilling() if self.pool is not None else contextlib.nullcontext()
         try:
             logits = None
             with prefilling:
-                for a in range(start, S, self.prefill_chunk):
-                    e = min(S, a + self.prefill_chunk)
+                for a, e in self._chunks(start, S, point):
                     self.cache.prefill_mode(b, a, e - a)
                     mask = self._masks(lambda w: self.cache.prefill_mask(self.dtype, w,
                                                                           self._mask_bool))
@@ -571,6 +592,8 @@ class Engine:
                                      position_ids=torch.arange(a, e, device=dev)[None],
                                      **self._fwd_kwargs(mask))
                     logits = out.logits[:, -1, :]
+                    if e == point:
+                        self.prefix.keep_point(b, point)
             self.prefix.prompt_done(b, S)
             scores = logits
             if r.constraint is not None:
@@ -591,6 +614,15 @@ class Engine:
         if lp is not None:
             self._note_logprobs(r, token, *(t[0].tolist() for t in lp))
         self._accept(b, r, token)
+
+    def _chunks(self, start: int, stop: int, point: int | None):
+        """[a, e) of each prefill forward of positions [start, stop): `prefill_chunk` tokens each,
+        one ending at `point` (where one is given inside), the chunks after it counted from it."""
+        cuts = [start, point, stop] if point is not None and start < point < stop else \
+            [start, stop]
+        for lo, hi in zip(cuts, cuts[1:]):
+            for a in range(lo, hi, self.prefill_chunk):
+                yield a, min(hi, a + self.prefill_chunk)
 
     # --- logprobs and token masks (the sampling step's extra outputs and input) -----------------
     def _note_logprobs(self, r: Request, token: int, chosen: float, top_vals, top_ids) -> None:

@@ -13,19 +13,24 @@ read. A request whose prompt starts with some of them takes that slot and prefil
 - A model with recurrent layers (gated delta nets, Mamba-2, lightning attention, short
   convolutions, n-gram contexts): the slot's recurrent state covers all its tokens and nothing
   less, and a free slot's state is advanced by every later decode step (a step runs every slot).
-  So the state is copied out (`cupool.slotstate.SavedStates`) at two points a later request can
+  So the state is copied out (`cupool.slotstate.SavedStates`) at the points a later request can
   resume from: the end of the prompt (after its prefill; a follow-up that keeps the prompt but not
-  the answer, e.g. a chat template that drops the thinking, resumes there) and the end of the
-  request (right after the last step that fed one of its tokens). A request resumes at the longest
-  such point that is a prefix of its prompt; a prompt that diverges before every point of every
-  slot is prefilled from the start.
+  the answer resumes there), the end of the request (right after the last step that fed one of its
+  tokens), and, where the request names one (`resume_at`, the server's end of the conversation
+  before the generation prompt), that position inside the prompt: the prefill ends a chunk there
+  and copies the state out before running on. The last matters for chat templates whose
+  generation prompt opens a thinking block that the next turn's rendering drops: the next turn
+  keeps neither the prompt nor the answer, but it keeps the conversation before them. A request
+  resumes at the longest such point that is a prefix of its prompt; a prompt that diverges before
+  every point of every slot is prefilled from the start.
 
 Bounds: the slots themselves (a request that matches no slot takes the free slot least worth
 keeping: one with nothing to resume first, then the least recently used), and for recurrent states
 `points` saved entries of one slot's states each (`SavedStates.entry_bytes`, allocated all at once
 on the first save); when every entry is taken, saving a new point drops the least recently saved
-one, whichever slot holds it. The last prompt token is always prefilled (its logits give the first
-token), so a resume point is at most the prompt's length − 1.
+one, whichever slot holds it (three points a slot at most, so the engine's default is
+3 × slots). The last prompt token is always prefilled (its logits give the first token), so a
+request resumes at most at its prompt's length − 1.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ class PrefixCache:
         self._free_entries = list(range(self.saved.count - 1, -1, -1))
         self._last_use = [0] * slots
         self._clock = itertools.count(1)
+        self._prefilled = False          # a prefill has run (whether states exist is known)
 
     def stateful(self) -> bool:
         """Whether the slots hold recurrent states (known after the first prefill)."""
@@ -118,8 +124,29 @@ class PrefixCache:
             return False
         return bool(self.points[b]) if self.stateful() else True
 
+    def point_in_prompt(self, resume_at: int | None, start: int, prompt_len: int) -> int | None:
+        """Where the prefill of a prompt of `prompt_len` tokens, run from `start`, saves the
+        request's `resume_at` point (None: nowhere). The prefill ends a chunk there and calls
+        `keep_point` (at `start` itself: before its first chunk, the slot holding the loaded
+        point's state). Nowhere where no state would be kept: reuse off, no entries, a model of
+        attention alone (known from the first prefill on; before it, the point is taken, and
+        `keep_point` keeps nothing if no state exists), a point at 0 or inside the reused
+        positions (no state of it exists), or at the prompt's end (the end-of-prompt point)."""
+        if resume_at is None or not self.enabled or self.saved.count == 0:
+            return None
+        if self._prefilled and not self.stateful():
+            return None
+        return resume_at if 0 < resume_at < prompt_len and resume_at >= start else None
+
+    def keep_point(self, slot: int, length: int) -> None:
+        """The slot's prefill has run exactly the prompt's first `length` tokens: keep its state
+        as a point (`point_in_prompt` said where)."""
+        if self.enabled and self.stateful():
+            self._save(slot, length)
+
     def prompt_done(self, slot: int, prompt_len: int) -> None:
         """The slot's prompt has been prefilled: keep its state as the end-of-prompt point."""
+        self._prefilled = True
         if self.enabled and self.stateful():
             self._save(slot, prompt_len)
 
@@ -130,7 +157,7 @@ class PrefixCache:
             self.drop(slot)
             return
         self.held[slot] = tokens
-        if self.stateful() and all(p.length != len(tokens) for p in self.points[slot]):
+        if self.stateful():
             self._save(slot, len(tokens))
 
     def drop(self, slot: int) -> None:
@@ -142,6 +169,10 @@ class PrefixCache:
 
     # --- saved states ----------------------------------------------------------------------------
     def _save(self, slot: int, length: int) -> None:
+        """Copy the slot's states out as its point at `length` (once: a point the slot already
+        has is the same state)."""
+        if any(p.length == length for p in self.points[slot]):
+            return
         entry = self._entry()
         if entry is None:
             return

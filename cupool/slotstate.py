@@ -319,5 +319,13 @@ class SavedStates:
         states = self._check(slot, entry)
         torch._foreach_copy_([t[slot] for t in states], [e[entry] for e in self._entries])
 
+    def read(self, entry: int) -> list[torch.Tensor]:
+        """Copies of entry `entry`'s states, in `states()` order (for inspection)."""
+        if self._entries is None:
+            raise RuntimeError("nothing has been saved yet")
+        if not 0 <= entry < self.count:
+            raise ValueError(f"entry {entry} out of range [0, {self.count})")
+        return [e[entry].clone() for e in self._entries]
+
     def release(self) -> None:
         self._entries = None

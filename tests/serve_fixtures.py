@@ -280,11 +280,11 @@ class Scripted:
         self.prompts: list[list[int]] = []
         real = engine.submit
 
-        def submit(ids, params=None, on_event=None, constraint=None):
+        def submit(ids, params=None, on_event=None, constraint=None, **kwargs):
             self.prompts.append(list(ids))
             if self.scripts:
                 constraint = Forced(self.scripts.pop(0))
-            return real(ids, params, on_event, constraint)
+            return real(ids, params, on_event, constraint, **kwargs)
         engine.submit = submit
 
     def push(self, text: str, eos: bool = True) -> None:

@@ -139,6 +139,10 @@ def test_bad_requests_are_refused_at_submit():
         eng.submit([], SamplingParams())
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         eng.submit([3], SamplingParams(stop=["x"], max_tokens=2))
+    for bad in (-1, 4, True, 2.0, "2"):                   # a prompt of 3 tokens: [0, 3]
+        with pytest.raises(ValueError, match=r"resume_at must be an int in \[0, 3\].*got "):
+            eng.submit([3, 4, 5], SamplingParams(max_tokens=2), resume_at=bad)
+    assert eng._incoming.empty()                         # nothing refused was queued
     for kw, match in ((dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
                       (dict(top_k=-2), "top_k"), (dict(max_tokens=0), "max_tokens")):
         with pytest.raises(ValueError, match=match):

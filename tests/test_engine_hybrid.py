@@ -140,3 +140,91 @@ def test_saved_states_are_bounded_lru(family_model):
     r = none.generate([pa], SamplingParams(max_tokens=3))[0]
     r = none.generate([pa + r.output_ids + new], SamplingParams(max_tokens=3))[0]
     assert r.cached_tokens == 0 and none.prefix.memory_bytes() == 0
+
+
+def _chunk_spy(eng) -> list[tuple[int, int]]:
+    """Record the [a, e) of every prefill forward of `eng` (its cache's prefill_mode calls)."""
+    seen, real = [], eng.cache.prefill_mode
+
+    def prefill_mode(slot, start, n):
+        seen.append((start, start + n))
+        return real(slot, start, n)
+    eng.cache.prefill_mode = prefill_mode
+    return seen
+
+
+def _saved_at(eng, slot: int, length: int) -> list[torch.Tensor]:
+    """The states saved as slot's point at `length`."""
+    (p,) = [p for p in eng.prefix.points[slot] if p.length == length]
+    return eng.prefix.saved.read(p.entry)
+
+
+@pytest.mark.parametrize("point, chunks", [
+    (10, [(0, 4), (4, 8), (8, 10), (10, 13)]),       # inside a chunk: that chunk ends there
+    (8, [(0, 4), (4, 8), (8, 12), (12, 13)]),        # at a chunk boundary: no extra chunk
+])
+def test_resume_at_keeps_a_point_inside_the_prompt(family_model, point, chunks):
+    """A 13-token prompt submitted with resume_at (a chat's conversation end; the last 3 tokens
+    stand for a generation prompt) is prefilled in chunks of 4 with a chunk ending at the point,
+    and the states saved there are those of a cold prefill of the first `point` tokens. A next
+    turn that keeps the conversation but neither the prompt's end nor the answer (a thinking
+    template's) resumes there and gives a cold run's tokens. Attention alone: no states are kept
+    and the common prefix is reused as before."""
+    family, model = family_model
+    p1, new = prompts(7, [13, 5])
+    if new[0] == p1[point]:
+        new[0] = 3 if p1[point] != 3 else 4                 # diverge right after the point
+    eng = Engine(model, max_batch=1, max_len=48, prefill_chunk=4, eos_token_id=[])
+    seen = _chunk_spy(eng)
+    eng.submit(p1, SamplingParams(max_tokens=5), resume_at=point)
+    eng.run_until_idle()
+    assert seen == chunks, family                   # the first prefill splits, states unknown yet
+    stateful = eng.prefix.stateful()
+    lengths = sorted(p.length for p in eng.prefix.points[0])
+    assert lengths == ([point, 13, 18] if stateful else []), family
+    if stateful:
+        cold = Engine(model, max_batch=1, max_len=48, prefill_chunk=4, eos_token_id=[])
+        cold.generate([p1[:point]], SamplingParams(max_tokens=1))
+        want = _saved_at(cold, 0, point)          # end of a prompt of exactly those tokens
+        got = _saved_at(eng, 0, point)
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want):               # the same chunks, so the same arithmetic
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    p2 = p1[:point] + new
+    del seen[:]
+    before = eng.prefill_tokens
+    r = eng.submit(p2, SamplingParams(max_tokens=N))
+    eng.run_until_idle()
+    assert r.cached_tokens == point, family        # the point, or the common prefix (attention)
+    assert eng.prefill_tokens - before == len(p2) - point
+    assert seen[0][0] == point
+    assert r.output_ids == _cold(model, p2), family
+    if not stateful:                                # attention alone: known now, no more splits
+        other = [p1[0] + 1] + p1[1:]                # shares nothing with what the slot holds
+        del seen[:]
+        eng.submit(other, SamplingParams(max_tokens=2), resume_at=point)
+        eng.run_until_idle()
+        assert seen == [(0, 4), (4, 8), (8, 12), (12, 13)], family
+        assert eng.prefix.points[0] == [], family
+
+
+def test_resume_at_the_reused_start_keeps_the_point(family_model):
+    """The same prompt again (a regenerated answer) can resume only at the conversation point
+    (the last prompt token is always run); the request names the same point, so the loaded
+    state is kept as its point again, and a third request with a new ending resumes there too."""
+    family, model = family_model
+    p1, new = prompts(8, [12, 4])
+    point = 9
+    eng = Engine(model, max_batch=1, max_len=48, prefill_chunk=4, eos_token_id=[])
+    for k in range(2):
+        r = eng.submit(p1, SamplingParams(max_tokens=3), resume_at=point)
+        eng.run_until_idle()
+        stateful = eng.prefix.stateful()
+        assert r.cached_tokens == (0 if k == 0 else point if stateful else len(p1) - 1), family
+        assert r.output_ids == _cold(model, p1, 3), family
+    if not stateful:
+        pytest.skip(f"{family}: attention layers alone, no points are kept")
+    assert sorted(p.length for p in eng.prefix.points[0]) == [point, 12, 15]
+    p3 = p1[:point] + new
+    r = eng.generate([p3], SamplingParams(max_tokens=N))[0]
+    assert r.cached_tokens == point and r.output_ids == _cold(model, p3), family

@@ -144,3 +144,45 @@ def test_prefix_reuse_with_the_captured_step(family):
     assert warm._graphs == graphs                  # the same captured step throughout
     warm.close()
     cold.close()
+
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen4_exp_text", "granitemoehybrid"])
+def test_resume_at_with_the_captured_step(family):
+    """A 13-token prompt with resume_at=10 (inside the second chunk of 8) keeps the states after
+    its first 10 tokens, those of a prefill of exactly those 10 tokens; turn 2 keeps those 10 and
+    diverges right after (a thinking template's next turn), after the other slot's steps have
+    advanced every slot's states, resumes at 10 and gives a cold run's tokens; the captured step
+    is the same throughout."""
+    model = _capturable_experts(hybrid_model(family, seed=34).cuda())
+    first, other, new = _prompts([13, 4, 6], seed=6)
+    if new[0] == first[10]:
+        new[0] = 3 if first[10] != 3 else 4
+    warm = cupool.Engine(model, max_batch=2, max_len=64, prefill_chunk=8, eos_token_id=[])
+    r1 = warm.submit(first, SamplingParams(max_tokens=5), resume_at=10)
+    warm.submit(other, SamplingParams(max_tokens=25))
+    warm.run_until_idle()
+    assert r1.finished and sorted(p.length for p in warm.prefix.points[0]) == [10, 13, 18]
+    graphs = dict(warm._graphs)
+    (point,) = [p for p in warm.prefix.points[0] if p.length == 10]
+    got = warm.prefix.saved.read(point.entry)
+    short = cupool.Engine(model, max_batch=1, max_len=64, prefill_chunk=8, eos_token_id=[])
+    short.generate([first[:10]], SamplingParams(max_tokens=1))
+    (end,) = short.prefix.points[0]                 # the end of that 10-token prompt
+    want = short.prefix.saved.read(end.entry)
+    short.close()
+    assert end.length == 10 and len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        # the same chunks ([0, 8), [8, 10)) through the same kernels; a tolerance in case a
+        # kernel's reduction order depends on more than the shapes
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    cold = cupool.Engine(model, max_batch=2, max_len=64, prefill_chunk=8, eos_token_id=[],
+                         reuse_prefix=False)
+    prompt = first[:10] + new
+    r = warm.generate([prompt], SamplingParams(max_tokens=12))[0]
+    assert r.cached_tokens == 10, family
+    want_ids = cold.generate([prompt], SamplingParams(max_tokens=12))[0].output_ids
+    assert r.output_ids == want_ids, family
+    assert warm._graphs == graphs
+    warm.close()
+    cold.close()

@@ -13,10 +13,13 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
-from serve_fixtures import LiveServer, write_family_model, write_tiny_model  # noqa: E402
+from chat_templates import FAMILIES  # noqa: E402
+from serve_fixtures import (LiveServer, build_family_tokenizer, write_family_model,  # noqa: E402
+                            write_tiny_model)
 
 from cupool.engine import Engine, _common_prefix  # noqa: E402
 from cupool.sampling import SamplingParams  # noqa: E402
+from cupool.serve import chat, formats  # noqa: E402
 from cupool.serve.loader import load  # noqa: E402
 
 M = "tiny-moe"
@@ -116,3 +119,102 @@ def test_hybrid_model_resumes_each_turn(tmp_path):
         m = a.messages.create(model="next", max_tokens=4, messages=msgs)
         a.close()
     assert m.usage.cache_read_input_tokens > 0
+
+
+@pytest.mark.parametrize("family, model_type", [
+    ("qwen3_next", "qwen3_next"),                  # gated delta nets
+    ("qwen3_8_flash_next", "qwen4_exp_text"),      # gated delta nets, n-gram states, QSA
+    ("qwen3_next", "qwen3_moe"),                   # attention alone: the point changes nothing
+])
+def test_thinking_template_resumes_at_the_conversation_end(tmp_path, family, model_type):
+    """A chat template whose generation prompt opens `<think>` and whose history drops the
+    reasoning: the next turn keeps neither the previous prompt's end nor its answer, only the
+    conversation before the generation prompt. The server names that point (the tokens the
+    renderings with and without the generation prompt share), the engine keeps the recurrent
+    states there, and turn 2 resumes from them: cached_tokens is the point, only the rest is
+    prefilled, and the answer is a cold run's. Turn 3 through the Anthropic API reports its
+    cache read. A model of attention alone reuses the whole common prefix, as before."""
+    d = write_family_model(tmp_path / family, family, model_type=model_type)
+    model, _, tok = load(d, "cpu")
+    cold = Engine(model, tokenizer=tok, max_batch=1, max_len=1024, reuse_prefix=False)
+    stateful = model_type != "qwen3_moe"
+
+    def conversation_end(msgs) -> int:
+        text = tok.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    with LiveServer(d, max_batch=2, max_len=1024, model_name="m",
+                    engine_kwargs={"prefill_chunk": 16}) as s:
+        c = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "Hello there."}]
+        last_prompt = held = prev_point = None
+        for turn in range(2):
+            point = conversation_end(msgs)
+            before = s.engine.prefill_tokens
+            r = c.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True,
+                                                      "return_token_ids": True})
+            choice = r.choices[0]
+            prompt, output = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+            assert tok.decode(prompt).endswith("<|im_start|>assistant\n<think>\n")
+            assert 0 < point < len(prompt)
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            if turn == 0:
+                assert cached == 0
+            else:
+                # neither the last prompt nor its answer is a prefix of this prompt
+                assert _common_prefix(held, prompt) < len(last_prompt)
+                want = prev_point if stateful else min(_common_prefix(held, prompt),
+                                                       len(prompt) - 1)
+                assert cached == want > 0, (cached, want)
+            assert s.engine.prefill_tokens - before == len(prompt) - cached
+            ref = cold.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+            assert output == ref.output_ids, turn
+            last_prompt, held, prev_point = prompt, prompt + output, point
+            msgs += [{"role": "assistant", "content": choice.message.content or "ok"},
+                     {"role": "user", "content": f"And step {turn + 2}?"}]
+        c.close()
+        a = anthropic.Anthropic(base_url=s.base_url[:-3], api_key="unused", max_retries=0)
+        m = a.messages.create(model="m", max_tokens=4, messages=msgs)
+        a.close()
+    if stateful:
+        assert m.usage.cache_read_input_tokens == prev_point
+    assert m.usage.cache_read_input_tokens >= prev_point
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("tool_choice", [None, "required"])
+def test_plan_names_the_conversation_end(family, tool_choice):
+    """For every chat template the tests ship: the plan's resume_at is the conversation without
+    the generation prompt (ids[:resume_at] is that rendering's tokens), inside the prompt (the
+    generation prompt, and a tool-call opener, come after it), and the next turn's prompt starts
+    with those tokens."""
+    tok = build_family_tokenizer(family)
+    fmt = formats.detect(chat.template_text(tok))
+    tools = TOOLS if tool_choice else None
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Weather?"}]
+    p = chat.plan(tok, fmt, msgs, tools=tools, tool_choice=tool_choice)
+    conv = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=False, tokenize=False)
+    assert 0 < p.resume_at < len(p.ids), (family, p.resume_at, len(p.ids))
+    assert p.ids[:p.resume_at] == tok(conv, add_special_tokens=False)["input_ids"], family
+    nxt = chat.plan(tok, fmt, msgs + [{"role": "assistant", "content": "Sunny."},
+                                      {"role": "user", "content": "Thanks."}],
+                    tools=tools, tool_choice=tool_choice)
+    assert nxt.ids[:p.resume_at] == p.ids[:p.resume_at], family
+    assert nxt.resume_at > p.resume_at
+
+
+def test_plan_without_a_conversation_end():
+    """A template that refuses to render without the generation prompt: no point (None), and the
+    prompt is the one it renders with it."""
+    tok = build_family_tokenizer("qwen3")
+    tok.chat_template = ("{% if not add_generation_prompt %}{{ raise_exception('no') }}{% endif %}"
+                         "{% for m in messages %}{{ m.content }}{% endfor %}<|im_start|>")
+    p = chat.plan(tok, None, [{"role": "user", "content": "Hi."}])
+    assert p.resume_at is None and tok.decode(p.ids) == "Hi.<|im_start|>"

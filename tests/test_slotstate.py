@@ -177,6 +177,8 @@ def test_saved_states_copy_one_slot_at_fixed_addresses():
     saved = SavedStates(c, 2)
     with pytest.raises(RuntimeError, match="no state to save"):
         saved.save(0, 0)
+    with pytest.raises(RuntimeError, match="nothing has been saved"):
+        saved.read(0)
     c.decode_mode()
     c.update_conv_state(_rand(B, C, K), 0, conv_kernel_size=K)
     c.update_conv_state(torch.randint(0, 9, (B, 3), dtype=torch.int64), 1, state_idx=2,
@@ -196,6 +198,7 @@ def test_saved_states_copy_one_slot_at_fixed_addresses():
         t.copy_(torch.randint_like(t, 1, 50) if not t.is_floating_point() else torch.randn_like(t))
     other = [t[0].clone() for t in states]
     keys = c.layers[1].index_keys.clone()
+    assert all(torch.equal(r, w) for r, w in zip(saved.read(1), want))
     saved.load(1, 2)
     assert all(torch.equal(t[2], w) for t, w in zip(states, want))
     assert all(torch.equal(t[0], o) for t, o in zip(states, other))      # other slots untouched
@@ -207,5 +210,7 @@ def test_saved_states_copy_one_slot_at_fixed_addresses():
         saved.save(0, 2)
     with pytest.raises(ValueError, match="slot 3 out of range"):
         saved.load(0, 3)
+    with pytest.raises(ValueError, match="entry -1 out of range"):
+        saved.read(-1)
     with pytest.raises(ValueError, match="count must be an int >= 0"):
         SavedStates(c, -1)

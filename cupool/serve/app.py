@@ -288,7 +288,7 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
         if schema is not None:
             constraint = await run_in_threadpool(state.grammars.constraint, schema)
         gen = Generation(state, [plan.ids], params, prompt_param="messages", endpoint="chat",
-                         constraints=[constraint])
+                         constraints=[constraint], resume_at=[plan.resume_at])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         one_call = body.parallel_tool_calls is False
         if body.stream:
@@ -317,7 +317,8 @@ def create_app(engine, tokenizer, model_name: str, *, api_key: str | None = None
         plan, one_call = await run_in_threadpool(messages_plan, body)
         sp = messages.sampling_params(body)
         sp.skip_special_tokens = plan.skip_special_tokens
-        gen = Generation(state, [plan.ids], [sp], prompt_param="messages", endpoint="messages")
+        gen = Generation(state, [plan.ids], [sp], prompt_param="messages", endpoint="messages",
+                         resume_at=[plan.resume_at])
         mid = messages.message_id()
         if body.stream:
             return EventStream(_stream_message(gen, body, mid, plan, one_call), gen.cancel)

@@ -9,6 +9,12 @@ it, whether tool calls are parsed, whether special tokens stay in the text (form
 markers are special tokens). `ChatOutput` collects the parsed pieces into reasoning, content and
 tool calls.
 
+The plan also says where the conversation part of the prompt ends (`ChatPlan.resume_at`): the
+tokens the rendering with and without the generation prompt share. A next turn's prompt starts
+with them even where it keeps neither this prompt's end nor the answer (a generation prompt that
+opens `<think>`, a history that drops the reasoning), so the engine keeps a resume point there
+for models with recurrent layers (`Engine.submit(..., resume_at=)`).
+
 Messages come in OpenAI's shape (Anthropic requests are converted to it first): roles system /
 user / assistant / tool, an assistant message's `tool_calls` and `reasoning_content`, a tool
 message's `tool_call_id`.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from cupool.prefix import common_prefix
 from cupool.serve.formats import ChatFormat, Piece, ToolCall
 from cupool.serve.protocol import bad_request
 
@@ -45,6 +52,7 @@ class ChatPlan:
     tools: list | None             # tools whose calls are parsed (None: calls are text)
     opener: str                    # text the answer was started with ("": none)
     skip_special_tokens: bool
+    resume_at: int | None = None   # prompt tokens before the generation prompt (None: unknown)
 
     def output(self) -> ChatOutput:
         if self.fmt is None:
@@ -170,12 +178,29 @@ def plan(tokenizer, fmt: ChatFormat | None, messages: list[dict], *, tools: list
                           "grammar-constrained answer cannot hold; turn thinking off "
                           "(chat_template_kwargs {\"enable_thinking\": false})",
                           "response_format")
-    ids = tokenizer(text + opener, add_special_tokens=False)["input_ids"]
+    ids = [int(i) for i in tokenizer(text + opener, add_special_tokens=False)["input_ids"]]
+    resume_at = _conversation_end(tokenizer, msgs, tools, kwargs, ids)
     skip = True
     if fmt is not None:
         special = set(getattr(tokenizer, "all_special_tokens", []) or [])
         special |= {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
                     if getattr(t, "special", False)}
         skip = not any(m in special for m in fmt.markers)
-    return ChatPlan([int(i) for i in ids], text, None if structured else fmt,
-                    tools if parse else None, opener, skip)
+    return ChatPlan(ids, text, None if structured else fmt, tools if parse else None, opener,
+                    skip, resume_at)
+
+
+def _conversation_end(tokenizer, msgs: list[dict], tools, kwargs: dict,
+                      ids: list[int]) -> int | None:
+    """How many tokens of the prompt `ids` come before the generation prompt: the common prefix of
+    `ids` and the conversation rendered without it (None where the template refuses that
+    rendering). Tokens, not characters: where the two renderings tokenize differently at the
+    seam, the point stops before it, so it is always a prefix of this prompt."""
+    from jinja2 import TemplateError
+    try:
+        text = tokenizer.apply_chat_template(msgs, tools=tools or None,
+                                             add_generation_prompt=False, tokenize=False,
+                                             **kwargs)
+    except TemplateError:
+        return None
+    return common_prefix(tokenizer(text, add_special_tokens=False)["input_ids"], ids)

@@ -60,14 +60,15 @@ class ServerState:
 
 class Generation:
     """The engine requests of one HTTP request (one per prompt), their events handed from the
-    engine's thread to the event loop.
+    engine's thread to the event loop. `resume_at`: per prompt, where the engine keeps a resume
+    point (a chat's conversation end, `chat.ChatPlan.resume_at`), or None.
 
     `events()` yields (choice index, Event) until every request has finished; `cancel()` cancels
     those that have not (idempotent)."""
 
     def __init__(self, state: ServerState, prompts: list[list[int]], params: list,
                  prompt_param: str = "prompt", endpoint: str = "completions",
-                 constraints: list | None = None):
+                 constraints: list | None = None, resume_at: list | None = None):
         self.state = state
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -75,6 +76,7 @@ class Generation:
         self.index: dict[int, int] = {}
         self.endpoint = endpoint
         self.constraints = constraints or [None] * len(prompts)
+        self.resume_at = resume_at or [None] * len(prompts)
         self.started = time.perf_counter()
         self._last_token: dict[int, float] = {}
         state.check_queue(len(prompts))
@@ -87,7 +89,8 @@ class Generation:
 
     def _submit(self, i: int, n: int, ids: list[int], sp, prompt_param: str) -> None:
         try:
-            r = self.state.engine.submit(ids, sp, self._on_event, self.constraints[i])
+            r = self.state.engine.submit(ids, sp, self._on_event, self.constraints[i],
+                                         resume_at=self.resume_at[i])
         except ValueError as e:                  # the engine's checks: context, vocabulary
             where = f"prompt {i}: " if n > 1 else ""
             code = "context_length_exceeded" if "exceed the context" in str(e) else None
