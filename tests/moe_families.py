@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import warnings
 
 import torch
 
@@ -62,7 +63,12 @@ def moe_families() -> list[str]:
     for mt in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         name = model_type_to_module_name(mt)
         try:
-            mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            # some modeling files (gpt_bigcode's on transformers 5.17) call torch.jit.script at
+            # import, which newer torch deprecates: transformers' own code, not a call of ours
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated",
+                                        category=DeprecationWarning)
+                mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         except Exception:  # noqa: BLE001 (a family whose optional dependency is missing)
             continue
         for cname, c in vars(mod).items():
