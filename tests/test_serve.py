@@ -601,10 +601,12 @@ def _parse(argv):
     (["--model", "{model}", "--device", "abacus"], "--device 'abacus'"),
     (["--model", "{model}", "--log-level", "loud"], "--log-level"),
     (["--model", "{model}", "--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--model", "{model}", "--resume-points", "-2"], "--resume-points must be >= 0"),
     (["--model", "{model}", "--shutdown-timeout", "soon"], "--shutdown-timeout"),
     (["--model", "{model}", "--api-key", " "], "--api-key is empty"),
 ], ids=["missing-dir", "no-config", "port-range", "port-type", "max-batch", "budget",
-        "budget-on-cpu", "max-len", "device", "log-level", "max-queue", "shutdown-timeout",
+        "budget-on-cpu", "max-len", "device", "log-level", "max-queue", "resume-points",
+        "shutdown-timeout",
         "api-key"])
 def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     (tmp_path / "empty").mkdir()

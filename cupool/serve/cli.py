@@ -2,7 +2,8 @@
 (`HELP` is its one-line description for a subparser).
 
     python -m cupool serve --model DIR [--budget 40GiB] [--host 127.0.0.1 --port 8000]
-                           [--api-key KEY] [--max-queue N] [--shutdown-timeout S]
+                           [--api-key KEY] [--max-queue N] [--resume-points N]
+                           [--shutdown-timeout S]
 
 `run` checks every option before it loads anything: a user's mistake (a missing directory, no
 config.json, a port outside 0..65535, --max-batch < 1, a budget that does not parse, a CUDA
@@ -66,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", default=None, metavar="N",
                         help="most requests waiting for a slot; more are refused with 429 "
                              "(default: no bound)")
+    parser.add_argument("--resume-points", default=None, metavar="N",
+                        help="models with recurrent (linear-attention, Mamba) layers: copies of a "
+                             "slot's states kept on the GPU for prefix reuse, 0 for none "
+                             "(default: 3 x --max-batch; the log gives their size)")
     parser.add_argument("--no-fused", action="store_true",
                         help="run the model's own forward instead of cupool's fused decode step "
                              "(default: fused where the model fits)")
@@ -94,6 +99,7 @@ class Options:
     api_key: str | None = None
     max_queue: int | None = None
     shutdown_timeout: float = 30.0
+    resume_points: int | None = None
     fused: bool = True
     compile: bool = True
 
@@ -180,6 +186,8 @@ def check_options(args) -> Options:
         raise UsageError(f"--api-key is empty (leave it out, or set {ENV}, for no key)")
     api_key = key_from_env(args.api_key)
     max_queue = None if args.max_queue is None else _int(args.max_queue, "--max-queue", 0)
+    resume = getattr(args, "resume_points", None)
+    resume = None if resume is None else _int(resume, "--resume-points", 0)
     try:
         shutdown = float(str(args.shutdown_timeout).strip())
     except ValueError:
@@ -188,7 +196,7 @@ def check_options(args) -> Options:
     if not 0 <= shutdown < float("inf"):
         raise UsageError(f"--shutdown-timeout must be >= 0, got {shutdown}")
     return Options(model_dir, budget, str(args.host).strip(), port, device, max_batch, max_len,
-                   dtype, name, log_level, api_key, max_queue, shutdown,
+                   dtype, name, log_level, api_key, max_queue, shutdown, resume_points=resume,
                    fused=not getattr(args, "no_fused", False),
                    compile=device != "cpu" and not getattr(args, "no_compile", False))
 
@@ -260,12 +268,15 @@ def run(args) -> int:
             # the fastest step by default: fused where the model fits, else the compiled forward
             engine = Engine(model, pool, tokenizer=tokenizer, max_batch=opts.max_batch,
                             max_len=opts.max_len, fused=None if opts.fused else False,
-                            compile=opts.compile)
+                            compile=opts.compile, resume_points=opts.resume_points)
         except ValueError as e:
             return _fail(str(e))
         log.info("decode step: %s", engine.step_kind)
         if engine.graph:
             engine.warmup()               # compile and capture the decode step before "ready"
+        if engine.resume_point_bytes:
+            log.info("prefix reuse: %d resume points of %.1f MiB (--resume-points)",
+                     engine.prefix.saved.count, engine.resume_point_bytes / 2**20)
         engine.start()
         app = create_app(engine, tokenizer, opts.model_name, api_key=opts.api_key,
                          max_queue=opts.max_queue)
