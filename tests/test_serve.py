@@ -582,6 +582,30 @@ def test_loader(tmp_path, model_dir):
         load(broken, "cpu")
 
 
+
+def test_the_bank_leaves_room_for_the_kv_cache(model_dir, monkeypatch):
+    """On CUDA the loader asks from_pretrained to keep the KV cache of max_batch sequences of
+    max_len tokens out of the bank's share of the budget (no GPU needed: from_pretrained is
+    replaced by a recorder)."""
+    import cupool
+    from cupool.kvcache import kv_bytes_per_token
+    from cupool.serve import loader
+    from transformers import AutoConfig
+    seen = {}
+
+    def record(path, **kwargs):
+        seen.update(kwargs)
+        return "loaded"
+
+    monkeypatch.setattr(cupool, "from_pretrained", record)
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir))
+    assert per_token > 0
+    assert loader.load(model_dir, "cuda", budget="20GiB", max_batch=3, max_len=200) == "loaded"
+    assert seen["kv_reserve"] == per_token * 200 * 3
+    assert (seen["budget"], seen["max_decode_tokens"]) == ("20GiB", 3)
+    loader.load(model_dir, "cuda", max_batch=2)                       # default max_len: 256
+    assert seen["kv_reserve"] == per_token * 256 * 2
+
 # --- the serve command ------------------------------------------------------------------------------
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="cupool serve")

@@ -94,14 +94,16 @@ def load(model_dir, device, budget=None, max_batch: int = 8, max_len: int | None
 
     budget: GPU memory for the whole model (bytes or "40GiB"; CUDA only, None: cupool's default).
     max_batch: sequences decoded together (the pool is built for that many decode tokens).
-    max_len: checked against the model's positions (see `resolve_max_len`).
+    max_len: checked against the model's positions (see `resolve_max_len`); on CUDA the KV cache
+        of max_batch sequences of max_len tokens is kept out of the bank's share of the budget
+        (`kv_reserve`).
     dtype: of the weights and activations; None: the checkpoint's own on the CPU, cupool's
         default on CUDA.
     """
     import torch
 
     path = check_dir(model_dir)
-    resolve_max_len(read_config(path), max_len)
+    max_len = resolve_max_len(read_config(path), max_len)
     dev = torch.device(device)
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise LoadError(f"max_batch must be an int >= 1, got {max_batch!r}")
@@ -111,7 +113,7 @@ def load(model_dir, device, budget=None, max_batch: int = 8, max_len: int | None
                             "unwrapped (leave the budget out)")
         return _load_cpu(path, dtype)
     if dev.type == "cuda":
-        return _load_cuda(path, dev, budget, max_batch, dtype)
+        return _load_cuda(path, dev, budget, max_batch, max_len, dtype)
     raise LoadError(f"device {device!r} is not served: use cpu or cuda[:N]")
 
 
@@ -123,10 +125,20 @@ def _load_cpu(path: Path, dtype) -> Loaded:
     return Loaded(model.eval(), None, tokenizer)
 
 
-def _load_cuda(path: Path, device, budget, max_batch: int, dtype) -> Loaded:
+def kv_reserve(path: Path, max_batch: int, max_len: int) -> int:
+    """Bytes of the KV cache of max_batch sequences of max_len tokens (bf16 keys and values of
+    every attention layer, `cupool.kvcache.kv_bytes_per_token`): what the bank leaves free."""
+    from transformers import AutoConfig
+
+    from cupool.kvcache import kv_bytes_per_token
+    return kv_bytes_per_token(AutoConfig.from_pretrained(path)) * max_len * max_batch
+
+
+def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype) -> Loaded:
     import cupool
 
     kwargs = {} if dtype is None else {"dtype": dtype}
     if device.index is not None:
         kwargs["device"] = str(device)
-    return cupool.from_pretrained(path, budget=budget, max_decode_tokens=max_batch, **kwargs)
+    return cupool.from_pretrained(path, budget=budget, max_decode_tokens=max_batch,
+                                  kv_reserve=kv_reserve(path, max_batch, max_len), **kwargs)
