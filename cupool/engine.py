@@ -53,7 +53,7 @@ import torch
 
 from cupool import graphsafe
 from cupool.kvcache import ATTENTION_TYPES, STATE_TYPES
-from cupool.prefix import PrefixCache, common_prefix
+from cupool.prefix import PrefixCache
 from cupool.sampling import (MAX_LOGPROBS, SamplingParams, apply_token_mask, mask_words, sample,
                              token_logprobs)
 from cupool.slotstate import StateSlotCache
@@ -73,9 +73,6 @@ def _takes(model, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params
-
-
-_common_prefix = common_prefix          # the name callers and tests import from here
 
 
 def cache_kwarg(model) -> str:
@@ -251,7 +248,9 @@ class Engine:
         self._mask_bool = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
         n_layers = int(getattr(cfg, "num_hidden_layers"))
         B, dev = max_batch, self.device
-        self.cache = self._make_cache(cfg, n_layers)
+        # SlotCache's keys and values for attention layers, plus per-slot states for the layers
+        # that keep them (allocated on first use: an attention-only model holds SlotCache's alone)
+        self.cache = StateSlotCache(n_layers, B, max_len, self.dtype, dev)
         self.tok = torch.zeros(B, 1, dtype=torch.int64, device=dev)
         self.active = torch.zeros(B, dtype=torch.bool, device=dev)
         self.temperature = torch.zeros(B, dtype=torch.float32, device=dev)
@@ -374,12 +373,6 @@ class Engine:
         if isinstance(self._window, dict):
             return {kind: (None if w is NO_MASK else make(w)) for kind, w in self._window.items()}
         return make(self._window)
-
-    def _make_cache(self, cfg, n_layers: int) -> StateSlotCache:
-        """The slots' cache: SlotCache's keys and values for attention layers, plus per-slot
-        states for the layers that keep them (StateSlotCache allocates those on first use, so
-        an attention-only model holds exactly SlotCache's tensors)."""
-        return StateSlotCache(n_layers, self.max_batch, self.max_len, self.dtype, self.device)
 
     # --- requests -----------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None,
@@ -574,7 +567,7 @@ class Engine:
         self.seeds[b] = r.seed
         self.steps[b] = 0
         if start == 0:
-            self._reset_slot(b)
+            self.cache.reset_slot(b)     # clean per-slot states (attention rows need nothing)
         elif entry is not None:
             self.prefix.saved.load(entry, b)
         point = self.prefix.point_in_prompt(r.resume_at, start, S)
@@ -648,11 +641,6 @@ class Engine:
                         logprobs=any(r.params.logprobs is not None for r in live),
                         masked=any(r.constraint is not None for r in live))
 
-    def _reset_slot(self, b: int) -> None:
-        """A slot taking a new request starts from clean per-slot states (attention rows need
-        nothing: the masks hide every position past the slot's own)."""
-        self.cache.reset_slot(b)
-
     # --- decode steps ---------------------------------------------------------------------------------
     def _step(self, kind: "StepKind") -> None:
         """One decode step of every slot, device-only (what the graph captures)."""
@@ -697,7 +685,7 @@ class Engine:
         which every step advances, are put back afterwards)."""
         dev = self.device
         saved = self.active.clone()
-        states = self._save_states()
+        states = self.cache.snapshot()   # the dummy steps advance every slot's states
         if self.pool is not None:
             self.pool.close()
         self.active.zero_()
@@ -720,18 +708,10 @@ class Engine:
         finally:
             gc.enable()
         self.active.copy_(saved)
-        self._restore_states(states)
+        self.cache.restore(states)
         if self.pool is not None:
             self.pool.open()
         return g
-
-    def _save_states(self):
-        """A copy of every per-slot state (none for attention-only models): a decode step
-        advances the states of every slot, the dummy steps of a capture included."""
-        return self.cache.snapshot()
-
-    def _restore_states(self, states) -> None:
-        self.cache.restore(states)
 
     @torch.inference_mode()
     def _launch_step(self):

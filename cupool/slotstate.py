@@ -228,22 +228,25 @@ class StateSlotCache(SlotCache):
         return buf[b:b + 1, :e]
 
     # --- slots -------------------------------------------------------------------------------------
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every per-slot state tensor [B, ...] allocated so far, layer by layer."""
+        return [t for layer in self.layers for t in layer.tensors()]
+
     def reset_slot(self, slot: int) -> None:
         """Zero every state row of `slot` (its attention rows need nothing: positions past the
         slot's own are never visible)."""
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} out of range [0, {self.slots})")
-        for layer in self.layers:
-            for t in layer.tensors():
-                t[slot].zero_()
+        for t in self.state_tensors():
+            t[slot].zero_()
 
     def snapshot(self) -> list[torch.Tensor]:
         """Copies of every state tensor, for `restore`."""
-        return [t.clone() for layer in self.layers for t in layer.tensors()]
+        return [t.clone() for t in self.state_tensors()]
 
     def restore(self, saved: list[torch.Tensor]) -> None:
         """Copy a `snapshot` back in place (the addresses stay)."""
-        tensors = [t for layer in self.layers for t in layer.tensors()]
+        tensors = self.state_tensors()
         if len(tensors) != len(saved):
             raise ValueError(f"a snapshot of {len(saved)} tensors for a cache of {len(tensors)}")
         for t, s in zip(tensors, saved):
@@ -251,7 +254,7 @@ class StateSlotCache(SlotCache):
 
     def state_bytes(self) -> int:
         """Bytes of every per-slot state allocated so far (all slots)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
+        return sum(t.numel() * t.element_size() for t in self.state_tensors())
 
     def release(self) -> None:
         """Drop every tensor (keys, values, states); the cache cannot be used afterwards."""

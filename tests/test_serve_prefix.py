@@ -17,7 +17,8 @@ from chat_templates import FAMILIES  # noqa: E402
 from serve_fixtures import (LiveServer, build_family_tokenizer, write_family_model,  # noqa: E402
                             write_tiny_model)
 
-from cupool.engine import Engine, _common_prefix  # noqa: E402
+from cupool.engine import Engine  # noqa: E402
+from cupool.prefix import common_prefix as _common_prefix  # noqa: E402
 from cupool.sampling import SamplingParams  # noqa: E402
 from cupool.serve import chat, formats  # noqa: E402
 from cupool.serve.loader import load  # noqa: E402
