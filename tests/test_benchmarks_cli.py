@@ -277,6 +277,20 @@ def test_bench_decode_merge_refusals(tmp_path):
     assert bd.merged_modes(path, run) == {"resident": {"locality": {}}}
 
 
+def test_bench_decode_shape_keys():
+    """Every --model's full and tiny shapes give (L, E, K, H, I, vocab): Qwen3-MoE and qwen4_exp
+    name the expert width moe_intermediate_size, gpt-oss intermediate_size."""
+    bd = load("bench_decode.py")
+    for model, (full, *_rest) in bd.MODELS.items():
+        for shape in (full, bd.TINY_SHAPES[model]):
+            L, E, K, H, I, vocab = bd.shape_keys(shape)
+            assert (L, E, K, H) == (shape["num_hidden_layers"],
+                                    shape.get("num_experts", shape.get("num_local_experts")),
+                                    shape["num_experts_per_tok"], shape["hidden_size"]), model
+            assert I == shape.get("moe_intermediate_size") or I == shape["intermediate_size"]
+    assert bd.shape_keys(bd.MODELS["qwen4_exp"][0])[4] == 512
+
+
 def test_argument_types():
     from cupool.cli import bounded_int, fields, output_file, positive_float, positive_int
     assert bounded_int(2)("2") == 2 and bounded_int(16, multiple_of=16)("48") == 48
