@@ -41,10 +41,13 @@ class ResidentBackend:
         L, E = pool.num_layers, pool.num_experts
         stride = pool.store.row_stride
         self.rows = torch.empty(L * E, stride, dtype=torch.uint8, device=pool.device)
-        for layer in range(L):
+        cp = _cuda.cupy()
+        stream = torch.cuda.current_stream().cuda_stream
+        for layer in range(L):       # from the pinned rows' device addresses (the store is sealed)
             for e in range(E):
-                self.rows[layer * E + e, :pool.store.row_bytes].copy_(
-                    torch.from_numpy(pool.store.row(layer, e)), non_blocking=True)
+                cp.cuda.runtime.memcpyAsync(self.rows[layer * E + e].data_ptr(),
+                                            pool.store.address(layer, e), pool.store.row_bytes,
+                                            cp.cuda.runtime.memcpyHostToDevice, stream)
         torch.cuda.synchronize()
         self.table = self.rows.data_ptr() + torch.arange(L * E, device=pool.device) * stride
 

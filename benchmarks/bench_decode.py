@@ -461,24 +461,28 @@ def main(args) -> None:
             except Exception as e:  # noqa: BLE001 (report the failure, keep the other results)
                 print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr)
                 modes[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
-    # headline ratios
+    # headline ratios: null where either side was not measured in the results
     def tps(mode, routing="locality"):
         return modes.get(mode, {}).get(routing, {}).get("tok_per_s")
+
+    def ratio(a, b):
+        return a / b if a and b else None
     hf = max([v for v in (tps("hf-bf16-batched_mm", "own-router"),
-                          tps("hf-bf16-grouped_mm", "own-router")) if v] or [float("nan")])
+                          tps("hf-bf16-grouped_mm", "own-router")) if v], default=None)
     results["ratios"] = {
-        "pool50_over_uva_eager_locality": (tps("pool-50") or 0) / (tps("uva-eager") or float("nan")),
-        "pool50_over_uva_graph_locality": (tps("pool-50") or 0) / (tps("uva-graph") or float("nan")),
-        "pool50_over_host_lru_locality": (tps("pool-50") or 0) / (tps("host-lru") or float("nan")),
-        "pool50_over_hf_bf16_locality": (tps("pool-50") or 0) / hf,
+        "pool50_over_uva_eager_locality": ratio(tps("pool-50"), tps("uva-eager")),
+        "pool50_over_uva_graph_locality": ratio(tps("pool-50"), tps("uva-graph")),
+        "pool50_over_host_lru_locality": ratio(tps("pool-50"), tps("host-lru")),
+        "pool50_over_hf_bf16_locality": ratio(tps("pool-50"), hf),
         "pool50_over_hf_bf16_compiled_locality":
-            (tps("pool-50") or 0) / (tps("hf-bf16-batched_mm-compiled", "own-router") or float("nan")),
-        "pool100_over_resident_uniform": (tps("pool-100", "uniform") or 0) / (tps("resident", "uniform") or float("nan")),
-        "pool100_over_resident_locality": (tps("pool-100") or 0) / (tps("resident") or float("nan")),
-        "pool50_over_resident_uniform": (tps("pool-50", "uniform") or 0) / (tps("resident", "uniform") or float("nan")),
-        "pool50_over_resident_locality": (tps("pool-50") or 0) / (tps("resident") or float("nan")),
+            ratio(tps("pool-50"), tps("hf-bf16-batched_mm-compiled", "own-router")),
+        "pool100_over_resident_uniform": ratio(tps("pool-100", "uniform"),
+                                               tps("resident", "uniform")),
+        "pool100_over_resident_locality": ratio(tps("pool-100"), tps("resident")),
+        "pool50_over_resident_uniform": ratio(tps("pool-50", "uniform"), tps("resident", "uniform")),
+        "pool50_over_resident_locality": ratio(tps("pool-50"), tps("resident")),
     }
-    print("ratios:", {k: round(v, 3) for k, v in results["ratios"].items()})
+    print("ratios:", {k: round(v, 3) for k, v in results["ratios"].items() if v is not None})
     save(result_name, results, out)
     layers = modes.get("pool-50", {}).get("locality") or modes.get("pool-50", {}).get("uniform")
     if out is not None and layers:
