@@ -29,6 +29,14 @@
 //   part through L2 and merges them (with the sink's exp(sink − m) in the denominator), and puts
 //   count[b, h] back to zero for the next launch. An empty part (−inf, 0, zeros) weighs 0.
 //   The merge's part weights live in the block's scratch: G · NS ≤ max(G, 2) · D, so NS ≤ 64.
+//
+// AHEAD = 1: a tile's loads are issued together, ahead of their use. A warp's value rows of the
+// tile (TP / NWARP positions) go into registers at the start of the tile, before the scores and
+// the softmax, which they do not depend on, and P·V multiplies registers; a thread's key loads
+// for its scores are issued eight at a time (all of them up to D = 128). With AHEAD = 0 each P·V position's
+// load is issued in its loop iteration, after the softmax, and the key loads two at a time: one
+// L2 round trip after another, which one warp a scheduler does not hide. The sums run in the
+// same order either way: the outputs are the same bits.
 #include "common.cuh"
 
 #ifndef D
@@ -39,6 +47,9 @@
 #endif
 #ifndef MINCHUNK
 #define MINCHUNK 64       // fewest positions a part
+#endif
+#ifndef AHEAD
+#define AHEAD 0           // 1: a tile's key and value loads issued ahead of their use (below)
 #endif
 #define TP 64             // positions a tile
 #define THREADS 128
@@ -77,6 +88,24 @@ CUPOOL_DEVICE void load_dims(const u16* p, float* f) {
     }
 #endif
 }
+
+#if AHEAD
+// A lane's DPL values of a cache row as raw bf16 pairs (loaded now, unpacked when used).
+#define VWORDS (DPL / 2)
+CUPOOL_DEVICE void load_raw(const u16* p, u32* w) {
+#if DPL % 4 == 0
+#pragma unroll
+    for (int i = 0; i < DPL; i += 4) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p + i);
+        w[i / 2] = v.x;
+        w[i / 2 + 1] = v.y;
+    }
+#else
+#pragma unroll
+    for (int i = 0; i < DPL; i += 2) w[i / 2] = *reinterpret_cast<const u32*>(p + i);
+#endif
+}
+#endif
 
 CUPOOL_DEVICE float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
@@ -182,6 +211,20 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         for (int i = 0; i < DPL; ++i) acc[g][i] = 0.0f;
 
     for (i64 j0 = start; j0 < end; j0 += TP) {
+#if AHEAD
+        // this warp's P·V positions j0 + warp + i·NWARP: their value rows, asked for now
+        u32 vraw[TP / NWARP][VWORDS];
+#pragma unroll
+        for (int i = 0; i < TP / NWARP; ++i) {
+            const i64 j = j0 + warp + i * NWARP;
+            if (j < end) {
+                load_raw(vc + cache_base + j * D + lane * DPL, vraw[i]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < VWORDS; ++k) vraw[i][k] = 0u;
+            }
+        }
+#endif
         // scores: thread pair (2p, 2p + 1) takes position j0 + p, half the head dim each
         {
             const int p = threadIdx.x >> 1, half = threadIdx.x & 1;
@@ -192,7 +235,11 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
             if (j < end) {
                 const u16* k = kc + cache_base + j * D + half * (D / 2);
                 const float* q = qs + half * (D / 2);
+#if AHEAD
+#pragma unroll 8                    // every key load of D ≤ 128 at once; half of them at 256
+#else
 #pragma unroll 2
+#endif
                 for (int c = 0; c < D / 2; c += 8) {
                     const u32x4 v = *reinterpret_cast<const u32x4*>(k + c);
                     const u32 wv[4] = {v.x, v.y, v.z, v.w};
@@ -239,6 +286,25 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         for (int g = 0; g < G; ++g)
 #pragma unroll
             for (int i = 0; i < DPL; ++i) acc[g][i] *= alpha[g];
+#if AHEAD
+#pragma unroll
+        for (int i = 0; i < TP / NWARP; ++i) {
+            const int p = warp + i * NWARP;
+            if (j0 + p >= end) break;
+            float vf[DPL];
+#pragma unroll
+            for (int k = 0; k < VWORDS; ++k) {
+                vf[2 * k] = __uint_as_float(vraw[i][k] << 16);
+                vf[2 * k + 1] = __uint_as_float(vraw[i][k] & 0xffff0000u);
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float pr = sc[g][p];
+#pragma unroll
+                for (int k = 0; k < DPL; ++k) acc[g][k] += pr * vf[k];
+            }
+        }
+#else
         for (int p = warp; p < TP && j0 + p < end; p += NWARP) {
             float vf[DPL];
             load_dims(vc + cache_base + (j0 + p) * D + lane * DPL, vf);
@@ -249,6 +315,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
                 for (int i = 0; i < DPL; ++i) acc[g][i] += pr * vf[i];
             }
         }
+#endif
         __syncthreads();
     }
 

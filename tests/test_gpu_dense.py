@@ -137,8 +137,9 @@ ATTN_CASES = [  # B, nh, hk, D, L, qk_norm, window, sinks
 ]
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", ATTN_CASES)
-def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sinks):
+def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sinks, ahead):
     from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
     gen = torch.Generator(device="cuda").manual_seed(B * 1000 + L)
     qkv = rand(B, (nh + 2 * hk) * D, gen=gen)
@@ -157,7 +158,7 @@ def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sin
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms), "cuda")
     op = DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
-                         window=window, sinks=sk, workspace=ws)
+                         window=window, sinks=sk, workspace=ws, ahead=ahead)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kc_ref, vc_ref,
                                 D ** -0.5, window, sk)
@@ -175,6 +176,44 @@ def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sin
         assert torch.equal(got.transpose(1, 2)[~written], exp.transpose(1, 2)[~written])
         new, new_ref = got.transpose(1, 2)[written].float(), exp.transpose(1, 2)[written].float()
         assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
+
+
+@pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", ATTN_CASES)
+def test_dense_attention_ahead_gives_the_same_bits(B, nh, hk, D, L, qk_norm, window, sinks):
+    """The AHEAD build only issues its loads earlier: output and cache writes equal the default
+    build's bit for bit, at positions spread over the cache (several tiles a part) and at 0."""
+    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
+    gen = torch.Generator(device="cuda").manual_seed(7 * B + L)
+    qkv = rand(B, (nh + 2 * hk) * D, gen=gen)
+    kc = rand(B, hk, L, D, gen=gen)
+    vc = rand(B, hk, L, D, gen=gen)
+    ang = torch.rand(L, D // 2, device="cuda", generator=gen) * 6.3
+    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
+    qn = rand(D, scale=0.3, gen=gen) + 1 if qk_norm else None
+    kn = rand(D, scale=0.3, gen=gen) + 1 if qk_norm else None
+    sk = rand(nh, gen=gen) if sinks else None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    outs = []
+    for ahead in (False, True):
+        ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms), "cuda")
+        op = DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
+                             window=window, sinks=sk, workspace=ws, ahead=ahead)
+        k, v = kc.clone(), vc.clone()
+        got = []
+        for p in (L - 1, L // 2 + 3, 0):
+            pos = torch.full((B,), p, dtype=torch.int64, device="cuda")
+            pos[0] = L - 1 - p // 3
+            out = poison(B, nh * D)
+            op(qkv, pos, k, v, cos, sin, out)
+            got.append(out)
+        torch.cuda.synchronize()
+        outs.append((got, k, v))
+    (base, k0, v0), (ahead, k1, v1) = outs
+    for i, (a, b) in enumerate(zip(base, ahead)):
+        assert not a.isnan().any()
+        assert torch.equal(a, b), (i, rel(b, a))
+    assert torch.equal(k0, k1) and torch.equal(v0, v1)
 
 
 def test_dense_attention_replays_at_new_positions():

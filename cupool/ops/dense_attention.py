@@ -73,11 +73,13 @@ class DecodeAttention:
         window: sliding window (positions a token sees, itself included) or 0 for none.
         sinks: bf16 [nh] or None.
         workspace: an AttentionWorkspace of matching shape (shared by a step's layers).
+        ahead: the build that issues a tile's key and value loads ahead of their use (the
+            kernel's AHEAD; the same output bits, more registers).
     """
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, *, q_norm=None, k_norm=None,
                  eps: float = 1e-6, scale: float, window: int = 0, sinks=None,
-                 workspace: AttentionWorkspace):
+                 workspace: AttentionWorkspace, ahead: bool = False):
         for name, v in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -107,8 +109,12 @@ class DecodeAttention:
         self.q_norm, self.k_norm, self.sinks = q_norm, k_norm, sinks
         self.eps, self.scale, self.window = float(eps), float(scale), int(window)
         self.workspace, self.device = ws, dev
-        self.kernel = kernels.function("dense_attention", "dense_attention",
-                                       {"D": head_dim, "G": G, "MINCHUNK": MINCHUNK}, dev.index)
+        if not isinstance(ahead, bool):
+            raise ValueError(f"ahead must be True or False, got {ahead!r}")
+        defines = {"D": head_dim, "G": G, "MINCHUNK": MINCHUNK}
+        if ahead:
+            defines["AHEAD"] = 1
+        self.kernel = kernels.function("dense_attention", "dense_attention", defines, dev.index)
 
     def __call__(self, qkv: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
