@@ -137,11 +137,9 @@ ATTN_CASES = [  # B, nh, hk, D, L, qk_norm, window, sinks
 ]
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-@pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", ATTN_CASES)
-def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sinks, ahead):
-    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
-    gen = torch.Generator(device="cuda").manual_seed(B * 1000 + L)
+def _attention_inputs(B, nh, hk, D, L, qk_norm, sinks, gen):
+    """Random qkv [B, (nh + 2hk)·D], caches [B, hk, L, D], rotary tables [L, D] (random angles),
+    q/k norm weights (or None) and sinks (or None)."""
     qkv = rand(B, (nh + 2 * hk) * D, gen=gen)
     kc = rand(B, hk, L, D, gen=gen)
     vc = rand(B, hk, L, D, gen=gen)
@@ -151,6 +149,15 @@ def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sin
     qn = rand(D, scale=0.3, gen=gen) + 1 if qk_norm else None
     kn = rand(D, scale=0.3, gen=gen) + 1 if qk_norm else None
     sk = rand(nh, gen=gen) if sinks else None
+    return qkv, kc, vc, cos, sin, qn, kn, sk
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", ATTN_CASES)
+def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sinks, ahead):
+    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
+    gen = torch.Generator(device="cuda").manual_seed(B * 1000 + L)
+    qkv, kc, vc, cos, sin, qn, kn, sk = _attention_inputs(B, nh, hk, D, L, qk_norm, sinks, gen)
     pos = torch.randint(0, L, (B,), device="cuda", generator=gen)
     pos[0] = L - 1
     if B > 1:
@@ -184,15 +191,7 @@ def test_dense_attention_ahead_gives_the_same_bits(B, nh, hk, D, L, qk_norm, win
     build's bit for bit, at positions spread over the cache (several tiles a part) and at 0."""
     from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
     gen = torch.Generator(device="cuda").manual_seed(7 * B + L)
-    qkv = rand(B, (nh + 2 * hk) * D, gen=gen)
-    kc = rand(B, hk, L, D, gen=gen)
-    vc = rand(B, hk, L, D, gen=gen)
-    ang = torch.rand(L, D // 2, device="cuda", generator=gen) * 6.3
-    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16)
-    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
-    qn = rand(D, scale=0.3, gen=gen) + 1 if qk_norm else None
-    kn = rand(D, scale=0.3, gen=gen) + 1 if qk_norm else None
-    sk = rand(nh, gen=gen) if sinks else None
+    qkv, kc, vc, cos, sin, qn, kn, sk = _attention_inputs(B, nh, hk, D, L, qk_norm, sinks, gen)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     outs = []
     for ahead in (False, True):
