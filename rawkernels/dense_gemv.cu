@@ -26,7 +26,8 @@
 //   MODE 0 (plain): x = in
 //   MODE 1 (norm):  h = in (+ add) rounded to bf16 (the residual stream's sum), then
 //                   x = bf16(nw · bf16(h · rsqrt(mean(h²) + eps))), transformers' RMSNorm with
-//                   its two roundings; block 0 writes h to h_out and x to x_out where given.
+//                   its two roundings; block 0 (KS > 1: the blocks of tile 0, each its slice)
+//                   writes h to h_out and x to x_out where given.
 // Epilogues:
 //   EPI 0: out[n, r] = bf16(acc + bias[r])
 //   EPI 1: out[n, r] = bf16(res2[n, r] + bf16(acc + bias[r]))           (o-projection + residual)
