@@ -9,6 +9,9 @@ Kernels are grouped: cupool MoE (plan, copies, MoE GEMM), cupool dense (the fuse
 and attention), matmul (cuBLAS), attention (torch's), and elementwise/reduction (norms, rotary,
 router softmax/top-k, residuals, casts, sampling). The difference between the graph's time and
 the sum of kernel times is the gaps between kernels.
+The fused step's GEMVs run the launch shapes CUPOOL_DENSE_SHAPE names (e.g.
+`CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8`; `cupool/fused.py`), so shapes are compared by running
+this script under each value; the step printed (and the JSON's "step") names the value.
 
 Prints its tables; writes the figures as JSON only to --json PATH.
 """

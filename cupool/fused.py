@@ -27,12 +27,21 @@ exactly), each router by a probe against `cupool.reference.dense.route_topk` (so
 without renormalisation, weights in the dtype it returns), bf16 weights on the pool's device.
 A model that does not fit raises `Unsupported` with the reason; the engine then runs the model's
 own forward.
+
+Launch shapes: every GEMV runs the default shape (`DenseGemv`'s warps=8, split_k=1) unless
+CUPOOL_DENSE_SHAPE names another, read when a FusedStep is built: comma-separated `gemv=shape`
+entries, gemv one of qkv, o, router, head and shape `w<warps>`, `k<split_k>` or both (`w4k2`),
+e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8`. A malformed value, or a split_k a GEMV's K
+cannot take (fewer than 32 columns a block), raises ValueError naming the variable: a shape asked
+for is never dropped silently.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 
 import torch
 from torch import nn
@@ -45,7 +54,15 @@ from cupool.ops.dense_attention import (
     DecodeAttention,
     parts,
 )
-from cupool.ops.dense_gemv import PLAIN, RESIDUAL, ROUTE, DenseGemv, RouteOut
+from cupool.ops.dense_gemv import (
+    PLAIN,
+    RESIDUAL,
+    ROUTE,
+    WARPS,
+    DenseGemv,
+    RouteOut,
+    check_launch_shape,
+)
 from cupool.reference.dense import (
     AttentionReference,
     GemvReference,
@@ -60,6 +77,45 @@ _MOE_CHILDREN = {"gate", "experts"}
 # attention modules with these attributes compute something else than the pattern (latent
 # attention, logit soft-capping, gated outputs, sinks)
 _ATTN_REFUSE = ("q_a_proj", "kv_a_proj_with_mqa", "attn_logit_softcapping", "sinks", "gate_proj")
+
+
+DENSE_SHAPE_ENV = "CUPOOL_DENSE_SHAPE"
+DENSE_GEMVS = ("qkv", "o", "router", "head")
+_SHAPE = re.compile(r"(?:w([0-9]+))?(?:k([0-9]+))?")
+
+
+def parse_dense_shape(text: str) -> dict[str, dict[str, int]]:
+    """{gemv: DenseGemv launch-shape keywords} of a CUPOOL_DENSE_SHAPE value (the module
+    docstring gives the format); "" names none. Strict: an unknown GEMV, a GEMV named twice, a
+    shape other than w<n>, k<n>, w<n>k<n>, or a warps / split_k DenseGemv does not take raises
+    ValueError naming the variable and the value."""
+    shapes: dict[str, dict[str, int]] = {}
+    if text == "":
+        return shapes
+    for entry in text.split(","):
+        name, eq, shape = entry.partition("=")
+        m = _SHAPE.fullmatch(shape)
+        why = None
+        if not eq or name not in DENSE_GEMVS:
+            why = f"entry {entry!r} is not <gemv>=<shape> with gemv one of {', '.join(DENSE_GEMVS)}"
+        elif name in shapes:
+            why = f"{name} is named twice"
+        elif m is None or shape == "":
+            why = f"{name}'s shape {shape!r} is not w<warps>, k<split_k> or w<warps>k<split_k>"
+        if why is None:
+            kw = {}
+            if m.group(1) is not None:
+                kw["warps"] = int(m.group(1))
+            if m.group(2) is not None:
+                kw["split_k"] = int(m.group(2))
+            try:
+                check_launch_shape(kw.get("warps", WARPS), kw.get("split_k", 1), None)
+            except ValueError as e:
+                why = f"{name}: {e}"
+            shapes[name] = kw
+        if why is not None:
+            raise ValueError(f"{DENSE_SHAPE_ENV}={text!r}: {why}")
+    return shapes
 
 
 class Unsupported(ValueError):
@@ -229,10 +285,13 @@ class FusedStep:
         H = embed.weight.shape[1]
         self.model, self.pool, self.cache, self.device = model, pool, cache, dev
         self.tokens, self.hidden = int(tokens), H
+        self._shape_env = os.environ.get(DENSE_SHAPE_ENV, "")
+        self.dense_shape = parse_dense_shape(self._shape_env)
         self.final_eps = check_rms_norm(base.norm, "model.norm", H)
         self.final_norm = base.norm.weight
         self.embed = embed.weight
-        self.head = self._gemv([head.weight], tokens=tokens, norm=True, epilogue=PLAIN)
+        self.head = self._gemv([head.weight], tokens=tokens, norm=True, epilogue=PLAIN,
+                               **self._shape("head", H))
         self.vocab = head.weight.shape[0]
         by_parent = {} if pool is None else {id(s.parent): s.index for s in pool.specs}
         layer_types = getattr(cfg, "layer_types", None)
@@ -349,11 +408,15 @@ class FusedStep:
             raise Unsupported(f"{where}.mlp.gate returns {w_dtype} weights, other layers "
                               f"{self._w_dtype}")
         B = self.tokens
+        shapes = {"qkv": self._shape("qkv", H), "o": self._shape("o", nh * D),
+                  "router": self._shape("router", H)}
         try:
             qkv = self._gemv([wq, wk, wv], None if bq is None else [bq, bk, bv], tokens=B,
-                             norm=True, epilogue=PLAIN)
-            o = self._gemv([wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL)
-            router = self._gemv([mlp.gate.weight], tokens=B, norm=True, epilogue=ROUTE)
+                             norm=True, epilogue=PLAIN, **shapes["qkv"])
+            o = self._gemv([wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL,
+                           **shapes["o"])
+            router = self._gemv([mlp.gate.weight], tokens=B, norm=True, epilogue=ROUTE,
+                                **shapes["router"])
             # the attention launcher is made once every layer is matched (they share a workspace
             # of the heads' shape)
             att = {"q_norm": None if qn is None else qn.weight,
@@ -367,10 +430,23 @@ class FusedStep:
                           layer.input_layernorm.weight, in_eps,
                           layer.post_attention_layernorm.weight, post_eps, moe)
 
+    def _shape(self, gemv: str, K: int) -> dict[str, int]:
+        """The launch-shape keywords CUPOOL_DENSE_SHAPE gives `gemv` (K: its inner dim), checked
+        here so that a shape the GEMV cannot take raises rather than unfusing the layer."""
+        kw = self.dense_shape.get(gemv, {})
+        try:
+            check_launch_shape(kw.get("warps", WARPS), kw.get("split_k", 1), K)
+        except ValueError as e:
+            raise ValueError(f"{DENSE_SHAPE_ENV}={self._shape_env!r}: {gemv}: {e}") from None
+        return kw
+
     def describe(self) -> str:
-        """One line: how many layers are fused, and why the others are not."""
+        """One line: how many layers are fused (and the launch shapes asked for), and why the
+        others are not."""
         fused = sum(isinstance(l, FusedLayer) for l in self.layers)
         text = f"fused decode step: {fused} of {len(self.layers)} layers"
+        if self.dense_shape:
+            text += f" ({DENSE_SHAPE_ENV}={self._shape_env})"
         others = [l for l in self.layers if isinstance(l, ModelLayer)]
         if others:
             text += f"; transformers' modules for layers {[l.index for l in others]} ({others[0].reason})"

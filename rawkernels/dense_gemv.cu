@@ -26,7 +26,8 @@
 //   MODE 0 (plain): x = in
 //   MODE 1 (norm):  h = in (+ add) rounded to bf16 (the residual stream's sum), then
 //                   x = bf16(nw · bf16(h · rsqrt(mean(h²) + eps))), transformers' RMSNorm with
-//                   its two roundings; block 0 writes h to h_out and x to x_out where given.
+//                   its two roundings; block 0 (KS > 1: the blocks of tile 0, each its slice)
+//                   writes h to h_out and x to x_out where given.
 // Epilogues:
 //   EPI 0: out[n, r] = bf16(acc + bias[r])
 //   EPI 1: out[n, r] = bf16(res2[n, r] + bf16(acc + bias[r]))           (o-projection + residual)
@@ -41,9 +42,23 @@
 // r < n0, row r − n0 of w1 for r < n0 + n1, else row r − n0 − n1 of w2 — the weights are used
 // where they lie, no concatenated copy is kept. Biases (bf16) likewise, null where absent.
 //
-// Who writes what: out / logits rows of a block are written by that block only; h_out and x_out
-// by block 0 only (every block computes the same h and x for itself); ids and weights by the last
-// block only, after every block's logits are visible (fence, then the ticket).
+// Split K (KS > 1; KS = 1 is the code without any of this): the grid is tiles × KS blocks, block
+// (tile, ks) = (blockIdx.x, blockIdx.y) takes K columns [kb, ke), slice ks of KS of whole chunks
+// of 32 (the last slice also takes a partial chunk where K is not whole chunks); its warps split
+// the slice as above. A small grid (a router, an o-projection of fewer tiles than SMs) then has
+// enough blocks to keep every SM's loads in flight. The norm's statistics are over the whole row,
+// so with MODE 1 every block still sums all K columns' squares, then stages only its slice of x.
+// Each block writes its sums to partial[ks, n, r] (float32 [KS, NB, N]); the last of a tile's KS
+// blocks (a ticket a tile, put back to zero by that block) adds the KS partials in the order
+// ks = 0 .. KS − 1 and runs the epilogue. The result does not depend on which block finishes
+// last, but its float sums run in another order than KS = 1's, so it may differ from KS = 1's
+// by rounding. With EPI 2 the tiles' last blocks are the ones that take the routing ticket.
+//
+// Who writes what: out / logits rows of a tile are written by one block only (with KS > 1 the
+// tile's last block; partial[ks] rows by block (tile, ks)); h_out and x_out by the blocks of
+// tile 0 only (every block computes the same h and x for itself; with KS > 1 each writes its
+// slice); ids and weights by the last block only, after every tile's logits are visible (fence,
+// then the ticket).
 #include "common.cuh"
 
 #ifndef NB
@@ -64,6 +79,9 @@
 #ifndef U
 #define U (RT > 1 ? 2 : 4)   // chunks a register buffer holds (two buffers: 2·U chunks in flight)
 #endif
+#ifndef KS
+#define KS 1              // blocks a row tile's K is split over
+#endif
 
 #define NT ((NB + 7) / 8)           // MMA n tiles of 8 tokens
 #define NBP (NT * 8)                // tokens padded to the tiles (the padding multiplies zeros)
@@ -74,6 +92,8 @@
 
 static_assert(NB >= 1 && NB <= 16, "a decode GEMV takes 1 to 16 tokens");
 static_assert(KT % 32 == 0, "x tiles are whole chunks");
+static_assert(WARPS == 4 || WARPS == 8, "a block of 4 or 8 warps");
+static_assert(KS >= 1 && KS <= 16, "K split over 1 to 16 blocks");
 
 struct Rows {
     const u16* w[3];
@@ -176,7 +196,11 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
            const u16* in, const u16* add, const u16* __restrict__ nw, float eps,
            u16* h_out, u16* x_out, const u16* res2, u16* out,
            float* logits, i32* ids, void* wts, i32 topk, i32 norm_topk, i32 w_f32,
-           const u8* active, i32* ticket) {
+           const u8* active, i32* ticket
+#if KS > 1
+           , float* partial, i32* tile_ticket
+#endif
+           ) {
     // x tiles; after the last tile the warps' partial sums (red), then the routing logits
     __shared__ __align__(16) u16 xs[NBP * XSTRIDE];
     static_assert(sizeof(float) * WARPS * RT * 16 * NBP <= sizeof(u16) * NBP * XSTRIDE,
@@ -187,6 +211,15 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #endif
 #if EPI == 2
     __shared__ int last;
+#endif
+#if KS > 1
+    __shared__ int tile_last;
+    // this block's K slice [kb, ke): whole chunks, split as evenly as chunks allow
+    const i32 k_chunks = (K + 31) / 32;
+    const i32 kb = (i32)blockIdx.y * k_chunks / KS * 32;
+    const i32 ke = min(K, ((i32)blockIdx.y + 1) * k_chunks / KS * 32);
+#else
+    const i32 kb = 0, ke = K;
 #endif
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -222,7 +255,7 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
             const i32 k = k0 + (c0 + u * WARPS) * 32;
 #pragma unroll
             for (int rt = 0; rt < RT; ++rt) {
-                const bool ok = k + t * 8 < K && k < k0 + KT;
+                const bool ok = k + t * 8 < ke && k < k0 + KT;
                 lo[u][rt] = ok ? ld_stream16(pa[rt] + k) : zero;
                 hi[u][rt] = ok ? ld_stream16(pb[rt] + k) : zero;
             }
@@ -248,12 +281,12 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
     };
 
     // both buffers' first chunks of the first x tile: only weights, so before the wait
-    const i32 chunks0 = min((i32)KT, K) / 32 + ((min((i32)KT, K) % 32) != 0);
-    load(a_lo, a_hi, 0, warp);
-    if (warp + WARPS * U < chunks0) load(b_lo, b_hi, 0, warp + WARPS * U);
+    const i32 chunks0 = min((i32)KT, ke - kb) / 32 + ((min((i32)KT, ke - kb) % 32) != 0);
+    load(a_lo, a_hi, kb, warp);
+    if (warp + WARPS * U < chunks0) load(b_lo, b_hi, kb, warp + WARPS * U);
 #if MODE == 1
-    // the norm's weights are read only while x is staged: bring them to L2 now
-    for (i32 k = threadIdx.x * 64; k < K; k += WARPS * 32 * 64) prefetch_l2(nw + k);
+    // the norm's weights are read only while x is staged: bring this slice's to L2 now
+    for (i32 k = kb + threadIdx.x * 64; k < ke; k += WARPS * 32 * 64) prefetch_l2(nw + k);
 #endif
     // in, add and res2 are the kernel before's output; every write below comes after this
     wait_for_producers();
@@ -292,14 +325,14 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
     }
 #endif
 
-    for (i32 k0 = 0; k0 < K; k0 += KT) {
+    for (i32 k0 = kb; k0 < ke; k0 += KT) {
         // stage x[:, k0 : k0 + KT]
-        if (k0 > 0) __syncthreads();             // every warp is done with the previous tile
+        if (k0 > kb) __syncthreads();            // every warp is done with the previous tile
         for (int i = threadIdx.x; i < NBP * (KT / 8); i += WARPS * 32) {
             const int n = i / (KT / 8);
             const i32 k = k0 + (i % (KT / 8)) * 8;
             u32x4 v = zero;
-            if (n < NB && k < K) {
+            if (n < NB && k < ke) {
 #if MODE == 1
                 float h[8], x[8];
                 residual8(in, add, K, n, k, h);
@@ -320,11 +353,11 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
             *reinterpret_cast<u32x4*>(&xs[n * XSTRIDE + (k - k0)]) = v;
         }
         __syncthreads();
-        const i32 chunks = min((i32)KT, K - k0) / 32 + ((min((i32)KT, K - k0) % 32) != 0);
-        if (k0 > 0) load(a_lo, a_hi, k0, warp);
+        const i32 chunks = min((i32)KT, ke - k0) / 32 + ((min((i32)KT, ke - k0) % 32) != 0);
+        if (k0 > kb) load(a_lo, a_hi, k0, warp);
         for (i32 c0 = warp; c0 < chunks; c0 += 2 * WARPS * U) {
             const i32 c1 = c0 + WARPS * U;
-            if (c1 < chunks && (k0 > 0 || c0 != warp)) load(b_lo, b_hi, k0, c1);   // else loaded
+            if (c1 < chunks && (k0 > kb || c0 != warp)) load(b_lo, b_hi, k0, c1);  // else loaded
             multiply(a_lo, a_hi, c0);
             if (c1 < chunks) {
                 if (c1 + WARPS * U < chunks) load(a_lo, a_hi, k0, c1 + WARPS * U);
@@ -345,6 +378,8 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
             red[warp][rt * 16 + g + 8][nt * 8 + 2 * t + 1] = acc[rt][nt][3];
         }
     __syncthreads();
+#if KS > 1
+    // this block's sums → partial[ks]; the tile's last block adds the KS of them in ks order
     for (int i = threadIdx.x; i < RT * 16 * NB; i += WARPS * 32) {
         const int row = i / NB, n = i % NB;
         const i32 r = r0 + row;
@@ -352,6 +387,30 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
         float s = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) s += red[w][row][n];
+        partial[((i64)blockIdx.y * NB + n) * N + r] = s;
+    }
+    __threadfence();                             // this block's partials, before its ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        tile_last = atomicAdd(tile_ticket + blockIdx.x, 1) == KS - 1;
+        if (tile_last) tile_ticket[blockIdx.x] = 0;      // ready for the next launch
+    }
+    __syncthreads();
+    if (!tile_last) return;
+    __threadfence();
+#endif
+    for (int i = threadIdx.x; i < RT * 16 * NB; i += WARPS * 32) {
+        const int row = i / NB, n = i % NB;
+        const i32 r = r0 + row;
+        if (r >= N) continue;
+        float s = 0.0f;
+#if KS > 1
+#pragma unroll
+        for (int j = 0; j < KS; ++j) s += ld_f32_cg(partial + ((i64)j * NB + n) * N + r);
+#else
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) s += red[w][row][n];
+#endif
 #if EPI == 2
         logits[(i64)n * N + r] = bf16_to_f32(f32_to_bf16(s));
 #else
@@ -364,6 +423,7 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
     }
 
 #if EPI == 2
+    // with KS > 1 only the tiles' last blocks get here: gridDim.x of them take the ticket
     __threadfence();                             // this block's logits, before its ticket
     __syncthreads();
     if (threadIdx.x == 0) {

@@ -98,6 +98,13 @@ BUILDS: list[tuple[str, str]] = [
     ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=8 -DRT=1"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=2"),
+    # its launch shapes CUPOOL_DENSE_SHAPE selects: QKV in blocks of 4 warps (qkv=w4), the
+    # o-projection and the router with K split over blocks (o=k2, o=w4k2, router=k8, router=w4k8)
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=8 -DRT=1 -DKS=2"),
+    ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=2"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DKS=8"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=4 -DRT=1 -DKS=8"),
     ("dense_attention", ""),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64"),
 ]
@@ -131,6 +138,11 @@ VARIANTS = [
     ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1"),
     ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=2"),
     ("dense_gemv", "-DNB=13 -DMODE=0 -DEPI=1 -DWARPS=8 -DRT=1"),
+    # launch shapes at several tokens: two n tiles and two row tiles split three ways, routing
+    # of 8 tokens by 4 warps over 16 K slices, 13 tokens in blocks of 4 warps
+    ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=2 -DKS=3"),
+    ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=2 -DWARPS=4 -DRT=1 -DKS=16"),
+    ("dense_gemv", "-DNB=13 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=2"),
     ("dense_attention", "-DD=64 -DG=8 -DMINCHUNK=64"),
     ("dense_attention", "-DD=128 -DG=16 -DMINCHUNK=64"),
     ("dense_attention", "-DD=256 -DG=4 -DMINCHUNK=64"),

@@ -209,3 +209,85 @@ def test_attention_reference_equals_sdpa():
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v).reshape(-1)
         assert rel(out[b], want) <= 1e-2
     assert torch.equal(kc[0, :, 5], qkv[0, nh * D:(nh + hk) * D].reshape(hk, D))
+
+
+# --- launch shapes (DenseGemv's warps / split_k, CUPOOL_DENSE_SHAPE) ------------------------------
+def test_dense_gemv_validates_the_launch_shape():
+    """warps and split_k are checked before the weights' device, so this runs without a GPU: a
+    shape that passes reaches the device check."""
+    from cupool.ops.dense_gemv import ROUTE, DenseGemv
+    w = torch.zeros(64, 256, dtype=torch.bfloat16)
+    for kw, name in ((dict(warps=6), "warps"), (dict(warps=True), "warps"),
+                     (dict(warps=4.0), "warps"), (dict(split_k=0), "split_k"),
+                     (dict(split_k=17), "split_k"), (dict(split_k=2.0), "split_k"),
+                     (dict(split_k=True), "split_k"), (dict(split_k=9), "split_k=9"),
+                     (dict(warps=4, split_k=16), "split_k=16")):
+        with pytest.raises(ValueError, match=name):
+            DenseGemv([w], tokens=1, **kw)
+    for kw in (dict(warps=4), dict(split_k=8), dict(warps=4, split_k=8), dict(warps=8)):
+        with pytest.raises(ValueError, match="CUDA device"):
+            DenseGemv([w], tokens=1, epilogue=ROUTE, **kw)
+
+
+def test_route_capacity_follows_the_warps():
+    """One warp routes one token: blocks of 4 warps hold 4 tokens' logits at a time, not 8."""
+    from cupool.ops.dense_gemv import route_capacity
+    assert route_capacity(1, 4) == route_capacity(1, 8) == route_capacity(1)
+    assert route_capacity(8, 4) == 2 * route_capacity(8, 8)
+    assert route_capacity(16, 4) == 2 * route_capacity(16, 8)
+    assert route_capacity(1, 4) >= 128 and route_capacity(8, 8) >= 512
+
+
+def test_dense_shape_parser():
+    from cupool.fused import parse_dense_shape
+    assert parse_dense_shape("") == {}
+    assert parse_dense_shape("qkv=w4,o=k2,router=k8") == {
+        "qkv": {"warps": 4}, "o": {"split_k": 2}, "router": {"split_k": 8}}
+    assert parse_dense_shape("head=w8k16") == {"head": {"warps": 8, "split_k": 16}}
+    for bad, why in (("qkv=w5", "warps"), ("o=k0", "split_k"), ("o=k17", "split_k"),
+                     ("mlp=w4", "gemv one of"), ("qkv=w4,qkv=k2", "twice"), ("qkv=", "shape"),
+                     ("qkv", "gemv one of"), ("qkv=w4,", "gemv one of"), ("qkv=k2w4", "shape"),
+                     ("qkv=w4 ", "shape"), ("qkv=w4;o=k2", "shape"), ("QKV=w4", "gemv one of")):
+        with pytest.raises(ValueError, match="CUPOOL_DENSE_SHAPE") as e:
+            parse_dense_shape(bad)
+        assert why in str(e.value) and repr(bad) in str(e.value), (bad, str(e.value))
+
+
+def test_fused_step_takes_the_dense_shape_from_the_environment(monkeypatch):
+    """Each GEMV is built with the shape CUPOOL_DENSE_SHAPE names for it (none: no keywords, the
+    default builds); a split_k a GEMV's K cannot take raises, naming the variable, rather than
+    leaving the layer unfused; the step's logits are the same."""
+    import cupool.fused as fused
+    built = []
+
+    class Recording(ref.GemvReference):
+        def __init__(self, weights, biases=None, **kw):
+            built.append((sum(w.shape[0] for w in weights), weights[0].shape[1],
+                          {k: kw[k] for k in ("warps", "split_k") if k in kw}))
+            super().__init__(weights, biases, **kw)
+
+    monkeypatch.setattr(fused, "GemvReference", Recording)
+    model = fused_model("qwen3_moe", seed=12)           # H = 48, o-projection K = 4 · 64
+    monkeypatch.delenv("CUPOOL_DENSE_SHAPE", raising=False)
+    base, want, *_ = compare_step(model, None, "reference", [[5, 9, 3]], [11])
+    assert built and all(kw == {} for *_, kw in built)
+    built.clear()
+    monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "qkv=w4,o=w4k8,head=w4")
+    got, _, _, _, step = compare_step(model, None, "reference", [[5, 9, 3]], [11])
+    assert "CUPOOL_DENSE_SHAPE=qkv=w4,o=w4k8,head=w4" in step.describe()
+    vocab = model.lm_head.weight.shape[0]
+    assert built[0] == (vocab, 48, {"warps": 4})                           # the head
+    layers = built[1:]
+    assert len(layers) == 3 * 3
+    assert all(kw == {"warps": 4} for _, K, kw in layers[0::3])           # qkv
+    assert all(kw == {"warps": 4, "split_k": 8} for _, K, kw in layers[1::3])   # o
+    assert all(kw == {} for _, K, kw in layers[2::3])                     # router
+    assert torch.equal(got, base)
+    for value, gemv in (("o=k9", "o"), ("router=k2", "router"), ("qkv=w4,head=k2", "head")):
+        monkeypatch.setenv("CUPOOL_DENSE_SHAPE", value)
+        with pytest.raises(ValueError, match=f"CUPOOL_DENSE_SHAPE='{value}': {gemv}: split_k") as e:
+            compare_step(model, None, "reference", [[5, 9, 3]], [11])
+        assert not isinstance(e.value, Unsupported)
+    monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "qkv=w3")
+    with pytest.raises(ValueError, match="CUPOOL_DENSE_SHAPE='qkv=w3'"):
+        compare_step(model, None, "reference", [[5, 9, 3]], [11])

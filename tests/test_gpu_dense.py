@@ -10,6 +10,9 @@ plus ATOL. Sums the kernel must round exactly as torch does (the residual h = in
 compared for equality; the RMSNorm output may differ by one bf16 step where the two rsqrt
 implementations straddle a rounding boundary. Routing is checked exactly: the kernel's ids and
 weights must be the reference rule applied to the kernel's own logits.
+
+Launch shapes (blocks of 4 warps, K split over blocks) are held to the same tolerances: a split K
+sums its partials in another order, which is within the float32 order the tolerances allow for.
 """
 
 from __future__ import annotations
@@ -54,9 +57,29 @@ GEMV_CASES = [  # tokens, rows of each matrix, K
 ]
 
 
-@pytest.mark.parametrize("tokens,rows,K", GEMV_CASES)
+# launch shapes (DenseGemv's warps, split_k): the Qwen3-30B-A3B QKV / o-projection at the shapes
+# CUPOOL_DENSE_SHAPE offers, then K slices of unequal chunks (4096 / 3: 42, 43, 43 chunks), K not
+# whole chunks (4104: the last slice ends in a partial chunk; 264 over 8: seven slices of one chunk
+# and one of 40 columns), N not whole tiles (174, 33, 20011), two n tiles, two row tiles a block
+SHAPE_CASES = [  # tokens, rows of each matrix, K, shape
+    (1, [4096, 512, 512], 2048, dict(warps=4)), (8, [4096, 512, 512], 2048, dict(warps=4, split_k=8)),
+    (1, [2048], 4096, dict(split_k=2)), (1, [2048], 4096, dict(split_k=3)),
+    (16, [2048], 4096, dict(warps=4, split_k=2)), (3, [100, 37, 37], 4104, dict(split_k=3)),
+    (13, [33], 4104, dict(split_k=8)), (2, [20011], 264, dict(split_k=8)),
+    (5, [16], 8, dict(warps=4)), (13, [33], 4104, dict(warps=4)),
+]
+
+
+def _shape_id(shape: dict) -> str:
+    return "".join(f"{k[0]}{v}" for k, v in shape.items()) or "default"
+
+
+@pytest.mark.parametrize("tokens,rows,K,shape",
+                         [(*c, {}) for c in GEMV_CASES] + SHAPE_CASES,
+                         ids=[f"B{c[0]}-N{sum(c[1])}-K{c[2]}-{_shape_id(c[3] if len(c) > 3 else {})}"
+                              for c in GEMV_CASES + SHAPE_CASES])
 @pytest.mark.parametrize("variant", ["plain", "norm", "norm_add", "residual", "bias"])
-def test_dense_gemv_matches_reference(tokens, rows, K, variant):
+def test_dense_gemv_matches_reference(tokens, rows, K, shape, variant):
     from cupool.ops.dense_gemv import NORM, PLAIN, RESIDUAL, DenseGemv  # noqa: F401
     gen = torch.Generator(device="cuda").manual_seed(hash((tokens, K, variant)) & 0xffff)
     ws = [rand(n, K, scale=0.05, gen=gen) for n in rows]
@@ -64,7 +87,7 @@ def test_dense_gemv_matches_reference(tokens, rows, K, variant):
     N = sum(rows)
     norm = variant.startswith("norm")
     epi = RESIDUAL if variant == "residual" else PLAIN
-    op = DenseGemv(ws, bs, tokens=tokens, norm=norm, epilogue=epi)
+    op = DenseGemv(ws, bs, tokens=tokens, norm=norm, epilogue=epi, **shape)
     x = rand(tokens, K, scale=2.0, gen=gen)
     add = rand(tokens, K, gen=gen) if variant == "norm_add" else None
     nw = rand(K, scale=0.3, gen=gen) + 1 if norm else None
@@ -90,19 +113,26 @@ def test_dense_gemv_matches_reference(tokens, rows, K, variant):
     if res is not None:
         size = res.float().abs() + want.float().abs()
         want = res + want
-    close(out, want, f"{variant} tokens={tokens} rows={rows} K={K}", size)
+    close(out, want, f"{variant} tokens={tokens} rows={rows} K={K} {shape}", size)
+    if op.split_k > 1:
+        assert int(op.tile_tickets.abs().sum()) == 0, "a tile's ticket is not back at zero"
 
 
 @pytest.mark.parametrize("tokens,E,K", [(1, 128, 8), (8, 128, 8), (16, 128, 8), (3, 512, 10),
                                         (5, 60, 4)])
 @pytest.mark.parametrize("norm_topk", [True, False])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-def test_dense_gemv_routes(tokens, E, K, norm_topk, wdtype):
+@pytest.mark.parametrize("shape", [{}, dict(warps=4), dict(split_k=2), dict(split_k=3),
+                                   dict(split_k=8), dict(warps=4, split_k=8)], ids=_shape_id)
+def test_dense_gemv_routes(tokens, E, K, norm_topk, wdtype, shape):
+    """With split_k the logits come from each tile's last block and the routing block is the
+    last of the tiles' last blocks: a routing block that ran before some tile's logits were
+    complete would route on poisoned (NaN) logits."""
     from cupool.ops.dense_gemv import ROUTE, DenseGemv, RouteOut
     gen = torch.Generator(device="cuda").manual_seed(E * 31 + tokens)
-    H = 2048
+    H = 2056 if shape.get("split_k", 1) == 3 else 2048     # 3 slices: the last ends in a part chunk
     w = rand(E, H, scale=0.02, gen=gen)
-    op = DenseGemv([w], tokens=tokens, norm=True, epilogue=ROUTE)
+    op = DenseGemv([w], tokens=tokens, norm=True, epilogue=ROUTE, **shape)
     r = RouteOut.allocate(tokens, E, K, wdtype, "cuda")
     r.logits.fill_(float("nan"))
     r.ids.fill_(-7)
@@ -116,7 +146,12 @@ def test_dense_gemv_routes(tokens, E, K, norm_topk, wdtype):
            active=active)
     torch.cuda.synchronize()
     assert int(r.ticket.item()) == 0
+    if op.split_k > 1:
+        assert int(op.tile_tickets.abs().sum()) == 0
     _, xin = ref.residual_norm(h, None, nw, 1e-6)
+    step = xin.float().abs() * 2 ** -7 + 1e-30
+    assert ((xn.float() - xin.float()).abs() <= step).all(), "x_out off by > 1 bf16 step"
+
     want_logits = ref.gemv([w], None, xin)
     close(r.logits.to(torch.bfloat16), want_logits, "router logits")
     ids, wts = ref.route_topk(r.logits.to(torch.bfloat16), K, norm_topk, wdtype, active)
@@ -125,6 +160,65 @@ def test_dense_gemv_routes(tokens, E, K, norm_topk, wdtype):
         assert torch.allclose(r.weights.float(), wts.float(), rtol=2 ** -7, atol=0)
     else:
         assert torch.allclose(r.weights, wts, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("variant", ["norm_add", "residual", "route"])
+@pytest.mark.parametrize("shape", [dict(split_k=2), dict(split_k=3), dict(warps=4, split_k=8)],
+                         ids=_shape_id)
+def test_split_k_graph_replays_are_identical(variant, shape):
+    """A split-K GEMV captured once and replayed: every replay (outputs poisoned before each)
+    gives the eager launch's bits, and the tiles' tickets are back at zero after each. A ticket
+    left at a count would make no block of its tile the last one: its rows stay NaN."""
+    from cupool.ops.dense_gemv import PLAIN, RESIDUAL, ROUTE, DenseGemv, RouteOut
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    B, K = 3, 4104
+    N = 128 if variant == "route" else 1000
+    epi = {"norm_add": PLAIN, "residual": RESIDUAL, "route": ROUTE}[variant]
+    norm = variant != "residual"
+    op = DenseGemv([rand(N, K, scale=0.05, gen=gen)], tokens=B, norm=norm, epilogue=epi, **shape)
+    x, add, nw = rand(B, K, gen=gen), rand(B, K, gen=gen), rand(K, scale=0.3, gen=gen) + 1
+    res = rand(B, N, gen=gen)
+    out, h_out, x_out = poison(B, N), poison(B, K), poison(B, K)
+    route = RouteOut.allocate(B, N, 8, torch.float32, "cuda") if epi == ROUTE else None
+
+    def run():
+        kw = {}
+        if norm:
+            kw = dict(norm_weight=nw, eps=1e-6, x_out=x_out)
+            if epi == PLAIN:
+                kw.update(add=add, h_out=h_out)
+        if epi == ROUTE:
+            op(x, route=route, top_k=8, norm_topk=True, **kw)
+        else:
+            op(x, residual=res if epi == RESIDUAL else None, out=out, **kw)
+
+    def outputs():
+        if epi == ROUTE:
+            return [t.clone() for t in (route.logits, route.ids, route.weights, x_out)]
+        return [t.clone() for t in ((out, h_out, x_out) if norm else (out,))]
+
+    def poison_all():
+        for t in (out, h_out, x_out) + ((route.logits, route.weights) if route else ()):
+            t.fill_(float("nan"))
+        if route:
+            route.ids.fill_(-7)
+
+    run()
+    torch.cuda.synchronize()
+    want = outputs()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for i in range(3):
+        poison_all()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(op.tile_tickets.abs().sum()) == 0, f"replay {i}: tile tickets not at zero"
+        if route:
+            assert int(route.ticket.item()) == 0, f"replay {i}: the routing ticket not at zero"
+        for j, (a, b) in enumerate(zip(outputs(), want)):
+            assert not (a.isnan().any() if a.is_floating_point() else False), f"replay {i}: {j} NaN"
+            assert torch.equal(a, b), f"replay {i}: output {j} differs from the eager launch"
 
 
 ATTN_CASES = [  # B, nh, hk, D, L, qk_norm, window, sinks
@@ -271,6 +365,22 @@ def test_fused_step_matches_transformers_through_the_pool(family):
     assert pool.errors() == []
 
 
+def test_fused_step_with_launch_shapes_from_the_environment(monkeypatch):
+    """CUPOOL_DENSE_SHAPE reaches the kernels' launchers: the step built under it runs the shapes
+    named (the tiny model's H = 48 takes no split K; its o-projection's K = 256 takes 8) and its
+    logits match transformers' as the default shapes' do."""
+    from test_fused_step import LOGIT_TOL, compare_step
+    monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "qkv=w4,o=w4k8,router=w4,head=w4")
+    model, pool = _wrapped("qwen3_moe", seed=34)
+    fused, want, _, _, step = compare_step(model, pool, "kernels", [[5, 9, 3], [7, 1, 4, 4]],
+                                           [11, 13])
+    layer = step.layers[0]
+    assert (layer.qkv.warps, layer.o.warps, layer.o.split_k, layer.router.warps,
+            step.head.warps) == (4, 4, 8, 4, 4)
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    assert pool.errors() == []
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_engine_fused_greedy_matches_the_reference(family):
     """The engine's default step on a model that fits: fused, captured, gate open, half the
@@ -318,13 +428,20 @@ def test_engine_fused_equals_unfused_sampling_seeded():
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_dependent_launches_change_no_bit_of_a_captured_chain(tokens, monkeypatch):
+@pytest.mark.parametrize("shapes", [{}, {"qkv": dict(warps=4), "o": dict(split_k=2),
+                                        "router": dict(split_k=8)},
+                                    {"o": dict(warps=4, split_k=2),
+                                     "router": dict(warps=4, split_k=8)}],
+                         ids=["default", "qkv=w4,o=k2,router=k8", "o=w4k2,router=w4k8"])
+def test_dependent_launches_change_no_bit_of_a_captured_chain(tokens, shapes, monkeypatch):
     """The fused step's launch pattern: a torch op writes the input, then QKV (norm prologue) →
     attention → o-projection (+ residual) → router (norm + routing), replayed as one graph on
     new inputs each time. Captured with dependent launches (each kernel's weight loads start
     before the kernel before it has finished) the outputs must equal, bit for bit, the same chain
     captured with ordinary launches: a kernel that read its input before waiting would read the
-    previous replay's. (Every kernel of the chain is deterministic: no float atomics.)"""
+    previous replay's. (Every kernel of the chain is deterministic: no float atomics; a split K
+    adds its partials in a fixed order.) With launch shapes as CUPOOL_DENSE_SHAPE picks them, the
+    split-K blocks' partials and tickets are written after the wait, too."""
     from cupool import _cuda
     from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
     from cupool.ops.dense_gemv import RESIDUAL, ROUTE, DenseGemv, RouteOut
@@ -343,12 +460,12 @@ def test_dependent_launches_change_no_bit_of_a_captured_chain(tokens, monkeypatc
     pos_all = [torch.randint(0, L, (B,), device="cuda", generator=g) for _ in range(4)]
 
     def chain():
-        qkv = DenseGemv([wq, wk, wv], tokens=B, norm=True)
+        qkv = DenseGemv([wq, wk, wv], tokens=B, norm=True, **shapes.get("qkv", {}))
         ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, _cuda.target().sms), "cuda")
         attn = DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
                                workspace=ws)
-        o = DenseGemv([wo], tokens=B, epilogue=RESIDUAL)
-        router = DenseGemv([wr], tokens=B, norm=True, epilogue=ROUTE)
+        o = DenseGemv([wo], tokens=B, epilogue=RESIDUAL, **shapes.get("o", {}))
+        router = DenseGemv([wr], tokens=B, norm=True, epilogue=ROUTE, **shapes.get("router", {}))
         x, pos = torch.empty_like(inputs[0]), torch.empty_like(pos_all[0])
         kc = rand(B, hk, L, D, gen=torch.Generator(device="cuda").manual_seed(3))
         vc = rand(B, hk, L, D, gen=torch.Generator(device="cuda").manual_seed(4))

@@ -283,3 +283,31 @@ def test_kernels_refuse_what_they_have_no_build_for(nvcc, tmp_path, name, define
     r = subprocess.run(nvcc_command(nvcc, name, defines, 90, tmp_path / "o.cubin"),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and message in r.stderr, r.stderr
+
+
+# The fused step's GEMV launch shapes (CUPOOL_DENSE_SHAPE): blocks of 4 warps, K split over blocks
+_DENSE_SHAPES = [d for n, d in BUILDS + VARIANTS
+                 if n == "dense_gemv" and ("-DWARPS=4" in d or "-DKS=" in d)]
+
+
+@pytest.mark.parametrize("defines", _DENSE_SHAPES)
+def test_dense_gemv_launch_shapes_without_spills(nvcc, tmp_path, defines):
+    """Each launch shape compiles for sm_90 without spills, and at one token a block of 4 warps
+    keeps to 128 registers a thread: 4 such blocks an SM (4 · 128 threads · 128 registers is the
+    SM's 64K), the occupancy that shape is there for (a 320-block QKV grid in one wave)."""
+    r = subprocess.run(nvcc_command(nvcc, "dense_gemv", defines, 90, tmp_path / "o.cubin",
+                                    ("-Xptxas", "-v")), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", r.stderr)]
+    assert len(spills) == 1 and spills[0] == 0, f"{defines} spills: {spills}"
+    if "-DWARPS=4" in defines and "-DNB=1 " in defines:
+        assert regs[0] <= 128, f"{defines}: {regs[0]} registers, fewer than 4 blocks an SM"
+
+
+def test_dense_gemv_refuses_other_launch_shapes(nvcc, tmp_path):
+    for defines, message in (("-DWARPS=2", "a block of 4 or 8 warps"),
+                             ("-DKS=17", "K split over 1 to 16 blocks")):
+        r = subprocess.run(nvcc_command(nvcc, "dense_gemv", defines, 90, tmp_path / "o.cubin"),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and message in r.stderr, (defines, r.stderr[-500:])

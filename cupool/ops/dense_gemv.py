@@ -10,6 +10,15 @@ The reference is `cupool.reference.dense` (`gemv`, `residual_norm`, `route`).
 
 The launch is a dependent one (`cupool.kernels.launch`): the kernel loads its weights before it
 waits for the kernel before it, so the weights may not be that kernel's output.
+
+Launch shape (`warps`, `split_k`; the defaults are the builds the fused step has always used):
+warps=4 gives blocks of 4 warps, of which twice as many fit an SM at the same registers a thread
+(a grid of a few hundred blocks then runs in one wave). split_k=S splits each row tile's K over S
+blocks (slices of whole 32-column chunks), which adds blocks where there are fewer row tiles than
+SMs; the partial sums go to a float32 workspace [S, B, N] and a ticket a row tile (both held by
+the DenseGemv, so two launches of one DenseGemv must not run at once), and the tile's last block
+adds them in a fixed order: the result is deterministic, but its float sums run in another order
+than split_k=1's, so it may differ from that by rounding.
 """
 
 from __future__ import annotations
@@ -21,11 +30,13 @@ import torch
 
 from cupool import kernels
 
-WARPS = 8                      # the kernel's block: 8 warps
+WARPS = 8                      # the kernel's block: 8 warps (4 with warps=4)
+WARPS_CHOICES = (4, 8)
+MAX_SPLIT_K = 16
 NO_NORM, NORM = 0, 1           # MODE
 PLAIN, RESIDUAL, ROUTE = 0, 1, 2   # EPI
 # x tile columns in shared memory (KT of the kernel) by n tiles of 8 tokens; the route epilogue
-# reuses that memory for up to WARPS tokens' logits
+# reuses that memory for up to `warps` tokens' logits
 _TILE_ELEMS = 2048
 
 
@@ -33,12 +44,25 @@ def _tiles(tokens: int) -> int:
     return (tokens + 7) // 8
 
 
-def route_capacity(tokens: int) -> int:
-    """Largest E the route epilogue takes for `tokens` tokens (the x tile's shared memory holds
-    min(tokens, WARPS) tokens' float logits)."""
+def route_capacity(tokens: int, warps: int = WARPS) -> int:
+    """Largest E the route epilogue takes for `tokens` tokens in blocks of `warps` warps (one warp
+    routes one token: the x tile's shared memory holds min(tokens, warps) tokens' float logits)."""
     nt = _tiles(tokens)
     smem = 2 * nt * 8 * (_TILE_ELEMS // nt + 32)
-    return smem // (4 * min(tokens, WARPS))
+    return smem // (4 * min(tokens, warps))
+
+
+def check_launch_shape(warps, split_k, K: int | None) -> None:
+    """ValueError naming the argument unless warps is 4 or 8 and split_k an int in [1, 16] with
+    at least one 32-column chunk of K a slice (K >= 32 · split_k; K None: not checked)."""
+    if isinstance(warps, bool) or not isinstance(warps, int) or warps not in WARPS_CHOICES:
+        raise ValueError(f"warps must be 4 or 8, got {warps!r}")
+    if isinstance(split_k, bool) or not isinstance(split_k, int) \
+            or not 1 <= split_k <= MAX_SPLIT_K:
+        raise ValueError(f"split_k must be an int in [1, {MAX_SPLIT_K}], got {split_k!r}")
+    if K is not None and K < 32 * split_k:
+        raise ValueError(f"split_k={split_k} leaves less than 32 columns of K={K} a block "
+                         f"(at most {max(K // 32, 1)} here)")
 
 
 @dataclass
@@ -92,10 +116,13 @@ class DenseGemv:
         tokens: B, the step's tokens (1 to 16).
         norm: the prologue sums the residual and applies an RMSNorm (call with norm_weight, eps).
         epilogue: PLAIN, RESIDUAL (+ a residual) or ROUTE (softmax top-k routing of the logits).
+        warps: warps a block, 4 or 8 (the module docstring: launch shape).
+        split_k: blocks each row tile's K is split over, 1 to 16 with K >= 32 · split_k.
     """
 
     def __init__(self, weights: Sequence[torch.Tensor], biases=None, *, tokens: int,
-                 norm: bool = False, epilogue: int = PLAIN):
+                 norm: bool = False, epilogue: int = PLAIN, warps: int = WARPS,
+                 split_k: int = 1):
         weights = list(weights)
         if not 1 <= len(weights) <= 3:
             raise ValueError(f"weights must hold 1 to 3 matrices, got {len(weights)}")
@@ -103,6 +130,9 @@ class DenseGemv:
             raise ValueError(f"tokens must be an int in [1, 16], got {tokens!r}")
         if epilogue not in (PLAIN, RESIDUAL, ROUTE):
             raise ValueError(f"epilogue must be PLAIN, RESIDUAL or ROUTE, got {epilogue!r}")
+        w0 = weights[0]
+        check_launch_shape(warps, split_k, int(w0.shape[1]) if isinstance(w0, torch.Tensor)
+                           and w0.dim() == 2 else None)
         self.device = weights[0].device
         if self.device.type != "cuda":
             raise ValueError(f"weights must be on a CUDA device, got {self.device}")
@@ -123,15 +153,25 @@ class DenseGemv:
         self.weights, self.biases = weights, biases
         self.K, self.N, self.rows = int(K), sum(rows), rows
         self.tokens, self.norm, self.epilogue = tokens, bool(norm), epilogue
-        if epilogue == ROUTE and self.N > route_capacity(tokens):
+        self.warps, self.split_k = warps, split_k
+        cap = route_capacity(tokens, warps)
+        if epilogue == ROUTE and self.N > cap:
             raise ValueError(f"a router of {self.N} experts is more than the route epilogue "
-                             f"takes for {tokens} tokens ({route_capacity(tokens)})")
+                             f"takes for {tokens} tokens in blocks of {warps} warps ({cap})")
         # 2 row tiles a block for very tall matrices (the output head), so that fewer blocks
         # each build x: the x tile is made once per block
         self.row_tiles = 2 if self.N >= 16384 else 1
-        self.grid = -(-self.N // (16 * self.row_tiles))
+        tiles = -(-self.N // (16 * self.row_tiles))
+        self.grid = tiles if split_k == 1 else (tiles, split_k)
         defines = {"NB": tokens, "MODE": NORM if norm else NO_NORM, "EPI": epilogue,
-                   "WARPS": WARPS, "RT": self.row_tiles}
+                   "WARPS": warps, "RT": self.row_tiles}
+        self._split_args = ()
+        if split_k > 1:            # KS = 1 builds take neither the define nor the two arguments
+            defines["KS"] = split_k
+            self.partials = torch.empty(split_k, tokens, self.N, dtype=torch.float32,
+                                        device=self.device)        # [S, B, N]
+            self.tile_tickets = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+            self._split_args = (self.partials, self.tile_tickets)
         self.kernel = kernels.function("dense_gemv", "dense_gemv", defines, self.device.index)
         w = weights + [weights[0]] * (3 - len(weights))
         b = biases + [None] * (3 - len(biases))
@@ -215,9 +255,9 @@ class DenseGemv:
         else:
             self._check_act("out", out, N)
             rargs = (null, null, null, kernels.i32(0), kernels.i32(0), kernels.i32(0), null, null)
-        kernels.launch(self.kernel, self.grid, WARPS * 32, (
+        kernels.launch(self.kernel, self.grid, self.warps * 32, (
             *self._wargs, x, null if add is None else add,
             null if norm_weight is None else norm_weight, kernels.f32(eps),
             null if h_out is None else h_out, null if x_out is None else x_out,
             null if residual is None else residual, null if out is None else out,
-            *rargs), device=self.device, dependent=True)
+            *rargs, *self._split_args), device=self.device, dependent=True)

@@ -118,10 +118,11 @@ def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: f
 
 class GemvReference:
     """`cupool.ops.dense_gemv.DenseGemv`'s interface computed by the functions above (any
-    device): the fused step's reference backend."""
+    device): the fused step's reference backend. The launch shape (warps, split_k) is taken and
+    ignored: it changes only the order of the kernel's float sums."""
 
     def __init__(self, weights, biases=None, *, tokens: int, norm: bool = False,
-                 epilogue: int = 0):
+                 epilogue: int = 0, warps: int = 8, split_k: int = 1):
         self.weights, self.biases = list(weights), biases
         self.tokens, self.norm, self.epilogue = tokens, norm, epilogue
         self.N = sum(w.shape[0] for w in self.weights)
