@@ -31,9 +31,10 @@ own forward.
 Launch shapes: every GEMV runs the default shape (`DenseGemv`'s warps=8, split_k=1) unless
 CUPOOL_DENSE_SHAPE names another, read when a FusedStep is built: comma-separated `gemv=shape`
 entries, gemv one of qkv, o, router, head and shape `w<warps>`, `k<split_k>` or both (`w4k2`),
-e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8`. A malformed value, or a split_k a GEMV's K
-cannot take (fewer than 32 columns a block), raises ValueError naming the variable: a shape asked
-for is never dropped silently.
+e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8`; the entry `attn=ahead` picks the attention
+build that issues a tile's loads ahead of their use (`DecodeAttention(ahead=True)`). A malformed
+value, or a split_k a GEMV's K cannot take (fewer than 32 columns a block), raises ValueError
+naming the variable: a shape asked for is never dropped silently.
 """
 
 from __future__ import annotations
@@ -84,38 +85,50 @@ DENSE_GEMVS = ("qkv", "o", "router", "head")
 _SHAPE = re.compile(r"(?:w([0-9]+))?(?:k([0-9]+))?")
 
 
-def parse_dense_shape(text: str) -> dict[str, dict[str, int]]:
+def parse_dense_shape(text: str) -> dict[str, dict]:
     """{gemv: DenseGemv launch-shape keywords} of a CUPOOL_DENSE_SHAPE value (the module
-    docstring gives the format); "" names none. Strict: an unknown GEMV, a GEMV named twice, a
-    shape other than w<n>, k<n>, w<n>k<n>, or a warps / split_k DenseGemv does not take raises
-    ValueError naming the variable and the value."""
-    shapes: dict[str, dict[str, int]] = {}
+    docstring gives the format), with "attn": {"ahead": True} for the entry attn=ahead; ""
+    names none. Strict: an unknown GEMV, a GEMV named twice, a shape other than w<n>, k<n>,
+    w<n>k<n> (ahead for attn), or a warps / split_k DenseGemv does not take raises ValueError
+    naming the variable and the value."""
+    shapes: dict[str, dict] = {}
     if text == "":
         return shapes
     for entry in text.split(","):
         name, eq, shape = entry.partition("=")
-        m = _SHAPE.fullmatch(shape)
-        why = None
-        if not eq or name not in DENSE_GEMVS:
-            why = f"entry {entry!r} is not <gemv>=<shape> with gemv one of {', '.join(DENSE_GEMVS)}"
-        elif name in shapes:
-            why = f"{name} is named twice"
-        elif m is None or shape == "":
-            why = f"{name}'s shape {shape!r} is not w<warps>, k<split_k> or w<warps>k<split_k>"
-        if why is None:
-            kw = {}
-            if m.group(1) is not None:
-                kw["warps"] = int(m.group(1))
-            if m.group(2) is not None:
-                kw["split_k"] = int(m.group(2))
-            try:
-                check_launch_shape(kw.get("warps", WARPS), kw.get("split_k", 1), None)
-            except ValueError as e:
-                why = f"{name}: {e}"
-            shapes[name] = kw
-        if why is not None:
-            raise ValueError(f"{DENSE_SHAPE_ENV}={text!r}: {why}")
+        try:
+            shapes[name] = _entry_shape(name, eq, shape, entry, shapes)
+        except ValueError as e:
+            raise ValueError(f"{DENSE_SHAPE_ENV}={text!r}: {e}") from None
     return shapes
+
+
+def _entry_shape(name: str, eq: str, shape: str, entry: str, seen: dict) -> dict:
+    """The keywords of one CUPOOL_DENSE_SHAPE entry `name=shape`; ValueError saying what is
+    wrong with it."""
+    if not eq or name not in DENSE_GEMVS + ("attn",):
+        raise ValueError(f"entry {entry!r} is not <gemv>=<shape> with gemv one of "
+                         f"{', '.join(DENSE_GEMVS)}, or attn=ahead")
+    if name in seen:
+        raise ValueError(f"{name} is named twice")
+    if name == "attn":
+        if shape != "ahead":
+            raise ValueError(f"attn's shape {shape!r} is not ahead")
+        return {"ahead": True}
+    m = _SHAPE.fullmatch(shape)
+    if m is None or shape == "":
+        raise ValueError(f"{name}'s shape {shape!r} is not w<warps>, k<split_k> or "
+                         f"w<warps>k<split_k>")
+    kw = {}
+    if m.group(1) is not None:
+        kw["warps"] = int(m.group(1))
+    if m.group(2) is not None:
+        kw["split_k"] = int(m.group(2))
+    try:
+        check_launch_shape(kw.get("warps", WARPS), kw.get("split_k", 1), None)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return kw
 
 
 class Unsupported(ValueError):
@@ -314,7 +327,8 @@ class FusedStep:
         self.workspace = AttentionWorkspace(B, nh, hk, D, parts(B, hk, cache.max_len, sms), dev)
         for l in self.layers:
             if isinstance(l, FusedLayer):
-                l.attn = self._attention(nh, hk, D, workspace=self.workspace, **l.attn)
+                l.attn = self._attention(nh, hk, D, workspace=self.workspace, **l.attn,
+                                         **self.dense_shape.get("attn", {}))
         self.h = torch.empty(B, H, dtype=bf, device=dev)
         self.h_mid = torch.empty(B, H, dtype=bf, device=dev)
         self.xn = torch.empty(B, H, dtype=bf, device=dev)

@@ -244,10 +244,13 @@ def test_dense_shape_parser():
     assert parse_dense_shape("qkv=w4,o=k2,router=k8") == {
         "qkv": {"warps": 4}, "o": {"split_k": 2}, "router": {"split_k": 8}}
     assert parse_dense_shape("head=w8k16") == {"head": {"warps": 8, "split_k": 16}}
+    assert parse_dense_shape("attn=ahead,qkv=w4") == {"attn": {"ahead": True}, "qkv": {"warps": 4}}
     for bad, why in (("qkv=w5", "warps"), ("o=k0", "split_k"), ("o=k17", "split_k"),
                      ("mlp=w4", "gemv one of"), ("qkv=w4,qkv=k2", "twice"), ("qkv=", "shape"),
                      ("qkv", "gemv one of"), ("qkv=w4,", "gemv one of"), ("qkv=k2w4", "shape"),
-                     ("qkv=w4 ", "shape"), ("qkv=w4;o=k2", "shape"), ("QKV=w4", "gemv one of")):
+                     ("qkv=w4 ", "shape"), ("qkv=w4;o=k2", "shape"), ("QKV=w4", "gemv one of"),
+                     ("attn=w4", "not ahead"), ("attn=ahead,attn=ahead", "twice"),
+                     ("attn", "gemv one of")):
         with pytest.raises(ValueError, match="CUPOOL_DENSE_SHAPE") as e:
             parse_dense_shape(bad)
         assert why in str(e.value) and repr(bad) in str(e.value), (bad, str(e.value))
@@ -288,6 +291,17 @@ def test_fused_step_takes_the_dense_shape_from_the_environment(monkeypatch):
         with pytest.raises(ValueError, match=f"CUPOOL_DENSE_SHAPE='{value}': {gemv}: split_k") as e:
             compare_step(model, None, "reference", [[5, 9, 3]], [11])
         assert not isinstance(e.value, Unsupported)
+    attn_kw = []
+
+    class RecordingAttention(ref.AttentionReference):
+        def __init__(self, *args, **kw):
+            attn_kw.append(kw.get("ahead"))
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(fused, "AttentionReference", RecordingAttention)
+    monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "attn=ahead")
+    got, *_ = compare_step(model, None, "reference", [[5, 9, 3]], [11])
+    assert attn_kw == [True] * 3 and torch.equal(got, base)
     monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "qkv=w3")
     with pytest.raises(ValueError, match="CUPOOL_DENSE_SHAPE='qkv=w3'"):
         compare_step(model, None, "reference", [[5, 9, 3]], [11])

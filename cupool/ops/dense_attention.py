@@ -111,6 +111,7 @@ class DecodeAttention:
         self.workspace, self.device = ws, dev
         if not isinstance(ahead, bool):
             raise ValueError(f"ahead must be True or False, got {ahead!r}")
+        self.ahead = ahead
         defines = {"D": head_dim, "G": G, "MINCHUNK": MINCHUNK}
         if ahead:
             defines["AHEAD"] = 1
