@@ -368,8 +368,7 @@ def test_fused_step_matches_transformers_through_the_pool(family):
 def test_fused_step_with_launch_shapes_from_the_environment(monkeypatch):
     """CUPOOL_DENSE_SHAPE reaches the kernels' launchers: the step built under it runs the shapes
     named (the tiny model's H = 48 takes no split K; its o-projection's K = 256 takes 8) and the
-    attention's AHEAD build, and its
-    logits match transformers' as the default shapes' do."""
+    attention's AHEAD build, and its logits match transformers' as the default shapes' do."""
     from test_fused_step import LOGIT_TOL, compare_step
     monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "qkv=w4,o=w4k8,router=w4,head=w4,attn=ahead")
     model, pool = _wrapped("qwen3_moe", seed=34)
