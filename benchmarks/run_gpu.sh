@@ -8,13 +8,14 @@
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
 # Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
-# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, profile-decode,
+# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, profile-decode, ab-dense,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
 #   SWEEP_CASES="2048:1 4096:4"   its decode cases, H:T;  SWEEP_REPEATS=2  rounds over them
+#   DENSE_SHAPES="default qkv=w4 ..."  CUPOOL_DENSE_SHAPE values of `ab-dense`
 #   PREFILL_SWEEP="default NB=2,MINB=1"  prefill launch configs of `prefill-sweep`
 #   GEMM_ARGS="..."               extra bench_gemm.py arguments of `gemm-bench`
 #   TESTS_TIMEOUT, SANITIZE_TIMEOUT  seconds of the `tests` and `sanitize-gemm` stages
@@ -83,6 +84,15 @@ for stage in "$@"; do
               for k in moe_w13 moe_w2; do
                 run "ncu_source_$k" 300 $NCU_SOURCE -k regex:$k --launch-skip 1 -c 1 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
                 gzip -f "$OUT/ncu_source_$k.log"; done ;;
+    # the fused step's launch shapes side by side (CUPOOL_DENSE_SHAPE; "default": unset), one
+    # profile_decode run each, the graph's ms a step in each summary line
+    ab-dense) i=0
+              for shape in ${DENSE_SHAPES:-default qkv=w4 o=k2,router=k8 attn=ahead qkv=w4,o=k2,router=k8,attn=ahead}; do
+                i=$((i + 1))
+                [ "$shape" = default ] && v= || v=$shape
+                CUPOOL_DENSE_SHAPE=$v run "profile_decode_ab$i" 200 python3 benchmarks/profile_decode.py --json "$OUT/profile_decode_ab$i.json"
+                summary[-1]="${summary[-1]} [$shape] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/profile_decode_ab$i.log")"
+              done ;;
     profile-decode) run profile_decode 200 python3 benchmarks/profile_decode.py --json "$OUT/profile_decode.json"
               run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --step compiled --layers 8 --json "$OUT/profile_decode_compiled.json" ;;
     bench)    run bench_store 120 python3 benchmarks/bench_store.py --rows 16
