@@ -1,0 +1,118 @@
+"""The engine's memory beside the model, from a config alone, counted in the budget: one slot's
+recurrent states (`cupool.kvcache.state_bytes_per_slot`) equal what `StateSlotCache` allocates for
+every hybrid family; the reserve (`engine_reserve`: KV cache, the slots' states, the resume
+points' copies of them) is what `cupool plan` counts and shows part by part, what a budget too
+small for it names, and what `cupool serve`'s loader hands `from_pretrained`. All on the CPU."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from tiny_models import HYBRID_FAMILIES, hybrid_model
+
+pytest.importorskip("transformers")
+
+from cupool.budget import Reserve, rows_for_budget  # noqa: E402
+from cupool.engine import Engine  # noqa: E402
+from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot  # noqa: E402
+from cupool.sampling import SamplingParams  # noqa: E402
+
+B, L_MAX = 2, 16
+
+
+def _built(family: str, dtype):
+    """An engine of B slots over the tiny model, after one request (the states are allocated on
+    the first prefill)."""
+    model = hybrid_model(family, seed=3, dtype=dtype)
+    eng = Engine(model, max_batch=B, max_len=L_MAX, eos_token_id=[])
+    eng.generate([[5, 9, 4, 7]], SamplingParams(max_tokens=2))
+    return model, eng
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", sorted(HYBRID_FAMILIES))
+def test_config_sizes_equal_the_built_caches(family, dtype):
+    """One slot's states from the config equal the cache's per-slot states (all its state
+    tensors but the indexer keys, which are per position) and one resume point; the KV figure
+    per token covers the cache's keys, values and indexer keys of one position of one slot."""
+    model, eng = _built(family, dtype)
+    cache = eng.cache
+    index_keys = [layer.index_keys for layer in cache.layers if layer.index_keys is not None]
+    per_position = sum(t.numel() * t.element_size() for t in index_keys)
+    states = cache.state_bytes() - per_position
+    assert states % B == 0
+    got = state_bytes_per_slot(model.config, dtype.itemsize)
+    assert got == states // B == eng.resume_point_bytes, (family, got, states // B)
+    kv = sum(t.numel() * t.element_size() for t in cache.keys + cache.values if t is not None)
+    assert kv_bytes_per_token(model.config, dtype.itemsize) >= (kv + per_position) // (B * L_MAX)
+    eng.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen4_exp"])
+def test_an_image_text_config_counts_its_text_model(family):
+    from transformers import AutoConfig
+    kw, _ = HYBRID_FAMILIES[f"{family}_text"]
+    text = AutoConfig.for_model(f"{family}_text", **kw)
+    wrapped = AutoConfig.for_model(family, text_config=kw)
+    assert state_bytes_per_slot(wrapped) == state_bytes_per_slot(text) > 0
+
+
+def test_qwen3_next_80b_slot_is_74_mib():
+    """The figure the docs give: 36 gated delta nets of 32 x 128 x 128 float32 recurrent state and
+    a 8192 x 4 bf16 convolution state."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("qwen3_next", num_hidden_layers=48, linear_num_key_heads=16,
+                               linear_num_value_heads=32, linear_key_head_dim=128,
+                               linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                               layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12)
+    assert state_bytes_per_slot(cfg) == 36 * (32 * 128 * 128 * 4 + 8192 * 4 * 2)
+    assert state_bytes_per_slot(cfg) / 2**20 == pytest.approx(74.25)
+
+
+def test_models_without_states_and_unknown_recurrent_layers():
+    attention = types.SimpleNamespace(model_type="qwen3_moe", num_hidden_layers=2,
+                                      num_attention_heads=2, hidden_size=32)
+    assert state_bytes_per_slot(attention) == 0
+    other = types.SimpleNamespace(model_type="some_hybrid",
+                                  layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match=r"model_type='some_hybrid' has recurrent layers"):
+        state_bytes_per_slot(other)
+
+
+def test_the_reserve_counts_states_for_every_slot_and_resume_point():
+    model = hybrid_model("qwen3_next")
+    slot = state_bytes_per_slot(model.config)
+    r = engine_reserve(model.config, max_batch=3, max_len=100)
+    assert (r.kv, r.states, r.resume_points) == (kv_bytes_per_token(model.config) * 300,
+                                                 3 * slot, 9 * slot)
+    assert r.total == r.kv + 12 * slot and (r.slots, r.points) == (3, 9)
+    none = engine_reserve(model.config, max_batch=3, max_len=100, resume_points=0)
+    assert none.resume_points == 0 and none.states == 3 * slot
+    attention = engine_reserve(hybrid_model("phimoe").config, max_batch=3, max_len=100)
+    assert attention.states == attention.resume_points == attention.points == 0
+    for kw, word in ((dict(max_batch=0, max_len=8), "max_batch must be an int >= 1, got 0"),
+                     (dict(max_batch=2, max_len=8, resume_points=-1),
+                      "resume_points must be an int >= 0, got -1")):
+        with pytest.raises(ValueError, match=word):
+            engine_reserve(model.config, **kw)
+
+
+def test_a_budget_too_small_for_the_reserve_names_its_parts():
+    r = Reserve(kv=3 << 30, states=200 << 20, resume_points=600 << 20, slots=8, points=24)
+    with pytest.raises(ValueError) as e:
+        rows_for_budget(3 << 30, fixed=1 << 20, row_stride=1 << 20, num_layers=4, top_k=2,
+                        num_experts=8, kv_reserve=r)
+    msg = str(e.value)
+    assert "\n" not in msg and "budget=3.00 GiB is too small" in msg
+    for words in ("reserve 3.78 GiB", "KV cache 3.00 GiB", "recurrent states 200.00 MiB (8 slots)",
+                  "resume points 600.00 MiB (24 copies)"):
+        assert words in msg, (words, msg)
+    # what fits is what is left once the whole reserve is paid
+    rows = rows_for_budget(8 << 30, fixed=0, row_stride=1 << 30, num_layers=1, top_k=1,
+                           num_experts=8, kv_reserve=r)
+    assert rows == (8 << 30) // (1 << 30) - 4          # 3.78 GiB reserved: 4 rows of 1 GiB gone
+    assert rows_for_budget(8 << 30, fixed=0, row_stride=1 << 30, num_layers=1, top_k=1,
+                           num_experts=8, kv_reserve=3 << 30) == 5
