@@ -19,6 +19,7 @@ from cupool.budget import Reserve, rows_for_budget  # noqa: E402
 from cupool.engine import Engine  # noqa: E402
 from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot  # noqa: E402
 from cupool.sampling import SamplingParams  # noqa: E402
+from cupool.store import fmt_bytes  # noqa: E402
 
 B, L_MAX = 2, 16
 
@@ -116,3 +117,57 @@ def test_a_budget_too_small_for_the_reserve_names_its_parts():
     assert rows == (8 << 30) // (1 << 30) - 4          # 3.78 GiB reserved: 4 rows of 1 GiB gone
     assert rows_for_budget(8 << 30, fixed=0, row_stride=1 << 30, num_layers=1, top_k=1,
                            num_experts=8, kv_reserve=3 << 30) == 5
+
+
+# --- cupool plan ------------------------------------------------------------------------------------
+@pytest.fixture
+def next_dir(tmp_path):
+    d = tmp_path / "qwen3_next"
+    hybrid_model("qwen3_next", seed=2, dtype=torch.bfloat16).save_pretrained(d)
+    return d
+
+
+def _line(out: str, head: str) -> str:
+    return next(x for x in out.splitlines() if x.startswith(head))
+
+
+def test_plan_shows_and_counts_states_and_resume_points(next_dir, capsys):
+    from test_cli import run
+    from transformers import AutoConfig
+    slot = state_bytes_per_slot(AutoConfig.from_pretrained(next_dir))
+    rc, out, _ = run("plan", "--model", str(next_dir), "--budget", "1GiB", "--context", "64",
+                     "--batch", "2", capsys=capsys)
+    assert rc == 0, out
+    assert fmt_bytes(2 * slot) in _line(out, "slot states") and "2 slots" in out
+    assert fmt_bytes(6 * slot) in _line(out, "resume pts") and "6 copies" in out
+    assert "fits" in _line(out, "budget")
+
+    def on_gpu(points: int) -> float:           # MiB on the GPU in all, as plan prints it
+        rc, out, _ = run("plan", "--model", str(next_dir), "--budget", "1GiB", "--context", "64",
+                         "--batch", "2", "--resume-points", str(points), capsys=capsys)
+        assert rc == 0 and f"{points} copies" in _line(out, "resume pts"), out
+        size, unit = _line(out, "budget").split("fits: ")[1].split()[:2]
+        assert unit == "MiB", out
+        return float(size)
+
+    assert on_gpu(1000) - on_gpu(0) == pytest.approx(1000 * slot / 2**20, abs=0.011)
+
+
+def test_plan_of_a_budget_below_the_reserve_names_the_parts(next_dir, capsys):
+    from test_cli import run
+    rc, out, _ = run("plan", "--model", str(next_dir), "--budget", "2MiB", "--context", "64",
+                     "--batch", "4", capsys=capsys)
+    assert rc == 1
+    line = _line(out, "budget")
+    assert "does not fit" in line
+    for words in ("KV cache", "recurrent states", "(4 slots)", "resume points", "(12 copies)"):
+        assert words in line, (words, line)
+
+
+def test_plan_of_an_attention_model_shows_no_states(tmp_path, capsys):
+    from test_cli import run
+    d = tmp_path / "phimoe"
+    hybrid_model("phimoe", dtype=torch.bfloat16).save_pretrained(d)
+    rc, out, _ = run("plan", "--model", str(d), "--budget", "1GiB", "--context", "32",
+                     capsys=capsys)
+    assert rc == 0 and "slot states" not in out and "resume pts" not in out
