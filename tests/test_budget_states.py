@@ -6,6 +6,7 @@ small for it names, and what `cupool serve`'s loader hands `from_pretrained`. Al
 
 from __future__ import annotations
 
+import argparse
 import types
 
 import pytest
@@ -171,3 +172,86 @@ def test_plan_of_an_attention_model_shows_no_states(tmp_path, capsys):
     rc, out, _ = run("plan", "--model", str(d), "--budget", "1GiB", "--context", "32",
                      capsys=capsys)
     assert rc == 0 and "slot states" not in out and "resume pts" not in out
+
+
+# --- cupool serve -----------------------------------------------------------------------------------
+@pytest.fixture
+def config_dir(tmp_path):
+    """A directory holding the config.json of the tiny Kimi-Linear (all the loader reads before
+    from_pretrained)."""
+    from transformers import AutoConfig
+    kw, _ = HYBRID_FAMILIES["kimi_linear"]
+    d = tmp_path / "kimi"
+    AutoConfig.for_model("kimi_linear", **kw).save_pretrained(d)
+    return d
+
+
+def test_serve_loader_reserves_states_and_resume_points(config_dir, monkeypatch):
+    """On CUDA the loader hands from_pretrained the reserve of the engine it will build: KV cache,
+    max_batch slots' states, resume_points copies (default 3 x max_batch). No GPU needed:
+    from_pretrained is replaced by a recorder."""
+    import cupool
+    from cupool.serve import loader
+    from transformers import AutoConfig
+    seen = {}
+
+    def record(path, **kwargs):
+        seen.update(kwargs)
+        return "loaded"
+
+    monkeypatch.setattr(cupool, "from_pretrained", record)
+    cfg = AutoConfig.from_pretrained(config_dir)
+    slot, per_token = state_bytes_per_slot(cfg), kv_bytes_per_token(cfg)
+    assert slot > 0
+    assert loader.load(config_dir, "cuda", budget="20GiB", max_batch=3, max_len=48) == "loaded"
+    r = seen["kv_reserve"]
+    assert (r.kv, r.states, r.resume_points) == (per_token * 48 * 3, 3 * slot, 9 * slot)
+    loader.load(config_dir, "cuda", max_batch=2, max_len=48, resume_points=5)
+    r = seen["kv_reserve"]
+    assert (r.states, r.resume_points, r.points) == (2 * slot, 5 * slot, 5)
+    with pytest.raises(loader.LoadError, match="resume_points must be an int >= 0, got -1"):
+        loader.load(config_dir, "cuda", max_batch=2, max_len=48, resume_points=-1)
+
+
+def test_serve_passes_resume_points_to_the_loader(config_dir, monkeypatch, capsys):
+    """`cupool serve --resume-points N` reaches the loader, which sizes the reserve by it."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from cupool.serve import cli, loader
+    seen = {}
+
+    def record(model_dir, device, **kwargs):
+        seen.update(kwargs)
+        raise loader.LoadError("recorded")
+
+    monkeypatch.setattr(loader, "load", record)
+    parser = argparse.ArgumentParser(prog="cupool serve")
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--model", str(config_dir), "--device", "cpu", "--port", "0",
+                              "--max-len", "48", "--max-batch", "2", "--resume-points", "7"])
+    assert cli.run(args) == 2
+    assert "recorded" in capsys.readouterr().err
+    assert (seen["resume_points"], seen["max_batch"], seen["max_len"]) == (7, 2, 48)
+
+
+def test_serve_logs_the_resume_points_and_checks_the_reserved_size(monkeypatch, caplog):
+    """serve's start-up line gives the resume points' count and size; through a pool, one slot's
+    states as allocated are checked against what the reserve counted for them."""
+    import logging
+
+    import cupool.kvcache
+    from cupool.serve import cli
+    model, eng = _built("qwen3_next", torch.float32)
+    log = logging.getLogger("cupool.serve")
+    each = eng.resume_point_bytes
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cupool.serve"):
+        cli._log_resume_points(log, eng, pool=object())
+    assert f"{3 * B} resume points of {each / 2**20:.1f} MiB" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    monkeypatch.setattr(cupool.kvcache, "state_bytes_per_slot", lambda cfg, dtype_bytes: each - 8)
+    with caplog.at_level(logging.INFO, logger="cupool.serve"):
+        cli._log_resume_points(log, eng, pool=object())
+    assert f"take {each} bytes, the budget's reserve counted {each - 8}" in caplog.text
+    eng.close()
