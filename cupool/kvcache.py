@@ -228,15 +228,18 @@ def state_bytes_per_slot(config, dtype_bytes: int = 2) -> int:
     gated delta nets, Kimi delta attention and Mamba-2 (their chunked scans hand it over in
     float32), the model's dtype for MiniMax's lightning attention; plus qwen4_exp's n-gram layers.
     Indexer keys are one per position and counted by `kv_bytes_per_token`. 0 for a model without
-    recurrent layers; ValueError for a model type with recurrent layers whose states are not
-    known here."""
+    recurrent layers; ValueError for a model of another family with layers that keep a state
+    (their sizes are not known here)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = str(getattr(cfg, "model_type", ""))
     types = list(getattr(cfg, "layer_types", None) or [])
     recurrent = sum(t in RECURRENT_TYPES for t in types)
     known = _RECURRENT_LAYER.get(model_type)
     if known is None:
-        if recurrent or any(t in STATE_TYPES - {"moe", "mlp"} for t in types):
+        # attention of any name (chunked, sparse, ...) and blocks without a token mixer keep no
+        # state; linear attention, Mamba, short convolutions and "hybrid" layers keep one
+        if any(t in RECURRENT_TYPES or not (t.endswith("attention") or t in ("moe", "mlp"))
+               for t in types):
             raise ValueError(f"model_type={model_type!r} has recurrent layers (layer_types "
                              f"{sorted(set(types))}) whose per-slot state size is not known; "
                              f"known: {', '.join(sorted(_RECURRENT_LAYER))}")

@@ -78,10 +78,14 @@ def test_models_without_states_and_unknown_recurrent_layers():
     attention = types.SimpleNamespace(model_type="qwen3_moe", num_hidden_layers=2,
                                       num_attention_heads=2, hidden_size=32)
     assert state_bytes_per_slot(attention) == 0
-    other = types.SimpleNamespace(model_type="some_hybrid",
-                                  layer_types=["linear_attention", "full_attention"])
-    with pytest.raises(ValueError, match=r"model_type='some_hybrid' has recurrent layers"):
-        state_bytes_per_slot(other)
+    chunked = types.SimpleNamespace(model_type="some_moe", layer_types=[
+        "chunked_attention", "deepseek_sparse_attention", "full_attention", "moe", "mlp"])
+    assert state_bytes_per_slot(chunked) == 0          # attention of any name keeps no state
+    for kinds in (["linear_attention", "full_attention"], ["hybrid"], ["conv", "full_attention"],
+                  ["mamba"]):
+        other = types.SimpleNamespace(model_type="some_hybrid", layer_types=kinds)
+        with pytest.raises(ValueError, match=r"model_type='some_hybrid' has recurrent layers"):
+            state_bytes_per_slot(other)
 
 
 def test_the_reserve_counts_states_for_every_slot_and_resume_point():
