@@ -153,7 +153,7 @@ def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
 # config.layer_types of the layers that carry a recurrent state (transformers 5.17's legacy Mamba
 # name included); STATE_TYPES' moe and mlp blocks carry none.
 RECURRENT_TYPES = frozenset({"linear_attention", "mamba"})
-_FLOAT32 = 4            # recurrent states the layers hand over in float32 whatever the model's dtype
+_FLOAT32 = 4        # recurrent states the layers hand over in float32 whatever the model's dtype
 _INT64 = 8
 
 

@@ -124,7 +124,7 @@ def test_a_budget_too_small_for_the_reserve_names_its_parts():
                            num_experts=8, kv_reserve=3 << 30) == 5
 
 
-# --- cupool plan ------------------------------------------------------------------------------------
+# --- cupool plan ----------------------------------------------------------------------------------
 @pytest.fixture
 def next_dir(tmp_path):
     d = tmp_path / "qwen3_next"
@@ -178,7 +178,7 @@ def test_plan_of_an_attention_model_shows_no_states(tmp_path, capsys):
     assert rc == 0 and "slot states" not in out and "resume pts" not in out
 
 
-# --- cupool serve -----------------------------------------------------------------------------------
+# --- cupool serve ---------------------------------------------------------------------------------
 @pytest.fixture
 def config_dir(tmp_path):
     """A directory holding the config.json of the tiny Kimi-Linear (all the loader reads before
