@@ -187,7 +187,7 @@ def plan(args) -> int:
     from cupool.checkpoints import open_checkpoint
     from cupool.gemm import workspace_bytes
     from cupool.hosttable import is_table_name, table_patterns
-    from cupool.kvcache import kv_bytes_per_token
+    from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot
     from cupool.layout import RowLayout
     from cupool.store import fmt_bytes
 
@@ -215,8 +215,9 @@ def plan(args) -> int:
     stride = layout.row_stride
     limit = getattr(text, "max_position_embeddings", None)
     context = args.context or min(4096, limit or 4096)
-    per_token = kv_bytes_per_token(config)
-    kv = per_token * context * args.batch
+    reserve = engine_reserve(config, max_batch=args.batch, max_len=context,
+                             resume_points=args.resume_points)
+    per_token, per_slot = kv_bytes_per_token(config), state_bytes_per_slot(config)
     work = workspace_bytes(layout, K, args.batch, args.prefill_tokens, E) + \
         staging_and_tables_bytes(L, E, args.batch * K, stride)
     fixed = dense + work + MARGIN_BYTES
@@ -229,8 +230,13 @@ def plan(args) -> int:
     if tables:
         print(f"host tables  {fmt_bytes(tables):>12}  in pinned host memory (read by the GPU in "
               f"place: {', '.join(patterns)})")
-    print(f"KV cache     {fmt_bytes(kv):>12}  on the GPU ({args.batch} x {context} tokens, "
-          f"{fmt_bytes(per_token)} a token)")
+    print(f"KV cache     {fmt_bytes(reserve.kv):>12}  on the GPU ({args.batch} x {context} "
+          f"tokens, {fmt_bytes(per_token)} a token)")
+    if per_slot:
+        print(f"slot states  {fmt_bytes(reserve.states):>12}  on the GPU (recurrent states of "
+              f"{args.batch} slots, {fmt_bytes(per_slot)} a slot)")
+        print(f"resume pts   {fmt_bytes(reserve.resume_points):>12}  on the GPU ({reserve.points} "
+              f"copies of a slot's states for prefix reuse, --resume-points)")
     print(f"workspaces   {fmt_bytes(work):>12}  on the GPU "
           f"(GEMM, staging rows, planner tables)")
     if limit and context > limit:
@@ -239,19 +245,20 @@ def plan(args) -> int:
         return 1
     if args.budget is None:
         print(f"budget       none given: the bank takes what the GPU has free at load time "
-              f"(every expert resident needs {fmt_bytes(fixed + kv + L * E * stride)})")
+              f"(every expert resident needs {fmt_bytes(fixed + reserve.total + L * E * stride)})")
         return 0
     try:
         rows = rows_for_budget(args.budget, fixed=fixed, row_stride=stride, num_layers=L,
-                               top_k=K, num_experts=E, kv_reserve=kv)
+                               top_k=K, num_experts=E, kv_reserve=reserve)
     except ValueError as e:
         print(f"budget       {fmt_bytes(args.budget):>12}  does not fit: {e}")
         return 1
     bank = rows * L * stride
     print(f"bank         {fmt_bytes(bank):>12}  {rows} rows per layer ({100 * rows / E:.0f}% of "
           f"the experts on the GPU at once)")
-    print(f"budget       {fmt_bytes(args.budget):>12}  fits: {fmt_bytes(fixed + kv + bank)} on the "
-          f"GPU, {fmt_bytes(sizes.store_bytes + tables)} pinned in host memory")
+    on_gpu = fixed + reserve.total + bank
+    print(f"budget       {fmt_bytes(args.budget):>12}  fits: {fmt_bytes(on_gpu)} on the GPU, "
+          f"{fmt_bytes(sizes.store_bytes + tables)} pinned in host memory")
     print(speed_lines(args, rows=rows, topk=K, num_experts=E, moe_layers=L, layout=layout,
                       config=config, text=text, dense=dense_read))
     return 0
@@ -392,6 +399,9 @@ def build_parser() -> CLIParser:
     pl.add_argument("--context", type=positive_int,
                     help="tokens a sequence holds (default: 4096 or the model's limit if lower)")
     pl.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together")
+    pl.add_argument("--resume-points", type=nonnegative_int, metavar="N",
+                    help="models with recurrent layers: copies of a slot's states kept for "
+                         "prefix reuse, as serve's (default: 3 x --batch)")
     pl.add_argument("--prefill-tokens", type=positive_int, default=4096,
                     help="tokens of one prefill GEMM call (longer prompts run in chunks)")
     pl.add_argument("--mtp", action="store_true", help="count the MTP layers' experts too")

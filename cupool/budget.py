@@ -161,23 +161,64 @@ def staging_and_tables_bytes(num_layers: int, num_experts: int, max_lanes: int,
     return max_lanes * row_stride + 64 * num_layers * num_experts
 
 
+@dataclasses.dataclass(frozen=True)
+class Reserve:
+    """GPU bytes kept out of the bank's share of a budget for what an engine allocates beside the
+    model: the KV cache of its slots, the slots' recurrent states and the resume points' copies of
+    one slot's states (`cupool.kvcache.engine_reserve` computes them from a config)."""
+    kv: int = 0                  # keys and values: bytes a token × max_len × slots
+    states: int = 0              # one slot's recurrent states × slots
+    resume_points: int = 0       # one slot's recurrent states × resume points
+    slots: int = 0
+    points: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.states + self.resume_points
+
+    def parts(self) -> str:
+        """The parts in words, e.g. 'KV cache 1.00 GiB, recurrent states 2.00 MiB (8 slots),
+        resume points 6.00 MiB (24 copies)' (the states only where there are any)."""
+        words = f"KV cache {fmt_bytes(self.kv)}"
+        if self.states or self.resume_points:
+            words += (f", recurrent states {fmt_bytes(self.states)} ({self.slots} slots), resume "
+                      f"points {fmt_bytes(self.resume_points)} ({self.points} copies)")
+        return words
+
+
+def reserve_bytes(reserve) -> int:
+    """Bytes of a reserve given as a `Reserve` or as bytes (an int, or a string like '2GiB')."""
+    if isinstance(reserve, Reserve):
+        return reserve.total
+    return parse_bytes(reserve, "kv_reserve") if reserve else 0
+
+
+def _reserve_words(reserve) -> str:
+    if isinstance(reserve, Reserve):
+        return f"reserve {fmt_bytes(reserve.total)} ({reserve.parts()})"
+    return f"KV reserve {fmt_bytes(reserve_bytes(reserve))}"
+
+
 def rows_for_budget(budget: int, *, fixed: int, row_stride: int, num_layers: int, top_k: int,
-                    num_experts: int, kv_reserve: int = 0) -> int:
+                    num_experts: int, kv_reserve: int | Reserve = 0) -> int:
     """Bank rows per layer that `budget` bytes buy once `fixed` bytes (the rest of the model,
-    workspaces, staging, tables) and the KV reserve are paid: (budget − fixed − kv) // (L · row),
-    at most E. Raises ValueError (naming what is needed) when fewer than top_k rows fit."""
-    need = fixed + kv_reserve + num_layers * top_k * row_stride
+    workspaces, staging, tables) and the reserve (bytes, or a `Reserve` of KV cache, recurrent
+    states and resume points) are paid: (budget − fixed − reserve) // (L · row), at most E.
+    Raises ValueError (naming what is needed, the reserve's parts included) when fewer than top_k
+    rows fit."""
+    kv = reserve_bytes(kv_reserve)
+    need = fixed + kv + num_layers * top_k * row_stride
     if budget < need:
         raise ValueError(
             f"budget={fmt_bytes(budget)} is too small: at least {fmt_bytes(need)} is needed "
-            f"(rest of the model, workspaces, staging and tables {fmt_bytes(fixed)}, KV reserve "
-            f"{fmt_bytes(kv_reserve)}, and top-k={top_k} rows of {fmt_bytes(row_stride)} for "
-            f"each of {num_layers} layers)")
-    return int(min(num_experts, (budget - fixed - kv_reserve) // (num_layers * row_stride)))
+            f"(rest of the model, workspaces, staging and tables {fmt_bytes(fixed)}, "
+            f"{_reserve_words(kv_reserve)}, and top-k={top_k} rows of {fmt_bytes(row_stride)} "
+            f"for each of {num_layers} layers)")
+    return int(min(num_experts, (budget - fixed - kv) // (num_layers * row_stride)))
 
 
 def rows_for_device(budget: int | None, row_stride: int, L: int, K: int, E: int,
-                    extra: int, device, kv_reserve: int) -> int:
+                    extra: int, device, kv_reserve: int | Reserve) -> int:
     """Rows per layer: what `budget` leaves after what torch already holds on the device (the
     rest of the model, the GEMM workspaces) and `extra` (staging, tables), capped by what NVML
     says is free. budget None: NVML alone."""

@@ -176,7 +176,12 @@ class Engine:
             slot's recurrent states (the points a later request can resume from), each
             `resume_point_bytes` on the model's device, allocated on the first save (default:
             3 × max_batch, a request's `resume_at`, end-of-prompt and end-of-request points a
-            slot; 0: such models are always prefilled from the start).
+            slot; 0: such models are always prefilled from the start). `cupool serve` sizes the
+            bank to leave room for them: its reserve (`cupool.kvcache.engine_reserve`, passed to
+            `from_pretrained` as kv_reserve) holds the KV cache, the max_batch slots' recurrent
+            states and `resume_points` copies of one slot's states. An engine given more slots,
+            positions or points than its pool's reserve was planned for takes the rest from
+            whatever memory the bank left free.
 
     Prefix reuse (`cupool.prefix`): a finished request leaves its prompt and the output tokens
     its steps fed in its slot's rows; the slot remembers those tokens until another request

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from cupool.budget import Reserve
+
 
 class SlotCache:
     """B slots of up to `max_len` positions each, on `device`, in `dtype`."""
@@ -146,3 +148,120 @@ def kv_bytes_per_token(config, dtype_bytes: int = 2) -> int:
         k = v = kv_heads * dim
     index = indexed * int(getattr(cfg, "indexer_head_dim", 0) or 0)
     return (layers * (k + v) + index) * dtype_bytes
+
+
+# config.layer_types of the layers that carry a recurrent state (transformers 5.17's legacy Mamba
+# name included); STATE_TYPES' moe and mlp blocks carry none.
+RECURRENT_TYPES = frozenset({"linear_attention", "mamba"})
+_FLOAT32 = 4        # recurrent states the layers hand over in float32 whatever the model's dtype
+_INT64 = 8
+
+
+def _gated_delta_net(cfg, dtype_bytes: int) -> int:
+    """Qwen3-Next, Qwen3.5, qwen4_exp: the q, k, v short convolution [2·hk·dk + hv·dv, kernel] and
+    the float32 recurrent state [hv, dk, dv]."""
+    hk, hv = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
+    dk, dv = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim)
+    conv = (2 * hk * dk + hv * dv) * int(cfg.linear_conv_kernel_dim) * dtype_bytes
+    return conv + hv * dk * dv * _FLOAT32
+
+
+def _kimi_delta(cfg, dtype_bytes: int) -> int:
+    """Kimi delta attention: the q, k, v short convolution [3·h·d, kernel] and the float32
+    recurrent state [h, d, d]."""
+    h, d = int(cfg.linear_num_heads), int(cfg.linear_head_dim)
+    return 3 * h * d * int(cfg.linear_conv_kernel_dim) * dtype_bytes + h * d * d * _FLOAT32
+
+
+def _mamba2(heads: int, head_dim: int, inner: int, groups: int, state: int, kernel: int,
+            dtype_bytes: int) -> int:
+    """Mamba-2: the x, B, C convolution [inner + 2·groups·state, kernel] and the float32 SSM
+    state [heads, head_dim, state]."""
+    return (inner + 2 * groups * state) * kernel * dtype_bytes + heads * head_dim * state * _FLOAT32
+
+
+def _granite_mamba(cfg, dtype_bytes: int) -> int:
+    return _mamba2(int(cfg.mamba_n_heads), int(cfg.mamba_d_head),
+                   int(cfg.mamba_expand * cfg.hidden_size), int(cfg.mamba_n_groups),
+                   int(cfg.mamba_d_state), int(cfg.mamba_d_conv), dtype_bytes)
+
+
+def _nemotron_mamba(cfg, dtype_bytes: int) -> int:
+    heads, head_dim = int(cfg.mamba_num_heads), int(cfg.mamba_head_dim)
+    return _mamba2(heads, head_dim, heads * head_dim, int(cfg.n_groups), int(cfg.ssm_state_size),
+                   int(cfg.conv_kernel), dtype_bytes)
+
+
+def _lightning(cfg, dtype_bytes: int) -> int:
+    """MiniMax's lightning attention: one [h, d, d] state in the model's dtype."""
+    h = int(cfg.num_attention_heads)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // h)
+    return h * d * d * dtype_bytes
+
+
+# model_type of the text config -> bytes of one recurrent layer's states in one slot
+_RECURRENT_LAYER = {
+    "qwen3_next": _gated_delta_net, "qwen3_5_text": _gated_delta_net,
+    "qwen3_5_moe_text": _gated_delta_net, "qwen4_exp_text": _gated_delta_net,
+    "kimi_linear": _kimi_delta, "granitemoehybrid": _granite_mamba,
+    "nemotron_h": _nemotron_mamba, "minimax": _lightning,
+}
+
+
+def _ngram_layers(cfg, dtype_bytes: int) -> int:
+    """qwen4_exp's n-gram embedding layers (one-indexed `ple_layer_ids`): the last ngram_size − 1
+    token ids (int64) and the last (kernel − 1)·ngram_size inputs of the dilated short
+    convolution over hc_count·H channels."""
+    ids = list(getattr(cfg, "ple_layer_ids", None) or [])
+    if not ids:
+        return 0
+    n = int(cfg.ngram_size)
+    conv = int(cfg.hc_count) * int(cfg.hidden_size) * (int(cfg.ple_conv_kernel_size) - 1) * n
+    return len(ids) * ((n - 1) * _INT64 + conv * dtype_bytes)
+
+
+def state_bytes_per_slot(config, dtype_bytes: int = 2) -> int:
+    """Bytes of one slot's recurrent states, from a transformers config: what `StateSlotCache`
+    holds per slot beside the keys and values, and what one resume point copies
+    (`SavedStates.entry_bytes`). Per layer of the recurrent types, its short convolution's last
+    `kernel` inputs in the model's dtype (`dtype_bytes`) and its recurrent state: float32 for
+    gated delta nets, Kimi delta attention and Mamba-2 (their chunked scans hand it over in
+    float32), the model's dtype for MiniMax's lightning attention; plus qwen4_exp's n-gram layers.
+    Indexer keys are one per position and counted by `kv_bytes_per_token`. 0 for a model without
+    recurrent layers; ValueError for a model of another family with layers that keep a state
+    (their sizes are not known here)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = str(getattr(cfg, "model_type", ""))
+    types = list(getattr(cfg, "layer_types", None) or [])
+    recurrent = sum(t in RECURRENT_TYPES for t in types)
+    known = _RECURRENT_LAYER.get(model_type)
+    if known is None:
+        # attention of any name (chunked, sparse, ...) and blocks without a token mixer keep no
+        # state; linear attention, Mamba, short convolutions and "hybrid" layers keep one
+        if any(t in RECURRENT_TYPES or not (t.endswith("attention") or t in ("moe", "mlp"))
+               for t in types):
+            raise ValueError(f"model_type={model_type!r} has recurrent layers (layer_types "
+                             f"{sorted(set(types))}) whose per-slot state size is not known; "
+                             f"known: {', '.join(sorted(_RECURRENT_LAYER))}")
+        return 0
+    return recurrent * known(cfg, dtype_bytes) + _ngram_layers(cfg, dtype_bytes)
+
+
+def engine_reserve(config, *, max_batch: int, max_len: int, resume_points: int | None = None,
+                   dtype_bytes: int = 2) -> Reserve:
+    """What an `Engine(max_batch=, max_len=, resume_points=)` of a model of `config` allocates on
+    the GPU beside the model, as a `cupool.budget.Reserve` (for `wrap` / `from_pretrained`'s
+    `kv_reserve`): the KV cache (`kv_bytes_per_token` × max_len × max_batch), every slot's
+    recurrent states (`state_bytes_per_slot` × max_batch) and the resume points, each a copy of
+    one slot's states (× resume_points; default 3 × max_batch, as the engine's). A model
+    without recurrent layers reserves the KV cache alone."""
+    for name, v in (("max_batch", max_batch), ("max_len", max_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    points = 3 * max_batch if resume_points is None else resume_points
+    if isinstance(points, bool) or not isinstance(points, int) or points < 0:
+        raise ValueError(f"resume_points must be an int >= 0, got {resume_points!r}")
+    slot = state_bytes_per_slot(config, dtype_bytes)
+    return Reserve(kv=kv_bytes_per_token(config, dtype_bytes) * max_len * max_batch,
+                   states=slot * max_batch, resume_points=slot * points if slot else 0,
+                   slots=max_batch, points=points if slot else 0)

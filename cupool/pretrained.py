@@ -442,7 +442,11 @@ def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="
         window: experts quantized or laid out at a time (default: ≤ 1 GiB of temporaries).
         load_tokenizer: load the directory's tokenizer when it has one.
         **wrap_kwargs: kv_reserve, max_decode_tokens, max_prefill_tokens, scratch_rows,
-            scratch_buffers, route_fn (as `cupool.wrap`).
+            scratch_buffers, route_fn (as `cupool.wrap`). kv_reserve: bytes, or what an engine
+            of B slots of max_len positions allocates beside the model,
+            `cupool.kvcache.engine_reserve(config, max_batch=B, max_len=..., resume_points=...)`
+            (its KV cache, the slots' recurrent states and the resume points; `cupool serve`
+            passes that).
     Returns `Loaded(model, pool, tokenizer)` (tokenizer None where the directory has none).
     """
     if dtype not in (torch.bfloat16, torch.float16):

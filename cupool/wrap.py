@@ -26,7 +26,8 @@ import torch
 from cupool import _cuda
 from cupool.adapters import MoELayerSpec, check_consistent, find_moe_layers
 from cupool.bank import Bank
-from cupool.budget import MARGIN_BYTES, parse_bytes, rows_for_device, staging_and_tables_bytes
+from cupool.budget import (MARGIN_BYTES, Reserve, parse_bytes, reserve_bytes, rows_for_device,
+                           staging_and_tables_bytes)
 from cupool.gemm import MoEGemm
 from cupool.hosttable import host_table_names, place_host_tables
 from cupool.layout import RowLayout, pack_rows
@@ -95,7 +96,7 @@ def plan(specs: list[MoELayerSpec], *, pending_bytes: int, rows=None, budget=Non
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not K <= rows <= E):
         raise ValueError(f"rows must be an int with top_k={K} <= rows <= E={E}, got {rows!r}")
     budget_bytes = parse_bytes(budget, "budget") if budget is not None else None
-    kv = parse_bytes(kv_reserve, "kv_reserve") if kv_reserve else 0
+    kv = kv_reserve if isinstance(kv_reserve, Reserve) else reserve_bytes(kv_reserve)
     if isinstance(max_decode_tokens, bool) or not isinstance(max_decode_tokens, int) \
             or max_decode_tokens < 1:
         raise ValueError(f"max_decode_tokens must be an int >= 1, got {max_decode_tokens!r}")
@@ -150,7 +151,10 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
         rows: bank rows per layer at start (K ≤ rows ≤ E). Exclusive with `budget`.
         budget: GPU memory the whole model may use (bytes or '48GiB'); rows follow from it.
             Neither given: rows from what NVML says is free after the rest of the model.
-        kv_reserve: bytes (or string) kept free for the KV cache.
+        kv_reserve: bytes (or a string like '2GiB') kept free for the KV cache, or a
+            `cupool.budget.Reserve` (`cupool.kvcache.engine_reserve`: the KV cache, the slots'
+            recurrent states and the resume points of an engine), whose parts a budget too small
+            for it names.
         max_decode_tokens: largest batch of one decode step (T·K lanes ≤ 1024).
         max_prefill_tokens: largest T of one prefill GEMM call; longer calls run in chunks of it.
         scratch_rows: rows of the prefill scratch for experts not in the bank (default 32: 85 MB

@@ -601,10 +601,12 @@ def test_the_bank_leaves_room_for_the_kv_cache(model_dir, monkeypatch):
     per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir))
     assert per_token > 0
     assert loader.load(model_dir, "cuda", budget="20GiB", max_batch=3, max_len=200) == "loaded"
-    assert seen["kv_reserve"] == per_token * 200 * 3
+    reserve = seen["kv_reserve"]                   # attention alone: no states, no resume points
+    assert (reserve.kv, reserve.states, reserve.resume_points) == (per_token * 200 * 3, 0, 0)
+    assert reserve.total == per_token * 200 * 3
     assert (seen["budget"], seen["max_decode_tokens"]) == ("20GiB", 3)
     loader.load(model_dir, "cuda", max_batch=2)                       # default max_len: 256
-    assert seen["kv_reserve"] == per_token * 256 * 2
+    assert seen["kv_reserve"].total == per_token * 256 * 2
 
 # --- the serve command ------------------------------------------------------------------------------
 def _parse(argv):

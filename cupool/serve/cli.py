@@ -261,7 +261,7 @@ def run(args) -> int:
         try:
             model, pool, tokenizer = load(opts.model_dir, opts.device, budget=opts.budget,
                                           max_batch=opts.max_batch, max_len=opts.max_len,
-                                          dtype=opts.dtype)
+                                          dtype=opts.dtype, resume_points=opts.resume_points)
         except LoadError as e:
             return _fail(str(e))
         try:
@@ -275,8 +275,7 @@ def run(args) -> int:
         if engine.graph:
             engine.warmup()               # compile and capture the decode step before "ready"
         if engine.resume_point_bytes:
-            log.info("prefix reuse: %d resume points of %.1f MiB (--resume-points)",
-                     engine.prefix.saved.count, engine.resume_point_bytes / 2**20)
+            _log_resume_points(log, engine, pool)
         engine.start()
         app = create_app(engine, tokenizer, opts.model_name, api_key=opts.api_key,
                          max_queue=opts.max_queue)
@@ -304,6 +303,22 @@ def run(args) -> int:
         if engine is not None:
             engine.shutdown()
         sock.close()
+
+
+def _log_resume_points(log, engine, pool) -> None:
+    """The resume points' size; through a pool, a warning where one slot's states as allocated
+    differ from the size the budget's reserve counted for them (`state_bytes_per_slot`)."""
+    from cupool.kvcache import state_bytes_per_slot
+
+    count, each = engine.prefix.saved.count, engine.resume_point_bytes
+    log.info("prefix reuse: %d resume points of %.1f MiB, %.1f MiB in all (--resume-points)",
+             count, each / 2**20, count * each / 2**20)
+    if pool is None:
+        return
+    counted = state_bytes_per_slot(engine.model.config, engine.dtype.itemsize)
+    if counted != each:
+        log.warning("one slot's recurrent states take %d bytes, the budget's reserve counted %d "
+                    "(for %d slots and %d resume points)", each, counted, engine.max_batch, count)
 
 
 def _serve(app, sock: socket.socket, log_level: str, on_ready, shutdown_timeout: float) -> None:

@@ -3,8 +3,9 @@ tokenizer)`.
 
 - On the CPU: `transformers.AutoModelForCausalLM.from_pretrained(dir)`, unwrapped (pool None).
   What the tests use; fine for tiny models, slow for real ones.
-- On a CUDA device: `cupool.from_pretrained(dir, budget=..., max_decode_tokens=max_batch)`: the
-  experts in host memory, served through a pool.
+- On a CUDA device: `cupool.from_pretrained(dir, budget=..., max_decode_tokens=max_batch,
+  kv_reserve=reserve(...))`: the experts in host memory, served through a pool, the bank sized to
+  leave the engine's KV cache, recurrent states and resume points free.
 
 The tokenizer is the directory's (`AutoTokenizer.from_pretrained`) where it has tokenizer files;
 without them it is None, and the server then takes token-id prompts only (no chat). A directory
@@ -89,14 +90,17 @@ def load_tokenizer(model_dir):
 
 
 def load(model_dir, device, budget=None, max_batch: int = 8, max_len: int | None = None,
-         dtype=None) -> Loaded:
+         dtype=None, resume_points: int | None = None) -> Loaded:
     """Load `model_dir` for serving on `device` ("cpu", "cuda", "cuda:N").
 
     budget: GPU memory for the whole model (bytes or "40GiB"; CUDA only, None: cupool's default).
     max_batch: sequences decoded together (the pool is built for that many decode tokens).
-    max_len: checked against the model's positions (see `resolve_max_len`); on CUDA the KV cache
-        of max_batch sequences of max_len tokens is kept out of the bank's share of the budget
-        (`kv_reserve`).
+    max_len: checked against the model's positions (see `resolve_max_len`).
+    resume_points: the engine's saved copies of a slot's recurrent states (None: its default,
+        3 × max_batch).
+    On CUDA the engine's memory beside the model is kept out of the bank's share of the budget
+    (`reserve`): the KV cache of max_batch sequences of max_len tokens, the max_batch slots'
+    recurrent states and resume_points copies of one slot's states.
     dtype: of the weights and activations; None: the checkpoint's own on the CPU, cupool's
         default on CUDA.
     """
@@ -112,8 +116,11 @@ def load(model_dir, device, budget=None, max_batch: int = 8, max_len: int | None
             raise LoadError("a memory budget applies to a CUDA device; the CPU serves the model "
                             "unwrapped (leave the budget out)")
         return _load_cpu(path, dtype)
+    if resume_points is not None and (isinstance(resume_points, bool)
+                                      or not isinstance(resume_points, int) or resume_points < 0):
+        raise LoadError(f"resume_points must be an int >= 0, got {resume_points!r}")
     if dev.type == "cuda":
-        return _load_cuda(path, dev, budget, max_batch, max_len, dtype)
+        return _load_cuda(path, dev, budget, max_batch, max_len, dtype, resume_points)
     raise LoadError(f"device {device!r} is not served: use cpu or cuda[:N]")
 
 
@@ -125,20 +132,29 @@ def _load_cpu(path: Path, dtype) -> Loaded:
     return Loaded(model.eval(), None, tokenizer)
 
 
-def kv_reserve(path: Path, max_batch: int, max_len: int) -> int:
-    """Bytes of the KV cache of max_batch sequences of max_len tokens (bf16 keys and values of
-    every attention layer, `cupool.kvcache.kv_bytes_per_token`): what the bank leaves free."""
+def reserve(path: Path, max_batch: int, max_len: int, resume_points: int | None = None):
+    """What the engine allocates beside the model (`cupool.kvcache.engine_reserve`, bf16 keys,
+    values and convolution states): the KV cache of max_batch sequences of max_len tokens, the
+    slots' recurrent states and the resume points' copies of them: what the bank leaves free.
+    LoadError where the model's recurrent states are of a kind not known."""
     from transformers import AutoConfig
 
-    from cupool.kvcache import kv_bytes_per_token
-    return kv_bytes_per_token(AutoConfig.from_pretrained(path)) * max_len * max_batch
+    from cupool.kvcache import engine_reserve
+    try:
+        return engine_reserve(AutoConfig.from_pretrained(path), max_batch=max_batch,
+                              max_len=max_len, resume_points=resume_points)
+    except ValueError as e:
+        raise LoadError(f"{str(path)!r}: {e}") from None
 
 
-def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype) -> Loaded:
+def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype,
+               resume_points: int | None) -> Loaded:
     import cupool
 
     kwargs = {} if dtype is None else {"dtype": dtype}
     if device.index is not None:
         kwargs["device"] = str(device)
+    kept = reserve(path, max_batch, max_len, resume_points)
+    log.info("kept out of the bank: %s", kept.parts())
     return cupool.from_pretrained(path, budget=budget, max_decode_tokens=max_batch,
-                                  kv_reserve=kv_reserve(path, max_batch, max_len), **kwargs)
+                                  kv_reserve=kept, **kwargs)
