@@ -202,3 +202,56 @@ def save(name: str, payload: dict, path: Path | None) -> Path | None:
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {shown(path)}")
     return path
+
+
+def gpu_events(prof) -> list[dict]:
+    """Kernels and memory copies of a finished `torch.profiler.profile` run (CUDA activity), in
+    start order: {"name", "stream", "start_us", "end_us", "kind": "kernel" | "memcpy" | "memset"}.
+    Read from the profiler's chrome trace, whose timestamps are µs."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    kinds = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
+    out = [{"name": e["name"], "stream": e.get("args", {}).get("stream", -1),
+            "start_us": float(e["ts"]), "end_us": float(e["ts"]) + float(e.get("dur", 0)),
+            "kind": kinds[e.get("cat")]}
+           for e in events if e.get("cat") in kinds and "ts" in e]
+    return sorted(out, key=lambda e: e["start_us"])
+
+
+def _union_us(spans) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
+def timeline_breakdown(events: list[dict], group_of) -> dict:
+    """Where a stretch of GPU work went (`gpu_events`' list): its span from the first start to
+    the last end, each stream's busy time (the union of its events' intervals), the time no
+    stream was busy, and each group's summed event time and count (`group_of(name)` names it).
+    All in ms."""
+    if not events:
+        return {"span_ms": 0.0, "idle_ms": 0.0, "streams": {}, "groups": {}}
+    t0 = min(e["start_us"] for e in events)
+    t1 = max(e["end_us"] for e in events)
+    streams: dict[str, list] = {}
+    groups: dict[str, list] = {}
+    for e in events:
+        streams.setdefault(str(e["stream"]), []).append((e["start_us"], e["end_us"]))
+        g = groups.setdefault(group_of(e["name"]), [0.0, 0])
+        g[0] += (e["end_us"] - e["start_us"]) / 1e3
+        g[1] += 1
+    busy = _union_us([(e["start_us"], e["end_us"]) for e in events])
+    return {"span_ms": (t1 - t0) / 1e3, "idle_ms": (t1 - t0 - busy) / 1e3,
+            "streams": {k: _union_us(v) / 1e3 for k, v in streams.items()},
+            "groups": {k: {"ms": v[0], "count": v[1]} for k, v in
+                       sorted(groups.items(), key=lambda kv: -kv[1][0])}}

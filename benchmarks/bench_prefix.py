@@ -30,6 +30,11 @@ routing hook in one extra untimed run of each mode) over the host-to-device band
 this process (`_common.pcie_h2d_GBps`, a pinned copy): the best time to first token the link
 allows, and the achieved one as a fraction of it. Target: reused >= 10x faster than cold.
 
+`--profile`: one more cold and one more reused turn 2 (untimed) under torch.profiler, and where
+their GPU time went: the span from the first kernel to the last, each stream's busy time, the
+time no stream was busy, and the summed time of each group of kernels (expert row copies, MoE
+GEMM, attention, matmul, other), printed and kept in the results under "profile".
+
 Writes benchmarks/results/bench_prefix.json. A reduced run (another prefix, --small, another
 bank, fewer repeats) writes nothing unless --json PATH is given.
 """
@@ -43,7 +48,7 @@ import sys
 import time
 
 import torch
-from _common import pcie_h2d_GBps, reduced_by, results_path, save
+from _common import gpu_events, pcie_h2d_GBps, reduced_by, results_path, save, timeline_breakdown
 
 import cupool
 from cupool import _cuda, synthetic
@@ -90,6 +95,31 @@ class HostRows:
 
     def rows(self) -> int:
         return int(self.count)
+
+
+# kernel groups of a prefill profile, by name (the first group whose key a name holds)
+GROUPS = (("expert row copies", ("copy_rows", "Memcpy HtoD")),
+          ("MoE GEMM", ("moe_w13", "moe_w2", "align_experts", "prep_x", "moe_decode")),
+          ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+          ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitK")))
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    for g, keys in GROUPS:
+        if any(k.lower() in low for k in keys):
+            return g
+    return "other"
+
+
+def profiled(run_once) -> dict:
+    """timeline_breakdown of the GPU work of `run_once()` (one untimed request)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_once()
+        torch.cuda.synchronize()
+    return timeline_breakdown(gpu_events(prof), group_of)
 
 
 def ttft(engine, prompt, logits: FirstLogits) -> tuple[float, object, torch.Tensor]:
@@ -149,6 +179,9 @@ def build_parser() -> CLIParser:
     p.add_argument("--bank", type=bounded_int(7, 100), default=50,
                    help="bank rows a layer, %% of E (>= 7: top-8 of 128)")
     p.add_argument("--small", action="store_true", help="tiny shape, short prompts (smoke test)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one cold and one reused turn 2: GPU time by stream and "
+                        "kernel group")
     p.add_argument("--json", type=output_file, metavar="PATH",
                    help="write the results here instead of benchmarks/results/bench_prefix.json")
     return p
@@ -207,6 +240,11 @@ def main(args) -> None:
         cold_rows = host_rows(pool, lambda: cold.generate([turn2], ONE))
         prime()
         warm_rows = host_rows(pool, lambda: warm.generate([turn2], ONE))
+        prof = {}
+        if args.profile:
+            prof["cold"] = profiled(lambda: cold.generate([turn2], ONE))
+            prime()
+            prof["reused"] = profiled(lambda: warm.generate([turn2], ONE))
     finally:
         logits.remove()
     errors = pool.errors()
@@ -241,6 +279,8 @@ def main(args) -> None:
     results["same_argmax"] = all(x["same_argmax"] for x in wr["vs_first_cold_run"])
     results["cold_same_argmax"] = all(x["same_argmax"] for x in cr["vs_first_cold_run"])
     results["meets_target"] = results["speedup"] >= TARGET
+    if prof:
+        results["profile"] = prof
     for name, r in (("cold", cr), ("reused", wr)):
         print(f"{name:>6}: turn 2 of {len(turn2)} tokens, time to first token "
               f"{r['ttft_s'] * 1e3:.1f} ms (median of {args.repeats}), cached "
@@ -253,6 +293,12 @@ def main(args) -> None:
           f"{'agrees' if results['same_argmax'] else 'differs'}), cold vs cold "
           f"{results['cold_run_to_run_max_abs_diff']:.3g} (argmax "
           f"{'agrees' if results['cold_same_argmax'] else 'differs'}) {errors or ''}", flush=True)
+    for name, b in prof.items():
+        print(f"{name:>6} profiled: {b['span_ms']:.1f} ms from first to last GPU event, "
+              f"{b['idle_ms']:.1f} ms with no stream busy; streams busy "
+              + ", ".join(f"{k}: {v:.1f}" for k, v in b["streams"].items()) + " ms; "
+              + ", ".join(f"{g} {v['ms']:.1f} ms ({v['count']})" for g, v in b["groups"].items()),
+              flush=True)
     save("bench_prefix", results, out)
 
 

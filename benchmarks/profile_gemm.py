@@ -9,7 +9,7 @@ import argparse
 import sys
 
 import torch
-from _common import ExpertRows
+from _common import ExpertRows, gpu_events
 from torch.profiler import ProfilerActivity, profile
 
 from cupool import _cuda
@@ -206,8 +206,6 @@ def prefill_timeline(T: int, host_fraction: float = 0.5, scratch_rows: int = 32,
     """Kernels of one partition-path prefill call with a fraction of the experts on the host, in
     the order they start: stream, start and end in µs from the first kernel, name. Shows where
     the chunk pipeline (copy c on the side stream, GEMM c on the main stream) waits."""
-    import json
-    import tempfile
     layout = RowLayout(2048, 768)
     er = ExpertRows(layout, E, store=True)
     _, expert_addr = er.resident_addr(host_fraction)
@@ -223,15 +221,12 @@ def prefill_timeline(T: int, host_fraction: float = 0.5, scratch_rows: int = 32,
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    t0 = ks[0]["ts"]
+    ks = [e for e in gpu_events(prof) if e["kind"] == "kernel"]
+    t0 = ks[0]["start_us"]
     print(f"--- prefill T={T}, {host_fraction:.0%} of {E} experts on the host, scratch_rows "
-          f"{scratch_rows}: {len(ks)} kernels, {ks[-1]['ts'] + ks[-1]['dur'] - t0:.0f} us")
+          f"{scratch_rows}: {len(ks)} kernels, {max(e['end_us'] for e in ks) - t0:.0f} us")
     for e in ks:
-        print(f"stream {e['args'].get('stream', '?'):>3} {e['ts'] - t0:8.1f} {e['ts'] + e['dur'] - t0:8.1f}"
+        print(f"stream {e['stream']:>3} {e['start_us'] - t0:8.1f} {e['end_us'] - t0:8.1f}"
               f"  {e['name'][:60]}")
     er.store.close()
 

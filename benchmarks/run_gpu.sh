@@ -10,7 +10,8 @@
 # Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, profile-decode, ab-dense,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
-# decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram.
+# decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
+# prefix, serve.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -106,6 +107,8 @@ for stage in "$@"; do
     hybrid-tests) run hybrid_tests 590 "${PYTEST[@]}" $PYTEST_TIMEOUT tests/test_gpu_engine_hybrid.py tests/test_checkpoints_fp8.py ;;
     decode-qwen4) run bench_decode_qwen4_exp 590 python3 benchmarks/bench_decode.py --model qwen4_exp ;;
     ngram)    run bench_ngram 300 python3 benchmarks/bench_ngram.py ;;
+    prefix)   run bench_prefix 590 python3 benchmarks/bench_prefix.py --profile ;;
+    serve)    run bench_serve 590 python3 benchmarks/bench_serve.py --streams 1 8 16 ;;
     decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 --json "$OUT/bench_decode_small.json" ;;
     decode-compile-small) run bench_decode_small_compiled 300 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 2 --compile --json "$OUT/bench_decode_small_compiled.json" ;;
     # the canonical bench_decode.json in three parts, each merged into the one before

@@ -52,7 +52,7 @@ NEEDS_GPU = [
     ["bench_decode.py", "--model", "qwen4_exp", "--small"],
     ["bench_ngram.py", "--table", "1GiB", "--batches", "1", "4"],
     ["bench_long.py", "--contexts", "4096", "--soak-steps", "96"],
-    ["bench_prefix.py", "--small"],
+    ["bench_prefix.py", "--small", "--profile"],
     ["profile_decode.py", "--layers", "2"],
     ["profile_gemm.py", "--sweep", "minb=4", "default"],
     ["profile_host.py", "--tokens", "64"],
@@ -289,6 +289,28 @@ def test_bench_decode_shape_keys():
                                     shape["num_experts_per_tok"], shape["hidden_size"]), model
             assert I == shape.get("moe_intermediate_size") or I == shape["intermediate_size"]
     assert bd.shape_keys(bd.MODELS["qwen4_exp"][0])[4] == 512
+
+
+def test_timeline_breakdown():
+    """Busy time is the union of a stream's intervals (overlaps counted once), idle the span no
+    stream covers; groups sum their events' own times."""
+    common = load("_common.py")
+    ev = [{"name": "copy_rows", "stream": 7, "start_us": 0.0, "end_us": 400.0},
+          {"name": "copy_rows", "stream": 7, "start_us": 300.0, "end_us": 500.0},
+          {"name": "moe_w13", "stream": 3, "start_us": 450.0, "end_us": 700.0},
+          {"name": "elementwise", "stream": 3, "start_us": 1200.0, "end_us": 1300.0}]
+    b = common.timeline_breakdown(ev, lambda n: "copies" if "copy" in n else "compute")
+    assert b["span_ms"] == pytest.approx(1.3)
+    assert b["streams"] == {"7": pytest.approx(0.5), "3": pytest.approx(0.35)}
+    assert b["idle_ms"] == pytest.approx(1.3 - 0.8)           # 0..700 and 1200..1300 busy
+    assert b["groups"]["copies"] == {"ms": pytest.approx(0.6), "count": 2}
+    assert list(b["groups"]) == ["copies", "compute"]          # largest first
+    assert common.timeline_breakdown([], str)["span_ms"] == 0.0
+    bp = load("bench_prefix.py")
+    assert [bp.group_of(n) for n in ("copy_rows_bulk", "Memcpy HtoD (Pinned -> Device)",
+                                     "moe_w2", "fmha_cutlassF_bf16", "nvjet_tst_128x64",
+                                     "vectorized_elementwise_kernel")] == [
+        "expert row copies", "expert row copies", "MoE GEMM", "attention", "matmul", "other"]
 
 
 def test_argument_types():
