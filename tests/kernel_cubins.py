@@ -2,7 +2,8 @@
 
 A refactor of `rawkernels/` that must leave the kernels as they are is checked by comparing these
 hashes before and after: `python tests/kernel_cubins.py > before.txt`, edit, then
-`python tests/kernel_cubins.py --compare before.txt` (exit code 1 on any difference).
+`python tests/kernel_cubins.py --compare before.txt` (exit code 1 on any difference; builds
+the earlier file lacks are listed as new).
 The builds are `kernel_builds.BUILDS` (sm_90: the architecture the kernels are tuned on).
 """
 
@@ -53,7 +54,10 @@ def main(argv=None) -> int:
         old[(name, rest[0] if rest else "")] = digest
     differ = 0
     for name, defines, digest in rows:
-        before = old.get((name, defines), "absent")
+        before = old.get((name, defines))
+        if before is None:                   # a build the earlier file did not have
+            print(f"new      {name:<12} {'':16}  {digest[:16]}  {defines}")
+            continue
         same = before == digest
         differ += not same
         print(f"{'same   ' if same else 'DIFFERS'}  {name:<12} {before[:16]}  {digest[:16]}  {defines}")
