@@ -204,6 +204,16 @@ def save(name: str, payload: dict, path: Path | None) -> Path | None:
     return path
 
 
+def kernel_group(name: str, groups, other: str) -> str:
+    """The first of `groups` ((group, (key, ...)), ...) with a key that `name` holds
+    (case-insensitive), else `other`."""
+    low = name.lower()
+    for g, keys in groups:
+        if any(k.lower() in low for k in keys):
+            return g
+    return other
+
+
 def gpu_events(prof) -> list[dict]:
     """Kernels and memory copies of a finished `torch.profiler.profile` run (CUDA activity), in
     start order: {"name", "stream", "start_us", "end_us", "kind": "kernel" | "memcpy" | "memset"}.

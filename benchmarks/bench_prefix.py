@@ -48,7 +48,8 @@ import sys
 import time
 
 import torch
-from _common import gpu_events, pcie_h2d_GBps, reduced_by, results_path, save, timeline_breakdown
+from _common import (gpu_events, kernel_group, pcie_h2d_GBps, reduced_by, results_path, save,
+                     timeline_breakdown)
 
 import cupool
 from cupool import _cuda, synthetic
@@ -105,11 +106,7 @@ GROUPS = (("expert row copies", ("copy_rows", "Memcpy HtoD")),
 
 
 def group_of(name: str) -> str:
-    low = name.lower()
-    for g, keys in GROUPS:
-        if any(k.lower() in low for k in keys):
-            return g
-    return "other"
+    return kernel_group(name, GROUPS, "other")
 
 
 def profiled(run_once) -> dict:

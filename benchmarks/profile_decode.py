@@ -24,7 +24,7 @@ import sys
 import time
 
 import torch
-from _common import save, time_ms
+from _common import kernel_group, save, time_ms
 from torch.profiler import ProfilerActivity, profile
 
 import cupool
@@ -42,11 +42,7 @@ GROUPS = (("cupool MoE", ("plan_step", "copy_rows", "moe_decode", "route_decode"
 
 
 def group_of(name: str) -> str:
-    low = name.lower()
-    for g, keys in GROUPS:
-        if any(k.lower() in low for k in keys):
-            return g
-    return "elementwise/reduce/other"
+    return kernel_group(name, GROUPS, "elementwise/reduce/other")
 
 
 def build_parser() -> CLIParser:
