@@ -242,6 +242,23 @@ def test_prefill_big_dims(big, T, K, prefill_config):
     assert gemm.read_error() == []
 
 
+def check_splits_match_one_pass(gemm, x, la, w, ids, E, one, gen):
+    """gemm.decode split by lane_fresh (per expert, as the plan step gives it: fresh or not, the
+    same for all its lanes; none, all, random) equals `one`, the one-pass decode, bit for bit,
+    with before_fresh called once between the launches."""
+    for case in ("none", "all", "random"):
+        pick = {"none": torch.zeros(E), "all": torch.ones(E),
+                "random": torch.randint(0, 2, (E,), generator=gen)}[case]
+        fresh = pick.to(torch.int32).cuda()[ids.clamp(min=0)].reshape(-1).contiguous()
+        calls = []
+        out = torch.full_like(x, float("nan"))
+        gemm.decode(x, la, w, out=out, lane_fresh=fresh, before_fresh=lambda: calls.append(1))
+        torch.cuda.synchronize()
+        assert calls == [1], case
+        assert torch.equal(out, one), f"split '{case}' differs from the one-pass decode"
+        assert_counters_at_rest(gemm)
+
+
 def check_graph_replay_matches_eager(placed, T, K, gen, replays):
     """A decode call captured in a CUDA graph, replayed on new x, routing and weights (output
     poisoned before each replay), equals the same call run eagerly bit for bit (the decode GEMM
@@ -295,22 +312,12 @@ def test_decode_split_in_place_then_fresh_is_bitwise_one_pass(request, placed_na
     one = gemm.decode(x, la, w).clone()
     ref = reference_moe(x, ids, w, placed.deq)
     assert rel_err(one, ref) <= TOL
-    # per expert (as the plan step gives it): fresh or not, the same for all its lanes
-    for case in ("none", "all", "random"):
-        pick = {"none": torch.zeros(placed.E), "all": torch.ones(placed.E),
-                "random": torch.randint(0, 2, (placed.E,), generator=gen)}[case]
-        fresh = pick.to(torch.int32).cuda()[ids.clamp(min=0)].reshape(-1).contiguous()
-        calls = []
-        out = torch.full_like(x, float("nan"))
-        gemm.decode(x, la, w, out=out, lane_fresh=fresh, before_fresh=lambda: calls.append(1))
-        torch.cuda.synchronize()
-        assert calls == [1], case
-        assert torch.equal(out, one), f"split '{case}' differs from the one-pass decode"
-        assert_counters_at_rest(gemm)
+    check_splits_match_one_pass(gemm, x, la, w, ids, placed.E, one, gen)
     with pytest.raises(ValueError, match="lane_fresh must be a contiguous int32"):
         gemm.decode(x, la, w, lane_fresh=torch.zeros(T * K, dtype=torch.int64, device="cuda"))
     with pytest.raises(TypeError, match="before_fresh must be callable"):
-        gemm.decode(x, la, w, lane_fresh=fresh, before_fresh=3)
+        gemm.decode(x, la, w, lane_fresh=torch.zeros(T * K, dtype=torch.int32, device="cuda"),
+                    before_fresh=3)
     assert gemm.read_error() == []
 
 

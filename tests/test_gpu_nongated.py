@@ -23,7 +23,7 @@ import pytest
 import torch
 from test_gpu_engine import MAX_OFF, _check_against_reference, _prompts
 from test_gpu_gemm import (TOL, Placed, assert_counters_at_rest, check_graph_replay_matches_eager,
-                           rel_err, routing)
+                           check_splits_match_one_pass, rel_err, routing)
 from tiny_models import HYBRID_FAMILIES, hybrid_model
 
 import cupool
@@ -152,17 +152,7 @@ def test_decode_split_in_place_then_fresh_is_bitwise_one_pass(request, rng, plac
     la = placed.lane_addr(ids)
     one = gemm.decode(x, la, w).clone()
     assert rel_err(one, placed.reference(x, ids, w)) <= TOL
-    for case in ("none", "all", "random"):
-        pick = {"none": torch.zeros(placed.E), "all": torch.ones(placed.E),
-                "random": torch.randint(0, 2, (placed.E,), generator=gen)}[case]
-        fresh = pick.to(torch.int32).cuda()[ids.clamp(min=0)].reshape(-1).contiguous()
-        calls = []
-        out = torch.full_like(x, float("nan"))
-        gemm.decode(x, la, w, out=out, lane_fresh=fresh, before_fresh=lambda: calls.append(1))
-        torch.cuda.synchronize()
-        assert calls == [1], case
-        assert torch.equal(out, one), f"split '{case}' differs from the one-pass decode"
-        assert_counters_at_rest(gemm)
+    check_splits_match_one_pass(gemm, x, la, w, ids, placed.E, one, gen)
     assert gemm.read_error() == []
 
 

@@ -208,15 +208,20 @@ def test_debug_env_adds_lineinfo(monkeypatch):
 _GPTOSS = RowLayout(2880, 2880, bias=True)
 
 
-def _gptoss_decode_builds():
-    from cupool.activation import swiglu_clamp
-    act = swiglu_clamp(1.702, 7.0)
+def _decode_builds(layout, act):
+    """moe_decode's defines for `layout` and `act` in each build the launcher picks from (units
+    of 8 lanes at 3 or 4 blocks an SM, of 16 at 3; W13_KSPLIT 4 or 2)."""
     out = []
     for nt, maxw, minb, split in [(8, 64, 4, 4), (8, 64, 3, 4), (8, 64, 4, 2), (16, 256, 3, 4),
                                   (16, 256, 3, 2)]:
         b = moe_decode.Build(nt=nt, maxw=maxw, minb=minb, w13_split=split, xalign=1, w_dtype=0)
-        out.append(moe_decode.defines(b, _GPTOSS, torch.bfloat16, act))
+        out.append(moe_decode.defines(b, layout, torch.bfloat16, act))
     return out
+
+
+def _gptoss_decode_builds():
+    from cupool.activation import swiglu_clamp
+    return _decode_builds(_GPTOSS, swiglu_clamp(1.702, 7.0))
 
 
 @pytest.mark.parametrize("defines", _gptoss_decode_builds(),
@@ -244,12 +249,7 @@ _NEMOTRON = RowLayout(2688, 1856, gated=False)
 
 def _nemotron_decode_builds():
     from cupool.activation import RELU2
-    out = []
-    for nt, maxw, minb, split in [(8, 64, 3, 4), (8, 64, 4, 4), (8, 64, 4, 2), (16, 256, 3, 4),
-                                  (16, 256, 3, 2)]:
-        b = moe_decode.Build(nt=nt, maxw=maxw, minb=minb, w13_split=split, xalign=1, w_dtype=0)
-        out.append(moe_decode.defines(b, _NEMOTRON, torch.bfloat16, RELU2))
-    return out
+    return _decode_builds(_NEMOTRON, RELU2)
 
 
 @pytest.mark.parametrize("defines", _nemotron_decode_builds(),

@@ -384,6 +384,17 @@ class KernelModel:
         return routes, copies
 
 
+def toggle_gate(rng, ref, model, p_close):
+    """With probability p_close (gate open) or 0.1 (closed), the gate flips in the reference and
+    the ring model alike."""
+    if rng.random() < (p_close if ref.gate else 0.1):
+        if ref.gate:
+            ref.close()
+        else:
+            ref.open()
+        model.gate = ref.gate
+
+
 @pytest.mark.parametrize("L,E,N,S,C", [(5, 13, 3, 64, 16), (5, 13, 3, 64, 64), (2, 9, 4, 2, 8),
                                        (6, 30, 10, 16, 64), (6, 30, 10, 16, 128)])
 def test_kernel_algorithm_equals_reference(rng, L, E, N, S, C):
@@ -391,12 +402,7 @@ def test_kernel_algorithm_equals_reference(rng, L, E, N, S, C):
     model = KernelModel(ref, C)
     hot = [hot_distribution(rng, E) for _ in range(L)]
     for i in range(1500):
-        if rng.random() < (0.02 if ref.gate else 0.1):
-            if ref.gate:
-                ref.close()
-            else:
-                ref.open()
-            model.gate = ref.gate
+        toggle_gate(rng, ref, model, 0.02)
         layer = int(rng.integers(L))
         ids = random_ids(rng, E, int(rng.integers(1, 50)), hot[layer])
         r1, c1 = ref.step(layer, ids)
@@ -422,12 +428,7 @@ def test_kernel_algorithm_with_prefetch_equals_reference(rng, L, E, N, S, C):
     prev = [np.zeros(0, np.int64)] * L
     kinds = [0, 0]
     for i in range(3000):
-        if rng.random() < (0.01 if ref.gate else 0.1):
-            if ref.gate:
-                ref.close()
-            else:
-                ref.open()
-            model.gate = ref.gate
+        toggle_gate(rng, ref, model, 0.01)
         layer = int(rng.integers(L))
         prefetch = bool(rng.random() < 0.5)
         if prefetch and rng.random() < 0.5:       # a prediction: the layer's last ids, mangled
@@ -467,12 +468,7 @@ def test_kernel_algorithm_with_promotion_cap_equals_reference(rng, L, E, N, S, C
     hot = [hot_distribution(rng, E) for _ in range(L)]
     capped = 0
     for i in range(1500):
-        if rng.random() < (0.01 if ref.gate else 0.1):
-            if ref.gate:
-                ref.close()
-            else:
-                ref.open()
-            model.gate = ref.gate
+        toggle_gate(rng, ref, model, 0.01)
         layer = int(rng.integers(L))
         W = int(rng.integers(1, 64))
         ids = random_ids(rng, E, W, hot[layer])

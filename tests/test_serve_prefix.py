@@ -82,6 +82,15 @@ def test_anthropic_reports_cache_reads(tmp_path):
         c.close()
 
 
+def _anthropic_reply(server, model: str, msgs):
+    """One 4-token Anthropic Messages reply to `msgs` from the live server."""
+    a = anthropic.Anthropic(base_url=server.base_url[:-3], api_key="unused", max_retries=0)
+    try:
+        return a.messages.create(model=model, max_tokens=4, messages=msgs)
+    finally:
+        a.close()
+
+
 def test_hybrid_model_resumes_each_turn(tmp_path):
     """A Qwen3-Next-shaped model (gated delta nets) behind a chat template whose generation
     prompt opens no reasoning (Qwen3's): each turn resumes at the longest saved point of the turn
@@ -116,9 +125,7 @@ def test_hybrid_model_resumes_each_turn(tmp_path):
             msgs += [{"role": "assistant", "content": choice.message.content or "ok"},
                      {"role": "user", "content": f"And step {turn + 2}?"}]
         c.close()
-        a = anthropic.Anthropic(base_url=s.base_url[:-3], api_key="unused", max_retries=0)
-        m = a.messages.create(model="next", max_tokens=4, messages=msgs)
-        a.close()
+        m = _anthropic_reply(s, "next", msgs)
     assert m.usage.cache_read_input_tokens > 0
 
 
@@ -175,9 +182,7 @@ def test_thinking_template_resumes_at_the_conversation_end(tmp_path, family, mod
             msgs += [{"role": "assistant", "content": choice.message.content or "ok"},
                      {"role": "user", "content": f"And step {turn + 2}?"}]
         c.close()
-        a = anthropic.Anthropic(base_url=s.base_url[:-3], api_key="unused", max_retries=0)
-        m = a.messages.create(model="m", max_tokens=4, messages=msgs)
-        a.close()
+        m = _anthropic_reply(s, "m", msgs)
     if stateful:
         assert m.usage.cache_read_input_tokens == prev_point
     assert m.usage.cache_read_input_tokens >= prev_point
