@@ -77,6 +77,22 @@ class Placed:
     def reference(self, x, ids, w):
         return reference_moe(x, ids, w, self.deq, activation=self.activation, biases=self.biases)
 
+    def decode_twice(self, gemm, x, ids, w):
+        """Two gemm.decode calls on poisoned outputs: both within TOL of the reference and the
+        same bits; no error bits and counters at rest after. The output."""
+        ref = self.reference(x, ids, w)
+        first = None
+        for _ in range(2):
+            out = torch.full_like(x, float("nan"))
+            gemm.decode(x, self.lane_addr(ids), w, out=out)
+            assert not out.isnan().any()
+            assert rel_err(out, ref) <= TOL, rel_err(out, ref)
+            assert first is None or torch.equal(out, first), "a second call gave other bits"
+            first = out
+        assert gemm.read_error() == []
+        assert_counters_at_rest(gemm)
+        return out
+
     def gemm(self, K, **kw):
         """A MoEGemm for these experts (their layout and activation)."""
         return MoEGemm(self.layout, K, torch.bfloat16, activation=self.activation, **kw)
@@ -353,22 +369,28 @@ def test_prefill_scratch_buffers(qwen, rows, buffers, prefill_config):
                     scratch_buffers=bad)
 
 
-def test_prefill_int32_ids_bad_ids_and_odd_experts(small, prefill_config):
-    gen = torch.Generator().manual_seed(21)
-    T, K, E = 37, 2, small.E
-    gemm = MoEGemm(small.layout, K, torch.float16, max_prefill_tokens=64, num_experts=E,
-                   scratch_rows=1, prefill_config=prefill_config)
-    x = torch.randn(T, 80, generator=gen).to(torch.float16).cuda()
+def check_prefill_int32_ids_bad_ids(placed, dtype, gen, prefill_config):
+    """A prefill of 37 tokens (int32 ids, one out of range) with every expert on the host: the
+    bad lane is padding and flagged; the rest equals the reference."""
+    T, K, E = 37, 2, placed.E
+    gemm = MoEGemm(placed.layout, K, dtype, max_prefill_tokens=64, num_experts=E, scratch_rows=1,
+                   prefill_config=prefill_config, activation=placed.activation)
+    x = torch.randn(T, placed.layout.hidden, generator=gen).to(dtype).cuda()
     ids, w = routing(T, K, E, gen)
     ids = ids.to(torch.int32)
     ids[3, 1] = E + 4                                    # out of range: flag + padding
     out = torch.full_like(x, float("nan"))
     gemm.prefill(x, ids, w, torch.zeros(E, dtype=torch.int64, device="cuda"),
-                 host_addr=small.store.address_table(), out=out)
+                 host_addr=placed.store.address_table(), out=out)
     ids_ref = ids.clone()
     ids_ref[3, 1] = -1
-    assert rel_err(out, reference_moe(x, ids_ref, w, small.deq)) <= TOL
+    assert rel_err(out, placed.reference(x, ids_ref, w)) <= TOL
     assert gemm.read_error() == ["expert id outside [0, E)"]
+
+
+def test_prefill_int32_ids_bad_ids_and_odd_experts(small, prefill_config):
+    check_prefill_int32_ids_bad_ids(small, torch.float16, torch.Generator().manual_seed(21),
+                                    prefill_config)
 
 
 def test_guards(small):
@@ -412,17 +434,7 @@ def test_decode_gptoss(gptoss, T, kernel):
     gemm = gptoss.gemm(K, max_decode_tokens=33, decode_kernel=kernel)
     x = (torch.randn(T, 2880, generator=gen) * 2).to(torch.bfloat16).cuda()
     ids, w = routing(T, K, gptoss.E, gen)
-    ref = gptoss.reference(x, ids, w)
-    first = None
-    for _ in range(2):
-        out = torch.full_like(x, float("nan"))
-        gemm.decode(x, gptoss.lane_addr(ids), w, out=out)
-        assert not out.isnan().any()
-        assert rel_err(out, ref) <= TOL, (T, kernel, rel_err(out, ref))
-        assert first is None or torch.equal(out, first)
-        first = out
-    assert gemm.read_error() == []
-    assert_counters_at_rest(gemm)
+    out = gptoss.decode_twice(gemm, x, ids, w)
     # counter-check: the bias-free SiLU reference of the same weights is far from the output
     assert rel_err(out, reference_moe(x, ids, w, gptoss.deq)) > 10 * TOL
 

@@ -22,8 +22,9 @@ within 1e-2 of the float reference of its rows at decode and prefill widths.
 import pytest
 import torch
 from test_gpu_engine import MAX_OFF, _check_against_reference, _prompts
-from test_gpu_gemm import (TOL, Placed, assert_counters_at_rest, check_graph_replay_matches_eager,
-                           check_splits_match_one_pass, rel_err, routing)
+from test_gpu_gemm import (TOL, Placed, check_graph_replay_matches_eager,
+                           check_prefill_int32_ids_bad_ids, check_splits_match_one_pass, rel_err,
+                           routing)
 from tiny_models import HYBRID_FAMILIES, hybrid_model
 
 import cupool
@@ -77,19 +78,8 @@ def test_rows_and_fixtures_are_what_the_tests_claim(nemotron, small):
 def _decode_twice(gemm, placed, x, ids, w):
     """Two decode calls on poisoned outputs: both within TOL of the reference, the same bits, far
     from the unsquared ReLU's reference; counters at rest and no error bits after."""
-    ref = placed.reference(x, ids, w)
-    first = None
-    for _ in range(2):
-        out = torch.full_like(x, float("nan"))
-        gemm.decode(x, placed.lane_addr(ids), w, out=out)
-        assert not out.isnan().any()
-        err = rel_err(out, ref)
-        assert err <= TOL, err
-        assert first is None or torch.equal(out, first), "a second call gave other bits"
-        first = out
+    out = placed.decode_twice(gemm, x, ids, w)
     assert rel_err(out, reference_moe(x, ids, w, placed.deq, activation=_relu_unsquared)) > 10 * TOL
-    assert gemm.read_error() == []
-    assert_counters_at_rest(gemm)
     return out
 
 
@@ -181,21 +171,8 @@ def test_prefill_nemotron_dims(nemotron, rng, T, prefill_config):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_prefill_padded_dims_int32_ids_bad_ids(small, rng, dtype, prefill_config):
-    gen = torch.Generator().manual_seed(seed_of(rng))
-    T, K, E = 37, 2, small.E
-    gemm = MoEGemm(small.layout, K, dtype, max_prefill_tokens=64, num_experts=E, scratch_rows=1,
-                   prefill_config=prefill_config, activation=RELU2)
-    x = torch.randn(T, 80, generator=gen).to(dtype).cuda()
-    ids, w = routing(T, K, E, gen)
-    ids = ids.to(torch.int32)
-    ids[3, 1] = E + 4                                    # out of range: flag + padding
-    out = torch.full_like(x, float("nan"))
-    gemm.prefill(x, ids, w, torch.zeros(E, dtype=torch.int64, device="cuda"),
-                 host_addr=small.store.address_table(), out=out)
-    ids_ref = ids.clone()
-    ids_ref[3, 1] = -1
-    assert rel_err(out, small.reference(x, ids_ref, w)) <= TOL
-    assert gemm.read_error() == ["expert id outside [0, E)"]
+    check_prefill_int32_ids_bad_ids(small, dtype, torch.Generator().manual_seed(seed_of(rng)),
+                                    prefill_config)
 
 
 def test_decode_and_prefill_misaligned_activations(small, rng, prefill_config):

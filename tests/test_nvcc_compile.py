@@ -232,13 +232,17 @@ def test_gptoss_decode_builds_without_spills(nvcc, tmp_path, defines):
     assert spills and all(s == 0 for s in spills), spills
 
 
+def _prefill_and_pair_spills(nvcc, tmp_path, layout, act):
+    """(config, ptxas spill counts) of moe_gemm's prefill and pair-decode builds for `layout`."""
+    from cupool.ops.moe_gemm import PAIR_SMALL, PAIR_WIDE
+    for cfg in (PREFILL, PAIR_SMALL, PAIR_WIDE):
+        d = config_defines(cfg, layout, torch.bfloat16, act)
+        yield cfg, ptxas_spills(nvcc, kernels.kernel_dir() / "moe_gemm.cu", d, tmp_path / "o.cubin")
+
+
 def test_gptoss_prefill_and_pair_builds_without_spills(nvcc, tmp_path):
     from cupool.activation import swiglu_clamp
-    from cupool.ops.moe_gemm import PAIR_SMALL, PAIR_WIDE
-    act = swiglu_clamp(1.702, 7.0)
-    for cfg in (PREFILL, PAIR_SMALL, PAIR_WIDE):
-        d = config_defines(cfg, _GPTOSS, torch.bfloat16, act)
-        spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_gemm.cu", d, tmp_path / "o.cubin")
+    for cfg, spills in _prefill_and_pair_spills(nvcc, tmp_path, _GPTOSS, swiglu_clamp(1.702, 7.0)):
         assert spills and all(s == 0 for s in spills), (cfg, spills)
 
 
@@ -262,10 +266,7 @@ def test_nongated_decode_builds_without_spills(nvcc, tmp_path, defines):
 
 def test_nongated_prefill_and_pair_builds_without_spills(nvcc, tmp_path):
     from cupool.activation import RELU2
-    from cupool.ops.moe_gemm import PAIR_SMALL, PAIR_WIDE
-    for cfg in (PREFILL, PAIR_SMALL, PAIR_WIDE):
-        d = config_defines(cfg, _NEMOTRON, torch.bfloat16, RELU2)
-        spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_gemm.cu", d, tmp_path / "o.cubin")
+    for cfg, spills in _prefill_and_pair_spills(nvcc, tmp_path, _NEMOTRON, RELU2):
         assert len(spills) == 3 and all(s == 0 for s in spills), (cfg, spills)
 
 
