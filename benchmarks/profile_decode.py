@@ -9,6 +9,11 @@ Kernels are grouped: cupool MoE (plan, copies, MoE GEMM), cupool dense (the fuse
 and attention), matmul (cuBLAS), attention (torch's), and elementwise/reduction (norms, rotary,
 router softmax/top-k, residuals, casts, sampling). The difference between the graph's time and
 the sum of kernel times is the gaps between kernels.
+`--ablate` (fused step only) also captures the step once without each part of every layer
+(`cupool.fused.ABLATE`: qkv, attention, o, router, plan — the plan step and row copies, the
+GEMM reading the lane addresses the last plan left — and moe, all of the pool's launches) and
+times it: the drop from the whole step is what that part costs inside the graph, where the
+eager per-kernel times above count a dependent kernel's wait for the one before as its own.
 The fused step's GEMVs run the launch shapes CUPOOL_DENSE_SHAPE names (e.g.
 `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8`; `cupool/fused.py`), so shapes are compared by running
 this script under each value; the step printed (and the JSON's "step") names the value.
@@ -31,6 +36,7 @@ import cupool
 from cupool import _cuda, synthetic
 from cupool.cli import CLIParser, bounded_int, output_file, positive_int, run
 from cupool.engine import StepKind
+from cupool.fused import ABLATE
 
 S = 16                 # prompt tokens
 
@@ -53,6 +59,8 @@ def build_parser() -> CLIParser:
     p.add_argument("--steps", type=bounded_int(1, 64), default=4, help="profiled eager steps")
     p.add_argument("--step", choices=["fused", "compiled", "graph"], default="fused",
                    help="the engine's decode step (default: fused)")
+    p.add_argument("--ablate", action="store_true",
+                   help="also time the captured step without each part of a layer (fused step)")
     p.add_argument("--json", type=output_file, metavar="PATH", help="also write the figures here")
     return p
 
@@ -117,14 +125,41 @@ def main(args) -> None:
         print(f"  {gname:>26}: {ms:7.3f} ms  {n:6.0f} kernels  ({ms / L * 1e3:6.1f} us/layer)")
     for name, (ms, n) in top:
         print(f"  {ms * 1e3 / n:7.2f} us x {n:5.0f} = {ms:6.3f} ms  {name[:110]}")
+    ablate = ablation(eng, kind, graph_ms, L) if args.ablate else None
     eng.close()
     save("profile_decode", {
         "layers": L, "batch": B, "step": eng.step_kind, "graph_ms_per_step": graph_ms,
         "tokens_per_s": B * 1e3 / graph_ms, "eager_ms_per_step": eager_ms,
         "kernel_ms_per_step": kernel_ms, "kernels_per_step": launches,
         "kernels_per_layer": launches / L, "warmup_s": warm_s,
+        "ablate": ablate,
         "groups": {k: {"ms": v[0], "kernels": v[1]} for k, v in groups.items()},
         "top": [{"name": n, "ms": v[0], "count": v[1]} for n, v in top]}, args.json)
+
+
+def ablation(eng, kind, graph_ms: float, layers: int) -> dict:
+    """{part: ms a step of the captured step without it} (`--ablate`), printed with the drop
+    from the whole step a layer."""
+    fused = eng._fused
+    if fused is None:
+        raise SystemExit("--ablate needs the fused step (--step fused on a model it runs)")
+    out = {}
+    print(f"without each part of every layer (graph replay; whole step {graph_ms:.3f} ms):")
+    with torch.inference_mode():
+        for part in ABLATE:
+            with eng._masked():
+                eng._step(kind)       # a real step first: "plan" reuses its lane addresses
+            fused.ablate = frozenset([part])
+            try:
+                graph = eng._capture(kind)
+                ms = time_ms(graph.replay, warmup=5, iters=50)
+            finally:
+                fused.ablate = frozenset()
+            del graph
+            out[part] = ms
+            print(f"  {part:>10}: {ms:7.3f} ms  (costs {(graph_ms - ms) / layers * 1e3:6.1f} "
+                  f"us/layer)")
+    return out
 
 
 if __name__ == "__main__":

@@ -86,12 +86,12 @@ for stage in "$@"; do
                 run "ncu_source_$k" 300 $NCU_SOURCE -k regex:$k --launch-skip 1 -c 1 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
                 gzip -f "$OUT/ncu_source_$k.log"; done ;;
     # the fused step's launch shapes side by side (CUPOOL_DENSE_SHAPE; "default": unset), one
-    # profile_decode run each, the graph's ms a step in each summary line
+    # profile_decode run each (with --ablate), the graph's ms a step in each summary line
     ab-dense) i=0
               for shape in ${DENSE_SHAPES:-default qkv=w4 o=k2,router=k8 attn=ahead qkv=w4,o=k2,router=k8,attn=ahead}; do
                 i=$((i + 1))
                 [ "$shape" = default ] && v= || v=$shape
-                CUPOOL_DENSE_SHAPE=$v run "profile_decode_ab$i" 200 python3 benchmarks/profile_decode.py --json "$OUT/profile_decode_ab$i.json"
+                CUPOOL_DENSE_SHAPE=$v run "profile_decode_ab$i" 200 python3 benchmarks/profile_decode.py --ablate --json "$OUT/profile_decode_ab$i.json"
                 summary[-1]="${summary[-1]} [$shape] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/profile_decode_ab$i.log")"
               done ;;
     profile-decode) run profile_decode 200 python3 benchmarks/profile_decode.py --json "$OUT/profile_decode.json"

@@ -81,6 +81,10 @@ _ATTN_REFUSE = ("q_a_proj", "kv_a_proj_with_mqa", "attn_logit_softcapping", "sin
 
 
 DENSE_SHAPE_ENV = "CUPOOL_DENSE_SHAPE"
+# the parts of a fused layer `FusedStep.ablate` can leave out: a launch each, "plan" the pool's
+# plan step and row copies (its decode GEMM then reads the lane addresses the last plan left),
+# "moe" all three of the pool's launches
+ABLATE = ("qkv", "attention", "o", "router", "plan", "moe")
 DENSE_GEMVS = ("qkv", "o", "router", "head")
 _SHAPE = re.compile(r"(?:w([0-9]+))?(?:k([0-9]+))?")
 
@@ -329,6 +333,10 @@ class FusedStep:
             if isinstance(l, FusedLayer):
                 l.attn = self._attention(nh, hk, D, workspace=self.workspace, **l.attn,
                                          **self.dense_shape.get("attn", {}))
+        # profiling only: parts of every fused layer the step leaves out (`ABLATE` names them;
+        # `benchmarks/profile_decode.py --ablate` captures the step without each to time what it
+        # costs inside the graph; the logits are then meaningless)
+        self.ablate: frozenset[str] = frozenset()
         self.h = torch.empty(B, H, dtype=bf, device=dev)
         self.h_mid = torch.empty(B, H, dtype=bf, device=dev)
         self.xn = torch.empty(B, H, dtype=bf, device=dev)
@@ -504,15 +512,25 @@ class FusedStep:
                 raise RuntimeError(f"layer {layer.index}'s KV cache is not allocated yet: run a "
                                    f"prefill through the cache before the first decode step")
             h = self.h if add is not None else res
-            layer.qkv(res, add=add, norm_weight=layer.in_norm, eps=layer.in_eps,
-                      h_out=self.h if add is not None else None, out=self.qkv)
-            layer.attn(self.qkv, pos, k_cache, v_cache, self.cos, self.sin, self.attn)
-            layer.o(self.attn, residual=h, out=self.h_mid)
+            skip = self.ablate
+            if "qkv" not in skip:
+                layer.qkv(res, add=add, norm_weight=layer.in_norm, eps=layer.in_eps,
+                          h_out=self.h if add is not None else None, out=self.qkv)
+            if "attention" not in skip:
+                layer.attn(self.qkv, pos, k_cache, v_cache, self.cos, self.sin, self.attn)
+            if "o" not in skip:
+                layer.o(self.attn, residual=h, out=self.h_mid)
             r = self.route
-            layer.router(self.h_mid, norm_weight=layer.post_norm, eps=layer.post_eps,
-                         x_out=self.xn, route=r, top_k=layer.top_k, norm_topk=layer.norm_topk,
-                         active=active)
-            layer.pooled.decode(self.xn, r.ids, r.weights, self.moe, mask=active, ids_masked=True)
+            if "router" not in skip:
+                layer.router(self.h_mid, norm_weight=layer.post_norm, eps=layer.post_eps,
+                             x_out=self.xn, route=r, top_k=layer.top_k,
+                             norm_topk=layer.norm_topk, active=active)
+            if "plan" in skip:
+                W = r.ids.numel()
+                self.pool.gemm.decode(self.xn, self.pool.bank.lane_addr[:W], r.weights, self.moe)
+            elif "moe" not in skip:
+                layer.pooled.decode(self.xn, r.ids, r.weights, self.moe, mask=active,
+                                    ids_masked=True)
             res, add = self.h_mid, self.moe
         self.head(res, add=add, norm_weight=self.final_norm, eps=self.final_eps, out=self.logits)
         return self.logits

@@ -20,7 +20,7 @@ from tiny_models import hf_model
 pytest.importorskip("transformers")
 
 from cupool.engine import cache_kwarg  # noqa: E402
-from cupool.fused import FusedLayer, FusedStep, Unsupported  # noqa: E402
+from cupool.fused import ABLATE, FusedLayer, FusedStep, Unsupported  # noqa: E402
 from cupool.kvcache import SlotCache  # noqa: E402
 from cupool.reference import dense as ref  # noqa: E402
 
@@ -117,6 +117,28 @@ def test_reference_step_fails_when_a_rounding_is_dropped(monkeypatch):
     monkeypatch.setattr(ref.GemvReference, "__call__", no_residual)
     fused, want, *_ = compare_step(model, None, "reference", [[5, 9, 3]], [11])
     assert rel(fused, want) > 0.1
+
+
+@torch.inference_mode()
+def test_ablate_leaves_each_part_out():
+    """The profiling knob (`FusedStep.ablate`, profile_decode --ablate): leaving a part of every
+    layer out changes the logits; an empty set gives the whole step's logits again."""
+    model = fused_model("qwen3_moe", seed=10)
+    cache = SlotCache(model.config.num_hidden_layers, 1, 40, torch.bfloat16, "cpu")
+    prefill(model, cache, 0, [5, 9, 3, 7])
+    step = FusedStep(model, None, cache, 1, [None] * len(cache.keys), backend="reference")
+    tok, pos, active = torch.tensor([[11]]), cache.pos.clone(), torch.ones(1, dtype=torch.bool)
+    before = snapshot(cache)
+
+    def logits(parts):
+        restore(cache, before)
+        step.ablate = frozenset(parts)
+        return step(tok, pos, active).clone()
+
+    whole = logits(())
+    for part in set(ABLATE) - {"plan"}:          # "plan" needs the pool's kernels
+        assert not torch.equal(logits([part]), whole), part
+    assert torch.equal(logits(()), whole)
 
 
 def test_layers_outside_the_pattern_run_transformers_modules():
