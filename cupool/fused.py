@@ -28,13 +28,15 @@ without renormalisation, weights in the dtype it returns), bf16 weights on the p
 A model that does not fit raises `Unsupported` with the reason; the engine then runs the model's
 own forward.
 
-Launch shapes: every GEMV runs the default shape (`DenseGemv`'s warps=8, split_k=1) unless
-CUPOOL_DENSE_SHAPE names another, read when a FusedStep is built: comma-separated `gemv=shape`
-entries, gemv one of qkv, o, router, head and shape `w<warps>`, `k<split_k>` or both (`w4k2`),
-e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8`; the entry `attn=ahead` picks the attention
-build that issues a tile's loads ahead of their use (`DecodeAttention(ahead=True)`). A malformed
-value, or a split_k a GEMV's K cannot take (fewer than 32 columns a block), raises ValueError
-naming the variable: a shape asked for is never dropped silently.
+Launch shapes: every GEMV runs the shape DEFAULT_DENSE_SHAPE gives it (none named: `DenseGemv`'s
+warps=8, split_k=1) unless CUPOOL_DENSE_SHAPE names another, read when a FusedStep is built:
+comma-separated `gemv=shape` entries, gemv one of qkv, o, router, head and shape `w<warps>`,
+`k<split_k>` or both (`w4k2`), e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8` (`w8k1` asks
+for the kernel's plain build); the entry `attn=ahead` picks the attention build that issues a
+tile's loads ahead of their use (`DecodeAttention(ahead=True)`), `attn=plain` the other one. A
+malformed value, or a split_k a GEMV's K cannot take (fewer than 32 columns a block), raises
+ValueError naming the variable: a shape asked for is never dropped silently. A default's split_k
+is lowered to what a small K takes.
 """
 
 from __future__ import annotations
@@ -86,14 +88,16 @@ DENSE_SHAPE_ENV = "CUPOOL_DENSE_SHAPE"
 # "moe" all three of the pool's launches
 ABLATE = ("qkv", "attention", "o", "router", "plan", "moe")
 DENSE_GEMVS = ("qkv", "o", "router", "head")
+# the launch shapes where CUPOOL_DENSE_SHAPE names none (the same format)
+DEFAULT_DENSE_SHAPE = ""
 _SHAPE = re.compile(r"(?:w([0-9]+))?(?:k([0-9]+))?")
 
 
 def parse_dense_shape(text: str) -> dict[str, dict]:
     """{gemv: DenseGemv launch-shape keywords} of a CUPOOL_DENSE_SHAPE value (the module
     docstring gives the format), with "attn": {"ahead": True} for the entry attn=ahead; ""
-    names none. Strict: an unknown GEMV, a GEMV named twice, a shape other than w<n>, k<n>,
-    w<n>k<n> (ahead for attn), or a warps / split_k DenseGemv does not take raises ValueError
+    names none ("attn": {"ahead": False} for attn=plain). Strict: an unknown GEMV, a GEMV named
+    twice, a shape other than w<n>, k<n>, w<n>k<n> (ahead or plain for attn), or a warps / split_k DenseGemv does not take raises ValueError
     naming the variable and the value."""
     shapes: dict[str, dict] = {}
     if text == "":
@@ -112,13 +116,13 @@ def _entry_shape(name: str, eq: str, shape: str, entry: str, seen: dict) -> dict
     wrong with it."""
     if not eq or name not in DENSE_GEMVS + ("attn",):
         raise ValueError(f"entry {entry!r} is not <gemv>=<shape> with gemv one of "
-                         f"{', '.join(DENSE_GEMVS)}, or attn=ahead")
+                         f"{', '.join(DENSE_GEMVS)}, or attn=ahead / attn=plain")
     if name in seen:
         raise ValueError(f"{name} is named twice")
     if name == "attn":
-        if shape != "ahead":
-            raise ValueError(f"attn's shape {shape!r} is not ahead")
-        return {"ahead": True}
+        if shape not in ("ahead", "plain"):
+            raise ValueError(f"attn's shape {shape!r} is not ahead or plain")
+        return {"ahead": shape == "ahead"}
     m = _SHAPE.fullmatch(shape)
     if m is None or shape == "":
         raise ValueError(f"{name}'s shape {shape!r} is not w<warps>, k<split_k> or "
@@ -303,7 +307,8 @@ class FusedStep:
         self.model, self.pool, self.cache, self.device = model, pool, cache, dev
         self.tokens, self.hidden = int(tokens), H
         self._shape_env = os.environ.get(DENSE_SHAPE_ENV, "")
-        self.dense_shape = parse_dense_shape(self._shape_env)
+        self._shape_asked = parse_dense_shape(self._shape_env)
+        self.dense_shape = {**parse_dense_shape(DEFAULT_DENSE_SHAPE), **self._shape_asked}
         self.final_eps = check_rms_norm(base.norm, "model.norm", H)
         self.final_norm = base.norm.weight
         self.embed = embed.weight
@@ -453,9 +458,12 @@ class FusedStep:
                           layer.post_attention_layernorm.weight, post_eps, moe)
 
     def _shape(self, gemv: str, K: int) -> dict[str, int]:
-        """The launch-shape keywords CUPOOL_DENSE_SHAPE gives `gemv` (K: its inner dim), checked
-        here so that a shape the GEMV cannot take raises rather than unfusing the layer."""
-        kw = self.dense_shape.get(gemv, {})
+        """The launch-shape keywords of `gemv` (K: its inner dim): CUPOOL_DENSE_SHAPE's, checked
+        here so that a shape the GEMV cannot take raises rather than unfusing the layer, else
+        DEFAULT_DENSE_SHAPE's with split_k lowered to what K takes."""
+        kw = dict(self.dense_shape.get(gemv, {}))
+        if gemv not in self._shape_asked and "split_k" in kw:
+            kw["split_k"] = max(1, min(kw["split_k"], K // 32))
         try:
             check_launch_shape(kw.get("warps", WARPS), kw.get("split_k", 1), K)
         except ValueError as e:
@@ -467,7 +475,7 @@ class FusedStep:
         others are not."""
         fused = sum(isinstance(l, FusedLayer) for l in self.layers)
         text = f"fused decode step: {fused} of {len(self.layers)} layers"
-        if self.dense_shape:
+        if self._shape_env:
             text += f" ({DENSE_SHAPE_ENV}={self._shape_env})"
         others = [l for l in self.layers if isinstance(l, ModelLayer)]
         if others:

@@ -132,6 +132,8 @@ def test_ablate_leaves_each_part_out():
 
     def logits(parts):
         restore(cache, before)
+        for buf in (step.h, step.h_mid, step.xn, step.moe, step.qkv, step.attn):
+            buf.normal_()                   # what a part left out leaves: not the last step's
         step.ablate = frozenset(parts)
         return step(tok, pos, active).clone()
 
@@ -267,11 +269,16 @@ def test_dense_shape_parser():
         "qkv": {"warps": 4}, "o": {"split_k": 2}, "router": {"split_k": 8}}
     assert parse_dense_shape("head=w8k16") == {"head": {"warps": 8, "split_k": 16}}
     assert parse_dense_shape("attn=ahead,qkv=w4") == {"attn": {"ahead": True}, "qkv": {"warps": 4}}
+    assert parse_dense_shape("attn=plain,qkv=w8k1") == {"attn": {"ahead": False},
+                                                       "qkv": {"warps": 8, "split_k": 1}}
+    from cupool.fused import DEFAULT_DENSE_SHAPE
+    parse_dense_shape(DEFAULT_DENSE_SHAPE)
     for bad, why in (("qkv=w5", "warps"), ("o=k0", "split_k"), ("o=k17", "split_k"),
                      ("mlp=w4", "gemv one of"), ("qkv=w4,qkv=k2", "twice"), ("qkv=", "shape"),
                      ("qkv", "gemv one of"), ("qkv=w4,", "gemv one of"), ("qkv=k2w4", "shape"),
                      ("qkv=w4 ", "shape"), ("qkv=w4;o=k2", "shape"), ("QKV=w4", "gemv one of"),
                      ("attn=w4", "not ahead"), ("attn=ahead,attn=ahead", "twice"),
+                     ("attn=Plain", "not ahead"),
                      ("attn", "gemv one of")):
         with pytest.raises(ValueError, match="CUPOOL_DENSE_SHAPE") as e:
             parse_dense_shape(bad)
@@ -326,4 +333,39 @@ def test_fused_step_takes_the_dense_shape_from_the_environment(monkeypatch):
     assert attn_kw == [True] * 3 and torch.equal(got, base)
     monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "qkv=w3")
     with pytest.raises(ValueError, match="CUPOOL_DENSE_SHAPE='qkv=w3'"):
+        compare_step(model, None, "reference", [[5, 9, 3]], [11])
+
+
+def test_default_shapes_yield_to_the_environment_and_to_small_k(monkeypatch):
+    """DEFAULT_DENSE_SHAPE applies to the GEMVs CUPOOL_DENSE_SHAPE does not name, with a split_k
+    lowered to what a GEMV's K takes (no error: the user asked for nothing); a GEMV the
+    variable names gets exactly that shape."""
+    import cupool.fused as fused
+    built = []
+
+    class Recording(ref.GemvReference):
+        def __init__(self, weights, biases=None, **kw):
+            built.append((weights[0].shape[1], {k: kw[k] for k in ("warps", "split_k") if k in kw}))
+            super().__init__(weights, biases, **kw)
+
+    monkeypatch.setattr(fused, "GemvReference", Recording)
+    monkeypatch.setattr(fused, "DEFAULT_DENSE_SHAPE", "qkv=w4,o=k4,router=k16")
+    monkeypatch.delenv("CUPOOL_DENSE_SHAPE", raising=False)
+    model = fused_model("qwen3_moe", seed=12)           # H = 48, o-projection K = 4 · 64
+    base, *_ = compare_step(model, None, "reference", [[5, 9, 3]], [11])
+    head, layers = built[0], built[1:]
+    assert head == (48, {})
+    assert all(kw == {"warps": 4} for _, kw in layers[0::3])            # qkv
+    assert all(kw == {"split_k": 4} for _, kw in layers[1::3])          # o: K 256 takes 8
+    assert all(kw == {"split_k": 1} for _, kw in layers[2::3])          # router: K 48 takes 1
+    built.clear()
+    monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "qkv=w8k1,o=k2")
+    got, *_ = compare_step(model, None, "reference", [[5, 9, 3]], [11])
+    layers = built[1:]
+    assert all(kw == {"warps": 8, "split_k": 1} for _, kw in layers[0::3])
+    assert all(kw == {"split_k": 2} for _, kw in layers[1::3])
+    assert all(kw == {"split_k": 1} for _, kw in layers[2::3])
+    assert torch.equal(got, base)
+    monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "router=k16")   # asked for: K 48 cannot take it
+    with pytest.raises(ValueError, match="router: split_k"):
         compare_step(model, None, "reference", [[5, 9, 3]], [11])
