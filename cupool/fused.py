@@ -88,8 +88,9 @@ DENSE_SHAPE_ENV = "CUPOOL_DENSE_SHAPE"
 # "moe" all three of the pool's launches
 ABLATE = ("qkv", "attention", "o", "router", "plan", "moe")
 DENSE_GEMVS = ("qkv", "o", "router", "head")
-# the launch shapes where CUPOOL_DENSE_SHAPE names none (the same format)
-DEFAULT_DENSE_SHAPE = ""
+# the launch shapes where CUPOOL_DENSE_SHAPE names none (the same format): the fastest step of
+# `benchmarks/run_gpu.sh ab-dense` on the H200 (docs/PERFORMANCE.md, "What each part costs")
+DEFAULT_DENSE_SHAPE = "qkv=w4,o=w4k4,router=k16,attn=ahead"
 _SHAPE = re.compile(r"(?:w([0-9]+))?(?:k([0-9]+))?")
 
 

@@ -253,6 +253,17 @@ def test_dense_gemv_validates_the_launch_shape():
             DenseGemv([w], tokens=1, epilogue=ROUTE, **kw)
 
 
+def test_launch_shape_check_lets_a_small_k_run_unsplit():
+    """K below 32 columns is the plain kernel's case (its tests run K = 8); only a split needs
+    32 columns a slice."""
+    from cupool.ops.dense_gemv import check_launch_shape
+    for warps in (4, 8):
+        check_launch_shape(warps, 1, 8)
+        check_launch_shape(warps, 2, 64)
+        with pytest.raises(ValueError, match="split_k=2 leaves less than 32 columns of K=63"):
+            check_launch_shape(warps, 2, 63)
+
+
 def test_route_capacity_follows_the_warps():
     """One warp routes one token: blocks of 4 warps hold 4 tokens' logits at a time, not 8."""
     from cupool.ops.dense_gemv import route_capacity
@@ -299,6 +310,7 @@ def test_fused_step_takes_the_dense_shape_from_the_environment(monkeypatch):
             super().__init__(weights, biases, **kw)
 
     monkeypatch.setattr(fused, "GemvReference", Recording)
+    monkeypatch.setattr(fused, "DEFAULT_DENSE_SHAPE", "")     # the defaults: the next test
     model = fused_model("qwen3_moe", seed=12)           # H = 48, o-projection K = 4 · 64
     monkeypatch.delenv("CUPOOL_DENSE_SHAPE", raising=False)
     base, want, *_ = compare_step(model, None, "reference", [[5, 9, 3]], [11])

@@ -11,7 +11,8 @@ The reference is `cupool.reference.dense` (`gemv`, `residual_norm`, `route`).
 The launch is a dependent one (`cupool.kernels.launch`): the kernel loads its weights before it
 waits for the kernel before it, so the weights may not be that kernel's output.
 
-Launch shape (`warps`, `split_k`; the defaults are the builds the fused step has always used):
+Launch shape (`warps`, `split_k`; the defaults, 8 warps and no split, are the plain build; the
+fused step's come from `cupool.fused.DEFAULT_DENSE_SHAPE`):
 warps=4 gives blocks of 4 warps, of which twice as many fit an SM at the same registers a thread
 (a grid of a few hundred blocks then runs in one wave). split_k=S splits each row tile's K over S
 blocks (slices of whole 32-column chunks), which adds blocks where there are fewer row tiles than
@@ -54,13 +55,14 @@ def route_capacity(tokens: int, warps: int = WARPS) -> int:
 
 def check_launch_shape(warps, split_k, K: int | None) -> None:
     """ValueError naming the argument unless warps is 4 or 8 and split_k an int in [1, 16] with
-    at least one 32-column chunk of K a slice (K >= 32 · split_k; K None: not checked)."""
+    at least one 32-column chunk of K a slice where split_k > 1 (K >= 32 · split_k; K None: not
+    checked)."""
     if isinstance(warps, bool) or not isinstance(warps, int) or warps not in WARPS_CHOICES:
         raise ValueError(f"warps must be 4 or 8, got {warps!r}")
     if isinstance(split_k, bool) or not isinstance(split_k, int) \
             or not 1 <= split_k <= MAX_SPLIT_K:
         raise ValueError(f"split_k must be an int in [1, {MAX_SPLIT_K}], got {split_k!r}")
-    if K is not None and K < 32 * split_k:
+    if K is not None and split_k > 1 and K < 32 * split_k:
         raise ValueError(f"split_k={split_k} leaves less than 32 columns of K={K} a block "
                          f"(at most {max(K // 32, 1)} here)")
 
