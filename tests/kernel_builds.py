@@ -105,8 +105,13 @@ BUILDS: list[tuple[str, str]] = [
     ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=2"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DKS=8"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=4 -DRT=1 -DKS=8"),
+    # the fused step's default shapes (cupool.fused.DEFAULT_DENSE_SHAPE): o=w4k4, router=k16,
+    # attn=ahead
+    ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=4"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DKS=16"),
     ("dense_attention", ""),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64"),
+    ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),
 ]
 
 
@@ -147,8 +152,7 @@ VARIANTS = [
     ("dense_attention", "-DD=128 -DG=16 -DMINCHUNK=64"),
     ("dense_attention", "-DD=256 -DG=4 -DMINCHUNK=64"),
     ("dense_attention", "-DD=64 -DG=1 -DMINCHUNK=64"),
-    # attention with a tile's loads issued ahead (AHEAD=1): the fused step's head shapes
-    ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),
+    # attention with a tile's loads issued ahead (AHEAD=1) at other head shapes
     ("dense_attention", "-DD=256 -DG=4 -DMINCHUNK=64 -DAHEAD=1"),
     ("dense_attention", "-DD=64 -DG=1 -DMINCHUNK=64 -DAHEAD=1"),
     ("moe_decode", "-DDECODE_TRACE=1 -DNT=16 -DMAXW=256 -DW13_KSPLIT=2 -DHP=128 -DIP=64 -DHFULL=0"),
