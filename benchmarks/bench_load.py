@@ -159,11 +159,8 @@ def _decode(model, pool, prompt, tokens: int) -> dict:
         rates.append(req.decode_tokens_per_s)
         out = req.output_ids
     eng.close()
-    stats = pool.stats()
-    hits = sum(s["hits"] for s in stats)
-    misses = sum(s["misses"] for s in stats)
     return {"tokens": out, "tok_per_s": sorted(rates)[1], "tok_per_s_runs": rates,
-            "hit_rate": hits / max(1, hits + misses)}
+            "hit_rate": pool.hit_rate()}
 
 
 def _prefill(model, pool, context: int) -> dict:

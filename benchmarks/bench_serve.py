@@ -98,13 +98,14 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     diag = {"hits": hits, "misses": misses, "staged": sum(s["staged"] for s in stats),
             "promote_cap": pool.bank.promotion_cap(streams * K),
             "promotions": sum(s["promotions"] for s in stats),
-            "gate_open": int(pool.bank.gate.item()), "errors": pool.errors()}
+            "gate_open": int(pool.bank.gate.item()), "plan_skipped": pool.plan_skipped,
+            "errors": pool.errors()}
     return {"diagnostics": diag, "step": eng.step_kind, "streams": streams, "sampled": sampled,
             "tokens_generated": n, "wall_s": wall,
             "aggregate_tok_per_s": n / wall,
             "aggregate_decode_tok_per_s": streams * (tokens - 1) / decode_wall,
             "per_request_tok_per_s_median": statistics.median(per),
-            "per_request_tok_per_s_min": min(per), "hit_rate": hits / max(1, hits + misses),
+            "per_request_tok_per_s_min": min(per), "hit_rate": pool.hit_rate(),
             "steps": eng.steps_run, **prefetch}
 
 

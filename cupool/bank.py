@@ -324,6 +324,12 @@ class Bank:
             raise BankVerifyError("\n".join(lines), problems, mismatches)
         return int(rows.size)
 
+    def holds_every_expert(self) -> bool:
+        """Whether every (layer, expert) owns a bank row (N ≥ E and no key without a row; a host
+        read of slot_of). Then no lookup misses, nothing is evicted, and each expert's row
+        address stays where it is."""
+        return self.rows_per_layer >= self.num_experts and bool((self.slot_of >= 0).all())
+
     def read_error(self) -> PlanError:
         """The sticky error flags (a host read of the device scalar)."""
         return PlanError(int(self.error.item()))

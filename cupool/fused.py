@@ -37,6 +37,18 @@ tile's loads ahead of their use (`DecodeAttention(ahead=True)`), `attn=plain` th
 malformed value, or a split_k a GEMV's K cannot take (fewer than 32 columns a block), raises
 ValueError naming the variable: a shape asked for is never dropped silently. A default's split_k
 is lowered to what a small K takes.
+
+Skipping the plan step (`CUPOOL_SKIP_PLAN=1`, read when a FusedStep is built; "0" or unset: off,
+anything else a ValueError naming the variable; off by default until measured on a GPU): when
+the pool's bank holds a row for every expert of every layer (checked once, at build), nothing can
+miss, so nothing is evicted and each expert's row address is fixed. Each layer's router then
+also writes the decode GEMM's lane addresses from a table of those addresses ([L, E], built
+once), and the step calls the GEMM directly: no plan step and no row copies (two launches a
+layer fewer). Only while the pool has no prefetcher, routing hook or decode backend and
+overlap_copies is off (checked at each call, i.e. at capture); else the pool's decode path runs
+as always. The bank's hit/miss counters then do not advance: the pool reports its plan step
+skipped and a hit rate of 1.0 by construction (`Pool.plan_skipped`). `describe()` says which
+applies.
 """
 
 from __future__ import annotations
@@ -83,9 +95,11 @@ _ATTN_REFUSE = ("q_a_proj", "kv_a_proj_with_mqa", "attn_logit_softcapping", "sin
 
 
 DENSE_SHAPE_ENV = "CUPOOL_DENSE_SHAPE"
+SKIP_PLAN_ENV = "CUPOOL_SKIP_PLAN"
 # the parts of a fused layer `FusedStep.ablate` can leave out: a launch each, "plan" the pool's
 # plan step and row copies (its decode GEMM then reads the lane addresses the last plan left),
-# "moe" all three of the pool's launches
+# "moe" all three of the pool's launches (with the plan step skipped, CUPOOL_SKIP_PLAN, "plan" has
+# nothing to leave out and "moe" is the decode GEMM)
 ABLATE = ("qkv", "attention", "o", "router", "plan", "moe")
 DENSE_GEMVS = ("qkv", "o", "router", "head")
 # the launch shapes where CUPOOL_DENSE_SHAPE names none (the same format): the fastest step of
@@ -138,6 +152,29 @@ def _entry_shape(name: str, eq: str, shape: str, entry: str, seen: dict) -> dict
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     return kw
+
+
+def parse_skip_plan(text: str | None) -> bool:
+    """Whether a CUPOOL_SKIP_PLAN value (None: unset) asks to skip the plan step: "1" yes, "0"
+    or unset no; anything else raises ValueError naming the variable."""
+    if text is None or text == "0":
+        return False
+    if text == "1":
+        return True
+    raise ValueError(f"{SKIP_PLAN_ENV}={text!r}: expected 1 (skip the plan step where the bank "
+                     f"holds every expert) or 0")
+
+
+def resident_table(pool) -> tuple[torch.Tensor | None, str]:
+    """(int64 [L, E] device address of every expert's bank row, "") when the pool's bank holds
+    every expert; (None, why not) otherwise. Host reads: call it outside the hot path."""
+    if pool is None:
+        return None, "no pool"
+    bank = pool.bank
+    if not bank.holds_every_expert():
+        return None, (f"the bank does not hold every expert ({bank.rows_per_layer} rows a layer "
+                      f"for {bank.num_experts} experts, or a key without a row)")
+    return torch.stack([pool.expert_addresses(l) for l in range(pool.num_layers)]), ""
 
 
 class Unsupported(ValueError):
@@ -211,8 +248,10 @@ class _ModelExperts:
         ids = ids.to(torch.int64)
         if mask is not None:
             ids = ids.masked_fill(~mask.to(torch.bool)[:, None], -1)
-        # transformers' experts modules skip the id E (not −1) as padding
-        y = self.module(x, ids.masked_fill(ids < 0, self.num_experts), w)
+        # a padding lane runs expert 0 with weight 0: transformers' experts modules take no −1,
+        # and not every version skips the id E (5.24's reads past the experts for it on the CPU)
+        pad = ids < 0
+        y = self.module(x, ids.masked_fill(pad, 0), w.masked_fill(pad, 0))
         return y if out is None else out.copy_(y)
 
 
@@ -310,6 +349,13 @@ class FusedStep:
         self._shape_env = os.environ.get(DENSE_SHAPE_ENV, "")
         self._shape_asked = parse_dense_shape(self._shape_env)
         self.dense_shape = {**parse_dense_shape(DEFAULT_DENSE_SHAPE), **self._shape_asked}
+        self.skip_plan_asked = parse_skip_plan(os.environ.get(SKIP_PLAN_ENV))
+        # [L, E] int64 row addresses of a bank that holds every expert (CUPOOL_SKIP_PLAN=1), the
+        # bank they are in, and why not where None
+        self.lane_table, self._no_skip = None, "not asked"
+        if self.skip_plan_asked:
+            self.lane_table, self._no_skip = resident_table(pool)
+        self._table_bank = None if self.lane_table is None else pool.bank
         self.final_eps = check_rms_norm(base.norm, "model.norm", H)
         self.final_norm = base.norm.weight
         self.embed = embed.weight
@@ -351,6 +397,9 @@ class FusedStep:
         self.attn = torch.empty(B, nh * D, dtype=bf, device=dev)
         self.logits = torch.empty(B, self.vocab, dtype=bf, device=dev)
         self.route = RouteOut.allocate(B, self._experts, self._top_k, self._w_dtype, dev)
+        # the lanes' row addresses the routers write when the plan step is skipped: int64 [B·K]
+        self.lane_addr = (None if self.lane_table is None else
+                          torch.zeros(B * self._top_k, dtype=torch.int64, device=dev))
         with torch.no_grad():
             L = cache.max_len
             probe = torch.zeros(1, 1, H, dtype=bf, device=dev)
@@ -444,7 +493,7 @@ class FusedStep:
             o = self._gemv([wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL,
                            **shapes["o"])
             router = self._gemv([mlp.gate.weight], tokens=B, norm=True, epilogue=ROUTE,
-                                **shapes["router"])
+                                lane_addr=self.lane_table is not None, **shapes["router"])
             # the attention launcher is made once every layer is matched (they share a workspace
             # of the heads' shape)
             att = {"q_norm": None if qn is None else qn.weight,
@@ -478,6 +527,11 @@ class FusedStep:
         text = f"fused decode step: {fused} of {len(self.layers)} layers"
         if self._shape_env:
             text += f" ({DENSE_SHAPE_ENV}={self._shape_env})"
+        if self.skip_plan_asked:
+            why = self._no_skip if self.lane_table is None else self._plan_needed()
+            text += (f"; plan step and row copies skipped ({SKIP_PLAN_ENV}=1: every expert has a "
+                     f"bank row)" if why is None else
+                     f"; {SKIP_PLAN_ENV}=1, but the plan step runs: {why}")
         others = [l for l in self.layers if isinstance(l, ModelLayer)]
         if others:
             text += f"; transformers' modules for layers {[l.index for l in others]} ({others[0].reason})"
@@ -487,6 +541,19 @@ class FusedStep:
     def needs_mask(self) -> bool:
         """Whether some layer runs transformers' module (it takes the engine's masks)."""
         return any(isinstance(l, ModelLayer) for l in self.layers)
+
+    def _plan_needed(self) -> str | None:
+        """Why the pool's decode path must run although the bank holds every expert (None: the
+        plan step can be skipped): something of the pool's that the plan step serves."""
+        p = self.pool
+        if p.bank is not self._table_bank:
+            return "the pool's bank was replaced after the step was built"
+        for name in ("prefetcher", "routing_hook", "decode_backend"):
+            if getattr(p, name) is not None:
+                return f"the pool has a {name}"
+        if p.overlap_copies:
+            return "the pool's overlap_copies is on"
+        return None
 
     # --- the step ---------------------------------------------------------------------------
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor, active: torch.Tensor,
@@ -503,6 +570,9 @@ class FusedStep:
         res, add = x, None            # the residual stream is res (+ add, when add is not None)
         cache = self.cache
         rotary = None        # the step's cos / sin rows, gathered once for transformers' layers
+        skip_plan = self.lane_table is not None and self._plan_needed() is None
+        if self.pool is not None:
+            self.pool.plan_skipped = skip_plan
         for layer in self.layers:
             if isinstance(layer, ModelLayer):
                 h = res if add is None else res + add
@@ -530,11 +600,17 @@ class FusedStep:
             if "o" not in skip:
                 layer.o(self.attn, residual=h, out=self.h_mid)
             r = self.route
+            # with the plan step skipped the router writes the lanes' row addresses too
+            lanes = ({"table": self.lane_table[layer.pooled.layer], "lane_addr": self.lane_addr}
+                     if skip_plan else {})
             if "router" not in skip:
                 layer.router(self.h_mid, norm_weight=layer.post_norm, eps=layer.post_eps,
                              x_out=self.xn, route=r, top_k=layer.top_k,
-                             norm_topk=layer.norm_topk, active=active)
-            if "plan" in skip:
+                             norm_topk=layer.norm_topk, active=active, **lanes)
+            if skip_plan:             # no plan step to leave out ("plan"): only "moe" applies
+                if "moe" not in skip:
+                    self.pool.gemm.decode(self.xn, self.lane_addr, r.weights, self.moe)
+            elif "plan" in skip:
                 W = r.ids.numel()
                 self.pool.gemm.decode(self.xn, self.pool.bank.lane_addr[:W], r.weights, self.moe)
             elif "moe" not in skip:

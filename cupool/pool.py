@@ -59,6 +59,10 @@ class Pool:
         # pays only where its copies hide under compute and the predictor is right often enough
         # (docs/PERFORMANCE.md; bench_decode --modes pool-prefetch); keep it off where it loses.
         self.prefetcher: Prefetcher | None = None
+        # True while the decode step last run (or captured) skips the plan step: the fused step
+        # with CUPOOL_SKIP_PLAN=1 on a bank that holds every expert (`cupool.fused`). Its lookups
+        # all hit by construction, and the bank's counters do not advance.
+        self.plan_skipped = False
 
     # --- hooks --------------------------------------------------------------------------------
     @property
@@ -218,11 +222,32 @@ class Pool:
         return self.bank.verify(sample)
 
     def stats(self) -> list[dict]:
-        """Per layer: hits, misses, hit rate, promotions, staged, rows owned, bytes copied."""
-        return self.bank.stats()[0]
+        """Per layer: hits, misses, hit rate, promotions, staged, rows owned, bytes copied, and
+        plan_skipped (`plan_skipped`: the hit rate is then 1.0 by construction, the counters
+        count only the calls that did plan)."""
+        table = self.bank.stats()[0]
+        for d in table:
+            d["plan_skipped"] = self.plan_skipped
+            if self.plan_skipped:
+                d["hit_rate"] = 1.0
+        return table
+
+    def hit_rate(self) -> float:
+        """Hits / lookups of the decode calls over every layer since the counters were reset:
+        1.0 by construction while the plan step is skipped (every expert has a bank row), NaN
+        before the first lookup otherwise."""
+        if self.plan_skipped:
+            return 1.0
+        table = self.bank.stats()[0]
+        hits, misses = sum(d["hits"] for d in table), sum(d["misses"] for d in table)
+        return hits / (hits + misses) if hits + misses else float("nan")
 
     def stats_table(self) -> str:
-        return self.bank.stats()[1]
+        text = self.bank.stats()[1]
+        if self.plan_skipped:
+            text += ("\nplan step skipped (every expert has a bank row): hit rate 1.0 by "
+                     "construction; the counters above do not advance")
+        return text
 
     def errors(self) -> list[str]:
         """Sticky device error flags (planner and GEMM), decoded. A host read."""

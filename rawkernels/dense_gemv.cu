@@ -37,6 +37,10 @@
 //          → divided by their sum when norm_topk → weights (bf16, or float32 with w_f32, as the
 //          model's router returns them); ids int32 [NB, topk]; a token
 //          whose active[n] is 0 gets ids −1 and weights 0 (padding lanes for the pool).
+//          LANE_ADDR=1 (EPI 2 only) also writes lane_addr[n·topk + j] = table[id] (0 for id −1),
+//          table int64 [N] the device address of each expert's bank row: the decode GEMM's lane
+//          addresses, for a bank that holds every expert at a fixed row (the plan step and row
+//          copies then have nothing to do and are not run).
 //
 // Rows come from up to three matrices (a fused q/k/v projection): output row r is row r of w0 for
 // r < n0, row r − n0 of w1 for r < n0 + n1, else row r − n0 − n1 of w2 — the weights are used
@@ -57,8 +61,8 @@
 // Who writes what: out / logits rows of a tile are written by one block only (with KS > 1 the
 // tile's last block; partial[ks] rows by block (tile, ks)); h_out and x_out by the blocks of
 // tile 0 only (every block computes the same h and x for itself; with KS > 1 each writes its
-// slice); ids and weights by the last block only, after every tile's logits are visible (fence,
-// then the ticket).
+// slice); ids, weights (and lane_addr) by the last block only, after every tile's logits are
+// visible (fence, then the ticket).
 #include "common.cuh"
 
 #ifndef NB
@@ -82,6 +86,9 @@
 #ifndef KS
 #define KS 1              // blocks a row tile's K is split over
 #endif
+#ifndef LANE_ADDR
+#define LANE_ADDR 0       // the route epilogue also writes the lanes' expert row addresses
+#endif
 
 #define NT ((NB + 7) / 8)           // MMA n tiles of 8 tokens
 #define NBP (NT * 8)                // tokens padded to the tiles (the padding multiplies zeros)
@@ -94,6 +101,7 @@ static_assert(NB >= 1 && NB <= 16, "a decode GEMV takes 1 to 16 tokens");
 static_assert(KT % 32 == 0, "x tiles are whole chunks");
 static_assert(WARPS == 4 || WARPS == 8, "a block of 4 or 8 warps");
 static_assert(KS >= 1 && KS <= 16, "K split over 1 to 16 blocks");
+static_assert(LANE_ADDR == 0 || EPI == 2, "lane addresses are written by the route epilogue");
 
 struct Rows {
     const u16* w[3];
@@ -146,7 +154,11 @@ CUPOOL_DEVICE void residual8(const u16* in, const u16* add, i32 K, int n, i32 k,
 // Top-k routing of one token by one warp, its N logits in shared memory `lg` (overwritten with the
 // probabilities, then with −1 where taken). See the header for the rule.
 CUPOOL_DEVICE void route_token(float* lg, i32 N, i32 topk, int norm_topk, bool active,
-                               i32* ids, void* wts, int w_f32) {
+                               i32* ids, void* wts, int w_f32
+#if LANE_ADDR
+                               , const i64* table, i64* lane_addr
+#endif
+                               ) {
     const int lane = threadIdx.x & 31;
     float m = -__int_as_float(0x7f800000);
     for (i32 e = lane; e < N; e += 32) m = fmaxf(m, lg[e]);
@@ -184,6 +196,9 @@ CUPOOL_DEVICE void route_token(float* lg, i32 N, i32 topk, int norm_topk, bool a
     if (lane < topk) {
         const float w = norm_topk ? mine_p / total : mine_p;
         ids[lane] = active ? mine_e : -1;
+#if LANE_ADDR
+        lane_addr[lane] = active ? table[mine_e] : 0;
+#endif
         if (w_f32) static_cast<float*>(wts)[lane] = active ? w : 0.0f;
         else static_cast<u16*>(wts)[lane] = active ? f32_to_bf16(w) : (u16)0;
     }
@@ -199,6 +214,9 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
            const u8* active, i32* ticket
 #if KS > 1
            , float* partial, i32* tile_ticket
+#endif
+#if LANE_ADDR
+           , const i64* __restrict__ table, i64* lane_addr
 #endif
            ) {
     // x tiles; after the last tile the warps' partial sums (red), then the routing logits
@@ -446,7 +464,11 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
         if (warp < nn)
             route_token(lg + warp * N, N, topk, norm_topk, active == nullptr || active[n] != 0,
                         ids + n * topk,
-                        static_cast<u8*>(wts) + (i64)n * topk * (w_f32 ? 4 : 2), w_f32);
+                        static_cast<u8*>(wts) + (i64)n * topk * (w_f32 ? 4 : 2), w_f32
+#if LANE_ADDR
+                        , table, lane_addr + n * topk
+#endif
+                        );
     }
 #endif
 }

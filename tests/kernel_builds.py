@@ -109,6 +109,10 @@ BUILDS: list[tuple[str, str]] = [
     # attn=ahead
     ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=4"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DKS=16"),
+    # the router writing the lanes' expert row addresses (CUPOOL_SKIP_PLAN=1, every expert in
+    # the bank): the plain shape and the default router=k16
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DKS=16 -DLANE_ADDR=1"),
     ("dense_attention", ""),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64"),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),
@@ -148,6 +152,9 @@ VARIANTS = [
     ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=2 -DKS=3"),
     ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=2 -DWARPS=4 -DRT=1 -DKS=16"),
     ("dense_gemv", "-DNB=13 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=2"),
+    # the router writing lane addresses at 8 and 16 tokens (two n tiles, 4 warps, K in 16 slices)
+    ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1"),
+    ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=2 -DWARPS=4 -DRT=1 -DKS=16 -DLANE_ADDR=1"),
     ("dense_attention", "-DD=64 -DG=8 -DMINCHUNK=64"),
     ("dense_attention", "-DD=128 -DG=16 -DMINCHUNK=64"),
     ("dense_attention", "-DD=256 -DG=4 -DMINCHUNK=64"),

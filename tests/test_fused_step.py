@@ -381,3 +381,204 @@ def test_default_shapes_yield_to_the_environment_and_to_small_k(monkeypatch):
     monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "router=k16")   # asked for: K 48 cannot take it
     with pytest.raises(ValueError, match="router: split_k"):
         compare_step(model, None, "reference", [[5, 9, 3]], [11])
+
+
+# --- the plan step skipped (CUPOOL_SKIP_PLAN, a bank that holds every expert) --------------------
+def test_reference_router_writes_lane_addresses():
+    """The route epilogue's lane addresses (GemvReference with lane_addr=True) against a direct
+    gather table[ids]: inactive tokens' padding lanes get 0, the poison before the call is gone;
+    ids and weights are those of the plain router."""
+    from cupool.ops.dense_gemv import RouteOut
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for B, E, H, K in ((5, 8, 48, 2), (13, 60, 72, 4)):
+        w = torch.randn(E, H, generator=gen).to(torch.bfloat16)
+        x = torch.randn(B, H, generator=gen).to(torch.bfloat16)
+        nw = torch.rand(H, generator=gen).to(torch.bfloat16) + 0.5
+        table = torch.randint(1, 2**48, (E,), generator=gen)
+        active = torch.rand(B, generator=gen) < 0.7
+        active[0], active[-1] = True, False
+        outs = []
+        for lanes in (False, True):
+            route = RouteOut.allocate(B, E, K, torch.bfloat16, "cpu")
+            lane_addr = torch.full((B * K,), -12345, dtype=torch.int64)
+            g = ref.GemvReference([w], tokens=B, norm=True, epilogue=2, lane_addr=lanes)
+            kw = {"table": table, "lane_addr": lane_addr} if lanes else {}
+            g(x, norm_weight=nw, eps=1e-6, route=route, top_k=K, norm_topk=True, active=active,
+              **kw)
+            outs.append((route, lane_addr))
+        (plain, _), (route, lane_addr) = outs
+        assert torch.equal(route.ids, plain.ids) and torch.equal(route.weights, plain.weights)
+        ids = route.ids.long()
+        assert (ids[~active] == -1).all() and (ids[active] >= 0).all()
+        want = [int(table[i]) if i >= 0 else 0 for i in ids.reshape(-1).tolist()]
+        assert lane_addr.tolist() == want
+    explicit = torch.tensor([[3, -1], [-1, 0]], dtype=torch.int32)
+    assert ref.lane_addresses(explicit, torch.tensor([7, 8, 9, 10])).tolist() == [10, 0, 0, 7]
+    with pytest.raises(ValueError, match="lane_addr=True"):
+        ref.GemvReference([w], tokens=B, norm=True, epilogue=2)(
+            x, norm_weight=nw, route=route, top_k=K, table=table, lane_addr=lane_addr)
+
+
+def test_skip_plan_parser():
+    from cupool.fused import parse_skip_plan
+    assert parse_skip_plan(None) is False and parse_skip_plan("0") is False
+    assert parse_skip_plan("1") is True
+    for bad in ("", "yes", "true", "2", " 1"):
+        with pytest.raises(ValueError, match="CUPOOL_SKIP_PLAN="):
+            parse_skip_plan(bad)
+
+
+class ResidentPool:
+    """A CPU stand-in for a `Pool` whose bank holds every expert: expert e of layer l sits at
+    address BASE + (l·E + e)·STRIDE. Its GEMM maps the lane addresses back to experts and runs
+    the model's experts module; its layers' decode path (the plan step's) runs that module on
+    the router's ids (inactive tokens' already −1) and counts its calls. Padding lanes run
+    expert 0 with weight 0 (transformers 5.24's grouped_mm experts read out of range for the
+    padding id E on the CPU)."""
+    BASE, STRIDE = 1 << 40, 1 << 20
+
+    def __init__(self, model):
+        from types import SimpleNamespace
+        blocks = [layer.mlp for layer in model.model.layers]
+        E = blocks[0].gate.weight.shape[0]
+        self.specs = [SimpleNamespace(parent=m, index=i) for i, m in enumerate(blocks)]
+        self.num_layers, self.num_experts = len(blocks), E
+        self.top_k = model.config.num_experts_per_tok
+        self.device = torch.device("cpu")
+        self.modules = [m.experts for m in blocks]
+        self.bank = SimpleNamespace(rows_per_layer=E, num_experts=E, holds_every_expert=lambda: True)
+        self.planned = 0
+
+        def decode(layer):
+            def run(x, ids, w, out=None, **kw):
+                self.planned += 1
+                return self._experts(layer, x, ids, w, out)
+            return run
+        self.layers = [SimpleNamespace(layer=i, decode=decode(i)) for i in range(len(blocks))]
+        self.gemm = SimpleNamespace(decode=self._gemm_decode)
+        self.prefetcher = self.routing_hook = self.decode_backend = None
+        self.overlap_copies = False
+        self.plan_skipped = False
+
+    def expert_addresses(self, layer: int) -> torch.Tensor:
+        E = self.num_experts
+        return self.BASE + (layer * E + torch.arange(E)) * self.STRIDE
+
+    def _gemm_decode(self, x, lane_addr, w, out):
+        E, K = self.num_experts, self.top_k
+        key = (lane_addr - self.BASE) // self.STRIDE
+        real = lane_addr != 0
+        if not real.any():
+            return out.zero_()
+        layers = (key[real] // E).unique()
+        assert layers.numel() == 1, layers
+        ids = torch.where(real, key % E, -1).reshape(-1, K)
+        return self._experts(int(layers), x, ids, w, out)
+
+    def _experts(self, layer, x, ids, w, out):
+        pad = ids < 0
+        return out.copy_(self.modules[layer](x, ids.long().masked_fill(pad, 0), w.masked_fill(pad, 0)))
+
+
+@torch.inference_mode()
+def test_skip_plan_step_equals_the_decode_path(monkeypatch):
+    """CUPOOL_SKIP_PLAN=1 on a pool whose bank holds every expert: the routers' lane addresses
+    feed the GEMM directly (the decode path is not called), the logits are those of the decode
+    path, describe() and the pool say so; a pool with a prefetcher (or a bank not holding every
+    expert) takes the decode path; a wrong address table changes the logits."""
+    model = fused_model("qwen3_moe", seed=21)
+    B = 3
+    cache = SlotCache(model.config.num_hidden_layers, B, 40, torch.bfloat16, "cpu")
+    for b, p in enumerate([[5, 9, 3], [7, 1, 4, 4], [2, 8]]):
+        prefill(model, cache, b, p)
+    tok, pos = torch.tensor([[11], [13], [17]]), cache.pos.clone()
+    active = torch.tensor([True, False, True])
+    before = snapshot(cache)
+
+    def step_logits(env, pool=None, prepare=None):
+        pool = pool or ResidentPool(model)
+        if env is None:
+            monkeypatch.delenv("CUPOOL_SKIP_PLAN", raising=False)
+        else:
+            monkeypatch.setenv("CUPOOL_SKIP_PLAN", env)
+        step = FusedStep(model, pool, cache, B, [None] * len(cache.keys), backend="reference")
+        if prepare:
+            prepare(step, pool)
+        restore(cache, before)
+        return step(tok, pos, active).clone(), step, pool
+
+    base, step, pool = step_logits(None)
+    L = len(pool.layers)
+    assert all(isinstance(l, FusedLayer) for l in step.layers), step.describe()
+    assert pool.planned == L and not pool.plan_skipped and "CUPOOL_SKIP_PLAN" not in step.describe()
+    got, step, pool = step_logits("1")
+    assert pool.planned == 0 and pool.plan_skipped
+    assert "plan step and row copies skipped (CUPOOL_SKIP_PLAN=1" in step.describe()
+    assert step.lane_table.shape == (L, pool.num_experts)
+    assert torch.equal(got, base)
+    assert (step.lane_addr.reshape(B, -1)[1] == 0).all()         # the inactive token's lanes
+    step.ablate = frozenset({"plan"})                              # nothing to leave out
+    restore(cache, before)
+    assert torch.equal(step(tok, pos, active), base)
+
+    got, step, pool = step_logits("1", prepare=lambda s, p: setattr(p, "prefetcher", object()))
+    assert pool.planned == L and not pool.plan_skipped and torch.equal(got, base)
+    assert "CUPOOL_SKIP_PLAN=1, but the plan step runs: the pool has a prefetcher" in step.describe()
+    partial = ResidentPool(model)
+    partial.bank.holds_every_expert = lambda: False
+    got, step, pool = step_logits("1", partial)
+    assert pool.planned == L and step.lane_table is None and torch.equal(got, base)
+    assert "the plan step runs: the bank does not hold every expert" in step.describe()
+
+    def swap_two(step, pool):
+        step.lane_table[:, [0, 1]] = step.lane_table[:, [1, 0]].clone()
+    got, step, pool = step_logits("1", prepare=swap_two)
+    assert pool.planned == 0 and not torch.equal(got, base)
+    with pytest.raises(ValueError, match="CUPOOL_SKIP_PLAN='on'"):
+        step_logits("on")
+
+
+def test_pool_reports_a_skipped_plan_step():
+    """With the plan step skipped the bank's counters do not advance: the pool's stats, its
+    hit rate and the server's metrics say the plan step is skipped and report a hit rate of 1.0
+    by construction, not a rate of counters that did not count."""
+    import math
+    from types import SimpleNamespace
+
+    from cupool.pool import Pool
+    from cupool.serve.metrics import _EngineCollector
+    counts = {"hits": 0, "misses": 0}
+    bank = SimpleNamespace(stats=lambda: ([{"layer": 0, **counts, "hit_rate": float("nan")}],
+                                          "table"))
+    pool = Pool.__new__(Pool)
+    pool.bank, pool.plan_skipped = bank, False
+    assert math.isnan(pool.hit_rate()) and not pool.stats()[0]["plan_skipped"]
+    counts.update(hits=3, misses=1)
+    assert pool.hit_rate() == 0.75
+    counts.update(hits=0, misses=0)
+    pool.plan_skipped = True
+    assert pool.hit_rate() == 1.0
+    assert pool.stats()[0]["hit_rate"] == 1.0 and pool.stats()[0]["plan_skipped"]
+    assert "plan step skipped" in pool.stats_table()
+    engine = SimpleNamespace(stats=lambda: {"running": 0, "waiting": 0, "slots": 1}, pool=pool)
+    got = {s.name: s.value for m in _EngineCollector(engine).collect() for s in m.samples}
+    assert got["cupool_bank_hit_rate"] == 1.0 and got["cupool_bank_plan_skipped"] == 1
+
+
+@torch.inference_mode()
+def test_reference_step_with_an_inactive_slot():
+    """An inactive slot's lanes are padding for the model's own experts modules (expert 0 at
+    weight 0, which every transformers version takes): the active slot's logits are those of
+    a step with both active, and the inactive one's are finite."""
+    model = fused_model("qwen3_moe", seed=13)
+    cache = SlotCache(model.config.num_hidden_layers, 2, 40, torch.bfloat16, "cpu")
+    prefill(model, cache, 0, [5, 9, 3])
+    prefill(model, cache, 1, [7, 1, 4, 4])
+    step = FusedStep(model, None, cache, 2, [None] * len(cache.keys), backend="reference")
+    tok, pos = torch.tensor([[11], [13]]), cache.pos.clone()
+    before = snapshot(cache)
+    both = step(tok, pos, torch.tensor([True, True])).clone()
+    restore(cache, before)
+    one = step(tok, pos, torch.tensor([True, False])).clone()
+    assert torch.equal(one[0], both[0])
+    assert torch.isfinite(one[1].float()).all()

@@ -162,6 +162,54 @@ def test_dense_gemv_routes(tokens, E, K, norm_topk, wdtype, shape):
         assert torch.allclose(r.weights, wts, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("tokens,E,K,H", [(1, 128, 8, 2048), (4, 128, 8, 2048), (16, 128, 8, 2048),
+                                          (5, 60, 4, 264), (13, 37, 3, 4104)])
+@pytest.mark.parametrize("shape", [{}, dict(split_k=8), dict(warps=4, split_k=3)], ids=_shape_id)
+def test_dense_gemv_route_writes_lane_addresses(tokens, E, K, H, shape):
+    """The LANE_ADDR build (CUPOOL_SKIP_PLAN): lane_addr[t·K + k] = table[ids[t, k]], 0 for an
+    inactive token's lanes, every poisoned entry overwritten; its logits, ids and weights are the
+    plain build's bits, and its routing is the reference rule on its own logits."""
+    from cupool.ops.dense_gemv import ROUTE, DenseGemv, RouteOut
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
+    w = rand(E, H, scale=0.02, gen=gen)
+    h = rand(tokens, H, scale=3.0, gen=gen)
+    nw = rand(H, scale=0.3, gen=gen) + 1
+    active = torch.rand(tokens, device="cuda", generator=gen) > 0.3
+    active[0] = True
+    if tokens > 1:
+        active[-1] = False
+    table = torch.randint(1, 2**47, (E,), device="cuda", generator=gen)
+    routes = []
+    for lanes in (False, True):
+        op = DenseGemv([w], tokens=tokens, norm=True, epilogue=ROUTE, lane_addr=lanes, **shape)
+        r = RouteOut.allocate(tokens, E, K, torch.bfloat16, "cuda")
+        r.logits.fill_(float("nan"))
+        r.ids.fill_(-7)
+        r.weights.fill_(float("nan"))
+        lane_addr = torch.full((tokens * K,), -7, dtype=torch.int64, device="cuda")
+        kw = {"table": table, "lane_addr": lane_addr} if lanes else {}
+        for _ in range(2):                     # twice: the tickets must be back at zero
+            op(h, norm_weight=nw, eps=1e-6, route=r, top_k=K, norm_topk=True, active=active, **kw)
+        torch.cuda.synchronize()
+        assert int(r.ticket.item()) == 0
+        routes.append((r, lane_addr))
+    (plain, _), (r, lane_addr) = routes
+    assert torch.equal(r.logits, plain.logits) and torch.equal(r.ids, plain.ids)
+    assert torch.equal(r.weights, plain.weights)
+    ids, _ = ref.route_topk(r.logits.to(torch.bfloat16), K, True, torch.bfloat16, active)
+    assert torch.equal(r.ids, ids), (r.ids, ids)
+    want = ref.lane_addresses(r.ids, table)
+    assert torch.equal(lane_addr, want), (lane_addr, want)
+    assert (lane_addr.view(tokens, K)[~active] == 0).all()
+    with pytest.raises(ValueError, match="table must be a contiguous torch.int64"):
+        op(h, norm_weight=nw, route=r, top_k=K, table=table.to(torch.int32), lane_addr=lane_addr)
+    with pytest.raises(ValueError, match="lane_addr must be a contiguous torch.int64"):
+        op(h, norm_weight=nw, route=r, top_k=K, table=table, lane_addr=lane_addr[1:])
+    with pytest.raises(ValueError, match="lane_addr=True"):
+        DenseGemv([w], tokens=tokens, norm=True, epilogue=ROUTE, **shape)(
+            h, norm_weight=nw, route=r, top_k=K, table=table, lane_addr=lane_addr)
+
+
 @pytest.mark.parametrize("variant", ["norm_add", "residual", "route"])
 @pytest.mark.parametrize("shape", [dict(split_k=2), dict(split_k=3), dict(warps=4, split_k=8)],
                          ids=_shape_id)
@@ -380,6 +428,54 @@ def test_fused_step_with_launch_shapes_from_the_environment(monkeypatch):
     assert all(l.attn.ahead for l in step.layers)
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     assert pool.errors() == []
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_step_skipping_the_plan_gives_the_same_bits(family, monkeypatch):
+    """CUPOOL_SKIP_PLAN=1 on a pool whose bank holds every expert: the routers write the lane
+    addresses the plan step would have (the last layer's, compared with the bank's), and the
+    step's logits and cache writes are the bits of the step that plans."""
+    from test_fused_step import LOGIT_TOL, compare_step
+    E = 8
+    model, pool = _wrapped(family, seed=35, rows=E)
+    assert pool.bank.holds_every_expert()
+    prompts, tok = [[5, 9, 3], [7, 1, 4, 4, 8, 2]], [11, 13]
+    monkeypatch.delenv("CUPOOL_SKIP_PLAN", raising=False)
+    base, want, base_cache, _, step = compare_step(model, pool, "kernels", prompts, tok)
+    assert not pool.plan_skipped and "CUPOOL_SKIP_PLAN" not in step.describe()
+    monkeypatch.setenv("CUPOOL_SKIP_PLAN", "1")
+    got, _, got_cache, _, step = compare_step(model, pool, "kernels", prompts, tok)
+    assert pool.plan_skipped and "plan step and row copies skipped" in step.describe()
+    # the plan step on the last layer's ids gives the lane addresses its router wrote
+    _, planned = pool.bank.step(step.layers[-1].pooled.layer, step.route.ids)
+    assert torch.equal(step.lane_addr, planned), (step.lane_addr, planned)
+    assert torch.equal(got, base)
+    for a, b in zip(got_cache[0] + got_cache[1], base_cache[0] + base_cache[1]):
+        assert torch.equal(a, b)
+    assert rel(got, want) <= LOGIT_TOL, rel(got, want)
+    assert pool.errors() == []
+
+
+def test_engine_skipping_the_plan_gives_the_same_tokens(monkeypatch):
+    """The captured step with CUPOOL_SKIP_PLAN=1 on a fully banked pool: the same greedy tokens
+    as the step that plans, and the pool reports the skipped plan step (hit rate 1.0)."""
+    import cupool
+    from test_gpu_engine import _prompts
+
+    from cupool.sampling import SamplingParams
+    model, pool = _wrapped("qwen3_moe", seed=36, rows=8)
+    ps = _prompts([4, 6, 3, 9], seed=4)
+    runs = []
+    for env in ("0", "1"):
+        monkeypatch.setenv("CUPOOL_SKIP_PLAN", env)
+        eng = cupool.Engine(model, pool, max_batch=4, max_len=40, eos_token_id=[])
+        assert eng.step_kind.startswith("fused"), eng.step_kind
+        assert ("plan step and row copies skipped" in eng.step_kind) == (env == "1")
+        runs.append([r.output_ids for r in eng.generate(ps, SamplingParams(max_tokens=12))])
+        assert pool.plan_skipped == (env == "1")
+        eng.close()
+    assert runs[0] == runs[1]
+    assert pool.hit_rate() == 1.0 and pool.errors() == []
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

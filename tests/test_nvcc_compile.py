@@ -286,9 +286,10 @@ def test_kernels_refuse_what_they_have_no_build_for(nvcc, tmp_path, name, define
     assert r.returncode != 0 and message in r.stderr, r.stderr
 
 
-# The fused step's GEMV launch shapes (CUPOOL_DENSE_SHAPE): blocks of 4 warps, K split over blocks
-_DENSE_SHAPES = [d for n, d in BUILDS + VARIANTS
-                 if n == "dense_gemv" and ("-DWARPS=4" in d or "-DKS=" in d)]
+# The fused step's GEMV launch shapes (CUPOOL_DENSE_SHAPE): blocks of 4 warps, K split over
+# blocks; and the router builds that write lane addresses (CUPOOL_SKIP_PLAN)
+_DENSE_SHAPES = [d for n, d in BUILDS + VARIANTS if n == "dense_gemv"
+                 and ("-DWARPS=4" in d or "-DKS=" in d or "-DLANE_ADDR=" in d)]
 
 
 @pytest.mark.parametrize("defines", _DENSE_SHAPES)
@@ -306,9 +307,27 @@ def test_dense_gemv_launch_shapes_without_spills(nvcc, tmp_path, defines):
         assert regs[0] <= 128, f"{defines}: {regs[0]} registers, fewer than 4 blocks an SM"
 
 
+_LANE_ADDR_BUILDS = [d for n, d in BUILDS if n == "dense_gemv" and "-DLANE_ADDR=1" in d]
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[f"sm_{a}" for a in ARCHS])
+def test_dense_gemv_lane_addr_builds_without_spills(nvcc, tmp_path, arch):
+    """The router builds that write lane addresses (CUPOOL_SKIP_PLAN) compile for every
+    architecture without spills."""
+    assert _LANE_ADDR_BUILDS
+    for i, defines in enumerate(_LANE_ADDR_BUILDS):
+        r = subprocess.run(nvcc_command(nvcc, "dense_gemv", defines, arch, tmp_path / f"{i}.cubin",
+                                        ("-Xptxas", "-v")),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+        assert len(spills) == 1 and spills[0] == 0, f"sm_{arch} {defines} spills: {spills}"
+
+
 def test_dense_gemv_refuses_other_launch_shapes(nvcc, tmp_path):
     for defines, message in (("-DWARPS=2", "a block of 4 or 8 warps"),
-                             ("-DKS=17", "K split over 1 to 16 blocks")):
+                             ("-DKS=17", "K split over 1 to 16 blocks"),
+                             ("-DEPI=0 -DLANE_ADDR=1", "lane addresses are written by the route")):
         r = subprocess.run(nvcc_command(nvcc, "dense_gemv", defines, 90, tmp_path / "o.cubin"),
                            capture_output=True, text=True, timeout=300)
         assert r.returncode != 0 and message in r.stderr, (defines, r.stderr[-500:])

@@ -20,6 +20,13 @@ SMs; the partial sums go to a float32 workspace [S, B, N] and a ticket a row til
 the DenseGemv, so two launches of one DenseGemv must not run at once), and the tile's last block
 adds them in a fixed order: the result is deterministic, but its float sums run in another order
 than split_k=1's, so it may differ from that by rounding.
+
+Lane addresses (`lane_addr=True`, ROUTE only): the router also builds the kernel's LANE_ADDR
+build, which, called with `table=` (int64 [E], the device address of each expert's bank row) and
+`lane_addr=` (int64 [B·k]), writes lane_addr[b·k + j] = table[ids[b, j]] (0 for an inactive
+token's padding lanes) beside ids and weights: the decode GEMM's lane addresses, for a bank that
+holds every expert at a fixed row (`cupool.fused`, CUPOOL_SKIP_PLAN). Called without them it
+launches the build without lane addresses.
 """
 
 from __future__ import annotations
@@ -120,11 +127,13 @@ class DenseGemv:
         epilogue: PLAIN, RESIDUAL (+ a residual) or ROUTE (softmax top-k routing of the logits).
         warps: warps a block, 4 or 8 (the module docstring: launch shape).
         split_k: blocks each row tile's K is split over, 1 to 16 with K >= 32 · split_k.
+        lane_addr: ROUTE only: also build the launch that writes lane addresses (the module
+            docstring), taken by calls with table= and lane_addr=.
     """
 
     def __init__(self, weights: Sequence[torch.Tensor], biases=None, *, tokens: int,
                  norm: bool = False, epilogue: int = PLAIN, warps: int = WARPS,
-                 split_k: int = 1):
+                 split_k: int = 1, lane_addr: bool = False):
         weights = list(weights)
         if not 1 <= len(weights) <= 3:
             raise ValueError(f"weights must hold 1 to 3 matrices, got {len(weights)}")
@@ -150,6 +159,8 @@ class DenseGemv:
         for i, (b, n) in enumerate(zip(biases, rows)):
             if b is not None:
                 _check_vector(f"biases[{i}]", b, n, self.device)
+        if lane_addr and epilogue != ROUTE:
+            raise ValueError("lane_addr=True belongs to a GEMV built with epilogue=ROUTE")
         if epilogue == ROUTE and any(b is not None for b in biases):
             raise ValueError("a router GEMV takes no biases")
         self.weights, self.biases = weights, biases
@@ -175,6 +186,9 @@ class DenseGemv:
             self.tile_tickets = torch.zeros(tiles, dtype=torch.int32, device=self.device)
             self._split_args = (self.partials, self.tile_tickets)
         self.kernel = kernels.function("dense_gemv", "dense_gemv", defines, self.device.index)
+        self.lane_kernel = (kernels.function("dense_gemv", "dense_gemv",
+                                             {**defines, "LANE_ADDR": 1}, self.device.index)
+                            if lane_addr else None)
         w = weights + [weights[0]] * (3 - len(weights))
         b = biases + [None] * (3 - len(biases))
         n0 = rows[0]
@@ -196,7 +210,8 @@ class DenseGemv:
                  h_out: torch.Tensor | None = None, x_out: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                  route: RouteOut | None = None, top_k: int = 0, norm_topk: bool = False,
-                 active: torch.Tensor | None = None) -> None:
+                 active: torch.Tensor | None = None, table: torch.Tensor | None = None,
+                 lane_addr: torch.Tensor | None = None) -> None:
         """One launch on torch's current stream.
 
         x: [B, K] (the GEMV's input; with norm, the residual stream before `add`). add: [B, K] or
@@ -204,6 +219,8 @@ class DenseGemv:
         h_out / x_out: [B, K] or None, receive x + add and the normed x (norm only).
         residual: [B, N] added to the product (RESIDUAL). out: [B, N] (PLAIN, RESIDUAL).
         route, top_k, norm_topk, active (bool or uint8 [B], or None: every token): ROUTE.
+        table int64 [E], lane_addr int64 [B·k]: both or neither, ROUTE built with lane_addr=True:
+        lane_addr[b·k + j] = table[route.ids[b, j]], 0 for padding lanes.
         """
         B, K, N = self.tokens, self.K, self.N
         self._check_act("x", x, K)
@@ -257,9 +274,29 @@ class DenseGemv:
         else:
             self._check_act("out", out, N)
             rargs = (null, null, null, kernels.i32(0), kernels.i32(0), kernels.i32(0), null, null)
-        kernels.launch(self.kernel, self.grid, self.warps * 32, (
+        kernel, lane_args = self.kernel, ()
+        if table is not None or lane_addr is not None:
+            self._check_lane_addr(table, lane_addr, top_k)
+            kernel, lane_args = self.lane_kernel, (table, lane_addr)
+        kernels.launch(kernel, self.grid, self.warps * 32, (
             *self._wargs, x, null if add is None else add,
             null if norm_weight is None else norm_weight, kernels.f32(eps),
             null if h_out is None else h_out, null if x_out is None else x_out,
             null if residual is None else residual, null if out is None else out,
-            *rargs, *self._split_args), device=self.device, dependent=True)
+            *rargs, *self._split_args, *lane_args), device=self.device, dependent=True)
+
+    def _check_lane_addr(self, table, lane_addr, top_k: int) -> None:
+        """ValueError naming the argument unless this is a ROUTE GEMV built with lane_addr=True,
+        table is a contiguous int64 [E] and lane_addr a contiguous int64 [B·k], both on its
+        device."""
+        if self.lane_kernel is None:
+            raise ValueError("table and lane_addr belong to a ROUTE GEMV built with lane_addr=True")
+        want = {"table": (self.N,), "lane_addr": (self.tokens * top_k,)}
+        for name, t in (("table", table), ("lane_addr", lane_addr)):
+            shape = want[name]
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.shape != shape \
+                    or t.device != self.device or not t.is_contiguous():
+                got = (f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"{name} must be a contiguous torch.int64 {list(shape)} tensor "
+                                 f"on {self.device}, got {got}")

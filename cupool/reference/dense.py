@@ -61,6 +61,14 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool, weight_dtype: 
     return ids, w
 
 
+def lane_addresses(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The decode GEMM's lane addresses of a bank holding every expert: ids int32 [B, K] (−1:
+    padding), table int64 [E] (each expert's bank row address) → int64 [B·K], table[id] a lane,
+    0 for padding."""
+    flat = ids.reshape(-1).to(torch.int64)
+    return torch.where(flat >= 0, table[flat.clamp(min=0)], torch.zeros_like(flat))
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """transformers' rotary embedding in x's dtype: x·cos + rotate_half(x)·sin, each product and
     the sum rounded. x [..., D], cos / sin broadcastable to it."""
@@ -122,13 +130,17 @@ class GemvReference:
     ignored: it changes only the order of the kernel's float sums."""
 
     def __init__(self, weights, biases=None, *, tokens: int, norm: bool = False,
-                 epilogue: int = 0, warps: int = 8, split_k: int = 1):
+                 epilogue: int = 0, warps: int = 8, split_k: int = 1, lane_addr: bool = False):
         self.weights, self.biases = list(weights), biases
         self.tokens, self.norm, self.epilogue = tokens, norm, epilogue
+        self.lane_addr = lane_addr
         self.N = sum(w.shape[0] for w in self.weights)
 
     def __call__(self, x, *, add=None, norm_weight=None, eps=1e-6, h_out=None, x_out=None,
-                 residual=None, out=None, route=None, top_k=0, norm_topk=False, active=None):
+                 residual=None, out=None, route=None, top_k=0, norm_topk=False, active=None,
+                 table=None, lane_addr=None):
+        if (table is not None or lane_addr is not None) and not (self.epilogue == 2 and self.lane_addr):
+            raise ValueError("table and lane_addr belong to a ROUTE GEMV built with lane_addr=True")
         if self.norm:
             h, xin = residual_norm(x, add, norm_weight, eps)
             if h_out is not None:
@@ -143,6 +155,10 @@ class GemvReference:
             route.logits.copy_(y.to(torch.float32))
             route.ids.copy_(ids)
             route.weights.copy_(w)
+            if table is not None or lane_addr is not None:
+                if table is None or lane_addr is None or lane_addr.shape != (ids.numel(),):
+                    raise ValueError(f"table [E] and lane_addr [{ids.numel()}] go together")
+                lane_addr.copy_(lane_addresses(ids, table))
         elif self.epilogue == 1:
             out.copy_(residual + y)
         else:

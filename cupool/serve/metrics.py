@@ -91,6 +91,11 @@ class _EngineCollector:
         c.add_metric(["miss"], misses)
         yield c
         g = GaugeMetricFamily("cupool_bank_hit_rate", "hits / lookups since the server "
-                              "started (NaN before the first)")
-        g.add_metric([], hits / (hits + misses) if hits + misses else float("nan"))
+                              "started (NaN before the first; 1 by construction while the plan "
+                              "step is skipped: every expert has a bank row)")
+        g.add_metric([], pool.hit_rate())
+        yield g
+        g = GaugeMetricFamily("cupool_bank_plan_skipped", "1 while the decode step skips the "
+                              "plan step (every expert has a bank row; no lookups are counted)")
+        g.add_metric([], int(pool.plan_skipped))
         yield g
