@@ -105,7 +105,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
             "aggregate_tok_per_s": n / wall,
             "aggregate_decode_tok_per_s": streams * (tokens - 1) / decode_wall,
             "per_request_tok_per_s_median": statistics.median(per),
-            "per_request_tok_per_s_min": min(per), "hit_rate": pool.hit_rate(),
+            "per_request_tok_per_s_min": min(per), "hit_rate": pool.hit_rate(stats),
             "steps": eng.steps_run, **prefetch}
 
 

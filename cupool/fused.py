@@ -112,8 +112,8 @@ def parse_dense_shape(text: str) -> dict[str, dict]:
     """{gemv: DenseGemv launch-shape keywords} of a CUPOOL_DENSE_SHAPE value (the module
     docstring gives the format), with "attn": {"ahead": True} for the entry attn=ahead; ""
     names none ("attn": {"ahead": False} for attn=plain). Strict: an unknown GEMV, a GEMV named
-    twice, a shape other than w<n>, k<n>, w<n>k<n> (ahead or plain for attn), or a warps / split_k DenseGemv does not take raises ValueError
-    naming the variable and the value."""
+    twice, a shape other than w<n>, k<n>, w<n>k<n> (ahead or plain for attn), or a warps /
+    split_k DenseGemv does not take raises ValueError naming the variable and the value."""
     shapes: dict[str, dict] = {}
     if text == "":
         return shapes

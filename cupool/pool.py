@@ -232,13 +232,14 @@ class Pool:
                 d["hit_rate"] = 1.0
         return table
 
-    def hit_rate(self) -> float:
+    def hit_rate(self, table: list[dict] | None = None) -> float:
         """Hits / lookups of the decode calls over every layer since the counters were reset:
         1.0 by construction while the plan step is skipped (every expert has a bank row), NaN
-        before the first lookup otherwise."""
+        before the first lookup otherwise. `table`: a `stats()` the caller already read (else
+        the counters are read here)."""
         if self.plan_skipped:
             return 1.0
-        table = self.bank.stats()[0]
+        table = self.bank.stats()[0] if table is None else table
         hits, misses = sum(d["hits"] for d in table), sum(d["misses"] for d in table)
         return hits / (hits + misses) if hits + misses else float("nan")
 

@@ -107,6 +107,17 @@ CUPOOL_DEVICE void load_raw(const u16* p, u32* w) {
 }
 #endif
 
+// P·V of one position: acc[g] += p_g · v for each of the G heads, p_g = sc[g][p] (the tile's
+// probabilities), v the lane's DPL dims of the position's value row.
+CUPOOL_DEVICE void add_pv(float (&acc)[G][DPL], const float (&sc)[G][TP], int p, const float* vf) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const float pr = sc[g][p];
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) acc[g][k] += pr * vf[k];
+    }
+}
+
 CUPOOL_DEVICE float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 // x [n][D] (float holding bf16 values) → norm (if w) and rotary embedding, in place, rows in
@@ -297,23 +308,13 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
                 vf[2 * k] = __uint_as_float(vraw[i][k] << 16);
                 vf[2 * k + 1] = __uint_as_float(vraw[i][k] & 0xffff0000u);
             }
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const float pr = sc[g][p];
-#pragma unroll
-                for (int k = 0; k < DPL; ++k) acc[g][k] += pr * vf[k];
-            }
+            add_pv(acc, sc, p, vf);
         }
 #else
         for (int p = warp; p < TP && j0 + p < end; p += NWARP) {
             float vf[DPL];
             load_dims(vc + cache_base + (j0 + p) * D + lane * DPL, vf);
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const float pr = sc[g][p];
-#pragma unroll
-                for (int i = 0; i < DPL; ++i) acc[g][i] += pr * vf[i];
-            }
+            add_pv(acc, sc, p, vf);
         }
 #endif
         __syncthreads();

@@ -291,12 +291,5 @@ class DenseGemv:
         device."""
         if self.lane_kernel is None:
             raise ValueError("table and lane_addr belong to a ROUTE GEMV built with lane_addr=True")
-        want = {"table": (self.N,), "lane_addr": (self.tokens * top_k,)}
-        for name, t in (("table", table), ("lane_addr", lane_addr)):
-            shape = want[name]
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.shape != shape \
-                    or t.device != self.device or not t.is_contiguous():
-                got = (f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
-                       else type(t).__name__)
-                raise ValueError(f"{name} must be a contiguous torch.int64 {list(shape)} tensor "
-                                 f"on {self.device}, got {got}")
+        _check_vector("table", table, self.N, self.device, torch.int64)
+        _check_vector("lane_addr", lane_addr, self.tokens * top_k, self.device, torch.int64)

@@ -139,7 +139,8 @@ class GemvReference:
     def __call__(self, x, *, add=None, norm_weight=None, eps=1e-6, h_out=None, x_out=None,
                  residual=None, out=None, route=None, top_k=0, norm_topk=False, active=None,
                  table=None, lane_addr=None):
-        if (table is not None or lane_addr is not None) and not (self.epilogue == 2 and self.lane_addr):
+        lanes = table is not None or lane_addr is not None
+        if lanes and not (self.epilogue == 2 and self.lane_addr):
             raise ValueError("table and lane_addr belong to a ROUTE GEMV built with lane_addr=True")
         if self.norm:
             h, xin = residual_norm(x, add, norm_weight, eps)
@@ -155,7 +156,7 @@ class GemvReference:
             route.logits.copy_(y.to(torch.float32))
             route.ids.copy_(ids)
             route.weights.copy_(w)
-            if table is not None or lane_addr is not None:
+            if lanes:
                 if table is None or lane_addr is None or lane_addr.shape != (ids.numel(),):
                     raise ValueError(f"table [E] and lane_addr [{ids.numel()}] go together")
                 lane_addr.copy_(lane_addresses(ids, table))

@@ -83,7 +83,8 @@ class _EngineCollector:
         if pool is None:
             return
         hits = misses = 0
-        for d in pool.stats():
+        table = pool.stats()
+        for d in table:
             hits, misses = hits + d["hits"], misses + d["misses"]
         c = CounterMetricFamily("cupool_bank_lookups", "expert lookups of the planner, by "
                                 "outcome (hit: the row was in the bank)", labels=["outcome"])
@@ -93,7 +94,7 @@ class _EngineCollector:
         g = GaugeMetricFamily("cupool_bank_hit_rate", "hits / lookups since the server "
                               "started (NaN before the first; 1 by construction while the plan "
                               "step is skipped: every expert has a bank row)")
-        g.add_metric([], pool.hit_rate())
+        g.add_metric([], pool.hit_rate(table))
         yield g
         g = GaugeMetricFamily("cupool_bank_plan_skipped", "1 while the decode step skips the "
                               "plan step (every expert has a bank row; no lookups are counted)")
