@@ -35,8 +35,9 @@
 // the softmax, which they do not depend on, and P·V multiplies registers; a thread's key loads
 // for its scores are issued eight at a time (all of them up to D = 128). With AHEAD = 0 each P·V position's
 // load is issued in its loop iteration, after the softmax, and the key loads two at a time: one
-// L2 round trip after another, which one warp a scheduler does not hide. The sums run in the
-// same order either way: the outputs are the same bits.
+// L2 round trip after another, which one warp a scheduler does not hide. The last block's merge
+// likewise issues the loads of all its elements' parts eight parts at a time (AHEAD = 0: one element
+// after another). The sums run in the same order either way: the outputs are the same bits.
 #include "common.cuh"
 
 #ifndef D
@@ -376,6 +377,40 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         for (int q = lane; q < NS; q += 32) wm[g * NS + q] = expf(wm[g * NS + q] - M) / den;
     }
     __syncthreads();
+#if AHEAD
+    // a thread's EPT elements i = threadIdx.x + e · THREADS together: the loads of MP parts of
+    // every element are issued at once, then summed part by part (the order of the loop below)
+    constexpr int EPT = (G * D + THREADS - 1) / THREADS;
+    constexpr int MP = EPT > 8 ? 4 : 8;          // ≤ 64 loads in flight a thread
+    float num[EPT];
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) num[e] = 0.0f;
+    // element i's part q sits at part_o + ((b·nh + h·G + i / D) · NS + q) · D + i % D
+    const float* po = part_o + ((i64)b * nh + h * G) * NS * D;
+    for (int q0 = 0; q0 < NS; q0 += MP) {
+        float v[EPT][MP];
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+            const int i = threadIdx.x + e * THREADS;
+            const float* o = po + ((i / D) * NS + q0) * D + i % D;
+#pragma unroll
+            for (int k = 0; k < MP; ++k)
+                v[e][k] = i < G * D && q0 + k < NS ? ld_cg(o + k * D) : 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+            const int g = (threadIdx.x + e * THREADS) / D;
+#pragma unroll
+            for (int k = 0; k < MP; ++k)
+                if (q0 + k < NS && g < G) num[e] += wm[g * NS + q0 + k] * v[e][k];
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+        const int i = threadIdx.x + e * THREADS;
+        if (i < G * D) out[(i64)b * nh * D + (i64)(h * G) * D + i] = f32_to_bf16(num[e]);
+    }
+#else
     for (int i = threadIdx.x; i < G * D; i += THREADS) {
         const int g = i / D, c = i % D;
         const i64 head = (i64)b * nh + h * G + g;
@@ -385,4 +420,5 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         for (int q = 0; q < NS; ++q) num += wm[g * NS + q] * ld_cg(o + (i64)q * D);
         out[(i64)b * nh * D + (i64)(h * G + g) * D + c] = f32_to_bf16(num);
     }
+#endif
 }
