@@ -8,7 +8,10 @@ once (16-token prompts, `--tokens` new tokens each, greedy), and the engine deco
 in its captured step (B = the stream count): aggregate tok/s (all generated tokens over the wall
 time from submission to the last token) and per-request decode tok/s, beside the batch-1 run as
 the baseline; then the same at 8 streams with sampling (temperature 0.8, top-p 0.95) against
-greedy. The hit rate of each case comes from the pool's counters. Routing (`--routing`):
+greedy. The hit rate of each case comes from the pool's counters; with misses, a case also
+reports their bytes a generated token and the decode tok/s the PCIe link allows for them (a
+pinned copy's GB/s, measured at the start of the run), beside the decode rate as a ratio.
+Routing (`--routing`):
 `locality` (default) replays a trace with Qwen3-like locality in place of the router, one
 independent stream a sequence (`cupool.trace.streams`: stream 0 is bench_decode's one-token
 trace, so batch 1 replays the same routing), or `router`: the synthetic model's own router
@@ -42,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import results_path, save  # noqa: E402
+from _common import pcie_h2d_GBps, results_path, save  # noqa: E402
 
 from cupool.cli import CLIParser, fraction, positive_int, promote, run  # noqa: E402
 
@@ -63,8 +66,16 @@ def build(layers: int, max_batch: int, seed: int, bank: float):
     return model, pool, shape
 
 
+def link_bound(misses: int, decoded: int, row_bytes: int, pcie_GBps: float) -> float | None:
+    """The decode tok/s the PCIe link allows when every miss's row crosses it once: decoded
+    tokens over the time the link takes for the misses' bytes (None without misses)."""
+    if misses == 0 or decoded == 0:
+        return None
+    return decoded / (misses * row_bytes / (pcie_GBps * 1e9))
+
+
 def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: bool,
-             compile: bool, fused: bool, seed: int) -> dict:
+             compile: bool, fused: bool, seed: int, pcie_GBps: float) -> dict:
     import cupool
     eng = cupool.Engine(model, pool, max_batch=streams, max_len=prompt_len + tokens + 8,
                         eos_token_id=[], compile=compile, fused=None if fused else False)
@@ -93,6 +104,9 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
                     "prefetch_wasted_bytes_per_token":
                         sum(s["prefetch_wasted"] for s in stats) * row / n}
     per = [r.decode_tokens_per_s for r in reqs]
+    decode_tps = streams * (tokens - 1) / decode_wall
+    # the bank's counters follow decode steps alone (prompts are prefilled outside them)
+    bound = link_bound(misses, streams * (tokens - 1), pool.layout.row_bytes, pcie_GBps)
     eng.close()
     K = pool.top_k
     diag = {"hits": hits, "misses": misses, "staged": sum(s["staged"] for s in stats),
@@ -103,13 +117,16 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     return {"diagnostics": diag, "step": eng.step_kind, "streams": streams, "sampled": sampled,
             "tokens_generated": n, "wall_s": wall,
             "aggregate_tok_per_s": n / wall,
-            "aggregate_decode_tok_per_s": streams * (tokens - 1) / decode_wall,
+            "aggregate_decode_tok_per_s": decode_tps,
+            "miss_bytes_per_token": misses * pool.layout.row_bytes / (streams * (tokens - 1)),
+            "link_bound_decode_tok_per_s": bound,
+            "decode_over_link_bound": None if bound is None else decode_tps / bound,
             "per_request_tok_per_s_median": statistics.median(per),
             "per_request_tok_per_s_min": min(per), "hit_rate": pool.hit_rate(stats),
             "steps": eng.steps_run, **prefetch}
 
 
-def run_bank(args, layers: int, streams: list[int], bank: float) -> dict:
+def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) -> dict:
     model, pool, shape = build(layers, max(streams), args.seed, bank)
     pool.promote = args.promote
     if args.routing == "locality":
@@ -130,18 +147,22 @@ def run_bank(args, layers: int, streams: list[int], bank: float) -> dict:
     cases = []
     for b in streams:
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
-                     not args.no_fused, args.seed)
+                     not args.no_fused, args.seed, pcie)
         cases.append(r)
         print(f"{label}: {b:3d} streams greedy : aggregate {r['aggregate_tok_per_s']:7.1f} tok/s "
               f"(decode {r['aggregate_decode_tok_per_s']:7.1f}), per request "
               f"{r['per_request_tok_per_s_median']:6.1f} tok/s, hit rate {r['hit_rate']:.3f} "
               f"(cap {r['diagnostics']['promote_cap'] or 'none'}) [{r['step']}]"
+              + (f", misses {r['miss_bytes_per_token'] / 1e6:.1f} MB a token: link bound "
+                 f"{r['link_bound_decode_tok_per_s']:.1f} tok/s, decode at "
+                 f"{r['decode_over_link_bound']:.2f} of it"
+                 if r["link_bound_decode_tok_per_s"] is not None else "")
               + (f", prefetched {r['prefetched_bytes_per_token'] / 1e6:.1f} MB a token "
                  f"({r['prefetch_wasted_bytes_per_token'] / 1e6:.1f} MB wasted)"
                  if "prefetched_bytes_per_token" in r else ""), flush=True)
     b = 8 if 8 in streams else max(streams)
     sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile,
-                       not args.no_fused, args.seed)
+                       not args.no_fused, args.seed, pcie)
     greedy = next(c for c in cases if c["streams"] == b)
     print(f"{label}: {b:3d} streams sampled: aggregate {sampled['aggregate_tok_per_s']:7.1f} "
           f"tok/s, {sampled['aggregate_tok_per_s'] / greedy['aggregate_tok_per_s']:.3f} of "
@@ -171,14 +192,16 @@ def main(args) -> int:
     _cuda.require_gpu("bench_serve")
     layers = 2 if args.small else args.layers
     streams = sorted(set(args.streams))
-    banks = [run_bank(args, layers, streams, bank) for bank in args.banks]
+    pcie = pcie_h2d_GBps()
+    print(f"pinned host -> GPU copy: {pcie:.1f} GB/s", flush=True)
+    banks = [run_bank(args, layers, streams, bank, pcie) for bank in args.banks]
     results = {"shape": f"Qwen3-30B-A3B, {layers} layers", "routing": args.routing,
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
                "promote": args.promote,
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
-               "banks": banks, "gpu": torch.cuda.get_device_name()}
+               "pcie_h2d_GBps": pcie, "banks": banks, "gpu": torch.cuda.get_device_name()}
     reduced = (["--small"] if args.small else []) + \
         ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else []) + \
         ([f"--promote {args.promote}"] if args.promote != "auto" else [])

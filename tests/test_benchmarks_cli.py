@@ -291,6 +291,16 @@ def test_bench_decode_shape_keys():
     assert bd.shape_keys(bd.MODELS["qwen4_exp"][0])[4] == 512
 
 
+def test_bench_serve_link_bound():
+    """bench_serve's link bound: decoded tokens over the seconds the misses' rows take on the
+    link; none without misses."""
+    bs = load("bench_serve.py")
+    # 879 rows of 2.65 MB a step of 8 tokens at 54 GB/s: 43.1 ms a step, 185.5 tok/s
+    assert bs.link_bound(879 * 63, 8 * 63, 2_650_000, 54.0) == pytest.approx(185.45, rel=1e-3)
+    assert bs.link_bound(0, 64, 2_650_000, 54.0) is None
+    assert bs.link_bound(10, 0, 2_650_000, 54.0) is None
+
+
 def test_timeline_breakdown():
     """Busy time is the union of a stream's intervals (overlaps counted once), idle the span no
     stream covers; groups sum their events' own times."""
