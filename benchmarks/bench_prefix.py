@@ -35,6 +35,9 @@ their GPU time went: the span from the first kernel to the last, each stream's b
 time no stream was busy, and the summed time of each group of kernels (expert row copies, MoE
 GEMM, attention, matmul, other), printed and kept in the results under "profile".
 
+Prefill ahead (`CUPOOL_PREFILL_AHEAD=1`, the pool's `prefill_ahead`) is recorded as
+"prefill_ahead" and printed with the speedup.
+
 Writes benchmarks/results/bench_prefix.json. A reduced run (another prefix, --small, another
 bank, fewer repeats) writes nothing unless --json PATH is given.
 """
@@ -255,7 +258,7 @@ def main(args) -> None:
                "prefix_tokens": prefix, "question_tokens": QUESTION, "answer_tokens": args.answer,
                "new_tokens": args.new, "turn2_tokens": len(turn2), "repeats": args.repeats,
                "target_speedup": TARGET, "pcie_h2d_GBps": pcie, "row_bytes": row_bytes,
-               "errors": errors}
+               "prefill_ahead": bool(pool.prefill_ahead), "errors": errors}
     base = c["logits"][0]
     for name, m, n_rows in (("cold", c, cold_rows), ("reused", w, warm_rows)):
         others = m["logits"][1:] if name == "cold" else m["logits"]
@@ -285,7 +288,8 @@ def main(args) -> None:
               f"{r['host_rows']} expert rows from the host ({r['host_bytes'] / 1e9:.2f} GB): "
               f"PCIe bound {r['pcie_bound_s'] * 1e3:.1f} ms at {pcie:.1f} GB/s, achieved "
               f"{r['fraction_of_pcie_bound']:.0%} of it", flush=True)
-    print(f"speedup {results['speedup']:.1f}x (target >= {TARGET:.0f}x); first-token logits: "
+    print(f"speedup {results['speedup']:.1f}x (target >= {TARGET:.0f}x, prefill ahead "
+          f"{'on' if results['prefill_ahead'] else 'off'}); first-token logits: "
           f"reused vs cold max |diff| {results['reused_vs_cold_max_abs_diff']:.3g} (argmax "
           f"{'agrees' if results['same_argmax'] else 'differs'}), cold vs cold "
           f"{results['cold_run_to_run_max_abs_diff']:.3g} (argmax "

@@ -11,7 +11,9 @@ flight, and a decode call issues the next layer's prefetch right after its plan 
 Wider calls (prefill) take the partition path (resident experts from the bank, the others from
 the host store through a bounded scratch), which leaves the placement alone; a call wider than
 the GEMM's `max_prefill_tokens` runs in chunks of that many tokens (exact: experts act on each
-token alone).
+token alone). With the pool's `prefill_ahead` on (CUPOOL_PREFILL_AHEAD=1), a prompt's prefill
+call that routes to nearly every expert copies every expert not in the bank, and issues the next
+pooled layer's first scratch copies before returning (`prefill_plan`).
 
 Under `torch.compile` a pooled layer is the opaque op `cupool::experts` (dynamo cannot trace the
 raw kernel launches); the rest of the model is compiled around it. Eager calls skip the
@@ -21,9 +23,47 @@ dispatcher.
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 
 import torch
+
+
+PREFILL_AHEAD_ENV = "CUPOOL_PREFILL_AHEAD"
+# a call takes the ALL_HOST copy lists only where its lanes cover nearly every expert anyway:
+# T·K ≥ AHEAD_LANES_PER_EXPERT·E (copying an expert no lane routes to is the price)
+AHEAD_LANES_PER_EXPERT = 4
+
+
+def parse_prefill_ahead(text: str | None) -> bool:
+    """Whether a CUPOOL_PREFILL_AHEAD value (None: unset) turns prefill ahead on: "1" yes, "0"
+    or unset no; anything else raises ValueError naming the variable."""
+    if text is None or text == "0":
+        return False
+    if text == "1":
+        return True
+    raise ValueError(f"{PREFILL_AHEAD_ENV}={text!r}: expected 1 (issue the next layer's scratch "
+                     f"copies at the end of each prompt prefill call) or 0")
+
+
+def prefill_ahead_default() -> bool:
+    """`Pool.prefill_ahead`'s default: the environment's CUPOOL_PREFILL_AHEAD (off if unset)."""
+    return parse_prefill_ahead(os.environ.get(PREFILL_AHEAD_ENV))
+
+
+def prefill_plan(pool, layer: int, tokens: int) -> tuple[bool, int | None]:
+    """(all_host, next layer or None) of pooled layer `layer`'s prefill call of `tokens` tokens.
+
+    all_host (the GEMM copies every expert not in the bank, routed or not, so its copy lists
+    follow from the placement alone) while the pool's `prefill_ahead` is on, the pool is
+    prefilling a prompt (`Pool.prefilling`: placement does not move, every call takes this
+    path), the call is one GEMM call (tokens ≤ max_prefill_tokens) and its lanes cover nearly
+    every expert (T·K ≥ 4·E). The next layer (layer + 1, the pool's next pooled layer; none
+    after the last) is the one whose first scratch copies the call issues at its end."""
+    if not (pool.prefill_ahead and pool.prefill_only) or tokens > pool.gemm.max_prefill_tokens \
+            or tokens * pool.top_k < AHEAD_LANES_PER_EXPERT * pool.num_experts:
+        return False, None
+    return True, (layer + 1 if layer + 1 < pool.num_layers else None)
 
 
 class PooledExperts:
@@ -98,7 +138,12 @@ class PooledExperts:
         host = p.store.address_table()
         step = p.gemm.max_prefill_tokens
         if x.shape[0] <= step:
-            return p.gemm.prefill(x, ids, w, resident, host_addr=host, layer=self.layer)
+            all_host, nxt = prefill_plan(p, self.layer, x.shape[0])
+            # the next layer's placement now: nothing moves it while the pool is prefilling
+            # (decode calls alone plan, and the prefetcher was joined above)
+            ahead = None if nxt is None else (nxt, p.expert_addresses(nxt))
+            return p.gemm.prefill(x, ids, w, resident, host_addr=host, layer=self.layer,
+                                  all_host=all_host, ahead=ahead)
         out = torch.empty_like(x)
         for t0 in range(0, x.shape[0], step):
             t1 = min(x.shape[0], t0 + step)

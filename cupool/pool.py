@@ -20,7 +20,7 @@ from cupool.adapters import MoELayerSpec
 from cupool.bank import Bank
 from cupool.budget import MemoryReport, report
 from cupool.gemm import MoEGemm
-from cupool.layer import PooledExperts
+from cupool.layer import PooledExperts, prefill_ahead_default
 from cupool.layout import RowLayout, unpack_bias, unpack_row
 from cupool.nvfp4 import dequantize
 from cupool.prefetch import Prefetcher, RouterPredictor
@@ -50,6 +50,12 @@ class Pool:
         # True while a prompt is prefilled (`prefilling()`): every layer call takes the partition
         # path, whatever its width, so prompts never move the placement nor count as hits/misses.
         self.prefill_only = False
+        # prefill ahead: while prefilling, a call whose lanes cover nearly every expert copies
+        # every expert not in the bank and issues the next layer's first scratch copies before
+        # it returns, so the copy stream works through the layer boundary (`cupool.layer.
+        # prefill_plan`). Default from CUPOOL_PREFILL_AHEAD ("1" on; "0" or unset off): off
+        # until measured on a GPU (docs/PERFORMANCE.md).
+        self.prefill_ahead = prefill_ahead_default()
         # decode: copies on a second stream beside the GEMM of the rows in place. Off by default:
         # with the one-launch decode GEMM it bought ~1% at a half-size bank and cost ~10% with
         # every expert resident on an H200 (the second launch; docs/PERFORMANCE.md).
@@ -202,12 +208,15 @@ class Pool:
     def prefilling(self):
         """Inside: layer calls are prompt prefill (the partition path, placement untouched),
         even when they are narrow enough for the decode path. The engine admits requests in it,
-        so the bank and its counters follow decode steps alone."""
+        so the bank and its counters follow decode steps alone. Leaving it forgets any scratch
+        copies issued ahead (`prefill_ahead`)."""
         before, self.prefill_only = self.prefill_only, True
         try:
             yield
         finally:
             self.prefill_only = before
+            if self.gemm is not None:
+                self.gemm.drop_ahead()   # copies issued ahead are for this prefill's calls only
 
     def open(self, verify: bool = True, sample: int | None = 64) -> None:
         """Open the gate (placement starts following the routing). Verifies tables and `sample`

@@ -15,6 +15,12 @@
 //   every non-resident expert crosses PCIe once per call. Chunk c uses scratch buffer c % nbuf
 //   (rows [b·C, b·C + C)), so the launcher can copy the next chunks while the GEMM reads one. Units are ordered by (phase, expert);
 //   lane order within an expert is not fixed (atomics), which only reorders a sum.
+//   The ALL_HOST build ranks and copies every non-resident expert, with lanes or not, so the
+//   copy lists (copies, n_copies) depend on expert_addr alone, not on the routing: run with
+//   W = 0 it writes a layer's lists before that layer's router has run (the launcher's prefill
+//   ahead), and the layer's own call with its lanes writes the same lists. An expert without
+//   lanes still has no units: its copy is the price of a routing-free list, which pays only
+//   where a call routes to nearly every expert anyway.
 // - prep_x: per token (one warp each), a power-of-two scale s and fp16 x/s (exact for bf16 inputs),
 //   padded to HP; route_decode runs the same prep_row.
 //
@@ -35,6 +41,10 @@
 #define IDS64 1
 #endif
 #include "moe_lanes.cuh"
+
+#ifndef ALL_HOST
+#define ALL_HOST 0        // 1: every non-resident expert gets a host rank and a copy (see above)
+#endif
 
 #ifndef XVEC
 #define XVEC 0            // 1: H % 8 == 0 and x 16-byte aligned (the launcher checks)
@@ -180,7 +190,12 @@ align_experts(const void* __restrict__ ids_raw,    // [W] int64 (IDS64) or int32
     const int nu = (h + NT - 1) / NT;
     int total_res, n_host, total_host_units;
     const int res_base = block_exclusive_scan(resident ? nu : 0, scan, &total_res);
-    const int hrank = block_exclusive_scan((!resident && h > 0) ? 1 : 0, scan, &n_host);
+#if ALL_HOST
+    const bool host = e < E && !resident;                        // copied with lanes or not
+#else
+    const bool host = !resident && h > 0;
+#endif
+    const int hrank = block_exclusive_scan(host ? 1 : 0, scan, &n_host);
     const int host_base = block_exclusive_scan(resident ? 0 : nu, scan, &total_host_units);
     const int total = total_res + total_host_units;
     for (int c = tid; c < nchunks + 2; c += blockDim.x)
@@ -189,7 +204,7 @@ align_experts(const void* __restrict__ ids_raw,    // [W] int64 (IDS64) or int32
         n_copies[c] = max(0, min(C, n_host - c * C));
     __syncthreads();
     if (tid == 0) phase_off[1] = total_res;
-    if (e < E && h > 0) {
+    if (e < E && (h > 0 || host)) {
         if (resident) {
             ubase[e] = res_base;
             addr[e] = expert_addr[e];

@@ -117,3 +117,41 @@ def test_long_prompts_run_in_chunks():
     assert rel(chunked, ref) <= LOGIT_TOL, rel(chunked, ref)
     off = _check_against_reference(model, [a])
     assert len(off) <= 1, off
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_prefix_reuse_with_prefill_ahead(monkeypatch, family):
+    """CUPOOL_PREFILL_AHEAD=1 against 0 on pools alike: a conversation of three turns with
+    prefix reuse, each prefilling ≥ 16 tokens (T·K ≥ 4·E: ALL_HOST, the next pooled layer's
+    copies issued ahead; deepseek_v3's first layer is dense), gives the same greedy tokens, and
+    the pool with it on used its copies issued ahead and dropped none. The prefill's fp32 atomics
+    may move a near-tie between runs: at most one turn may differ."""
+    _, (_, E, K, _, _) = FAMILIES[family]
+    g = torch.Generator().manual_seed(5)
+    first, *new = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (18, 17, 16)]
+    runs = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv("CUPOOL_PREFILL_AHEAD", env)
+        model = model_for(family, seed=25)
+        pool = cupool.wrap(model, rows=max(K, E // 2), max_decode_tokens=1,
+                           max_prefill_tokens=64, progress=False)
+        assert pool.prefill_ahead == (env == "1")
+        eng = cupool.Engine(model, pool, max_batch=1, max_len=64, eos_token_id=[])
+        prompt, outs = first, []
+        for k in range(3):
+            r = eng.generate([prompt], SamplingParams(max_tokens=4))[0]
+            assert k == 0 or r.cached_tokens > 0
+            outs.append(r.output_ids)
+            if k < 2:
+                prompt = prompt + r.output_ids + new[k]
+        assert pool.errors() == []
+        used, dropped = pool.gemm.ahead_used, pool.gemm.ahead_dropped
+        if env == "1":
+            assert used >= pool.num_layers - 1 and dropped == 0, (used, dropped)
+        else:
+            assert (used, dropped) == (0, 0)
+        runs[env] = outs
+        eng.close()
+        pool.unwrap()
+    same = sum(a == b for a, b in zip(runs["0"], runs["1"]))
+    assert same >= 2, runs

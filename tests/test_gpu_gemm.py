@@ -470,3 +470,135 @@ def test_biased_padded_dims_fp16():
     ids, w = routing(37, 4, 5, gen)
     assert placed.prefill_error(gemm, x, ids, w) <= TOL
     placed.store.close()
+
+
+# --- prefill ahead: align_experts' ALL_HOST build, copies issued for the next call ---------------
+@pytest.mark.parametrize("E, rows, buffers, T, K", [(37, 5, 2, 29, 4), (128, 32, 2, 129, 8),
+                                                    (9, 1, 1, 3, 2), (1024, 32, 2, 77, 8)])
+def test_align_all_host_matches_the_reference(small, E, rows, buffers, T, K):
+    """The ALL_HOST build against `cupool.reference.moe.align_experts` on poisoned outputs:
+    phase offsets, unit addresses and counts, each expert's lanes, copy lists; then W = 0 into
+    the ahead lists gives the same copy lists and writes no unit or lane table."""
+    from cupool.reference.moe import align_experts
+    gen = torch.Generator().manual_seed(E + T)
+    gemm = MoEGemm(small.layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
+                   scratch_rows=rows, scratch_buffers=buffers)
+    p, nt, layer = gemm._p, gemm.prefill_config.nt, 5
+    for share in (0.0, 0.5, 1.0):
+        ids = torch.randint(-1, E, (T, K), generator=gen).cuda()
+        w = torch.rand(T, K, generator=gen).cuda()
+        res = torch.rand(E, generator=gen) < share
+        addr = torch.where(res, torch.randint(1, 1 << 40, (E,), generator=gen),
+                           torch.zeros(E, dtype=torch.int64)).cuda()
+        x = torch.zeros(T, small.layout.hidden, dtype=torch.bfloat16, device="cuda")
+        for name in ("phase_off", "unit_addr", "unit_lanes", "unit_count", "copies", "n_copies",
+                     "ahead_copies", "ahead_n_copies", "ahead_phase_off"):
+            p[name].fill_(-7)
+        gemm.clear_error()
+        gemm._align(x, ids.reshape(-1), w.reshape(-1), T * K, layer, addr, p["nchunks"], True,
+                    p["phase_off"], p["copies"], p["n_copies"])
+        ref = align_experts(ids.reshape(-1).tolist(), w.reshape(-1).tolist(), E, layer,
+                            addr.tolist(), p["scratch"].data_ptr(), p["scratch"].stride(0),
+                            gemm._chunk, gemm._nbuf, p["nchunks"], nt, all_host=True)
+        torch.cuda.synchronize()
+        assert p["phase_off"].tolist() == ref["phase_off"]
+        assert p["n_copies"].tolist() == ref["n_copies"]
+        n = len(ref["copies"])
+        assert [tuple(c) for c in p["copies"][:n].tolist()] == ref["copies"]
+        U = len(ref["units"])
+        assert p["unit_addr"][:U].tolist() == [a for _, a, _ in ref["units"]]
+        assert p["unit_count"][:U].tolist() == [c for _, _, c in ref["units"]]
+        lanes = p["unit_lanes"].reshape(-1, nt)[:U].tolist()
+        got: dict[int, set] = {}
+        for (e, _, c), row in zip(ref["units"], lanes):
+            got.setdefault(e, set()).update(row[:c])
+        assert got == ref["expert_lanes"]
+        assert gemm.read_error() == []
+        before = {k: p[k].clone() for k in ("unit_addr", "unit_lanes", "unit_count", "lane_w")}
+        gemm._align(x, ids.reshape(-1), w.reshape(-1), 0, layer, addr, p["nchunks"], True,
+                    p["ahead_phase_off"], p["ahead_copies"], p["ahead_n_copies"])
+        torch.cuda.synchronize()
+        assert p["ahead_n_copies"].tolist() == ref["n_copies"]
+        assert [tuple(c) for c in p["ahead_copies"][:n].tolist()] == ref["copies"]
+        assert all(torch.equal(p[k], v) for k, v in before.items())
+
+
+class Layers:
+    """L layers of E experts in a pinned host store, some of each layer's rows also in a device
+    'bank' (expert_addr ≠ 0), the rest read through the prefill scratch."""
+
+    def __init__(self, H, I, L, E, seed, resident_share=0.5):
+        self.layout = RowLayout(H, I)
+        gen = torch.Generator().manual_seed(seed)
+        per = [random_experts(self.layout, E, gen) for _ in range(L)]
+        self.deq = [[tuple(dequantize_exact(m).cuda() for m in trio) for trio in mats]
+                    for _, mats in per]
+        self.store = HostStore(L, E, self.layout.row_bytes)
+        self.store.fill(lambda l: per[l][0], progress=False)
+        self.store.seal()
+        stride = self.store.row_stride
+        self.bank = torch.zeros(L * E, stride, dtype=torch.uint8, device="cuda")
+        self.bank[:, :self.layout.row_bytes] = torch.cat([rows for rows, _ in per]).cuda()
+        res = torch.rand(L, E, generator=gen) < resident_share
+        base = self.bank.data_ptr() + torch.arange(L * E).reshape(L, E) * stride
+        self.addr = torch.where(res, base, torch.zeros_like(base)).cuda()
+        self.L, self.E = L, E
+
+    def run(self, gemm, calls, gen):
+        """gemm.prefill over calls [(layer, T, ahead layer or None, all_host)], each on fresh
+        activations and routing, outputs poisoned; each within TOL of the reference. Outputs."""
+        outs = []
+        for layer, T, nxt, all_host in calls:
+            x = torch.randn(T, self.layout.hidden, generator=gen).to(torch.bfloat16).cuda()
+            ids, w = routing(T, gemm.topk, self.E, gen)
+            out = torch.full_like(x, float("nan"))
+            ahead = None if nxt is None else (nxt, self.addr[nxt])
+            gemm.prefill(x, ids, w, self.addr[layer], host_addr=self.store.address_table(),
+                         layer=layer, out=out, all_host=all_host, ahead=ahead)
+            err = rel_err(out, reference_moe(x, ids, w, self.deq[layer]))
+            assert err <= TOL, (layer, err)
+            outs.append(out)
+        assert gemm.read_error() == []
+        return outs
+
+
+@pytest.mark.parametrize("E, rows, buffers", [(13, 2, 2), (37, 5, 3), (37, 32, 2), (13, 1, 1)])
+def test_prefill_ahead_over_layers(E, rows, buffers):
+    """Calls over several layers, each announcing the next (ALL_HOST, first chunk copies
+    issued at the end of the call before), equal the reference within TOL, as the same calls
+    without ahead do (lane order inside an expert is not fixed: not bitwise); every announced
+    call uses its chunks. Then announcements the next call does not honour (another layer, a
+    call without all_host, a call after drop_ahead) are dropped, counted, and every output stays
+    right."""
+    L, K = 5, 4
+    placed = Layers(2048, 768, L, E, seed=E + rows)
+    gen = torch.Generator().manual_seed(rows * 7 + buffers)
+    mk = lambda: MoEGemm(placed.layout, K, torch.bfloat16, max_prefill_tokens=160,  # noqa: E731
+                         num_experts=E, scratch_rows=rows, scratch_buffers=buffers)
+    ahead, plain = mk(), mk()
+    sizes = [129, 160, 33, 129, 7]
+    calls = [(l, sizes[l], l + 1 if l + 1 < L else None, True) for l in range(L)]
+    a = placed.run(ahead, calls, torch.Generator().manual_seed(3))
+    b = placed.run(plain, [(l, T, None, False) for l, T, _, _ in calls],
+                   torch.Generator().manual_seed(3))
+    for x, y in zip(a, b):
+        assert rel_err(x, y) <= TOL
+    assert (ahead.ahead_used, ahead.ahead_dropped) == (L - 1, 0)
+    assert (plain.ahead_used, plain.ahead_dropped) == (0, 0)
+    wrong = [(0, 129, 2, True), (1, 129, 2, True),        # announced 2, layer 1 comes: dropped
+             (2, 64, 3, True), (3, 64, None, False),      # layer 3 without all_host: dropped
+             (4, 50, 0, True), (0, 50, 1, True)]          # 0 used; 1 announced, then dropped
+    placed.run(ahead, wrong, gen)
+    ahead.drop_ahead()
+    placed.run(ahead, [(1, 77, None, True)], gen)
+    assert (ahead.ahead_used, ahead.ahead_dropped) == (L - 1 + 2, 3)
+    with pytest.raises(ValueError, match="ahead needs all_host=True"):
+        ahead.prefill(torch.zeros(2, 2048, dtype=torch.bfloat16, device="cuda"),
+                      torch.zeros(2, K, dtype=torch.int64, device="cuda"),
+                      torch.ones(2, K, device="cuda"), placed.addr[0],
+                      host_addr=placed.store.address_table(), ahead=(1, placed.addr[1]))
+    with pytest.raises(ValueError, match="ahead's expert_addr must be int64"):
+        ahead.prefill(torch.zeros(2, 2048, dtype=torch.bfloat16, device="cuda"),
+                      torch.zeros(2, K, dtype=torch.int64, device="cuda"),
+                      torch.ones(2, K, device="cuda"), placed.addr[0], all_host=True,
+                      host_addr=placed.store.address_table(), ahead=(1, placed.addr[1][:3]))

@@ -124,12 +124,16 @@ class GemmKernels:
                                 defines(cfg, self.layout, self.dtype, self.activation),
                                 self.device)
 
-    def align(self, nt: int, name: str, x: torch.Tensor, ids64: int = 1, w_dtype: int = 0):
+    def align(self, nt: int, name: str, x: torch.Tensor, ids64: int = 1, w_dtype: int = 0,
+              all_host: bool = False):
         """A moe_align.cu kernel for units of `nt` lanes; 16-byte loads of x where its rows allow
-        them (H % 8 == 0 and a 16-byte aligned base)."""
+        them (H % 8 == 0 and a 16-byte aligned base). `all_host`: align_experts' ALL_HOST build
+        (every expert not on the GPU copied, routed or not: copy lists from expert_addr alone)."""
         xvec = int(self.layout.hidden % 8 == 0 and x.data_ptr() % 16 == 0)
         d = {"NT": nt, "HP": self.layout.hp, "IN_BF16": ACT_DTYPES[self.dtype], "IDS64": ids64,
              "XVEC": xvec, "W_DTYPE": w_dtype}
+        if all_host:
+            d["ALL_HOST"] = 1
         return kernels.function("moe_align", name, d, self.device)
 
     def _pair(self, cfg: GemmConfig) -> tuple:

@@ -1,9 +1,12 @@
-"""The MoE GEMM's float reference: dequantize, then matmul (of moe_decode.cu and moe_gemm.cu).
+"""The MoE GEMM's references: the float one (dequantize, then matmul; of moe_decode.cu and
+moe_gemm.cu) and align_experts' grouping and copy lists (moe_align.cu).
 
 Shape legend (ARCHITECTURE.md): T tokens · K top-k · H hidden · I intermediate · E experts.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -42,3 +45,60 @@ def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
             y = y + bd
         out.index_add_(0, tok, y * w[tok, kk][:, None])
     return out
+
+
+def align_experts(ids, weights, num_experts: int, layer: int, expert_addr, scratch_base: int,
+                  scratch_stride: int, chunk: int, nbuf: int, nchunks: int, nt: int, *,
+                  all_host: bool = False) -> dict:
+    """What moe_align.cu's align_experts writes, in plain Python (lane order inside an expert's
+    units is the kernel's choice: `expert_lanes` holds each expert's lanes as a set).
+
+    ids [W] expert ids (−1 padding), weights [W], expert_addr [E] (0: not on the GPU). Resident
+    experts with lanes form phase 0 (expert order); the others are ranked in expert order and
+    chunk c = rank // chunk takes rows (c % nbuf)·chunk + rank % chunk of the scratch: all of
+    them with `all_host` (the ALL_HOST build, copy lists from expert_addr alone), else only those
+    with lanes. Returns phase_off [nchunks + 2], units (expert, address, lane count) in unit
+    order, expert_lanes {e: set of lanes}, copies [(layer·E + e, scratch row)] in rank order
+    (the first nchunks·chunk), n_copies [nchunks], lane_w [W], error (sticky bits)."""
+    E, C = int(num_experts), int(chunk)
+    ids = [int(i) for i in ids]
+    weights = [float(v) for v in weights]
+    addr = [int(a) for a in expert_addr]
+    error = 0
+    lanes: dict[int, list[int]] = {e: [] for e in range(E)}
+    lane_w = []
+    for lane, (i, w) in enumerate(zip(ids, weights)):
+        ok = 0 <= i < E
+        if i != -1 and not ok:
+            error |= 1
+        if ok and not math.isfinite(w):
+            error, ok = error | 2, False
+        lane_w.append(w if ok else 0.0)
+        if ok:
+            lanes[i].append(lane)
+    nunits = {e: -(-len(lanes[e]) // nt) for e in range(E)}
+    resident = [e for e in range(E) if addr[e] != 0]
+    host = [e for e in range(E) if addr[e] == 0 and (all_host or lanes[e])]
+    units = []
+    for e in resident:
+        units += [(e, addr[e], min(nt, len(lanes[e]) - u * nt)) for u in range(nunits[e])]
+    total_res = len(units)
+    phase_off = [0] + [None] * (nchunks + 1)
+    phase_off[1] = total_res
+    copies = []
+    for rank, e in enumerate(host):
+        c = rank // C
+        row = rank % C + (c % nbuf) * C
+        if rank % C == 0 and 0 < c <= nchunks:
+            phase_off[1 + c] = len(units)
+        units += [(e, scratch_base + scratch_stride * row, min(nt, len(lanes[e]) - u * nt))
+                  for u in range(nunits[e])]
+        if c < nchunks:
+            copies.append((layer * E + e, row))
+    if len(host) > nchunks * C:
+        error |= 4
+    phase_off = [len(units) if v is None else v for v in phase_off]
+    n_copies = [max(0, min(C, len(host) - c * C)) for c in range(nchunks)]
+    return {"phase_off": phase_off, "units": units,
+            "expert_lanes": {e: set(v) for e, v in lanes.items() if v}, "copies": copies,
+            "n_copies": n_copies, "lane_w": lane_w, "error": error}
