@@ -38,8 +38,8 @@ malformed value, or a split_k a GEMV's K cannot take (fewer than 32 columns a bl
 ValueError naming the variable: a shape asked for is never dropped silently. A default's split_k
 is lowered to what a small K takes.
 
-Skipping the plan step (`CUPOOL_SKIP_PLAN=1`, read when a FusedStep is built; "0" or unset: off,
-anything else a ValueError naming the variable; off by default until measured on a GPU): when
+Skipping the plan step (`CUPOOL_SKIP_PLAN`, read when a FusedStep is built; "1" or unset: on,
+"0" off, anything else a ValueError naming the variable): when
 the pool's bank holds a row for every expert of every layer (checked once, at build), nothing can
 miss, so nothing is evicted and each expert's row address is fixed. Each layer's router then
 also writes the decode GEMM's lane addresses from a table of those addresses ([L, E], built
@@ -104,7 +104,7 @@ ABLATE = ("qkv", "attention", "o", "router", "plan", "moe")
 DENSE_GEMVS = ("qkv", "o", "router", "head")
 # the launch shapes where CUPOOL_DENSE_SHAPE names none (the same format): the fastest step of
 # `benchmarks/run_gpu.sh ab-dense` on the H200 (docs/PERFORMANCE.md, "What each part costs")
-DEFAULT_DENSE_SHAPE = "qkv=w4,o=w4k4,router=k16,attn=ahead"
+DEFAULT_DENSE_SHAPE = "qkv=w4,o=w4k4,attn=ahead"
 _SHAPE = re.compile(r"(?:w([0-9]+))?(?:k([0-9]+))?")
 
 
@@ -155,26 +155,23 @@ def _entry_shape(name: str, eq: str, shape: str, entry: str, seen: dict) -> dict
 
 
 def parse_skip_plan(text: str | None) -> bool:
-    """Whether a CUPOOL_SKIP_PLAN value (None: unset) asks to skip the plan step: "1" yes, "0"
-    or unset no; anything else raises ValueError naming the variable."""
-    if text is None or text == "0":
-        return False
-    if text == "1":
+    """Whether a CUPOOL_SKIP_PLAN value (None: unset) asks to skip the plan step: "1" or unset
+    yes, "0" no; anything else raises ValueError naming the variable."""
+    if text is None or text == "1":
         return True
+    if text == "0":
+        return False
     raise ValueError(f"{SKIP_PLAN_ENV}={text!r}: expected 1 (skip the plan step where the bank "
                      f"holds every expert) or 0")
 
 
-def resident_table(pool) -> tuple[torch.Tensor | None, str]:
-    """(int64 [L, E] device address of every expert's bank row, "") when the pool's bank holds
-    every expert; (None, why not) otherwise. Host reads: call it outside the hot path."""
-    if pool is None:
-        return None, "no pool"
-    bank = pool.bank
-    if not bank.holds_every_expert():
-        return None, (f"the bank does not hold every expert ({bank.rows_per_layer} rows a layer "
-                      f"for {bank.num_experts} experts, or a key without a row)")
-    return torch.stack([pool.expert_addresses(l) for l in range(pool.num_layers)]), ""
+def resident_table(pool) -> torch.Tensor | None:
+    """int64 [L, E] device address of every expert's bank row when the pool's bank holds every
+    expert; None otherwise (no pool, or a bank of fewer rows: the plan step runs, as always).
+    Host reads: call it outside the hot path."""
+    if pool is None or not pool.bank.holds_every_expert():
+        return None
+    return torch.stack([pool.expert_addresses(l) for l in range(pool.num_layers)])
 
 
 class Unsupported(ValueError):
@@ -350,11 +347,9 @@ class FusedStep:
         self._shape_asked = parse_dense_shape(self._shape_env)
         self.dense_shape = {**parse_dense_shape(DEFAULT_DENSE_SHAPE), **self._shape_asked}
         self.skip_plan_asked = parse_skip_plan(os.environ.get(SKIP_PLAN_ENV))
-        # [L, E] int64 row addresses of a bank that holds every expert (CUPOOL_SKIP_PLAN=1), the
-        # bank they are in, and why not where None
-        self.lane_table, self._no_skip = None, "not asked"
-        if self.skip_plan_asked:
-            self.lane_table, self._no_skip = resident_table(pool)
+        # [L, E] int64 row addresses of a bank that holds every expert (CUPOOL_SKIP_PLAN on),
+        # and the bank they are in; None where the plan step runs
+        self.lane_table = resident_table(pool) if self.skip_plan_asked else None
         self._table_bank = None if self.lane_table is None else pool.bank
         self.final_eps = check_rms_norm(base.norm, "model.norm", H)
         self.final_norm = base.norm.weight
@@ -527,11 +522,11 @@ class FusedStep:
         text = f"fused decode step: {fused} of {len(self.layers)} layers"
         if self._shape_env:
             text += f" ({DENSE_SHAPE_ENV}={self._shape_env})"
-        if self.skip_plan_asked:
-            why = self._no_skip if self.lane_table is None else self._plan_needed()
-            text += (f"; plan step and row copies skipped ({SKIP_PLAN_ENV}=1: every expert has a "
-                     f"bank row)" if why is None else
-                     f"; {SKIP_PLAN_ENV}=1, but the plan step runs: {why}")
+        if self.lane_table is not None:        # asked for, and the bank holds every expert
+            why = self._plan_needed()
+            text += ("; plan step and row copies skipped (every expert has a bank row; "
+                     f"{SKIP_PLAN_ENV}=0 keeps them)" if why is None else
+                     f"; the plan step runs though every expert has a bank row: {why}")
         others = [l for l in self.layers if isinstance(l, ModelLayer)]
         if others:
             text += f"; transformers' modules for layers {[l.index for l in others]} ({others[0].reason})"

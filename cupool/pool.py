@@ -66,7 +66,8 @@ class Pool:
         # (docs/PERFORMANCE.md; bench_decode --modes pool-prefetch); keep it off where it loses.
         self.prefetcher: Prefetcher | None = None
         # True while the decode step last run (or captured) skips the plan step: the fused step
-        # with CUPOOL_SKIP_PLAN=1 on a bank that holds every expert (`cupool.fused`). Its lookups
+        # on a bank that holds every expert (`cupool.fused`; CUPOOL_SKIP_PLAN=0 keeps the plan
+        # step). Its lookups
         # all hit by construction, and the bank's counters do not advance.
         self.plan_skipped = False
 

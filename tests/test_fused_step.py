@@ -421,8 +421,8 @@ def test_reference_router_writes_lane_addresses():
 
 def test_skip_plan_parser():
     from cupool.fused import parse_skip_plan
-    assert parse_skip_plan(None) is False and parse_skip_plan("0") is False
-    assert parse_skip_plan("1") is True
+    assert parse_skip_plan(None) is True and parse_skip_plan("1") is True
+    assert parse_skip_plan("0") is False
     for bad in ("", "yes", "true", "2", " 1"):
         with pytest.raises(ValueError, match="CUPOOL_SKIP_PLAN="):
             parse_skip_plan(bad)
@@ -507,13 +507,13 @@ def test_skip_plan_step_equals_the_decode_path(monkeypatch):
         restore(cache, before)
         return step(tok, pos, active).clone(), step, pool
 
-    base, step, pool = step_logits(None)
+    base, step, pool = step_logits("0")
     L = len(pool.layers)
     assert all(isinstance(l, FusedLayer) for l in step.layers), step.describe()
     assert pool.planned == L and not pool.plan_skipped and "CUPOOL_SKIP_PLAN" not in step.describe()
-    got, step, pool = step_logits("1")
+    got, step, pool = step_logits(None)                           # on by default
     assert pool.planned == 0 and pool.plan_skipped
-    assert "plan step and row copies skipped (CUPOOL_SKIP_PLAN=1" in step.describe()
+    assert "plan step and row copies skipped (every expert has a bank row" in step.describe()
     assert step.lane_table.shape == (L, pool.num_experts)
     assert torch.equal(got, base)
     assert (step.lane_addr.reshape(B, -1)[1] == 0).all()         # the inactive token's lanes
@@ -523,12 +523,13 @@ def test_skip_plan_step_equals_the_decode_path(monkeypatch):
 
     got, step, pool = step_logits("1", prepare=lambda s, p: setattr(p, "prefetcher", object()))
     assert pool.planned == L and not pool.plan_skipped and torch.equal(got, base)
-    assert "CUPOOL_SKIP_PLAN=1, but the plan step runs: the pool has a prefetcher" in step.describe()
+    assert "the plan step runs though every expert has a bank row: the pool has a prefetcher" \
+        in step.describe()
     partial = ResidentPool(model)
     partial.bank.holds_every_expert = lambda: False
     got, step, pool = step_logits("1", partial)
     assert pool.planned == L and step.lane_table is None and torch.equal(got, base)
-    assert "the plan step runs: the bank does not hold every expert" in step.describe()
+    assert "plan step" not in step.describe()                     # the usual path: no note
 
     def swap_two(step, pool):
         step.lane_table[:, [0, 1]] = step.lane_table[:, [1, 0]].clone()

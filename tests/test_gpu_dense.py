@@ -387,6 +387,8 @@ def test_dense_attention_replays_at_new_positions():
 
 # --- the fused step on wrapped tiny models -------------------------------------------------------
 def _wrapped(family: str, seed: int, rows=None, **overrides):
+    """A tiny model of `family` wrapped with `rows` bank rows a layer (default half the experts;
+    "all": every expert)."""
     import cupool
     from test_fused_step import fused_model
     model = fused_model(family, seed=seed, device="cuda", **overrides)
@@ -396,7 +398,8 @@ def _wrapped(family: str, seed: int, rows=None, **overrides):
                 m.gate_up_proj.normal_(0, 0.05)
                 m.down_proj.normal_(0, 0.05)
     E = model.model.layers[0].mlp.gate.weight.shape[0]
-    pool = cupool.wrap(model, rows=rows or E // 2, max_decode_tokens=4, progress=False)
+    rows = E if rows == "all" else rows or E // 2
+    pool = cupool.wrap(model, rows=rows, max_decode_tokens=4, progress=False)
     return model, pool
 
 
@@ -432,18 +435,17 @@ def test_fused_step_with_launch_shapes_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_fused_step_skipping_the_plan_gives_the_same_bits(family, monkeypatch):
-    """CUPOOL_SKIP_PLAN=1 on a pool whose bank holds every expert: the routers write the lane
+    """The plan step skipped (the default) on a pool whose bank holds every expert: the routers write the lane
     addresses the plan step would have (the last layer's, compared with the bank's), and the
     step's logits and cache writes are the bits of the step that plans."""
     from test_fused_step import LOGIT_TOL, compare_step
-    E = 8
-    model, pool = _wrapped(family, seed=35, rows=E)
+    model, pool = _wrapped(family, seed=35, rows="all")
     assert pool.bank.holds_every_expert()
     prompts, tok = [[5, 9, 3], [7, 1, 4, 4, 8, 2]], [11, 13]
-    monkeypatch.delenv("CUPOOL_SKIP_PLAN", raising=False)
+    monkeypatch.setenv("CUPOOL_SKIP_PLAN", "0")
     base, want, base_cache, _, step = compare_step(model, pool, "kernels", prompts, tok)
-    assert not pool.plan_skipped and "CUPOOL_SKIP_PLAN" not in step.describe()
-    monkeypatch.setenv("CUPOOL_SKIP_PLAN", "1")
+    assert not pool.plan_skipped and "plan step" not in step.describe()
+    monkeypatch.delenv("CUPOOL_SKIP_PLAN", raising=False)          # on by default
     got, _, got_cache, _, step = compare_step(model, pool, "kernels", prompts, tok)
     assert pool.plan_skipped and "plan step and row copies skipped" in step.describe()
     # the plan step on the last layer's ids gives the lane addresses its router wrote
@@ -463,7 +465,7 @@ def test_engine_skipping_the_plan_gives_the_same_tokens(monkeypatch):
     from test_gpu_engine import _prompts
 
     from cupool.sampling import SamplingParams
-    model, pool = _wrapped("qwen3_moe", seed=36, rows=8)
+    model, pool = _wrapped("qwen3_moe", seed=36, rows="all")
     ps = _prompts([4, 6, 3, 9], seed=4)
     runs = []
     for env in ("0", "1"):
