@@ -17,6 +17,8 @@ sums its partials in another order, which is within the float32 order the tolera
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -81,7 +83,8 @@ def _shape_id(shape: dict) -> str:
 @pytest.mark.parametrize("variant", ["plain", "norm", "norm_add", "residual", "bias"])
 def test_dense_gemv_matches_reference(tokens, rows, K, shape, variant):
     from cupool.ops.dense_gemv import NORM, PLAIN, RESIDUAL, DenseGemv  # noqa: F401
-    gen = torch.Generator(device="cuda").manual_seed(hash((tokens, K, variant)) & 0xffff)
+    # a seed of the case (str hashes change from process to process)
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{tokens},{K},{variant}".encode()))
     ws = [rand(n, K, scale=0.05, gen=gen) for n in rows]
     bs = [rand(n, scale=0.5, gen=gen) for n in rows] if variant == "bias" else None
     N = sum(rows)
@@ -106,6 +109,9 @@ def test_dense_gemv_matches_reference(tokens, rows, K, shape, variant):
             assert torch.equal(h_out, h), "h = in + add must round as torch's bf16 add"
         step = xin.float().abs() * 2 ** -7 + 1e-30
         assert ((x_out.float() - xin.float()).abs() <= step).all(), "x_out off by > 1 bf16 step"
+        # the product is checked on the kernel's own normed x (checked above): an element of x
+        # a bf16 step apart moves an output near cancellation past its elementwise bound
+        xin = x_out
     else:
         xin = x
     want = ref.gemv(ws, bs, xin)
