@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from cupool import _cuda
+from cupool._env import parse_switch
 from cupool.engine import cache_kwarg
 from cupool.ops.dense_attention import (
     HEAD_DIMS,
@@ -157,12 +158,8 @@ def _entry_shape(name: str, eq: str, shape: str, entry: str, seen: dict) -> dict
 def parse_skip_plan(text: str | None) -> bool:
     """Whether a CUPOOL_SKIP_PLAN value (None: unset) asks to skip the plan step: "1" or unset
     yes, "0" no; anything else raises ValueError naming the variable."""
-    if text is None or text == "1":
-        return True
-    if text == "0":
-        return False
-    raise ValueError(f"{SKIP_PLAN_ENV}={text!r}: expected 1 (skip the plan step where the bank "
-                     f"holds every expert) or 0")
+    return parse_switch(SKIP_PLAN_ENV, text, True,
+                        "skip the plan step where the bank holds every expert")
 
 
 def resident_table(pool) -> torch.Tensor | None:

@@ -28,6 +28,8 @@ import weakref
 
 import torch
 
+from cupool._env import parse_switch
+
 
 PREFILL_AHEAD_ENV = "CUPOOL_PREFILL_AHEAD"
 # a call takes the ALL_HOST copy lists only where its lanes cover nearly every expert anyway:
@@ -38,12 +40,8 @@ AHEAD_LANES_PER_EXPERT = 4
 def parse_prefill_ahead(text: str | None) -> bool:
     """Whether a CUPOOL_PREFILL_AHEAD value (None: unset) turns prefill ahead on: "1" yes, "0"
     or unset no; anything else raises ValueError naming the variable."""
-    if text is None or text == "0":
-        return False
-    if text == "1":
-        return True
-    raise ValueError(f"{PREFILL_AHEAD_ENV}={text!r}: expected 1 (issue the next layer's scratch "
-                     f"copies at the end of each prompt prefill call) or 0")
+    return parse_switch(PREFILL_AHEAD_ENV, text, False, "issue the next layer's scratch copies "
+                        "at the end of each prompt prefill call")
 
 
 def prefill_ahead_default() -> bool:
