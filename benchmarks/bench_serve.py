@@ -15,7 +15,10 @@ Routing (`--routing`):
 `locality` (default) replays a trace with Qwen3-like locality in place of the router, one
 independent stream a sequence (`cupool.trace.streams`: stream 0 is bench_decode's one-token
 trace, so batch 1 replays the same routing), or `router`: the synthetic model's own router
-(random weights: near-uniform routing, the hard case for a bank). `--prefetch router` turns the
+(random weights: near-uniform routing, the hard case for a bank). A bank that holds every
+expert always runs the model's own router (each bank's "routing" in the JSON says which): there
+the routing decides no hit, and a replayed trace, being the pool's routing hook, would keep the
+plan step that the fused step skips as a user's resident model does. `--prefetch router` turns the
 pool's prefetch on with the model's own predictor (layer l + 1's router on layer l's MoE input),
 `--prefetch trace` (with `--routing locality`) with the trace's predicted ids at
 `--prefetch-accuracy`; each case then also reports the rows prefetched and wasted (evicted before
@@ -126,10 +129,21 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
             "steps": eng.steps_run, **prefetch}
 
 
+def replays_trace(args, holds_every_expert: bool) -> bool:
+    """Whether a bank's cases replay the locality trace: where --routing asks for it and the bank
+    lacks rows for some experts (or --prefetch trace needs the trace's predictions). With every
+    expert in the bank the routing decides no hit, and the trace's routing hook would keep the
+    plan step that the fused step skips for the model's own router."""
+    return args.routing == "locality" and (not holds_every_expert or args.prefetch == "trace")
+
+
 def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) -> dict:
     model, pool, shape = build(layers, max(streams), args.seed, bank)
     pool.promote = args.promote
-    if args.routing == "locality":
+    # a bank holding every expert takes the model's own router (below) unless prefetch needs
+    # the trace's predictions
+    routing = args.routing if replays_trace(args, pool.bank.holds_every_expert()) else "router"
+    if routing == "locality":
         from cupool import trace as tr
         from cupool.replay import Replayer
         t = tr.streams(args.tokens + 192, layers, shape["num_experts"],
@@ -143,7 +157,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         from cupool.prefetch import TracePredictor
         pool.enable_prefetch(TracePredictor(replayer, tr.with_predictions(
             t, args.prefetch_accuracy, seed=args.seed)))
-    label = f"bank {bank:.0%}"
+    label = f"bank {bank:.0%}" + (", the model's router" if routing != args.routing else "")
     cases = []
     for b in streams:
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
@@ -178,7 +192,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     del model, pool
     gc.collect()
     torch.cuda.empty_cache()
-    return {"bank": bank, "cases": cases, "sampled": sampled,
+    return {"bank": bank, "routing": routing, "cases": cases, "sampled": sampled,
             "sampled_over_greedy": sampled["aggregate_tok_per_s"] / greedy["aggregate_tok_per_s"],
             "aggregate_over_batch1": summary}
 

@@ -181,7 +181,8 @@ def measured_points(decode: dict, serve: dict) -> list[tuple[str, str, float, fl
         if case["streams"] != 1:
             raise ValueError(f"bench_serve.json's first case of bank {bank['bank']} must be 1 "
                              f"stream, got {case['streams']}")
-        out.append((f"bench_serve 1 stream, {bank['bank']:.0%} bank, {serve['routing']}",
+        out.append((f"bench_serve 1 stream, {bank['bank']:.0%} bank, "
+                    f"{bank.get('routing', serve['routing'])}",
                     "fused", case["hit_rate"], case["aggregate_decode_tok_per_s"]))
     return out
 

@@ -301,6 +301,20 @@ def test_bench_serve_link_bound():
     assert bs.link_bound(10, 0, 2_650_000, 54.0) is None
 
 
+def test_bench_serve_replays_the_trace_where_routing_decides_hits():
+    """A bank holding every expert runs the model's router (a replayed trace is a routing hook,
+    which keeps the plan step), unless prefetch needs the trace's predictions."""
+    bs = load("bench_serve.py")
+    args = bs.build_parser().parse_args([])
+    assert args.routing == "locality"
+    assert bs.replays_trace(args, holds_every_expert=False)
+    assert not bs.replays_trace(args, holds_every_expert=True)
+    args = bs.build_parser().parse_args(["--prefetch", "trace"])
+    assert bs.replays_trace(args, holds_every_expert=True)
+    args = bs.build_parser().parse_args(["--routing", "router"])
+    assert not bs.replays_trace(args, holds_every_expert=False)
+
+
 def test_timeline_breakdown():
     """Busy time is the union of a stream's intervals (overlaps counted once), idle the span no
     stream covers; groups sum their events' own times."""
