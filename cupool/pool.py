@@ -53,8 +53,8 @@ class Pool:
         # prefill ahead: while prefilling, a call whose lanes cover nearly every expert copies
         # every expert not in the bank and issues the next layer's first scratch copies before
         # it returns, so the copy stream works through the layer boundary (`cupool.layer.
-        # prefill_plan`). Default from CUPOOL_PREFILL_AHEAD ("1" on; "0" or unset off): off
-        # until measured on a GPU (docs/PERFORMANCE.md).
+        # prefill_plan`). Default from CUPOOL_PREFILL_AHEAD ("1" on; "0" or unset off): off,
+        # as it measured no faster on an H200 (docs/PERFORMANCE.md).
         self.prefill_ahead = prefill_ahead_default()
         # decode: copies on a second stream beside the GEMM of the rows in place. Off by default:
         # with the one-launch decode GEMM it bought ~1% at a half-size bank and cost ~10% with
