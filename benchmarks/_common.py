@@ -244,24 +244,29 @@ def _union_us(spans) -> float:
     return total + (cur_e - cur_s if cur_e is not None else 0.0)
 
 
-def timeline_breakdown(events: list[dict], group_of) -> dict:
+def timeline_breakdown(events: list[dict], group_of, top: int = 8) -> dict:
     """Where a stretch of GPU work went (`gpu_events`' list): its span from the first start to
     the last end, each stream's busy time (the union of its events' intervals), the time no
-    stream was busy, and each group's summed event time and count (`group_of(name)` names it).
-    All in ms."""
+    stream was busy, each group's summed event time and count (`group_of(name)` names it), and
+    the `top` kernel names by summed time ("kernels": name cut to 100 characters, its group, ms,
+    count). All in ms."""
     if not events:
-        return {"span_ms": 0.0, "idle_ms": 0.0, "streams": {}, "groups": {}}
+        return {"span_ms": 0.0, "idle_ms": 0.0, "streams": {}, "groups": {}, "kernels": []}
     t0 = min(e["start_us"] for e in events)
     t1 = max(e["end_us"] for e in events)
     streams: dict[str, list] = {}
     groups: dict[str, list] = {}
+    names: dict[str, list] = {}
     for e in events:
         streams.setdefault(str(e["stream"]), []).append((e["start_us"], e["end_us"]))
-        g = groups.setdefault(group_of(e["name"]), [0.0, 0])
-        g[0] += (e["end_us"] - e["start_us"]) / 1e3
-        g[1] += 1
+        for table, key in ((groups, group_of(e["name"])), (names, e["name"][:100])):
+            g = table.setdefault(key, [0.0, 0])
+            g[0] += (e["end_us"] - e["start_us"]) / 1e3
+            g[1] += 1
     busy = _union_us([(e["start_us"], e["end_us"]) for e in events])
     return {"span_ms": (t1 - t0) / 1e3, "idle_ms": (t1 - t0 - busy) / 1e3,
             "streams": {k: _union_us(v) / 1e3 for k, v in streams.items()},
             "groups": {k: {"ms": v[0], "count": v[1]} for k, v in
-                       sorted(groups.items(), key=lambda kv: -kv[1][0])}}
+                       sorted(groups.items(), key=lambda kv: -kv[1][0])},
+            "kernels": [{"name": k, "group": group_of(k), "ms": v[0], "count": v[1]} for k, v in
+                        sorted(names.items(), key=lambda kv: -kv[1][0])[:top]]}

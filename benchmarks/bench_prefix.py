@@ -32,8 +32,9 @@ allows, and the achieved one as a fraction of it. Target: reused >= 10x faster t
 
 `--profile`: one more cold and one more reused turn 2 (untimed) under torch.profiler, and where
 their GPU time went: the span from the first kernel to the last, each stream's busy time, the
-time no stream was busy, and the summed time of each group of kernels (expert row copies, MoE
-GEMM, attention, matmul, other), printed and kept in the results under "profile".
+time no stream was busy, the summed time of each group of kernels (expert row copies, MoE
+GEMM, attention, matmul, other) and the eight kernels that took the most, printed and kept in
+the results under "profile".
 
 Prefill ahead (`CUPOOL_PREFILL_AHEAD=1`, the pool's `prefill_ahead`) is recorded as
 "prefill_ahead" and printed with the speedup.
@@ -300,6 +301,9 @@ def main(args) -> None:
               + ", ".join(f"{k}: {v:.1f}" for k, v in b["streams"].items()) + " ms; "
               + ", ".join(f"{g} {v['ms']:.1f} ms ({v['count']})" for g, v in b["groups"].items()),
               flush=True)
+        for k in b["kernels"]:
+            print(f"        {k['ms']:8.1f} ms {k['count']:6d}x  [{k['group']}] {k['name']}",
+                  flush=True)
     save("bench_prefix", results, out)
 
 

@@ -329,6 +329,11 @@ def test_timeline_breakdown():
     assert b["idle_ms"] == pytest.approx(1.3 - 0.8)           # 0..700 and 1200..1300 busy
     assert b["groups"]["copies"] == {"ms": pytest.approx(0.6), "count": 2}
     assert list(b["groups"]) == ["copies", "compute"]          # largest first
+    assert b["kernels"] == [                                    # by name, largest first
+        {"name": "copy_rows", "group": "copies", "ms": pytest.approx(0.6), "count": 2},
+        {"name": "moe_w13", "group": "compute", "ms": pytest.approx(0.25), "count": 1},
+        {"name": "elementwise", "group": "compute", "ms": pytest.approx(0.1), "count": 1}]
+    assert [k["name"] for k in common.timeline_breakdown(ev, str, top=1)["kernels"]] == ["copy_rows"]
     assert common.timeline_breakdown([], str)["span_ms"] == 0.0
     bp = load("bench_prefix.py")
     assert [bp.group_of(n) for n in ("copy_rows_bulk", "Memcpy HtoD (Pinned -> Device)",
