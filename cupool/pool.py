@@ -67,8 +67,7 @@ class Pool:
         self.prefetcher: Prefetcher | None = None
         # True while the decode step last run (or captured) skips the plan step: the fused step
         # on a bank that holds every expert (`cupool.fused`; CUPOOL_SKIP_PLAN=0 keeps the plan
-        # step). Its lookups
-        # all hit by construction, and the bank's counters do not advance.
+        # step). Its lookups all hit by construction, and the bank's counters do not advance.
         self.plan_skipped = False
 
     # --- hooks --------------------------------------------------------------------------------
