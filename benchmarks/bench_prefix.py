@@ -36,7 +36,7 @@ time no stream was busy, the summed time of each group of kernels (expert row co
 GEMM, attention, matmul, other) and the eight kernels that took the most, printed and kept in
 the results under "profile".
 
-Prefill ahead (`CUPOOL_PREFILL_AHEAD=1`, the pool's `prefill_ahead`) is recorded as
+Prefill ahead (the pool's `prefill_ahead`: on unless `CUPOOL_PREFILL_AHEAD=0`) is recorded as
 "prefill_ahead" and printed with the speedup.
 
 Writes benchmarks/results/bench_prefix.json. A reduced run (another prefix, --small, another

@@ -16,17 +16,21 @@ Two paths, both with fixed grids and sizes read on the device:
 - `prefill(x, topk_ids, topk_weights, expert_addr, ...)`: the partition path. Experts whose row is
   on the GPU (expert_addr[e] ≠ 0) are computed from there; the others are copied once per call
   into a bounded scratch of `scratch_rows` rows, chunk by chunk, and computed from the scratch;
-  the copies run on a second stream, ahead of the GEMM (two chunk buffers). With `all_host` and
-  `ahead` (prefill ahead, `Pool.prefill_ahead`) a call also issues the next layer's first chunk
-  copies, so the copy stream works through the layer boundary (`AheadCopies`).
+  the copies run on a second stream, ahead of the GEMM (two chunk buffers). Given `lists` (prefill
+  ahead, `Pool.prefill_ahead`: `ScratchLists`, the copies worked out on the host from the layer's
+  placement) the copies are the copy engine's (cudaMemcpyAsync), and with `ahead` a call also
+  issues the next layer's first chunk copies, so the copy stream works through the layer
+  boundary (`AheadCopies`).
 
 Both return out [T, H] in x's dtype (bf16 or fp16) on torch's current stream.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from cupool import _cuda, kernels
@@ -144,42 +148,78 @@ def workspace_shapes(layout: RowLayout, topk: int, max_decode_tokens: int,
         act=((WP, ip), bf16),
         out32=((P, hp), f32),
         copies=((nchunks * chunk, 2), i32), n_copies=((nchunks,), i32),
-        # the next layer's copy lists (prefill ahead), written while this call's are still read
-        ahead_copies=((nchunks * chunk, 2), i32), ahead_n_copies=((nchunks,), i32),
-        ahead_phase_off=((nchunks + 2,), i32),
         scratch=((scratch_rows, layout.row_stride), torch.uint8),
     )
     return decode, prefill
 
 
+def scratch_runs(layer: int, resident, host_rows, scratch_base: int, scratch_stride: int,
+                 row_bytes: int, chunk: int, nbuf: int, nchunks: int) -> tuple:
+    """Per chunk, the scratch copies of a layer whose experts with a bank row are `resident`
+    (bool [E]), as (dst, src, bytes) runs for the copy engine: those align_experts' ALL_HOST
+    build lists for the same placement. Every expert without a bank row is ranked in expert
+    order; rank r goes to scratch row (r // chunk % nbuf)·chunk + r % chunk from host_rows[layer·E
+    + e] (host addresses, int64 [L·E]). Ranks whose rows follow each other at the scratch stride
+    in the store and in the scratch are one run. More experts than nchunks·chunk: ValueError."""
+    resident = np.asarray(resident, dtype=bool)
+    E = resident.shape[0]
+    host = np.flatnonzero(~resident)
+    if host.size > nchunks * chunk:
+        raise ValueError(f"layer {layer}: {host.size} experts without a bank row, the scratch "
+                         f"takes {nchunks} chunks of {chunk}")
+    src_of = np.asarray(host_rows, dtype=np.int64)[layer * E:(layer + 1) * E]
+    out = []
+    for c in range(nchunks):
+        runs: list[list[int]] = []                       # [dst, src, rows]
+        for i, e in enumerate(host[c * chunk:(c + 1) * chunk]):
+            dst = scratch_base + scratch_stride * (i + (c % nbuf) * chunk)
+            src = int(src_of[e])
+            if runs and dst == runs[-1][0] + runs[-1][2] * scratch_stride \
+                    and src == runs[-1][1] + runs[-1][2] * scratch_stride:
+                runs[-1][2] += 1
+            else:
+                runs.append([dst, src, 1])
+        out.append(tuple((d, s, (n - 1) * scratch_stride + row_bytes) for d, s, n in runs))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScratchLists:
+    """One layer's prefill scratch copies, worked out on the host from its placement
+    (`MoEGemm.scratch_lists`): `chunks[c]` holds chunk c's (dst, src, bytes) runs, which the
+    copy engine moves (cudaMemcpyAsync on the copy stream). A prefill call given them runs
+    align_experts' ALL_HOST build, whose units read the rows where these runs put them."""
+    layer: int
+    chunks: tuple
+    experts: int            # experts copied
+
+
 class AheadCopies:
     """Which chunk copies of the next prefill call one call issued (prefill ahead).
 
-    A call with `ahead=(layer', expert_addr')` issues, at its end, layer''s first chunk copies
-    (`issued`); the next call asks `take` how many of its first chunks are already on the copy
-    stream: all of them when it is layer''s call with the same host table, in ALL_HOST mode, and
-    the number of chunks agrees; otherwise none, and the copies in flight are dropped
-    (`dropped` counts them). Dropped copies are harmless: they run on the in-order copy stream,
-    write only scratch buffers whose readers they waited for, and any later copy into those
-    buffers, and the GEMM reading it, come after them (`MoEGemm.prefill`)."""
+    A call with `ahead` (the next call's `ScratchLists`) issues, at its end, their first chunk
+    copies (`issued`); the next call asks `take` how many of its first chunks are already on the
+    copy stream: all of them when its lists are those very lists, otherwise none, and the
+    copies in flight are dropped (`dropped` counts them). Dropped copies are harmless: they run
+    on the in-order copy stream, write only scratch buffers whose readers they waited for, and
+    any later copy into those buffers, and the GEMM reading it, come after them
+    (`MoEGemm.prefill`)."""
 
     def __init__(self):
-        self.layer: int | None = None     # the layer whose chunks are in flight, or None
-        self.host_addr = None
+        self.lists: ScratchLists | None = None   # the lists whose first chunks are in flight
         self.chunks = 0
         self.used = 0                     # calls that found their first chunks issued
         self.dropped = 0                  # issued chunk sets no call used
 
-    def issued(self, layer: int, host_addr, chunks: int) -> None:
-        self.layer, self.host_addr, self.chunks = int(layer), host_addr, int(chunks)
+    def issued(self, lists: ScratchLists, chunks: int) -> None:
+        self.lists, self.chunks = lists, int(chunks)
 
-    def take(self, layer: int, host_addr, all_host: bool, chunks: int) -> int:
-        """How many of this call's first chunks (of `chunks` copied before its first chunk GEMM)
-        were issued ahead for it; clears what was issued."""
-        if self.layer is None:
+    def take(self, lists: ScratchLists | None) -> int:
+        """How many of this call's first chunks were issued ahead for it (its `lists`, None
+        for a call without); clears what was issued."""
+        if self.lists is None:
             return 0
-        if not (all_host and layer == self.layer and host_addr is self.host_addr
-                and chunks == self.chunks):
+        if lists is not self.lists:
             self.drop()
             return 0
         got = self.chunks
@@ -189,12 +229,12 @@ class AheadCopies:
 
     def drop(self) -> None:
         """Forget what was issued (the copies still run); counted in `dropped`."""
-        if self.layer is not None:
+        if self.lists is not None:
             self.dropped += 1
         self._clear()
 
     def _clear(self) -> None:
-        self.layer, self.host_addr, self.chunks = None, None, 0
+        self.lists, self.chunks = None, 0
 
 
 def workspace_bytes(*args, **kwargs) -> int:
@@ -296,9 +336,6 @@ class MoEGemm:
             p["chunk_views"] = [(p["phase_off"][c + 1:c + 3],
                                  p["copies"][c * self._chunk:(c + 1) * self._chunk],
                                  p["n_copies"][c:c + 1]) for c in range(nchunks)]
-            p["ahead_views"] = [(None, p["ahead_copies"][c * self._chunk:(c + 1) * self._chunk],
-                                 p["ahead_n_copies"][c:c + 1])
-                                for c in range(min(self._nbuf, nchunks))]
         self._copier = None
         self._copy_stream = None          # prefill's scratch copies (made on first use)
         self._events: list = []           # per chunk: (copied, free), made on first use
@@ -395,23 +432,25 @@ class MoEGemm:
     # --- prefill --------------------------------------------------------------------------
     def prefill(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 expert_addr: torch.Tensor, *, host_addr: torch.Tensor | None = None,
-                layer: int = 0, out: torch.Tensor | None = None, all_host: bool = False,
-                ahead: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
+                layer: int = 0, out: torch.Tensor | None = None,
+                lists: ScratchLists | None = None,
+                ahead: ScratchLists | None = None) -> torch.Tensor:
         """The partition path. expert_addr: int64 [E], the GPU address of each resident expert's
         row, 0 for the others, which are read from `host_addr[layer·E + e]` (the store's UVA
         address table) into the scratch in chunks of scratch_rows // scratch_buffers, on a second
         stream: the first chunks' copies overlap the resident experts' GEMM, and chunk c + B's
         copy (B buffers) overlaps the GEMMs of chunks c + 1 ... (it waits for chunk c's GEMM,
-        which read the same buffer).
+        which read the same buffer). The copy lists are align_experts' (routed experts only),
+        copied by the row-copy kernel.
 
-        all_host: copy every expert not on the GPU, routed or not (align_experts' ALL_HOST
-        build), so the copy lists follow from expert_addr alone. ahead: None, or (layer',
-        expert_addr' int64 [E]) of the call that comes next (needs all_host and host_addr): this
-        call builds layer''s lists and issues its first min(B, chunks) chunk copies at its end,
-        each after this call's last GEMM on that buffer, so the copy stream keeps working while
-        the model computes what lies between the two calls. A next call for layer' with all_host
-        and the same host_addr uses them (expert_addr' must then be its expert_addr: the caller
-        guarantees the placement does not move in between); any other next call drops them
+        lists: None, or this layer's `ScratchLists` (`scratch_lists`, from the expert_addr
+        given here: the caller guarantees they agree). Then every expert not on the GPU is
+        copied, routed or not (align_experts' ALL_HOST build), by the copy engine from these
+        lists, which need nothing from the device (host_addr is not read). ahead: None, or the
+        next call's `ScratchLists` (needs lists): this call issues their first min(B, chunks)
+        chunk copies at its end, each after this call's last GEMM on that buffer, so the copy
+        stream keeps working while the model computes what lies between the two calls. A next
+        call given those very lists uses them; any other next call drops them
         (`ahead_dropped`)."""
         if self._p is None:
             raise RuntimeError("this MoEGemm was built without prefill workspaces "
@@ -426,33 +465,36 @@ class MoEGemm:
         if T > self.max_prefill_tokens:
             raise ValueError(f"prefill takes at most {self.max_prefill_tokens} tokens, got T={T}")
         self._check_expert_addr(expert_addr, x.device, "expert_addr")
-        if not isinstance(all_host, bool):
-            raise TypeError(f"all_host must be a bool, got {type(all_host).__name__}")
-        if ahead is not None:
-            if not (isinstance(ahead, tuple) and len(ahead) == 2):
-                raise TypeError(f"ahead must be None or a tuple (layer, expert_addr), got "
-                                f"{type(ahead).__name__}")
-            if not all_host or host_addr is None:
-                raise ValueError("ahead needs all_host=True and host_addr (the next call's "
-                                 "copy lists are built before its routing exists)")
-            if isinstance(ahead[0], bool) or not isinstance(ahead[0], int) or ahead[0] < 0:
-                raise ValueError(f"ahead's layer must be an int >= 0, got {ahead[0]!r}")
-            self._check_expert_addr(ahead[1], x.device, "ahead's expert_addr")
+        for name, given in (("lists", lists), ("ahead", ahead)):
+            if given is not None and not isinstance(given, ScratchLists):
+                raise TypeError(f"{name} must be None or a cupool.gemm.ScratchLists "
+                                f"(MoEGemm.scratch_lists), got {type(given).__name__}")
+        if lists is not None and lists.layer != layer:
+            raise ValueError(f"lists are layer {lists.layer}'s, the call is layer {layer}'s")
+        if ahead is not None and lists is None:
+            raise ValueError("ahead needs lists (the next call's copies are issued before its "
+                             "routing exists, so both calls copy every expert not on the GPU)")
         out = self._out(x, out)
         p, cfg, ops = self._p, self.prefill_config, self._kernels
         ids = topk_ids.reshape(-1)
         w = topk_weights.reshape(-1)
         if w.dtype not in W_DTYPES or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
-        nchunks = p["nchunks"] if host_addr is not None else 0
+        nchunks = p["nchunks"] if host_addr is not None or lists is not None else 0
         nbuf = self._nbuf
         first = min(nbuf, nchunks)               # chunks copied before the first chunk GEMM
-        issued = self._ahead.take(layer, host_addr, all_host and nchunks > 0, first)
+        issued = self._ahead.take(lists if nchunks else None)
+        main = torch.cuda.current_stream(self.device)
+        if nchunks and self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(nchunks)]
+        side = self._copy_stream
+        if nchunks and lists is not None:
+            side.wait_stream(main)               # earlier calls' GEMMs on the scratch buffers
         kernels.launch(ops.align(cfg.nt, "prep_x", x), -(-T // 8), 256,
                        (x, kernels.i32(T), kernels.i32(self.layout.hidden), p["xh"], p["xscale"]),
                        device=self.device)
-        self._align(x, ids, w, T * K, layer, expert_addr, nchunks, all_host, p["phase_off"],
-                    p["copies"], p["n_copies"])
+        self._align(x, ids, w, T * K, layer, expert_addr, nchunks, lists is not None)
         out32 = p["out32"][:T]
         out32.zero_()
         args = (p["unit_addr"], p["unit_lanes"], p["unit_count"], p["xh"], p["xscale"], p["act"],
@@ -460,32 +502,24 @@ class MoEGemm:
         if not nchunks:
             ops.run(cfg, p["phase_off"][0:2], *args, out32=out32)
         else:
-            copier, views = self._scratch_copier(host_addr), p["chunk_views"]
-            main = torch.cuda.current_stream(self.device)
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self.device)
-                self._events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(nchunks)]
-            side = self._copy_stream
-            side.wait_stream(main)                   # the copy lists from align_experts
+            views = p["chunk_views"]
+            copier = self._scratch_copier(host_addr) if lists is None else None
+            if lists is None:
+                side.wait_stream(main)           # the copy lists from align_experts
 
-            def copy(c, lists=views):                # chunk c into buffer c % nbuf, on `side`
-                copier(lists[c][1], lists[c][2], stream=side)
+            def copy(c, src=lists):              # chunk c into buffer c % nbuf, on `side`
+                if src is None:
+                    copier(views[c][1], views[c][2], stream=side)
+                else:
+                    self._copy_engine(src.chunks[c], side)
                 self._events[c][0].record(side)
 
-            # Chunks [0, issued) were issued by the previous call from the same copy lists
-            # (ALL_HOST: the lists follow from expert_addr alone); their events are recorded.
+            # Chunks [0, issued) were issued by the previous call from these very lists.
             for c in range(issued, first):
                 copy(c)
             ops.run(cfg, p["phase_off"][0:2], *args, out32=out32)   # resident experts
             for c in range(nchunks):
                 main.wait_event(self._events[c][0])
-                if ahead is not None and c == first - 1:
-                    # The next layer's lists: every copy on `side` before this call's chunk c
-                    # (the last readers of the ahead lists, issued ahead or dropped) is done.
-                    # Its phase_off goes to a buffer of its own: this call's GEMMs read
-                    # phase_off; W = 0 writes no unit or lane table.
-                    self._align(x, ids, w, 0, ahead[0], ahead[1], nchunks, True,
-                                p["ahead_phase_off"], p["ahead_copies"], p["ahead_n_copies"])
                 ops.run(cfg, views[c][0], *args, out32=out32)
                 if c + nbuf < nchunks:               # buffer c % nbuf is free after this GEMM
                     self._events[c][1].record(main)
@@ -496,16 +530,44 @@ class MoEGemm:
             main.wait_stream(side)                   # this call's copies (not the ahead ones)
             if ahead is not None:
                 # Chunk b of the next layer goes into buffer b after the last GEMM here that
-                # read it (recorded after the list build above, so that is done too). The copy
-                # stream is in order: these copies follow this call's, and whatever the next
-                # call copies into a buffer follows them.
+                # read it. The copy stream is in order: these copies follow this call's, and
+                # whatever the next call copies into a buffer follows them.
                 for b in range(first):
                     last = b + nbuf * ((nchunks - 1 - b) // nbuf)
                     side.wait_event(self._events[last][1])
-                    copy(b, p["ahead_views"])
-                self._ahead.issued(ahead[0], host_addr, first)
+                    copy(b, ahead)
+                self._ahead.issued(ahead, first)
         ops.finish(cfg, out32, T, out)
         return out
+
+    def scratch_lists(self, layer: int, resident, host_rows) -> ScratchLists:
+        """`ScratchLists` of `layer` for `prefill(lists=)`: resident, bool [E] (numpy or a
+        sequence), the experts with a bank row (those whose expert_addr ≠ 0); host_rows, int64
+        [L·E], the host address of each (layer, expert) row (`HostStore.host_addresses`)."""
+        if self._p is None:
+            raise RuntimeError("this MoEGemm was built without prefill workspaces "
+                               "(max_prefill_tokens=0)")
+        resident = np.asarray(resident)
+        if resident.dtype != np.bool_ or resident.shape != (self.num_experts,):
+            raise ValueError(f"resident must be bool [{self.num_experts}], got {resident.dtype} "
+                             f"{list(resident.shape)}")
+        host_rows = np.asarray(host_rows)
+        E = self.num_experts
+        if host_rows.dtype != np.int64 or host_rows.ndim != 1 or host_rows.size < (layer + 1) * E:
+            raise ValueError(f"host_rows must be int64 [L*{E}] covering layer {layer}, got "
+                             f"{host_rows.dtype} {list(host_rows.shape)}")
+        scratch = self._p["scratch"]
+        chunks = scratch_runs(layer, resident, host_rows, scratch.data_ptr(), scratch.stride(0),
+                              self.layout.row_bytes, self._chunk, self._nbuf, self._p["nchunks"])
+        return ScratchLists(int(layer), chunks, int((~resident).sum()))
+
+    def _copy_engine(self, runs, stream) -> None:
+        """Each (dst, src, bytes) run as one cudaMemcpyAsync on `stream` (a DMA engine's copy:
+        no SM takes part)."""
+        rt = _cuda.cupy().cuda.runtime
+        handle = stream.cuda_stream
+        for dst, src, nbytes in runs:
+            rt.memcpyAsync(dst, src, nbytes, rt.memcpyDefault, handle)
 
     def _check_expert_addr(self, addr, device, name: str) -> None:
         E = self.num_experts
@@ -515,10 +577,10 @@ class MoEGemm:
                              f"{getattr(addr, 'dtype', type(addr).__name__)} "
                              f"{list(getattr(addr, 'shape', []))} on {getattr(addr, 'device', '-')}")
 
-    def _align(self, x, ids, w, lanes: int, layer: int, expert_addr, nchunks: int, all_host: bool,
-               phase_off, copies, n_copies) -> None:
-        """align_experts over `lanes` lanes (0: only the copy lists, with all_host) into the
-        given phase_off and copy lists; units and lane tables into the prefill workspaces."""
+    def _align(self, x, ids, w, lanes: int, layer: int, expert_addr, nchunks: int,
+               all_host: bool) -> None:
+        """align_experts over `lanes` lanes into the prefill workspaces (phase offsets, units,
+        lane tables, copy lists); `all_host`: its ALL_HOST build."""
         p, nt = self._p, self.prefill_config.nt
         kernels.launch(self._kernels.align(nt, "align_experts", x,
                                            int(ids.dtype == torch.int64), W_DTYPES[w.dtype],
@@ -526,9 +588,9 @@ class MoEGemm:
             ids, w, kernels.i32(lanes), kernels.i32(self.num_experts), kernels.i32(layer),
             expert_addr, kernels.i64(p["scratch"].data_ptr()),
             kernels.i64(p["scratch"].stride(0)), kernels.i32(self._chunk),
-            kernels.i32(self._nbuf), kernels.i32(nchunks), phase_off, p["unit_addr"],
-            p["unit_lanes"], p["unit_count"], p["lane_w"], p["lane_e"], copies, n_copies,
-            self.error), device=self.device)
+            kernels.i32(self._nbuf), kernels.i32(nchunks), p["phase_off"], p["unit_addr"],
+            p["unit_lanes"], p["unit_count"], p["lane_w"], p["lane_e"], p["copies"],
+            p["n_copies"], self.error), device=self.device)
 
     @property
     def ahead_used(self) -> int:
@@ -538,7 +600,7 @@ class MoEGemm:
     @property
     def ahead_dropped(self) -> int:
         """Chunk copies a prefill call issued ahead that the next call did not use (another
-        layer, not ALL_HOST, split, or `drop_ahead`)."""
+        layer, a call without those lists, or `drop_ahead`)."""
         return self._ahead.dropped
 
     def drop_ahead(self) -> None:

@@ -11,9 +11,10 @@ flight, and a decode call issues the next layer's prefetch right after its plan 
 Wider calls (prefill) take the partition path (resident experts from the bank, the others from
 the host store through a bounded scratch), which leaves the placement alone; a call wider than
 the GEMM's `max_prefill_tokens` runs in chunks of that many tokens (exact: experts act on each
-token alone). With the pool's `prefill_ahead` on (CUPOOL_PREFILL_AHEAD=1), a prompt's prefill
-call that routes to nearly every expert copies every expert not in the bank, and issues the next
-pooled layer's first scratch copies before returning (`prefill_plan`).
+token alone). With the pool's `prefill_ahead` on (CUPOOL_PREFILL_AHEAD), a prompt's prefill
+call that routes to nearly every expert copies every expert not in the bank by the copy engine,
+from lists the pool works out on the host from the placement, and issues the next pooled layer's
+first scratch copies before returning (`prefill_plan`).
 
 Under `torch.compile` a pooled layer is the opaque op `cupool::experts` (dynamo cannot trace the
 raw kernel launches); the rest of the model is compiled around it. Eager calls skip the
@@ -38,22 +39,24 @@ AHEAD_LANES_PER_EXPERT = 4
 
 
 def parse_prefill_ahead(text: str | None) -> bool:
-    """Whether a CUPOOL_PREFILL_AHEAD value (None: unset) turns prefill ahead on: "1" yes, "0"
-    or unset no; anything else raises ValueError naming the variable."""
-    return parse_switch(PREFILL_AHEAD_ENV, text, False, "issue the next layer's scratch copies "
-                        "at the end of each prompt prefill call")
+    """Whether a CUPOOL_PREFILL_AHEAD value (None: unset) turns prefill ahead on: "1" or unset
+    yes, "0" no; anything else raises ValueError naming the variable."""
+    return parse_switch(PREFILL_AHEAD_ENV, text, True, "prompt prefill copies by the copy "
+                        "engine, the next layer's issued at the end of each call")
 
 
 def prefill_ahead_default() -> bool:
-    """`Pool.prefill_ahead`'s default: the environment's CUPOOL_PREFILL_AHEAD (off if unset)."""
+    """`Pool.prefill_ahead`'s default: the environment's CUPOOL_PREFILL_AHEAD (on if unset)."""
     return parse_prefill_ahead(os.environ.get(PREFILL_AHEAD_ENV))
 
 
 def prefill_plan(pool, layer: int, tokens: int) -> tuple[bool, int | None]:
-    """(all_host, next layer or None) of pooled layer `layer`'s prefill call of `tokens` tokens.
+    """(host lists, next layer or None) of pooled layer `layer`'s prefill call of `tokens`
+    tokens.
 
-    all_host (the GEMM copies every expert not in the bank, routed or not, so its copy lists
-    follow from the placement alone) while the pool's `prefill_ahead` is on, the pool is
+    Host lists (the GEMM copies every expert not in the bank, routed or not, by the copy engine
+    from `Pool.scratch_lists`: they follow from the placement alone) while the pool's
+    `prefill_ahead` is on, the pool is
     prefilling a prompt (`Pool.prefilling`: placement does not move, every call takes this
     path), the call is one GEMM call (tokens ≤ max_prefill_tokens) and its lanes cover nearly
     every expert (T·K ≥ 4·E). The next layer (layer + 1, the pool's next pooled layer; none
@@ -136,12 +139,13 @@ class PooledExperts:
         host = p.store.address_table()
         step = p.gemm.max_prefill_tokens
         if x.shape[0] <= step:
-            all_host, nxt = prefill_plan(p, self.layer, x.shape[0])
-            # the next layer's placement now: nothing moves it while the pool is prefilling
-            # (decode calls alone plan, and the prefetcher was joined above)
-            ahead = None if nxt is None else (nxt, p.expert_addresses(nxt))
+            listed, nxt = prefill_plan(p, self.layer, x.shape[0])
+            # lists from the placement read once a prefill: nothing moves it while the pool is
+            # prefilling (decode calls alone plan, and the prefetcher was joined above)
+            lists = p.scratch_lists(self.layer) if listed else None
+            ahead = p.scratch_lists(nxt) if listed and nxt is not None else None
             return p.gemm.prefill(x, ids, w, resident, host_addr=host, layer=self.layer,
-                                  all_host=all_host, ahead=ahead)
+                                  lists=lists, ahead=ahead)
         out = torch.empty_like(x)
         for t0 in range(0, x.shape[0], step):
             t1 = min(x.shape[0], t0 + step)

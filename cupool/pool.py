@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from cupool import swap
 from cupool.adapters import MoELayerSpec
 from cupool.bank import Bank
 from cupool.budget import MemoryReport, report
-from cupool.gemm import MoEGemm
+from cupool.gemm import MoEGemm, ScratchLists
 from cupool.layer import PooledExperts, prefill_ahead_default
 from cupool.layout import RowLayout, unpack_bias, unpack_row
 from cupool.nvfp4 import dequantize
@@ -51,11 +52,15 @@ class Pool:
         # path, whatever its width, so prompts never move the placement nor count as hits/misses.
         self.prefill_only = False
         # prefill ahead: while prefilling, a call whose lanes cover nearly every expert copies
-        # every expert not in the bank and issues the next layer's first scratch copies before
-        # it returns, so the copy stream works through the layer boundary (`cupool.layer.
-        # prefill_plan`). Default from CUPOOL_PREFILL_AHEAD ("1" on; "0" or unset off): off,
-        # as it measured no faster on an H200 (docs/PERFORMANCE.md).
+        # every expert not in the bank by the copy engine, from lists worked out on the host
+        # (`scratch_lists`), and issues the next layer's first scratch copies before it returns,
+        # so the copy stream works through the layer boundary (`cupool.layer.prefill_plan`).
+        # Default from CUPOOL_PREFILL_AHEAD ("1" or unset on; "0" off).
         self.prefill_ahead = prefill_ahead_default()
+        # while prefilling: which experts own a bank row ([L, E] bool, read from the device once
+        # a prefill) and the `ScratchLists` made from it, per layer
+        self._prefill_resident: np.ndarray | None = None
+        self._prefill_lists: dict[int, ScratchLists] = {}
         # decode: copies on a second stream beside the GEMM of the rows in place. Off by default:
         # with the one-launch decode GEMM it bought ~1% at a half-size bank and cost ~10% with
         # every expert resident on an H200 (the second launch; docs/PERFORMANCE.md).
@@ -215,8 +220,28 @@ class Pool:
             yield
         finally:
             self.prefill_only = before
+            if not before:               # the placement may move again: lists made from it go
+                self._prefill_resident, self._prefill_lists = None, {}
             if self.gemm is not None:
                 self.gemm.drop_ahead()   # copies issued ahead are for this prefill's calls only
+
+    def scratch_lists(self, layer: int) -> ScratchLists:
+        """`ScratchLists` of `layer`'s prefill calls (prefill ahead), made from the placement,
+        which is read from the device once a prefill (a host read: the first call waits for
+        the work queued before it) and cannot move until it ends. Only while prefilling."""
+        if not self.prefill_only:
+            raise RuntimeError("scratch lists follow the placement only while the pool is "
+                               "prefilling (Pool.prefilling())")
+        lists = self._prefill_lists.get(layer)
+        if lists is None:
+            if self._prefill_resident is None:
+                E = self.num_experts
+                self._prefill_resident = (self.bank.slot_of[:self.num_layers * E] >= 0) \
+                    .reshape(self.num_layers, E).cpu().numpy()
+            lists = self.gemm.scratch_lists(layer, self._prefill_resident[layer],
+                                            self.store.host_addresses())
+            self._prefill_lists[layer] = lists
+        return lists
 
     def open(self, verify: bool = True, sample: int | None = 64) -> None:
         """Open the gate (placement starts following the routing). Verifies tables and `sample`

@@ -135,6 +135,7 @@ class HostStore:
             raise
         self.sealed = False
         self._table = {}
+        self._host_rows: np.ndarray | None = None
 
     # --- addressing -------------------------------------------------------------------------
     @property
@@ -167,6 +168,18 @@ class HostStore:
         """int64 [L*E]: the UVA address of key l*E+e."""
         return np.array([self.address(k // self.num_experts, k % self.num_experts)
                          for k in range(self.num_layers * self.num_experts)], dtype=np.int64)
+
+    def host_addresses(self) -> np.ndarray:
+        """int64 [L*E]: the host address of key l*E+e (what the copy engine copies from; made
+        once, read-only)."""
+        if self._host_rows is None:
+            rows = np.empty(self.num_layers * self.num_experts, dtype=np.int64)
+            for k in range(rows.size):
+                chunk = self._chunks[k // self.rows_per_chunk]
+                rows[k] = chunk.host + (k % self.rows_per_chunk) * self.row_stride
+            rows.flags.writeable = False
+            self._host_rows = rows
+        return self._host_rows
 
     def address_table(self, device=None) -> torch.Tensor:
         """int64 CUDA tensor [L*E] of row addresses, allocated once per device (graph-safe)."""
@@ -223,6 +236,7 @@ class HostStore:
             c.free()
         self._chunks = []
         self._table = {}
+        self._host_rows = None
 
     def __del__(self):
         try:

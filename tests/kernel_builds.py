@@ -70,7 +70,7 @@ BUILDS: list[tuple[str, str]] = [
     ("moe_align", "-DNT=8 -DHP=2048 -DIN_BF16=1 -DIDS64=1 -DXVEC=1 -DW_DTYPE=0"),
     ("moe_align", "-DNT=64 -DHP=2048 -DIN_BF16=1 -DIDS64=1 -DXVEC=1 -DW_DTYPE=0"),
     ("moe_align", "-DNT=64 -DHP=4096 -DIN_BF16=0 -DIDS64=0 -DXVEC=0 -DW_DTYPE=1"),
-    # prefill ahead (CUPOOL_PREFILL_AHEAD=1): every expert not on the GPU in the copy lists
+    # prefill ahead (CUPOOL_PREFILL_AHEAD): every expert not on the GPU in the copy lists
     ("moe_align", "-DNT=64 -DHP=2048 -DIN_BF16=1 -DIDS64=1 -DXVEC=1 -DW_DTYPE=0 -DALL_HOST=1"),
     ("moe_gemm", ""),
     ("moe_gemm", _gemm(_QWEN, 8, 8, 1, 2048, 768, 2, 0, 1, 3, 1)),        # pair decode, small

@@ -472,18 +472,20 @@ def test_biased_padded_dims_fp16():
     placed.store.close()
 
 
-# --- prefill ahead: align_experts' ALL_HOST build, copies issued for the next call ---------------
+# --- prefill ahead: align_experts' ALL_HOST build, host lists, copies issued for the next call --
 @pytest.mark.parametrize("E, rows, buffers, T, K", [(37, 5, 2, 29, 4), (128, 32, 2, 129, 8),
                                                     (9, 1, 1, 3, 2), (1024, 32, 2, 77, 8)])
 def test_align_all_host_matches_the_reference(small, E, rows, buffers, T, K):
     """The ALL_HOST build against `cupool.reference.moe.align_experts` on poisoned outputs:
-    phase offsets, unit addresses and counts, each expert's lanes, copy lists; then W = 0 into
-    the ahead lists gives the same copy lists and writes no unit or lane table."""
+    phase offsets, unit addresses and counts, each expert's lanes, copy lists; and the copy
+    engine's runs the GEMM works out on the host (`scratch_lists`) move exactly the rows of
+    the kernel's copy lists, chunk by chunk."""
     from cupool.reference.moe import align_experts
     gen = torch.Generator().manual_seed(E + T)
     gemm = MoEGemm(small.layout, K, torch.bfloat16, max_prefill_tokens=T, num_experts=E,
                    scratch_rows=rows, scratch_buffers=buffers)
     p, nt, layer = gemm._p, gemm.prefill_config.nt, 5
+    host_rows = torch.randint(1, 1 << 40, (6 * E,), generator=gen).numpy() * 16
     for share in (0.0, 0.5, 1.0):
         ids = torch.randint(-1, E, (T, K), generator=gen).cuda()
         w = torch.rand(T, K, generator=gen).cuda()
@@ -491,12 +493,10 @@ def test_align_all_host_matches_the_reference(small, E, rows, buffers, T, K):
         addr = torch.where(res, torch.randint(1, 1 << 40, (E,), generator=gen),
                            torch.zeros(E, dtype=torch.int64)).cuda()
         x = torch.zeros(T, small.layout.hidden, dtype=torch.bfloat16, device="cuda")
-        for name in ("phase_off", "unit_addr", "unit_lanes", "unit_count", "copies", "n_copies",
-                     "ahead_copies", "ahead_n_copies", "ahead_phase_off"):
+        for name in ("phase_off", "unit_addr", "unit_lanes", "unit_count", "copies", "n_copies"):
             p[name].fill_(-7)
         gemm.clear_error()
-        gemm._align(x, ids.reshape(-1), w.reshape(-1), T * K, layer, addr, p["nchunks"], True,
-                    p["phase_off"], p["copies"], p["n_copies"])
+        gemm._align(x, ids.reshape(-1), w.reshape(-1), T * K, layer, addr, p["nchunks"], True)
         ref = align_experts(ids.reshape(-1).tolist(), w.reshape(-1).tolist(), E, layer,
                             addr.tolist(), p["scratch"].data_ptr(), p["scratch"].stride(0),
                             gemm._chunk, gemm._nbuf, p["nchunks"], nt, all_host=True)
@@ -504,7 +504,8 @@ def test_align_all_host_matches_the_reference(small, E, rows, buffers, T, K):
         assert p["phase_off"].tolist() == ref["phase_off"]
         assert p["n_copies"].tolist() == ref["n_copies"]
         n = len(ref["copies"])
-        assert [tuple(c) for c in p["copies"][:n].tolist()] == ref["copies"]
+        copies = [tuple(c) for c in p["copies"][:n].tolist()]
+        assert copies == ref["copies"]
         U = len(ref["units"])
         assert p["unit_addr"][:U].tolist() == [a for _, a, _ in ref["units"]]
         assert p["unit_count"][:U].tolist() == [c for _, _, c in ref["units"]]
@@ -514,13 +515,17 @@ def test_align_all_host_matches_the_reference(small, E, rows, buffers, T, K):
             got.setdefault(e, set()).update(row[:c])
         assert got == ref["expert_lanes"]
         assert gemm.read_error() == []
-        before = {k: p[k].clone() for k in ("unit_addr", "unit_lanes", "unit_count", "lane_w")}
-        gemm._align(x, ids.reshape(-1), w.reshape(-1), 0, layer, addr, p["nchunks"], True,
-                    p["ahead_phase_off"], p["ahead_copies"], p["ahead_n_copies"])
-        torch.cuda.synchronize()
-        assert p["ahead_n_copies"].tolist() == ref["n_copies"]
-        assert [tuple(c) for c in p["ahead_copies"][:n].tolist()] == ref["copies"]
-        assert all(torch.equal(p[k], v) for k, v in before.items())
+        lists = gemm.scratch_lists(layer, res.numpy(), host_rows)
+        stride, nbytes = p["scratch"].stride(0), small.layout.row_bytes
+        moved = [(dst + i * stride, src + i * stride) for chunk in lists.chunks
+                 for dst, src, size in chunk for i in range((size - nbytes) // stride + 1)]
+        base = p["scratch"].data_ptr()
+        assert moved == [(base + stride * r, int(host_rows[k])) for k, r in copies]
+        assert lists.layer == layer and lists.experts == n
+    with pytest.raises(ValueError, match=rf"resident must be bool \[{E}\]"):
+        gemm.scratch_lists(layer, res.numpy()[:-1], host_rows)
+    with pytest.raises(ValueError, match="host_rows must be int64"):
+        gemm.scratch_lists(layer, res.numpy(), host_rows[:5 * E])
 
 
 class Layers:
@@ -544,17 +549,24 @@ class Layers:
         self.addr = torch.where(res, base, torch.zeros_like(base)).cuda()
         self.L, self.E = L, E
 
+    def lists(self, gemm, layer):
+        """The copy engine's lists of `layer` for this placement."""
+        return gemm.scratch_lists(layer, (self.addr[layer] != 0).cpu().numpy(),
+                                  self.store.host_addresses())
+
     def run(self, gemm, calls, gen):
-        """gemm.prefill over calls [(layer, T, ahead layer or None, all_host)], each on fresh
-        activations and routing, outputs poisoned; each within TOL of the reference. Outputs."""
-        outs = []
-        for layer, T, nxt, all_host in calls:
+        """gemm.prefill over calls [(layer, T, ahead layer or None, host lists)], each on fresh
+        activations and routing, outputs poisoned; each within TOL of the reference. Outputs.
+        The lists of one layer are made once, so an announced call gets the lists announced."""
+        outs, made = [], {}
+        lists_of = lambda l: made.setdefault(l, self.lists(gemm, l))   # noqa: E731
+        for layer, T, nxt, listed in calls:
             x = torch.randn(T, self.layout.hidden, generator=gen).to(torch.bfloat16).cuda()
             ids, w = routing(T, gemm.topk, self.E, gen)
             out = torch.full_like(x, float("nan"))
-            ahead = None if nxt is None else (nxt, self.addr[nxt])
             gemm.prefill(x, ids, w, self.addr[layer], host_addr=self.store.address_table(),
-                         layer=layer, out=out, all_host=all_host, ahead=ahead)
+                         layer=layer, out=out, lists=lists_of(layer) if listed else None,
+                         ahead=None if nxt is None else lists_of(nxt))
             err = rel_err(out, reference_moe(x, ids, w, self.deq[layer]))
             assert err <= TOL, (layer, err)
             outs.append(out)
@@ -564,12 +576,13 @@ class Layers:
 
 @pytest.mark.parametrize("E, rows, buffers", [(13, 2, 2), (37, 5, 3), (37, 32, 2), (13, 1, 1)])
 def test_prefill_ahead_over_layers(E, rows, buffers):
-    """Calls over several layers, each announcing the next (ALL_HOST, first chunk copies
-    issued at the end of the call before), equal the reference within TOL, as the same calls
-    without ahead do (lane order inside an expert is not fixed: not bitwise); every announced
-    call uses its chunks. Then announcements the next call does not honour (another layer, a
-    call without all_host, a call after drop_ahead) are dropped, counted, and every output stays
-    right."""
+    """Calls over several layers with host lists (every expert without a bank row copied by the
+    copy engine), each announcing the next (first chunk copies issued at the end of the call
+    before), equal the reference within TOL, as the same calls on the plain path do (lane
+    order inside an expert is not fixed: not bitwise); every announced call uses its chunks.
+    Then announcements the next call does not honour (another layer, a call without lists, a
+    call after drop_ahead) are dropped, counted, and every output stays right. Lists of
+    another layer and ahead without lists are errors."""
     L, K = 5, 4
     placed = Layers(2048, 768, L, E, seed=E + rows)
     gen = torch.Generator().manual_seed(rows * 7 + buffers)
@@ -586,19 +599,19 @@ def test_prefill_ahead_over_layers(E, rows, buffers):
     assert (ahead.ahead_used, ahead.ahead_dropped) == (L - 1, 0)
     assert (plain.ahead_used, plain.ahead_dropped) == (0, 0)
     wrong = [(0, 129, 2, True), (1, 129, 2, True),        # announced 2, layer 1 comes: dropped
-             (2, 64, 3, True), (3, 64, None, False),      # layer 3 without all_host: dropped
+             (2, 64, 3, True), (3, 64, None, False),      # layer 3 without lists: dropped
              (4, 50, 0, True), (0, 50, 1, True)]          # 0 used; 1 announced, then dropped
     placed.run(ahead, wrong, gen)
     ahead.drop_ahead()
     placed.run(ahead, [(1, 77, None, True)], gen)
     assert (ahead.ahead_used, ahead.ahead_dropped) == (L - 1 + 2, 3)
-    with pytest.raises(ValueError, match="ahead needs all_host=True"):
-        ahead.prefill(torch.zeros(2, 2048, dtype=torch.bfloat16, device="cuda"),
-                      torch.zeros(2, K, dtype=torch.int64, device="cuda"),
-                      torch.ones(2, K, device="cuda"), placed.addr[0],
-                      host_addr=placed.store.address_table(), ahead=(1, placed.addr[1]))
-    with pytest.raises(ValueError, match="ahead's expert_addr must be int64"):
-        ahead.prefill(torch.zeros(2, 2048, dtype=torch.bfloat16, device="cuda"),
-                      torch.zeros(2, K, dtype=torch.int64, device="cuda"),
-                      torch.ones(2, K, device="cuda"), placed.addr[0], all_host=True,
-                      host_addr=placed.store.address_table(), ahead=(1, placed.addr[1][:3]))
+    args = (torch.zeros(2, 2048, dtype=torch.bfloat16, device="cuda"),
+            torch.zeros(2, K, dtype=torch.int64, device="cuda"), torch.ones(2, K, device="cuda"),
+            placed.addr[0])
+    with pytest.raises(ValueError, match="ahead needs lists"):
+        ahead.prefill(*args, host_addr=placed.store.address_table(),
+                      ahead=placed.lists(ahead, 1))
+    with pytest.raises(ValueError, match="lists are layer 1's, the call is layer 0's"):
+        ahead.prefill(*args, lists=placed.lists(ahead, 1))
+    with pytest.raises(TypeError, match="lists must be None or a cupool.gemm.ScratchLists"):
+        ahead.prefill(*args, lists=(1, placed.addr[1]))

@@ -1,16 +1,19 @@
 """Prefill ahead without a GPU: align_experts' ALL_HOST copy lists (the plain reference,
-`cupool.reference.moe.align_experts`), the bookkeeping of copies issued ahead (`AheadCopies`),
-CUPOOL_PREFILL_AHEAD and when a pooled layer asks for it (`cupool.layer.prefill_plan`, with a
-stand-in pool and GEMM). The kernel itself against this reference: tests/test_gpu_gemm.py."""
+`cupool.reference.moe.align_experts`), the copy engine's runs worked out on the host from the
+placement (`cupool.gemm.scratch_runs`) against them, the bookkeeping of copies issued ahead
+(`AheadCopies`), CUPOOL_PREFILL_AHEAD and when a pooled layer asks for it
+(`cupool.layer.prefill_plan`, `Pool.scratch_lists`, with a stand-in pool and GEMM). The kernel
+itself against this reference: tests/test_gpu_gemm.py."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from cupool.gemm import AheadCopies, scratch_chunks
+from cupool.gemm import AheadCopies, ScratchLists, scratch_chunks, scratch_runs
 from cupool.layer import PooledExperts, parse_prefill_ahead, prefill_plan
 from cupool.pool import Pool
 from cupool.reference.moe import align_experts
@@ -90,58 +93,117 @@ def test_all_host_reference_flags_bad_lanes():
     assert got["copies"] == empty["copies"] and len(got["copies"]) == E - 4
 
 
+@pytest.mark.parametrize("E, rows, buffers", [(128, 32, 2), (37, 5, 2), (9, 1, 1), (60, 48, 3),
+                                             (1024, 32, 2)])
+def test_scratch_runs_are_the_all_host_copy_lists(E, rows, buffers):
+    """The copy engine's runs, worked out on the host from the placement, move exactly the
+    rows align_experts' ALL_HOST lists name (source: the key's host row; destination: the
+    listed scratch row), chunk by chunk; neighbouring rows are one run exactly where both the
+    store rows and the scratch rows follow each other, and a run's bytes end at its last row's
+    row_bytes. Too many host experts for the chunks is an error."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    L, layer, row_bytes = 4, 2, STRIDE - 48
+    for share in (0.0, 0.3, 0.5, 0.9, 1.0):
+        _, _, addr = random_case(gen, E, 1, share)
+        ref, (nbuf, C, nchunks) = run([], [], E, addr, rows, buffers, 8, layer=layer)
+        contiguous = (1 << 44) + np.arange(L * E, dtype=np.int64) * STRIDE
+        scattered = contiguous[torch.randperm(L * E, generator=gen).numpy()]
+        for host_rows in (contiguous, scattered):
+            runs = scratch_runs(layer, addr.numpy() != 0, host_rows, BASE, STRIDE, row_bytes,
+                                C, nbuf, nchunks)
+            assert len(runs) == nchunks
+            pairs, k = [], 0
+            for c, chunk in enumerate(runs):
+                want = ref["copies"][k:k + ref["n_copies"][c]]
+                k += ref["n_copies"][c]
+                got = []
+                for dst, src, nbytes in chunk:
+                    n = (nbytes - row_bytes) // STRIDE + 1
+                    assert nbytes == (n - 1) * STRIDE + row_bytes
+                    got += [(dst + i * STRIDE, src + i * STRIDE) for i in range(n)]
+                assert got == [(BASE + STRIDE * r, int(host_rows[key])) for key, r in want]
+                breaks = sum(1 for (d0, s0), (d1, s1) in zip(got, got[1:])
+                             if d1 != d0 + STRIDE or s1 != s0 + STRIDE)
+                assert len(chunk) == (breaks + 1 if got else 0)
+                pairs += got
+            assert k == len(ref["copies"]) == int((addr == 0).sum())
+    with pytest.raises(ValueError, match="experts without a bank row"):
+        scratch_runs(0, np.zeros(E, dtype=bool), contiguous, BASE, STRIDE, row_bytes, 1, 1,
+                     E - 1)
+
+
 def test_ahead_copies_bookkeeping():
-    """`take` gives a call its chunks issued ahead only when it is the announced layer, with
-    the same host table, in ALL_HOST mode and with the same number of first chunks; anything
-    else drops them (counted), and a call finds nothing issued twice."""
-    host, other = object(), object()
+    """`take` gives a call its chunks issued ahead only when its lists are the very lists
+    announced; anything else (other lists, none) drops them (counted), and a call finds
+    nothing issued twice."""
+    mine, other = ScratchLists(5, ((), ()), 0), ScratchLists(5, ((), ()), 0)
     a = AheadCopies()
-    assert a.take(0, host, True, 2) == 0 and (a.used, a.dropped) == (0, 0)
-    a.issued(5, host, 2)
-    assert a.take(5, host, True, 2) == 2 and (a.used, a.dropped) == (1, 0)
-    assert a.take(5, host, True, 2) == 0 and (a.used, a.dropped) == (1, 0)
-    for layer, table, all_host, chunks in ((6, host, True, 2), (5, other, True, 2),
-                                           (5, host, False, 2), (5, host, True, 1)):
-        a.issued(5, host, 2)
-        assert a.take(layer, table, all_host, chunks) == 0
-    assert (a.used, a.dropped) == (1, 4)
-    a.issued(7, host, 2)
+    assert a.take(mine) == 0 and (a.used, a.dropped) == (0, 0)
+    a.issued(mine, 2)
+    assert a.take(mine) == 2 and (a.used, a.dropped) == (1, 0)
+    assert a.take(mine) == 0 and (a.used, a.dropped) == (1, 0)
+    for lists in (other, None):
+        a.issued(mine, 2)
+        assert a.take(lists) == 0
+    assert (a.used, a.dropped) == (1, 2)
+    a.issued(mine, 2)
     a.drop()
     a.drop()                                  # nothing left: not counted twice
-    assert a.take(7, host, True, 2) == 0 and a.dropped == 5
+    assert a.take(mine) == 0 and a.dropped == 3
 
 
 def test_prefill_ahead_parser():
-    assert parse_prefill_ahead(None) is False and parse_prefill_ahead("0") is False
-    assert parse_prefill_ahead("1") is True
+    assert parse_prefill_ahead(None) is True and parse_prefill_ahead("1") is True
+    assert parse_prefill_ahead("0") is False
     for bad in ("", "on", "yes", "true", "2", " 1"):
         with pytest.raises(ValueError, match="CUPOOL_PREFILL_AHEAD="):
             parse_prefill_ahead(bad)
 
 
+class CountedBank:
+    """A bank whose slot_of counts its reads (the host reads of the placement)."""
+
+    def __init__(self, slot_of):
+        self._slot_of, self.reads = slot_of, 0
+
+    @property
+    def slot_of(self):
+        self.reads += 1
+        return self._slot_of
+
+
 class StandInPool:
-    """What `PooledExperts._prefill` and `Pool.prefilling` read of a pool, on the CPU: L layers
-    of E experts, top-K, a GEMM that records its prefill calls' keyword arguments."""
+    """What `PooledExperts._prefill`, `Pool.prefilling` and `Pool.scratch_lists` read of a pool,
+    on the CPU: L layers of E experts, top-K, a bank whose even experts own a row, a GEMM that
+    records its prefill calls' keyword arguments and makes stand-in lists."""
 
     def __init__(self, L=4, E=16, K=4, max_prefill_tokens=64, ahead=True):
         self.num_layers, self.num_experts, self.top_k = L, E, K
         self.prefill_ahead, self.prefill_only = ahead, False
+        self._prefill_resident, self._prefill_lists = None, {}
         self.prefetcher = None
         self.calls = []
         self.drops = 0
         table = torch.arange(L * E)
-        self.store = SimpleNamespace(address_table=lambda: table)
+        rows = np.arange(L * E, dtype=np.int64) * 4096
+        self.store = SimpleNamespace(address_table=lambda: table, host_addresses=lambda: rows)
+        slot = torch.where(torch.arange(L * E) % 2 == 0, torch.arange(L * E), -1)
+        self.bank = CountedBank(slot.to(torch.int32))
 
-        def prefill(x, ids, w, addr, *, host_addr, layer, out=None, all_host=False, ahead=None):
-            self.calls.append(dict(T=x.shape[0], layer=layer, all_host=all_host,
-                                   ahead=None if ahead is None else ahead[0],
-                                   ahead_addr=None if ahead is None else ahead[1]))
+        def prefill(x, ids, w, addr, *, host_addr, layer, out=None, lists=None, ahead=None):
+            self.calls.append(dict(T=x.shape[0], layer=layer, lists=lists, ahead=ahead))
             return torch.zeros_like(x) if out is None else out
+
+        def lists_of(layer, resident, host_rows):
+            assert host_rows is rows
+            return ScratchLists(layer, (tuple(np.flatnonzero(~resident)),), int((~resident).sum()))
 
         def drop_ahead():
             self.drops += 1
         self.gemm = SimpleNamespace(max_prefill_tokens=max_prefill_tokens, prefill=prefill,
-                                    drop_ahead=drop_ahead)
+                                    drop_ahead=drop_ahead, scratch_lists=lists_of)
+
+    scratch_lists = Pool.scratch_lists
 
     def expert_addresses(self, layer):
         return (layer + 1) * 1000 + torch.arange(self.num_experts)
@@ -157,40 +219,52 @@ class StandInPool:
 
 
 def test_prefill_plan_gates_and_announces_the_next_layer():
-    """Inside `prefilling()` with the switch on, a single GEMM call with T·K ≥ 4·E is ALL_HOST
-    and announces layer + 1 (with that layer's expert addresses), none after the last; a call
-    under the lane threshold, outside prefilling, with the switch off or split over several
-    GEMM calls keeps the plain path; leaving prefilling drops what was issued ahead."""
+    """Inside `prefilling()` with the switch on, a single GEMM call with T·K ≥ 4·E gets its
+    layer's host lists and announces layer + 1's (the very lists that call gets), none after
+    the last; the placement is read from the device once a prefill. A call under the lane
+    threshold, outside prefilling, with the switch off or split over several GEMM calls keeps
+    the plain path; leaving prefilling drops what was issued ahead and forgets the lists, and
+    lists outside prefilling are an error."""
     pool = StandInPool(L=4, E=16, K=4, max_prefill_tokens=64)
-    assert all(not c["all_host"] and c["ahead"] is None for c in pool.forward(32))  # not prefilling
+    plain = lambda calls: all(c["lists"] is None and c["ahead"] is None for c in calls)  # noqa: E731
+    assert plain(pool.forward(32))                            # not prefilling
     with Pool.prefilling(pool):
         calls = pool.forward(16)                              # 16·4 = 4·16 lanes: the threshold
-        assert [c["all_host"] for c in calls] == [True] * 4
-        assert [c["ahead"] for c in calls] == [1, 2, 3, None]
-        assert all(torch.equal(c["ahead_addr"], pool.expert_addresses(c["ahead"]))
-                   for c in calls[:3])
-        assert all(not c["all_host"] and c["ahead"] is None for c in pool.forward(15))
+        assert [c["lists"].layer for c in calls] == [0, 1, 2, 3]
+        assert [c["ahead"] and c["ahead"].layer for c in calls] == [1, 2, 3, None]
+        assert all(calls[i]["ahead"] is calls[i + 1]["lists"] for i in range(3))
+        assert all(c["lists"].chunks == (tuple(range(1, 16, 2)),) for c in calls)  # odd: host
+        again = pool.forward(64)
+        assert all(a["lists"] is b["lists"] for a, b in zip(calls, again))
+        assert pool.bank.reads == 1
+        assert plain(pool.forward(15))
         split = pool.forward(100)                             # over max_prefill_tokens: split
-        assert len(split) == 8 and all(not c["all_host"] and c["ahead"] is None for c in split)
+        assert len(split) == 8 and plain(split)
         pool.prefill_ahead = False
-        assert all(not c["all_host"] and c["ahead"] is None for c in pool.forward(32))
+        assert plain(pool.forward(32))
         assert pool.drops == 0
     assert pool.drops == 1 and not pool.prefill_only
+    assert pool._prefill_resident is None and pool._prefill_lists == {}
+    with pytest.raises(RuntimeError, match="only while the pool is prefilling"):
+        pool.scratch_lists(0)
     assert prefill_plan(pool, 0, 64) == (False, None)
     pool.prefill_ahead = True
+    with Pool.prefilling(pool):
+        pool.forward(16)
+        assert pool.bank.reads == 2                           # read again: a new prefill
     pool.prefill_only = True
     assert prefill_plan(pool, 2, 64) == (True, 3) and prefill_plan(pool, 3, 64) == (True, None)
     assert prefill_plan(pool, 0, 65) == (False, None)
 
 
 def test_pool_switch_reads_the_environment(monkeypatch):
-    """`Pool.prefill_ahead`'s default is CUPOOL_PREFILL_AHEAD (off when unset); a bad value is
+    """`Pool.prefill_ahead`'s default is CUPOOL_PREFILL_AHEAD (on when unset); a bad value is
     an error naming the variable."""
     from cupool.layer import prefill_ahead_default
     monkeypatch.delenv("CUPOOL_PREFILL_AHEAD", raising=False)
-    assert prefill_ahead_default() is False
-    monkeypatch.setenv("CUPOOL_PREFILL_AHEAD", "1")
     assert prefill_ahead_default() is True
+    monkeypatch.setenv("CUPOOL_PREFILL_AHEAD", "0")
+    assert prefill_ahead_default() is False
     monkeypatch.setenv("CUPOOL_PREFILL_AHEAD", "on")
     with pytest.raises(ValueError, match="CUPOOL_PREFILL_AHEAD='on'"):
         prefill_ahead_default()
