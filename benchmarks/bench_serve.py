@@ -10,7 +10,8 @@ time from submission to the last token) and per-request decode tok/s, beside the
 the baseline; then the same at 8 streams with sampling (temperature 0.8, top-p 0.95) against
 greedy. The hit rate of each case comes from the pool's counters; with misses, a case also
 reports their bytes a generated token and the decode tok/s the PCIe link allows for them (a
-pinned copy's GB/s, measured at the start of the run), beside the decode rate as a ratio.
+pinned copy's GB/s, measured at the start of the run), beside the decode rate as a ratio; with
+prefetch on, the prefetched rows count as crossing the link too.
 Routing (`--routing`):
 `locality` (default) replays a trace with Qwen3-like locality in place of the router, one
 independent stream a sequence (`cupool.trace.streams`: stream 0 is bench_decode's one-token
@@ -69,12 +70,13 @@ def build(layers: int, max_batch: int, seed: int, bank: float):
     return model, pool, shape
 
 
-def link_bound(misses: int, decoded: int, row_bytes: int, pcie_GBps: float) -> float | None:
-    """The decode tok/s the PCIe link allows when every miss's row crosses it once: decoded
-    tokens over the time the link takes for the misses' bytes (None without misses)."""
-    if misses == 0 or decoded == 0:
+def link_bound(rows: int, decoded: int, row_bytes: int, pcie_GBps: float) -> float | None:
+    """The decode tok/s the PCIe link allows for `rows` rows crossing it once each (the misses,
+    and the prefetched rows where prefetch is on): decoded tokens over the time the link takes
+    for their bytes (None without any)."""
+    if rows == 0 or decoded == 0:
         return None
-    return decoded / (misses * row_bytes / (pcie_GBps * 1e9))
+    return decoded / (rows * row_bytes / (pcie_GBps * 1e9))
 
 
 def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: bool,
@@ -100,16 +102,18 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     decode_wall = max(r.finished_at for r in reqs) - last_first
     stats = pool.stats()
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
-    prefetch = {}
+    # the bank's counters follow decode steps alone (prompts are prefilled outside them): bytes
+    # a token are over the decoded tokens, each request's first (its prefill's) left out
+    decoded, row = streams * (tokens - 1), pool.layout.row_bytes
+    prefetch, prefetched = {}, 0
     if pool.prefetcher is not None:
-        row = pool.layout.row_bytes
-        prefetch = {"prefetched_bytes_per_token": sum(s["prefetched"] for s in stats) * row / n,
+        prefetched = sum(s["prefetched"] for s in stats)
+        prefetch = {"prefetched_bytes_per_token": prefetched * row / decoded,
                     "prefetch_wasted_bytes_per_token":
-                        sum(s["prefetch_wasted"] for s in stats) * row / n}
+                        sum(s["prefetch_wasted"] for s in stats) * row / decoded}
     per = [r.decode_tokens_per_s for r in reqs]
-    decode_tps = streams * (tokens - 1) / decode_wall
-    # the bank's counters follow decode steps alone (prompts are prefilled outside them)
-    bound = link_bound(misses, streams * (tokens - 1), pool.layout.row_bytes, pcie_GBps)
+    decode_tps = decoded / decode_wall
+    bound = link_bound(misses + prefetched, decoded, row, pcie_GBps)
     eng.close()
     K = pool.top_k
     diag = {"hits": hits, "misses": misses, "staged": sum(s["staged"] for s in stats),
@@ -121,7 +125,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
             "tokens_generated": n, "wall_s": wall,
             "aggregate_tok_per_s": n / wall,
             "aggregate_decode_tok_per_s": decode_tps,
-            "miss_bytes_per_token": misses * pool.layout.row_bytes / (streams * (tokens - 1)),
+            "miss_bytes_per_token": misses * row / decoded,
             "link_bound_decode_tok_per_s": bound,
             "decode_over_link_bound": None if bound is None else decode_tps / bound,
             "per_request_tok_per_s_median": statistics.median(per),
@@ -167,13 +171,14 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
               f"(decode {r['aggregate_decode_tok_per_s']:7.1f}), per request "
               f"{r['per_request_tok_per_s_median']:6.1f} tok/s, hit rate {r['hit_rate']:.3f} "
               f"(cap {r['diagnostics']['promote_cap'] or 'none'}) [{r['step']}]"
-              + (f", misses {r['miss_bytes_per_token'] / 1e6:.1f} MB a token: link bound "
-                 f"{r['link_bound_decode_tok_per_s']:.1f} tok/s, decode at "
-                 f"{r['decode_over_link_bound']:.2f} of it"
-                 if r["link_bound_decode_tok_per_s"] is not None else "")
+              + (f", misses {r['miss_bytes_per_token'] / 1e6:.1f} MB a token"
+                 if r["miss_bytes_per_token"] else "")
               + (f", prefetched {r['prefetched_bytes_per_token'] / 1e6:.1f} MB a token "
                  f"({r['prefetch_wasted_bytes_per_token'] / 1e6:.1f} MB wasted)"
-                 if "prefetched_bytes_per_token" in r else ""), flush=True)
+                 if "prefetched_bytes_per_token" in r else "")
+              + (f": link bound {r['link_bound_decode_tok_per_s']:.1f} tok/s, decode at "
+                 f"{r['decode_over_link_bound']:.2f} of it"
+                 if r["link_bound_decode_tok_per_s"] is not None else ""), flush=True)
     b = 8 if 8 in streams else max(streams)
     sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile,
                        not args.no_fused, args.seed, pcie)

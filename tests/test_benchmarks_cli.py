@@ -292,8 +292,8 @@ def test_bench_decode_shape_keys():
 
 
 def test_bench_serve_link_bound():
-    """bench_serve's link bound: decoded tokens over the seconds the misses' rows take on the
-    link; none without misses."""
+    """bench_serve's link bound: decoded tokens over the seconds the rows crossing the link
+    (misses, and prefetched rows with prefetch on) take on it; none without any."""
     bs = load("bench_serve.py")
     # 879 rows of 2.65 MB a step of 8 tokens at 54 GB/s: 43.1 ms a step, 185.5 tok/s
     assert bs.link_bound(879 * 63, 8 * 63, 2_650_000, 54.0) == pytest.approx(185.45, rel=1e-3)
