@@ -3,6 +3,12 @@ per-kernel device times on the bench_decode model (Qwen3-30B-A3B shape, all expe
 gate open, no misses, batch 1 unless --batch), from torch.profiler over eager runs of the step,
 next to the same step replayed as the engine's CUDA graph.
 
+`--bank P` (percent, default 100) banks P% of each layer's experts; below 100 the locality trace
+(`cupool.trace.QWEN3_LOCALITY`, one independent stream a slot, as bench_serve) is replayed
+through the pool's routing hook, and the profiled steps' misses are reported beside the row
+copies' kernel time: the bytes they moved over that time, against the pinned copy's GB/s
+measured in the same run.
+
 `--step fused` (the default where the model fits: cupool's fused kernels), `compiled` (the
 model's forward through torch.compile) or `graph` (the model's forward, captured as it is).
 Kernels are grouped: cupool MoE (plan, copies, MoE GEMM), cupool dense (the fused step's GEMVs
@@ -59,6 +65,9 @@ def build_parser() -> CLIParser:
     p.add_argument("--steps", type=bounded_int(1, 64), default=4, help="profiled eager steps")
     p.add_argument("--step", choices=["fused", "compiled", "graph"], default="fused",
                    help="the engine's decode step (default: fused)")
+    p.add_argument("--bank", type=bounded_int(7, 100), default=100,
+                   help="percent of each layer's experts in the bank (default 100; below it the "
+                        "locality trace is replayed)")
     p.add_argument("--ablate", action="store_true",
                    help="also time the captured step without each part of a layer (fused step)")
     p.add_argument("--json", type=output_file, metavar="PATH", help="also write the figures here")
@@ -73,9 +82,16 @@ def main(args) -> None:
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
     model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, **shape)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    pool = cupool.wrap(model, rows=E, layers=specs, max_decode_tokens=B, max_prefill_tokens=64,
+    K = shape["num_experts_per_tok"]
+    pool = cupool.wrap(model, rows=max(K, E * args.bank // 100), layers=specs,
+                       max_decode_tokens=B, max_prefill_tokens=64,
                        expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"),
                        progress=False)
+    if args.bank < 100:
+        from cupool import trace as tr
+        from cupool.replay import Replayer
+        Replayer(pool, tr.streams(4096, args.layers, E, K, B, seed=0,
+                                  **tr.QWEN3_LOCALITY)).install()
     eng = cupool.Engine(model, pool, max_batch=B, max_len=S + 512, eos_token_id=[],
                         fused=args.step == "fused", compile=args.step == "compiled")
     prompt = torch.randint(0, shape["vocab_size"], (S,), generator=torch.Generator().manual_seed(0))
@@ -97,10 +113,12 @@ def main(args) -> None:
 
     with torch.inference_mode():
         eager_ms = time_ms(eager, warmup=2, iters=10)
+        pool.bank.reset_stats()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
                 eager()
             torch.cuda.synchronize()
+        stats = pool.stats()
         graph = eng._graphs[kind]
         graph_ms = time_ms(graph.replay, warmup=5, iters=50)
     kern = collections.defaultdict(lambda: [0.0, 0])
@@ -125,10 +143,25 @@ def main(args) -> None:
         print(f"  {gname:>26}: {ms:7.3f} ms  {n:6.0f} kernels  ({ms / L * 1e3:6.1f} us/layer)")
     for name, (ms, n) in top:
         print(f"  {ms * 1e3 / n:7.2f} us x {n:5.0f} = {ms:6.3f} ms  {name[:110]}")
+    misses = copies = None
+    if args.bank < 100:
+        from _common import pcie_h2d_GBps
+        misses = sum(d["misses"] for d in stats) / args.steps
+        copy_ms = sum(ms for name, (ms, _) in kern.items() if "copy_rows" in name)
+        moved = misses * layout.row_bytes
+        copies = {"ms_per_step": copy_ms, "bytes_per_step": moved,
+                  "GBps": moved / (copy_ms * 1e6) if copy_ms else None,
+                  "pcie_h2d_GBps": pcie_h2d_GBps()}
+        print(f"bank {args.bank}%: hit rate {pool.hit_rate(stats):.3f}, {misses:.1f} misses a "
+              f"step ({moved / 1e6:.1f} MB); row-copy kernels {copy_ms:.3f} ms a step: "
+              + (f"{copies['GBps']:.1f} GB/s against the pinned copy's "
+                 f"{copies['pcie_h2d_GBps']:.1f} ({copies['GBps'] / copies['pcie_h2d_GBps']:.2f})"
+                 if copy_ms else "none"))
     ablate = ablation(eng, kind, graph_ms, L) if args.ablate else None
     eng.close()
     save("profile_decode", {
-        "layers": L, "batch": B, "step": eng.step_kind, "graph_ms_per_step": graph_ms,
+        "layers": L, "batch": B, "bank_percent": args.bank, "misses_per_step": misses,
+        "row_copies": copies, "step": eng.step_kind, "graph_ms_per_step": graph_ms,
         "tokens_per_s": B * 1e3 / graph_ms, "eager_ms_per_step": eager_ms,
         "kernel_ms_per_step": kernel_ms, "kernels_per_step": launches,
         "kernels_per_layer": launches / L, "warmup_s": warm_s,

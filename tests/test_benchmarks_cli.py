@@ -108,6 +108,7 @@ BAD = BAD_SUBPROCESS + [
     (["bench_prefix.py", "--bank", "3"], "--bank"),
     (["profile_decode.py", "--steps", "0"], "--steps"),
     (["profile_decode.py", "--layers", "-2"], "--layers"),
+    (["profile_decode.py", "--bank", "101"], "--bank"),
     (["profile_gemm.py", "--cases", "2048:17"], "--cases"),
     (["profile_gemm.py", "--sweep", "stage=2"], "--sweep"),
     (["profile_gemm.py", "--prefill-sweep", "NB=x"], "--prefill-sweep"),
