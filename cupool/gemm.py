@@ -564,10 +564,11 @@ class MoEGemm:
     def _copy_engine(self, runs, stream) -> None:
         """Each (dst, src, bytes) run as one cudaMemcpyAsync on `stream` (a DMA engine's copy:
         no SM takes part)."""
-        rt = _cuda.cupy().cuda.runtime
-        handle = stream.cuda_stream
-        for dst, src, nbytes in runs:
-            rt.memcpyAsync(dst, src, nbytes, rt.memcpyDefault, handle)
+        cp = _cuda.cupy()
+        rt, handle = cp.cuda.runtime, stream.cuda_stream
+        with cp.cuda.Device(self.device.index):      # the stream's device is the current one
+            for dst, src, nbytes in runs:
+                rt.memcpyAsync(dst, src, nbytes, rt.memcpyDefault, handle)
 
     def _check_expert_addr(self, addr, device, name: str) -> None:
         E = self.num_experts
