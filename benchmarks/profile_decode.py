@@ -15,6 +15,8 @@ Kernels are grouped: cupool MoE (plan, copies, MoE GEMM), cupool dense (the fuse
 and attention), matmul (cuBLAS), attention (torch's), and elementwise/reduction (norms, rotary,
 router softmax/top-k, residuals, casts, sampling). The difference between the graph's time and
 the sum of kernel times is the gaps between kernels.
+`--context N` sets the positions each slot's token attends to (default the 16-token prompt): a
+chat or an agent's conversation runs its attention over thousands.
 `--ablate` (fused step only) also captures the step once without each part of every layer
 (`cupool.fused.ABLATE`: qkv, attention, o, router, plan — the plan step and row copies, the
 GEMM reading the lane addresses the last plan left — and moe, all of the pool's launches) and
@@ -68,6 +70,10 @@ def build_parser() -> CLIParser:
     p.add_argument("--bank", type=bounded_int(7, 100), default=100,
                    help="percent of each layer's experts in the bank (default 100; below it the "
                         "locality trace is replayed)")
+    p.add_argument("--context", type=bounded_int(S, 131072), default=S,
+                   help=f"positions each slot's token attends to in the profiled steps (default "
+                        f"{S}, the prompt; more: the cache's positions past the prompt filled "
+                        f"with random keys and values, as a long conversation's)")
     p.add_argument("--ablate", action="store_true",
                    help="also time the captured step without each part of a layer (fused step)")
     p.add_argument("--json", type=output_file, metavar="PATH", help="also write the figures here")
@@ -77,6 +83,8 @@ def build_parser() -> CLIParser:
 def main(args) -> None:
     _cuda.require_gpu("the decode profiler")
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0),
+                                           args.context + 512)
     E = shape["num_experts"]
     B = args.batch
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
@@ -92,7 +100,7 @@ def main(args) -> None:
         from cupool.replay import Replayer
         Replayer(pool, tr.streams(4096, args.layers, E, K, B, seed=0,
                                   **tr.QWEN3_LOCALITY)).install()
-    eng = cupool.Engine(model, pool, max_batch=B, max_len=S + 512, eos_token_id=[],
+    eng = cupool.Engine(model, pool, max_batch=B, max_len=args.context + 512, eos_token_id=[],
                         fused=args.step == "fused", compile=args.step == "compiled")
     prompt = torch.randint(0, shape["vocab_size"], (S,), generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
@@ -102,7 +110,12 @@ def main(args) -> None:
     warm_s = time.perf_counter() - t0
     # every slot active at a real position, so the step reads what a running batch reads
     eng.active.fill_(True)
-    eng.cache.pos.fill_(S)
+    if args.context > S:
+        with torch.no_grad():
+            for t in eng.cache.keys + eng.cache.values:
+                if t is not None:
+                    t[:, :, S:].normal_(0, 1, generator=gen)
+    eng.cache.pos.fill_(args.context)
     pool.bank.reset_stats()
 
     kind = StepKind(greedy=True, logprobs=False, masked=False)
@@ -134,8 +147,9 @@ def main(args) -> None:
     launches = sum(v[1] for v in kern.values())
     top = sorted(kern.items(), key=lambda kv: -kv[1][0])[:30]
     L = args.layers
-    print(f"layers {L}, batch {B}, step {eng.step_kind} (warm-up incl. build and capture "
-          f"{warm_s:.1f} s)")
+    print(f"layers {L}, batch {B}, context {args.context}, step {eng.step_kind} (warm-up incl. "
+          f"build and capture "
+f"{warm_s:.1f} s)")
     print(f"per step: graph replay {graph_ms:.3f} ms ({B * 1e3 / graph_ms:.1f} tok/s), eager "
           f"{eager_ms:.3f} ms, kernel time {kernel_ms:.3f} ms in {launches:.0f} kernels "
           f"({launches / L:.1f} a layer), gaps in graph {graph_ms - kernel_ms:.3f} ms")
@@ -160,7 +174,7 @@ def main(args) -> None:
     ablate = ablation(eng, kind, graph_ms, L) if args.ablate else None
     eng.close()
     save("profile_decode", {
-        "layers": L, "batch": B, "bank_percent": args.bank, "misses_per_step": misses,
+        "layers": L, "batch": B, "context": args.context, "bank_percent": args.bank, "misses_per_step": misses,
         "row_copies": copies, "step": eng.step_kind, "graph_ms_per_step": graph_ms,
         "tokens_per_s": B * 1e3 / graph_ms, "eager_ms_per_step": eager_ms,
         "kernel_ms_per_step": kernel_ms, "kernels_per_step": launches,

@@ -33,7 +33,9 @@ warps=8, split_k=1) unless CUPOOL_DENSE_SHAPE names another, read when a FusedSt
 comma-separated `gemv=shape` entries, gemv one of qkv, o, router, head and shape `w<warps>`,
 `k<split_k>` or both (`w4k2`), e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8` (`w8k1` asks
 for the kernel's plain build); the entry `attn=ahead` picks the attention build that issues a
-tile's loads ahead of their use (`DecodeAttention(ahead=True)`), `attn=plain` the other one. A
+tile's loads ahead of their use (`DecodeAttention(ahead=True)`), `attn=plain` the other one,
+either optionally followed by `c<positions>`, the fewest positions a split-KV part
+(`DecodeAttention(min_chunk=...)`, e.g. `attn=aheadc256`), or `attn=c<positions>` alone. A
 malformed value, or a split_k a GEMV's K cannot take (fewer than 32 columns a block), raises
 ValueError naming the variable: a shape asked for is never dropped silently. A default's split_k
 is lowered to what a small K takes.
@@ -68,8 +70,10 @@ from cupool.ops.dense_attention import (
     HEAD_DIMS,
     AttentionWorkspace,
     DecodeAttention,
+    check_min_chunk,
     parts,
 )
+from cupool.ops.dense_attention import MINCHUNK as ATTN_MIN_CHUNK
 from cupool.ops.dense_gemv import (
     PLAIN,
     RESIDUAL,
@@ -107,14 +111,17 @@ DENSE_GEMVS = ("qkv", "o", "router", "head")
 # `benchmarks/run_gpu.sh ab-dense` on the H200 (docs/PERFORMANCE.md, "What each part costs")
 DEFAULT_DENSE_SHAPE = "qkv=w4,o=w4k4,attn=ahead"
 _SHAPE = re.compile(r"(?:w([0-9]+))?(?:k([0-9]+))?")
+_ATTN_SHAPE = re.compile(r"(ahead|plain)?(?:c([0-9]+))?")
 
 
 def parse_dense_shape(text: str) -> dict[str, dict]:
     """{gemv: DenseGemv launch-shape keywords} of a CUPOOL_DENSE_SHAPE value (the module
-    docstring gives the format), with "attn": {"ahead": True} for the entry attn=ahead; ""
-    names none ("attn": {"ahead": False} for attn=plain). Strict: an unknown GEMV, a GEMV named
-    twice, a shape other than w<n>, k<n>, w<n>k<n> (ahead or plain for attn), or a warps /
-    split_k DenseGemv does not take raises ValueError naming the variable and the value."""
+    docstring gives the format), with "attn": {"ahead": True} for the entry attn=ahead
+    ({"ahead": False} for attn=plain, {"min_chunk": 256} for attn=c256, both for
+    attn=aheadc256); "" names none. Strict: an unknown GEMV, a GEMV named twice, a shape other
+    than w<n>, k<n>, w<n>k<n> ([ahead|plain][c<n>] for attn), a warps / split_k DenseGemv does
+    not take or a min_chunk DecodeAttention does not take raises ValueError naming the variable
+    and the value."""
     shapes: dict[str, dict] = {}
     if text == "":
         return shapes
@@ -132,13 +139,21 @@ def _entry_shape(name: str, eq: str, shape: str, entry: str, seen: dict) -> dict
     wrong with it."""
     if not eq or name not in DENSE_GEMVS + ("attn",):
         raise ValueError(f"entry {entry!r} is not <gemv>=<shape> with gemv one of "
-                         f"{', '.join(DENSE_GEMVS)}, or attn=ahead / attn=plain")
+                         f"{', '.join(DENSE_GEMVS)}, or attn=[ahead|plain][c<positions>]")
     if name in seen:
         raise ValueError(f"{name} is named twice")
     if name == "attn":
-        if shape not in ("ahead", "plain"):
-            raise ValueError(f"attn's shape {shape!r} is not ahead or plain")
-        return {"ahead": shape == "ahead"}
+        m = _ATTN_SHAPE.fullmatch(shape)
+        if m is None or shape == "":
+            raise ValueError(f"attn's shape {shape!r} is not ahead or plain, optionally "
+                             f"followed by c<positions>, or c<positions>")
+        kw = {} if m.group(1) is None else {"ahead": m.group(1) == "ahead"}
+        if m.group(2) is not None:
+            try:
+                kw["min_chunk"] = check_min_chunk(int(m.group(2)))
+            except ValueError as e:
+                raise ValueError(f"attn: {e}") from None
+        return kw
     m = _SHAPE.fullmatch(shape)
     if m is None or shape == "":
         raise ValueError(f"{name}'s shape {shape!r} is not w<warps>, k<split_k> or "
@@ -342,7 +357,10 @@ class FusedStep:
         self.tokens, self.hidden = int(tokens), H
         self._shape_env = os.environ.get(DENSE_SHAPE_ENV, "")
         self._shape_asked = parse_dense_shape(self._shape_env)
-        self.dense_shape = {**parse_dense_shape(DEFAULT_DENSE_SHAPE), **self._shape_asked}
+        default = parse_dense_shape(DEFAULT_DENSE_SHAPE)
+        self.dense_shape = {**default, **self._shape_asked}
+        # an attn entry changes what it names (attn=c256 keeps the default's build)
+        self.dense_shape["attn"] = {**default.get("attn", {}), **self._shape_asked.get("attn", {})}
         self.skip_plan_asked = parse_skip_plan(os.environ.get(SKIP_PLAN_ENV))
         # [L, E] int64 row addresses of a bank that holds every expert (CUPOOL_SKIP_PLAN on),
         # and the bank they are in; None where the plan step runs
@@ -372,11 +390,14 @@ class FusedStep:
         bf = torch.bfloat16
         nh, hk, D = self._attn_shape
         sms = _cuda.target(dev).sms if dev.type == "cuda" else 1
-        self.workspace = AttentionWorkspace(B, nh, hk, D, parts(B, hk, cache.max_len, sms), dev)
+        attn_shape = self.dense_shape.get("attn", {})
+        self.workspace = AttentionWorkspace(
+            B, nh, hk, D, parts(B, hk, cache.max_len, sms,
+                                attn_shape.get("min_chunk", ATTN_MIN_CHUNK)), dev)
         for l in self.layers:
             if isinstance(l, FusedLayer):
                 l.attn = self._attention(nh, hk, D, workspace=self.workspace, **l.attn,
-                                         **self.dense_shape.get("attn", {}))
+                                         **attn_shape)
         # profiling only: parts of every fused layer the step leaves out (`ABLATE` names them;
         # `benchmarks/profile_decode.py --ablate` captures the step without each to time what it
         # costs inside the graph; the logits are then meaningless)

@@ -23,11 +23,13 @@
 //   block whose part holds pos[b], before (__syncthreads) that block reads its positions; no
 //   other block reads position pos[b] (the parts are disjoint).
 // - part_o [B, nh, NS, D], part_ml [B, nh, NS, 2] (max, sum of exponentials): written by block
-//   (s, h, b) for its G heads (an empty part writes −inf, 0 and zeros), then a fence, then a
-//   ticket on count[b, h].
-// - out [B, nh · D]: written by the last block of (h, b) to take a ticket, which reads every
-//   part through L2 and merges them (with the sink's exp(sink − m) in the denominator), and puts
-//   count[b, h] back to zero for the next launch. An empty part (−inf, 0, zeros) weighs 0.
+//   (s, h, b) for its G heads, then a fence, then a ticket on count[b, h]. Only the parts that
+//   hold positions take part: the first ceil(n / chunk) of the NS (n the positions slot b's token
+//   attends to), worked out alike by every block from pos[b]; a block of a part past them
+//   returns at once, writing nothing.
+// - out [B, nh · D]: written by the last block of (h, b) to take a ticket, which reads the used
+//   parts through L2 and merges them (with the sink's exp(sink − m) in the denominator), and
+//   puts count[b, h] back to zero for the next launch.
 //   The merge's part weights live in the block's scratch: G · NS ≤ max(G, 2) · D, so NS ≤ 64.
 //
 // AHEAD = 1: a tile's loads are issued together, ahead of their use. A warp's value rows of the
@@ -171,6 +173,10 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     const i64 lo = window > 0 ? max((i64)0, P - window + 1) : 0;
     const i64 n = P - lo + 1;
     const i64 chunk = max((i64)MINCHUNK, (n + NS - 1) / NS);
+    // the parts that hold positions: 1 .. NS (a short context leaves the rest empty); only they
+    // take part, so the ticket counts them and the merge reads them alone
+    const int used = (int)((n + chunk - 1) / chunk);
+    if (s >= used) return;
     const i64 start = lo + s * chunk, end = min(start + chunk, P + 1);
     const u16* cs = cos_t + P * D;
     const u16* sn = sin_t + P * D;
@@ -334,47 +340,46 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         }
         __syncthreads();
     }
-    const bool empty = start > P;
     for (int i = threadIdx.x; i < G * D; i += THREADS) {
         const int g = i / D, c = i % D;
         const i64 head = (i64)b * nh + h * G + g;
-        part_o[(head * NS + s) * D + c] = empty ? 0.0f : tmp[i];
+        part_o[(head * NS + s) * D + c] = tmp[i];
         if (c == 0) {
-            part_ml[(head * NS + s) * 2] = empty ? -__int_as_float(0x7f800000) : m_run[g];
-            part_ml[(head * NS + s) * 2 + 1] = empty ? 0.0f : l_run[g];
+            part_ml[(head * NS + s) * 2] = m_run[g];
+            part_ml[(head * NS + s) * 2 + 1] = l_run[g];
         }
     }
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        last = atomicAdd(&count[b * hk + h], 1) == NS - 1;
+        last = atomicAdd(&count[b * hk + h], 1) == used - 1;
         if (last) count[b * hk + h] = 0;
     }
     __syncthreads();
     if (!last) return;
     __threadfence();
     // the merge: part weights per head first (G·NS ≤ the scratch, checked by the launcher),
-    // then each output element sums its NS parts with loads that depend on nothing
+    // then each output element sums its used parts with loads that depend on nothing
     float* wm = tmp;                           // [G][NS]: max, then the part's weight
     float* wl = qs;                            // [G][NS]: sum of exponentials
-    for (int i = threadIdx.x; i < G * NS; i += THREADS) {
-        const int g = i / NS, q = i % NS;
+    for (int i = threadIdx.x; i < G * used; i += THREADS) {
+        const int g = i / used, q = i % used;
         const i64 head = (i64)b * nh + h * G + g;
-        wm[i] = ld_cg(part_ml + (head * NS + q) * 2);
-        wl[i] = ld_cg(part_ml + (head * NS + q) * 2 + 1);
+        wm[g * NS + q] = ld_cg(part_ml + (head * NS + q) * 2);
+        wl[g * NS + q] = ld_cg(part_ml + (head * NS + q) * 2 + 1);
     }
     __syncthreads();
     for (int g = warp; g < G; g += NWARP) {
         const float sink = sinks ? bf16_to_f32(sinks[h * G + g]) : -__int_as_float(0x7f800000);
         float M = sink;
-        for (int q = lane; q < NS; q += 32) M = fmaxf(M, wm[g * NS + q]);
+        for (int q = lane; q < used; q += 32) M = fmaxf(M, wm[g * NS + q]);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
         float den = 0.0f;
-        for (int q = lane; q < NS; q += 32) den += expf(wm[g * NS + q] - M) * wl[g * NS + q];
+        for (int q = lane; q < used; q += 32) den += expf(wm[g * NS + q] - M) * wl[g * NS + q];
         den = warp_sum(den) + (sinks ? expf(sink - M) : 0.0f);
         __syncwarp();
-        for (int q = lane; q < NS; q += 32) wm[g * NS + q] = expf(wm[g * NS + q] - M) / den;
+        for (int q = lane; q < used; q += 32) wm[g * NS + q] = expf(wm[g * NS + q] - M) / den;
     }
     __syncthreads();
 #if AHEAD
@@ -387,7 +392,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     for (int e = 0; e < EPT; ++e) num[e] = 0.0f;
     // element i's part q sits at part_o + ((b·nh + h·G + i / D) · NS + q) · D + i % D
     const float* po = part_o + ((i64)b * nh + h * G) * NS * D;
-    for (int q0 = 0; q0 < NS; q0 += MP) {
+    for (int q0 = 0; q0 < used; q0 += MP) {
         float v[EPT][MP];
 #pragma unroll
         for (int e = 0; e < EPT; ++e) {
@@ -395,14 +400,14 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
             const float* o = po + ((i / D) * NS + q0) * D + i % D;
 #pragma unroll
             for (int k = 0; k < MP; ++k)
-                v[e][k] = i < G * D && q0 + k < NS ? ld_cg(o + k * D) : 0.0f;
+                v[e][k] = i < G * D && q0 + k < used ? ld_cg(o + k * D) : 0.0f;
         }
 #pragma unroll
         for (int e = 0; e < EPT; ++e) {
             const int g = (threadIdx.x + e * THREADS) / D;
 #pragma unroll
             for (int k = 0; k < MP; ++k)
-                if (q0 + k < NS && g < G) num[e] += wm[g * NS + q0 + k] * v[e][k];
+                if (q0 + k < used && g < G) num[e] += wm[g * NS + q0 + k] * v[e][k];
         }
     }
 #pragma unroll
@@ -417,7 +422,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         const float* o = part_o + head * NS * D + c;
         float num = 0.0f;
 #pragma unroll 8
-        for (int q = 0; q < NS; ++q) num += wm[g * NS + q] * ld_cg(o + (i64)q * D);
+        for (int q = 0; q < used; ++q) num += wm[g * NS + q] * ld_cg(o + (i64)q * D);
         out[(i64)b * nh * D + (i64)(h * G + g) * D + c] = f32_to_bf16(num);
     }
 #endif

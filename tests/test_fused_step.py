@@ -282,6 +282,10 @@ def test_dense_shape_parser():
     assert parse_dense_shape("attn=ahead,qkv=w4") == {"attn": {"ahead": True}, "qkv": {"warps": 4}}
     assert parse_dense_shape("attn=plain,qkv=w8k1") == {"attn": {"ahead": False},
                                                        "qkv": {"warps": 8, "split_k": 1}}
+    assert parse_dense_shape("attn=aheadc256") == {"attn": {"ahead": True, "min_chunk": 256}}
+    assert parse_dense_shape("attn=plainc64") == {"attn": {"ahead": False, "min_chunk": 64}}
+    assert parse_dense_shape("attn=c128,o=k2") == {"attn": {"min_chunk": 128},
+                                                   "o": {"split_k": 2}}
     from cupool.fused import DEFAULT_DENSE_SHAPE
     parse_dense_shape(DEFAULT_DENSE_SHAPE)
     for bad, why in (("qkv=w5", "warps"), ("o=k0", "split_k"), ("o=k17", "split_k"),
@@ -289,7 +293,9 @@ def test_dense_shape_parser():
                      ("qkv", "gemv one of"), ("qkv=w4,", "gemv one of"), ("qkv=k2w4", "shape"),
                      ("qkv=w4 ", "shape"), ("qkv=w4;o=k2", "shape"), ("QKV=w4", "gemv one of"),
                      ("attn=w4", "not ahead"), ("attn=ahead,attn=ahead", "twice"),
-                     ("attn=Plain", "not ahead"),
+                     ("attn=Plain", "not ahead"), ("attn=c100", "min_chunk"),
+                     ("attn=aheadc0", "min_chunk"), ("attn=c8192", "min_chunk"),
+                     ("attn=cahead", "not ahead"), ("attn=c", "not ahead"),
                      ("attn", "gemv one of")):
         with pytest.raises(ValueError, match="CUPOOL_DENSE_SHAPE") as e:
             parse_dense_shape(bad)
@@ -336,13 +342,21 @@ def test_fused_step_takes_the_dense_shape_from_the_environment(monkeypatch):
 
     class RecordingAttention(ref.AttentionReference):
         def __init__(self, *args, **kw):
-            attn_kw.append(kw.get("ahead"))
+            attn_kw.append((kw.get("ahead"), kw.get("min_chunk")))
             super().__init__(*args, **kw)
 
     monkeypatch.setattr(fused, "AttentionReference", RecordingAttention)
     monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "attn=ahead")
     got, *_ = compare_step(model, None, "reference", [[5, 9, 3]], [11])
-    assert attn_kw == [True] * 3 and torch.equal(got, base)
+    assert attn_kw == [(True, None)] * 3 and torch.equal(got, base)
+    # attn=c<n> changes only the parts: the default's build stays
+    monkeypatch.setattr(fused, "DEFAULT_DENSE_SHAPE", "attn=ahead")
+    for value, want in (("attn=c128", (True, 128)), ("attn=plainc256", (False, 256))):
+        attn_kw.clear()
+        monkeypatch.setenv("CUPOOL_DENSE_SHAPE", value)
+        got, _, _, _, step = compare_step(model, None, "reference", [[5, 9, 3]], [11])
+        assert attn_kw == [want] * 3 and torch.equal(got, base), (value, attn_kw)
+        assert step.workspace.num_parts == 1            # 40 positions: one part of >= 128
     monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "qkv=w3")
     with pytest.raises(ValueError, match="CUPOOL_DENSE_SHAPE='qkv=w3'"):
         compare_step(model, None, "reference", [[5, 9, 3]], [11])

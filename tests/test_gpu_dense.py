@@ -300,9 +300,12 @@ def _attention_inputs(B, nh, hk, D, L, qk_norm, sinks, gen):
     return qkv, kc, vc, cos, sin, qn, kn, sk
 
 
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("ahead,min_chunk", [(False, 64), (True, 64), (True, 192)])
 @pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", ATTN_CASES)
-def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sinks, ahead):
+def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sinks, ahead,
+                                           min_chunk):
+    """Against the reference at the last position, at 0 and at random ones: parts of the
+    default 64 positions and of 192 (fewer parts hold positions; the rest do not run)."""
     from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
     gen = torch.Generator(device="cuda").manual_seed(B * 1000 + L)
     qkv, kc, vc, cos, sin, qn, kn, sk = _attention_inputs(B, nh, hk, D, L, qk_norm, sinks, gen)
@@ -311,9 +314,9 @@ def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sin
     if B > 1:
         pos[1] = 0
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms), "cuda")
+    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms, min_chunk), "cuda")
     op = DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
-                         window=window, sinks=sk, workspace=ws, ahead=ahead)
+                         window=window, sinks=sk, workspace=ws, ahead=ahead, min_chunk=min_chunk)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kc_ref, vc_ref,
                                 D ** -0.5, window, sk)

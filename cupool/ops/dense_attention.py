@@ -26,12 +26,23 @@ HEAD_DIMS = (64, 128, 192, 256)
 MAX_PARTS = 64
 
 
-def parts(tokens: int, kv_heads: int, max_len: int, sm_count: int) -> int:
+def parts(tokens: int, kv_heads: int, max_len: int, sm_count: int,
+          min_chunk: int = MINCHUNK) -> int:
     """NS: enough blocks for two a streaming multiprocessor at the longest context, but no more
-    parts than max_len has MINCHUNK-position pieces (the kernel cuts them from each slot's own
-    position at run time, so short contexts leave the surplus parts empty)."""
+    parts than max_len has min_chunk-position pieces (the kernel cuts them from each slot's own
+    position at run time, and only the parts that hold positions run: a short context uses
+    few)."""
     want = -(-2 * sm_count // (tokens * kv_heads))
-    return max(1, min(want, -(-max_len // MINCHUNK), MAX_PARTS))
+    return max(1, min(want, -(-max_len // min_chunk), MAX_PARTS))
+
+
+def check_min_chunk(min_chunk) -> int:
+    """min_chunk as an int, or ValueError: a multiple of the kernel's 64-position tile, 64 to
+    4096."""
+    if isinstance(min_chunk, bool) or not isinstance(min_chunk, int) or min_chunk % 64 \
+            or not 64 <= min_chunk <= 4096:
+        raise ValueError(f"min_chunk must be a multiple of 64 in [64, 4096], got {min_chunk!r}")
+    return min_chunk
 
 
 class AttentionWorkspace:
@@ -75,11 +86,15 @@ class DecodeAttention:
         workspace: an AttentionWorkspace of matching shape (shared by a step's layers).
         ahead: the build that issues a tile's key and value loads ahead of their use (the
             kernel's AHEAD; the same output bits, more registers).
+        min_chunk: fewest positions a part (the kernel's MINCHUNK): a context of n positions
+            runs ceil(n / max(min_chunk, n / NS)) parts, merged by the last. Fewer, longer
+            parts cost less to merge; more keep more SMs busy.
     """
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, *, q_norm=None, k_norm=None,
                  eps: float = 1e-6, scale: float, window: int = 0, sinks=None,
-                 workspace: AttentionWorkspace, ahead: bool = False):
+                 workspace: AttentionWorkspace, ahead: bool = False,
+                 min_chunk: int = MINCHUNK):
         for name, v in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -112,7 +127,8 @@ class DecodeAttention:
         if not isinstance(ahead, bool):
             raise ValueError(f"ahead must be True or False, got {ahead!r}")
         self.ahead = ahead
-        defines = {"D": head_dim, "G": G, "MINCHUNK": MINCHUNK}
+        self.min_chunk = check_min_chunk(min_chunk)
+        defines = {"D": head_dim, "G": G, "MINCHUNK": self.min_chunk}
         if ahead:
             defines["AHEAD"] = 1
         self.kernel = kernels.function("dense_attention", "dense_attention", defines, dev.index)

@@ -168,10 +168,10 @@ class GemvReference:
 
 class AttentionReference:
     """`cupool.ops.dense_attention.DecodeAttention`'s interface computed by `attention_decode`
-    (`ahead`, a choice of kernel build, changes nothing here)."""
+    (`ahead` and `min_chunk`, choices of kernel build and split, change nothing here)."""
 
     def __init__(self, heads, kv_heads, head_dim, *, q_norm=None, k_norm=None, eps=1e-6,
-                 scale, window=0, sinks=None, workspace=None, ahead=False):
+                 scale, window=0, sinks=None, workspace=None, ahead=False, min_chunk=64):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_norm, self.k_norm, self.eps = q_norm, k_norm, eps
         self.scale, self.window, self.sinks = scale, window, sinks
