@@ -111,7 +111,7 @@ def main(args) -> None:
     # every slot active at a real position, so the step reads what a running batch reads
     eng.active.fill_(True)
     if args.context > S:
-        with torch.no_grad():
+        with torch.inference_mode():         # the cache's tensors were made under it
             for t in eng.cache.keys + eng.cache.values:
                 if t is not None:
                     t[:, :, S:].normal_(0, 1, generator=gen)
