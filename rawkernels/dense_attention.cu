@@ -40,6 +40,13 @@
 // L2 round trip after another, which one warp a scheduler does not hide. The last block's merge
 // likewise issues the loads of all its elements' parts eight parts at a time (AHEAD = 0: one element
 // after another). The sums run in the same order either way: the outputs are the same bits.
+//
+// ATTN_TRACE = 1 is the profiling build (the same outputs): thread 0 of each block writes
+// %globaltimer stamps into trace [block][TRACE_STAMPS] (block = s + NS·(h + hk·b)): 0 start,
+// 1 producers waited for, 2 queries normed and rotated, 3 the new key and value written (the
+// block holding pos, else as 2), 4 the tile loop done, 5 the part written and its ticket taken,
+// 6 the merge's part weights ready and 7 the merge done (the last block only). A part past the
+// used ones stamps 0 alone. benchmarks/profile_attention.py reads them.
 #include "common.cuh"
 
 #ifndef D
@@ -54,6 +61,10 @@
 #ifndef AHEAD
 #define AHEAD 0           // 1: a tile's key and value loads issued ahead of their use (below)
 #endif
+#ifndef ATTN_TRACE
+#define ATTN_TRACE 0
+#endif
+#define TRACE_STAMPS 8
 #define TP 64             // positions a tile
 #define THREADS 128
 #define NWARP (THREADS / 32)
@@ -123,6 +134,21 @@ CUPOOL_DEVICE void add_pv(float (&acc)[G][DPL], const float (&sc)[G][TP], int p,
 
 CUPOOL_DEVICE float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+#if ATTN_TRACE
+// stamp k of this block (thread 0)
+#define STAMP(k)                                                                              \
+    do {                                                                                      \
+        if (threadIdx.x == 0) {                                                               \
+            u64 t_;                                                                           \
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                            \
+            trace[(blockIdx.x + (i64)gridDim.x * (blockIdx.y + (i64)gridDim.y * blockIdx.z)) \
+                  * TRACE_STAMPS + (k)] = t_;                                                 \
+        }                                                                                     \
+    } while (0)
+#else
+#define STAMP(k) do {} while (0)
+#endif
+
 // x [n][D] (float holding bf16 values) → norm (if w) and rotary embedding, in place, rows in
 // parallel over the block; tmp is a [n][D] scratch. Every thread of the block calls it.
 CUPOOL_DEVICE void norm_rope(float* x, float* tmp, int n, const u16* w, float eps,
@@ -158,13 +184,18 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
                 const u16* __restrict__ cos_t, const u16* __restrict__ sin_t,
                 const i64* __restrict__ pos, u16* kc, u16* vc, i32 max_len,
                 float scale, i32 window, const u16* __restrict__ sinks,
-                float* part_o, float* part_ml, i32* count, u16* out) {
+                float* part_o, float* part_ml, i32* count, u16* out
+#if ATTN_TRACE
+                , u64* trace
+#endif
+                ) {
     __shared__ float qs[G * D];        // queries, normed and rotated (bf16 values)
     __shared__ float tmp[(G > 1 ? G : 2) * D];   // scratch; then the merge of the warps' P·V
     __shared__ float sc[G][TP];        // a tile's scores, then its probabilities
     __shared__ float m_run[G], l_run[G], alpha[G];
     __shared__ int last;
 
+    STAMP(0);
     const int NS = gridDim.x, s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const i64 stride = (i64)(nh + 2 * hk) * D;               // one token's q, k, v
@@ -204,11 +235,14 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     // table are older: read above, before the wait, when launched as a dependent)
     wait_for_producers();
     let_consumers_launch();
+    STAMP(1);
     for (int i = threadIdx.x; i < G * D; i += THREADS)
         qs[i] = bf16_to_f32(row[(i64)(h * G) * D + i]);
     if (threadIdx.x < G) { m_run[threadIdx.x] = -__int_as_float(0x7f800000); l_run[threadIdx.x] = 0.0f; }
     __syncthreads();
     norm_rope(qs, tmp, G, q_norm, eps, cs, sn);
+    STAMP(2);
+    STAMP(3);
 
     if (start <= P && P < end) {               // this part holds the new token: write k and v
         for (int i = threadIdx.x; i < D; i += THREADS)
@@ -220,6 +254,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
             vc[cache_base + P * D + i] = row[(i64)(nh + hk + h) * D + i];
         }
         __syncthreads();
+        STAMP(3);
     }
 
     float acc[G][DPL];
@@ -327,6 +362,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         __syncthreads();
     }
 
+    STAMP(4);
     // the warps' P·V sums, in warp order (deterministic), into tmp [G][D]
     for (int w = 0; w < NWARP; ++w) {
         if (warp == w) {
@@ -356,6 +392,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         if (last) count[b * hk + h] = 0;
     }
     __syncthreads();
+    STAMP(5);
     if (!last) return;
     __threadfence();
     // the merge: part weights per head first (G·NS ≤ the scratch, checked by the launcher),
@@ -382,6 +419,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         for (int q = lane; q < used; q += 32) wm[g * NS + q] = expf(wm[g * NS + q] - M) / den;
     }
     __syncthreads();
+    STAMP(6);
 #if AHEAD
     // a thread's EPT elements i = threadIdx.x + e · THREADS together: the loads of MP parts of
     // every element are issued at once, then summed part by part (the order of the loop below)
@@ -426,4 +464,5 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         out[(i64)b * nh * D + (i64)(h * G + g) * D + c] = f32_to_bf16(num);
     }
 #endif
+    STAMP(7);
 }

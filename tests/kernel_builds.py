@@ -166,6 +166,8 @@ VARIANTS = [
     ("dense_attention", "-DD=64 -DG=1 -DMINCHUNK=64 -DAHEAD=1"),
     # parts of at least 192 positions (CUPOOL_DENSE_SHAPE attn=aheadc192)
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=192 -DAHEAD=1"),
+    # its profiling build (benchmarks/profile_attention.py)
+    ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64 -DAHEAD=1 -DATTN_TRACE=1"),
     ("moe_decode", "-DDECODE_TRACE=1 -DNT=16 -DMAXW=256 -DW13_KSPLIT=2 -DHP=128 -DIP=64 -DHFULL=0"),
     # experts without a gate (ROW_GATED=0, ReLU(up)²): the Nemotron-H pair decode (calls of more
     # than 256 lanes), the other W13_KSPLITs, fp16 and padded dims (H=80, I=48), unit of 16 lanes

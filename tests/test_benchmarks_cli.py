@@ -33,7 +33,8 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"
 EXAMPLE_SCRIPTS = ("budget_report.py", "decode_loop.py", "hf_generate.py")
 MINE = ("bench_store.py", "bench_nvfp4.py", "bench_planner.py", "bench_gemm.py", "bench_decode.py",
         "bench_long.py", "bench_prefix.py", "bench_ngram.py",
-        "profile_decode.py", "profile_gemm.py", "profile_host.py", "profile_read.py",
+        "profile_attention.py", "profile_decode.py", "profile_gemm.py", "profile_host.py",
+        "profile_read.py",
         "ncu_source.py") + EXAMPLE_SCRIPTS
 
 
@@ -53,7 +54,8 @@ NEEDS_GPU = [
     ["bench_ngram.py", "--table", "1GiB", "--batches", "1", "4"],
     ["bench_long.py", "--contexts", "4096", "--soak-steps", "96"],
     ["bench_prefix.py", "--small", "--profile"],
-    ["profile_decode.py", "--layers", "2"],
+    ["profile_decode.py", "--layers", "2", "--context", "4096"],
+    ["profile_attention.py", "--contexts", "80", "4096", "--min-chunk", "64", "256"],
     ["profile_gemm.py", "--sweep", "minb=4", "default"],
     ["profile_host.py", "--tokens", "64"],
     ["profile_read.py", "--skip-decode"],
@@ -109,6 +111,10 @@ BAD = BAD_SUBPROCESS + [
     (["profile_decode.py", "--steps", "0"], "--steps"),
     (["profile_decode.py", "--layers", "-2"], "--layers"),
     (["profile_decode.py", "--bank", "101"], "--bank"),
+    (["profile_decode.py", "--context", "8"], "--context"),
+    (["profile_attention.py", "--min-chunk", "100"], "--min-chunk"),
+    (["profile_attention.py", "--contexts", "0"], "--contexts"),
+    (["profile_attention.py", "--layers", "0"], "--layers"),
     (["profile_gemm.py", "--cases", "2048:17"], "--cases"),
     (["profile_gemm.py", "--sweep", "stage=2"], "--sweep"),
     (["profile_gemm.py", "--prefill-sweep", "NB=x"], "--prefill-sweep"),

@@ -366,6 +366,53 @@ def test_dense_attention_ahead_gives_the_same_bits(B, nh, hk, D, L, qk_norm, win
     assert torch.equal(k0, k1) and torch.equal(v0, v1)
 
 
+def test_dense_attention_trace_build_gives_the_same_bits():
+    """The ATTN_TRACE build (benchmarks/profile_attention.py) writes the default build's output
+    and cache bits, and its stamps: each used part's block in phase order, the parts past them
+    only a start, one merge a KV head of each token, after every used part's ticket."""
+    from cupool.ops.dense_attention import (
+        TRACE_STAMPS,
+        AttentionWorkspace,
+        DecodeAttention,
+        parts,
+        trace_buffer,
+    )
+    B, nh, hk, D, L = 2, 32, 4, 128, 1500
+    gen = torch.Generator(device="cuda").manual_seed(43)
+    qkv, kc, vc, cos, sin, qn, kn, _ = _attention_inputs(B, nh, hk, D, L, True, False, gen)
+    pos = torch.tensor([L - 1, 70], device="cuda")
+    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, 132), "cuda")
+    kw = dict(q_norm=qn, k_norm=kn, scale=D ** -0.5, workspace=ws, ahead=True)
+    got = []
+    stamps = trace_buffer(ws)
+    for op in (DecodeAttention(nh, hk, D, **kw), DecodeAttention(nh, hk, D, **kw, trace=True)):
+        k, v = kc.clone(), vc.clone()
+        out = poison(B, nh * D)
+        op(qkv, pos, k, v, cos, sin, out, **({"trace": stamps} if op.trace else {}))
+        got.append((out, k, v))
+    torch.cuda.synchronize()
+    assert not got[0][0].isnan().any()
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    st = stamps.view(B, hk, ws.num_parts, TRACE_STAMPS).cpu()
+    NS = ws.num_parts
+    for b, n in enumerate((L, 71)):
+        chunk = max(64, -(-n // NS))
+        used = -(-n // chunk)
+        s = st[b]
+        assert (s[:, :used, :6] > 0).all() and (s[:, used:, 1:] == 0).all()
+        assert (s[:, used:, 0] > 0).all()
+        assert (s[:, :used, 1:6].diff(dim=-1) >= 0).all()
+        merged = s[:, :used, 7] > 0
+        assert (merged.sum(dim=1) == 1).all()                  # one last block a KV head
+        assert (s[:, :used, 7][merged] >= s[:, :used, 5].max(dim=1).values).all()
+    with pytest.raises(ValueError, match="trace belongs"):
+        DecodeAttention(nh, hk, D, **kw)(qkv, pos, kc, vc, cos, sin, got[0][0], trace=stamps)
+    with pytest.raises(ValueError, match="trace must be a contiguous torch.int64"):
+        DecodeAttention(nh, hk, D, **kw, trace=True)(qkv, pos, kc, vc, cos, sin, got[0][0],
+                                                     trace=stamps[1:])
+
+
 def test_dense_attention_replays_at_new_positions():
     """Captured once, replayed with pos moved on the device: the parts are cut at run time."""
     from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts

@@ -24,6 +24,7 @@ MINCHUNK = 64                   # fewest positions a part (the kernel's MINCHUNK
 HEAD_DIMS = (64, 128, 192, 256)
 # the merge keeps G · NS part weights where the block's G · D scratch is: NS ≤ 64 for D ≥ 64
 MAX_PARTS = 64
+TRACE_STAMPS = 8                # the ATTN_TRACE build's stamps a block
 
 
 def parts(tokens: int, kv_heads: int, max_len: int, sm_count: int,
@@ -74,6 +75,14 @@ def _vec(name: str, t, n: int, device):
         raise ValueError(f"{name} must be a contiguous bfloat16 [{n}] tensor on {device}, got {got}")
 
 
+def trace_buffer(workspace: AttentionWorkspace) -> torch.Tensor:
+    """Zeroed int64 stamps of a traced launch: [NS · hk · B · TRACE_STAMPS], block s + NS·(h +
+    hk·b)'s TRACE_STAMPS from its index times TRACE_STAMPS (rawkernels/dense_attention.cu)."""
+    ws = workspace
+    return torch.zeros(ws.num_parts * ws.kv_heads * ws.tokens * TRACE_STAMPS, dtype=torch.int64,
+                       device=ws.part_o.device)
+
+
 class DecodeAttention:
     """One layer's decode attention (see the module docstring).
 
@@ -89,12 +98,14 @@ class DecodeAttention:
         min_chunk: fewest positions a part (the kernel's MINCHUNK): a context of n positions
             runs ceil(n / max(min_chunk, n / NS)) parts, merged by the last. Fewer, longer
             parts cost less to merge; more keep more SMs busy.
+        trace: the profiling build (the kernel's ATTN_TRACE: the same outputs, and each block's
+            phase times written to the `trace` buffer a call passes; `trace_buffer`).
     """
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, *, q_norm=None, k_norm=None,
                  eps: float = 1e-6, scale: float, window: int = 0, sinks=None,
                  workspace: AttentionWorkspace, ahead: bool = False,
-                 min_chunk: int = MINCHUNK):
+                 min_chunk: int = MINCHUNK, trace: bool = False):
         for name, v in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -131,13 +142,19 @@ class DecodeAttention:
         defines = {"D": head_dim, "G": G, "MINCHUNK": self.min_chunk}
         if ahead:
             defines["AHEAD"] = 1
+        if not isinstance(trace, bool):
+            raise ValueError(f"trace must be True or False, got {trace!r}")
+        self.trace = trace
+        if trace:
+            defines["ATTN_TRACE"] = 1
         self.kernel = kernels.function("dense_attention", "dense_attention", defines, dev.index)
 
     def __call__(self, qkv: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, trace: torch.Tensor | None = None) -> None:
         """qkv bf16 [B, (nh + 2 hk)·D]; pos int64 [B]; k_cache / v_cache bf16 [B, hk, L_max, D]
-        (updated at pos); cos / sin bf16 [L_max, D]; out bf16 [B, nh·D]. One launch."""
+        (updated at pos); cos / sin bf16 [L_max, D]; out bf16 [B, nh·D]; trace: the stamps'
+        buffer (`trace_buffer`), for a launcher built with trace=True only. One launch."""
         ws, D = self.workspace, self.head_dim
         B, nh, hk = ws.tokens, self.heads, self.kv_heads
         dev = self.device
@@ -162,6 +179,10 @@ class DecodeAttention:
         check("cos", cos, (L, D), bf)
         check("sin", sin, (L, D), bf)
         check("out", out, (B, nh * D), bf)
+        if self.trace:
+            check("trace", trace, (ws.num_parts * hk * B * TRACE_STAMPS,), torch.int64)
+        elif trace is not None:
+            raise ValueError("trace belongs to a DecodeAttention built with trace=True")
         null = kernels.NULL
         kernels.launch(self.kernel, (ws.num_parts, hk, B), THREADS, (
             qkv, kernels.i32(nh), kernels.i32(hk),
@@ -169,4 +190,5 @@ class DecodeAttention:
             null if self.k_norm is None else self.k_norm, kernels.f32(self.eps),
             cos, sin, pos, k_cache, v_cache, kernels.i32(L), kernels.f32(self.scale),
             kernels.i32(self.window), null if self.sinks is None else self.sinks,
-            ws.part_o, ws.part_ml, ws.count, out), device=dev, dependent=True)
+            ws.part_o, ws.part_ml, ws.count, out) + ((trace,) if self.trace else ()),
+            device=dev, dependent=True)
