@@ -1,5 +1,5 @@
-// A CPU stand-in for the CUDA features cupool's single-block kernels use, so their real source runs
-// in CPU tests (and under ThreadSanitizer, which then reports any shared- or global-memory access
+// A CPU stand-in for the CUDA features cupool's plan step and decode attention use, so their real
+// source runs in CPU tests (and under ThreadSanitizer, which then reports any shared- or global-memory access
 // that two threads make without a barrier between them: what compute-sanitizer's racecheck finds
 // on the GPU, found here without one).
 //
@@ -10,12 +10,16 @@
 // deadlocks instead of silently working: fibers report it and abort, threads hang (the harness
 // times out). Fibers switch only at barriers, so a run is deterministic and about ten times
 // faster than one thread per CUDA thread on a few cores; races are what the threads build is for.
-// `__shared__` becomes `static`: one block per launch, launches one after another. Not emulated:
-// several blocks, memory fences beyond barriers, texture/async ops.
+// `__shared__` becomes `static`: one block at a time. A grid (`emu_launch_grid`) runs its blocks
+// one after another, x fastest, so a kernel whose last block (by a ticket) finishes the work sees
+// every other block's writes; it cannot show what concurrent blocks would race on. Not emulated:
+// memory fences beyond barriers (blocks never overlap), texture/async ops.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -38,6 +42,10 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
 
 struct EmuDim3 {
     unsigned x = 0, y = 0, z = 0;
@@ -119,15 +127,30 @@ inline void emu_check_mask(unsigned mask) {
 // warp barrier an exchange: exchange n writes buffer n % 2, and a lane can only write that buffer
 // again at exchange n + 2, after passing exchange n + 1's barrier, which every lane reaches only
 // once it has read exchange n's values.
+// Values travel as their bits (a float keeps its bits; an int its low bytes, as on the GPU).
 template <class T, class Pick>
 T emu_warp_exchange(T v, Pick pick) {
+    static_assert(sizeof(T) <= sizeof(long long), "a warp exchange of at most 8 bytes");
     const int lane = threadIdx.x & 31;
     EmuWarp& w = emu_warps[threadIdx.x >> 5];
     long long* vals = w.vals[emu_exchanges()++ & 1];
-    vals[lane] = static_cast<long long>(v);
+    long long bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    vals[lane] = bits;
     w.bar.arrive_and_wait();
-    return static_cast<T>(pick(lane, vals));
+    const long long got = pick(lane, vals);
+    T out;
+    std::memcpy(&out, &got, sizeof(T));
+    return out;
 }
+
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    emu_check_mask(mask);
+    emu_warp_exchange<int>(0, [](int, const long long*) { return 0LL; });
+}
+
+// blocks run one after another: a fence orders nothing that is not already ordered
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 inline unsigned __ballot_sync(unsigned mask, int pred) {
     emu_check_mask(mask);
@@ -162,6 +185,14 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float expf(float x) { return std::exp(x); }
+inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 
 template <class T, class U>
 T atomicOr(T* p, U v) { return std::atomic_ref<T>(*p).fetch_or(static_cast<T>(v)); }
@@ -181,7 +212,8 @@ T atomicMin(T* p, U v) {
 // Runs body() once per thread of a block of `threads` threads with `smem_bytes` of dynamic shared
 // memory, filled with 0xAB so a kernel that reads shared memory it never wrote sees garbage.
 template <class F>
-void emu_launch(int threads, std::size_t smem_bytes, F body) {
+void emu_launch(int threads, std::size_t smem_bytes, F body, EmuDim3 at = {0, 0, 0},
+                EmuDim3 grid = {1, 1, 1}) {
     if (threads % 32 || threads <= 0) {
         std::fprintf(stderr, "cuda_emu: block of %d threads is not whole warps\n", threads);
         std::abort();
@@ -192,19 +224,19 @@ void emu_launch(int threads, std::size_t smem_bytes, F body) {
     emu_block_barrier = &block;
     std::unique_ptr<EmuWarp[]> warps(new EmuWarp[threads / 32]);
     emu_warps = warps.get();
-    blockIdx = {0, 0, 0};
+    blockIdx = at;
     blockDim = {static_cast<unsigned>(threads), 1, 1};
-    gridDim = {1, 1, 1};
+    gridDim = grid;
 #if EMU_THREADS
     std::vector<std::thread> pool;
     pool.reserve(threads);
     for (int t = 0; t < threads; ++t) {
-        pool.emplace_back([t, threads, &body] {
+        pool.emplace_back([t, threads, &body, at, grid] {
             threadIdx = {static_cast<unsigned>(t), 0, 0};
             emu_exchanges() = 0;
-            blockIdx = {0, 0, 0};
+            blockIdx = at;
             blockDim = {static_cast<unsigned>(threads), 1, 1};
-            gridDim = {1, 1, 1};
+            gridDim = grid;
             body();
         });
     }
@@ -246,4 +278,12 @@ void emu_launch(int threads, std::size_t smem_bytes, F body) {
     emu_fibers = nullptr;
     emu_cur = -1;
 #endif
+}
+
+// Every block of `grid`, one after another (x fastest, then y, then z).
+template <class F>
+void emu_launch_grid(EmuDim3 grid, int threads, std::size_t smem_bytes, F body) {
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) emu_launch(threads, smem_bytes, body, {x, y, z}, grid);
 }

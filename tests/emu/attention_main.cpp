@@ -1,0 +1,89 @@
+// Runs rawkernels/dense_attention.cu's decode attention on CPU fibers (cuda_emu.h), the blocks of
+// its grid (NS, hk, B) one after another, and writes what it wrote, for
+// tests/test_attention_emu.py to compare with the reference. D, G, MINCHUNK and AHEAD are the
+// build's defines.
+//
+// Input (int64 words): B, nh, hk, L, NS, window, has_q_norm, has_k_norm, has_sinks, the bits of
+// eps and scale (float32), pos[B]; then one bf16 a word: qkv[B·(nh + 2hk)·D], k_cache and v_cache
+// [B·hk·L·D] each, cos and sin [L·D] each, q_norm[D], k_norm[D], sinks[nh] (the absent ones
+// left out).
+// Output (int64 words): out[B·nh·D] (bf16), k_cache, v_cache (bf16), count[B·hk].
+#include "dense_attention.cu"  // the kernel, copied next to the emulated common.cuh
+
+#include <cstdio>
+#include <vector>
+
+static std::vector<long long> in;
+static std::size_t at = 0;
+
+static long long next() {
+    if (at >= in.size()) {
+        std::fprintf(stderr, "attention_main: input ends early\n");
+        std::exit(2);
+    }
+    return in[at++];
+}
+
+static std::vector<u16> words(long long n) {
+    std::vector<u16> v(n);
+    for (auto& x : v) x = (u16)next();
+    return v;
+}
+
+template <class T>
+static void put(std::FILE* f, const std::vector<T>& a) {
+    for (const T& x : a) {
+        const long long v = static_cast<long long>(x);
+        std::fwrite(&v, 8, 1, f);
+    }
+}
+
+int main(int argc, char** argv) {
+    if (argc != 3) {
+        std::fprintf(stderr, "usage: attention_main IN OUT\n");
+        return 2;
+    }
+    std::FILE* fi = std::fopen(argv[1], "rb");
+    if (!fi) return 2;
+    long long v;
+    while (std::fread(&v, 8, 1, fi) == 1) in.push_back(v);
+    std::fclose(fi);
+    const int B = (int)next(), nh = (int)next(), hk = (int)next(), L = (int)next();
+    const int NS = (int)next(), window = (int)next();
+    const bool has_qn = next(), has_kn = next(), has_sinks = next();
+    const u32 eps_bits = (u32)next(), scale_bits = (u32)next();
+    const float eps = __uint_as_float(eps_bits), scale = __uint_as_float(scale_bits);
+    std::vector<i64> pos(B);
+    for (auto& p : pos) p = next();
+    std::vector<u16> qkv = words((long long)B * (nh + 2 * hk) * D);
+    std::vector<u16> kc = words((long long)B * hk * L * D), vc = words((long long)B * hk * L * D);
+    std::vector<u16> cs = words((long long)L * D), sn = words((long long)L * D);
+    std::vector<u16> qn = has_qn ? words(D) : std::vector<u16>();
+    std::vector<u16> kn = has_kn ? words(D) : std::vector<u16>();
+    std::vector<u16> sk = has_sinks ? words(nh) : std::vector<u16>();
+    if (at != in.size()) {
+        std::fprintf(stderr, "attention_main: %zu input words left over\n", in.size() - at);
+        return 2;
+    }
+    // the workspace as the launcher allocates it; part_o poisoned (NaN), so a part the merge
+    // reads without its block having written it shows
+    std::vector<float> part_o((size_t)B * nh * NS * D, __uint_as_float(0x7fc00000u));
+    std::vector<float> part_ml((size_t)B * nh * NS * 2, __uint_as_float(0x7fc00000u));
+    std::vector<i32> count((size_t)B * hk, 0);
+    std::vector<u16> out((size_t)B * nh * D, 0x7fc0);
+    emu_launch_grid({(unsigned)NS, (unsigned)hk, (unsigned)B}, THREADS, 0, [&] {
+        dense_attention(qkv.data(), nh, hk, has_qn ? qn.data() : nullptr,
+                        has_kn ? kn.data() : nullptr, eps, cs.data(), sn.data(), pos.data(),
+                        kc.data(), vc.data(), L, scale, window,
+                        has_sinks ? sk.data() : nullptr, part_o.data(), part_ml.data(),
+                        count.data(), out.data());
+    });
+    std::FILE* fo = std::fopen(argv[2], "wb");
+    if (!fo) return 2;
+    put(fo, out);
+    put(fo, kc);
+    put(fo, vc);
+    put(fo, count);
+    std::fclose(fo);
+    return 0;
+}

@@ -1,0 +1,171 @@
+"""rawkernels/dense_attention.cu run on the CPU against `cupool.reference.dense.attention_decode`.
+
+The kernel's own source is compiled with g++ against tests/emu (the CUDA features it uses
+emulated, every block of its grid run one after another; `attention_main.cpp` drives it), so the
+split of a token's positions into parts, the parts past the used ones, the last block's merge,
+window, sinks, the q/k norms, the rotary embedding and the cache write are checked without a GPU.
+What concurrent blocks do to each other is the GPU tests' part (test_gpu_dense.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _planner_emu import unavailable
+from test_fused_step import rel
+
+from cupool.ops.dense_attention import THREADS, parts
+from cupool.reference import dense as ref
+
+ROOT = Path(__file__).resolve().parent.parent
+EMU = Path(__file__).resolve().parent / "emu"
+# the one line of PTX the kernel's own source holds outside common.cuh (its L2 load)
+LD_CG_ASM = 'asm("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");'
+ATTN_TOL = 1e-2                 # test_gpu_dense.py's: float32 sums in another order than torch's
+BUILDS = {
+    "d128g8": {"D": 128, "G": 8, "MINCHUNK": 64, "AHEAD": 1},      # Qwen3-30B-A3B's heads
+    "d64g4": {"D": 64, "G": 4, "MINCHUNK": 64, "AHEAD": 0},
+    "d128g8c192": {"D": 128, "G": 8, "MINCHUNK": 192, "AHEAD": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    src = (ROOT / "rawkernels" / "dense_attention.cu").read_text()
+    assert LD_CG_ASM in src, f"dense_attention.cu's ld_cg changed: update {__file__}"
+    work = tmp_path_factory.mktemp("attention_emu")
+    (work / "dense_attention.cu").write_text(src.replace(LD_CG_ASM, "v = *p;"))
+    shutil.copy(EMU / "common.cuh", work / "common.cuh")
+    exes = {}
+    for name, defines in BUILDS.items():
+        exe = work / name
+        cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O2", "-Wall",
+               "-Wno-unknown-pragmas", *(f"-D{k}={v}" for k, v in defines.items()),
+               f"-I{work}", f"-I{EMU}", str(EMU / "attention_main.cpp"), "-o", str(exe),
+               "-pthread"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
+        exes[name] = exe
+    return work, exes
+
+
+def _bf16_words(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+
+
+def _bf16(words: np.ndarray, shape) -> torch.Tensor:
+    return torch.from_numpy(words.astype(np.uint16).view(np.int16).copy()).view(
+        torch.bfloat16).reshape(shape)
+
+
+def run_kernel(builds, name, qkv, pos, kc, vc, cos, sin, qn, kn, sinks, nh, hk, window,
+               num_parts, eps, scale):
+    """The emulated launch over grid (num_parts, hk, B): (out, k_cache, v_cache, count)."""
+    work, exes = builds
+    B, L, D = qkv.shape[0], kc.shape[2], kc.shape[3]
+    f32 = lambda x: struct.unpack("<I", struct.pack("<f", x))[0]   # noqa: E731
+    head = [B, nh, hk, L, num_parts, window, qn is not None, kn is not None, sinks is not None,
+            f32(eps), f32(scale), *pos.tolist()]
+    parts_in = [np.asarray(head, dtype=np.int64)] + [
+        _bf16_words(t) .reshape(-1) for t in (qkv, kc, vc, cos, sin, qn, kn, sinks)
+        if t is not None]
+    src, dst = work / f"{name}.in", work / f"{name}.out"
+    np.concatenate(parts_in).astype(np.int64).tofile(src)
+    r = subprocess.run([str(exes[name]), str(src), str(dst)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = np.fromfile(dst, dtype=np.int64)
+    n_out, n_kv = B * nh * D, B * hk * L * D
+    assert got.size == n_out + 2 * n_kv + B * hk
+    out = _bf16(got[:n_out], (B, nh * D))
+    k = _bf16(got[n_out:n_out + n_kv], kc.shape)
+    v = _bf16(got[n_out + n_kv:n_out + 2 * n_kv], vc.shape)
+    return out, k, v, got[n_out + 2 * n_kv:]
+
+
+def _inputs(B, nh, hk, D, L, qk_norm, sinks, seed):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(torch.bfloat16)  # noqa
+    qkv, kc, vc = r(B, (nh + 2 * hk) * D), r(B, hk, L, D), r(B, hk, L, D)
+    ang = torch.rand(L, D // 2, generator=gen) * 6.3
+    cos = torch.cat([ang.cos()] * 2, -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin()] * 2, -1).to(torch.bfloat16)
+    qn = r(D, scale=0.3) + 1 if qk_norm else None
+    kn = r(D, scale=0.3) + 1 if qk_norm else None
+    sk = r(nh) if sinks else None
+    return qkv, kc, vc, cos, sin, qn, kn, sk
+
+
+CASES = [  # build, B, nh, hk, L, positions, qk_norm, window, sinks, sm_count (sets NS)
+    ("d128g8", 2, 16, 2, 700, [699, 5], True, 0, False, 8),      # 4 parts: all used, one used
+    ("d128g8", 1, 8, 1, 2100, [2099], True, 0, False, 64),       # 33 parts of 64 positions
+    ("d64g4", 3, 8, 2, 300, [299, 0, 123], False, 40, True, 12),  # window and sinks
+    ("d128g8c192", 2, 8, 1, 1000, [999, 100], True, 0, False, 32),  # parts of >= 192 positions
+]
+
+
+@pytest.mark.parametrize("build,B,nh,hk,L,positions,qk_norm,window,sinks,sms", CASES)
+def test_attention_kernel_source_matches_reference_on_cpu(builds, build, B, nh, hk, L, positions,
+                                                          qk_norm, window, sinks, sms):
+    D, G, min_chunk = BUILDS[build]["D"], BUILDS[build]["G"], BUILDS[build]["MINCHUNK"]
+    assert nh == G * hk
+    qkv, kc, vc, cos, sin, qn, kn, sk = _inputs(B, nh, hk, D, L, qk_norm, sinks, seed=L + B)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    NS = parts(B, hk, L, sms, min_chunk)
+    scale = D ** -0.5
+    out, k, v, count = run_kernel(builds, build, qkv, pos, kc, vc, cos, sin, qn, kn, sk, nh,
+                                  hk, window, NS, 1e-6, scale)
+    kr, vr = kc.clone(), vc.clone()
+    want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kr, vr, scale,
+                                window, sk)
+    assert (count == 0).all(), "the merge counters must be back at zero"
+    assert not out.isnan().any()
+    for b in range(B):
+        assert rel(out[b], want[b]) <= ATTN_TOL, (b, rel(out[b], want[b]))
+    written = torch.zeros(B, L, dtype=torch.bool)
+    written[torch.arange(B), pos] = True
+    for got, exp in ((k, kr), (v, vr)):
+        assert torch.equal(got.transpose(1, 2)[~written], exp.transpose(1, 2)[~written])
+    assert torch.equal(v.transpose(1, 2)[written], vr.transpose(1, 2)[written])
+    new, new_ref = k.transpose(1, 2)[written].float(), kr.transpose(1, 2)[written].float()
+    assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
+
+
+def test_attention_emulation_sees_a_wrong_merge(builds):
+    """The check can fail: a merge that leaves out the last used part is far from the
+    reference (the kernel's merge bound edited in the copied source)."""
+    work, exes = builds
+    src = (work / "dense_attention.cu").read_text()
+    bad = "if (q0 + k < used && g < G) num[e] += wm[g * NS + q0 + k] * v[e][k];"
+    assert bad in src, f"dense_attention.cu's merge sum changed: update {__file__}"
+    (work / "dense_attention.cu").write_text(src.replace(bad, bad.replace("< used", "< used - 1")))
+    exe = work / "wrong_merge"
+    try:
+        cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O2", "-Wno-unknown-pragmas",
+               *(f"-D{k}={v}" for k, v in BUILDS["d128g8"].items()), f"-I{work}", f"-I{EMU}",
+               str(EMU / "attention_main.cpp"), "-o", str(exe), "-pthread"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        (work / "dense_attention.cu").write_text(src)
+    B, nh, hk, D, L = 1, 16, 2, 128, 700
+    qkv, kc, vc, cos, sin, qn, kn, _ = _inputs(B, nh, hk, D, L, True, False, seed=3)
+    pos = torch.tensor([L - 1])
+    out, *_ = run_kernel((work, {"wrong": exe}), "wrong", qkv, pos, kc, vc, cos, sin, qn, kn,
+                         None, nh, hk, 0, parts(B, hk, L, 8), 1e-6, D ** -0.5)
+    want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kc.clone(), vc.clone(),
+                                D ** -0.5)
+    assert rel(out[0], want[0]) > 10 * ATTN_TOL
+
+
+def test_emulated_block_is_the_launchers():
+    assert THREADS == 128            # attention_main.cpp launches the kernel's own THREADS
