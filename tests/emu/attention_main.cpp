@@ -9,20 +9,7 @@
 // left out).
 // Output (int64 words): out[B·nh·D] (bf16), k_cache, v_cache (bf16), count[B·hk].
 #include "dense_attention.cu"  // the kernel, copied next to the emulated common.cuh
-
-#include <cstdio>
-#include <vector>
-
-static std::vector<long long> in;
-static std::size_t at = 0;
-
-static long long next() {
-    if (at >= in.size()) {
-        std::fprintf(stderr, "attention_main: input ends early\n");
-        std::exit(2);
-    }
-    return in[at++];
-}
+#include "emu_io.h"
 
 static std::vector<u16> words(long long n) {
     std::vector<u16> v(n);
@@ -30,24 +17,9 @@ static std::vector<u16> words(long long n) {
     return v;
 }
 
-template <class T>
-static void put(std::FILE* f, const std::vector<T>& a) {
-    for (const T& x : a) {
-        const long long v = static_cast<long long>(x);
-        std::fwrite(&v, 8, 1, f);
-    }
-}
-
 int main(int argc, char** argv) {
-    if (argc != 3) {
-        std::fprintf(stderr, "usage: attention_main IN OUT\n");
-        return 2;
-    }
-    std::FILE* fi = std::fopen(argv[1], "rb");
-    if (!fi) return 2;
-    long long v;
-    while (std::fread(&v, 8, 1, fi) == 1) in.push_back(v);
-    std::fclose(fi);
+    std::FILE* fo = emu_open(argc, argv, "attention_main");
+    if (!fo) return 2;
     const int B = (int)next(), nh = (int)next(), hk = (int)next(), L = (int)next();
     const int NS = (int)next(), window = (int)next();
     const bool has_qn = next(), has_kn = next(), has_sinks = next();
@@ -61,8 +33,8 @@ int main(int argc, char** argv) {
     std::vector<u16> qn = has_qn ? words(D) : std::vector<u16>();
     std::vector<u16> kn = has_kn ? words(D) : std::vector<u16>();
     std::vector<u16> sk = has_sinks ? words(nh) : std::vector<u16>();
-    if (at != in.size()) {
-        std::fprintf(stderr, "attention_main: %zu input words left over\n", in.size() - at);
+    if (emu_at != emu_in.size()) {
+        std::fprintf(stderr, "attention_main: %zu input words left over\n", emu_in.size() - emu_at);
         return 2;
     }
     // the workspace as the launcher allocates it; part_o poisoned (NaN), so a part the merge
@@ -78,8 +50,6 @@ int main(int argc, char** argv) {
                         has_sinks ? sk.data() : nullptr, part_o.data(), part_ml.data(),
                         count.data(), out.data());
     });
-    std::FILE* fo = std::fopen(argv[2], "wb");
-    if (!fo) return 2;
     put(fo, out);
     put(fo, kc);
     put(fo, vc);

@@ -11,40 +11,10 @@
 // touched, pf_flag[R], pf_counters[L*3]. A prefetch step writes its list to the pf_ buffers: the
 // plan step's outputs above must keep their poison.
 #include "planner.cu"  // the kernel, copied next to the emulated common.cuh
-
-#include <cstdio>
-#include <vector>
-
-static std::vector<long long> in;
-static std::size_t pos = 0;
-
-static long long next() {
-    if (pos >= in.size()) {
-        std::fprintf(stderr, "planner_main: input ends early\n");
-        std::exit(2);
-    }
-    return in[pos++];
-}
-
-template <class T>
-static void put(std::FILE* f, const T* a, long long n) {
-    for (long long i = 0; i < n; ++i) {
-        const long long v = static_cast<long long>(a[i]);
-        std::fwrite(&v, 8, 1, f);
-    }
-}
+#include "emu_io.h"
 
 int main(int argc, char** argv) {
-    if (argc != 3) {
-        std::fprintf(stderr, "usage: planner_main IN OUT\n");
-        return 2;
-    }
-    std::FILE* fi = std::fopen(argv[1], "rb");
-    if (!fi) return 2;
-    long long v;
-    while (std::fread(&v, 8, 1, fi) == 1) in.push_back(v);
-    std::fclose(fi);
-    std::FILE* fo = std::fopen(argv[2], "wb");
+    std::FILE* fo = emu_open(argc, argv, "planner_main");
     if (!fo) return 2;
 
     const int R = (int)next(), E = (int)next(), L = (int)next(), S = (int)next();
