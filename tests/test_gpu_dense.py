@@ -369,7 +369,7 @@ def test_dense_attention_ahead_gives_the_same_bits(B, nh, hk, D, L, qk_norm, win
 def test_dense_attention_trace_build_gives_the_same_bits():
     """The ATTN_TRACE build (benchmarks/profile_attention.py) writes the default build's output
     and cache bits, and its stamps: each used part's block in phase order, the parts past them
-    only a start, one merge a KV head of each token, after every used part's ticket."""
+    only a start, one merge a KV head of each token, after every used part's tile loop."""
     from cupool.ops.dense_attention import (
         TRACE_STAMPS,
         AttentionWorkspace,
@@ -405,7 +405,8 @@ def test_dense_attention_trace_build_gives_the_same_bits():
         assert (s[:, :used, 1:6].diff(dim=-1) >= 0).all()
         merged = s[:, :used, 7] > 0
         assert (merged.sum(dim=1) == 1).all()                  # one last block a KV head
-        assert (s[:, :used, 7][merged] >= s[:, :used, 5].max(dim=1).values).all()
+        # every used part's tile loop ended before its ticket, so before the merge ended
+        assert (s[:, :used, 7][merged] >= s[:, :used, 4].max(dim=1).values).all()
     with pytest.raises(ValueError, match="trace belongs"):
         DecodeAttention(nh, hk, D, **kw)(qkv, pos, kc, vc, cos, sin, got[0][0], trace=stamps)
     with pytest.raises(ValueError, match="trace must be a contiguous torch.int64"):
