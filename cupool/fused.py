@@ -68,12 +68,12 @@ from cupool._env import parse_switch
 from cupool.engine import cache_kwarg
 from cupool.ops.dense_attention import (
     HEAD_DIMS,
+    MINCHUNK,
     AttentionWorkspace,
     DecodeAttention,
     check_min_chunk,
     parts,
 )
-from cupool.ops.dense_attention import MINCHUNK as ATTN_MIN_CHUNK
 from cupool.ops.dense_gemv import (
     PLAIN,
     RESIDUAL,
@@ -393,7 +393,7 @@ class FusedStep:
         attn_shape = self.dense_shape.get("attn", {})
         self.workspace = AttentionWorkspace(
             B, nh, hk, D, parts(B, hk, cache.max_len, sms,
-                                attn_shape.get("min_chunk", ATTN_MIN_CHUNK)), dev)
+                                attn_shape.get("min_chunk", MINCHUNK)), dev)
         for l in self.layers:
             if isinstance(l, FusedLayer):
                 l.attn = self._attention(nh, hk, D, workspace=self.workspace, **l.attn,
