@@ -11,8 +11,9 @@ For each context (positions the token attends to):
 - phases: the ATTN_TRACE build of the same kernel (the same outputs; each block stamps
   %globaltimer at its phases), one launch after an L2 flush, as percentiles over the blocks of
   the used parts, in µs from the first block's start: producers waited for, queries normed and
-  rotated, the new key and value written, the tile loop done, the part written and its ticket
-  taken; then the last block's merge (part weights ready, merge done).
+  rotated (the new key and value written in the same phase), the tile loop done, the part
+  written and its ticket taken (one part: the output written); then the final merge's block
+  (part weights ready, merge done; above 16 parts the groups' merges come before it).
 
 `--min-chunk N ...` repeats every context with those fewest positions a part (the fused step's
 `CUPOOL_DENSE_SHAPE=attn=aheadc<N>`; default 64, the kernel's own).
@@ -42,7 +43,7 @@ from cupool.ops.dense_attention import (
 )
 
 NH, HK, D = 32, 4, 128          # Qwen3-30B-A3B's attention
-PHASES = ("waited", "q normed", "kv written", "tiles done", "ticket taken")
+PHASES = ("waited", "q, k normed", "kv written", "tiles done", "ticket taken")
 
 
 def min_chunk_arg(text: str) -> int:

@@ -22,14 +22,19 @@
 // - the new key and value of slot b, KV head h go to the cache at pos[b], written only by the
 //   block whose part holds pos[b], before (__syncthreads) that block reads its positions; no
 //   other block reads position pos[b] (the parts are disjoint).
-// - part_o [B, nh, NS, D], part_ml [B, nh, NS, 2] (max, sum of exponentials): written by block
-//   (s, h, b) for its G heads, then a fence, then a ticket on count[b, h]. Only the parts that
-//   hold positions take part: the first ceil(n / chunk) of the NS (n the positions slot b's token
-//   attends to), worked out alike by every block from pos[b]; a block of a part past them
-//   returns at once, writing nothing.
-// - out [B, nh · D]: written by the last block of (h, b) to take a ticket, which reads the used
-//   parts through L2 and merges them (with the sink's exp(sink − m) in the denominator), and
-//   puts count[b, h] back to zero for the next launch.
+// - Only the parts that hold positions take part: the first `used` = ceil(n / chunk) of the NS
+//   (n the positions slot b's token attends to), worked out alike by every block from pos[b]; a
+//   block of a part past them returns at once, writing nothing.
+// - used = 1 (a context of at most MINCHUNK positions): the block writes out [B, nh · D] itself.
+// - Otherwise part_o [B, nh, NS, D], part_ml [B, nh, NS, 2] (max, sum of exponentials): written
+//   by block (s, h, b) for its G heads, then a fence, then a ticket. Up to 2 · MGROUP parts are
+//   merged by the last block to take the ticket on count[b, h, 0], which reads them through L2
+//   and writes out (with the sink's exp(sink − m) in the denominator). More parts are merged in
+//   two levels, so that no one block reads all of them: the parts in groups of MGROUP, the last
+//   block of each group (its ticket on count[b, h, 1 + group]) merging the group into the
+//   group's first part (max and sum of exponentials over the group; unnormalised), then taking
+//   the ticket on count[b, h, 0]; the last of those merges the groups' first parts into out.
+//   Each block that takes a last ticket puts that counter back to zero for the next launch.
 //   The merge's part weights live in the block's scratch: G · NS ≤ max(G, 2) · D, so NS ≤ 64.
 //
 // AHEAD = 1: a tile's loads are issued together, ahead of their use. A warp's value rows of the
@@ -38,15 +43,16 @@
 // for its scores are issued eight at a time (all of them up to D = 128). With AHEAD = 0 each P·V position's
 // load is issued in its loop iteration, after the softmax, and the key loads two at a time: one
 // L2 round trip after another, which one warp a scheduler does not hide. The last block's merge
-// likewise issues the loads of all its elements' parts eight parts at a time (AHEAD = 0: one element
-// after another). The sums run in the same order either way: the outputs are the same bits.
+// likewise issues the loads of its elements' parts eight parts at a time (AHEAD = 0: one part at
+// a time). The sums run in the same order either way: the outputs are the same bits.
 //
 // ATTN_TRACE = 1 is the profiling build (the same outputs): thread 0 of each block writes
 // %globaltimer stamps into trace [block][TRACE_STAMPS] (block = s + NS·(h + hk·b)): 0 start,
-// 1 producers waited for, 2 queries normed and rotated, 3 the new key and value written (the
-// block holding pos, else as 2), 4 the tile loop done, 5 the part written and its ticket taken,
-// 6 the merge's part weights ready and 7 the merge done (the last block only). A part past the
-// used ones stamps 0 alone. benchmarks/profile_attention.py reads them.
+// 1 producers waited for, 2 queries normed and rotated and 3 the new key and value written (one
+// phase: both stamped at its end), 4 the tile loop done, 5 the part written and its ticket taken
+// (with one part: out written), 6 the final merge's part weights ready and 7 the final merge
+// done (the block that writes out only; with one part, both as 5). A part past the used ones
+// stamps 0 alone. benchmarks/profile_attention.py reads them.
 #include "common.cuh"
 
 #ifndef D
@@ -65,12 +71,16 @@
 #define ATTN_TRACE 0
 #endif
 #define TRACE_STAMPS 8
+#define MGROUP 8          // parts a first-level merge takes (more than 2 · MGROUP parts: two levels)
+#define COUNTERS (1 + 64 / MGROUP)   // tickets a (slot, KV head): the final merge's, then a group's
 #define TP 64             // positions a tile
 #define THREADS 128
 #define NWARP (THREADS / 32)
-#define DPL (D / 32)      // head dims a lane holds in P·V
+#define DPL (D / 32)      // head dims a lane holds: in P·V, lane·DPL ...; in the q/k norm, lane + 32·i
+#define RPW ((G + NWARP) / NWARP)   // rows a warp normalises and rotates: G queries and the new key
 
 static_assert(D % 64 == 0 && D <= 256, "head dims of 64, 128, 192 or 256");
+static_assert(DPL % 2 == 0, "rotate_half pairs a lane's dims i and i + DPL / 2");
 static_assert(G >= 1 && G * DPL <= 64, "G query heads of D dims fit a lane's accumulators");
 static_assert(2 * TP == THREADS, "two threads a position in the score phase");
 
@@ -149,33 +159,155 @@ CUPOOL_DEVICE float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 #define STAMP(k) do {} while (0)
 #endif
 
-// x [n][D] (float holding bf16 values) → norm (if w) and rotary embedding, in place, rows in
-// parallel over the block; tmp is a [n][D] scratch. Every thread of the block calls it.
-CUPOOL_DEVICE void norm_rope(float* x, float* tmp, int n, const u16* w, float eps,
-                             const u16* cs, const u16* sn) {
-    __shared__ float rs[G];
+// A lane's DPL float32 values to p (p + i for i < DPL), in 16-byte stores where DPL allows.
+CUPOOL_DEVICE void store_dims(float* p, const float* v) {
+#if DPL % 4 == 0
+#pragma unroll
+    for (int i = 0; i < DPL; i += 4)
+        *reinterpret_cast<float4*>(p + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+#else
+#pragma unroll
+    for (int i = 0; i < DPL; i += 2) *reinterpret_cast<float2*>(p + i) = make_float2(v[i], v[i + 1]);
+#endif
+}
+
+CUPOOL_DEVICE void load_dims_f(const float* p, float* v) {
+#if DPL % 4 == 0
+#pragma unroll
+    for (int i = 0; i < DPL; i += 4) {
+        const float4 f = *reinterpret_cast<const float4*>(p + i);
+        v[i] = f.x; v[i + 1] = f.y; v[i + 2] = f.z; v[i + 3] = f.w;
+    }
+#else
+#pragma unroll
+    for (int i = 0; i < DPL; i += 2) {
+        const float2 f = *reinterpret_cast<const float2*>(p + i);
+        v[i] = f.x; v[i + 1] = f.y;
+    }
+#endif
+}
+
+// One row of D values (bf16 values in float32), a lane's dims lane + 32·i: the RMSNorm (if w:
+// the lane's DPL weights) and the rotary embedding, in registers. A whole warp calls it. The
+// lane's squares are summed in the order of its dims, then across the warp.
+CUPOOL_DEVICE void norm_rope_row(float (&x)[DPL], bool norm, const float (&w)[DPL], float eps,
+                                 const float (&cs)[DPL], const float (&sn)[DPL]) {
+    if (norm) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) ss += x[i] * x[i];
+        const float rs = rsqrtf(warp_sum(ss) / (float)D + eps);
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) x[i] = round_bf16(w[i] * round_bf16(x[i] * rs));
+    }
+    float y[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {     // rotate_half: dim c < D/2 takes −x[c + D/2], else x[c − D/2]
+        const float rot = i < DPL / 2 ? -x[i + DPL / 2] : x[i - DPL / 2];
+        y[i] = round_bf16(round_bf16(x[i] * cs[i]) + round_bf16(rot * sn[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) x[i] = y[i];
+}
+
+// The merge's part weights: for each of the G heads of (b, h), `cnt` parts, the k-th at slot
+// first + k·stride of part_ml (heads [head0, head0 + G), NS slots a head). wm [G][NS] gets each
+// part's weight: with fin, exp(m − M) / (Σ exp(m − M)·l + exp(sink − M)) (M the max over the
+// parts and the sink); else exp(m − M), and slot `first` gets (M, Σ exp(m − M)·l). wl [G][NS]
+// is scratch. Every thread of the block calls it.
+CUPOOL_DEVICE void merge_weights(float* part_ml, i64 head0, int NS, int first, int stride,
+                                 int cnt, bool fin, const u16* sinks, int sink0, float* wm,
+                                 float* wl) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (w) {
-        for (int r = warp; r < n; r += NWARP) {
-            float ss = 0.0f;
-            for (int i = lane; i < D; i += 32) ss += x[r * D + i] * x[r * D + i];
-            ss = warp_sum(ss);
-            if (lane == 0) rs[r] = rsqrtf(ss / (float)D + eps);
+    for (int i = threadIdx.x; i < G * cnt; i += THREADS) {
+        const int g = i / cnt, k = i % cnt;
+        const float* ml = part_ml + ((head0 + g) * NS + first + k * stride) * 2;
+        wm[g * NS + k] = ld_cg(ml);
+        wl[g * NS + k] = ld_cg(ml + 1);
+    }
+    __syncthreads();
+    for (int g = warp; g < G; g += NWARP) {
+        const bool sink_in = fin && sinks;
+        const float sink = sink_in ? bf16_to_f32(sinks[sink0 + g]) : -__int_as_float(0x7f800000);
+        float M = sink;
+        for (int k = lane; k < cnt; k += 32) M = fmaxf(M, wm[g * NS + k]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float den = 0.0f;
+        for (int k = lane; k < cnt; k += 32) den += expf(wm[g * NS + k] - M) * wl[g * NS + k];
+        den = warp_sum(den) + (sink_in ? expf(sink - M) : 0.0f);
+        __syncwarp();
+        for (int k = lane; k < cnt; k += 32)
+            wm[g * NS + k] = fin ? expf(wm[g * NS + k] - M) / den : expf(wm[g * NS + k] - M);
+        if (!fin && lane == 0) {
+            part_ml[((head0 + g) * NS + first) * 2] = M;
+            part_ml[((head0 + g) * NS + first) * 2 + 1] = den;
         }
-        __syncthreads();
-        for (int i = threadIdx.x; i < n * D; i += THREADS)
-            x[i] = round_bf16(bf16_to_f32(w[i % D]) * round_bf16(x[i] * rs[i / D]));
-        __syncthreads();
-    }
-    for (int i = threadIdx.x; i < n * D; i += THREADS) tmp[i] = x[i];
-    __syncthreads();
-    for (int i = threadIdx.x; i < n * D; i += THREADS) {
-        const int r = i / D, c = i % D;
-        const float rot = c < D / 2 ? -tmp[r * D + c + D / 2] : tmp[r * D + c - D / 2];
-        x[i] = round_bf16(round_bf16(tmp[i] * bf16_to_f32(cs[c])) +
-                          round_bf16(rot * bf16_to_f32(sn[c])));
     }
     __syncthreads();
+}
+
+// The merge's sums: element i of the G·D (head i / D, dim i % D) sums wm[g][k] · part k's
+// element over the same parts as merge_weights, in part order; with fin the sum goes to out
+// (bf16, [G·D] of this KV head), else to slot `first` of part_o (each element read and then
+// written by the same thread). A thread's EPT elements i = threadIdx.x + e · THREADS are
+// summed together: with AHEAD the loads of MP parts of every element are issued at once.
+CUPOOL_DEVICE void merge_sum(float* part_o, i64 head0, int NS, int first, int stride, int cnt,
+                             bool fin, const float* wm, u16* out) {
+    constexpr int EPT = (G * D + THREADS - 1) / THREADS;
+#if AHEAD && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    constexpr int MP = EPT > 4 ? 4 : 8;          // ≤ 32 loads in flight (ptxas holds these
+                                                 // builds at 128 registers: 64 would spill)
+#elif AHEAD
+    constexpr int MP = EPT > 8 ? 4 : 8;          // ≤ 64 loads in flight a thread
+#else
+    constexpr int MP = 1;
+#endif
+    float num[EPT];
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) num[e] = 0.0f;
+    // element i's k-th part sits at po + ((i / D) · NS + first + k · stride) · D + i % D
+    float* po = part_o + head0 * NS * D;
+    for (int k0 = 0; k0 < cnt; k0 += MP) {
+        float v[EPT][MP];
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+            const int i = threadIdx.x + e * THREADS;
+            const float* o = po + ((i64)(i / D) * NS + first + (i64)k0 * stride) * D + i % D;
+#pragma unroll
+            for (int k = 0; k < MP; ++k)
+                v[e][k] = i < G * D && k0 + k < cnt ? ld_cg(o + (i64)k * stride * D) : 0.0f;
+        }
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) {
+            const int g = (threadIdx.x + e * THREADS) / D;
+#pragma unroll
+            for (int k = 0; k < MP; ++k)
+                if (k0 + k < cnt && g < G) num[e] += wm[g * NS + k0 + k] * v[e][k];
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) {
+        const int i = threadIdx.x + e * THREADS;
+        if (i >= G * D) continue;
+        if (fin)
+            out[i] = f32_to_bf16(num[e]);
+        else
+            po[((i64)(i / D) * NS + first) * D + i % D] = num[e];
+    }
+}
+
+// Takes a ticket on *counter, of `of` blocks: true in the last block to take one (which puts the
+// counter back to zero). Every thread of the block calls it, after a fence on what it wrote.
+CUPOOL_DEVICE bool last_ticket(i32* counter, int of) {
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1) == of - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    return last;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -189,11 +321,16 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
                 , u64* trace
 #endif
                 ) {
-    __shared__ float qs[G * D];        // queries, normed and rotated (bf16 values)
-    __shared__ float tmp[(G > 1 ? G : 2) * D];   // scratch; then the merge of the warps' P·V
-    __shared__ float sc[G][TP];        // a tile's scores, then its probabilities
+    // qs: the queries, normed and rotated (bf16 values); sc: a tile's scores, then its
+    // probabilities; both dead after the tile loop, where red takes their place: warps 1 ..
+    // NWARP − 1's P·V sums; then the merge's scratch
+    constexpr int QS_SC = G * D + G * TP, RED = (NWARP - 1) * G * D;
+    __shared__ __align__(16) float smem[QS_SC > RED ? QS_SC : RED];
+    float* qs = smem;
+    float (&sc)[G][TP] = *reinterpret_cast<float (*)[G][TP]>(smem + G * D);
+    float (&red)[NWARP - 1][G * D] = *reinterpret_cast<float (*)[NWARP - 1][G * D]>(smem);
+    __shared__ __align__(16) float tmp[(G > 1 ? G : 2) * D];   // the merge's part weights
     __shared__ float m_run[G], l_run[G], alpha[G];
-    __shared__ int last;
 
     STAMP(0);
     const int NS = gridDim.x, s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -205,13 +342,15 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     const i64 n = P - lo + 1;
     const i64 chunk = max((i64)MINCHUNK, (n + NS - 1) / NS);
     // the parts that hold positions: 1 .. NS (a short context leaves the rest empty); only they
-    // take part, so the ticket counts them and the merge reads them alone
+    // take part, so the tickets count them and the merge reads them alone
     const int used = (int)((n + chunk - 1) / chunk);
     if (s >= used) return;
     const i64 start = lo + s * chunk, end = min(start + chunk, P + 1);
+    const bool holds = start <= P && P < end;  // this part holds the new token: it writes k, v
     const u16* cs = cos_t + P * D;
     const u16* sn = sin_t + P * D;
     const i64 cache_base = ((i64)b * hk + h) * max_len * D;
+    const i64 head0 = (i64)b * nh + h * G;     // this block's first query head over the batch
 
     // Everything below reads data no earlier phase writes (the cache rows of this part, the
     // norms, the rotary row) only after a chain of dependent phases: ask for all of it now, so
@@ -224,38 +363,61 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
             prefetch_l2(kc + off);
             prefetch_l2(vc + off);
         }
-        if (threadIdx.x < lines) {
-            prefetch_l2(cs + threadIdx.x * 64);
-            prefetch_l2(sn + threadIdx.x * 64);
-            if (q_norm) prefetch_l2(q_norm + threadIdx.x * 64);
-            if (k_norm) prefetch_l2(k_norm + threadIdx.x * 64);
-        }
     }
-    // qkv is the kernel before's output (pos, the cache's older rows, the norms and the rotary
-    // table are older: read above, before the wait, when launched as a dependent)
+    // the lane's dims of the rotary row and the norms (older than the kernel before: read before
+    // the wait, when launched as a dependent)
+    float cs_f[DPL], sn_f[DPL], qw[DPL], kw[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+        const int c = lane + 32 * i;
+        cs_f[i] = bf16_to_f32(cs[c]);
+        sn_f[i] = bf16_to_f32(sn[c]);
+        qw[i] = q_norm ? bf16_to_f32(q_norm[c]) : 0.0f;
+        kw[i] = k_norm ? bf16_to_f32(k_norm[c]) : 0.0f;
+    }
+    // qkv is the kernel before's output
     wait_for_producers();
     let_consumers_launch();
     STAMP(1);
-    for (int i = threadIdx.x; i < G * D; i += THREADS)
-        qs[i] = bf16_to_f32(row[(i64)(h * G) * D + i]);
     if (threadIdx.x < G) { m_run[threadIdx.x] = -__int_as_float(0x7f800000); l_run[threadIdx.x] = 0.0f; }
+    // rows warp, warp + NWARP, ...: r < G the query heads h·G + r, r = G the new key (and with it
+    // the new value); each warp's loads first, then its rows one after another
+    {
+        float x[RPW][DPL];
+        u16 vnew[DPL];
+#pragma unroll
+        for (int j = 0; j < RPW; ++j) {
+            const int r = warp + j * NWARP;
+            if (r < G || (r == G && holds)) {
+                const u16* src = row + (i64)(r < G ? h * G + r : nh + h) * D;
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) x[j][i] = bf16_to_f32(src[lane + 32 * i]);
+                if (r == G) {
+#pragma unroll
+                    for (int i = 0; i < DPL; ++i) vnew[i] = row[(i64)(nh + hk + h) * D + lane + 32 * i];
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < RPW; ++j) {
+            const int r = warp + j * NWARP;
+            if (r < G) {
+                norm_rope_row(x[j], q_norm != nullptr, qw, eps, cs_f, sn_f);
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) qs[r * D + lane + 32 * i] = x[j][i];
+            } else if (r == G && holds) {
+                norm_rope_row(x[j], k_norm != nullptr, kw, eps, cs_f, sn_f);
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) {
+                    kc[cache_base + P * D + lane + 32 * i] = f32_to_bf16(x[j][i]);
+                    vc[cache_base + P * D + lane + 32 * i] = vnew[i];
+                }
+            }
+        }
+    }
     __syncthreads();
-    norm_rope(qs, tmp, G, q_norm, eps, cs, sn);
     STAMP(2);
     STAMP(3);
-
-    if (start <= P && P < end) {               // this part holds the new token: write k and v
-        for (int i = threadIdx.x; i < D; i += THREADS)
-            tmp[i] = bf16_to_f32(row[(i64)(nh + h) * D + i]);
-        __syncthreads();
-        norm_rope(tmp, tmp + D, 1, k_norm, eps, cs, sn);
-        for (int i = threadIdx.x; i < D; i += THREADS) {
-            kc[cache_base + P * D + i] = f32_to_bf16(tmp[i]);
-            vc[cache_base + P * D + i] = row[(i64)(nh + hk + h) * D + i];
-        }
-        __syncthreads();
-        STAMP(3);
-    }
 
     float acc[G][DPL];
 #pragma unroll
@@ -363,106 +525,90 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     }
 
     STAMP(4);
-    // the warps' P·V sums, in warp order (deterministic), into tmp [G][D]
-    for (int w = 0; w < NWARP; ++w) {
-        if (warp == w) {
+    // the warps' P·V sums, in warp order (deterministic): warps 1 .. NWARP − 1 through shared
+    // memory (over qs and sc: the tile loop's last barrier is behind every read of them), summed
+    // in warp 0's registers
+    if (warp > 0) {
 #pragma unroll
-            for (int g = 0; g < G; ++g)
-#pragma unroll
-                for (int i = 0; i < DPL; ++i) {
-                    float* o = &tmp[g * D + lane * DPL + i];
-                    *o = (w == 0 ? 0.0f : *o) + acc[g][i];
-                }
-        }
-        __syncthreads();
-    }
-    for (int i = threadIdx.x; i < G * D; i += THREADS) {
-        const int g = i / D, c = i % D;
-        const i64 head = (i64)b * nh + h * G + g;
-        part_o[(head * NS + s) * D + c] = tmp[i];
-        if (c == 0) {
-            part_ml[(head * NS + s) * 2] = m_run[g];
-            part_ml[(head * NS + s) * 2 + 1] = l_run[g];
-        }
-    }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(&count[b * hk + h], 1) == used - 1;
-        if (last) count[b * hk + h] = 0;
+        for (int g = 0; g < G; ++g) store_dims(&red[warp - 1][g * D + lane * DPL], acc[g]);
     }
     __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float sum[DPL];
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) sum[i] = 0.0f + acc[g][i];
+#pragma unroll
+            for (int w = 1; w < NWARP; ++w) {
+                float o[DPL];
+                load_dims_f(&red[w - 1][g * D + lane * DPL], o);
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) sum[i] += o[i];
+            }
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) acc[g][i] = sum[i];
+        }
+    }
+    if (used == 1) {
+        // the one part is the whole context: out = acc / (l + exp(sink − m)·…), as a merge of
+        // one part would weigh it
+        if (warp == 0) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const float m = m_run[g], l = l_run[g];
+                const float sink = sinks ? bf16_to_f32(sinks[h * G + g]) : -__int_as_float(0x7f800000);
+                const float M = fmaxf(sink, m);
+                const float w = expf(m - M) / (expf(m - M) * l + (sinks ? expf(sink - M) : 0.0f));
+                u16* o = out + (head0 + g) * D + lane * DPL;
+#pragma unroll
+                for (int i = 0; i < DPL; ++i) o[i] = f32_to_bf16(w * acc[g][i]);
+            }
+        }
+        STAMP(5);
+        STAMP(6);
+        STAMP(7);
+        return;
+    }
+    if (warp == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+            store_dims(part_o + ((head0 + g) * NS + s) * D + lane * DPL, acc[g]);
+        for (int g = lane; g < G; g += 32) {
+            part_ml[((head0 + g) * NS + s) * 2] = m_run[g];
+            part_ml[((head0 + g) * NS + s) * 2 + 1] = l_run[g];
+        }
+        __threadfence();
+    }
+    i32* counter = count + ((i64)b * hk + h) * COUNTERS;
+    float* wm = tmp;                           // [G][NS]: the parts' weights
+    float* wl = qs;                            // [G][NS]: scratch
+    u16* o = out + head0 * D;
+    if (used <= 2 * MGROUP) {
+        const bool last = last_ticket(counter, used);
+        STAMP(5);
+        if (!last) return;
+        __threadfence();
+        merge_weights(part_ml, head0, NS, 0, 1, used, true, sinks, h * G, wm, wl);
+        STAMP(6);
+        merge_sum(part_o, head0, NS, 0, 1, used, true, wm, o);
+        STAMP(7);
+        return;
+    }
+    // two levels: this part's group of MGROUP, then the groups
+    const int grp = s / MGROUP, groups = (used + MGROUP - 1) / MGROUP;
+    const int in_grp = min(MGROUP, used - grp * MGROUP);
+    const bool last = last_ticket(counter + 1 + grp, in_grp);
     STAMP(5);
     if (!last) return;
     __threadfence();
-    // the merge: part weights per head first (G·NS ≤ the scratch, checked by the launcher),
-    // then each output element sums its used parts with loads that depend on nothing
-    float* wm = tmp;                           // [G][NS]: max, then the part's weight
-    float* wl = qs;                            // [G][NS]: sum of exponentials
-    for (int i = threadIdx.x; i < G * used; i += THREADS) {
-        const int g = i / used, q = i % used;
-        const i64 head = (i64)b * nh + h * G + g;
-        wm[g * NS + q] = ld_cg(part_ml + (head * NS + q) * 2);
-        wl[g * NS + q] = ld_cg(part_ml + (head * NS + q) * 2 + 1);
-    }
-    __syncthreads();
-    for (int g = warp; g < G; g += NWARP) {
-        const float sink = sinks ? bf16_to_f32(sinks[h * G + g]) : -__int_as_float(0x7f800000);
-        float M = sink;
-        for (int q = lane; q < used; q += 32) M = fmaxf(M, wm[g * NS + q]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-        float den = 0.0f;
-        for (int q = lane; q < used; q += 32) den += expf(wm[g * NS + q] - M) * wl[g * NS + q];
-        den = warp_sum(den) + (sinks ? expf(sink - M) : 0.0f);
-        __syncwarp();
-        for (int q = lane; q < used; q += 32) wm[g * NS + q] = expf(wm[g * NS + q] - M) / den;
-    }
-    __syncthreads();
+    merge_weights(part_ml, head0, NS, grp * MGROUP, 1, in_grp, false, sinks, h * G, wm, wl);
+    merge_sum(part_o, head0, NS, grp * MGROUP, 1, in_grp, false, wm, o);
+    __threadfence();
+    if (!last_ticket(counter, groups)) return;
+    __threadfence();
+    merge_weights(part_ml, head0, NS, 0, MGROUP, groups, true, sinks, h * G, wm, wl);
     STAMP(6);
-#if AHEAD
-    // a thread's EPT elements i = threadIdx.x + e · THREADS together: the loads of MP parts of
-    // every element are issued at once, then summed part by part (the order of the loop below)
-    constexpr int EPT = (G * D + THREADS - 1) / THREADS;
-    constexpr int MP = EPT > 8 ? 4 : 8;          // ≤ 64 loads in flight a thread
-    float num[EPT];
-#pragma unroll
-    for (int e = 0; e < EPT; ++e) num[e] = 0.0f;
-    // element i's part q sits at part_o + ((b·nh + h·G + i / D) · NS + q) · D + i % D
-    const float* po = part_o + ((i64)b * nh + h * G) * NS * D;
-    for (int q0 = 0; q0 < used; q0 += MP) {
-        float v[EPT][MP];
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-            const int i = threadIdx.x + e * THREADS;
-            const float* o = po + ((i / D) * NS + q0) * D + i % D;
-#pragma unroll
-            for (int k = 0; k < MP; ++k)
-                v[e][k] = i < G * D && q0 + k < used ? ld_cg(o + k * D) : 0.0f;
-        }
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-            const int g = (threadIdx.x + e * THREADS) / D;
-#pragma unroll
-            for (int k = 0; k < MP; ++k)
-                if (q0 + k < used && g < G) num[e] += wm[g * NS + q0 + k] * v[e][k];
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < EPT; ++e) {
-        const int i = threadIdx.x + e * THREADS;
-        if (i < G * D) out[(i64)b * nh * D + (i64)(h * G) * D + i] = f32_to_bf16(num[e]);
-    }
-#else
-    for (int i = threadIdx.x; i < G * D; i += THREADS) {
-        const int g = i / D, c = i % D;
-        const i64 head = (i64)b * nh + h * G + g;
-        const float* o = part_o + head * NS * D + c;
-        float num = 0.0f;
-#pragma unroll 8
-        for (int q = 0; q < used; ++q) num += wm[g * NS + q] * ld_cg(o + (i64)q * D);
-        out[(i64)b * nh * D + (i64)(h * G + g) * D + c] = f32_to_bf16(num);
-    }
-#endif
+    merge_sum(part_o, head0, NS, 0, MGROUP, groups, true, wm, o);
     STAMP(7);
 }

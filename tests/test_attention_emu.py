@@ -20,7 +20,7 @@ import torch
 from _planner_emu import unavailable
 from test_fused_step import rel
 
-from cupool.ops.dense_attention import THREADS, parts
+from cupool.ops.dense_attention import COUNTERS, THREADS, parts
 from cupool.reference import dense as ref
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def run_kernel(builds, name, qkv, pos, kc, vc, cos, sin, qn, kn, sinks, nh, hk, 
     assert r.returncode == 0, r.stderr[-2000:]
     got = np.fromfile(dst, dtype=np.int64)
     n_out, n_kv = B * nh * D, B * hk * L * D
-    assert got.size == n_out + 2 * n_kv + B * hk
+    assert got.size == n_out + 2 * n_kv + B * hk * COUNTERS
     out = _bf16(got[:n_out], (B, nh * D))
     k = _bf16(got[n_out:n_out + n_kv], kc.shape)
     v = _bf16(got[n_out + n_kv:n_out + 2 * n_kv], vc.shape)
@@ -110,6 +110,8 @@ CASES = [  # build, B, nh, hk, L, positions, qk_norm, window, sinks, sm_count (s
     ("d128g8", 1, 8, 1, 2100, [2099], True, 0, False, 64),       # 33 parts of 64 positions
     ("d64g4", 3, 8, 2, 300, [299, 0, 123], False, 40, True, 12),  # window and sinks
     ("d128g8c192", 2, 8, 1, 1000, [999, 100], True, 0, False, 32),  # parts of >= 192 positions
+    ("d128g8", 1, 8, 1, 4200, [4199], True, 0, False, 132),    # 64 parts: two merge levels
+    ("d64g4", 1, 8, 2, 3000, [2999], False, 2000, True, 64),   # 32 parts, two levels, sinks
 ]
 
 
@@ -141,13 +143,13 @@ def test_attention_kernel_source_matches_reference_on_cpu(builds, build, B, nh, 
 
 
 def test_attention_emulation_sees_a_wrong_merge(builds):
-    """The check can fail: a merge that leaves out the last used part is far from the
-    reference (the kernel's merge bound edited in the copied source)."""
+    """The check can fail: a merge that leaves out the last of the parts it sums is far from
+    the reference (the kernel's merge bound edited in the copied source)."""
     work, exes = builds
     src = (work / "dense_attention.cu").read_text()
-    bad = "if (q0 + k < used && g < G) num[e] += wm[g * NS + q0 + k] * v[e][k];"
+    bad = "if (k0 + k < cnt && g < G) num[e] += wm[g * NS + k0 + k] * v[e][k];"
     assert bad in src, f"dense_attention.cu's merge sum changed: update {__file__}"
-    (work / "dense_attention.cu").write_text(src.replace(bad, bad.replace("< used", "< used - 1")))
+    (work / "dense_attention.cu").write_text(src.replace(bad, bad.replace("< cnt", "< cnt - 1")))
     exe = work / "wrong_merge"
     try:
         cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O2", "-Wno-unknown-pragmas",

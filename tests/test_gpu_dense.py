@@ -282,6 +282,7 @@ ATTN_CASES = [  # B, nh, hk, D, L, qk_norm, window, sinks
     (5, 16, 2, 128, 257, True, 40, False),
     (2, 8, 2, 64, 200, False, 16, True),          # gpt-oss-like: window and sinks
     (1, 4, 1, 256, 130, True, 0, True),
+    (2, 16, 2, 128, 2000, True, 1500, True),     # up to 24 parts: two merge levels, sinks
 ]
 
 

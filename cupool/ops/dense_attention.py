@@ -25,6 +25,8 @@ HEAD_DIMS = (64, 128, 192, 256)
 # the merge keeps G · NS part weights where the block's G · D scratch is: NS ≤ 64 for D ≥ 64
 MAX_PARTS = 64
 TRACE_STAMPS = 8                # the ATTN_TRACE build's stamps a block
+MGROUP = 8                      # parts a first-level merge takes (the kernel's MGROUP)
+COUNTERS = 1 + MAX_PARTS // MGROUP   # merge tickets a (slot, KV head): the final's, a group's
 
 
 def parts(tokens: int, kv_heads: int, max_len: int, sm_count: int,
@@ -49,7 +51,7 @@ def check_min_chunk(min_chunk) -> int:
 class AttentionWorkspace:
     """The split-KV partial results and merge counters, shared by every layer of a step (layers
     run one after another): part_o float32 [B, nh, NS, D], part_ml float32 [B, nh, NS, 2], count
-    int32 [B, hk] (zero at rest; the kernel puts it back)."""
+    int32 [B, hk, COUNTERS] (zero at rest; the kernel puts them back)."""
 
     def __init__(self, tokens: int, heads: int, kv_heads: int, head_dim: int, num_parts: int,
                  device):
@@ -58,7 +60,7 @@ class AttentionWorkspace:
         self.part_o = torch.empty(tokens, heads, num_parts, head_dim, dtype=torch.float32,
                                   device=device)
         self.part_ml = torch.empty(tokens, heads, num_parts, 2, dtype=torch.float32, device=device)
-        self.count = torch.zeros(tokens, kv_heads, dtype=torch.int32, device=device)
+        self.count = torch.zeros(tokens, kv_heads, COUNTERS, dtype=torch.int32, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -96,8 +98,9 @@ class DecodeAttention:
         ahead: the build that issues a tile's key and value loads ahead of their use (the
             kernel's AHEAD; the same output bits, more registers).
         min_chunk: fewest positions a part (the kernel's MINCHUNK): a context of n positions
-            runs ceil(n / max(min_chunk, n / NS)) parts, merged by the last. Fewer, longer
-            parts cost less to merge; more keep more SMs busy.
+            runs ceil(n / max(min_chunk, n / NS)) parts; one part writes the output itself,
+            more are merged by the last to finish (above 2 · MGROUP parts in two levels, groups
+            of MGROUP first). Fewer, longer parts cost less to merge; more keep more SMs busy.
         trace: the profiling build (the kernel's ATTN_TRACE: the same outputs, and each block's
             phase times written to the `trace` buffer a call passes; `trace_buffer`).
     """

@@ -7,7 +7,7 @@
 // eps and scale (float32), pos[B]; then one bf16 a word: qkv[B·(nh + 2hk)·D], k_cache and v_cache
 // [B·hk·L·D] each, cos and sin [L·D] each, q_norm[D], k_norm[D], sinks[nh] (the absent ones
 // left out).
-// Output (int64 words): out[B·nh·D] (bf16), k_cache, v_cache (bf16), count[B·hk].
+// Output (int64 words): out[B·nh·D] (bf16), k_cache, v_cache (bf16), count[B·hk·COUNTERS].
 #include "dense_attention.cu"  // the kernel, copied next to the emulated common.cuh
 #include "emu_io.h"
 
@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
     // reads without its block having written it shows
     std::vector<float> part_o((size_t)B * nh * NS * D, __uint_as_float(0x7fc00000u));
     std::vector<float> part_ml((size_t)B * nh * NS * 2, __uint_as_float(0x7fc00000u));
-    std::vector<i32> count((size_t)B * hk, 0);
+    std::vector<i32> count((size_t)B * hk * COUNTERS, 0);
     std::vector<u16> out((size_t)B * nh * D, 0x7fc0);
     emu_launch_grid({(unsigned)NS, (unsigned)hk, (unsigned)B}, THREADS, 0, [&] {
         dense_attention(qkv.data(), nh, hk, has_qn ? qn.data() : nullptr,
