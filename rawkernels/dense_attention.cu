@@ -84,13 +84,8 @@ static_assert(DPL % 2 == 0, "rotate_half pairs a lane's dims i and i + DPL / 2")
 static_assert(G >= 1 && G * DPL <= 64, "G query heads of D dims fit a lane's accumulators");
 static_assert(2 * TP == THREADS, "two threads a position in the score phase");
 
-// Loads through L2 only (other blocks wrote these; L1 is not coherent). Not volatile: a merge
-// issues its loads together; the barrier before them keeps them after the ticket (memory clobber).
-CUPOOL_DEVICE float ld_cg(const float* p) {
-    float v;
-    asm("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-    return v;
-}
+// The merge reads what other blocks wrote through L2 only (__ldcg: L1 is not coherent); the
+// barrier of the ticket before those reads keeps them after it.
 
 // A lane's DPL consecutive bf16 values of a cache row, in one load where DPL allows.
 CUPOOL_DEVICE void load_dims(const u16* p, float* f) {
@@ -155,8 +150,14 @@ CUPOOL_DEVICE float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
                   * TRACE_STAMPS + (k)] = t_;                                                 \
         }                                                                                     \
     } while (0)
+// the merge's stamp 6 (its weights ready) goes where STAMP6 points
+#define STAMP6 , trace + (blockIdx.x + (i64)gridDim.x * (blockIdx.y + (i64)gridDim.y * blockIdx.z)) \
+                         * TRACE_STAMPS + 6
+#define NO_STAMP6 , nullptr
 #else
 #define STAMP(k) do {} while (0)
+#define STAMP6
+#define NO_STAMP6
 #endif
 
 // A lane's DPL float32 values to p (p + i for i < DPL), in 16-byte stores where DPL allows.
@@ -210,20 +211,57 @@ CUPOOL_DEVICE void norm_rope_row(float (&x)[DPL], bool norm, const float (&w)[DP
     for (int i = 0; i < DPL; ++i) x[i] = y[i];
 }
 
-// The merge's part weights: for each of the G heads of (b, h), `cnt` parts, the k-th at slot
-// first + k·stride of part_ml (heads [head0, head0 + G), NS slots a head). wm [G][NS] gets each
-// part's weight: with fin, exp(m − M) / (Σ exp(m − M)·l + exp(sink − M)) (M the max over the
-// parts and the sink); else exp(m − M), and slot `first` gets (M, Σ exp(m − M)·l). wl [G][NS]
-// is scratch. Every thread of the block calls it.
-CUPOOL_DEVICE void merge_weights(float* part_ml, i64 head0, int NS, int first, int stride,
-                                 int cnt, bool fin, const u16* sinks, int sink0, float* wm,
-                                 float* wl) {
+// One merge: for each of the G heads of (b, h) (heads [head0, head0 + G), NS slots a head),
+// `cnt` parts, the k-th at slot first + k·stride of part_o / part_ml. Each part's weight: with
+// fin, exp(m − M) / (Σ exp(m − M)·l + exp(sink − M)) (M the max over the parts and the sink),
+// and out [G·D] (bf16, this KV head's) gets Σ weight · o; else exp(m − M), and slot `first`
+// gets the merged part: o = Σ weight · o (each element read and then written by the same
+// thread), (M, Σ exp(m − M)·l). wm and wl are [G][NS] scratch. Every thread of the block calls it.
+//
+// A thread sums the float4 chunks c = threadIdx.x + j·THREADS of the G·D elements (chunk c is
+// elements 4c .. 4c + 3, of head 4c / D), MP parts at a time in part order; the first MP parts'
+// loads are issued before the weights are worked out (they do not depend on them), so the two
+// reads of the merge overlap.
+#define CHUNKS (G * D / 4)
+#define CPT ((CHUNKS + THREADS - 1) / THREADS)   // chunks a thread
+#if AHEAD && !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900)
+#define MP (CPT > 2 ? 16 / CPT : 8)         // parts a round: ≤ 64 values in flight a thread
+#else
+#define MP (CPT > 1 ? 8 / CPT : 8)          // ≤ 32 (the plain build's registers; before sm_90
+                                             // ptxas holds the AHEAD build at 128: more spill)
+#endif
+static_assert(MP >= 1, "a round takes at least one part");
+
+CUPOOL_DEVICE void load_parts(const float* po, int NS, int first, int stride, int cnt, int k0,
+                              float4 (&v)[CPT][MP]) {
+#pragma unroll
+    for (int j = 0; j < CPT; ++j) {
+        const int c = threadIdx.x + j * THREADS;
+        const float* o = po + ((i64)(4 * c / D) * NS + first + (i64)k0 * stride) * D + 4 * c % D;
+#pragma unroll
+        for (int k = 0; k < MP; ++k)
+            v[j][k] = c < CHUNKS && k0 + k < cnt
+                ? __ldcg(reinterpret_cast<const float4*>(o + (i64)k * stride * D))
+                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+
+CUPOOL_DEVICE void merge(float* part_o, float* part_ml, i64 head0, int NS, int first, int stride,
+                         int cnt, bool fin, const u16* sinks, int sink0, float* wm, float* wl,
+                         u16* out
+#if ATTN_TRACE
+                         , u64* stamp6
+#endif
+                         ) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* po = part_o + head0 * NS * D;
+    float4 v[CPT][MP];
+    load_parts(po, NS, first, stride, cnt, 0, v);
     for (int i = threadIdx.x; i < G * cnt; i += THREADS) {
         const int g = i / cnt, k = i % cnt;
         const float* ml = part_ml + ((head0 + g) * NS + first + k * stride) * 2;
-        wm[g * NS + k] = ld_cg(ml);
-        wl[g * NS + k] = ld_cg(ml + 1);
+        wm[g * NS + k] = __ldcg(ml);
+        wl[g * NS + k] = __ldcg(ml + 1);
     }
     __syncthreads();
     for (int g = warp; g < G; g += NWARP) {
@@ -245,55 +283,46 @@ CUPOOL_DEVICE void merge_weights(float* part_ml, i64 head0, int NS, int first, i
         }
     }
     __syncthreads();
-}
-
-// The merge's sums: element i of the G·D (head i / D, dim i % D) sums wm[g][k] · part k's
-// element over the same parts as merge_weights, in part order; with fin the sum goes to out
-// (bf16, [G·D] of this KV head), else to slot `first` of part_o (each element read and then
-// written by the same thread). A thread's EPT elements i = threadIdx.x + e · THREADS are
-// summed together: with AHEAD the loads of MP parts of every element are issued at once.
-CUPOOL_DEVICE void merge_sum(float* part_o, i64 head0, int NS, int first, int stride, int cnt,
-                             bool fin, const float* wm, u16* out) {
-    constexpr int EPT = (G * D + THREADS - 1) / THREADS;
-#if AHEAD && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    constexpr int MP = EPT > 4 ? 4 : 8;          // ≤ 32 loads in flight (ptxas holds these
-                                                 // builds at 128 registers: 64 would spill)
-#elif AHEAD
-    constexpr int MP = EPT > 8 ? 4 : 8;          // ≤ 64 loads in flight a thread
-#else
-    constexpr int MP = 1;
+#if ATTN_TRACE
+    if (stamp6 && threadIdx.x == 0) {
+        u64 t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        *stamp6 = t;
+    }
 #endif
-    float num[EPT];
+    float num[CPT][4];
 #pragma unroll
-    for (int e = 0; e < EPT; ++e) num[e] = 0.0f;
-    // element i's k-th part sits at po + ((i / D) · NS + first + k · stride) · D + i % D
-    float* po = part_o + head0 * NS * D;
+    for (int j = 0; j < CPT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) num[j][e] = 0.0f;
     for (int k0 = 0; k0 < cnt; k0 += MP) {
-        float v[EPT][MP];
+        if (k0 > 0) load_parts(po, NS, first, stride, cnt, k0, v);
 #pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-            const int i = threadIdx.x + e * THREADS;
-            const float* o = po + ((i64)(i / D) * NS + first + (i64)k0 * stride) * D + i % D;
+        for (int j = 0; j < CPT; ++j) {
+            const int g = 4 * (threadIdx.x + j * THREADS) / D;
 #pragma unroll
-            for (int k = 0; k < MP; ++k)
-                v[e][k] = i < G * D && k0 + k < cnt ? ld_cg(o + (i64)k * stride * D) : 0.0f;
-        }
-#pragma unroll
-        for (int e = 0; e < EPT; ++e) {
-            const int g = (threadIdx.x + e * THREADS) / D;
-#pragma unroll
-            for (int k = 0; k < MP; ++k)
-                if (k0 + k < cnt && g < G) num[e] += wm[g * NS + k0 + k] * v[e][k];
+            for (int k = 0; k < MP; ++k) {
+                if (k0 + k < cnt && g < G) {
+                    const float w = wm[g * NS + k0 + k];
+                    num[j][0] += w * v[j][k].x;
+                    num[j][1] += w * v[j][k].y;
+                    num[j][2] += w * v[j][k].z;
+                    num[j][3] += w * v[j][k].w;
+                }
+            }
         }
     }
 #pragma unroll
-    for (int e = 0; e < EPT; ++e) {
-        const int i = threadIdx.x + e * THREADS;
-        if (i >= G * D) continue;
-        if (fin)
-            out[i] = f32_to_bf16(num[e]);
-        else
-            po[((i64)(i / D) * NS + first) * D + i % D] = num[e];
+    for (int j = 0; j < CPT; ++j) {
+        const int c = threadIdx.x + j * THREADS;
+        if (c >= CHUNKS) continue;
+        if (fin) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) out[4 * c + e] = f32_to_bf16(num[j][e]);
+        } else {
+            *reinterpret_cast<float4*>(po + ((i64)(4 * c / D) * NS + first) * D + 4 * c % D) =
+                make_float4(num[j][0], num[j][1], num[j][2], num[j][3]);
+        }
     }
 }
 
@@ -589,9 +618,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         STAMP(5);
         if (!last) return;
         __threadfence();
-        merge_weights(part_ml, head0, NS, 0, 1, used, true, sinks, h * G, wm, wl);
-        STAMP(6);
-        merge_sum(part_o, head0, NS, 0, 1, used, true, wm, o);
+        merge(part_o, part_ml, head0, NS, 0, 1, used, true, sinks, h * G, wm, wl, o STAMP6);
         STAMP(7);
         return;
     }
@@ -602,13 +629,11 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     STAMP(5);
     if (!last) return;
     __threadfence();
-    merge_weights(part_ml, head0, NS, grp * MGROUP, 1, in_grp, false, sinks, h * G, wm, wl);
-    merge_sum(part_o, head0, NS, grp * MGROUP, 1, in_grp, false, wm, o);
+    merge(part_o, part_ml, head0, NS, grp * MGROUP, 1, in_grp, false, sinks, h * G, wm, wl, o
+          NO_STAMP6);
     __threadfence();
     if (!last_ticket(counter, groups)) return;
     __threadfence();
-    merge_weights(part_ml, head0, NS, 0, MGROUP, groups, true, sinks, h * G, wm, wl);
-    STAMP(6);
-    merge_sum(part_o, head0, NS, 0, MGROUP, groups, true, wm, o);
+    merge(part_o, part_ml, head0, NS, 0, MGROUP, groups, true, sinks, h * G, wm, wl, o STAMP6);
     STAMP(7);
 }

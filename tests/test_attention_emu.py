@@ -25,8 +25,6 @@ from cupool.reference import dense as ref
 
 ROOT = Path(__file__).resolve().parent.parent
 EMU = Path(__file__).resolve().parent / "emu"
-# the one line of PTX the kernel's own source holds outside common.cuh (its L2 load)
-LD_CG_ASM = 'asm("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");'
 ATTN_TOL = 1e-2                 # test_gpu_dense.py's: float32 sums in another order than torch's
 BUILDS = {
     "d128g8": {"D": 128, "G": 8, "MINCHUNK": 64, "AHEAD": 1},      # Qwen3-30B-A3B's heads
@@ -40,10 +38,8 @@ def builds(tmp_path_factory):
     why = unavailable()
     if why:
         pytest.skip(why)
-    src = (ROOT / "rawkernels" / "dense_attention.cu").read_text()
-    assert LD_CG_ASM in src, f"dense_attention.cu's ld_cg changed: update {__file__}"
     work = tmp_path_factory.mktemp("attention_emu")
-    (work / "dense_attention.cu").write_text(src.replace(LD_CG_ASM, "v = *p;"))
+    shutil.copy(ROOT / "rawkernels" / "dense_attention.cu", work / "dense_attention.cu")
     shutil.copy(EMU / "common.cuh", work / "common.cuh")
     exes = {}
     for name, defines in BUILDS.items():
@@ -147,7 +143,7 @@ def test_attention_emulation_sees_a_wrong_merge(builds):
     the reference (the kernel's merge bound edited in the copied source)."""
     work, exes = builds
     src = (work / "dense_attention.cu").read_text()
-    bad = "if (k0 + k < cnt && g < G) num[e] += wm[g * NS + k0 + k] * v[e][k];"
+    bad = "if (k0 + k < cnt && g < G) {"
     assert bad in src, f"dense_attention.cu's merge sum changed: update {__file__}"
     (work / "dense_attention.cu").write_text(src.replace(bad, bad.replace("< cnt", "< cnt - 1")))
     exe = work / "wrong_merge"
