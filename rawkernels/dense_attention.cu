@@ -42,9 +42,9 @@
 // the softmax, which they do not depend on, and P·V multiplies registers; a thread's key loads
 // for its scores are issued eight at a time (all of them up to D = 128). With AHEAD = 0 each P·V position's
 // load is issued in its loop iteration, after the softmax, and the key loads two at a time: one
-// L2 round trip after another, which one warp a scheduler does not hide. The last block's merge
-// likewise issues the loads of its elements' parts eight parts at a time (AHEAD = 0: one part at
-// a time). The sums run in the same order either way: the outputs are the same bits.
+// L2 round trip after another, which one warp a scheduler does not hide. A merge issues the
+// loads of MP parts of its elements at once either way (fewer parts with AHEAD = 0, which keeps
+// to fewer registers). The sums run in the same order either way: the outputs are the same bits.
 //
 // ATTN_TRACE = 1 is the profiling build (the same outputs): thread 0 of each block writes
 // %globaltimer stamps into trace [block][TRACE_STAMPS] (block = s + NS·(h + hk·b)): 0 start,
@@ -188,9 +188,10 @@ CUPOOL_DEVICE void load_dims_f(const float* p, float* v) {
 #endif
 }
 
-// One row of D values (bf16 values in float32), a lane's dims lane + 32·i: the RMSNorm (if w:
-// the lane's DPL weights) and the rotary embedding, in registers. A whole warp calls it. The
-// lane's squares are summed in the order of its dims, then across the warp.
+// One row of D values (bf16 values in float32), a lane's dims lane + 32·i: the RMSNorm (if norm:
+// w the lane's DPL weights) and the rotary embedding (cs, sn the lane's DPL entries of the
+// row's cos and sin), in registers. A whole warp calls it. The lane's squares are summed in the
+// order of its dims, then across the warp.
 CUPOOL_DEVICE void norm_rope_row(float (&x)[DPL], bool norm, const float (&w)[DPL], float eps,
                                  const float (&cs)[DPL], const float (&sn)[DPL]) {
     if (norm) {
@@ -580,8 +581,8 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         }
     }
     if (used == 1) {
-        // the one part is the whole context: out = acc / (l + exp(sink − m)·…), as a merge of
-        // one part would weigh it
+        // the one part is the whole context: out = w · acc, w = exp(m − M) / (exp(m − M)·l +
+        // exp(sink − M)), M = max(m, sink): a merge of this one part's weight
         if (warp == 0) {
 #pragma unroll
             for (int g = 0; g < G; ++g) {
