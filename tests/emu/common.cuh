@@ -29,8 +29,6 @@ CUPOOL_DEVICE u16 f32_to_bf16(float f) {
     return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-CUPOOL_DEVICE float ld_f32_cg(const float* p) { return *p; }
-
 CUPOOL_DEVICE void prefetch_l2(const void*) {}
 
 CUPOOL_DEVICE void wait_for_producers() {}
