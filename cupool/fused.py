@@ -74,6 +74,9 @@ from cupool.ops.dense_attention import (
     check_min_chunk,
     parts,
 )
+from cupool.ops.dense_attention import (
+    shape_fits as attention_shape_fits,
+)
 from cupool.ops.dense_gemv import (
     PLAIN,
     RESIDUAL,
@@ -468,10 +471,10 @@ class FusedStep:
         if wq.shape[1] != H or wo.shape != (H, nh * D):
             raise Unsupported(f"{where}.self_attn: projections {list(wq.shape)} / "
                               f"{list(wo.shape)} do not fit hidden {H} with {nh} heads of {D}")
-        if D not in HEAD_DIMS or (nh // max(hk, 1)) * D > 64 * 32:
+        if not attention_shape_fits(nh // max(hk, 1), D):
             raise Unsupported(f"{where}.self_attn: {nh} heads of {D} dims over {hk} KV heads is "
                               f"not a shape the attention kernel is built for (head dims "
-                              f"{HEAD_DIMS}, query heads a KV head · D <= 2048)")
+                              f"{HEAD_DIMS}, ceil(query heads a KV head / 8) · D <= 256)")
         groups = getattr(attn, "num_key_value_groups", nh // hk)
         if nh % hk or groups != nh // hk:
             raise Unsupported(f"{where}.self_attn: {nh} query heads over {hk} KV heads")

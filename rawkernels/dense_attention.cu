@@ -9,14 +9,27 @@
 // attends to, [lo, pos[b]] (lo = pos − window + 1 with a sliding window, else 0), at least
 // MINCHUNK positions a part (so short contexts use few parts). The parts are cut on the device
 // from pos[b], so a captured graph replays at any position. Within a block, tiles of TP = 64
-// positions: scores (two threads a position, half the head dim each, one shuffle to join), an
-// online softmax per head (m, l kept in shared memory), then P·V with the head dim across the
-// lanes of each warp and the tile's positions across the warps.
+// positions, 16 a warp: the warp's scores with tensor-core MMAs, an online softmax per head over
+// the tile (m, l kept in shared memory), then the warp's P·V with MMAs; the warps' sums are
+// added after the last tile.
+//
+// The MMAs (m16n8k16, bf16 in, float32 sums) take the G heads as their n (padded to NG tiles of
+// 8; a padded head's column is computed and never stored). Scores: A = the warp's 16 key rows ×
+// 16 dims, B = the queries (bf16 in shared memory). A sum over the dims does not care in which
+// order it runs, so a lane reads 16 bytes of each of its two key rows at dims 32c + 8t (t = lane
+// % 4) and those are the A fragments of two MMAs, with the matching 16 bytes of each query as B
+// (dense_gemv.cu reads its weights the same way). P·V: O^T = V^T · P^T, A = 16 dims × the warp's
+// 16 positions of V, B = the probabilities (hi and lo, above). Lane group g (= lane / 4) holds dims
+// DG·g ... DG·g + DG − 1 (DG = D / 8) of the four positions 4t ... 4t + 3 (one 2·DG-byte read a
+// row); m tile i takes dims DG·g + 2i (row g) and DG·g + 2i + 1 (row g + 8), so a lane's A
+// fragments are its bf16 pairs of two positions, joined by byte permutes.
 //
 // Rounding follows transformers: q and k leave the projection in bf16; the norm is
 // bf16(w · bf16(x · rsqrt(mean(x²) + eps))); the rotary embedding is
 // bf16(bf16(x · cos) + bf16(rotate_half(x) · sin)) with transformers' own bf16 cos / sin tables
-// (passed in, [L_max, D]). Scores, softmax and P·V run in float32; the output is bf16.
+// (passed in, [L_max, D]). Scores, softmax and P·V run in float32: the MMAs' products of bf16
+// values are exact, and P·V takes each float32 probability as two bf16 terms, hi = bf16(p) and
+// lo = bf16(p − hi) (two MMAs: 16 bits of its mantissa where one bf16 keeps 8); the output is bf16.
 //
 // Who writes what, in order:
 // - the new key and value of slot b, KV head h go to the cache at pos[b], written only by the
@@ -37,14 +50,11 @@
 //   Each block that takes a last ticket puts that counter back to zero for the next launch.
 //   The merge's part weights live in the block's scratch: G · NS ≤ max(G, 2) · D, so NS ≤ 64.
 //
-// AHEAD = 1: a tile's loads are issued together, ahead of their use. A warp's value rows of the
-// tile (TP / NWARP positions) go into registers at the start of the tile, before the scores and
-// the softmax, which they do not depend on, and P·V multiplies registers; a thread's key loads
-// for its scores are issued eight at a time (all of them up to D = 128). With AHEAD = 0 each P·V position's
-// load is issued in its loop iteration, after the softmax, and the key loads two at a time: one
-// L2 round trip after another, which one warp a scheduler does not hide. A merge issues the
-// loads of MP parts of its elements at once either way (fewer parts with AHEAD = 0, which keeps
-// to fewer registers). The sums run in the same order either way: the outputs are the same bits.
+// AHEAD = 1: a tile's value rows are read into registers at the start of the tile with its key
+// rows, before the scores and the softmax, which they do not depend on. With AHEAD = 0 they are
+// read after the softmax (fewer registers held across it). A merge issues the loads of MP parts
+// of its elements at once either way (fewer parts with AHEAD = 0, which keeps to fewer
+// registers). The sums run in the same order either way: the outputs are the same bits.
 //
 // ATTN_TRACE = 1 is the profiling build (the same outputs): thread 0 of each block writes
 // %globaltimer stamps into trace [block][TRACE_STAMPS] (block = s + NS·(h + hk·b)): 0 start,
@@ -76,66 +86,23 @@
 #define TP 64             // positions a tile
 #define THREADS 128
 #define NWARP (THREADS / 32)
-#define DPL (D / 32)      // head dims a lane holds: in P·V, lane·DPL ...; in the q/k norm, lane + 32·i
+#define DPL (D / 32)      // head dims a lane holds in the q/k norm: lane + 32·i
 #define RPW ((G + NWARP) / NWARP)   // rows a warp normalises and rotates: G queries and the new key
+#define NG ((G + 7) / 8)  // MMA n tiles of 8 heads
+#define MT (D / 16)       // P·V's m tiles of 16 dims
+#define DG (D / 8)        // dims a lane holds in P·V: DG·g ... (g = lane / 4)
+#define KC (D / 32)       // 32-dim chunks of a key row: two score MMAs each
+#define QSTRIDE (D + 32)  // bf16 a query row in shared memory: a quarter warp's two rows of 16-byte
+                          // loads fall on disjoint banks
+#define SCS (TP + 4)      // floats a head's row of the tile's scores
 
 static_assert(D % 64 == 0 && D <= 256, "head dims of 64, 128, 192 or 256");
 static_assert(DPL % 2 == 0, "rotate_half pairs a lane's dims i and i + DPL / 2");
-static_assert(G >= 1 && G * DPL <= 64, "G query heads of D dims fit a lane's accumulators");
-static_assert(2 * TP == THREADS, "two threads a position in the score phase");
+static_assert(G >= 1 && NG * D <= 256, "the G heads' P·V sums fit a lane's registers (NG·D/4)");
+static_assert(TP == 16 * NWARP, "16 positions of a tile a warp");
 
 // The merge reads what other blocks wrote through L2 only (__ldcg: L1 is not coherent); the
 // barrier of the ticket before those reads keeps them after it.
-
-// A lane's DPL consecutive bf16 values of a cache row, in one load where DPL allows.
-CUPOOL_DEVICE void load_dims(const u16* p, float* f) {
-#if DPL % 4 == 0
-#pragma unroll
-    for (int i = 0; i < DPL; i += 4) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p + i);
-        f[i] = __uint_as_float(v.x << 16);
-        f[i + 1] = __uint_as_float(v.x & 0xffff0000u);
-        f[i + 2] = __uint_as_float(v.y << 16);
-        f[i + 3] = __uint_as_float(v.y & 0xffff0000u);
-    }
-#else
-#pragma unroll
-    for (int i = 0; i < DPL; i += 2) {
-        const u32 v = *reinterpret_cast<const u32*>(p + i);
-        f[i] = __uint_as_float(v << 16);
-        f[i + 1] = __uint_as_float(v & 0xffff0000u);
-    }
-#endif
-}
-
-#if AHEAD
-// A lane's DPL values of a cache row as raw bf16 pairs (loaded now, unpacked when used).
-#define VWORDS (DPL / 2)
-CUPOOL_DEVICE void load_raw(const u16* p, u32* w) {
-#if DPL % 4 == 0
-#pragma unroll
-    for (int i = 0; i < DPL; i += 4) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p + i);
-        w[i / 2] = v.x;
-        w[i / 2 + 1] = v.y;
-    }
-#else
-#pragma unroll
-    for (int i = 0; i < DPL; i += 2) w[i / 2] = *reinterpret_cast<const u32*>(p + i);
-#endif
-}
-#endif
-
-// P·V of one position: acc[g] += p_g · v for each of the G heads, p_g = sc[g][p] (the tile's
-// probabilities), v the lane's DPL dims of the position's value row.
-CUPOOL_DEVICE void add_pv(float (&acc)[G][DPL], const float (&sc)[G][TP], int p, const float* vf) {
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const float pr = sc[g][p];
-#pragma unroll
-        for (int k = 0; k < DPL; ++k) acc[g][k] += pr * vf[k];
-    }
-}
 
 CUPOOL_DEVICE float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
@@ -160,32 +127,34 @@ CUPOOL_DEVICE float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 #define NO_STAMP6
 #endif
 
-// A lane's DPL float32 values to p (p + i for i < DPL), in 16-byte stores where DPL allows.
-CUPOOL_DEVICE void store_dims(float* p, const float* v) {
-#if DPL % 4 == 0
+// P·V's accumulators of a lane: acc[nt][i] = O^T[dims DG·g + 2i, + 1][heads nt·8 + 2t, + 1]
+// (c0: dim 2i, head 2t; c1: dim 2i, head 2t + 1; c2, c3: dim 2i + 1). One head's DG dims of them
+// (e = 0: head nt·8 + 2t, 1: + 1), in dim order.
+CUPOOL_DEVICE void head_dims(const float (&acc)[MT][4], int e, float (&v)[DG]) {
 #pragma unroll
-    for (int i = 0; i < DPL; i += 4)
-        *reinterpret_cast<float4*>(p + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
-#else
-#pragma unroll
-    for (int i = 0; i < DPL; i += 2) *reinterpret_cast<float2*>(p + i) = make_float2(v[i], v[i + 1]);
-#endif
+    for (int i = 0; i < MT; ++i) {
+        v[2 * i] = acc[i][e];
+        v[2 * i + 1] = acc[i][2 + e];
+    }
 }
 
-CUPOOL_DEVICE void load_dims_f(const float* p, float* v) {
-#if DPL % 4 == 0
+// DG float32 values to p (16-byte aligned) and back, in 16-byte stores and loads.
+CUPOOL_DEVICE void store_dg(float* p, const float (&v)[DG]) {
 #pragma unroll
-    for (int i = 0; i < DPL; i += 4) {
+    for (int i = 0; i < DG; i += 4)
+        *reinterpret_cast<float4*>(p + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+}
+
+CUPOOL_DEVICE void load_dg(const float* p, float (&v)[DG]) {
+#pragma unroll
+    for (int i = 0; i < DG; i += 4) {
         const float4 f = *reinterpret_cast<const float4*>(p + i);
         v[i] = f.x; v[i + 1] = f.y; v[i + 2] = f.z; v[i + 3] = f.w;
     }
-#else
-#pragma unroll
-    for (int i = 0; i < DPL; i += 2) {
-        const float2 f = *reinterpret_cast<const float2*>(p + i);
-        v[i] = f.x; v[i + 1] = f.y;
-    }
-#endif
+}
+
+CUPOOL_DEVICE u32 pack_bf16(float lo, float hi) {
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
 
 // One row of D values (bf16 values in float32), a lane's dims lane + 32·i: the RMSNorm (if norm:
@@ -351,13 +320,15 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
                 , u64* trace
 #endif
                 ) {
-    // qs: the queries, normed and rotated (bf16 values); sc: a tile's scores, then its
-    // probabilities; both dead after the tile loop, where red takes their place: warps 1 ..
-    // NWARP − 1's P·V sums; then the merge's scratch
-    constexpr int QS_SC = G * D + G * TP, RED = (NWARP - 1) * G * D;
+    // qs: the queries, normed and rotated (bf16, NG·8 rows: the padding rows are never written,
+    // and only feed the padding heads' scores); sc: a tile's scores, then its probabilities; both
+    // dead after the tile loop, where red takes their place: warps 1 .. NWARP − 1's P·V sums;
+    // then the merge's scratch
+    constexpr int QS = NG * 8 * QSTRIDE / 2;   // floats
+    constexpr int QS_SC = QS + G * SCS, RED = (NWARP - 1) * G * D;
     __shared__ __align__(16) float smem[QS_SC > RED ? QS_SC : RED];
-    float* qs = smem;
-    float (&sc)[G][TP] = *reinterpret_cast<float (*)[G][TP]>(smem + G * D);
+    u16* qs = reinterpret_cast<u16*>(smem);
+    float (&sc)[G][SCS] = *reinterpret_cast<float (*)[G][SCS]>(smem + QS);
     float (&red)[NWARP - 1][G * D] = *reinterpret_cast<float (*)[NWARP - 1][G * D]>(smem);
     __shared__ __align__(16) float tmp[(G > 1 ? G : 2) * D];   // the merge's part weights
     __shared__ float m_run[G], l_run[G], alpha[G];
@@ -434,7 +405,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
             if (r < G) {
                 norm_rope_row(x[j], q_norm != nullptr, qw, eps, cs_f, sn_f);
 #pragma unroll
-                for (int i = 0; i < DPL; ++i) qs[r * D + lane + 32 * i] = x[j][i];
+                for (int i = 0; i < DPL; ++i) qs[r * QSTRIDE + lane + 32 * i] = f32_to_bf16(x[j][i]);
             } else if (r == G && holds) {
                 norm_rope_row(x[j], k_norm != nullptr, kw, eps, cs_f, sn_f);
 #pragma unroll
@@ -449,108 +420,126 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     STAMP(2);
     STAMP(3);
 
-    float acc[G][DPL];
+    const int g = lane >> 2, t = lane & 3;      // the MMA fragments' group and thread
+    float acc[NG][MT][4];                        // P·V (head_dims)
 #pragma unroll
-    for (int g = 0; g < G; ++g)
+    for (int nt = 0; nt < NG; ++nt)
 #pragma unroll
-        for (int i = 0; i < DPL; ++i) acc[g][i] = 0.0f;
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[nt][i][e] = 0.0f;
+    const u32x4 zero{0u, 0u, 0u, 0u};
+    const u16* kbase = kc + cache_base;
+    const u16* vbase = vc + cache_base;
 
     for (i64 j0 = start; j0 < end; j0 += TP) {
-#if AHEAD
-        // this warp's P·V positions j0 + warp + i·NWARP: their value rows, asked for now
-        u32 vraw[TP / NWARP][VWORDS];
+        const i64 pw = j0 + 16 * warp;           // this warp's 16 positions
+        // the score MMAs' A fragments: key rows pw + g and pw + g + 8, 16 bytes at dims 32c + 8t
+        u32x4 klo[KC], khi[KC];
 #pragma unroll
-        for (int i = 0; i < TP / NWARP; ++i) {
-            const i64 j = j0 + warp + i * NWARP;
-            if (j < end) {
-                load_raw(vc + cache_base + j * D + lane * DPL, vraw[i]);
-            } else {
-#pragma unroll
-                for (int k = 0; k < VWORDS; ++k) vraw[i][k] = 0u;
-            }
+        for (int c = 0; c < KC; ++c) {
+            klo[c] = pw + g < end ? *reinterpret_cast<const u32x4*>(kbase + (pw + g) * D + 32 * c + 8 * t) : zero;
+            khi[c] = pw + g + 8 < end
+                ? *reinterpret_cast<const u32x4*>(kbase + (pw + g + 8) * D + 32 * c + 8 * t) : zero;
         }
-#endif
-        // scores: thread pair (2p, 2p + 1) takes position j0 + p, half the head dim each
-        {
-            const int p = threadIdx.x >> 1, half = threadIdx.x & 1;
-            const i64 j = j0 + p;
-            float dot[G];
+        // P·V's A fragments come from value rows pw + 4t + q (q < 4), dims DG·g ...: word w of
+        // vw[q] holds dims DG·g + 2w, + 1 (zeros past end: their probability is 0, and 0 · NaN
+        // would not be)
+        u32 vw[4][DG / 2];
+        auto load_values = [&]() {
 #pragma unroll
-            for (int g = 0; g < G; ++g) dot[g] = 0.0f;
-            if (j < end) {
-                const u16* k = kc + cache_base + j * D + half * (D / 2);
-                const float* q = qs + half * (D / 2);
+            for (int q = 0; q < 4; ++q) {
+                const i64 j = pw + 4 * t + q;
+#pragma unroll
+                for (int c = 0; c < DG / 8; ++c) {
+                    const u32x4 v = j < end
+                        ? *reinterpret_cast<const u32x4*>(vbase + j * D + DG * g + 8 * c) : zero;
+                    vw[q][4 * c] = v.x; vw[q][4 * c + 1] = v.y;
+                    vw[q][4 * c + 2] = v.z; vw[q][4 * c + 3] = v.w;
+                }
+            }
+        };
 #if AHEAD
-#pragma unroll 8                    // every key load of D ≤ 128 at once; half of them at 256
-#else
-#pragma unroll 2
+        load_values();
 #endif
-                for (int c = 0; c < D / 2; c += 8) {
-                    const u32x4 v = *reinterpret_cast<const u32x4*>(k + c);
-                    const u32 wv[4] = {v.x, v.y, v.z, v.w};
+        // scores: S[position pw + g (+ 8)][head nt·8 + 2t (+ 1)]
+        {
+            float sv[NG][4];
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const float k0 = __uint_as_float(wv[e] << 16);
-                        const float k1 = __uint_as_float(wv[e] & 0xffff0000u);
+            for (int nt = 0; nt < NG; ++nt)
 #pragma unroll
-                        for (int g = 0; g < G; ++g)
-                            dot[g] += q[g * D + c + 2 * e] * k0 + q[g * D + c + 2 * e + 1] * k1;
-                    }
+                for (int e = 0; e < 4; ++e) sv[nt][e] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < KC; ++c) {
+                const u32 a0[4] = {klo[c].x, khi[c].x, klo[c].y, khi[c].y};
+                const u32 a1[4] = {klo[c].z, khi[c].z, klo[c].w, khi[c].w};
+#pragma unroll
+                for (int nt = 0; nt < NG; ++nt) {
+                    const u32x4 x = *reinterpret_cast<const u32x4*>(&qs[(nt * 8 + g) * QSTRIDE + 32 * c + 8 * t]);
+                    mma16816<true>(sv[nt], a0, x.x, x.y);
+                    mma16816<true>(sv[nt], a1, x.z, x.w);
                 }
             }
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], 1);
-                if ((g & 1) == half)
-                    sc[g][p] = j < end ? dot[g] * scale : -__int_as_float(0x7f800000);
-            }
+            for (int nt = 0; nt < NG; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int hd = nt * 8 + 2 * t + (e & 1), p = 16 * warp + g + 8 * (e >> 1);
+                    if (hd < G) sc[hd][p] = j0 + p < end ? sv[nt][e] * scale : -__int_as_float(0x7f800000);
+                }
         }
         __syncthreads();
         // online softmax: warp w takes heads w, w + 4, ...
-        for (int g = warp; g < G; g += NWARP) {
-            const float a = sc[g][lane], c = sc[g][lane + 32];
+        for (int hd = warp; hd < G; hd += NWARP) {
+            const float a = sc[hd][lane], c = sc[hd][lane + 32];
             float mx = fmaxf(a, c);
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float m_new = fmaxf(m_run[g], mx);
+            const float m_new = fmaxf(m_run[hd], mx);
             const float pa = expf(a - m_new), pc = expf(c - m_new);
-            sc[g][lane] = pa;
-            sc[g][lane + 32] = pc;
+            sc[hd][lane] = pa;
+            sc[hd][lane + 32] = pc;
             const float sum = warp_sum(pa + pc);
             __syncwarp();
             if (lane == 0) {
-                const float al = expf(m_run[g] - m_new);
-                alpha[g] = al;
-                l_run[g] = l_run[g] * al + sum;
-                m_run[g] = m_new;
+                const float al = expf(m_run[hd] - m_new);
+                alpha[hd] = al;
+                l_run[hd] = l_run[hd] * al + sum;
+                m_run[hd] = m_new;
             }
         }
         __syncthreads();
-        // P·V: warp w takes the tile's positions w, w + 4, ...; lane the dims lane·DPL ...
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) acc[g][i] *= alpha[g];
-#if AHEAD
-#pragma unroll
-        for (int i = 0; i < TP / NWARP; ++i) {
-            const int p = warp + i * NWARP;
-            if (j0 + p >= end) break;
-            float vf[DPL];
-#pragma unroll
-            for (int k = 0; k < VWORDS; ++k) {
-                vf[2 * k] = __uint_as_float(vraw[i][k] << 16);
-                vf[2 * k + 1] = __uint_as_float(vraw[i][k] & 0xffff0000u);
-            }
-            add_pv(acc, sc, p, vf);
-        }
-#else
-        for (int p = warp; p < TP && j0 + p < end; p += NWARP) {
-            float vf[DPL];
-            load_dims(vc + cache_base + (j0 + p) * D + lane * DPL, vf);
-            add_pv(acc, sc, p, vf);
-        }
+#if !AHEAD
+        load_values();
 #endif
+        // P·V: O^T[dims][heads] += V^T[dims][the warp's positions] · P^T
+#pragma unroll
+        for (int nt = 0; nt < NG; ++nt) {
+            const int h0 = nt * 8 + 2 * t;
+            const float al0 = h0 < G ? alpha[h0] : 1.0f, al1 = h0 + 1 < G ? alpha[h0 + 1] : 1.0f;
+            // P^T's fragments: head nt·8 + g at positions 4t ... 4t + 3, as hi and lo bf16 terms
+            u32 hi0 = 0u, hi1 = 0u, lo0 = 0u, lo1 = 0u;
+            if (nt * 8 + g < G) {
+                const float4 pr = *reinterpret_cast<const float4*>(&sc[nt * 8 + g][16 * warp + 4 * t]);
+                hi0 = pack_bf16(pr.x, pr.y);
+                hi1 = pack_bf16(pr.z, pr.w);
+                lo0 = pack_bf16(pr.x - round_bf16(pr.x), pr.y - round_bf16(pr.y));
+                lo1 = pack_bf16(pr.z - round_bf16(pr.z), pr.w - round_bf16(pr.w));
+            }
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                acc[nt][i][0] *= al0;
+                acc[nt][i][1] *= al1;
+                acc[nt][i][2] *= al0;
+                acc[nt][i][3] *= al1;
+                const u32 a[4] = {__byte_perm(vw[0][i], vw[1][i], 0x5410),
+                                  __byte_perm(vw[0][i], vw[1][i], 0x7632),
+                                  __byte_perm(vw[2][i], vw[3][i], 0x5410),
+                                  __byte_perm(vw[2][i], vw[3][i], 0x7632)};
+                mma16816<true>(acc[nt][i], a, hi0, hi1);
+                mma16816<true>(acc[nt][i], a, lo0, lo1);
+            }
+        }
         __syncthreads();
     }
 
@@ -560,40 +549,61 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     // in warp 0's registers
     if (warp > 0) {
 #pragma unroll
-        for (int g = 0; g < G; ++g) store_dims(&red[warp - 1][g * D + lane * DPL], acc[g]);
+        for (int nt = 0; nt < NG; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int hd = nt * 8 + 2 * t + e;
+                if (hd < G) {
+                    float v[DG];
+                    head_dims(acc[nt], e, v);
+                    store_dg(&red[warp - 1][hd * D + DG * g], v);
+                }
+            }
     }
     __syncthreads();
+    // warp 0's sums of head nt·8 + 2t + e, dims DG·g ...
+    float sum[NG][2][DG];
     if (warp == 0) {
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float sum[DPL];
+        for (int nt = 0; nt < NG; ++nt)
 #pragma unroll
-            for (int i = 0; i < DPL; ++i) sum[i] = 0.0f + acc[g][i];
+            for (int e = 0; e < 2; ++e) {
+                const int hd = nt * 8 + 2 * t + e;
+                head_dims(acc[nt], e, sum[nt][e]);
 #pragma unroll
-            for (int w = 1; w < NWARP; ++w) {
-                float o[DPL];
-                load_dims_f(&red[w - 1][g * D + lane * DPL], o);
+                for (int i = 0; i < DG; ++i) sum[nt][e][i] = 0.0f + sum[nt][e][i];
+                if (hd >= G) continue;
 #pragma unroll
-                for (int i = 0; i < DPL; ++i) sum[i] += o[i];
+                for (int w = 1; w < NWARP; ++w) {
+                    float r[DG];
+                    load_dg(&red[w - 1][hd * D + DG * g], r);
+#pragma unroll
+                    for (int i = 0; i < DG; ++i) sum[nt][e][i] += r[i];
+                }
             }
-#pragma unroll
-            for (int i = 0; i < DPL; ++i) acc[g][i] = sum[i];
-        }
     }
     if (used == 1) {
-        // the one part is the whole context: out = w · acc, w = exp(m − M) / (exp(m − M)·l +
+        // the one part is the whole context: out = w · o, w = exp(m − M) / (exp(m − M)·l +
         // exp(sink − M)), M = max(m, sink): a merge of this one part's weight
         if (warp == 0) {
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const float m = m_run[g], l = l_run[g];
-                const float sink = sinks ? bf16_to_f32(sinks[h * G + g]) : -__int_as_float(0x7f800000);
-                const float M = fmaxf(sink, m);
-                const float w = expf(m - M) / (expf(m - M) * l + (sinks ? expf(sink - M) : 0.0f));
-                u16* o = out + (head0 + g) * D + lane * DPL;
+            for (int nt = 0; nt < NG; ++nt)
 #pragma unroll
-                for (int i = 0; i < DPL; ++i) o[i] = f32_to_bf16(w * acc[g][i]);
-            }
+                for (int e = 0; e < 2; ++e) {
+                    const int hd = nt * 8 + 2 * t + e;
+                    if (hd >= G) continue;
+                    const float m = m_run[hd], l = l_run[hd];
+                    const float sink = sinks ? bf16_to_f32(sinks[h * G + hd]) : -__int_as_float(0x7f800000);
+                    const float M = fmaxf(sink, m);
+                    const float w = expf(m - M) / (expf(m - M) * l + (sinks ? expf(sink - M) : 0.0f));
+                    u16* dst = out + (head0 + hd) * D + DG * g;
+#pragma unroll
+                    for (int i = 0; i < DG; i += 8)
+                        st16(dst + i, u32x4{pack_bf16(w * sum[nt][e][i], w * sum[nt][e][i + 1]),
+                                            pack_bf16(w * sum[nt][e][i + 2], w * sum[nt][e][i + 3]),
+                                            pack_bf16(w * sum[nt][e][i + 4], w * sum[nt][e][i + 5]),
+                                            pack_bf16(w * sum[nt][e][i + 6], w * sum[nt][e][i + 7])});
+                }
         }
         STAMP(5);
         STAMP(6);
@@ -602,17 +612,21 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     }
     if (warp == 0) {
 #pragma unroll
-        for (int g = 0; g < G; ++g)
-            store_dims(part_o + ((head0 + g) * NS + s) * D + lane * DPL, acc[g]);
-        for (int g = lane; g < G; g += 32) {
-            part_ml[((head0 + g) * NS + s) * 2] = m_run[g];
-            part_ml[((head0 + g) * NS + s) * 2 + 1] = l_run[g];
+        for (int nt = 0; nt < NG; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int hd = nt * 8 + 2 * t + e;
+                if (hd < G) store_dg(part_o + ((head0 + hd) * NS + s) * D + DG * g, sum[nt][e]);
+            }
+        for (int hd = lane; hd < G; hd += 32) {
+            part_ml[((head0 + hd) * NS + s) * 2] = m_run[hd];
+            part_ml[((head0 + hd) * NS + s) * 2 + 1] = l_run[hd];
         }
         __threadfence();
     }
     i32* counter = count + ((i64)b * hk + h) * COUNTERS;
     float* wm = tmp;                           // [G][NS]: the parts' weights
-    float* wl = qs;                            // [G][NS]: scratch
+    float* wl = smem;                          // [G][NS]: scratch
     u16* o = out + head0 * D;
     if (used <= 2 * MGROUP) {
         const bool last = last_ticket(counter, used);

@@ -173,6 +173,19 @@ def test_refusals_name_the_reason():
         FusedStep(f32, None, cache, 1, [None] * 3, backend="fast")
 
 
+def test_attention_shapes_the_kernel_takes():
+    """The P·V sums of ceil(G / 8) MMA tiles of 8 heads take D / 4 registers each: at most 64."""
+    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, shape_fits
+    fits = [(8, 128), (8, 256), (16, 128), (12, 128), (8, 192), (32, 64), (1, 256)]
+    too_big = [(9, 192), (9, 256), (17, 128), (33, 64)]
+    assert all(shape_fits(G, D) for G, D in fits)
+    assert not any(shape_fits(G, D) for G, D in too_big)
+    assert not shape_fits(8, 96)                     # not a head dim the kernel is built for
+    ws = AttentionWorkspace(1, 18, 2, 192, 4, "cpu")
+    with pytest.raises(ValueError, match=r"9 query heads a KV head of 192 dims"):
+        DecodeAttention(18, 2, 192, scale=0.1, workspace=ws)
+
+
 def test_norm_probe_refuses_another_norm():
     from cupool.fused import check_rms_norm
 

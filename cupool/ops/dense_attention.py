@@ -29,6 +29,13 @@ MGROUP = 8                      # parts a first-level merge takes (the kernel's 
 COUNTERS = 1 + MAX_PARTS // MGROUP   # merge tickets a (slot, KV head): the final's, a group's
 
 
+def shape_fits(group: int, head_dim: int) -> bool:
+    """Whether G = `group` query heads a KV head of head_dim dims is a shape the kernel is built
+    for: head_dim in HEAD_DIMS, and the heads' P·V sums (MMA tiles of 8 heads: ceil(G / 8)·D / 4
+    floats a lane) within 64 registers."""
+    return head_dim in HEAD_DIMS and -(-group // 8) * head_dim <= 256
+
+
 def parts(tokens: int, kv_heads: int, max_len: int, sm_count: int,
           min_chunk: int = MINCHUNK) -> int:
     """NS: enough blocks for two a streaming multiprocessor at the longest context, but no more
@@ -117,9 +124,9 @@ class DecodeAttention:
         if head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim={head_dim} is not one the kernel is built for {HEAD_DIMS}")
         G = heads // kv_heads
-        if G * (head_dim // 32) > 64:
+        if not shape_fits(G, head_dim):
             raise ValueError(f"{G} query heads a KV head of {head_dim} dims exceed a lane's "
-                             f"accumulators (G·D/32 <= 64)")
+                             f"accumulators (ceil(G / 8)·D <= 256)")
         ws = workspace
         if not 1 <= ws.num_parts <= MAX_PARTS:
             raise ValueError(f"workspace has {ws.num_parts} parts; the kernel merges 1 to "

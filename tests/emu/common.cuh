@@ -19,6 +19,44 @@ CUPOOL_DEVICE u32x4 ld_stream16(const void* p) { return *static_cast<const u32x4
 
 CUPOOL_DEVICE void st16(void* p, u32x4 v) { *static_cast<u32x4*>(p) = v; }
 
+// rawkernels/common.cuh's warp MMA (m16n8k16, row · col, bf16 in, float32 sums), emulated: each
+// lane publishes its fragments, then works out its four outputs from all of them (the PTX ISA's
+// fragment layout; a product's terms added in k order, where the tensor core's order is its own).
+// `a` holds A[row][k] for row = lane / 4 (+ 8 in a[1], a[3]), k = 2·(lane % 4) (+ 8 in a[2],
+// a[3]) and k + 1 in the high half; b0 / b1 B[k][n = lane / 4] for the same k (b1 the + 8);
+// d[0], d[1] are C[lane / 4][2·(lane % 4), + 1], d[2], d[3] the same of row lane / 4 + 8.
+inline void emu_warp_gather(unsigned lo, unsigned hi, unsigned (&all_lo)[32], unsigned (&all_hi)[32]) {
+    const long long v = (long long)((unsigned long long)hi << 32 | lo);
+    emu_warp_exchange<long long>(v, [&](int, const long long* vals) {
+        for (int i = 0; i < 32; ++i) {
+            all_lo[i] = (unsigned)(unsigned long long)vals[i];
+            all_hi[i] = (unsigned)((unsigned long long)vals[i] >> 32);
+        }
+        return 0LL;
+    });
+}
+
+template <bool BF>
+CUPOOL_DEVICE void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    static_assert(BF, "the emulation multiplies bf16 fragments");
+    unsigned A[4][32], B[2][32];
+    emu_warp_gather(a[0], a[1], A[0], A[1]);
+    emu_warp_gather(a[2], a[3], A[2], A[3]);
+    emu_warp_gather(b0, b1, B[0], B[1]);
+    auto half = [](unsigned w, int k) { return __uint_as_float((k & 1 ? w >> 16 : w & 0xffffu) << 16); };
+    auto a_at = [&](int row, int k) {
+        return half(A[(row >= 8) + 2 * (k >= 8)][(row % 8) * 4 + (k % 8) / 2], k);
+    };
+    auto b_at = [&](int k, int n) { return half(B[k >= 8][n * 4 + (k % 8) / 2], k); };
+    const int lane = threadIdx.x & 31, g = lane / 4, t = lane % 4;
+    for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        float s = d[e];
+        for (int k = 0; k < 16; ++k) s += a_at(row, k) * b_at(k, col);
+        d[e] = s;
+    }
+}
+
 // bf16 <-> float32 as rawkernels/common.cuh: the high half of a float32; rounding to nearest
 // even (a NaN stays a NaN).
 CUPOOL_DEVICE float bf16_to_f32(u16 h) { return __uint_as_float((u32)h << 16); }

@@ -195,6 +195,13 @@ T __shfl_xor_sync(unsigned mask, T var, int m) {
 }
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+// bytes of {y, x} (x bytes 0-3, y bytes 4-7) picked by the low 3 bits of each selector nibble
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long xy = (unsigned long long)y << 32 | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) r |= (unsigned)((xy >> (8 * ((s >> (4 * n)) & 7))) & 0xffu) << (8 * n);
+    return r;
+}
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
