@@ -19,9 +19,9 @@
 // order it runs, so a lane reads 16 bytes of each of its two key rows at dims 32c + 8t (t = lane
 // % 4) and those are the A fragments of two MMAs, with the matching 16 bytes of each query as B
 // (dense_gemv.cu reads its weights the same way). P·V: O^T = V^T · P^T, A = 16 dims × the warp's
-// 16 positions of V, B = the probabilities (hi and lo, above). Lane group g (= lane / 4) holds dims
-// DG·g ... DG·g + DG − 1 (DG = D / 8) of the four positions 4t ... 4t + 3 (one 2·DG-byte read a
-// row); m tile i takes dims DG·g + 2i (row g) and DG·g + 2i + 1 (row g + 8), so a lane's A
+// 16 positions of V, B = the probabilities (hi and lo, above). Lane group g (= lane / 4) holds
+// dims DG·g ... DG·g + DG − 1 (DG = D / 8) of the four positions 4t ... 4t + 3 (one 2·DG-byte
+// read a row); m tile i takes dims DG·g + 2i (row g) and DG·g + 2i + 1 (row g + 8), so a lane's A
 // fragments are its bf16 pairs of two positions, joined by byte permutes.
 //
 // Rounding follows transformers: q and k leave the projection in bf16; the norm is
@@ -29,7 +29,8 @@
 // bf16(bf16(x · cos) + bf16(rotate_half(x) · sin)) with transformers' own bf16 cos / sin tables
 // (passed in, [L_max, D]). Scores, softmax and P·V run in float32: the MMAs' products of bf16
 // values are exact, and P·V takes each float32 probability as two bf16 terms, hi = bf16(p) and
-// lo = bf16(p − hi) (two MMAs: 16 bits of its mantissa where one bf16 keeps 8); the output is bf16.
+// lo = bf16(p − hi) (two MMAs: 16 bits of its mantissa where one bf16 keeps 8); the output is
+// bf16.
 //
 // Who writes what, in order:
 // - the new key and value of slot b, KV head h go to the cache at pos[b], written only by the
@@ -438,7 +439,8 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         u32x4 klo[KC], khi[KC];
 #pragma unroll
         for (int c = 0; c < KC; ++c) {
-            klo[c] = pw + g < end ? *reinterpret_cast<const u32x4*>(kbase + (pw + g) * D + 32 * c + 8 * t) : zero;
+            klo[c] = pw + g < end
+                ? *reinterpret_cast<const u32x4*>(kbase + (pw + g) * D + 32 * c + 8 * t) : zero;
             khi[c] = pw + g + 8 < end
                 ? *reinterpret_cast<const u32x4*>(kbase + (pw + g + 8) * D + 32 * c + 8 * t) : zero;
         }
@@ -475,7 +477,8 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
                 const u32 a1[4] = {klo[c].z, khi[c].z, klo[c].w, khi[c].w};
 #pragma unroll
                 for (int nt = 0; nt < NG; ++nt) {
-                    const u32x4 x = *reinterpret_cast<const u32x4*>(&qs[(nt * 8 + g) * QSTRIDE + 32 * c + 8 * t]);
+                    const u32x4 x = *reinterpret_cast<const u32x4*>(
+                        &qs[(nt * 8 + g) * QSTRIDE + 32 * c + 8 * t]);
                     mma16816<true>(sv[nt], a0, x.x, x.y);
                     mma16816<true>(sv[nt], a1, x.z, x.w);
                 }
@@ -485,7 +488,8 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int hd = nt * 8 + 2 * t + (e & 1), p = 16 * warp + g + 8 * (e >> 1);
-                    if (hd < G) sc[hd][p] = j0 + p < end ? sv[nt][e] * scale : -__int_as_float(0x7f800000);
+                    if (hd < G)
+                        sc[hd][p] = j0 + p < end ? sv[nt][e] * scale : -__int_as_float(0x7f800000);
                 }
         }
         __syncthreads();
@@ -520,7 +524,8 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
             // P^T's fragments: head nt·8 + g at positions 4t ... 4t + 3, as hi and lo bf16 terms
             u32 hi0 = 0u, hi1 = 0u, lo0 = 0u, lo1 = 0u;
             if (nt * 8 + g < G) {
-                const float4 pr = *reinterpret_cast<const float4*>(&sc[nt * 8 + g][16 * warp + 4 * t]);
+                const float4 pr =
+                    *reinterpret_cast<const float4*>(&sc[nt * 8 + g][16 * warp + 4 * t]);
                 hi0 = pack_bf16(pr.x, pr.y);
                 hi1 = pack_bf16(pr.z, pr.w);
                 lo0 = pack_bf16(pr.x - round_bf16(pr.x), pr.y - round_bf16(pr.y));
@@ -583,7 +588,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
             }
     }
     if (used == 1) {
-        // the one part is the whole context: out = w · o, w = exp(m − M) / (exp(m − M)·l +
+        // the one part is the whole context: out = w · sum, w = exp(m − M) / (exp(m − M)·l +
         // exp(sink − M)), M = max(m, sink): a merge of this one part's weight
         if (warp == 0) {
 #pragma unroll
@@ -593,16 +598,19 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
                     const int hd = nt * 8 + 2 * t + e;
                     if (hd >= G) continue;
                     const float m = m_run[hd], l = l_run[hd];
-                    const float sink = sinks ? bf16_to_f32(sinks[h * G + hd]) : -__int_as_float(0x7f800000);
+                    const float sink =
+                        sinks ? bf16_to_f32(sinks[h * G + hd]) : -__int_as_float(0x7f800000);
                     const float M = fmaxf(sink, m);
-                    const float w = expf(m - M) / (expf(m - M) * l + (sinks ? expf(sink - M) : 0.0f));
+                    const float w =
+                        expf(m - M) / (expf(m - M) * l + (sinks ? expf(sink - M) : 0.0f));
                     u16* dst = out + (head0 + hd) * D + DG * g;
 #pragma unroll
                     for (int i = 0; i < DG; i += 8)
-                        st16(dst + i, u32x4{pack_bf16(w * sum[nt][e][i], w * sum[nt][e][i + 1]),
-                                            pack_bf16(w * sum[nt][e][i + 2], w * sum[nt][e][i + 3]),
-                                            pack_bf16(w * sum[nt][e][i + 4], w * sum[nt][e][i + 5]),
-                                            pack_bf16(w * sum[nt][e][i + 6], w * sum[nt][e][i + 7])});
+                        st16(dst + i,
+                             u32x4{pack_bf16(w * sum[nt][e][i], w * sum[nt][e][i + 1]),
+                                   pack_bf16(w * sum[nt][e][i + 2], w * sum[nt][e][i + 3]),
+                                   pack_bf16(w * sum[nt][e][i + 4], w * sum[nt][e][i + 5]),
+                                   pack_bf16(w * sum[nt][e][i + 6], w * sum[nt][e][i + 7])});
                 }
         }
         STAMP(5);

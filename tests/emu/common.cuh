@@ -25,7 +25,8 @@ CUPOOL_DEVICE void st16(void* p, u32x4 v) { *static_cast<u32x4*>(p) = v; }
 // `a` holds A[row][k] for row = lane / 4 (+ 8 in a[1], a[3]), k = 2·(lane % 4) (+ 8 in a[2],
 // a[3]) and k + 1 in the high half; b0 / b1 B[k][n = lane / 4] for the same k (b1 the + 8);
 // d[0], d[1] are C[lane / 4][2·(lane % 4), + 1], d[2], d[3] the same of row lane / 4 + 8.
-inline void emu_warp_gather(unsigned lo, unsigned hi, unsigned (&all_lo)[32], unsigned (&all_hi)[32]) {
+inline void emu_warp_gather(unsigned lo, unsigned hi, unsigned (&all_lo)[32],
+                            unsigned (&all_hi)[32]) {
     const long long v = (long long)((unsigned long long)hi << 32 | lo);
     emu_warp_exchange<long long>(v, [&](int, const long long* vals) {
         for (int i = 0; i < 32; ++i) {
@@ -43,7 +44,9 @@ CUPOOL_DEVICE void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     emu_warp_gather(a[0], a[1], A[0], A[1]);
     emu_warp_gather(a[2], a[3], A[2], A[3]);
     emu_warp_gather(b0, b1, B[0], B[1]);
-    auto half = [](unsigned w, int k) { return __uint_as_float((k & 1 ? w >> 16 : w & 0xffffu) << 16); };
+    auto half = [](unsigned w, int k) {
+        return __uint_as_float((k & 1 ? w >> 16 : w & 0xffffu) << 16);
+    };
     auto a_at = [&](int row, int k) {
         return half(A[(row >= 8) + 2 * (k >= 8)][(row % 8) * 4 + (k % 8) / 2], k);
     };
