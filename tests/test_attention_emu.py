@@ -30,6 +30,8 @@ BUILDS = {
     "d128g8": {"D": 128, "G": 8, "MINCHUNK": 64, "AHEAD": 1},      # Qwen3-30B-A3B's heads
     "d64g4": {"D": 64, "G": 4, "MINCHUNK": 64, "AHEAD": 0},
     "d128g8c192": {"D": 128, "G": 8, "MINCHUNK": 192, "AHEAD": 1},
+    "d128g12": {"D": 128, "G": 12, "MINCHUNK": 64, "AHEAD": 1},     # GLM-4.5-Air's: two MMA n tiles
+    "d256g8": {"D": 256, "G": 8, "MINCHUNK": 64, "AHEAD": 0},      # Qwen3-Next's
 }
 
 
@@ -108,6 +110,8 @@ CASES = [  # build, B, nh, hk, L, positions, qk_norm, window, sinks, sm_count (s
     ("d128g8c192", 2, 8, 1, 1000, [999, 100], True, 0, False, 32),  # parts of >= 192 positions
     ("d128g8", 1, 8, 1, 4200, [4199], True, 0, False, 132),    # 64 parts: two merge levels
     ("d64g4", 1, 8, 2, 3000, [2999], False, 2000, True, 64),   # 32 parts, two levels, sinks
+    ("d128g12", 2, 24, 2, 500, [499, 40], True, 0, True, 8),   # 4 padding heads; one part; sinks
+    ("d256g8", 2, 16, 2, 300, [299, 130], True, 0, False, 8),
 ]
 
 

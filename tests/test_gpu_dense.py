@@ -283,6 +283,8 @@ ATTN_CASES = [  # B, nh, hk, D, L, qk_norm, window, sinks
     (2, 8, 2, 64, 200, False, 16, True),          # gpt-oss-like: window and sinks
     (1, 4, 1, 256, 130, True, 0, True),
     (2, 16, 2, 128, 2000, True, 1500, True),     # up to 24 parts: two merge levels, sinks
+    (2, 24, 2, 128, 500, True, 0, True),          # G = 12 (GLM-4.5-Air): two MMA n tiles
+    (1, 16, 1, 128, 300, False, 40, False),       # G = 16
 ]
 
 
