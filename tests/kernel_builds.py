@@ -164,6 +164,9 @@ VARIANTS = [
     # attention with a tile's loads issued ahead (AHEAD=1) at other head shapes
     ("dense_attention", "-DD=256 -DG=4 -DMINCHUNK=64 -DAHEAD=1"),
     ("dense_attention", "-DD=64 -DG=1 -DMINCHUNK=64 -DAHEAD=1"),
+    # two MMA n tiles of heads (GLM-4.5-Air's 12 a KV head) and Qwen3-Next's 256 dims
+    ("dense_attention", "-DD=128 -DG=12 -DMINCHUNK=64 -DAHEAD=1"),
+    ("dense_attention", "-DD=256 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),
     # parts of at least 192 positions (CUPOOL_DENSE_SHAPE attn=aheadc192)
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=192 -DAHEAD=1"),
     # its profiling build (benchmarks/profile_attention.py)
