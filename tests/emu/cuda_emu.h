@@ -199,7 +199,8 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     const unsigned long long xy = (unsigned long long)y << 32 | x;
     unsigned r = 0;
-    for (int n = 0; n < 4; ++n) r |= (unsigned)((xy >> (8 * ((s >> (4 * n)) & 7))) & 0xffu) << (8 * n);
+    for (int n = 0; n < 4; ++n)
+        r |= (unsigned)((xy >> (8 * ((s >> (4 * n)) & 7))) & 0xffu) << (8 * n);
     return r;
 }
 inline int __ffs(int x) { return __builtin_ffs(x); }
