@@ -51,11 +51,13 @@
 //   Each block that takes a last ticket puts that counter back to zero for the next launch.
 //   The merge's part weights live in the block's scratch: G · NS ≤ max(G, 2) · D, so NS ≤ 64.
 //
-// AHEAD = 1: a tile's value rows are read into registers at the start of the tile with its key
-// rows, before the scores and the softmax, which they do not depend on. With AHEAD = 0 they are
-// read after the softmax (fewer registers held across it). A merge issues the loads of MP parts
-// of its elements at once either way (fewer parts with AHEAD = 0, which keeps to fewer
-// registers). The sums run in the same order either way: the outputs are the same bits.
+// AHEAD = 1: a tile's value rows are read into registers at the start of the tile, before the
+// scores and the softmax, which they do not depend on, and the next tile's key rows right after
+// this tile's score MMAs, so they are in flight during its softmax and P·V. With AHEAD = 0 a
+// tile reads its key rows at its start and its value rows after the softmax (fewer registers
+// held across it). A merge issues the loads of MP parts of its elements at once either way
+// (fewer parts with AHEAD = 0, which keeps to fewer registers). The sums run in the same order
+// either way: the outputs are the same bits.
 //
 // ATTN_TRACE = 1 is the profiling build (the same outputs): thread 0 of each block writes
 // %globaltimer stamps into trace [block][TRACE_STAMPS] (block = s + NS·(h + hk·b)): 0 start,
@@ -433,10 +435,10 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     const u16* kbase = kc + cache_base;
     const u16* vbase = vc + cache_base;
 
-    for (i64 j0 = start; j0 < end; j0 += TP) {
-        const i64 pw = j0 + 16 * warp;           // this warp's 16 positions
-        // the score MMAs' A fragments: key rows pw + g and pw + g + 8, 16 bytes at dims 32c + 8t
-        u32x4 klo[KC], khi[KC];
+    // the score MMAs' A fragments: key rows pw + g and pw + g + 8 of a warp's 16 positions from
+    // pw, 16 bytes at dims 32c + 8t
+    u32x4 klo[KC], khi[KC];
+    auto load_keys = [&](i64 pw) {
 #pragma unroll
         for (int c = 0; c < KC; ++c) {
             klo[c] = pw + g < end
@@ -444,6 +446,16 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
             khi[c] = pw + g + 8 < end
                 ? *reinterpret_cast<const u32x4*>(kbase + (pw + g + 8) * D + 32 * c + 8 * t) : zero;
         }
+    };
+#if AHEAD
+    load_keys(start + 16 * warp);                // then each tile's score MMAs load the next's
+#endif
+
+    for (i64 j0 = start; j0 < end; j0 += TP) {
+        const i64 pw = j0 + 16 * warp;           // this warp's 16 positions
+#if !AHEAD
+        load_keys(pw);
+#endif
         // P·V's A fragments come from value rows pw + 4t + q (q < 4), dims DG·g ...: word w of
         // vw[q] holds dims DG·g + 2w, + 1 (zeros past end: their probability is 0, and 0 · NaN
         // would not be)
@@ -492,6 +504,10 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
                         sc[hd][p] = j0 + p < end ? sv[nt][e] * scale : -__int_as_float(0x7f800000);
                 }
         }
+#if AHEAD
+        // the next tile's keys, read while this tile's softmax and P·V run
+        if (j0 + TP < end) load_keys(pw + TP);
+#endif
         __syncthreads();
         // online softmax: warp w takes heads w, w + 4, ...
         for (int hd = warp; hd < G; hd += NWARP) {

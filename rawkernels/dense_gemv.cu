@@ -27,7 +27,9 @@
 //   MODE 1 (norm):  h = in (+ add) rounded to bf16 (the residual stream's sum), then
 //                   x = bf16(nw · bf16(h · rsqrt(mean(h²) + eps))), transformers' RMSNorm with
 //                   its two roundings; block 0 (KS > 1: the blocks of tile 0, each its slice)
-//                   writes h to h_out and x to x_out where given.
+//                   writes h to h_out and x to x_out where given. Where K is one x tile
+//                   (K ≤ KT, KS = 1) the statistics pass keeps h in the tile and the norm's
+//                   weights are in shared memory before the wait: h is read once.
 // Epilogues:
 //   EPI 0: out[n, r] = bf16(acc + bias[r])
 //   EPI 1: out[n, r] = bf16(res2[n, r] + bf16(acc + bias[r]))           (o-projection + residual)
@@ -151,8 +153,29 @@ CUPOOL_DEVICE void residual8(const u16* in, const u16* add, i32 K, int n, i32 k,
     }
 }
 
+// The order of the top-k as one unsigned int a probability: a NaN above every probability (NaN
+// counts as largest), an entry already taken (−1) below all (0); otherwise p ≥ 0, whose float
+// bits order as the floats do.
+CUPOOL_DEVICE u32 route_key(float v) {
+    return v != v ? __float_as_uint(2.0f) + 1u : v < 0.0f ? 0u : __float_as_uint(v) + 1u;
+}
+
+// The largest v of the warp's lanes, in one instruction (sm_80 and newer).
+CUPOOL_DEVICE u32 warp_max_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+
 // Top-k routing of one token by one warp, its N logits in shared memory `lg` (overwritten with the
 // probabilities, then with −1 where taken). See the header for the rule.
+//
+// The softmax runs over e = lane + 32i; the top-k over contiguous segments, lane l holding
+// [l·per, l·per + per), and each lane keeps its segment's best (largest key, the lowest e among
+// equal keys) in registers. A round is then one warp max of the lanes' keys (redux), the lowest
+// lane holding it (a ballot: segments are in e order, so that is the lowest e of the largest key,
+// the rule of a stable descending sort), and that lane alone marks its entry and rescans its
+// segment: no pass over all N entries a round.
 CUPOOL_DEVICE void route_token(float* lg, i32 N, i32 topk, int norm_topk, bool active,
                                i32* ids, void* wts, int w_f32
 #if LANE_ADDR
@@ -169,35 +192,47 @@ CUPOOL_DEVICE void route_token(float* lg, i32 N, i32 topk, int norm_topk, bool a
     s = warp_sum(s);
     for (i32 e = lane; e < N; e += 32) lg[e] = expf(lg[e] - m) / s;
     __syncwarp();
+    const i32 per = (N + 31) / 32, e0 = lane * per, e1 = min(N, e0 + per);
+    u32 best = 0;                        // this segment's best key (0: none left) ...
+    i32 best_e = N;                      // ... its entry
+    float best_p = 0.0f;                 // ... and its probability
+    auto rescan = [&]() {
+        best = 0;
+        for (i32 e = e0; e < e1; ++e) {
+            const float v = lg[e];
+            const u32 key = route_key(v);
+            if (key > best) { best = key; best_e = e; best_p = v; }
+        }
+    };
+    rescan();
     float mine_p = 0.0f, total = 0.0f;
     i32 mine_e = -1;
+#if LANE_ADDR
+    i64 mine_addr = 0;
+#endif
     for (i32 j = 0; j < topk; ++j) {
-        // argmax of (key, −e): key = p, NaN as 2 (above every probability), taken entries −1
-        float best = -2.0f;
-        i32 best_e = N;
-        for (i32 e = lane; e < N; e += 32) {
-            const float v = lg[e];
-            const float key = v != v ? 2.0f : v;
-            if (key > best) { best = key; best_e = e; }
+        const u32 top = warp_max_u32(best);
+        const int src = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
+        const i32 e = __shfl_sync(0xffffffffu, best_e, src);
+        const float p = __shfl_sync(0xffffffffu, best_p, src);
+        if (lane == src) {               // only this lane's segment changes
+            lg[e] = -1.0f;
+            rescan();
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-            const i32 oe = __shfl_xor_sync(0xffffffffu, best_e, o);
-            if (ov > best || (ov == best && oe < best_e)) { best = ov; best_e = oe; }
-        }
-        const float p = lg[best_e];
-        __syncwarp();
-        if (lane == 0) lg[best_e] = -1.0f;
-        __syncwarp();
         total += p;
-        if (lane == j) { mine_p = p; mine_e = best_e; }
+        if (lane == j) {
+            mine_p = p;
+            mine_e = e;
+#if LANE_ADDR
+            mine_addr = table[e];        // issued now, waited for only at the end
+#endif
+        }
     }
     if (lane < topk) {
         const float w = norm_topk ? mine_p / total : mine_p;
         ids[lane] = active ? mine_e : -1;
 #if LANE_ADDR
-        lane_addr[lane] = active ? table[mine_e] : 0;
+        lane_addr[lane] = active ? mine_addr : 0;
 #endif
         if (w_f32) static_cast<float*>(wts)[lane] = active ? w : 0.0f;
         else static_cast<u16*>(wts)[lane] = active ? f32_to_bf16(w) : (u16)0;
@@ -303,8 +338,22 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
     load(a_lo, a_hi, kb, warp);
     if (warp + WARPS * U < chunks0) load(b_lo, b_hi, kb, warp + WARPS * U);
 #if MODE == 1
-    // the norm's weights are read only while x is staged: bring this slice's to L2 now
-    for (i32 k = kb + threadIdx.x * 64; k < ke; k += WARPS * 32 * 64) prefetch_l2(nw + k);
+    // One x tile (K ≤ KT, no split): the norm's statistics pass keeps h in the x tile and the
+    // staging reads it there, and the norm's weights are in shared memory before the wait, so
+    // after the wait h is read from global memory once. Otherwise the norm's weights are read
+    // while each tile is staged: bring this slice's to L2 now.
+    const bool one_tile = KS == 1 && K <= KT;
+    __shared__ __align__(16) u16 nws[KT];
+    if (one_tile) {                      // plain loads (cp.async measured no faster)
+        for (i32 k = threadIdx.x * 8; k < K; k += WARPS * 32 * 8)
+            *reinterpret_cast<u32x4*>(&nws[k]) = ld_plain16(nw + k);
+    } else {
+        for (i32 k = kb + threadIdx.x * 64; k < ke; k += WARPS * 32 * 64) prefetch_l2(nw + k);
+    }
+#endif
+#if LANE_ADDR
+    // the last block reads the lanes' row addresses from the table right after the top-k
+    for (i32 i = threadIdx.x * 16; i < N; i += WARPS * 32 * 16) prefetch_l2(table + i);
 #endif
     // in, add and res2 are the kernel before's output; every write below comes after this
     wait_for_producers();
@@ -325,6 +374,7 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
                 residual8(in, add, K, n, k, h);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) ss[n] += h[i] * h[i];
+                if (one_tile) *reinterpret_cast<u32x4*>(&xs[n * XSTRIDE + k]) = pack8(h);
             }
         }
 #pragma unroll
@@ -352,10 +402,14 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
             u32x4 v = zero;
             if (n < NB && k < ke) {
 #if MODE == 1
-                float h[8], x[8];
-                residual8(in, add, K, n, k, h);
-                float w[8];
-                unpack8(ld_plain16(nw + k), w);
+                float h[8], x[8], w[8];
+                if (one_tile) {                  // h as the statistics pass left it (bf16)
+                    unpack8(*reinterpret_cast<const u32x4*>(&xs[n * XSTRIDE + k]), h);
+                    unpack8(*reinterpret_cast<const u32x4*>(&nws[k]), w);
+                } else {
+                    residual8(in, add, K, n, k, h);
+                    unpack8(ld_plain16(nw + k), w);
+                }
                 const float r = rstd[n];
 #pragma unroll
                 for (int j = 0; j < 8; ++j) x[j] = w[j] * bf16_to_f32(f32_to_bf16(h[j] * r));

@@ -216,6 +216,53 @@ def test_dense_gemv_route_writes_lane_addresses(tokens, E, K, H, shape):
             h, norm_weight=nw, route=r, top_k=K, table=table, lane_addr=lane_addr)
 
 
+@pytest.mark.parametrize("tokens,E,K", [(1, 128, 8), (3, 512, 10), (2, 60, 4)])
+@pytest.mark.parametrize("shape", [{}, dict(split_k=8)], ids=_shape_id)
+@pytest.mark.parametrize("lanes", [False, True], ids=["ids", "lane_addr"])
+def test_dense_gemv_route_ties_and_nan(tokens, E, K, shape, lanes):
+    """Experts with equal router rows get equal logits, and the top-k takes the lower expert first
+    (a stable descending sort): four tied experts, two in one lane's segment of the top-k and two
+    in others, come out in ascending order. A NaN row makes every probability NaN, which counts
+    as largest: the top-k is then experts 0 .. K − 1, weights NaN."""
+    from cupool.ops.dense_gemv import ROUTE, DenseGemv, RouteOut
+    gen = torch.Generator(device="cuda").manual_seed(E * 7 + tokens + K)
+    H = 2048
+    h = rand(tokens, H, scale=3.0, gen=gen)
+    nw = rand(H, scale=0.3, gen=gen) + 1
+    _, xin = ref.residual_norm(h, None, nw, 1e-6)
+    w = rand(E, H, scale=0.02, gen=gen)
+    tied = [E - 1, E // 2 + 3, 5, E // 2]     # E // 2, E // 2 + 3: one segment at E = 128, 512
+    w[tied] = (0.05 * xin[0].float().sign()).to(torch.bfloat16)  # the largest logits of token 0
+    w_nan = w.clone()
+    w_nan[9, 100] = float("nan")
+    active = torch.ones(tokens, dtype=torch.bool, device="cuda")
+    active[-1] = tokens == 1
+    table = torch.randint(1, 2**47, (E,), device="cuda", generator=gen)
+    for weights, nan in ((w, False), (w_nan, True)):
+        op = DenseGemv([weights], tokens=tokens, norm=True, epilogue=ROUTE, lane_addr=lanes,
+                       **shape)
+        r = RouteOut.allocate(tokens, E, K, torch.float32, "cuda")
+        r.logits.fill_(float("nan"))
+        r.ids.fill_(-7)
+        r.weights.fill_(-3.0)
+        lane_addr = torch.full((tokens * K,), -7, dtype=torch.int64, device="cuda")
+        kw = {"table": table, "lane_addr": lane_addr} if lanes else {}
+        op(h, norm_weight=nw, eps=1e-6, route=r, top_k=K, norm_topk=True, active=active, **kw)
+        torch.cuda.synchronize()
+        ids, wts = ref.route_topk(r.logits.to(torch.bfloat16), K, True, torch.float32, active)
+        assert torch.equal(r.ids, ids), (nan, r.ids, ids)
+        if nan:
+            assert r.logits[:, 9].isnan().all()
+            assert torch.equal(r.ids[0], torch.arange(K, dtype=torch.int32, device="cuda"))
+            assert r.weights[0].isnan().all()
+        else:
+            assert r.logits[0, tied].unique().numel() == 1, "tied rows gave unequal logits"
+            assert r.ids[0, :4].tolist() == sorted(tied), r.ids[0]
+            assert torch.allclose(r.weights, wts, rtol=1e-6, atol=1e-7)
+        if lanes:
+            assert torch.equal(lane_addr, ref.lane_addresses(r.ids, table))
+
+
 @pytest.mark.parametrize("variant", ["norm_add", "residual", "route"])
 @pytest.mark.parametrize("shape", [dict(split_k=2), dict(split_k=3), dict(warps=4, split_k=8)],
                          ids=_shape_id)
