@@ -9,9 +9,11 @@ What concurrent blocks do to each other is the GPU tests' part (test_gpu_dense.p
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -43,17 +45,17 @@ def builds(tmp_path_factory):
     work = tmp_path_factory.mktemp("attention_emu")
     shutil.copy(ROOT / "rawkernels" / "dense_attention.cu", work / "dense_attention.cu")
     shutil.copy(EMU / "common.cuh", work / "common.cuh")
-    exes = {}
-    for name, defines in BUILDS.items():
-        exe = work / name
+    def build(name: str):
         cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O2", "-Wall",
-               "-Wno-unknown-pragmas", *(f"-D{k}={v}" for k, v in defines.items()),
-               f"-I{work}", f"-I{EMU}", str(EMU / "attention_main.cpp"), "-o", str(exe),
+               "-Wno-unknown-pragmas", *(f"-D{k}={v}" for k, v in BUILDS[name].items()),
+               f"-I{work}", f"-I{EMU}", str(EMU / "attention_main.cpp"), "-o", str(work / name),
                "-pthread"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
-        exes[name] = exe
-    return work, exes
+        return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:   # one g++ a core
+        for cmd, r in pool.map(build, BUILDS):
+            assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
+    return work, {name: work / name for name in BUILDS}
 
 
 def _bf16_words(t: torch.Tensor) -> np.ndarray:
