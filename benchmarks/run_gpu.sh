@@ -8,7 +8,7 @@
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
 # Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
-# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, profile-decode, ab-dense,
+# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
 # prefix, serve.
@@ -94,6 +94,7 @@ for stage in "$@"; do
                 CUPOOL_DENSE_SHAPE=$v run "profile_decode_ab$i" 200 python3 benchmarks/profile_decode.py --ablate --json "$OUT/profile_decode_ab$i.json"
                 summary[-1]="${summary[-1]} [$shape] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/profile_decode_ab$i.log")"
               done ;;
+    chain)    run profile_chain 120 python3 benchmarks/profile_chain.py --json "$OUT/profile_chain.json" ;;
     attention) run profile_attention 300 python3 benchmarks/profile_attention.py --min-chunk 64 256 --json "$OUT/profile_attention.json" ;;
     profile-decode) run profile_decode 200 python3 benchmarks/profile_decode.py --json "$OUT/profile_decode.json"
               run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --step compiled --layers 8 --json "$OUT/profile_decode_compiled.json" ;;

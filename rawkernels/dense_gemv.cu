@@ -153,7 +153,7 @@ CUPOOL_DEVICE void residual8(const u16* in, const u16* add, i32 K, int n, i32 k,
     }
 }
 
-// The order of the top-k as one unsigned int a probability: a NaN above every probability (NaN
+// A probability's sort key for the top-k, as an unsigned int: a NaN above every probability (NaN
 // counts as largest), an entry already taken (−1) below all (0); otherwise p ≥ 0, whose float
 // bits order as the floats do.
 CUPOOL_DEVICE u32 route_key(float v) {

@@ -1,6 +1,7 @@
-// Read-bandwidth probes: how fast one launch can read the bytes a decode layer reads (n expert
-// rows at scattered addresses), as the ceiling moe_decode's layer time is judged against.
-// Benchmarks only (benchmarks/profile_read.py); not on any hot path.
+// Probes: how fast one launch can read the bytes a decode layer reads (n expert rows at
+// scattered addresses), as the ceiling moe_decode's layer time is judged against; and what a
+// launch costs in a chain of launches that do nothing else (chain_step).
+// Benchmarks only (benchmarks/profile_read.py, profile_chain.py); not on any hot path.
 //
 // read_rows:      plain 16-byte loads; block b reads the b-th contiguous span of the rows' bytes
 //                 (UNROLL loads in flight a thread), so the whole grid streams at once.
@@ -12,6 +13,12 @@
 //                 (moe_decode: two stages of 2.3 KB).
 // Both fold what they read (XOR of every 32-bit word) into one word a block, sink[blockIdx.x], so
 // the loads cannot be dropped and a test can check that every byte was read exactly once.
+//
+// chain_step:     one link of a chain of launches that do nothing else, for the cost of a kernel
+//                 boundary in a decode step's graph (benchmarks/profile_chain.py): it waits for
+//                 the launch before (when launched as a dependent, common.cuh), lets the next
+//                 one start, and block 0's thread 0 reads count[0] and writes it back plus one. A
+//                 launch that read before the one before it had written would lose a count.
 #include "common.cuh"
 #include "async_copy.cuh"
 
@@ -103,4 +110,14 @@ read_rows_bulk(const i64* __restrict__ addr, i32 n, i32 row_pieces,   // row byt
         __syncwarp();
     }
     block_xor_store(acc, sink);
+}
+
+extern "C" __global__ void __launch_bounds__(256) chain_step(i32* count) {
+    wait_for_producers();
+    let_consumers_launch();
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        i32 v;
+        asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(count));
+        count[0] = v + 1;
+    }
 }

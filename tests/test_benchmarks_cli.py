@@ -33,7 +33,8 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"
 EXAMPLE_SCRIPTS = ("budget_report.py", "decode_loop.py", "hf_generate.py")
 MINE = ("bench_store.py", "bench_nvfp4.py", "bench_planner.py", "bench_gemm.py", "bench_decode.py",
         "bench_long.py", "bench_prefix.py", "bench_ngram.py",
-        "profile_attention.py", "profile_decode.py", "profile_gemm.py", "profile_host.py",
+        "profile_attention.py", "profile_chain.py", "profile_decode.py", "profile_gemm.py",
+        "profile_host.py",
         "profile_read.py",
         "ncu_source.py") + EXAMPLE_SCRIPTS
 
@@ -56,6 +57,7 @@ NEEDS_GPU = [
     ["bench_prefix.py", "--small", "--profile"],
     ["profile_decode.py", "--layers", "2", "--context", "4096"],
     ["profile_attention.py", "--contexts", "80", "4096", "--min-chunk", "64", "256"],
+    ["profile_chain.py", "--launches", "96", "--grids", "8", "396"],
     ["profile_gemm.py", "--sweep", "minb=4", "default"],
     ["profile_host.py", "--tokens", "64"],
     ["profile_read.py", "--skip-decode"],
@@ -71,6 +73,7 @@ BAD_SUBPROCESS = [
     (["bench_planner.py", "--lanes", "12"], "--lanes"),                  # not a multiple of top-8
     (["bench_decode.py", "--plot-only", "benchmarks/run_gpu.sh"], "--plot-only"),   # not JSON
     (["bench_long.py", "--contexts", "8"], "--contexts"),
+    (["profile_chain.py", "--grids", "0"], "--grids"),
     (["bench_prefix.py", "--prefix", "8"], "--prefix"),
     (["bench_ngram.py", "--table", "lots"], "--table"),
     (["budget_report.py", "--budget", "lots"], "--budget"),
@@ -115,6 +118,7 @@ BAD = BAD_SUBPROCESS + [
     (["profile_attention.py", "--min-chunk", "100"], "--min-chunk"),
     (["profile_attention.py", "--contexts", "0"], "--contexts"),
     (["profile_attention.py", "--layers", "0"], "--layers"),
+    (["profile_chain.py", "--launches", "1"], "--launches"),
     (["profile_gemm.py", "--cases", "2048:17"], "--cases"),
     (["profile_gemm.py", "--sweep", "stage=2"], "--sweep"),
     (["profile_gemm.py", "--prefill-sweep", "NB=x"], "--prefill-sweep"),

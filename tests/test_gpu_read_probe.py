@@ -43,3 +43,35 @@ def test_probe_reads_every_word_once(kernel, n, row_bytes, grid):
     torch.cuda.synchronize()
     expect = xor_all(rows[pick, :row_bytes // 4])
     assert xor_all(sink) == expect
+
+
+@pytest.mark.parametrize("dependent", [False, True], ids=["plain", "dependent"])
+@pytest.mark.parametrize("grid", [1, 8, 396])
+def test_chain_of_launches_counts_every_launch(grid, dependent):
+    """chain_step (benchmarks/profile_chain.py): each launch reads the count the launch before
+    wrote and adds one, so a graph of N launches leaves N only if every launch waited for the one
+    before; as dependents (sm_90+) that wait is griddepcontrol's. Replayed twice from a poisoned
+    start (the count is set, not zeroed, so a graph that skipped launches would show it)."""
+    fn = kernels.function("read_probe", "chain_step")
+    count = torch.full((1,), 1000, dtype=torch.int32, device="cuda")
+    n = 97
+
+    def chain():
+        for _ in range(n):
+            kernels.launch(fn, grid, 256, (count,), dependent=dependent)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                 # eager first (compiles the kernel)
+        chain()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert int(count.item()) == 1000 + n
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    for start in (-5, 12345):
+        count.fill_(start)
+        g.replay()
+        torch.cuda.synchronize()
+        assert int(count.item()) == start + n
