@@ -11,8 +11,9 @@ Kimi's delta attention keep a short-convolution state [B, C, K] and a recurrent 
 last tokens, the last gated values); its indexed attention layers keep one indexer key per
 position [B, L_max, d] next to their keys and values. transformers keeps one cache layer class per
 layer type behind one interface; `StateSlotCache` is duck-typed to that interface as both
-transformers 5.17 (`has_previous_state`, `layers[i].conv_states[j]`) and 5.24 (`get_conv_state`,
-`get_recurrent_state`, `is_recording_past`) call it, with `SlotCache`'s two modes:
+transformers 5.17 (`has_previous_state`, `layers[i].conv_states[j]`), 5.24 (`get_conv_state`,
+`get_recurrent_state`, `is_recording_past`) and 5.25 (`get_recurrent_states_to_keep`,
+`increase_count`) call it, with `SlotCache`'s two modes:
 
 - decode: every slot's row [B, ...] is handed out whole; the layers update it in place (the
   convolution and recurrent decode kernels write their state argument) or through
@@ -159,6 +160,15 @@ class StateSlotCache(SlotCache):
 
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         return False
+
+    # transformers 5.25's layers ask how many intermediate recurrent states a chunk must keep (for
+    # the rollback recording, never on here) and count a token that a decode kernel wrote into a
+    # convolution state in place (the slots keep no token count).
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        pass
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
                           conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:

@@ -48,6 +48,7 @@ FAMILY = {
     "bailing_hybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention",
                                         "linear_attention", "full_attention"]),
     "zaya": dict(num_experts_per_tok=1),
+    "kolibri1_1": dict(index_num_heads=2, index_num_local_tokens=8, index_num_sink_tokens=2),
     "qwen4_exp": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16,
                       indexer_budget=8, indexer_compress_ratio=4),
 }
