@@ -95,6 +95,13 @@ CUPOOL_DEVICE float warp_sum(float v) {
     return v;
 }
 
+// The largest v of the warp's lanes, in one instruction (sm_80 and newer).
+CUPOOL_DEVICE u32 warp_max_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+
 CUPOOL_DEVICE int warp_sum_int(int v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

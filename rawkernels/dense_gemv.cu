@@ -160,13 +160,6 @@ CUPOOL_DEVICE u32 route_key(float v) {
     return v != v ? __float_as_uint(2.0f) + 1u : v < 0.0f ? 0u : __float_as_uint(v) + 1u;
 }
 
-// The largest v of the warp's lanes, in one instruction (sm_80 and newer).
-CUPOOL_DEVICE u32 warp_max_u32(u32 v) {
-    u32 r;
-    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
-    return r;
-}
-
 // Top-k routing of one token by one warp, its N logits in shared memory `lg` (overwritten with the
 // probabilities, then with −1 where taken). See the header for the rule.
 //

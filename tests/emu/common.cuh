@@ -70,6 +70,10 @@ CUPOOL_DEVICE u16 f32_to_bf16(float f) {
     return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// a load through L2: blocks run one after another, so a plain load sees every earlier block's
+// writes
+CUPOOL_DEVICE float ld_f32_cg(const float* p) { return *p; }
+
 CUPOOL_DEVICE void prefetch_l2(const void*) {}
 
 CUPOOL_DEVICE void wait_for_producers() {}
@@ -79,4 +83,14 @@ CUPOOL_DEVICE void let_consumers_launch() {}
 CUPOOL_DEVICE float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+}
+
+// rawkernels/common.cuh's redux.sync max over the warp's 32 lanes
+CUPOOL_DEVICE u32 warp_max_u32(u32 v) {
+    emu_check_mask(0xffffffffu);
+    return emu_warp_exchange<u32>(v, [](int, const long long* vals) {
+        u32 m = 0;
+        for (int i = 0; i < 32; ++i) m = std::max(m, static_cast<u32>(vals[i]));
+        return m;
+    });
 }

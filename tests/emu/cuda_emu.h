@@ -1,4 +1,4 @@
-// A CPU stand-in for the CUDA features cupool's plan step and decode attention use, so their real
+// A CPU stand-in for the CUDA features cupool's plan step, decode attention and dense GEMVs use, so their real
 // source runs in CPU tests (and under ThreadSanitizer, which then reports any shared- or global-memory access
 // that two threads make without a barrier between them: what compute-sanitizer's racecheck finds
 // on the GPU, found here without one).
