@@ -62,6 +62,70 @@ CUPOOL_DEVICE float ld_f32_cg(const float* p) {     // L2 only: data written by 
     return v;
 }
 
+CUPOOL_DEVICE u32 ld_u16_nc(const void* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+CUPOOL_DEVICE u32x4 ld_u32x4_cg(const void* p) {
+    u32x4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// A counter's value, every write made visible before it was released (at GPU scope) visible too.
+CUPOOL_DEVICE int ld_acquire(const i32* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// About 32 ns of sleep in a polling loop (sm_70+).
+CUPOOL_DEVICE void nap_32ns() { asm volatile("nanosleep.u32 32;"); }
+
+CUPOOL_DEVICE u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+CUPOOL_DEVICE float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Two products of 16-bit floats, each rounded once. sm_80-89 have no bf16x2 multiply (PTX's
+// mul.bf16x2 is sm_90+); there a · b + (-0) by fma.bf16x2 is the same result bit for bit: the
+// exact product rounded once, a zero product keeps its sign (x + -0 = x), subnormal inputs kept.
+template <bool BF>
+CUPOOL_DEVICE u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    if (BF)
+#if __CUDA_ARCH__ >= 900
+        asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#endif
+    else
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// (v.lo, v.lo) or (v.hi, v.hi): register halves, which the multiply can read as an operand
+// selector instead of an instruction.
+template <int HI>
+CUPOOL_DEVICE u32 splat(u32 v) {
+    u32 d;
+    if (HI)
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\nmov.b32 %0, {h, h};\n}" : "=r"(d) : "r"(v));
+    else
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\nmov.b32 %0, {l, l};\n}" : "=r"(d) : "r"(v));
+    return d;
+}
+
 // A hint that the 128-byte line at p will be read soon: fetched into L2, no register held.
 CUPOOL_DEVICE void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
@@ -106,35 +170,4 @@ CUPOOL_DEVICE int warp_sum_int(int v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
-}
-
-// Exclusive prefix sum of one int per thread over the whole block (blockDim.x a multiple of 32,
-// at most 1024). `scratch` holds 33 ints of shared memory; `total` receives the block's sum.
-// Every thread of the block must call it (it synchronises).
-CUPOOL_DEVICE int block_exclusive_scan(int v, int* scratch, int* total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += n;
-    }
-    __syncthreads();                         // scratch may still be read by a previous call
-    if (lane == 31) scratch[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        int w = lane < nw ? scratch[lane] : 0;
-        int wi = w;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int n = __shfl_up_sync(0xffffffffu, wi, o);
-            if (lane >= o) wi += n;
-        }
-        scratch[lane] = wi - w;              // exclusive prefix of warp sums
-        if (lane == 31) scratch[32] = wi;
-    }
-    __syncthreads();
-    const int out = scratch[warp] + incl - v;
-    *total = scratch[32];
-    return out;
 }

@@ -35,23 +35,6 @@ CUPOOL_DEVICE u32 fp4x2_raw(u32 w) {
         return (shift_left<MAG_SHIFT>(w) & MAG) | (shift_left<SIGN_SHIFT>(w) & 0x80008000u);
 }
 
-// Two products of 16-bit floats, each rounded once. sm_80-89 have no bf16x2 multiply (PTX's
-// mul.bf16x2 is sm_90+); there a · b + (-0) by fma.bf16x2 is the same result bit for bit: the
-// exact product rounded once, a zero product keeps its sign (x + -0 = x), subnormal inputs kept.
-template <bool BF>
-CUPOOL_DEVICE u32 hmul2(u32 a, u32 b) {
-    u32 d;
-    if (BF)
-#if __CUDA_ARCH__ >= 900
-        asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-#else
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-#endif
-    else
-        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
 // E4M3 block scales without a conversion instruction: the 7 magnitude bits e3e2e1e0.m2m1m0
 // shifted left by 7 are fp16 bits of (E4M3 value · 2^-8), and one multiply by 2^15 gives value ·
 // 2^7 exactly (448 · 2^7 = 57344 < 65504); shifted left by 4 they are bf16 bits of (value ·
@@ -75,18 +58,6 @@ CUPOOL_DEVICE u32 scale_pair(u32 pair) {
 template <bool BF>
 CUPOOL_DEVICE float dequant_unscale() { return BF ? 256.0f : 128.0f; }
 
-// (v.lo, v.lo) or (v.hi, v.hi): register halves, which the multiply can read as an operand
-// selector instead of an instruction.
-template <int HI>
-CUPOOL_DEVICE u32 splat(u32 v) {
-    u32 d;
-    if (HI)
-        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\nmov.b32 %0, {h, h};\n}" : "=r"(d) : "r"(v));
-    else
-        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %1;\nmov.b32 %0, {l, l};\n}" : "=r"(d) : "r"(v));
-    return d;
-}
-
 // A fragments of one 16x16 k-tile: word w (this lane's 8 codes) with the scale pair of rows g
 // (low half) and g+8 (high half), which is the same for all four k-tiles of a chunk.
 template <bool BF>
@@ -97,18 +68,6 @@ CUPOOL_DEVICE void dequant_tile(u32 w, u32 s, u32 (&a)[4]) {
     a[1] = hmul2<BF>(fp4x2_raw<BF, 1>(w), s_hi);        // row g+8, k-slots 2t, 2t+1
     a[2] = hmul2<BF>(fp4x2_raw<BF, 2>(w), s_lo);        // row g,   k-slots 2t+8, 2t+9
     a[3] = hmul2<BF>(fp4x2_raw<BF, 3>(w), s_hi);        // row g+8, k-slots 2t+8, 2t+9
-}
-
-CUPOOL_DEVICE u16 f32_to_f16(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
-CUPOOL_DEVICE float f16_to_f32(u16 h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
 }
 
 // max that keeps NaN (fmaxf drops it): a NaN activation must reach the output, not vanish.

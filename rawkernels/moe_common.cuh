@@ -43,19 +43,6 @@ static_assert(ROW_W2_OFFSET == W2_OFFSET, "w2's offset differs from cupool/layou
 static_assert(NT % 8 == 0 && NT >= 8, "NT must be a multiple of 8");
 static_assert(HP % 64 == 0 && IP % 64 == 0, "HP and IP are padded to 64");
 
-CUPOOL_DEVICE u32 ld_u16_nc(const void* p) {
-    u16 v;
-    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
-    return v;
-}
-
-CUPOOL_DEVICE u32x4 ld_u32x4_cg(const void* p) {
-    u32x4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 // Four k-tiles of A fragments (fp16, or bf16 with BF) from one lane's 16-byte chunk word and
 // its two scale bytes (the 16-bit word at CHUNK_SCALES + 2·lane of the chunk).
 template <bool BF>

@@ -136,12 +136,6 @@ struct WarpStages {
 static_assert(sizeof(WarpStages) == (8 * NBUF + 4 + 15) / 16 * 16 + NBUF * STAGE * CHUNK_BYTES,
               "cupool/ops/moe_decode.py stage_ring_bytes mirrors this layout");
 
-CUPOOL_DEVICE int ld_acquire(const i32* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // Chunks [c0, c1) of a strip of nc chunks for K slice ks of ksplit.
 CUPOOL_DEVICE void k_slice(int ks, int ksplit, int nc, int& c0, int& c1) {
     const int per = (nc + ksplit - 1) / ksplit;
@@ -336,7 +330,7 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
     if (threadIdx.x == 0) {
         int spins = 0;
         while (ld_acquire(counter) < target) {
-            asm volatile("nanosleep.u32 32;");
+            nap_32ns();
             if (++spins == (1 << 25)) { atomicOr(error, ERR_STALL); break; }
         }
     }

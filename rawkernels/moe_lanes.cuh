@@ -5,6 +5,7 @@
 #pragma once
 #include "common.cuh"
 #include "mma_fp4.cuh"
+#include "block_scan.cuh"
 
 #define ERR_BAD_ID 1
 #define ERR_BAD_WEIGHT 2

@@ -94,3 +94,59 @@ CUPOOL_DEVICE u32 warp_max_u32(u32 v) {
         return m;
     });
 }
+
+// A polling loop's pause: the other threads run (fibers switch here), so a wait that nothing will
+// end shows as the emulation's deadlock instead of a hang.
+inline void emu_pause() {
+#if EMU_THREADS
+    std::this_thread::yield();
+#else
+    emu_yield();
+#endif
+}
+
+CUPOOL_DEVICE void nap_32ns() { emu_pause(); }
+
+// rawkernels/common.cuh's loads that name a cache level or ordering: blocks run one after
+// another, so plain loads see what they would
+CUPOOL_DEVICE u32 ld_u16_nc(const void* p) { return *static_cast<const u16*>(p); }
+
+CUPOOL_DEVICE u32x4 ld_u32x4_cg(const void* p) { return *static_cast<const u32x4*>(p); }
+
+CUPOOL_DEVICE int ld_acquire(const i32* p) {
+    return std::atomic_ref<i32>(*const_cast<i32*>(p)).load(std::memory_order_acquire);
+}
+
+// fp16 <-> float32 (round to nearest even, subnormals kept), as cvt.rn.f16.f32 and cvt.f32.f16
+CUPOOL_DEVICE u16 f32_to_f16(float f) {
+    const _Float16 h = static_cast<_Float16>(f);
+    u16 u;
+    std::memcpy(&u, &h, 2);
+    return u;
+}
+
+CUPOOL_DEVICE float f16_to_f32(u16 u) {
+    _Float16 h;
+    std::memcpy(&h, &u, 2);
+    return static_cast<float>(h);
+}
+
+// rawkernels/common.cuh's hmul2: each half's exact product (it fits float32: 8- or 11-bit
+// significands) rounded once to the half type
+template <bool BF>
+CUPOOL_DEVICE u32 hmul2(u32 a, u32 b) {
+    u32 d = 0;
+    for (int i = 0; i < 2; ++i) {
+        const u16 x = static_cast<u16>(a >> (16 * i)), y = static_cast<u16>(b >> (16 * i));
+        const u16 r = BF ? f32_to_bf16(bf16_to_f32(x) * bf16_to_f32(y))
+                         : f32_to_f16(f16_to_f32(x) * f16_to_f32(y));
+        d |= static_cast<u32>(r) << (16 * i);
+    }
+    return d;
+}
+
+template <int HI>
+CUPOOL_DEVICE u32 splat(u32 v) {
+    const u32 h = HI ? v >> 16 : v & 0xffffu;
+    return h | h << 16;
+}

@@ -1,5 +1,5 @@
-// A CPU stand-in for the CUDA features cupool's plan step, decode attention and dense GEMVs use, so their real
-// source runs in CPU tests (and under ThreadSanitizer, which then reports any shared- or global-memory access
+// A CPU stand-in for the CUDA features cupool's plan step, decode attention, dense GEMVs and MoE
+// decode GEMM use (async_copy.cuh: the copies and mbarriers), so their real source runs in CPU tests (and under ThreadSanitizer, which then reports any shared- or global-memory access
 // that two threads make without a barrier between them: what compute-sanitizer's racecheck finds
 // on the GPU, found here without one).
 //
@@ -13,7 +13,8 @@
 // `__shared__` becomes `static`: one block at a time. A grid (`emu_launch_grid`) runs its blocks
 // one after another, x fastest, so a kernel whose last block (by a ticket) finishes the work sees
 // every other block's writes; it cannot show what concurrent blocks would race on. Not emulated:
-// memory fences beyond barriers (blocks never overlap), texture/async ops.
+// memory fences beyond barriers (blocks never overlap), textures. Asynchronous copies and
+// mbarriers are tests/emu/async_copy.cuh's (the copies land at once).
 #pragma once
 
 #include <algorithm>
@@ -213,6 +214,7 @@ inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; 
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float expf(float x) { return std::exp(x); }
+inline float __expf(float x) { return std::exp(x); }   // the GPU's is ex2.approx-based
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 
 template <class T, class U>

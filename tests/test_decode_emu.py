@@ -1,0 +1,217 @@
+"""rawkernels/moe_decode.cu run on the CPU against `cupool.reference.moe.reference_moe`.
+
+The kernel's own source (with mma_fp4.cuh's dequantisation, moe_lanes.cuh's grouping of lanes
+into units, moe_common.cuh's epilogues and the stage ring) is compiled with g++ against tests/emu,
+whose async_copy.cuh copies at once and keeps each mbarrier's arrivals, transaction bytes and
+phase as the hardware does; `decode_main.cpp` runs it as one block that takes every item of the
+call in order. So a decode call's numbers are checked without a GPU for the builds the launcher
+chooses (`cupool.ops.moe_decode.defines`): both copy paths (bulk copies, sm_90+; cp.async
+before), each w13 K split, units of 8 and 16 lanes, biases with the clamped SwiGLU, rows
+without a gate, padding, a NaN router weight, and a call split into rows in place then fresh
+rows. What several blocks do to each other (the ticket, the unit waits, the last arrival's
+top-k sum) runs here in one order only: the GPU tests' part (test_gpu_gemm.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from _planner_emu import unavailable
+from test_attention_emu import EMU, ROOT, _bf16, _bf16_words
+
+from cupool.activation import RELU2, SILU, swiglu_clamp
+from cupool.layout import RowLayout
+from cupool.ops import moe_decode
+from cupool.reference.moe import reference_moe
+from cupool.synthetic import dequantize_exact, random_biases, random_experts
+
+TOL = 1e-2             # test_gpu_gemm.py's: act handed to w2 in bf16, the bf16 output rounding
+DYN_DECL = "extern __shared__ __align__(16) u8 smem[];"
+HEADERS = ("mma_fp4.cuh", "moe_common.cuh", "moe_lanes.cuh", "block_scan.cuh")
+E = 13
+SWIGLU = swiglu_clamp(1.702, 7.0)
+
+
+def _build(nt, split, bulk, bias=False, gated=True, activation=SILU):
+    layout = RowLayout(80, 48, bias=bias, gated=gated)      # Hp = 128, Ip = 64: H < Hp
+    b = moe_decode.Build(nt=nt, maxw=64 if nt == 8 else 256, minb=3, w13_split=split, xalign=1,
+                         w_dtype=0)
+    return layout, activation, b, bulk
+
+
+BUILDS = {
+    "silu": _build(8, 4, bulk=0),
+    "silu_bulk": _build(8, 2, bulk=1),
+    "silu_nt16": _build(16, 1, bulk=1),
+    "swiglu_bias": _build(8, 4, bulk=1, bias=True, activation=SWIGLU),
+    "relu2": _build(8, 4, bulk=0, gated=False, activation=RELU2),
+}
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    work = tmp_path_factory.mktemp("decode_emu")
+    src = (ROOT / "rawkernels" / "moe_decode.cu").read_text()
+    assert DYN_DECL in src
+    (work / "moe_decode.cu").write_text(
+        src.replace(DYN_DECL, "u8* smem = reinterpret_cast<u8*>(emu_dyn_smem);"))
+    for h in HEADERS:        # beside the kernel, so that their own includes find the stand-ins
+        shutil.copy(ROOT / "rawkernels" / h, work / h)
+    for h in ("common.cuh", "async_copy.cuh"):
+        shutil.copy(EMU / h, work / h)
+
+    def build(name: str):
+        layout, activation, b, bulk = BUILDS[name]
+        defines = {**moe_decode.defines(b, layout, torch.bfloat16, activation), "EMU_BULK": bulk}
+        # the kernel reads through reinterpret_cast (as CUDA allows): no strict aliasing
+        cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O2", "-Wall", "-Wno-unknown-pragmas",
+               "-Wno-unused-variable", "-Wno-unused-but-set-variable", "-fno-strict-aliasing",
+               *(f"-D{k}={v}" for k, v in defines.items()), f"-I{work}", f"-I{EMU}",
+               str(EMU / "decode_main.cpp"), "-o", str(work / name), "-pthread"]
+        return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:   # one g++ a core
+        for cmd, r in pool.map(build, BUILDS):
+            assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
+    return work
+
+
+class Experts:
+    """E random experts of a build's layout: their rows (as the bank holds them, one a stride of
+    a multiple of 128 bytes) and the exact float32 matrices (and biases) of the reference."""
+
+    def __init__(self, name: str, seed: int):
+        layout, activation, _, _ = BUILDS[name]
+        gen = torch.Generator().manual_seed(seed)
+        self.biases = random_biases(layout, E, gen) if layout.bias else None
+        rows, mats = random_experts(layout, E, gen, biases=self.biases)
+        self.stride = -(-layout.row_bytes // 128) * 128
+        self.rows = torch.zeros(E, self.stride, dtype=torch.uint8)
+        self.rows[:, :layout.row_bytes] = rows
+        self.deq = [tuple(None if m is None else dequantize_exact(m) for m in trio) for trio in mats]
+        self.layout, self.activation = layout, activation
+
+    def reference(self, x, ids, w):
+        b = None if self.biases is None else [tuple(t[e] for t in self.biases) for e in range(E)]
+        return reference_moe(x, ids, w, self.deq, activation=self.activation, biases=b)
+
+
+def run_kernel(work, name, ex: Experts, x, lane_rows, weights, topk, parts=(2,), fresh=None):
+    """One or more emulated launches of one call (their parts): (out [T, H] bf16, error bits,
+    the counters that must be back at zero)."""
+    _, _, b, _ = BUILDS[name]
+    T, H = x.shape
+    W = lane_rows.numel()
+    smem = moe_decode.shared_bytes(b, ex.layout.bias)
+    head = [T, H, W, topk, smem, E, ex.stride, len(parts), *parts, fresh is not None]
+    f32 = np.asarray(weights, dtype=np.float32).view(np.uint32).astype(np.int64)
+    words = [np.asarray(head, dtype=np.int64), ex.rows.numpy().reshape(-1).view(np.int64),
+             _bf16_words(x).reshape(-1), lane_rows.numpy().astype(np.int64)]
+    if fresh is not None:
+        words.append(np.asarray(fresh, dtype=np.int64))
+    words.append(f32)
+    src, dst = work / f"{name}.in", work / f"{name}.out"
+    np.concatenate(words).astype(np.int64).tofile(src)
+    r = subprocess.run([str(work / name), str(src), str(dst)], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = np.fromfile(dst, dtype=np.int64)
+    assert got.size == T * H + 1 + 2 + W + ex.layout.hp // 16
+    out = _bf16(got[:T * H], (T, H))
+    return out, int(got[T * H]), got[T * H + 1:]
+
+
+def rel_err(out, ref):
+    return (torch.linalg.norm(out.double() - ref.double()) / torch.linalg.norm(ref.double())).item()
+
+
+def _routing(T, K, gen, distinct=True):
+    if distinct:
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    else:
+        ids = torch.randint(0, E, (T, K), generator=gen)
+    w = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
+    return ids, w
+
+
+@pytest.mark.parametrize("name,T,K,distinct", [
+    ("silu", 1, 8, True), ("silu", 3, 2, False), ("silu_bulk", 1, 8, True),
+    ("silu_bulk", 5, 4, False), ("silu_nt16", 16, 8, False), ("swiglu_bias", 3, 4, True),
+    ("relu2", 2, 6, True)])
+def test_decode_kernel_source_matches_reference_on_cpu(builds, name, T, K, distinct):
+    """Poisoned workspaces and output; the counters back at zero; no error bits."""
+    gen = torch.Generator().manual_seed(T * 97 + K + len(name))
+    ex = Experts(name, seed=len(name) + T)
+    x = torch.randn(T, 80, generator=gen).to(torch.bfloat16)
+    ids, w = _routing(T, K, gen, distinct)
+    out, err, counters = run_kernel(builds, name, ex, x, ids.reshape(-1), w.reshape(-1), K)
+    assert not out.isnan().any(), "an output element was not written"
+    assert rel_err(out, ex.reference(x, ids, w)) <= TOL, rel_err(out, ex.reference(x, ids, w))
+    assert err == 0 and not counters.any(), (err, counters)
+
+
+def test_decode_padding_nan_weight_and_two_launches_on_cpu(builds):
+    """A padding lane (row −1) adds nothing; a routed lane with a NaN weight sets error bit 2 and
+    counts as padding; a call split into rows in place (part 0) then fresh rows (part 1) gives
+    the one launch's bits; a call of padding alone writes zeros."""
+    name = "silu_bulk"
+    gen = torch.Generator().manual_seed(5)
+    ex = Experts(name, seed=11)
+    T, K = 4, 3
+    x = torch.randn(T, 80, generator=gen).to(torch.bfloat16)
+    ids, w = _routing(T, K, gen, distinct=False)
+    ids[1, 2] = -1
+    lanes = ids.reshape(-1)
+    weights = w.reshape(-1).clone()
+    want = ex.reference(x, ids, w)
+    one, err, counters = run_kernel(builds, name, ex, x, lanes, weights, K)
+    assert err == 0 and not counters.any()
+    assert rel_err(one, want) <= TOL
+    fresh = [int(e) % 2 for e in lanes.tolist()]          # odd experts' rows "being copied"
+    two, err, counters = run_kernel(builds, name, ex, x, lanes, weights, K, parts=(0, 1),
+                                    fresh=fresh)
+    assert err == 0 and not counters.any()
+    assert torch.equal(one, two), "part 0 then part 1 gave other bits than one launch"
+    weights[0] = float("nan")
+    ids_nan = ids.clone()
+    ids_nan[0, 0] = -1
+    out, err, counters = run_kernel(builds, name, ex, x, lanes, weights, K)
+    assert err == 2 and not counters.any()
+    assert rel_err(out, ex.reference(x, ids_nan, w)) <= TOL
+    out, err, _ = run_kernel(builds, name, ex, x, torch.full((T * K,), -1), weights * 0, K)
+    assert err == 0 and torch.equal(out, torch.zeros_like(out))
+
+
+def test_decode_emulation_sees_a_wrong_dequantisation(builds, tmp_path):
+    """The harness can fail: a build whose dequantisation drops the block scale of row g + 8
+    (it multiplies by row g's) is off the reference by far more than the tolerance."""
+    work = tmp_path
+    for f in builds.iterdir():
+        if f.suffix in (".cu", ".cuh"):
+            shutil.copy(f, work / f.name)
+    src = (work / "mma_fp4.cuh").read_text()
+    broken = src.replace("const u32 s_hi = splat<1>(s);", "const u32 s_hi = splat<0>(s);")
+    assert broken != src
+    (work / "mma_fp4.cuh").write_text(broken)
+    layout, activation, b, bulk = BUILDS["silu"]
+    defines = {**moe_decode.defines(b, layout, torch.bfloat16, activation), "EMU_BULK": bulk}
+    cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O1", "-fno-strict-aliasing",
+           *(f"-D{k}={v}" for k, v in defines.items()), f"-I{work}", f"-I{EMU}",
+           str(EMU / "decode_main.cpp"), "-o", str(work / "silu"), "-pthread"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    gen = torch.Generator().manual_seed(9)
+    ex = Experts("silu", seed=3)
+    x = torch.randn(1, 80, generator=gen).to(torch.bfloat16)
+    ids, w = _routing(1, 8, gen)
+    out, _, _ = run_kernel(work, "silu", ex, x, ids.reshape(-1), w.reshape(-1), 8)
+    assert rel_err(out, ex.reference(x, ids, w)) > 10 * TOL
