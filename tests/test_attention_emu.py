@@ -9,13 +9,10 @@ What concurrent blocks do to each other is the GPU tests' part (test_gpu_dense.p
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
+import _emu_build as emu_build
 import numpy as np
 import pytest
 import torch
@@ -25,8 +22,6 @@ from test_fused_step import rel
 from cupool.ops.dense_attention import COUNTERS, THREADS, parts
 from cupool.reference import dense as ref
 
-ROOT = Path(__file__).resolve().parent.parent
-EMU = Path(__file__).resolve().parent / "emu"
 ATTN_TOL = 1e-2                 # test_gpu_dense.py's: float32 sums in another order than torch's
 BUILDS = {
     "d128g8": {"D": 128, "G": 8, "MINCHUNK": 64, "AHEAD": 1},      # Qwen3-30B-A3B's heads
@@ -43,19 +38,8 @@ def builds(tmp_path_factory):
     if why:
         pytest.skip(why)
     work = tmp_path_factory.mktemp("attention_emu")
-    shutil.copy(ROOT / "rawkernels" / "dense_attention.cu", work / "dense_attention.cu")
-    shutil.copy(EMU / "common.cuh", work / "common.cuh")
-    def build(name: str):
-        cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O2", "-Wall",
-               "-Wno-unknown-pragmas", *(f"-D{k}={v}" for k, v in BUILDS[name].items()),
-               f"-I{work}", f"-I{EMU}", str(EMU / "attention_main.cpp"), "-o", str(work / name),
-               "-pthread"]
-        return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:   # one g++ a core
-        for cmd, r in pool.map(build, BUILDS):
-            assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
-    return work, {name: work / name for name in BUILDS}
+    emu_build.stage(work, "dense_attention")
+    return work, emu_build.compile_all(work, "attention_main.cpp", BUILDS)
 
 
 def _bf16_words(t: torch.Tensor) -> np.ndarray:
@@ -147,16 +131,14 @@ def test_attention_kernel_source_matches_reference_on_cpu(builds, build, B, nh, 
 def test_attention_emulation_sees_a_wrong_merge(builds):
     """The check can fail: a merge that leaves out the last of the parts it sums is far from
     the reference (the kernel's merge bound edited in the copied source)."""
-    work, exes = builds
+    work, _ = builds
     src = (work / "dense_attention.cu").read_text()
     bad = "if (k0 + k < cnt && g < G) {"
     assert bad in src, f"dense_attention.cu's merge sum changed: update {__file__}"
     (work / "dense_attention.cu").write_text(src.replace(bad, bad.replace("< cnt", "< cnt - 1")))
     exe = work / "wrong_merge"
     try:
-        cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O2", "-Wno-unknown-pragmas",
-               *(f"-D{k}={v}" for k, v in BUILDS["d128g8"].items()), f"-I{work}", f"-I{EMU}",
-               str(EMU / "attention_main.cpp"), "-o", str(exe), "-pthread"]
+        cmd = emu_build.command(work, "attention_main.cpp", BUILDS["d128g8"], exe)
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
     finally:

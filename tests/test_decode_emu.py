@@ -14,16 +14,14 @@ top-k sum) runs here in one order only: the GPU tests' part (test_gpu_gemm.py).
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
+import _emu_build as emu_build
 import numpy as np
 import pytest
 import torch
 from _planner_emu import unavailable
-from test_attention_emu import EMU, ROOT, _bf16, _bf16_words
+from test_attention_emu import _bf16, _bf16_words
 
 from cupool.activation import RELU2, SILU, swiglu_clamp
 from cupool.layout import RowLayout
@@ -33,6 +31,7 @@ from cupool.synthetic import dequantize_exact, random_biases, random_experts
 
 TOL = 1e-2             # test_gpu_gemm.py's: act handed to w2 in bf16, the bf16 output rounding
 DYN_DECL = "extern __shared__ __align__(16) u8 smem[];"
+DYN_EMU = "u8* smem = reinterpret_cast<u8*>(emu_dyn_smem);"   # the emulation's dynamic smem
 HEADERS = ("mma_fp4.cuh", "moe_common.cuh", "moe_lanes.cuh", "block_scan.cuh")
 E = 13
 SWIGLU = swiglu_clamp(1.702, 7.0)
@@ -54,34 +53,19 @@ BUILDS = {
 }
 
 
+def _defines(name: str) -> dict:
+    layout, activation, b, bulk = BUILDS[name]
+    return {**moe_decode.defines(b, layout, torch.bfloat16, activation), "EMU_BULK": bulk}
+
+
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
     why = unavailable()
     if why:
         pytest.skip(why)
     work = tmp_path_factory.mktemp("decode_emu")
-    src = (ROOT / "rawkernels" / "moe_decode.cu").read_text()
-    assert DYN_DECL in src
-    (work / "moe_decode.cu").write_text(
-        src.replace(DYN_DECL, "u8* smem = reinterpret_cast<u8*>(emu_dyn_smem);"))
-    for h in HEADERS:        # beside the kernel, so that their own includes find the stand-ins
-        shutil.copy(ROOT / "rawkernels" / h, work / h)
-    for h in ("common.cuh", "async_copy.cuh"):
-        shutil.copy(EMU / h, work / h)
-
-    def build(name: str):
-        layout, activation, b, bulk = BUILDS[name]
-        defines = {**moe_decode.defines(b, layout, torch.bfloat16, activation), "EMU_BULK": bulk}
-        # the kernel reads through reinterpret_cast (as CUDA allows): no strict aliasing
-        cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O2", "-Wall", "-Wno-unknown-pragmas",
-               "-Wno-unused-variable", "-Wno-unused-but-set-variable", "-fno-strict-aliasing",
-               *(f"-D{k}={v}" for k, v in defines.items()), f"-I{work}", f"-I{EMU}",
-               str(EMU / "decode_main.cpp"), "-o", str(work / name), "-pthread"]
-        return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:   # one g++ a core
-        for cmd, r in pool.map(build, BUILDS):
-            assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
+    emu_build.stage(work, "moe_decode", HEADERS, replace={DYN_DECL: DYN_EMU})
+    emu_build.compile_all(work, "decode_main.cpp", {name: _defines(name) for name in BUILDS})
     return work
 
 
@@ -191,27 +175,21 @@ def test_decode_padding_nan_weight_and_two_launches_on_cpu(builds):
     assert err == 0 and torch.equal(out, torch.zeros_like(out))
 
 
-def test_decode_emulation_sees_a_wrong_dequantisation(builds, tmp_path):
+def test_decode_emulation_sees_a_wrong_dequantisation(tmp_path):
     """The harness can fail: a build whose dequantisation drops the block scale of row g + 8
     (it multiplies by row g's) is off the reference by far more than the tolerance."""
-    work = tmp_path
-    for f in builds.iterdir():
-        if f.suffix in (".cu", ".cuh"):
-            shutil.copy(f, work / f.name)
-    src = (work / "mma_fp4.cuh").read_text()
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    emu_build.stage(tmp_path, "moe_decode", HEADERS, replace={DYN_DECL: DYN_EMU})
+    src = (tmp_path / "mma_fp4.cuh").read_text()
     broken = src.replace("const u32 s_hi = splat<1>(s);", "const u32 s_hi = splat<0>(s);")
     assert broken != src
-    (work / "mma_fp4.cuh").write_text(broken)
-    layout, activation, b, bulk = BUILDS["silu"]
-    defines = {**moe_decode.defines(b, layout, torch.bfloat16, activation), "EMU_BULK": bulk}
-    cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O1", "-fno-strict-aliasing",
-           *(f"-D{k}={v}" for k, v in defines.items()), f"-I{work}", f"-I{EMU}",
-           str(EMU / "decode_main.cpp"), "-o", str(work / "silu"), "-pthread"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
+    (tmp_path / "mma_fp4.cuh").write_text(broken)
+    emu_build.compile_all(tmp_path, "decode_main.cpp", {"silu": _defines("silu")})
     gen = torch.Generator().manual_seed(9)
     ex = Experts("silu", seed=3)
     x = torch.randn(1, 80, generator=gen).to(torch.bfloat16)
     ids, w = _routing(1, 8, gen)
-    out, _, _ = run_kernel(work, "silu", ex, x, ids.reshape(-1), w.reshape(-1), 8)
+    out, _, _ = run_kernel(tmp_path, "silu", ex, x, ids.reshape(-1), w.reshape(-1), 8)
     assert rel_err(out, ex.reference(x, ids, w)) > 10 * TOL

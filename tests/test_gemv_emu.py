@@ -11,18 +11,16 @@ concurrent blocks do to each other is the GPU tests' part (test_gpu_dense.py).
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
 import subprocess
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
+import _emu_build as emu_build
 import numpy as np
 import pytest
 import torch
 from _planner_emu import unavailable
-from test_attention_emu import EMU, ROOT, _bf16, _bf16_words
+from test_attention_emu import _bf16, _bf16_words
 from test_fused_step import rel
 
 from cupool.reference import dense as ref
@@ -46,20 +44,8 @@ def builds(tmp_path_factory):
     if why:
         pytest.skip(why)
     work = tmp_path_factory.mktemp("gemv_emu")
-    shutil.copy(ROOT / "rawkernels" / "dense_gemv.cu", work / "dense_gemv.cu")
-    shutil.copy(EMU / "common.cuh", work / "common.cuh")
-
-    def build(name: str):
-        # the kernel reads through reinterpret_cast (as CUDA allows): no strict aliasing
-        cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O2", "-Wall", "-Wno-unknown-pragmas",
-               "-fno-strict-aliasing", *(f"-D{k}={v}" for k, v in BUILDS[name].items()),
-               f"-I{work}", f"-I{EMU}", str(EMU / "gemv_main.cpp"), "-o", str(work / name),
-               "-pthread"]
-        return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:   # one g++ a core
-        for cmd, r in pool.map(build, BUILDS):
-            assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr[-4000:]}"
+    emu_build.stage(work, "dense_gemv")
+    emu_build.compile_all(work, "gemv_main.cpp", BUILDS)
     return work
 
 
@@ -225,21 +211,16 @@ def test_route_ties_and_nan_on_cpu(builds, name, E, K):
         assert torch.equal(got["lane_addr"], ref.lane_addresses(got["ids"], table))
 
 
-def test_gemv_emulation_sees_a_missing_tile(builds, tmp_path):
+def test_gemv_emulation_sees_a_missing_tile(tmp_path):
     """The harness can fail: a kernel whose last row tile is never written leaves its poison,
     which the bound above reports."""
-    src = (builds / "dense_gemv.cu").read_text()
-    broken = src.replace("const i32 r0 = blockIdx.x * (RT * 16);",
-                         "if (blockIdx.x + 1 == gridDim.x) return;\n"
-                         "    const i32 r0 = blockIdx.x * (RT * 16);")
-    assert broken != src
-    (tmp_path / "dense_gemv.cu").write_text(broken)
-    shutil.copy(EMU / "common.cuh", tmp_path / "common.cuh")
-    cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O1", "-fno-strict-aliasing",
-           *(f"-D{k}={v}" for k, v in BUILDS["plain"].items()), f"-I{tmp_path}", f"-I{EMU}",
-           str(EMU / "gemv_main.cpp"), "-o", str(tmp_path / "plain"), "-pthread"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    emu_build.stage(tmp_path, "dense_gemv", replace={
+        "const i32 r0 = blockIdx.x * (RT * 16);":
+            "if (blockIdx.x + 1 == gridDim.x) return;\n    const i32 r0 = blockIdx.x * (RT * 16);"})
+    emu_build.compile_all(tmp_path, "gemv_main.cpp", {"plain": BUILDS["plain"]})
     gen = torch.Generator().manual_seed(3)
     ws, x = [rand(40, 64, scale=0.05, gen=gen)], rand(3, 64, gen=gen)
     got = run_kernel(tmp_path, "plain", ws, None, x)
