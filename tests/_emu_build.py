@@ -15,9 +15,19 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+from _planner_emu import unavailable
+
 ROOT = Path(__file__).resolve().parent.parent
 EMU = Path(__file__).resolve().parent / "emu"
 STAND_INS = ("common.cuh", "async_copy.cuh")
+
+
+def require() -> None:
+    """Skip the test (with the reason) where the emulation cannot be built here."""
+    why = unavailable()
+    if why:
+        pytest.skip(why)
 
 
 def stage(work: Path, kernel: str, headers=(), replace: dict | None = None) -> None:

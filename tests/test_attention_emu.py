@@ -16,7 +16,6 @@ import _emu_build as emu_build
 import numpy as np
 import pytest
 import torch
-from _planner_emu import unavailable
 from test_fused_step import rel
 
 from cupool.ops.dense_attention import COUNTERS, THREADS, parts
@@ -34,9 +33,7 @@ BUILDS = {
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    why = unavailable()
-    if why:
-        pytest.skip(why)
+    emu_build.require()
     work = tmp_path_factory.mktemp("attention_emu")
     emu_build.stage(work, "dense_attention")
     return work, emu_build.compile_all(work, "attention_main.cpp", BUILDS)

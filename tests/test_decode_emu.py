@@ -20,7 +20,6 @@ import _emu_build as emu_build
 import numpy as np
 import pytest
 import torch
-from _planner_emu import unavailable
 from test_attention_emu import _bf16, _bf16_words
 
 from cupool.activation import RELU2, SILU, swiglu_clamp
@@ -60,9 +59,7 @@ def _defines(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    why = unavailable()
-    if why:
-        pytest.skip(why)
+    emu_build.require()
     work = tmp_path_factory.mktemp("decode_emu")
     emu_build.stage(work, "moe_decode", HEADERS, replace={DYN_DECL: DYN_EMU})
     emu_build.compile_all(work, "decode_main.cpp", {name: _defines(name) for name in BUILDS})
@@ -178,9 +175,7 @@ def test_decode_padding_nan_weight_and_two_launches_on_cpu(builds):
 def test_decode_emulation_sees_a_wrong_dequantisation(tmp_path):
     """The harness can fail: a build whose dequantisation drops the block scale of row g + 8
     (it multiplies by row g's) is off the reference by far more than the tolerance."""
-    why = unavailable()
-    if why:
-        pytest.skip(why)
+    emu_build.require()
     emu_build.stage(tmp_path, "moe_decode", HEADERS, replace={DYN_DECL: DYN_EMU})
     src = (tmp_path / "mma_fp4.cuh").read_text()
     broken = src.replace("const u32 s_hi = splat<1>(s);", "const u32 s_hi = splat<0>(s);")

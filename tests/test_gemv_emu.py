@@ -19,7 +19,6 @@ import _emu_build as emu_build
 import numpy as np
 import pytest
 import torch
-from _planner_emu import unavailable
 from test_attention_emu import _bf16, _bf16_words
 from test_fused_step import rel
 
@@ -40,9 +39,7 @@ NAN16 = 0x7FC0
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    why = unavailable()
-    if why:
-        pytest.skip(why)
+    emu_build.require()
     work = tmp_path_factory.mktemp("gemv_emu")
     emu_build.stage(work, "dense_gemv")
     emu_build.compile_all(work, "gemv_main.cpp", BUILDS)
@@ -214,9 +211,7 @@ def test_route_ties_and_nan_on_cpu(builds, name, E, K):
 def test_gemv_emulation_sees_a_missing_tile(tmp_path):
     """The harness can fail: a kernel whose last row tile is never written leaves its poison,
     which the bound above reports."""
-    why = unavailable()
-    if why:
-        pytest.skip(why)
+    emu_build.require()
     emu_build.stage(tmp_path, "dense_gemv", replace={
         "const i32 r0 = blockIdx.x * (RT * 16);":
             "if (blockIdx.x + 1 == gridDim.x) return;\n    const i32 r0 = blockIdx.x * (RT * 16);"})
