@@ -8,7 +8,7 @@
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
 # Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
-# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense,
+# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
 # prefix, serve.
@@ -17,6 +17,7 @@
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
 #   SWEEP_CASES="2048:1 4096:4"   its decode cases, H:T;  SWEEP_REPEATS=2  rounds over them
 #   DENSE_SHAPES="default qkv=w4 ..."  CUPOOL_DENSE_SHAPE values of `ab-dense`
+#   AB_TREES="ab_base ."  AB_ROUNDS=3  AB_CONTEXT=16  the trees, rounds and positions of `ab-trees`
 #   PREFILL_SWEEP="default NB=2,MINB=1"  prefill launch configs of `prefill-sweep`
 #   GEMM_ARGS="..."               extra bench_gemm.py arguments of `gemm-bench`
 #   TESTS_TIMEOUT, SANITIZE_TIMEOUT  seconds of the `tests` and `sanitize-gemm` stages
@@ -93,6 +94,18 @@ for stage in "$@"; do
                 [ "$shape" = default ] && v= || v=$shape
                 CUPOOL_DENSE_SHAPE=$v run "profile_decode_ab$i" 200 python3 benchmarks/profile_decode.py --ablate --json "$OUT/profile_decode_ab$i.json"
                 summary[-1]="${summary[-1]} [$shape] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/profile_decode_ab$i.log")"
+              done ;;
+    # trees side by side: AB_TREES, directories holding a checkout's cupool/, rawkernels/ and
+    # benchmarks/ ("." this one; e.g. ab_base/ from `git archive HEAD cupool rawkernels benchmarks`),
+    # in AB_ROUNDS rounds (default 3) of one profile_decode --context AB_CONTEXT (default 16) a
+    # tree, each run's ms a step in its summary line
+    ab-trees) for r in $(seq "${AB_ROUNDS:-3}"); do
+                for t in ${AB_TREES:-.}; do
+                  tree=$(cd "$t" && pwd)
+                  name="ab_$(basename "$tree")_$r"
+                  PYTHONPATH=$tree run "$name" 200 python3 "$tree/benchmarks/profile_decode.py" --context "${AB_CONTEXT:-16}"
+                  summary[-1]="${summary[-1]} [$t] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/$name.log")"
+                done
               done ;;
     chain)    run profile_chain 120 python3 benchmarks/profile_chain.py --json "$OUT/profile_chain.json" ;;
     attention) run profile_attention 300 python3 benchmarks/profile_attention.py --min-chunk 64 256 --json "$OUT/profile_attention.json" ;;
