@@ -9,11 +9,9 @@ What concurrent blocks do to each other is the GPU tests' part (test_gpu_dense.p
 
 from __future__ import annotations
 
-import struct
 import subprocess
 
 import _emu_build as emu_build
-import numpy as np
 import pytest
 import torch
 from test_fused_step import rel
@@ -39,37 +37,20 @@ def builds(tmp_path_factory):
     return work, emu_build.compile_all(work, "attention_main.cpp", BUILDS)
 
 
-def _bf16_words(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
-
-
-def _bf16(words: np.ndarray, shape) -> torch.Tensor:
-    return torch.from_numpy(words.astype(np.uint16).view(np.int16).copy()).view(
-        torch.bfloat16).reshape(shape)
-
-
 def run_kernel(builds, name, qkv, pos, kc, vc, cos, sin, qn, kn, sinks, nh, hk, window,
                num_parts, eps, scale):
     """The emulated launch over grid (num_parts, hk, B): (out, k_cache, v_cache, count)."""
     work, exes = builds
     B, L, D = qkv.shape[0], kc.shape[2], kc.shape[3]
-    f32 = lambda x: struct.unpack("<I", struct.pack("<f", x))[0]   # noqa: E731
     head = [B, nh, hk, L, num_parts, window, qn is not None, kn is not None, sinks is not None,
-            f32(eps), f32(scale), *pos.tolist()]
-    parts_in = [np.asarray(head, dtype=np.int64)] + [
-        _bf16_words(t) .reshape(-1) for t in (qkv, kc, vc, cos, sin, qn, kn, sinks)
-        if t is not None]
-    src, dst = work / f"{name}.in", work / f"{name}.out"
-    np.concatenate(parts_in).astype(np.int64).tofile(src)
-    r = subprocess.run([str(exes[name]), str(src), str(dst)], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = np.fromfile(dst, dtype=np.int64)
+            emu_build.f32_bits(eps), emu_build.f32_bits(scale), *pos.tolist()]
+    got = emu_build.run(exes[name], [head] + [
+        emu_build.bf16_words(t) for t in (qkv, kc, vc, cos, sin, qn, kn, sinks) if t is not None])
     n_out, n_kv = B * nh * D, B * hk * L * D
     assert got.size == n_out + 2 * n_kv + B * hk * COUNTERS
-    out = _bf16(got[:n_out], (B, nh * D))
-    k = _bf16(got[n_out:n_out + n_kv], kc.shape)
-    v = _bf16(got[n_out + n_kv:n_out + 2 * n_kv], vc.shape)
+    out = emu_build.bf16(got[:n_out], (B, nh * D))
+    k = emu_build.bf16(got[n_out:n_out + n_kv], kc.shape)
+    v = emu_build.bf16(got[n_out + n_kv:n_out + 2 * n_kv], vc.shape)
     return out, k, v, got[n_out + 2 * n_kv:]
 
 

@@ -14,13 +14,10 @@ top-k sum) runs here in one order only: the GPU tests' part (test_gpu_gemm.py).
 
 from __future__ import annotations
 
-import subprocess
-
 import _emu_build as emu_build
 import numpy as np
 import pytest
 import torch
-from test_attention_emu import _bf16, _bf16_words
 
 from cupool.activation import RELU2, SILU, swiglu_clamp
 from cupool.layout import RowLayout
@@ -94,20 +91,13 @@ def run_kernel(work, name, ex: Experts, x, lane_rows, weights, topk, parts=(2,),
     W = lane_rows.numel()
     smem = moe_decode.shared_bytes(b, ex.layout.bias)
     head = [T, H, W, topk, smem, E, ex.stride, len(parts), *parts, fresh is not None]
-    f32 = np.asarray(weights, dtype=np.float32).view(np.uint32).astype(np.int64)
-    words = [np.asarray(head, dtype=np.int64), ex.rows.numpy().reshape(-1).view(np.int64),
-             _bf16_words(x).reshape(-1), lane_rows.numpy().astype(np.int64)]
+    f32 = np.asarray(weights, dtype=np.float32).view(np.uint32)
+    words = [head, ex.rows.numpy().view(np.int64), emu_build.bf16_words(x), lane_rows.numpy()]
     if fresh is not None:
-        words.append(np.asarray(fresh, dtype=np.int64))
-    words.append(f32)
-    src, dst = work / f"{name}.in", work / f"{name}.out"
-    np.concatenate(words).astype(np.int64).tofile(src)
-    r = subprocess.run([str(work / name), str(src), str(dst)], capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = np.fromfile(dst, dtype=np.int64)
+        words.append(np.asarray(fresh))
+    got = emu_build.run(work / name, words + [f32])
     assert got.size == T * H + 1 + 2 + W + ex.layout.hp // 16
-    out = _bf16(got[:T * H], (T, H))
+    out = emu_build.bf16(got[:T * H], (T, H))
     return out, int(got[T * H]), got[T * H + 1:]
 
 

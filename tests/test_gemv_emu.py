@@ -1,4 +1,4 @@
-"""rawkernels/dense_gemv.cu run on the CPU against `cupool.reference.dense`.
+"""rawkernels/dense_gemv.cu run on the CPU against `cupool.reference.dense`, within test_gpu_dense.py's bound (`close`).
 
 The kernel's own source is compiled with g++ against tests/emu (the CUDA features it uses
 emulated, every block of its grid run one after another; `gemv_main.cpp` drives it), so the
@@ -11,22 +11,16 @@ concurrent blocks do to each other is the GPU tests' part (test_gpu_dense.py).
 
 from __future__ import annotations
 
-import struct
-import subprocess
 import zlib
 
 import _emu_build as emu_build
 import numpy as np
 import pytest
 import torch
-from test_attention_emu import _bf16, _bf16_words
-from test_fused_step import rel
+from test_gpu_dense import close
 
 from cupool.reference import dense as ref
 
-GEMV_TOL = 4e-3             # test_gpu_dense.py's: float32 sums in another order than torch's
-ELEM_ULPS = 2 ** -6
-ATOL = 1e-3
 BUILDS = {   # NB, MODE (1: norm), EPI (0 plain, 1 + residual, 2 route), WARPS, RT, KS, LANE_ADDR
     "plain": dict(NB=3, MODE=0, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0),
     "norm": dict(NB=3, MODE=1, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0),
@@ -54,22 +48,15 @@ def run_kernel(work, name, ws, bs, x, add=None, nw=None, res=None, eps=1e-6, top
     assert x.shape[0] == NB
     rows = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
     N = sum(rows)
-    f32 = lambda v: struct.unpack("<I", struct.pack("<f", v))[0]   # noqa: E731
-    head = [*rows, K, bs is not None, add is not None, res is not None, f32(eps), topk,
-            int(norm_topk), int(w_f32), active is not None]
-    parts = [np.asarray(head, dtype=np.int64)]
+    head = [*rows, K, bs is not None, add is not None, res is not None, emu_build.f32_bits(eps),
+            topk, int(norm_topk), int(w_f32), active is not None]
     tensors = [*ws, *(bs or []), x, add, nw if b["MODE"] == 1 else None, res]
-    parts += [_bf16_words(t).reshape(-1) for t in tensors if t is not None]
+    words = [head] + [emu_build.bf16_words(t) for t in tensors if t is not None]
     if active is not None:
-        parts.append(active.to(torch.int64).numpy())
+        words.append(active.to(torch.int64).numpy())
     if b["LANE_ADDR"]:
-        parts.append(table.numpy().astype(np.int64))
-    src, dst = work / f"{name}.in", work / f"{name}.out"
-    np.concatenate(parts).astype(np.int64).tofile(src)
-    r = subprocess.run([str(work / name), str(src), str(dst)], capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = np.fromfile(dst, dtype=np.int64)
+        words.append(table.numpy())
+    got = emu_build.run(work / name, words)
     tiles = -(-N // (16 * b["RT"]))
     sizes = {"out": NB * N, "h_out": NB * K, "x_out": NB * K, "logits": NB * N,
              "ids": NB * topk, "weights": NB * topk, "lane_addr": NB * topk, "ticket": 1,
@@ -79,8 +66,8 @@ def run_kernel(work, name, ws, bs, x, add=None, nw=None, res=None, eps=1e-6, top
     for key, n in sizes.items():
         res_[key] = got[at:at + n]
         at += n
-    out = {"out": _bf16(res_["out"], (NB, N)), "h_out": _bf16(res_["h_out"], (NB, K)),
-           "x_out": _bf16(res_["x_out"], (NB, K)),
+    out = {"out": emu_build.bf16(res_["out"], (NB, N)), "h_out": emu_build.bf16(res_["h_out"], (NB, K)),
+           "x_out": emu_build.bf16(res_["x_out"], (NB, K)),
            "logits": torch.from_numpy(res_["logits"].astype(np.uint32).view(np.float32).copy())
            .reshape(NB, N),
            "ids": torch.from_numpy(res_["ids"].astype(np.int32)).reshape(NB, topk),
@@ -90,22 +77,12 @@ def run_kernel(work, name, ws, bs, x, add=None, nw=None, res=None, eps=1e-6, top
         out["weights"] = torch.from_numpy(
             res_["weights"].astype(np.uint32).view(np.float32).copy()).reshape(NB, topk)
     else:
-        out["weights"] = _bf16(res_["weights"], (NB, topk))
+        out["weights"] = emu_build.bf16(res_["weights"], (NB, topk))
     return out
 
 
 def rand(*shape, scale=1.0, gen=None):
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
-
-
-def close(got, want, what: str, size=None):
-    """test_gpu_dense.py's bound: relative error over the whole output, and each element within
-    four bf16 steps of its size (default |want|) plus ATOL."""
-    assert not got.isnan().any(), f"{what}: NaN left (a poisoned element not written)"
-    assert rel(got, want) <= GEMV_TOL, f"{what}: relative error {rel(got, want):.2e}"
-    size = want.float().abs() if size is None else size
-    bad = (got.float() - want.float()).abs() > size * ELEM_ULPS + ATOL
-    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, first at {bad.nonzero()[0].tolist()}"
 
 
 @pytest.mark.parametrize("name,rows,K,variant", [

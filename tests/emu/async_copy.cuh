@@ -82,15 +82,5 @@ CUPOOL_DEVICE void fence_proxy_async_smem() {}
 
 CUPOOL_DEVICE void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 
-CUPOOL_DEVICE void cp_async16_zfill(void* dst, const void* src, bool valid) {
-    if (valid) std::memcpy(dst, src, 16);
-    else std::memset(dst, 0, 16);
-}
-
 // this thread's copies have all landed (they happen at once): one arrival
 CUPOOL_DEVICE void cp_async_arrive_noinc(u32 bar) { emu_mbar_arrive(bar); }
-
-CUPOOL_DEVICE void cp_async_commit() {}
-
-template <int N>
-CUPOOL_DEVICE void cp_async_wait() {}
