@@ -1,4 +1,5 @@
-"""rawkernels/dense_gemv.cu run on the CPU against `cupool.reference.dense`, within test_gpu_dense.py's bound (`close`).
+"""rawkernels/dense_gemv.cu run on the CPU against `cupool.reference.dense`, within
+test_gpu_dense.py's bound (its `close`).
 
 The kernel's own source is compiled with g++ against tests/emu (the CUDA features it uses
 emulated, every block of its grid run one after another; `gemv_main.cpp` drives it), so the
