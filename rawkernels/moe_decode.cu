@@ -78,6 +78,9 @@
 #ifndef HFULL
 #define HFULL 1           // 1: H == HP (no column of x past the row's end is read)
 #endif
+#ifndef XSMEM
+#define XSMEM 0           // 1: a w13 item stages its unit's x rows in shared memory first
+#endif
 // DECODE_TRACE 1 is the profiling build (same output as 0): thread 0 of a block writes
 // %globaltimer stamps into `trace`: [TRACE_ITEMS][4] by item number (start, waits done, K loop
 // done, end), then [grid][2] by block (start, unit table built). benchmarks/profile_gemm.py
@@ -96,6 +99,7 @@
 #define STAGE 4           // chunks (CHUNK_BYTES: 512 B of packed codes + 64 B of scales) a stage
 #define NBUF 2            // stage buffers a warp: NBUF stages in flight, NBUF - 1 while it computes
 #define ERR_STALL 8
+#include "moe_stages.cuh"
 
 constexpr int NC13 = HP / 64;              // chunks of a w13 strip
 constexpr int NC2 = IP / 64;               // chunks of a w2 strip
@@ -123,29 +127,6 @@ static_assert(WARPS % KS2 == 0, "KS2 must divide the block's 8 warps");
 static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per thread");
 constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
-
-// One warp's stage buffers: [buffer][chunk][576 B as in the row] (one bulk copy a stage,
-// completed on bar[buffer]). `parity`: bit b is the phase of bar[b] the next wait on it waits for.
-static_assert(NBUF >= 2 && NBUF <= 8 && STAGE >= 1, "stage ring shape");
-struct WarpStages {
-    u64 bar[NBUF];
-    u32 parity;
-    u32 pad_[(16 - (8 * NBUF + 4) % 16) / 4];   // w starts 16-byte aligned
-    u8 w[NBUF][STAGE * CHUNK_BYTES];
-};
-static_assert(sizeof(WarpStages) == (8 * NBUF + 4 + 15) / 16 * 16 + NBUF * STAGE * CHUNK_BYTES,
-              "cupool/ops/moe_decode.py stage_ring_bytes mirrors this layout");
-
-// Chunks [c0, c1) of a strip of nc chunks for K slice ks of ksplit.
-CUPOOL_DEVICE void k_slice(int ks, int ksplit, int nc, int& c0, int& c1) {
-    const int per = (nc + ksplit - 1) / ksplit;
-    c0 = min(ks * per, nc);
-    c1 = min(c0 + per, nc);
-}
-
-// Arrivals that complete a phase of a stage barrier: the lane that issues the stage's bulk copy
-// (sm_90+), or, before sm_90, each of the warp's 32 lanes once its cp.async copies have landed.
-constexpr u32 STAGE_ARRIVALS = CUPOOL_BULK_COPY ? 1 : 32;
 
 // Copy chunks [c, min(c + STAGE, c1)) of a strip into stage `buf`, completed on bar[buf]; nothing
 // is issued if there are no chunks. Every lane of the warp calls it (n is the same for all).
@@ -237,6 +218,7 @@ struct Smem {
     u8* unit_count;         // [MAXW]
     float* bias;            // ROW_BIAS: [BIAS_FLOATS] the item's biases (w13: per pair, 16 gate
                             // then 16 up; w2: 16 per output strip)
+    u16* xs;                // XSMEM: [NT][XS_STRIDE] the unit's token rows of x
 };
 constexpr int BIAS_FLOATS = ROW_BIAS ? 128 : 0;           // ≥ 32·PPI and ≥ 16·WM2
 
@@ -250,6 +232,8 @@ CUPOOL_DEVICE Smem carve(u8* smem) {
     m.unit_lanes = reinterpret_cast<u8*>(m.lane_w + MAXW);
     m.unit_count = m.unit_lanes + MAXW * NT;
     m.bias = reinterpret_cast<float*>(m.unit_count + MAXW);   // 8-byte aligned (MAXW % 8 == 0)
+    m.xs = reinterpret_cast<u16*>(smem + (reinterpret_cast<u8*>(m.bias + BIAS_FLOATS) - smem
+                                          + 15) / 16 * 16);
     return m;
 }
 static_assert(sizeof(SlotInfo) % 8 == 0, "the unit table after SlotInfo is 8-byte aligned");
@@ -275,22 +259,6 @@ CUPOOL_DEVICE void sum_partials(const Smem& m, int w0, int n, int lane, float (&
         }
 }
 
-// Stamp k of item `item` (thread 0; DECODE_TRACE only): 0 start, 1 waits done, 2 K loop done
-// (warp 0), 3 end.
-CUPOOL_DEVICE void stamp_at(u64* trace, int idx) {
-#if DECODE_TRACE
-    if (threadIdx.x == 0) {
-        u64 t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        trace[idx] = t;
-    }
-#endif
-}
-
-CUPOOL_DEVICE void stamp(u64* trace, int item, int k) {
-    if (item < TRACE_ITEMS) stamp_at(trace, item * 4 + k);
-}
-
 struct Args {
     u64* trace;
     const u16* x;
@@ -302,28 +270,6 @@ struct Args {
     u16* out;
     i32* error;
 };
-
-// Columns k … k+15 of a token row as 8 B-fragment words (k = 64c + 16t: the lane's columns of
-// chunk c); zeros for an empty slot or past the row's end (H is a multiple of 16, so the 16
-// columns are all inside or all outside).
-CUPOOL_DEVICE void x_cols16(const u16* row, int k, int hidden, u32 (&b)[8]) {
-    if (row == nullptr || (!HFULL && k >= hidden)) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) b[i] = 0u;
-        return;
-    }
-#if XALIGN
-    load_cols16(row + k, b);
-#else
-#pragma unroll
-    for (int i = 0; i < 8; ++i) b[i] = (u32)row[k + 2 * i] | ((u32)row[k + 2 * i + 1] << 16);
-#endif
-}
-
-// Lane of slot threadIdx.x (< NT) of unit u, -1 if empty.
-CUPOOL_DEVICE int slot_lane(const Smem& m, int u) {
-    return (int)threadIdx.x < m.unit_count[u] ? (int)m.unit_lanes[u * NT + threadIdx.x] : -1;
-}
 
 // Thread 0 waits until *counter reaches `target` (acquire), then the block goes on together.
 CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
@@ -365,7 +311,7 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
     }
 #endif
     if (threadIdx.x < NT) {
-        m.si->lane[threadIdx.x] = slot_lane(m, u);
+        m.si->lane[threadIdx.x] = slot_lane(m.unit_count, m.unit_lanes, u);
         m.si->scale[threadIdx.x] = 1.0f;                       // x goes in unscaled
     }
     __syncthreads();
@@ -373,15 +319,27 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
     const int ntiles = (m.unit_count[u] + 7) >> 3;
     const int g = lane >> 2, t = lane & 3, hidden = a.hidden;
     const u16* xrow[NTILES];
+#if XSMEM
+    stage_x(m.xs, m.si, m.unit_count[u], a.x, a.topk, hidden);
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt)
+        xrow[nt] = m.si->lane[nt * 8 + g] >= 0 ? m.xs + (nt * 8 + g) * XS_STRIDE : nullptr;
+#else
 #pragma unroll
     for (int nt = 0; nt < NTILES; ++nt) {
         const int l = m.si->lane[nt * 8 + g];
         xrow[nt] = l >= 0 ? a.x + (i64)(l / a.topk) * hidden : nullptr;
     }
+#endif
     float acc[NTILES][4] = {};
-    // B straight from x in the model's dtype (plain loads: the compiler may hoist them)
+    // B from x in the model's dtype: in shared memory (XSMEM), or straight from global memory
+    // (plain loads: the compiler may hoist them)
     run_stages<IN_BF16>(ws, strip, c0, c1, ntiles, acc, lane, [&](int c, int nt, u32 (&b)[8]) {
+#if XSMEM
+        smem_cols16(xrow[nt], c * 64 + 16 * t, b);
+#else
         x_cols16(xrow[nt], c * 64 + 16 * t, hidden, b);
+#endif
     });
     stamp(a.trace, item, 2);
     put_partial(m, warp, lane, acc);
@@ -430,7 +388,7 @@ CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_
             2 * IP + grp * WM2 * 16 + threadIdx.x];
 #endif
     if (threadIdx.x < NT) {
-        m.si->lane[threadIdx.x] = slot_lane(m, u);
+        m.si->lane[threadIdx.x] = slot_lane(m.unit_count, m.unit_lanes, u);
         m.si->scale[threadIdx.x] = 1.0f;                       // act goes in as w13 wrote it
     }
     wait_count(a.unit_done + u, NP, a.error);                  // the unit's act is complete
