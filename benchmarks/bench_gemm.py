@@ -55,23 +55,13 @@ def routing(T, K, E, gen):
     return ids, torch.softmax(w, dim=-1)
 
 
-def override_build(gemm, lanes, x, w, override):
-    """The build the per-call rules choose for a call of `lanes` lanes, with `override`'s fields
-    ({"slices": 0 or 1} picks the kernel first) forced over it."""
-    rest = dict(override)
-    slices = rest.pop("slices", None)
-    build = gemm.decoder.choose(lanes, x, w, None if slices is None else bool(slices))
-    return dataclasses.replace(build, **rest)
-
-
 def decode_call(gemm, x, lane_addr, w, out, override=None):
-    """gemm.decode, or with `override` ({"slices": 0 or 1, "minb": .., "w13_split": ..}) the
-    build the per-call rules choose (for that kernel, where "slices" is given) with the other
-    fields replaced, launched on the same workspaces."""
+    """gemm.decode, or with `override` ({"minb": .., "w13_split": ..}) the build the per-call
+    rules choose with those fields replaced, launched on the same workspaces."""
     if not override:
         return gemm.decode(x, lane_addr, w, out=out)
     w = w.reshape(-1).float().contiguous()
-    build = override_build(gemm, lane_addr.numel(), x, w, override)
+    build = dataclasses.replace(gemm.decoder.choose(lane_addr.numel(), x, w), **override)
     gemm.decoder.launch(build, x, lane_addr, None, w, gemm.topk, 2, gemm.decode_workspaces, out,
                         gemm.error)
     return out

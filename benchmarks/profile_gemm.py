@@ -30,10 +30,10 @@ def table(fn, label, reps=5):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
-# decode builds of the sweep: fields of cupool.ops.moe_decode.Build forced over what the
-# per-call rules choose ("" is the rules' own choice; slices=0 / 1 picks moe_decode / moe_slices).
-SWEEP = ("", "minb=3", "minb=4", "w13_split=2", "w13_split=4")
-_BUILD_FIELDS = ("slices", "minb", "w13_split", "xsmem")
+# moe_decode builds of the sweep: fields of cupool.ops.moe_decode.Build forced over what the
+# per-call rules choose ("" is the rules' own choice).
+SWEEP = ("", "minb=3", "minb=4", "w13_split=2", "w13_split=4", "xsmem=0", "xsmem=1")
+_BUILD_FIELDS = ("minb", "w13_split", "xsmem")
 
 
 def parse_variant(text: str) -> dict:
@@ -120,8 +120,7 @@ def trace(T: int = 1, E: int = 128, override: dict | None = None, dims=(2048, 76
     w = torch.rand(T, 8, device="cuda").reshape(-1)
     la = addr[ids].reshape(-1)
     out = torch.empty_like(x)
-    from bench_gemm import override_build
-    build = dataclasses.replace(override_build(gemm, T * 8, x, w, override or {}), trace=True)
+    build = dataclasses.replace(gemm.decoder.choose(T * 8, x, w), trace=True, **(override or {}))
 
     def call():
         gemm.decoder.launch(build, x, la, None, w, 8, 2, gemm.decode_workspaces, out, gemm.error,
@@ -143,28 +142,20 @@ def trace(T: int = 1, E: int = 128, override: dict | None = None, dims=(2048, 76
         bl = bl[bl[:, 0] > 0]
         t0 = bl[:, 0].min()
         units = len(set(ids.reshape(-1).tolist()))
-        if build.slices:     # slice items, then reduction items (moe_slices.cu)
-            n1 = units * moe_decode.slices(layout)
-            n2 = -(-layout.hp // moe_decode.SLICES_RROWS)
-            kinds = (("slice", ("start", "w13 done", "w2 done", "end")),
-                     ("red", ("start", "wait done", "end", "end")))
-        else:                # w13 items, then w2 items (moe_decode.cu)
-            ppi = moe_decode.act_strips_per_item(layout, build.w13_split)
-            n1, n2 = units * (layout.ip // 16) // ppi, units * moe_decode.w2_items(layout)
-            kinds = (("w13", ("start", "waits done", "K loop done", "end")),
-                     ("w2", ("start", "waits done", "K loop done", "end")))
+        ppi = moe_decode.act_strips_per_item(layout, build.w13_split)
+        n13, n2 = units * (layout.ip // 16) // ppi, units * moe_decode.w2_items(layout)
         us = lambda v: (v - t0) / 1e3
         pct = lambda v: " ".join(f"{np.percentile(v, q):6.2f}" for q in (0, 10, 50, 90, 100))
-        print(f"--- trace H={layout.hidden} T={T} {build.kernel} {override or ''} rep {rep}: "
-              f"{len(bl)} blocks, {n1} {kinds[0][0]} items, {n2} {kinds[1][0]} items "
-              f"(percentiles 0/10/50/90/100, us from the first block's start)")
+        print(f"--- trace H={layout.hidden} T={T} {override or ''} rep {rep}: {len(bl)} blocks, "
+              f"{n13} w13 items, {n2} w2 items (percentiles 0/10/50/90/100, us from the first "
+              f"block's start)")
         print(f"blocks start        {pct(us(bl[:, 0]))}")
         print(f"blocks grouped      {pct(us(bl[:, 1]))}")
-        for (name, phases), sl in zip(kinds, (it[:n1], it[n1:n1 + n2])):
+        for name, sl in (("w13", it[:n13]), ("w2", it[n13:n13 + n2])):
             sl = sl[sl[:, 0] > 0]
-            for k, what in enumerate(phases):
-                print(f"{name:5s} {what:14s} {pct(us(sl[:, k]))}")
-            print(f"{name:5s} {'phase 1-2 (dur)':14s} {pct((sl[:, 2] - sl[:, 1]) / 1e3)}")
+            for k, what in enumerate(("start", "waits done", "K loop done", "end")):
+                print(f"{name:4s} {what:14s} {pct(us(sl[:, k]))}")
+            print(f"{name:4s} {'K loop (dur)':14s} {pct((sl[:, 2] - sl[:, 1]) / 1e3)}")
 
 
 def prefill_variant(text: str):

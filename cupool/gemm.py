@@ -38,7 +38,7 @@ from cupool.activation import SILU, Activation
 from cupool.layout import RowLayout
 from cupool.ops import ACT_DTYPES, W_DTYPES, check_experts
 from cupool.ops.moe_decode import MAX_LANES as FUSED_MAX_LANES
-from cupool.ops.moe_decode import DecodeKernel, slices_rows
+from cupool.ops.moe_decode import DecodeKernel
 from cupool.ops.moe_gemm import PAIR_SMALL, PAIR_WIDE, PREFILL, GemmConfig, GemmKernels
 
 # Sticky error bits of the GEMM's `error` word: 1 and 2 are set by moe_lanes.cuh (moe_align.cu,
@@ -49,8 +49,7 @@ ERR_CHUNKS = 4
 ERR_STALL = 8
 ERROR_NAMES = {ERR_BAD_ID: "expert id outside [0, E)", ERR_BAD_WEIGHT: "non-finite router weight",
                ERR_CHUNKS: "more host experts than scratch chunks (internal)",
-               ERR_STALL: "moe_decode waited over a second for a unit's w13 items, or moe_slices "
-                          "for the call's slice items (internal)"}
+               ERR_STALL: "moe_decode waited over a second for a unit's w13 items (internal)"}
 
 
 def check_activations(x: torch.Tensor, hidden: int, name: str = "hidden_states") -> None:
@@ -131,7 +130,7 @@ def workspace_shapes(layout: RowLayout, topk: int, max_decode_tokens: int,
         unit_addr=((W,), i64), unit_lanes=((W * PAIR_WIDE.nt,), i32), unit_count=((W,), i32),
         lane_w=((W,), f32),
         act=((W, ip), bf16),                           # act(gate, up) rows
-        yw=((slices_rows(layout, W), hp), f32),   # moe_decode [W]; moe_slices' partials
+        yw=((W, hp), f32),
         group_done=((hp // 16,), i32),
         sync=((2 + W,), i32),                          # moe_decode: ticket, finished, per unit
     )

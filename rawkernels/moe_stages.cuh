@@ -1,5 +1,6 @@
-// What the two decode kernels (moe_decode.cu, moe_slices.cu) share: a warp's ring of stage
-// buffers with their mbarriers, the B fragments of a token row of x, the lane of a unit's slot,
+// The decode kernel's (moe_decode.cu) stage ring and B-fragment sources, apart from its item
+// logic: a warp's ring of stage buffers with their mbarriers and K slices, the B fragments of a
+// token row of x (from global memory, or staged in shared memory), the lane of a unit's slot,
 // and the DECODE_TRACE stamps.
 //
 // Include after async_copy.cuh, moe_common.cuh and moe_lanes.cuh, and the macros STAGE, NBUF,

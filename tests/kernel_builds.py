@@ -48,12 +48,6 @@ def _gemm(dims: str, nt, ksplit, warps_m, kc, w2_kc, nb, reduce, prefetch, minb,
             f"-DW2_NS={w2_ns} -DNTG=4")
 
 
-def _slices(dims: str, **over) -> str:
-    d = {**dict(NT=8, MAXW=64, OUT_BF16=1, IN_BF16=1, W_DTYPE=0, XALIGN=1, HFULL=1, MINB=2,
-                NBUF=3, RROWS=32), **over}
-    return f"{dims} " + " ".join(f"-D{k}={v}" for k, v in d.items())
-
-
 def _decode(dims: str, nt: int, maxw: int, minb: int, split: int, **over) -> str:
     d = {**dict(OUT_BF16=1, IN_BF16=1, W_DTYPE=0, XALIGN=1, HFULL=1), **over}
     rest = " ".join(f"-D{k}={v}" for k, v in d.items())
@@ -98,13 +92,6 @@ BUILDS: list[tuple[str, str]] = [
     ("moe_decode", _decode(_NEMOTRON, 8, 64, 3, 4)),                      # Nemotron-H T=1, K=6
     ("moe_decode", _decode(_NEMOTRON, 8, 64, 4, 4)),                      # Nemotron-H T=2..10
     ("moe_decode", _decode(_NEMOTRON, 16, 256, 3, 4)),                    # Nemotron-H T=11..42
-    # moe_slices: calls of at most 16 lanes (T = 1, 2 at K=8)
-    ("moe_slices", ""),
-    ("moe_slices", _slices(_QWEN)),
-    ("moe_slices", _slices(_BIG)),
-    ("moe_slices", _slices(_GPTOSS)),
-    ("moe_slices", _slices(_NEMOTRON)),
-    ("moe_slices", _slices(_QWEN, DECODE_TRACE=1)),                       # the profiling build
     ("moe_gemm", _gemm(_NEMOTRON, 64, 1, 8, 256, 256, 1, 1, 0, 2, 2)),    # Nemotron-H prefill
     # the fused decode step at batch 1 (Qwen3-30B-A3B): QKV (norm), o-projection (+ residual),
     # router (norm, routing), output head (norm, two row tiles a block); its attention
@@ -143,6 +130,8 @@ VARIANTS = [
     ("moe_gemm", "-DNT=8 -DHP=4096 -DIP=1536"),
     ("moe_gemm", "-DNT=16 -DHP=128 -DIP=64 -DKC=128"),
     ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=1"),
+    ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, XSMEM=1)),       # x in shared memory (a variant)
+    ("moe_decode", _decode(_QWEN, 8, 64, 4, 2, XSMEM=1)),
     ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=2"),
     ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=4 -DHP=4096 -DIP=1536"),
     ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DW13_KSPLIT=1 -DHP=4096 -DIP=1536"),
@@ -194,10 +183,12 @@ VARIANTS = [
                     "-DMINB=3 -DW13_KSPLIT=2 -DOUT_BF16=0 -DIN_BF16=0 -DHFULL=0 -DXALIGN=0")),
     ("moe_gemm", ("-DHP=128 -DIP=64 -DROW_W2_OFFSET=4864 -DROW_GATED=0 -DACT=2 -DNT=16 -DKC=128 "
                   "-DOUT_BF16=0")),
-    # moe_slices: fp16 activations in and out, bf16 / fp16 router weights, unaligned x, H < Hp
-    ("moe_slices", _slices("-DHP=128 -DIP=64", OUT_BF16=0, IN_BF16=0, W_DTYPE=1, XALIGN=0,
-                           HFULL=0)),
-    ("moe_slices", _slices("-DHP=128 -DIP=192 -DROW_GATED=0 -DACT=2", W_DTYPE=2, HFULL=0)),
+    # x rows in shared memory (XSMEM, profile_gemm's xsmem=1) with fp16 activations, unaligned x,
+    # H < Hp; without a gate
+    ("moe_decode", "-DNT=8 -DMAXW=64 -DOUT_BF16=0 -DIN_BF16=0 -DHP=128 -DIP=64 -DHFULL=0 -DXALIGN=0 "
+                   "-DXSMEM=1"),
+    ("moe_decode", ("-DHP=128 -DIP=64 -DROW_W2_OFFSET=4864 -DROW_GATED=0 -DACT=2 -DNT=8 -DMAXW=64 "
+                    "-DMINB=3 -DW13_KSPLIT=4 -DHFULL=0 -DXSMEM=1")),
     ("moe_gemm", ("-DHP=128 -DIP=64 -DROW_GATED=0 -DACT=2 -DNT=64 -DKSPLIT=1 -DWARPS_M=8 -DKC=64 "
                   "-DW2_KC=64 -DNB=1 -DREDUCE=1 -DMINB=2 -DW2_NS=2")),
 ]

@@ -1,5 +1,4 @@
-"""rawkernels/moe_decode.cu and rawkernels/moe_slices.cu run on the CPU against
-`cupool.reference.moe.reference_moe`.
+"""rawkernels/moe_decode.cu run on the CPU against `cupool.reference.moe.reference_moe`.
 
 The kernel's own source (with mma_fp4.cuh's dequantisation, moe_lanes.cuh's grouping of lanes
 into units, moe_common.cuh's epilogues and the stage ring) is compiled with g++ against tests/emu,
@@ -10,9 +9,8 @@ chooses (`cupool.ops.moe_decode.defines`): both copy paths (bulk copies, sm_90+;
 before), each w13 K split, units of 8 and 16 lanes, biases with the clamped SwiGLU, rows
 without a gate, padding, a NaN router weight, and a call split into rows in place then fresh
 rows. What several blocks do to each other (the ticket, the unit waits, the last arrival's
-top-k sum) runs here in one order only: the GPU tests' part (test_gpu_gemm.py). The same holds
-for moe_slices (its builds end in `_slices`): each slice item's w13, act in shared memory and w2
-partial sums, then the reduction items.
+top-k sum) runs here in one order only: the GPU tests' part (test_gpu_gemm.py). Builds ending
+in `_xsmem` stage each w13 item's x rows in shared memory (the launcher's choice at Hp ≤ 2048).
 """
 
 from __future__ import annotations
@@ -36,12 +34,10 @@ E = 13
 SWIGLU = swiglu_clamp(1.702, 7.0)
 
 
-def _build(nt, split, bulk, bias=False, gated=True, activation=SILU, slices=False, dims=(80, 48),
-           xsmem=0):
-    layout = RowLayout(*dims, bias=bias, gated=gated)      # (80, 48): Hp = 128, Ip = 64, H < Hp
-    b = moe_decode.Build(nt=nt, maxw=64 if nt == 8 else 256, minb=2 if slices else 3,
-                         w13_split=0 if slices else split, xalign=1, w_dtype=0, slices=slices,
-                         xsmem=xsmem)
+def _build(nt, split, bulk, bias=False, gated=True, activation=SILU, xsmem=0):
+    layout = RowLayout(80, 48, bias=bias, gated=gated)      # Hp = 128, Ip = 64: H < Hp
+    b = moe_decode.Build(nt=nt, maxw=64 if nt == 8 else 256, minb=3, w13_split=split, xalign=1,
+                         w_dtype=0, xsmem=xsmem)
     return layout, activation, b, bulk
 
 
@@ -53,25 +49,12 @@ BUILDS = {
     "relu2": _build(8, 4, bulk=0, gated=False, activation=RELU2),
     "silu_xsmem": _build(8, 2, bulk=1, xsmem=1),
     "relu2_nt16_xsmem": _build(16, 4, bulk=0, gated=False, activation=RELU2, xsmem=1),
-    # moe_slices: Hp = 128 (H = 80) and Ip = 192 (I = 144): three slices, eight w2 strips
-    "silu_slices": _build(8, 0, bulk=0, slices=True, dims=(80, 144)),
-    "silu_bulk_slices": _build(8, 0, bulk=1, slices=True, dims=(80, 144)),
-    "swiglu_bias_slices": _build(8, 0, bulk=1, bias=True, activation=SWIGLU, slices=True,
-                                 dims=(80, 144)),
-    "relu2_slices": _build(8, 0, bulk=0, gated=False, activation=RELU2, slices=True,
-                           dims=(80, 144)),
-    # Hp = 1280: w13 strips of 20 chunks (stages of 4, a warp's K slice of 10 without a gate),
-    # 80 w2 strips (10 a warp: a last stage of two)
-    "silu_wide_slices": _build(8, 0, bulk=1, slices=True, dims=(1232, 64)),
-    "relu2_wide_slices": _build(8, 0, bulk=0, gated=False, activation=RELU2, slices=True,
-                                dims=(1232, 64)),
 }
 
 
 def _defines(name: str) -> dict:
     layout, activation, b, bulk = BUILDS[name]
-    return {**moe_decode.defines(b, layout, torch.bfloat16, activation), "EMU_BULK": bulk,
-            "SLICES": int(b.slices)}
+    return {**moe_decode.defines(b, layout, torch.bfloat16, activation), "EMU_BULK": bulk}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +62,6 @@ def builds(tmp_path_factory):
     emu_build.require()
     work = tmp_path_factory.mktemp("decode_emu")
     emu_build.stage(work, "moe_decode", HEADERS, replace={DYN_DECL: DYN_EMU})
-    emu_build.stage(work, "moe_slices", HEADERS, replace={DYN_DECL: DYN_EMU})
     emu_build.compile_all(work, "decode_main.cpp", {name: _defines(name) for name in BUILDS})
     return work
 
@@ -138,16 +120,13 @@ def _routing(T, K, gen, distinct=True):
 @pytest.mark.parametrize("name,T,K,distinct", [
     ("silu", 1, 8, True), ("silu", 3, 2, False), ("silu_bulk", 1, 8, True),
     ("silu_bulk", 5, 4, False), ("silu_nt16", 16, 8, False), ("swiglu_bias", 3, 4, True),
-    ("relu2", 2, 6, True), ("silu_xsmem", 3, 4, False), ("relu2_nt16_xsmem", 9, 4, False),
-    ("silu_slices", 1, 8, True), ("silu_slices", 3, 2, False),
-    ("silu_bulk_slices", 1, 8, True), ("silu_bulk_slices", 2, 8, False),
-    ("swiglu_bias_slices", 3, 4, True), ("relu2_slices", 2, 6, True),
-    ("silu_wide_slices", 1, 8, True), ("relu2_wide_slices", 2, 5, False)])
+    ("relu2", 2, 6, True), ("silu_xsmem", 1, 8, True), ("silu_xsmem", 3, 4, False),
+    ("relu2_nt16_xsmem", 9, 4, False)])
 def test_decode_kernel_source_matches_reference_on_cpu(builds, name, T, K, distinct):
     """Poisoned workspaces and output; the counters back at zero; no error bits."""
     gen = torch.Generator().manual_seed(T * 97 + K + len(name))
     ex = Experts(name, seed=len(name) + T)
-    x = torch.randn(T, ex.layout.hidden, generator=gen).to(torch.bfloat16)
+    x = torch.randn(T, 80, generator=gen).to(torch.bfloat16)
     ids, w = _routing(T, K, gen, distinct)
     out, err, counters = run_kernel(builds, name, ex, x, ids.reshape(-1), w.reshape(-1), K)
     assert not out.isnan().any(), "an output element was not written"
@@ -155,7 +134,7 @@ def test_decode_kernel_source_matches_reference_on_cpu(builds, name, T, K, disti
     assert err == 0 and not counters.any(), (err, counters)
 
 
-@pytest.mark.parametrize("name", ["silu_bulk", "silu_bulk_slices", "silu_slices"])
+@pytest.mark.parametrize("name", ["silu_bulk", "silu_xsmem"])
 def test_decode_padding_nan_weight_and_two_launches_on_cpu(builds, name):
     """A padding lane (row −1) adds nothing; a routed lane with a NaN weight sets error bit 2 and
     counts as padding; a call split into rows in place (part 0) then fresh rows (part 1) gives

@@ -142,7 +142,9 @@ def test_decode_build_of_a_call():
     x = torch.zeros(4, 2048, dtype=torch.bfloat16)
     w = torch.zeros(32)
     b = moe_decode.choose(layout, 132, 32, x, w)
-    assert (b.nt, b.maxw, b.minb, b.w13_split, b.xalign, b.w_dtype) == (8, 64, 4, 2, 1, 0)
+    assert (b.nt, b.maxw, b.minb, b.w13_split, b.xalign, b.w_dtype, b.xsmem) == (8, 64, 4, 2, 1, 0, 0)
+    assert "XSMEM" not in moe_decode.defines(b, layout, torch.bfloat16)
+    assert moe_decode.defines(dataclasses.replace(b, xsmem=1), layout, torch.bfloat16)["XSMEM"] == 1
     b = moe_decode.choose(layout, 132, 128, x[:, 1:], w.bfloat16())
     assert (b.nt, b.maxw, b.minb, b.xalign, b.w_dtype) == (16, 256, 3, 0, 1)
     assert moe_decode.defines(b, layout, torch.float16)["OUT_BF16"] == 0
@@ -157,6 +159,12 @@ def test_decode_shared_memory_is_the_kernels_carve():
     for nt, maxw, want in ((8, 64, 37120 + 4096 + 64 + 1344), (16, 256, 37120 + 8192 + 128 + 7424)):
         b = moe_decode.Build(nt=nt, maxw=maxw, minb=3, w13_split=4, xalign=1, w_dtype=0)
         assert moe_decode.shared_bytes(b) == want
+    # xsmem: the unit's x rows [NT][Hp + 8] bf16 after the table (and the biases), 16-byte aligned
+    b = moe_decode.Build(nt=8, maxw=64, minb=3, w13_split=4, xalign=1, w_dtype=0, xsmem=1)
+    assert moe_decode.shared_bytes(b, hp=2048) == 37120 + 4096 + 64 + 1344 + 8 * 2056 * 2
+    assert moe_decode.shared_bytes(b, True, 2048) == 37120 + 4096 + 64 + 1344 + 512 + 8 * 2056 * 2
+    with pytest.raises(ValueError, match="pass hp"):
+        moe_decode.shared_bytes(b)
     assert [moe_decode.w2_ksplit(RowLayout(2048, i)) for i in (512, 768, 2048, 4096, 8192)] == \
         [1, 2, 2, 4, 8]
     assert moe_decode.w2_items(RowLayout(2048, 768)) == 2048 // 16 // 4

@@ -1,5 +1,4 @@
-"""Launcher of `rawkernels/moe_decode.cu` and `rawkernels/moe_slices.cu`: a decode layer's NVFP4
-MoE GEMM in one launch.
+"""Launcher of `rawkernels/moe_decode.cu`: a decode layer's NVFP4 MoE GEMM in one launch.
 
 Shape legend (ARCHITECTURE.md): T tokens · K top-k · W = T·K lanes · H hidden · I intermediate;
 Hp, Ip are H and I rounded up to 64 (`RowLayout.hp`, `.ip`).
@@ -7,8 +6,7 @@ Hp, Ip are H and I rounded up to 64 (`RowLayout.hp`, `.ip`).
 This module is the one Python owner of what the kernel's build depends on: its block shape and
 stage ring (mirrors of the kernel's constants, checked by the kernel's static_asserts and by
 tests/test_nvcc_compile.py), the shared memory of `carve()`, and the per-call rules that pick a
-build (`Build`): the kernel (moe_slices at few lanes, moe_decode past them), units of 8 or 16
-lane slots, blocks per SM, warps splitting a w13 strip. A call
+build (`Build`): units of 8 or 16 lane slots, blocks per SM, warps splitting a w13 strip. A call
 is `choose(...)` then `launch(...)`; `cupool.gemm.MoEGemm.decode` does both. Profilers choose a
 build themselves (e.g. with `trace=True`, the DECODE_TRACE build that stamps each item's phases
 with the GPU's globaltimer into a caller's buffer) and call `launch` with the same workspaces.
@@ -29,9 +27,6 @@ MAX_LANES = 256          # the kernel groups the call's lanes one a thread of it
 WARPS = 8                # moe_decode.cu's WARPS
 STAGE = 4                # chunks a stage (moe_decode.cu's STAGE)
 NBUF = 2                 # stage buffers a warp (moe_decode.cu's NBUF)
-SLICES_NBUF = 3          # stage buffers a warp of moe_slices.cu (its NBUF)
-SLICES_MAX_LANES = 32    # calls of at most this many lanes run moe_slices (`choose`)
-SLICES_RROWS = 32        # output rows of a moe_slices reduction item (its RROWS)
 TRACE_ITEMS = 8192       # moe_decode.cu's TRACE_ITEMS: item stamps, then two stamps a block
 
 
@@ -46,20 +41,18 @@ class Build:
     xalign: int              # 1: x 16-byte aligned (a lane reads its 16 columns as two words)
     w_dtype: int             # router weights' dtype (W_DTYPES)
     trace: bool = False      # the DECODE_TRACE profiling build
-    slices: bool = False     # moe_slices.cu (items of one unit's 64 act columns; w13_split unused)
-    xsmem: int = 0           # moe_decode: 1 stages a w13 item's x rows in shared memory (XSMEM)
+    xsmem: int = 0           # 1: a w13 item first stages its unit's x rows in shared memory
+    # (XSMEM; a profiler's variant, never chosen: on an H200 at Qwen3-30B-A3B dims the layer
+    # alone took 18.5 µs against 19.0 at T=1 and 40.5 against 43.0 at T=4 (profile_gemm
+    # --sweep), but the fused decode step at 16 positions took 2.92-2.94 ms against 2.78-2.79
+    # (profile_decode, two rounds a tree): inside the step the kernel took 20.6-20.8 µs against
+    # 19.8 and the next kernel's early start no longer overlapped it (32 KB more a block))
 
-    @property
-    def kernel(self) -> str:
-        """The kernel's source file and entry point."""
-        return "moe_slices" if self.slices else "moe_decode"
 
-
-def stage_ring_bytes(nbuf: int = NBUF) -> int:
-    """Shared memory of one warp's stage ring of `nbuf` buffers (moe_stages.cuh's WarpStages):
-    nbuf barriers and the parity word padded to 16 bytes, then nbuf buffers of STAGE chunks of the
-    row layout."""
-    return (8 * nbuf + 4 + 15) // 16 * 16 + nbuf * STAGE * CHUNK_BYTES
+def stage_ring_bytes() -> int:
+    """Shared memory of one warp's stage ring (moe_stages.cuh's WarpStages): NBUF barriers and the
+    parity word padded to 16 bytes, then NBUF buffers of STAGE chunks of the row layout."""
+    return (8 * NBUF + 4 + 15) // 16 * 16 + NBUF * STAGE * CHUNK_BYTES
 
 
 BIAS_FLOATS = 128         # moe_decode.cu's BIAS_FLOATS: an item's biases (rows with biases only)
@@ -69,33 +62,16 @@ def shared_bytes(build: Build, bias: bool = False, hp: int = 0) -> int:
     """Dynamic shared memory of a block (moe_decode.cu's `carve`): the warps' stage rings, the
     K-split partial sums [WARPS][NT/8 · 4][32] floats, the SlotInfo (NT lanes and scales), then
     the unit table of the call: unit_addr [MAXW] i64, lane_w [MAXW] f32, unit_lanes [MAXW][NT]
-    u8, unit_count [MAXW] u8; then, for rows with biases, BIAS_FLOATS f32."""
+    u8, unit_count [MAXW] u8; then, for rows with biases, BIAS_FLOATS f32; then, for an xsmem
+    build, at the next 16 bytes, the unit's x rows [NT][Hp + 8] 16-bit (`hp`: Hp)."""
     nt, maxw = build.nt, build.maxw
-    if build.slices:     # moe_slices.cu's carve: after the SlotInfo the slice's act [NT][64] and
-        if hp <= 0:      # the unit's x rows [NT][Hp + 8], both 16-bit
-            raise ValueError("moe_slices' shared memory depends on Hp: pass hp")
-        return (WARPS * stage_ring_bytes(SLICES_NBUF) + WARPS * (nt // 8) * 4 * 32 * 4 + nt * 8
-                + nt * 64 * 2 + nt * (hp + 8) * 2 + maxw * (8 + 4 + nt + 1)
-                + (4 * 128 if bias else 0))
     base = (WARPS * stage_ring_bytes() + WARPS * (nt // 8) * 4 * 32 * 4 + nt * 8
             + maxw * (8 + 4 + nt + 1) + (4 * BIAS_FLOATS if bias else 0))
     if not build.xsmem:
         return base
     if hp <= 0:
-        raise ValueError("moe_decode's shared memory with xsmem depends on Hp: pass hp")
-    return (base + 15) // 16 * 16 + nt * (hp + 8) * 2      # the unit's x rows [NT][Hp + 8]
-
-
-def slices(layout: RowLayout) -> int:
-    """Slices of an expert in moe_slices.cu (its NSL): 64 columns of act, one w2 chunk of K."""
-    return layout.ip // 64
-
-
-def slices_rows(layout: RowLayout, lanes: int) -> int:
-    """Rows of the float32 `yw` workspace [rows, Hp] a decode of up to `lanes` lanes needs:
-    moe_decode's W, or moe_slices' partial sums, Ip/64 · W, for the calls that run it (at most
-    SLICES_MAX_LANES lanes)."""
-    return max(lanes, slices(layout) * min(lanes, SLICES_MAX_LANES))
+        raise ValueError(f"the shared memory of an xsmem build depends on Hp: pass hp, got {hp}")
+    return (base + 15) // 16 * 16 + nt * (hp + 8) * 2
 
 
 def w2_ksplit(layout: RowLayout) -> int:
@@ -156,22 +132,14 @@ def w13_split(layout: RowLayout, sms: int, lanes: int, minb: int) -> int:
 
 
 def choose(layout: RowLayout, sms: int, lanes: int, x: torch.Tensor,
-           weights: torch.Tensor, slices: bool | None = None) -> Build:
+           weights: torch.Tensor) -> Build:
     """The build of a call of `lanes` lanes (≤ MAX_LANES) for activations `x` and router weights
     `weights` (one of W_DTYPES). Depends only on shapes, dtypes and x's alignment, so a captured
-    graph keeps its choice. moe_slices up to SLICES_MAX_LANES lanes, moe_decode past them;
-    `slices` True or False forces one kernel (profilers; moe_slices only up to
-    SLICES_MAX_LANES, which its workspace is sized for)."""
-    xalign, w_dtype = int(x.data_ptr() % 16 == 0), W_DTYPES[weights.dtype]
-    if slices and lanes > SLICES_MAX_LANES:
-        raise ValueError(f"moe_slices takes at most {SLICES_MAX_LANES} lanes, got {lanes}")
-    if slices or (slices is None and lanes <= SLICES_MAX_LANES):
-        return Build(nt=8, maxw=64, minb=2, w13_split=0, xalign=xalign, w_dtype=w_dtype,
-                     slices=True)
+    graph keeps its choice."""
     nt, maxw = (8, 64) if lanes <= 64 else (16, MAX_LANES)
     minb = blocks_per_sm(layout, sms, nt, lanes)
     return Build(nt=nt, maxw=maxw, minb=minb, w13_split=w13_split(layout, sms, lanes, minb),
-                 xalign=xalign, w_dtype=w_dtype)
+                 xalign=int(x.data_ptr() % 16 == 0), w_dtype=W_DTYPES[weights.dtype])
 
 
 def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
@@ -181,14 +149,10 @@ def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
     check_experts(layout, activation)
     d = {**layout.defines(), **activation.defines(), "NT": build.nt, "MAXW": build.maxw, "OUT_BF16": ACT_DTYPES[dtype],
          "IN_BF16": ACT_DTYPES[dtype], "W_DTYPE": build.w_dtype, "XALIGN": build.xalign,
-         "HFULL": int(layout.hidden == layout.hp), "MINB": build.minb}
-
-    if build.slices:
-        d.update(NBUF=SLICES_NBUF, RROWS=SLICES_RROWS)
-    else:
-        d["W13_KSPLIT"] = build.w13_split
-        if build.xsmem:
-            d["XSMEM"] = 1
+         "HFULL": int(layout.hidden == layout.hp), "MINB": build.minb,
+         "W13_KSPLIT": build.w13_split}
+    if build.xsmem:
+        d["XSMEM"] = 1
     if build.trace:
         d["DECODE_TRACE"] = 1
     return d
@@ -214,14 +178,13 @@ class DecodeKernel:
         self.sms = _cuda.target(self.device).sms
         self._compiled: dict[Build, tuple] = {}
 
-    def choose(self, lanes: int, x: torch.Tensor, weights: torch.Tensor,
-               slices: bool | None = None) -> Build:
-        return choose(self.layout, self.sms, lanes, x, weights, slices)
+    def choose(self, lanes: int, x: torch.Tensor, weights: torch.Tensor) -> Build:
+        return choose(self.layout, self.sms, lanes, x, weights)
 
     def _compile(self, build: Build) -> tuple:
         got = self._compiled.get(build)
         if got is None:
-            fn = kernels.function(build.kernel, build.kernel,
+            fn = kernels.function("moe_decode", "moe_decode",
                                   defines(build, self.layout, self.dtype, self.activation),
                                   self.device)
             smem = shared_bytes(build, self.layout.bias, self.layout.hp)
@@ -236,25 +199,12 @@ class DecodeKernel:
         """One launch on torch's current stream. x [T, H]; lane_addr int64 [W] (0: padding);
         lane_fresh int32 [W] or None; weights [W] contiguous (W_DTYPES); part 0 rows in place, 1
         rows being copied (lane_fresh), 2 all; work: the decode workspaces (`act` [W, Ip] bf16,
-        `yw` f32 (moe_decode: [W, Hp]; moe_slices: the partial sums [Ip/64, W, Hp]), `group_done`
-        [Hp/16] i32, `sync` [2 + W] i32, zero at rest); out [T, H]; error: int32 [1] sticky bits;
-        trace: `trace_buffer()` for a trace build."""
+        `yw` [W, Hp] f32, `group_done` [Hp/16] i32, `sync` [2 + W] i32, zero at rest); out [T, H];
+        error: int32 [1] sticky bits; trace: `trace_buffer()` for a trace build."""
         if build.trace != (trace is not None):
             raise ValueError("a trace build needs a trace buffer (trace_buffer()) and only it")
         fn, grid, smem = self._compile(build)
         T = x.shape[0]
-        W = lane_addr.numel()
-        if build.slices:
-            if work["yw"].numel() < slices(self.layout) * W * self.layout.hp:
-                raise ValueError(f"the yw workspace holds {work['yw'].numel()} floats; "
-                                 f"moe_slices needs {slices(self.layout) * W * self.layout.hp} "
-                                 f"for {W} lanes")
-            kernels.launch(fn, grid, 32 * WARPS, (
-                x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
-                kernels.NULL if lane_fresh is None else lane_fresh, weights, kernels.i32(W),
-                kernels.i32(topk), kernels.i32(part), work["yw"], work["sync"], out, error,
-                kernels.NULL if trace is None else trace), shared_mem=smem, device=self.device)
-            return
         kernels.launch(fn, grid, 32 * WARPS, (
             x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
             kernels.NULL if lane_fresh is None else lane_fresh, weights,

@@ -1,6 +1,5 @@
-// Runs rawkernels/moe_decode.cu (or, built with -DSLICES=1, rawkernels/moe_slices.cu) on CPU
-// fibers (cuda_emu.h) as ONE block of 256 threads, which then takes every item of the call in
-// order (w13 items before w2 items, slice items before reduction items, so every wait is already
+// Runs rawkernels/moe_decode.cu on CPU fibers (cuda_emu.h) as ONE block of 256 threads, which
+// then takes every item of the call in order (w13 items first, so each w2 item's wait is already
 // met), and writes what it wrote, for tests/test_decode_emu.py to compare with the reference.
 // HP, IP, NT, MAXW, W13_KSPLIT, the activation and row macros and EMU_BULK are the build's
 // defines; moe_decode.cu's `extern __shared__` array is the emulation's dynamic shared memory.
@@ -12,15 +11,7 @@
 // of each lane [W] (float32 bits).
 // Output (int64 words): out [T·H] (bf16), the error word, then the counters that must be back at
 // zero: sync [2 + W] and group_done [HP / 16].
-#ifndef SLICES
-#define SLICES 0
-#endif
-// the kernel, copied next to the emulated common.cuh and async_copy.cuh
-#if SLICES
-#include "moe_slices.cu"
-#else
-#include "moe_decode.cu"
-#endif
+#include "moe_decode.cu"  // the kernel, copied next to the emulated common.cuh and async_copy.cuh
 #include "emu_io.h"
 
 int main(int argc, char** argv) {
@@ -60,22 +51,15 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "decode_main: %zu input words left over\n", emu_in.size() - emu_at);
         return 2;
     }
-    // the workspaces as the launcher allocates them; act, yw (the slices' partial sums) and out
-    // poisoned (NaN)
+    // the workspaces as the launcher allocates them; act, yw and out poisoned (NaN)
     std::vector<u16> act((size_t)W * IP, 0x7fc0), out((size_t)T * H, 0x7fc0);
-    std::vector<float> yw((size_t)W * HP * (SLICES ? IP / 64 : 1), __uint_as_float(0x7fc00000u));
+    std::vector<float> yw((size_t)W * HP, __uint_as_float(0x7fc00000u));
     std::vector<i32> group_done(HP / 16, 0), sync(2 + W, 0), error(1, 0);
     for (int part : parts) {
         emu_launch(THREADS, (std::size_t)smem, [&] {
-#if SLICES
-            moe_slices(x.data(), T, H, lane_addr.data(), has_fresh ? fresh.data() : nullptr,
-                       wts.data(), W, topk, part, yw.data(), sync.data(), out.data(),
-                       error.data(), nullptr);
-#else
             moe_decode(x.data(), T, H, lane_addr.data(), has_fresh ? fresh.data() : nullptr,
                        wts.data(), W, topk, part, act.data(), yw.data(), group_done.data(),
                        sync.data(), out.data(), error.data(), nullptr);
-#endif
         });
     }
     put(fo, out);
