@@ -23,10 +23,11 @@
 // flight are bounded by shared memory, not registers; a warp issues its second stage only once
 // the first has landed (run_stages). w13 multiplies x as it is: its weights are
 // dequantised to the model's dtype (bf16 or fp16, mma_fp4.cuh), so no pass over x has to finish
-// before the first multiply; with XSMEM a w13 item first copies its unit's token rows of x into
-// shared memory (16 bytes a thread), so the K loop's B fragments are shared-memory loads rather
-// than loads through L2 that every HMMA of a chunk waits on. w13 writes the activation as bf16 act rows; after the wait, w2 reads its B
-// fragments straight from them (L2) and multiplies them with bf16-dequantised weights.
+// before the first multiply. (The XSMEM variant, which profilers select, first copies a w13
+// item's unit's token rows of x into shared memory, so the K loop's B fragments are shared-memory
+// loads; it is faster alone and slower in the decode step, docs/PERFORMANCE.md.) w13 writes the
+// activation as bf16 act rows; after the wait, w2 reads its B fragments straight from them (L2)
+// and multiplies them with bf16-dequantised weights.
 //
 // Front: every block groups the call's lanes into units itself (group_lanes, in shared memory:
 // the lane table is a few hundred bytes, and a block's first weight loads then wait for one read

@@ -10,7 +10,7 @@ before), each w13 K split, units of 8 and 16 lanes, biases with the clamped SwiG
 without a gate, padding, a NaN router weight, and a call split into rows in place then fresh
 rows. What several blocks do to each other (the ticket, the unit waits, the last arrival's
 top-k sum) runs here in one order only: the GPU tests' part (test_gpu_gemm.py). Builds ending
-in `_xsmem` stage each w13 item's x rows in shared memory (the launcher's choice at Hp ≤ 2048).
+in `_xsmem` stage each w13 item's x rows in shared memory (the XSMEM variant profilers select).
 """
 
 from __future__ import annotations

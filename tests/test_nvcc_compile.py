@@ -142,9 +142,11 @@ def test_decode_build_of_a_call():
     x = torch.zeros(4, 2048, dtype=torch.bfloat16)
     w = torch.zeros(32)
     b = moe_decode.choose(layout, 132, 32, x, w)
-    assert (b.nt, b.maxw, b.minb, b.w13_split, b.xalign, b.w_dtype, b.xsmem) == (8, 64, 4, 2, 1, 0, 0)
-    assert "XSMEM" not in moe_decode.defines(b, layout, torch.bfloat16)
-    assert moe_decode.defines(dataclasses.replace(b, xsmem=1), layout, torch.bfloat16)["XSMEM"] == 1
+    assert (b.nt, b.maxw, b.minb, b.w13_split, b.xalign, b.w_dtype) == (8, 64, 4, 2, 1, 0)
+    # x rows in shared memory: a variant profilers select, never the rules
+    assert b.xsmem == 0 and "XSMEM" not in moe_decode.defines(b, layout, torch.bfloat16)
+    xs = dataclasses.replace(b, xsmem=1)
+    assert moe_decode.defines(xs, layout, torch.bfloat16)["XSMEM"] == 1
     b = moe_decode.choose(layout, 132, 128, x[:, 1:], w.bfloat16())
     assert (b.nt, b.maxw, b.minb, b.xalign, b.w_dtype) == (16, 256, 3, 0, 1)
     assert moe_decode.defines(b, layout, torch.float16)["OUT_BF16"] == 0
