@@ -32,7 +32,7 @@ def table(fn, label, reps=5):
 
 # moe_decode builds of the sweep: fields of cupool.ops.moe_decode.Build forced over what the
 # per-call rules choose ("" is the rules' own choice).
-SWEEP = ("", "minb=3", "minb=4", "w13_split=2", "w13_split=4", "xsmem=0", "xsmem=1")
+SWEEP = ("", "minb=3", "minb=4", "w13_split=2", "w13_split=4", "xsmem=1")
 _BUILD_FIELDS = ("minb", "w13_split", "xsmem")
 
 
