@@ -235,8 +235,10 @@ CUPOOL_DEVICE Smem carve(u8* smem) {
     m.unit_lanes = reinterpret_cast<u8*>(m.lane_w + MAXW);
     m.unit_count = m.unit_lanes + MAXW * NT;
     m.bias = reinterpret_cast<float*>(m.unit_count + MAXW);   // 8-byte aligned (MAXW % 8 == 0)
+#if XSMEM
     m.xs = reinterpret_cast<u16*>(smem + (reinterpret_cast<u8*>(m.bias + BIAS_FLOATS) - smem
                                           + 15) / 16 * 16);
+#endif
     return m;
 }
 static_assert(sizeof(SlotInfo) % 8 == 0, "the unit table after SlotInfo is 8-byte aligned");

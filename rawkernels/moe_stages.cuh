@@ -3,8 +3,8 @@
 // token row of x (from global memory, or staged in shared memory), the lane of a unit's slot,
 // and the DECODE_TRACE stamps.
 //
-// Include after async_copy.cuh, moe_common.cuh and moe_lanes.cuh, and the macros STAGE, NBUF,
-// HFULL, XALIGN, DECODE_TRACE and TRACE_ITEMS.
+// Include after async_copy.cuh and moe_common.cuh, and the macros STAGE, NBUF, HFULL, XALIGN,
+// DECODE_TRACE and TRACE_ITEMS.
 #pragma once
 
 // One warp's stage buffers: [buffer][chunk][576 B as in the row] (one bulk copy a stage,

@@ -50,10 +50,5 @@ int main(int argc, char** argv) {
                         has_sinks ? sk.data() : nullptr, part_o.data(), part_ml.data(),
                         count.data(), out.data());
     });
-    put(fo, out);
-    put(fo, kc);
-    put(fo, vc);
-    put(fo, count);
-    std::fclose(fo);
-    return 0;
+    return emu_finish(fo, out, kc, vc, count);
 }

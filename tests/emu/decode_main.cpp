@@ -62,10 +62,5 @@ int main(int argc, char** argv) {
                        sync.data(), out.data(), error.data(), nullptr);
         });
     }
-    put(fo, out);
-    put(fo, error);
-    put(fo, sync);
-    put(fo, group_done);
-    std::fclose(fo);
-    return 0;
+    return emu_finish(fo, out, error, sync, group_done);
 }

@@ -1,5 +1,5 @@
-// The emulation drivers' files (planner_main.cpp, attention_main.cpp): the input is int64 words,
-// read whole by emu_read; the output, int64 words written by put.
+// The emulation drivers' files (tests/emu/*_main.cpp): the input is int64 words, read whole by
+// emu_open; the output, int64 words written by put (emu_finish: several arrays, then the close).
 #pragma once
 
 #include <cstdio>
@@ -50,4 +50,12 @@ void put(std::FILE* f, const T* a, long long n) {
 template <class T>
 void put(std::FILE* f, const std::vector<T>& a) {
     put(f, a.data(), (long long)a.size());
+}
+
+// Each array in order, then the file closed: a driver's last step, whose exit code it returns.
+template <class... V>
+int emu_finish(std::FILE* f, const V&... arrays) {
+    (put(f, arrays), ...);
+    std::fclose(f);
+    return 0;
 }

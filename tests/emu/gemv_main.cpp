@@ -90,9 +90,5 @@ int main(int argc, char** argv) {
         const u16* half = reinterpret_cast<const u16*>(wts.data());
         put(fo, half, (long long)NB * topk);
     }
-    put(fo, lane_addr);
-    put(fo, ticket);
-    put(fo, tile_ticket);
-    std::fclose(fo);
-    return 0;
+    return emu_finish(fo, lane_addr, ticket, tile_ticket);
 }
