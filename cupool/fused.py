@@ -51,6 +51,15 @@ overlap_copies is off (checked at each call, i.e. at capture); else the pool's d
 as always. The bank's hit/miss counters then do not advance: the pool reports its plan step
 skipped and a hit rate of 1.0 by construction (`Pool.plan_skipped`). `describe()` says which
 applies.
+
+Routing inside the decode GEMM (`CUPOOL_FUSED_ROUTE`, read when a FusedStep is built; "1" on,
+"0" or unset off: on an H200 the step measured the same either way): with the plan step skipped, each layer's router launch and decode GEMM launch
+become one (`MoEGemm.decode_routed`: the RMSNorm, router GEMV and softmax top-k run in the decode
+GEMM's blocks, which then group their lanes without a second exchange), where the GEMM takes the
+step (`MoEGemm.routes_decode`: the one-launch decode GEMM, bf16, the logits fit its shared memory)
+and the router returns float32 or bf16 weights. The layer is then four launches; xn, the route's
+ids, weights and logits, and the lane addresses are written as the two launches wrote them.
+`describe()` says whether it applies and why not.
 """
 
 from __future__ import annotations
@@ -104,10 +113,12 @@ _ATTN_REFUSE = ("q_a_proj", "kv_a_proj_with_mqa", "attn_logit_softcapping", "sin
 
 DENSE_SHAPE_ENV = "CUPOOL_DENSE_SHAPE"
 SKIP_PLAN_ENV = "CUPOOL_SKIP_PLAN"
+FUSED_ROUTE_ENV = "CUPOOL_FUSED_ROUTE"
 # the parts of a fused layer `FusedStep.ablate` can leave out: a launch each, "plan" the pool's
 # plan step and row copies (its decode GEMM then reads the lane addresses the last plan left),
 # "moe" all three of the pool's launches (with the plan step skipped, CUPOOL_SKIP_PLAN, "plan" has
-# nothing to leave out and "moe" is the decode GEMM)
+# nothing to leave out and "moe" is the decode GEMM; with the routing inside it,
+# CUPOOL_FUSED_ROUTE, "router" has nothing of its own and "moe" is their one launch)
 ABLATE = ("qkv", "attention", "o", "router", "plan", "moe")
 DENSE_GEMVS = ("qkv", "o", "router", "head")
 # the launch shapes where CUPOOL_DENSE_SHAPE names none (the same format): the fastest step of
@@ -178,6 +189,15 @@ def parse_skip_plan(text: str | None) -> bool:
     yes, "0" no; anything else raises ValueError naming the variable."""
     return parse_switch(SKIP_PLAN_ENV, text, True,
                         "skip the plan step where the bank holds every expert")
+
+
+def parse_fused_route(text: str | None) -> bool:
+    """Whether a CUPOOL_FUSED_ROUTE value (None: unset) asks to route inside the decode GEMM's
+    launch where the plan step is skipped: "1" yes, "0" or unset no (on an H200 the step measured
+    the same either way, docs/PERFORMANCE.md); anything else raises ValueError naming the
+    variable."""
+    return parse_switch(FUSED_ROUTE_ENV, text, False,
+                        "route inside the decode GEMM's launch where the plan step is skipped")
 
 
 def resident_table(pool) -> torch.Tensor | None:
@@ -282,6 +302,7 @@ class FusedLayer:
     post_norm: torch.Tensor
     post_eps: float
     pooled: object              # cupool.layer.PooledExperts (or _ModelExperts)
+    router_weight: torch.Tensor | None = None   # [E, H] bf16 (the routing inside the decode GEMM)
 
 
 @dataclasses.dataclass
@@ -416,6 +437,10 @@ class FusedStep:
         # the lanes' row addresses the routers write when the plan step is skipped: int64 [B·K]
         self.lane_addr = (None if self.lane_table is None else
                           torch.zeros(B * self._top_k, dtype=torch.int64, device=dev))
+        # the routing inside the decode GEMM (CUPOOL_FUSED_ROUTE): whether it runs where the plan
+        # step is skipped, and why not
+        self.fused_route_asked = parse_fused_route(os.environ.get(FUSED_ROUTE_ENV))
+        self.fused_route_why = self._fused_route_why()
         with torch.no_grad():
             L = cache.max_len
             probe = torch.zeros(1, 1, H, dtype=bf, device=dev)
@@ -521,7 +546,8 @@ class FusedStep:
         self._w_dtype, self._experts, self._top_k = w_dtype, experts, top_k
         return FusedLayer(i, qkv, att, o, router, top_k, norm_topk,
                           layer.input_layernorm.weight, in_eps,
-                          layer.post_attention_layernorm.weight, post_eps, moe)
+                          layer.post_attention_layernorm.weight, post_eps, moe,
+                          mlp.gate.weight)
 
     def _shape(self, gemv: str, K: int) -> dict[str, int]:
         """The launch-shape keywords of `gemv` (K: its inner dim): CUPOOL_DENSE_SHAPE's, checked
@@ -548,6 +574,9 @@ class FusedStep:
             text += ("; plan step and row copies skipped (every expert has a bank row; "
                      f"{SKIP_PLAN_ENV}=0 keeps them)" if why is None else
                      f"; the plan step runs though every expert has a bank row: {why}")
+            if why is None and self.fused_route_asked:
+                text += ("; routing inside the decode GEMM's launch" if self.fused_route_why is None
+                         else f"; the router keeps its own launch: {self.fused_route_why}")
         others = [l for l in self.layers if isinstance(l, ModelLayer)]
         if others:
             text += f"; transformers' modules for layers {[l.index for l in others]} ({others[0].reason})"
@@ -557,6 +586,24 @@ class FusedStep:
     def needs_mask(self) -> bool:
         """Whether some layer runs transformers' module (it takes the engine's masks)."""
         return any(isinstance(l, ModelLayer) for l in self.layers)
+
+    def _fused_route_why(self) -> str | None:
+        """Why the router keeps its own launch where the plan step is skipped (None: the decode
+        GEMM routes); where the plan step always runs, the reason that says so."""
+        if self.lane_table is None:
+            return "the plan step runs"
+        if self.backend != "kernels":
+            return "the reference backend routes with torch ops"
+        if not self.fused_route_asked:
+            return f"{FUSED_ROUTE_ENV} is not 1"
+        if self._w_dtype not in (torch.float32, torch.bfloat16):
+            return f"the router returns {self._w_dtype} weights (float32 or bf16 are routed)"
+        for l in self.layers:
+            if isinstance(l, FusedLayer) and (
+                    l.router_weight.dtype != torch.bfloat16 or not l.router_weight.is_contiguous()
+                    or l.router_weight.data_ptr() % 16):
+                return f"layer {l.index}'s router weight is not a contiguous, aligned bf16 matrix"
+        return self.pool.gemm.routes_decode(self.tokens, self._experts)
 
     def _plan_needed(self) -> str | None:
         """Why the pool's decode path must run although the bank holds every expert (None: the
@@ -616,6 +663,15 @@ class FusedStep:
             if "o" not in skip:
                 layer.o(self.attn, residual=h, out=self.h_mid)
             r = self.route
+            if skip_plan and self.fused_route_why is None:     # router and MoE: one launch
+                if "moe" not in skip:
+                    self.pool.gemm.decode_routed(
+                        self.h_mid, layer.router_weight, layer.post_norm, layer.post_eps,
+                        layer.norm_topk, self.lane_table[layer.pooled.layer], x_out=self.xn,
+                        logits=r.logits, ids=r.ids, weights=r.weights, lane_addr=self.lane_addr,
+                        count=r.ticket, active=active, out=self.moe)
+                res, add = self.h_mid, self.moe
+                continue
             # with the plan step skipped the router writes the lanes' row addresses too
             lanes = ({"table": self.lane_table[layer.pooled.layer], "lane_addr": self.lane_addr}
                      if skip_plan else {})

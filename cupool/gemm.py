@@ -38,7 +38,7 @@ from cupool.activation import SILU, Activation
 from cupool.layout import RowLayout
 from cupool.ops import ACT_DTYPES, W_DTYPES, check_experts
 from cupool.ops.moe_decode import MAX_LANES as FUSED_MAX_LANES
-from cupool.ops.moe_decode import DecodeKernel
+from cupool.ops.moe_decode import DecodeKernel, route_fits
 from cupool.ops.moe_gemm import PAIR_SMALL, PAIR_WIDE, PREFILL, GemmConfig, GemmKernels
 
 # Sticky error bits of the GEMM's `error` word: 1 and 2 are set by moe_lanes.cuh (moe_align.cu,
@@ -427,6 +427,75 @@ class MoEGemm:
             if before_fresh is not None:
                 before_fresh()
             ops.run(cfg, r[1:3], *args, **kw)                  # rows the copies bring in
+        return out
+
+    def routes_decode(self, tokens: int, experts: int) -> str | None:
+        """Why `decode_routed` cannot take a step of `tokens` tokens over `experts` experts (None:
+        it can): it needs the one-launch decode GEMM (decode_kernel "fused") with its lanes, bf16
+        activations and shared memory for the logits (`cupool.ops.moe_decode.route_fits`)."""
+        if self.decode_kernel != "fused":
+            return f"the decode GEMM is {self.decode_kernel!r}, not the one-launch 'fused'"
+        if self.dtype != torch.bfloat16:
+            return f"the GEMM's activations are {self.dtype}, the routing reads bf16"
+        if tokens * self.topk > FUSED_MAX_LANES:
+            return f"{tokens} tokens of top-{self.topk} exceed {FUSED_MAX_LANES} lanes"
+        if tokens > self.max_decode_tokens:
+            return f"decode takes at most {self.max_decode_tokens} tokens, the step has {tokens}"
+        return route_fits(tokens, experts, self.layout.hp)
+
+    def decode_routed(self, h: torch.Tensor, router: torch.Tensor, norm_weight: torch.Tensor,
+                      eps: float, norm_topk: bool, table: torch.Tensor, *, x_out: torch.Tensor,
+                      logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      lane_addr: torch.Tensor, count: torch.Tensor,
+                      active: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode step's routing and MoE in one launch, for a bank that holds every expert at
+        a fixed row: x = rmsnorm(h) · norm_weight (into x_out), logits = x · routerᵀ (float32
+        [T, E], each rounded to bf16), softmax top-k (renormalised when norm_topk) → ids int32
+        [T, K] and weights [T, K] (float32 or bf16, the router's dtype), lane_addr int64 [T·K] =
+        table[id] (table int64 [E], each expert's bank row address), then out = Σ_k w · expert(x)
+        (`decode`'s). Tokens whose `active` (bool [T]) is False get ids −1 and add nothing. count:
+        int32 [1], zero at rest (the launch puts it back). Launched as a dependent of the kernel
+        that writes h. `routes_decode` says where it applies."""
+        check_activations(h, self.layout.hidden, "h")
+        T, dev = h.shape[0], h.device
+        K = self.topk
+        E = router.shape[0] if isinstance(router, torch.Tensor) and router.dim() == 2 else -1
+        why = self.routes_decode(T, E)
+        if why is not None:
+            raise ValueError(f"decode_routed: {why}")
+        H = self.layout.hidden
+
+        def need(name, t, shape, dtypes, align=False):
+            if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or t.device != dev \
+                    or tuple(t.shape) != shape or not t.is_contiguous() \
+                    or (align and t.data_ptr() % 16):
+                got = (f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                want = " or ".join(str(d) for d in dtypes)
+                raise ValueError(f"{name} must be a contiguous{' 16-byte aligned' if align else ''}"
+                                 f" {want} tensor {list(shape)} on {dev}, got {got}")
+
+        bf = torch.bfloat16
+        need("h", h, (T, H), (bf,), align=True)
+        need("router", router, (E, H), (bf,), align=True)
+        need("norm_weight", norm_weight, (H,), (bf,), align=True)
+        need("table", table, (E,), (torch.int64,))
+        need("x_out", x_out, (T, H), (bf,), align=True)
+        need("logits", logits, (T, E), (torch.float32,))
+        need("ids", ids, (T, K), (torch.int32,))
+        need("weights", weights, (T, K), (torch.float32, bf))
+        need("lane_addr", lane_addr, (T * K,), (torch.int64,))
+        need("count", count, (1,), (torch.int32,))
+        if active is not None:
+            need("active", active, (T,), (torch.bool, torch.uint8))
+        if not isinstance(eps, float) or not eps > 0:
+            raise ValueError(f"eps must be a positive float, got {eps!r}")
+        out = self._out(h, out)
+        build = self.decoder.choose(T * K, x_out, weights, route=True)
+        self.decoder.launch_routed(build, h, router, norm_weight, eps, norm_topk, active, table,
+                                   x_out, logits, ids, weights, lane_addr, count, self._d, out,
+                                   self.error)
         return out
 
     # --- prefill --------------------------------------------------------------------------

@@ -66,6 +66,7 @@
 // slice); ids, weights (and lane_addr) by the last block only, after every tile's logits are
 // visible (fence, then the ticket).
 #include "common.cuh"
+#include "route.cuh"
 
 #ifndef NB
 #define NB 1              // tokens of the step
@@ -126,22 +127,6 @@ CUPOOL_DEVICE u32x4 ld_plain16(const void* p) {
     return *reinterpret_cast<const u32x4*>(p);
 }
 
-CUPOOL_DEVICE void unpack8(u32x4 v, float* f) {
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-
-CUPOOL_DEVICE u32x4 pack8(const float* f) {
-    u32 w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = (u32)f32_to_bf16(f[2 * i]) | ((u32)f32_to_bf16(f[2 * i + 1]) << 16);
-    return u32x4{w[0], w[1], w[2], w[3]};
-}
-
 // h = in (+ add), 8 columns at k of token n, rounded to bf16 as torch's bf16 add rounds.
 CUPOOL_DEVICE void residual8(const u16* in, const u16* add, i32 K, int n, i32 k, float* h) {
     unpack8(ld_plain16(in + (i64)n * K + k), h);
@@ -150,85 +135,6 @@ CUPOOL_DEVICE void residual8(const u16* in, const u16* add, i32 K, int n, i32 k,
         unpack8(ld_plain16(add + (i64)n * K + k), a);
 #pragma unroll
         for (int i = 0; i < 8; ++i) h[i] = bf16_to_f32(f32_to_bf16(h[i] + a[i]));
-    }
-}
-
-// A probability's sort key for the top-k, as an unsigned int: a NaN above every probability (NaN
-// counts as largest), an entry already taken (−1) below all (0); otherwise p ≥ 0, whose float
-// bits order as the floats do.
-CUPOOL_DEVICE u32 route_key(float v) {
-    return v != v ? __float_as_uint(2.0f) + 1u : v < 0.0f ? 0u : __float_as_uint(v) + 1u;
-}
-
-// Top-k routing of one token by one warp, its N logits in shared memory `lg` (overwritten with the
-// probabilities, then with −1 where taken). See the header for the rule.
-//
-// The softmax runs over e = lane + 32i; the top-k over contiguous segments, lane l holding
-// [l·per, l·per + per), and each lane keeps its segment's best (largest key, the lowest e among
-// equal keys) in registers. A round is then one warp max of the lanes' keys (redux), the lowest
-// lane holding it (a ballot: segments are in e order, so that is the lowest e of the largest key,
-// the rule of a stable descending sort), and that lane alone marks its entry and rescans its
-// segment: no pass over all N entries a round.
-CUPOOL_DEVICE void route_token(float* lg, i32 N, i32 topk, int norm_topk, bool active,
-                               i32* ids, void* wts, int w_f32
-#if LANE_ADDR
-                               , const i64* table, i64* lane_addr
-#endif
-                               ) {
-    const int lane = threadIdx.x & 31;
-    float m = -__int_as_float(0x7f800000);
-    for (i32 e = lane; e < N; e += 32) m = fmaxf(m, lg[e]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float s = 0.0f;
-    for (i32 e = lane; e < N; e += 32) s += expf(lg[e] - m);
-    s = warp_sum(s);
-    for (i32 e = lane; e < N; e += 32) lg[e] = expf(lg[e] - m) / s;
-    __syncwarp();
-    const i32 per = (N + 31) / 32, e0 = lane * per, e1 = min(N, e0 + per);
-    u32 best = 0;                        // this segment's best key (0: none left) ...
-    i32 best_e = N;                      // ... its entry
-    float best_p = 0.0f;                 // ... and its probability
-    auto rescan = [&]() {
-        best = 0;
-        for (i32 e = e0; e < e1; ++e) {
-            const float v = lg[e];
-            const u32 key = route_key(v);
-            if (key > best) { best = key; best_e = e; best_p = v; }
-        }
-    };
-    rescan();
-    float mine_p = 0.0f, total = 0.0f;
-    i32 mine_e = -1;
-#if LANE_ADDR
-    i64 mine_addr = 0;
-#endif
-    for (i32 j = 0; j < topk; ++j) {
-        const u32 top = warp_max_u32(best);
-        const int src = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
-        const i32 e = __shfl_sync(0xffffffffu, best_e, src);
-        const float p = __shfl_sync(0xffffffffu, best_p, src);
-        if (lane == src) {               // only this lane's segment changes
-            lg[e] = -1.0f;
-            rescan();
-        }
-        total += p;
-        if (lane == j) {
-            mine_p = p;
-            mine_e = e;
-#if LANE_ADDR
-            mine_addr = table[e];        // issued now, waited for only at the end
-#endif
-        }
-    }
-    if (lane < topk) {
-        const float w = norm_topk ? mine_p / total : mine_p;
-        ids[lane] = active ? mine_e : -1;
-#if LANE_ADDR
-        lane_addr[lane] = active ? mine_addr : 0;
-#endif
-        if (w_f32) static_cast<float*>(wts)[lane] = active ? w : 0.0f;
-        else static_cast<u16*>(wts)[lane] = active ? f32_to_bf16(w) : (u16)0;
     }
 }
 
@@ -509,13 +415,14 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
         __syncthreads();
         const int n = n0 + warp;
         if (warp < nn)
-            route_token(lg + warp * N, N, topk, norm_topk, active == nullptr || active[n] != 0,
-                        ids + n * topk,
-                        static_cast<u8*>(wts) + (i64)n * topk * (w_f32 ? 4 : 2), w_f32
+            route_token<LANE_ADDR>(lg + warp * N, N, topk, norm_topk,
+                                   active == nullptr || active[n] != 0, ids + n * topk,
+                                   static_cast<u8*>(wts) + (i64)n * topk * (w_f32 ? 4 : 2), w_f32,
 #if LANE_ADDR
-                        , table, lane_addr + n * topk
+                                   table, lane_addr + n * topk);
+#else
+                                   nullptr, nullptr);
 #endif
-                        );
     }
 #endif
 }

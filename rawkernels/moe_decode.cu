@@ -37,6 +37,18 @@
 // launches in stream order (part 0, then part 1 once the copies have landed) with the same result
 // bit for bit.
 //
+// ROUTE build (a bank that holds every expert at a fixed row, so the plan step has nothing to do):
+// the launch routes the step itself instead of taking lane addresses and weights, the router's
+// launch (dense_gemv.cu's RMSNorm prologue and route epilogue) folded into this one. It is launched
+// as a dependent of the kernel that writes the residual stream h: before its wait a block loads
+// its router row and the norm's weights. Then every block sums the squares of h (the same order
+// as dense_gemv, so the same rstd) and normalises it, block 0 writes the normed rows to x, and block
+// b computes the logits of experts b, b + grid, ... (one dot product a token and expert, the block
+// reduces it) and counts them done (`route_count`, release). Once all E are out, every block reads
+// them and routes each token itself (route.cuh, one warp a token), so its unit table needs no
+// second exchange; block 0 writes ids, weights and lane addresses for the caller. The logits' sums
+// run in another order than dense_gemv's MMAs, so they may differ from its by rounding.
+//
 // Tables and counters, in the order they are written:
 // - act[l, 16p ... 16p + 15] (bf16): written only by the w13 item that holds act strip p of lane
 //   l's unit (strip pair p, by the pair's first gate warp; or, without a gate, up strip p, by its
@@ -84,14 +96,20 @@
 #ifndef XSMEM
 #define XSMEM 0           // 1: a w13 item stages its unit's x rows in shared memory first
 #endif
+#ifndef ROUTE
+#define ROUTE 0           // 1: the launch routes the step itself (above); bf16 x, weights f32/bf16
+#endif
 // DECODE_TRACE 1 is the profiling build (same output as 0): thread 0 of a block writes
 // %globaltimer stamps into `trace`: [TRACE_ITEMS][4] by item number (start, waits done, K loop
-// done, end), then [grid][2] by block (start, unit table built). benchmarks/profile_gemm.py
-// --trace reads both to print when blocks start and when each item's phases end.
+// done, end), then [grid][2] by block (start, unit table built), and in a ROUTE build, from
+// [TRACE_BLOCKS][2] on, [grid][5] by block (waited for the kernel before, logits out, every
+// expert's logits seen, the first tokens' logits read, routed). benchmarks/profile_gemm.py --trace and --route-trace read them
+// to print when blocks start and when each item's phases end.
 #ifndef DECODE_TRACE
 #define DECODE_TRACE 0
 #endif
 #define TRACE_ITEMS 8192
+#define TRACE_BLOCKS 4096
 
 #include "async_copy.cuh"
 #include "moe_common.cuh"
@@ -103,6 +121,9 @@
 #define NBUF 2            // stage buffers a warp: NBUF stages in flight, NBUF - 1 while it computes
 #define ERR_STALL 8
 #include "moe_stages.cuh"
+#if ROUTE
+#include "route.cuh"
+#endif
 
 constexpr int NC13 = HP / 64;              // chunks of a w13 strip
 constexpr int NC2 = IP / 64;               // chunks of a w2 strip
@@ -288,6 +309,189 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
     __syncthreads();
 }
 
+#if ROUTE
+static_assert(IN_BF16 && W_DTYPE <= 1 && XALIGN, "ROUTE: bf16 x (16-byte aligned), router weights "
+              "float32 or bf16");
+// The routing's inputs and outputs (see the header).
+struct RouteArgs {
+    const u16* h;          // [T, H] the residual stream: the kernel before's output
+    const u16* rw;         // [E, H] the router's weight (bf16)
+    const u16* nw;         // [H] the norm's weight (bf16)
+    float eps;
+    i32 E, norm_topk;
+    const u8* active;      // [T] 0: the token's lanes are padding (null: every token routes)
+    const i64* table;      // [E] each expert's bank row address
+    u16* x;                // [T, H] out (block 0): the normed rows, which w13 reads as x
+    float* logits;         // [T, E] out
+    i32* ids;              // [T, topk] out (block 0)
+    void* wts;             // [T, topk] out (block 0): W_DTYPE's float32 or bf16
+    i64* lane_addr;        // [W] out (block 0)
+    i32* count;            // [1] experts whose logits are out (zero at rest)
+};
+
+// Where the routing keeps its state, in the stage rings (dead until the unit table is built):
+// [0, 1 KB) the warps' partial sums, then rstd; group_lanes' scratch (below 4 KB) reuses that
+// once the routing is done; [4 KB, 8 KB) the lanes' row addresses, weights and ids, which
+// group_lanes reads; from 8 KB the table of row addresses [E], copied in before the wait, then
+// the logits of up to WARPS tokens (the launcher checks they fit: `route_fits`).
+constexpr int ROUTE_LANES_AT = 4096, ROUTE_LOGITS_AT = 8192;
+constexpr int RV = (HP + 8 * THREADS - 1) / (8 * THREADS);    // 16-byte words of a row a thread
+static_assert(HP <= 4096, "ROUTE: rows up to 4096 wide (the router rows held in registers spill "
+              "past that; cupool/ops/moe_decode.py ROUTE_MAX_HP)");
+constexpr int RG = 4;                      // tokens whose loads are in flight together
+static_assert(ROUTE_LANES_AT + 16 * MAXW <= ROUTE_LOGITS_AT, "the lane arrays fit below the logits");
+static_assert(8 * (THREADS + 1) + 4 * THREADS + 4 * 33 <= ROUTE_LANES_AT,
+              "group_lanes' scratch stays below the lane arrays");
+
+// Every block routes the call's tokens (see the header); on return the lanes' row addresses and
+// weights are at scratch + ROUTE_LANES_AT for group_lanes. Every thread calls it.
+CUPOOL_DEVICE void route_step(const RouteArgs& r, int tokens, int hidden, int topk, u8* scratch,
+                              i32* error, u64* trace) {
+    const int stamps = TRACE_ITEMS * 4 + TRACE_BLOCKS * 2 + blockIdx.x * 5;   // DECODE_TRACE
+    float (*part)[16] = reinterpret_cast<float (*)[16]>(scratch);           // [WARPS][16]
+    float* rstd = reinterpret_cast<float*>(scratch + WARPS * 16 * 4);         // [16]
+    i64* s_la = reinterpret_cast<i64*>(scratch + ROUTE_LANES_AT);
+    u8* s_wts = scratch + ROUTE_LANES_AT + 8 * MAXW;
+    i32* s_ids = reinterpret_cast<i32*>(scratch + ROUTE_LANES_AT + 12 * MAXW);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int E = r.E, H = hidden;
+    i64* s_table = reinterpret_cast<i64*>(scratch + ROUTE_LOGITS_AT);
+    float* lg = reinterpret_cast<float*>(s_table + E);
+    const u32x4 zero{0u, 0u, 0u, 0u};
+    // before the wait: this block's first router row, the norm's weights and the table of row
+    // addresses (into shared memory), none of which the kernel before writes
+    u32x4 wrow[RV], nwv[RV];
+#pragma unroll
+    for (int j = 0; j < RV; ++j) {
+        const int k = (tid + j * THREADS) * 8;
+        wrow[j] = k < H && (int)blockIdx.x < E ? ld_stream16(r.rw + (i64)blockIdx.x * H + k) : zero;
+        nwv[j] = k < H ? *reinterpret_cast<const u32x4*>(r.nw + k) : zero;
+    }
+    for (int i = tid; i < E; i += THREADS) s_table[i] = r.table[i];
+    wait_for_producers();
+    let_consumers_launch();
+    stamp_at(trace, stamps);
+
+    // rstd of every token: each thread's squares in k order, a warp sum, the warps in order
+    // (dense_gemv's MODE 1 order); RG tokens' loads in flight at a time
+    for (int n0 = 0; n0 < tokens; n0 += RG) {
+        float ss[RG];
+#pragma unroll
+        for (int q = 0; q < RG; ++q) {
+            ss[q] = 0.0f;
+            if (n0 + q >= tokens) continue;
+#pragma unroll
+            for (int j = 0; j < RV; ++j) {
+                const int k = (tid + j * THREADS) * 8;
+                if (k >= H) continue;
+                float h[8];
+                unpack8(*reinterpret_cast<const u32x4*>(r.h + (i64)(n0 + q) * H + k), h);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) ss[q] += h[i] * h[i];
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < RG; ++q) {
+            if (n0 + q >= tokens) continue;
+            const float v = warp_sum(ss[q]);
+            if (lane == 0) part[warp][n0 + q] = v;
+        }
+    }
+    __syncthreads();
+    if (tid < tokens) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) v += part[w][tid];
+        rstd[tid] = rsqrtf(v / (float)H + r.eps);
+    }
+    __syncthreads();
+
+    // the logits of experts blockIdx.x, + gridDim.x, ...: x = bf16(nw · bf16(h · rstd)) (block 0
+    // writes it out once), one dot product a token, reduced over the block
+    int mine = 0;
+    for (int e = blockIdx.x; e < E; e += gridDim.x, ++mine) {
+        if (mine > 0) {
+#pragma unroll
+            for (int j = 0; j < RV; ++j) {
+                const int k = (tid + j * THREADS) * 8;
+                wrow[j] = k < H ? ld_stream16(r.rw + (i64)e * H + k) : zero;
+            }
+        }
+        for (int n0 = 0; n0 < tokens; n0 += RG) {
+            float d[RG];
+#pragma unroll
+            for (int q = 0; q < RG; ++q) {
+                d[q] = 0.0f;
+                const int n = n0 + q;
+                if (n >= tokens) continue;
+                const float rs = rstd[n];
+#pragma unroll
+                for (int j = 0; j < RV; ++j) {
+                    const int k = (tid + j * THREADS) * 8;
+                    if (k >= H) continue;
+                    float h[8], w[8], x[8], g[8];
+                    unpack8(*reinterpret_cast<const u32x4*>(r.h + (i64)n * H + k), h);
+                    unpack8(nwv[j], w);
+                    unpack8(wrow[j], g);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        x[i] = bf16_to_f32(f32_to_bf16(w[i] * bf16_to_f32(f32_to_bf16(h[i] * rs))));
+                        d[q] += x[i] * g[i];
+                    }
+                    if (blockIdx.x == 0 && mine == 0) st16(r.x + (i64)n * H + k, pack8(x));
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < RG; ++q) {
+                if (n0 + q >= tokens) continue;
+                const float v = warp_sum(d[q]);
+                if (lane == 0) part[warp][n0 + q] = v;
+            }
+        }
+        __syncthreads();
+        if (tid < tokens) {
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) v += part[w][tid];
+            r.logits[(i64)tid * E + e] = bf16_to_f32(f32_to_bf16(v));
+        }
+        __syncthreads();
+    }
+    if (mine > 0) {                          // (block-uniform)
+        __threadfence();                     // the logits (and block 0's x) before the count
+        __syncthreads();
+        if (tid == 0) atomicAdd(r.count, mine);
+    }
+    stamp_at(trace, stamps + 1);
+    wait_count(r.count, E, error);           // every expert's logits are out
+    stamp_at(trace, stamps + 2);
+
+    // route every token from the logits, WARPS at a time, one warp a token
+    for (int n0 = 0; n0 < tokens; n0 += WARPS) {
+        const int nn = min(WARPS, tokens - n0);
+        for (int i = tid; i < nn * E; i += THREADS) lg[i] = ld_f32_cg(r.logits + (i64)n0 * E + i);
+        __syncthreads();
+        if (n0 == 0) stamp_at(trace, stamps + 3);
+        const int n = n0 + warp;
+        if (warp < nn)
+            route_token<true>(lg + warp * E, E, topk, r.norm_topk,
+                              r.active == nullptr || r.active[n] != 0, s_ids + n * topk,
+                              s_wts + n * topk * (W_DTYPE == 0 ? 4 : 2), W_DTYPE == 0, s_table,
+                              s_la + n * topk);
+        __syncthreads();
+    }
+    if (blockIdx.x == 0) {
+        for (int i = tid; i < tokens * topk; i += THREADS) {
+            r.ids[i] = s_ids[i];
+            r.lane_addr[i] = s_la[i];
+            if (W_DTYPE == 0) static_cast<float*>(r.wts)[i] = reinterpret_cast<const float*>(s_wts)[i];
+            else static_cast<u16*>(r.wts)[i] = reinterpret_cast<const u16*>(s_wts)[i];
+        }
+    }
+    stamp_at(trace, stamps + 4);
+}
+#endif
+
 // w13 item: strips SPI·i ... SPI·i + SPI - 1 of unit u's w13, i.e. act strips PPI·i ...
 // PPI·i + PPI - 1; strip s is K-sliced by warps s·KS13 ... s·KS13 + KS13 - 1. Gated rows: pair j's
 // gate strip is strip 2j, its up strip 2j + 1 (PPI 1: warps 0..3 gate, 4..7 up). Rows without a
@@ -445,15 +649,25 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
            i32* __restrict__ sync,               // [2 + W] zero at rest
            u16* __restrict__ out,                // [T, H]
            i32* __restrict__ error,
-           u64* __restrict__ trace) {            // DECODE_TRACE only (else unused, may be null)
+           u64* __restrict__ trace              // DECODE_TRACE only (else unused, may be null)
+#if ROUTE
+           // the routing (RouteArgs; lane_addr, lane_fresh and topk_w are then null)
+           , const u16* __restrict__ route_h, const u16* __restrict__ route_w,
+           const u16* __restrict__ route_nw, float route_eps, i32 experts, i32 norm_topk,
+           const u8* __restrict__ active, const i64* __restrict__ table, u16* xn, float* logits,
+           i32* ids, void* wts, i64* lane_addr_out, i32* route_count
+#endif
+           ) {
     extern __shared__ __align__(16) u8 smem[];
     __shared__ int s_ticket;
     __shared__ int s_last, s_held, s_total;
     __shared__ Args a;                    // in shared memory: registers stay with the K loop
     const Smem m = carve(smem);
+#if !ROUTE
     // launched as an ordinary launch (everything before it has finished): the next kernel, if
     // launched as a dependent, may start its early part (weight loads) now (common.cuh)
     let_consumers_launch();
+#endif
     stamp_at(trace, TRACE_ITEMS * 4 + blockIdx.x * 2);         // block stamps after the items'
     if (threadIdx.x == 0) {
         a.trace = trace;
@@ -464,7 +678,20 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     {   // unit table of the call; scratch in the (not yet used) stages
         i64* s_addr = reinterpret_cast<i64*>(m.stages);
         int* s_base = reinterpret_cast<int*>(s_addr + THREADS);
-        group_lanes(lane_addr, lane_fresh, topk_w, W, s_addr, s_base, s_base + THREADS, m.lane_w,
+#if ROUTE
+        // launched as a dependent: route_step waits for the kernel before, then lets the next
+        // launch start
+        const RouteArgs ra{route_h, route_w, route_nw, route_eps, experts, norm_topk, active,
+                           table, xn, logits, ids, wts, lane_addr_out, route_count};
+        route_step(ra, tokens, hidden, topk, reinterpret_cast<u8*>(m.stages), error, trace);
+        const u8* routed = reinterpret_cast<const u8*>(m.stages) + ROUTE_LANES_AT;
+        const i64* lanes = reinterpret_cast<const i64*>(routed);
+        const void* weights = routed + 8 * MAXW;
+#else
+        const i64* lanes = lane_addr;
+        const void* weights = topk_w;
+#endif
+        group_lanes(lanes, lane_fresh, weights, W, s_addr, s_base, s_base + THREADS, m.lane_w,
                     m.unit_addr, m.unit_lanes, m.unit_count, &s_held, &s_total, error,
                     blockIdx.x == 0);
         if (threadIdx.x == 0) a.all_units = s_total;
@@ -513,6 +740,9 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
             for (int u = rg.first; u < rg.first + rg.count; ++u) a.unit_done[u] = 0;
             sync[0] = 0;
             sync[1] = 0;
+#if ROUTE
+            *route_count = 0;
+#endif
             __threadfence();
         }
     }

@@ -4,7 +4,7 @@
 // and the DECODE_TRACE stamps.
 //
 // Include after async_copy.cuh and moe_common.cuh, and the macros STAGE, NBUF, HFULL, XALIGN,
-// DECODE_TRACE and TRACE_ITEMS.
+// ROUTE, DECODE_TRACE and TRACE_ITEMS.
 #pragma once
 
 // One warp's stage buffers: [buffer][chunk][576 B as in the row] (one bulk copy a stage,
@@ -56,7 +56,7 @@ CUPOOL_DEVICE void x_cols16(const u16* row, int k, int hidden, u32 (&b)[8]) {
         return;
     }
 #if XALIGN
-    load_cols16(row + k, b);
+    load_cols16<ROUTE>(row + k, b);      // ROUTE: x was written in this launch (through L2)
 #else
 #pragma unroll
     for (int i = 0; i < 8; ++i) b[i] = (u32)row[k + 2 * i] | ((u32)row[k + 2 * i + 1] << 16);

@@ -115,6 +115,11 @@ BUILDS: list[tuple[str, str]] = [
     # the bank): the plain shape (the default) and router=k16
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DKS=16 -DLANE_ADDR=1"),
+    # the router folded into the decode GEMM's launch (the plan step skipped, CUPOOL_FUSED_ROUTE):
+    # T=1, T=4..8, T=16 at Qwen3-30B-A3B's dims
+    ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, ROUTE=1)),
+    ("moe_decode", _decode(_QWEN, 8, 64, 4, 2, ROUTE=1)),
+    ("moe_decode", _decode(_QWEN, 16, 256, 3, 2, ROUTE=1)),
     ("dense_attention", ""),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64"),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),
@@ -147,6 +152,9 @@ VARIANTS = [
     ("rowcopy", "-DCHUNK=1040 -DNSTAGES=5"),
     ("rowcopy", "-DCHUNK=65536 -DNSTAGES=3 -DUNROLL=8"),
     ("moe_decode", "-DDECODE_TRACE=1"),
+    # the routing build with bf16 router weights, at H=4096 and its profiling build
+    ("moe_decode", _decode(_BIG, 8, 64, 4, 4, ROUTE=1, W_DTYPE=1)),
+    ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, ROUTE=1, DECODE_TRACE=1)),
     # the fused decode step at 8 and 16 tokens (two MMA n tiles), other head shapes
     ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1"),
     ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=2"),

@@ -11,6 +11,8 @@ without a gate, padding, a NaN router weight, and a call split into rows in plac
 rows. What several blocks do to each other (the ticket, the unit waits, the last arrival's
 top-k sum) runs here in one order only: the GPU tests' part (test_gpu_gemm.py). Builds ending
 in `_xsmem` stage each w13 item's x rows in shared memory (the XSMEM variant profilers select).
+Builds starting with `route` route the call themselves (ROUTE: the RMSNorm, router GEMV and
+softmax top-k of the router's launch folded in), checked against `cupool.reference.dense`.
 """
 
 from __future__ import annotations
@@ -23,21 +25,24 @@ import torch
 from cupool.activation import RELU2, SILU, swiglu_clamp
 from cupool.layout import RowLayout
 from cupool.ops import moe_decode
+from cupool.reference import dense
 from cupool.reference.moe import reference_moe
 from cupool.synthetic import dequantize_exact, random_biases, random_experts
 
 TOL = 1e-2             # test_gpu_gemm.py's: act handed to w2 in bf16, the bf16 output rounding
 DYN_DECL = "extern __shared__ __align__(16) u8 smem[];"
 DYN_EMU = "u8* smem = reinterpret_cast<u8*>(emu_dyn_smem);"   # the emulation's dynamic smem
-HEADERS = ("mma_fp4.cuh", "moe_common.cuh", "moe_lanes.cuh", "block_scan.cuh", "moe_stages.cuh")
+HEADERS = ("mma_fp4.cuh", "moe_common.cuh", "moe_lanes.cuh", "block_scan.cuh", "moe_stages.cuh",
+           "route.cuh")
 E = 13
 SWIGLU = swiglu_clamp(1.702, 7.0)
 
 
-def _build(nt, split, bulk, bias=False, gated=True, activation=SILU, xsmem=0):
+def _build(nt, split, bulk, bias=False, gated=True, activation=SILU, xsmem=0, route=0,
+           w_dtype=0):
     layout = RowLayout(80, 48, bias=bias, gated=gated)      # Hp = 128, Ip = 64: H < Hp
     b = moe_decode.Build(nt=nt, maxw=64 if nt == 8 else 256, minb=3, w13_split=split, xalign=1,
-                         w_dtype=0, xsmem=xsmem)
+                         w_dtype=w_dtype, xsmem=xsmem, route=route)
     return layout, activation, b, bulk
 
 
@@ -49,6 +54,8 @@ BUILDS = {
     "relu2": _build(8, 4, bulk=0, gated=False, activation=RELU2),
     "silu_xsmem": _build(8, 2, bulk=1, xsmem=1),
     "relu2_nt16_xsmem": _build(16, 4, bulk=0, gated=False, activation=RELU2, xsmem=1),
+    "route": _build(8, 2, bulk=1, route=1),
+    "route_nt16_bf16": _build(16, 4, bulk=0, route=1, w_dtype=1),
 }
 
 
@@ -186,3 +193,80 @@ def test_decode_emulation_sees_a_wrong_dequantisation(tmp_path):
     ids, w = _routing(1, 8, gen)
     out, _, _ = run_kernel(tmp_path, "silu", ex, x, ids.reshape(-1), w.reshape(-1), 8)
     assert rel_err(out, ex.reference(x, ids, w)) > 10 * TOL
+
+
+def run_routed(work, name, ex: Experts, h, rw, nw, eps, topk, norm_topk, active, table_rows):
+    """One emulated launch of a ROUTE build: a dict of what it wrote."""
+    _, _, b, _ = BUILDS[name]
+    T, H = h.shape
+    W = T * topk
+    smem = moe_decode.shared_bytes(b, ex.layout.bias, ex.layout.hp)
+    head = [T, H, W, topk, smem, E, ex.stride, E, int(norm_topk), active is not None,
+            emu_build.f32_bits(eps)]
+    words = [head, ex.rows.numpy().view(np.int64), emu_build.bf16_words(h),
+             emu_build.bf16_words(rw), emu_build.bf16_words(nw)]
+    if active is not None:
+        words.append(active.to(torch.int64).numpy())
+    got = emu_build.run(work / name, words + [table_rows.numpy()])
+    sizes = {"out": T * H, "error": 1, "sync": 2 + W, "group_done": ex.layout.hp // 16,
+             "x": T * H, "logits": T * E, "ids": W, "weights": W, "lanes": W, "count": 1}
+    assert got.size == sum(sizes.values())
+    res, at = {}, 0
+    for key, n in sizes.items():
+        res[key] = got[at:at + n]
+        at += n
+    bits = res["weights"].astype(np.uint32)
+    weights = (torch.from_numpy(bits.view(np.float32).copy()) if b.w_dtype == 0 else
+               emu_build.bf16(bits.astype(np.int64), (W,)))
+    return {"out": emu_build.bf16(res["out"], (T, H)), "error": int(res["error"][0]),
+            "counters": np.concatenate([res["sync"], res["group_done"], res["count"]]),
+            "x": emu_build.bf16(res["x"], (T, H)),
+            "logits": torch.from_numpy(res["logits"].astype(np.uint32).view(np.float32).copy())
+            .reshape(T, E),
+            "ids": torch.from_numpy(res["ids"].astype(np.int32)).reshape(T, topk),
+            "weights": weights.reshape(T, topk), "lanes": torch.from_numpy(res["lanes"].copy())}
+
+
+def _within_bf16_ulp(got, want):
+    """Each element of got within one bf16 unit in the last place of want's."""
+    got, want = got.float(), want.float()
+    return bool(((got - want).abs() <= want.abs() * 2.0 ** -7 + 1e-30).all())
+
+
+@pytest.mark.parametrize("name,T,K,norm_topk,inactive", [
+    ("route", 1, 8, True, None), ("route", 5, 4, False, 3),
+    ("route_nt16_bf16", 9, 8, True, 0), ("route_nt16_bf16", 16, 6, True, None)])
+def test_routed_decode_matches_the_router_and_reference_on_cpu(builds, name, T, K, norm_topk,
+                                                               inactive):
+    """A ROUTE build (one block, which takes every expert's logit): x is the RMSNorm of h, the
+    logits its product with the router's weight (each within a bf16 ulp: other sum orders), the
+    ids, weights and lane rows the softmax top-k of those logits through the table (exact), and
+    out the MoE of x over them; the counters and the route count back at zero, no error bits.
+    Everything the kernel writes was poisoned before."""
+    gen = torch.Generator().manual_seed(T * 31 + K)
+    ex = Experts(name, seed=T + K)
+    layout, _, b, _ = BUILDS[name]
+    H = layout.hidden
+    h = (torch.randn(T, H, generator=gen) * 3).to(torch.bfloat16)
+    rw = (torch.randn(E, H, generator=gen) / H ** 0.5).to(torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(H, generator=gen)).to(torch.bfloat16)
+    eps = 1e-6
+    active = None
+    if inactive is not None:
+        active = torch.ones(T, dtype=torch.bool)
+        active[inactive] = False
+    perm = torch.randperm(E, generator=gen)            # expert e's row in the bank
+    got = run_routed(builds, name, ex, h, rw, nw, eps, K, norm_topk, active, perm)
+    assert got["error"] == 0 and not got["counters"].any(), (got["error"], got["counters"])
+    assert _within_bf16_ulp(got["x"], dense.rms_norm(h, nw, eps))
+    want_logits = (got["x"].float() @ rw.float().T).to(torch.bfloat16)
+    assert _within_bf16_ulp(got["logits"], want_logits)
+    w_dtype = torch.float32 if b.w_dtype == 0 else torch.bfloat16
+    ids, w = dense.route_topk(got["logits"].to(torch.bfloat16), K, norm_topk, w_dtype, active)
+    assert torch.equal(got["ids"], ids)
+    torch.testing.assert_close(got["weights"], w, rtol=1e-6 if b.w_dtype == 0 else 0, atol=0)
+    rows = torch.where(ids >= 0, perm[ids.clamp(min=0).long()], torch.full_like(ids, -1).long())
+    assert torch.equal(got["lanes"], rows.reshape(-1))
+    ref = ex.reference(got["x"], rows, w.float())
+    assert not got["out"].isnan().any(), "an output element was not written"
+    assert rel_err(got["out"], ref) <= TOL, rel_err(got["out"], ref)

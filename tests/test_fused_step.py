@@ -455,6 +455,15 @@ def test_skip_plan_parser():
             parse_skip_plan(bad)
 
 
+def test_fused_route_parser():
+    from cupool.fused import parse_fused_route
+    assert parse_fused_route(None) is False and parse_fused_route("0") is False
+    assert parse_fused_route("1") is True
+    for bad in ("", "on", "2"):
+        with pytest.raises(ValueError, match="CUPOOL_FUSED_ROUTE="):
+            parse_fused_route(bad)
+
+
 class ResidentPool:
     """A CPU stand-in for a `Pool` whose bank holds every expert: expert e of layer l sits at
     address BASE + (l·E + e)·STRIDE. Its GEMM maps the lane addresses back to experts and runs

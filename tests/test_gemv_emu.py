@@ -30,13 +30,14 @@ BUILDS = {   # NB, MODE (1: norm), EPI (0 plain, 1 + residual, 2 route), WARPS, 
     "route_split": dict(NB=5, MODE=1, EPI=2, WARPS=4, RT=1, KS=3, LANE_ADDR=1),
 }
 NAN16 = 0x7FC0
+HEADERS = ("route.cuh",)   # the rawkernels headers dense_gemv.cu includes besides common.cuh
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
     emu_build.require()
     work = tmp_path_factory.mktemp("gemv_emu")
-    emu_build.stage(work, "dense_gemv")
+    emu_build.stage(work, "dense_gemv", HEADERS)
     emu_build.compile_all(work, "gemv_main.cpp", BUILDS)
     return work
 
@@ -190,7 +191,7 @@ def test_gemv_emulation_sees_a_missing_tile(tmp_path):
     """The harness can fail: a kernel whose last row tile is never written leaves its poison,
     which the bound above reports."""
     emu_build.require()
-    emu_build.stage(tmp_path, "dense_gemv", replace={
+    emu_build.stage(tmp_path, "dense_gemv", HEADERS, replace={
         "const i32 r0 = blockIdx.x * (RT * 16);":
             "if (blockIdx.x + 1 == gridDim.x) return;\n    const i32 r0 = blockIdx.x * (RT * 16);"})
     emu_build.compile_all(tmp_path, "gemv_main.cpp", {"plain": BUILDS["plain"]})

@@ -124,6 +124,24 @@ def test_decode_w13_split_without_spills(nvcc, tmp_path, nt, minb, maxw):
     assert spills == [0], spills
 
 
+@pytest.mark.parametrize("hidden,inter", [(2048, 768), (2048, 512), (4096, 1536), (4096, 1408)])
+@pytest.mark.parametrize("lanes", [8, 32, 128])
+def test_routed_decode_builds_without_spills(nvcc, tmp_path, hidden, inter, lanes):
+    """The ROUTE builds the launcher picks (`choose(..., route=True)`) for the rows it routes
+    (Hp ≤ ROUTE_MAX_HP: Qwen3-30B-A3B, Qwen3-Next, Qwen3-235B, GLM-4.5-Air) compile without
+    spills; wider rows are refused by `route_fits`."""
+    assert moe_decode.route_fits(1, 256, 7168) is not None
+    assert moe_decode.route_fits(1, 256, hidden) is None
+    layout = RowLayout(hidden, inter)
+    x, w = torch.zeros(2, hidden, dtype=torch.bfloat16), torch.zeros(8)
+    b = moe_decode.choose(layout, 132, lanes, x, w, route=True)
+    defines = moe_decode.defines(b, layout, torch.bfloat16)
+    assert defines["ROUTE"] == 1
+    spills = ptxas_spills(nvcc, kernels.kernel_dir() / "moe_decode.cu", defines,
+                          tmp_path / "out.cubin")
+    assert spills == [0], (b, spills)
+
+
 def test_decode_w13_split_rule():
     """Two strip pairs a w13 item where Hp ≤ 2048 and lanes · Ip/32 fill the call's grid."""
     qwen, big = RowLayout(2048, 768), RowLayout(4096, 1536)

@@ -47,6 +47,7 @@ class Build:
     # --sweep), but the fused decode step at 16 positions took 2.92-2.94 ms against 2.78-2.79
     # (profile_decode, two rounds a tree): inside the step the kernel took 20.6-20.8 µs against
     # 19.8 and the next kernel's early start no longer overlapped it (32 KB more a block))
+    route: int = 0           # 1: the launch routes the step itself (ROUTE, `route_fits`)
 
 
 def stage_ring_bytes() -> int:
@@ -56,6 +57,30 @@ def stage_ring_bytes() -> int:
 
 
 BIAS_FLOATS = 128         # moe_decode.cu's BIAS_FLOATS: an item's biases (rows with biases only)
+ROUTE_TOKENS = 16         # most tokens a ROUTE build routes (its per-token sums in shared memory)
+ROUTE_LOGITS_AT = 8192    # moe_decode.cu's ROUTE_LOGITS_AT: where the logits start in the rings
+
+
+ROUTE_MAX_HP = 4096       # widest rows a ROUTE build routes (wider: its 16-lane build spills)
+
+
+def route_fits(tokens: int, experts: int, hp: int) -> str | None:
+    """Why a ROUTE build cannot route `tokens` tokens over `experts` experts for rows of Hp = `hp`
+    (None: it can): Hp at most ROUTE_MAX_HP, at most ROUTE_TOKENS tokens, and the table of row
+    addresses (int64 [E]) and min(tokens, WARPS) tokens' float32 logits must fit the stage rings
+    past ROUTE_LOGITS_AT."""
+    if hp > ROUTE_MAX_HP:
+        return (f"rows of Hp = {hp} are wider than the {ROUTE_MAX_HP} the routing build takes "
+                f"without spilling")
+    if not 1 <= tokens <= ROUTE_TOKENS:
+        return f"it routes 1 to {ROUTE_TOKENS} tokens, the step has {tokens}"
+    need = ROUTE_LOGITS_AT + 8 * experts + 4 * min(tokens, WARPS) * experts
+    have = WARPS * stage_ring_bytes()
+    if need > have:
+        return (f"{experts} experts' row addresses and logits of {min(tokens, WARPS)} tokens "
+                f"need {need} bytes of shared memory, the stage rings hold {have}")
+    return None
+
 
 
 def shared_bytes(build: Build, bias: bool = False, hp: int = 0) -> int:
@@ -132,14 +157,15 @@ def w13_split(layout: RowLayout, sms: int, lanes: int, minb: int) -> int:
 
 
 def choose(layout: RowLayout, sms: int, lanes: int, x: torch.Tensor,
-           weights: torch.Tensor) -> Build:
+           weights: torch.Tensor, route: bool = False) -> Build:
     """The build of a call of `lanes` lanes (≤ MAX_LANES) for activations `x` and router weights
     `weights` (one of W_DTYPES). Depends only on shapes, dtypes and x's alignment, so a captured
-    graph keeps its choice."""
+    graph keeps its choice. route: the ROUTE build (`route_fits`)."""
     nt, maxw = (8, 64) if lanes <= 64 else (16, MAX_LANES)
     minb = blocks_per_sm(layout, sms, nt, lanes)
     return Build(nt=nt, maxw=maxw, minb=minb, w13_split=w13_split(layout, sms, lanes, minb),
-                 xalign=int(x.data_ptr() % 16 == 0), w_dtype=W_DTYPES[weights.dtype])
+                 xalign=int(x.data_ptr() % 16 == 0), w_dtype=W_DTYPES[weights.dtype],
+                 route=int(route))
 
 
 def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
@@ -153,15 +179,25 @@ def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
          "W13_KSPLIT": build.w13_split}
     if build.xsmem:
         d["XSMEM"] = 1
+    if build.route:
+        d["ROUTE"] = 1
     if build.trace:
         d["DECODE_TRACE"] = 1
     return d
 
 
-def trace_buffer(device, blocks: int = 4096) -> torch.Tensor:
+TRACE_BLOCKS = 4096      # moe_decode.cu's TRACE_BLOCKS: where a ROUTE build's block stamps start
+
+
+def trace_buffer(device, blocks: int = TRACE_BLOCKS) -> torch.Tensor:
     """int64 stamps a DECODE_TRACE build writes: [TRACE_ITEMS][4] per item (start, waits done, K
-    loop done, end), then [blocks][2] per block (start, lanes grouped). Zero it before a call."""
-    return torch.zeros(TRACE_ITEMS * 4 + blocks * 2, dtype=torch.int64, device=device)
+    loop done, end), then [blocks][2] per block (start, lanes grouped), then [blocks][5] per block
+    of a ROUTE build (waited for the kernel before, logits out, every logit seen, the first
+    tokens' logits read, routed). Zero it before a call."""
+    if not 1 <= blocks <= TRACE_BLOCKS:
+        raise ValueError(f"blocks must be in [1, {TRACE_BLOCKS}], got {blocks}")
+    return torch.zeros(TRACE_ITEMS * 4 + TRACE_BLOCKS * 2 + blocks * 5, dtype=torch.int64,
+                       device=device)
 
 
 class DecodeKernel:
@@ -178,8 +214,9 @@ class DecodeKernel:
         self.sms = _cuda.target(self.device).sms
         self._compiled: dict[Build, tuple] = {}
 
-    def choose(self, lanes: int, x: torch.Tensor, weights: torch.Tensor) -> Build:
-        return choose(self.layout, self.sms, lanes, x, weights)
+    def choose(self, lanes: int, x: torch.Tensor, weights: torch.Tensor,
+               route: bool = False) -> Build:
+        return choose(self.layout, self.sms, lanes, x, weights, route)
 
     def _compile(self, build: Build) -> tuple:
         got = self._compiled.get(build)
@@ -203,6 +240,8 @@ class DecodeKernel:
         error: int32 [1] sticky bits; trace: `trace_buffer()` for a trace build."""
         if build.trace != (trace is not None):
             raise ValueError("a trace build needs a trace buffer (trace_buffer()) and only it")
+        if build.route:
+            raise ValueError("a ROUTE build is launched by launch_routed")
         fn, grid, smem = self._compile(build)
         T = x.shape[0]
         kernels.launch(fn, grid, 32 * WARPS, (
@@ -211,3 +250,31 @@ class DecodeKernel:
             kernels.i32(lane_addr.numel()), kernels.i32(topk), kernels.i32(part), work["act"],
             work["yw"], work["group_done"], work["sync"], out, error,
             kernels.NULL if trace is None else trace), shared_mem=smem, device=self.device)
+
+    def launch_routed(self, build: Build, h: torch.Tensor, router: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float, norm_topk: bool,
+                      active: torch.Tensor | None, table: torch.Tensor, x: torch.Tensor,
+                      logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      lane_addr: torch.Tensor, count: torch.Tensor, work: dict, out: torch.Tensor,
+                      error: torch.Tensor, trace: torch.Tensor | None = None) -> None:
+        """One launch of a ROUTE build on torch's current stream, as a dependent of the kernel
+        that writes h (checked by the caller: `cupool.gemm.MoEGemm.decode_routed`). h [T, H] the
+        residual stream; router [E, H] bf16; norm_weight [H]; active uint8/bool [T] or None;
+        table int64 [E] each expert's bank row; out: x [T, H] (the normed rows), logits float32
+        [T, E], ids int32 [T, K], weights [T, K] (the build's w_dtype), lane_addr int64 [T·K];
+        count int32 [1] (zero at rest); work, out, error, trace as `launch`."""
+        if not build.route:
+            raise ValueError("launch_routed launches a ROUTE build (choose(..., route=True))")
+        if build.trace != (trace is not None):
+            raise ValueError("a trace build needs a trace buffer (trace_buffer()) and only it")
+        fn, grid, smem = self._compile(build)
+        T, K = ids.shape
+        kernels.launch(fn, grid, 32 * WARPS, (
+            x, kernels.i32(T), kernels.i32(self.layout.hidden), kernels.NULL, kernels.NULL,
+            kernels.NULL, kernels.i32(T * K), kernels.i32(K), kernels.i32(2), work["act"],
+            work["yw"], work["group_done"], work["sync"], out, error,
+            kernels.NULL if trace is None else trace,
+            h, router, norm_weight, kernels.f32(eps), kernels.i32(router.shape[0]),
+            kernels.i32(int(norm_topk)), kernels.NULL if active is None else active, table, x,
+            logits, ids, weights, lane_addr, count), shared_mem=smem, device=self.device,
+            dependent=True)
