@@ -158,20 +158,20 @@ def trace(T: int = 1, E: int = 128, override: dict | None = None, dims=(2048, 76
             print(f"{name:4s} {'K loop (dur)':14s} {pct((sl[:, 2] - sl[:, 1]) / 1e3)}")
 
 
-def route_trace(T: int = 1, E: int = 128, dims=(2048, 768), reps: int = 200):
-    """The router folded into the decode GEMM's launch (MoEGemm.decode_routed) against the two
-    launches it replaces (the router's dense_gemv writing lane addresses, then MoEGemm.decode),
-    each alone on the same rows, h and router: µs a call (CUDA events around `reps` calls, the
-    median of 5 rounds), then the ROUTE trace build's block phases (percentiles in µs from the
-    first block's start, after an L2 flush)."""
+def route_trace(T: int = 1, E: int = 128, dims=(2048, 768)):
+    """Timeline of one call of the router folded into the decode GEMM's launch (moe_decode's ROUTE
+    build, DECODE_TRACE): when its blocks waited, wrote their logits, saw every expert's, read
+    them, routed and grouped their lanes, and when the items' K loops and the items end, as
+    percentiles in µs from the first block's start, after an L2 flush. (The step with and without
+    it: profile_decode.py with CUPOOL_FUSED_ROUTE=1 and unset.)"""
     import dataclasses
 
     import numpy as np
 
-    from cupool.ops.dense_gemv import ROUTE, DenseGemv, RouteOut
+    from cupool.ops.dense_gemv import RouteOut
     layout = RowLayout(*dims)
     H, K = layout.hidden, 8
-    rows = ExpertRows(layout, E)                      # kept alive: addr points into rows.bank
+    rows = ExpertRows(layout, E)                      # kept alive: table points into rows.bank
     gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=T)
     router = (torch.randn(E, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
     nw = torch.ones(H, device="cuda", dtype=torch.bfloat16)
@@ -180,33 +180,6 @@ def route_trace(T: int = 1, E: int = 128, dims=(2048, 768), reps: int = 200):
     route = RouteOut.allocate(T, E, K, torch.float32, "cuda")
     lanes = torch.zeros(T * K, dtype=torch.int64, device="cuda")
     table = rows.addr.clone()
-    dense = DenseGemv([router], tokens=T, norm=True, epilogue=ROUTE, lane_addr=True)
-
-    def two():
-        dense(h, norm_weight=nw, eps=1e-6, x_out=x, route=route, top_k=K, norm_topk=True,
-              table=table, lane_addr=lanes)
-        gemm.decode(x, lanes, route.weights, out)
-
-    def one():
-        gemm.decode_routed(h, router, nw, 1e-6, True, table, x_out=x, logits=route.logits,
-                           ids=route.ids, weights=route.weights, lane_addr=lanes,
-                           count=route.ticket, out=out)
-
-    for name, fn in (("router + decode (two launches)", two), ("decode_routed (one launch)", one)):
-        for _ in range(10):
-            fn()
-        times = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / reps)
-        print(f"route T={T} E={E} H={H}: {name:32s} {float(np.median(times)):6.2f} us a call "
-              f"(rounds {' '.join(f'{t:.2f}' for t in times)})", flush=True)
-    assert gemm.read_error() == [], gemm.read_error()
 
     build = dataclasses.replace(gemm.decoder.choose(T * K, x, route.weights, route=True),
                                 trace=True)
@@ -235,16 +208,15 @@ def route_trace(T: int = 1, E: int = 128, dims=(2048, 768), reps: int = 200):
         it = tr[:items * 4].reshape(items, 4)
         it = it[it[:, 0] > 0]
         t0 = bl[:, 0].min()
-        pct = lambda v: " ".join(f"{np.percentile((v - t0) / 1e3, q):6.2f}" for q in (0, 10, 50, 90, 100))
+        pct = lambda v: " ".join(f"{np.percentile((v - t0) / 1e3, q):6.2f}"
+                                 for q in (0, 10, 50, 90, 100))
         print(f"--- route trace T={T} rep {rep}: {len(bl)} blocks (percentiles 0/10/50/90/100, us "
               f"from the first block's start)")
         for name, col in (("blocks start", bl[:, 0]), ("waited", rt[:, 0]),
                           ("logits out", rt[:, 1]), ("all logits seen", rt[:, 2]),
                           ("logits read", rt[:, 3]), ("routed", rt[:, 4]),
-                          ("lanes grouped", bl[:, 1]),
-                          ("first item's K loop done", None), ("last item ends", None)):
-            if col is None:
-                col = it[:, 2] if name.startswith("first") else it[:, 3]
+                          ("lanes grouped", bl[:, 1]), ("items' K loops done", it[:, 2]),
+                          ("items end", it[:, 3])):
             print(f"{name:26s} {pct(col)}")
     assert gemm.read_error() == [], gemm.read_error()
 
@@ -345,8 +317,8 @@ def build_parser() -> CLIParser:
                       help="timeline of moe_decode calls of T tokens (1 to 32; default 1), then "
                            "exit")
     what.add_argument("--route-trace", type=bounded_int(1, 16), nargs="*", metavar="T",
-                      help="the router folded into the decode launch against its two launches, "
-                           "and its phases, for calls of T tokens (1 to 16; default 1), then exit")
+                      help="timeline of the router folded into the decode launch (the ROUTE "
+                           "build) for calls of T tokens (1 to 16; default 1), then exit")
     what.add_argument("--prefill-sweep", nargs="*", type=prefill_variant, metavar="NAME=INT[,...]",
                       help="resident prefill time for variants of the prefill launch config "
                            "(GemmConfig fields: NB, MINB, KC, KC2, W2_NS, ...; '' or default is "

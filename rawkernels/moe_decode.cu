@@ -41,9 +41,9 @@
 // the launch routes the step itself instead of taking lane addresses and weights, the router's
 // launch (dense_gemv.cu's RMSNorm prologue and route epilogue) folded into this one. It is launched
 // as a dependent of the kernel that writes the residual stream h: before its wait a block loads
-// its router row and the norm's weights. Then every block sums the squares of h (the same order
-// as dense_gemv, so the same rstd) and normalises it, block 0 writes the normed rows to x, and block
-// b computes the logits of experts b, b + grid, ... (one dot product a token and expert, the block
+// its router row, the norm's weights and the table of row addresses. Then every block sums the
+// squares of h (dense_gemv's order, so the same rstd) and normalises it, block 0 writes the normed
+// rows to x, and block b computes the logits of experts b, b + grid, ... (one dot product a token and expert, the block
 // reduces it) and counts them done (`route_count`, release). Once all E are out, every block reads
 // them and routes each token itself (route.cuh, one warp a token), so its unit table needs no
 // second exchange; block 0 writes ids, weights and lane addresses for the caller. The logits' sums
@@ -103,8 +103,8 @@
 // %globaltimer stamps into `trace`: [TRACE_ITEMS][4] by item number (start, waits done, K loop
 // done, end), then [grid][2] by block (start, unit table built), and in a ROUTE build, from
 // [TRACE_BLOCKS][2] on, [grid][5] by block (waited for the kernel before, logits out, every
-// expert's logits seen, the first tokens' logits read, routed). benchmarks/profile_gemm.py --trace and --route-trace read them
-// to print when blocks start and when each item's phases end.
+// expert's logits seen, the first tokens' logits read, routed). benchmarks/profile_gemm.py
+// --trace and --route-trace read them to print when blocks start and each phase ends.
 #ifndef DECODE_TRACE
 #define DECODE_TRACE 0
 #endif
@@ -339,9 +339,10 @@ constexpr int RV = (HP + 8 * THREADS - 1) / (8 * THREADS);    // 16-byte words o
 static_assert(HP <= 4096, "ROUTE: rows up to 4096 wide (the router rows held in registers spill "
               "past that; cupool/ops/moe_decode.py ROUTE_MAX_HP)");
 constexpr int RG = 4;                      // tokens whose loads are in flight together
-static_assert(ROUTE_LANES_AT + 16 * MAXW <= ROUTE_LOGITS_AT, "the lane arrays fit below the logits");
-static_assert(8 * (THREADS + 1) + 4 * THREADS + 4 * 33 <= ROUTE_LANES_AT,
-              "group_lanes' scratch stays below the lane arrays");
+static_assert(ROUTE_LANES_AT + 16 * MAXW <= ROUTE_LOGITS_AT,
+              "the lane arrays fit below the table and the logits");
+static_assert(8 * THREADS + 4 * THREADS + 4 * 33 <= ROUTE_LANES_AT,
+              "group_lanes' scratch (s_addr, s_base, scan) stays below the lane arrays");
 
 // Every block routes the call's tokens (see the header); on return the lanes' row addresses and
 // weights are at scratch + ROUTE_LANES_AT for group_lanes. Every thread calls it.
@@ -484,8 +485,10 @@ CUPOOL_DEVICE void route_step(const RouteArgs& r, int tokens, int hidden, int to
         for (int i = tid; i < tokens * topk; i += THREADS) {
             r.ids[i] = s_ids[i];
             r.lane_addr[i] = s_la[i];
-            if (W_DTYPE == 0) static_cast<float*>(r.wts)[i] = reinterpret_cast<const float*>(s_wts)[i];
-            else static_cast<u16*>(r.wts)[i] = reinterpret_cast<const u16*>(s_wts)[i];
+            if (W_DTYPE == 0)
+                static_cast<float*>(r.wts)[i] = reinterpret_cast<const float*>(s_wts)[i];
+            else
+                static_cast<u16*>(r.wts)[i] = reinterpret_cast<const u16*>(s_wts)[i];
         }
     }
     stamp_at(trace, stamps + 4);

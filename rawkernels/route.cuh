@@ -1,9 +1,10 @@
 // What the router's epilogue (dense_gemv.cu, EPI 2) and moe_decode's ROUTE build share: bf16
-// words as floats, and softmax top-k routing of one token by one warp. The routing rule: softmax over the N logits (float32) → top-k (NaN
-// counts as largest, ties go to the lower expert, as a stable descending sort) → divided by their
-// sum when norm_topk → weights (bf16, or float32 with w_f32, as the model's router returns them);
-// a token that is not active gets ids −1 and weights 0 (padding lanes for the pool). With LA the
-// lanes' row addresses too: lane_addr[j] = table[id] (0 for an inactive token).
+// words as floats, and softmax top-k routing of one token by one warp. The routing rule: softmax
+// over the N logits (float32) → top-k (NaN counts as largest, ties go to the lower expert, as a
+// stable descending sort) → divided by their sum when norm_topk → weights (bf16, or float32 with
+// w_f32, as the model's router returns them); a token that is not active gets ids −1 and weights
+// 0 (padding lanes for the pool). With LA the lanes' row addresses too: lane_addr[j] = table[id]
+// (0 for an inactive token).
 #pragma once
 #include "common.cuh"
 
@@ -20,7 +21,8 @@ CUPOOL_DEVICE void unpack8(u32x4 v, float* f) {
 CUPOOL_DEVICE u32x4 pack8(const float* f) {
     u32 w[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = (u32)f32_to_bf16(f[2 * i]) | ((u32)f32_to_bf16(f[2 * i + 1]) << 16);
+    for (int i = 0; i < 4; ++i)
+        w[i] = (u32)f32_to_bf16(f[2 * i]) | ((u32)f32_to_bf16(f[2 * i + 1]) << 16);
     return u32x4{w[0], w[1], w[2], w[3]};
 }
 
