@@ -54,9 +54,10 @@ applies.
 
 Routing inside the decode GEMM (`CUPOOL_FUSED_ROUTE`, read when a FusedStep is built; "1" on,
 "0" or unset off: on an H200 the step measured the same either way): with the plan step
-skipped, each layer's router launch and decode GEMM launch become one (`MoEGemm.decode_routed`: the RMSNorm, router GEMV and softmax top-k run in the decode
-GEMM's blocks, which then group their lanes without a second exchange), where the GEMM takes the
-step (`MoEGemm.routes_decode`: the one-launch decode GEMM, bf16, the logits fit its shared memory)
+skipped, each layer's router launch and decode GEMM launch become one
+(`MoEGemm.decode_routed`: the RMSNorm, router GEMV and softmax top-k run in the decode GEMM's
+blocks, which then group their lanes without a second exchange), where the GEMM takes the step
+(`MoEGemm.routes_decode`: the one-launch decode GEMM, bf16, the logits fit its shared memory)
 and the router returns float32 or bf16 weights. The layer is then four launches; xn, the route's
 ids, weights and logits, and the lane addresses are written as the two launches wrote them.
 `describe()` says whether it applies and why not.
@@ -302,7 +303,6 @@ class FusedLayer:
     post_norm: torch.Tensor
     post_eps: float
     pooled: object              # cupool.layer.PooledExperts (or _ModelExperts)
-    router_weight: torch.Tensor | None = None   # [E, H] bf16 (the routing inside the decode GEMM)
 
 
 @dataclasses.dataclass
@@ -546,8 +546,7 @@ class FusedStep:
         self._w_dtype, self._experts, self._top_k = w_dtype, experts, top_k
         return FusedLayer(i, qkv, att, o, router, top_k, norm_topk,
                           layer.input_layernorm.weight, in_eps,
-                          layer.post_attention_layernorm.weight, post_eps, moe,
-                          mlp.gate.weight)
+                          layer.post_attention_layernorm.weight, post_eps, moe)
 
     def _shape(self, gemv: str, K: int) -> dict[str, int]:
         """The launch-shape keywords of `gemv` (K: its inner dim): CUPOOL_DENSE_SHAPE's, checked
@@ -598,11 +597,7 @@ class FusedStep:
             return f"{FUSED_ROUTE_ENV} is not 1"
         if self._w_dtype not in (torch.float32, torch.bfloat16):
             return f"the router returns {self._w_dtype} weights (float32 or bf16 are routed)"
-        for l in self.layers:
-            if isinstance(l, FusedLayer) and (
-                    l.router_weight.dtype != torch.bfloat16 or not l.router_weight.is_contiguous()
-                    or l.router_weight.data_ptr() % 16):
-                return f"layer {l.index}'s router weight is not a contiguous, aligned bf16 matrix"
+        # (each router's weight is a contiguous, aligned bf16 matrix: its DenseGemv checked it)
         return self.pool.gemm.routes_decode(self.tokens, self._experts)
 
     def _plan_needed(self) -> str | None:
@@ -666,7 +661,7 @@ class FusedStep:
             if skip_plan and self.fused_route_why is None:     # router and MoE: one launch
                 if "moe" not in skip:
                     self.pool.gemm.decode_routed(
-                        self.h_mid, layer.router_weight, layer.post_norm, layer.post_eps,
+                        self.h_mid, layer.router.weights[0], layer.post_norm, layer.post_eps,
                         layer.norm_topk, self.lane_table[layer.pooled.layer], x_out=self.xn,
                         logits=r.logits, ids=r.ids, weights=r.weights, lane_addr=self.lane_addr,
                         count=r.ticket, active=active, out=self.moe)

@@ -58,9 +58,7 @@ def stage_ring_bytes() -> int:
 
 BIAS_FLOATS = 128         # moe_decode.cu's BIAS_FLOATS: an item's biases (rows with biases only)
 ROUTE_TOKENS = 16         # most tokens a ROUTE build routes (its per-token sums in shared memory)
-ROUTE_LOGITS_AT = 8192    # moe_decode.cu's ROUTE_LOGITS_AT: where the logits start in the rings
-
-
+ROUTE_LOGITS_AT = 8192    # moe_decode.cu's ROUTE_LOGITS_AT: where the table and logits start
 ROUTE_MAX_HP = 4096       # widest rows a ROUTE build routes (wider: its 16-lane build spills)
 
 
@@ -80,7 +78,6 @@ def route_fits(tokens: int, experts: int, hp: int) -> str | None:
         return (f"{experts} experts' row addresses and logits of {min(tokens, WARPS)} tokens "
                 f"need {need} bytes of shared memory, the stage rings hold {have}")
     return None
-
 
 
 def shared_bytes(build: Build, bias: bool = False, hp: int = 0) -> int:
