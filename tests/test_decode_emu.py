@@ -116,10 +116,12 @@ def rel_err(out, ref):
 
 
 def _routing(T, K, gen, distinct=True):
-    if distinct:
+    """distinct: True (each token's K experts differ), False (drawn at random), or "crowded"
+    (from 3 experts: several hold more lanes than one unit takes)."""
+    if distinct is True:
         ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
     else:
-        ids = torch.randint(0, E, (T, K), generator=gen)
+        ids = torch.randint(0, 3 if distinct == "crowded" else E, (T, K), generator=gen)
     w = torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
     return ids, w
 
@@ -128,9 +130,12 @@ def _routing(T, K, gen, distinct=True):
     ("silu", 1, 8, True), ("silu", 3, 2, False), ("silu_bulk", 1, 8, True),
     ("silu_bulk", 5, 4, False), ("silu_nt16", 16, 8, False), ("swiglu_bias", 3, 4, True),
     ("relu2", 2, 6, True), ("silu_xsmem", 1, 8, True), ("silu_xsmem", 3, 4, False),
-    ("relu2_nt16_xsmem", 9, 4, False)])
+    ("relu2_nt16_xsmem", 9, 4, False), ("silu", 11, 2, "crowded"),
+    ("silu_nt16", 16, 2, "crowded"), ("silu_bulk", 12, 3, "crowded")])
 def test_decode_kernel_source_matches_reference_on_cpu(builds, name, T, K, distinct):
-    """Poisoned workspaces and output; the counters back at zero; no error bits."""
+    """Poisoned workspaces and output; the counters back at zero; no error bits. Up to 32
+    lanes one warp groups them, past that the block (moe_lanes.cuh); "crowded" lanes fill
+    several units of one expert."""
     gen = torch.Generator().manual_seed(T * 97 + K + len(name))
     ex = Experts(name, seed=len(name) + T)
     x = torch.randn(T, 80, generator=gen).to(torch.bfloat16)

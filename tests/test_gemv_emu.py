@@ -126,7 +126,8 @@ def test_gemv_kernel_source_matches_reference_on_cpu(builds, name, rows, K, vari
 
 
 @pytest.mark.parametrize("name,E,K,H", [("route", 128, 8, 2048), ("route_split", 60, 4, 264),
-                                        ("route_split", 512, 10, 2048)])
+                                        ("route_split", 512, 10, 2048),
+                                        ("route_split", 640, 8, 264)])   # past the registers
 @pytest.mark.parametrize("w_f32", [False, True])
 def test_route_kernel_source_matches_reference_on_cpu(builds, name, E, K, H, w_f32):
     """Logits, the top-k of the reference rule on them, the weights, the lane addresses
@@ -155,7 +156,8 @@ def test_route_kernel_source_matches_reference_on_cpu(builds, name, E, K, H, w_f
     assert got["ticket"] == 0 and not got["tile_tickets"].any()
 
 
-@pytest.mark.parametrize("name,E,K", [("route", 128, 8), ("route_split", 512, 10)])
+@pytest.mark.parametrize("name,E,K", [("route", 128, 8), ("route_split", 512, 10),
+                                      ("route_split", 640, 8)])
 def test_route_ties_and_nan_on_cpu(builds, name, E, K):
     """Four experts with equal router rows (two in one lane's segment of the top-k) come out in
     ascending order; a NaN in one row makes every probability NaN, which counts as largest: the

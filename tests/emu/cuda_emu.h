@@ -196,6 +196,16 @@ T __shfl_xor_sync(unsigned mask, T var, int m) {
     return emu_warp_exchange<T>(var, [m](int lane, const long long* v) { return v[(lane ^ m) & 31]; });
 }
 
+// the lanes whose value equals this lane's
+inline unsigned __match_any_sync(unsigned mask, unsigned long long value) {
+    emu_check_mask(mask);
+    return emu_warp_exchange<unsigned long long>(value, [](int lane, const long long* v) {
+        unsigned m = 0;
+        for (int i = 0; i < 32; ++i) m |= static_cast<unsigned>(v[i] == v[lane]) << i;
+        return static_cast<long long>(m);
+    });
+}
+
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 // bytes of {y, x} (x bytes 0-3, y bytes 4-7) picked by the low 3 bits of each selector nibble
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
