@@ -14,6 +14,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -120,6 +121,32 @@ class ExpertRows:
         pick = torch.randperm(E, generator=torch.Generator().manual_seed(0))[:int(E * host_fraction)]
         on_host[pick] = True
         return on_host, torch.where(on_host.cuda(), torch.zeros_like(self.addr), self.addr)
+
+
+def sm_clock_mhz() -> int | None:
+    """The current SM clock of CUDA device 0 in MHz (NVML), None where NVML is absent."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    pynvml.nvmlInit()
+    try:
+        return int(pynvml.nvmlDeviceGetClockInfo(pynvml.nvmlDeviceGetHandleByIndex(0),
+                                                 pynvml.NVML_CLOCK_SM))
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def keep_busy(ms: float = 50.0) -> None:
+    """Run matrix products for about `ms` milliseconds and wait for them: an idle GPU runs at a
+    low clock and takes milliseconds to raise it, so a trace of one short launch after idle
+    time would time the low clock."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < ms:
+        for _ in range(8):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
 
 
 def peak_rss_bytes() -> int:

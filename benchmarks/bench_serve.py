@@ -22,8 +22,9 @@ the routing decides no hit, and a replayed trace, being the pool's routing hook,
 plan step that the fused step skips as a user's resident model does. `--prefetch router` turns the
 pool's prefetch on with the model's own predictor (layer l + 1's router on layer l's MoE input),
 `--prefetch trace` (with `--routing locality`) with the trace's predicted ids at
-`--prefetch-accuracy`; each case then also reports the rows prefetched and wasted (evicted before
-use), in bytes a generated token. Prefetch runs are reduced runs (written only with --json).
+`--prefetch-accuracy`, at most `--prefetch-rows` rows a prefetch where given; each case then also
+reports the rows prefetched and wasted (evicted before use), in bytes a generated token. Prefetch
+runs are reduced runs (written only with --json).
 `--promote` sets the pool's promotion cap (`Pool.promote`; default auto, the pool's own default:
 no cap while a step's lanes fit a layer's rows, a quarter of a layer's rows past that); each case
 reports the cap its steps launched with and the misses staged. A run with another cap is a
@@ -156,11 +157,11 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         replayer = Replayer(pool, t)
         replayer.install()
     if args.prefetch == "router":
-        pool.enable_prefetch()
+        pool.enable_prefetch(max_rows=args.prefetch_rows)
     elif args.prefetch == "trace":
         from cupool.prefetch import TracePredictor
         pool.enable_prefetch(TracePredictor(replayer, tr.with_predictions(
-            t, args.prefetch_accuracy, seed=args.seed)))
+            t, args.prefetch_accuracy, seed=args.seed)), max_rows=args.prefetch_rows)
     label = f"bank {bank:.0%}" + (", the model's router" if routing != args.routing else "")
     cases = []
     for b in streams:
@@ -218,6 +219,7 @@ def main(args) -> int:
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
                "promote": args.promote,
+               **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
                "pcie_h2d_GBps": pcie, "banks": banks, "gpu": torch.cuda.get_device_name()}
@@ -248,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "trace's predicted ids (--routing locality)")
     p.add_argument("--prefetch-accuracy", type=float, default=0.8,
                    help="--prefetch trace: accuracy of the predicted ids (default 0.8)")
+    p.add_argument("--prefetch-rows", type=positive_int, metavar="N",
+                   help="at most N rows a prefetch brings in (Pool.enable_prefetch's max_rows; "
+                        "default: every predicted expert without a row)")
     p.add_argument("--promote", type=promote, default="auto", metavar="auto|N",
                    help="the pool's promotion cap (Pool.promote): auto (default, the pool's "
                         "own), or N misses a step (0: no cap)")

@@ -17,6 +17,15 @@ router softmax/top-k, residuals, casts, sampling). The difference between the gr
 the sum of kernel times is the gaps between kernels.
 `--context N` sets the positions each slot's token attends to (default the 16-token prompt): a
 chat or an agent's conversation runs its attention over thousands.
+`--prefetch trace` (with `--bank` below 100) turns the pool's prefetch on with the locality
+trace's predicted ids at `--prefetch-accuracy` (default 0.8), at most `--prefetch-rows` rows a
+prefetch where given, as bench_serve's `--prefetch trace`; the bytes prefetched a step are then
+reported beside the misses'. `--prefetch-copiers` also captures and times the step with other
+grids of the prefetch's row-copy kernel (`Bank.prefetch_copier`).
+`--timeline` also profiles `--steps` replays of the captured step and reports, from their kernel
+timeline, the row copies' time beside the other kernels' (both at once, and nothing running),
+the GB/s the copied rows make over the copies' time, and how long each prefetch's copy started
+after its prefetch step ended; the JSON keeps the events.
 `--ablate` (fused step only) also captures the step once without each part of every layer
 (`cupool.fused.ABLATE`: qkv, attention, o, router, plan — the plan step and row copies, the
 GEMM reading the lane addresses the last plan left — and moe, all of the pool's launches) and
@@ -42,7 +51,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import cupool
 from cupool import _cuda, synthetic
-from cupool.cli import CLIParser, bounded_int, output_file, positive_int, run
+from cupool.cli import CLIParser, bounded_int, fraction, output_file, positive_int, run
 from cupool.engine import StepKind
 from cupool.fused import ABLATE
 
@@ -57,6 +66,42 @@ GROUPS = (("cupool MoE", ("plan_step", "copy_rows", "moe_decode", "route_decode"
 
 def group_of(name: str) -> str:
     return kernel_group(name, GROUPS, "elementwise/reduce/other")
+
+
+def copier_spec(text: str) -> tuple[str, dict]:
+    """(text, RowCopier keyword arguments) of bulk:BLOCKS:CHUNK_KIB:STAGES or
+    ld:BLOCKS:THREADS:UNROLL (an argument type)."""
+    parts = text.split(":")
+    try:
+        nums = [int(v) for v in parts[1:]]
+    except ValueError:
+        nums = []
+    if len(parts) != 4 or parts[0] not in ("bulk", "ld") or len(nums) != 3 or min(nums) < 1:
+        raise argparse.ArgumentTypeError(f"want bulk:BLOCKS:CHUNK_KIB:STAGES or "
+                                         f"ld:BLOCKS:THREADS:UNROLL (positive ints), got {text!r}")
+    if parts[0] == "bulk":
+        return text, {"mode": "bulk", "blocks": nums[0], "chunk": nums[1] * 1024,
+                      "stages": nums[2]}
+    return text, {"mode": "ld", "blocks": nums[0], "threads": nums[1], "unroll": nums[2]}
+
+
+def copier_variants(eng, kind, pool, row_bytes: int, specs, steps: int, timeline: bool) -> dict:
+    """`--prefetch-copiers`: {spec: {"graph_ms", "timeline"}} of the step captured again with each
+    grid of the prefetch's row-copy kernel (`Bank.prefetch_copier`), printed."""
+    from cupool.ops.rowcopy import RowCopier
+    bank = pool.bank
+    out = {}
+    for text, kw in specs:
+        bank.prefetch_copier = RowCopier(bank.src_of_key, bank.row_bytes, bank.rows,
+                                         bank.max_lanes, **kw)
+        with torch.inference_mode():
+            graph = eng._capture(kind)
+            ms = time_ms(graph.replay, warmup=5, iters=50)
+            print(f"prefetch copier {text}: graph replay {ms:.3f} ms ({1e3 / ms:.1f} tok/s a slot)")
+            tl = replay_timeline(graph, pool, row_bytes, steps) if timeline else None
+        out[text] = {"graph_ms": ms, "timeline": tl}
+        del graph
+    return out
 
 
 def build_parser() -> CLIParser:
@@ -74,6 +119,18 @@ def build_parser() -> CLIParser:
                    help=f"positions each slot's token attends to in the profiled steps (default "
                         f"{S}, the prompt; more: the cache's positions past the prompt filled "
                         f"with random keys and values, as a long conversation's)")
+    p.add_argument("--prefetch", choices=["off", "trace"], default="off",
+                   help="prefetch with the locality trace's predictions (needs --bank below 100)")
+    p.add_argument("--prefetch-accuracy", type=fraction, default=0.8,
+                   help="the trace predictions' accuracy (default 0.8)")
+    p.add_argument("--prefetch-rows", type=positive_int, metavar="N",
+                   help="at most N rows a prefetch brings in (default: all it predicts)")
+    p.add_argument("--prefetch-copiers", nargs="+", type=copier_spec, metavar="SPEC",
+                   help="with --prefetch: also capture and time the step with each of these grids "
+                        "of the prefetch's row-copy kernel: bulk:BLOCKS:CHUNK_KIB:STAGES or "
+                        "ld:BLOCKS:THREADS:UNROLL")
+    p.add_argument("--timeline", action="store_true",
+                   help="also profile replays of the captured step: streams, copies, waits")
     p.add_argument("--ablate", action="store_true",
                    help="also time the captured step without each part of a layer (fused step)")
     p.add_argument("--json", type=output_file, metavar="PATH", help="also write the figures here")
@@ -81,6 +138,10 @@ def build_parser() -> CLIParser:
 
 
 def main(args) -> None:
+    if args.prefetch != "off" and args.bank >= 100:
+        raise ValueError("--prefetch trace needs --bank below 100 (the locality trace)")
+    if args.prefetch_copiers and args.prefetch == "off":
+        raise ValueError("--prefetch-copiers needs --prefetch trace")
     _cuda.require_gpu("the decode profiler")
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=args.layers)
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0),
@@ -98,8 +159,13 @@ def main(args) -> None:
     if args.bank < 100:
         from cupool import trace as tr
         from cupool.replay import Replayer
-        Replayer(pool, tr.streams(4096, args.layers, E, K, B, seed=0,
-                                  **tr.QWEN3_LOCALITY)).install()
+        t = tr.streams(4096, args.layers, E, K, B, seed=0, **tr.QWEN3_LOCALITY)
+        replayer = Replayer(pool, t)
+        replayer.install()
+        if args.prefetch == "trace":
+            from cupool.prefetch import TracePredictor
+            pool.enable_prefetch(TracePredictor(replayer, tr.with_predictions(
+                t, args.prefetch_accuracy, seed=0)), max_rows=args.prefetch_rows)
     eng = cupool.Engine(model, pool, max_batch=B, max_len=args.context + 512, eos_token_id=[],
                         fused=args.step == "fused", compile=args.step == "compiled")
     prompt = torch.randint(0, shape["vocab_size"], (S,), generator=torch.Generator().manual_seed(0))
@@ -134,6 +200,8 @@ def main(args) -> None:
         stats = pool.stats()
         graph = eng._graphs[kind]
         graph_ms = time_ms(graph.replay, warmup=5, iters=50)
+        timeline = replay_timeline(graph, pool, layout.row_bytes, args.steps) \
+            if args.timeline else None
     kern = collections.defaultdict(lambda: [0.0, 0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
@@ -163,6 +231,7 @@ f"{warm_s:.1f} s)")
         misses = sum(d["misses"] for d in stats) / args.steps
         copy_ms = sum(ms for name, (ms, _) in kern.items() if "copy_rows" in name)
         moved = misses * layout.row_bytes
+        prefetched = sum(d.get("prefetched", 0) for d in stats) / args.steps
         copies = {"ms_per_step": copy_ms, "bytes_per_step": moved,
                   "GBps": moved / (copy_ms * 1e6) if copy_ms else None,
                   "pcie_h2d_GBps": pcie_h2d_GBps()}
@@ -170,7 +239,12 @@ f"{warm_s:.1f} s)")
               f"step ({moved / 1e6:.1f} MB); row-copy kernels {copy_ms:.3f} ms a step: "
               + (f"{copies['GBps']:.1f} GB/s against the pinned copy's "
                  f"{copies['pcie_h2d_GBps']:.1f} ({copies['GBps'] / copies['pcie_h2d_GBps']:.2f})"
-                 if copy_ms else "none"))
+                 if copy_ms else "none")
+              + (f"; prefetched {prefetched:.1f} rows a step "
+                 f"({prefetched * layout.row_bytes / 1e6:.1f} MB)"
+                 if pool.prefetcher is not None else ""))
+    copiers = copier_variants(eng, kind, pool, layout.row_bytes, args.prefetch_copiers,
+                              args.steps, args.timeline) if args.prefetch_copiers else None
     ablate = ablation(eng, kind, graph_ms, L) if args.ablate else None
     eng.close()
     save("profile_decode", {
@@ -179,9 +253,66 @@ f"{warm_s:.1f} s)")
         "tokens_per_s": B * 1e3 / graph_ms, "eager_ms_per_step": eager_ms,
         "kernel_ms_per_step": kernel_ms, "kernels_per_step": launches,
         "kernels_per_layer": launches / L, "warmup_s": warm_s,
-        "ablate": ablate,
+        "ablate": ablate, "prefetch": args.prefetch,
+        "prefetch_accuracy": args.prefetch_accuracy if args.prefetch != "off" else None,
+        "prefetch_rows": args.prefetch_rows,
+        "timeline": timeline, "prefetch_copiers": copiers,
         "groups": {k: {"ms": v[0], "kernels": v[1]} for k, v in groups.items()},
         "top": [{"name": n, "ms": v[0], "count": v[1]} for n, v in top]}, args.json)
+
+
+def replay_timeline(graph, pool, row_bytes: int, steps: int) -> dict:
+    """`--timeline`: the kernel timeline of `steps` replays of the captured step, printed and
+    returned (ms a step): the row copies' time (the union of the row-copy kernels' intervals) and
+    the other kernels', the time both ran at once and the time nothing ran; the GB/s of the rows
+    the bank counted (misses and prefetched rows) over the copies' time; and how long after each
+    prefetch step (`prefetch_step`) ended the row copy that follows it started (µs, median and
+    max). Streams are not used: a replayed graph's kernels are reported on the streams the
+    driver picks for its branches, not those they were captured from. The events themselves are
+    returned under "events" (name, start and end µs from the first)."""
+    import statistics
+
+    from _common import _union_us, gpu_events
+    torch.cuda.synchronize()
+    pool.bank.reset_stats()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    stats = pool.stats()
+    misses = sum(d["misses"] for d in stats) / steps
+    prefetched = sum(d.get("prefetched", 0) for d in stats) / steps
+    ev = [e for e in gpu_events(prof) if e["kind"] == "kernel"]
+    t0 = min(e["start_us"] for e in ev)
+    span = (max(e["end_us"] for e in ev) - t0) / 1e3 / steps
+    copies = [(e["start_us"], e["end_us"]) for e in ev if "copy_rows" in e["name"]]
+    other = [(e["start_us"], e["end_us"]) for e in ev if "copy_rows" not in e["name"]]
+    c, k = _union_us(copies) / 1e3 / steps, _union_us(other) / 1e3 / steps
+    either = _union_us(copies + other) / 1e3 / steps
+    both = c + k - either
+    gbps = (misses + prefetched) * row_bytes / (c * 1e6) if c else None
+    waits = []
+    for i, e in enumerate(ev):
+        if "prefetch_step" in e["name"]:
+            nxt = next((f for f in ev[i + 1:] if "copy_rows" in f["name"]
+                        and f["start_us"] >= e["end_us"]), None)
+            if nxt is not None:
+                waits.append(nxt["start_us"] - e["end_us"])
+    out = {"span_ms": span, "copies_ms": c, "other_ms": k, "both_ms": both,
+           "idle_ms": span - either, "copy_GBps": gbps, "misses_per_step": misses,
+           "prefetched_per_step": prefetched,
+           "copy_after_prefetch_step_us": ({"median": statistics.median(waits), "max": max(waits)}
+                                           if waits else None),
+           "events": [{"name": e["name"][:60], "start_us": round(e["start_us"] - t0, 2),
+                       "end_us": round(e["end_us"] - t0, 2)} for e in ev]}
+    print(f"timeline of {steps} graph replays, ms a step: {span:.3f} from the first kernel's "
+          f"start to the last's end; row copies {c:.3f} ({misses:.1f} misses + {prefetched:.1f} "
+          f"prefetched rows"
+          + (f", {gbps:.1f} GB/s over their time" if gbps else "") + f"), other kernels "
+          f"{k:.3f}, both at once {both:.3f}, nothing {span - either:.3f}"
+          + (f"; a prefetch's copy started {statistics.median(waits):.1f} us (median; max "
+             f"{max(waits):.1f}) after its prefetch step ended" if waits else ""))
+    return out
 
 
 def ablation(eng, kind, graph_ms: float, layers: int) -> dict:

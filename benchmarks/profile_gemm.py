@@ -9,7 +9,7 @@ import argparse
 import sys
 
 import torch
-from _common import ExpertRows, gpu_events
+from _common import ExpertRows, gpu_events, keep_busy, sm_clock_mhz
 from torch.profiler import ProfilerActivity, profile
 
 from cupool import _cuda
@@ -131,11 +131,13 @@ def trace(T: int = 1, E: int = 128, override: dict | None = None, dims=(2048, 76
     for _ in range(3):
         call()
     for rep in range(3):
+        keep_busy()                                       # the trace at a busy GPU's clock
         flush.fill_(rep)                                  # rows out of L2, as in a decode step
         stamps.zero_()
         torch.cuda.synchronize()
         call()
         torch.cuda.synchronize()
+        mhz = sm_clock_mhz()
         tr = stamps.cpu().numpy()
         it = tr[:items * 4].reshape(items, 4)
         bl = tr[items * 4:items * 4 + blocks * 2].reshape(blocks, 2)
@@ -148,7 +150,7 @@ def trace(T: int = 1, E: int = 128, override: dict | None = None, dims=(2048, 76
         pct = lambda v: " ".join(f"{np.percentile(v, q):6.2f}" for q in (0, 10, 50, 90, 100))
         print(f"--- trace H={layout.hidden} T={T} {override or ''} rep {rep}: {len(bl)} blocks, "
               f"{n13} w13 items, {n2} w2 items (percentiles 0/10/50/90/100, us from the first "
-              f"block's start)")
+              f"block's start; SM clock after it {mhz} MHz)")
         print(f"blocks start        {pct(us(bl[:, 0]))}")
         print(f"blocks grouped      {pct(us(bl[:, 1]))}")
         for name, sl in (("w13", it[:n13]), ("w2", it[n13:n13 + n2])):
@@ -195,11 +197,13 @@ def route_trace(T: int = 1, E: int = 128, dims=(2048, 768)):
     for _ in range(3):
         traced()
     for rep in range(3):
+        keep_busy()                                  # the trace at the clock a busy GPU runs
         flush.fill_(rep)
         stamps.zero_()
         torch.cuda.synchronize()
         traced()
         torch.cuda.synchronize()
+        mhz = sm_clock_mhz()
         tr = stamps.cpu().numpy()
         bl = tr[items * 4:items * 4 + blocks * 2].reshape(blocks, 2)
         rt = tr[items * 4 + blocks * 2:].reshape(blocks, 5)
@@ -211,7 +215,7 @@ def route_trace(T: int = 1, E: int = 128, dims=(2048, 768)):
         pct = lambda v: " ".join(f"{np.percentile((v - t0) / 1e3, q):6.2f}"
                                  for q in (0, 10, 50, 90, 100))
         print(f"--- route trace T={T} rep {rep}: {len(bl)} blocks (percentiles 0/10/50/90/100, us "
-              f"from the first block's start)")
+              f"from the first block's start; SM clock after it {mhz} MHz)")
         for name, col in (("blocks start", bl[:, 0]), ("waited", rt[:, 0]),
                           ("logits out", rt[:, 1]), ("all logits seen", rt[:, 2]),
                           ("logits read", rt[:, 3]), ("routed", rt[:, 4]),

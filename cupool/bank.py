@@ -142,6 +142,10 @@ class Bank:
         self._copy_stream = None   # step_split's, made on first use
         self._copy = RowCopier(self.src_of_key, self.row_bytes, self.rows, W, mode=copy_mode,
                                blocks=copy_blocks)
+        # the prefetch's copies run beside the step's kernels, not on its critical path: their
+        # own launcher, so that its grid can differ (replace it before capture to change it)
+        self.prefetch_copier = RowCopier(self.src_of_key, self.row_bytes, self.rows, W,
+                                         mode=copy_mode, blocks=copy_blocks) if prefetch else None
         self._compare = kernels.function("planner", "compare_rows", self._plan.defines, idx)
         owned = np.flatnonzero(key_of >= 0)
         if owned.size:
@@ -212,15 +216,18 @@ class Bank:
         self._copy(self.copies, self.n_copies)
         return self.routes[:W], self.lane_addr[:W]
 
-    def prefetch(self, layer: int, ids: torch.Tensor) -> int:
+    def prefetch(self, layer: int, ids: torch.Tensor, max_rows: int = 0) -> int:
         """Prefetch step for `layer` (`ReferencePlanner.prefetch`): `ids` (int32/int64 CUDA, any
-        shape, W ≤ max_lanes, −1 padding) are its predicted experts; the misses take eligible
-        victims and fill the prefetch copy list (`tables.pf_copies`, `tables.pf_n_copies`), which
-        `copy_prefetched` copies. Writes none of the plan step's outputs, so a GEMM reading the
-        last step's `lane_addr` and that step's row copies may run beside it. Returns W; no host
-        sync; graph-capturable. Nothing may plan (a step or another prefetch) until its copies
-        have landed."""
-        return self._plan.prefetch(layer, ids)
+        shape, W ≤ max_lanes, −1 padding) are its predicted experts; the misses (the first
+        `max_rows` of them; 0: all) take eligible victims and fill the prefetch copy list
+        (`tables.pf_copies`, `tables.pf_n_copies`), which `copy_prefetched` copies. Writes none
+        of the plan step's outputs, so a GEMM reading the last step's `lane_addr` and that
+        step's row copies may run beside it. Returns W; no host sync; graph-capturable. Nothing
+        may plan (a step or another prefetch) until its copies have landed."""
+        if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) \
+                or not 0 <= max_rows < 2**31:
+            raise ValueError(f"max_rows must be an int >= 0 (0: no cap), got {max_rows!r}")
+        return self._plan.prefetch(layer, ids, int(max_rows))
 
     def copy_prefetched(self, stream: torch.cuda.Stream | None = None) -> None:
         """Copy the rows listed by the last prefetch step (the row-copy kernel, fixed grid, the
@@ -228,7 +235,7 @@ class Bank:
         t = self.tables
         if not t.prefetch:
             raise RuntimeError("this bank was built without prefetch (Bank(..., prefetch=True))")
-        self._copy(t.pf_copies, t.pf_n_copies, stream=stream)
+        self.prefetch_copier(t.pf_copies, t.pf_n_copies, stream=stream)
 
     def step_split(self, layer: int, ids: torch.Tensor):
         """`step` with the copies on the bank's copy stream, so work on the rows already in place

@@ -24,7 +24,7 @@ from cupool.gemm import MoEGemm, ScratchLists
 from cupool.layer import PooledExperts, prefill_ahead_default
 from cupool.layout import RowLayout, unpack_bias, unpack_row
 from cupool.nvfp4 import dequantize
-from cupool.prefetch import Prefetcher, RouterPredictor
+from cupool.prefetch import Prefetcher, RouterPredictor, check_max_rows
 from cupool.reference.planner import PlanError
 from cupool.store import HostStore, fmt_bytes
 
@@ -169,22 +169,26 @@ class Pool:
 
     # --- prefetch -----------------------------------------------------------------------------
     def enable_prefetch(self, predictor=None, *, top_k: int | None = None,
-                        track_accuracy: bool = False) -> Prefetcher:
+                        track_accuracy: bool = False, max_rows: int | None = None) -> Prefetcher:
         """Turn prefetch on for decode calls (`cupool.prefetch`): after layer l's plan step, layer
         l + 1's predicted experts are brought into the bank on a side stream, joined before the
         next plan step; captured graphs include it. `predictor`: fn(layer, hidden [T, H]) -> ids
         [T, K'] (default `RouterPredictor`: layer l + 1's router on layer l's MoE input, top
         `top_k`, default K). `track_accuracy`: count how often predictions are right
-        (`Prefetcher.accuracy`; a few more launches a layer). A bank without the planner's
-        prefetch variant is rebuilt with it first (as `resize_bank`: placement reset, gate
-        closed): call this before warm-up and capture. Returns the Prefetcher."""
+        (`Prefetcher.accuracy`; a few more launches a layer). `max_rows`: at most that many
+        rows a prefetch brings in (`Prefetcher`; None: every predicted expert without a row). A
+        bank without the planner's prefetch variant is rebuilt with it first (as `resize_bank`:
+        placement reset, gate closed): call this before warm-up and capture. Returns the
+        Prefetcher."""
         if predictor is not None and not callable(predictor):
             raise TypeError(f"predictor must be callable or None, got {type(predictor).__name__}")
+        check_max_rows(max_rows)
         predict = predictor if predictor is not None else RouterPredictor(self.specs, top_k)
         if not self.bank.prefetching:
             self.resize_bank(self.rows_per_layer, prefetch=True)
         self.disable_prefetch()
-        self.prefetcher = Prefetcher(self.bank, predict, track_accuracy=track_accuracy)
+        self.prefetcher = Prefetcher(self.bank, predict, track_accuracy=track_accuracy,
+                                     max_rows=max_rows)
         return self.prefetcher
 
     def disable_prefetch(self) -> None:

@@ -97,6 +97,14 @@ class TracePredictor:
         return row[:T]
 
 
+def check_max_rows(max_rows):
+    """`max_rows` of a Prefetcher, checked: None or an int >= 1."""
+    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int)
+                                 or max_rows < 1):
+        raise ValueError(f"max_rows must be an int >= 1 or None, got {max_rows!r}")
+    return max_rows
+
+
 class Prefetcher:
     """Issues prefetch steps on a side stream and joins them (see the module docstring).
 
@@ -108,14 +116,21 @@ class Prefetcher:
         track_accuracy: also count, for every layer call after a prediction (`observe`), how many
             of its (token, expert) selections the prediction named (device counters, a few more
             small launches a layer; `accuracy()` reads them).
+        max_rows: at most this many rows a prefetch brings in (its predicted experts without a
+            bank row, the first in the predictor's order: `Bank.prefetch`; None: all). A
+            prefetch's copies share the PCIe link with the next layer's misses and must land
+            before that layer's plan step, so copying more than fits under a layer's compute
+            delays the step instead of hiding the copies (docs/PERFORMANCE.md).
     """
 
-    def __init__(self, bank: Bank, predict, *, track_accuracy: bool = False):
+    def __init__(self, bank: Bank, predict, *, track_accuracy: bool = False,
+                 max_rows: int | None = None):
         if not isinstance(bank, Bank) or not bank.prefetching:
             raise ValueError("bank must be a cupool Bank built with prefetch=True")
         if not callable(predict):
             raise TypeError(f"predict must be callable, got {type(predict).__name__}")
         self.bank, self.predict = bank, predict
+        self.max_rows = check_max_rows(max_rows)
         self.stream = torch.cuda.Stream(bank.device)
         self._pending = None          # (hidden, ids) of the prefetch in flight, kept alive
         self.track_accuracy = bool(track_accuracy)
@@ -147,7 +162,7 @@ class Prefetcher:
             if token_mask is not None:
                 ids = ids.masked_fill(~token_mask.reshape(-1, 1), -1)
             ids = ids.contiguous()
-            self.bank.prefetch(layer, ids)
+            self.bank.prefetch(layer, ids, self.max_rows or 0)
             self.bank.copy_prefetched()
             if self.track_accuracy:
                 self._predicted[:ids.numel()].copy_(ids.reshape(-1))

@@ -205,8 +205,10 @@ def with_predictions(trace: Trace, accuracy: float, *, seed: int = 0) -> Trace:
     """`trace` with `predicted` ids at `accuracy`: for each step, layer and token, each of the K
     actual ids is named with probability `accuracy` (so that fraction of the K predicted ids is
     right, in expectation); each other slot names an expert that is not among the actual ones,
-    drawn from that layer's popularity over the whole trace (its own statistics). The note says
-    the accuracy achieved."""
+    drawn from that layer's popularity over the whole trace (its own statistics). A token's
+    predicted ids are in random order (a second generator, so the sets do not depend on it):
+    no ranking is modelled, so a prefetch that takes only the first few (`Prefetcher`'s
+    max_rows) gets right and wrong ones alike. The note says the accuracy achieved."""
     if isinstance(accuracy, bool) or not isinstance(accuracy, (int, float)) \
             or not 0 <= accuracy <= 1:
         raise ValueError(f"accuracy must be a number in [0, 1], got {accuracy!r}")
@@ -214,6 +216,7 @@ def with_predictions(trace: Trace, accuracy: float, *, seed: int = 0) -> Trace:
     S, L, T, K = ids.shape
     E = trace.num_experts
     rng = np.random.default_rng(seed)
+    order = np.random.default_rng([seed, 1])          # the order of a token's predicted ids
     pred = np.full_like(ids, -1)
     right = total = 0
     for layer in range(L):
@@ -229,6 +232,7 @@ def with_predictions(trace: Trace, accuracy: float, *, seed: int = 0) -> Trace:
                 wrong = (rng.choice(E, size=n, replace=False, p=others / others.sum()).tolist()
                          if n else [])
                 row = keep + wrong
+                order.shuffle(row)
                 pred[s, layer, t, :len(row)] = row
                 right += len(keep)
                 total += len(actual)

@@ -86,7 +86,8 @@
 //     unflagged; an open step writes touched = T.
 //   - prefetch_step_*: the same launch with the ids a prediction: hits are stamped (the flag
 //     kept), misses take victims among *eligible* rows only and are skipped when none is left
-//     (never staged, no error; `promote` does not apply), victims are flagged, no routes /
+//     (never staged, no error; `promote` caps them: the first `promote` misses take rows, the
+//     others are skipped), victims are flagged, no routes /
 //     lane_addr / lane_fresh are written, and `copies` / `n_copies` are the prefetch's own list;
 //     the plan counters stay.
 //     Eligible = not used in this tick nor the one before (last_use < max(clock - 1, 1)): the
@@ -291,8 +292,8 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         s_miss_lane[before & 0xffff] = t;
     }
     // Misses allowed to take a bank row: the first `promote` (a cap the launcher picks per step;
-    // 0: no cap), all of them in a prefetch. A cap of 0 costs a compare and a select.
-    const int P = promote > 0 && !PF ? min(M, promote) : M;
+    // 0: no cap); in a prefetch the others are skipped. A cap of 0 costs a compare and a select.
+    const int P = promote > 0 ? min(M, promote) : M;
 #if PREFETCH
     // prefetch mode: the last tick's rows that are not hits now are not eligible (s_young_hits is
     // complete: the scan's barrier)

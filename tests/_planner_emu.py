@@ -157,7 +157,7 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
     `ring`: the LRU ring's capacity (default `ring_capacity(R)`; a small one compacts often).
     `prefetch`: the PREFETCH build over `random_mixed_trace` (plan and prefetch steps).
     `promote`: the promotion cap every launch gets (0: none), or "random": a cap drawn for each
-    launch (`random_caps`; prefetch launches get one too, which they must ignore).
+    launch (`random_caps`; prefetch launches get one too, as their max_rows).
     `report`: receives the reference's final counters and prefetch counters, how many
     prefetch steps ran with the gate open and how many predicted ids they skipped, and how many
     open plan steps the cap bound (staged misses while rows were left to take)."""
@@ -231,7 +231,7 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
             assert n == len(copies) and got_copies == copies, \
                 f"copies {n} {got_copies}, expected {copies}, {where}"
         else:                                   # a prefetch leaves the plan step's outputs alone
-            pf_copies = ref.prefetch(layer, ids)
+            pf_copies = ref.prefetch(layer, ids, caps[i])
             if gate:
                 open_prefetches += 1
                 misses = {int(e) for e in ids if 0 <= e < E and ref.slot_of[layer * E + e] < 0}

@@ -511,7 +511,7 @@ class MixedRun:
                     b.promote = caps[i]
                 used[i] = b.promotion_cap(ids.size)
                 if kind:
-                    b.prefetch(layer, ids_dev)
+                    b.prefetch(layer, ids_dev, used[i])
                     b.copy_prefetched()
                 else:
                     b.step(layer, ids_dev)
@@ -534,7 +534,7 @@ class MixedRun:
             ref.open()
         else:
             ref.close()
-        ref.policy = Policy(promote=cap)              # a prefetch is never capped (either side)
+        ref.policy = Policy(promote=cap)              # a plan step's cap; a prefetch's is max_rows
         where = (f"step {i} ({'prefetch' if kind else 'plan'}, layer {layer}, W={W}, gate {gate}, "
                  f"cap {cap}, ids {ids.tolist()})")
         head, span = (int(v) for v in got["ends"])
@@ -543,7 +543,7 @@ class MixedRun:
         assert problems == [], f"{problems}, {where}"
         if kind:
             misses = {int(e) for e in ids if 0 <= e < self.E and ref.slot_of[layer * self.E + e] < 0}
-            want_pf = ref.prefetch(layer, ids)
+            want_pf = ref.prefetch(layer, ids, cap)
             if gate:
                 self.open_prefetches += 1
                 self.skipped += len(misses) - len(want_pf)
@@ -623,7 +623,8 @@ def test_prefetch_kernel_equals_reference_other_shapes(rng, L, E, N, threads, it
 
 def test_prefetch_kernel_with_promotion_caps_equals_reference(rng):
     """The PREFETCH build with a cap drawn for each step: plan steps are capped as the
-    reference's, prefetches are not, and the tables, lists and counters stay equal."""
+    reference's Policy, prefetches by the same number as its max_rows, and the tables, lists
+    and counters stay equal."""
     h = MixedRun(rng, L=5, E=17, N=3, S=64, lanes=64, row_bytes=1024 + 48, promote="random")
     h.run(3000, batch=250)
     c = h.ref.counters

@@ -102,11 +102,12 @@ def test_prefetcher_in_a_captured_graph_equals_the_reference(rng):
     store.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_pool_prefetch_leaves_decode_unchanged(overlap):
+@pytest.mark.parametrize("overlap, max_rows", [(False, None), (True, None), (False, 1)])
+def test_pool_prefetch_leaves_decode_unchanged(overlap, max_rows):
     """The Engine (captured step, 3 slots, token mask) through a half-size bank, with prefetch off
-    and on (the model's own routers as predictors): the same tokens bit for bit (prefetch moves
-    rows, never what a lane reads), rows prefetched and used, no error flags, the bank verified."""
+    and on (the model's own routers as predictors; all predicted rows, or at most one a
+    prefetch): the same tokens bit for bit (prefetch moves rows, never what a lane reads), rows
+    prefetched and used, no error flags, the bank verified."""
     family = "qwen3_moe"
     model = model_for(family, seed=31)
     _, (_, E, K, _, _) = FAMILIES[family]
@@ -126,7 +127,7 @@ def test_pool_prefetch_leaves_decode_unchanged(overlap):
 
     plain = run()
     assert not pool.bank.prefetching
-    pre = pool.enable_prefetch(track_accuracy=True)
+    pre = pool.enable_prefetch(track_accuracy=True, max_rows=max_rows)
     assert pool.bank.prefetching and pool.prefetcher is pre
     pool.bank.reset_stats()
     with_prefetch = run()
@@ -134,6 +135,9 @@ def test_pool_prefetch_leaves_decode_unchanged(overlap):
     stats = pool.stats()
     assert sum(s["prefetched"] for s in stats) > 0, stats
     assert stats[0]["prefetched"] == 0                       # layer 0 is never predicted
+    if max_rows is not None:                                 # a prefetch a layer and step
+        steps = sum(p.max_tokens for p in params) + len(ps)
+        assert all(s["prefetched"] <= max_rows * steps for s in stats), stats
     assert 0.0 <= pre.accuracy() <= 1.0 and int(pre.total.item()) > 0
     assert pool.errors() == []
     assert pool.verify() > 0

@@ -333,7 +333,7 @@ class KernelModel:
                     misses.append((key, t))
         H, M = int(touched.sum()), len(misses)
         young = self.touched - young_hits if prefetch else 0
-        P = min(M, promote) if promote and not prefetch else M
+        P = min(M, promote) if promote else M
         V = min(P, R - H - young) if self.gate else 0
         T = H + V
         compact = self.gate and T > 0 and self.span + T > C
@@ -462,7 +462,8 @@ def test_kernel_algorithm_with_prefetch_equals_reference(rng, L, E, N, S, C):
                                        (3, 40, 4, 64, 16), (4, 64, 32, 128, 256)])
 def test_kernel_algorithm_with_promotion_cap_equals_reference(rng, L, E, N, S, C):
     """A cap drawn for each step (none, small, up to the step's width), prefetch steps mixed in
-    (which the cap must not touch): the ring model equals the reference's Policy(promote=...)."""
+    (capped alike by their own max_rows): the ring model equals the reference's
+    Policy(promote=...) and prefetch(..., max_rows)."""
     ref = ReferencePlanner(L, E, N, S)
     model = KernelModel(ref, C)
     hot = [hot_distribution(rng, E) for _ in range(L)]
@@ -475,8 +476,9 @@ def test_kernel_algorithm_with_promotion_cap_equals_reference(rng, L, E, N, S, C
         cap = int(rng.choice([0, 1, 2, 3, int(rng.integers(1, W + 1))]))
         ref.policy = Policy(promote=cap)
         if rng.random() < 0.2:
-            c1, (_, c2) = ref.prefetch(layer, ids), model.step(layer, ids, prefetch=True,
-                                                                promote=cap)
+            c1, (_, c2) = ref.prefetch(layer, ids, cap), model.step(layer, ids, prefetch=True,
+                                                                     promote=cap)
+            assert not cap or len(c1) <= cap
         else:
             before = ref.counters[layer].copy()
             (r1, c1), (r2, c2) = ref.step(layer, ids), model.step(layer, ids, promote=cap)
@@ -695,7 +697,7 @@ def test_prefetch_build_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, l
     (7, 40, 30, 64, 64, 64, 1, 1500, 256, False),     # R = 210: several tiles, and compaction
     (4, 64, 8, 128, 128, 128, 1, 1500, None, False),  # 16 x top-8 lanes over 8 rows a layer
     (3, 9, 2, 4, 64, 64, 2, 800, None, False),        # S < lanes: staging overflows
-    (5, 17, 3, 64, 32, 32, 1, 2000, None, True),      # PREFETCH build: prefetches are not capped
+    (5, 17, 3, 64, 32, 32, 1, 2000, None, True),      # PREFETCH build: prefetches capped too
     (48, 512, 256, 64, 64, 128, 4, 40, None, False),  # the benchmark's shape and default block
 ])
 def test_promotion_cap_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, lanes, threads,

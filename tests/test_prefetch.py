@@ -11,7 +11,7 @@ from tiny_models import FAMILIES, ListMoEModel, hf_model
 
 from cupool import trace as tr
 from cupool.adapters import find_moe_layers
-from cupool.prefetch import RouterPredictor, TracePredictor
+from cupool.prefetch import RouterPredictor, TracePredictor, check_max_rows
 
 # DeepSeek-V3 routes within its best groups; with every group allowed its choice is the top-k of
 # sigmoid(logits) + the correction bias, which the predictor computes.
@@ -82,3 +82,10 @@ def test_trace_predictor_reads_the_replayed_step():
         TracePredictor(replayer, tr.uniform(6, 3, 16, 2, seed=1))
     with pytest.raises(ValueError, match="not the replayed"):
         TracePredictor(replayer, tr.with_predictions(tr.uniform(5, 3, 16, 2), 0.5))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_max_rows_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="max_rows must be an int >= 1 or None"):
+        check_max_rows(bad)
+    assert check_max_rows(None) is None and check_max_rows(3) == 3

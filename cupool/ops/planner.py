@@ -243,15 +243,17 @@ class PlanStep:
         return self._launch(self.kernels, layer, ids, self.tables.copies, self.tables.n_copies,
                             int(promote))
 
-    def prefetch(self, layer: int, ids: torch.Tensor) -> int:
-        """One prefetch step for `layer` (ids: its predicted experts, any shape, −1 padding) on
-        torch's current stream: fills the tables' pf_copies / pf_n_copies and writes none of the
-        plan step's outputs; returns W. No host sync. Needs the prefetch tables."""
+    def prefetch(self, layer: int, ids: torch.Tensor, max_rows: int = 0) -> int:
+        """One prefetch step for `layer` (ids: its predicted experts, any shape, −1 padding; at
+        most `max_rows` of its misses take rows, 0: all) on torch's current stream: fills the
+        tables' pf_copies / pf_n_copies and writes none of the plan step's outputs; returns W.
+        No host sync. Needs the prefetch tables."""
         if self.prefetch_kernels is None:
             raise RuntimeError("this plan step was built without the prefetch tables "
                                "(DeviceTables.build(..., prefetch=True))")
         t = self.tables
-        return self._launch(self.prefetch_kernels, layer, ids, t.pf_copies, t.pf_n_copies, 0)
+        return self._launch(self.prefetch_kernels, layer, ids, t.pf_copies, t.pf_n_copies,
+                            max_rows)
 
     def _launch(self, fns: dict, layer: int, ids: torch.Tensor, copies: torch.Tensor,
                 n_copies: torch.Tensor, promote: int) -> int:

@@ -228,8 +228,9 @@ class ReferencePlanner:
       steals      promotions whose victim held another layer's key (the cross-layer growth);
       staged      misses that took a staging row (no victim).
 
-    prefetch(layer, ids[W]) — a plan step in which the ids are a prediction of `layer`'s next
-    step (issued while an earlier layer still computes; the kernel's prefetch mode):
+    prefetch(layer, ids[W], max_rows=0) — a plan step in which the ids are a prediction of
+    `layer`'s next step (issued while an earlier layer still computes; the kernel's prefetch
+    mode):
       1. As step 1 (−1 padding; an id outside [0, E) sets BAD_ID, whatever the gate) and step 2
          (dedupe in first-occurrence order; hit or miss against the tables at the start).
       2. Gate closed: nothing else happens (no copies).
@@ -243,7 +244,9 @@ class ReferencePlanner:
          with the smallest (last_use, row) (the policy's victim among eligible rows); the
          victim's old key loses its row, the predicted key takes it, last_use = clock, the row
          is marked prefetched, and (key, row) joins the prefetch's copy list. No eligible row:
-         the predicted id is skipped — never staged, never an error.
+         the predicted id is skipped — never staged, never an error. With max_rows > 0 only the
+         first max_rows misses are considered; the others are skipped alike (a prefetch's copies
+         must land under the compute of the layers before its layer to hide).
       5. No routes, and `counters` do not change; the prefetch's copy list (victims in miss
          order, at most W entries) is its own.
     A prefetched row is an ordinary bank row: the next step of its layer finds it as a hit, and
@@ -259,9 +262,9 @@ class ReferencePlanner:
 
     Policies: `policy` replaces the victim rule of step 4 and prefetch step 4 (`Policy`); the
     kernel implements LRU with the promotion cap (`promote`, a launch argument), the other kinds
-    are the reference model's and the simulator's only. The cap applies to plan steps, never to
-    a prefetch. A prefetch's hits and victims set last_use only: a prediction is not a use for a
-    frequency count.
+    are the reference model's and the simulator's only. The policy's cap applies to plan steps,
+    never to a prefetch, which has its own (max_rows, the same launch argument). A prefetch's
+    hits and victims set last_use only: a prediction is not a use for a frequency count.
     """
 
     def __init__(self, num_layers: int, num_experts: int, rows_per_layer: int,
@@ -394,9 +397,13 @@ class ReferencePlanner:
             self.counters[layer] += (len(hits), len(misses), promotions, steals, staged)
         return routes, copies
 
-    def prefetch(self, layer: int, ids) -> list[tuple[int, int]]:
+    def prefetch(self, layer: int, ids, max_rows: int = 0) -> list[tuple[int, int]]:
         """Bring the predicted experts `ids` of the next step of `layer` in (the class
-        docstring's prefetch rule); returns the prefetch's copy list [(key, row), ...]."""
+        docstring's prefetch rule; at most `max_rows` of them, 0: no cap); returns the
+        prefetch's copy list [(key, row), ...]."""
+        if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) \
+                or max_rows < 0:
+            raise ValueError(f"max_rows must be an int >= 0 (0: no cap), got {max_rows!r}")
         _, _, uniq = self._keys(layer, ids)
         if not self.gate:
             return []
@@ -407,7 +414,7 @@ class ReferencePlanner:
             self.last_use[self.slot_of[k]] = self.clock
         below = max(self.clock - 1, 1)          # not used now nor at the tick before
         copies = []
-        for k in misses:
+        for k in misses[:max_rows or len(misses)]:
             victim = self._victim(below)
             if victim < 0:
                 continue                          # skipped: a prefetch never stages
