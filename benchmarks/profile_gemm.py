@@ -1,7 +1,7 @@
 """Per-kernel device times of one decode layer call and one prefill call (torch.profiler/CUPTI),
 to see where a GEMM benchmark's time goes. Prints one table per case; with one of --sweep,
---trace, --route-trace, --prefill-sweep, --prefill-kernels or --prefill-timeline, that diagnostic
-instead. Writes no file."""
+--trace, --route-trace, --host-lanes, --prefill-sweep, --prefill-kernels or --prefill-timeline,
+that diagnostic instead. Writes no file."""
 
 from __future__ import annotations
 
@@ -225,6 +225,74 @@ def route_trace(T: int = 1, E: int = 128, dims=(2048, 768)):
     assert gemm.read_error() == [], gemm.read_error()
 
 
+def host_lanes(counts=(0, 1, 2), layers: int = 16, E: int = 128, dims=(2048, 768)):
+    """A miss computed where it lies: decode GEMM calls (T=1, top-8, a graph of `layers` calls
+    over distinct random ids, L2 flushed before each replay) with n of each call's 8 lanes
+    reading their rows straight from pinned host memory (the rows' UVA addresses), against what
+    n misses cost now: the row-copy kernel bringing those n rows into GPU rows, then the GEMM
+    reading every row from GPU memory. Prints µs a layer for both and for n = 0, and checks the
+    two outputs equal (the same bytes are read)."""
+    from _common import capture, time_ms
+
+    from cupool.ops.rowcopy import RowCopier
+    layout = RowLayout(*dims)
+    H, K = layout.hidden, 8
+    rows = ExpertRows(layout, E, store=True)
+    host = rows.store.address_table(0)                              # int64 [E] UVA addresses
+    gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=1)
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randperm(E, generator=gen)[:K].cuda() for _ in range(layers)]
+    xs = [torch.randn(1, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    w = torch.rand(1, K, device="cuda").softmax(-1)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    n_max = max(counts)
+    scratch = torch.zeros(max(1, layers * n_max), layout.row_stride, dtype=torch.uint8,
+                          device="cuda")
+    copier = RowCopier(host, layout.row_bytes, scratch, max(1, n_max))
+    print(f"decode T=1 top-{K}, H={H}, {layers} calls a graph, L2 flushed before each replay:")
+    try:
+        for n in counts:
+            outs = [torch.empty(1, H, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+            ref = [torch.empty_like(o) for o in outs]
+            direct, copied, lists, counts_dev = [], [], [], []
+            for layer in range(layers):
+                la = rows.addr[ids[layer]].clone()
+                la[:n] = host[ids[layer][:n]]                         # n lanes read host rows
+                direct.append(la)
+                s = scratch.data_ptr() + scratch.stride(0) * (layer * n_max
+                                                              + torch.arange(n, device="cuda"))
+                lc = rows.addr[ids[layer]].clone()
+                lc[:n] = s                                            # ... or their copies
+                copied.append(lc)
+                lst = torch.zeros(max(1, n_max), 2, dtype=torch.int32, device="cuda")
+                lst[:n, 0] = ids[layer][:n].int()
+                lst[:n, 1] = (layer * n_max + torch.arange(n, device="cuda")).int()
+                lists.append(lst)
+                counts_dev.append(torch.tensor([n], dtype=torch.int32, device="cuda"))
+
+            def run_direct(c):
+                gemm.decode(xs[c], direct[c], w, outs[c])
+
+            def run_copied(c):
+                if n:
+                    copier(lists[c], counts_dev[c])
+                gemm.decode(xs[c], copied[c], w, ref[c])
+
+            us = {}
+            for name, fn in (("host lanes", run_direct), ("copy, then GPU rows", run_copied)):
+                g = capture(fn, layers)
+                us[name] = time_ms(g.replay, warmup=3, iters=30,
+                                   setup=lambda: flush.fill_(1)) * 1e3 / layers
+            same = all(torch.equal(a, b) for a, b in zip(outs, ref))
+            print(f"  {n} of {K} lanes on the host: " + ", ".join(
+                f"{k} {v:6.1f} us a layer" for k, v in us.items())
+                + f"; outputs {'equal' if same else 'DIFFER'}", flush=True)
+            assert same, "a host lane read other bytes than its copy"
+            assert gemm.read_error() == [], gemm.read_error()
+    finally:
+        rows.store.close()
+
+
 def prefill_variant(text: str):
     """(text, the prefill launch config with the changes of "NAME=INT,...") (fields of
     cupool.ops.moe_gemm.GemmConfig in any case: NB, MINB, KC2, W2_NS, ...). An argument type
@@ -333,6 +401,9 @@ def build_parser() -> CLIParser:
     what.add_argument("--prefill-timeline", type=positive_int, nargs="*", metavar="T",
                       help="kernel timeline of half-on-host prefill calls of T tokens (default "
                            "2048), then exit")
+    what.add_argument("--host-lanes", type=bounded_int(0, 8), nargs="*", metavar="N",
+                      help="decode calls with N of 8 lanes reading host rows in place, against "
+                           "copying them first (default N = 0 1 2), then exit")
     p.add_argument("--scratch-rows", type=positive_int, nargs="+", default=[32],
                    help="--prefill-timeline: MoEGemm scratch_rows values (>= 1)")
     return p
@@ -355,6 +426,9 @@ def main(args) -> None:
     if args.sweep is not None:
         sweep(args.sweep or [parse_variant(v) for v in SWEEP], repeats=args.repeats,
               cases=args.cases)
+        return
+    if args.host_lanes is not None:
+        host_lanes(tuple(args.host_lanes) or (0, 1, 2), E=args.experts)
         return
     if args.route_trace is not None:
         for T in args.route_trace or [1]:
