@@ -258,7 +258,7 @@ def gpu_events(prof) -> list[dict]:
     return sorted(out, key=lambda e: e["start_us"])
 
 
-def _union_us(spans) -> float:
+def union_us(spans) -> float:
     """Length of the union of [start, end) intervals."""
     total, cur_s, cur_e = 0.0, None, None
     for s, e in sorted(spans):
@@ -290,9 +290,9 @@ def timeline_breakdown(events: list[dict], group_of, top: int = 8) -> dict:
             g = table.setdefault(key, [0.0, 0])
             g[0] += (e["end_us"] - e["start_us"]) / 1e3
             g[1] += 1
-    busy = _union_us([(e["start_us"], e["end_us"]) for e in events])
+    busy = union_us([(e["start_us"], e["end_us"]) for e in events])
     return {"span_ms": (t1 - t0) / 1e3, "idle_ms": (t1 - t0 - busy) / 1e3,
-            "streams": {k: _union_us(v) / 1e3 for k, v in streams.items()},
+            "streams": {k: union_us(v) / 1e3 for k, v in streams.items()},
             "groups": {k: {"ms": v[0], "count": v[1]} for k, v in
                        sorted(groups.items(), key=lambda kv: -kv[1][0])},
             "kernels": [{"name": k, "group": group_of(k), "ms": v[0], "count": v[1]} for k, v in

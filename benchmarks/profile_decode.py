@@ -272,7 +272,7 @@ def replay_timeline(graph, pool, row_bytes: int, steps: int) -> dict:
     returned under "events" (name, start and end µs from the first)."""
     import statistics
 
-    from _common import _union_us, gpu_events
+    from _common import union_us, gpu_events
     torch.cuda.synchronize()
     pool.bank.reset_stats()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -287,8 +287,8 @@ def replay_timeline(graph, pool, row_bytes: int, steps: int) -> dict:
     span = (max(e["end_us"] for e in ev) - t0) / 1e3 / steps
     copies = [(e["start_us"], e["end_us"]) for e in ev if "copy_rows" in e["name"]]
     other = [(e["start_us"], e["end_us"]) for e in ev if "copy_rows" not in e["name"]]
-    c, k = _union_us(copies) / 1e3 / steps, _union_us(other) / 1e3 / steps
-    either = _union_us(copies + other) / 1e3 / steps
+    c, k = union_us(copies) / 1e3 / steps, union_us(other) / 1e3 / steps
+    either = union_us(copies + other) / 1e3 / steps
     both = c + k - either
     gbps = (misses + prefetched) * row_bytes / (c * 1e6) if c else None
     waits = []

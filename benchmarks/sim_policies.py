@@ -11,8 +11,9 @@ popularity: where frequency should matter most). Banks of 25/50/75% of each laye
 - prefetch: LRU with layer l + 1's predicted ids prefetched right after layer l's step, as the
   pool does (`ReferencePlanner.prefetch`: a plan step of its own in which rows used at that tick
   or the one before are not eligible; layer 0 is not predicted), on the trace with predictions at
-  60/80/95% accuracy (`cupool.trace.with_predictions`); beside the hit rate, rows prefetched /
-  used / wasted (evicted before any use) a token. Prefetched rows count as hits: the bytes still
+  60/80/95% accuracy (`cupool.trace.with_predictions`), every predicted row or at most 1 or 2 a
+  prefetch (the Prefetcher's max_rows); beside the hit rate, rows prefetched / used / wasted
+  (evicted before any use) a token. Prefetched rows count as hits: the bytes still
   cross PCIe, but ahead of the step that needs them, under the previous layer's compute;
 - promote: several sequences decoded together (`cupool.trace.streams`: 1, 2, 4, 8, 16
   independent locality streams, one token each a step), LRU uncapped against LRU with at most N
@@ -45,6 +46,7 @@ BANKS = (25, 50, 75)
 PARTS = ("policies", "prefetch", "promote")
 STREAMS = (1, 2, 4, 8, 16)
 CAP_DIVISORS = (2, 4, 8, 16)          # caps tried: rows per layer / these
+PREFETCH_ROWS = (0, 1, 2)             # rows a prefetch may bring in (0: every predicted one)
 TRACES = {"uniform": {}, "locality": tr.QWEN3_LOCALITY,
           "skewed": dict(reuse_next=0.2, reuse_window=0.4, window=8, skew=1.0)}
 
@@ -93,17 +95,22 @@ def main(args) -> None:
                       flush=True)
             for acc in (0.6, 0.8, 0.95) if "prefetch" in args.parts else ():
                 tp = tr.with_predictions(trace, acc, seed=2)
-                r = simulate(tp, rows, warmup_steps=args.warmup, prefetch=True)
-                per = {k: r[k] / args.steps for k in ("prefetched", "prefetch_used",
-                                                        "prefetch_wasted")}
-                res["prefetch"].append({"trace": name, "bank_percent": bank, "accuracy": acc,
-                                        "hit_rate": r["hit_rate"],
-                                        "misses_per_token": r["misses"] / args.steps,
-                                        **{f"{k}_per_token": v for k, v in per.items()}})
-                print(f"{name:>8} bank {bank}% prefetch at {acc:.2f}: hit rate "
-                      f"{r['hit_rate']:.4f}, a token: {per['prefetched']:.1f} rows prefetched, "
-                      f"{per['prefetch_used']:.1f} used, {per['prefetch_wasted']:.1f} wasted, "
-                      f"{r['misses'] / args.steps:.1f} misses", flush=True)
+                for cap in PREFETCH_ROWS:
+                    r = simulate(tp, rows, warmup_steps=args.warmup, prefetch=True,
+                                 prefetch_rows=cap)
+                    per = {k: r[k] / args.steps for k in ("prefetched", "prefetch_used",
+                                                            "prefetch_wasted")}
+                    res["prefetch"].append({"trace": name, "bank_percent": bank,
+                                            "accuracy": acc, "prefetch_rows": cap,
+                                            "hit_rate": r["hit_rate"],
+                                            "misses_per_token": r["misses"] / args.steps,
+                                            **{f"{k}_per_token": v for k, v in per.items()}})
+                    print(f"{name:>8} bank {bank}% prefetch at {acc:.2f}, "
+                          f"{f'at most {cap} rows' if cap else 'every row'}: hit rate "
+                          f"{r['hit_rate']:.4f}, a token: {per['prefetched']:.1f} rows "
+                          f"prefetched, {per['prefetch_used']:.1f} used, "
+                          f"{per['prefetch_wasted']:.1f} wasted, "
+                          f"{r['misses'] / args.steps:.1f} misses", flush=True)
     res["seconds"] = time.perf_counter() - t0
     save("sim_policies", res, out)
 

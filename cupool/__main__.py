@@ -134,6 +134,9 @@ def simulate(args) -> int:
     from cupool import trace as tr
     from cupool.reference.planner import Policy
     from cupool.simulate import simulate as run_simulation
+    if args.prefetch_rows and args.prefetch_accuracy is None:
+        raise ValueError(f"--prefetch-rows {args.prefetch_rows} needs --prefetch-accuracy (the "
+                         f"prefetch it caps)")
     if args.trace:
         if args.streams != 1:
             raise ValueError(f"--streams {args.streams} is for a synthetic trace; a trace file "
@@ -169,11 +172,14 @@ def simulate(args) -> int:
               f"{res['hit_rate']:.3f}   rows owned per layer min/max {min(owned)}/{max(owned)}"
               f"   [{res['policy']}]")
         if tp is not None:
-            pre = run_simulation(tp, r, warmup_steps=args.warmup, prefetch=True, policy=policy)
+            pre = run_simulation(tp, r, warmup_steps=args.warmup, prefetch=True, policy=policy,
+                                 prefetch_rows=args.prefetch_rows or 0)
             n = t.steps - args.warmup
-            print(f"    with prefetch at {args.prefetch_accuracy:g} accuracy (reference model): "
-                  f"hit rate {pre['hit_rate']:.3f}; a step: {pre['prefetched'] / n:.1f} rows "
-                  f"prefetched, {pre['prefetch_wasted'] / n:.1f} of them wasted")
+            cap = f", at most {args.prefetch_rows} row(s) a prefetch" if args.prefetch_rows else ""
+            print(f"    with prefetch at {args.prefetch_accuracy:g} accuracy{cap} (reference "
+                  f"model): hit rate {pre['hit_rate']:.3f}; a step: {pre['prefetched'] / n:.1f} "
+                  f"rows prefetched, {pre['prefetch_wasted'] / n:.1f} of them wasted, "
+                  f"{pre['misses'] / n:.1f} misses")
     return 0
 
 
@@ -392,6 +398,9 @@ def build_parser() -> CLIParser:
                    help="also simulate prefetching each layer's predicted experts, a fraction P "
                         "of them right (the planner's reference model; predictions drawn by "
                         "cupool.trace.with_predictions)")
+    s.add_argument("--prefetch-rows", type=positive_int, metavar="N",
+                   help="with --prefetch-accuracy: at most N rows a prefetch brings in "
+                        "(Pool.enable_prefetch's max_rows; default: every predicted one)")
 
     pl = sub.add_parser("plan", help="what a checkpoint needs for a budget (no GPU, no weights)")
     pl.add_argument("--model", required=True, type=existing_dir, help="checkpoint directory")

@@ -21,7 +21,8 @@ from cupool.trace import Trace
 
 
 def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = None,
-             warmup_steps: int = 0, policy: Policy | None = None, prefetch: bool = False) -> dict:
+             warmup_steps: int = 0, policy: Policy | None = None, prefetch: bool = False,
+             prefetch_rows: int = 0) -> dict:
     """Replay `trace` through the reference planner with the gate open.
 
     Returns the hit rate (hits / (hits + misses)) over the steps after `warmup_steps`, per layer
@@ -33,7 +34,8 @@ def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = No
     same step are prefetched (`ReferencePlanner.prefetch`; needs `trace.predicted`), for
     l = 0 … L − 2 (layer 0 is not predicted: nothing runs before it in a step). Then the result
     also counts rows prefetched, used and wasted (`PREFETCH_COUNTERS`), and the rows still
-    marked prefetched at the end ("prefetch_pending").
+    marked prefetched at the end ("prefetch_pending"). `prefetch_rows`: at most that many rows a
+    prefetch brings in (the Prefetcher's max_rows; 0: all).
     """
     if prefetch and trace.predicted is None:
         raise ValueError("prefetch=True needs a trace with predicted ids "
@@ -62,7 +64,8 @@ def simulate(trace: Trace, rows_per_layer: int, *, staging_rows: int | None = No
         for layer in range(L):
             ref.step(layer, trace.ids[s, layer].reshape(-1))
             if prefetch and layer + 1 < L:        # the next layer's predicted ids, ahead of it
-                ref.prefetch(layer + 1, trace.predicted[s, layer + 1].reshape(-1))
+                ref.prefetch(layer + 1, trace.predicted[s, layer + 1].reshape(-1),
+                             prefetch_rows)
     c = ref.counters - base
     pc = (ref.prefetch_counters - pbase).sum(axis=0)
     hits, misses = int(c[:, HITS].sum()), int(c[:, MISSES].sum())

@@ -46,6 +46,7 @@ def parse_error(capsys, *argv):
     (["simulate", "--steps", "0"], "--steps"),
     (["simulate", "--top-k", "0"], "--top-k"),
     (["simulate", "--prefetch-accuracy", "1.5"], "--prefetch-accuracy"),
+    (["simulate", "--prefetch-accuracy", "0.8", "--prefetch-rows", "0"], "--prefetch-rows"),
     (["simulate", "--steps", "x"], "--steps"),
     (["simulate", "--streams", "0"], "--streams"),
     (["simulate", "--promote", "-1"], "--promote"),
@@ -66,6 +67,8 @@ def test_simulate_rows_and_warmup_checked_against_the_trace(capsys):
     one_line_error(rc, err, "--warmup 10", "10 steps")
     rc, _, err = run("simulate", "--experts", "4", "--top-k", "8", capsys=capsys)
     one_line_error(rc, err, "--top-k 8", "--experts 4")
+    rc, _, err = run("simulate", "--prefetch-rows", "2", capsys=capsys)
+    one_line_error(rc, err, "--prefetch-rows 2", "--prefetch-accuracy")
 
 
 def test_simulate_runs(capsys):
@@ -106,6 +109,12 @@ def test_simulate_with_prefetch(capsys):
     plain = float(out.split("hit rate ")[1].split()[0])
     prefetched = float(out.split("hit rate ")[2].split(";")[0])
     assert prefetched > plain
+    rc, capped, _ = run("simulate", "--steps", "40", "--layers", "3", "--experts", "16",
+                        "--top-k", "2", "--rows", "4", "--prefetch-accuracy", "0.8",
+                        "--prefetch-rows", "1", capsys=capsys)
+    assert rc == 0 and "at most 1 row(s) a prefetch (reference model)" in capped
+    rows = lambda text: float(text.split("; a step: ")[1].split()[0])     # rows prefetched
+    assert rows(capped) < rows(out)
 
 
 def _npz(path, **arrays):

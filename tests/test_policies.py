@@ -223,6 +223,19 @@ def test_prefetch_raises_the_simulated_hit_rate():
                         rates[0]["hit_rate"])
 
 
+def test_a_prefetch_cap_bounds_the_rows_a_prefetch_brings_in():
+    """prefetch_rows=1: at most one row a prefetch (L − 1 prefetches a step), fewer rows
+    prefetched and more misses left than uncapped; a bad cap is refused."""
+    L, S, W = 8, 60, 8
+    t = tr.with_predictions(tr.streams(S, L, 32, 4, 1, seed=4, **tr.QWEN3_LOCALITY), 0.8, seed=1)
+    full = simulate(t, 12, warmup_steps=W, prefetch=True)
+    one = simulate(t, 12, warmup_steps=W, prefetch=True, prefetch_rows=1)
+    assert one["prefetched"] <= (S - W) * (L - 1) < full["prefetched"]
+    assert one["misses"] > full["misses"]
+    with pytest.raises(ValueError, match="max_rows must be an int >= 0"):
+        simulate(t, 12, prefetch=True, prefetch_rows=-1)
+
+
 def test_a_promotion_cap_keeps_a_batch_from_evicting_the_whole_bank():
     """16 independent streams decoded together ask for more experts a step than a half bank
     holds: uncapped LRU evicts every row before its next use (hit rate ~0); capping a step's
