@@ -130,7 +130,8 @@ def build_parser() -> CLIParser:
                         "of the prefetch's row-copy kernel: bulk:BLOCKS:CHUNK_KIB:STAGES or "
                         "ld:BLOCKS:THREADS:UNROLL")
     p.add_argument("--timeline", action="store_true",
-                   help="also profile replays of the captured step: streams, copies, waits")
+                   help="also profile replays of the captured step: row copies against the "
+                        "other kernels")
     p.add_argument("--ablate", action="store_true",
                    help="also time the captured step without each part of a layer (fused step)")
     p.add_argument("--json", type=output_file, metavar="PATH", help="also write the figures here")

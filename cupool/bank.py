@@ -142,10 +142,9 @@ class Bank:
         self._copy_stream = None   # step_split's, made on first use
         self._copy = RowCopier(self.src_of_key, self.row_bytes, self.rows, W, mode=copy_mode,
                                blocks=copy_blocks)
-        # the prefetch's copies run beside the step's kernels, not on its critical path: their
-        # own launcher, so that its grid can differ (replace it before capture to change it)
-        self.prefetch_copier = RowCopier(self.src_of_key, self.row_bytes, self.rows, W,
-                                         mode=copy_mode, blocks=copy_blocks) if prefetch else None
+        # the prefetch's copies run beside the step's kernels, not on its critical path: the same
+        # launcher by default, an attribute so that another grid can replace it before capture
+        self.prefetch_copier = self._copy if prefetch else None
         self._compare = kernels.function("planner", "compare_rows", self._plan.defines, idx)
         owned = np.flatnonzero(key_of >= 0)
         if owned.size:
@@ -224,10 +223,7 @@ class Bank:
         of the plan step's outputs, so a GEMM reading the last step's `lane_addr` and that
         step's row copies may run beside it. Returns W; no host sync; graph-capturable. Nothing
         may plan (a step or another prefetch) until its copies have landed."""
-        if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) \
-                or not 0 <= max_rows < 2**31:
-            raise ValueError(f"max_rows must be an int >= 0 (0: no cap), got {max_rows!r}")
-        return self._plan.prefetch(layer, ids, int(max_rows))
+        return self._plan.prefetch(layer, ids, _positive_int("max_rows", max_rows, 0))
 
     def copy_prefetched(self, stream: torch.cuda.Stream | None = None) -> None:
         """Copy the rows listed by the last prefetch step (the row-copy kernel, fixed grid, the

@@ -127,7 +127,7 @@ def test_gemv_kernel_source_matches_reference_on_cpu(builds, name, rows, K, vari
 
 @pytest.mark.parametrize("name,E,K,H", [("route", 128, 8, 2048), ("route_split", 60, 4, 264),
                                         ("route_split", 512, 10, 2048),
-                                        ("route_split", 640, 8, 264)])   # past the registers
+                                        ("route_split", 640, 8, 264)])   # more than 512
 @pytest.mark.parametrize("w_f32", [False, True])
 def test_route_kernel_source_matches_reference_on_cpu(builds, name, E, K, H, w_f32):
     """Logits, the top-k of the reference rule on them, the weights, the lane addresses
