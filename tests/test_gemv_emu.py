@@ -125,7 +125,10 @@ def test_gemv_kernel_source_matches_reference_on_cpu(builds, name, rows, K, vari
     assert not got["tile_tickets"].any(), "a tile's ticket is not back at zero"
 
 
-@pytest.mark.parametrize("name,E,K,H", [("route", 128, 8, 2048), ("route_split", 60, 4, 264),
+# route.cuh's segments of 4 experts a lane (128, 96), 7 (200: the last lane's segment cut
+# short), 2 (60), 16 (512) and 20 (640)
+@pytest.mark.parametrize("name,E,K,H", [("route", 128, 8, 2048), ("route", 200, 6, 264),
+                                        ("route_split", 60, 4, 264), ("route_split", 96, 6, 264),
                                         ("route_split", 512, 10, 2048),
                                         ("route_split", 640, 8, 264)])   # more than 512
 @pytest.mark.parametrize("w_f32", [False, True])
@@ -156,8 +159,8 @@ def test_route_kernel_source_matches_reference_on_cpu(builds, name, E, K, H, w_f
     assert got["ticket"] == 0 and not got["tile_tickets"].any()
 
 
-@pytest.mark.parametrize("name,E,K", [("route", 128, 8), ("route_split", 512, 10),
-                                      ("route_split", 640, 8)])
+@pytest.mark.parametrize("name,E,K", [("route", 128, 8), ("route", 200, 6), ("route_split", 96, 6),
+                                      ("route_split", 512, 10), ("route_split", 640, 8)])
 def test_route_ties_and_nan_on_cpu(builds, name, E, K):
     """Four experts with equal router rows (two in one lane's segment of the top-k) come out in
     ascending order; a NaN in one row makes every probability NaN, which counts as largest: the

@@ -125,7 +125,7 @@ def test_dense_gemv_matches_reference(tokens, rows, K, shape, variant):
 
 
 @pytest.mark.parametrize("tokens,E,K", [(1, 128, 8), (8, 128, 8), (16, 128, 8), (3, 512, 10),
-                                        (5, 60, 4)])
+                                        (5, 60, 4), (2, 200, 6)])
 @pytest.mark.parametrize("norm_topk", [True, False])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [{}, dict(warps=4), dict(split_k=2), dict(split_k=3),
