@@ -1,7 +1,7 @@
 """Per-kernel device times of one decode layer call and one prefill call (torch.profiler/CUPTI),
 to see where a GEMM benchmark's time goes. Prints one table per case; with one of --sweep,
---trace, --route-trace, --host-lanes, --prefill-sweep, --prefill-kernels or --prefill-timeline,
-that diagnostic instead. Writes no file."""
+--trace, --route-trace, --route-probe, --host-lanes, --prefill-sweep, --prefill-kernels or
+--prefill-timeline, that diagnostic instead. Writes no file."""
 
 from __future__ import annotations
 
@@ -366,6 +366,55 @@ def prefill_timeline(T: int, host_fraction: float = 0.5, scratch_rows: int = 32,
     er.store.close()
 
 
+_ROUTE_PROBE = r"""
+extern "C" __global__ void route_probe(const float* logits, int N, int topk, int reps,
+                                       long long* cycles, int* ids, float* wts) {
+    extern __shared__ float lg[];
+    for (int r = 0; r < reps; ++r) {
+        for (int e = threadIdx.x; e < N; e += 32) lg[e] = logits[e];
+        __syncwarp();
+        const long long t0 = clock64();
+        route_token<false>(lg, N, topk, 1, true, ids, wts, 1, nullptr, nullptr);
+        __syncwarp();
+        const long long t1 = clock64();
+        if (threadIdx.x == 0) cycles[r] = t1 - t0;
+    }
+}
+"""
+
+
+def route_probe(experts=(128, 512), topks=(0, 1, 8), reps: int = 16):
+    """SM cycles (clock64) of route.cuh's route_token alone: one warp of one block routes one
+    token's random logits in shared memory `reps` times in a row (the first call cold, the rest
+    warm), for each E and top-k. topk 0 is the softmax and the segments' first scan with no round;
+    the slope over topk is a round's cost."""
+    import cupy
+
+    from cupool import kernels
+    text = kernels.expand("dense_gemv")[0] + _ROUTE_PROBE
+    dev = torch.cuda.current_device()
+    cc = torch.cuda.get_device_capability(dev)
+    module = cupy.RawModule(code=text, options=("-std=c++17", f"-arch=sm_{cc[0]}{cc[1]}"))
+    kern = module.get_function("route_probe")
+    keep_busy()
+    for E in experts:
+        for k in topks:
+            logits = torch.randn(E, device="cuda")
+            cycles = torch.zeros(reps, dtype=torch.int64, device="cuda")
+            ids = torch.full((32,), -7, dtype=torch.int32, device="cuda")
+            wts = torch.zeros(32, device="cuda")
+            kern((1,), (32,), (logits.data_ptr(), cupy.int32(E), cupy.int32(k),
+                              cupy.int32(reps), cycles.data_ptr(), ids.data_ptr(),
+                              wts.data_ptr()), shared_mem=4 * E)
+            torch.cuda.synchronize()
+            c = cycles.cpu().tolist()
+            want = torch.sort(torch.softmax(logits, 0), descending=True, stable=True).indices[:k]
+            ok = ids[:k].cpu().tolist() == want.cpu().tolist()
+            print(f"route_token E={E:4d} topk={k}: cold {c[0]:6d} cycles, warm median "
+                  f"{sorted(c[1:])[len(c) // 2 - 1]:6d} (ids {'match' if ok else 'DIFFER'})")
+    print(f"SM clock {sm_clock_mhz()} MHz")
+
+
 def build_parser() -> CLIParser:
     p = CLIParser(prog="profile_gemm.py", description=__doc__)
     p.add_argument("--experts", type=bounded_int(8, 1024), default=128,
@@ -404,6 +453,9 @@ def build_parser() -> CLIParser:
     what.add_argument("--host-lanes", type=bounded_int(0, 8), nargs="*", metavar="N",
                       help="decode calls with N of 8 lanes reading host rows in place, against "
                            "copying them first (default N = 0 1 2), then exit")
+    what.add_argument("--route-probe", action="store_true",
+                      help="SM cycles of route.cuh's top-k routine alone (one warp, E 128 and "
+                           "512, top-k 0, 1 and 8), then exit")
     p.add_argument("--scratch-rows", type=positive_int, nargs="+", default=[32],
                    help="--prefill-timeline: MoEGemm scratch_rows values (>= 1)")
     return p
@@ -429,6 +481,9 @@ def main(args) -> None:
         return
     if args.host_lanes is not None:
         host_lanes(tuple(args.host_lanes) or (0, 1, 2), E=args.experts)
+        return
+    if args.route_probe:
+        route_probe()
         return
     if args.route_trace is not None:
         for T in args.route_trace or [1]:

@@ -33,12 +33,34 @@ CUPOOL_DEVICE u32 route_key(float v) {
     return v != v ? __float_as_uint(2.0f) + 1u : v < 0.0f ? 0u : __float_as_uint(v) + 1u;
 }
 
-// Top-k routing of one token by one warp, its N logits in `lg` (shared memory; overwritten with
-// the probabilities, then with −1 where taken). ids [topk], wts [topk] (float32 with w_f32, else
-// bf16) and, with LA, lane_addr [topk] are written by lanes 0 .. topk − 1 (any memory space);
-// `table` may be in shared or global memory. Each lane reads its table entry once, after the
-// rounds: a read inside them (predicated on the lane that took the round) is one load a round
-// into the same register, which the hardware completes one after another, a round trip each.
+// The probability of a key (any NaN as one NaN).
+CUPOOL_DEVICE float route_prob(u32 key) {
+    return key == __float_as_uint(2.0f) + 1u ? __int_as_float(0x7fffffff)
+                                             : __uint_as_float(key - 1u);
+}
+
+// Lane j < topk writes its round's expert e, probability p (divided by the rounds' total when
+// norm_topk) and, with LA, table[e]: ids [topk], wts [topk] (float32 with w_f32, else bf16) and
+// lane_addr [topk] in any memory space, `table` in shared or global memory; an inactive token
+// gets −1, 0 and 0. Each lane reads its table entry once, after the rounds: a read inside them
+// (predicated on the lane that took the round) is one load a round into the same register, which
+// the hardware completes one after another, a round trip each.
+template <bool LA>
+CUPOOL_DEVICE void route_out(i32 mine_e, float mine_p, float total, i32 topk, int norm_topk,
+                             bool active, i32* ids, void* wts, int w_f32, const i64* table,
+                             i64* lane_addr) {
+    const int lane = threadIdx.x & 31;
+    if (lane < topk) {
+        const float w = norm_topk ? mine_p / total : mine_p;
+        ids[lane] = active ? mine_e : -1;
+        if (LA) lane_addr[lane] = active ? table[mine_e] : 0;
+        if (w_f32) static_cast<float*>(wts)[lane] = active ? w : 0.0f;
+        else static_cast<u16*>(wts)[lane] = active ? f32_to_bf16(w) : (u16)0;
+    }
+}
+
+// route_token for segments of more than 16 entries (N > 512), its logits in shared memory
+// (overwritten with the probabilities, then with −1 where taken).
 //
 // The softmax runs over e = lane + 32i; the top-k over contiguous segments, lane l holding
 // [l·per, l·per + per), and each lane keeps its segment's best (largest key, the lowest e among
@@ -47,9 +69,9 @@ CUPOOL_DEVICE u32 route_key(float v) {
 // the rule of a stable descending sort), and that lane alone marks its entry and rescans its
 // segment: no pass over all N entries a round.
 template <bool LA>
-CUPOOL_DEVICE void route_token(float* lg, i32 N, i32 topk, int norm_topk, bool active,
-                               i32* ids, void* wts, int w_f32, const i64* table,
-                               i64* lane_addr) {
+CUPOOL_DEVICE void route_token_shared(float* lg, i32 N, i32 topk, int norm_topk, bool active,
+                                      i32* ids, void* wts, int w_f32, const i64* table,
+                                      i64* lane_addr) {
     const int lane = threadIdx.x & 31;
     float m = -__int_as_float(0x7f800000);
     for (i32 e = lane; e < N; e += 32) m = fmaxf(m, lg[e]);
@@ -90,11 +112,95 @@ CUPOOL_DEVICE void route_token(float* lg, i32 N, i32 topk, int norm_topk, bool a
             mine_e = e;
         }
     }
-    if (lane < topk) {
-        const float w = norm_topk ? mine_p / total : mine_p;
-        ids[lane] = active ? mine_e : -1;
-        if (LA) lane_addr[lane] = active ? table[mine_e] : 0;
-        if (w_f32) static_cast<float*>(wts)[lane] = active ? w : 0.0f;
-        else static_cast<u16*>(wts)[lane] = active ? f32_to_bf16(w) : (u16)0;
+    route_out<LA>(mine_e, mine_p, total, topk, norm_topk, active, ids, wts, w_f32, table,
+                  lane_addr);
+}
+
+// route_token for segments of up to PER entries (N ≤ 32·PER), in registers: lane l holds
+// entries [l·PER, l·PER + PER) (−inf past N), their softmax (a local max and sum, then one warp
+// max and one warp sum), their keys, and its best (largest key, the lowest e among equal keys,
+// as a tree over the PER keys). A round is a warp max of the lanes' bests (redux), the lowest lane
+// holding it (segments are in e order: the lowest e of the largest key), which zeroes that key
+// and takes its next best; the round's probability comes from the key itself, its expert by one
+// shuffle off the rounds' chain. lg is only read.
+template <int PER, bool LA>
+CUPOOL_DEVICE void route_token_regs(const float* lg, i32 N, i32 topk, int norm_topk,
+                                    bool active, i32* ids, void* wts, int w_f32,
+                                    const i64* table, i64* lane_addr) {
+    const int lane = threadIdx.x & 31;
+    const i32 e0 = lane * PER;
+    float v[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) v[i] = e0 + i < N ? lg[e0 + i] : -__int_as_float(0x7f800000);
+    float m = v[0];
+#pragma unroll
+    for (int i = 1; i < PER; ++i) m = fmaxf(m, v[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        v[i] = e0 + i < N ? expf(v[i] - m) : 0.0f;
+        s += v[i];
     }
+    s = warp_sum(s);
+    u32 key[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) key[i] = e0 + i < N ? route_key(v[i] / s) : 0u;
+    // the segment's best: a tree of pairs, the lower index kept unless the higher one's key is
+    // larger
+    auto best_of = [&](u32& bk, int& bi) {
+        u32 k2[PER];
+        int i2[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) { k2[i] = key[i]; i2[i] = i; }
+#pragma unroll
+        for (int w = 1; w < PER; w *= 2)
+#pragma unroll
+            for (int i = 0; i + w < PER; i += 2 * w)
+                if (k2[i + w] > k2[i]) { k2[i] = k2[i + w]; i2[i] = i2[i + w]; }
+        bk = k2[0];
+        bi = i2[0];
+    };
+    u32 best;
+    int best_i;
+    best_of(best, best_i);
+    float mine_p = 0.0f, total = 0.0f;
+    i32 mine_e = -1;
+    for (i32 j = 0; j < topk; ++j) {
+        const u32 top = warp_max_u32(best);
+        const int src = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
+        const i32 e = src * PER + __shfl_sync(0xffffffffu, best_i, src);
+        const float p = route_prob(top);
+        if (lane == src) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i) key[i] = i == best_i ? 0u : key[i];
+        }
+        best_of(best, best_i);
+        total += p;
+        if (lane == j) {
+            mine_p = p;
+            mine_e = e;
+        }
+    }
+    route_out<LA>(mine_e, mine_p, total, topk, norm_topk, active, ids, wts, w_f32, table,
+                  lane_addr);
+}
+
+// Top-k routing of one token by one warp, its N logits in `lg` (shared memory, overwritten where
+// N > 512): ids, weights and, with LA, lane addresses as route_out writes them.
+template <bool LA>
+CUPOOL_DEVICE void route_token(float* lg, i32 N, i32 topk, int norm_topk, bool active,
+                               i32* ids, void* wts, int w_f32, const i64* table,
+                               i64* lane_addr) {
+    if (N <= 128)
+        route_token_regs<4, LA>(lg, N, topk, norm_topk, active, ids, wts, w_f32, table, lane_addr);
+    else if (N <= 256)
+        route_token_regs<8, LA>(lg, N, topk, norm_topk, active, ids, wts, w_f32, table, lane_addr);
+    else if (N <= 512)
+        route_token_regs<16, LA>(lg, N, topk, norm_topk, active, ids, wts, w_f32, table,
+                                 lane_addr);
+    else
+        route_token_shared<LA>(lg, N, topk, norm_topk, active, ids, wts, w_f32, table,
+                               lane_addr);
 }
