@@ -59,15 +59,37 @@ CUPOOL_DEVICE void route_out(i32 mine_e, float mine_p, float total, i32 topk, in
     }
 }
 
+// The top-k rounds both forms share: each lane holds its segment's best key (0: none left); a
+// round is a warp max of them (redux) and the lowest lane holding it (segments are in e order, so
+// that is the lowest e of the largest key, the rule of a stable descending sort). expert_of(src)
+// gives the round's expert (every lane calls it: a shuffle from src), take(mine, e) lets the
+// lane that holds it mark it and find its next best. The round's probability comes from the key;
+// lane j keeps round j's expert and probability, every lane the rounds' total.
+template <class ExpertOf, class Take>
+CUPOOL_DEVICE void route_rounds(u32& best, i32 topk, ExpertOf expert_of, Take take, i32& mine_e,
+                                float& mine_p, float& total) {
+    const int lane = threadIdx.x & 31;
+    for (i32 j = 0; j < topk; ++j) {
+        const u32 top = warp_max_u32(best);
+        const int src = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
+        const i32 e = expert_of(src);
+        const float p = route_prob(top);
+        take(lane == src, e);
+        total += p;
+        if (lane == j) {
+            mine_p = p;
+            mine_e = e;
+        }
+    }
+}
+
 // route_token for segments of more than 16 entries (N > 512), its logits in shared memory
 // (overwritten with the probabilities, then with −1 where taken).
 //
 // The softmax runs over e = lane + 32i; the top-k over contiguous segments, lane l holding
 // [l·per, l·per + per), and each lane keeps its segment's best (largest key, the lowest e among
-// equal keys) in registers. A round is then one warp max of the lanes' keys (redux), the lowest
-// lane holding it (a ballot: segments are in e order, so that is the lowest e of the largest key,
-// the rule of a stable descending sort), and that lane alone marks its entry and rescans its
-// segment: no pass over all N entries a round.
+// equal keys) in registers; in each round (route_rounds) the lane holding the largest marks its
+// entry and rescans its segment: no pass over all N entries a round.
 template <bool LA>
 CUPOOL_DEVICE void route_token_shared(float* lg, i32 N, i32 topk, int norm_topk, bool active,
                                       i32* ids, void* wts, int w_f32, const i64* table,
@@ -84,34 +106,26 @@ CUPOOL_DEVICE void route_token_shared(float* lg, i32 N, i32 topk, int norm_topk,
     __syncwarp();
     const i32 per = (N + 31) / 32, e0 = lane * per, e1 = min(N, e0 + per);
     u32 best = 0;                        // this segment's best key (0: none left) ...
-    i32 best_e = N;                      // ... its entry
-    float best_p = 0.0f;                 // ... and its probability
+    i32 best_e = N;                      // ... and its entry
     auto rescan = [&]() {
         best = 0;
         for (i32 e = e0; e < e1; ++e) {
             const float v = lg[e];
             const u32 key = route_key(v);
-            if (key > best) { best = key; best_e = e; best_p = v; }
+            if (key > best) { best = key; best_e = e; }
         }
     };
     rescan();
     float mine_p = 0.0f, total = 0.0f;
     i32 mine_e = -1;
-    for (i32 j = 0; j < topk; ++j) {
-        const u32 top = warp_max_u32(best);
-        const int src = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
-        const i32 e = __shfl_sync(0xffffffffu, best_e, src);
-        const float p = __shfl_sync(0xffffffffu, best_p, src);
-        if (lane == src) {               // only this lane's segment changes
-            lg[e] = -1.0f;
-            rescan();
-        }
-        total += p;
-        if (lane == j) {
-            mine_p = p;
-            mine_e = e;
-        }
-    }
+    route_rounds(best, topk, [&](int src) { return __shfl_sync(0xffffffffu, best_e, src); },
+                 [&](bool mine, i32 e) {
+                     if (mine) {          // only this lane's segment changes
+                         lg[e] = -1.0f;
+                         rescan();
+                     }
+                 },
+                 mine_e, mine_p, total);
     route_out<LA>(mine_e, mine_p, total, topk, norm_topk, active, ids, wts, w_f32, table,
                   lane_addr);
 }
@@ -119,10 +133,9 @@ CUPOOL_DEVICE void route_token_shared(float* lg, i32 N, i32 topk, int norm_topk,
 // route_token for segments of up to PER entries (N ≤ 32·PER), in registers: lane l holds
 // entries [l·PER, l·PER + PER) (−inf past N), their softmax (a local max and sum, then one warp
 // max and one warp sum), their keys, and its best (largest key, the lowest e among equal keys,
-// as a tree over the PER keys). A round is a warp max of the lanes' bests (redux), the lowest lane
-// holding it (segments are in e order: the lowest e of the largest key), which zeroes that key
-// and takes its next best; the round's probability comes from the key itself, its expert by one
-// shuffle off the rounds' chain. lg is only read.
+// as a tree over the PER keys). In each round (route_rounds) the lane holding the largest zeroes
+// that key and takes the tree again; the round's expert is one shuffle off the rounds' chain. lg
+// is only read.
 template <int PER, bool LA>
 CUPOOL_DEVICE void route_token_regs(const float* lg, i32 N, i32 topk, int norm_topk,
                                     bool active, i32* ids, void* wts, int w_f32,
@@ -167,22 +180,16 @@ CUPOOL_DEVICE void route_token_regs(const float* lg, i32 N, i32 topk, int norm_t
     best_of(best, best_i);
     float mine_p = 0.0f, total = 0.0f;
     i32 mine_e = -1;
-    for (i32 j = 0; j < topk; ++j) {
-        const u32 top = warp_max_u32(best);
-        const int src = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
-        const i32 e = src * PER + __shfl_sync(0xffffffffu, best_i, src);
-        const float p = route_prob(top);
-        if (lane == src) {
+    route_rounds(best, topk,
+                 [&](int src) { return src * PER + __shfl_sync(0xffffffffu, best_i, src); },
+                 [&](bool mine, i32) {
+                     if (mine) {
 #pragma unroll
-            for (int i = 0; i < PER; ++i) key[i] = i == best_i ? 0u : key[i];
-        }
-        best_of(best, best_i);
-        total += p;
-        if (lane == j) {
-            mine_p = p;
-            mine_e = e;
-        }
-    }
+                         for (int i = 0; i < PER; ++i) key[i] = i == best_i ? 0u : key[i];
+                     }
+                     best_of(best, best_i);
+                 },
+                 mine_e, mine_p, total);
     route_out<LA>(mine_e, mine_p, total, topk, norm_topk, active, ids, wts, w_f32, table,
                   lane_addr);
 }

@@ -125,7 +125,7 @@ def test_dense_gemv_matches_reference(tokens, rows, K, shape, variant):
 
 
 @pytest.mark.parametrize("tokens,E,K", [(1, 128, 8), (8, 128, 8), (16, 128, 8), (3, 512, 10),
-                                        (5, 60, 4), (2, 200, 6)])
+                                        (5, 60, 4), (2, 200, 6), (2, 640, 8)])
 @pytest.mark.parametrize("norm_topk", [True, False])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [{}, dict(warps=4), dict(split_k=2), dict(split_k=3),
@@ -216,7 +216,7 @@ def test_dense_gemv_route_writes_lane_addresses(tokens, E, K, H, shape):
             h, norm_weight=nw, route=r, top_k=K, table=table, lane_addr=lane_addr)
 
 
-@pytest.mark.parametrize("tokens,E,K", [(1, 128, 8), (3, 512, 10), (2, 60, 4)])
+@pytest.mark.parametrize("tokens,E,K", [(1, 128, 8), (3, 512, 10), (2, 60, 4), (1, 640, 8)])
 @pytest.mark.parametrize("shape", [{}, dict(split_k=8)], ids=_shape_id)
 @pytest.mark.parametrize("lanes", [False, True], ids=["ids", "lane_addr"])
 def test_dense_gemv_route_ties_and_nan(tokens, E, K, shape, lanes):
