@@ -27,16 +27,16 @@ CUPOOL_DEVICE u32x4 pack8(const float* f) {
 }
 
 // A probability's sort key for the top-k, as an unsigned int: a NaN above every probability (NaN
-// counts as largest), an entry already taken (−1) below all (0); otherwise p ≥ 0, whose float
-// bits order as the floats do.
+// counts as largest), a taken entry (−1 in the shared-memory form) below all (0); otherwise
+// p ≥ 0, whose float bits order as the floats do. route_prob gives the probability back (any
+// NaN as one NaN).
+constexpr u32 ROUTE_NAN_KEY = 0x40000001u;       // 2.0f's bits + 1: above any p ≤ 1
 CUPOOL_DEVICE u32 route_key(float v) {
-    return v != v ? __float_as_uint(2.0f) + 1u : v < 0.0f ? 0u : __float_as_uint(v) + 1u;
+    return v != v ? ROUTE_NAN_KEY : v < 0.0f ? 0u : __float_as_uint(v) + 1u;
 }
 
-// The probability of a key (any NaN as one NaN).
 CUPOOL_DEVICE float route_prob(u32 key) {
-    return key == __float_as_uint(2.0f) + 1u ? __int_as_float(0x7fffffff)
-                                             : __uint_as_float(key - 1u);
+    return key == ROUTE_NAN_KEY ? __int_as_float(0x7fffffff) : __uint_as_float(key - 1u);
 }
 
 // Lane j < topk writes its round's expert e, probability p (divided by the rounds' total when
