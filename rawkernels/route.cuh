@@ -26,32 +26,48 @@ CUPOOL_DEVICE u32x4 pack8(const float* f) {
     return u32x4{w[0], w[1], w[2], w[3]};
 }
 
-// A probability's sort key for the top-k, as an unsigned int: a NaN above every probability (NaN
-// counts as largest), a taken entry (−1 in the shared-memory form) below all (0); otherwise
-// p ≥ 0, whose float bits order as the floats do. route_prob gives the probability back (any
-// NaN as one NaN).
-constexpr u32 ROUTE_NAN_KEY = 0x40000001u;       // 2.0f's bits + 1: above any p ≤ 1
+// An entry's sort key for the top-k, as an unsigned int, of its softmax numerator
+// v = exp(logit − max) ∈ [0, 1] (the one division by the sum comes in route_out, not one an
+// entry): a NaN above every entry (NaN counts as largest), a taken entry (−1 in the
+// shared-memory form) below all (0); otherwise v ≥ 0, whose float bits order as the floats do.
+// Dividing by the sum keeps that order but for one case: two v a float step or two apart can
+// round to one probability, where a sort of the probabilities takes the lower expert and the
+// keys the larger v (bf16 logits give v that close only when both lie within about 2^−14 of 0).
+// route_value gives v back (any NaN as one NaN).
+constexpr u32 ROUTE_NAN_KEY = 0x40000001u;       // 2.0f's bits + 1: above any v ≤ 1
 CUPOOL_DEVICE u32 route_key(float v) {
     return v != v ? ROUTE_NAN_KEY : v < 0.0f ? 0u : __float_as_uint(v) + 1u;
 }
 
-CUPOOL_DEVICE float route_prob(u32 key) {
+CUPOOL_DEVICE float route_value(u32 key) {
     return key == ROUTE_NAN_KEY ? __int_as_float(0x7fffffff) : __uint_as_float(key - 1u);
 }
 
-// Lane j < topk writes its round's expert e, probability p (divided by the rounds' total when
-// norm_topk) and, with LA, table[e]: ids [topk], wts [topk] (float32 with w_f32, else bf16) and
-// lane_addr [topk] in any memory space, `table` in shared or global memory; an inactive token
-// gets −1, 0 and 0. Each lane reads its table entry once, after the rounds: a read inside them
-// (predicated on the lane that took the round) is one load a round into the same register, which
-// the hardware completes one after another, a round trip each.
+// v / d within an ulp of the rounded quotient, for d ∈ [1, 2^20] and v ∈ [0, 1] or NaN (a
+// weight: den ≥ 1, as the largest logit's v is 1): the reciprocal's estimate, the quotient, and
+// the quotient corrected once by its exact residual (an FMA). An IEEE division is the same
+// steps behind a range check whose slow path is a call, and the registers saved around that call
+// spill the 64-register ROUTE build.
+CUPOOL_DEVICE float route_div(float v, float d) {
+    const float r = __fdividef(1.0f, d);
+    const float q = v * r;
+    return fmaf(fmaf(-d, q, v), r, q);
+}
+
+// Lane j < topk writes its round's expert e, weight v / den (route_rounds' denominator) and,
+// with LA, table[e]: ids [topk], wts [topk]
+// (float32 with w_f32, else bf16) and lane_addr [topk] in any memory space, `table` in shared or
+// global memory; an inactive token gets −1, 0 and 0. Each lane reads its table entry once, after
+// the rounds: a read inside them (predicated on the lane that took the round) is one load a
+// round into the same register, which the hardware completes one after another, a round trip
+// each.
 template <bool LA>
-CUPOOL_DEVICE void route_out(i32 mine_e, float mine_p, float total, i32 topk, int norm_topk,
-                             bool active, i32* ids, void* wts, int w_f32, const i64* table,
+CUPOOL_DEVICE void route_out(i32 mine_e, float mine_v, float den, i32 topk, bool active,
+                             i32* ids, void* wts, int w_f32, const i64* table,
                              i64* lane_addr) {
     const int lane = threadIdx.x & 31;
     if (lane < topk) {
-        const float w = norm_topk ? mine_p / total : mine_p;
+        const float w = route_div(mine_v, den);
         ids[lane] = active ? mine_e : -1;
         if (LA) lane_addr[lane] = active ? table[mine_e] : 0;
         if (w_f32) static_cast<float*>(wts)[lane] = active ? w : 0.0f;
@@ -63,28 +79,30 @@ CUPOOL_DEVICE void route_out(i32 mine_e, float mine_p, float total, i32 topk, in
 // round is a warp max of them (redux) and the lowest lane holding it (segments are in e order, so
 // that is the lowest e of the largest key, the rule of a stable descending sort). expert_of(src)
 // gives the round's expert (every lane calls it: a shuffle from src), take(mine, e) lets the
-// lane that holds it mark it and find its next best. The round's probability comes from the key;
-// lane j keeps round j's expert and probability, every lane the rounds' total.
+// lane that holds it mark it and find its next best. The round's v comes from the key; lane j
+// keeps round j's expert and v. den, the weights' denominator, comes in as the softmax's sum, or
+// as 0 with norm_topk, when the rounds add their v to it (one register for either: the ROUTE
+// build at 64 registers spills with two).
 template <class ExpertOf, class Take>
-CUPOOL_DEVICE void route_rounds(u32& best, i32 topk, ExpertOf expert_of, Take take, i32& mine_e,
-                                float& mine_p, float& total) {
+CUPOOL_DEVICE void route_rounds(u32& best, i32 topk, int norm_topk, ExpertOf expert_of,
+                                Take take, i32& mine_e, float& mine_v, float& den) {
     const int lane = threadIdx.x & 31;
     for (i32 j = 0; j < topk; ++j) {
         const u32 top = warp_max_u32(best);
         const int src = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
         const i32 e = expert_of(src);
-        const float p = route_prob(top);
+        const float v = route_value(top);
         take(lane == src, e);
-        total += p;
+        if (norm_topk) den += v;
         if (lane == j) {
-            mine_p = p;
+            mine_v = v;
             mine_e = e;
         }
     }
 }
 
 // route_token for segments of more than 16 entries (N > 512), its logits in shared memory
-// (overwritten with the probabilities, then with −1 where taken).
+// (overwritten with the softmax's numerators v, then with −1 where taken).
 //
 // The softmax runs over e = lane + 32i; the top-k over contiguous segments, lane l holding
 // [l·per, l·per + per), and each lane keeps its segment's best (largest key, the lowest e among
@@ -100,9 +118,14 @@ CUPOOL_DEVICE void route_token_shared(float* lg, i32 N, i32 topk, int norm_topk,
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     float s = 0.0f;
-    for (i32 e = lane; e < N; e += 32) s += expf(lg[e] - m);
+    for (i32 e = lane; e < N; e += 32) {
+        const float v = expf(lg[e] - m);
+        lg[e] = v;
+        s += v;
+    }
     s = warp_sum(s);
-    for (i32 e = lane; e < N; e += 32) lg[e] = expf(lg[e] - m) / s;
+    if (s != s)                          // a NaN anywhere makes every probability NaN
+        for (i32 e = lane; e < N; e += 32) lg[e] = s;
     __syncwarp();
     const i32 per = (N + 31) / 32, e0 = lane * per, e1 = min(N, e0 + per);
     u32 best = 0;                        // this segment's best key (0: none left) ...
@@ -116,26 +139,25 @@ CUPOOL_DEVICE void route_token_shared(float* lg, i32 N, i32 topk, int norm_topk,
         }
     };
     rescan();
-    float mine_p = 0.0f, total = 0.0f;
+    float mine_v = 0.0f, den = norm_topk ? 0.0f : s;
     i32 mine_e = -1;
-    route_rounds(best, topk, [&](int src) { return __shfl_sync(0xffffffffu, best_e, src); },
+    route_rounds(best, topk, norm_topk, [&](int src) { return __shfl_sync(0xffffffffu, best_e, src); },
                  [&](bool mine, i32 e) {
                      if (mine) {          // only this lane's segment changes
                          lg[e] = -1.0f;
                          rescan();
                      }
                  },
-                 mine_e, mine_p, total);
-    route_out<LA>(mine_e, mine_p, total, topk, norm_topk, active, ids, wts, w_f32, table,
-                  lane_addr);
+                 mine_e, mine_v, den);
+    route_out<LA>(mine_e, mine_v, den, topk, active, ids, wts, w_f32, table, lane_addr);
 }
 
 // route_token for segments of up to PER entries (N ≤ 32·PER), in registers: lane l holds
-// entries [l·PER, l·PER + PER) (−inf past N), their softmax (a local max and sum, then one warp
-// max and one warp sum), their keys, and its best (largest key, the lowest e among equal keys,
-// as a tree over the PER keys). In each round (route_rounds) the lane holding the largest zeroes
-// that key and takes the tree again; the round's expert is one shuffle off the rounds' chain. lg
-// is only read.
+// entries [l·PER, l·PER + PER) (−inf past N), their softmax's numerators (a local max and sum,
+// then one warp max and one warp sum), their keys, and its best (largest key, the lowest e
+// among equal keys, as a tree over the PER keys). In each round (route_rounds) the lane holding
+// the largest zeroes that key and takes the tree again; the round's expert is one shuffle off
+// the rounds' chain. lg is only read.
 template <int PER, bool LA>
 CUPOOL_DEVICE void route_token_regs(const float* lg, i32 N, i32 topk, int norm_topk,
                                     bool active, i32* ids, void* wts, int w_f32,
@@ -157,9 +179,10 @@ CUPOOL_DEVICE void route_token_regs(const float* lg, i32 N, i32 topk, int norm_t
         s += v[i];
     }
     s = warp_sum(s);
-    u32 key[PER];
+    u32 key[PER];                        // a NaN anywhere makes every probability NaN
 #pragma unroll
-    for (int i = 0; i < PER; ++i) key[i] = e0 + i < N ? route_key(v[i] / s) : 0u;
+    for (int i = 0; i < PER; ++i)
+        key[i] = e0 + i >= N ? 0u : s != s ? ROUTE_NAN_KEY : __float_as_uint(v[i]) + 1u;
     // the segment's best: a tree of pairs, the lower index kept unless the higher one's key is
     // larger
     auto best_of = [&](u32& bk, int& bi) {
@@ -178,9 +201,9 @@ CUPOOL_DEVICE void route_token_regs(const float* lg, i32 N, i32 topk, int norm_t
     u32 best;
     int best_i;
     best_of(best, best_i);
-    float mine_p = 0.0f, total = 0.0f;
+    float mine_v = 0.0f, den = norm_topk ? 0.0f : s;
     i32 mine_e = -1;
-    route_rounds(best, topk,
+    route_rounds(best, topk, norm_topk,
                  [&](int src) { return src * PER + __shfl_sync(0xffffffffu, best_i, src); },
                  [&](bool mine, i32) {
                      if (mine) {
@@ -189,9 +212,8 @@ CUPOOL_DEVICE void route_token_regs(const float* lg, i32 N, i32 topk, int norm_t
                      }
                      best_of(best, best_i);
                  },
-                 mine_e, mine_p, total);
-    route_out<LA>(mine_e, mine_p, total, topk, norm_topk, active, ids, wts, w_f32, table,
-                  lane_addr);
+                 mine_e, mine_v, den);
+    route_out<LA>(mine_e, mine_v, den, topk, active, ids, wts, w_f32, table, lane_addr);
 }
 
 // Top-k routing of one token by one warp, its N logits in `lg` (shared memory, overwritten where

@@ -226,6 +226,7 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float expf(float x) { return std::exp(x); }
 inline float __expf(float x) { return std::exp(x); }   // the GPU's is ex2.approx-based
+inline float __fdividef(float a, float b) { return a / b; }   // the GPU's: a · rcp.approx(b)
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 
 template <class T, class U>
