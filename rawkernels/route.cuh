@@ -45,9 +45,9 @@ CUPOOL_DEVICE float route_value(u32 key) {
 
 // v / d within an ulp of the rounded quotient, for d ∈ [1, 2^20] and v ∈ [0, 1] or NaN (a
 // weight: den ≥ 1, as the largest logit's v is 1): the reciprocal's estimate, the quotient, and
-// the quotient corrected once by its exact residual (an FMA). An IEEE division is the same
-// steps behind a range check whose slow path is a call, and the registers saved around that call
-// spill the 64-register ROUTE build.
+// the quotient corrected once by its exact residual (an FMA). An IEEE division (div.rn.f32)
+// checks its operands' range and calls a slow path outside it; the registers saved around that
+// call spilled the 64-register ROUTE build (H=2048, I=512, 32 lanes).
 CUPOOL_DEVICE float route_div(float v, float d) {
     const float r = __fdividef(1.0f, d);
     const float q = v * r;
@@ -55,12 +55,11 @@ CUPOOL_DEVICE float route_div(float v, float d) {
 }
 
 // Lane j < topk writes its round's expert e, weight v / den (route_rounds' denominator) and,
-// with LA, table[e]: ids [topk], wts [topk]
-// (float32 with w_f32, else bf16) and lane_addr [topk] in any memory space, `table` in shared or
-// global memory; an inactive token gets −1, 0 and 0. Each lane reads its table entry once, after
-// the rounds: a read inside them (predicated on the lane that took the round) is one load a
-// round into the same register, which the hardware completes one after another, a round trip
-// each.
+// with LA, table[e]: ids [topk], wts [topk] (float32 with w_f32, else bf16) and lane_addr [topk]
+// in any memory space, `table` in shared or global memory; an inactive token gets −1, 0 and 0.
+// Each lane reads its table entry once, after the rounds: a read inside them (predicated on the
+// lane that took the round) is one load a round into the same register, which the hardware
+// completes one after another, a round trip each.
 template <bool LA>
 CUPOOL_DEVICE void route_out(i32 mine_e, float mine_v, float den, i32 topk, bool active,
                              i32* ids, void* wts, int w_f32, const i64* table,
@@ -81,8 +80,7 @@ CUPOOL_DEVICE void route_out(i32 mine_e, float mine_v, float den, i32 topk, bool
 // gives the round's expert (every lane calls it: a shuffle from src), take(mine, e) lets the
 // lane that holds it mark it and find its next best. The round's v comes from the key; lane j
 // keeps round j's expert and v. den, the weights' denominator, comes in as the softmax's sum, or
-// as 0 with norm_topk, when the rounds add their v to it (one register for either: the ROUTE
-// build at 64 registers spills with two).
+// as 0 with norm_topk, when the rounds add their v to it.
 template <class ExpertOf, class Take>
 CUPOOL_DEVICE void route_rounds(u32& best, i32 topk, int norm_topk, ExpertOf expert_of,
                                 Take take, i32& mine_e, float& mine_v, float& den) {
@@ -141,7 +139,8 @@ CUPOOL_DEVICE void route_token_shared(float* lg, i32 N, i32 topk, int norm_topk,
     rescan();
     float mine_v = 0.0f, den = norm_topk ? 0.0f : s;
     i32 mine_e = -1;
-    route_rounds(best, topk, norm_topk, [&](int src) { return __shfl_sync(0xffffffffu, best_e, src); },
+    route_rounds(best, topk, norm_topk,
+                 [&](int src) { return __shfl_sync(0xffffffffu, best_e, src); },
                  [&](bool mine, i32 e) {
                      if (mine) {          // only this lane's segment changes
                          lg[e] = -1.0f;
