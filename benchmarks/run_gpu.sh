@@ -49,7 +49,7 @@ for stage in "$@"; do
     wrap)     run pytest_wrap 300 "${PYTEST[@]}" $PYTEST_TIMEOUT -s tests/test_gpu_wrap.py tests/test_examples.py ;;
     gemm-tests) run pytest_gemm 200 "${PYTEST[@]}" tests/test_gpu_gemm.py ;;
     tests)    run pytest_gpu "${TESTS_TIMEOUT:-480}" "${PYTEST[@]}" $PYTEST_TIMEOUT tests ;;
-    # the same suite in two parts (the kernels; the pool, engine and models: 332 and 74 tests),
+    # the same suite in two parts (the kernels; the pool, engine and models: 623 and 92 tests),
     # for runs that must fit a time limit; with CUPOOL_ARCH set they test that architecture's code
     tests-kernels) run pytest_gpu_kernels "${TESTS_TIMEOUT:-480}" "${PYTEST[@]}" $PYTEST_TIMEOUT \
               tests/test_gpu_planner.py tests/test_gpu_gemm.py tests/test_gpu_nvfp4.py \
