@@ -298,7 +298,8 @@ def speed_lines(args, *, rows, topk, num_experts, moe_layers, layout, config, te
               topk=topk, moe_layers=moe_layers,
               layers=int(getattr(text, "num_hidden_layers", moe_layers) or moe_layers),
               hit_rate=hit)
-    fused, compiled = (est.estimate(gpu, mode=m, **kw) for m in ("fused", "compiled"))
+    step = "fused-resident" if rows >= num_experts else "fused"     # the plan step skipped or not
+    fused, compiled = (est.estimate(gpu, mode=m, **kw) for m in (step, "compiled"))
     return "\n".join([
         f"speed        ESTIMATE for {gpu.describe()}, batch 1, hit rate {hit:.2f} ({why}):",
         f"             ~{fused.tok_per_s:.0f} tok/s decode with the fused step (serve's default), "

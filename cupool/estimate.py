@@ -12,14 +12,21 @@ dense bytes: the dense part the token reads in bf16 (attention, norms, routers, 
 the output head; the input embedding matrix only where it is tied to the head). Every routed
 row is read from GPU memory once, hit or miss (a miss is copied into the bank first); a miss
 also crosses PCIe (1 − hit rate of the K·L rows). layers: every decoder layer, dense ones too.
+layer_s depends on the step (`mode`): "fused", the engine's default step with part of the
+experts in the bank (its plan step and row-copy launch run every layer); "fused-resident", the
+same step with every expert in the bank (plan step and row copies skipped, a launch or two
+fewer a layer); "compiled", the model's own forward through torch.compile.
 
 The constants are fitted to one GPU's measurements (`H200`, with their source) by `fit`:
 pcie_eff and the compiled step's fixed part by a least-squares line through the pool rows of
 bench_decode.json (time against bytes copied), hbm_eff from bench_gemm.json's measured HBM read,
-and the fused step's layer_s (the engine's default, what `cupool serve` runs) from
-bench_serve.json's single-stream rows (every expert resident and a 50% bank). Other GPUs take their own bandwidths
-(`GPUS`, or the device's own from NVML) with the same fractions and the same fixed time a
-layer, which is the estimate's main assumption. After new H200 measurements, `python -m
+and the fused step's two layer_s (the engine's default, what `cupool serve` runs) from
+bench_serve.json's single-stream rows: "fused-resident" from the resident bank's (its plan step
+skipped), "fused" from the 50% bank's, each fitted to its one row (so those two rows check the
+fit, not the model; the compiled step's seven bench_decode rows, six of them fitted with two
+constants, check the model). Other GPUs take their own bandwidths (`GPUS`, or the device's own
+from NVML) with the same fractions and the same fixed time a layer, which is the estimate's
+main assumption. After new H200 measurements, `python -m
 cupool.estimate` prints the constants `fit` gets from benchmarks/results; put them into `H200`
 (tests/test_estimate.py compares the two and checks the estimate against the measurements).
 """
@@ -98,13 +105,14 @@ class Calibration:
     """The model's constants (module docstring) and where they come from."""
     hbm_eff: float           # fraction of peak memory bandwidth the weight reads reach
     pcie_eff: float          # fraction of the PCIe link's bandwidth the bank's copies reach
-    layer_s: dict            # fixed seconds a decoder layer: "fused" (the Engine's default
-                             # step), "compiled" (the model's forward through torch.compile)
+    layer_s: dict            # fixed seconds a decoder layer of each mode (module docstring):
+                             # "fused", "fused-resident", "compiled"
     source: str
 
 
 H200 = Calibration(
-    hbm_eff=0.905, pcie_eff=0.825, layer_s={"fused": 41.6e-6, "compiled": 99.7e-6},
+    hbm_eff=0.905, pcie_eff=0.825,
+    layer_s={"fused": 49.4e-6, "fused-resident": 33.7e-6, "compiled": 99.7e-6},
     source="NVIDIA H200, Qwen3-30B-A3B shape (48 layers, E=128, top-8): "
            "benchmarks/results/bench_decode.json (2026-11-29; pool-25/50/100 x uniform/locality, "
            "compiled), bench_serve.json (2026-12-04 15:18 UTC; 1 stream, fused step: resident with "
@@ -167,7 +175,8 @@ def bench_shape(shape: dict) -> dict:
 
 def measured_points(decode: dict, serve: dict) -> list[tuple[str, str, float, float]]:
     """(what, mode, hit rate, tok/s) of the H200 measurements the model is fitted to and
-    checked against."""
+    checked against. A bench_serve case whose step skipped the plan step (every expert in the
+    bank) is of mode "fused-resident", the others "fused"."""
     out = [("bench_decode resident", "compiled", 1.0,
             decode["modes"]["resident"]["uniform"]["tok_per_s"])]
     for m in ("pool-25", "pool-50", "pool-100"):
@@ -182,9 +191,11 @@ def measured_points(decode: dict, serve: dict) -> list[tuple[str, str, float, fl
         if case["streams"] != 1:
             raise ValueError(f"bench_serve.json's first case of bank {bank['bank']} must be 1 "
                              f"stream, got {case['streams']}")
+        skipped = case.get("diagnostics", {}).get("plan_skipped", False)
         out.append((f"bench_serve 1 stream, {bank['bank']:.0%} bank, "
                     f"{bank.get('routing', serve['routing'])}",
-                    "fused", case["hit_rate"], case["aggregate_decode_tok_per_s"]))
+                    "fused-resident" if skipped else "fused", case["hit_rate"],
+                    case["aggregate_decode_tok_per_s"]))
     return out
 
 
@@ -202,12 +213,17 @@ def fit(decode: dict, serve: dict, gemm: dict, shape: dict | None = None) -> Cal
     a = np.array([[1.0, (1.0 - hit) * rows] for hit, _ in pts])
     fixed, per_byte = np.linalg.lstsq(a, np.array([t for _, t in pts]), rcond=None)[0]
     pcie_eff = 1.0 / (per_byte * gpu.pcie_GBps * 1e9)
-    fused = [1.0 / tps - (1.0 - hit) * rows * per_byte - mem_s
-             for what, mode, hit, tps in measured_points(decode, serve) if mode == "fused"]
+    layer_s = {}
+    for step in ("fused", "fused-resident"):
+        fixed_s = [1.0 / tps - (1.0 - hit) * rows * per_byte - mem_s
+                   for what, mode, hit, tps in measured_points(decode, serve) if mode == step]
+        if not fixed_s:
+            raise ValueError(f"bench_serve.json has no single-stream case of the {step} step "
+                             f"(a resident bank and a partial one are both needed)")
+        layer_s[step] = round(float(np.mean(fixed_s)) / s["layers"], 7)
+    layer_s["compiled"] = round(float(fixed - mem_s) / s["layers"], 7)
     return Calibration(
-        hbm_eff=round(float(hbm_eff), 3), pcie_eff=round(float(pcie_eff), 3),
-        layer_s={"fused": round(float(np.mean(fused)) / s["layers"], 7),
-                 "compiled": round(float(fixed - mem_s) / s["layers"], 7)},
+        hbm_eff=round(float(hbm_eff), 3), pcie_eff=round(float(pcie_eff), 3), layer_s=layer_s,
         source=f"fitted to {decode['gpu']} results of {decode['date']} / {serve['date']} / "
                f"{gemm['date']}")
 

@@ -26,18 +26,21 @@ def test_constants_are_the_fit_of_the_results(results):
     got = est.fit(*results[:3], shape=results[3])
     assert got.hbm_eff == pytest.approx(est.H200.hbm_eff, abs=1e-3)
     assert got.pcie_eff == pytest.approx(est.H200.pcie_eff, abs=1e-3)
+    assert set(got.layer_s) == set(est.H200.layer_s) == {"fused", "fused-resident", "compiled"}
     for mode, s in est.H200.layer_s.items():
         assert got.layer_s[mode] == pytest.approx(s, rel=2e-3), mode
 
 
 def test_estimate_reproduces_the_h200_measurements(results):
     """Resident, 25/50/100 % banks under uniform and locality routing (compiled), one stream of
-    the Engine with its fused step (resident and a 50% bank): every estimate within 15 % of the
-    measured tok/s."""
+    the Engine with its fused step (resident, its plan step skipped, and a 50% bank): every
+    estimate within 15 % of the measured tok/s. The fused step's two constants are fitted to
+    one row each, so the compiled rows are what test the model."""
     decode, serve, _, shape = results
     h200 = est.find_gpu("NVIDIA H200")
     points = est.measured_points(decode, serve)
     assert len(points) == 9
+    assert [m for _, m, _, _ in points[-2:]] == ["fused-resident", "fused"]
     for what, mode, hit, measured in points:
         got = est.estimate(h200, hit_rate=hit, mode=mode, **shape).tok_per_s
         assert abs(got / measured - 1) < 0.15, (what, got, measured)
@@ -117,6 +120,27 @@ def test_plan_prints_the_estimate_for_a_gpu(qwen_dir, capsys):
     assert "hit rate 0.50 (--hit-rate)" in speed and "not a measurement" in speed
     tok = [float(w[1:]) for w in speed.split() if w.startswith("~")]
     assert len(tok) == 2 and tok[0] > tok[1] > 0                   # fused, compiled
+
+
+def test_plan_estimates_each_bank_with_its_step(qwen_dir, capsys, monkeypatch):
+    """A bank that holds every expert is estimated with the fused step that skips the plan step
+    ("fused-resident", fewer launches: a smaller fixed time a layer on the H200), a partial bank
+    with the one that runs it; the compiled forward beside either."""
+    assert est.H200.layer_s["fused-resident"] < est.H200.layer_s["fused"]
+    calls = []
+    real = est.estimate
+
+    def spy(gpu, **kw):
+        calls.append((kw["mode"], kw["hit_rate"]))
+        return real(gpu, **kw)
+
+    monkeypatch.setattr(est, "estimate", spy)
+    for budget, extra in (("1GiB", ()), ("3.99MiB", ("--hit-rate", "0.5"))):
+        rc, out, _ = _plan(capsys, "--model", str(qwen_dir), "--budget", budget, "--context",
+                           "64", "--gpu", "rtx-4090", *extra)
+        assert rc == 0, out
+    assert calls == [("fused-resident", 1.0), ("compiled", 1.0), ("fused", 0.5),
+                     ("compiled", 0.5)]
 
 
 def test_plan_without_a_gpu_asks_for_one(qwen_dir, capsys):
