@@ -145,6 +145,8 @@ def replays_trace(args, holds_every_expert: bool) -> bool:
 def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) -> dict:
     model, pool, shape = build(layers, max(streams), args.seed, bank)
     pool.promote = args.promote
+    # a bank holding every expert copies nothing (its fused step skips the plan step)
+    pool.overlap_copies = args.overlap_copies and not pool.bank.holds_every_expert()
     # a bank holding every expert takes the model's own router (below) unless prefetch needs
     # the trace's predictions
     routing = args.routing if replays_trace(args, pool.bank.holds_every_expert()) else "router"
@@ -218,14 +220,15 @@ def main(args) -> int:
     results = {"shape": f"Qwen3-30B-A3B, {layers} layers", "routing": args.routing,
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
-               "promote": args.promote,
+               "promote": args.promote, "overlap_copies": args.overlap_copies,
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
                "pcie_h2d_GBps": pcie, "banks": banks, "gpu": torch.cuda.get_device_name()}
     reduced = (["--small"] if args.small else []) + \
         ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else []) + \
-        ([f"--promote {args.promote}"] if args.promote != "auto" else [])
+        ([f"--promote {args.promote}"] if args.promote != "auto" else []) + \
+        (["--overlap-copies"] if args.overlap_copies else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
 
@@ -256,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--promote", type=promote, default="auto", metavar="auto|N",
                    help="the pool's promotion cap (Pool.promote): auto (default, the pool's "
                         "own), or N misses a step (0: no cap)")
+    p.add_argument("--overlap-copies", action="store_true",
+                   help="banks without every expert: the pool's overlap_copies on (the misses' "
+                        "row copies on the copy stream beside the decode GEMM of the rows in "
+                        "place, the copied rows' GEMM after them)")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
     p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "

@@ -22,6 +22,10 @@ trace's predicted ids at `--prefetch-accuracy` (default 0.8), at most `--prefetc
 prefetch where given, as bench_serve's `--prefetch trace`; the bytes prefetched a step are then
 reported beside the misses'. `--prefetch-copiers` also captures and times the step with other
 grids of the prefetch's row-copy kernel (`Bank.prefetch_copier`).
+`--overlap-copies` (with `--bank` below 100) turns the pool's overlap_copies on: each layer's
+row copies run on the copy stream beside the decode GEMM of the rows already in place, and the
+copied rows' GEMM is a second launch after them (`cupool.layer`); `--timeline` shows how much
+of the copies' time then overlaps the other kernels.
 `--timeline` also profiles `--steps` replays of the captured step and reports, from their kernel
 timeline, the row copies' time beside the other kernels' (both at once, and nothing running),
 the GB/s the copied rows make over the copies' time, and how long each prefetch's copy started
@@ -129,6 +133,10 @@ def build_parser() -> CLIParser:
                    help="with --prefetch: also capture and time the step with each of these grids "
                         "of the prefetch's row-copy kernel: bulk:BLOCKS:CHUNK_KIB:STAGES or "
                         "ld:BLOCKS:THREADS:UNROLL")
+    p.add_argument("--overlap-copies", action="store_true",
+                   help="with --bank below 100: the pool's overlap_copies on (the misses' row "
+                        "copies on the copy stream beside the decode GEMM of the rows in place, "
+                        "the copied rows' GEMM after them)")
     p.add_argument("--timeline", action="store_true",
                    help="also profile replays of the captured step: row copies against the "
                         "other kernels")
@@ -143,6 +151,9 @@ def main(args) -> None:
         raise ValueError("--prefetch trace needs --bank below 100 (the locality trace)")
     if args.prefetch_copiers and args.prefetch == "off":
         raise ValueError("--prefetch-copiers needs --prefetch trace")
+    if args.overlap_copies and args.bank >= 100:
+        raise ValueError("--overlap-copies needs --bank below 100 (a bank that holds every "
+                         "expert copies nothing)")
     _cuda.require_gpu("the decode profiler")
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=args.layers)
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0),
@@ -157,6 +168,7 @@ def main(args) -> None:
                        max_decode_tokens=B, max_prefill_tokens=64,
                        expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"),
                        progress=False)
+    pool.overlap_copies = args.overlap_copies
     if args.bank < 100:
         from cupool import trace as tr
         from cupool.replay import Replayer
@@ -256,7 +268,7 @@ f"{warm_s:.1f} s)")
         "kernels_per_layer": launches / L, "warmup_s": warm_s,
         "ablate": ablate, "prefetch": args.prefetch,
         "prefetch_accuracy": args.prefetch_accuracy if args.prefetch != "off" else None,
-        "prefetch_rows": args.prefetch_rows,
+        "prefetch_rows": args.prefetch_rows, "overlap_copies": args.overlap_copies,
         "timeline": timeline, "prefetch_copiers": copiers,
         "groups": {k: {"ms": v[0], "kernels": v[1]} for k, v in groups.items()},
         "top": [{"name": n, "ms": v[0], "count": v[1]} for n, v in top]}, args.json)

@@ -11,7 +11,7 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, serve.
+# prefix, serve, overlap.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -124,6 +124,12 @@ for stage in "$@"; do
     ngram)    run bench_ngram 300 python3 benchmarks/bench_ngram.py ;;
     prefix)   run bench_prefix 590 python3 benchmarks/bench_prefix.py --profile ;;
     serve)    run bench_serve 590 python3 benchmarks/bench_serve.py --streams 1 8 16 ;;
+    # a 50% bank with and without the copies beside the GEMM of the rows in place
+    overlap)  for o in "" --overlap-copies; do
+                run "profile_decode_50${o:+_overlap}" 200 python3 benchmarks/profile_decode.py --bank 50 --timeline $o \
+                    --json "$OUT/profile_decode_50${o:+_overlap}.json"
+                run "bench_serve_50${o:+_overlap}" 200 python3 benchmarks/bench_serve.py --banks 0.5 --streams 1 8 $o \
+                    --json "$OUT/bench_serve_50${o:+_overlap}.json"; done ;;
     decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 --json "$OUT/bench_decode_small.json" ;;
     decode-compile-small) run bench_decode_small_compiled 300 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 2 --compile --json "$OUT/bench_decode_small_compiled.json" ;;
     # the canonical bench_decode.json in three parts, each merged into the one before

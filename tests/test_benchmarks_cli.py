@@ -121,6 +121,7 @@ BAD = BAD_SUBPROCESS + [
     (["profile_decode.py", "--bank", "50", "--prefetch", "trace",
       "--prefetch-copiers", "bulk:4:32"], "--prefetch-copiers"),
     (["profile_decode.py", "--prefetch-rows", "0"], "--prefetch-rows"),
+    (["profile_decode.py", "--overlap-copies"], "--overlap-copies needs --bank below 100"),
     (["bench_serve.py", "--prefetch", "trace", "--prefetch-rows", "0"], "--prefetch-rows"),
     (["profile_attention.py", "--min-chunk", "100"], "--min-chunk"),
     (["profile_attention.py", "--contexts", "0"], "--contexts"),
