@@ -31,6 +31,15 @@ def test_constants_are_the_fit_of_the_results(results):
         assert got.layer_s[mode] == pytest.approx(s, rel=2e-3), mode
 
 
+def test_fit_needs_both_fused_steps(results):
+    """Without a resident bank's run (the step that skips the plan step) there is nothing to fit
+    "fused-resident" to: fit says so rather than leaving the constant out."""
+    decode, serve, gemm, shape = results
+    partial = dict(serve, banks=[b for b in serve["banks"] if b["bank"] < 1.0])
+    with pytest.raises(ValueError, match="no single-stream case of the fused-resident step"):
+        est.fit(decode, partial, gemm, shape=shape)
+
+
 def test_estimate_reproduces_the_h200_measurements(results):
     """Resident, 25/50/100 % banks under uniform and locality routing (compiled), one stream of
     the Engine with its fused step (resident, its plan step skipped, and a 50% bank): every
