@@ -145,11 +145,11 @@ def replays_trace(args, holds_every_expert: bool) -> bool:
 def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) -> dict:
     model, pool, shape = build(layers, max(streams), args.seed, bank)
     pool.promote = args.promote
-    # a bank holding every expert copies nothing (its fused step skips the plan step)
-    pool.overlap_copies = args.overlap_copies and not pool.bank.holds_every_expert()
-    # a bank holding every expert takes the model's own router (below) unless prefetch needs
-    # the trace's predictions
-    routing = args.routing if replays_trace(args, pool.bank.holds_every_expert()) else "router"
+    every = pool.bank.holds_every_expert()
+    # a bank holding every expert copies nothing (its fused step skips the plan step), and takes
+    # the model's own router (below) unless prefetch needs the trace's predictions
+    pool.overlap_copies = args.overlap_copies and not every
+    routing = args.routing if replays_trace(args, every) else "router"
     if routing == "locality":
         from cupool import trace as tr
         from cupool.replay import Replayer

@@ -284,7 +284,8 @@ def speed_lines(args, *, rows, topk, num_experts, moe_layers, layout, config, te
     else:
         return (f"speed        give --gpu NAME ({', '.join(est.GPUS)}) for an estimate of "
                 f"decode tokens a second")
-    if rows >= num_experts:
+    resident = rows >= num_experts         # its fused step skips the plan step
+    if resident:
         hit, why = 1.0, "every expert in the bank"
     elif args.hit_rate is not None:
         hit, why = args.hit_rate, "--hit-rate"
@@ -298,7 +299,7 @@ def speed_lines(args, *, rows, topk, num_experts, moe_layers, layout, config, te
               topk=topk, moe_layers=moe_layers,
               layers=int(getattr(text, "num_hidden_layers", moe_layers) or moe_layers),
               hit_rate=hit)
-    step = "fused-resident" if rows >= num_experts else "fused"     # the plan step skipped or not
+    step = "fused-resident" if resident else "fused"
     fused, compiled = (est.estimate(gpu, mode=m, **kw) for m in (step, "compiled"))
     return "\n".join([
         f"speed        ESTIMATE for {gpu.describe()}, batch 1, hit rate {hit:.2f} ({why}):",
