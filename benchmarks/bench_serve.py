@@ -29,6 +29,9 @@ runs are reduced runs (written only with --json).
 no cap while a step's lanes fit a layer's rows, a quarter of a layer's rows past that); each case
 reports the cap its steps launched with and the misses staged. A run with another cap is a
 reduced run.
+`--dense-nvfp4` keeps the attention projections in NVFP4 (`cupool.dense_nvfp4.quantize_linears`,
+as a checkpoint with NVFP4 self_attn loads): the fused step's QKV and o-projection GEMVs then read
+a quarter of the bf16 bytes. Such a run is written only with --json.
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --small          # 2 layers, for a quick check
@@ -56,11 +59,14 @@ from cupool.cli import CLIParser, fraction, positive_int, promote, run  # noqa: 
 
 
 
-def build(layers: int, max_batch: int, seed: int, bank: float):
+def build(layers: int, max_batch: int, seed: int, bank: float, dense_nvfp4: bool = False):
     import cupool
     from cupool import synthetic
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=layers)
     model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, seed=seed, **shape)
+    if dense_nvfp4:
+        from cupool import dense_nvfp4 as dn
+        dn.quantize_linears(model)
     E = shape["num_experts"]
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -143,7 +149,7 @@ def replays_trace(args, holds_every_expert: bool) -> bool:
 
 
 def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) -> dict:
-    model, pool, shape = build(layers, max(streams), args.seed, bank)
+    model, pool, shape = build(layers, max(streams), args.seed, bank, args.dense_nvfp4)
     pool.promote = args.promote
     every = pool.bank.holds_every_expert()
     # a bank holding every expert copies nothing (its fused step skips the plan step), and takes
@@ -221,6 +227,7 @@ def main(args) -> int:
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
                "promote": args.promote, "overlap_copies": args.overlap_copies,
+               "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
@@ -228,7 +235,8 @@ def main(args) -> int:
     reduced = (["--small"] if args.small else []) + \
         ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else []) + \
         ([f"--promote {args.promote}"] if args.promote != "auto" else []) + \
-        (["--overlap-copies"] if args.overlap_copies else [])
+        (["--overlap-copies"] if args.overlap_copies else []) + \
+        (["--dense-nvfp4"] if args.dense_nvfp4 else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
 
@@ -263,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="banks without every expert: the pool's overlap_copies on (the misses' "
                         "row copies on the copy stream beside the decode GEMM of the rows in "
                         "place, the copied rows' GEMM after them)")
+    p.add_argument("--dense-nvfp4", action="store_true",
+                   help="the attention projections in NVFP4, kept packed for the fused step's "
+                        "GEMVs (as a checkpoint with NVFP4 self_attn loads)")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
     p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "

@@ -26,6 +26,8 @@ grids of the prefetch's row-copy kernel (`Bank.prefetch_copier`).
 row copies run on the copy stream beside the decode GEMM of the rows already in place, and the
 copied rows' GEMM is a second launch after them (`cupool.layer`); `--timeline` shows how much
 of the copies' time then overlaps the other kernels.
+`--dense-nvfp4` keeps the attention projections in NVFP4 (`cupool.dense_nvfp4`): the fused
+step's QKV and o-projection GEMVs read the packed form.
 `--timeline` also profiles `--steps` replays of the captured step and reports, from their kernel
 timeline, the row copies' time beside the other kernels' (both at once, and nothing running),
 the GB/s the copied rows make over the copies' time, and how long each prefetch's copy started
@@ -137,6 +139,9 @@ def build_parser() -> CLIParser:
                    help="with --bank below 100: the pool's overlap_copies on (the misses' row "
                         "copies on the copy stream beside the decode GEMM of the rows in place, "
                         "the copied rows' GEMM after them)")
+    p.add_argument("--dense-nvfp4", action="store_true",
+                   help="the attention projections in NVFP4, kept packed for the fused step's "
+                        "GEMVs (as a checkpoint with NVFP4 self_attn loads)")
     p.add_argument("--timeline", action="store_true",
                    help="also profile replays of the captured step: row copies against the "
                         "other kernels")
@@ -162,6 +167,9 @@ def main(args) -> None:
     B = args.batch
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
     model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, **shape)
+    if args.dense_nvfp4:
+        from cupool import dense_nvfp4
+        dense_nvfp4.quantize_linears(model)
     gen = torch.Generator(device="cuda").manual_seed(0)
     K = shape["num_experts_per_tok"]
     pool = cupool.wrap(model, rows=max(K, E * args.bank // 100), layers=specs,
@@ -269,6 +277,7 @@ f"{warm_s:.1f} s)")
         "ablate": ablate, "prefetch": args.prefetch,
         "prefetch_accuracy": args.prefetch_accuracy if args.prefetch != "off" else None,
         "prefetch_rows": args.prefetch_rows, "overlap_copies": args.overlap_copies,
+        "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
         "timeline": timeline, "prefetch_copiers": copiers,
         "groups": {k: {"ms": v[0], "kernels": v[1]} for k, v in groups.items()},
         "top": [{"name": n, "ms": v[0], "count": v[1]} for n, v in top]}, args.json)

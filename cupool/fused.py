@@ -73,7 +73,7 @@ import re
 import torch
 from torch import nn
 
-from cupool import _cuda
+from cupool import _cuda, dense_nvfp4
 from cupool._env import parse_switch
 from cupool.engine import cache_kwarg
 from cupool.ops.dense_attention import (
@@ -322,6 +322,16 @@ def _linear(m, name: str, where: str) -> tuple[torch.Tensor, torch.Tensor | None
     return lin.weight, lin.bias
 
 
+def _packed(m, names: tuple[str, ...]) -> list | None:
+    """The NVFP4 forms kept beside the Linears `names` of m (`cupool.dense_nvfp4.attach`), if
+    every one has one and each but the last has whole 16-row tiles (a GEMV's row tile lies in
+    one matrix); else None: the GEMV reads the bf16 weights."""
+    packed = [dense_nvfp4.of(getattr(m, n)) for n in names]
+    if any(p is None for p in packed) or any(p.rows % 16 for p in packed[:-1]):
+        return None
+    return packed
+
+
 class FusedStep:
     """See the module docstring.
 
@@ -526,12 +536,17 @@ class FusedStep:
             raise Unsupported(f"{where}.mlp.gate returns {w_dtype} weights, other layers "
                               f"{self._w_dtype}")
         B = self.tokens
-        shapes = {"qkv": self._shape("qkv", H), "o": self._shape("o", nh * D),
+        # NVFP4 projections kept packed (a checkpoint's, or quantize_linears'): their GEMVs read
+        # those, a quarter of the bf16 bytes
+        pqkv = _packed(attn, ("q_proj", "k_proj", "v_proj"))
+        po = _packed(attn, ("o_proj",))
+        shapes = {"qkv": self._shape("qkv", H, pqkv is not None),
+                  "o": self._shape("o", nh * D, po is not None),
                   "router": self._shape("router", H)}
         try:
-            qkv = self._gemv([wq, wk, wv], None if bq is None else [bq, bk, bv], tokens=B,
-                             norm=True, epilogue=PLAIN, **shapes["qkv"])
-            o = self._gemv([wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL,
+            qkv = self._gemv(pqkv or [wq, wk, wv], None if bq is None else [bq, bk, bv],
+                             tokens=B, norm=True, epilogue=PLAIN, **shapes["qkv"])
+            o = self._gemv(po or [wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL,
                            **shapes["o"])
             router = self._gemv([mlp.gate.weight], tokens=B, norm=True, epilogue=ROUTE,
                                 lane_addr=self.lane_table is not None, **shapes["router"])
@@ -548,15 +563,17 @@ class FusedStep:
                           layer.input_layernorm.weight, in_eps,
                           layer.post_attention_layernorm.weight, post_eps, moe)
 
-    def _shape(self, gemv: str, K: int) -> dict[str, int]:
-        """The launch-shape keywords of `gemv` (K: its inner dim): CUPOOL_DENSE_SHAPE's, checked
-        here so that a shape the GEMV cannot take raises rather than unfusing the layer, else
-        DEFAULT_DENSE_SHAPE's with split_k lowered to what K takes."""
+    def _shape(self, gemv: str, K: int, nvfp4: bool = False) -> dict[str, int]:
+        """The launch-shape keywords of `gemv` (K: its inner dim; nvfp4: its weights are NVFP4,
+        chunks of 64 columns): CUPOOL_DENSE_SHAPE's, checked here so that a shape the GEMV cannot
+        take raises rather than unfusing the layer, else DEFAULT_DENSE_SHAPE's with split_k
+        lowered to what K takes."""
+        chunk = 64 if nvfp4 else 32
         kw = dict(self.dense_shape.get(gemv, {}))
         if gemv not in self._shape_asked and "split_k" in kw:
-            kw["split_k"] = max(1, min(kw["split_k"], K // 32))
+            kw["split_k"] = max(1, min(kw["split_k"], K // chunk))
         try:
-            check_launch_shape(kw.get("warps", WARPS), kw.get("split_k", 1), K)
+            check_launch_shape(kw.get("warps", WARPS), kw.get("split_k", 1), K, chunk)
         except ValueError as e:
             raise ValueError(f"{DENSE_SHAPE_ENV}={self._shape_env!r}: {gemv}: {e}") from None
         return kw
@@ -576,6 +593,11 @@ class FusedStep:
             if why is None and self.fused_route_asked:
                 text += ("; routing inside the decode GEMM's launch" if self.fused_route_why is None
                          else f"; the router keeps its own launch: {self.fused_route_why}")
+        fl = [l for l in self.layers if isinstance(l, FusedLayer)]
+        nv = [f"{name} in {n} layers" for name in ("qkv", "o")
+              if (n := sum(getattr(getattr(l, name), "nvfp4", False) for l in fl))]
+        if nv:
+            text += f"; NVFP4 weights for {', '.join(nv)}"
         others = [l for l in self.layers if isinstance(l, ModelLayer)]
         if others:
             text += f"; transformers' modules for layers {[l.index for l in others]} ({others[0].reason})"

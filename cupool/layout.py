@@ -427,6 +427,31 @@ def _strips_stack(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.T
     return torch.cat([packed, _chunk_scales(scales, kp)], dim=3).reshape(e, s, 9 * kp)
 
 
+def dense_strips(q: NVFP4Tensor) -> torch.Tensor:
+    """One NVFP4 matrix [N, K] (a dense Linear's weight) as the strips `dense_gemv`'s NVFP4 build
+    reads: uint8 [ceil(N/16), 9·Kp] on q's device, Kp = roundup(K, 64), strip s holding rows
+    16s … 16s+15 in the strip layout above (rows past N and columns past K zero: zero codes with
+    zero scales). The global scale is not in them (the launcher passes it)."""
+    if q.packed.dim() != 2:
+        raise ValueError(f"expected one matrix (2-D packed), got shape {list(q.packed.shape)}")
+    n, k = q.packed.shape[0], q.packed.shape[1] * 2
+    if k % 16:
+        raise ValueError(f"K={k} is not a multiple of 16 (NVFP4 blocks are 16 wide)")
+    if tuple(q.block_scale.shape) != (n, k // 16):
+        raise ValueError(f"block_scale must be [{n}, {k // 16}], got {list(q.block_scale.shape)}")
+    codes, sc = _padded_stack(NVFP4Tensor(q.packed[None], q.block_scale[None],
+                                          q.global_scale.reshape(1)),
+                              _roundup(n, 16), _roundup(k, 64), "weight", 1)
+    return _strips_stack(codes, sc, _roundup(k, 64))[0]
+
+
+def dense_unstrips(strips: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `dense_strips` (without the global scale): (codes uint8 [N, K], block scales
+    float8_e4m3fn [N, K/16]), on the CPU."""
+    codes, sc = _unstrips(strips.cpu().contiguous(), _roundup(k, 64))
+    return codes[:n, :k].contiguous(), sc[:n, :k // 16].contiguous().view(torch.float8_e4m3fn)
+
+
 def pack_rows(layout: RowLayout, gate: NVFP4Tensor, up: NVFP4Tensor, down: NVFP4Tensor,
               out: torch.Tensor | None = None, *, chunk: int | None = None,
               bias=None) -> torch.Tensor:

@@ -17,15 +17,18 @@ Steps, each failing with a clear error before the next one takes memory:
    to the model's parameters by name and shape (`dense_plan`; expert biases are expert tensors,
    attention sinks and router biases dense ones).
 4. Rows per layer are decided from the budget (`cupool.wrap.plan`) with the dense part counted
-   from the headers: a budget that cannot work fails here.
+   from the headers (the packed NVFP4 attention projections of step 6 included): a budget that
+   cannot work fails here.
 5. The pinned host store is filled from the checkpoint layer by layer, a window of experts at a
    time (bf16/fp16 experts quantized on the GPU; NVFP4 experts laid out as stored; MXFP4 experts
    converted to NVFP4, exactly where the format allows, `cupool.checkpoints.mxfp4`; biases into
    the rows), with a progress bar: host memory is the store plus one window.
 6. The dense part (attention, norms, routers, embeddings, shared experts, dense MLP layers) is
    materialised on the GPU and loaded tensor by tensor from the checkpoint (NVFP4/FP8 dense
-   weights dequantized to `dtype`); non-persistent buffers (rotary tables) are computed as
-   transformers computes them; tied embeddings are tied; generation_config.json is read.
+   weights dequantized to `dtype`; NVFP4 attention projections also kept packed beside their
+   Linears, `cupool.dense_nvfp4`, for the fused decode step's GEMVs); non-persistent buffers
+   (rotary tables) are computed as transformers computes them; tied embeddings are tied;
+   generation_config.json is read.
 7. The bank is built and the layers are swapped (`cupool.wrap.assemble`).
 """
 
@@ -39,9 +42,11 @@ from typing import NamedTuple
 
 import torch
 
+from cupool import dense_nvfp4
 from cupool.adapters import MoELayerSpec, find_moe_layers
 from cupool.checkpoints import Checkpoint, CheckpointError, fill_store, open_checkpoint
 from cupool.hosttable import as_table_parameter, host_table_bytes, host_table_names, mapped_empty
+from cupool.store import fmt_bytes
 from cupool.wrap import assemble, plan
 
 log = logging.getLogger("cupool")
@@ -357,22 +362,63 @@ def _fresh_buffers(model, device) -> None:
                                f"({type(parent).__name__}): {e}") from None
 
 
+def packed_projections(model, mapping: dict[str, str | list[str]],
+                       ckpt: Checkpoint) -> dict[str, str]:
+    """{model weight name: checkpoint tensor name} of the dense weights `load_dense` keeps packed
+    as NVFP4 beside their Linears (`cupool.dense_nvfp4`): the `.weight` of an nn.Linear whose
+    attribute name is one of `dense_nvfp4.ATTENTION_PROJECTIONS`, loaded from one checkpoint
+    tensor (not from concatenated parts) of dense_kind "nvfp4". Other NVFP4 Linears are
+    dequantized only. From the headers and the model's modules alone (meta ones too)."""
+    want = set(dense_nvfp4.ATTENTION_PROJECTIONS)
+    out = {}
+    for target, name in mapping.items():
+        owner, _, attr = target.rpartition(".")
+        if attr != "weight" or not isinstance(name, str) or owner.rpartition(".")[2] not in want:
+            continue
+        if ckpt.dense_kind(name) == "nvfp4" and \
+                isinstance(model.get_submodule(owner), torch.nn.Linear):
+            out[target] = name
+    return out
+
+
+def dense_gpu_bytes(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint,
+                    dtype: torch.dtype) -> int:
+    """GPU bytes `load_dense` will take on a CUDA device: every dense tensor in `dtype`
+    (`Checkpoint.dense_bytes`), less the host tables kept in pinned host memory, plus the packed
+    NVFP4 forms of `packed_projections` (`Checkpoint.dense_nvfp4_bytes`, about 0.28 of their
+    bf16 weights' bytes, held beside them). No data read."""
+    packed = packed_projections(model, mapping, ckpt)
+    return (ckpt.dense_bytes(dtype) - host_table_bytes(model, dtype)
+            + ckpt.dense_nvfp4_bytes(packed.values()))
+
+
 @torch.no_grad()
 def load_dense(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint, device) -> None:
     """Materialise the model's dense part on `device` (the released experts hold no memory) and
-    fill it from the checkpoint, one tensor (or one part) at a time. On a CUDA device the host
-    tables (`cupool.hosttable`: qwen4_exp's n-gram embeddings) go to pinned, mapped host memory
-    instead, filled part by part."""
+    fill it from the checkpoint, one tensor (or one part) at a time. The weights of
+    `packed_projections` are read once as NVFP4 and attached (`dense_nvfp4.attach`: the Linear's
+    weight dequantized to its dtype, the same values `Checkpoint.dense_tensor` gives, and the
+    packed form beside it on `device`). On a CUDA device the host tables (`cupool.hosttable`:
+    qwen4_exp's n-gram embeddings) go to pinned, mapped host memory instead, filled part by
+    part."""
     device = torch.device(device)
     host = host_table_names(model) if device.type == "cuda" else []
     held = {n: _hold_off(model, n) for n in host}
+    packed = packed_projections(model, mapping, ckpt)
     model.to_empty(device=device)
     targets = model.state_dict(keep_vars=True)
     for target, name in mapping.items():
         if target in held:
             continue
+        if target in packed:
+            linear = model.get_submodule(target.rpartition(".")[0])
+            dense_nvfp4.attach(linear, ckpt.dense_nvfp4(name), name)
+            continue
         t = targets[target]
         _fill(t, ckpt, name)
+    if packed:
+        log.info("cupool: %s kept packed beside their weights (%s on %s)",
+                 dense_nvfp4.describe(model), fmt_bytes(dense_nvfp4.packed_bytes(model)), device)
     for target, (shape, dtype) in held.items():
         cpu, gpu = mapped_empty(shape, dtype, device)
         _fill(cpu, ckpt, mapping[target])
@@ -465,7 +511,7 @@ def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="
         mapping = dense_plan(model, specs, ckpt)
         for spec in specs:
             spec.release()
-        on_gpu = ckpt.dense_bytes(dtype) - host_table_bytes(model, dtype)
+        on_gpu = dense_gpu_bytes(model, mapping, ckpt, dtype)
         p = plan(specs, pending_bytes=on_gpu, rows=rows, budget=budget,
                  device=device, **wrap_kwargs)
 

@@ -44,6 +44,15 @@
 //          addresses, for a bank that holds every expert at a fixed row (the plan step and row
 //          copies then have nothing to do and are not run).
 //
+// NVFP4 weights (WFP4 = 1): each matrix is NVFP4 strips (cupool/layout.py, `dense_strips`: 16
+// rows × Kp columns a strip, 64-column chunks of 512 bytes of E2M1 codes and 64 of E4M3 block
+// scales, Kp = K rounded up to 64, padding zero), and its global scale a float argument. A chunk
+// is then 64 columns: per chunk a lane loads its 16 bytes of codes (rows g and g + 8, columns
+// 16t … 16t + 15, four k-tiles) and its two scale bytes, dequantises them to bf16 A fragments
+// (mma_fp4.cuh: exact, times 2^-8) and takes its B fragments as two 16-byte shared-memory loads
+// of x at those 16 columns. The epilogue multiplies each row's sum by 2^8 · its matrix's global
+// scale. A row tile lies in one matrix: n0 and n1 are multiples of 16 (the launcher checks).
+//
 // Rows come from up to three matrices (a fused q/k/v projection): output row r is row r of w0 for
 // r < n0, row r − n0 of w1 for r < n0 + n1, else row r − n0 − n1 of w2 — the weights are used
 // where they lie, no concatenated copy is kept. Biases (bf16) likewise, null where absent.
@@ -77,14 +86,21 @@
 #ifndef EPI
 #define EPI 0
 #endif
+#ifndef WFP4
+#define WFP4 0            // weights: 0 bf16 [N, K] row-major, 1 NVFP4 strips (header)
+#endif
 #ifndef WARPS
 #define WARPS 8
 #endif
 #ifndef RT
 #define RT 1              // 16-row tiles a block owns
 #endif
-#ifndef U
-#define U (RT > 1 ? 2 : 4)   // chunks a register buffer holds (two buffers: 2·U chunks in flight)
+#ifndef U                 // chunks a register buffer holds (two buffers: 2·U chunks in flight)
+#if WFP4
+#define U (RT > 1 ? 4 : 8)   // an NVFP4 chunk is 18 bytes a lane, a bf16 one 32
+#else
+#define U (RT > 1 ? 2 : 4)
+#endif
 #endif
 #ifndef KS
 #define KS 1              // blocks a row tile's K is split over
@@ -92,20 +108,56 @@
 #ifndef LANE_ADDR
 #define LANE_ADDR 0       // the route epilogue also writes the lanes' expert row addresses
 #endif
+#if WFP4
+#include "mma_fp4.cuh"
+#define CCOLS 64          // columns a chunk: 16 code bytes a lane (four k-tiles)
+#define FP4_CHUNK 576     // bytes of a chunk: 512 of codes, then 64 of scales
+#else
+#define CCOLS 32          // columns a chunk: 16 bytes of row g and of row g + 8 a lane
+#endif
 
 #define NT ((NB + 7) / 8)           // MMA n tiles of 8 tokens
 #define NBP (NT * 8)                // tokens padded to the tiles (the padding multiplies zeros)
 #define KT (2048 / NT)              // x columns staged in shared memory at a time
 // A token's row in shared memory is KT + 32 elements: the extra 64 bytes put the 16-byte loads
 // of a quarter warp (two token rows, 64 bytes each) on disjoint banks.
+// With WFP4 a lane reads 32 bytes of a row (16 columns), a row 80 bytes further on, likewise.
+#if WFP4
+#define XSTRIDE (KT + 40)
+#else
 #define XSTRIDE (KT + 32)
+#endif
 
 static_assert(NB >= 1 && NB <= 16, "a decode GEMV takes 1 to 16 tokens");
-static_assert(KT % 32 == 0, "x tiles are whole chunks");
+static_assert(KT % CCOLS == 0, "x tiles are whole chunks");
 static_assert(WARPS == 4 || WARPS == 8, "a block of 4 or 8 warps");
 static_assert(KS >= 1 && KS <= 16, "K split over 1 to 16 blocks");
 static_assert(LANE_ADDR == 0 || EPI == 2, "lane addresses are written by the route epilogue");
 
+#if WFP4
+struct Rows {
+    const u8* w[3];
+    const u16* b[3];
+    float gs[3];
+    i32 n0, n1, K;
+    // The strip of row r (its 16-row tile lies in one matrix).
+    CUPOOL_DEVICE const u8* row(i32 r) const {
+        const i64 strip = (i64)9 * ((K + 63) / 64 * 64);
+        if (r < n0) return w[0] + (i64)(r >> 4) * strip;
+        if (r < n0 + n1) return w[1] + (i64)((r - n0) >> 4) * strip;
+        return w[2] + (i64)((r - n0 - n1) >> 4) * strip;
+    }
+    CUPOOL_DEVICE float bias(i32 r) const {
+        const u16* p = r < n0 ? b[0] : r < n0 + n1 ? b[1] : b[2];
+        const i32 i = r < n0 ? r : r < n0 + n1 ? r - n0 : r - n0 - n1;
+        return p ? bf16_to_f32(p[i]) : 0.0f;
+    }
+    // What row r's sum is multiplied by: 2^8 (the fragments' scaling) · its matrix's global scale.
+    CUPOOL_DEVICE float scale(i32 r) const {
+        return dequant_unscale<true>() * (r < n0 ? gs[0] : r < n0 + n1 ? gs[1] : gs[2]);
+    }
+};
+#else
 struct Rows {
     const u16* w[3];
     const u16* b[3];
@@ -122,6 +174,7 @@ struct Rows {
         return p ? bf16_to_f32(p[i]) : 0.0f;
     }
 };
+#endif
 
 CUPOOL_DEVICE u32x4 ld_plain16(const void* p) {
     return *reinterpret_cast<const u32x4*>(p);
@@ -139,8 +192,13 @@ CUPOOL_DEVICE void residual8(const u16* in, const u16* add, i32 K, int n, i32 k,
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
+#if WFP4
+dense_gemv(const u8* __restrict__ w0, const u8* __restrict__ w1, const u8* __restrict__ w2,
+           i32 n0, i32 n1, i32 N, i32 K, float gs0, float gs1, float gs2,
+#else
 dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __restrict__ w2,
            i32 n0, i32 n1, i32 N, i32 K,
+#endif
            const u16* __restrict__ b0, const u16* __restrict__ b1, const u16* __restrict__ b2,
            const u16* in, const u16* add, const u16* __restrict__ nw, float eps,
            u16* h_out, u16* x_out, const u16* res2, u16* out,
@@ -167,18 +225,35 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #if KS > 1
     __shared__ int tile_last;
     // this block's K slice [kb, ke): whole chunks, split as evenly as chunks allow
+#if WFP4
+    const i32 k_chunks = (K + CCOLS - 1) / CCOLS;
+    const i32 kb = (i32)blockIdx.y * k_chunks / KS * CCOLS;
+    const i32 ke = min(K, ((i32)blockIdx.y + 1) * k_chunks / KS * CCOLS);
+#else
     const i32 k_chunks = (K + 31) / 32;
     const i32 kb = (i32)blockIdx.y * k_chunks / KS * 32;
     const i32 ke = min(K, ((i32)blockIdx.y + 1) * k_chunks / KS * 32);
+#endif
 #else
     const i32 kb = 0, ke = K;
 #endif
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
+#if WFP4
+    Rows rows{{w0, w1, w2}, {b0, b1, b2}, {gs0, gs1, gs2}, n0, n1, K};
+#else
     Rows rows{{w0, w1, w2}, {b0, b1, b2}, n0, n1, K};
+#endif
     const i32 r0 = blockIdx.x * (RT * 16);
 
+#if WFP4
+    // this lane's part of each row tile's strip (clamped: tiles past N read the last one, never
+    // stored): its 16 code bytes and its two scale bytes of each chunk
+    const u8* pa[RT];
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) pa[rt] = rows.row(min(r0 + rt * 16, N - 1));
+#else
     // this lane's two rows of each tile (clamped: rows past N load row N − 1, never stored)
     const u16* pa[RT];
     const u16* pb[RT];
@@ -187,6 +262,7 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
         pa[rt] = rows.row(min(r0 + rt * 16 + g, N - 1)) + t * 8;
         pb[rt] = rows.row(min(r0 + rt * 16 + g + 8, N - 1)) + t * 8;
     }
+#endif
     float acc[RT][NT][4];
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
@@ -195,6 +271,56 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[rt][nt][i] = 0.0f;
 
+#if WFP4
+    // two register buffers of U chunks: the next U chunks' loads are in flight while the
+    // current ones are multiplied; lo: the codes, hi: the scale pair (low 16 bits)
+    u32x4 a_lo[U][RT], b_lo[U][RT];
+    u32 a_hi[U][RT], b_hi[U][RT];
+    const u32x4 zero{0u, 0u, 0u, 0u};
+    // the loads of U chunks starting at chunk c0 (chunks c0, c0 + WARPS, ...) of the tile at k0
+    auto load = [&](u32x4 (&lo)[U][RT], u32 (&hi)[U][RT], i32 k0, i32 c0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const i32 k = k0 + (c0 + u * WARPS) * CCOLS;
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt) {
+                const bool ok = k < ke && k < k0 + KT;
+                const u8* chunk = pa[rt] + (i64)(k / CCOLS) * FP4_CHUNK;
+                lo[u][rt] = ok ? ld_stream16(chunk + lane * 16) : zero;
+                hi[u][rt] = ok ? ld_u16_nc(chunk + 512 + 2 * lane) : 0u;
+            }
+        }
+    };
+    auto multiply = [&](u32x4 (&lo)[U][RT], u32 (&hi)[U][RT], i32 c0) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int col = (c0 + u * WARPS) * CCOLS + t * 16;
+            if (col >= KT) break;                 // the same for every lane: KT is whole chunks
+            u32 a[RT][4][4];
+#pragma unroll
+            for (int rt = 0; rt < RT; ++rt) {
+                const u32 sc = scale_pair<true>(hi[u][rt]);
+                dequant_tile<true>(lo[u][rt].x, sc, a[rt][0]);
+                dequant_tile<true>(lo[u][rt].y, sc, a[rt][1]);
+                dequant_tile<true>(lo[u][rt].z, sc, a[rt][2]);
+                dequant_tile<true>(lo[u][rt].w, sc, a[rt][3]);
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                const u16* xr = &xs[(nt * 8 + g) * XSTRIDE + col];
+                const u32x4 x0 = *reinterpret_cast<const u32x4*>(xr);
+                const u32x4 x1 = *reinterpret_cast<const u32x4*>(xr + 8);
+#pragma unroll
+                for (int rt = 0; rt < RT; ++rt) {
+                    mma16816<true>(acc[rt][nt], a[rt][0], x0.x, x0.y);
+                    mma16816<true>(acc[rt][nt], a[rt][1], x0.z, x0.w);
+                    mma16816<true>(acc[rt][nt], a[rt][2], x1.x, x1.y);
+                    mma16816<true>(acc[rt][nt], a[rt][3], x1.z, x1.w);
+                }
+            }
+        }
+    };
+#else
     // two register buffers of U chunks: the next U chunks' loads are in flight while the
     // current ones are multiplied
     u32x4 a_lo[U][RT], a_hi[U][RT], b_lo[U][RT], b_hi[U][RT];
@@ -232,8 +358,10 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
         }
     };
 
+#endif
+
     // both buffers' first chunks of the first x tile: only weights, so before the wait
-    const i32 chunks0 = min((i32)KT, ke - kb) / 32 + ((min((i32)KT, ke - kb) % 32) != 0);
+    const i32 chunks0 = min((i32)KT, ke - kb) / CCOLS + ((min((i32)KT, ke - kb) % CCOLS) != 0);
     load(a_lo, a_hi, kb, warp);
     if (warp + WARPS * U < chunks0) load(b_lo, b_hi, kb, warp + WARPS * U);
 #if MODE == 1
@@ -324,7 +452,7 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
             *reinterpret_cast<u32x4*>(&xs[n * XSTRIDE + (k - k0)]) = v;
         }
         __syncthreads();
-        const i32 chunks = min((i32)KT, ke - k0) / 32 + ((min((i32)KT, ke - k0) % 32) != 0);
+        const i32 chunks = min((i32)KT, ke - k0) / CCOLS + ((min((i32)KT, ke - k0) % CCOLS) != 0);
         if (k0 > kb) load(a_lo, a_hi, k0, warp);
         for (i32 c0 = warp; c0 < chunks; c0 += 2 * WARPS * U) {
             const i32 c1 = c0 + WARPS * U;
@@ -381,6 +509,9 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #else
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) s += red[w][row][n];
+#endif
+#if WFP4
+        s *= rows.scale(r);
 #endif
 #if EPI == 2
         logits[(i64)n * N + r] = bf16_to_f32(f32_to_bf16(s));

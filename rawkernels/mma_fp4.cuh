@@ -39,7 +39,8 @@ CUPOOL_DEVICE u32 fp4x2_raw(u32 w) {
 // shifted left by 7 are fp16 bits of (E4M3 value · 2^-8), and one multiply by 2^15 gives value ·
 // 2^7 exactly (448 · 2^7 = 57344 < 65504); shifted left by 4 they are bf16 bits of (value ·
 // 2^-120), and multiplies by 2^120 and 2^118 give value · 2^118 (< 2^127). Subnormal E4M3 lands on
-// subnormals with the same ratio. Scales are non-negative, so the sign bit is dropped.
+// subnormals with the same ratio. Scales are non-negative, so the sign bit is dropped; a NaN
+// scale (0x7F) would read as 480: the loaders refuse non-finite and negative scales first.
 #define FP16X2_2P15 0x78007800u
 #define BF16X2_2P120 0x7B807B80u
 #define BF16X2_2P118 0x7A807A80u

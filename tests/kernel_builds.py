@@ -115,6 +115,11 @@ BUILDS: list[tuple[str, str]] = [
     # the bank): the plain shape (the default) and router=k16
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DKS=16 -DLANE_ADDR=1"),
+    # NVFP4 attention projections (cupool.dense_nvfp4) at the default shapes: QKV (norm, 4 warps)
+    # at batch 1 and 16, the o-projection (+ residual, 4 warps, K split over 4 blocks)
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1"),
+    ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=4 -DWFP4=1"),
     # the router folded into the decode GEMM's launch (the plan step skipped, CUPOOL_FUSED_ROUTE):
     # T=1, T=4..8, T=16 at Qwen3-30B-A3B's dims
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, ROUTE=1)),

@@ -104,6 +104,26 @@ def test_reference_step_equals_transformers(family):
         assert rel(k_f, k_m) <= 1e-2
 
 
+def test_reference_step_reads_nvfp4_projections():
+    """Attention projections kept packed in NVFP4 (`dense_nvfp4.quantize_linears`): the step's QKV
+    and o GEMVs take the packed forms (a 16-row tile of q/k ends where the next matrix starts),
+    and compute what transformers computes with the Linears' (dequantized) weights. A projection
+    without a packed form leaves its GEMV on the bf16 weights."""
+    from cupool import dense_nvfp4
+    model = fused_model("qwen3_moe", seed=9)
+    assert dense_nvfp4.quantize_linears(model) == 4 * model.config.num_hidden_layers
+    lin = model.model.layers[0].self_attn.q_proj
+    assert torch.equal(dense_nvfp4.of(lin).dequantize(torch.bfloat16), lin.weight)
+    del model.model.layers[2].self_attn.o_proj.cupool_nvfp4
+    fused, want, fc, mc, step = compare_step(model, None, "reference",
+                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2]], [11, 13])
+    assert "NVFP4 weights for qkv in 3 layers, o in 2 layers" in step.describe(), step.describe()
+    assert [l.o.nvfp4 for l in step.layers] == [True, True, False]
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+
+
 def test_reference_step_fails_when_a_rounding_is_dropped(monkeypatch):
     """The comparison can fail: a reference that skips the residual add is far off."""
     model = fused_model("qwen3_moe", seed=8)

@@ -6,12 +6,16 @@ emulated, every block of its grid run one after another; `gemv_main.cpp` drives 
 fused step's GEMVs are checked without a GPU: the three matrices side by side, biases, the
 residual sum and RMSNorm prologue (h read once where K is one x tile, staged tile by tile past
 it), the residual epilogue, K split over blocks with the tiles' tickets, two row tiles a block,
-and the router's softmax top-k with its ties, NaN rule, inactive tokens and lane addresses. What
-concurrent blocks do to each other is the GPU tests' part (test_gpu_dense.py).
+and the router's softmax top-k with its ties, NaN rule, inactive tokens and lane addresses. The
+NVFP4 builds (WFP4: weights as `cupool.layout.dense_strips`, dequantised by mma_fp4.cuh, each
+matrix's sums times its global scale) are checked the same way against the reference on the
+dequantized matrices. What concurrent blocks do to each other is the GPU tests' part
+(test_gpu_dense.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import _emu_build as emu_build
@@ -20,17 +24,28 @@ import pytest
 import torch
 from test_gpu_dense import close
 
+from cupool import dense_nvfp4, nvfp4
 from cupool.reference import dense as ref
 
-BUILDS = {   # NB, MODE (1: norm), EPI (0 plain, 1 + residual, 2 route), WARPS, RT, KS, LANE_ADDR
+# NB, MODE (1: norm), EPI (0 plain, 1 + residual, 2 route), WARPS, RT, KS, LANE_ADDR; WFP4 = 1:
+# NVFP4 weights (absent: bf16)
+BUILDS = {
     "plain": dict(NB=3, MODE=0, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0),
     "norm": dict(NB=3, MODE=1, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0),
     "residual": dict(NB=13, MODE=0, EPI=1, WARPS=4, RT=2, KS=3, LANE_ADDR=0),
     "route": dict(NB=1, MODE=1, EPI=2, WARPS=8, RT=1, KS=1, LANE_ADDR=1),   # Qwen3-30B-A3B's
     "route_split": dict(NB=5, MODE=1, EPI=2, WARPS=4, RT=1, KS=3, LANE_ADDR=1),
+    "fp4_plain": dict(NB=3, MODE=0, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0, WFP4=1),
+    # 9 to 16 tokens: two MMA n tiles, x tiles of KT = 1024 columns
+    "fp4_norm_nb10": dict(NB=10, MODE=1, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0, WFP4=1),
+    "fp4_residual": dict(NB=13, MODE=0, EPI=1, WARPS=4, RT=2, KS=3, LANE_ADDR=0, WFP4=1),
+    # Qwen3-30B-A3B's decode launches (cupool.fused.DEFAULT_DENSE_SHAPE): qkv, o-projection
+    "fp4_qkv": dict(NB=1, MODE=1, EPI=0, WARPS=4, RT=1, KS=1, LANE_ADDR=0, WFP4=1),
+    "fp4_o": dict(NB=1, MODE=0, EPI=1, WARPS=4, RT=1, KS=4, LANE_ADDR=0, WFP4=1),
 }
 NAN16 = 0x7FC0
-HEADERS = ("route.cuh",)   # the rawkernels headers dense_gemv.cu includes besides common.cuh
+# the rawkernels headers dense_gemv.cu includes besides common.cuh
+HEADERS = ("route.cuh", "mma_fp4.cuh")
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +59,23 @@ def builds(tmp_path_factory):
 
 def run_kernel(work, name, ws, bs, x, add=None, nw=None, res=None, eps=1e-6, topk=0,
                norm_topk=True, w_f32=False, active=None, table=None):
-    """The emulated launch over grid (tiles, KS): a dict of what it wrote (poisoned where not)."""
+    """The emulated launch over grid (tiles, KS): a dict of what it wrote (poisoned where not).
+    ws: bf16 matrices, or `DenseNVFP4` ones for a WFP4 build."""
     b = BUILDS[name]
     NB, K = b["NB"], x.shape[1]
     assert x.shape[0] == NB
-    rows = [w.shape[0] for w in ws] + [0] * (3 - len(ws))
+    fp4 = b.get("WFP4", 0) == 1
+    rows = [w.rows if fp4 else w.shape[0] for w in ws] + [0] * (3 - len(ws))
     N = sum(rows)
     head = [*rows, K, bs is not None, add is not None, res is not None, emu_build.f32_bits(eps),
             topk, int(norm_topk), int(w_f32), active is not None]
-    tensors = [*ws, *(bs or []), x, add, nw if b["MODE"] == 1 else None, res]
-    words = [head] + [emu_build.bf16_words(t) for t in tensors if t is not None]
+    if fp4:
+        head += [emu_build.f32_bits(w.global_scale) for w in ws] + [0] * (3 - len(ws))
+        weights = [w.strips.contiguous().numpy().reshape(-1).view(np.int64) for w in ws]
+    else:
+        weights = [emu_build.bf16_words(w) for w in ws]
+    tensors = [*(bs or []), x, add, nw if b["MODE"] == 1 else None, res]
+    words = [head, *weights] + [emu_build.bf16_words(t) for t in tensors if t is not None]
     if active is not None:
         words.append(active.to(torch.int64).numpy())
     if b["LANE_ADDR"]:
@@ -206,3 +228,111 @@ def test_gemv_emulation_sees_a_missing_tile(tmp_path):
     assert got["out"][:, 32:].isnan().all() and not got["out"][:, :32].isnan().any()
     with pytest.raises(AssertionError, match="NaN left"):
         close(got["out"], ref.gemv(ws, None, x), "broken")
+
+
+def fp4_matrix(n, K, scale, gen):
+    """A DenseNVFP4 [n, K] of random normal weights times `scale` (the global scale follows it),
+    checked to hold the very values its NVFP4Tensor dequantizes to: the reference then does not
+    rest on the strips alone."""
+    q = nvfp4.quantize(torch.randn(n, K, generator=gen) * scale)
+    w = dense_nvfp4.pack(q)
+    assert torch.equal(w.dequantize(torch.float32), nvfp4.dequantize(q, torch.float32))
+    return w
+
+
+def fp4_case(name, rows, K, bias, add, seed):
+    """Inputs of an NVFP4 build: matrices of `rows` with global scales a decade apart, their
+    biases (bias), x, the residual stream's addend (add), the norm's weight (MODE 1) and res2
+    (EPI 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    b = BUILDS[name]
+    NB = b["NB"]
+    ws = [fp4_matrix(n, K, 0.05 * 10.0 ** (i - 1), gen) for i, n in enumerate(rows)]
+    bs = [rand(n, scale=0.5, gen=gen) for n in rows] if bias else None
+    x = rand(NB, K, scale=2.0, gen=gen)
+    norm = b["MODE"] == 1
+    return dict(ws=ws, bs=bs, x=x, add=rand(NB, K, gen=gen) if add else None,
+                nw=rand(K, scale=0.3, gen=gen) + 1 if norm else None,
+                res=rand(NB, sum(rows), gen=gen) if b["EPI"] == 1 else None)
+
+
+def fp4_check(got, name, c, what):
+    """The emulated NVFP4 launch `got` against GemvReference on the dequantized matrices (the
+    normed x checked as the bf16 test does, and the product taken on the kernel's own x)."""
+    b = BUILDS[name]
+    xin = c["x"]
+    if b["MODE"] == 1:
+        h, want_x = ref.residual_norm(c["x"], c["add"], c["nw"], 1e-6)
+        if c["add"] is not None:
+            assert torch.equal(got["h_out"], h), "h = in + add must round as torch's bf16 add"
+        step = want_x.float().abs() * 2 ** -7 + 1e-30
+        off = (got["x_out"].float() - want_x.float()).abs() > step
+        assert not off.any(), "x_out off by > 1 step"
+        xin = got["x_out"]
+    want = torch.empty_like(got["out"])
+    ref.GemvReference(c["ws"], c["bs"], tokens=b["NB"])(xin, out=want)
+    size = None
+    if c["res"] is not None:         # a residual sum rounds at the size of its terms
+        size = c["res"].float().abs() + want.float().abs()
+        want = c["res"] + want
+    close(got["out"], want, what, size)
+    assert not got["tile_tickets"].any(), "a tile's ticket is not back at zero"
+
+
+# name, rows of each matrix, K, biases, add (norm builds)
+FP4_CASES = [
+    ("fp4_plain", [40], 208, False, False),           # last row tile partial, K a partial chunk
+    ("fp4_plain", [48, 16, 37], 208, True, False),    # three matrices, each its global scale
+    ("fp4_qkv", [64, 32, 40], 2048, True, True),      # K one x tile: h read once
+    ("fp4_qkv", [16, 24], 80, False, False),          # K one chunk and a part, no add
+    ("fp4_norm_nb10", [32, 24], 1088, True, True),    # K past one x tile (KT = 1024)
+    ("fp4_residual", [61], 3088, False, False),       # K over 3 (16, 16, 17 chunks, the last a
+                                                      # part chunk and past an x tile)
+    # Qwen3-30B-A3B: qkv (q 4096, k and v 512 rows of K = 2048) and the o-projection (2048 rows
+    # of K = 4096), full size
+    ("fp4_qkv", [4096, 512, 512], 2048, False, True),
+    ("fp4_o", [2048], 4096, False, False),
+]
+
+
+@pytest.mark.parametrize("name,rows,K,bias,add", FP4_CASES)
+def test_gemv_nvfp4_kernel_source_matches_reference_on_cpu(builds, name, rows, K, bias, add):
+    c = fp4_case(name, rows, K, bias, add, zlib.crc32(f"{name},{rows},{K},{bias},{add}".encode()))
+    got = run_kernel(builds, name, c["ws"], c["bs"], c["x"], add=c["add"], nw=c["nw"],
+                     res=c["res"])
+    if BUILDS[name]["MODE"] == 1 and c["add"] is None:
+        assert got["h_out"].isnan().all(), "h_out written without an add"
+    fp4_check(got, name, c, f"{name} rows={rows} K={K} bias={bias} add={add}")
+
+
+def test_gemv_nvfp4_nan_x_reaches_the_output_on_cpu(builds):
+    """A NaN in one token's x makes every output of that token NaN (an E2M1 code of zero times
+    NaN is NaN, as in the reference's product); the other tokens are unaffected. NVFP4 weights
+    themselves hold no NaN (the launcher refuses non-finite scales)."""
+    name, rows, K = "fp4_plain", [48, 16, 37], 208
+    c = fp4_case(name, rows, K, True, False, 11)
+    c["x"][1, 100] = float("nan")
+    got = run_kernel(builds, name, c["ws"], c["bs"], c["x"])
+    want = ref.gemv([w.dequantize(torch.float32) for w in c["ws"]], c["bs"], c["x"])
+    assert got["out"][1].isnan().all() and want[1].isnan().all()
+    keep = [0, 2]
+    close(got["out"][keep], want[keep], "the tokens without a NaN")
+
+
+def test_gemv_nvfp4_emulation_sees_one_wrong_strip_byte(builds):
+    """The NVFP4 comparison can fail: one block scale byte of the strips changed by a factor
+    2^8 puts the output row it scales (for every token) outside the bound, and no other row."""
+    name, rows, K = "fp4_plain", [40], 208
+    c = fp4_case(name, rows, K, False, False, 5)
+    w = c["ws"][0]
+    strips = w.strips.clone()
+    # strip 1, chunk 0, scale byte 2·lane + 1 of lane 4 (g 1, t 0): row 16 + g + 8 = 25,
+    # columns 0 … 15; the exponent's top bit
+    strips[1, 512 + 2 * 4 + 1] ^= 0x40
+    bad = dataclasses.replace(w, strips=strips)
+    got = run_kernel(builds, name, [bad], None, c["x"])
+    want = ref.gemv([w.dequantize(torch.float32)], None, c["x"])
+    with pytest.raises(AssertionError, match="elements off|relative error"):
+        close(got["out"], want, "one wrong strip byte")
+    off = (got["out"].float() - want.float()).abs() > want.float().abs() * 2 ** -6 + 1e-3
+    assert off[:, 25].all() and off.sum() == off.shape[0], off.nonzero().tolist()

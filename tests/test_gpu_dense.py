@@ -124,6 +124,85 @@ def test_dense_gemv_matches_reference(tokens, rows, K, shape, variant):
         assert int(op.tile_tickets.abs().sum()) == 0, "a tile's ticket is not back at zero"
 
 
+# NVFP4 weights (DenseNVFP4 strips): the Qwen3-30B-A3B QKV and o-projection at the fused step's
+# default shapes, then N not whole tiles (the last matrix 40 rows), K not whole 64-column chunks
+# (208, 4160 = 65 chunks over 3 slices: 21, 22, 22), two x tiles (16 tokens: 1,024 columns a
+# tile), two row tiles a block (N ≥ 16,384), one chunk
+FP4_CASES = [  # tokens, rows of each matrix, K, shape
+    (1, [4096, 512, 512], 2048, dict(warps=4)), (1, [2048], 4096, dict(warps=4, split_k=4)),
+    (8, [4096, 512, 512], 2048, {}), (16, [2048], 4096, dict(split_k=2)),
+    (3, [96, 32, 40], 208, {}), (13, [33], 4160, dict(split_k=3)), (2, [16400], 256, {}),
+    (5, [16], 16, dict(warps=4)), (9, [64, 48], 2112, dict(warps=4)),
+]
+
+
+@pytest.mark.parametrize("tokens,rows,K,shape", FP4_CASES,
+                         ids=[f"B{c[0]}-N{sum(c[1])}-K{c[2]}-{_shape_id(c[3])}" for c in FP4_CASES])
+@pytest.mark.parametrize("variant", ["plain", "norm_add", "residual", "bias"])
+def test_dense_gemv_nvfp4_matches_reference(tokens, rows, K, shape, variant):
+    """The NVFP4 build against the reference's product with the dequantized matrices (each its
+    own global scale), within the bf16 build's tolerances: the kernel's fragments are exact
+    (E2M1 · block scale · 2^-8), so only the order of float32 sums and the final rounding differ."""
+    from cupool import dense_nvfp4, nvfp4
+    from cupool.ops.dense_gemv import PLAIN, RESIDUAL, DenseGemv
+    gen = torch.Generator(device="cuda").manual_seed(
+        zlib.crc32(f"fp4,{tokens},{K},{sum(rows)},{variant}".encode()))
+    packed = [dense_nvfp4.pack(nvfp4.quantize(
+        torch.randn(n, K, device="cuda", generator=gen) * (0.02 * (i + 1))))
+        for i, n in enumerate(rows)]
+    mats = [p.dequantize(torch.float32) for p in packed]
+    bs = [rand(n, scale=0.5, gen=gen) for n in rows] if variant == "bias" else None
+    N = sum(rows)
+    norm = variant.startswith("norm")
+    epi = RESIDUAL if variant == "residual" else PLAIN
+    op = DenseGemv(packed, bs, tokens=tokens, norm=norm, epilogue=epi, **shape)
+    assert op.nvfp4
+    x = rand(tokens, K, scale=2.0, gen=gen)
+    add = rand(tokens, K, gen=gen) if norm else None
+    nw = rand(K, scale=0.3, gen=gen) + 1 if norm else None
+    res = rand(tokens, N, gen=gen) if epi == RESIDUAL else None
+    out = poison(tokens, N)
+    kw = {}
+    if norm:
+        kw = dict(add=add, norm_weight=nw, eps=1e-6, h_out=poison(tokens, K),
+                  x_out=poison(tokens, K))
+    op(x, residual=res, out=out, **kw)
+    torch.cuda.synchronize()
+    xin = kw["x_out"] if norm else x
+    if norm:
+        h, want_x = ref.residual_norm(x, add, nw, 1e-6)
+        assert torch.equal(kw["h_out"], h), "h = in + add must round as torch's bf16 add"
+        step = want_x.float().abs() * 2 ** -7 + 1e-30
+        assert ((xin.float() - want_x.float()).abs() <= step).all(), "x_out off by > 1 bf16 step"
+    want = ref.gemv(mats, bs, xin)
+    size = None
+    if res is not None:
+        size = res.float().abs() + want.float().abs()
+        want = res + want
+    close(out, want, f"nvfp4 {variant} tokens={tokens} rows={rows} K={K} {shape}", size)
+    if op.split_k > 1:
+        assert int(op.tile_tickets.abs().sum()) == 0, "a tile's ticket is not back at zero"
+
+
+def test_dense_gemv_nvfp4_sees_each_strip_byte():
+    """The check above can fail: one code byte of one chunk changed moves the rows it holds."""
+    from cupool import dense_nvfp4, nvfp4
+    from cupool.ops.dense_gemv import DenseGemv
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    p = dense_nvfp4.pack(nvfp4.quantize(torch.randn(64, 256, device="cuda", generator=gen)))
+    x = rand(1, 256, gen=gen)
+    out = poison(1, 64)
+    DenseGemv([p], tokens=1)(x, out=out)
+    bad = dense_nvfp4.DenseNVFP4(p.strips.clone(), p.global_scale, p.rows, p.cols)
+    bad.strips[1, 576 + 7] ^= 0x3F                        # strip 1, chunk 1, lane 1's codes
+    out2 = poison(1, 64)
+    DenseGemv([bad], tokens=1)(x, out=out2)
+    torch.cuda.synchronize()
+    close(out, ref.gemv([p.dequantize()], None, x), "nvfp4 before the change")
+    changed = (out2 != out)[0].nonzero().flatten().tolist()
+    assert changed and all(16 <= r < 32 for r in changed), changed
+
+
 @pytest.mark.parametrize("tokens,E,K", [(1, 128, 8), (8, 128, 8), (16, 128, 8), (3, 512, 10),
                                         (5, 60, 4), (2, 200, 6), (2, 640, 8)])
 @pytest.mark.parametrize("norm_topk", [True, False])
@@ -517,6 +596,26 @@ def test_fused_step_matches_transformers_through_the_pool(family):
     fused, want, fc, mc, step = compare_step(model, pool, "kernels",
                                              [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9, 9, 13]], [11, 13])
     assert step.describe().startswith("fused decode step: 3 of 3 layers"), step.describe()
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+    assert pool.errors() == []
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_step_with_nvfp4_projections_matches_transformers(family):
+    """q/k/v/o kept packed in NVFP4 (`dense_nvfp4.quantize_linears`, which also sets the Linears'
+    weights to the dequantized values): the step's GEMVs read the packed form, and its logits
+    match transformers' forward on those weights within the step's tolerance."""
+    from test_fused_step import LOGIT_TOL, compare_step
+
+    from cupool import dense_nvfp4
+    model, pool = _wrapped(family, seed=37)
+    assert dense_nvfp4.quantize_linears(model) == 4 * model.config.num_hidden_layers
+    fused, want, fc, mc, step = compare_step(model, pool, "kernels",
+                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9, 9, 13]], [11, 13])
+    assert "NVFP4 weights for qkv in 3 layers, o in 3 layers" in step.describe(), step.describe()
+    assert all(l.qkv.nvfp4 and l.o.nvfp4 for l in step.layers)
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
         assert rel(k_f, k_m) <= 1e-2

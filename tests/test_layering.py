@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parent.parent / "cupool"
 # module (or package prefix) -> layer, as ARCHITECTURE.md lists them
 LAYERS = {
     "cupool._cuda": 0, "cupool._env": 0, "cupool.kernels": 0, "cupool.rawkernels": 0,
-    "cupool.nvfp4": 1, "cupool.layout": 1, "cupool.store": 1, "cupool.budget": 1,
+    "cupool.nvfp4": 1, "cupool.layout": 1, "cupool.dense_nvfp4": 1, "cupool.store": 1, "cupool.budget": 1,
     "cupool.trace": 1, "cupool.activation": 1, "cupool.estimate": 1, "cupool.hosttable": 1,
     "cupool.reference": 2, "cupool.ops": 2,
     "cupool.bank": 3, "cupool.gemm": 3,

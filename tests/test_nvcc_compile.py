@@ -142,6 +142,20 @@ def test_routed_decode_builds_without_spills(nvcc, tmp_path, hidden, inter, lane
     assert spills == [0], (b, spills)
 
 
+@pytest.mark.parametrize("tokens,norm,epi,warps,ks,rt", [
+    (1, 1, 0, 4, 1, 1), (16, 1, 0, 4, 1, 1), (1, 0, 1, 4, 4, 1), (8, 1, 0, 8, 1, 2),
+    (1, 1, 2, 8, 8, 1)])
+def test_nvfp4_gemv_builds_without_spills(nvcc, tmp_path, tokens, norm, epi, warps, ks, rt):
+    """dense_gemv's NVFP4 builds (two buffers of 8 chunks, or 4 with two row tiles, and the
+    dequantised fragments of a chunk in registers) at the fused step's shapes and the widest ones
+    fit without spills."""
+    defines = {"NB": tokens, "MODE": norm, "EPI": epi, "WARPS": warps, "RT": rt, "WFP4": 1,
+               **({"KS": ks} if ks > 1 else {})}
+    spills = ptxas_spills(nvcc, kernels.kernel_dir() / "dense_gemv.cu", defines,
+                          tmp_path / "out.cubin")
+    assert spills == [0], (defines, spills)
+
+
 def test_decode_w13_split_rule():
     """Two strip pairs a w13 item where Hp ≤ 2048 and lanes · Ip/32 fill the call's grid."""
     qwen, big = RowLayout(2048, 768), RowLayout(4096, 1536)

@@ -74,7 +74,7 @@ import torch
 from cupool import nvfp4
 from cupool.checkpoints.errors import CheckpointError
 from cupool.checkpoints.index import TensorIndex, TensorInfo
-from cupool.layout import RowLayout
+from cupool.layout import CHUNK_BYTES, RowLayout
 from cupool.nvfp4 import BLOCK, NVFP4Tensor
 
 MAX_IMPLIED_WEIGHT = 1e4
@@ -434,8 +434,8 @@ class Checkpoint:
     tally of what reading converted, `cupool.checkpoints.mxfp4.ConversionTally`, for formats read
     by conversion).
 
-    Reads data only in `experts`, `dense_tensor` and `read_experts`-style callers; `close()` (or
-    a `with` block) closes the files.
+    Reads data only in `experts`, `dense_tensor`, `dense_nvfp4` and `read_experts`-style
+    callers; `close()` (or a `with` block) closes the files.
     """
     format = "?"
     naming: NVFP4Naming | None = None
@@ -1221,6 +1221,13 @@ class Checkpoint:
         """The shape `dense_tensor(name)` returns (NVFP4 weights unpacked: [N, K])."""
         return self._dense_spec(name).shape
 
+    def _nvfp4_spec(self, name: str) -> _Dense:
+        spec = self._dense_spec(name)
+        if spec.kind != "nvfp4":
+            raise CheckpointError(f"{name!r} of {self.path} is a {spec.kind} dense tensor, not an "
+                                  f"NVFP4 one (dense_kind {spec.kind!r})")
+        return spec
+
     def dense_kind(self, name: str) -> str:
         """"plain" (stored as is), "nvfp4" or "fp8" (dequantized by dense_tensor)."""
         return self._dense_spec(name).kind
@@ -1240,14 +1247,23 @@ class Checkpoint:
             t = self.index.read(r["w"].name)
             return t.to(dtype) if t.is_floating_point() else t
         if spec.kind == "nvfp4":
-            g = self.index.read(r["g"].name).float().reshape(1)
-            g = self._global(g, lambda i: r["g"].name)
-            q = NVFP4Tensor(self.index.read(r["w"].name)[None], self.index.read(r["s"].name)[None],
-                            g)
-            check_nvfp4(q, lambda i: r["s"].name, lambda i: self._g_label(r["g"].name),
-                        self.naming.hint)
-            return nvfp4.dequantize(q[0], torch.float32).to(dtype)
+            return nvfp4.dequantize(self.dense_nvfp4(name), torch.float32).to(dtype)
         return self._fp8_dequantize(r["w"], r["s"]).to(dtype)
+
+    def dense_nvfp4(self, name: str) -> NVFP4Tensor:
+        """The NVFP4 dense Linear weight `name` as stored, in ModelOpt's convention: packed uint8
+        [N, K/2], block_scale float8_e4m3fn [N, K/16], global_scale float32 [] (a reciprocal
+        stored by the format, compressed-tensors' weight_global_scale, inverted), checked as
+        every NVFP4 matrix read is (module docstring). What `dense_tensor` dequantizes; kept
+        packed for the decode GEMVs (`cupool.dense_nvfp4`). CheckpointError naming `name` where
+        its `dense_kind` is not "nvfp4"."""
+        r = self._nvfp4_spec(name).roles
+        g = self.index.read(r["g"].name).float().reshape(1)
+        g = self._global(g, lambda i: r["g"].name)
+        q = NVFP4Tensor(self.index.read(r["w"].name)[None], self.index.read(r["s"].name)[None], g)
+        check_nvfp4(q, lambda i: r["s"].name, lambda i: self._g_label(r["g"].name),
+                    self.naming.hint)
+        return q[0]
 
     def _fp8_dequantize(self, w_info: TensorInfo, s_info: TensorInfo) -> torch.Tensor:
         """float32 [N, K]: an FP8 weight times its per-tensor, per-row or block scale."""
@@ -1278,6 +1294,18 @@ class Checkpoint:
             floating = spec.kind != "plain" or (isinstance(w.dtype, torch.dtype)
                                                 and w.dtype.is_floating_point)
             total += math.prod(spec.shape) * item if floating else w.nbytes
+        return total
+
+    def dense_nvfp4_bytes(self, names) -> int:
+        """Bytes of the NVFP4 dense weights `names` packed for the decode GEMVs
+        (`cupool.dense_nvfp4`: ceil(N/16) strips of 16 rows × Kp columns, Kp = K rounded up to
+        64, 9·Kp bytes a strip as `cupool.layout` lays them out); they sit beside the dequantized
+        weights `dense_bytes` counts. No data read; CheckpointError naming a name whose
+        `dense_kind` is not "nvfp4"."""
+        total = 0
+        for name in names:
+            n, k = self._nvfp4_spec(name).shape
+            total += -(-n // 16) * -(-k // 64) * CHUNK_BYTES
         return total
 
     # --- life cycle ----------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Launcher of `rawkernels/dense_gemv.cu`: the decode step's bf16 GEMVs with their prologue
-(plain, or residual sum + RMSNorm) and epilogue (plain, + residual, or softmax top-k routing).
+"""Launcher of `rawkernels/dense_gemv.cu`: the decode step's GEMVs (bf16 weights, or NVFP4 ones
+kept packed: `cupool.dense_nvfp4.DenseNVFP4`) with their prologue (plain, or residual sum +
+RMSNorm) and epilogue (plain, + residual, or softmax top-k routing).
 
 Shape legend (ARCHITECTURE.md): B tokens of the step · K inner dim · N output rows (Σ n_i of up
 to three matrices) · E experts (N of a router) · k top-k.
@@ -15,7 +16,7 @@ Launch shape (`warps`, `split_k`; the defaults, 8 warps and no split, are the pl
 fused step's come from `cupool.fused.DEFAULT_DENSE_SHAPE`):
 warps=4 gives blocks of 4 warps, of which twice as many fit an SM at the same registers a thread
 (a grid of a few hundred blocks then runs in one wave). split_k=S splits each row tile's K over S
-blocks (slices of whole 32-column chunks), which adds blocks where there are fewer row tiles than
+blocks (slices of whole chunks: 32 columns of bf16 weights, 64 of NVFP4 ones), which adds blocks where there are fewer row tiles than
 SMs; the partial sums go to a float32 workspace [S, B, N] and a ticket a row tile (both held by
 the DenseGemv, so two launches of one DenseGemv must not run at once), and the tile's last block
 adds them in a fixed order: the result is deterministic, but its float sums run in another order
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from cupool import kernels
+from cupool.dense_nvfp4 import DenseNVFP4
 
 WARPS = 8                      # the kernel's block: 8 warps (4 with warps=4)
 WARPS_CHOICES = (4, 8)
@@ -60,18 +62,18 @@ def route_capacity(tokens: int, warps: int = WARPS) -> int:
     return smem // (4 * min(tokens, warps))
 
 
-def check_launch_shape(warps, split_k, K: int | None) -> None:
+def check_launch_shape(warps, split_k, K: int | None, chunk: int = 32) -> None:
     """ValueError naming the argument unless warps is 4 or 8 and split_k an int in [1, 16] with
-    at least one 32-column chunk of K a slice where split_k > 1 (K >= 32 · split_k; K None: not
-    checked)."""
+    at least one chunk of K a slice where split_k > 1 (K >= chunk · split_k, chunk 32 columns for
+    bf16 weights and 64 for NVFP4 ones; K None: not checked)."""
     if isinstance(warps, bool) or not isinstance(warps, int) or warps not in WARPS_CHOICES:
         raise ValueError(f"warps must be 4 or 8, got {warps!r}")
     if isinstance(split_k, bool) or not isinstance(split_k, int) \
             or not 1 <= split_k <= MAX_SPLIT_K:
         raise ValueError(f"split_k must be an int in [1, {MAX_SPLIT_K}], got {split_k!r}")
-    if K is not None and split_k > 1 and K < 32 * split_k:
-        raise ValueError(f"split_k={split_k} leaves less than 32 columns of K={K} a block "
-                         f"(at most {max(K // 32, 1)} here)")
+    if K is not None and split_k > 1 and K < chunk * split_k:
+        raise ValueError(f"split_k={split_k} leaves less than {chunk} columns of K={K} a block "
+                         f"(at most {max(K // chunk, 1)} here)")
 
 
 @dataclass
@@ -108,6 +110,32 @@ def _check_matrix(name: str, t, K: int | None, device, rows: int | None = None):
         raise ValueError(f"{name} must be 16-byte aligned (address {t.data_ptr():#x})")
 
 
+def _check_nvfp4(name: str, w, K: int, device, last: bool) -> None:
+    """A DenseNVFP4 a GEMV can take: strips uint8 [ceil(n/16), 9·Kp] contiguous, 16-byte aligned
+    on `device`, inner dim K, n a multiple of 16 unless it is the last matrix (a row tile lies
+    in one matrix), a positive finite global scale."""
+    if not isinstance(w, DenseNVFP4):
+        raise TypeError(f"{name} must be a DenseNVFP4 like the other weights, got "
+                        f"{type(w).__name__}")
+    if w.cols != K:
+        raise ValueError(f"{name} has inner dim {w.cols}, weights[0] {K}")
+    kp = -(-K // 64) * 64
+    want = (-(-w.rows // 16), 9 * kp)
+    st = w.strips
+    if not isinstance(st, torch.Tensor) or st.dtype != torch.uint8 or tuple(st.shape) != want \
+            or st.device != device or not st.is_contiguous() or st.data_ptr() % 16:
+        got = (f"{st.dtype} {list(st.shape)} on {st.device}" if isinstance(st, torch.Tensor)
+               else type(st).__name__)
+        raise ValueError(f"{name}.strips must be contiguous, 16-byte aligned uint8 {list(want)} "
+                         f"on {device}, got {got}")
+    if not last and w.rows % 16:
+        raise ValueError(f"{name} has {w.rows} rows; every NVFP4 matrix but the last must have a "
+                         f"multiple of 16 (a 16-row tile lies in one matrix)")
+    g = w.global_scale
+    if not isinstance(g, float) or not (0 < g < float("inf")):
+        raise ValueError(f"{name}.global_scale must be a positive finite float, got {g!r}")
+
+
 def _check_vector(name: str, t, n: int, device, dtype=torch.bfloat16):
     if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device \
             or t.shape != (n,) or not t.is_contiguous():
@@ -118,10 +146,12 @@ def _check_vector(name: str, t, n: int, device, dtype=torch.bfloat16):
 
 class DenseGemv:
     """y = W·x for `tokens` tokens, W the rows of `weights` (1 to 3 bf16 [n_i, K] matrices, used
-    where they lie) with `biases` (bf16 [n_i] or None each).
+    where they lie, or 1 to 3 `DenseNVFP4`, the NVFP4 build) with `biases` (bf16 [n_i] or None
+    each).
 
     Args:
-        weights, biases: the matrices and their biases (biases None: none at all).
+        weights, biases: the matrices and their biases (biases None: none at all). NVFP4 ones:
+            every n_i but the last a multiple of 16.
         tokens: B, the step's tokens (1 to 16).
         norm: the prologue sums the residual and applies an RMSNorm (call with norm_weight, eps).
         epilogue: PLAIN, RESIDUAL (+ a residual) or ROUTE (softmax top-k routing of the logits).
@@ -142,17 +172,30 @@ class DenseGemv:
         if epilogue not in (PLAIN, RESIDUAL, ROUTE):
             raise ValueError(f"epilogue must be PLAIN, RESIDUAL or ROUTE, got {epilogue!r}")
         w0 = weights[0]
-        check_launch_shape(warps, split_k, int(w0.shape[1]) if isinstance(w0, torch.Tensor)
-                           and w0.dim() == 2 else None)
-        self.device = weights[0].device
-        if self.device.type != "cuda":
-            raise ValueError(f"weights must be on a CUDA device, got {self.device}")
-        K = weights[0].shape[1] if weights[0].dim() == 2 else None
-        for i, w in enumerate(weights):
-            _check_matrix(f"weights[{i}]", w, K, self.device)
-        if K % 8:
-            raise ValueError(f"the inner dim K={K} must be a multiple of 8 (16-byte rows)")
-        rows = [w.shape[0] for w in weights]
+        self.nvfp4 = isinstance(w0, DenseNVFP4)
+        if self.nvfp4:
+            K = w0.cols
+            check_launch_shape(warps, split_k, K, chunk=64)
+            self.device = w0.device
+            if self.device.type != "cuda":
+                raise ValueError(f"weights must be on a CUDA device, got {self.device}")
+            for i, w in enumerate(weights):
+                _check_nvfp4(f"weights[{i}]", w, K, self.device, i == len(weights) - 1)
+            rows = [w.rows for w in weights]
+        else:
+            if not isinstance(w0, torch.Tensor):
+                raise TypeError(f"weights[0] must be a bf16 torch tensor or a DenseNVFP4, got "
+                                f"{type(w0).__name__}")
+            check_launch_shape(warps, split_k, int(w0.shape[1]) if w0.dim() == 2 else None)
+            self.device = w0.device
+            if self.device.type != "cuda":
+                raise ValueError(f"weights must be on a CUDA device, got {self.device}")
+            K = w0.shape[1] if w0.dim() == 2 else None
+            for i, w in enumerate(weights):
+                _check_matrix(f"weights[{i}]", w, K, self.device)
+            if K % 8:
+                raise ValueError(f"the inner dim K={K} must be a multiple of 8 (16-byte rows)")
+            rows = [w.shape[0] for w in weights]
         biases = [None] * len(weights) if biases is None else list(biases)
         if len(biases) != len(weights):
             raise ValueError(f"biases has {len(biases)} entries for {len(weights)} matrices")
@@ -178,6 +221,8 @@ class DenseGemv:
         self.grid = tiles if split_k == 1 else (tiles, split_k)
         defines = {"NB": tokens, "MODE": NORM if norm else NO_NORM, "EPI": epilogue,
                    "WARPS": warps, "RT": self.row_tiles}
+        if self.nvfp4:             # bf16 builds take neither the define nor the scales
+            defines["WFP4"] = 1
         self._split_args = ()
         if split_k > 1:            # KS = 1 builds take neither the define nor the two arguments
             defines["KS"] = split_k
@@ -193,8 +238,12 @@ class DenseGemv:
         b = biases + [None] * (3 - len(biases))
         n0 = rows[0]
         n1 = rows[1] if len(rows) > 1 else 0
+        scales = ()
+        if self.nvfp4:
+            scales = tuple(kernels.f32(m.global_scale) for m in w)
+            w = [m.strips for m in w]
         self._wargs = (*w, kernels.i32(n0), kernels.i32(n1), kernels.i32(self.N),
-                       kernels.i32(self.K),
+                       kernels.i32(self.K), *scales,
                        *(kernels.NULL if t is None else t for t in b))
 
     def _check_act(self, name: str, t, cols: int):

@@ -134,7 +134,11 @@ class GemvReference:
         self.weights, self.biases = list(weights), biases
         self.tokens, self.norm, self.epilogue = tokens, norm, epilogue
         self.lane_addr = lane_addr
-        self.N = sum(w.shape[0] for w in self.weights)
+        # NVFP4 weights (cupool.dense_nvfp4.DenseNVFP4) as the float32 values they hold
+        self._mats = [w.dequantize(torch.float32) if hasattr(w, "strips") else w
+                      for w in self.weights]
+        self.N = sum(w.shape[0] for w in self._mats)
+        self.nvfp4 = any(hasattr(w, "strips") for w in self.weights)
 
     def __call__(self, x, *, add=None, norm_weight=None, eps=1e-6, h_out=None, x_out=None,
                  residual=None, out=None, route=None, top_k=0, norm_topk=False, active=None,
@@ -150,7 +154,7 @@ class GemvReference:
                 x_out.copy_(xin)
         else:
             xin = x
-        y = gemv(self.weights, None if self.epilogue == 2 else self.biases, xin)
+        y = gemv(self._mats, None if self.epilogue == 2 else self.biases, xin)
         if self.epilogue == 2:
             ids, w = route_topk(y, top_k, norm_topk, route.weights.dtype, active)
             route.logits.copy_(y.to(torch.float32))

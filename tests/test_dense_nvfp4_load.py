@@ -1,0 +1,225 @@
+"""NVFP4 attention projections from a checkpoint, kept packed (CPU).
+
+ModelOpt exports whose exclude_modules do not name self_attn store q/k/v/o_proj as NVFP4 (weight,
+weight_scale, weight_scale_2, input_scale); compressed-tensors ones as weight_packed, weight_scale
+and the reciprocal weight_global_scale. `Checkpoint.dense_nvfp4` gives such a matrix as written
+(bit for bit; the reciprocal inverted) and refuses any other dense tensor by name;
+`pretrained.load_dense` attaches it to the Linear (`cupool.dense_nvfp4`) with the very weights
+the dequantize-only load gives (logits equal bit for bit); an export that excludes self_attn
+attaches nothing; from_pretrained plans the packed bytes beside the dense part.
+
+from_pretrained itself needs a GPU from its plan step on (tests/test_gpu_pretrained.py), so these
+tests run its CPU steps (`test_pretrained._load_cpu`: skeleton, dense_plan, load_dense) and stop
+from_pretrained at its plan call.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from checkpoint_fixtures import (
+    ct_config_json,
+    float_experts,
+    modelopt_hf_quant,
+    nvfp4_dense,
+    put_ct_experts,
+    put_modelopt_experts,
+    qwen3_moe,
+    reference_nvfp4,
+    save,
+)
+
+from cupool import dense_nvfp4
+from cupool.checkpoints import CheckpointError, open_checkpoint
+from cupool.nvfp4 import NVFP4Tensor, dequantize
+
+pytest.importorskip("transformers")
+
+from cupool import pretrained as P  # noqa: E402
+
+PROJ = dense_nvfp4.ATTENTION_PROJECTIONS
+FORMATS = ("modelopt", "compressed-tensors")
+
+
+def _export(tmp_path, rng, fmt: str = "modelopt", *, attention: bool = True):
+    """A tiny Qwen3-MoE export in `fmt`, routed experts NVFP4. attention: q/k/v/o_proj of every
+    layer NVFP4 as well (their float weights rounded to bf16 first, as an exporter reads them);
+    else self_attn is excluded and stays bf16. H = 48: o_proj is [48, 64] (3 strips), q_proj
+    [64, 48] and k/v [32, 48] (K = 48 padded to Kp = 64 in the strips).
+
+    Returns (directory, {checkpoint weight name: NVFP4Tensor as written, ModelOpt's global scale
+    for compressed-tensors too})."""
+    a = qwen3_moe(rng, H=48)
+    q = reference_nvfp4(float_experts(rng, a))
+    t = dict(a.dense)
+    written = {}
+    if attention:
+        L = a.config["num_hidden_layers"]
+        for mod in (f"model.layers.{li}.self_attn.{p}" for li in range(L) for p in PROJ):
+            nvfp4_dense(t, mod, ct=fmt != "modelopt")
+            if fmt == "modelopt":
+                g = t[f"{mod}.weight_scale_2"]
+                written[f"{mod}.weight"] = NVFP4Tensor(t[f"{mod}.weight"],
+                                                       t[f"{mod}.weight_scale"], g)
+            else:
+                g = (torch.ones(1) / t[f"{mod}.weight_global_scale"]).reshape(())
+                written[f"{mod}.weight"] = NVFP4Tensor(t[f"{mod}.weight_packed"],
+                                                       t[f"{mod}.weight_scale"], g)
+    if fmt == "modelopt":
+        put_modelopt_experts(t, a, q)
+        exclude = ["lm_head"] + ([] if attention else ["model.layers.*.self_attn*"])
+        d = save(tmp_path / fmt, t, a.config, hf_quant_config=modelopt_hf_quant(exclude=exclude))
+    else:
+        put_ct_experts(t, a, q)
+        ignore = ["lm_head", "re:.*mlp.gate$"] + ([] if attention else ["re:.*self_attn.*"])
+        d = save(tmp_path / fmt, t, ct_config_json(a.config, ignore=ignore))
+    return d, written
+
+
+def _strip_bytes(n: int, k: int) -> int:
+    """Bytes of one matrix's strips: ceil(N/16) strips of 9·roundup(K, 64) bytes."""
+    return -(-n // 16) * 9 * (-(-k // 64) * 64)
+
+
+def _same_bits(a: NVFP4Tensor, b: NVFP4Tensor) -> bool:
+    return (a.packed.dtype == b.packed.dtype == torch.uint8 and torch.equal(a.packed, b.packed)
+            and a.block_scale.dtype == b.block_scale.dtype == torch.float8_e4m3fn
+            and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+            and a.global_scale.dtype == b.global_scale.dtype == torch.float32
+            and a.global_scale.shape == b.global_scale.shape == ()
+            and torch.equal(a.global_scale.view(torch.int32), b.global_scale.view(torch.int32)))
+
+
+def _restore_experts(ckpt, specs, layers) -> None:
+    for spec, layer in zip(specs, layers):
+        g, u, d = (dequantize(m) for m in ckpt.experts(layer).nvfp4())
+        spec.restore([(g[e], u[e], d[e]) for e in range(g.shape[0])], "cpu")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dense_nvfp4_gives_the_stored_matrix(tmp_path, rng, fmt):
+    d, written = _export(tmp_path, rng, fmt)
+    with open_checkpoint(d) as ck:
+        for name, want in written.items():
+            assert ck.dense_kind(name) == "nvfp4"
+            got = ck.dense_nvfp4(name)
+            assert _same_bits(got, want), name
+            # dense_tensor is the same matrix dequantized (float32, then the dtype asked for)
+            assert torch.equal(ck.dense_tensor(name, torch.float32), dequantize(want))
+            assert torch.equal(ck.dense_tensor(name, torch.bfloat16),
+                               dequantize(want).to(torch.bfloat16))
+        assert ck.dense_nvfp4_bytes(written) == sum(
+            _strip_bytes(*ck.dense_shape(n)) for n in written)
+        norm = "model.layers.0.input_layernorm.weight"
+        with pytest.raises(CheckpointError, match=rf"'{norm}' .* plain dense tensor, not an NVFP4"):
+            ck.dense_nvfp4(norm)
+        with pytest.raises(CheckpointError, match=rf"'{norm}' .* plain dense tensor"):
+            ck.dense_nvfp4_bytes([norm])
+        with pytest.raises(CheckpointError, match=r"'model.layers.0.self_attn.x_proj.weight' is "
+                                                  r"not a dense tensor"):
+            ck.dense_nvfp4("model.layers.0.self_attn.x_proj.weight")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_load_dense_keeps_the_projections_packed_with_the_same_weights(tmp_path, rng, fmt,
+                                                                        monkeypatch, caplog):
+    from test_pretrained import _load_cpu
+    d, written = _export(tmp_path, rng, fmt)
+    with caplog.at_level(logging.INFO, logger="cupool"):
+        ckpt, model, specs, layers = _load_cpu(d)
+    try:
+        _restore_experts(ckpt, specs, layers)
+        assert ckpt.dense_nvfp4_bytes(written) == dense_nvfp4.packed_bytes(model)
+    finally:
+        ckpt.close()
+    assert "8 NVFP4 dense Linears (model.layers.N.self_attn.k_proj" in caplog.text
+    linears = {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in PROJ}
+    assert len(linears) == len(written) == 8
+    for name, lin in linears.items():
+        p = dense_nvfp4.of(lin)
+        q = written[f"{name}.weight"]
+        assert p is not None and p.shape == tuple(lin.weight.shape) == tuple(q.shape), name
+        assert p.device == lin.weight.device and p.global_scale == float(q.global_scale)
+        assert lin.weight.dtype == torch.bfloat16
+        assert torch.equal(p.dequantize(torch.bfloat16), lin.weight), name
+        assert torch.equal(lin.weight, dequantize(q).to(torch.bfloat16)), name
+    assert not [n for n, m in model.named_modules()
+                if dense_nvfp4.of(m) is not None and n not in linears]
+
+    # the same checkpoint read as before: every dense weight dequantized, nothing attached
+    monkeypatch.setattr(P, "packed_projections", lambda *args: {})
+    ckpt, plain, specs, layers = _load_cpu(d)
+    try:
+        _restore_experts(ckpt, specs, layers)
+    finally:
+        ckpt.close()
+    assert dense_nvfp4.packed_bytes(plain) == 0
+    want = plain.state_dict()
+    for name, t in model.state_dict().items():
+        assert t.dtype == want[name].dtype and torch.equal(t, want[name]), name
+    ids = torch.randint(3, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        # the same weights, the same forward: bit for bit
+        torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_excluded_self_attn_attaches_nothing(tmp_path, rng, fmt):
+    from test_pretrained import _load_cpu
+    d, written = _export(tmp_path, rng, fmt, attention=False)
+    assert not written
+    ckpt, model, _, _ = _load_cpu(d)
+    try:
+        assert ckpt.dense_kind("model.layers.0.self_attn.q_proj.weight") == "plain"
+        with pytest.raises(CheckpointError, match=r"q_proj.weight' .* plain dense tensor"):
+            ckpt.dense_nvfp4("model.layers.0.self_attn.q_proj.weight")
+    finally:
+        ckpt.close()
+    assert dense_nvfp4.packed_bytes(model) == 0
+    assert not any(dense_nvfp4.of(m) is not None for m in model.modules())
+
+
+def test_other_nvfp4_linears_are_dequantized_only(tmp_path, rng):
+    """An NVFP4 Linear outside the attention projections (lm_head here) is dequantized as
+    before, without a packed form."""
+    from test_pretrained import _load_cpu
+    a = qwen3_moe(rng, H=48)
+    q = reference_nvfp4(float_experts(rng, a))
+    t = dict(a.dense)
+    want = nvfp4_dense(t, "lm_head")
+    put_modelopt_experts(t, a, q)
+    d = save(tmp_path / "ck", t, a.config, hf_quant_config=modelopt_hf_quant(exclude=[]))
+    ckpt, model, _, _ = _load_cpu(d)
+    try:
+        assert ckpt.dense_kind("lm_head.weight") == "nvfp4"
+    finally:
+        ckpt.close()
+    assert dense_nvfp4.of(model.lm_head) is None and dense_nvfp4.packed_bytes(model) == 0
+    assert torch.equal(model.lm_head.weight, want.to(torch.bfloat16))
+
+
+class _Planned(Exception):
+    """Raised by the stand-in for `plan`: from_pretrained stops there (no GPU needed)."""
+
+
+@pytest.mark.parametrize("attention", [True, False])
+def test_from_pretrained_plans_the_packed_bytes(tmp_path, rng, monkeypatch, attention):
+    d, written = _export(tmp_path, rng, attention=attention)
+    seen = {}
+
+    def plan(specs, *, pending_bytes, **kw):
+        seen["pending"] = pending_bytes
+        raise _Planned
+
+    monkeypatch.setattr(P, "plan", plan)
+    with pytest.raises(_Planned):
+        P.from_pretrained(d, rows=2, progress=False, load_tokenizer=False)
+    with open_checkpoint(d) as ck:
+        dense = ck.dense_bytes(torch.bfloat16)
+        packed = sum(_strip_bytes(*ck.dense_shape(n)) for n in written)
+    # q [64, 48]: 4 strips of 576 B; k, v [32, 48]: 2 each; o [48, 64]: 3; two layers
+    assert packed == (2 * (4 + 2 + 2 + 3) * 576 if attention else 0)
+    assert seen["pending"] == dense + packed
