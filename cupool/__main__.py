@@ -191,6 +191,7 @@ def plan(args) -> int:
 
     from cupool.budget import MARGIN_BYTES, rows_for_budget, staging_and_tables_bytes
     from cupool.checkpoints import open_checkpoint
+    from cupool.dense_nvfp4 import ATTENTION_PROJECTIONS
     from cupool.gemm import workspace_bytes
     from cupool.hosttable import is_table_name, table_patterns
     from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot
@@ -213,6 +214,13 @@ def plan(args) -> int:
         dense -= tables
         dense_read = {n: math.prod(ck.dense_shape(n)) * item for n in ck.dense_names()
                       if not is_table_name(n, patterns)}
+        # NVFP4 attention projections: kept packed beside their weights (from_pretrained), and
+        # what the fused step's GEMVs read instead of them
+        packed = {n: ck.dense_nvfp4_bytes([n]) for n in ck.dense_names()
+                  if ck.dense_kind(n) == "nvfp4" and n.endswith(".weight")
+                  and n[:-len(".weight")].rpartition(".")[2] in ATTENTION_PROJECTIONS}
+        dense += sum(packed.values())
+        fused_read = {**dense_read, **packed}
         sizes = ck.expert_sizes()
         fmt = ck.format
         bias = ck.has_bias
@@ -229,7 +237,9 @@ def plan(args) -> int:
     fixed = dense + work + MARGIN_BYTES
     print(f"model        {getattr(config, 'model_type', '?')}, checkpoint {fmt}: {L} MoE layers of "
           f"{E} experts (top-{K}), H={H}, I={I}")
-    print(f"dense part   {fmt_bytes(dense):>12}  on the GPU (bf16)")
+    print(f"dense part   {fmt_bytes(dense):>12}  on the GPU (bf16"
+          + (f"; {len(packed)} NVFP4 attention projections also kept packed, "
+             f"{fmt_bytes(sum(packed.values()))})" if packed else ")"))
     what = "NVFP4 + biases" if bias else "NVFP4"
     print(f"experts      {fmt_bytes(sizes.store_bytes):>12}  in pinned host memory "
           f"({L} x {E} rows of {fmt_bytes(layout.row_bytes)}, {what})")
@@ -266,13 +276,15 @@ def plan(args) -> int:
     print(f"budget       {fmt_bytes(args.budget):>12}  fits: {fmt_bytes(on_gpu)} on the GPU, "
           f"{fmt_bytes(sizes.store_bytes + tables)} pinned in host memory")
     print(speed_lines(args, rows=rows, topk=K, num_experts=E, moe_layers=L, layout=layout,
-                      config=config, text=text, dense=dense_read))
+                      config=config, text=text, dense=dense_read, fused_dense=fused_read))
     return 0
 
 
 def speed_lines(args, *, rows, topk, num_experts, moe_layers, layout, config, text,
-                dense) -> str:
-    """`plan`'s estimate of batch-1 decode speed for the bank of `rows` rows per layer."""
+                dense, fused_dense=None) -> str:
+    """`plan`'s estimate of batch-1 decode speed for the bank of `rows` rows per layer. dense:
+    {tensor name: bytes} the model's forward reads; fused_dense: what the fused step reads where
+    it differs (NVFP4 attention projections read packed; default dense)."""
     import torch
 
     from cupool import estimate as est
@@ -295,12 +307,14 @@ def speed_lines(args, *, rows, topk, num_experts, moe_layers, layout, config, te
         hit, why = rows / num_experts, "rows/E as uniform routing gives; real routing hits more " \
                                        "(--trace or --hit-rate)"
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    kw = dict(dense_bytes=est.dense_read_bytes(dense, tied), row_bytes=layout.row_bytes,
-              topk=topk, moe_layers=moe_layers,
+    kw = dict(row_bytes=layout.row_bytes, topk=topk, moe_layers=moe_layers,
               layers=int(getattr(text, "num_hidden_layers", moe_layers) or moe_layers),
               hit_rate=hit)
     step = "fused-resident" if resident else "fused"
-    fused, compiled = (est.estimate(gpu, mode=m, **kw) for m in (step, "compiled"))
+    fused = est.estimate(gpu, mode=step, **kw,
+                         dense_bytes=est.dense_read_bytes(fused_dense or dense, tied))
+    compiled = est.estimate(gpu, mode="compiled", **kw,
+                            dense_bytes=est.dense_read_bytes(dense, tied))
     return "\n".join([
         f"speed        ESTIMATE for {gpu.describe()}, batch 1, hit rate {hit:.2f} ({why}):",
         f"             ~{fused.tok_per_s:.0f} tok/s decode with the fused step (serve's default), "

@@ -12,7 +12,8 @@ quarter of the bytes a token reads for it. Both compute the same weights: the fl
 dequantized NVFP4 one (E2M1 · block scale · global scale, rounded once to the Linear's dtype).
 
 `quantize_linears` makes such a model from a float one (the synthetic models of the benchmarks and
-tests), with the quantizer the experts use (`cupool.nvfp4.quantize`, or its kernel on a GPU).
+tests), with the quantizer the experts use (`cupool.nvfp4.quantize`, on the weights' device).
+`cupool.wrap` moves the packed forms with the model (`move`) and counts their bytes.
 """
 
 from __future__ import annotations
@@ -143,9 +144,22 @@ def quantize_linears(model: nn.Module, names=ATTENTION_PROJECTIONS) -> int:
     return count
 
 
-def packed_bytes(model: nn.Module) -> int:
-    """GPU bytes the packed forms attached to `model`'s Linears hold."""
-    return sum(p.nbytes for m in model.modules() if (p := of(m)) is not None)
+def packed_bytes(model: nn.Module, elsewhere=None) -> int:
+    """Bytes the packed forms attached to `model`'s Linears hold (with `elsewhere`, a device:
+    only those not on it, i.e. what moving them there adds to it)."""
+    dev = None if elsewhere is None else torch.device(elsewhere)
+    return sum(p.nbytes for m in model.modules()
+               if (p := of(m)) is not None and (dev is None or p.device != dev))
+
+
+def move(model: nn.Module, device) -> None:
+    """Each packed form attached to `model`'s Linears onto `device` (where `model.to(device)` put
+    their weights: a plain attribute does not move with the module)."""
+    device = torch.device(device)
+    for m in model.modules():
+        p = of(m)
+        if p is not None and p.device != device:
+            setattr(m, ATTR, dataclasses.replace(p, strips=p.strips.to(device)))
 
 
 def describe(model: nn.Module) -> str:

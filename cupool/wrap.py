@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-from cupool import _cuda
+from cupool import _cuda, dense_nvfp4
 from cupool.adapters import MoELayerSpec, check_consistent, find_moe_layers
 from cupool.bank import Bank
 from cupool.budget import (MARGIN_BYTES, Reserve, parse_bytes, reserve_bytes, rows_for_device,
@@ -183,6 +183,7 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
     pending = sum(t.numel() * t.element_size()
                   for t in list(model.parameters()) + list(model.buffers())
                   if id(t) not in expert_params | tables and t.device != dev)
+    pending += dense_nvfp4.packed_bytes(model, elsewhere=dev)     # moved beside the weights
     p = plan(specs, pending_bytes=pending, rows=rows, budget=budget, device=device,
              kv_reserve=kv_reserve, max_decode_tokens=max_decode_tokens,
              max_prefill_tokens=max_prefill_tokens, scratch_rows=scratch_rows,
@@ -218,5 +219,6 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
     def dense():
         place_host_tables(model, p.device)          # before .to(): they never touch the GPU
         model.to(p.device)
+        dense_nvfp4.move(model, p.device)           # packed projections go with their weights
 
     return assemble(model, specs, p, fill, route_fn=route_fn, before_bank=dense)

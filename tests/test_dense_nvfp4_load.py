@@ -223,3 +223,20 @@ def test_from_pretrained_plans_the_packed_bytes(tmp_path, rng, monkeypatch, atte
     # q [64, 48]: 4 strips of 576 B; k, v [32, 48]: 2 each; o [48, 64]: 3; two layers
     assert packed == (2 * (4 + 2 + 2 + 3) * 576 if attention else 0)
     assert seen["pending"] == dense + packed
+
+
+@pytest.mark.parametrize("attention", [True, False])
+def test_cupool_plan_counts_the_packed_bytes(tmp_path, rng, capsys, attention):
+    """`cupool plan` puts the packed projections on the GPU beside the dense part, and says so."""
+    from cupool import __main__ as cli
+    from cupool.store import fmt_bytes
+    d, written = _export(tmp_path, rng, attention=attention)
+    rc = cli.main(["plan", "--model", str(d), "--budget", "1GiB", "--context", "64"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    with open_checkpoint(d) as ck:
+        dense = ck.dense_bytes(torch.bfloat16)
+    packed = 2 * (4 + 2 + 2 + 3) * 576 if attention else 0
+    line = next(l for l in out.splitlines() if l.startswith("dense part"))
+    assert fmt_bytes(dense + packed) in line, line
+    assert ("8 NVFP4 attention projections also kept packed" in line) == attention, line
