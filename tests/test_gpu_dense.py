@@ -114,12 +114,19 @@ def test_dense_gemv_matches_reference(tokens, rows, K, shape, variant):
         xin = x_out
     else:
         xin = x
-    want = ref.gemv(ws, bs, xin)
+    check_product(op, out, ws, bs, xin, res, f"{variant} tokens={tokens} rows={rows} K={K} {shape}")
+
+
+def check_product(op, out, mats, bs, xin, res, what: str) -> None:
+    """out against the reference's product of `mats` (float) with xin, biases bs, plus res where
+    given (its elements then round at the size of both terms), and a split GEMV's tile tickets
+    back at zero."""
+    want = ref.gemv(mats, bs, xin)
     size = None
     if res is not None:
         size = res.float().abs() + want.float().abs()
         want = res + want
-    close(out, want, f"{variant} tokens={tokens} rows={rows} K={K} {shape}", size)
+    close(out, want, what, size)
     if op.split_k > 1:
         assert int(op.tile_tickets.abs().sum()) == 0, "a tile's ticket is not back at zero"
 
@@ -174,14 +181,8 @@ def test_dense_gemv_nvfp4_matches_reference(tokens, rows, K, shape, variant):
         assert torch.equal(kw["h_out"], h), "h = in + add must round as torch's bf16 add"
         step = want_x.float().abs() * 2 ** -7 + 1e-30
         assert ((xin.float() - want_x.float()).abs() <= step).all(), "x_out off by > 1 bf16 step"
-    want = ref.gemv(mats, bs, xin)
-    size = None
-    if res is not None:
-        size = res.float().abs() + want.float().abs()
-        want = res + want
-    close(out, want, f"nvfp4 {variant} tokens={tokens} rows={rows} K={K} {shape}", size)
-    if op.split_k > 1:
-        assert int(op.tile_tickets.abs().sum()) == 0, "a tile's ticket is not back at zero"
+    check_product(op, out, mats, bs, xin, res,
+                  f"nvfp4 {variant} tokens={tokens} rows={rows} K={K} {shape}")
 
 
 def test_dense_gemv_nvfp4_sees_each_strip_byte():
