@@ -121,7 +121,8 @@
 #define KT (2048 / NT)              // x columns staged in shared memory at a time
 // A token's row in shared memory is KT + 32 elements: the extra 64 bytes put the 16-byte loads
 // of a quarter warp (two token rows, 64 bytes each) on disjoint banks.
-// With WFP4 a lane reads 32 bytes of a row (16 columns), a row 80 bytes further on, likewise.
+// With WFP4 a lane reads 32 bytes (16 columns) of its token's row: rows KT + 40 elements apart
+// (80 bytes past a multiple of 128) put a quarter warp's loads (two rows) on disjoint banks.
 #if WFP4
 #define XSTRIDE (KT + 40)
 #else

@@ -16,11 +16,11 @@ Launch shape (`warps`, `split_k`; the defaults, 8 warps and no split, are the pl
 fused step's come from `cupool.fused.DEFAULT_DENSE_SHAPE`):
 warps=4 gives blocks of 4 warps, of which twice as many fit an SM at the same registers a thread
 (a grid of a few hundred blocks then runs in one wave). split_k=S splits each row tile's K over S
-blocks (slices of whole chunks: 32 columns of bf16 weights, 64 of NVFP4 ones), which adds blocks where there are fewer row tiles than
-SMs; the partial sums go to a float32 workspace [S, B, N] and a ticket a row tile (both held by
-the DenseGemv, so two launches of one DenseGemv must not run at once), and the tile's last block
-adds them in a fixed order: the result is deterministic, but its float sums run in another order
-than split_k=1's, so it may differ from that by rounding.
+blocks (slices of whole chunks: 32 columns of bf16 weights, 64 of NVFP4 ones), which adds blocks
+where there are fewer row tiles than SMs; the partial sums go to a float32 workspace [S, B, N]
+and a ticket a row tile (both held by the DenseGemv, so two launches of one DenseGemv must not run
+at once), and the tile's last block adds them in a fixed order: the result is deterministic, but
+its float sums run in another order than split_k=1's, so it may differ from that by rounding.
 
 Lane addresses (`lane_addr=True`, ROUTE only): the router also builds the kernel's LANE_ADDR
 build, which, called with `table=` (int64 [E], the device address of each expert's bank row) and
