@@ -27,6 +27,14 @@ ARCH_ENV = "CUPOOL_ARCH"     # cupool._cuda.ARCH_ENV: runs of another architectu
                              # labelled so and never overwrite the canonical results
 
 
+def add_dense_nvfp4(parser) -> None:
+    """The `--dense-nvfp4` flag of the decode benchmarks (`synthetic.qwen3_moe_dense_on_gpu`'s
+    dense_nvfp4)."""
+    parser.add_argument("--dense-nvfp4", action="store_true",
+                        help="the attention projections in NVFP4, kept packed for the fused "
+                             "step's GEMVs (as a checkpoint with NVFP4 self_attn loads)")
+
+
 def time_ms(fn, *, warmup: int = 5, iters: int = 50, setup=None) -> float:
     """Median milliseconds of `fn()` over `iters` runs, timed with CUDA events on torch's stream.
 

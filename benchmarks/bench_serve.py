@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import pcie_h2d_GBps, results_path, save  # noqa: E402
+from _common import add_dense_nvfp4, pcie_h2d_GBps, results_path, save  # noqa: E402
 
 from cupool.cli import CLIParser, fraction, positive_int, promote, run  # noqa: E402
 
@@ -63,10 +63,8 @@ def build(layers: int, max_batch: int, seed: int, bank: float, dense_nvfp4: bool
     import cupool
     from cupool import synthetic
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=layers)
-    model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, seed=seed, **shape)
-    if dense_nvfp4:
-        from cupool import dense_nvfp4 as dn
-        dn.quantize_linears(model)
+    model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, seed=seed,
+                                                    dense_nvfp4=dense_nvfp4, **shape)
     E = shape["num_experts"]
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -271,9 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="banks without every expert: the pool's overlap_copies on (the misses' "
                         "row copies on the copy stream beside the decode GEMM of the rows in "
                         "place, the copied rows' GEMM after them)")
-    p.add_argument("--dense-nvfp4", action="store_true",
-                   help="the attention projections in NVFP4, kept packed for the fused step's "
-                        "GEMVs (as a checkpoint with NVFP4 self_attn loads)")
+    add_dense_nvfp4(p)
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
     p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "

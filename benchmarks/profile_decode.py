@@ -52,7 +52,7 @@ import sys
 import time
 
 import torch
-from _common import kernel_group, save, time_ms
+from _common import add_dense_nvfp4, kernel_group, save, time_ms
 from torch.profiler import ProfilerActivity, profile
 
 import cupool
@@ -139,9 +139,7 @@ def build_parser() -> CLIParser:
                    help="with --bank below 100: the pool's overlap_copies on (the misses' row "
                         "copies on the copy stream beside the decode GEMM of the rows in place, "
                         "the copied rows' GEMM after them)")
-    p.add_argument("--dense-nvfp4", action="store_true",
-                   help="the attention projections in NVFP4, kept packed for the fused step's "
-                        "GEMVs (as a checkpoint with NVFP4 self_attn loads)")
+    add_dense_nvfp4(p)
     p.add_argument("--timeline", action="store_true",
                    help="also profile replays of the captured step: row copies against the "
                         "other kernels")
@@ -166,10 +164,8 @@ def main(args) -> None:
     E = shape["num_experts"]
     B = args.batch
     layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
-    model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, **shape)
-    if args.dense_nvfp4:
-        from cupool import dense_nvfp4
-        dense_nvfp4.quantize_linears(model)
+    model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16,
+                                                    dense_nvfp4=args.dense_nvfp4, **shape)
     gen = torch.Generator(device="cuda").manual_seed(0)
     K = shape["num_experts_per_tok"]
     pool = cupool.wrap(model, rows=max(K, E * args.bank // 100), layers=specs,

@@ -191,7 +191,7 @@ def plan(args) -> int:
 
     from cupool.budget import MARGIN_BYTES, rows_for_budget, staging_and_tables_bytes
     from cupool.checkpoints import open_checkpoint
-    from cupool.dense_nvfp4 import ATTENTION_PROJECTIONS
+    from cupool.dense_nvfp4 import is_projection_weight
     from cupool.gemm import workspace_bytes
     from cupool.hosttable import is_table_name, table_patterns
     from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot
@@ -217,8 +217,7 @@ def plan(args) -> int:
         # NVFP4 attention projections: kept packed beside their weights (from_pretrained), and
         # what the fused step's GEMVs read instead of them
         packed = {n: ck.dense_nvfp4_bytes([n]) for n in ck.dense_names()
-                  if ck.dense_kind(n) == "nvfp4" and n.endswith(".weight")
-                  and n[:-len(".weight")].rpartition(".")[2] in ATTENTION_PROJECTIONS}
+                  if is_projection_weight(n) and ck.dense_kind(n) == "nvfp4"}
         dense += sum(packed.values())
         fused_read = {**dense_read, **packed}
         sizes = ck.expert_sizes()

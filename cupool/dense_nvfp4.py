@@ -32,6 +32,13 @@ ATTR = "cupool_nvfp4"
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def is_projection_weight(name: str) -> bool:
+    """Whether `name` is the weight of an attention projection (`….{q,k,v,o}_proj.weight`): the
+    Linears whose NVFP4 form is kept packed."""
+    owner, _, leaf = name.rpartition(".")
+    return leaf == "weight" and owner.rpartition(".")[2] in ATTENTION_PROJECTIONS
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseNVFP4:
     """One NVFP4 matrix [N, K] packed for `dense_gemv` (`cupool.layout.dense_strips`).
@@ -116,10 +123,11 @@ def attach(linear: nn.Linear, q: NVFP4Tensor, name: str = "weight") -> DenseNVFP
     if tuple(w.shape) != (n, k):
         raise ValueError(f"{name}: the NVFP4 matrix is [{n}, {k}], the Linear's weight "
                          f"{list(w.shape)}")
-    packed = pack(q, w.device, name)
+    q = NVFP4Tensor(q.packed.to(w.device), q.block_scale.to(w.device),
+                    q.global_scale.to(w.device))
+    packed = pack(q, name=name)
     with torch.no_grad():
-        w.copy_(nvfp4.dequantize(NVFP4Tensor(q.packed.to(w.device), q.block_scale.to(w.device),
-                                             q.global_scale.to(w.device)), torch.float32))
+        w.copy_(nvfp4.dequantize(q, torch.float32))
     setattr(linear, ATTR, packed)
     return packed
 

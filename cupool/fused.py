@@ -595,7 +595,7 @@ class FusedStep:
                          else f"; the router keeps its own launch: {self.fused_route_why}")
         fl = [l for l in self.layers if isinstance(l, FusedLayer)]
         nv = [f"{name} in {n} layers" for name in ("qkv", "o")
-              if (n := sum(getattr(getattr(l, name), "nvfp4", False) for l in fl))]
+              if (n := sum(getattr(l, name).nvfp4 for l in fl))]
         if nv:
             text += f"; NVFP4 weights for {', '.join(nv)}"
         others = [l for l in self.layers if isinstance(l, ModelLayer)]

@@ -369,14 +369,12 @@ def packed_projections(model, mapping: dict[str, str | list[str]],
     attribute name is one of `dense_nvfp4.ATTENTION_PROJECTIONS`, loaded from one checkpoint
     tensor (not from concatenated parts) of dense_kind "nvfp4". Other NVFP4 Linears are
     dequantized only. From the headers and the model's modules alone (meta ones too)."""
-    want = set(dense_nvfp4.ATTENTION_PROJECTIONS)
     out = {}
     for target, name in mapping.items():
-        owner, _, attr = target.rpartition(".")
-        if attr != "weight" or not isinstance(name, str) or owner.rpartition(".")[2] not in want:
+        if not isinstance(name, str) or not dense_nvfp4.is_projection_weight(target):
             continue
         if ckpt.dense_kind(name) == "nvfp4" and \
-                isinstance(model.get_submodule(owner), torch.nn.Linear):
+                isinstance(model.get_submodule(target.rpartition(".")[0]), torch.nn.Linear):
             out[target] = name
     return out
 

@@ -143,7 +143,8 @@ QWEN4_EXP_TINY = dict(QWEN4_EXP, num_hidden_layers=4, num_experts=8, num_experts
                       indexer_compress_ratio=8)
 
 
-def qwen3_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, **shape):
+def qwen3_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0,
+                           dense_nvfp4: bool = False, **shape):
     """A Qwen3-MoE causal LM whose dense part (attention, norms, router, embeddings) lives on
     `device` with random weights and whose experts hold no memory yet.
 
@@ -151,11 +152,18 @@ def qwen3_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, *
     then only what is left is materialized on `device` and initialised (normal(0, 0.02) matrices,
     unit norms, zero biases and attention sinks, fresh rotary tables). Returns (model, specs):
     pass `specs` and NVFP4 rows to `cupool.wrap(model, layers=specs, expert_rows=...)`. A
-    30B-parameter shape costs only its ~2 GB dense part here.
+    30B-parameter shape costs only its ~2 GB dense part here. dense_nvfp4: the attention
+    projections quantized to NVFP4 and kept packed (`cupool.dense_nvfp4.quantize_linears`), as
+    a checkpoint with NVFP4 self_attn loads.
     """
     from transformers import Qwen3MoeConfig
+
+    from cupool import dense_nvfp4 as dn
     cfg = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **shape}, dtype=dtype, tie_word_embeddings=False)
-    return _dense_on_gpu(cfg, device, dtype, seed)
+    model, specs = _dense_on_gpu(cfg, device, dtype, seed)
+    if dense_nvfp4:
+        dn.quantize_linears(model)
+    return model, specs
 
 
 def gpt_oss_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, **shape):

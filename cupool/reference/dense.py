@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from cupool.dense_nvfp4 import DenseNVFP4
+
 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: float32 statistics, the normalised value rounded to h's dtype, then
@@ -135,10 +137,10 @@ class GemvReference:
         self.tokens, self.norm, self.epilogue = tokens, norm, epilogue
         self.lane_addr = lane_addr
         # NVFP4 weights (cupool.dense_nvfp4.DenseNVFP4) as the float32 values they hold
-        self._mats = [w.dequantize(torch.float32) if hasattr(w, "strips") else w
+        self._mats = [w.dequantize(torch.float32) if isinstance(w, DenseNVFP4) else w
                       for w in self.weights]
         self.N = sum(w.shape[0] for w in self._mats)
-        self.nvfp4 = any(hasattr(w, "strips") for w in self.weights)
+        self.nvfp4 = isinstance(self.weights[0], DenseNVFP4)
 
     def __call__(self, x, *, add=None, norm_weight=None, eps=1e-6, h_out=None, x_out=None,
                  residual=None, out=None, route=None, top_k=0, norm_topk=False, active=None,
