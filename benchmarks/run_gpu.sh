@@ -17,7 +17,8 @@
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
 #   SWEEP_CASES="2048:1 4096:4"   its decode cases, H:T;  SWEEP_REPEATS=2  rounds over them
 #   DENSE_SHAPES="default qkv=w4 ..."  CUPOOL_DENSE_SHAPE values of `ab-dense`
-#   AB_TREES="ab_base ."  AB_ROUNDS=3  AB_CONTEXT=16  the trees, rounds and positions of `ab-trees`
+#   AB_TREES="ab_base ."  AB_ROUNDS=3  AB_CONTEXT=16  AB_ARGS=  the trees, rounds, positions and
+#                                 other profile_decode.py arguments of `ab-trees`
 #   PREFILL_SWEEP="default NB=2,MINB=1"  prefill launch configs of `prefill-sweep`
 #   GEMM_ARGS="..."               extra bench_gemm.py arguments of `gemm-bench`
 #   TESTS_TIMEOUT, SANITIZE_TIMEOUT  seconds of the `tests` and `sanitize-gemm` stages
@@ -103,7 +104,7 @@ for stage in "$@"; do
                 for t in ${AB_TREES:-.}; do
                   tree=$(cd "$t" && pwd)
                   name="ab_$(basename "$tree")_$r"
-                  PYTHONPATH=$tree run "$name" 200 python3 "$tree/benchmarks/profile_decode.py" --context "${AB_CONTEXT:-16}"
+                  PYTHONPATH=$tree run "$name" 200 python3 "$tree/benchmarks/profile_decode.py" --context "${AB_CONTEXT:-16}" ${AB_ARGS:-}
                   summary[-1]="${summary[-1]} [$t] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/$name.log")"
                 done
               done ;;

@@ -52,6 +52,10 @@
 // (mma_fp4.cuh: exact, times 2^-8) and takes its B fragments as two 16-byte shared-memory loads
 // of x at those 16 columns. The epilogue multiplies each row's sum by 2^8 · its matrix's global
 // scale. A row tile lies in one matrix: n0 and n1 are multiples of 16 (the launcher checks).
+// PRE = n > 0 (NVFP4, where a block's K slice is one x tile and a warp has at most n chunks of
+// it; the launcher decides, n ≤ 8): one buffer of n chunks holds them all, and they are
+// dequantised to A fragments before the wait, as soon as they land, so that after it a chunk
+// costs only its MMAs and x loads.
 //
 // Rows come from up to three matrices (a fused q/k/v projection): output row r is row r of w0 for
 // r < n0, row r − n0 of w1 for r < n0 + n1, else row r − n0 − n1 of w2 — the weights are used
@@ -96,7 +100,9 @@
 #define RT 1              // 16-row tiles a block owns
 #endif
 #ifndef U                 // chunks a register buffer holds (two buffers: 2·U chunks in flight)
-#if WFP4
+#if PRE
+#define U PRE             // one buffer, all of a warp's chunks
+#elif WFP4
 #define U (RT > 1 ? 4 : 8)   // an NVFP4 chunk is 18 bytes a lane, a bf16 one 32
 #else
 #define U (RT > 1 ? 2 : 4)
@@ -104,6 +110,9 @@
 #endif
 #ifndef KS
 #define KS 1              // blocks a row tile's K is split over
+#endif
+#ifndef PRE
+#define PRE 0             // NVFP4: chunks a warp dequantises before the wait (0: none; header)
 #endif
 #ifndef LANE_ADDR
 #define LANE_ADDR 0       // the route epilogue also writes the lanes' expert row addresses
@@ -134,6 +143,7 @@ static_assert(KT % CCOLS == 0, "x tiles are whole chunks");
 static_assert(WARPS == 4 || WARPS == 8, "a block of 4 or 8 warps");
 static_assert(KS >= 1 && KS <= 16, "K split over 1 to 16 blocks");
 static_assert(LANE_ADDR == 0 || EPI == 2, "lane addresses are written by the route epilogue");
+static_assert(PRE == 0 || (WFP4 && PRE <= 8), "PRE dequantises up to 8 NVFP4 chunks a warp");
 
 #if WFP4
 struct Rows {
@@ -274,9 +284,14 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 
 #if WFP4
     // two register buffers of U chunks: the next U chunks' loads are in flight while the
-    // current ones are multiplied; lo: the codes, hi: the scale pair (low 16 bits)
-    u32x4 a_lo[U][RT], b_lo[U][RT];
-    u32 a_hi[U][RT], b_hi[U][RT];
+    // current ones are multiplied (PRE: buffer a alone); lo: the codes, hi: the scale pair (low
+    // 16 bits)
+    u32x4 a_lo[U][RT];
+    u32 a_hi[U][RT];
+#if !PRE
+    u32x4 b_lo[U][RT];
+    u32 b_hi[U][RT];
+#endif
     const u32x4 zero{0u, 0u, 0u, 0u};
     // the loads of U chunks starting at chunk c0 (chunks c0, c0 + WARPS, ...) of the tile at k0
     auto load = [&](u32x4 (&lo)[U][RT], u32 (&hi)[U][RT], i32 k0, i32 c0) {
@@ -292,35 +307,47 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
             }
         }
     };
-    auto multiply = [&](u32x4 (&lo)[U][RT], u32 (&hi)[U][RT], i32 c0) {
+    // chunk u of a buffer -> A fragments of its four k-tiles, each row tile's
+    auto dequant = [&](const u32x4 (&lo)[U][RT], const u32 (&hi)[U][RT], int u,
+                       u32 (&a)[RT][4][4]) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int col = (c0 + u * WARPS) * CCOLS + t * 16;
-            if (col >= KT) break;                 // the same for every lane: KT is whole chunks
-            u32 a[RT][4][4];
+        for (int rt = 0; rt < RT; ++rt) {
+            const u32 sc = scale_pair<true>(hi[u][rt]);
+            dequant_tile<true>(lo[u][rt].x, sc, a[rt][0]);
+            dequant_tile<true>(lo[u][rt].y, sc, a[rt][1]);
+            dequant_tile<true>(lo[u][rt].z, sc, a[rt][2]);
+            dequant_tile<true>(lo[u][rt].w, sc, a[rt][3]);
+        }
+    };
+    // the MMAs of one chunk whose x columns start at col
+    auto mma_chunk = [&](const u32 (&a)[RT][4][4], int col) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const u16* xr = &xs[(nt * 8 + g) * XSTRIDE + col];
+            const u32x4 x0 = *reinterpret_cast<const u32x4*>(xr);
+            const u32x4 x1 = *reinterpret_cast<const u32x4*>(xr + 8);
 #pragma unroll
             for (int rt = 0; rt < RT; ++rt) {
-                const u32 sc = scale_pair<true>(hi[u][rt]);
-                dequant_tile<true>(lo[u][rt].x, sc, a[rt][0]);
-                dequant_tile<true>(lo[u][rt].y, sc, a[rt][1]);
-                dequant_tile<true>(lo[u][rt].z, sc, a[rt][2]);
-                dequant_tile<true>(lo[u][rt].w, sc, a[rt][3]);
-            }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const u16* xr = &xs[(nt * 8 + g) * XSTRIDE + col];
-                const u32x4 x0 = *reinterpret_cast<const u32x4*>(xr);
-                const u32x4 x1 = *reinterpret_cast<const u32x4*>(xr + 8);
-#pragma unroll
-                for (int rt = 0; rt < RT; ++rt) {
-                    mma16816<true>(acc[rt][nt], a[rt][0], x0.x, x0.y);
-                    mma16816<true>(acc[rt][nt], a[rt][1], x0.z, x0.w);
-                    mma16816<true>(acc[rt][nt], a[rt][2], x1.x, x1.y);
-                    mma16816<true>(acc[rt][nt], a[rt][3], x1.z, x1.w);
-                }
+                mma16816<true>(acc[rt][nt], a[rt][0], x0.x, x0.y);
+                mma16816<true>(acc[rt][nt], a[rt][1], x0.z, x0.w);
+                mma16816<true>(acc[rt][nt], a[rt][2], x1.x, x1.y);
+                mma16816<true>(acc[rt][nt], a[rt][3], x1.z, x1.w);
             }
         }
     };
+#if !PRE
+    // the buffer's chunks c0, c0 + WARPS, ... below `chunks` (the tile's; the same for every
+    // lane, so past the slice's end no zero chunk is multiplied)
+    auto multiply = [&](u32x4 (&lo)[U][RT], u32 (&hi)[U][RT], i32 c0, i32 chunks) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (c0 + u * WARPS >= chunks) break;
+            u32 a[RT][4][4];
+            dequant(lo, hi, u, a);
+            mma_chunk(a, (c0 + u * WARPS) * CCOLS + t * 16);
+        }
+    };
+#endif
 #else
     // two register buffers of U chunks: the next U chunks' loads are in flight while the
     // current ones are multiplied
@@ -340,7 +367,7 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
             }
         }
     };
-    auto multiply = [&](u32x4 (&lo)[U][RT], u32x4 (&hi)[U][RT], i32 c0) {
+    auto multiply = [&](u32x4 (&lo)[U][RT], u32x4 (&hi)[U][RT], i32 c0, i32 /*chunks*/) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int col = (c0 + u * WARPS) * 32 + t * 8;
@@ -364,7 +391,9 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
     // both buffers' first chunks of the first x tile: only weights, so before the wait
     const i32 chunks0 = min((i32)KT, ke - kb) / CCOLS + ((min((i32)KT, ke - kb) % CCOLS) != 0);
     load(a_lo, a_hi, kb, warp);
+#if !PRE
     if (warp + WARPS * U < chunks0) load(b_lo, b_hi, kb, warp + WARPS * U);
+#endif
 #if MODE == 1
     // One x tile (K ≤ KT, no split): the norm's statistics pass keeps h in the x tile and the
     // staging reads it there, and the norm's weights are in shared memory before the wait, so
@@ -377,6 +406,15 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
             *reinterpret_cast<u32x4*>(&nws[k]) = ld_plain16(nw + k);
     } else {
         for (i32 k = kb + threadIdx.x * 64; k < ke; k += WARPS * 32 * 64) prefetch_l2(nw + k);
+    }
+#endif
+#if PRE
+    // every chunk of this warp's slice is in buffer a: its fragments, as the loads land
+    u32 fa[U][RT][4][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (warp + u * WARPS >= chunks0) break;
+        dequant(a_lo, a_hi, u, fa[u]);
     }
 #endif
 #if LANE_ADDR
@@ -454,16 +492,24 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
         }
         __syncthreads();
         const i32 chunks = min((i32)KT, ke - k0) / CCOLS + ((min((i32)KT, ke - k0) % CCOLS) != 0);
+#if PRE
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (warp + u * WARPS >= chunks) break;
+            mma_chunk(fa[u], (warp + u * WARPS) * CCOLS + t * 16);
+        }
+#else
         if (k0 > kb) load(a_lo, a_hi, k0, warp);
         for (i32 c0 = warp; c0 < chunks; c0 += 2 * WARPS * U) {
             const i32 c1 = c0 + WARPS * U;
             if (c1 < chunks && (k0 > kb || c0 != warp)) load(b_lo, b_hi, k0, c1);  // else loaded
-            multiply(a_lo, a_hi, c0);
+            multiply(a_lo, a_hi, c0, chunks);
             if (c1 < chunks) {
                 if (c1 + WARPS * U < chunks) load(a_lo, a_hi, k0, c1 + WARPS * U);
-                multiply(b_lo, b_hi, c1);
+                multiply(b_lo, b_hi, c1, chunks);
             }
         }
+#endif
     }
 
     // partial sums of the warps → shared memory (over the x tile) → one sum per (row, token)

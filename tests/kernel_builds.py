@@ -120,6 +120,10 @@ BUILDS: list[tuple[str, str]] = [
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1"),
     ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1"),
     ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=4 -DWFP4=1"),
+    # the same two at batch 1 as the launcher builds them, their chunks dequantised before the
+    # wait (cupool.ops.dense_gemv.predequant_chunks: 8 and 4 a warp)
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1 -DPRE=8"),
+    ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=4 -DWFP4=1 -DPRE=4"),
     # the router folded into the decode GEMM's launch (the plan step skipped, CUPOOL_FUSED_ROUTE):
     # T=1, T=4..8, T=16 at Qwen3-30B-A3B's dims
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, ROUTE=1)),
@@ -160,6 +164,11 @@ VARIANTS = [
     # the routing build with bf16 router weights, at H=4096 and its profiling build
     ("moe_decode", _decode(_BIG, 8, 64, 4, 4, ROUTE=1, W_DTYPE=1)),
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, ROUTE=1, DECODE_TRACE=1)),
+    # NVFP4 GEMVs dequantised before the wait at the fragments' widest: 8 chunks at 8 tokens,
+    # 4 chunks at 16 tokens (two n tiles), 4 chunks of two row tiles
+    ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1 -DPRE=8"),
+    ("dense_gemv", "-DNB=16 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=4 -DWFP4=1 -DPRE=4"),
+    ("dense_gemv", "-DNB=2 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=2 -DWFP4=1 -DPRE=4"),
     # the fused decode step at 8 and 16 tokens (two MMA n tiles), other head shapes
     ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1"),
     ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=2"),

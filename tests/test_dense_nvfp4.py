@@ -88,3 +88,23 @@ def test_quantize_linears_takes_the_projections_only_and_moves_with_the_model():
     assert all(dense_nvfp4.of(m).device.type == "meta"
                for m in model.modules() if dense_nvfp4.of(m) is not None)
     assert "8 NVFP4 dense Linears" in dense_nvfp4.describe(model)
+
+
+def test_predequant_rule_takes_one_x_tile_and_the_fragments_registers():
+    """How many chunks a warp of the NVFP4 GEMV dequantises before its wait: all of its slice's,
+    rounded up to a power of two, where the slice is one x tile (2,048 columns up to 8 tokens,
+    1,024 up to 16) and the fragments (16 registers a chunk, row tile and n tile) stay within 8
+    chunks' worth; else 0, the two-buffer loop."""
+    from cupool.ops.dense_gemv import predequant_chunks
+    # Qwen3-30B-A3B at the fused step's shapes: QKV (K 2048, 4 warps), o (K 4096, 4 warps, 4 slices)
+    assert predequant_chunks(2048, 4, 1, 1, 1) == 8
+    assert predequant_chunks(4096, 4, 4, 1, 1) == 4
+    assert predequant_chunks(2048, 8, 1, 8, 1) == 4
+    assert predequant_chunks(2000, 8, 3, 5, 1) == 2          # slices of 10, 11, 11 chunks
+    assert predequant_chunks(80, 4, 1, 1, 1) == 1
+    assert predequant_chunks(4096, 4, 1, 1, 1) == 0          # K past one x tile
+    assert predequant_chunks(2048, 4, 1, 16, 1) == 0         # 16 tokens: tiles of 1,024
+    assert predequant_chunks(4096, 4, 4, 16, 1) == 4         # ... a slice of 1,024 fits
+    assert predequant_chunks(2048, 4, 1, 1, 2) == 0          # 8 chunks of two row tiles
+    assert predequant_chunks(1024, 4, 1, 16, 1) == 4         # 4 chunks, two n tiles
+    assert predequant_chunks(2048, 4, 1, 9, 1) == 0

@@ -42,6 +42,13 @@ BUILDS = {
     # Qwen3-30B-A3B's decode launches (cupool.fused.DEFAULT_DENSE_SHAPE): qkv, o-projection
     "fp4_qkv": dict(NB=1, MODE=1, EPI=0, WARPS=4, RT=1, KS=1, LANE_ADDR=0, WFP4=1),
     "fp4_o": dict(NB=1, MODE=0, EPI=1, WARPS=4, RT=1, KS=4, LANE_ADDR=0, WFP4=1),
+    # the same launches as the launcher builds them (ops.dense_gemv.predequant_chunks: 8 and 4
+    # chunks a warp dequantised before the wait), and an odd one: uneven slices of 10, 11, 11
+    # chunks (K = 2000, the last chunk a part), 2 chunks a warp
+    "fp4_qkv_pre": dict(NB=1, MODE=1, EPI=0, WARPS=4, RT=1, KS=1, LANE_ADDR=0, WFP4=1, PRE=8),
+    "fp4_o_pre": dict(NB=1, MODE=0, EPI=1, WARPS=4, RT=1, KS=4, LANE_ADDR=0, WFP4=1, PRE=4),
+    "fp4_residual_pre": dict(NB=5, MODE=0, EPI=1, WARPS=8, RT=1, KS=3, LANE_ADDR=0, WFP4=1,
+                             PRE=2),
 }
 NAN16 = 0x7FC0
 # the rawkernels headers dense_gemv.cu includes besides common.cuh
@@ -292,6 +299,13 @@ FP4_CASES = [
     # of K = 4096), full size
     ("fp4_qkv", [4096, 512, 512], 2048, False, True),
     ("fp4_o", [2048], 4096, False, False),
+    # the fragments dequantised before the wait
+    ("fp4_qkv_pre", [64, 32, 40], 2048, True, True),
+    ("fp4_qkv_pre", [16, 24], 80, False, False),
+    ("fp4_qkv_pre", [4096, 512, 512], 2048, False, True),
+    ("fp4_o_pre", [2048], 4096, False, False),
+    ("fp4_o_pre", [61], 4000, True, False),           # slices of 15, 16, 16, 16 chunks
+    ("fp4_residual_pre", [48, 13], 2000, True, False),
 ]
 
 

@@ -164,6 +164,11 @@ def test_dense_gemv_nvfp4_matches_reference(tokens, rows, K, shape, variant):
     epi = RESIDUAL if variant == "residual" else PLAIN
     op = DenseGemv(packed, bs, tokens=tokens, norm=norm, epilogue=epi, **shape)
     assert op.nvfp4
+    if tokens == 1 and K in (2048, 4096) and torch.cuda.get_device_properties(0) \
+            .multi_processor_count >= 132:
+        # Qwen3-30B-A3B's QKV and o: 320 and 512 blocks stay resident (H100 / H200) with their
+        # chunks dequantised before the wait, so the launcher takes that build
+        assert op.pre == (8 if K == 2048 else 4), op.pre
     x = rand(tokens, K, scale=2.0, gen=gen)
     add = rand(tokens, K, gen=gen) if norm else None
     nw = rand(K, scale=0.3, gen=gen) + 1 if norm else None

@@ -338,7 +338,9 @@ _DENSE_SHAPES = [d for n, d in BUILDS + VARIANTS if n == "dense_gemv"
 def test_dense_gemv_launch_shapes_without_spills(nvcc, tmp_path, defines):
     """Each launch shape compiles for sm_90 without spills, and at one token a block of 4 warps
     keeps to 128 registers a thread: 4 such blocks an SM (4 · 128 threads · 128 registers is the
-    SM's 64K), the occupancy that shape is there for (a 320-block QKV grid in one wave)."""
+    SM's 64K), the occupancy that shape is there for (a 320-block QKV grid in one wave). An
+    NVFP4 build that dequantises 8 chunks before its wait (PRE=8) keeps to 168: 3 blocks an SM,
+    still one wave for that grid on an H200 (the launcher checks the grid is resident)."""
     r = subprocess.run(nvcc_command(nvcc, "dense_gemv", defines, 90, tmp_path / "o.cubin",
                                     ("-Xptxas", "-v")), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -346,7 +348,9 @@ def test_dense_gemv_launch_shapes_without_spills(nvcc, tmp_path, defines):
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", r.stderr)]
     assert len(spills) == 1 and spills[0] == 0, f"{defines} spills: {spills}"
     if "-DWARPS=4" in defines and "-DNB=1 " in defines:
-        assert regs[0] <= 128, f"{defines}: {regs[0]} registers, fewer than 4 blocks an SM"
+        cap = 168 if "-DPRE=8" in defines else 128
+        blocks = 65536 // (128 * cap)
+        assert regs[0] <= cap, f"{defines}: {regs[0]} registers, fewer than {blocks} blocks an SM"
 
 
 _LANE_ADDR_BUILDS = [d for n, d in BUILDS if n == "dense_gemv" and "-DLANE_ADDR=1" in d]

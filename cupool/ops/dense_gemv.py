@@ -22,6 +22,10 @@ and a ticket a row tile (both held by the DenseGemv, so two launches of one Dens
 at once), and the tile's last block adds them in a fixed order: the result is deterministic, but
 its float sums run in another order than split_k=1's, so it may differ from that by rounding.
 
+NVFP4 weights are dequantised before the kernel's wait where every chunk of a warp's K slice
+fits one register buffer and the grid stays resident at once with the registers that takes
+(`predequant_chunks`, `DenseGemv.pre`): after the wait a chunk then costs only its MMAs.
+
 Lane addresses (`lane_addr=True`, ROUTE only): the router also builds the kernel's LANE_ADDR
 build, which, called with `table=` (int64 [E], the device address of each expert's bank row) and
 `lane_addr=` (int64 [B·k]), writes lane_addr[b·k + j] = table[ids[b, j]] (0 for an inactive
@@ -74,6 +78,22 @@ def check_launch_shape(warps, split_k, K: int | None, chunk: int = 32) -> None:
     if K is not None and split_k > 1 and K < chunk * split_k:
         raise ValueError(f"split_k={split_k} leaves less than {chunk} columns of K={K} a block "
                          f"(at most {max(K // chunk, 1)} here)")
+
+
+def predequant_chunks(K: int, warps: int, split_k: int, tokens: int, row_tiles: int) -> int:
+    """The NVFP4 build's PRE: how many chunks a warp dequantises before the kernel's wait (the
+    kernel's header), 0 for none. Where a block's K slice is one x tile and each warp has at most
+    8 chunks of it (64 columns a chunk), that count rounded up to a power of two, so one
+    register buffer holds all of them; 0 where the slice spans x tiles, or where the fragments
+    (16 registers a chunk, a row tile and an n tile of 8 tokens) would pass 128 registers and
+    spill."""
+    chunks = -(-K // 64)
+    per_slice = -(-chunks // split_k)               # the widest slice, in chunks
+    if per_slice * 64 > _TILE_ELEMS // _tiles(tokens):
+        return 0
+    per_warp = -(-per_slice // warps)
+    pre = 1 << (per_warp - 1).bit_length()
+    return pre if pre * row_tiles * _tiles(tokens) <= 8 else 0
 
 
 @dataclass
@@ -221,8 +241,16 @@ class DenseGemv:
         self.grid = tiles if split_k == 1 else (tiles, split_k)
         defines = {"NB": tokens, "MODE": NORM if norm else NO_NORM, "EPI": epilogue,
                    "WARPS": warps, "RT": self.row_tiles}
-        if self.nvfp4:             # bf16 builds take neither the define nor the scales
+        if self.nvfp4:             # bf16 builds take neither the defines nor the scales
             defines["WFP4"] = 1
+            pre = predequant_chunks(self.K, warps, split_k, tokens, self.row_tiles)
+            # the fragments held across the wait take registers: only where the grid still
+            # runs in one wave (a second wave would cost more than the wait saves)
+            if pre and tiles * split_k <= kernels.resident_grid(
+                    kernels.function("dense_gemv", "dense_gemv", {**defines, "PRE": pre},
+                                     self.device.index), warps * 32, 0, self.device):
+                defines["PRE"] = pre
+        self.pre = defines.get("PRE", 0)
         self._split_args = ()
         if split_k > 1:            # KS = 1 builds take neither the define nor the two arguments
             defines["KS"] = split_k

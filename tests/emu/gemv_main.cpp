@@ -1,6 +1,6 @@
 // Runs rawkernels/dense_gemv.cu on CPU fibers (cuda_emu.h), the blocks of its grid (tiles, KS)
 // one after another, and writes what it wrote, for tests/test_gemv_emu.py to compare with the
-// reference. NB, MODE, EPI, WFP4, WARPS, RT, KS and LANE_ADDR are the build's defines.
+// reference. NB, MODE, EPI, WFP4, PRE, WARPS, RT, KS and LANE_ADDR are the build's defines.
 //
 // Input (int64 words): n0, n1, n2 (rows of the three matrices), K, has_bias, has_add, has_res2,
 // the bits of eps (float32), topk, norm_topk, w_f32, has_active; then one bf16 a word: w0, w1, w2
