@@ -367,6 +367,8 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
             }
         }
     };
+    // (the tile's `chunks` is the NVFP4 build's bound; here the loop stops at the x tile's end,
+    // and past the slice's end the buffers hold zeros)
     auto multiply = [&](u32x4 (&lo)[U][RT], u32x4 (&hi)[U][RT], i32 c0, i32 /*chunks*/) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {

@@ -85,8 +85,8 @@ def predequant_chunks(K: int, warps: int, split_k: int, tokens: int, row_tiles: 
     kernel's header), 0 for none. Where a block's K slice is one x tile and each warp has at most
     8 chunks of it (64 columns a chunk), that count rounded up to a power of two, so one
     register buffer holds all of them; 0 where the slice spans x tiles, or where the fragments
-    (16 registers a chunk, a row tile and an n tile of 8 tokens) would pass 128 registers and
-    spill."""
+    (16 registers a chunk, a row tile and an n tile of 8 tokens) would pass 8 chunks' worth, 128
+    registers, and spill. DenseGemv takes it only where the grid then stays resident at once."""
     chunks = -(-K // 64)
     per_slice = -(-chunks // split_k)               # the widest slice, in chunks
     if per_slice * 64 > _TILE_ELEMS // _tiles(tokens):
