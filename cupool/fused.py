@@ -95,6 +95,7 @@ from cupool.ops.dense_gemv import (
     DenseGemv,
     RouteOut,
     check_launch_shape,
+    chunk_cols,
 )
 from cupool.reference.dense import (
     AttentionReference,
@@ -568,7 +569,7 @@ class FusedStep:
         chunks of 64 columns): CUPOOL_DENSE_SHAPE's, checked here so that a shape the GEMV cannot
         take raises rather than unfusing the layer, else DEFAULT_DENSE_SHAPE's with split_k
         lowered to what K takes."""
-        chunk = 64 if nvfp4 else 32
+        chunk = chunk_cols(nvfp4)
         kw = dict(self.dense_shape.get(gemv, {}))
         if gemv not in self._shape_asked and "split_k" in kw:
             kw["split_k"] = max(1, min(kw["split_k"], K // chunk))

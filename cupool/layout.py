@@ -66,6 +66,7 @@ from cupool.nvfp4 import NVFP4Tensor
 HEADER_BYTES = 256
 CHUNK_CODES = 512                # packed codes of a 64-column chunk of a strip (32 lanes x 16 B)
 CHUNK_BYTES = CHUNK_CODES + 64   # ... then its 64 scale bytes (moe_common.cuh's CHUNK_BYTES)
+CHUNK_COLS = 64                  # columns of a chunk
 
 
 def _roundup(x: int, m: int) -> int:
@@ -427,6 +428,11 @@ def _strips_stack(codes: torch.Tensor, scales: torch.Tensor, kp: int) -> torch.T
     return torch.cat([packed, _chunk_scales(scales, kp)], dim=3).reshape(e, s, 9 * kp)
 
 
+def dense_strips_shape(n: int, k: int) -> tuple[int, int]:
+    """The shape of `dense_strips` of an [n, k] matrix: (ceil(n/16), 9·Kp), Kp = roundup(k, 64)."""
+    return -(-n // 16), 9 * _roundup(k, CHUNK_COLS)
+
+
 def dense_strips(q: NVFP4Tensor) -> torch.Tensor:
     """One NVFP4 matrix [N, K] (a dense Linear's weight) as the strips `dense_gemv`'s NVFP4 build
     reads: uint8 [ceil(N/16), 9·Kp] on q's device, Kp = roundup(K, 64), strip s holding rows
@@ -441,8 +447,8 @@ def dense_strips(q: NVFP4Tensor) -> torch.Tensor:
         raise ValueError(f"block_scale must be [{n}, {k // 16}], got {list(q.block_scale.shape)}")
     codes, sc = _padded_stack(NVFP4Tensor(q.packed[None], q.block_scale[None],
                                           q.global_scale.reshape(1)),
-                              _roundup(n, 16), _roundup(k, 64), "weight", 1)
-    return _strips_stack(codes, sc, _roundup(k, 64))[0]
+                              _roundup(n, 16), _roundup(k, CHUNK_COLS), "weight", 1)
+    return _strips_stack(codes, sc, _roundup(k, CHUNK_COLS))[0]
 
 
 def dense_unstrips(strips: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

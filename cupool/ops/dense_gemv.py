@@ -43,6 +43,7 @@ import torch
 
 from cupool import kernels
 from cupool.dense_nvfp4 import DenseNVFP4
+from cupool.layout import CHUNK_COLS, dense_strips_shape
 
 WARPS = 8                      # the kernel's block: 8 warps (4 with warps=4)
 WARPS_CHOICES = (4, 8)
@@ -66,6 +67,12 @@ def route_capacity(tokens: int, warps: int = WARPS) -> int:
     return smem // (4 * min(tokens, warps))
 
 
+def chunk_cols(nvfp4: bool) -> int:
+    """Columns of K a warp's chunk covers (a K slice is whole chunks): 32 of bf16 weights, 64
+    of NVFP4 ones (`cupool.layout`'s chunk)."""
+    return CHUNK_COLS if nvfp4 else 32
+
+
 def check_launch_shape(warps, split_k, K: int | None, chunk: int = 32) -> None:
     """ValueError naming the argument unless warps is 4 or 8 and split_k an int in [1, 16] with
     at least one chunk of K a slice where split_k > 1 (K >= chunk · split_k, chunk 32 columns for
@@ -87,9 +94,9 @@ def predequant_chunks(K: int, warps: int, split_k: int, tokens: int, row_tiles: 
     register buffer holds all of them; 0 where the slice spans x tiles, or where the fragments
     (16 registers a chunk, a row tile and an n tile of 8 tokens) would pass 8 chunks' worth, 128
     registers, and spill. DenseGemv takes it only where the grid then stays resident at once."""
-    chunks = -(-K // 64)
+    chunks = -(-K // CHUNK_COLS)
     per_slice = -(-chunks // split_k)               # the widest slice, in chunks
-    if per_slice * 64 > _TILE_ELEMS // _tiles(tokens):
+    if per_slice * CHUNK_COLS > _TILE_ELEMS // _tiles(tokens):
         return 0
     per_warp = -(-per_slice // warps)
     pre = 1 << (per_warp - 1).bit_length()
@@ -139,8 +146,7 @@ def _check_nvfp4(name: str, w, K: int, device, last: bool) -> None:
                         f"{type(w).__name__}")
     if w.cols != K:
         raise ValueError(f"{name} has inner dim {w.cols}, weights[0] {K}")
-    kp = -(-K // 64) * 64
-    want = (-(-w.rows // 16), 9 * kp)
+    want = dense_strips_shape(w.rows, K)
     st = w.strips
     if not isinstance(st, torch.Tensor) or st.dtype != torch.uint8 or tuple(st.shape) != want \
             or st.device != device or not st.is_contiguous() or st.data_ptr() % 16:
@@ -193,29 +199,22 @@ class DenseGemv:
             raise ValueError(f"epilogue must be PLAIN, RESIDUAL or ROUTE, got {epilogue!r}")
         w0 = weights[0]
         self.nvfp4 = isinstance(w0, DenseNVFP4)
-        if self.nvfp4:
-            K = w0.cols
-            check_launch_shape(warps, split_k, K, chunk=64)
-            self.device = w0.device
-            if self.device.type != "cuda":
-                raise ValueError(f"weights must be on a CUDA device, got {self.device}")
-            for i, w in enumerate(weights):
+        if not self.nvfp4 and not isinstance(w0, torch.Tensor):
+            raise TypeError(f"weights[0] must be a bf16 torch tensor or a DenseNVFP4, got "
+                            f"{type(w0).__name__}")
+        K = w0.cols if self.nvfp4 else int(w0.shape[1]) if w0.dim() == 2 else None
+        check_launch_shape(warps, split_k, K, chunk_cols(self.nvfp4))
+        self.device = w0.device
+        if self.device.type != "cuda":
+            raise ValueError(f"weights must be on a CUDA device, got {self.device}")
+        for i, w in enumerate(weights):
+            if self.nvfp4:
                 _check_nvfp4(f"weights[{i}]", w, K, self.device, i == len(weights) - 1)
-            rows = [w.rows for w in weights]
-        else:
-            if not isinstance(w0, torch.Tensor):
-                raise TypeError(f"weights[0] must be a bf16 torch tensor or a DenseNVFP4, got "
-                                f"{type(w0).__name__}")
-            check_launch_shape(warps, split_k, int(w0.shape[1]) if w0.dim() == 2 else None)
-            self.device = w0.device
-            if self.device.type != "cuda":
-                raise ValueError(f"weights must be on a CUDA device, got {self.device}")
-            K = w0.shape[1] if w0.dim() == 2 else None
-            for i, w in enumerate(weights):
+            else:
                 _check_matrix(f"weights[{i}]", w, K, self.device)
-            if K % 8:
-                raise ValueError(f"the inner dim K={K} must be a multiple of 8 (16-byte rows)")
-            rows = [w.shape[0] for w in weights]
+        if not self.nvfp4 and K % 8:
+            raise ValueError(f"the inner dim K={K} must be a multiple of 8 (16-byte rows)")
+        rows = [w.rows if self.nvfp4 else w.shape[0] for w in weights]
         biases = [None] * len(weights) if biases is None else list(biases)
         if len(biases) != len(weights):
             raise ValueError(f"biases has {len(biases)} entries for {len(weights)} matrices")
