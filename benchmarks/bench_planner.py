@@ -175,7 +175,7 @@ def bench_copy(args, rng, ref_GBps: float) -> list[dict]:
             ms = time_ms(g.replay, warmup=3, iters=args.copy_iters, setup=pick)
             return reps * M * row / ms / 1e6
 
-        copy_GBps = graph_GBps(bank._copy)
+        copy_GBps = graph_GBps(bank.copier)
         # the last replay's rows must be in the staging rows
         bank.copies.copy_(lists[-1])
         bank.n_copies.copy_(counts[-1])

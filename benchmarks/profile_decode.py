@@ -21,7 +21,8 @@ chat or an agent's conversation runs its attention over thousands.
 trace's predicted ids at `--prefetch-accuracy` (default 0.8), at most `--prefetch-rows` rows a
 prefetch where given, as bench_serve's `--prefetch trace`; the bytes prefetched a step are then
 reported beside the misses'. `--prefetch-copiers` also captures and times the step with other
-grids of the prefetch's row-copy kernel (`Bank.prefetch_copier`).
+grids of the prefetch's row-copy kernel (`Bank.prefetch_copier`), `--copiers` with other grids
+of the step's own (`Bank.copier`).
 `--overlap-copies` (with `--bank` below 100) turns the pool's overlap_copies on: each layer's
 row copies run on the copy stream beside the decode GEMM of the rows already in place, and the
 copied rows' GEMM is a second launch after them (`cupool.layer`); `--timeline` shows how much
@@ -91,22 +92,28 @@ def copier_spec(text: str) -> tuple[str, dict]:
     return text, {"mode": "ld", "blocks": nums[0], "threads": nums[1], "unroll": nums[2]}
 
 
-def copier_variants(eng, kind, pool, row_bytes: int, specs, steps: int, timeline: bool) -> dict:
-    """`--prefetch-copiers`: {spec: {"graph_ms", "timeline"}} of the step captured again with each
-    grid of the prefetch's row-copy kernel (`Bank.prefetch_copier`), printed."""
+def copier_variants(eng, kind, pool, row_bytes: int, specs, steps: int, timeline: bool,
+                    attr: str) -> dict:
+    """`--copiers` (attr "copier": the step's row copies, `Bank.copier`) and `--prefetch-copiers`
+    (attr "prefetch_copier": the prefetch's, `Bank.prefetch_copier`): {spec: {"graph_ms",
+    "timeline"}} of the step captured again with each grid of that row-copy kernel, printed. The
+    bank's own launcher is put back after."""
     from cupool.ops.rowcopy import RowCopier
     bank = pool.bank
+    kept = getattr(bank, attr)
     out = {}
     for text, kw in specs:
-        bank.prefetch_copier = RowCopier(bank.src_of_key, bank.row_bytes, bank.rows,
-                                         bank.max_lanes, **kw)
+        setattr(bank, attr, RowCopier(bank.src_of_key, bank.row_bytes, bank.rows,
+                                      bank.max_lanes, **kw))
         with torch.inference_mode():
             graph = eng._capture(kind)
             ms = time_ms(graph.replay, warmup=5, iters=50)
-            print(f"prefetch copier {text}: graph replay {ms:.3f} ms ({1e3 / ms:.1f} tok/s a slot)")
+            print(f"{attr.replace('_', ' ')} {text}: graph replay {ms:.3f} ms "
+                  f"({1e3 / ms:.1f} tok/s a slot)")
             tl = replay_timeline(graph, pool, row_bytes, steps) if timeline else None
         out[text] = {"graph_ms": ms, "timeline": tl}
         del graph
+    setattr(bank, attr, kept)
     return out
 
 
@@ -135,6 +142,9 @@ def build_parser() -> CLIParser:
                    help="with --prefetch: also capture and time the step with each of these grids "
                         "of the prefetch's row-copy kernel: bulk:BLOCKS:CHUNK_KIB:STAGES or "
                         "ld:BLOCKS:THREADS:UNROLL")
+    p.add_argument("--copiers", nargs="+", type=copier_spec, metavar="SPEC",
+                   help="with --bank below 100: also capture and time the step with each of "
+                        "these grids of the step's row-copy kernel (specs as --prefetch-copiers)")
     p.add_argument("--overlap-copies", action="store_true",
                    help="with --bank below 100: the pool's overlap_copies on (the misses' row "
                         "copies on the copy stream beside the decode GEMM of the rows in place, "
@@ -154,6 +164,9 @@ def main(args) -> None:
         raise ValueError("--prefetch trace needs --bank below 100 (the locality trace)")
     if args.prefetch_copiers and args.prefetch == "off":
         raise ValueError("--prefetch-copiers needs --prefetch trace")
+    if args.copiers and args.bank >= 100:
+        raise ValueError("--copiers needs --bank below 100 (a bank that holds every expert "
+                         "copies nothing)")
     if args.overlap_copies and args.bank >= 100:
         raise ValueError("--overlap-copies needs --bank below 100 (a bank that holds every "
                          "expert copies nothing)")
@@ -261,7 +274,10 @@ f"{warm_s:.1f} s)")
                  f"({prefetched * layout.row_bytes / 1e6:.1f} MB)"
                  if pool.prefetcher is not None else ""))
     copiers = copier_variants(eng, kind, pool, layout.row_bytes, args.prefetch_copiers,
-                              args.steps, args.timeline) if args.prefetch_copiers else None
+                              args.steps, args.timeline, "prefetch_copier") \
+        if args.prefetch_copiers else None
+    step_copiers = copier_variants(eng, kind, pool, layout.row_bytes, args.copiers, args.steps,
+                                   args.timeline, "copier") if args.copiers else None
     ablate = ablation(eng, kind, graph_ms, L) if args.ablate else None
     eng.close()
     save("profile_decode", {
@@ -274,7 +290,7 @@ f"{warm_s:.1f} s)")
         "prefetch_accuracy": args.prefetch_accuracy if args.prefetch != "off" else None,
         "prefetch_rows": args.prefetch_rows, "overlap_copies": args.overlap_copies,
         "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
-        "timeline": timeline, "prefetch_copiers": copiers,
+        "timeline": timeline, "prefetch_copiers": copiers, "copiers": step_copiers,
         "groups": {k: {"ms": v[0], "kernels": v[1]} for k, v in groups.items()},
         "top": [{"name": n, "ms": v[0], "count": v[1]} for n, v in top]}, args.json)
 

@@ -24,6 +24,7 @@ import torch
 
 from cupool import _cuda, kernels
 from cupool.ops.planner import MAX_LANES, DeviceTables, PlanStep
+from cupool.ops.moe_decode import CopyList
 from cupool.ops.rowcopy import MODES, RowCopier
 from cupool.reference.planner import (
     COUNTERS,
@@ -140,11 +141,13 @@ class Bank:
         self.src_of_key = store.address_table(idx)
         self._plan = PlanStep(t, L, E, S, self.rows, threads=threads, items=items)
         self._copy_stream = None   # step_split's, made on first use
-        self._copy = RowCopier(self.src_of_key, self.row_bytes, self.rows, W, mode=copy_mode,
-                               blocks=copy_blocks)
+        self._copy_list = None     # copy_list's, made on first use
+        # the step's row copies; an attribute, so that another grid can replace it before capture
+        self.copier = RowCopier(self.src_of_key, self.row_bytes, self.rows, W, mode=copy_mode,
+                                blocks=copy_blocks)
         # the prefetch's copies run beside the step's kernels, not on its critical path: the same
-        # launcher by default, an attribute so that another grid can replace it before capture
-        self.prefetch_copier = self._copy if prefetch else None
+        # launcher by default, replaceable in the same way
+        self.prefetch_copier = self.copier if prefetch else None
         self._compare = kernels.function("planner", "compare_rows", self._plan.defines, idx)
         owned = np.flatnonzero(key_of >= 0)
         if owned.size:
@@ -188,12 +191,12 @@ class Bank:
     @property
     def copy_mode(self) -> str:
         """The row-copy kernel in use: "bulk" or "ld" ("auto" resolved for the target)."""
-        return self._copy.mode
+        return self.copier.mode
 
     @property
     def copy_grid(self) -> tuple[int, int]:
         """(blocks, threads) of the row-copy launch (fixed at build)."""
-        return self._copy.blocks, self._copy.threads
+        return self.copier.blocks, self.copier.threads
 
     # --- the hot path --------------------------------------------------------------------------
     def plan(self, layer: int, ids: torch.Tensor) -> int:
@@ -202,7 +205,7 @@ class Bank:
 
     def copy_rows(self) -> None:
         """Copy the rows listed by the last plan step (fixed grid; length read on the device)."""
-        self._copy(self.copies, self.n_copies)
+        self.copier(self.copies, self.n_copies)
 
     def step(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer call: plan + copy on torch's current stream, no host sync, graph-capturable.
@@ -212,7 +215,7 @@ class Bank:
         overwrites: the physical row of each lane (−1 padding) and its device address (0 padding).
         """
         W = self._plan(layer, ids, self._cap(ids))
-        self._copy(self.copies, self.n_copies)
+        self.copier(self.copies, self.n_copies)
         return self.routes[:W], self.lane_addr[:W]
 
     def prefetch(self, layer: int, ids: torch.Tensor, max_rows: int = 0) -> int:
@@ -233,6 +236,22 @@ class Bank:
             raise RuntimeError("this bank was built without prefetch (Bank(..., prefetch=True))")
         self.prefetch_copier(t.pf_copies, t.pf_n_copies, stream=stream)
 
+    def step_inline(self, layer: int, ids: torch.Tensor):
+        """`step` without the row copies, for a decode GEMM that copies the listed rows itself
+        (`MoEGemm.decode(..., lane_fresh=, copies=bank.copy_list)`): the plan step alone, on
+        torch's current stream. Returns views (routes, lane_addr, lane_fresh): lane_fresh is
+        nonzero where the lane's row is among the copies. Those rows are in place only once that
+        GEMM has run, and the next step must follow it (the copy list is reused)."""
+        W = self._plan(layer, ids, self._cap(ids))
+        return self.routes[:W], self.lane_addr[:W], self.lane_fresh[:W]
+
+    @property
+    def copy_list(self) -> CopyList:
+        """The plan step's copy list as the decode GEMM's copy build reads it."""
+        if self._copy_list is None:
+            self._copy_list = CopyList(self.src_of_key, self.copies, self.n_copies, self.rows)
+        return self._copy_list
+
     def step_split(self, layer: int, ids: torch.Tensor):
         """`step` with the copies on the bank's copy stream, so work on the rows already in place
         can run while they land. Graph-capturable (the copy stream forks from and joins torch's
@@ -251,7 +270,7 @@ class Bank:
         side = self._copy_stream
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            self._copy(self.copies, self.n_copies)
+            self.copier(self.copies, self.n_copies)
         return self.routes[:W], self.lane_addr[:W], self.lane_fresh[:W], \
             lambda: cur.wait_stream(side)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cupool.gemm import AheadCopies, ScratchLists, scratch_chunks, scratch_runs
-from cupool.layer import PooledExperts, parse_prefill_ahead, prefill_plan
+from cupool.layer import PooledExperts, parse_inline_copies, parse_prefill_ahead, prefill_plan
 from cupool.pool import Pool
 from cupool.reference.moe import align_experts
 
@@ -158,6 +158,15 @@ def test_prefill_ahead_parser():
     for bad in ("", "on", "yes", "true", "2", " 1"):
         with pytest.raises(ValueError, match="CUPOOL_PREFILL_AHEAD="):
             parse_prefill_ahead(bad)
+
+
+def test_inline_copies_parser():
+    """CUPOOL_INLINE_COPIES: off unless it is "1" (the decode GEMM's copy build is opt-in)."""
+    assert parse_inline_copies(None) is False and parse_inline_copies("0") is False
+    assert parse_inline_copies("1") is True
+    for bad in ("", "on", "2"):
+        with pytest.raises(ValueError, match="CUPOOL_INLINE_COPIES="):
+            parse_inline_copies(bad)
 
 
 class CountedBank:
