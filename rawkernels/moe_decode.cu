@@ -353,15 +353,6 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
 }
 
 #if INLINE_COPY
-// Order this thread's later bulk loads (async proxy) after global writes it has observed through
-// the generic proxy (another block's stores, seen by an acquire and a barrier). sm_90+ only:
-// before it, cp.async reads through the generic proxy.
-CUPOOL_DEVICE void fence_proxy_async_global() {
-#if CUPOOL_BULK_COPY
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-#endif
-}
-
 // Start loading `bytes` (a multiple of 16, at most STAGE_BYTES; none if ≤ 0) from `src` into
 // buffer `buf` of the warp's ring, completed on bar[buf] as issue_stage's stages are.
 CUPOOL_DEVICE void load_bytes(WarpStages& ws, int buf, const u8* src, int bytes, int lane) {
