@@ -7,8 +7,9 @@ torch's current stream. Decode (W ≤ the bank's max lanes): plan step + row cop
 graph-capturable. With the pool's `inline_copies` (CUPOOL_INLINE_COPIES=1; off by default until
 it is measured against the copies' own launch; where the one-launch decode GEMM takes the call
 and no prefetch runs) the decode GEMM's launch makes the row copies itself, computing the
-experts already in the bank while they cross the link. With the pool's `overlap_copies` the copies run on a second stream while the GEMM works on
-the experts already in the bank, and the copied experts follow in a second launch.
+experts already in the bank while they cross the link. With the pool's `overlap_copies` the
+copies run on a second stream while the GEMM works on the experts already in the bank, and the
+copied experts follow in a second launch.
 With the pool's prefetch on (`Pool.enable_prefetch`), every call first joins the prefetch in
 flight, and a decode call issues the next layer's prefetch right after its plan step.
 Wider calls (prefill) take the partition path (resident experts from the bank, the others from
