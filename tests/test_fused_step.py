@@ -466,24 +466,6 @@ def test_reference_router_writes_lane_addresses():
             x, norm_weight=nw, route=route, top_k=K, table=table, lane_addr=lane_addr)
 
 
-def test_skip_plan_parser():
-    from cupool.fused import parse_skip_plan
-    assert parse_skip_plan(None) is True and parse_skip_plan("1") is True
-    assert parse_skip_plan("0") is False
-    for bad in ("", "yes", "true", "2", " 1"):
-        with pytest.raises(ValueError, match="CUPOOL_SKIP_PLAN="):
-            parse_skip_plan(bad)
-
-
-def test_fused_route_parser():
-    from cupool.fused import parse_fused_route
-    assert parse_fused_route(None) is False and parse_fused_route("0") is False
-    assert parse_fused_route("1") is True
-    for bad in ("", "on", "2"):
-        with pytest.raises(ValueError, match="CUPOOL_FUSED_ROUTE="):
-            parse_fused_route(bad)
-
-
 class ResidentPool:
     """A CPU stand-in for a `Pool` whose bank holds every expert: expert e of layer l sits at
     address BASE + (l·E + e)·STRIDE. Its GEMM maps the lane addresses back to experts and runs

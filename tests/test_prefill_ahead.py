@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cupool.gemm import AheadCopies, ScratchLists, scratch_chunks, scratch_runs
-from cupool.layer import PooledExperts, parse_inline_copies, parse_prefill_ahead, prefill_plan
+from cupool.layer import PooledExperts, prefill_plan
 from cupool.pool import Pool
 from cupool.reference.moe import align_experts
 
@@ -152,21 +152,20 @@ def test_ahead_copies_bookkeeping():
     assert a.take(mine) == 0 and a.dropped == 3
 
 
-def test_prefill_ahead_parser():
-    assert parse_prefill_ahead(None) is True and parse_prefill_ahead("1") is True
-    assert parse_prefill_ahead("0") is False
+@pytest.mark.parametrize("module,parser,env,default", [
+    ("cupool.layer", "parse_prefill_ahead", "CUPOOL_PREFILL_AHEAD", True),
+    ("cupool.layer", "parse_inline_copies", "CUPOOL_INLINE_COPIES", False),   # opt-in
+    ("cupool.fused", "parse_skip_plan", "CUPOOL_SKIP_PLAN", True),
+    ("cupool.fused", "parse_fused_route", "CUPOOL_FUSED_ROUTE", False)])
+def test_switch_parsers(module, parser, env, default):
+    """Each on/off environment switch: unset gives its default, "1" on, "0" off, anything else
+    a ValueError naming the variable."""
+    import importlib
+    parse = getattr(importlib.import_module(module), parser)
+    assert parse(None) is default and parse("1") is True and parse("0") is False
     for bad in ("", "on", "yes", "true", "2", " 1"):
-        with pytest.raises(ValueError, match="CUPOOL_PREFILL_AHEAD="):
-            parse_prefill_ahead(bad)
-
-
-def test_inline_copies_parser():
-    """CUPOOL_INLINE_COPIES: off unless it is "1" (the decode GEMM's copy build is opt-in)."""
-    assert parse_inline_copies(None) is False and parse_inline_copies("0") is False
-    assert parse_inline_copies("1") is True
-    for bad in ("", "on", "2"):
-        with pytest.raises(ValueError, match="CUPOOL_INLINE_COPIES="):
-            parse_inline_copies(bad)
+        with pytest.raises(ValueError, match=f"{env}="):
+            parse(bad)
 
 
 class CountedBank:

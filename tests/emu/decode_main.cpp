@@ -26,6 +26,19 @@
 #include "moe_decode.cu"  // the kernel, copied next to the emulated common.cuh and async_copy.cuh
 #include "emu_io.h"
 
+// `n` rows of `stride` bytes from the input, in `words`, 128-byte aligned as the bank's and the
+// host store's rows are; their first byte
+static u8* read_rows(std::vector<u64>& words, long long n, long long stride) {
+    words.assign((size_t)(n * stride / 8) + 16, 0);
+    u8* base = reinterpret_cast<u8*>(words.data());
+    base += (128 - reinterpret_cast<uintptr_t>(base) % 128) % 128;
+    for (long long i = 0; i < n * stride / 8; ++i) {
+        const u64 v = (u64)next();
+        std::memcpy(base + 8 * i, &v, 8);
+    }
+    return base;
+}
+
 int main(int argc, char** argv) {
     std::FILE* fo = emu_open(argc, argv, "decode_main");
     if (!fo) return 2;
@@ -48,14 +61,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "decode_main: a row stride of %lld bytes is not 16-byte aligned\n", stride);
         return 2;
     }
-    // the rows, 128-byte aligned as the bank's and the host store's are
-    std::vector<u64> row_words((size_t)(rows * stride / 8) + 16);
-    u8* row_base = reinterpret_cast<u8*>(row_words.data());
-    row_base += (128 - reinterpret_cast<uintptr_t>(row_base) % 128) % 128;
-    for (long long i = 0; i < rows * stride / 8; ++i) {
-        const u64 v = (u64)next();
-        std::memcpy(row_base + 8 * i, &v, 8);
-    }
+    std::vector<u64> row_words;
+    u8* row_base = read_rows(row_words, rows, stride);
     auto row_addr = [&](long long r) {
         return r < 0 ? (i64)0 : (i64)reinterpret_cast<uintptr_t>(row_base + r * stride);
     };
@@ -88,13 +95,8 @@ int main(int argc, char** argv) {
     const long long hrows = next();
     std::vector<i32> n_copies(1, (i32)next()), copies(2 * (size_t)W);
     for (auto& c : copies) c = (i32)next();
-    std::vector<u64> host_words((size_t)(hrows * stride / 8) + 16);
-    u8* host_base = reinterpret_cast<u8*>(host_words.data());
-    host_base += (128 - reinterpret_cast<uintptr_t>(host_base) % 128) % 128;
-    for (long long i = 0; i < hrows * stride / 8; ++i) {
-        const u64 v = (u64)next();
-        std::memcpy(host_base + 8 * i, &v, 8);
-    }
+    std::vector<u64> host_words;
+    u8* host_base = read_rows(host_words, hrows, stride);
     std::vector<i64> src_of_key(hrows);
     for (long long k = 0; k < hrows; ++k)
         src_of_key[k] = (i64)reinterpret_cast<uintptr_t>(host_base + k * stride);
