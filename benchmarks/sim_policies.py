@@ -7,7 +7,9 @@ Qwen3-30B-A3B reuse, `cupool.trace.QWEN3_LOCALITY`) and "skewed" (less reuse, a 
 popularity: where frequency should matter most). Banks of 25/50/75% of each layer's experts.
 
 - policies: LRU (the kernel's), LFRU at a few weights and half-lives, LFRU with recent rows
-  protected (`cupool.reference.planner.Policy`); parameters in tokens (L = 48 clock ticks);
+  protected (`cupool.reference.planner.Policy`); parameters in tokens (L = 48 clock ticks); and
+  the offline optimum (`cupool.simulate.simulate_opt`: Belady's rule, which knows the trace's
+  future), the ceiling of any eviction policy without prefetch;
 - prefetch: LRU with layer l + 1's predicted ids prefetched right after layer l's step, as the
   pool does (`ReferencePlanner.prefetch`: a plan step of its own in which rows used at that tick
   or the one before are not eligible; layer 0 is not predicted), on the trace with predictions at
@@ -39,7 +41,7 @@ from _common import reduced_by, results_path, save
 from cupool import trace as tr
 from cupool.cli import CLIParser, output_file, positive_int, run
 from cupool.reference.planner import LRU, Policy, default_promote
-from cupool.simulate import simulate
+from cupool.simulate import simulate, simulate_opt
 
 L, E, K = 48, 128, 8
 BANKS = (25, 50, 75)
@@ -47,6 +49,7 @@ PARTS = ("policies", "prefetch", "promote")
 STREAMS = (1, 2, 4, 8, 16)
 CAP_DIVISORS = (2, 4, 8, 16)          # caps tried: rows per layer / these
 PREFETCH_ROWS = (0, 1, 2)             # rows a prefetch may bring in (0: every predicted one)
+OPT = "offline optimum (Belady)"
 TRACES = {"uniform": {}, "locality": tr.QWEN3_LOCALITY,
           "skewed": dict(reuse_next=0.2, reuse_window=0.4, window=8, skew=1.0)}
 
@@ -93,6 +96,11 @@ def main(args) -> None:
                                         "hit_rate": r["hit_rate"]})
                 print(f"{name:>8} bank {bank}% {pol.describe():<42} hit rate {r['hit_rate']:.4f}",
                       flush=True)
+            if "policies" in args.parts:               # the ceiling no policy can pass
+                r = simulate_opt(trace, rows, warmup_steps=args.warmup)
+                res["policies"].append({"trace": name, "bank_percent": bank, "policy": OPT,
+                                        "hit_rate": r["hit_rate"]})
+                print(f"{name:>8} bank {bank}% {OPT:<42} hit rate {r['hit_rate']:.4f}", flush=True)
             for acc in (0.6, 0.8, 0.95) if "prefetch" in args.parts else ():
                 tp = tr.with_predictions(trace, acc, seed=2)
                 for cap in PREFETCH_ROWS:

@@ -8,7 +8,7 @@ import pytest
 
 from cupool import trace as tr
 from cupool.reference.planner import LRU, PlanError, Policy, ReferencePlanner
-from cupool.simulate import simulate
+from cupool.simulate import simulate, simulate_opt
 
 
 # --- policies --------------------------------------------------------------------------------------
@@ -18,6 +18,46 @@ def test_lfru_weight_zero_is_lru():
     b = simulate(t, 5, warmup_steps=4, policy=Policy("lfru", weight=0.0, half_life=10.0))
     assert (a["hits"], a["misses"]) == (b["hits"], b["misses"])
     assert simulate(t, 5, warmup_steps=4, policy=LRU)["hits"] == a["hits"]
+
+
+def test_offline_optimum_on_a_known_sequence():
+    # one layer, experts A B C = 0 1 2, two rows holding A and B: A B C A B. LRU evicts A for C,
+    # then B for A, then C for B (2 hits); the optimum evicts B for C (A comes back first), then
+    # keeps A, and B's miss evicts C, needed never again (3 hits).
+    t = tr.Trace(np.array([0, 1, 2, 0, 1]).reshape(5, 1, 1, 1), 3)
+    assert (simulate(t, 2)["hits"], simulate(t, 2)["misses"]) == (2, 3)
+    assert simulate_opt(t, 2) == {"hit_rate": 0.6, "hits": 3, "misses": 2}
+    assert simulate_opt(t, 2, warmup_steps=2) == {"hit_rate": 1 / 3, "hits": 1, "misses": 2}
+
+
+@pytest.mark.parametrize("kind,rows", [("locality", 4), ("locality", 9), ("uniform", 6),
+                                       ("skewed", 5)])
+def test_offline_optimum_bounds_every_policy(kind, rows):
+    """No policy beats the optimum (it knows the future); with every expert banked it misses
+    nothing; the same distinct ids are counted."""
+    E, K = 16, 3
+    t = (tr.uniform(60, 5, E, K, seed=2) if kind == "uniform" else
+         tr.synthetic(60, 5, E, K, seed=2, **(tr.QWEN3_LOCALITY if kind == "locality" else
+                                               dict(reuse_next=0.2, reuse_window=0.4, skew=1.0))))
+    opt = simulate_opt(t, rows, warmup_steps=6)
+    for pol in (LRU, Policy("lfru", weight=20.0, half_life=40.0),
+                Policy("lfru", weight=20.0, half_life=40.0, protect=5.0)):
+        r = simulate(t, rows, warmup_steps=6, policy=pol)
+        assert r["hits"] + r["misses"] == opt["hits"] + opt["misses"]
+        assert opt["hits"] >= r["hits"], (pol.describe(), opt, r)
+    assert simulate_opt(t, E)["misses"] == 0
+
+
+def test_offline_optimum_stages_what_the_bank_cannot_hold():
+    """A call of more distinct experts than the bank's rows: the ones past them are misses that
+    take no row (staged), and the run goes on."""
+    t = tr.Trace(np.array([[0, 1], [2, 3], [0, 1], [2, 3]]).reshape(2, 1, 2, 2), 4)
+    r = simulate_opt(t, 2)
+    assert r["hits"] + r["misses"] == 8 and r["hits"] >= 2
+    with pytest.raises(ValueError, match="rows_per_layer must be an int in"):
+        simulate_opt(t, 1)
+    with pytest.raises(ValueError, match="warmup_steps must be"):
+        simulate_opt(t, 2, warmup_steps=2)
 
 
 def test_lfru_keeps_the_frequent_row():
