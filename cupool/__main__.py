@@ -134,6 +134,7 @@ def simulate(args) -> int:
     from cupool import trace as tr
     from cupool.reference.planner import Policy
     from cupool.simulate import simulate as run_simulation
+    from cupool.simulate import simulate_opt
     if args.prefetch_rows and args.prefetch_accuracy is None:
         raise ValueError(f"--prefetch-rows {args.prefetch_rows} needs --prefetch-accuracy (the "
                          f"prefetch it caps)")
@@ -168,9 +169,11 @@ def simulate(args) -> int:
     for r in rows:
         res = run_simulation(t, r, warmup_steps=args.warmup, policy=policy)
         owned = res["rows_owned"]
+        opt = simulate_opt(t, r, warmup_steps=args.warmup)["hit_rate"]
         print(f"rows/layer {r:5d} ({100 * r / E:5.1f}% of experts): hit rate "
               f"{res['hit_rate']:.3f}   rows owned per layer min/max {min(owned)}/{max(owned)}"
-              f"   [{res['policy']}]")
+              f"   [{res['policy']}]   (the offline optimum, which knows the trace's future: "
+              f"{opt:.3f})")
         if tp is not None:
             pre = run_simulation(tp, r, warmup_steps=args.warmup, prefetch=True, policy=policy,
                                  prefetch_rows=args.prefetch_rows or 0)

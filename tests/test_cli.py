@@ -76,6 +76,9 @@ def test_simulate_runs(capsys):
                      "2", "--rows", "4", "16", capsys=capsys)
     assert rc == 0
     assert "rows/layer     4" in out and "rows/layer    16" in out and "hit rate 1.000" in out
+    lru = float(out.split("hit rate ")[1].split()[0])
+    opt = float(out.split("knows the trace's future: ")[1].split(")")[0])
+    assert lru < opt <= 1.0                      # 4 of 16 experts: LRU misses what the optimum keeps
 
 
 def test_simulate_several_streams_with_the_pools_cap(capsys):
