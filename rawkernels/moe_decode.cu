@@ -408,8 +408,9 @@ CUPOOL_DEVICE void copy_item(const Args& a, const Smem& m, int c, int p, int ite
     }
     __syncwarp();
     if (lane == 0) ws.parity = parity;
-    __threadfence();                            // this lane's stores before the count
-    __syncthreads();
+    fence_proxy_async_global();                 // the stores, for bulk loads elsewhere (and
+    __threadfence();                            // the consumers' own fence after their acquire)
+    __syncthreads();                            // every lane's stores before the count
     if (threadIdx.x == 0) atomicAdd(a.copy_done + c, 1);
     stamp(a.trace, item, 3);
 }
