@@ -11,7 +11,7 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, serve, overlap, inline.
+# prefix, serve, overlap, inline, graph-copies.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -142,6 +142,19 @@ for stage in "$@"; do
                     --bank 50 --dense-nvfp4 --timeline --json "$OUT/profile_decode_50_inline$v.json"
                 run "bench_serve_50_inline$v" 200 env CUPOOL_INLINE_COPIES=$v python3 benchmarks/bench_serve.py \
                     --banks 0.5 --streams 1 8 --dense-nvfp4 --json "$OUT/bench_serve_50_inline$v.json"; done ;;
+    # can a graph aim the copy engine at rows a kernel picks? (conditional SWITCH nodes whose
+    # bodies are row copies; benchmarks/probe_graph_copies.cu says what it times). Then: does a
+    # kernel built the way cupool builds its kernels (NVRTC through CuPy) link the device call
+    # that sets a switch's value?
+    graph-copies) mkdir -p /tmp/cupool_probe
+              run probe_graph_copies_build 120 nvcc -std=c++17 -O2 -arch=native \
+                  -o /tmp/cupool_probe/probe_graph_copies benchmarks/probe_graph_copies.cu
+              run probe_graph_copies 300 /tmp/cupool_probe/probe_graph_copies "$OUT/probe_graph_copies.json"
+              run set_conditional_nvrtc 120 python3 -c 'import cupy as cp
+src = "extern \"C\" __device__ void cudaGraphSetConditional(unsigned long long, unsigned);\n" \
+      "extern \"C\" __global__ void set_it(const unsigned long long* h) { cudaGraphSetConditional(h[0], 1u); }"
+cp.RawModule(code=src, options=("-std=c++17",)).get_function("set_it")
+print("NVRTC (CuPy) cubin calling cudaGraphSetConditional: loaded")' ;;
     decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 --json "$OUT/bench_decode_small.json" ;;
     decode-compile-small) run bench_decode_small_compiled 300 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 2 --compile --json "$OUT/bench_decode_small_compiled.json" ;;
     # the canonical bench_decode.json in three parts, each merged into the one before

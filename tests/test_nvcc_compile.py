@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from kernel_builds import ARCHS, BUILDS, VARIANTS, compile_many, nvcc_command
+from kernel_builds import ARCHS, BUILDS, ROOT, VARIANTS, compile_many, nvcc_command
 
 from cupool import _cuda, kernels
 from cupool.layout import RowLayout
@@ -417,3 +417,13 @@ def test_dense_gemv_refuses_other_launch_shapes(nvcc, tmp_path):
         r = subprocess.run(nvcc_command(nvcc, "dense_gemv", defines, 90, tmp_path / "o.cubin"),
                            capture_output=True, text=True, timeout=300)
         assert r.returncode != 0 and message in r.stderr, (defines, r.stderr[-500:])
+
+
+def test_graph_copies_probe_builds(nvcc, tmp_path):
+    """benchmarks/probe_graph_copies.cu (conditional SWITCH nodes of row copies, run by
+    `run_gpu.sh graph-copies`) builds without warnings, so a GPU run finds it ready."""
+    src = ROOT / "benchmarks" / "probe_graph_copies.cu"
+    r = subprocess.run([nvcc, "-std=c++17", "-O2", "-arch=sm_90", "-Xcompiler", "-Wall",
+                        "-o", str(tmp_path / "probe"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "warning" not in r.stderr.lower(), r.stderr
