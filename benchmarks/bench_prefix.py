@@ -37,10 +37,12 @@ GEMM, attention, matmul, other) and the eight kernels that took the most, printe
 the results under "profile".
 
 Prefill ahead (the pool's `prefill_ahead`: on unless `CUPOOL_PREFILL_AHEAD=0`) is recorded as
-"prefill_ahead" and printed with the speedup.
+"prefill_ahead" and printed with the speedup. `--scratch-rows` and `--scratch-buffers` size the
+partition path's scratch (`cupool.wrap`'s defaults 32 and 2): more rows let the copies of the
+next layer's host experts start before this layer's last chunk GEMM has freed a buffer.
 
 Writes benchmarks/results/bench_prefix.json. A reduced run (another prefix, --small, another
-bank, fewer repeats) writes nothing unless --json PATH is given.
+bank or scratch, fewer repeats) writes nothing unless --json PATH is given.
 """
 
 from __future__ import annotations
@@ -179,6 +181,11 @@ def build_parser() -> CLIParser:
                    help="prompt tokens a forward (the pool's max_prefill_tokens)")
     p.add_argument("--bank", type=bounded_int(7, 100), default=50,
                    help="bank rows a layer, %% of E (>= 7: top-8 of 128)")
+    p.add_argument("--scratch-rows", type=positive_int, default=32,
+                   help="rows of the prefill scratch for experts without a bank row (cupool.wrap's "
+                        "scratch_rows)")
+    p.add_argument("--scratch-buffers", type=positive_int, default=2,
+                   help="buffers the scratch is split into (cupool.wrap's scratch_buffers)")
     p.add_argument("--small", action="store_true", help="tiny shape, short prompts (smoke test)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one cold and one reused turn 2: GPU time by stream and "
@@ -192,6 +199,9 @@ def reduced(args) -> list[str]:
     why = reduced_by(args, build_parser(), "prefix", "new", "answer", "repeats", "small")
     if args.bank != 50:
         why.append(f"--bank {args.bank} (not 50)")
+    for name in ("scratch_rows", "scratch_buffers"):
+        if getattr(args, name) != build_parser().get_default(name):
+            why.append(f"--{name.replace('_', '-')} {getattr(args, name)} (not the default)")
     return why
 
 
@@ -210,7 +220,8 @@ def main(args) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     chunk = min(args.chunk, max_len)
     pool = cupool.wrap(model, rows=rows, layers=specs, max_decode_tokens=1,
-                       max_prefill_tokens=chunk,
+                       max_prefill_tokens=chunk, scratch_rows=args.scratch_rows,
+                       scratch_buffers=args.scratch_buffers,
                        expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"))
     print(f"built in {time.perf_counter() - t0:.0f} s: {pool}", flush=True)
     cpu_gen = torch.Generator().manual_seed(1)
@@ -256,6 +267,7 @@ def main(args) -> None:
     pcie = pcie_h2d_GBps()
     row_bytes = layout.row_bytes
     results = {"shape": shape, "bank_percent": args.bank, "rows_per_layer": rows, "chunk": chunk,
+               "scratch_rows": args.scratch_rows, "scratch_buffers": args.scratch_buffers,
                "prefix_tokens": prefix, "question_tokens": QUESTION, "answer_tokens": args.answer,
                "new_tokens": args.new, "turn2_tokens": len(turn2), "repeats": args.repeats,
                "target_speedup": TARGET, "pcie_h2d_GBps": pcie, "row_bytes": row_bytes,

@@ -11,7 +11,7 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, serve, overlap, inline, graph-copies.
+# prefix, prefix-scratch, serve, overlap, inline, graph-copies.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -20,6 +20,7 @@
 #   AB_TREES="ab_base ."  AB_ROUNDS=3  AB_CONTEXT=16  AB_ARGS=  the trees, rounds, positions and
 #                                 other profile_decode.py arguments of `ab-trees`
 #   PREFILL_SWEEP="default NB=2,MINB=1"  prefill launch configs of `prefill-sweep`
+#   SCRATCHES="32x2 64x2 64x4"    prefill scratch rows x buffers of `prefix-scratch`
 #   GEMM_ARGS="..."               extra bench_gemm.py arguments of `gemm-bench`
 #   TESTS_TIMEOUT, SANITIZE_TIMEOUT  seconds of the `tests` and `sanitize-gemm` stages
 #   COPY="bench_gemm.json ..."    results files copied into $OUT at the end
@@ -124,6 +125,11 @@ for stage in "$@"; do
     decode-qwen4) run bench_decode_qwen4_exp 590 python3 benchmarks/bench_decode.py --model qwen4_exp ;;
     ngram)    run bench_ngram 300 python3 benchmarks/bench_ngram.py ;;
     prefix)   run bench_prefix 590 python3 benchmarks/bench_prefix.py --profile ;;
+    # turn 2 at a 75% bank with the default scratch and with room for the next layer's copies
+    # (SCRATCHES: rows x buffers)
+    prefix-scratch) for rb in ${SCRATCHES:-32x2 64x2 64x4}; do
+                run "bench_prefix_75_$rb" 590 python3 benchmarks/bench_prefix.py --bank 75 --repeats 3 \
+                    --scratch-rows "${rb%x*}" --scratch-buffers "${rb#*x}" --json "$OUT/bench_prefix_75_$rb.json"; done ;;
     serve)    run bench_serve 590 python3 benchmarks/bench_serve.py --streams 1 8 16 ;;
     # a 50% bank with and without the copies beside the GEMM of the rows in place
     overlap)  for o in "" --overlap-copies; do
