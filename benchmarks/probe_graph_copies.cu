@@ -163,6 +163,17 @@ static void destroy(Built& b) {
     CK(cudaFree(b.handles));
 }
 
+// k handles a layer (slots i < k of hs[l·MAXK + i]; the others stay 0 and are never set), each
+// back to E (no body) at every launch unless a pick kernel sets it.
+static void make_handles(std::vector<cudaGraphConditionalHandle>& hs, cudaGraph_t g, int layers,
+                         int k) {
+    if (hs.empty()) return;
+    for (int l = 0; l < layers; ++l)
+        for (int i = 0; i < k; ++i)
+            CK(cudaGraphConditionalHandleCreate(&hs[l * MAXK + i], g, E,
+                                                cudaGraphCondAssignDefault));
+}
+
 // `layers` layers in a chain: pick → (k switches) (and a busy kernel of busy_ns) → join.
 static Built build(Probe& P, int layers, int k, bool switches, unsigned long long busy_ns) {
     Built b = with_handles();
@@ -170,7 +181,7 @@ static Built build(Probe& P, int layers, int k, bool switches, unsigned long lon
     CK(cudaGraphCreate(&g, 0));
     // the kernel nodes copy their arguments when added, so these may live on the stack
     std::vector<cudaGraphConditionalHandle> hs(switches ? size_t(layers) * MAXK : 0);
-    for (auto& h : hs) CK(cudaGraphConditionalHandleCreate(&h, g, E, cudaGraphCondAssignDefault));
+    make_handles(hs, g, layers, k);
     if (switches) put(P, b.handles, hs.data(), hs.size() * sizeof(hs[0]));
     cudaGraphNode_t prev{};
     bool first = true;
@@ -218,7 +229,7 @@ static Built build_captured(Probe& P, int layers, int k, bool settled) {
     size_t ndeps;
     CK(cudaStreamGetCaptureInfo(P.stream, &status, nullptr, &g, &deps, nullptr, &ndeps));
     std::vector<cudaGraphConditionalHandle> hs(size_t(layers) * MAXK);
-    for (auto& h : hs) CK(cudaGraphConditionalHandleCreate(&h, g, E, cudaGraphCondAssignDefault));
+    make_handles(hs, g, layers, k);
     for (int l = 0; l < layers; ++l) {
         pick<<<1, 32, 0, P.stream>>>(P.ids + l * MAXK, b.handles + l * MAXK, k);
         CK(cudaGetLastError());
