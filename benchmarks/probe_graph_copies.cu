@@ -174,6 +174,14 @@ static void make_handles(std::vector<cudaGraphConditionalHandle>& hs, cudaGraph_
                                                 cudaGraphCondAssignDefault));
 }
 
+// b.exec from g (timed), then g goes.
+static void instantiate(Built& b, cudaGraph_t g) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CK(cudaGraphInstantiate(&b.exec, g, 0));
+    b.instantiate_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CK(cudaGraphDestroy(g));
+}
+
 // `layers` layers in a chain: pick → (k switches) (and a busy kernel of busy_ns) → join.
 static Built build(Probe& P, int layers, int k, bool switches, unsigned long long busy_ns) {
     Built b = with_handles();
@@ -209,10 +217,7 @@ static Built build(Probe& P, int layers, int k, bool switches, unsigned long lon
         prev = add_kernel(g, before_join, (void*)join, 1, 32, ja);
         first = false;
     }
-    const auto t0 = std::chrono::steady_clock::now();
-    CK(cudaGraphInstantiate(&b.exec, g, 0));
-    b.instantiate_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    CK(cudaGraphDestroy(g));
+    instantiate(b, g);
     return b;
 }
 
@@ -251,10 +256,7 @@ static Built build_captured(Probe& P, int layers, int k, bool settled) {
     CK(cudaStreamEndCapture(P.stream, &done));
     // the pick kernels read the handles when they run: written once the capture is over
     put(P, b.handles, hs.data(), hs.size() * sizeof(hs[0]));
-    const auto t0 = std::chrono::steady_clock::now();
-    CK(cudaGraphInstantiate(&b.exec, done, 0));
-    b.instantiate_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    CK(cudaGraphDestroy(done));
+    instantiate(b, done);
     return b;
 }
 
