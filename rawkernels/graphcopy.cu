@@ -7,15 +7,15 @@
 // - set_switches runs after the plan step: it points switch k at the expert of the copy list's
 //   entry k (k < min(n, K)), the others at E (no body runs).
 // - settle_rows runs after the switches: it moves slot k into the row the plan step chose for
-//   entry k (a bank row, or a staging row), HBM to HBM, and writes n − K (at least 0) for the
-//   row-copy kernel that copies the list's entries from K on (tail_n).
+//   entry k (a bank row, or a staging row), HBM to HBM, and copies the list's entries from K on
+//   from the host itself (SM loads through UVA, as rowcopy.cu's copy_rows).
 //
 // Invariants: the copy list is the plan step's ((key, row) pairs, n of them, keys of this call's
 // layer: key0 ≤ key < key0 + E); a key outside that range sets `error` bit 1 and its switch copies
 // nothing (its row is left as it was). Slots are K rows of slot_stride bytes; rows are the bank
 // and staging rows, row_stride apart; row_bytes is a multiple of 16 and every base is 16-byte
-// aligned. Neither kernel reads a slot past row_bytes nor writes anything but rows[copies[2k+1]]
-// (k < min(n, K)), tail_n and error.
+// aligned. Neither kernel reads a row past row_bytes nor writes anything but rows[copies[2k+1]]
+// (k < min(n, max_copies)) and error.
 #include "common.cuh"
 
 #define MAX_SLOTS 8
@@ -47,22 +47,23 @@ extern "C" __global__ void set_switches(const i32* __restrict__ copies,   // [>=
     }
 }
 
-// Slot k → rows[copies[2k + 1]] for k < min(n, K), every block a grid-strided share of each row;
-// block 0 also writes tail_n = max(n − K, 0).
+// Entry k of the copy list (k < min(n, max_copies)) into rows[copies[2k + 1]]: from slot k for
+// k < K (where its switch put the row), from the host row src_of_key[copies[2k]] (UVA) for the
+// others; every block a grid-strided share of each row.
 extern "C" __global__ void settle_rows(const u8* __restrict__ slots, i64 slot_stride,
+                                       const i64* __restrict__ src_of_key,   // [L*E]
                                        const i32* __restrict__ copies,
                                        const i32* __restrict__ n_copies,
                                        u8* __restrict__ rows, i64 row_stride, i64 row_bytes,
-                                       i32 K, i32* __restrict__ tail_n) {
-    const int n_all = *n_copies;
-    const int n = min(n_all, K);
-    if (blockIdx.x == 0 && threadIdx.x == 0) *tail_n = max(n_all - K, 0);
+                                       i32 K, i32 max_copies) {
+    const int n = min(*n_copies, max_copies);
     const i64 units = row_bytes >> 4;
     const i64 step = (i64)gridDim.x * blockDim.x;
     for (int k = 0; k < n; ++k) {
-        const u32x4* src = reinterpret_cast<const u32x4*>(slots + slot_stride * k);
+        const u8* src = k < K ? slots + slot_stride * k
+                              : reinterpret_cast<const u8*>(src_of_key[copies[2 * k]]);
         u8* dst = rows + row_stride * copies[2 * k + 1];
         for (i64 u = (i64)blockIdx.x * blockDim.x + threadIdx.x; u < units; u += step)
-            st16(dst + (u << 4), src[u]);
+            st16(dst + (u << 4), ld_stream16(src + (u << 4)));
     }
 }

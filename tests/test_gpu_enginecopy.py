@@ -1,7 +1,7 @@
 """GPU checks of copy-engine copies in captured steps (`cupool.ops.enginecopy`): a captured
 sequence of `Bank.step(..., engine=True)` calls replays like eager calls with the row-copy
 kernel: the same routes, copy lists, tables and bank rows (staging rows included), with the
-list's first `slots` entries copied by switch nodes and the rest by the kernel; a pool with
+list's first `slots` entries copied by switch nodes and the rest by settle_rows; a pool with
 `engine_copies` on gives the same decode outputs through a captured graph as one without."""
 
 import numpy as np
@@ -78,7 +78,7 @@ def test_captured_engine_copies_equal_eager_kernel_copies(rng, slots):
         bad = ((bank_g.rows[r.clamp(min=0), :store.row_bytes] != expect[keys]).any(dim=1)
                & (r >= 0)).sum()
         assert int(bad) == 0, where
-    assert slots == 8 or past_slots > 0, "calls with more copies than slots (the kernel's tail)"
+    assert slots == 8 or past_slots > 0, "calls with more copies than slots (settle_rows copies those)"
     assert eng.read_error() == [] and bank_g.read_error() == bank_e.read_error()
     assert bank_g.verify() > 0
 

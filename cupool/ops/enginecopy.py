@@ -8,8 +8,8 @@ a kernel picks runs. `EngineCopies` adds, at capture, to each layer call:
 
     set_switches (after the plan step): switch k ← the expert of the copy list's entry k
     K switch nodes: body e copies the host row of (layer, e) into slot k (a fixed GPU row)
-    settle_rows: slot k → the row the plan step chose for entry k; tail_n = max(n − K, 0)
-    the row-copy kernel on the entries from K on (tail_n of them)
+    settle_rows: slot k → the row the plan step chose for entry k; the entries from K on
+        copied from the host by the same kernel (SM loads)
 
 (`rawkernels/graphcopy.cu`). Graph nodes come from the driver API through NVIDIA's
 `cuda-bindings` (`cuda.bindings.driver`, 13.x), which cupool needs only for this.
@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from cupool import _cuda, kernels
-from cupool.ops.rowcopy import RowCopier
 
 MAX_SLOTS = 8              # rawkernels/graphcopy.cu MAX_SLOTS: switch handles a launch takes
 ERR_KEY = 1                # a listed key outside the call's layer (internal)
@@ -71,7 +70,7 @@ class EngineCopies:
     Args:
         bank: the `cupool.bank.Bank` whose plan step writes the copy list.
         slots: switch nodes a layer call (K, 1 to 8): copies a layer step makes by the copy
-            engine; a step's entries past K are copied by the bank's row-copy kernel.
+            engine; a step's entries past K are copied from the host by settle_rows.
     """
 
     def __init__(self, bank, slots: int = 2):
@@ -84,16 +83,10 @@ class EngineCopies:
         self.row_bytes, self.row_stride = bank.row_bytes, bank.row_stride
         self.host_rows = store.host_addresses()     # int64 [L·E], read-only
         self.slot_rows = torch.empty((self.slots, self.row_stride), dtype=torch.uint8, device=dev)
-        self.tail_n = torch.zeros(1, dtype=torch.int32, device=dev)
         self.error = torch.zeros(1, dtype=torch.int32, device=dev)
         self._set = kernels.function("graphcopy", "set_switches", None, dev.index)
         self._settle = kernels.function("graphcopy", "settle_rows", None, dev.index)
         self._settle_blocks = 4 * _cuda.target(dev.index).sms
-        # the list's entries from K on, for the row-copy kernel (the bank's mode and grid)
-        self._tail_copies = bank.copies[self.slots:]
-        self._tail = RowCopier(bank.src_of_key, bank.row_bytes, bank.rows,
-                               max(1, bank.max_lanes - self.slots), mode=bank.copier.mode,
-                               blocks=bank.copier.blocks)
         self.switches = 0                           # switch nodes added so far (all captures)
 
     def read_error(self) -> list[str]:
@@ -107,8 +100,8 @@ class EngineCopies:
         cu = driver()
         dev = self.bank.device
         stream = cu.CUstream(kernels._raw_stream(dev.index))
-        status, _, graph, deps, _, ndeps = _ok(cu.cuStreamGetCaptureInfo(stream),
-                                                "cuStreamGetCaptureInfo")
+        status, _, graph, _, _, _ = _ok(cu.cuStreamGetCaptureInfo(stream),
+                                         "cuStreamGetCaptureInfo")
         if status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
             raise RuntimeError("EngineCopies runs only while torch's current stream captures a "
                                "CUDA graph (eager steps take the bank's row-copy kernel)")
@@ -132,10 +125,9 @@ class EngineCopies:
             "cuStreamUpdateCaptureDependencies")
         bank = self.bank
         kernels.launch(self._settle, self._settle_blocks, 256, (
-            self.slot_rows, kernels.i64(self.row_stride), copies, n_copies, bank.rows,
-            kernels.i64(bank.row_stride), kernels.i64(self.row_bytes), kernels.i32(K),
-            self.tail_n), device=dev)
-        self._tail(self._tail_copies, self.tail_n)
+            self.slot_rows, kernels.i64(self.row_stride), bank.src_of_key, copies, n_copies,
+            bank.rows, kernels.i64(bank.row_stride), kernels.i64(self.row_bytes),
+            kernels.i32(K), kernels.i32(copies.shape[0])), device=dev)
 
     def _switch(self, cu, graph, deps, handle, ctx, layer: int, k: int):
         """A SWITCH node after `deps` whose body e copies (layer, e)'s host row into slot k."""
@@ -156,8 +148,8 @@ class EngineCopies:
             m.srcHost = int(self.host_rows[base + e])
             m.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
             m.dstDevice = dst
-            m.WidthInBytes = self.row_bytes
-            m.Height = 1
+            m.WidthInBytes = m.srcPitch = m.dstPitch = self.row_bytes   # one row: a 1-D copy
+            m.Height = m.srcHeight = m.dstHeight = 1
             m.Depth = 1
             _ok(cu.cuGraphAddMemcpyNode(bodies[e], None, 0, m, ctx), "cuGraphAddMemcpyNode")
         self.switches += 1
