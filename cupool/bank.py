@@ -433,10 +433,13 @@ class Bank:
 
     def memory_parts(self) -> list[tuple[str, int, str]]:
         """What the bank holds, for `cupool.report` (the store's address table counts as a table)."""
-        return [("bank", self.num_rows * self.row_stride, "gpu"),
-                ("staging", self.staging_rows * self.row_stride, "gpu"),
-                ("planner tables", self.tables.nbytes() + self.src_of_key.nbytes, "gpu"),
-                ("host store", self.store.nbytes, "host")]
+        parts = [("bank", self.num_rows * self.row_stride, "gpu"),
+                 ("staging", self.staging_rows * self.row_stride, "gpu"),
+                 ("planner tables", self.tables.nbytes() + self.src_of_key.nbytes, "gpu"),
+                 ("host store", self.store.nbytes, "host")]
+        if self._engine is not None:
+            parts.append(("engine copy slots", self._engine.slot_rows.nbytes, "gpu"))
+        return parts
 
     def __repr__(self) -> str:
         return (f"Bank(L={self.num_layers}, E={self.num_experts}, N={self.rows_per_layer}, "

@@ -314,10 +314,13 @@ class Pool:
         return text
 
     def errors(self) -> list[str]:
-        """Sticky device error flags (planner and GEMM), decoded. A host read."""
+        """Sticky device error flags (planner, GEMM, engine copies), decoded. A host read."""
         err = self.bank.read_error()
         out = [f"planner: {f.name}" for f in PlanError if f and f in err]
-        return out + [f"gemm: {e}" for e in self.gemm.read_error()]
+        out += [f"gemm: {e}" for e in self.gemm.read_error()]
+        if self._engine_copies:
+            out += [f"engine copies: {e}" for e in self.bank.engine_copies.read_error()]
+        return out
 
     def expert_addresses(self, layer: int) -> torch.Tensor:
         """int64 [E]: device address of layer's experts that own a bank row, 0 for the others."""
