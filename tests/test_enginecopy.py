@@ -40,3 +40,21 @@ def test_missing_bindings_name_the_install(monkeypatch):
         enginecopy.driver()
     with pytest.raises(ImportError, match="cuda-bindings"):
         enginecopy.EngineCopies(bank=None, slots=2)
+
+
+def test_other_bindings_versions_are_refused(monkeypatch):
+    """cuda-bindings 12 has other signatures for the capture calls: refused by name."""
+    import sys
+    import types
+    cuda = types.ModuleType("cuda")
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.__version__ = "12.9.0"
+    bindings.driver = types.ModuleType("cuda.bindings.driver")
+    cuda.bindings = bindings
+    monkeypatch.setitem(sys.modules, "cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", bindings.driver)
+    with pytest.raises(ImportError, match=r"cuda-bindings 13, found 12\.9\.0"):
+        enginecopy.driver()
+    bindings.__version__ = "13.5.0"
+    assert enginecopy.driver() is bindings.driver

@@ -35,13 +35,18 @@ INSTALL_HINT = "pip install 'cuda-bindings>=13,<14'"
 
 
 def driver():
-    """`cuda.bindings.driver`, or ImportError naming what to install."""
+    """`cuda.bindings.driver` (13.x: the capture and graph calls with edge data), or ImportError
+    naming what to install."""
+    what = ("copy-engine row copies in captured steps (CUPOOL_ENGINE_COPIES=1, "
+            "Pool.engine_copies) need NVIDIA's cuda-bindings 13")
     try:
+        import cuda.bindings
         from cuda.bindings import driver as cu
     except ImportError as e:
-        raise ImportError(f"copy-engine row copies in captured steps (CUPOOL_ENGINE_COPIES=1, "
-                          f"Pool.engine_copies) need NVIDIA's cuda-bindings: {INSTALL_HINT}"
-                          ) from e
+        raise ImportError(f"{what}: {INSTALL_HINT}") from e
+    version = getattr(cuda.bindings, "__version__", "0")
+    if int(version.split(".")[0]) != 13:
+        raise ImportError(f"{what}, found {version}: {INSTALL_HINT}")
     return cu
 
 
