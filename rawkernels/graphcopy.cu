@@ -11,8 +11,8 @@
 //   from the host itself (SM loads through UVA, as rowcopy.cu's copy_rows).
 //
 // Invariants: the copy list is the plan step's ((key, row) pairs, n of them, keys of this call's
-// layer: key0 ≤ key < key0 + E); a key outside that range sets `error` bit 1 and its switch copies
-// nothing (its row is left as it was). Slots are K rows of slot_stride bytes; rows are the bank
+// layer: key0 ≤ key < key0 + E); a key outside that range among the first K sets `error` bit 1,
+// its switch copies nothing and its row is left as it was. Slots are K rows of slot_stride bytes; rows are the bank
 // and staging rows, row_stride apart; row_bytes is a multiple of 16 and every base is 16-byte
 // aligned. Neither kernel reads a row past row_bytes nor writes anything but rows[copies[2k+1]]
 // (k < min(n, max_copies)) and error.
@@ -48,18 +48,21 @@ extern "C" __global__ void set_switches(const i32* __restrict__ copies,   // [>=
 }
 
 // Entry k of the copy list (k < min(n, max_copies)) into rows[copies[2k + 1]]: from slot k for
-// k < K (where its switch put the row), from the host row src_of_key[copies[2k]] (UVA) for the
-// others; every block a grid-strided share of each row.
+// k < K (where its switch put the row; not at all where set_switches found its key outside the
+// layer), from the host row src_of_key[copies[2k]] (UVA) for the others; every block a
+// grid-strided share of each row.
 extern "C" __global__ void settle_rows(const u8* __restrict__ slots, i64 slot_stride,
                                        const i64* __restrict__ src_of_key,   // [L*E]
                                        const i32* __restrict__ copies,
                                        const i32* __restrict__ n_copies,
                                        u8* __restrict__ rows, i64 row_stride, i64 row_bytes,
-                                       i32 K, i32 max_copies) {
+                                       i32 key0, i32 E, i32 K, i32 max_copies) {
     const int n = min(*n_copies, max_copies);
     const i64 units = row_bytes >> 4;
     const i64 step = (i64)gridDim.x * blockDim.x;
     for (int k = 0; k < n; ++k) {
+        const int e = copies[2 * k] - key0;
+        if (k < K && (e < 0 || e >= E)) continue;        // its switch copied nothing
         const u8* src = k < K ? slots + slot_stride * k
                               : reinterpret_cast<const u8*>(src_of_key[copies[2 * k]]);
         u8* dst = rows + row_stride * copies[2 * k + 1];

@@ -132,7 +132,8 @@ class EngineCopies:
         kernels.launch(self._settle, self._settle_blocks, 256, (
             self.slot_rows, kernels.i64(self.row_stride), bank.src_of_key, copies, n_copies,
             bank.rows, kernels.i64(bank.row_stride), kernels.i64(self.row_bytes),
-            kernels.i32(K), kernels.i32(copies.shape[0])), device=dev)
+            kernels.i32(layer * E), kernels.i32(E), kernels.i32(K),
+            kernels.i32(copies.shape[0])), device=dev)
 
     def _switch(self, cu, graph, deps, handle, ctx, layer: int, k: int):
         """A SWITCH node after `deps` whose body e copies (layer, e)'s host row into slot k."""
