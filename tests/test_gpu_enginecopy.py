@@ -83,6 +83,31 @@ def test_captured_engine_copies_equal_eager_kernel_copies(rng, slots):
     assert bank_g.verify() > 0
 
 
+def test_a_key_outside_the_layer_is_flagged_and_copies_nothing(rng):
+    """A copy list entry (among the slots) whose key is another layer's: the sticky error bit,
+    its row untouched; the other entries, one by a switch and one past the slots, land."""
+    L, E, N, S, lanes = 2, 5, 2, 16, 8
+    store, expect = make_store(rng, L, E, 1024 + 16)
+    bank = Bank(store, N, S, lanes)
+    eng = EngineCopies(bank, slots=2)
+    copies = torch.zeros(lanes, 2, dtype=torch.int32, device="cuda")
+    n = torch.zeros(1, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eng(1, copies, n)                                   # a call of layer 1
+    st, rb = bank.num_rows, store.row_bytes               # staging rows start here
+    copies[:3] = torch.tensor([[2, st], [E + 3, st + 1], [E + 4, st + 2]], dtype=torch.int32)
+    n.fill_(3)
+    bank.rows[st:].fill_(0xEE)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert eng.read_error() == ["a copy list key outside its call's layer (internal)"]
+    assert bool((bank.rows[st] == 0xEE).all()), "the refused entry's row was written"
+    assert torch.equal(bank.rows[st + 1, :rb], expect[E + 3]), "the switch's copy"
+    assert torch.equal(bank.rows[st + 2, :rb], expect[E + 4]), "the copy past the slots"
+    assert bool((bank.rows[st + 3:] == 0xEE).all())
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_a_pool_with_engine_copies_decodes_the_same_tokens(family):
     """Two pools of one tiny model at half a bank, `engine_copies` off and on, through the
