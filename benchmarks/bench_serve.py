@@ -221,15 +221,13 @@ def main(args) -> int:
     pcie = pcie_h2d_GBps()
     print(f"pinned host -> GPU copy: {pcie:.1f} GB/s", flush=True)
     banks = [run_bank(args, layers, streams, bank, pcie) for bank in args.banks]
-    from cupool.layer import (ENGINE_COPIES_ENV, INLINE_COPIES_ENV, engine_copies_default,
-                              inline_copies_default)
+    from cupool.layer import INLINE_COPIES_ENV, inline_copies_default
     inline = inline_copies_default()            # what the pools were built with
-    engine = engine_copies_default()
     results = {"shape": f"Qwen3-30B-A3B, {layers} layers", "routing": args.routing,
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
                "promote": args.promote, "overlap_copies": args.overlap_copies,
-               "inline_copies": inline, "engine_copies": engine, "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
+               "inline_copies": inline, "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
@@ -239,7 +237,6 @@ def main(args) -> int:
         ([f"--promote {args.promote}"] if args.promote != "auto" else []) + \
         (["--overlap-copies"] if args.overlap_copies else []) + \
         ([f"{INLINE_COPIES_ENV}=1"] if inline else []) + \
-        ([f"{ENGINE_COPIES_ENV}=1"] if engine else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0

@@ -246,8 +246,7 @@ def main(args) -> None:
     top = sorted(kern.items(), key=lambda kv: -kv[1][0])[:30]
     L = args.layers
     print(f"layers {L}, batch {B}, context {args.context}, step {eng.step_kind}, inline copies "
-          f"{'on' if pool.inline_copies else 'off'}, engine copies "
-          f"{'on' if pool.engine_copies else 'off'} (warm-up incl. "
+          f"{'on' if pool.inline_copies else 'off'} (warm-up incl. "
           f"build and capture "
 f"{warm_s:.1f} s)")
     print(f"per step: graph replay {graph_ms:.3f} ms ({B * 1e3 / graph_ms:.1f} tok/s), eager "
@@ -261,16 +260,14 @@ f"{warm_s:.1f} s)")
     if args.bank < 100:
         from _common import pcie_h2d_GBps
         misses = sum(d["misses"] for d in stats) / args.steps
-        # the row-copy kernels, and the copy engine's copies of engine_copies' switch nodes
-        copy_ms = sum(ms for name, (ms, _) in kern.items()
-                      if "copy_rows" in name or "Memcpy HtoD" in name)
+        copy_ms = sum(ms for name, (ms, _) in kern.items() if "copy_rows" in name)
         moved = misses * layout.row_bytes
         prefetched = sum(d.get("prefetched", 0) for d in stats) / args.steps
         copies = {"ms_per_step": copy_ms, "bytes_per_step": moved,
                   "GBps": moved / (copy_ms * 1e6) if copy_ms else None,
                   "pcie_h2d_GBps": pcie_h2d_GBps()}
         print(f"bank {args.bank}%: hit rate {pool.hit_rate(stats):.3f}, {misses:.1f} misses a "
-              f"step ({moved / 1e6:.1f} MB); row copies {copy_ms:.3f} ms a step: "
+              f"step ({moved / 1e6:.1f} MB); row-copy kernels {copy_ms:.3f} ms a step: "
               + (f"{copies['GBps']:.1f} GB/s against the pinned copy's "
                  f"{copies['pcie_h2d_GBps']:.1f} ({copies['GBps'] / copies['pcie_h2d_GBps']:.2f})"
                  if copy_ms else "none")
@@ -293,7 +290,7 @@ f"{warm_s:.1f} s)")
         "ablate": ablate, "prefetch": args.prefetch,
         "prefetch_accuracy": args.prefetch_accuracy if args.prefetch != "off" else None,
         "prefetch_rows": args.prefetch_rows, "overlap_copies": args.overlap_copies,
-        "inline_copies": pool.inline_copies, "engine_copies": pool.engine_copies,
+        "inline_copies": pool.inline_copies,
         "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
         "timeline": timeline, "prefetch_copiers": copiers, "copiers": step_copiers,
         "groups": {k: {"ms": v[0], "kernels": v[1]} for k, v in groups.items()},
@@ -302,8 +299,7 @@ f"{warm_s:.1f} s)")
 
 def replay_timeline(graph, pool, row_bytes: int, steps: int) -> dict:
     """`--timeline`: the kernel timeline of `steps` replays of the captured step, printed and
-    returned (ms a step): the row copies' time (the union of the row-copy kernels' intervals and,
-    with engine copies, of the copy engine's host-to-device copies) and
+    returned (ms a step): the row copies' time (the union of the row-copy kernels' intervals) and
     the other kernels', the time both ran at once and the time nothing ran; the GB/s of the rows
     the bank counted (misses and prefetched rows) over the copies' time; and how long after each
     prefetch step (`prefetch_step`) ended the row copy that follows it started (µs, median and
@@ -322,17 +318,11 @@ def replay_timeline(graph, pool, row_bytes: int, steps: int) -> dict:
     stats = pool.stats()
     misses = sum(d["misses"] for d in stats) / steps
     prefetched = sum(d.get("prefetched", 0) for d in stats) / steps
-    # kernels, and the host-to-device copies of engine_copies' switch nodes (the copy engine's)
-    ev = [e for e in gpu_events(prof)
-          if e["kind"] == "kernel" or (e["kind"] == "memcpy" and "HtoD" in e["name"])]
+    ev = [e for e in gpu_events(prof) if e["kind"] == "kernel"]
     t0 = min(e["start_us"] for e in ev)
     span = (max(e["end_us"] for e in ev) - t0) / 1e3 / steps
-
-    def is_copy(e) -> bool:
-        return "copy_rows" in e["name"] or e["kind"] == "memcpy"
-
-    copies = [(e["start_us"], e["end_us"]) for e in ev if is_copy(e)]
-    other = [(e["start_us"], e["end_us"]) for e in ev if not is_copy(e)]
+    copies = [(e["start_us"], e["end_us"]) for e in ev if "copy_rows" in e["name"]]
+    other = [(e["start_us"], e["end_us"]) for e in ev if "copy_rows" not in e["name"]]
     c, k = union_us(copies) / 1e3 / steps, union_us(other) / 1e3 / steps
     either = union_us(copies + other) / 1e3 / steps
     both = c + k - either

@@ -11,7 +11,7 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, prefix-scratch, serve, overlap, inline, graph-copies, engine.
+# prefix, prefix-scratch, serve, overlap, inline, graph-copies.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -148,14 +148,6 @@ for stage in "$@"; do
                     --bank 50 --dense-nvfp4 --timeline --json "$OUT/profile_decode_50_inline$v.json"
                 run "bench_serve_50_inline$v" 200 env CUPOOL_INLINE_COPIES=$v python3 benchmarks/bench_serve.py \
                     --banks 0.5 --streams 1 8 --dense-nvfp4 --json "$OUT/bench_serve_50_inline$v.json"; done ;;
-    # copy-engine copies in captured decode steps (CUPOOL_ENGINE_COPIES): their GPU tests, then
-    # a 50% bank with them off and on
-    engine)   run engine_tests 300 "${PYTEST[@]}" $PYTEST_TIMEOUT tests/test_gpu_enginecopy.py
-              for v in 0 1; do
-                run "profile_decode_50_engine$v" 200 env CUPOOL_ENGINE_COPIES=$v python3 benchmarks/profile_decode.py \
-                    --bank 50 --dense-nvfp4 --timeline --json "$OUT/profile_decode_50_engine$v.json"
-                run "bench_serve_50_engine$v" 200 env CUPOOL_ENGINE_COPIES=$v python3 benchmarks/bench_serve.py \
-                    --banks 0.5 --streams 1 8 --dense-nvfp4 --json "$OUT/bench_serve_50_engine$v.json"; done ;;
     # can a graph aim the copy engine at rows a kernel picks? (conditional SWITCH nodes whose
     # bodies are row copies; benchmarks/probe_graph_copies.cu says what it times). Then: does a
     # kernel built the way cupool builds its kernels (NVRTC through CuPy) link the device call

@@ -24,7 +24,6 @@ import torch
 
 from cupool import _cuda, kernels
 from cupool.ops.planner import MAX_LANES, DeviceTables, PlanStep
-from cupool.ops.enginecopy import EngineCopies
 from cupool.ops.moe_decode import CopyList
 from cupool.ops.rowcopy import MODES, RowCopier
 from cupool.reference.planner import (
@@ -143,7 +142,6 @@ class Bank:
         self._plan = PlanStep(t, L, E, S, self.rows, threads=threads, items=items)
         self._copy_stream = None   # step_split's, made on first use
         self._copy_list = None     # copy_list's, made on first use
-        self._engine = None        # engine_copies, made on first use
         # the step's row copies; an attribute, so that another grid can replace it before capture
         self.copier = RowCopier(self.src_of_key, self.row_bytes, self.rows, W, mode=copy_mode,
                                 blocks=copy_blocks)
@@ -209,40 +207,16 @@ class Bank:
         """Copy the rows listed by the last plan step (fixed grid; length read on the device)."""
         self.copier(self.copies, self.n_copies)
 
-    def step(self, layer: int, ids: torch.Tensor,
-             engine: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer call: plan + copy on torch's current stream, no host sync, graph-capturable.
 
         ids: int32/int64 CUDA tensor of any shape with W = numel ≤ max_lanes (−1 padding).
-        engine: while a CUDA graph captures the call, the copies are the copy engine's
-        (`engine_copies`, made on first use; outside capture the row-copy kernel's).
         Returns views (routes int32 [W], lane_addr int64 [W]) of buffers that the next call
         overwrites: the physical row of each lane (−1 padding) and its device address (0 padding).
         """
         W = self._plan(layer, ids, self._cap(ids))
-        if engine and _capturing():
-            self.engine_copies(layer, self.copies, self.n_copies)
-        else:
-            self.copier(self.copies, self.n_copies)
+        self.copier(self.copies, self.n_copies)
         return self.routes[:W], self.lane_addr[:W]
-
-    @property
-    def engine_copies(self) -> EngineCopies:
-        """The copy-engine copies of captured steps (`step(..., engine=True)`), made on first
-        use with `EngineCopies`' default slots; set it to another `EngineCopies` (before capture)
-        for other slots."""
-        if self._engine is None:
-            if _capturing():
-                raise RuntimeError("Bank.engine_copies is first made during capture; make it "
-                                   "before (Pool.engine_copies = True does)")
-            self._engine = EngineCopies(self)
-        return self._engine
-
-    @engine_copies.setter
-    def engine_copies(self, value: EngineCopies) -> None:
-        if not isinstance(value, EngineCopies) or value.bank is not self:
-            raise TypeError("engine_copies must be an EngineCopies of this bank")
-        self._engine = value
 
     def prefetch(self, layer: int, ids: torch.Tensor, max_rows: int = 0) -> int:
         """Prefetch step for `layer` (`ReferencePlanner.prefetch`): `ids` (int32/int64 CUDA, any
@@ -433,13 +407,10 @@ class Bank:
 
     def memory_parts(self) -> list[tuple[str, int, str]]:
         """What the bank holds, for `cupool.report` (the store's address table counts as a table)."""
-        parts = [("bank", self.num_rows * self.row_stride, "gpu"),
-                 ("staging", self.staging_rows * self.row_stride, "gpu"),
-                 ("planner tables", self.tables.nbytes() + self.src_of_key.nbytes, "gpu"),
-                 ("host store", self.store.nbytes, "host")]
-        if self._engine is not None:
-            parts.append(("engine copy slots", self._engine.slot_rows.nbytes, "gpu"))
-        return parts
+        return [("bank", self.num_rows * self.row_stride, "gpu"),
+                ("staging", self.staging_rows * self.row_stride, "gpu"),
+                ("planner tables", self.tables.nbytes() + self.src_of_key.nbytes, "gpu"),
+                ("host store", self.store.nbytes, "host")]
 
     def __repr__(self) -> str:
         return (f"Bank(L={self.num_layers}, E={self.num_experts}, N={self.rows_per_layer}, "

@@ -4,14 +4,12 @@ Shape legend (ARCHITECTURE.md): T tokens · K top-k · H hidden · W = T·K lane
 
 A layer call is `(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]` on
 torch's current stream. Decode (W ≤ the bank's max lanes): plan step + row copies + decode GEMM,
-graph-capturable. With the pool's `inline_copies` (CUPOOL_INLINE_COPIES=1; off by default until
-it is measured against the copies' own launch; where the one-launch decode GEMM takes the call
+graph-capturable. With the pool's `inline_copies` (CUPOOL_INLINE_COPIES=1; off by default: slower
+than the copies' own launch on an H200, docs/PERFORMANCE.md; where the one-launch decode GEMM takes the call
 and no prefetch runs) the decode GEMM's launch makes the row copies itself, computing the
 experts already in the bank while they cross the link. With the pool's `overlap_copies` the
 copies run on a second stream while the GEMM works on the experts already in the bank, and the
-copied experts follow in a second launch. With the pool's `engine_copies` (CUPOOL_ENGINE_COPIES=1;
-experimental, off by default) a captured step's row copies of that default path are the copy
-engine's, through conditional graph nodes (`cupool.ops.enginecopy`).
+copied experts follow in a second launch.
 With the pool's prefetch on (`Pool.enable_prefetch`), every call first joins the prefetch in
 flight, and a decode call issues the next layer's prefetch right after its plan step.
 Wider calls (prefill) take the partition path (resident experts from the bank, the others from
@@ -40,7 +38,6 @@ from cupool._env import parse_switch
 
 PREFILL_AHEAD_ENV = "CUPOOL_PREFILL_AHEAD"
 INLINE_COPIES_ENV = "CUPOOL_INLINE_COPIES"
-ENGINE_COPIES_ENV = "CUPOOL_ENGINE_COPIES"
 # a call takes the ALL_HOST copy lists only where its lanes cover nearly every expert anyway:
 # T·K ≥ AHEAD_LANES_PER_EXPERT·E (copying an expert no lane routes to is the price)
 AHEAD_LANES_PER_EXPERT = 4
@@ -68,19 +65,6 @@ def parse_inline_copies(text: str | None) -> bool:
 def inline_copies_default() -> bool:
     """`Pool.inline_copies`' default: the environment's CUPOOL_INLINE_COPIES (off if unset)."""
     return parse_inline_copies(os.environ.get(INLINE_COPIES_ENV))
-
-
-def parse_engine_copies(text: str | None) -> bool:
-    """Whether a CUPOOL_ENGINE_COPIES value (None: unset) turns copy-engine copies in captured
-    decode steps on: "1" yes, "0" or unset no; anything else raises ValueError naming the
-    variable."""
-    return parse_switch(ENGINE_COPIES_ENV, text, False, "decode row copies of captured steps "
-                        "made by the copy engine through conditional graph nodes")
-
-
-def engine_copies_default() -> bool:
-    """`Pool.engine_copies`' default: the environment's CUPOOL_ENGINE_COPIES (off if unset)."""
-    return parse_engine_copies(os.environ.get(ENGINE_COPIES_ENV))
 
 
 def prefill_plan(pool, layer: int, tokens: int) -> tuple[bool, int | None]:
@@ -162,7 +146,7 @@ class PooledExperts:
         if p.inline_copies and pre is None and p.gemm.copies_inline(ids.numel()):
             _, lane_addr, fresh = p.bank.step_inline(self.layer, ids)
             return p.gemm.decode(x, lane_addr, w, out, lane_fresh=fresh, copies=p.bank.copy_list)
-        _, lane_addr = p.bank.step(self.layer, ids, engine=p.engine_copies)
+        _, lane_addr = p.bank.step(self.layer, ids)
         if pre is not None:
             pre.issue(self.layer + 1, x, mask)
         return p.gemm.decode(x, lane_addr, w, out)

@@ -21,8 +21,7 @@ from cupool.adapters import MoELayerSpec
 from cupool.bank import Bank
 from cupool.budget import MemoryReport, report
 from cupool.gemm import MoEGemm, ScratchLists
-from cupool.layer import (PooledExperts, engine_copies_default, inline_copies_default,
-                          prefill_ahead_default)
+from cupool.layer import PooledExperts, inline_copies_default, prefill_ahead_default
 from cupool.layout import RowLayout, unpack_bias, unpack_row
 from cupool.nvfp4 import dequantize
 from cupool.prefetch import Prefetcher, RouterPredictor, check_max_rows
@@ -68,15 +67,9 @@ class Pool:
         self.overlap_copies = False
         # decode: the decode GEMM's launch copies the plan step's rows itself (its copy build),
         # computing the experts already in the bank meanwhile; no row-copy launch
-        # (`cupool.layer`). Default from CUPOOL_INLINE_COPIES ("1" on; "0" or unset off: not yet
-        # timed against the row-copy launch on a GPU).
+        # (`cupool.layer`). Default from CUPOOL_INLINE_COPIES ("1" on; "0" or unset off: slower
+        # than the row-copy launch on an H200, docs/PERFORMANCE.md).
         self.inline_copies = inline_copies_default()
-        # decode: a captured step's row copies (the default path's) made by the copy engine
-        # through conditional graph nodes (`cupool.ops.enginecopy`; needs cuda-bindings).
-        # Default from CUPOOL_ENGINE_COPIES ("1" on; "0" or unset off: experimental, not yet
-        # timed on a GPU).
-        self._engine_copies = False
-        self.engine_copies = engine_copies_default()
         # None, or the Prefetcher of decode calls (`enable_prefetch`): after layer l's plan step,
         # layer l + 1's predicted experts are brought in on a side stream. Off by default: it
         # pays only where its copies hide under compute and the predictor is right often enough
@@ -86,19 +79,6 @@ class Pool:
         # on a bank that holds every expert (`cupool.fused`; CUPOOL_SKIP_PLAN=0 keeps the plan
         # step). Its lookups all hit by construction, and the bank's counters do not advance.
         self.plan_skipped = False
-
-    @property
-    def engine_copies(self) -> bool:
-        """Whether captured decode steps copy their rows by the copy engine (see __init__)."""
-        return self._engine_copies
-
-    @engine_copies.setter
-    def engine_copies(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise TypeError(f"engine_copies must be a bool, got {type(on).__name__}")
-        if on:
-            self.bank.engine_copies       # made now, outside any capture (kernels, slot rows)
-        self._engine_copies = on
 
     # --- hooks --------------------------------------------------------------------------------
     @property
@@ -314,13 +294,10 @@ class Pool:
         return text
 
     def errors(self) -> list[str]:
-        """Sticky device error flags (planner, GEMM, engine copies), decoded. A host read."""
+        """Sticky device error flags (planner and GEMM), decoded. A host read."""
         err = self.bank.read_error()
         out = [f"planner: {f.name}" for f in PlanError if f and f in err]
-        out += [f"gemm: {e}" for e in self.gemm.read_error()]
-        if self._engine_copies:
-            out += [f"engine copies: {e}" for e in self.bank.engine_copies.read_error()]
-        return out
+        return out + [f"gemm: {e}" for e in self.gemm.read_error()]
 
     def expert_addresses(self, layer: int) -> torch.Tensor:
         """int64 [E]: device address of layer's experts that own a bank row, 0 for the others."""

@@ -66,7 +66,6 @@ BUILDS: list[tuple[str, str]] = [
     ("rowcopy", ""),
     ("rowcopy", "-DUNROLL=4"),
     ("rowcopy", "-DCHUNK=32768 -DNSTAGES=4"),
-    ("graphcopy", ""),                                      # Pool.engine_copies
     ("moe_align", ""),
     ("moe_align", "-DNT=8 -DHP=2048 -DIN_BF16=1 -DIDS64=1 -DXVEC=1 -DW_DTYPE=0"),
     ("moe_align", "-DNT=64 -DHP=2048 -DIN_BF16=1 -DIDS64=1 -DXVEC=1 -DW_DTYPE=0"),

@@ -101,15 +101,6 @@ def test_info_names_inline_copies(monkeypatch):
     assert "inside the decode GEMM" not in cli.path_lines(target(H200))
 
 
-def test_info_names_engine_copies(monkeypatch):
-    monkeypatch.setenv("CUPOOL_ENGINE_COPIES", "1")
-    text = cli.path_lines(target(H200))
-    assert "row copies    decode, captured: by the copy engine through conditional graph " \
-           "nodes (CUPOOL_ENGINE_COPIES=1); the others: bulk (" in text
-    monkeypatch.setenv("CUPOOL_ENGINE_COPIES", "0")
-    assert "copy engine through" not in cli.path_lines(target(H200))
-
-
 def _fake_gpu(monkeypatch, gpu: dict):
     """`cupool info` on a made-up GPU: require_gpu passes, target resolves `gpu` under the
     process's CUPOOL_ARCH."""

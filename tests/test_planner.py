@@ -773,7 +773,6 @@ def test_bank_host_side_methods_on_cpu_tables(pageable_store):
     b.tables = t = DeviceTables.build(key_of, L, E, W, "cpu")
     b.slot_of, b.key_of, b.counters, b.error, b.gate = t.slot_of, t.key_of, t.counters, t.error, t.gate
     b.src_of_key = torch.zeros(L * E, dtype=torch.int64)
-    b._engine = None                                      # no engine copies made
     ref = ReferencePlanner(L, E, N, S)
     st = b.state()
     for k, v in ref.state().items():
