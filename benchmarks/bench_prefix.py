@@ -196,11 +196,12 @@ def build_parser() -> CLIParser:
 
 
 def reduced(args) -> list[str]:
-    why = reduced_by(args, build_parser(), "prefix", "new", "answer", "repeats", "small")
+    parser = build_parser()
+    why = reduced_by(args, parser, "prefix", "new", "answer", "repeats", "small")
     if args.bank != 50:
         why.append(f"--bank {args.bank} (not 50)")
     for name in ("scratch_rows", "scratch_buffers"):
-        if getattr(args, name) != build_parser().get_default(name):
+        if getattr(args, name) != parser.get_default(name):
             why.append(f"--{name.replace('_', '-')} {getattr(args, name)} (not the default)")
     return why
 

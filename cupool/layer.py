@@ -4,10 +4,10 @@ Shape legend (ARCHITECTURE.md): T tokens · K top-k · H hidden · W = T·K lane
 
 A layer call is `(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]` on
 torch's current stream. Decode (W ≤ the bank's max lanes): plan step + row copies + decode GEMM,
-graph-capturable. With the pool's `inline_copies` (CUPOOL_INLINE_COPIES=1; off by default: slower
-than the copies' own launch on an H200, docs/PERFORMANCE.md; where the one-launch decode GEMM takes the call
-and no prefetch runs) the decode GEMM's launch makes the row copies itself, computing the
-experts already in the bank while they cross the link. With the pool's `overlap_copies` the
+graph-capturable. With the pool's `inline_copies` (CUPOOL_INLINE_COPIES=1; off by default:
+slower than the copies' own launch on an H200, docs/PERFORMANCE.md; where the one-launch decode
+GEMM takes the call and no prefetch runs) the decode GEMM's launch makes the row copies itself,
+computing the experts already in the bank while they cross the link. With the pool's `overlap_copies` the
 copies run on a second stream while the GEMM works on the experts already in the bank, and the
 copied experts follow in a second launch.
 With the pool's prefetch on (`Pool.enable_prefetch`), every call first joins the prefetch in
