@@ -221,13 +221,11 @@ def main(args) -> int:
     pcie = pcie_h2d_GBps()
     print(f"pinned host -> GPU copy: {pcie:.1f} GB/s", flush=True)
     banks = [run_bank(args, layers, streams, bank, pcie) for bank in args.banks]
-    from cupool.layer import INLINE_COPIES_ENV, inline_copies_default
-    inline = inline_copies_default()            # what the pools were built with
     results = {"shape": f"Qwen3-30B-A3B, {layers} layers", "routing": args.routing,
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
                "promote": args.promote, "overlap_copies": args.overlap_copies,
-               "inline_copies": inline, "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
+               "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
@@ -236,7 +234,6 @@ def main(args) -> int:
         ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else []) + \
         ([f"--promote {args.promote}"] if args.promote != "auto" else []) + \
         (["--overlap-copies"] if args.overlap_copies else []) + \
-        ([f"{INLINE_COPIES_ENV}=1"] if inline else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0

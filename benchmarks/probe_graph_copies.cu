@@ -1,12 +1,12 @@
 // Can a CUDA graph aim the copy engine at rows that a kernel picks on the device?
 //
 // A decode step's misses are known only on the GPU (the plan step), so inside the captured step
-// they are copied by a kernel (rawkernels/rowcopy.cu, or moe_decode's INLINE_COPY build), which
-// takes SMs and runs below the copy engine's rate. A conditional SWITCH node (CUDA 12.4+) runs
-// the body whose index a kernel set with cudaGraphSetConditional, and a body may hold memcpy
-// nodes: a switch a miss slot, with a body an expert that copies that expert's host row into the
-// slot, would let the plan step choose the copies and the copy engine make them. This program
-// measures what that costs and delivers on the GPU in hand, before cupool builds on it:
+// they are copied by a kernel (rawkernels/rowcopy.cu), which takes SMs and runs below the copy
+// engine's rate. A conditional SWITCH node (CUDA 12.4+) runs the body whose index a kernel set with
+// cudaGraphSetConditional, and a body may hold memcpy nodes: a switch a miss slot, with a body an
+// expert that copies that expert's host row into the slot, would let the plan step choose the
+// copies and the copy engine make them. This program measures what that costs and delivers on the
+// GPU in hand, before cupool builds on it:
 //
 //   pinned       cudaMemcpyAsync of rows host → device: the link's rate, the bound
 //   layer        pick kernel → K switch nodes (E bodies each) → join kernel: K = 1, 2, 4, 8 rows

@@ -245,8 +245,7 @@ def main(args) -> None:
     launches = sum(v[1] for v in kern.values())
     top = sorted(kern.items(), key=lambda kv: -kv[1][0])[:30]
     L = args.layers
-    print(f"layers {L}, batch {B}, context {args.context}, step {eng.step_kind}, inline copies "
-          f"{'on' if pool.inline_copies else 'off'} (warm-up incl. "
+    print(f"layers {L}, batch {B}, context {args.context}, step {eng.step_kind} (warm-up incl. "
           f"build and capture "
 f"{warm_s:.1f} s)")
     print(f"per step: graph replay {graph_ms:.3f} ms ({B * 1e3 / graph_ms:.1f} tok/s), eager "
@@ -290,7 +289,6 @@ f"{warm_s:.1f} s)")
         "ablate": ablate, "prefetch": args.prefetch,
         "prefetch_accuracy": args.prefetch_accuracy if args.prefetch != "off" else None,
         "prefetch_rows": args.prefetch_rows, "overlap_copies": args.overlap_copies,
-        "inline_copies": pool.inline_copies,
         "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
         "timeline": timeline, "prefetch_copiers": copiers, "copiers": step_copiers,
         "groups": {k: {"ms": v[0], "kernels": v[1]} for k, v in groups.items()},

@@ -11,7 +11,7 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, prefix-scratch, serve, overlap, inline, graph-copies.
+# prefix, prefix-scratch, serve, overlap, graph-copies.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -137,17 +137,6 @@ for stage in "$@"; do
                     --json "$OUT/profile_decode_50${o:+_overlap}.json"
                 run "bench_serve_50${o:+_overlap}" 200 python3 benchmarks/bench_serve.py --banks 0.5 --streams 1 8 $o \
                     --json "$OUT/bench_serve_50${o:+_overlap}.json"; done ;;
-    # moe_decode's copy build (CUPOOL_INLINE_COPIES): its GPU tests, on the sm_90 code and the
-    # sm_80 code (cp.async copies), then a 50% bank without and with it
-    inline)   run inline_tests 300 "${PYTEST[@]}" $PYTEST_TIMEOUT tests/test_gpu_gemm.py tests/test_gpu_wrap.py \
-                  -k "copies_rows_itself or copy_build_guards or inline_copies or layer_outputs"
-              run inline_tests_sm80 300 env CUPOOL_ARCH=80 "${PYTEST[@]}" $PYTEST_TIMEOUT tests/test_gpu_gemm.py \
-                  tests/test_gpu_wrap.py -k "copies_rows_itself or inline_copies"
-              for v in 0 1; do
-                run "profile_decode_50_inline$v" 200 env CUPOOL_INLINE_COPIES=$v python3 benchmarks/profile_decode.py \
-                    --bank 50 --dense-nvfp4 --timeline --json "$OUT/profile_decode_50_inline$v.json"
-                run "bench_serve_50_inline$v" 200 env CUPOOL_INLINE_COPIES=$v python3 benchmarks/bench_serve.py \
-                    --banks 0.5 --streams 1 8 --dense-nvfp4 --json "$OUT/bench_serve_50_inline$v.json"; done ;;
     # can a graph aim the copy engine at rows a kernel picks? (conditional SWITCH nodes whose
     # bodies are row copies; benchmarks/probe_graph_copies.cu says what it times). Then: does a
     # kernel built the way cupool builds its kernels (NVRTC through CuPy) link the device call

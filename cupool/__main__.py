@@ -92,13 +92,8 @@ def path_lines(tgt) -> str:
     """What `info` says of the code path a Target gives: the architecture built for, the row
     copies, the decode GEMM, the shared-memory limits launches keep to."""
     from cupool.gemm import decode_form
-    from cupool.layer import INLINE_COPIES_ENV, inline_copies_default
     copies = {"bulk": "bulk (the bulk-copy engine, copy_rows_bulk)",
               "ld": "ld (SM loads, copy_rows)"}[tgt.copy_mode]
-    if inline_copies_default():
-        copies = (f"decode: inside the decode GEMM's launch ({INLINE_COPIES_ENV}=1: its copy "
-                  f"build, by {'bulk copies' if tgt.bulk_copy else 'cp.async'}); the others: "
-                  f"{copies}")
     stages = "bulk copies" if tgt.bulk_copy else "cp.async"
     return "\n".join([
         f"kernels for   {tgt.describe()}",

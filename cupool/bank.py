@@ -24,7 +24,6 @@ import torch
 
 from cupool import _cuda, kernels
 from cupool.ops.planner import MAX_LANES, DeviceTables, PlanStep
-from cupool.ops.moe_decode import CopyList
 from cupool.ops.rowcopy import MODES, RowCopier
 from cupool.reference.planner import (
     COUNTERS,
@@ -141,7 +140,6 @@ class Bank:
         self.src_of_key = store.address_table(idx)
         self._plan = PlanStep(t, L, E, S, self.rows, threads=threads, items=items)
         self._copy_stream = None   # step_split's, made on first use
-        self._copy_list = None     # copy_list's, made on first use
         # the step's row copies; an attribute, so that another grid can replace it before capture
         self.copier = RowCopier(self.src_of_key, self.row_bytes, self.rows, W, mode=copy_mode,
                                 blocks=copy_blocks)
@@ -235,22 +233,6 @@ class Bank:
         if not t.prefetch:
             raise RuntimeError("this bank was built without prefetch (Bank(..., prefetch=True))")
         self.prefetch_copier(t.pf_copies, t.pf_n_copies, stream=stream)
-
-    def step_inline(self, layer: int, ids: torch.Tensor):
-        """`step` without the row copies, for a decode GEMM that copies the listed rows itself
-        (`MoEGemm.decode(..., lane_fresh=, copies=bank.copy_list)`): the plan step alone, on
-        torch's current stream. Returns views (routes, lane_addr, lane_fresh): lane_fresh is
-        nonzero where the lane's row is among the copies. Those rows are in place only once that
-        GEMM has run, and the next step must follow it (the copy list is reused)."""
-        W = self._plan(layer, ids, self._cap(ids))
-        return self.routes[:W], self.lane_addr[:W], self.lane_fresh[:W]
-
-    @property
-    def copy_list(self) -> CopyList:
-        """The plan step's copy list as the decode GEMM's copy build reads it."""
-        if self._copy_list is None:
-            self._copy_list = CopyList(self.src_of_key, self.copies, self.n_copies, self.rows)
-        return self._copy_list
 
     def step_split(self, layer: int, ids: torch.Tensor):
         """`step` with the copies on the bank's copy stream, so work on the rows already in place

@@ -38,7 +38,7 @@ from cupool.activation import SILU, Activation
 from cupool.layout import RowLayout
 from cupool.ops import ACT_DTYPES, W_DTYPES, check_experts
 from cupool.ops.moe_decode import MAX_LANES as FUSED_MAX_LANES
-from cupool.ops.moe_decode import CopyList, DecodeKernel, route_fits
+from cupool.ops.moe_decode import DecodeKernel, route_fits
 from cupool.ops.moe_gemm import PAIR_SMALL, PAIR_WIDE, PREFILL, GemmConfig, GemmKernels
 
 # Sticky error bits of the GEMM's `error` word: 1 and 2 are set by moe_lanes.cuh (moe_align.cu,
@@ -47,12 +47,9 @@ ERR_BAD_ID = 1
 ERR_BAD_WEIGHT = 2
 ERR_CHUNKS = 4
 ERR_STALL = 8
-ERR_NO_COPY = 16
 ERROR_NAMES = {ERR_BAD_ID: "expert id outside [0, E)", ERR_BAD_WEIGHT: "non-finite router weight",
                ERR_CHUNKS: "more host experts than scratch chunks (internal)",
-               ERR_STALL: "moe_decode waited over a second for a unit's w13 items or its "
-                          "row's copy (internal)",
-               ERR_NO_COPY: "a fresh lane's row is in none of the plan step's copies (internal)"}
+               ERR_STALL: "moe_decode waited over a second for a unit's w13 items (internal)"}
 
 
 def check_activations(x: torch.Tensor, hidden: int, name: str = "hidden_states") -> None:
@@ -136,7 +133,6 @@ def workspace_shapes(layout: RowLayout, topk: int, max_decode_tokens: int,
         yw=((W, hp), f32),
         group_done=((hp // 16,), i32),
         sync=((2 + W,), i32),                          # moe_decode: ticket, finished, per unit
-        copy_done=((W,), i32),                         # moe_decode's copy build: pieces landed
     )
     if not max_prefill_tokens:
         return decode, {}
@@ -364,23 +360,15 @@ class MoEGemm:
         return out
 
     # --- decode ---------------------------------------------------------------------------
-    def copies_inline(self, lanes: int) -> bool:
-        """Whether a decode call of `lanes` lanes can copy the plan step's rows itself
-        (`decode(..., copies=)`): the one-launch decode GEMM takes it."""
-        return self.decode_kernel == "fused" and lanes <= FUSED_MAX_LANES
-
     def decode(self, x: torch.Tensor, lane_addr: torch.Tensor, topk_weights: torch.Tensor,
                out: torch.Tensor | None = None, *, lane_fresh: torch.Tensor | None = None,
-               before_fresh=None, copies: CopyList | None = None) -> torch.Tensor:
+               before_fresh=None) -> torch.Tensor:
         """out[t] = Σ_k w[t,k] · expert(lane t·K+k)(x[t]) with weights read at lane_addr.
 
-        lane_fresh: int32 [T·K] (the plan step's), nonzero where the lane's row is still to be
-        copied in. With `copies` (the plan step's copy list, `Bank.copy_list`; where
-        `copies_inline` holds) the one launch copies those rows itself and the experts of the
-        other lanes are computed while they cross the link. Else the experts of the other lanes
-        run first; then `before_fresh()` (e.g. make this stream wait for the copy stream) and
-        the fresh experts, so the copies overlap the GEMM of the rows already in place. Without
-        lane_fresh, one pass over every lane.
+        lane_fresh: int32 [T·K] (the plan step's), 1 where the lane's row is still being copied
+        in. The experts of the other lanes run first; then `before_fresh()` (e.g. make this
+        stream wait for the copy stream) and the fresh experts, so the copies overlap the GEMM
+        of the rows already in place. Without it, one pass over every lane.
         """
         check_activations(x, self.layout.hidden)
         if x.dtype != self.dtype:
@@ -403,26 +391,15 @@ class MoEGemm:
                              f"{lane_fresh.device}")
         if before_fresh is not None and not callable(before_fresh):
             raise TypeError(f"before_fresh must be callable, got {type(before_fresh).__name__}")
-        if copies is not None:
-            if lane_fresh is None or before_fresh is not None:
-                raise ValueError("copies needs lane_fresh (the lanes whose rows it brings in) "
-                                 "and takes no before_fresh (nothing runs between)")
-            if not self.copies_inline(T * K):
-                raise ValueError(f"the decode GEMM copies rows itself only in its one-launch "
-                                 f"form up to {FUSED_MAX_LANES} lanes (decode_kernel "
-                                 f"{self.decode_kernel!r}, {T * K} lanes): copy them first")
         out = self._out(x, out)
         w = topk_weights.reshape(-1)
         if w.dtype not in W_DTYPES or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
         lane_addr = lane_addr.reshape(-1)
         if self.decode_kernel == "fused" and T * K <= FUSED_MAX_LANES:
-            build = self.decoder.choose(T * K, x, w, copy=copies is not None)
+            build = self.decoder.choose(T * K, x, w)
             run = self.decoder.launch
-            if copies is not None:
-                run(build, x, lane_addr, lane_fresh, w, K, 2, self._d, out, self.error,
-                    copies=copies)
-            elif lane_fresh is None:
+            if lane_fresh is None:
                 run(build, x, lane_addr, None, w, K, 2, self._d, out, self.error)
             else:
                 run(build, x, lane_addr, lane_fresh, w, K, 0, self._d, out, self.error)  # in place

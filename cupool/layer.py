@@ -4,12 +4,8 @@ Shape legend (ARCHITECTURE.md): T tokens · K top-k · H hidden · W = T·K lane
 
 A layer call is `(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]` on
 torch's current stream. Decode (W ≤ the bank's max lanes): plan step + row copies + decode GEMM,
-graph-capturable. With the pool's `inline_copies` (CUPOOL_INLINE_COPIES=1; off by default:
-slower than the copies' own launch on an H200, docs/PERFORMANCE.md; where the one-launch decode
-GEMM takes the call and no prefetch runs) the decode GEMM's launch makes the row copies itself,
-computing the experts already in the bank while they cross the link. With the pool's `overlap_copies` the
-copies run on a second stream while the GEMM works on the experts already in the bank, and the
-copied experts follow in a second launch.
+graph-capturable; with the pool's `overlap_copies` the copies run on a second stream while the
+GEMM works on the experts already in the bank, and the copied experts follow in a second launch.
 With the pool's prefetch on (`Pool.enable_prefetch`), every call first joins the prefetch in
 flight, and a decode call issues the next layer's prefetch right after its plan step.
 Wider calls (prefill) take the partition path (resident experts from the bank, the others from
@@ -37,7 +33,6 @@ from cupool._env import parse_switch
 
 
 PREFILL_AHEAD_ENV = "CUPOOL_PREFILL_AHEAD"
-INLINE_COPIES_ENV = "CUPOOL_INLINE_COPIES"
 # a call takes the ALL_HOST copy lists only where its lanes cover nearly every expert anyway:
 # T·K ≥ AHEAD_LANES_PER_EXPERT·E (copying an expert no lane routes to is the price)
 AHEAD_LANES_PER_EXPERT = 4
@@ -53,18 +48,6 @@ def parse_prefill_ahead(text: str | None) -> bool:
 def prefill_ahead_default() -> bool:
     """`Pool.prefill_ahead`'s default: the environment's CUPOOL_PREFILL_AHEAD (on if unset)."""
     return parse_prefill_ahead(os.environ.get(PREFILL_AHEAD_ENV))
-
-
-def parse_inline_copies(text: str | None) -> bool:
-    """Whether a CUPOOL_INLINE_COPIES value (None: unset) turns inline copies on: "1" yes, "0"
-    or unset no; anything else raises ValueError naming the variable."""
-    return parse_switch(INLINE_COPIES_ENV, text, False, "decode row copies made by the decode "
-                        "GEMM's launch, beside the experts already in the bank")
-
-
-def inline_copies_default() -> bool:
-    """`Pool.inline_copies`' default: the environment's CUPOOL_INLINE_COPIES (off if unset)."""
-    return parse_inline_copies(os.environ.get(INLINE_COPIES_ENV))
 
 
 def prefill_plan(pool, layer: int, tokens: int) -> tuple[bool, int | None]:
@@ -143,9 +126,6 @@ class PooledExperts:
             if pre is not None:           # beside this layer's GEMM, after its own row copies
                 pre.issue(self.layer + 1, x, mask, after=(p.bank.copy_stream,))
             return p.gemm.decode(x, lane_addr, w, out, lane_fresh=fresh, before_fresh=join)
-        if p.inline_copies and pre is None and p.gemm.copies_inline(ids.numel()):
-            _, lane_addr, fresh = p.bank.step_inline(self.layer, ids)
-            return p.gemm.decode(x, lane_addr, w, out, lane_fresh=fresh, copies=p.bank.copy_list)
         _, lane_addr = p.bank.step(self.layer, ids)
         if pre is not None:
             pre.issue(self.layer + 1, x, mask)

@@ -21,7 +21,7 @@ from cupool.adapters import MoELayerSpec
 from cupool.bank import Bank
 from cupool.budget import MemoryReport, report
 from cupool.gemm import MoEGemm, ScratchLists
-from cupool.layer import PooledExperts, inline_copies_default, prefill_ahead_default
+from cupool.layer import PooledExperts, prefill_ahead_default
 from cupool.layout import RowLayout, unpack_bias, unpack_row
 from cupool.nvfp4 import dequantize
 from cupool.prefetch import Prefetcher, RouterPredictor, check_max_rows
@@ -65,11 +65,6 @@ class Pool:
         # with the one-launch decode GEMM it bought ~1% at a half-size bank and cost ~10% with
         # every expert resident on an H200 (the second launch; docs/PERFORMANCE.md).
         self.overlap_copies = False
-        # decode: the decode GEMM's launch copies the plan step's rows itself (its copy build),
-        # computing the experts already in the bank meanwhile; no row-copy launch
-        # (`cupool.layer`). Default from CUPOOL_INLINE_COPIES ("1" on; "0" or unset off: slower
-        # than the row-copy launch on an H200, docs/PERFORMANCE.md).
-        self.inline_copies = inline_copies_default()
         # None, or the Prefetcher of decode calls (`enable_prefetch`): after layer l's plan step,
         # layer l + 1's predicted experts are brought in on a side stream. Off by default: it
         # pays only where its copies hide under compute and the predictor is right often enough

@@ -89,15 +89,6 @@ CUPOOL_DEVICE void fence_proxy_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// Order this thread's later bulk loads (async proxy) after global writes it has observed through
-// the generic proxy (another block's stores, seen by an acquire and a barrier). A no-op before
-// sm_90, where cp.async reads through the generic proxy.
-CUPOOL_DEVICE void fence_proxy_async_global() {
-#if CUPOOL_BULK_COPY
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-#endif
-}
-
 // cp.async of 16 bytes (L2 only) from global into shared memory, or 16 zero bytes (nothing
 // read) where `valid` is false; completion is tracked per thread by commit groups.
 CUPOOL_DEVICE void cp_async16_zfill(void* dst, const void* src, bool valid) {

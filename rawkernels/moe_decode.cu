@@ -49,18 +49,6 @@
 // second exchange; block 0 writes ids, weights and lane addresses for the caller. The logits' sums
 // run in another order than dense_gemv's MMAs, so they may differ from its by rounding.
 //
-// INLINE_COPY build (a bank that lacks rows): the launch also copies the rows the plan step listed
-// (`copies`: (key, row) pairs, n_copies of them) from the host store into their bank or staging
-// rows, so the copies need no launch of their own and the units already in place are computed
-// while they cross the link. Copy items come first in the item order: item i < n·PIECES is piece
-// i % PIECES (PIECE_BYTES of the row, the last one shorter) of copy i / PIECES; each warp moves
-// its COPY_STAGES stages of the piece host → its stage ring → the row (generic stores), then the
-// block counts the piece (copy_done[copy], release). Fresh units (group_lanes puts them after the
-// units in place) find their copy by their row's address; every item of a fresh unit first waits
-// until all PIECES of its copy have landed, then orders its bulk loads after those stores
-// (a proxy fence) and goes on as any other item. No deadlock: copy items wait for nothing and
-// are numbered before every item that waits for them (the order argument above).
-//
 // Tables and counters, in the order they are written:
 // - act[l, 16p ... 16p + 15] (bf16): written only by the w13 item that holds act strip p of lane
 //   l's unit (strip pair p, by the pair's first gate warp; or, without a gate, up strip p, by its
@@ -72,8 +60,8 @@
 //   group's group_done (one arrival per unit of the call, over all of its launches), which sums
 //   yw over top-k in k order; or zeros, by the whole grid, when every lane is padding.
 // Counters (`sync`, zero at rest): [0] ticket, [1] blocks finished, [2 + u] w13 act strips of
-// unit u done; INLINE_COPY: copy_done[c] pieces of copy c landed. The last block of a launch puts
-// them back to zero; group_done is reset by its last unit.
+// unit u done. The last block of a launch puts them back to zero; group_done is reset by its last
+// unit.
 #include "common.cuh"
 #include "mma_fp4.cuh"
 
@@ -120,9 +108,6 @@
 #ifndef DECODE_TRACE
 #define DECODE_TRACE 0
 #endif
-#ifndef INLINE_COPY
-#define INLINE_COPY 0     // 1: the launch copies the plan step's rows in itself (above)
-#endif
 #define TRACE_ITEMS 8192
 #define TRACE_BLOCKS 4096
 
@@ -135,7 +120,6 @@
 #define STAGE 4           // chunks (CHUNK_BYTES: 512 B of packed codes + 64 B of scales) a stage
 #define NBUF 2            // stage buffers a warp: NBUF stages in flight, NBUF - 1 while it computes
 #define ERR_STALL 8
-#define ERR_NO_COPY 16    // INLINE_COPY: a fresh lane's row is in no copy of the list
 #include "moe_stages.cuh"
 #if ROUTE
 #include "route.cuh"
@@ -167,21 +151,6 @@ static_assert(WARPS % KS2 == 0, "KS2 must divide the block's 8 warps");
 static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per thread");
 constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
-#if INLINE_COPY
-static_assert(!ROUTE && !XSMEM, "INLINE_COPY is a build of the plain decode GEMM");
-// A row's bytes (cupool/layout.py row_bytes), and how a copy item cuts it: each warp moves
-// COPY_STAGES stages of STAGE_BYTES, so a piece is WARPS · COPY_STAGES stages (73,728 bytes).
-constexpr i64 ROW_BYTES = ROW_BIAS_OFFSET + (ROW_BIAS ? 4 * (2 * IP + HP) : 0);
-constexpr int STAGE_BYTES = STAGE * CHUNK_BYTES;
-constexpr int COPY_STAGES = 4;
-constexpr int WARP_SLICE = COPY_STAGES * STAGE_BYTES;
-constexpr int PIECE_BYTES = WARPS * WARP_SLICE;
-constexpr int PIECES = (int)((ROW_BYTES + PIECE_BYTES - 1) / PIECE_BYTES);
-static_assert(ROW_BYTES % 16 == 0 && STAGE_BYTES % 16 == 0, "bulk copies move 16-byte multiples");
-#ifdef COPY_PIECE_BYTES
-static_assert(COPY_PIECE_BYTES == PIECE_BYTES, "cupool/ops/moe_decode.py PIECE_BYTES mirrors this");
-#endif
-#endif
 
 // Copy chunks [c, min(c + STAGE, c1)) of a strip into stage `buf`, completed on bar[buf]; nothing
 // is issued if there are no chunks. Every lane of the warp calls it (n is the same for all).
@@ -274,7 +243,6 @@ struct Smem {
     float* bias;            // ROW_BIAS: [BIAS_FLOATS] the item's biases (w13: per pair, 16 gate
                             // then 16 up; w2: 16 per output strip)
     u16* xs;                // XSMEM: [NT][XS_STRIDE] the unit's token rows of x
-    i32* unit_copy;         // INLINE_COPY: [MAXW] the copy that lands each fresh unit's row
 };
 constexpr int BIAS_FLOATS = ROW_BIAS ? 128 : 0;           // ≥ 32·PPI and ≥ 16·WM2
 
@@ -291,9 +259,6 @@ CUPOOL_DEVICE Smem carve(u8* smem) {
 #if XSMEM
     m.xs = reinterpret_cast<u16*>(smem + (reinterpret_cast<u8*>(m.bias + BIAS_FLOATS) - smem
                                           + 15) / 16 * 16);
-#endif
-#if INLINE_COPY
-    m.unit_copy = reinterpret_cast<i32*>(m.bias + BIAS_FLOATS);
 #endif
     return m;
 }
@@ -330,14 +295,6 @@ struct Args {
     i32* unit_done;
     u16* out;
     i32* error;
-#if INLINE_COPY
-    int held;                 // units in place; the fresh ones, whose rows are copied, follow
-    const i64* src_of_key;    // [L·E] host row of each key (UVA addresses)
-    const i32* copies;        // [n][2] (key, row), the plan step's list
-    u8* rows;                 // bank and staging rows, row_stride apart
-    i64 row_stride;
-    i32* copy_done;           // [n] pieces landed (zero at rest)
-#endif
 };
 
 // Thread 0 waits until *counter reaches `target` (acquire), then the block goes on together.
@@ -351,80 +308,6 @@ CUPOOL_DEVICE void wait_count(const i32* counter, int target, i32* error) {
     }
     __syncthreads();
 }
-
-#if INLINE_COPY
-// Start loading `bytes` (a multiple of 16, at most STAGE_BYTES; none if ≤ 0) from `src` into
-// buffer `buf` of the warp's ring, completed on bar[buf] as issue_stage's stages are.
-CUPOOL_DEVICE void load_bytes(WarpStages& ws, int buf, const u8* src, int bytes, int lane) {
-    if (bytes <= 0) return;
-#if CUPOOL_BULK_COPY
-    if (lane == 0) {
-        const u32 bar = smem_addr(&ws.bar[buf]);
-        fence_proxy_async_smem();            // the buffer's last reads were generic loads
-        mbar_arrive_expect(bar, (u32)bytes);
-        bulk_load(smem_addr(&ws.w[buf][0]), src, (u32)bytes, bar);
-    }
-#else
-#pragma unroll 1
-    for (int v = lane; v < bytes / 16; v += 32) cp_async16(&ws.w[buf][16 * v], src + 16 * v);
-    cp_async_arrive_noinc(smem_addr(&ws.bar[buf]));
-#endif
-}
-
-// Copy item: piece p of copy c. Warp w moves bytes [p·PIECE_BYTES + w·WARP_SLICE, + WARP_SLICE)
-// of the row (cut at ROW_BYTES) stage by stage through its ring, NBUF stages in flight; then the
-// block counts the piece landed.
-CUPOOL_DEVICE void copy_item(const Args& a, const Smem& m, int c, int p, int item) {
-    stamp(a.trace, item, 0);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const i32 key = a.copies[2 * c], row = a.copies[2 * c + 1];
-    const i64 off = (i64)p * PIECE_BYTES + (i64)warp * WARP_SLICE;
-    const i64 rest = ROW_BYTES - off;
-    const int left = rest <= 0 ? 0 : rest < WARP_SLICE ? (int)rest : WARP_SLICE;
-    const u8* src = reinterpret_cast<const u8*>(a.src_of_key[key]) + off;
-    u8* dst = a.rows + a.row_stride * row + off;
-    WarpStages& ws = m.stages[warp];
-    u32 parity = ws.parity;
-    const int n = (left + STAGE_BYTES - 1) / STAGE_BYTES;
-#pragma unroll 1
-    for (int b = 0; b < NBUF && b < n; ++b)
-        load_bytes(ws, b, src + b * STAGE_BYTES, min(STAGE_BYTES, left - b * STAGE_BYTES),
-                   lane);
-#pragma unroll 1
-    for (int i = 0; i < n; ++i) {
-        const int buf = i % NBUF;
-        mbar_wait(smem_addr(&ws.bar[buf]), (parity >> buf) & 1u);
-        parity ^= 1u << buf;
-        const int bytes = min(STAGE_BYTES, left - i * STAGE_BYTES);
-#pragma unroll 1
-        for (int v = lane; v < bytes / 16; v += 32)
-            st16(dst + (i64)i * STAGE_BYTES + 16 * v,
-                 *reinterpret_cast<const u32x4*>(&ws.w[buf][16 * v]));
-        __syncwarp();                           // every lane done with the buffer
-        const int next = i + NBUF;
-        if (next < n)
-            load_bytes(ws, buf, src + next * STAGE_BYTES,
-                       min(STAGE_BYTES, left - next * STAGE_BYTES), lane);
-    }
-    __syncwarp();
-    if (lane == 0) ws.parity = parity;
-    fence_proxy_async_global();                 // the stores, for bulk loads elsewhere (and
-    __threadfence();                            // the consumers' own fence after their acquire)
-    __syncthreads();                            // every lane's stores before the count
-    if (threadIdx.x == 0) atomicAdd(a.copy_done + c, 1);
-    stamp(a.trace, item, 3);
-}
-
-// Before an item of unit u reads its row: if the row is being copied by this launch, wait until
-// every piece has landed (every thread calls it; u is the same for all).
-CUPOOL_DEVICE void wait_row(const Args& a, const Smem& m, int u) {
-    if (u < a.held) return;
-    const int c = m.unit_copy[u];
-    if (c < 0) return;                          // flagged when the table was built
-    wait_count(a.copy_done + c, PIECES, a.error);
-    fence_proxy_async_global();
-}
-#endif
 
 #if ROUTE
 static_assert(IN_BF16 && W_DTYPE <= 1 && XALIGN, "ROUTE: bf16 x (16-byte aligned), router weights "
@@ -618,9 +501,6 @@ CUPOOL_DEVICE void route_step(const RouteArgs& r, int tokens, int hidden, int to
 // gate: strip j is up strip j (KS13 4: warps 0..3 act strip 2i, 4..7 act strip 2i + 1).
 CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item) {
     stamp(a.trace, item, 0);
-#if INLINE_COPY
-    wait_row(a, m, u);
-#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int s = warp / KS13, ks = warp % KS13;              // strip s of the item
     const u8* row = reinterpret_cast<const u8*>(m.unit_addr[u]);
@@ -704,9 +584,6 @@ CUPOOL_DEVICE void w13_item(const Args& a, const Smem& m, int u, int i, int item
 // w2 item: output strips grp·WM2 ... of unit u, each split over KS2 warps along K.
 CUPOOL_DEVICE void w2_item(const Args& a, const Smem& m, int u, int grp, int* s_last, int item) {
     stamp(a.trace, item, 0);
-#if INLINE_COPY
-    wait_row(a, m, u);           // before the weight loads, which the other w2 items issue early
-#endif
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = warp / KS2, ks = warp % KS2;
     const int st = grp * WM2 + wm;
@@ -776,13 +653,6 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
            u16* __restrict__ out,                // [T, H]
            i32* __restrict__ error,
            u64* __restrict__ trace              // DECODE_TRACE only (else unused, may be null)
-#if INLINE_COPY
-           // the plan step's copies (Args; part must be 2)
-           , const i64* __restrict__ src_of_key, const i32* __restrict__ copies,
-           const i32* __restrict__ n_copies, u8* rows,   // (read through lane_addr too)
-           i64 row_stride,
-           i32* __restrict__ copy_done
-#endif
 #if ROUTE
            // the routing (RouteArgs; lane_addr, lane_fresh and topk_w are then null)
            , const u16* __restrict__ route_h, const u16* __restrict__ route_w,
@@ -793,9 +663,6 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
            ) {
     extern __shared__ __align__(16) u8 smem[];
     __shared__ int s_ticket;
-#if INLINE_COPY
-    __shared__ int s_ncopy;
-#endif
     __shared__ int s_last, s_held, s_total;
     __shared__ Args a;                    // in shared memory: registers stay with the K loop
     const Smem m = carve(smem);
@@ -831,32 +698,6 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
                     m.unit_addr, m.unit_lanes, m.unit_count, &s_held, &s_total, error,
                     blockIdx.x == 0);
         if (threadIdx.x == 0) a.all_units = s_total;
-#if INLINE_COPY
-        // the copy that lands each fresh unit's row: the one whose destination is the row (the
-        // unit table is written by every thread of group_lanes' block path: a barrier first)
-        __syncthreads();
-        int nc = *n_copies;
-        nc = nc < 0 ? 0 : nc < W ? nc : W;      // at most one copy a lane
-        if (threadIdx.x == 0) {
-            a.held = s_held;
-            a.src_of_key = src_of_key; a.copies = copies; a.rows = rows;
-            a.row_stride = row_stride; a.copy_done = copy_done;
-            s_ncopy = nc;
-        }
-        // the copies' rows in the (dead) stage-ring scratch, read once from global memory
-        i32* s_rows = reinterpret_cast<i32*>(m.stages);
-        for (int j = threadIdx.x; j < nc; j += THREADS) s_rows[j] = copies[2 * j + 1];
-        __syncthreads();
-        for (int u = s_held + threadIdx.x; u < s_total; u += THREADS) {
-            const i64 off = m.unit_addr[u] - reinterpret_cast<i64>(rows);
-            const i64 r = off >= 0 && off % row_stride == 0 ? off / row_stride : -1;
-            int c = -1;
-            for (int j = 0; j < nc; ++j)
-                if (s_rows[j] == r) c = j;
-            m.unit_copy[u] = c;
-            if (c < 0 && blockIdx.x == 0) atomicOr(error, ERR_NO_COPY);
-        }
-#endif
         __syncthreads();
     }
     if ((threadIdx.x & 31) == 0) {        // the scratch is dead: each warp's stage barriers
@@ -876,12 +717,7 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     Range rg;
     rg.first = part == 1 ? s_held : 0;
     rg.count = (part == 0 ? s_held : s_total) - rg.first;
-#if INLINE_COPY
-    const int nci = s_ncopy * PIECES;           // copy items, numbered first
-#else
-    const int nci = 0;
-#endif
-    const int n13 = nci + rg.count * NI13, total = n13 + rg.count * G2;
+    const int n13 = rg.count * NI13, total = n13 + rg.count * G2;
     // Block b < base starts on item b without a ticket; later items are claimed from the counter
     // (numbered from base), one ahead: the claim is issued when an item starts and its answer is
     // only needed when the item ends, so the atomic's round trip is hidden.
@@ -890,13 +726,8 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
     while (item < total) {
         int next = total;
         if (threadIdx.x == 0 && base < total) next = base + atomicAdd(sync, 1);
-#if INLINE_COPY
-        if (item < nci) {
-            copy_item(a, m, item / PIECES, item % PIECES, item);
-        } else
-#endif
         if (item < n13) {
-            w13_item(a, m, rg.first + (item - nci) / NI13, (item - nci) % NI13, item);
+            w13_item(a, m, rg.first + item / NI13, item % NI13, item);
         } else {
             const int i = item - n13;
             w2_item(a, m, rg.first + i / G2, i % G2, &s_last, item);
@@ -910,9 +741,6 @@ moe_decode(const u16* __restrict__ x,            // [T, H] bf16/fp16 hidden stat
         __threadfence();
         if (atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
             for (int u = rg.first; u < rg.first + rg.count; ++u) a.unit_done[u] = 0;
-#if INLINE_COPY
-            for (int c = 0; c < s_ncopy; ++c) copy_done[c] = 0;
-#endif
             sync[0] = 0;
             sync[1] = 0;
 #if ROUTE

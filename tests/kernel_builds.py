@@ -129,11 +129,6 @@ BUILDS: list[tuple[str, str]] = [
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, ROUTE=1)),
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 2, ROUTE=1)),
     ("moe_decode", _decode(_QWEN, 16, 256, 3, 2, ROUTE=1)),
-    # the decode GEMM that copies the plan step's rows itself (a bank that lacks rows,
-    # Pool.inline_copies): T=1, T=4..8, T=16 at Qwen3-30B-A3B's dims
-    ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, INLINE_COPY=1, COPY_PIECE_BYTES=73728)),
-    ("moe_decode", _decode(_QWEN, 8, 64, 4, 2, INLINE_COPY=1, COPY_PIECE_BYTES=73728)),
-    ("moe_decode", _decode(_QWEN, 16, 256, 3, 2, INLINE_COPY=1, COPY_PIECE_BYTES=73728)),
     ("dense_attention", ""),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64"),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),
@@ -158,8 +153,6 @@ VARIANTS = [
     ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DW13_KSPLIT=4 -DW_DTYPE=2"),
     ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DOUT_BF16=0 -DIN_BF16=0 -DW_DTYPE=1 -DXALIGN=0"),
     ("moe_decode", "-DNT=8 -DMAXW=64 -DOUT_BF16=0 -DIN_BF16=0 -DHP=128 -DIP=64 -DHFULL=0"),
-    ("moe_decode", _decode(_GPTOSS, 8, 64, 3, 4, INLINE_COPY=1, COPY_PIECE_BYTES=73728)),  # the copy build, biases
-    ("moe_decode", _decode(_NEMOTRON, 16, 256, 3, 4, INLINE_COPY=1, COPY_PIECE_BYTES=73728)),   # no gate, units of 16
     ("moe_align", "-DNT=64 -DIDS64=0 -DIN_BF16=0"),
     ("moe_align", "-DNT=8 -DXVEC=1 -DW_DTYPE=2"),
     ("planner", "-DTHREADS=1024 -DITEMS=4"),

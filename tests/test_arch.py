@@ -92,15 +92,6 @@ def test_info_names_the_path_of_a_forced_architecture():
     assert "bulk (the bulk-copy engine" in native and "by bulk copies" in native
 
 
-def test_info_names_inline_copies(monkeypatch):
-    monkeypatch.setenv("CUPOOL_INLINE_COPIES", "1")
-    text = cli.path_lines(target(H200, "86"))
-    assert "row copies    decode: inside the decode GEMM's launch (CUPOOL_INLINE_COPIES=1" in text
-    assert "its copy build, by cp.async); the others: ld (SM loads" in text
-    monkeypatch.setenv("CUPOOL_INLINE_COPIES", "0")
-    assert "inside the decode GEMM" not in cli.path_lines(target(H200))
-
-
 def _fake_gpu(monkeypatch, gpu: dict):
     """`cupool info` on a made-up GPU: require_gpu passes, target resolves `gpu` under the
     process's CUPOOL_ARCH."""

@@ -13,10 +13,6 @@ top-k sum) runs here in one order only: the GPU tests' part (test_gpu_gemm.py). 
 in `_xsmem` stage each w13 item's x rows in shared memory (the XSMEM variant profilers select).
 Builds starting with `route` route the call themselves (ROUTE: the RMSNorm, router GEMV and
 softmax top-k of the router's launch folded in), checked against `cupool.reference.dense`.
-Builds starting with `copy` copy the plan step's rows in themselves (INLINE_COPY: the copy
-items, their stage rings on both copy paths, each fresh unit finding its copy), checked against
-the same launch with the rows already in place and against the host rows they copy; the waits
-of fresh units on copies other blocks make are the GPU tests' part.
 """
 
 from __future__ import annotations
@@ -43,10 +39,10 @@ SWIGLU = swiglu_clamp(1.702, 7.0)
 
 
 def _build(nt, split, bulk, bias=False, gated=True, activation=SILU, xsmem=0, route=0,
-           w_dtype=0, copy=0, dims=(80, 48)):
-    layout = RowLayout(*dims, bias=bias, gated=gated)   # 80, 48: Hp = 128, Ip = 64, H < Hp
+           w_dtype=0):
+    layout = RowLayout(80, 48, bias=bias, gated=gated)      # Hp = 128, Ip = 64: H < Hp
     b = moe_decode.Build(nt=nt, maxw=64 if nt == 8 else 256, minb=3, w13_split=split, xalign=1,
-                         w_dtype=w_dtype, xsmem=xsmem, route=route, copy=copy)
+                         w_dtype=w_dtype, xsmem=xsmem, route=route)
     return layout, activation, b, bulk
 
 
@@ -60,11 +56,6 @@ BUILDS = {
     "relu2_nt16_xsmem": _build(16, 4, bulk=0, gated=False, activation=RELU2, xsmem=1),
     "route": _build(8, 2, bulk=1, route=1),
     "route_nt16_bf16": _build(16, 4, bulk=0, route=1, w_dtype=1),
-    # the copy build (INLINE_COPY): rows of 221,440 bytes (H=512, I=256: three whole pieces and
-    # one of 256 bytes) with bulk copies and with cp.async; a row shorter than a piece, biases
-    "copy": _build(8, 2, bulk=1, copy=1, dims=(512, 256)),
-    "copy_cp_nt16": _build(16, 4, bulk=0, copy=1, dims=(512, 256)),
-    "copy_bias": _build(8, 4, bulk=1, bias=True, activation=SWIGLU, copy=1),
 }
 
 
@@ -284,81 +275,3 @@ def test_routed_decode_matches_the_router_and_reference_on_cpu(builds, name, T, 
     ref = ex.reference(got["x"], rows, w.float())
     assert not got["out"].isnan().any(), "an output element was not written"
     assert rel_err(got["out"], ref) <= TOL, rel_err(got["out"], ref)
-
-
-def run_copying(work, name, ex: Experts, x, lane_rows, weights, topk, fresh, bank, copies,
-                n_copies):
-    """One emulated launch of a copy build over `bank` (uint8 [R, stride], its rows as they are
-    before the call) with the host store holding every expert (key e: expert e) and the copy
-    list `copies` (int32 [W, 2], its first n_copies entries real): (out [T, H] bf16, error bits,
-    the counters that must be back at zero, the bank after the call)."""
-    _, _, b, _ = BUILDS[name]
-    T, H = x.shape
-    W = lane_rows.numel()
-    R = bank.shape[0]
-    smem = moe_decode.shared_bytes(b, ex.layout.bias, ex.layout.hp)
-    head = [T, H, W, topk, smem, R, ex.stride, 1, 2, True]
-    f32 = np.asarray(weights, dtype=np.float32).view(np.uint32)
-    words = [head, bank.numpy().view(np.int64), emu_build.bf16_words(x), lane_rows.numpy(),
-             np.asarray(fresh), f32, [E, n_copies], copies.reshape(-1).numpy(),
-             ex.rows.numpy().view(np.int64)]
-    got = emu_build.run(work / name, words)
-    n = T * H + 1 + 2 + W + ex.layout.hp // 16 + W
-    assert got.size == n + R * ex.stride // 8
-    after = torch.from_numpy(got[n:].astype(np.int64).view(np.uint8).copy()).reshape(R, -1)
-    return emu_build.bf16(got[:T * H], (T, H)), int(got[T * H]), got[T * H + 1:n], after
-
-
-@pytest.mark.parametrize("name,T,K,distinct", [
-    ("copy", 1, 8, True), ("copy", 5, 4, False), ("copy_cp_nt16", 9, 8, False),
-    ("copy_cp_nt16", 16, 2, "crowded"), ("copy_bias", 3, 4, True)])
-def test_copy_build_copies_rows_then_computes_on_cpu(builds, name, T, K, distinct):
-    """A copy build: the experts the call routes to that are 'fresh' sit in poisoned bank rows
-    which the launch's copy list fills from the host store (one extra copy that no lane reads;
-    where the call leaves an expert out; the list's entries past n_copies garbage). The output equals the same launch with every row
-    already in place bit for bit and the reference within TOL; the listed rows equal the host
-    rows and nothing else of the bank changed; no error bits and every counter back at zero.
-    A list that leaves out a fresh row sets error bit 16 (the harness can fail)."""
-    gen = torch.Generator().manual_seed(T * 13 + K + len(name))
-    ex = Experts(name, seed=T + len(name))
-    layout = ex.layout
-    x = torch.randn(T, layout.hidden, generator=gen).to(torch.bfloat16)
-    ids, w = _routing(T, K, gen, distinct)
-    W = T * K
-    R = E + 4
-    place = torch.randperm(R, generator=gen)[:E]              # the bank row of each expert
-    used = sorted(set(ids.reshape(-1).tolist()))
-    fresh_e = [e for e in used if torch.rand(1, generator=gen).item() < 0.5] or used[:1]
-    extra = next((e for e in range(E) if e not in used), None)  # copied, read by no lane
-    bank = torch.full((R, ex.stride), 0xFF, dtype=torch.uint8)
-    for e in range(E):
-        if e not in fresh_e and e != extra:
-            bank[place[e]] = ex.rows[e]
-    copies = torch.randint(-9, 99, (W, 2), generator=gen, dtype=torch.int32)      # garbage
-    listed = fresh_e + ([] if extra is None else [extra])
-    for j, e in enumerate(listed):
-        copies[j] = torch.tensor([e, int(place[e])], dtype=torch.int32)
-    lane_rows = place[ids.reshape(-1)]
-    fresh = [int(e in fresh_e) for e in ids.reshape(-1).tolist()]
-    out, err, counters, after = run_copying(builds, name, ex, x, lane_rows, w.reshape(-1), K,
-                                            fresh, bank, copies, len(listed))
-    assert err == 0 and not counters.any(), (err, counters)
-    in_place = bank.clone()
-    for e in listed:
-        in_place[place[e]] = ex.rows[e]
-    want = in_place.clone()
-    for e in listed:                                            # bytes past row_bytes untouched
-        want[place[e], layout.row_bytes:] = 0xFF
-    assert torch.equal(after, want), "the copies wrote other bytes than their rows'"
-    one, err, counters, _ = run_copying(builds, name, ex, x, lane_rows, w.reshape(-1), K,
-                                        [0] * W, in_place, copies, 0)
-    assert err == 0 and not counters.any()
-    assert torch.equal(out, one), "copying the rows in changed the output bits"
-    assert rel_err(out, ex.reference(x, ids, w)) <= TOL
-    # the list without the first fresh row: flagged, and that row is read poisoned
-    short = copies.clone()
-    short[:len(listed) - 1] = copies[1:len(listed)]
-    bad, err, _, _ = run_copying(builds, name, ex, x, lane_rows, w.reshape(-1), K, fresh, bank,
-                                 short, len(listed) - 1)
-    assert err == 16
-    assert not torch.equal(bad, one)

@@ -15,7 +15,6 @@ import torch
 from cupool import HostStore
 from cupool.activation import SILU, swiglu_clamp
 from cupool.gemm import MoEGemm
-from cupool.ops.moe_decode import CopyList, copy_pieces
 from cupool.layout import RowLayout
 from cupool.reference.moe import reference_moe
 from cupool.synthetic import dequantize_exact, random_biases, random_experts
@@ -124,7 +123,6 @@ def assert_counters_at_rest(gemm):
     torch.cuda.synchronize()
     assert int(gemm._d["sync"].abs().sum()) == 0, gemm._d["sync"][:8].tolist()
     assert int(gemm._d["group_done"].abs().sum()) == 0
-    assert int(gemm._d["copy_done"].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 7, 16])
@@ -617,89 +615,3 @@ def test_prefill_ahead_over_layers(E, rows, buffers):
         ahead.prefill(*args, lists=placed.lists(ahead, 1))
     with pytest.raises(TypeError, match="lists must be None or a cupool.gemm.ScratchLists"):
         ahead.prefill(*args, lists=(1, placed.addr[1]))
-
-
-def check_copy_build(placed, gemm, T, K, case, gen):
-    """One decode call that copies some experts' rows itself (the copy build): those experts'
-    lanes point at rows of a poisoned 'bank' of their own that the call's copy list fills from
-    the host store (`case`: none, all or a random part of the call's experts; the list's entries
-    past its length are garbage). The output (poisoned first) equals the one-pass decode that
-    reads every expert where it lies bit for bit and the reference within TOL; the listed rows
-    equal the store's and nothing else of the bank was written; no error, counters at rest."""
-    E, layout = placed.E, placed.layout
-    stride = placed.store.row_stride
-    x = torch.randn(T, layout.hidden, generator=gen).to(torch.bfloat16).cuda()
-    ids, w = routing(T, K, E, gen)
-    ids[0, -1] = -1 if T * K > 1 else ids[0, -1]        # a padding lane
-    one = gemm.decode(x, placed.lane_addr(ids), w).clone()
-    used = sorted(set(ids[ids >= 0].tolist()))
-    pick = {"none": [], "all": used,
-            "random": [e for e in used if torch.rand(1, generator=gen).item() < 0.5]}[case]
-    W = T * K
-    rows = torch.randperm(W + 3, generator=gen)[:len(pick)].tolist()    # distinct bank rows
-    bank = torch.full((W + 3, stride), 0xFF, dtype=torch.uint8, device="cuda")
-    copies = torch.randint(-5, 10**6, (W, 2), generator=gen, dtype=torch.int32)   # garbage
-    for j, (e, r) in enumerate(zip(pick, rows)):
-        copies[j] = torch.tensor([e, r], dtype=torch.int32)          # store keys: layer 0, e
-    row_of = {e: r for e, r in zip(pick, rows)}
-    addr = placed.lane_addr(ids).cpu()
-    fresh = torch.zeros(W, dtype=torch.int32)
-    for i, e in enumerate(ids.reshape(-1).tolist()):
-        if e in row_of:
-            addr[i] = bank.data_ptr() + row_of[e] * stride
-            fresh[i] = 1
-    lst = CopyList(placed.store.address_table(), copies.cuda(),
-                   torch.tensor([len(pick)], dtype=torch.int32, device="cuda"), bank)
-    out = torch.full_like(x, float("nan"))
-    gemm.decode(x, addr.cuda(), w, out=out, lane_fresh=fresh.cuda(), copies=lst)
-    torch.cuda.synchronize()
-    assert torch.equal(out, one), f"{case}: the copy build differs from the one-pass decode"
-    assert rel_err(out, placed.reference(x, ids, w)) <= TOL
-    rb = layout.row_bytes
-    for e, r in row_of.items():
-        assert torch.equal(bank[r, :rb].cpu(), torch.from_numpy(placed.store.row(0, e).copy())), \
-            (case, e, r)
-    untouched = [r for r in range(W + 3) if r not in rows]
-    assert bool((bank[untouched] == 0xFF).all()) and bool((bank[rows, rb:] == 0xFF).all()), \
-        f"{case}: the copies wrote outside their rows"
-    assert gemm.read_error() == []
-    assert_counters_at_rest(gemm)
-    return len(pick)
-
-
-@pytest.mark.parametrize("placed_name,T,K", [("qwen", 1, 8), ("qwen", 4, 8), ("qwen", 16, 8),
-                                               ("small", 3, 2), ("gptoss", 5, 4)])
-def test_decode_copies_rows_itself(request, placed_name, T, K):
-    """The copy build (`MoEGemm.decode(..., copies=)`) against the one-pass decode: rows of
-    many pieces with a short last one (Qwen3-30B-A3B: 2.65 MB, 37 pieces, the last of 256
-    bytes; gpt-oss with biases), a row shorter than one piece (small), units of 8 and 16 lanes;
-    none, all or some of the call's experts copied."""
-    placed = request.getfixturevalue(placed_name)
-    gen = torch.Generator().manual_seed(T * 17 + K)
-    gemm = placed.gemm(K, max_decode_tokens=16)
-    if placed_name == "qwen":
-        assert copy_pieces(placed.layout) == 37          # the last piece 256 bytes
-    copied = sum(check_copy_build(placed, gemm, T, K, case, gen)
-                 for case in ("none", "all", "random", "random"))
-    assert copied > 0
-
-
-def test_decode_copy_build_guards(small):
-    gen = torch.Generator().manual_seed(3)
-    T, K = 2, 2
-    x = torch.randn(T, small.layout.hidden, generator=gen).to(torch.bfloat16).cuda()
-    ids, w = routing(T, K, small.E, gen)
-    la = small.lane_addr(ids)
-    bank = torch.zeros(4, small.store.row_stride, dtype=torch.uint8, device="cuda")
-    lst = CopyList(small.store.address_table(), torch.zeros(4, 2, dtype=torch.int32, device="cuda"),
-                   torch.zeros(1, dtype=torch.int32, device="cuda"), bank)
-    fresh = torch.zeros(T * K, dtype=torch.int32, device="cuda")
-    gemm = small.gemm(K, max_decode_tokens=16)
-    with pytest.raises(ValueError, match="copies needs lane_fresh"):
-        gemm.decode(x, la, w, copies=lst)
-    with pytest.raises(ValueError, match="takes no before_fresh"):
-        gemm.decode(x, la, w, lane_fresh=fresh, copies=lst, before_fresh=lambda: None)
-    pair = small.gemm(K, max_decode_tokens=16, decode_kernel="pair")
-    assert not pair.copies_inline(T * K) and gemm.copies_inline(T * K)
-    with pytest.raises(ValueError, match="copies rows itself only in its one-launch form"):
-        pair.decode(x, la, w, lane_fresh=fresh, copies=lst)

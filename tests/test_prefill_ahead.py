@@ -154,7 +154,6 @@ def test_ahead_copies_bookkeeping():
 
 @pytest.mark.parametrize("module,parser,env,default", [
     ("cupool.layer", "parse_prefill_ahead", "CUPOOL_PREFILL_AHEAD", True),
-    ("cupool.layer", "parse_inline_copies", "CUPOOL_INLINE_COPIES", False),   # opt-in
     ("cupool.fused", "parse_skip_plan", "CUPOOL_SKIP_PLAN", True),
     ("cupool.fused", "parse_fused_route", "CUPOOL_FUSED_ROUTE", False)])
 def test_switch_parsers(module, parser, env, default):

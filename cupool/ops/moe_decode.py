@@ -48,17 +48,6 @@ class Build:
     # (profile_decode, two rounds a tree): inside the step the kernel took 20.6-20.8 µs against
     # 19.8 and the next kernel's early start no longer overlapped it (32 KB more a block))
     route: int = 0           # 1: the launch routes the step itself (ROUTE, `route_fits`)
-    copy: int = 0            # 1: the launch copies the plan step's rows in itself (INLINE_COPY)
-
-
-COPY_STAGES = 4          # moe_decode.cu's COPY_STAGES: stages a warp moves of a copy piece
-PIECE_BYTES = WARPS * COPY_STAGES * STAGE * CHUNK_BYTES   # moe_decode.cu's PIECE_BYTES
-
-
-def copy_pieces(layout: RowLayout) -> int:
-    """Copy items of one row in an INLINE_COPY build (moe_decode.cu's PIECES): the row cut into
-    PIECE_BYTES pieces, the last one shorter."""
-    return -(-layout.row_bytes // PIECE_BYTES)
 
 
 def stage_ring_bytes() -> int:
@@ -95,13 +84,11 @@ def shared_bytes(build: Build, bias: bool = False, hp: int = 0) -> int:
     """Dynamic shared memory of a block (moe_decode.cu's `carve`): the warps' stage rings, the
     K-split partial sums [WARPS][NT/8 · 4][32] floats, the SlotInfo (NT lanes and scales), then
     the unit table of the call: unit_addr [MAXW] i64, lane_w [MAXW] f32, unit_lanes [MAXW][NT]
-    u8, unit_count [MAXW] u8; then, for rows with biases, BIAS_FLOATS f32; then, for a copy
-    build, unit_copy [MAXW] i32; for an xsmem build, at the next 16 bytes, the unit's x rows
-    [NT][Hp + 8] 16-bit (`hp`: Hp)."""
+    u8, unit_count [MAXW] u8; then, for rows with biases, BIAS_FLOATS f32; then, for an xsmem
+    build, at the next 16 bytes, the unit's x rows [NT][Hp + 8] 16-bit (`hp`: Hp)."""
     nt, maxw = build.nt, build.maxw
     base = (WARPS * stage_ring_bytes() + WARPS * (nt // 8) * 4 * 32 * 4 + nt * 8
-            + maxw * (8 + 4 + nt + 1) + (4 * BIAS_FLOATS if bias else 0)
-            + (4 * maxw if build.copy else 0))
+            + maxw * (8 + 4 + nt + 1) + (4 * BIAS_FLOATS if bias else 0))
     if not build.xsmem:
         return base
     if hp <= 0:
@@ -167,19 +154,15 @@ def w13_split(layout: RowLayout, sms: int, lanes: int, minb: int) -> int:
 
 
 def choose(layout: RowLayout, sms: int, lanes: int, x: torch.Tensor,
-           weights: torch.Tensor, route: bool = False, copy: bool = False) -> Build:
+           weights: torch.Tensor, route: bool = False) -> Build:
     """The build of a call of `lanes` lanes (≤ MAX_LANES) for activations `x` and router weights
     `weights` (one of W_DTYPES). Depends only on shapes, dtypes and x's alignment, so a captured
-    graph keeps its choice. route: the ROUTE build (`route_fits`); copy: the INLINE_COPY build
-    (the launch copies the plan step's rows in; not with route)."""
-    if route and copy:
-        raise ValueError("a build routes the step (route) or copies the plan step's rows (copy), "
-                         "not both: a routed step has no plan step")
+    graph keeps its choice. route: the ROUTE build (`route_fits`)."""
     nt, maxw = (8, 64) if lanes <= 64 else (16, MAX_LANES)
     minb = blocks_per_sm(layout, sms, nt, lanes)
     return Build(nt=nt, maxw=maxw, minb=minb, w13_split=w13_split(layout, sms, lanes, minb),
                  xalign=int(x.data_ptr() % 16 == 0), w_dtype=W_DTYPES[weights.dtype],
-                 route=int(route), copy=int(copy))
+                 route=int(route))
 
 
 def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
@@ -195,24 +178,9 @@ def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
         d["XSMEM"] = 1
     if build.route:
         d["ROUTE"] = 1
-    if build.copy:
-        d["INLINE_COPY"] = 1
-        d["COPY_PIECE_BYTES"] = PIECE_BYTES          # checked against the kernel's own
     if build.trace:
         d["DECODE_TRACE"] = 1
     return d
-
-
-@dataclasses.dataclass(frozen=True)
-class CopyList:
-    """What a copy build reads of the bank's plan step (`cupool.bank.Bank.copy_list`): the copy
-    list (key, row) int32 [max, 2] and its length int32 [1] on the device, the host row address
-    of each key int64 [L·E], and the bank and staging rows uint8 [rows, row_stride] the copies
-    write."""
-    src_of_key: torch.Tensor
-    copies: torch.Tensor
-    n_copies: torch.Tensor
-    rows: torch.Tensor
 
 
 TRACE_BLOCKS = 4096      # moe_decode.cu's TRACE_BLOCKS: where a ROUTE build's block stamps start
@@ -244,8 +212,8 @@ class DecodeKernel:
         self._compiled: dict[Build, tuple] = {}
 
     def choose(self, lanes: int, x: torch.Tensor, weights: torch.Tensor,
-               route: bool = False, copy: bool = False) -> Build:
-        return choose(self.layout, self.sms, lanes, x, weights, route, copy)
+               route: bool = False) -> Build:
+        return choose(self.layout, self.sms, lanes, x, weights, route)
 
     def _compile(self, build: Build) -> tuple:
         got = self._compiled.get(build)
@@ -261,34 +229,24 @@ class DecodeKernel:
     def launch(self, build: Build, x: torch.Tensor, lane_addr: torch.Tensor,
                lane_fresh: torch.Tensor | None, weights: torch.Tensor, topk: int, part: int,
                work: dict, out: torch.Tensor, error: torch.Tensor,
-               trace: torch.Tensor | None = None, copies: CopyList | None = None) -> None:
+               trace: torch.Tensor | None = None) -> None:
         """One launch on torch's current stream. x [T, H]; lane_addr int64 [W] (0: padding);
         lane_fresh int32 [W] or None; weights [W] contiguous (W_DTYPES); part 0 rows in place, 1
         rows being copied (lane_fresh), 2 all; work: the decode workspaces (`act` [W, Ip] bf16,
-        `yw` [W, Hp] f32, `group_done` [Hp/16] i32, `sync` [2 + W] i32, `copy_done` [W] i32,
-        zero at rest); out [T, H]; error: int32 [1] sticky bits; trace: `trace_buffer()` for a
-        trace build; copies: the plan step's copy list, for a copy build only (part 2, with
-        lane_fresh: the lanes whose rows the list brings in)."""
+        `yw` [W, Hp] f32, `group_done` [Hp/16] i32, `sync` [2 + W] i32, zero at rest); out [T, H];
+        error: int32 [1] sticky bits; trace: `trace_buffer()` for a trace build."""
         if build.trace != (trace is not None):
             raise ValueError("a trace build needs a trace buffer (trace_buffer()) and only it")
         if build.route:
             raise ValueError("a ROUTE build is launched by launch_routed")
-        if bool(build.copy) != (copies is not None):
-            raise ValueError("a copy build needs the plan step's copy list (copies) and only it")
-        if build.copy and (part != 2 or lane_fresh is None):
-            raise ValueError(f"a copy build runs every unit (part 2, got {part}) and needs "
-                             f"lane_fresh to know which rows it copies")
         fn, grid, smem = self._compile(build)
         T = x.shape[0]
-        args = (x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
-                kernels.NULL if lane_fresh is None else lane_fresh, weights,
-                kernels.i32(lane_addr.numel()), kernels.i32(topk), kernels.i32(part), work["act"],
-                work["yw"], work["group_done"], work["sync"], out, error,
-                kernels.NULL if trace is None else trace)
-        if copies is not None:
-            args += (copies.src_of_key, copies.copies, copies.n_copies, copies.rows,
-                     kernels.i64(copies.rows.stride(0)), work["copy_done"])
-        kernels.launch(fn, grid, 32 * WARPS, args, shared_mem=smem, device=self.device)
+        kernels.launch(fn, grid, 32 * WARPS, (
+            x, kernels.i32(T), kernels.i32(self.layout.hidden), lane_addr,
+            kernels.NULL if lane_fresh is None else lane_fresh, weights,
+            kernels.i32(lane_addr.numel()), kernels.i32(topk), kernels.i32(part), work["act"],
+            work["yw"], work["group_done"], work["sync"], out, error,
+            kernels.NULL if trace is None else trace), shared_mem=smem, device=self.device)
 
     def launch_routed(self, build: Build, h: torch.Tensor, router: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, norm_topk: bool,

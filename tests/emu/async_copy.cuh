@@ -79,7 +79,6 @@ CUPOOL_DEVICE void mbar_wait(u32 bar, u32 parity) {
 }
 
 CUPOOL_DEVICE void fence_proxy_async_smem() {}
-CUPOOL_DEVICE void fence_proxy_async_global() {}
 
 CUPOOL_DEVICE void cp_async16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 

@@ -12,11 +12,6 @@
 // Output (int64 words): out [T·H] (bf16), the error word, then the counters that must be back at
 // zero: sync [2 + W] and group_done [HP / 16].
 //
-// An INLINE_COPY build copies rows itself: the input goes on, after the router weights, with
-// hrows (the host store's rows, keys 0 … hrows − 1, at the same stride), n_copies, the copy list
-// [W][2] (key, row; entries past n_copies are what the test puts there) and the host rows'
-// bytes; the output goes on with copy_done [W] (back at zero) and the rows' bytes after the call.
-//
 // A ROUTE build routes the call itself: the input has, after `stride`, E (experts, one row each),
 // norm_topk, has_active and eps (float32 bits) instead of launches, parts and has_fresh; then the
 // rows, h [T·H], the router's weight [E·H], the norm's weight [H] (one bf16 a word), active [T]
@@ -25,19 +20,6 @@
 // lane [W] (−1: padding) and the route counter, which must be back at zero.
 #include "moe_decode.cu"  // the kernel, copied next to the emulated common.cuh and async_copy.cuh
 #include "emu_io.h"
-
-// `n` rows of `stride` bytes from the input, in `words`, 128-byte aligned as the bank's and the
-// host store's rows are; their first byte
-static u8* read_rows(std::vector<u64>& words, long long n, long long stride) {
-    words.assign((size_t)(n * stride / 8) + 16, 0);
-    u8* base = reinterpret_cast<u8*>(words.data());
-    base += (128 - reinterpret_cast<uintptr_t>(base) % 128) % 128;
-    for (long long i = 0; i < n * stride / 8; ++i) {
-        const u64 v = (u64)next();
-        std::memcpy(base + 8 * i, &v, 8);
-    }
-    return base;
-}
 
 int main(int argc, char** argv) {
     std::FILE* fo = emu_open(argc, argv, "decode_main");
@@ -61,8 +43,14 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "decode_main: a row stride of %lld bytes is not 16-byte aligned\n", stride);
         return 2;
     }
-    std::vector<u64> row_words;
-    u8* row_base = read_rows(row_words, rows, stride);
+    // the rows, 128-byte aligned as the bank's and the host store's are
+    std::vector<u64> row_words((size_t)(rows * stride / 8) + 16);
+    u8* row_base = reinterpret_cast<u8*>(row_words.data());
+    row_base += (128 - reinterpret_cast<uintptr_t>(row_base) % 128) % 128;
+    for (long long i = 0; i < rows * stride / 8; ++i) {
+        const u64 v = (u64)next();
+        std::memcpy(row_base + 8 * i, &v, 8);
+    }
     auto row_addr = [&](long long r) {
         return r < 0 ? (i64)0 : (i64)reinterpret_cast<uintptr_t>(row_base + r * stride);
     };
@@ -91,17 +79,6 @@ int main(int argc, char** argv) {
     std::vector<float> wts(W);
     for (auto& w : wts) w = __uint_as_float((u32)next());
 #endif
-#if INLINE_COPY
-    const long long hrows = next();
-    std::vector<i32> n_copies(1, (i32)next()), copies(2 * (size_t)W);
-    for (auto& c : copies) c = (i32)next();
-    std::vector<u64> host_words;
-    u8* host_base = read_rows(host_words, hrows, stride);
-    std::vector<i64> src_of_key(hrows);
-    for (long long k = 0; k < hrows; ++k)
-        src_of_key[k] = (i64)reinterpret_cast<uintptr_t>(host_base + k * stride);
-    std::vector<i32> copy_done(W, 0);
-#endif
     if (emu_at != emu_in.size()) {
         std::fprintf(stderr, "decode_main: %zu input words left over\n", emu_in.size() - emu_at);
         return 2;
@@ -121,12 +98,7 @@ int main(int argc, char** argv) {
 #else
             moe_decode(x.data(), T, H, lane_addr.data(), has_fresh ? fresh.data() : nullptr,
                        wts.data(), W, topk, part, act.data(), yw.data(), group_done.data(),
-                       sync.data(), out.data(), error.data(), nullptr
-#if INLINE_COPY
-                       , src_of_key.data(), copies.data(), n_copies.data(), row_base, stride,
-                       copy_done.data()
-#endif
-                       );
+                       sync.data(), out.data(), error.data(), nullptr);
 #endif
         });
     }
@@ -142,10 +114,6 @@ int main(int argc, char** argv) {
         lane_rows[i] = lane_addr[i] == 0 ? -1 : (lane_addr[i] - row_addr(0)) / stride;
     return emu_finish(fo, out, error, sync, group_done, x, logit_bits, ids, weight_bits,
                       lane_rows, route_count);
-#elif INLINE_COPY
-    std::vector<u64> after((size_t)(rows * stride / 8));
-    std::memcpy(after.data(), row_base, after.size() * 8);
-    return emu_finish(fo, out, error, sync, group_done, copy_done, after);
 #else
     return emu_finish(fo, out, error, sync, group_done);
 #endif
