@@ -38,7 +38,7 @@ CUPOOL_DEVICE float load_weight(const void* w, int i) {
 //   s_addr: blockDim.x i64 and s_base: blockDim.x ints of shared scratch; scan: 33 ints.
 //   Outputs (global or shared): lane_w[W] (0 for padding and rejected lanes), unit_addr,
 //   unit_lanes[u * NT + slot], unit_count; *held / *total: units in place / all units (written
-//   by warp 0 at least: a block that reads them elsewhere passes shared memory).
+//   by thread 0 at least: a block that reads them in other threads passes shared memory).
 //   A non-finite weight on a routed lane sets ERR_BAD_WEIGHT in *error (when flag_errors) and
 //   the lane becomes padding.
 
@@ -138,6 +138,9 @@ CUPOOL_DEVICE void group_lanes(const i64* __restrict__ lane_addr, const i32* __r
             unit_count[u] = (CountT)min(NT, size - (pos / NT) * NT);
         }
     }
-    *held = n_held;
-    *total = n_held + n_fresh;
+    if (i == 0) {             // one writer (every thread holds the same sums)
+        *held = n_held;
+        *total = n_held + n_fresh;
+    }
+    __syncthreads();          // the outputs visible to the block, as on the warp path
 }
