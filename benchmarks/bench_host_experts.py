@@ -1,0 +1,116 @@
+"""Experts computed on the host's CPU (`cupool.hostexperts.HostExperts`) against what the machine's
+memory and, where there is a GPU, its PCIe link allow.
+
+A store of `--experts` Qwen3-30B-A3B-shaped rows (8 random experts tiled, so the rows are real
+NVFP4 and the store is larger than the CPU's caches) in pinned memory when a GPU is present (as
+the pool keeps them), else ordinary memory. Each case calls the pool with T tokens routed to the
+same `rows` distinct rows (different rows every call, round robin through the store) and reports
+the median wall time of a call (timed in C), the rows' bytes over that time, and:
+- the host memory read rate of the same threads over a 1 GiB buffer (`HostExperts.read`), as a
+  ratio of which the call reaches;
+- with a GPU: one pinned host-to-device copy (1 GiB) and what a row takes on that link, the time
+  the CPU path must beat for a miss to be worth computing on the host.
+
+    python benchmarks/bench_host_experts.py                  # writes results/bench_host_experts.json
+    python benchmarks/bench_host_experts.py --threads 1 4 --tokens 1 --rows 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+import torch
+
+from _common import pcie_h2d_GBps, reduced_by, results_path, save
+
+from cupool.hostexperts import HostExperts, cpu_name, default_threads
+from cupool.layout import RowLayout
+from cupool.store import HostStore
+from cupool.synthetic import random_experts
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=192, help="rows in the store (default 192: "
+                   "about 490 MB at the default shape, past any CPU's last-level cache)")
+    p.add_argument("--threads", type=int, nargs="+", default=None,
+                   help="thread counts (default: 1, 2, 4, 8 up to the default and the default, "
+                        "default_threads())")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--calls", type=int, default=200, help="timed calls a case")
+    p.add_argument("--json", type=str, default=None)
+    args = p.parse_args(argv)
+
+    dflt = default_threads()
+    threads = args.threads or sorted({t for t in (1, 2, 4, 8) if t < dflt} | {dflt})
+    layout = RowLayout(args.hidden, args.intermediate)
+    gpu = torch.cuda.is_available()
+    gen = torch.Generator().manual_seed(0)
+    base, _ = random_experts(layout, 8, gen)
+    store = HostStore(1, args.experts, layout.row_bytes, pinned=gpu)
+    store.fill(lambda _l: base.repeat((args.experts + 7) // 8, 1)[:args.experts], progress=False)
+    store.seal()
+    table = store.host_addresses()
+    link = None
+    if gpu:
+        link = pcie_h2d_GBps()
+        print(f"pinned host -> device copy {link:.1f} GB/s: {layout.row_bytes / link / 1e3:.1f} "
+              f"us a row of {layout.row_bytes / 2**20:.2f} MiB")
+    probe = np.ones(1 << 30, dtype=np.uint8)
+    x_all = torch.randn(max(args.tokens), args.hidden, generator=gen)
+
+    cases = []
+    print(f"{cpu_name()}; rows of {layout.row_bytes / 2**20:.2f} MiB (H={args.hidden}, "
+          f"I={args.intermediate})")
+    print(f"{'threads':>7} {'tokens':>6} {'rows':>4} {'us/call':>9} {'us/row':>8} {'GB/s':>7} "
+          f"{'read GB/s':>9} {'ratio':>6}" + (f" {'vs link':>8}" if gpu else ""))
+    for th in threads:
+        with HostExperts(table, layout, threads=th) as hx:
+            read_ns = min(hx.read(probe) for _ in range(3))
+            read_GBps = probe.size / read_ns
+            for T in args.tokens:
+                x = x_all[:T].contiguous()
+                for n in args.rows:
+                    times = []
+                    first = 0
+                    for c in range(args.calls + 10):
+                        keys = ((first + torch.arange(n)) % args.experts).repeat(T, 1).contiguous()
+                        first = (first + n) % args.experts
+                        w = torch.full((T, n), 1.0 / n)
+                        ns = hx.timed(x, keys, w, 1)[0]
+                        if c >= 10:
+                            times.append(ns)
+                    us = statistics.median(times) / 1e3
+                    gbps = n * layout.row_bytes / us / 1e3
+                    row = {"threads": th, "tokens": T, "rows": n, "us_per_call": round(us, 2),
+                           "us_per_row": round(us / n, 2), "rows_GBps": round(gbps, 2),
+                           "read_GBps": round(read_GBps, 2),
+                           "of_read": round(gbps / read_GBps, 3), "simd": hx.simd}
+                    line = (f"{th:>7} {T:>6} {n:>4} {us:>9.1f} {us / n:>8.1f} {gbps:>7.2f} "
+                            f"{read_GBps:>9.1f} {gbps / read_GBps:>6.2f}")
+                    if link:
+                        link_us = n * layout.row_bytes / link / 1e3
+                        row["link_us"] = round(link_us, 2)
+                        row["of_link_time"] = round(us / link_us, 3)
+                        line += f" {us / link_us:>7.2f}x"
+                    print(line, flush=True)
+                    cases.append(row)
+    store.close()
+    reduced = reduced_by(args, p, "experts", "tokens", "rows", "calls")
+    if args.threads is not None:
+        reduced.append("--threads")
+    save("bench_host_experts", {
+        "cpu": cpu_name(), "default_threads": dflt, "hidden": args.hidden,
+        "intermediate": args.intermediate, "row_bytes": layout.row_bytes,
+        "store_rows": args.experts, "pinned_store": gpu, "pcie_h2d_GBps": link, "cases": cases,
+    }, results_path("bench_host_experts", args.json, reduced))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

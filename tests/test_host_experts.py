@@ -1,0 +1,217 @@
+"""HostExperts (rawkernels/host_experts.c on the CPU) against the float reference.
+
+Rows are real NVFP4 experts packed in the kernel layout (`random_experts`) in a pageable host
+store; each call's output is poisoned (NaN) first and compared with `reference_moe` in float64 on
+the exactly dequantized weights. Both builds run: the SIMD one (AVX2 + FMA where this CPU has
+them) and the portable one (HX_PORTABLE).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from cupool.activation import RELU2, SILU, swiglu_clamp
+from cupool.hostexperts import HostExperts, find_compiler
+from cupool.layout import RowLayout
+from cupool.reference.moe import reference_moe
+from cupool.store import HostStore
+from cupool.synthetic import dequantize_exact, random_biases, random_experts
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler to build rawkernels/host_experts.c")
+
+# float32 sums over K ≤ 2048 products of exact NVFP4 values against a float64 reference: the
+# relative error is a few 1e-7 (measured 2-4e-7); 1e-5 leaves room and still fails on any slot,
+# sign or scale read wrong (those give errors of order 1).
+TOL = 1e-5
+SWIGLU = swiglu_clamp(1.702, 7.0)
+
+
+def rel_err(out, ref):
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+class Rows:
+    """E experts of a layout in a pageable store over L layers (the same E rows in each layer,
+    so keys l·E + e of different l hold equal rows at different addresses)."""
+
+    def __init__(self, H, I, E, seed, *, layers=1, bias=False, gated=True):
+        self.layout = RowLayout(H, I, bias=bias, gated=gated)
+        gen = torch.Generator().manual_seed(seed)
+        b = random_biases(self.layout, E, gen) if bias else None
+        rows, mats = random_experts(self.layout, E, gen, biases=b)
+        self.E = E
+        self.deq = [tuple(None if m is None else dequantize_exact(m) for m in trio)
+                    for trio in mats]
+        self.biases = None if b is None else [tuple(t[e] for t in b) for e in range(E)]
+        self.store = HostStore(layers, E, self.layout.row_bytes, pinned=False)
+        self.store.fill(lambda _l: rows, progress=False)
+        self.store.seal()
+
+    def reference(self, x, keys, w, activation):
+        ids = torch.where(keys >= 0, keys % self.E, keys)
+        return reference_moe(x, ids, w, self.deq, torch.float64, activation=activation,
+                             biases=self.biases)
+
+
+@pytest.fixture(scope="module")
+def small():
+    return Rows(80, 48, 5, seed=3, layers=2)
+
+
+def _routing(T, K, keys_max, gen, distinct=True):
+    if distinct:
+        keys = torch.stack([torch.randperm(keys_max, generator=gen)[:K] for _ in range(T)])
+    else:
+        keys = torch.randint(0, keys_max, (T, K), generator=gen)
+    w = torch.softmax(torch.randn(T, K, generator=gen), -1)
+    return keys.contiguous(), w.contiguous()
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("T,K,distinct", [(1, 1, True), (1, 4, True), (3, 2, True), (9, 4, False),
+                                          (6, 10, False)])
+def test_matches_reference_odd_sizes(small, portable, T, K, distinct):
+    gen = torch.Generator().manual_seed(100 * T + K)
+    keys, w = _routing(T, K, 2 * small.E, gen, distinct)
+    x = torch.randn(T, 80, generator=gen)
+    with HostExperts(small.store.host_addresses(), small.layout, threads=3,
+                     portable=portable) as hx:
+        out = torch.full((T, 80), float("nan"))
+        hx(x, keys, w, out=out)
+    assert rel_err(out, small.reference(x, keys, w, SILU)) <= TOL
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_qwen_shape(portable):
+    rows = Rows(2048, 768, 4, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    keys, w = _routing(5, 3, 4, gen)
+    x = torch.randn(5, 2048, generator=gen)
+    with HostExperts(rows.store.host_addresses(), rows.layout, threads=2, portable=portable) as hx:
+        out = torch.full((5, 2048), float("nan"))
+        hx(x, keys, w, out=out)
+    assert rel_err(out, rows.reference(x, keys, w, SILU)) <= TOL
+
+
+@pytest.mark.parametrize("kind", ["swiglu_bias", "relu2"])
+def test_other_experts(kind):
+    """gpt-oss's clamped SwiGLU with biases; Nemotron-H's rows without a gate (ReLU²)."""
+    if kind == "swiglu_bias":
+        rows, act = Rows(96, 160, 4, seed=11, bias=True), SWIGLU
+    else:
+        rows, act = Rows(112, 80, 4, seed=12, gated=False), RELU2
+    H = rows.layout.hidden
+    gen = torch.Generator().manual_seed(13)
+    keys, w = _routing(4, 3, 4, gen)
+    x = torch.randn(4, H, generator=gen) * 3        # past the clamp's limit on some columns
+    for portable in (False, True):
+        with HostExperts(rows.store.host_addresses(), rows.layout, act, threads=2,
+                         portable=portable) as hx:
+            out = torch.full((4, H), float("nan"))
+            hx(x, keys, w, out=out)
+        assert rel_err(out, rows.reference(x, keys, w, act)) <= TOL, portable
+
+
+def test_padding_and_same_bits_for_any_thread_count(small):
+    """Padding lanes (-1) add nothing, a token with none gets zeros, and 1, 2 and 5 threads give
+    the same bits (an item's result does not depend on the thread that runs it)."""
+    gen = torch.Generator().manual_seed(21)
+    keys, w = _routing(7, 3, 2 * small.E, gen, distinct=False)
+    keys[2] = -1
+    keys[4, 1] = -1
+    x = torch.randn(7, 80, generator=gen)
+    outs = []
+    for th in (1, 2, 5):
+        with HostExperts(small.store.host_addresses(), small.layout, threads=th) as hx:
+            outs.append(hx(x, keys, w, out=torch.full((7, 80), float("nan"))))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0][2], torch.zeros(80))
+    assert rel_err(outs[0], small.reference(x, keys, w, SILU)) <= TOL
+
+
+def test_builds_agree_and_report_simd(small):
+    gen = torch.Generator().manual_seed(22)
+    keys, w = _routing(2, 3, 2 * small.E, gen)
+    x = torch.randn(2, 80, generator=gen)
+    with HostExperts(small.store.host_addresses(), small.layout, threads=1) as a, \
+            HostExperts(small.store.host_addresses(), small.layout, threads=1, portable=True) as b:
+        assert b.simd is False
+        ya, yb = a(x, keys, w), b(x, keys, w)
+    assert rel_err(ya, yb) <= TOL
+
+
+def test_many_calls_and_sleeping_workers(small):
+    """Calls back to back, and after the workers went to sleep (spin_ms 0), give the same result."""
+    gen = torch.Generator().manual_seed(23)
+    keys, w = _routing(3, 2, 2 * small.E, gen)
+    x = torch.randn(3, 80, generator=gen)
+    with HostExperts(small.store.host_addresses(), small.layout, threads=4, spin_ms=0) as hx:
+        first = hx(x, keys, w)
+        for _ in range(50):
+            assert torch.equal(hx(x, keys, w), first)
+        ns = hx.timed(x, keys, w, 5)
+    assert ns.shape == (5,) and (ns > 0).all()
+
+
+def test_read_probe(small):
+    with HostExperts(small.store.host_addresses(), small.layout, threads=2) as hx:
+        assert hx.read(np.ones(3 << 20, dtype=np.uint8)) > 0
+        with pytest.raises(ValueError, match="buf"):
+            hx.read(np.ones(8, dtype=np.float32))
+
+
+def test_bad_input(small):
+    table = small.store.host_addresses()
+    H = 80
+    x = torch.randn(2, H)
+    keys = torch.tensor([[0, 1], [2, 3]])
+    w = torch.full((2, 2), 0.5)
+    with HostExperts(table, small.layout, threads=2) as hx:
+        cases = [
+            (dict(x=x.double()), "x: expected a contiguous float32"),
+            (dict(x=torch.randn(2, H + 1)), r"x: expected .*\[T, 80\]"),
+            (dict(x=torch.randn(H, 2).t()), "not contiguous"),
+            (dict(keys=keys.int()), "keys: expected a contiguous int64"),
+            (dict(keys=torch.tensor([[0, 1], [2, 10]])), r"keys: 1 outside \[-1, 10\).*keys\[1, 1\] = 10"),
+            (dict(keys=torch.tensor([[0, -2], [2, 3]])), r"keys\[0, 1\] = -2"),
+            (dict(weights=w[:, :1].contiguous()), r"weights: expected .*\[2, 2\]"),
+            (dict(weights=torch.tensor([[0.5, float("nan")], [0.5, 0.5]])),
+             r"weights: 1 NaN or Inf on routed lanes, e.g. weights\[0, 1\]"),
+            (dict(out=torch.empty(2, H, dtype=torch.bfloat16)), "out: expected"),
+        ]
+        before = hx(x, keys, w).clone()
+        for change, msg in cases:
+            a = dict(x=x, keys=keys, weights=w)
+            a.update(change)
+            with pytest.raises(ValueError, match=msg):
+                hx(**a)
+        # a NaN weight on a padding lane is no error; the pool still gives the same answer after
+        hx(x, torch.tensor([[0, -1], [2, 3]]), torch.tensor([[0.5, float("nan")], [0.5, 0.5]]))
+        assert torch.equal(hx(x, keys, w), before)
+    with pytest.raises(ValueError, match="threads"):
+        HostExperts(table, small.layout, threads=0)
+    with pytest.raises(ValueError, match="table"):
+        HostExperts(table.astype(np.int32), small.layout)
+    with pytest.raises(ValueError, match="null row"):
+        HostExperts(np.zeros(4, dtype=np.int64), small.layout)
+    with pytest.raises(ValueError, match="relu2"):
+        HostExperts(table, small.layout, RELU2)
+    hx = HostExperts(table, small.layout, threads=1)
+    hx.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        hx(x, keys, w)
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CC", "no-such-cc-xyz")
+    with pytest.raises(RuntimeError, match="CC='no-such-cc-xyz': no such compiler"):
+        find_compiler()
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(RuntimeError, match="none was found"):
+        find_compiler()
