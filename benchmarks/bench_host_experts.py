@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--calls", type=int, default=200, help="timed calls a case")
+    p.add_argument("--isa", nargs="+", default=["native", "avx2"],
+                   help="builds (HostExperts' isa); one whose loop another already used is "
+                        "skipped (avx2 where the CPU has no AVX-512)")
     p.add_argument("--json", type=str, default=None)
     args = p.parse_args(argv)
 
@@ -67,10 +70,18 @@ def main(argv=None) -> int:
     cases = []
     print(f"{cpu_name()}; rows of {layout.row_bytes / 2**20:.2f} MiB (H={args.hidden}, "
           f"I={args.intermediate})")
-    print(f"{'threads':>7} {'tokens':>6} {'rows':>4} {'us/call':>9} {'us/row':>8} {'GB/s':>7} "
+    print(f"{'loop':>8} {'threads':>7} {'tokens':>6} {'rows':>4} {'us/call':>9} {'us/row':>8} {'GB/s':>7} "
           f"{'read GB/s':>9} {'ratio':>6}" + (f" {'vs link':>8}" if gpu else ""))
-    for th in threads:
-        with HostExperts(table, layout, threads=th) as hx:
+    runs = []
+    for isa in args.isa:
+        for th in threads:
+            runs.append((isa, th))
+    seen = set()
+    for isa, th in runs:
+        with HostExperts(table, layout, threads=th, isa=isa) as hx:
+            if (hx.isa, th) in seen:
+                continue
+            seen.add((hx.isa, th))
             read_ns = min(hx.read(probe) for _ in range(3))
             read_GBps = probe.size / read_ns
             for T in args.tokens:
@@ -90,8 +101,8 @@ def main(argv=None) -> int:
                     row = {"threads": th, "tokens": T, "rows": n, "us_per_call": round(us, 2),
                            "us_per_row": round(us / n, 2), "rows_GBps": round(gbps, 2),
                            "read_GBps": round(read_GBps, 2),
-                           "of_read": round(gbps / read_GBps, 3), "simd": hx.simd}
-                    line = (f"{th:>7} {T:>6} {n:>4} {us:>9.1f} {us / n:>8.1f} {gbps:>7.2f} "
+                           "of_read": round(gbps / read_GBps, 3), "isa": hx.isa}
+                    line = (f"{hx.isa:>8} {th:>7} {T:>6} {n:>4} {us:>9.1f} {us / n:>8.1f} {gbps:>7.2f} "
                             f"{read_GBps:>9.1f} {gbps / read_GBps:>6.2f}")
                     if link:
                         link_us = n * layout.row_bytes / link / 1e3
@@ -101,7 +112,7 @@ def main(argv=None) -> int:
                     print(line, flush=True)
                     cases.append(row)
     store.close()
-    reduced = reduced_by(args, p, "experts", "tokens", "rows", "calls")
+    reduced = reduced_by(args, p, "experts", "tokens", "rows", "calls", "isa")
     if args.threads is not None:
         reduced.append("--threads")
     save("bench_host_experts", {

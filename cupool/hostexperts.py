@@ -6,8 +6,8 @@ E experts a layer.
 A miss's row crosses PCIe before the GPU can use it (48 µs a 2.5 MB Qwen3-30B-A3B row on a 55 GB/s
 link, about twice that on PCIe 4.0). The host's cores can compute the same expert from the same
 bytes where they lie, as llama.cpp's `--n-cpu-moe` does; `HostExperts` is that computation:
-`rawkernels/host_experts.c` (AVX2 + FMA where the CPU has them, else portable C), compiled at first
-use with the machine's C compiler (`$CC`, else cc, gcc or clang; `-O3 -march=native`) into
+`rawkernels/host_experts.c` (AVX-512 or AVX2 + FMA where the CPU has them, else portable C), compiled
+at first use with the machine's C compiler (`$CC`, else cc, gcc or clang; `-O3 -march=native`) into
 `$XDG_CACHE_HOME/cupool/host` (default ~/.cache/cupool/host), keyed by the source, the compiler's
 version, the flags and the CPU's flags. A pool of threads (spinning between calls, asleep after
 `spin_ms` idle) splits each call.
@@ -38,6 +38,9 @@ ERR_KEY, ERR_WEIGHT, ERR_ARGS, ERR_MEMORY = 1, 2, 4, 8      # host_experts.c's H
 ACT_CODES = {"silu": 0, "swiglu_clamp": 1, "relu2": 2}
 SOURCE = "host_experts.c"
 FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-pthread")
+# builds: the best the CPU has, at most AVX2, none (host_experts.c's HX_ISA 2 / 1 / 0)
+ISA_BUILDS = {"native": (), "avx2": ("-DHX_NO_AVX512=1",), "portable": ("-DHX_PORTABLE=1",)}
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
 
 
 class _Layout(ctypes.Structure):
@@ -99,14 +102,17 @@ _LIBS: dict[tuple, ctypes.CDLL] = {}
 _LIBS_LOCK = threading.Lock()
 
 
-def load_library(portable: bool = False) -> ctypes.CDLL:
+def load_library(isa: str = "native") -> ctypes.CDLL:
     """The compiled host_experts library (built on first use, then cached on disk and per process).
-    portable: the build without AVX2 (HX_PORTABLE), which tests compare with the SIMD one."""
+    isa: "native" (the best this CPU has), "avx2" (no AVX-512) or "portable" (no SIMD): the builds
+    tests and benchmarks compare."""
+    if isa not in ISA_BUILDS:
+        raise ValueError(f"isa must be one of {sorted(ISA_BUILDS)}, got {isa!r}")
     from cupool.kernels import kernel_dir
     src = kernel_dir() / SOURCE
     text = src.read_bytes()
     cc = find_compiler()
-    flags = FLAGS + (("-DHX_PORTABLE=1",) if portable else ())
+    flags = FLAGS + ISA_BUILDS[isa]
     key = (str(src), text, cc, flags)
     with _LIBS_LOCK:
         lib = _LIBS.get(key)
@@ -137,7 +143,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hx_create.restype, lib.hx_create.argtypes = p, [i32, i64]
     lib.hx_destroy.restype, lib.hx_destroy.argtypes = None, [p]
     lib.hx_threads.restype, lib.hx_threads.argtypes = i32, [p]
-    lib.hx_simd.restype, lib.hx_simd.argtypes = i32, []
+    lib.hx_isa.restype, lib.hx_isa.argtypes = i32, []
     run = [p, ctypes.POINTER(_Layout), p, i64, i32, i32, p, p, p, p]
     lib.hx_run.restype, lib.hx_run.argtypes = i32, run
     lib.hx_run_timed.restype, lib.hx_run_timed.argtypes = i32, run + [i32, p]
@@ -164,11 +170,11 @@ class HostExperts:
         threads: threads a call uses, the calling one included (default `default_threads()`).
         spin_ms: how long an idle worker spins for the next call before it sleeps (a call after
             that pays the wake-up).
-        portable: the build without SIMD (tests).
+        isa: "native" (default), "avx2" or "portable": which build (`load_library`).
     """
 
     def __init__(self, table: np.ndarray, layout: RowLayout, activation: Activation = SILU, *,
-                 threads: int | None = None, spin_ms: float = 50.0, portable: bool = False):
+                 threads: int | None = None, spin_ms: float = 50.0, isa: str = "native"):
         if not isinstance(layout, RowLayout):
             raise TypeError(f"layout: expected a RowLayout, got {type(layout).__name__}")
         if not isinstance(activation, Activation):
@@ -190,7 +196,7 @@ class HostExperts:
             raise ValueError(f"spin_ms must be >= 0, got {spin_ms!r}")
         self.layout, self.activation = layout, activation
         self._table = np.ascontiguousarray(table)
-        self._lib = load_library(portable)
+        self._lib = load_library(isa)
         self._c = _Layout(layout.hidden, layout.intermediate, layout.hp, layout.ip,
                           layout.w2_offset, layout.bias_offset if layout.bias else -1,
                           int(layout.gated), ACT_CODES[activation.kind],
@@ -199,7 +205,7 @@ class HostExperts:
         if not self._pool:
             raise RuntimeError(f"starting {threads} host expert threads failed")
         self.threads = threads
-        self.simd = bool(self._lib.hx_simd())
+        self.isa = ISA_NAMES[self._lib.hx_isa()]     # what the build's inner loop uses
 
     def _check(self, x, keys, weights, out):
         H = self.layout.hidden

@@ -22,7 +22,8 @@
 // k0 + 3, k0 + 3 (layout.py); x is expanded once into that order (`expand`), so each word is one
 // multiply-add against 8 contiguous floats. A lane block's 4 words share one block scale per row:
 // they are summed first, then scaled (pairs (s_g, s_g8) broadcast) into the strip's accumulator for
-// g. Without AVX2 and FMA (or with HX_PORTABLE) the same loops run one slot at a time.
+// g. With AVX-512 a vector holds two words (16 slots); without AVX2 and FMA (or with HX_PORTABLE)
+// the same loops run one slot at a time.
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
@@ -32,11 +33,17 @@
 #include <string.h>
 #include <time.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(HX_PORTABLE)
-#include <immintrin.h>
-#define HX_AVX2 1
+// HX_ISA: 2 AVX-512 (F), 1 AVX2 + FMA, 0 portable C; the best the compiler's target allows, less
+// with -DHX_NO_AVX512 or -DHX_PORTABLE (the builds tests and benchmarks compare).
+#if !defined(HX_PORTABLE) && defined(__AVX512F__) && !defined(HX_NO_AVX512)
+#define HX_ISA 2
+#elif !defined(HX_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+#define HX_ISA 1
 #else
-#define HX_AVX2 0
+#define HX_ISA 0
+#endif
+#if HX_ISA
+#include <immintrin.h>
 #endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -81,7 +88,58 @@ static void init_tables(void) {
 // --- one strip times up to TB expanded vectors --------------------------------------------------
 // y[b][r] = Σ_k code(r, k) · scale(r, k / 16) · x_b[k] for the strip's 16 rows r (no global scale).
 // xe[b]: token b's expanded vector (`expand`), 2·Kp floats.
-#if HX_AVX2
+#if HX_ISA == 2
+// Two words a vector: 16 slots, words q and q + 1 of the lane block.
+static void strip_dot(const uint8_t* strip, int nch, const float* const* xe, int nb,
+                      float y[TB][16]) {
+    // a 16-entry permute reads 4 index bits; the 4th is a neighbour field's, so the table repeats
+    const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                        0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    const __m512i mag_shift = _mm512_setr_epi32(0, 3, 6, 9, 16, 19, 22, 25,
+                                                0, 3, 6, 9, 16, 19, 22, 25);
+    const __m512i sign_shift = _mm512_setr_epi32(18, 19, 16, 17, 2, 3, 0, 1,
+                                                 18, 19, 16, 17, 2, 3, 0, 1);
+    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u);
+    const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i hi = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    for (int g = 0; g < 8; ++g) {
+        __m512 acc[TB];
+        for (int b = 0; b < TB; ++b) acc[b] = _mm512_setzero_ps();
+        for (int c = 0; c < nch; ++c) {
+            const uint8_t* ch = strip + (int64_t)c * CHUNK_BYTES;
+            for (int t = 0; t < 4; ++t) {
+                const int L = 4 * g + t;
+                const __m512i blk = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(ch + 16 * L)));
+                const float pair[2] = {E4M3[ch[512 + 2 * L]], E4M3[ch[513 + 2 * L]]};
+                double pd;
+                memcpy(&pd, pair, sizeof pd);
+                const __m512 sv = _mm512_castpd_ps(_mm512_set1_pd(pd));   // s_g, s_g8, ...
+                __m512 tmp[TB];
+                for (int b = 0; b < TB; ++b) tmp[b] = _mm512_setzero_ps();
+                const int m0 = 16 * c + 4 * t;
+                for (int half = 0; half < 2; ++half) {
+                    const __m512i v = _mm512_permutexvar_epi32(half ? hi : lo, blk);
+                    const __m512 mag = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, mag_shift), table);
+                    // mag ^ (sign moved to bit 31 & the sign bit): ternary-logic table 0x78
+                    const __m512 dec = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+                        _mm512_castps_si512(mag), _mm512_sllv_epi32(v, sign_shift), sign_bit, 0x78));
+                    for (int b = 0; b < TB; ++b)
+                        if (b < nb)
+                            tmp[b] = _mm512_fmadd_ps(dec, _mm512_loadu_ps(xe[b] + 8 * (m0 + 2 * half)), tmp[b]);
+                }
+                for (int b = 0; b < TB; ++b)
+                    if (b < nb) acc[b] = _mm512_fmadd_ps(tmp[b], sv, acc[b]);
+            }
+        }
+        for (int b = 0; b < nb; ++b) {
+            float a[16];
+            _mm512_storeu_ps(a, acc[b]);
+            y[b][g] = ((a[0] + a[2]) + (a[4] + a[6])) + ((a[8] + a[10]) + (a[12] + a[14]));
+            y[b][g + 8] = ((a[1] + a[3]) + (a[5] + a[7])) + ((a[9] + a[11]) + (a[13] + a[15]));
+        }
+    }
+}
+#elif HX_ISA == 1
 static void strip_dot(const uint8_t* strip, int nch, const float* const* xe, int nb,
                       float y[TB][16]) {
     const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
@@ -446,8 +504,8 @@ void hx_destroy(hx_pool* p) {
 
 int hx_threads(const hx_pool* p) { return p->threads; }
 
-// 1 where strip_dot is the AVX2 + FMA build, 0 the portable one.
-int hx_simd(void) { return HX_AVX2; }
+// Which strip_dot this build has: 2 AVX-512, 1 AVX2 + FMA, 0 portable C.
+int hx_isa(void) { return HX_ISA; }
 
 // out [T, H] = the experts of T·K lanes (keys [T·K]: layer·E + expert into table [n_keys] of host
 // row addresses, -1 padding; weights [T·K]) applied to x [T, H] (float32, rows of H). Returns

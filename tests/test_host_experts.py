@@ -2,8 +2,8 @@
 
 Rows are real NVFP4 experts packed in the kernel layout (`random_experts`) in a pageable host
 store; each call's output is poisoned (NaN) first and compared with `reference_moe` in float64 on
-the exactly dequantized weights. Both builds run: the SIMD one (AVX2 + FMA where this CPU has
-them) and the portable one (HX_PORTABLE).
+the exactly dequantized weights. Every build runs: "native" (AVX-512 or AVX2 + FMA, as this CPU
+has them), "avx2" (AVX2 at most) and "portable" (no SIMD).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc
 # sign or scale read wrong (those give errors of order 1).
 TOL = 1e-5
 SWIGLU = swiglu_clamp(1.702, 7.0)
+ISAS = ("native", "avx2", "portable")
 
 
 def rel_err(out, ref):
@@ -72,27 +73,26 @@ def _routing(T, K, keys_max, gen, distinct=True):
     return keys.contiguous(), w.contiguous()
 
 
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T,K,distinct", [(1, 1, True), (1, 4, True), (3, 2, True), (9, 4, False),
                                           (6, 10, False)])
-def test_matches_reference_odd_sizes(small, portable, T, K, distinct):
+def test_matches_reference_odd_sizes(small, isa, T, K, distinct):
     gen = torch.Generator().manual_seed(100 * T + K)
     keys, w = _routing(T, K, 2 * small.E, gen, distinct)
     x = torch.randn(T, 80, generator=gen)
-    with HostExperts(small.store.host_addresses(), small.layout, threads=3,
-                     portable=portable) as hx:
+    with HostExperts(small.store.host_addresses(), small.layout, threads=3, isa=isa) as hx:
         out = torch.full((T, 80), float("nan"))
         hx(x, keys, w, out=out)
     assert rel_err(out, small.reference(x, keys, w, SILU)) <= TOL
 
 
-@pytest.mark.parametrize("portable", [False, True])
-def test_qwen_shape(portable):
+@pytest.mark.parametrize("isa", ISAS)
+def test_qwen_shape(isa):
     rows = Rows(2048, 768, 4, seed=5)
     gen = torch.Generator().manual_seed(9)
     keys, w = _routing(5, 3, 4, gen)
     x = torch.randn(5, 2048, generator=gen)
-    with HostExperts(rows.store.host_addresses(), rows.layout, threads=2, portable=portable) as hx:
+    with HostExperts(rows.store.host_addresses(), rows.layout, threads=2, isa=isa) as hx:
         out = torch.full((5, 2048), float("nan"))
         hx(x, keys, w, out=out)
     assert rel_err(out, rows.reference(x, keys, w, SILU)) <= TOL
@@ -109,12 +109,12 @@ def test_other_experts(kind):
     gen = torch.Generator().manual_seed(13)
     keys, w = _routing(4, 3, 4, gen)
     x = torch.randn(4, H, generator=gen) * 3        # past the clamp's limit on some columns
-    for portable in (False, True):
+    for isa in ISAS:
         with HostExperts(rows.store.host_addresses(), rows.layout, act, threads=2,
-                         portable=portable) as hx:
+                         isa=isa) as hx:
             out = torch.full((4, H), float("nan"))
             hx(x, keys, w, out=out)
-        assert rel_err(out, rows.reference(x, keys, w, act)) <= TOL, portable
+        assert rel_err(out, rows.reference(x, keys, w, act)) <= TOL, isa
 
 
 def test_padding_and_same_bits_for_any_thread_count(small):
@@ -134,15 +134,21 @@ def test_padding_and_same_bits_for_any_thread_count(small):
     assert rel_err(outs[0], small.reference(x, keys, w, SILU)) <= TOL
 
 
-def test_builds_agree_and_report_simd(small):
+def test_builds_agree_and_name_their_loop(small):
     gen = torch.Generator().manual_seed(22)
     keys, w = _routing(2, 3, 2 * small.E, gen)
     x = torch.randn(2, 80, generator=gen)
-    with HostExperts(small.store.host_addresses(), small.layout, threads=1) as a, \
-            HostExperts(small.store.host_addresses(), small.layout, threads=1, portable=True) as b:
-        assert b.simd is False
-        ya, yb = a(x, keys, w), b(x, keys, w)
-    assert rel_err(ya, yb) <= TOL
+    outs = {}
+    for isa in ISAS:
+        with HostExperts(small.store.host_addresses(), small.layout, threads=1, isa=isa) as hx:
+            outs[hx.isa] = hx(x, keys, w)
+            assert hx.isa in {"portable": ("portable",), "avx2": ("avx2", "portable"),
+                              "native": ("avx512", "avx2", "portable")}[isa]
+    assert "portable" in outs
+    for y in outs.values():
+        assert rel_err(y, outs["portable"]) <= TOL
+    with pytest.raises(ValueError, match="isa must be one of"):
+        HostExperts(small.store.host_addresses(), small.layout, isa="sse")
 
 
 def test_many_calls_and_sleeping_workers(small):
@@ -205,6 +211,23 @@ def test_bad_input(small):
     hx.close()
     with pytest.raises(RuntimeError, match="closed"):
         hx(x, keys, w)
+
+
+def test_avx512_build_compiles(tmp_path):
+    """The AVX-512 loop compiles on any x86 machine's compiler, whether or not its CPU runs it
+    (where it does, the tests above run it as "native")."""
+    import platform
+    import subprocess
+
+    from cupool.hostexperts import FLAGS, SOURCE
+    from cupool.kernels import kernel_dir
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX-512 is an x86 instruction set")
+    flags = [f for f in FLAGS if f not in ("-march=native", "-shared")]
+    r = subprocess.run([find_compiler(), *flags, "-mavx512f", "-mavx2", "-mfma", "-Wall",
+                        "-Werror", "-c", "-o", str(tmp_path / "hx.o"), str(kernel_dir() / SOURCE)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 def test_no_compiler_is_a_clear_error(monkeypatch):
