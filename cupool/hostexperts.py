@@ -148,6 +148,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hx_run.restype, lib.hx_run.argtypes = i32, run
     lib.hx_run_timed.restype, lib.hx_run_timed.argtypes = i32, run + [i32, p]
     lib.hx_read.restype, lib.hx_read.argtypes = i64, [p, p, i64, ctypes.POINTER(ctypes.c_uint64)]
+    lib.hx_serve.restype, lib.hx_serve.argtypes = i32, [p, ctypes.POINTER(_Layout), p, i64, i32,
+                                                        i32, p, p, p, p, p, p]
+    lib.hx_serve_stop.restype = i32
+    lib.hx_serve_stop.argtypes = [p, ctypes.POINTER(ctypes.c_uint)]
+    lib.hx_serving.restype, lib.hx_serving.argtypes = i32, [p]
 
 
 def default_threads() -> int:
@@ -205,6 +210,7 @@ class HostExperts:
         if not self._pool:
             raise RuntimeError(f"starting {threads} host expert threads failed")
         self.threads = threads
+        self._mailbox = None
         self.isa = ISA_NAMES[self._lib.hx_isa()]     # what the build's inner loop uses
 
     def _check(self, x, keys, weights, out):
@@ -258,7 +264,7 @@ class HostExperts:
 
         x: float32 [T, H]; keys: int64 [T, K], layer·E + expert (-1: padding); weights: float32
         [T, K]. All contiguous CPU tensors; out (optional) receives the result."""
-        self._require_open()
+        self._require_idle()
         T, K, out = self._check(x, keys, weights, out)
         err = self._lib.hx_run(*self._args(x, keys, weights, out, T, K))
         _raise(err, T, K)
@@ -266,7 +272,7 @@ class HostExperts:
 
     def timed(self, x, keys, weights, reps: int, out=None) -> np.ndarray:
         """Runs the call `reps` times back to back in C; returns each call's wall time in ns."""
-        self._require_open()
+        self._require_idle()
         T, K, out = self._check(x, keys, weights, out)
         ns = np.zeros(reps, dtype=np.int64)
         err = self._lib.hx_run_timed(*self._args(x, keys, weights, out, T, K), reps,
@@ -277,7 +283,7 @@ class HostExperts:
     def read(self, buf: np.ndarray) -> int:
         """Reads `buf` (a contiguous uint8 array) with every thread of the pool; returns the wall
         time in ns (the host-memory read rate expert calls are held against)."""
-        self._require_open()
+        self._require_idle()
         buf = np.asarray(buf)
         if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
             raise ValueError(f"buf: expected a contiguous 1-D uint8 array, got {buf.dtype} "
@@ -285,15 +291,54 @@ class HostExperts:
         s = ctypes.c_uint64()
         return int(self._lib.hx_read(self._pool, buf.ctypes.data, buf.size, ctypes.byref(s)))
 
+    def serve(self, mailbox: Mailbox) -> None:
+        """Answers every request posted to `mailbox` (by `cupool.ops.host_handoff.post` on the
+        GPU, or `Mailbox.post` on the host) from a thread of the pool until `stop_serving`.
+        While it serves, the pool is that thread's: calling this object otherwise raises."""
+        self._require_open()
+        if not isinstance(mailbox, Mailbox):
+            raise TypeError(f"mailbox: expected a Mailbox, got {type(mailbox).__name__}")
+        if mailbox.hidden != self.layout.hidden:
+            raise ValueError(f"mailbox: holds rows of H = {mailbox.hidden}, the experts have "
+                             f"H = {self.layout.hidden}")
+        if self._lib.hx_serving(self._pool):
+            raise RuntimeError("this HostExperts already serves a mailbox")
+        a = mailbox.addresses
+        if self._lib.hx_serve(self._pool, ctypes.byref(self._c), self._table.ctypes.data,
+                              self._table.size, mailbox.tokens, mailbox.lanes, a["seq"],
+                              a["done"], a["keys"], a["weights"], a["x"], a["out"]):
+            raise RuntimeError("starting the host experts' serving thread failed")
+        self._mailbox = mailbox              # kept alive while served
+
+    def stop_serving(self) -> int:
+        """Stops serving (after the request in hand, if any); returns how many were answered.
+        Raises if a served request had keys or sizes the C side refused."""
+        self._require_open()
+        n = ctypes.c_uint()
+        err = self._lib.hx_serve_stop(self._pool, ctypes.byref(n))
+        self._mailbox = None
+        _raise(err & ~ERR_WEIGHT, 0, 0)
+        return int(n.value)
+
+    @property
+    def serving(self) -> bool:
+        return bool(self._pool) and bool(self._lib.hx_serving(self._pool))
+
     def _require_open(self):
         if not self._pool:
             raise RuntimeError("this HostExperts is closed")
 
+    def _require_idle(self):
+        self._require_open()
+        if self._lib.hx_serving(self._pool):
+            raise RuntimeError("this HostExperts serves a mailbox: stop_serving() first")
+
     def close(self) -> None:
-        """Stops the threads (idempotent)."""
+        """Stops serving and the threads (idempotent)."""
         if getattr(self, "_pool", None):
             self._lib.hx_destroy(self._pool)
             self._pool = None
+            self._mailbox = None
 
     def __enter__(self):
         return self
@@ -319,3 +364,87 @@ def _raise(err: int, T: int, K: int) -> None:
     if err & (ERR_KEY | ERR_ARGS):
         raise RuntimeError(f"host experts: the call was refused (error bits {err}) after the "
                            f"Python checks passed; this is a bug")
+
+
+class Mailbox:
+    """Where a GPU step and `HostExperts.serve` meet (rawkernels/host_handoff.cu): one request of
+    T tokens × K lanes at a time, in pinned host memory the GPU reads and writes through UVA.
+
+    Layout (byte offsets in `addresses`): seq (u32) at 0, done (u32) at 64, keys [T·K] int64,
+    weights [T·K] float32, x [T, H] float32, out [T, H] float32, each 64-byte aligned.
+    seq and done start at 0. `pinned=False` gives ordinary memory (CPU tests: `post` and
+    `wait` play the GPU's part)."""
+
+    def __init__(self, tokens: int, lanes: int, hidden: int, *, pinned: bool = True, device=None):
+        self._chunk = None
+        for name, v in (("tokens", tokens), ("lanes", lanes), ("hidden", hidden)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.tokens, self.lanes, self.hidden = tokens, lanes, hidden
+        W, n = tokens * lanes, tokens * hidden
+        offs, at = {}, 0
+        for name, size in (("seq", 4), ("done", 4), ("keys", 8 * W), ("weights", 4 * W),
+                           ("x", 4 * n), ("out", 4 * n)):
+            offs[name] = at
+            at = -(-(at + size) // 64) * 64
+        self.nbytes = at
+        if pinned:
+            from cupool import _cuda
+            from cupool.store import _PinnedChunk
+            _cuda.require_gpu("a pinned mailbox (pinned=False gives ordinary memory)")
+            self._chunk = _PinnedChunk(at, _cuda.device_index(device))
+            base, dev = self._chunk.host, self._chunk.device_address
+            ctypes.memset(base, 0, at)
+        else:
+            self._chunk = None
+            self._buf = np.zeros(at + 64, dtype=np.uint8)
+            base, dev = self._buf.ctypes.data + (-self._buf.ctypes.data) % 64, None
+        self.addresses = {k: base + v for k, v in offs.items()}        # the host's
+        # the GPU's (UVA: the same numbers on 64-bit Linux); None for ordinary memory
+        self.device_addresses = None if dev is None else {k: dev + v for k, v in offs.items()}
+        self.keys = self._view("keys", np.int64, W)
+        self.weights = self._view("weights", np.float32, W)
+        self.x = self._view("x", np.float32, n).reshape(tokens, hidden)
+        self.out = self._view("out", np.float32, n).reshape(tokens, hidden)
+
+    def _view(self, name, dtype, count):
+        size = np.dtype(dtype).itemsize * count
+        raw = (ctypes.c_uint8 * size).from_address(self.addresses[name])
+        return np.frombuffer(raw, dtype=dtype, count=count)
+
+    def _word(self, name) -> ctypes.c_uint32:
+        return ctypes.c_uint32.from_address(self.addresses[name])
+
+    @property
+    def seq(self) -> int:
+        return self._word("seq").value
+
+    @property
+    def done(self) -> int:
+        return self._word("done").value
+
+    def post(self, x, keys, weights) -> int:
+        """A request from the host (tests, tools): x [T, H], keys [T, K], weights [T, K]; returns its
+        number. (On the GPU, `cupool.ops.host_handoff.post` does this inside the step.)"""
+        self.x[...] = np.asarray(x, dtype=np.float32).reshape(self.tokens, self.hidden)
+        self.keys[...] = np.asarray(keys, dtype=np.int64).reshape(-1)
+        self.weights[...] = np.asarray(weights, dtype=np.float32).reshape(-1)
+        s = (self.seq + 1) & 0xFFFFFFFF
+        self._word("seq").value = s           # after the request (x86 and CPython keep the order)
+        return s
+
+    def wait(self, number: int, timeout_s: float = 10.0) -> np.ndarray:
+        """Waits until request `number` is answered; returns out [T, H] (a view)."""
+        import time
+        end = time.monotonic() + timeout_s
+        while self.done != number:
+            if time.monotonic() > end:
+                raise TimeoutError(f"mailbox: request {number} not answered in {timeout_s} s "
+                                   f"(done = {self.done})")
+            time.sleep(0)
+        return self.out
+
+    def close(self) -> None:
+        if self._chunk is not None:
+            self._chunk.free()
+            self._chunk = None

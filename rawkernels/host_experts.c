@@ -270,6 +270,21 @@ typedef struct {
     atomic_ullong read_sum;
 } hx_job;
 
+// What hx_serve answers: requests posted to a mailbox (rawkernels/host_handoff.cu).
+typedef struct {
+    const hx_layout* L;
+    const int64_t* table;
+    int64_t n_keys;
+    int T, K;
+    const uint32_t* seq;             // the request's number (written last by the poster)
+    uint32_t* done;                  // the answered number (written last here)
+    const int64_t* keys;             // [T·K]
+    const float* weights;            // [T·K]
+    const float* x;                  // [T, H]
+    float* out;                      // [T, H]
+    uint32_t first;                  // seq when serving started: requests after it are answered
+} hx_serve_args;
+
 typedef struct hx_pool {
     int threads;                     // the caller and threads - 1 workers
     pthread_t* tid;
@@ -287,6 +302,13 @@ typedef struct hx_pool {
     int *unit_start, *unit_lane, *lane_token, *lane_unit;
     float* lane_w;
     size_t lane_cap;
+    // hx_serve: a thread that answers a mailbox's requests, the pool's caller while it runs
+    hx_serve_args sa;
+    pthread_t server;
+    int serving;
+    atomic_int serve_stop;
+    atomic_int serve_err;            // error bits of the calls served
+    atomic_uint served;              // requests answered
 } hx_pool;
 
 static int64_t now_ns(void) {
@@ -481,8 +503,11 @@ hx_pool* hx_create(int threads, int64_t spin_ns) {
     return p;
 }
 
+int hx_serve_stop(hx_pool* p, unsigned* served);
+
 void hx_destroy(hx_pool* p) {
     if (!p) return;
+    hx_serve_stop(p, NULL);
     pthread_mutex_lock(&p->mu);
     atomic_store(&p->stop, 1);
     pthread_cond_broadcast(&p->cv);
@@ -617,3 +642,66 @@ int64_t hx_read(hx_pool* p, const uint8_t* base, int64_t bytes, uint64_t* checks
     *checksum = atomic_load(&j->read_sum);
     return t;
 }
+
+// --- serving a mailbox ----------------------------------------------------------------------------
+static void* serve_main(void* arg) {
+    hx_pool* p = (hx_pool*)arg;
+    const hx_serve_args* a = &p->sa;
+    uint32_t last = a->first;
+    for (;;) {
+        uint32_t s;
+        int64_t t0 = now_ns();
+        unsigned spins = 0;
+        while ((s = __atomic_load_n(a->seq, __ATOMIC_ACQUIRE)) == last) {
+            if (atomic_load(&p->serve_stop)) return NULL;
+            hx_pause();
+            // idle past spin_ns: poll every 20 µs instead of spinning (the poster is a GPU, so
+            // there is nothing to sleep on); the first request after that waits up to 20 µs
+            if ((++spins & 255) == 0 && now_ns() - t0 > p->spin_ns) {
+                const struct timespec nap = {0, 20000};
+                nanosleep(&nap, NULL);
+            }
+        }
+        last = s;
+        const int err = hx_run(p, a->L, a->table, a->n_keys, a->T, a->K, a->keys, a->weights, a->x,
+                               a->out);
+        if (err) atomic_fetch_or(&p->serve_err, err);
+        __atomic_store_n(a->done, s, __ATOMIC_RELEASE);
+        atomic_fetch_add(&p->served, 1);
+    }
+}
+
+// Starts a thread that answers every request posted to the mailbox (seq bumped after keys,
+// weights and x are written) with hx_run into out, then stores the request's number in done.
+// While it runs, the pool is that thread's: hx_run and hx_read must not be called. Returns 0, or
+// -1 if it is already serving or the thread could not start.
+int hx_serve(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys, int T, int K,
+             const uint32_t* seq, uint32_t* done, const int64_t* keys, const float* weights,
+             const float* x, float* out) {
+    if (p->serving || T < 1 || K < 1) return -1;
+    // read here, not by the new thread: a request posted before that thread first looks is
+    // still answered
+    hx_serve_args a = {L, table, n_keys, T, K, seq, done, keys, weights, x, out,
+                       __atomic_load_n(seq, __ATOMIC_ACQUIRE)};
+    p->sa = a;
+    atomic_store(&p->serve_stop, 0);
+    atomic_store(&p->serve_err, 0);
+    atomic_store(&p->served, 0);
+    if (pthread_create(&p->server, NULL, serve_main, p)) return -1;
+    p->serving = 1;
+    return 0;
+}
+
+// Stops the serving thread (after the request it may be answering); returns the error bits of
+// the calls it served.
+int hx_serve_stop(hx_pool* p, unsigned* served) {
+    if (p->serving) {
+        atomic_store(&p->serve_stop, 1);
+        pthread_join(p->server, NULL);
+        p->serving = 0;
+    }
+    if (served) *served = atomic_load(&p->served);
+    return atomic_load(&p->serve_err);
+}
+
+int hx_serving(const hx_pool* p) { return p->serving; }

@@ -238,3 +238,33 @@ def test_no_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(RuntimeError, match="none was found"):
         find_compiler()
+
+
+def test_serving_a_mailbox(small):
+    """A mailbox in ordinary memory, the host playing the GPU's part: every request answered with
+    the call's bits; the pool refuses direct calls while it serves; stop_serving counts."""
+    from cupool.hostexperts import Mailbox
+    gen = torch.Generator().manual_seed(24)
+    mb = Mailbox(2, 3, 80, pinned=False)
+    with HostExperts(small.store.host_addresses(), small.layout, threads=2) as hx:
+        cases = []
+        for _ in range(4):
+            keys, w = _routing(2, 3, 2 * small.E, gen)
+            keys[1, 2] = -1
+            x = torch.randn(2, 80, generator=gen)
+            cases.append((x, keys, w, hx(x, keys, w)))
+        hx.serve(mb)
+        assert hx.serving
+        with pytest.raises(RuntimeError, match="serves a mailbox"):
+            hx(*cases[0][:3])
+        with pytest.raises(RuntimeError, match="already serves"):
+            hx.serve(mb)
+        for x, keys, w, ref in cases * 3:
+            n = mb.post(x.numpy(), keys.numpy(), w.numpy())
+            assert torch.equal(torch.from_numpy(mb.wait(n).copy()), ref)
+        assert hx.stop_serving() == 12
+        assert not hx.serving
+        assert torch.equal(hx(*cases[0][:3]), cases[0][3])      # usable again
+    with pytest.raises(ValueError, match="H = 64"):
+        with HostExperts(small.store.host_addresses(), small.layout, threads=1) as hx:
+            hx.serve(Mailbox(1, 1, 64, pinned=False))

@@ -1,0 +1,86 @@
+"""The GPU hands a step's experts to the host's CPU and takes the answer back inside a captured CUDA
+graph (rawkernels/host_handoff.cu + HostExperts.serve), replayed with fresh inputs each time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cupool.hostexperts import HostExperts, Mailbox
+from cupool.layout import RowLayout
+from cupool.ops import host_handoff
+from cupool.store import HostStore
+from cupool.synthetic import random_experts
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_graph_replays_get_the_hosts_answer(x_dtype):
+    T, K, E, H = 2, 3, 5, 80
+    layout = RowLayout(H, 48)
+    gen = torch.Generator().manual_seed(31)
+    rows, _ = random_experts(layout, E, gen)
+    store = HostStore(1, E, layout.row_bytes)
+    store.fill(lambda _l: rows, progress=False)
+    store.seal()
+    mb = Mailbox(T, K, H)
+    x = torch.empty(T, H, dtype=x_dtype, device="cuda")
+    keys = torch.empty(T, K, dtype=torch.int64, device="cuda")
+    w = torch.empty(T, K, dtype=torch.float32, device="cuda")
+    y = torch.empty(T, H, dtype=torch.float32, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with HostExperts(store.host_addresses(), layout, threads=2) as hx:
+        inputs = []
+        for _ in range(5):
+            xi = torch.randn(T, H, generator=gen).to(x_dtype)
+            ki = torch.randint(-1, E, (T, K), generator=gen)
+            wi = torch.rand(T, K, generator=gen)
+            inputs.append((xi, ki, wi, hx(xi.float(), ki, wi)))
+        hx.serve(mb)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):            # warm-up (compiles) outside the capture
+            host_handoff.post(x.copy_(inputs[0][0].cuda()), keys.copy_(inputs[0][1].cuda()),
+                              w.copy_(inputs[0][2].cuda()), mb, counter)
+            host_handoff.wait(mb, counter, y.zero_(), error)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            host_handoff.post(x, keys, w, mb, counter)
+            host_handoff.wait(mb, counter, y, error)
+        for xi, ki, wi, ref in inputs:
+            x.copy_(xi.cuda())
+            keys.copy_(ki.cuda())
+            w.copy_(wi.cuda())
+            y.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert int(error) == 0
+            assert torch.equal(y.cpu(), ref)          # the same C code on the same float32 x
+        assert hx.stop_serving() == 1 + len(inputs)
+    assert int(counter) == 1 + len(inputs)
+    mb.close()
+    store.close()
+
+
+def test_bad_arguments():
+    mb = Mailbox(1, 2, 64)
+    cpu_mb = Mailbox(1, 2, 64, pinned=False)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda")
+    keys = torch.zeros(1, 2, dtype=torch.int64, device="cuda")
+    w = torch.zeros(1, 2, dtype=torch.float32, device="cuda")
+    with pytest.raises(ValueError, match=r"x: expected .*\[1, 64\]"):
+        host_handoff.post(x[:, :32], keys, w, mb, counter)
+    with pytest.raises(ValueError, match="keys: expected a contiguous CUDA tensor of torch.int64"):
+        host_handoff.post(x, keys.int(), w, mb, counter)
+    with pytest.raises(ValueError, match="weights"):
+        host_handoff.post(x, keys, w.cpu(), mb, counter)
+    with pytest.raises(ValueError, match="not pinned"):
+        host_handoff.post(x, keys, w, cpu_mb, counter)
+    with pytest.raises(ValueError, match="y: expected"):
+        host_handoff.wait(mb, counter, x, torch.zeros(1, dtype=torch.int32, device="cuda"))
+    mb.close()
