@@ -57,6 +57,8 @@ def _decode(dims: str, nt: int, maxw: int, minb: int, split: int, **over) -> str
 BUILDS: list[tuple[str, str]] = [
     ("selftest", ""),
     ("read_probe", ""),
+    ("host_handoff", ""),               # x bf16
+    ("host_handoff", "-DX_BF16=0"),     # x float32
     ("nvfp4_quant", ""),
     ("nvfp4_quant", "-DTHREADS=256 -DUNROLL=4"),
     ("planner", ""),
