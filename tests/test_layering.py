@@ -13,7 +13,7 @@ LAYERS = {
     "cupool._cuda": 0, "cupool._env": 0, "cupool.kernels": 0, "cupool.rawkernels": 0,
     "cupool.nvfp4": 1, "cupool.layout": 1, "cupool.dense_nvfp4": 1, "cupool.store": 1, "cupool.budget": 1,
     "cupool.trace": 1, "cupool.activation": 1, "cupool.estimate": 1, "cupool.hosttable": 1,
-    "cupool.reference": 2, "cupool.ops": 2,
+    "cupool.reference": 2, "cupool.ops": 2, "cupool.hostexperts": 2,
     "cupool.bank": 3, "cupool.gemm": 3,
     "cupool.adapters": 4, "cupool.layer": 4, "cupool.swap": 4, "cupool.pool": 4,
     "cupool.wrap": 4, "cupool.simulate": 4, "cupool.replay": 4, "cupool.placement": 4,

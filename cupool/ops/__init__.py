@@ -7,6 +7,7 @@ launching on torch's current stream.
     rawkernels/moe_decode.cu    cupool/ops/moe_decode.py   reference: cupool/reference/moe.py
     rawkernels/moe_align.cu +   cupool/ops/moe_gemm.py     reference: cupool/reference/moe.py
     rawkernels/moe_gemm.cu
+    rawkernels/host_handoff.cu  cupool/ops/host_handoff.py reference: HostExperts called directly
 
 The MoE kernels share two compile-time conventions and one rule on what they are built for,
 defined here once.
