@@ -23,8 +23,15 @@ popularity: where frequency should matter most). Banks of 25/50/75% of each laye
   and the pool's default (`default_promote`: no cap while a step's lanes fit a layer's rows, a
   quarter of them past that); beside the hit rate, bank misses a layer call (what crosses PCIe).
   The rows of the table in docs/PERFORMANCE.md that justify the default.
+- host: one locality stream with each layer call's misses split between the link and the host's
+  CPU (`cupool.simulate.simulate_host_split`: the split that finishes first, the CPU after a
+  hand-off), the CPU's rows either left out of the bank or promoted behind the call (deferred);
+  for a few CPU times a row, on an H200's link and on a PCIe 4.0 one. Beside the hit rate, the
+  rows a token waited for on each side, the misses' waited time, the link's busy time, and the
+  decode rate that gives with the rest of the step as measured (REST_MS): an estimate from
+  measured parts, not a measurement.
 
-    python benchmarks/sim_policies.py                     # all three parts
+    python benchmarks/sim_policies.py                     # all four parts
     python benchmarks/sim_policies.py --parts promote     # only the promotion caps
 
 Writes benchmarks/results/sim_policies.json (a reduced run: nothing unless --json).
@@ -33,6 +40,7 @@ Writes benchmarks/results/sim_policies.json (a reduced run: nothing unless --jso
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -41,15 +49,25 @@ from _common import reduced_by, results_path, save
 from cupool import trace as tr
 from cupool.cli import CLIParser, output_file, positive_int, run
 from cupool.reference.planner import LRU, Policy, default_promote
-from cupool.simulate import simulate, simulate_opt
+from cupool.simulate import simulate, simulate_host_split, simulate_opt
 
 L, E, K = 48, 128, 8
 BANKS = (25, 50, 75)
-PARTS = ("policies", "prefetch", "promote")
+PARTS = ("policies", "prefetch", "promote", "host")
 STREAMS = (1, 2, 4, 8, 16)
 CAP_DIVISORS = (2, 4, 8, 16)          # caps tried: rows per layer / these
 PREFETCH_ROWS = (0, 1, 2)             # rows a prefetch may bring in (0: every predicted one)
 OPT = "offline optimum (Belady)"
+# host part: a row is 2,654,464 B (H=2048, I=768); the row-copy kernel moved 47.3 GB/s on an H200
+# whose pinned copy moved 55.0 (0.86, docs/PERFORMANCE.md "What the link allows"); a PCIe 4.0
+# link at about 25 GB/s, the same 0.86 of it
+ROW_BYTES = 2_654_464
+LINKS = {"H200 (47.3 GB/s)": 47.3, "PCIe 4.0 (0.86 of 25 GB/s)": 0.86 * 25.0}
+CPU_US = (20.0, 30.0, 45.0, 66.0, 100.0)    # the host's time for one row (not yet measured there)
+HANDOFF_US = 10.0                           # a hand-off's round trip (assumed until probed)
+# the rest of a batch-1 step at a 50% bank: bench_serve_dense_nvfp4.json's 183.6 tok/s
+# (5.447 ms) less its misses' copies at the row-copy kernel's rate (51.2 rows, 2.875 ms)
+REST_MS = 2.572
 TRACES = {"uniform": {}, "locality": tr.QWEN3_LOCALITY,
           "skewed": dict(reuse_next=0.2, reuse_window=0.4, window=8, skew=1.0)}
 
@@ -81,10 +99,12 @@ def main(args) -> None:
                      tr.synthetic(n, L, E, K, seed=1, **kw)) for name, kw in TRACES.items()}
     res = {"shape": {"layers": L, "experts": E, "top_k": K}, "steps": args.steps,
            "warmup": args.warmup, "traces": {k: v.note for k, v in traces.items()},
-           "policies": [], "prefetch": [], "promote": []}
+           "policies": [], "prefetch": [], "promote": [], "host": []}
     t0 = time.perf_counter()
     if "promote" in args.parts:
         res["promote"] = promote(args)
+    if "host" in args.parts:
+        res["host"] = host(args, traces["locality"])
     for name, trace in traces.items():
         if "policies" not in args.parts and "prefetch" not in args.parts:
             break
@@ -121,6 +141,41 @@ def main(args) -> None:
                           f"{r['misses'] / args.steps:.1f} misses", flush=True)
     res["seconds"] = time.perf_counter() - t0
     save("sim_policies", res, out)
+
+
+def host(args, trace) -> list[dict]:
+    """Misses split between the link and the host's CPU (module docstring, part "host")."""
+    out = []
+    for link_name, gbps in LINKS.items():
+        link_us = ROW_BYTES / gbps / 1e3
+        for bank in BANKS:
+            rows = E * bank // 100
+            for defer in (False, True):
+                for cpu_us in (math.inf, *CPU_US):
+                    if defer and cpu_us == math.inf:
+                        continue                      # the plain pool: the same either way
+                    r = simulate_host_split(trace, rows, link_us=link_us,
+                                            cpu_us=cpu_us if cpu_us != math.inf else 1e12,
+                                            handoff_us=HANDOFF_US, warmup_steps=args.warmup,
+                                            defer=defer)
+                    step = REST_MS + r["miss_ms_per_token"]
+                    row = {"link": link_name, "link_us_per_row": round(link_us, 2),
+                           "bank_percent": bank, "cpu_us_per_row": None if cpu_us == math.inf
+                           else cpu_us, "deferred": defer, "handoff_us": HANDOFF_US,
+                           **{k: v for k, v in r.items() if k != "miss_histogram"},
+                           "miss_histogram": {str(k): v for k, v in r["miss_histogram"].items()},
+                           "estimated_tok_s": 1000.0 / step,
+                           "link_fits_step": r["link_busy_ms_per_token"] <= step}
+                    out.append(row)
+                    what = ("link only" if cpu_us == math.inf else
+                            f"CPU {cpu_us:g} us/row, {'deferred' if defer else 'not promoted'}")
+                    print(f"{link_name:<26} bank {bank}% {what:<34} hit rate "
+                          f"{r['hit_rate']:.3f}, a token {r['link_rows_per_token']:.1f} link + "
+                          f"{r['cpu_rows_per_token']:.1f} CPU rows waited, misses "
+                          f"{r['miss_ms_per_token']:.2f} ms, link busy "
+                          f"{r['link_busy_ms_per_token']:.2f} ms: ~{1000 / step:.0f} tok/s",
+                          flush=True)
+    return out
 
 
 def promote(args) -> list[dict]:

@@ -125,6 +125,79 @@ def simulate_opt(trace: Trace, rows_per_layer: int, *, warmup_steps: int = 0) ->
     return {"hit_rate": hits / max(1, hits + misses), "hits": hits, "misses": misses}
 
 
+def host_split(misses: int, link_us: float, cpu_us: float, handoff_us: float) -> int:
+    """How many of a layer call's `misses` to compute on the host's CPU rather than copy over the
+    link: the m that makes max((misses − m) · link_us, m · cpu_us + handoff_us) smallest (the link
+    and the CPU work at once, the CPU after a hand-off); the smallest such m on a tie, so a row
+    goes to the CPU only where that is faster."""
+    best, best_t = 0, misses * link_us
+    for m in range(1, misses + 1):
+        t = max((misses - m) * link_us, m * cpu_us + handoff_us)
+        if t < best_t:
+            best, best_t = m, t
+    return best
+
+
+def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cpu_us: float,
+                        handoff_us: float, warmup_steps: int = 0, defer: bool = False) -> dict:
+    """A bank whose misses are split between the link and the host's CPU, replayed through the
+    reference planner (one token a step; the pool's LRU, uncapped).
+
+    Per layer call with n distinct misses, `host_split` picks m of them for the CPU: the last m
+    in first-use order. The call waits max((n − m) · link_us, m · cpu_us + handoff_us) for its
+    misses, the link and the CPU started together after the plan step. What becomes of the m:
+    - defer False: neither copied nor promoted (lanes routed to padding leave the bank as it
+      is); the other n − m are promoted as usual;
+    - defer True: promoted too, their rows copied over the link behind the call (no layer waits
+      for them), so the bank evolves as the plain pool's; the link then carries every miss, and
+      the estimate holds only while that fits the step (`link_busy_ms_per_token`).
+    A cpu_us larger than any link time gives the plain pool (m = 0 always), for comparison.
+
+    Returns the hit rate, the rows a token the calls wait for on the link and on the CPU, the
+    misses' waited time a token (ms, the sum of the calls' maxima), the link's busy time a token
+    (every row it carries), and how often a layer call had 0, 1, 2, ... misses
+    ("miss_histogram", fractions of calls), over the steps after `warmup_steps`."""
+    _check(trace, rows_per_layer, warmup_steps)
+    for name, v in (("link_us", link_us), ("cpu_us", cpu_us), ("handoff_us", handoff_us)):
+        if not v >= 0:
+            raise ValueError(f"{name} must be >= 0, got {v!r}")
+    if trace.ids.shape[2] != 1:
+        raise ValueError(f"simulate_host_split takes one token a step, the trace has "
+                         f"{trace.ids.shape[2]}")
+    L, E = trace.num_layers, trace.num_experts
+    ref = ReferencePlanner(L, E, int(rows_per_layer), trace.ids.shape[-1], policy=Policy())
+    ref.open()
+    hits = link_rows = cpu_rows = behind = 0
+    miss_us = 0.0
+    hist: dict[int, int] = {}
+    for s in range(trace.steps):
+        counted = s >= warmup_steps
+        for layer in range(L):
+            ids = np.asarray(trace.ids[s, layer]).reshape(-1).astype(np.int64)
+            uniq = list(dict.fromkeys(int(e) for e in ids if 0 <= e < E))
+            miss = [e for e in uniq if ref.slot_of[layer * E + e] < 0]
+            n = len(miss)
+            m = host_split(n, link_us, cpu_us, handoff_us)
+            on_cpu = set(miss[n - m:])
+            if on_cpu and not defer:
+                ids = np.where(np.isin(ids, list(on_cpu)), -1, ids)
+            ref.step(layer, ids)
+            if counted:
+                hits += len(uniq) - n
+                link_rows += n - m
+                cpu_rows += m
+                behind += m if defer else 0
+                miss_us += max((n - m) * link_us, m * cpu_us + handoff_us if m else 0.0)
+                hist[n] = hist.get(n, 0) + 1
+    steps = trace.steps - warmup_steps
+    calls = steps * L
+    return {"hit_rate": hits / max(1, hits + link_rows + cpu_rows),
+            "link_rows_per_token": link_rows / steps, "cpu_rows_per_token": cpu_rows / steps,
+            "miss_ms_per_token": miss_us / steps / 1e3,
+            "link_busy_ms_per_token": (link_rows + behind) * link_us / steps / 1e3,
+            "miss_histogram": {n: c / calls for n, c in sorted(hist.items())}}
+
+
 def _evict(heap: list, held: set, due: dict, keys) -> bool:
     """Drop from `held` the key needed furthest ahead that `keys` (the call's) do not hold;
     False if there is none. `heap` holds (−next call, key), stale entries skipped."""

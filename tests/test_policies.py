@@ -303,3 +303,47 @@ def test_a_promotion_cap_keeps_a_batch_from_evicting_the_whole_bank():
         assert d[0, MISSES] == d[0, PROMOTIONS] + d[0, STAGED]
     with pytest.raises(ValueError, match="promote"):
         Policy(promote=-1)
+
+
+def test_host_split_picks_the_faster_share():
+    from cupool.simulate import host_split
+    # link 50 µs a row, CPU 40 + 10 of hand-off: one miss stays on the link (tie: 50 vs 50)
+    assert host_split(0, 50, 40, 10) == 0
+    assert host_split(1, 50, 40, 10) == 0
+    assert host_split(2, 50, 40, 10) == 1          # max(50, 50) against 100
+    assert host_split(3, 50, 40, 10) == 2          # max(50, 90) against max(100, 50)
+    assert host_split(4, 50, 40, 10) == 2          # max(100, 90)
+    assert host_split(3, 50, 1e9, 10) == 0         # a CPU slower than anything: the link alone
+    assert host_split(2, 100, 10, 5) == 2          # a CPU much faster than the link takes all
+
+
+def test_simulate_host_split_counts_and_promotion():
+    """Every counted distinct expert is a hit, a link row or a CPU row; with no CPU share the
+    replay is the plain pool's (the same hit rate as `simulate`); deferred promotion keeps the
+    bank as the plain pool's, and rows left out of it lower the hit rate; waited time is the sum
+    of the calls' maxima."""
+    from cupool.simulate import simulate_host_split
+    t = tr.synthetic(96, 6, 32, 4, seed=3, **tr.QWEN3_LOCALITY)
+    rows, warm = 12, 16
+    plain = simulate(t, rows, warmup_steps=warm)
+    none = simulate_host_split(t, rows, link_us=50, cpu_us=1e9, handoff_us=10, warmup_steps=warm)
+    assert none["hit_rate"] == plain["hit_rate"]
+    assert none["cpu_rows_per_token"] == 0
+    assert none["link_rows_per_token"] * (96 - warm) == plain["misses"]
+    assert abs(none["miss_ms_per_token"] - none["link_rows_per_token"] * 50 / 1e3) < 1e-9
+    kept = simulate_host_split(t, rows, link_us=50, cpu_us=20, handoff_us=10, warmup_steps=warm)
+    deferred = simulate_host_split(t, rows, link_us=50, cpu_us=20, handoff_us=10,
+                                   warmup_steps=warm, defer=True)
+    assert deferred["hit_rate"] == plain["hit_rate"]
+    assert kept["hit_rate"] < plain["hit_rate"]
+    for r in (kept, deferred):
+        assert r["cpu_rows_per_token"] > 0
+        assert r["miss_ms_per_token"] < none["miss_ms_per_token"]
+        assert abs(sum(r["miss_histogram"].values()) - 1) < 1e-9
+    # deferred: the link still carries every miss
+    assert abs(deferred["link_busy_ms_per_token"] - none["link_busy_ms_per_token"]) < 1e-9
+    with pytest.raises(ValueError, match="cpu_us"):
+        simulate_host_split(t, rows, link_us=50, cpu_us=-1, handoff_us=0)
+    with pytest.raises(ValueError, match="one token a step"):
+        simulate_host_split(tr.streams(20, 6, 32, 4, 2, seed=1), rows, link_us=1, cpu_us=1,
+                            handoff_us=0)
