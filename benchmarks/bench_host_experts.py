@@ -116,6 +116,7 @@ def main(argv=None) -> int:
     if args.threads is not None:
         reduced.append("--threads")
     save("bench_host_experts", {
+        **({} if gpu else {"gpu": "none (a run on a machine without a GPU: no link figures)"}),
         "cpu": cpu_name(), "default_threads": dflt, "hidden": args.hidden,
         "intermediate": args.intermediate, "row_bytes": layout.row_bytes,
         "store_rows": args.experts, "pinned_store": gpu, "pcie_h2d_GBps": link, "cases": cases,
