@@ -215,25 +215,15 @@ class HostExperts:
 
     def _check(self, x, keys, weights, out):
         H = self.layout.hidden
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() != 2 \
-                or x.shape[1] != H or x.device.type != "cpu" or not x.is_contiguous():
-            raise ValueError(f"x: expected a contiguous float32 CPU tensor [T, {H}], got "
-                             f"{_describe(x)}")
+        _cpu_tensor("x", x, torch.float32, (None, H), "T")
         T = x.shape[0]
         if T < 1:
             raise ValueError("x: expected at least one token, got T = 0")
-        if not isinstance(keys, torch.Tensor) or keys.dtype != torch.int64 or keys.dim() != 2 \
-                or keys.shape[0] != T or keys.device.type != "cpu" or not keys.is_contiguous():
-            raise ValueError(f"keys: expected a contiguous int64 CPU tensor [{T}, K], got "
-                             f"{_describe(keys)}")
+        _cpu_tensor("keys", keys, torch.int64, (T, None), "K")
         K = keys.shape[1]
         if K < 1:
             raise ValueError("keys: expected K >= 1 lanes a token, got 0")
-        if not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32 \
-                or tuple(weights.shape) != (T, K) or weights.device.type != "cpu" \
-                or not weights.is_contiguous():
-            raise ValueError(f"weights: expected a contiguous float32 CPU tensor [{T}, {K}], got "
-                             f"{_describe(weights)}")
+        _cpu_tensor("weights", weights, torch.float32, (T, K))
         n = self._table.size
         bad = (keys < -1) | (keys >= n)
         if bool(bad.any()):
@@ -248,10 +238,8 @@ class HostExperts:
                              f"weights[{i // K}, {i % K}] = {float(weights.reshape(-1)[i])}")
         if out is None:
             out = torch.empty(T, H, dtype=torch.float32)
-        elif not isinstance(out, torch.Tensor) or out.dtype != torch.float32 \
-                or tuple(out.shape) != (T, H) or out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous float32 CPU tensor [{T}, {H}], got "
-                             f"{_describe(out)}")
+        else:
+            _cpu_tensor("out", out, torch.float32, (T, H))
         return T, K, out
 
     def _args(self, x, keys, weights, out, T, K):
@@ -348,6 +336,19 @@ class HostExperts:
 
     def __del__(self):
         self.close()
+
+
+def _cpu_tensor(name: str, t, dtype: torch.dtype, shape: tuple, free: str = "") -> None:
+    """ValueError naming `name` unless t is a contiguous CPU tensor of `dtype` and `shape` (None:
+    any size there, shown as `free`)."""
+    ok = (isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == len(shape)
+          and all(n is None or m == n for m, n in zip(t.shape, shape))
+          and t.device.type == "cpu" and t.is_contiguous())
+    if not ok:
+        want = ", ".join(free if n is None else str(n) for n in shape)
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(f"{name}: expected a contiguous {kind} CPU tensor [{want}], got "
+                         f"{_describe(t)}")
 
 
 def _describe(t) -> str:
