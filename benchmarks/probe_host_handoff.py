@@ -51,7 +51,6 @@ def main(argv=None) -> int:
     mb = Mailbox(1, K, H)
     x = torch.randn(1, H, generator=gen).to(torch.bfloat16).cuda()
     y = torch.zeros(1, H, dtype=torch.float32, device="cuda")
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     error = torch.zeros(1, dtype=torch.int32, device="cuda")
     results = []
     print(f"{gpu_name()}; {cpu_name()}, {threads} threads; pinned copy {link:.1f} GB/s")
@@ -75,14 +74,14 @@ def main(argv=None) -> int:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                host_handoff.post(x, kd[0], wd[0], mb, counter)
-                host_handoff.wait(mb, counter, y, error)
+                host_handoff.post(x, kd[0], wd[0], mb)
+                host_handoff.wait(mb, y, error)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for layer in range(L):
-                    host_handoff.post(x, kd[layer], wd[layer], mb, counter)
-                    host_handoff.wait(mb, counter, y, error)
+                    host_handoff.post(x, kd[layer], wd[layer], mb)
+                    host_handoff.wait(mb, y, error)
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize()

@@ -297,6 +297,7 @@ class HostExperts:
                               a["done"], a["keys"], a["weights"], a["x"], a["out"]):
             raise RuntimeError("starting the host experts' serving thread failed")
         self._mailbox = mailbox              # kept alive while served
+        mailbox.served_by = self
 
     def stop_serving(self) -> int:
         """Stops serving (after the request in hand, if any); returns how many were answered.
@@ -304,6 +305,8 @@ class HostExperts:
         self._require_open()
         n = ctypes.c_uint()
         err = self._lib.hx_serve_stop(self._pool, ctypes.byref(n))
+        if self._mailbox is not None:
+            self._mailbox.served_by = None
         self._mailbox = None
         _raise(err & ~ERR_WEIGHT, 0, 0)
         return int(n.value)
@@ -326,6 +329,8 @@ class HostExperts:
         if getattr(self, "_pool", None):
             self._lib.hx_destroy(self._pool)
             self._pool = None
+            if self._mailbox is not None:
+                self._mailbox.served_by = None
             self._mailbox = None
 
     def __enter__(self):
@@ -373,11 +378,16 @@ class Mailbox:
 
     Layout (byte offsets in `addresses`): seq (u32) at 0, done (u32) at 64, keys [T·K] int64,
     weights [T·K] float32, x [T, H] float32, out [T, H] float32, each 64-byte aligned.
-    seq and done start at 0. `pinned=False` gives ordinary memory (CPU tests: `post` and
-    `wait` play the GPU's part)."""
+    seq and done start at 0. A pinned mailbox (the default) is posted to by the GPU
+    (`cupool.ops.host_handoff`), which numbers its requests with the mailbox's own device counter
+    (`counter`, int32 [1]), so every replay of a captured graph waits for its own answer.
+    `pinned=False` gives ordinary memory, posted to from the host (`post` and `wait` play the
+    GPU's part: CPU tests)."""
 
     def __init__(self, tokens: int, lanes: int, hidden: int, *, pinned: bool = True, device=None):
         self._chunk = None
+        self.served_by = None                 # the HostExperts serving it (HostExperts.serve)
+        self.counter = None
         for name, v in (("tokens", tokens), ("lanes", lanes), ("hidden", hidden)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -393,9 +403,11 @@ class Mailbox:
             from cupool import _cuda
             from cupool.store import _PinnedChunk
             _cuda.require_gpu("a pinned mailbox (pinned=False gives ordinary memory)")
-            self._chunk = _PinnedChunk(at, _cuda.device_index(device))
+            idx = _cuda.device_index(device)
+            self._chunk = _PinnedChunk(at, idx)
             base, dev = self._chunk.host, self._chunk.device_address
             ctypes.memset(base, 0, at)
+            self.counter = torch.zeros(1, dtype=torch.int32, device=f"cuda:{idx}")
         else:
             self._chunk = None
             self._buf = np.zeros(at + 64, dtype=np.uint8)
@@ -426,7 +438,12 @@ class Mailbox:
 
     def post(self, x, keys, weights) -> int:
         """A request from the host (tests, tools): x [T, H], keys [T, K], weights [T, K]; returns its
-        number. (On the GPU, `cupool.ops.host_handoff.post` does this inside the step.)"""
+        number. Only for a mailbox in ordinary memory: a pinned one is the GPU's to post to
+        (`cupool.ops.host_handoff.post`), and its requests are numbered on the device."""
+        if self.counter is not None:
+            raise RuntimeError("mailbox: pinned, so the GPU posts to it "
+                               "(cupool.ops.host_handoff.post); Mailbox(pinned=False) is posted "
+                               "to from the host")
         self.x[...] = np.asarray(x, dtype=np.float32).reshape(self.tokens, self.hidden)
         self.keys[...] = np.asarray(keys, dtype=np.int64).reshape(-1)
         self.weights[...] = np.asarray(weights, dtype=np.float32).reshape(-1)
@@ -446,6 +463,14 @@ class Mailbox:
         return self.out
 
     def close(self) -> None:
+        """Frees the pinned memory (idempotent); refused while a HostExperts serves it."""
+        if self.served_by is not None and self.served_by.serving:
+            raise RuntimeError("mailbox: still served; HostExperts.stop_serving() first")
         if self._chunk is not None:
             self._chunk.free()
             self._chunk = None
+
+    def __del__(self):
+        if getattr(self, "_chunk", None) is not None and not (
+                self.served_by is not None and self.served_by.serving):
+            self.close()

@@ -29,7 +29,6 @@ def test_graph_replays_get_the_hosts_answer(x_dtype):
     keys = torch.empty(T, K, dtype=torch.int64, device="cuda")
     w = torch.empty(T, K, dtype=torch.float32, device="cuda")
     y = torch.empty(T, H, dtype=torch.float32, device="cuda")
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     error = torch.zeros(1, dtype=torch.int32, device="cuda")
     with HostExperts(store.host_addresses(), layout, threads=2) as hx:
         inputs = []
@@ -43,14 +42,14 @@ def test_graph_replays_get_the_hosts_answer(x_dtype):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):            # warm-up (compiles) outside the capture
             host_handoff.post(x.copy_(inputs[0][0].cuda()), keys.copy_(inputs[0][1].cuda()),
-                              w.copy_(inputs[0][2].cuda()), mb, counter)
-            host_handoff.wait(mb, counter, y.zero_(), error)
+                              w.copy_(inputs[0][2].cuda()), mb)
+            host_handoff.wait(mb, y.zero_(), error)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            host_handoff.post(x, keys, w, mb, counter)
-            host_handoff.wait(mb, counter, y, error)
+            host_handoff.post(x, keys, w, mb)
+            host_handoff.wait(mb, y, error)
         for xi, ki, wi, ref in inputs:
             x.copy_(xi.cuda())
             keys.copy_(ki.cuda())
@@ -61,7 +60,9 @@ def test_graph_replays_get_the_hosts_answer(x_dtype):
             assert int(error) == 0
             assert torch.equal(y.cpu(), ref)          # the same C code on the same float32 x
         assert hx.stop_serving() == 1 + len(inputs)
-    assert int(counter) == 1 + len(inputs)
+    assert int(mb.counter) == 1 + len(inputs)
+    with pytest.raises(RuntimeError, match="the GPU posts to it"):
+        mb.post(inputs[0][0].float().numpy(), inputs[0][1].numpy(), inputs[0][2].numpy())
     mb.close()
     store.close()
 
@@ -69,18 +70,17 @@ def test_graph_replays_get_the_hosts_answer(x_dtype):
 def test_bad_arguments():
     mb = Mailbox(1, 2, 64)
     cpu_mb = Mailbox(1, 2, 64, pinned=False)
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda")
     keys = torch.zeros(1, 2, dtype=torch.int64, device="cuda")
     w = torch.zeros(1, 2, dtype=torch.float32, device="cuda")
     with pytest.raises(ValueError, match=r"x: expected .*\[1, 64\]"):
-        host_handoff.post(x[:, :32], keys, w, mb, counter)
+        host_handoff.post(x[:, :32], keys, w, mb)
     with pytest.raises(ValueError, match="keys: expected a contiguous CUDA tensor of torch.int64"):
-        host_handoff.post(x, keys.int(), w, mb, counter)
+        host_handoff.post(x, keys.int(), w, mb)
     with pytest.raises(ValueError, match="weights"):
-        host_handoff.post(x, keys, w.cpu(), mb, counter)
+        host_handoff.post(x, keys, w.cpu(), mb)
     with pytest.raises(ValueError, match="not pinned"):
-        host_handoff.post(x, keys, w, cpu_mb, counter)
+        host_handoff.post(x, keys, w, cpu_mb)
     with pytest.raises(ValueError, match="y: expected"):
-        host_handoff.wait(mb, counter, x, torch.zeros(1, dtype=torch.int32, device="cuda"))
+        host_handoff.wait(mb, x, torch.zeros(1, dtype=torch.int32, device="cuda"))
     mb.close()

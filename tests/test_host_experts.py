@@ -259,6 +259,8 @@ def test_serving_a_mailbox(small):
             hx(*cases[0][:3])
         with pytest.raises(RuntimeError, match="already serves"):
             hx.serve(mb)
+        with pytest.raises(RuntimeError, match="still served"):
+            mb.close()
         for x, keys, w, ref in cases * 3:
             n = mb.post(x.numpy(), keys.numpy(), w.numpy())
             assert torch.equal(torch.from_numpy(mb.wait(n).copy()), ref)

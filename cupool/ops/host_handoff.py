@@ -1,13 +1,13 @@
 """Launcher of `rawkernels/host_handoff.cu`: a step's request posted to a `Mailbox` and the host's
 answer added in, both inside the stream's work (and a captured graph), no host call between.
 
-    post(x, keys, weights, mailbox, counter)      x [T, H] bf16/float32, keys [T, K] int64,
-                                                  weights [T, K] float32 (CUDA tensors)
-    wait(mailbox, counter, y, error)              y [T, H] float32 += the answer
+    post(x, keys, weights, mailbox)      x [T, H] bf16/float32, keys [T, K] int64,
+                                         weights [T, K] float32 (CUDA tensors)
+    wait(mailbox, y, error)              y [T, H] float32 += the answer
 
-`counter` is an int32 CUDA tensor [1], zero at first, shared by a post and the wait after it (it
-numbers the requests, so each replay of a graph waits for its own answer); `error` an int32 CUDA
-tensor [1] that gets ERR_HOST_STALL when an answer takes more than about a second.
+The mailbox (pinned) numbers its requests with its own device counter (`Mailbox.counter`), so
+each replay of a graph waits for its own answer; `error` is an int32 CUDA tensor [1] that gets
+ERR_HOST_STALL when an answer takes more than about a second.
 """
 
 from __future__ import annotations
@@ -41,28 +41,31 @@ def _device_addresses(mailbox):
     return a
 
 
-def post(x: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, mailbox,
-         counter: torch.Tensor) -> None:
+def post(x: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, mailbox) -> None:
     """Writes the request (x as float32, keys, weights) into `mailbox` and then its number."""
     T, H, K = mailbox.tokens, mailbox.hidden, mailbox.lanes
+    a = _device_addresses(mailbox)
     _check_cuda("x", x, tuple(X_DTYPES), (T, H))
     _check_cuda("keys", keys, torch.int64, (T, K))
     _check_cuda("weights", weights, torch.float32, (T, K))
-    _check_cuda("counter", counter, torch.int32, (1,))
-    a = _device_addresses(mailbox)
+    counter = mailbox.counter
+    if x.device != counter.device:
+        raise ValueError(f"x: on {x.device}, the mailbox is for {counter.device}")
     fn = kernels.function("host_handoff", "host_post", {"X_BF16": X_DTYPES[x.dtype]}, x.device)
     kernels.launch(fn, 1, THREADS, (x, i32(T * H), keys, weights, i32(T * K), counter,
                                     i64(a["seq"]), i64(a["x"]), i64(a["keys"]),
                                     i64(a["weights"])), device=x.device)
 
 
-def wait(mailbox, counter: torch.Tensor, y: torch.Tensor, error: torch.Tensor) -> None:
-    """y += the answer to the request last posted with `counter`, once the host has written it."""
+def wait(mailbox, y: torch.Tensor, error: torch.Tensor) -> None:
+    """y += the answer to the request last posted to `mailbox`, once the host has written it."""
     T, H = mailbox.tokens, mailbox.hidden
-    _check_cuda("y", y, torch.float32, (T, H))
-    _check_cuda("counter", counter, torch.int32, (1,))
-    _check_cuda("error", error, torch.int32, (1,))
     a = _device_addresses(mailbox)
+    _check_cuda("y", y, torch.float32, (T, H))
+    _check_cuda("error", error, torch.int32, (1,))
+    counter = mailbox.counter
+    if y.device != counter.device:
+        raise ValueError(f"y: on {y.device}, the mailbox is for {counter.device}")
     fn = kernels.function("host_handoff", "host_wait", None, y.device)
     kernels.launch(fn, 1, THREADS, (counter, i64(a["done"]), i64(a["out"]), i32(T * H), y, error),
                    device=y.device)
