@@ -86,16 +86,21 @@ def test_matches_reference_odd_sizes(small, isa, T, K, distinct):
     assert rel_err(out, small.reference(x, keys, w, SILU)) <= TOL
 
 
+@pytest.fixture(scope="module")
+def qwen():
+    return Rows(2048, 768, 4, seed=5)
+
+
 @pytest.mark.parametrize("isa", ISAS)
-def test_qwen_shape(isa):
-    rows = Rows(2048, 768, 4, seed=5)
-    gen = torch.Generator().manual_seed(9)
-    keys, w = _routing(5, 3, 4, gen)
-    x = torch.randn(5, 2048, generator=gen)
-    with HostExperts(rows.store.host_addresses(), rows.layout, threads=2, isa=isa) as hx:
-        out = torch.full((5, 2048), float("nan"))
+@pytest.mark.parametrize("T,K", [(5, 3), (8, 4), (11, 4)])   # up to 3; 8; 11 (8 + 3) lanes a row
+def test_qwen_shape(qwen, isa, T, K):
+    gen = torch.Generator().manual_seed(9 + T)
+    keys, w = _routing(T, K, 4, gen)
+    x = torch.randn(T, 2048, generator=gen)
+    with HostExperts(qwen.store.host_addresses(), qwen.layout, threads=2, isa=isa) as hx:
+        out = torch.full((T, 2048), float("nan"))
         hx(x, keys, w, out=out)
-    assert rel_err(out, rows.reference(x, keys, w, SILU)) <= TOL
+    assert rel_err(out, qwen.reference(x, keys, w, SILU)) <= TOL
 
 
 @pytest.mark.parametrize("kind", ["swiglu_bias", "relu2"])
