@@ -19,35 +19,46 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 import numpy as np
 import torch
 
 from _common import pcie_h2d_GBps, reduced_by, results_path, save
 
-from cupool.hostexperts import HostExperts, cpu_name, default_threads
+from cupool.cli import CLIParser, bounded_int, output_file, positive_int, run
+from cupool.hostexperts import ISA_BUILDS, HostExperts, cpu_name, default_threads
 from cupool.layout import RowLayout
 from cupool.store import HostStore
 from cupool.synthetic import random_experts
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--experts", type=int, default=192, help="rows in the store (default 192: "
-                   "about 490 MB at the default shape, past any CPU's last-level cache)")
-    p.add_argument("--threads", type=int, nargs="+", default=None,
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="bench_host_experts.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=bounded_int(16, multiple_of=16), default=2048)
+    p.add_argument("--intermediate", type=bounded_int(16, multiple_of=16), default=768)
+    p.add_argument("--experts", type=bounded_int(8), default=192, help="rows in the store "
+                   "(default 192: about 490 MB at the default shape, past any CPU's last-level "
+                   "cache)")
+    p.add_argument("--threads", type=bounded_int(1, 1024), nargs="+", default=None,
                    help="thread counts (default: 1, 2, 4, 8 up to the default and the default, "
                         "default_threads())")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--calls", type=int, default=200, help="timed calls a case")
-    p.add_argument("--isa", nargs="+", default=["native", "avx2"],
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 8])
+    p.add_argument("--rows", type=positive_int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--calls", type=positive_int, default=200, help="timed calls a case")
+    p.add_argument("--isa", nargs="+", choices=sorted(ISA_BUILDS), default=["native", "avx2"],
                    help="builds (HostExperts' isa); one whose loop another already used is "
                         "skipped (avx2 where the CPU has no AVX-512)")
-    p.add_argument("--json", type=str, default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--json", type=output_file, metavar="PATH")
+    return p
+
+
+def main(args) -> int:
+    p = build_parser()
+    if max(args.rows) > args.experts:
+        raise ValueError(f"--rows {max(args.rows)} is more than the store's --experts "
+                         f"{args.experts}")
 
     dflt = default_threads()
     threads = args.threads or sorted({t for t in (1, 2, 4, 8) if t < dflt} | {dflt})
@@ -125,4 +136,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run(main, build_parser()))

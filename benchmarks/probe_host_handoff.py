@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 
 import torch
 
 from _common import gpu_name, pcie_h2d_GBps
 
+from cupool import _cuda
+from cupool.cli import CLIParser, bounded_int, nonnegative_int, output_file, positive_int, run
 from cupool.hostexperts import HostExperts, Mailbox, cpu_name, default_threads
 from cupool.layout import RowLayout
 from cupool.ops import host_handoff
@@ -28,14 +31,19 @@ from cupool.store import HostStore
 from cupool.synthetic import random_experts
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experts-per-layer", type=int, nargs="+", default=[0, 1, 2, 4])
-    p.add_argument("--layers", type=int, default=48)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--replays", type=int, default=30)
-    p.add_argument("--json", type=str, default=None)
-    args = p.parse_args(argv)
+def build_parser() -> CLIParser:
+    p = CLIParser(prog="probe_host_handoff.py", description=__doc__,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts-per-layer", type=nonnegative_int, nargs="+", default=[0, 1, 2, 4])
+    p.add_argument("--layers", type=positive_int, default=48)
+    p.add_argument("--threads", type=bounded_int(1, 1024), default=None)
+    p.add_argument("--replays", type=positive_int, default=30)
+    p.add_argument("--json", type=output_file, metavar="PATH")
+    return p
+
+
+def main(args) -> int:
+    _cuda.require_gpu("the hand-off probe")
     H, I, L = 2048, 768, args.layers
     nmax = max(args.experts_per_layer)
     E = max(8, L * nmax)
@@ -116,4 +124,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run(main, build_parser()))

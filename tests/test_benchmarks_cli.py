@@ -35,7 +35,7 @@ MINE = ("bench_store.py", "bench_nvfp4.py", "bench_planner.py", "bench_gemm.py",
         "bench_long.py", "bench_prefix.py", "bench_ngram.py",
         "profile_attention.py", "profile_chain.py", "profile_decode.py", "profile_gemm.py",
         "profile_host.py",
-        "profile_read.py",
+        "profile_read.py", "bench_host_experts.py", "probe_host_handoff.py",
         "ncu_source.py") + EXAMPLE_SCRIPTS
 
 
@@ -61,6 +61,7 @@ NEEDS_GPU = [
     ["profile_gemm.py", "--sweep", "minb=4", "default"],
     ["profile_host.py", "--tokens", "64"],
     ["profile_read.py", "--skip-decode"],
+    ["probe_host_handoff.py", "--experts-per-layer", "0", "1"],
     ["decode_loop.py", "--small", "--bank", "1"],
     ["hf_generate.py", "--family", "mixtral"],
 ]
@@ -79,6 +80,7 @@ BAD_SUBPROCESS = [
     (["budget_report.py", "--budget", "lots"], "--budget"),
     (["decode_loop.py", "--tokens", "-3"], "--tokens"),
     (["decode_loop.py", "--bank", "1.5"], "--bank"),                     # a fraction, (0, 1]
+    (["bench_host_experts.py", "--threads", "0"], "--threads"),
 ]
 BAD = BAD_SUBPROCESS + [
     (["bench_store.py", "--sizes", "1MiB", "lots"], "--sizes"),
@@ -106,6 +108,10 @@ BAD = BAD_SUBPROCESS + [
     (["bench_serve.py", "--prefetch", "router", "--prefetch-accuracy", "2"], "--prefetch-accuracy"),
     (["bench_serve.py", "--promote", "often"], "--promote"),
     (["sim_policies.py", "--parts", "lru"], "--parts"),
+    (["bench_host_experts.py", "--isa", "sse"], "--isa"),
+    (["bench_host_experts.py", "--experts", "8", "--rows", "9"], "--rows"),
+    (["bench_host_experts.py", "--hidden", "100"], "--hidden"),
+    (["probe_host_handoff.py", "--layers", "0"], "--layers"),
     (["bench_long.py", "--bank", "5"], "--bank"),
     (["bench_ngram.py", "--batches", "0"], "--batches"),
     (["bench_long.py", "--soak-steps", "0"], "--soak-steps"),
