@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from cupool.activation import SILU, Activation
+from cupool.kernels import cache_root, kernel_dir
 from cupool.layout import RowLayout
 
 ERR_KEY, ERR_WEIGHT, ERR_ARGS, ERR_MEMORY = 1, 2, 4, 8      # host_experts.c's HX_ERR_*
@@ -52,8 +53,7 @@ class _Layout(ctypes.Structure):
 
 def cache_dir() -> Path:
     """Where compiled libraries are kept: $XDG_CACHE_HOME/cupool/host (default ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cupool" / "host"
+    return cache_root() / "host"
 
 
 def find_compiler() -> str:
@@ -108,7 +108,6 @@ def load_library(isa: str = "native") -> ctypes.CDLL:
     tests and benchmarks compare."""
     if isa not in ISA_BUILDS:
         raise ValueError(f"isa must be one of {sorted(ISA_BUILDS)}, got {isa!r}")
-    from cupool.kernels import kernel_dir
     src = kernel_dir() / SOURCE
     text = src.read_bytes()
     cc = find_compiler()
@@ -142,7 +141,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.hx_create.restype, lib.hx_create.argtypes = p, [i32, i64]
     lib.hx_destroy.restype, lib.hx_destroy.argtypes = None, [p]
-    lib.hx_threads.restype, lib.hx_threads.argtypes = i32, [p]
     lib.hx_isa.restype, lib.hx_isa.argtypes = i32, []
     run = [p, ctypes.POINTER(_Layout), p, i64, i32, i32, p, p, p, p]
     lib.hx_run.restype, lib.hx_run.argtypes = i32, run
@@ -305,10 +303,10 @@ class HostExperts:
         self._require_open()
         n = ctypes.c_uint()
         err = self._lib.hx_serve_stop(self._pool, ctypes.byref(n))
-        if self._mailbox is not None:
-            self._mailbox.served_by = None
-        self._mailbox = None
-        _raise(err & ~ERR_WEIGHT, 0, 0)
+        mb, self._mailbox = self._mailbox, None
+        if mb is not None:
+            mb.served_by = None
+            _raise(err & ~ERR_WEIGHT, mb.tokens, mb.lanes)
         return int(n.value)
 
     @property

@@ -120,10 +120,15 @@ _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
 
 
+def cache_root() -> Path:
+    """cupool's files that can be rebuilt: $XDG_CACHE_HOME/cupool (default ~/.cache/cupool)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cupool"
+
+
 def ptx_cache_dir() -> Path:
     """Where CUPOOL_ARCH builds keep their PTX files."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cupool" / "ptx"
+    return cache_root() / "ptx"
 
 
 def _ptx_file(name: str, text: str, opts: tuple[str, ...], sm: int) -> Path:

@@ -252,7 +252,6 @@ static float activate(const hx_layout* L, float g, float u) {
 typedef struct {
     int kind;                        // 0 an expert call, 1 a read of `bytes` (bandwidth probe)
     const hx_layout* L;
-    const int64_t* table;            // host address of each key
     int units;
     const int64_t* unit_row;         // [units] host address of the unit's row
     const int* unit_start;           // [units + 1] into unit_lane
@@ -358,7 +357,7 @@ static void phase1_item(hx_job* j, int p) {
 
 static void phase2_item(hx_job* j, int s) {
     const hx_layout* L = j->L;
-    const int64_t hp = L->hp, ip = L->ip, h0 = 16 * (int64_t)s, H = L->hidden;
+    const int64_t ip = L->ip, h0 = 16 * (int64_t)s, H = L->hidden;
     const int nch = (int)(ip / 64), rows = H - h0 < 16 ? (int)(H - h0) : 16;
     for (int t = 0; t < j->T; ++t) memset(j->out + t * H + h0, 0, rows * sizeof(float));
     for (int u = 0; u < j->units; ++u) {
@@ -381,7 +380,6 @@ static void phase2_item(hx_job* j, int s) {
             }
         }
     }
-    (void)hp;
 }
 
 // One thread's part of the current job.
@@ -465,12 +463,20 @@ static void run_job(hx_pool* p) {
     while (atomic_load(&p->finished) < p->threads - 1) hx_pause();
 }
 
-static int grow(void** buf, size_t* cap, size_t need, size_t elem) {
-    if (need <= *cap) return 0;
+// Replaces *buf with an uninitialised 64-byte aligned block of `bytes`; -1 (and *buf kept) if
+// there is no memory.
+static int renew(void** buf, size_t bytes) {
     void* q = NULL;
-    if (posix_memalign(&q, 64, need * elem)) return -1;
+    if (posix_memalign(&q, 64, bytes)) return -1;
     free(*buf);
     *buf = q;
+    return 0;
+}
+
+// *buf holds at least `need` elements of `elem` bytes (*cap of them now).
+static int grow(void** buf, size_t* cap, size_t need, size_t elem) {
+    if (need <= *cap) return 0;
+    if (renew(buf, need * elem)) return -1;
     *cap = need;
     return 0;
 }
@@ -527,8 +533,6 @@ void hx_destroy(hx_pool* p) {
     free(p);
 }
 
-int hx_threads(const hx_pool* p) { return p->threads; }
-
 // Which strip_dot this build has: 2 AVX-512, 1 AVX2 + FMA, 0 portable C.
 int hx_isa(void) { return HX_ISA; }
 
@@ -547,14 +551,12 @@ int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys,
         grow((void**)&p->ae, &p->ae_cap, (size_t)W * 2 * L->ip, sizeof(float)))
         return HX_ERR_MEMORY;
     if ((size_t)W > p->lane_cap) {
-        size_t cap = 0;
-        int bad = 0;
-        bad |= grow((void**)&p->unit_row, &cap, W, sizeof(int64_t)); cap = 0;
-        bad |= grow((void**)&p->unit_start, &cap, W + 1, sizeof(int)); cap = 0;
-        bad |= grow((void**)&p->unit_lane, &cap, W, sizeof(int)); cap = 0;
-        bad |= grow((void**)&p->lane_token, &cap, W, sizeof(int)); cap = 0;
-        bad |= grow((void**)&p->lane_unit, &cap, W, sizeof(int)); cap = 0;
-        bad |= grow((void**)&p->lane_w, &cap, W, sizeof(float));
+        const int bad = renew((void**)&p->unit_row, W * sizeof(int64_t))
+            | renew((void**)&p->unit_start, (W + 1) * sizeof(int))
+            | renew((void**)&p->unit_lane, W * sizeof(int))
+            | renew((void**)&p->lane_token, W * sizeof(int))
+            | renew((void**)&p->lane_unit, W * sizeof(int))
+            | renew((void**)&p->lane_w, W * sizeof(float));
         if (bad) {
             p->lane_cap = 0;
             return HX_ERR_MEMORY;
@@ -593,7 +595,6 @@ int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys,
     hx_job* j = &p->job;
     j->kind = 0;
     j->L = L;
-    j->table = table;
     j->units = units;
     j->unit_row = p->unit_row;
     j->unit_start = p->unit_start;
