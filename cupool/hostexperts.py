@@ -6,15 +6,20 @@ E experts a layer.
 A miss's row crosses PCIe before the GPU can use it (48 µs a 2.5 MB Qwen3-30B-A3B row on a 55 GB/s
 link, about twice that on PCIe 4.0). The host's cores can compute the same expert from the same
 bytes where they lie, as llama.cpp's `--n-cpu-moe` does; `HostExperts` is that computation:
-`rawkernels/host_experts.c` (AVX-512 or AVX2 + FMA where the CPU has them, else portable C), compiled
+`rawkernels/host_experts.c` (AVX-512 with VBMI and VNNI, or AVX2 + FMA, where the CPU has them, else
+portable C), compiled
 at first use with the machine's C compiler (`$CC`, else cc, gcc or clang; `-O3 -march=native`) into
 `$XDG_CACHE_HOME/cupool/host` (default ~/.cache/cupool/host), keyed by the source, the compiler's
 version, the flags and the CPU's flags. A pool of threads (spinning between calls, asleep after
 `spin_ms` idle) splits each call.
 
 It reads the store's rows in the kernel layout (`cupool.layout`), so it needs no second copy of the
-experts in host memory, and computes in float32 from the exact NVFP4 values: the result is the
-float reference's (`cupool.reference.moe.reference_moe`) to float32 rounding.
+experts in host memory. The weights are the exact NVFP4 values; the vectors they multiply (x and
+the act between w13 and w2) are quantized to int8 in blocks of 16 columns, the weights' own blocks,
+as llama.cpp's CPU path quantizes its activations, so each block's dot product is exact integer
+arithmetic and only the sums across blocks are float32. The result is
+`cupool.reference.moe.reference_moe_q8`'s to float32 rounding, and every build (and any thread
+count) gives the same bits.
 """
 
 from __future__ import annotations
@@ -38,10 +43,13 @@ from cupool.layout import RowLayout
 ERR_KEY, ERR_WEIGHT, ERR_ARGS, ERR_MEMORY = 1, 2, 4, 8      # host_experts.c's HX_ERR_*
 ACT_CODES = {"silu": 0, "swiglu_clamp": 1, "relu2": 2}
 SOURCE = "host_experts.c"
+EMULATION = "hx_avx512_emulated.h"        # the AVX-512 intrinsics in plain C (isa="avx512-emulated")
 FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-pthread")
-# builds: the best the CPU has, at most AVX2, none (host_experts.c's HX_ISA 2 / 1 / 0)
-ISA_BUILDS = {"native": (), "avx2": ("-DHX_NO_AVX512=1",), "portable": ("-DHX_PORTABLE=1",)}
-ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512"}
+# builds: the best the CPU has, at most AVX2, none (host_experts.c's HX_ISA 2 / 1 / 0), and the
+# AVX-512 loop over plain C definitions of its intrinsics (slow: how a CPU without AVX-512 checks it)
+ISA_BUILDS = {"native": (), "avx2": ("-DHX_NO_AVX512=1",), "portable": ("-DHX_PORTABLE=1",),
+              "avx512-emulated": ("-DHX_EMULATE_AVX512=1",)}
+ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512-emulated"}
 
 
 class _Layout(ctypes.Structure):
@@ -104,12 +112,13 @@ _LIBS_LOCK = threading.Lock()
 
 def load_library(isa: str = "native") -> ctypes.CDLL:
     """The compiled host_experts library (built on first use, then cached on disk and per process).
-    isa: "native" (the best this CPU has), "avx2" (no AVX-512) or "portable" (no SIMD): the builds
-    tests and benchmarks compare."""
+    isa: "native" (the best this CPU has), "avx2" (no AVX-512), "portable" (no SIMD) or
+    "avx512-emulated" (the AVX-512 loop one lane at a time, on any CPU): the builds tests and
+    benchmarks compare; all give the same bits."""
     if isa not in ISA_BUILDS:
         raise ValueError(f"isa must be one of {sorted(ISA_BUILDS)}, got {isa!r}")
     src = kernel_dir() / SOURCE
-    text = src.read_bytes()
+    text = src.read_bytes() + (kernel_dir() / EMULATION).read_bytes()
     cc = find_compiler()
     flags = FLAGS + ISA_BUILDS[isa]
     key = (str(src), text, cc, flags)
@@ -173,7 +182,8 @@ class HostExperts:
         threads: threads a call uses, the calling one included (default `default_threads()`).
         spin_ms: how long an idle worker spins for the next call before it sleeps (a call after
             that pays the wake-up).
-        isa: "native" (default), "avx2" or "portable": which build (`load_library`).
+        isa: "native" (default), "avx2", "portable" or "avx512-emulated": which build
+            (`load_library`).
     """
 
     def __init__(self, table: np.ndarray, layout: RowLayout, activation: Activation = SILU, *,

@@ -7,23 +7,42 @@
 // -1 padding) and a router weight. out[t, h] = Σ over token t's lanes, in lane order within a row,
 // rows in order of first use, of weight · (w2 · act(w13 · x_t + b13) + b2)[h], for h < H.
 //
-// How threads split it: the caller groups lanes into units (one a distinct row) and expands x;
-// then the caller and the pool's workers take items from two counters. Phase 1 item p: act strip
-// p (16 columns of I) of every unit, its gate and up strips (or the up strip alone) times the
-// unit's tokens; phase 2 item s: output strip s (16 rows of H) of every unit, written to out for
-// every token. Phase 2 starts once every phase-1 item is counted done (all act strips are in
-// place). An item's result does not depend on which thread runs it, so the output is the same
-// bit for bit for any thread count. Only phase-2 item s writes out[., 16s ... 16s + 15].
+// Numbers: the weights are the exact NVFP4 values; the vectors they multiply (x, and the act
+// between w13 and w2) are quantized to int8 per block of 16 columns, the weights' own blocks
+// (`quantize_block`: scale = amax / 127, q = rint(v · 127 / amax)), as llama.cpp's CPU path does
+// with its q8 blocks. A 16-column block's dot product is then an exact integer (the E2M1 codes
+// taken as 2·value, -12 … 12) times the two blocks' scales, accumulated in float32.
+// cupool/hostexperts.py's `reference_host` is the same computation in NumPy.
+//
+// How threads split a call: the caller groups lanes into units (one a distinct row) and quantizes
+// x; then the caller and the pool's workers take items from two counters. Phase 1 item p: act
+// block p (16 columns of I) of every unit, its gate and up strips (or the up strip alone) times
+// the unit's tokens, quantized; phase 2 item s: output strip s (16 rows of H) of every unit,
+// written to out for every token. Phase 2 starts once every phase-1 item is counted done. An
+// item's result does not depend on which thread runs it, and every build below does the same
+// float operations in the same order, so the output is the same bit for bit for any thread count
+// and any build. Only phase-2 item s writes out[., 16s ... 16s + 15].
 //
 // Inner loop: a strip (16 rows × Kp columns) is Kp/64 chunks of 32 lane blocks (16 bytes: 4
 // words of 8 E2M1 codes, rows g and g + 8, columns 16t ... 16t + 15 of the chunk, L = 4g + t) and
-// 64 scale bytes. A word's 8 codes are decoded with two variable shifts and one permute into 8
-// floats in slot order, rows g, g + 8 alternating, columns k0, k0, k0 + 2, k0 + 2, k0 + 1, k0 + 1,
-// k0 + 3, k0 + 3 (layout.py); x is expanded once into that order (`expand`), so each word is one
-// multiply-add against 8 contiguous floats. A lane block's 4 words share one block scale per row:
-// they are summed first, then scaled (pairs (s_g, s_g8) broadcast) into the strip's accumulator for
-// g. With AVX-512 a vector holds two words (16 slots); without AVX2 and FMA (or with HX_PORTABLE)
-// the same loops run one slot at a time.
+// 64 scale bytes. A word's 16-bit half u holds (layout.py) row g's columns k, k + 2 (magnitudes at
+// bits 0 and 6, signs at 13 and 15) and row g + 8's (bits 3 and 9; signs 12 and 14). Each half is
+// turned into two bytes for row g and two for row g + 8, each a 4-bit index (sign · 8 + magnitude)
+// into a table of the code's value + 12 (unsigned, what the unsigned × signed byte products take);
+// so a word gives 4 weights of each row at columns k0, k0 + 2, k0 + 1, k0 + 3, and the int8
+// vectors are stored in that order (BPOS). A word's integer dot product is Σ (w + 12)·q − 12·Σ q,
+// the second term kept with the vector (`c`). Row r's 16 float32 accumulators are its chunk's
+// 4 blocks × 4 words: acc[4t + q] += float(D) · (block scale(r, t) · vector scale(t)), fused
+// multiply-adds in chunk order, summed by `reduce16` at the end.
+//  - AVX-512 (F, BW, VBMI, VNNI): a vector is a chunk's 4 lane blocks of row pair g; the index
+//    bytes come from vpmultishiftqb (magnitudes, signs) and one ternary logic, the weights from
+//    vpermb, the products from vpdpbusd.
+//  - AVX2 + FMA: a vector is 2 lane blocks; the index bytes come from shifts and masks of 16-bit
+//    halves, the weights from vpshufb, the products from vpmaddubsw and vpmaddwd.
+//  - portable C (no AVX2 and FMA, or HX_PORTABLE): the same integers and float operations one at a
+//    time.
+// HX_EMULATE_AVX512 builds the AVX-512 loop over hx_avx512_emulated.h's plain C definitions of its
+// intrinsics, so a CPU without AVX-512 checks that loop's indexing (isa="avx512-emulated").
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
@@ -33,19 +52,21 @@
 #include <string.h>
 #include <time.h>
 
-// HX_ISA: 2 AVX-512 (F), 1 AVX2 + FMA, 0 portable C; the best the compiler's target allows, less
-// with -DHX_NO_AVX512 or -DHX_PORTABLE (the builds tests and benchmarks compare).
-#if !defined(HX_PORTABLE) && defined(__AVX512F__) && !defined(HX_NO_AVX512)
+// HX_ISA: 2 AVX-512 (F, BW, VBMI, VNNI), 1 AVX2 + FMA + F16C, 0 portable C; the best the compiler's
+// target allows, less with -DHX_NO_AVX512 or -DHX_PORTABLE (the builds tests and benchmarks
+// compare). hx_isa() reports 3 for the emulated AVX-512 build.
+#if defined(HX_EMULATE_AVX512)
 #define HX_ISA 2
-#elif !defined(HX_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+#include "hx_avx512_emulated.h"
+#elif !defined(HX_PORTABLE) && !defined(HX_NO_AVX512) && defined(__AVX512F__) && \
+    defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define HX_ISA 2
+#elif !defined(HX_PORTABLE) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HX_ISA 1
 #else
 #define HX_ISA 0
 #endif
-#if HX_ISA
-#include <immintrin.h>
-#endif
-#if defined(__x86_64__) || defined(__i386__)
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(HX_EMULATE_AVX512)
 #include <immintrin.h>
 #define hx_pause() _mm_pause()
 #elif defined(__aarch64__)
@@ -56,7 +77,10 @@
 
 #define HEADER_BYTES 256
 #define CHUNK_BYTES 576      // 512 bytes of codes, then 64 scale bytes (layout.py)
-#define TB 4                 // tokens of a unit multiplied against one decoded word at a time
+#define TB 4                 // tokens of a unit multiplied against one decoded chunk at a time
+#define CODE_BIAS 12         // the weight table's offset: 2·|E2M1| <= 12
+
+#define HX_INLINE static inline __attribute__((always_inline))
 
 #define HX_ERR_KEY 1         // a key outside [-1, n_keys): nothing computed
 #define HX_ERR_WEIGHT 2      // a non-finite weight on a routed lane: the lane is dropped
@@ -72,7 +96,20 @@ typedef struct {
     float alpha, limit;              // clamped SwiGLU only
 } hx_layout;
 
+// A quantized vector of kp columns (kp a multiple of 64): what a strip is multiplied with.
+typedef struct {
+    const int8_t* q;                 // [kp] codes, each word's 4 columns in BPOS order
+    const float* s;                  // [kp / 8] each 16-column block's scale, twice
+    const int32_t* c;                // [kp / 4] -12 · the sum of each word's 4 codes
+} hx_vec;
+
 static float E4M3[256];
+
+// index (sign · 8 + magnitude) -> 2·E2M1 value + CODE_BIAS
+static const int8_t WEIGHT_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+// Where column 4m + r of a vector sits among its quantized codes: byte 4m + BPOS[r].
+static const int BPOS[4] = {0, 2, 1, 3};
 
 static void init_tables(void) {
     for (int b = 0; b < 256; ++b) {
@@ -85,151 +122,247 @@ static void init_tables(void) {
     }
 }
 
-// --- one strip times up to TB expanded vectors --------------------------------------------------
-// y[b][r] = Σ_k code(r, k) · scale(r, k / 16) · x_b[k] for the strip's 16 rows r (no global scale).
-// xe[b]: token b's expanded vector (`expand`), 2·Kp floats.
+// The sum of a row's 16 accumulators (lane 4t + q), in one order for every build.
+static float reduce16(const float a[16]) {
+    float v8[8], v4[4];
+    for (int i = 0; i < 8; ++i) v8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; ++i) v4[i] = v8[i] + v8[i + 4];
+    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+}
+
+#if HX_ISA
+// The 8 E4M3 block scales at p as floats, exactly: an E4M3 byte's bits moved into a half float
+// (sign at 15, exponent and mantissa at 7 ... 13) are the same number times 2^-8, normal or not;
+// the NaN codes (0x7F, 0xFF) become a half-float NaN. Same values as E4M3[].
+static inline __m256 block_scales(const uint8_t* p) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16((short)0x8000)));
+    h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7E00)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+#endif
+
+// --- one strip times up to TB quantized vectors -------------------------------------------------
+// y[b][r] = Σ_k 2·code(r, k) · scale(r, k / 16) · x_b[k] for the strip's 16 rows r (no global
+// scale, no 1/2).
 #if HX_ISA == 2
-// Two words a vector: 16 slots, words q and q + 1 of the lane block.
-static void strip_dot(const uint8_t* strip, int nch, const float* const* xe, int nb,
-                      float y[TB][16]) {
-    // a 16-entry permute reads 4 index bits; the 4th is a neighbour field's, so the table repeats
-    const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                        0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    const __m512i mag_shift = _mm512_setr_epi32(0, 3, 6, 9, 16, 19, 22, 25,
-                                                0, 3, 6, 9, 16, 19, 22, 25);
-    const __m512i sign_shift = _mm512_setr_epi32(18, 19, 16, 17, 2, 3, 0, 1,
-                                                 18, 19, 16, 17, 2, 3, 0, 1);
-    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u);
-    const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i hi = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+HX_INLINE void strip_dot_n(const uint8_t* strip, int nch, const hx_vec* xv, const int nb, float y[TB][16]) {
+    // vpmultishiftqb controls: for each 16-bit half i of a 64-bit word, the bit offsets that put
+    // row g's magnitudes (bits 0, 6) and signs (13, 15; at bit 3 of the byte) and row g + 8's
+    // (3, 9; 12, 14) into the low bits of two bytes
+    static const uint8_t CTL[4][8] = {{0, 6, 16, 22, 32, 38, 48, 54},     // row g, magnitudes
+                                      {10, 12, 26, 28, 42, 44, 58, 60},   // row g, signs
+                                      {3, 9, 19, 25, 35, 41, 51, 57},     // row g + 8, magnitudes
+                                      {9, 11, 25, 27, 41, 43, 57, 59}};   // row g + 8, signs
+    static const int32_t SPREAD[2][16] = {{0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6},
+                                          {1, 1, 1, 1, 3, 3, 3, 3, 5, 5, 5, 5, 7, 7, 7, 7}};
+    uint8_t ctl[4][64], lut[64];
+    for (int i = 0; i < 64; ++i) {
+        for (int k = 0; k < 4; ++k) ctl[k][i] = CTL[k][i % 8];
+        lut[i] = (uint8_t)WEIGHT_U[i % 16];   // vpermb reads 6 index bits; bits 4, 5 are noise
+    }
+    const __m512i ctl_ag = _mm512_loadu_si512(ctl[0]), ctl_sg = _mm512_loadu_si512(ctl[1]);
+    const __m512i ctl_ag8 = _mm512_loadu_si512(ctl[2]), ctl_sg8 = _mm512_loadu_si512(ctl[3]);
+    const __m512i table = _mm512_loadu_si512(lut), low3 = _mm512_set1_epi8(7);
+    const __m512i spread_g = _mm512_loadu_si512(SPREAD[0]), spread_g8 = _mm512_loadu_si512(SPREAD[1]);
     for (int g = 0; g < 8; ++g) {
-        __m512 acc[TB];
-        for (int b = 0; b < TB; ++b) acc[b] = _mm512_setzero_ps();
+        __m512 acc[TB][2];
+        for (int b = 0; b < TB; ++b) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
         for (int c = 0; c < nch; ++c) {
             const uint8_t* ch = strip + (int64_t)c * CHUNK_BYTES;
-            for (int t = 0; t < 4; ++t) {
-                const int L = 4 * g + t;
-                const __m512i blk = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(ch + 16 * L)));
-                const float pair[2] = {E4M3[ch[512 + 2 * L]], E4M3[ch[513 + 2 * L]]};
-                double pd;
-                memcpy(&pd, pair, sizeof pd);
-                const __m512 sv = _mm512_castpd_ps(_mm512_set1_pd(pd));   // s_g, s_g8, ...
-                __m512 tmp[TB];
-                for (int b = 0; b < TB; ++b) tmp[b] = _mm512_setzero_ps();
-                const int m0 = 16 * c + 4 * t;
-                for (int half = 0; half < 2; ++half) {
-                    const __m512i v = _mm512_permutexvar_epi32(half ? hi : lo, blk);
-                    const __m512 mag = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, mag_shift), table);
-                    // mag ^ (sign moved to bit 31 & the sign bit): ternary-logic table 0x78
-                    const __m512 dec = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
-                        _mm512_castps_si512(mag), _mm512_sllv_epi32(v, sign_shift), sign_bit, 0x78));
-                    for (int b = 0; b < TB; ++b)
-                        if (b < nb)
-                            tmp[b] = _mm512_fmadd_ps(dec, _mm512_loadu_ps(xe[b] + 8 * (m0 + 2 * half)), tmp[b]);
-                }
-                for (int b = 0; b < TB; ++b)
-                    if (b < nb) acc[b] = _mm512_fmadd_ps(tmp[b], sv, acc[b]);
+            const __m512i v = _mm512_loadu_si512(ch + 64 * g);          // lane blocks 4g ... 4g + 3
+            // (magnitude & 7) | (sign byte & ~7): ternary-logic table 0xE4 (c ? a : b)
+            const __m512i wg = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(
+                _mm512_multishift_epi64_epi8(ctl_ag, v), _mm512_multishift_epi64_epi8(ctl_sg, v),
+                low3, 0xE4), table);
+            const __m512i wg8 = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(
+                _mm512_multishift_epi64_epi8(ctl_ag8, v), _mm512_multishift_epi64_epi8(ctl_sg8, v),
+                low3, 0xE4), table);
+            const __m256 sw = block_scales(ch + 512 + 8 * g);     // (g, t), (g + 8, t), t = 0 ... 3
+            for (int b = 0; b < TB; ++b) {
+                if (b >= nb) break;
+                const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(sw, _mm256_loadu_ps(xv[b].s + 8 * c)));
+                const __m512i x = _mm512_loadu_si512(xv[b].q + 64 * c);
+                const __m512i nc = _mm512_loadu_si512(xv[b].c + 16 * c);
+                acc[b][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(nc, wg, x)),
+                                            _mm512_permutexvar_ps(spread_g, p), acc[b][0]);
+                acc[b][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(nc, wg8, x)),
+                                            _mm512_permutexvar_ps(spread_g8, p), acc[b][1]);
             }
         }
         for (int b = 0; b < nb; ++b) {
             float a[16];
-            _mm512_storeu_ps(a, acc[b]);
-            y[b][g] = ((a[0] + a[2]) + (a[4] + a[6])) + ((a[8] + a[10]) + (a[12] + a[14]));
-            y[b][g + 8] = ((a[1] + a[3]) + (a[5] + a[7])) + ((a[9] + a[11]) + (a[13] + a[15]));
+            _mm512_storeu_ps(a, acc[b][0]);
+            y[b][g] = reduce16(a);
+            _mm512_storeu_ps(a, acc[b][1]);
+            y[b][g + 8] = reduce16(a);
         }
     }
 }
 #elif HX_ISA == 1
-static void strip_dot(const uint8_t* strip, int nch, const float* const* xe, int nb,
-                      float y[TB][16]) {
-    const __m256 table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
-    // slot n = 4h + j: magnitude at bit 16h + 3j, sign at 16h + 12 + (j ^ 1) (moved to bit 31)
-    const __m256i mag_shift = _mm256_setr_epi32(0, 3, 6, 9, 16, 19, 22, 25);
-    const __m256i sign_shift = _mm256_setr_epi32(18, 19, 16, 17, 2, 3, 0, 1);
-    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
+// Index bytes of 16 halves: rows g (*wg) and g + 8 (*wg8), each half's two columns in order.
+static inline void decode16(__m256i u, __m256i table, __m256i* wg, __m256i* wg8) {
+    const __m256i m0007 = _mm256_set1_epi16(0x0007), m0008 = _mm256_set1_epi16(0x0008);
+    const __m256i m0700 = _mm256_set1_epi16(0x0700), m0800 = _mm256_set1_epi16(0x0800);
+    const __m256i m0807 = _mm256_set1_epi16(0x0807);
+    // row g: magnitude bits 0-2 -> 0-2, sign 13 -> 3; magnitude 6-8 -> 8-10, sign 15 -> 11
+    const __m256i ig = _mm256_or_si256(
+        _mm256_or_si256(_mm256_and_si256(u, m0007), _mm256_and_si256(_mm256_srli_epi16(u, 10), m0008)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(u, 2), m0700),
+                        _mm256_and_si256(_mm256_srli_epi16(u, 4), m0800)));
+    // row g + 8: magnitude 3-5 -> 0-2 and sign 14 -> 11 (one shift), sign 12 -> 3, magnitude 9-11 -> 8-10
+    const __m256i ig8 = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi16(u, 3), m0807),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(u, 9), m0008),
+                        _mm256_and_si256(_mm256_srli_epi16(u, 1), m0700)));
+    *wg = _mm256_shuffle_epi8(table, ig);
+    *wg8 = _mm256_shuffle_epi8(table, ig8);
+}
+
+static inline __m256 word_dots(__m256i w, __m256i x, __m256i nc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones), nc));
+}
+
+HX_INLINE void strip_dot_n(const uint8_t* strip, int nch, const hx_vec* xv, const int nb, float y[TB][16]) {
+    // WEIGHT_U in each 128-bit half (vpshufb looks up within halves)
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)WEIGHT_U));
+    const __m256i sp_g01 = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m256i sp_g801 = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
+    const __m256i sp_g23 = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
+    const __m256i sp_g823 = _mm256_setr_epi32(5, 5, 5, 5, 7, 7, 7, 7);
     for (int g = 0; g < 8; ++g) {
-        __m256 acc[TB];
-        for (int b = 0; b < TB; ++b) acc[b] = _mm256_setzero_ps();
+        __m256 acc[TB][4];   // row g lanes 0-7, 8-15; row g + 8 lanes 0-7, 8-15
+        for (int b = 0; b < TB; ++b)
+            for (int i = 0; i < 4; ++i) acc[b][i] = _mm256_setzero_ps();
         for (int c = 0; c < nch; ++c) {
             const uint8_t* ch = strip + (int64_t)c * CHUNK_BYTES;
-            for (int t = 0; t < 4; ++t) {
-                const int L = 4 * g + t;
-                const uint32_t* w = (const uint32_t*)(ch + 16 * L);
-                const float pair[2] = {E4M3[ch[512 + 2 * L]], E4M3[ch[513 + 2 * L]]};
-                double pd;
-                memcpy(&pd, pair, sizeof pd);
-                const __m256 sv = _mm256_castpd_ps(_mm256_set1_pd(pd));   // s_g, s_g8, ...
-                __m256 tmp[TB];
-                for (int b = 0; b < TB; ++b) tmp[b] = _mm256_setzero_ps();
-                const int m0 = 16 * c + 4 * t;
-                for (int q = 0; q < 4; ++q) {
-                    const __m256i v = _mm256_set1_epi32((int)w[q]);
-                    const __m256 mag = _mm256_permutevar8x32_ps(table, _mm256_srlv_epi32(v, mag_shift));
-                    const __m256i sg = _mm256_and_si256(_mm256_sllv_epi32(v, sign_shift), sign_bit);
-                    const __m256 dec = _mm256_xor_ps(mag, _mm256_castsi256_ps(sg));
-                    for (int b = 0; b < TB; ++b)
-                        if (b < nb)
-                            tmp[b] = _mm256_fmadd_ps(dec, _mm256_loadu_ps(xe[b] + 8 * (m0 + q)), tmp[b]);
-                }
-                for (int b = 0; b < TB; ++b)
-                    if (b < nb) acc[b] = _mm256_fmadd_ps(tmp[b], sv, acc[b]);
+            __m256i wg01, wg801, wg23, wg823;
+            decode16(_mm256_loadu_si256((const __m256i*)(ch + 64 * g)), table, &wg01, &wg801);
+            decode16(_mm256_loadu_si256((const __m256i*)(ch + 64 * g + 32)), table, &wg23, &wg823);
+            const __m256 sw = block_scales(ch + 512 + 8 * g);     // (g, t), (g + 8, t), t = 0 ... 3
+            for (int b = 0; b < TB; ++b) {
+                if (b >= nb) break;
+                const __m256 p = _mm256_mul_ps(sw, _mm256_loadu_ps(xv[b].s + 8 * c));
+                const __m256i x01 = _mm256_loadu_si256((const __m256i*)(xv[b].q + 64 * c));
+                const __m256i x23 = _mm256_loadu_si256((const __m256i*)(xv[b].q + 64 * c + 32));
+                const __m256i c01 = _mm256_loadu_si256((const __m256i*)(xv[b].c + 16 * c));
+                const __m256i c23 = _mm256_loadu_si256((const __m256i*)(xv[b].c + 16 * c + 8));
+                acc[b][0] = _mm256_fmadd_ps(word_dots(wg01, x01, c01), _mm256_permutevar8x32_ps(p, sp_g01), acc[b][0]);
+                acc[b][1] = _mm256_fmadd_ps(word_dots(wg23, x23, c23), _mm256_permutevar8x32_ps(p, sp_g23), acc[b][1]);
+                acc[b][2] = _mm256_fmadd_ps(word_dots(wg801, x01, c01), _mm256_permutevar8x32_ps(p, sp_g801), acc[b][2]);
+                acc[b][3] = _mm256_fmadd_ps(word_dots(wg823, x23, c23), _mm256_permutevar8x32_ps(p, sp_g823), acc[b][3]);
             }
         }
         for (int b = 0; b < nb; ++b) {
-            float a[8];
-            _mm256_storeu_ps(a, acc[b]);
-            y[b][g] = (a[0] + a[2]) + (a[4] + a[6]);
-            y[b][g + 8] = (a[1] + a[3]) + (a[5] + a[7]);
+            float a[16];
+            _mm256_storeu_ps(a, acc[b][0]);
+            _mm256_storeu_ps(a + 8, acc[b][1]);
+            y[b][g] = reduce16(a);
+            _mm256_storeu_ps(a, acc[b][2]);
+            _mm256_storeu_ps(a + 8, acc[b][3]);
+            y[b][g + 8] = reduce16(a);
         }
     }
 }
 #else
-static const float E2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-
-static void strip_dot(const uint8_t* strip, int nch, const float* const* xe, int nb,
-                      float y[TB][16]) {
+HX_INLINE void strip_dot_n(const uint8_t* strip, int nch, const hx_vec* xv, const int nb, float y[TB][16]) {
     for (int g = 0; g < 8; ++g) {
-        float acc[TB][8] = {{0}};
+        float acc[TB][2][16] = {{{0}}};
         for (int c = 0; c < nch; ++c) {
             const uint8_t* ch = strip + (int64_t)c * CHUNK_BYTES;
             for (int t = 0; t < 4; ++t) {
                 const int L = 4 * g + t;
-                const float s[2] = {E4M3[ch[512 + 2 * L]], E4M3[ch[513 + 2 * L]]};
-                float tmp[TB][8] = {{0}};
+                const float sw[2] = {E4M3[ch[512 + 2 * L]], E4M3[ch[513 + 2 * L]]};
                 for (int q = 0; q < 4; ++q) {
-                    uint32_t v;
-                    memcpy(&v, ch + 16 * L + 4 * q, 4);
-                    const float* xq[TB];
-                    for (int b = 0; b < nb; ++b) xq[b] = xe[b] + 8 * (16 * c + 4 * t + q);
-                    for (int n = 0; n < 8; ++n) {
-                        const int h = n >> 2, j = n & 3;
-                        const float mag = E2M1[(v >> (16 * h + 3 * j)) & 7];
-                        const float d = ((v >> (16 * h + 12 + (j ^ 1))) & 1) ? -mag : mag;
-                        for (int b = 0; b < nb; ++b) tmp[b][n] += d * xq[b][n];
+                    uint8_t idx[2][4];           // rows g, g + 8: columns k0, k0 + 2, k0 + 1, k0 + 3
+                    for (int h = 0; h < 2; ++h) {
+                        const unsigned u = ch[16 * L + 4 * q + 2 * h] | (unsigned)ch[16 * L + 4 * q + 2 * h + 1] << 8;
+                        idx[0][2 * h] = (uint8_t)((u & 7) | ((u >> 10) & 8));
+                        idx[0][2 * h + 1] = (uint8_t)(((u >> 6) & 7) | ((u >> 12) & 8));
+                        idx[1][2 * h] = (uint8_t)(((u >> 3) & 7) | ((u >> 9) & 8));
+                        idx[1][2 * h + 1] = (uint8_t)(((u >> 9) & 7) | ((u >> 11) & 8));
+                    }
+                    const int m = 16 * c + 4 * t + q;   // the word's index in the vector
+                    for (int b = 0; b < nb; ++b) {
+                        const float p = sw[0] * xv[b].s[2 * (4 * c + t)];
+                        const float p8 = sw[1] * xv[b].s[2 * (4 * c + t) + 1];
+                        for (int r = 0; r < 2; ++r) {
+                            int32_t d = xv[b].c[m];
+                            for (int i = 0; i < 4; ++i) d += WEIGHT_U[idx[r][i]] * xv[b].q[4 * m + i];
+                            acc[b][r][4 * t + q] = fmaf((float)d, r ? p8 : p, acc[b][r][4 * t + q]);
+                        }
                     }
                 }
-                for (int b = 0; b < nb; ++b)
-                    for (int n = 0; n < 8; ++n) acc[b][n] += tmp[b][n] * s[n & 1];
             }
         }
         for (int b = 0; b < nb; ++b) {
-            y[b][g] = (acc[b][0] + acc[b][2]) + (acc[b][4] + acc[b][6]);
-            y[b][g + 8] = (acc[b][1] + acc[b][3]) + (acc[b][5] + acc[b][7]);
+            y[b][g] = reduce16(acc[b][0]);
+            y[b][g + 8] = reduce16(acc[b][1]);
         }
     }
 }
 #endif
 
-// Where column k of a vector sits in its expanded form: 8 floats a group of 4 columns, in a word's
-// slot order (column 4m + r at 8m + POS[r] and the next float).
-static const int POS[4] = {0, 4, 2, 6};
+// Quantized vectors, n of them of kp columns each, one after another (scratch of a call).
+typedef struct {
+    int8_t* q;                       // [n][kp]
+    float* s;                        // [n][kp / 8]
+    int32_t* c;                      // [n][kp / 4]
+    size_t cap;                      // columns the buffers hold, all vectors together
+} hx_vecs;
 
-static void expand(const float* x, int64_t n, int64_t kp, float* xe) {
-    for (int64_t k = 0; k < kp; ++k) {
-        const float v = k < n ? x[k] : 0.0f;
-        float* p = xe + 8 * (k / 4) + POS[k % 4];
-        p[0] = v;
-        p[1] = v;
+// strip_dot_n with nb a constant in each case, so the token loops unroll and the accumulators
+// stay in registers.
+static void strip_dot(const uint8_t* strip, int nch, const hx_vec* xv, int nb, float y[TB][16]) {
+    switch (nb) {
+    case 1: strip_dot_n(strip, nch, xv, 1, y); break;
+    case 2: strip_dot_n(strip, nch, xv, 2, y); break;
+    case 3: strip_dot_n(strip, nch, xv, 3, y); break;
+    default: strip_dot_n(strip, nch, xv, TB, y); break;
+    }
+}
+
+// Quantizes block `blk` (columns 16·blk ...) of vector n (kp columns) of x from its 16 values v:
+// scale amax / 127, codes rint(v · (127 / amax)); a block with a NaN or an infinity gets a NaN
+// scale (so what it touches is NaN, as the float computation's would be) and zero codes.
+static void quantize_block(const float v[16], hx_vecs* x, int64_t n, int64_t kp, int64_t blk) {
+    int8_t* q = x->q + n * kp;
+    float* s = x->s + n * kp / 8;
+    int32_t* c = x->c + n * kp / 4;
+    float amax = 0.0f;
+    int finite = 1;
+    for (int r = 0; r < 16; ++r) {
+        const float a = fabsf(v[r]);
+        finite &= isfinite(a) != 0;
+        amax = a > amax ? a : amax;
+    }
+    const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int w = 0; w < 4; ++w) {
+        int32_t sum = 0;
+        for (int r = 0; r < 4; ++r) {
+            const int code = finite ? (int)nearbyintf(v[4 * w + r] * inv) : 0;
+            q[16 * blk + 4 * w + BPOS[r]] = (int8_t)code;
+            sum += code;
+        }
+        c[4 * blk + w] = -CODE_BIAS * sum;
+    }
+    s[2 * blk] = s[2 * blk + 1] = finite ? amax / 127.0f : NAN;
+}
+
+// Vector n of x (n from 0) of length kp: x + n·kp with (q, s, c) as hx_vec has them.
+static hx_vec vec_at(const hx_vecs* x, int64_t n, int64_t kp) {
+    const hx_vec r = {x->q + n * kp, x->s + n * kp / 8, x->c + n * kp / 4};
+    return r;
+}
+
+// Quantizes vector n (kp columns) of x from v [cols] (columns past cols are zero).
+static void quantize(const float* v, int64_t cols, hx_vecs* x, int64_t n, int64_t kp) {
+    for (int64_t blk = 0; blk < kp / 16; ++blk) {
+        float b[16];
+        for (int r = 0; r < 16; ++r) b[r] = 16 * blk + r < cols ? v[16 * blk + r] : 0.0f;
+        quantize_block(b, x, n, kp, blk);
     }
 }
 
@@ -258,8 +391,8 @@ typedef struct {
     const int* unit_lane;            // lanes of the units, unit by unit, in lane order
     const int* lane_token;           // [W]
     const float* lane_w;             // [W] (0 for dropped lanes)
-    const float* xe;                 // [T][2·Hp]
-    float* ae;                       // [W][2·Ip] the lanes' expanded act rows
+    const hx_vecs* xq;               // T vectors of Hp columns: the tokens' x, quantized
+    hx_vecs* aq;                     // W vectors of Ip columns: the lanes' act rows, quantized
     float* out;                      // [T][H]
     int T;
     int n1, n2;                      // items of the two phases
@@ -295,8 +428,7 @@ typedef struct hx_pool {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     hx_job job;
-    float *xe, *ae;                  // scratch, grown as calls need
-    size_t xe_cap, ae_cap;
+    hx_vecs xq, aq;                  // scratch, grown as calls need
     int64_t *unit_row;
     int *unit_start, *unit_lane, *lane_token, *lane_unit;
     float* lane_w;
@@ -328,28 +460,28 @@ static void phase1_item(hx_job* j, int p) {
         const float* bias = L->bias_offset >= 0 ? (const float*)(row + L->bias_offset) : NULL;
         for (int i0 = j->unit_start[u]; i0 < j->unit_start[u + 1]; i0 += TB) {
             const int nb = j->unit_start[u + 1] - i0 < TB ? j->unit_start[u + 1] - i0 : TB;
-            const float* xe[TB];
-            for (int b = 0; b < nb; ++b)
-                xe[b] = j->xe + 2 * hp * j->lane_token[j->unit_lane[i0 + b]];
+            hx_vec xv[TB];
+            for (int b = 0; b < nb; ++b) xv[b] = vec_at(j->xq, j->lane_token[j->unit_lane[i0 + b]], hp);
             float yu[TB][16], yg[TB][16];
-            strip_dot(up_strip, nch, xe, nb, yu);
-            if (L->gated) strip_dot(gate_strip, nch, xe, nb, yg);
+            strip_dot(up_strip, nch, xv, nb, yu);
+            if (L->gated) strip_dot(gate_strip, nch, xv, nb, yg);
+            // the codes count 2·E2M1: half of each global scale
+            const float su = 0.5f * hs[1], sg = 0.5f * hs[0];
             for (int b = 0; b < nb; ++b) {
-                float* ae = j->ae + 2 * ip * j->unit_lane[i0 + b];
+                const int64_t lane = j->unit_lane[i0 + b];
+                float a[16];
                 for (int r = 0; r < 16; ++r) {
                     const int64_t col = 16 * (int64_t)p + r;
-                    float up = yu[b][r] * hs[1], gate = 0.0f;
-                    if (L->gated) gate = yg[b][r] * hs[0];
+                    float up = yu[b][r] * su, gate = 0.0f;
+                    if (L->gated) gate = yg[b][r] * sg;
                     if (bias) {
                         gate += bias[col];
                         up += bias[ip + col];
                     }
                     // columns past I are zero weights (and zero biases) and stay zero
-                    const float a = col < L->inter ? activate(L, gate, up) : 0.0f;
-                    float* q = ae + 8 * (col / 4) + POS[col % 4];
-                    q[0] = a;
-                    q[1] = a;
+                    a[r] = col < L->inter ? activate(L, gate, up) : 0.0f;
                 }
+                quantize_block(a, j->aq, lane, ip, p);
             }
         }
     }
@@ -362,16 +494,16 @@ static void phase2_item(hx_job* j, int s) {
     for (int t = 0; t < j->T; ++t) memset(j->out + t * H + h0, 0, rows * sizeof(float));
     for (int u = 0; u < j->units; ++u) {
         const uint8_t* row = (const uint8_t*)(intptr_t)j->unit_row[u];
-        const float gs = ((const float*)row)[2];
+        const float gs = 0.5f * ((const float*)row)[2];   // the codes count 2·E2M1
         const uint8_t* strip = row + L->w2_offset + s * 9 * ip;
         const float* bias = L->bias_offset >= 0
             ? (const float*)(row + L->bias_offset) + 2 * ip + h0 : NULL;
         for (int i0 = j->unit_start[u]; i0 < j->unit_start[u + 1]; i0 += TB) {
             const int nb = j->unit_start[u + 1] - i0 < TB ? j->unit_start[u + 1] - i0 : TB;
-            const float* ae[TB];
-            for (int b = 0; b < nb; ++b) ae[b] = j->ae + 2 * ip * j->unit_lane[i0 + b];
+            hx_vec av[TB];
+            for (int b = 0; b < nb; ++b) av[b] = vec_at(j->aq, j->unit_lane[i0 + b], ip);
             float y[TB][16];
-            strip_dot(strip, nch, ae, nb, y);
+            strip_dot(strip, nch, av, nb, y);
             for (int b = 0; b < nb; ++b) {
                 const int lane = j->unit_lane[i0 + b];
                 const float w = j->lane_w[lane];
@@ -473,11 +605,15 @@ static int renew(void** buf, size_t bytes) {
     return 0;
 }
 
-// *buf holds at least `need` elements of `elem` bytes (*cap of them now).
-static int grow(void** buf, size_t* cap, size_t need, size_t elem) {
-    if (need <= *cap) return 0;
-    if (renew(buf, need * elem)) return -1;
-    *cap = need;
+// v holds at least `cols` columns of quantized vectors.
+static int grow_vecs(hx_vecs* v, size_t cols) {
+    if (cols <= v->cap) return 0;
+    if (renew((void**)&v->q, cols) || renew((void**)&v->s, cols / 8 * sizeof(float)) ||
+        renew((void**)&v->c, cols / 4 * sizeof(int32_t))) {
+        v->cap = 0;                              // some were replaced: none is known to fit
+        return -1;
+    }
+    v->cap = cols;
     return 0;
 }
 
@@ -522,8 +658,12 @@ void hx_destroy(hx_pool* p) {
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     free(p->tid);
-    free(p->xe);
-    free(p->ae);
+    for (int k = 0; k < 2; ++k) {
+        hx_vecs* v = k ? &p->aq : &p->xq;
+        free(v->q);
+        free(v->s);
+        free(v->c);
+    }
     free(p->unit_row);
     free(p->unit_start);
     free(p->unit_lane);
@@ -533,8 +673,13 @@ void hx_destroy(hx_pool* p) {
     free(p);
 }
 
-// Which strip_dot this build has: 2 AVX-512, 1 AVX2 + FMA, 0 portable C.
+// Which strip_dot this build has: 2 AVX-512, 1 AVX2 + FMA, 0 portable C, 3 AVX-512 over emulated
+// intrinsics.
+#if defined(HX_EMULATE_AVX512)
+int hx_isa(void) { return 3; }
+#else
 int hx_isa(void) { return HX_ISA; }
+#endif
 
 // out [T, H] = the experts of T·K lanes (keys [T·K]: layer·E + expert into table [n_keys] of host
 // row addresses, -1 padding; weights [T·K]) applied to x [T, H] (float32, rows of H). Returns
@@ -547,8 +692,7 @@ int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys,
     int err = 0;
     for (int i = 0; i < W; ++i)
         if (keys[i] < -1 || keys[i] >= n_keys) return HX_ERR_KEY;
-    if (grow((void**)&p->xe, &p->xe_cap, (size_t)T * 2 * L->hp, sizeof(float)) ||
-        grow((void**)&p->ae, &p->ae_cap, (size_t)W * 2 * L->ip, sizeof(float)))
+    if (grow_vecs(&p->xq, (size_t)T * L->hp) || grow_vecs(&p->aq, (size_t)W * L->ip))
         return HX_ERR_MEMORY;
     if ((size_t)W > p->lane_cap) {
         const int bad = renew((void**)&p->unit_row, W * sizeof(int64_t))
@@ -587,7 +731,7 @@ int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys,
             if (p->lane_unit[i] == u) p->unit_lane[n++] = i;
     }
     p->unit_start[units] = n;
-    for (int t = 0; t < T; ++t) expand(x + (int64_t)t * L->hidden, L->hidden, L->hp, p->xe + (int64_t)t * 2 * L->hp);
+    for (int t = 0; t < T; ++t) quantize(x + (int64_t)t * L->hidden, L->hidden, &p->xq, t, L->hp);
     if (units == 0) {
         memset(out, 0, (size_t)T * L->hidden * sizeof(float));
         return err;
@@ -601,8 +745,8 @@ int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys,
     j->unit_lane = p->unit_lane;
     j->lane_token = p->lane_token;
     j->lane_w = p->lane_w;
-    j->xe = p->xe;
-    j->ae = p->ae;
+    j->xq = &p->xq;
+    j->aq = &p->aq;
     j->out = out;
     j->T = T;
     j->n1 = (int)(L->ip / 16);

@@ -1,5 +1,6 @@
 """The MoE GEMM's references: the float one (dequantize, then matmul; of moe_decode.cu and
-moe_gemm.cu) and align_experts' grouping and copy lists (moe_align.cu).
+moe_gemm.cu), the one with int8 activation blocks (of the host's CPU path, host_experts.c) and
+align_experts' grouping and copy lists (moe_align.cu).
 
 Shape legend (ARCHITECTURE.md): T tokens · K top-k · H hidden · I intermediate · E experts.
 """
@@ -15,7 +16,7 @@ from cupool.activation import SILU, Activation
 
 def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   experts, dtype=torch.float32, *, activation: Activation = SILU,
-                  biases=None) -> torch.Tensor:
+                  biases=None, quantize=None) -> torch.Tensor:
     """Dequantize-then-matmul reference in `dtype` (float32 or float64) on x's device.
 
     experts: callable e -> (w_gate [I, H], w_up [I, H], w_down [H, I]) float tensors (already
@@ -23,7 +24,8 @@ def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     of such triples. activation: act(gate, up) (`cupool.activation`,
     SiLU by default). biases: None, or like experts e -> (b_gate [I], b_up [I], b_down [H]).
     Lane (t, k) adds w[t, k] · (w_down · act(w_gate x + b_gate, w_up x + b_up) + b_down); lanes
-    with id -1 contribute nothing. Returns [T, H] in `dtype`.
+    with id -1 contribute nothing. Returns [T, H] in `dtype`. quantize (optional): v -> v, applied
+    to each lane's x and act before they are multiplied (`reference_moe_q8`).
     """
     get = experts if callable(experts) else (lambda e: experts[e])
     get_b = (None if biases is None else biases if callable(biases)
@@ -35,16 +37,43 @@ def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     for e in sorted(set(ids.reshape(-1).tolist()) - {-1}):
         tok, kk = (ids == e).nonzero(as_tuple=True)
         wg, wu, wd = (None if m is None else m.to(dtype=dtype, device=x.device) for m in get(e))
-        h = xf[tok]
+        h = xf[tok] if quantize is None else quantize(x[tok]).to(dtype)
         g, u = (None if wg is None else h @ wg.T), h @ wu.T
         if get_b is not None:
             bg, bu, bd = (b.to(dtype=dtype, device=x.device) for b in get_b(e))
             g, u = g + bg, u + bu
-        y = activation(g, u) @ wd.T
+        a = activation(g, u)
+        if quantize is not None:
+            a = quantize(a).to(dtype)
+        y = a @ wd.T
         if get_b is not None:
             y = y + bd
         out.index_add_(0, tok, y * w[tok, kk][:, None])
     return out
+
+
+def quantize_q8(v: torch.Tensor) -> torch.Tensor:
+    """v [..., n] quantized to int8 in blocks of 16 columns and back, as host_experts.c does it in
+    float32: scale = amax / 127, code = rint(v · (127 / amax)) (ties to even); a block with a NaN
+    or an infinity is NaN. Returns float64 code · scale (exact)."""
+    n = v.shape[-1]
+    pad = -n % 16
+    b = torch.nn.functional.pad(v.float(), (0, pad)).reshape(*v.shape[:-1], -1, 16)
+    finite = torch.isfinite(b).all(-1, keepdim=True)
+    amax = b.abs().nan_to_num(0.0, 0.0, 0.0).amax(-1, keepdim=True)
+    inv = torch.where(finite & (amax > 0), torch.tensor(127.0) / amax, torch.zeros(()))
+    codes = torch.round(b.nan_to_num(0.0, 0.0, 0.0) * inv)
+    scale = torch.where(finite, amax / torch.tensor(127.0), torch.full((), float("nan")))
+    out = codes.double() * scale.double()
+    return out.reshape(*v.shape[:-1], -1)[..., :n]
+
+
+def reference_moe_q8(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     experts, *, activation: Activation = SILU, biases=None) -> torch.Tensor:
+    """The host CPU path's reference (host_experts.c): `reference_moe` in float64 with x and the
+    act quantized by `quantize_q8` (the act rounded to float32 first, as the C computes it)."""
+    return reference_moe(x, topk_ids, topk_weights, experts, torch.float64, activation=activation,
+                         biases=biases, quantize=lambda v: quantize_q8(v.float()))
 
 
 def align_experts(ids, weights, num_experts: int, layer: int, expert_addr, scratch_base: int,
