@@ -149,8 +149,10 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
     - defer False: neither copied nor promoted (lanes routed to padding leave the bank as it
       is); the other n − m are promoted as usual;
     - defer True: promoted too, their rows copied over the link behind the call (no layer waits
-      for them), so the bank evolves as the plain pool's; the link then carries every miss, and
-      the estimate holds only while that fits the step (`link_busy_ms_per_token`).
+      for them): the planner's host step (`ReferencePlanner.step_host`, whose pending rows are
+      not evicted until their copies land at the end of the token), so the bank evolves almost
+      as the plain pool's; the link then carries every miss, and the estimate holds only while
+      that fits the step (`link_busy_ms_per_token`).
     A cpu_us larger than any link time gives the plain pool (m = 0 always), for comparison.
 
     Returns the hit rate, the rows a token the calls wait for on the link and on the CPU, the
@@ -170,6 +172,8 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
     hits = link_rows = cpu_rows = behind = 0
     miss_us = 0.0
     hist: dict[int, int] = {}
+    W = trace.ids[0, 0].size
+    split = np.array([host_split(n, link_us, cpu_us, handoff_us) for n in range(W + 1)])
     for s in range(trace.steps):
         counted = s >= warmup_steps
         for layer in range(L):
@@ -179,9 +183,12 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
             n = len(miss)
             m = host_split(n, link_us, cpu_us, handoff_us)
             on_cpu = set(miss[n - m:])
-            if on_cpu and not defer:
-                ids = np.where(np.isin(ids, list(on_cpu)), -1, ids)
-            ref.step(layer, ids)
+            if defer:
+                ref.step_host(layer, ids, split)
+            else:
+                if on_cpu:
+                    ids = np.where(np.isin(ids, list(on_cpu)), -1, ids)
+                ref.step(layer, ids)
             if counted:
                 hits += len(uniq) - n
                 link_rows += n - m
@@ -189,6 +196,7 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
                 behind += m if defer else 0
                 miss_us += max((n - m) * link_us, m * cpu_us + handoff_us if m else 0.0)
                 hist[n] = hist.get(n, 0) + 1
+        ref.land()                       # the behind copies land by the token's end
     steps = trace.steps - warmup_steps
     calls = steps * L
     return {"hit_rate": hits / max(1, hits + link_rows + cpu_rows),

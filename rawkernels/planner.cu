@@ -60,7 +60,8 @@
 //   - key_of: C reads a victim's entry (the one thread that found it), D writes it (the thread of
 //     the miss that takes it), after C's last barrier.
 //   - last_use: written only, B on hit rows and D on victim rows (disjoint sets).
-//   - ring: A and C read tiles before the tile's barrier. Compaction writes offset rank - V <= the
+//   - ring: A and C read tiles before the tile's barrier (HOST_SPLIT: a victim's hole is written
+//     after it, at the victim's own position in the tile). Compaction writes offset rank - V <= the
 //     entry's own offset, so a tile only writes entries already read (by itself or an earlier
 //     tile). E writes the appended positions [head + span, head + span + T), outside the old
 //     window because span + T <= C (else C compacted), and holes at hit positions inside it.
@@ -102,6 +103,28 @@
 //   Who touches what (beyond the list above): touched: read in A, written by thread 0 in F.
 //   pf_flag: B (hits of a plan step) and D (victims) on disjoint rows. pf_counters: atomics only
 //   (D for other layers' wasted rows, thread 0 in F for its own layer's columns).
+//
+// HOST_SPLIT build (-DHOST_SPLIT=1; not with PREFETCH; the default build has none of it): some
+// misses are computed on the host's CPU (rawkernels/host_experts.c) instead of waited for
+// (ReferencePlanner.step_host). Tables: `pending` [R] (1: a host step promoted the row and its
+// copy, made behind the call, may not have landed; cleared all at once, by a memset, once the
+// behind copies have landed), `host_counters` [L]. Launch arguments: `split` [W + 1] (of M
+// misses the host takes split[M]), outputs `host_keys` [W], `behind` [2·W], `n_behind`.
+//   - B: a hit on a pending row is the host's (route -1); it is stamped as any hit.
+//   - C: a pending row is not eligible (not a victim) but stays in the window: the walk ranks
+//     eligible entries (victims: the first V) and survivors (non-hole, non-hit: the entries
+//     that stay unless taken) apart. Compaction writes each surviving non-victim at head +
+//     (survivors before it) - (victims before it); the cut is the first surviving non-victim
+//     (atomicMin over the walked tiles: a pending entry can come before eligible entry V, so a
+//     victim can lie past the cut: each victim leaves a hole where it was). With fewer eligible
+//     rows than min(P, R - H), V is what the walk found.
+//   - After C: h = min(split[M], V); misses V - h ... V - 1 are the host's: their rows are taken
+//     as any victim's (stamped, appended) and marked pending, their (key, row) go to `behind`,
+//     their lanes route -1 and write their key to host_keys. The copy list is the other victims,
+//     then the staged misses.
+//   Who touches what (beyond the list above): pending: B reads hits' entries, C reads window
+//   entries' (both before any write), the marking after C writes host victims' entries (a
+//   barrier before D and E). s_host: B (hits) and D (misses), read in F.
 #include "common.cuh"
 
 #ifndef THREADS
@@ -113,6 +136,10 @@
 #ifndef PREFETCH
 #define PREFETCH 0    // 1: the prefetch build (prefetch_step_*, the tables touched, pf_flag,
 #endif                //    pf_counters)
+#ifndef HOST_SPLIT
+#define HOST_SPLIT 0  // 1: the host build (split, pending, host_keys, behind, host_counters)
+#endif
+static_assert(!(PREFETCH && HOST_SPLIT), "the PREFETCH and HOST_SPLIT builds are separate");
 
 #define NWARPS (THREADS / 32)
 #define TILE (THREADS * ITEMS)
@@ -202,6 +229,11 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
                              , i32* __restrict__ touched, i32* __restrict__ pf_flag,
                              i64* __restrict__ pf_counters
 #endif
+#if HOST_SPLIT
+                             , const i32* __restrict__ split, i32* __restrict__ pending,
+                             i64* __restrict__ host_keys, i32* __restrict__ behind,
+                             i32* __restrict__ n_behind, i64* __restrict__ host_counters
+#endif
                              ) {
     // Dynamic shared memory: first_lane [E] (the lowest lane asking for each expert of this
     // layer), then two row bitmaps of ceil(R/32) words: hit rows, and rows taken as victims.
@@ -223,6 +255,10 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     __shared__ i32 s_young_hits, s_pf_used;  // prefetch mode: hits in the last tick's tail;
                                              // plan mode: hits on flagged rows
 #endif
+#if HOST_SPLIT
+    __shared__ i32 s_host[THREADS];        // indexed by a first lane: 1 if the host computes it
+    __shared__ i32 s_host_hits;            // hits on pending rows
+#endif
 
     const int t = threadIdx.x, lane = t & 31;
 
@@ -243,6 +279,9 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
 #if PREFETCH
         s_young_hits = 0;
         s_pf_used = 0;
+#endif
+#if HOST_SPLIT
+        s_host_hits = 0;
 #endif
     }
 #if PREFETCH
@@ -269,6 +308,14 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     if (hit) {
         s_route[t] = slot;
         s_fresh[t] = 0;
+#if HOST_SPLIT
+        // its copy may still be in flight: the host computes it
+        s_host[t] = pending[slot] != 0;
+        if (s_host[t]) {
+            s_route[t] = -1;
+            atomicAdd(&s_host_hits, 1);
+        }
+#endif
         if (open) {
             last_use[slot] = now;
             hit_pos = pos_of[slot];
@@ -298,11 +345,19 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     // prefetch mode: the last tick's rows that are not hits now are not eligible (s_young_hits is
     // complete: the scan's barrier)
     const int V = open ? min(P, R - H - (PF ? prev_touched - s_young_hits : 0)) : 0;
+#elif HOST_SPLIT
+    int V = open ? min(P, R - H) : 0;  // at most; pending rows can leave fewer (C counts them)
 #else
     const int V = open ? min(P, R - H) : 0;  // misses that get a bank row
 #endif
+#if HOST_SPLIT
+    const bool compact = open && H + V > 0 && span + H + V > ring_mask + 1;  // H + V: at most T
+    const bool walk = open && (V > 0 || compact);
+    int survivors = 0;  // HOST_SPLIT: non-hole non-hit entries of the walked tiles
+#else
     const int T = H + V;                      // rows stamped with `now` this step
     const bool compact = open && T > 0 && span + T > ring_mask + 1;
+#endif
 
     // ---- C. victims (and, rarely, compaction of the window) ---------------------------------
     if (open && (V > 0 || compact)) {  // block-uniform: the barriers inside are reached by all
@@ -312,6 +367,45 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
             if (base > 0) load_tile(ring, ring_mask, head, span, base, row);
             u32 keep[ITEMS];
             int run = 0;
+#if HOST_SPLIT
+            u32 stay[ITEMS];  // survivors: not a hole, not a hit (pending rows too)
+#pragma unroll
+            for (int j = 0; j < ITEMS; ++j) {
+                const bool s = row[j] >= 0 && !test_bit(hit_bits, row[j]);
+                stay[j] = __ballot_sync(FULL_MASK, s);
+                keep[j] = __ballot_sync(FULL_MASK, s && !pending[row[j]]);
+                run += __popc(keep[j]) | __popc(stay[j]) << 16;  // both < 2^16 (TILE <= 32768)
+            }
+            int tile_both;
+            const int both = warp_offset(run, s_scratch[buf], tile_both);
+            int rank = eligible_before + (both & 0xffff);
+            int srank = survivors + (both >> 16);
+            const int tile_total = tile_both & 0xffff;
+            buf ^= 1;
+            const u32 lt = lanemask_lt();
+#pragma unroll
+            for (int j = 0; j < ITEMS; ++j) {
+                if ((stay[j] >> lane) & 1u) {
+                    const int r = rank + __popc(keep[j] & lt);  // eligible entries before it
+                    const int sr = srank + __popc(stay[j] & lt);
+                    if ((keep[j] >> lane) & 1u && r < V) {
+                        s_victim[r] = row[j];
+                        s_victim_old[r] = key_of[row[j]];
+                        // a pending entry before it can hold the cut back: leave a hole
+                        if (!compact) ring[(head + tile_offset(base, j)) & ring_mask] = -1;
+                    } else if (compact) {
+                        const int p = (head + sr - min(r, V)) & ring_mask;
+                        ring[p] = row[j];
+                        pos_of[row[j]] = p;
+                    } else {
+                        atomicMin(&s_cut, tile_offset(base, j));
+                    }
+                }
+                rank += __popc(keep[j]);
+                srank += __popc(stay[j]);
+            }
+            survivors += tile_both >> 16;
+#else
 #pragma unroll
             for (int j = 0; j < ITEMS; ++j) {
                 keep[j] = __ballot_sync(FULL_MASK, row[j] >= 0 && !test_bit(hit_bits, row[j]));
@@ -340,11 +434,26 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
                 }
                 rank += __popc(keep[j]);
             }
+#endif
             eligible_before += tile_total;
             if (!compact && eligible_before > V) break;  // block-uniform (a block total)
         }
+#if HOST_SPLIT
+        V = min(V, eligible_before);  // a walk to the window's end found every eligible row
+#endif
     }
     __syncthreads();  // s_victim*, s_miss_*, s_cut and both bitmaps complete; ring reads done
+#if HOST_SPLIT
+    // Every victim is taken (appended at the tail as in the default build); the last h are the
+    // host's, whose rows are pending until the behind copies land.
+    const int h = open ? min(split[M], V) : 0;
+    const int T = H + V;  // rows stamped with `now` this step
+    if (t < V) {
+        set_bit(taken_bits, s_victim[t]);
+        if (t >= V - h) pending[s_victim[t]] = 1;
+    }
+    __syncthreads();  // taken bits complete before E counts them
+#endif
 
     // ---- D. misses: take a victim or a staging row ------------------------------------------
     if (t < M) {
@@ -376,21 +485,46 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
             r = t - V < S ? R + (t - V) : -1;
 #endif
         }
+#if HOST_SPLIT
+        const bool host = t < V && t >= V - h;
+        s_route[s_miss_lane[t]] = host ? -1 : r;
+        s_fresh[s_miss_lane[t]] = !host && r >= 0;
+        s_host[s_miss_lane[t]] = host;
+        if (host) {
+            behind[2 * (t - (V - h))] = k;
+            behind[2 * (t - (V - h)) + 1] = r;
+        } else if (r >= 0) {
+            const int j = t < V ? t : t - h;  // the copy list skips the host's victims
+            copies[2 * j] = k;
+            copies[2 * j + 1] = r;
+        }
+#else
         s_route[s_miss_lane[t]] = r;
         s_fresh[s_miss_lane[t]] = r >= 0;
         if (r >= 0) {
             copies[2 * t] = k;
             copies[2 * t + 1] = r;
         }
+#endif
     }
 
     // ---- E. touched rows, in row order, appended at the window's tail ------------------------
+#if HOST_SPLIT
+    if (open && (T > 0 || compact)) {  // a walk that found no victim may still have compacted
+#else
     if (open && T > 0) {
+#endif
         // Window after C: compaction left R - T entries at head; otherwise it starts at the cut.
         // (With V = 0 and no compaction C did not run: nothing is cut.)
+#if HOST_SPLIT
+        const int cut = walk ? s_cut : 0;
+        const int new_head = compact ? head : (head + cut) & ring_mask;
+        const int kept = compact ? survivors - V : span - cut;
+#else
         const int cut = V > 0 ? s_cut : 0;
         const int new_head = compact ? head : (head + cut) & ring_mask;
         const int kept = compact ? R - T : span - cut;
+#endif
         const int per = (nwords + THREADS - 1) / THREADS;
         const int w0 = t * per, w1 = min(w0 + per, nwords);
         int n = 0;
@@ -426,6 +560,9 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         routes[t] = route;
         lane_addr[t] = route >= 0 ? rows_base + (i64)route * row_stride : 0;
         lane_fresh[t] = e >= 0 ? s_fresh[first_lane[e]] : 0;
+#if HOST_SPLIT
+        host_keys[t] = e >= 0 && s_host[first_lane[e]] ? (i64)layer * E + e : -1;
+#endif
     }
 #if PREFETCH
     if (t == 0 && PF) {
@@ -452,7 +589,13 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
 #endif
         const int staged = M - V;
         const int staged_ok = min(staged, S);
+#if HOST_SPLIT
+        *n_copies = V - h + staged_ok;
+        *n_behind = h;
+        if (open) host_counters[layer] += h + s_host_hits;
+#else
         *n_copies = V + staged_ok;
+#endif
         const int err = s_error | (staged > S ? ERR_STAGING_OVERFLOW : 0);
         if (err) *error = (i32)s_old[NUM_COUNTERS] | err;
         if (open) {
@@ -479,6 +622,10 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
 #if PREFETCH
 #define PF_ARGS , i32 *touched, i32 *pf_flag, i64 *pf_counters
 #define PF_PASS , touched, pf_flag, pf_counters
+#elif HOST_SPLIT
+#define PF_ARGS , const i32 *split, i32 *pending, i64 *host_keys, i32 *behind, i32 *n_behind,  \
+        i64 *host_counters
+#define PF_PASS , split, pending, host_keys, behind, n_behind, host_counters
 #else
 #define PF_ARGS
 #define PF_PASS

@@ -6,6 +6,8 @@ random trace; after every step its routes, lane addresses, copy list and tables 
 reference's. With `prefetch`, the PREFETCH build runs a trace of plan and prefetch steps mixed
 (`random_mixed_trace`), and the prefetch tables and lists are compared too. With `promote`, each
 launch gets a promotion cap (`random_caps`) and the reference the same `Policy(promote=...)`.
+With `host`, the HOST_SPLIT build runs plan steps with random split tables and landings between
+them (`random_host_trace`), compared with `ReferencePlanner.step_host` and `land`.
 Used by tests/test_planner.py; also runnable: `python tests/_planner_emu.py --tsan [--prefetch]
 [--promote]`.
 """
@@ -57,9 +59,9 @@ def unavailable() -> str | None:
 
 
 def build(workdir: Path, threads: int, items: int, tsan: bool = False,
-          source: str | None = None, prefetch: bool = False) -> Path:
+          source: str | None = None, prefetch: bool = False, host: bool = False) -> Path:
     """Compile the plan step (or `source`, a variant of it) for the CPU; returns the executable.
-    `prefetch`: the PREFETCH build (plan and prefetch steps)."""
+    `prefetch`: the PREFETCH build (plan and prefetch steps); `host`: the HOST_SPLIT build."""
     src = source if source is not None else (ROOT / "rawkernels" / "planner.cu").read_text()
     if DYN_DECL not in src:
         raise RuntimeError(f"planner.cu no longer declares `{DYN_DECL}`; update {__file__}")
@@ -68,7 +70,7 @@ def build(workdir: Path, threads: int, items: int, tsan: bool = False,
     exe = workdir / ("planner_tsan" if tsan else "planner_emu")
     cmd = [shutil.which("g++") or "g++", "-std=c++20", "-O1" if tsan else "-O2", "-g",
            "-Wall", "-Wno-unknown-pragmas", f"-DTHREADS={threads}", f"-DITEMS={items}",
-           f"-DPREFETCH={int(prefetch)}", f"-I{workdir}", f"-I{EMU}",
+           f"-DPREFETCH={int(prefetch)}", f"-DHOST_SPLIT={int(host)}", f"-I{workdir}", f"-I{EMU}",
            str(EMU / "planner_main.cpp"), "-o", str(exe), "-pthread"]
     if tsan:                      # OS threads: ThreadSanitizer sees what fibers would hide
         cmd[1:1] = ["-fsanitize=thread", "-DEMU_THREADS=1"]
@@ -127,6 +129,24 @@ def random_mixed_trace(rng, L, E, steps, max_lanes, p_flip=(0.1, 0.01), p_prefet
     return out[:steps]
 
 
+def random_host_trace(rng, L, E, steps, max_lanes, p_flip=(0.1, 0.01), p_land=0.2):
+    """[(gate, layer, kind, ids int64, split)]: `random_trace`'s plan steps (kind 0), each with a
+    split table (zeros a fifth of the time; else split[m] drawn from [0, m], often all of m),
+    and landings (kind 2, no ids) after a step with probability `p_land`, so rows stay pending
+    over several steps (and are hit, and sit in the window when others are taken)."""
+    out = []
+    for gate, layer, ids in random_trace(rng, L, E, steps, max_lanes, p_flip):
+        W = ids.size
+        u = rng.random()
+        m = np.arange(W + 1)
+        split = np.zeros(W + 1, np.int64) if u < 0.2 else m.copy() if u < 0.4 else \
+            np.array([int(rng.integers(0, k + 1)) for k in m], np.int64)
+        out.append((gate, layer, 0, ids, split))
+        if rng.random() < p_land:
+            out.append((gate, 0, 2, np.zeros(0, np.int64), None))
+    return out[:steps]
+
+
 def random_caps(rng, steps: int, max_lanes: int) -> list[int]:
     """A promotion cap for each launch: 0 (none) a quarter of the time, else mostly small caps
     (1 … 4, which bind whenever a step misses more) and now and then one up to `max_lanes`
@@ -152,20 +172,31 @@ def fresh_lanes(routes, copies) -> np.ndarray:
 
 def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=None,
         timeout=900, source=None, p_flip=(0.1, 0.01), ring=None, prefetch=False,
-        promote: int | str = 0, report: dict | None = None) -> int:
+        promote: int | str = 0, report: dict | None = None, host: bool = False) -> int:
     """Build, run the trace, compare every step; returns the number of steps compared.
     `ring`: the LRU ring's capacity (default `ring_capacity(R)`; a small one compacts often).
     `prefetch`: the PREFETCH build over `random_mixed_trace` (plan and prefetch steps).
     `promote`: the promotion cap every launch gets (0: none), or "random": a cap drawn for each
     launch (`random_caps`; prefetch launches get one too, as their max_rows).
+    `host`: the HOST_SPLIT build over `random_host_trace` (plan steps with split tables, and
+    landings).
     `report`: receives the reference's final counters and prefetch counters, how many
     prefetch steps ran with the gate open and how many predicted ids they skipped, and how many
     open plan steps the cap bound (staged misses while rows were left to take)."""
     rng = np.random.default_rng(seed)
     ref = ReferencePlanner(L, E, N, S, initial)
     R = ref.num_rows
-    trace = random_mixed_trace(rng, L, E, steps, max_lanes, p_flip) if prefetch else \
-        [(g, layer, 0, ids) for g, layer, ids in random_trace(rng, L, E, steps, max_lanes, p_flip)]
+    if prefetch and host:
+        raise ValueError("the PREFETCH and HOST_SPLIT builds are separate")
+    if host:
+        htrace = random_host_trace(rng, L, E, steps, max_lanes, p_flip)
+        trace = [t[:4] for t in htrace]
+        splits = [t[4] for t in htrace]
+    else:
+        trace = random_mixed_trace(rng, L, E, steps, max_lanes, p_flip) if prefetch else \
+            [(g, layer, 0, ids)
+             for g, layer, ids in random_trace(rng, L, E, steps, max_lanes, p_flip)]
+        splits = [None] * len(trace)
     # int64 ids only where they fit int32, so the i32 entry point sees the same values
     is64 = [bool(rng.random() < 0.5) or np.any(np.abs(ids) > 2**31 - 1) for *_, ids in trace]
     if promote == "random":
@@ -177,11 +208,16 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
     C = ring_capacity(R) if ring is None else int(ring)
     words = [R, E, L, S, max_lanes, ROWS_BASE, ROW_STRIDE, len(trace), C]
     words += initial_placement(L, E, N, initial).tolist()
-    for (gate, layer, kind, ids), cap, wide in zip(trace, caps, is64):
+    for (gate, layer, kind, ids), cap, wide, split in zip(trace, caps, is64, splits):
+        if kind == 2:
+            words += [gate, layer, kind, cap]
+            continue
         words += [gate, layer, kind, cap, int(wide), ids.size] + ids.tolist()
+        if host:
+            words += split.tolist()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        exe = build(tmp, threads, items, tsan, source, prefetch)
+        exe = build(tmp, threads, items, tsan, source, prefetch, host)
         np.array(words, dtype=np.int64).tofile(tmp / "in.bin")
         try:
             r = subprocess.run([str(exe), str(tmp / "in.bin"), str(tmp / "out.bin")],
@@ -203,12 +239,16 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
         """The n (key, row) pairs the harness wrote (it writes min(n, max_lanes), 0 if n < 0)."""
         return [tuple(c) for c in take(2 * max(0, min(n, max_lanes))).reshape(-1, 2).tolist()]
 
-    open_prefetches = skipped = capped = 0
+    open_prefetches = skipped = capped = behind_total = landings = starved = pending_hits = 0
     for i, (gate, layer, kind, ids) in enumerate(trace):
         if gate:
             ref.open()
         else:
             ref.close()
+        if kind == 2:
+            ref.land()
+            landings += 1
+            continue
         ref.policy = Policy(promote=caps[i])
         W = ids.size
         where = (f"step {i} ({'prefetch' if kind else 'plan'}, layer {layer}, W={W}, gate {gate}, "
@@ -218,11 +258,21 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
         got_copies = copy_list(n)
         if kind == 0:
             before = ref.counters[layer, [MISSES, PROMOTIONS]].copy()
-            routes, copies = ref.step(layer, ids)
+            if host:
+                was_pending = ref.pending.copy()
+                held = [int(ref.slot_of[layer * E + e]) for e in set(ids.tolist()) if 0 <= e < E]
+                pending_hits += sum(r >= 0 and was_pending[r] for r in held)
+                hs = ref.step_host(layer, ids, splits[i])
+                routes, copies = hs.routes, hs.copies
+            else:
+                routes, copies = ref.step(layer, ids)
             misses, promoted = ref.counters[layer, [MISSES, PROMOTIONS]] - before
             if gate and caps[i] and misses > promoted and promoted == caps[i]:
                 hits = int((ref.last_use == ref.clock).sum()) - promoted
                 capped += R - hits > promoted         # rows were left: the cap staged the rest
+            if host and gate and misses > promoted and (not caps[i] or promoted < caps[i]) \
+                    and was_pending.any():
+                starved += 1                          # pending rows left misses without a victim
             same(got_routes, routes, err_msg=f"routes, {where}")
             want_addr = np.where(routes >= 0, ROWS_BASE + routes.astype(np.int64) * ROW_STRIDE, 0)
             same(got_addr, want_addr, err_msg=f"lane_addr, {where}")
@@ -267,10 +317,22 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
             same(take(L * len(PREFETCH_COUNTERS)).reshape(L, -1),
                                           pst["prefetch_counters"],
                                           err_msg=f"prefetch counters, {where}")
+        if host:
+            hn = int(take(1)[0])
+            got_behind = copy_list(hn)
+            assert hn == len(hs.behind) and got_behind == hs.behind, \
+                f"behind {hn} {got_behind}, expected {hs.behind}, {where}"
+            behind_total += hn
+            same(take(W), hs.host_keys, err_msg=f"host_keys, {where}")
+            same(take(R), ref.pending.astype(np.int64), err_msg=f"pending, {where}")
+            same(take(L), ref.host_counters, err_msg=f"host counters, {where}")
     assert p == out.size, "trailing output"
     if report is not None:
         report.update(counters=ref.counters.copy(), prefetch_counters=ref.prefetch_counters.copy(),
-                      open_prefetches=open_prefetches, skipped=skipped, capped=capped)
+                      open_prefetches=open_prefetches, skipped=skipped, capped=capped,
+                      behind=behind_total, landings=landings, starved=starved,
+                      pending_hits=pending_hits,
+                      host_counters=ref.host_counters.copy())
     return len(trace)
 
 
@@ -280,6 +342,8 @@ def main(argv=None):
     ap.add_argument("--prefetch", action="store_true", help="the PREFETCH build, plan and "
                     "prefetch steps mixed")
     ap.add_argument("--promote", action="store_true", help="a random promotion cap a launch")
+    ap.add_argument("--host", action="store_true", help="the HOST_SPLIT build: plan steps with "
+                    "split tables, and landings")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shape", nargs=7, type=int, metavar=("L", "E", "N", "S", "LANES", "THREADS",
@@ -287,7 +351,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     L, E, N, S, lanes, threads, items = a.shape
     n = run(L, E, N, S, lanes, threads, items, a.steps, a.seed, tsan=a.tsan, prefetch=a.prefetch,
-            promote="random" if a.promote else 0)
+            promote="random" if a.promote else 0, host=a.host)
     print(f"{n} steps{' (plan and prefetch)' if a.prefetch else ''}"
           f"{' with promotion caps' if a.promote else ''}: emulated kernel == "
           f"reference{' (ThreadSanitizer clean)' if a.tsan else ''}")

@@ -65,6 +65,7 @@ BUILDS: list[tuple[str, str]] = [
     ("planner", "-DTHREADS=128 -DITEMS=4"),
     ("planner", "-DTHREADS=1024 -DITEMS=4"),
     ("planner", "-DTHREADS=128 -DITEMS=4 -DPREFETCH=1"),   # Bank(prefetch=True)
+    ("planner", "-DTHREADS=128 -DITEMS=4 -DHOST_SPLIT=1"),  # misses handed to the host's CPU
     ("rowcopy", ""),
     ("rowcopy", "-DUNROLL=4"),
     ("rowcopy", "-DCHUNK=32768 -DNSTAGES=4"),
@@ -160,6 +161,7 @@ VARIANTS = [
     ("planner", "-DTHREADS=1024 -DITEMS=4"),
     ("planner", "-DPREFETCH=1"),
     ("planner", "-DPREFETCH=1 -DTHREADS=1024 -DITEMS=2"),
+    ("planner", "-DHOST_SPLIT=1 -DTHREADS=1024 -DITEMS=2"),
     ("rowcopy", "-DCHUNK=1040 -DNSTAGES=5"),
     ("rowcopy", "-DCHUNK=65536 -DNSTAGES=3 -DUNROLL=8"),
     ("moe_decode", "-DDECODE_TRACE=1"),

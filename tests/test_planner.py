@@ -263,6 +263,112 @@ def test_long_random_trace_keeps_tables_consistent(rng, L, E, N, S):
     assert (c[:, PROMOTIONS] >= c[:, STEALS]).all()
 
 
+# --- host steps: misses handed to the host's CPU, their copies behind the call ---------------------
+
+def test_host_step_hands_the_last_promoted_misses_over():
+    p = fresh(L=2, E=6, N=3, S=4)                # layer 0 holds experts 0, 1, 2; layer 1 too
+    split = [0, 0, 1, 2, 2, 2, 2, 2]             # of M misses the host takes split[M]
+    r = p.step_host(0, np.array([3, 0, 4, 3, -1, 5]), split)
+    # misses 3, 4, 5 (M = 3) take the three LRU rows; the host takes the last two (4 and 5)
+    assert [k for k, _ in r.copies] == [3] and [k for k, _ in r.behind] == [4, 5]
+    assert r.routes.tolist() == [r.copies[0][1], p.slot_of[0], -1, r.copies[0][1], -1, -1]
+    assert r.host_keys.tolist() == [-1, -1, 4, -1, -1, 5]
+    behind_rows = [row for _, row in r.behind]
+    assert p.pending[behind_rows].all() and p.pending.sum() == 2
+    assert [p.slot_of[k] for k in (4, 5)] == behind_rows          # promoted: the tables hold them
+    assert p.host_counters.tolist() == [2, 0] and p.counters[0, PROMOTIONS] == 3
+    assert p.check() == []
+    # a pending row is not a victim even when it is the oldest left; a hit on it is the host's
+    p.step(1, [0, 1, 2])                         # layer 1's rows stamped newer than every other
+    r2 = p.step_host(1, np.array([3, 4, 5]), [0, 0, 0, 0])
+    victims = {row for _, row in r2.copies}
+    assert not victims & set(behind_rows) and r2.behind == []
+    r3 = p.step_host(0, np.array([4, -1]), [0, 0, 0])
+    assert r3.routes.tolist() == [-1, -1] and r3.host_keys.tolist() == [4, -1]
+    assert r3.copies == [] and r3.behind == [] and p.last_use[p.slot_of[4]] == p.clock
+    # landed: ordinary rows again
+    p.land()
+    assert not p.pending.any()
+    r4 = p.step_host(0, np.array([4]), [0, 1])
+    assert r4.routes.tolist() == [p.slot_of[4]] and r4.host_keys.tolist() == [-1]
+
+
+def test_host_step_with_the_gate_closed_or_capped_hands_over_only_promoted_misses():
+    p = fresh(L=1, E=8, N=2, S=4, open_gate=False)
+    r = p.step_host(0, np.array([5, 6]), [0, 1, 2])
+    assert r.behind == [] and (r.host_keys == -1).all()             # no promotion: all staged
+    assert [row for _, row in r.copies] == [2, 3] and not p.pending.any()
+    p.open()
+    p.policy = Policy(promote=1)
+    r = p.step_host(0, np.array([5, 6, 7]), [0, 1, 2, 3])            # split 3, one promoted
+    assert [k for k, _ in r.behind] == [5] and [k for k, _ in r.copies] == [6, 7]
+    assert [row for _, row in r.copies] == [2, 3]                    # staging rows R + 0, R + 1
+
+
+@pytest.mark.parametrize("split,err,match", [
+    ([0, 1], ValueError, "needs one for every miss count 0 ... 2"),
+    ([0, 2, 1], ValueError, r"split\[1\] = 2 is not in \[0, 1\]"),
+    ([0, -1, 0], ValueError, r"split\[1\] = -1"),
+    (np.zeros(3), TypeError, "1-D integer array"),
+])
+def test_host_step_checks_split(split, err, match):
+    with pytest.raises(err, match=match):
+        fresh().step_host(0, np.array([0, 1]), split)
+
+
+@pytest.mark.parametrize("L,E,N,S", [(5, 13, 3, 64), (3, 7, 2, 3), (4, 20, 6, 8)])
+def test_host_steps_landed_each_time_evolve_as_plain_steps(rng, L, E, N, S):
+    """Landed after every step, a host step moves the tables exactly as a plain step: its copies
+    and behind lists together are the plain step's copy list (host rows taken out), and its
+    routes are the plain routes with the host's lanes at −1."""
+    a, b = ReferencePlanner(L, E, N, S), ReferencePlanner(L, E, N, S)
+    hot = [hot_distribution(rng, E) for _ in range(L)]
+    for i in range(800):
+        if rng.random() < (0.02 if a.gate else 0.1):
+            for p in (a, b):
+                p.open() if not p.gate else p.close()
+        layer = int(rng.integers(L))
+        ids = random_ids(rng, E, int(rng.integers(1, 30)), hot[layer])
+        split = np.array([int(rng.integers(0, m + 1)) for m in range(ids.size + 1)])
+        if i % 7 == 0:
+            a.policy = b.policy = Policy(promote=int(rng.integers(0, 4)))
+        uniq = {layer * E + int(e) for e in ids if 0 <= e < E}
+        M = sum(a.slot_of[k] < 0 for k in uniq)
+        routes, copies = a.step(layer, ids)
+        r = b.step_host(layer, ids, split)
+        b.land()
+        for name in ("slot_of", "key_of", "last_use", "counters"):
+            np.testing.assert_array_equal(a.state()[name], b.state()[name], err_msg=name)
+        host = set(k for k, _ in r.behind)
+        assert [c for c in copies if c[0] not in host] == r.copies
+        assert [c for c in copies if c[0] in host] == r.behind
+        keys = layer * E + ids
+        lane_host = np.isin(keys, list(host)) & (ids >= 0) & (ids < E)
+        np.testing.assert_array_equal(r.routes, np.where(lane_host, -1, routes))
+        np.testing.assert_array_equal(r.host_keys, np.where(lane_host, keys, -1))
+        assert len(host) <= split[M]
+    assert b.host_counters.sum() > 0 and a.counters[:, PROMOTIONS].sum() > 0
+
+
+def test_pending_rows_survive_a_token_of_steps(rng):
+    """Between landings no pending row is taken, however many later steps miss; the tables stay
+    consistent and a pending row's key keeps its row."""
+    p = ReferencePlanner(6, 16, 3, 64)
+    p.open()
+    for token in range(40):
+        held = {}
+        for layer in range(6):
+            ids = rng.choice(16, size=8, replace=False)
+            r = p.step_host(layer, ids, np.minimum(np.arange(9), 3))
+            for k, row in r.behind:
+                held[k] = row
+            for k, row in held.items():
+                assert p.slot_of[k] == row and p.pending[row]
+            assert p.check() == []
+        assert p.pending.sum() == len(held)
+        p.land()
+
+
 # --- the kernel's algorithm, modelled in NumPy -------------------------------------------------------
 
 class KernelModel:
@@ -715,6 +821,32 @@ def test_promotion_cap_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, la
         assert rep["counters"][:, PROMOTIONS].sum() > 0 and rep["counters"][:, STAGED].sum() > 0
 
 
+@pytest.mark.parametrize("L,E,N,S,lanes,threads,items,steps,ring,promote", [
+    (5, 17, 3, 64, 32, 32, 1, 10_000, None, 0),       # 10,000 steps; R = 15 < E = 17
+    (5, 17, 3, 64, 32, 32, 1, 2000, 16, "random"),    # a ring of 16: compaction; caps drawn
+    (7, 40, 30, 64, 64, 64, 1, 1500, 256, 0),         # R = 210: several tiles, and compaction
+    (7, 40, 30, 64, 64, 64, 2, 1500, None, "random"), # ... and the promotion cap
+    (3, 9, 2, 4, 64, 64, 2, 800, None, 0),            # S < lanes, a tiny bank: pending rows
+                                                      # leave misses without a victim
+    (48, 512, 256, 64, 64, 128, 4, 40, None, 0),      # the benchmark's shape and default block
+])
+def test_host_build_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, lanes, threads, items,
+                                                     steps, ring, promote):
+    """The HOST_SPLIT build over plan steps with random split tables and landings between them:
+    routes, copy lists, behind lists, host keys, pending flags, tables and counters equal
+    `ReferencePlanner.step_host`'s after every step."""
+    seed = int(rng.integers(2**31))
+    flips = (0.7, 0.1) if steps < 50 else (0.1, 0.01)
+    rep = {}
+    assert _planner_emu.run(L, E, N, S, lanes, threads, items, steps, seed, p_flip=flips,
+                            ring=ring, promote=promote, host=True, report=rep) == steps
+    if steps >= 800:                      # the trace reached every path, or it proves little
+        assert rep["behind"] > steps // 10 and rep["landings"] > steps // 10, rep
+        assert rep["pending_hits"] > 0, rep
+        if L * N < 2 * lanes:             # a small bank: pending rows starve some misses
+            assert rep["starved"] > 0, rep
+
+
 def test_emulation_rejects_a_bad_cap(gxx):
     with pytest.raises(ValueError, match="promote must be an int >= 0 or 'random'"):
         _planner_emu.run(5, 13, 3, 64, 64, 64, 1, 10, 1, promote=-1)
@@ -731,6 +863,13 @@ def test_promotion_cap_is_race_free_under_thread_sanitizer(gxx, rng):
     seed = int(rng.integers(2**31))
     assert _planner_emu.run(7, 40, 30, 64, 64, 64, 1, 150, seed, tsan=True,
                             promote="random") == 150
+
+
+@pytest.mark.slow
+def test_host_build_is_race_free_under_thread_sanitizer(gxx, rng):
+    seed = int(rng.integers(2**31))
+    assert _planner_emu.run(7, 40, 30, 64, 64, 64, 1, 150, seed, tsan=True, host=True,
+                            promote="random", p_flip=(0.7, 0.01)) == 150
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 Shape legend (ARCHITECTURE.md): L layers · E experts per layer · N rows per layer at start · R = L·N
 bank rows · S staging rows · W lanes of one layer call (T tokens × K, −1 for padding).
 
-`ReferencePlanner` defines what a plan step and a prefetch step do; `rawkernels/planner.cu`,
+`ReferencePlanner` defines what a plan step, a prefetch step and a plan step that hands misses to
+the host's CPU (`step_host`) do; `rawkernels/planner.cu`,
 launched by `cupool.ops.planner.PlanStep`, does the same on the GPU in one launch each and is
 tested against it after every step. The error bits (`PlanError`) and the counter columns
 (`COUNTERS`, `PREFETCH_COUNTERS`) are shared with the kernel, which defines the same values
@@ -40,6 +41,22 @@ POLICIES = ("lru", "lfru")
 # PREFETCH build), counted for the layer of the prefetched key.
 PREFETCH_COUNTERS = ("prefetched", "prefetch_used", "prefetch_wasted")
 PREFETCHED, PREFETCH_USED, PREFETCH_WASTED = range(len(PREFETCH_COUNTERS))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostStep:
+    """What `ReferencePlanner.step_host` returns.
+
+    routes: int32 [W], as `step`'s, with −1 on the host's lanes (the GPU's GEMM skips them);
+    copies: [(key, row), ...] the copies the step's GEMM waits for (victims, then staged rows);
+    behind: [(key, row), ...] the host misses' promotions, copied behind the call (no GEMM waits
+        for them; their rows stay pending until `land`);
+    host_keys: int64 [W], lane i's key (layer·E + expert) where the host computes lane i's
+        expert, else −1 (what `host_post` hands the host)."""
+    routes: np.ndarray
+    copies: list
+    behind: list
+    host_keys: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +214,9 @@ class ReferencePlanner:
       error   PlanError    sticky bits, never cleared by a step;
       counters int64 [L, 5] per layer, columns COUNTERS, counted only while the gate is open;
       prefetched bool [R]  rows a prefetch filled that no step has used since (False at build);
-      prefetch_counters int64 [L, 3]  columns PREFETCH_COUNTERS, by the prefetched key's layer.
+      prefetch_counters int64 [L, 3]  columns PREFETCH_COUNTERS, by the prefetched key's layer;
+      pending bool [R]     rows a host step promoted whose copy has not landed (False at build);
+      host_counters int64 [L]  unique ids a host step handed to the host, by layer.
     Initial placement: `initial_placement` (layer l's first N experts, or a given [L, N] order, in
     rows l·N … l·N+N−1).
 
@@ -260,6 +279,24 @@ class ReferencePlanner:
       prefetch_wasted  prefetched rows taken as victims (by a step or a prefetch) before any use.
     prefetched − prefetch_used − prefetch_wasted = rows still marked prefetched.
 
+    step_host(layer, ids, split) — a plan step that hands some misses to the host's CPU (the
+    kernel's HOST_SPLIT build), so they are computed beside the link instead of waited for:
+      1.–4. As step, except that a *pending* row (one whose copy has not landed) is never a
+         victim: the victim is the smallest (last_use, row) among rows with last_use < clock
+         that are not pending.
+      5. h = min(split[M], V), M the step's misses, V those that took a bank row (the first V in
+         miss order): the last h of the V, misses V − h … V − 1, are the host's. Each keeps its
+         bank row (the tables as step leaves them, last_use = clock), but its (key, row) goes to
+         the `behind` list instead of the copy list, and its row is marked pending. A hit on a
+         pending row is the host's too (the row is stamped as any hit).
+      6. Routes as step's, with −1 on every lane whose expert is the host's; host_keys[i] =
+         its key on those lanes, else −1.
+      The copy list holds the other victims (miss order), then the staged misses (miss order);
+      host_counters[layer] counts the host's unique ids (gate open).
+    land() — every behind copy has landed: no row is pending any more.
+    A pending row is ordinary otherwise (it ages and is hit as any row); it only cannot be
+    evicted while its copy may still be in flight.
+
     Policies: `policy` replaces the victim rule of step 4 and prefetch step 4 (`Policy`); the
     kernel implements LRU with the promotion cap (`promote`, a launch argument), the other kinds
     are the reference model's and the simulator's only. The policy's cap applies to plan steps,
@@ -293,6 +330,8 @@ class ReferencePlanner:
         self.prefetched = np.zeros(self.num_rows, dtype=bool)
         self.prefetch_counters = np.zeros((self.num_layers, len(PREFETCH_COUNTERS)),
                                           dtype=np.int64)
+        self.pending = np.zeros(self.num_rows, dtype=bool)
+        self.host_counters = np.zeros(self.num_layers, dtype=np.int64)
 
     def open(self) -> None:
         self.gate = True
@@ -301,9 +340,9 @@ class ReferencePlanner:
         self.gate = False
 
     def _victim(self, below: int) -> int:
-        """The policy's victim among rows with last_use < `below`, or −1 (LRU: the smallest
-        (last_use, row))."""
-        cand = np.flatnonzero(self.last_use < below)
+        """The policy's victim among rows with last_use < `below` that are not pending, or −1
+        (LRU: the smallest (last_use, row))."""
+        cand = np.flatnonzero((self.last_use < below) & ~self.pending)
         if cand.size == 0:
             return -1
         pol = self.policy
@@ -354,7 +393,28 @@ class ReferencePlanner:
 
     def step(self, layer: int, ids) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """One layer call: (routes int32 [W], copies [(key, row), ...] in copy order)."""
+        r = self.step_host(layer, ids, None)
+        return r.routes, r.copies
+
+    def step_host(self, layer: int, ids, split) -> HostStep:
+        """One layer call whose last promoted misses go to the host (the class docstring's
+        step_host). split: int sequence indexed by the step's miss count M (length > W), with
+        0 <= split[M] <= M; None hands nothing over (then this is `step`)."""
         E, R, S = self.num_experts, self.num_rows, self.staging_rows
+        if split is not None:
+            split = np.asarray(split)
+            if split.dtype.kind not in "iu" or split.ndim != 1:
+                raise TypeError(f"split must be a 1-D integer array, got {split.dtype} "
+                                f"{list(split.shape)}")
+            W = np.asarray(ids).size
+            if split.size <= W:
+                raise ValueError(f"split has {split.size} entries; a step of {W} lanes needs one "
+                                 f"for every miss count 0 ... {W}")
+            bad = np.flatnonzero((split < 0) | (split > np.arange(split.size)))
+            if bad.size:
+                m = int(bad[0])
+                raise ValueError(f"split[{m}] = {int(split[m])} is not in [0, {m}] (the host's "
+                                 f"share of {m} misses)")
         # 1., 2. padding, invalid lanes, dedupe; classify against the tables at the step's start
         ids, valid, uniq = self._keys(layer, ids)
         hits = [k for k in uniq if self.slot_of[k] >= 0]
@@ -373,6 +433,7 @@ class ReferencePlanner:
         copies = []
         promotions = steals = staged = 0
         cap = self.policy.promote or len(misses)
+        promoted = []
         for k in misses:
             victim = self._victim(self.clock) if self.gate and promotions < cap else -1
             if victim >= 0:
@@ -381,6 +442,7 @@ class ReferencePlanner:
                 self._use(victim)
                 row = victim
                 promotions += 1
+                promoted.append(k)
             elif staged < S:
                 row = R + staged
                 staged += 1
@@ -390,12 +452,26 @@ class ReferencePlanner:
             if row >= 0:
                 copies.append((k, row))
             row_of[k] = row
-        # 5. routes
-        routes = np.array([row_of[int(layer * E + e)] if ok else -1 for e, ok in zip(ids, valid)],
-                          dtype=np.int32)
+        # 5. the host's misses: the last h promoted; hits on pending rows
+        h = min(int(split[len(misses)]), promotions) if split is not None else 0
+        host = set(promoted[promotions - h:]) | {k for k in hits if self.pending[row_of[k]]}
+        behind = [(k, r) for k, r in copies if k in host]
+        copies = [(k, r) for k, r in copies if k not in host]
+        for k, _ in behind:
+            self.pending[row_of[k]] = True
+        # 6. routes
+        routes = np.array([row_of[int(layer * E + e)] if ok and layer * E + e not in host else -1
+                           for e, ok in zip(ids, valid)], dtype=np.int32)
+        host_keys = np.array([layer * E + e if ok and layer * E + e in host else -1
+                              for e, ok in zip(ids, valid)], dtype=np.int64)
         if self.gate:
             self.counters[layer] += (len(hits), len(misses), promotions, steals, staged)
-        return routes, copies
+            self.host_counters[layer] += len(host)
+        return HostStep(routes, copies, behind, host_keys)
+
+    def land(self) -> None:
+        """Every behind copy has landed: no row is pending."""
+        self.pending[:] = False
 
     def prefetch(self, layer: int, ids, max_rows: int = 0) -> list[tuple[int, int]]:
         """Bring the predicted experts `ids` of the next step of `layer` in (the class

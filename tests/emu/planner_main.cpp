@@ -10,6 +10,10 @@
 // error, counters[L*5]; the PREFETCH build then adds pf_n_copies, pf_copies[2*pf_n_copies],
 // touched, pf_flag[R], pf_counters[L*3]. A prefetch step writes its list to the pf_ buffers: the
 // plan step's outputs above must keep their poison.
+// The HOST_SPLIT build reads split[W + 1] after a plan step's ids, takes kind 2 as a landing (every
+// behind copy landed: pending cleared, as the pool's memset; nothing launched, nothing written),
+// and adds to a plan step's output n_behind, behind[2*n_behind], host_keys[W], pending[R],
+// host_counters[L].
 #include "planner.cu"  // the kernel, copied next to the emulated common.cuh
 #include "emu_io.h"
 
@@ -40,6 +44,12 @@ int main(int argc, char** argv) {
     std::vector<i32> pf_flag(R, 0), pf_copies(2 * (size_t)max_lanes);
     std::vector<i64> pf_counters((size_t)L * NUM_PF_COUNTERS, 0);
 #define EMU_PF , &touched, pf_flag.data(), pf_counters.data()
+#elif HOST_SPLIT
+    i32 n_behind = 0;
+    std::vector<i32> split(max_lanes + 1), pending(R, 0), behind(2 * (size_t)max_lanes);
+    std::vector<i64> host_keys(max_lanes), host_counters(L, 0);
+#define EMU_PF , split.data(), pending.data(), host_keys.data(), behind.data(), &n_behind, \
+        host_counters.data()
 #else
 #define EMU_PF
 #endif
@@ -48,11 +58,23 @@ int main(int argc, char** argv) {
     for (long long s = 0; s < steps; ++s) {
         gate = (i32)next();
         const int layer = (int)next();
-        const bool prefetch = next() != 0;
+        const int kind = (int)next();
+        const bool prefetch = kind == 1;
         const int promote = (int)next();
 #if !PREFETCH
         if (prefetch) {
             std::fprintf(stderr, "planner_main: a prefetch step needs the PREFETCH build\n");
+            return 2;
+        }
+#endif
+#if HOST_SPLIT
+        if (kind == 2) {  // a landing: no launch, no output
+            std::fill(pending.begin(), pending.end(), 0);
+            continue;
+        }
+#else
+        if (kind == 2) {
+            std::fprintf(stderr, "planner_main: a landing needs the HOST_SPLIT build\n");
             return 2;
         }
 #endif
@@ -61,6 +83,12 @@ int main(int argc, char** argv) {
         std::vector<i64> ids64(W + 1);
         std::vector<i32> ids32(W + 1);
         for (int i = 0; i < W; ++i) ids32[i] = (i32)(ids64[i] = next());
+#if HOST_SPLIT
+        for (int i = 0; i <= W; ++i) split[i] = (i32)next();
+        std::fill(host_keys.begin(), host_keys.end(), 0x5A5A5A5A5A5ALL);
+        std::fill(behind.begin(), behind.end(), 0x5A5A5A5A);
+        n_behind = 0x5A5A5A5A;
+#endif
         // poison the outputs: whatever the kernel must write, it writes
         std::fill(routes.begin(), routes.end(), 0x5A5A5A5A);
         std::fill(lane_addr.begin(), lane_addr.end(), 0x5A5A5A5A5A5ALL);
@@ -128,6 +156,12 @@ int main(int argc, char** argv) {
         put(fo, &touched, 1);
         put(fo, pf_flag.data(), R);
         put(fo, pf_counters.data(), (long long)pf_counters.size());
+#elif HOST_SPLIT
+        put(fo, &n_behind, 1);
+        put(fo, behind.data(), 2 * (long long)std::max(0, std::min(n_behind, max_lanes)));
+        put(fo, host_keys.data(), W);
+        put(fo, pending.data(), R);
+        put(fo, host_counters.data(), L);
 #endif
     }
     std::fclose(fo);
