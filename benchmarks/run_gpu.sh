@@ -7,7 +7,7 @@
 # seconds, the log's last pytest/sanitizer/error line) is printed last. Benchmarks write their
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
-# Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
+# Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, tests-host, host-bench, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
@@ -62,7 +62,16 @@ for stage in "$@"; do
               --deselect tests/test_gpu_nvfp4.py --deselect tests/test_gpu_foundation.py \
               --deselect tests/test_gpu_arch.py --deselect tests/test_gpu_read_probe.py \
               --deselect tests/test_gpu_dense.py --deselect tests/test_gpu_nongated.py \
-              --deselect tests/test_checkpoints_fill.py ;;
+              --deselect tests/test_checkpoints_fill.py --deselect tests/test_gpu_host_planner.py \
+              --deselect tests/test_gpu_host_handoff.py ;;
+    # the host's CPU path: its CPU tests on this machine's CPU (the native build is AVX-512 where
+    # the CPU has it), the hand-off and the planner's HOST_SPLIT build on the GPU
+    tests-host) run pytest_host "${TESTS_TIMEOUT:-300}" python3 -m pytest -m "gpu or not gpu" -q \
+              -p no:cacheprovider -ra $PYTEST_TIMEOUT tests/test_host_experts.py \
+              tests/test_gpu_host_handoff.py tests/test_gpu_host_planner.py ;;
+    host-bench) run bench_host_experts 400 python3 benchmarks/bench_host_experts.py
+              run probe_host_handoff 200 python3 benchmarks/probe_host_handoff.py \
+                  --json "$OUT/probe_host_handoff.json" ;;
     sanitize) run memcheck 150 compute-sanitizer --tool memcheck python3 tests/gpu_planner_sanitize.py
               run racecheck 150 compute-sanitizer --tool racecheck python3 tests/gpu_planner_sanitize.py --steps 100 --big-steps 4 ;;
     sanitize-decode) for tool in memcheck racecheck synccheck; do

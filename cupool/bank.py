@@ -11,7 +11,10 @@ launches on torch's current stream — the plan step (`rawkernels/planner.cu`) a
 `lane_addr`. Everything else here (open with verification, stats, errors) reads the device and
 belongs outside the hot path. A Bank built with `prefetch=True` also runs prefetch steps
 (`prefetch` + `copy_prefetched`: a predicted layer's experts brought in ahead of its step, with
-their own copy list; `cupool.prefetch.Prefetcher` issues them on a side stream). `promote` caps
+their own copy list; `cupool.prefetch.Prefetcher` issues them on a side stream). A Bank built with
+`host=True` runs host steps (`step_host`: the planner's HOST_SPLIT build hands a call's last
+promoted misses to the host's CPU as `set_split` says, `copy_behind` copies their rows behind the
+call, `land` ends their pending state once those copies are in). `promote` caps
 the misses of one step that take a bank row (the rest are staged): a fixed cap, or "auto", the
 pool's default (`cupool.reference.planner.default_promote`: none for a step whose lanes fit a
 layer's rows).
@@ -84,6 +87,8 @@ class Bank:
         copy_blocks: the copy kernel's fixed grid (default: the RowCopier default).
         prefetch: build the planner's PREFETCH variant and its tables, for `prefetch` steps
             (default False: the plain planner).
+        host: build the planner's HOST_SPLIT variant and its tables, for `step_host` (default
+            False; not with prefetch).
         promote: the promotion cap of a step (`Policy.promote`): at most that many of its misses
             take a bank row, the others are staged (read for that step only). 0 (default): no
             cap, every miss that finds a victim takes it; "auto": `default_promote(N, W)` for a
@@ -96,12 +101,14 @@ class Bank:
                  max_lanes: int, initial=None, device=None, *, threads: int | None = None,
                  items: int | None = None, ring: int | None = None, copy_mode: str = "auto",
                  copy_blocks: int | None = None, prefetch: bool = False,
-                 promote: int | str = 0):
+                 promote: int | str = 0, host: bool = False):
         if not isinstance(store, HostStore):
             raise TypeError(f"store must be a cupool.HostStore, got {type(store).__name__}")
         if copy_mode not in MODES:
             raise ValueError(f"copy_mode must be one of {MODES}, got {copy_mode!r}")
         self._promote = check_promote(promote)
+        if prefetch and host:
+            raise ValueError("prefetch and host are separate planner builds; pick one")
         L, E = store.num_layers, store.num_experts
         N = _positive_int("rows_per_layer", rows_per_layer)
         S = _positive_int("staging_rows", staging_rows)
@@ -130,7 +137,8 @@ class Bank:
         self.initial_key_of = key_of
         self.rows = torch.zeros((self.num_rows + S, self.row_stride), dtype=torch.uint8,
                                 device=dev)
-        self.tables = DeviceTables.build(key_of, L, E, W, dev, ring=ring, prefetch=bool(prefetch))
+        self.tables = DeviceTables.build(key_of, L, E, W, dev, ring=ring, prefetch=bool(prefetch),
+                                         host=bool(host))
         t = self.tables
         self.slot_of, self.key_of, self.last_use = t.slot_of, t.key_of, t.last_use
         self.ring, self.pos_of, self.ring_ends = t.ring, t.pos_of, t.ends
@@ -146,6 +154,8 @@ class Bank:
         # the prefetch's copies run beside the step's kernels, not on its critical path: the same
         # launcher by default, replaceable in the same way
         self.prefetch_copier = self.copier if prefetch else None
+        # a host step's behind copies: the same launcher, on the stream copy_behind is given
+        self.behind_copier = self.copier if host else None
         self._compare = kernels.function("planner", "compare_rows", self._plan.defines, idx)
         owned = np.flatnonzero(key_of >= 0)
         if owned.size:
@@ -167,6 +177,11 @@ class Bank:
     def prefetching(self) -> bool:
         """Whether this bank runs prefetch steps (built with `prefetch=True`)."""
         return self.tables.prefetch
+
+    @property
+    def hosting(self) -> bool:
+        """Whether this bank runs host steps (built with `host=True`)."""
+        return self.tables.host
 
     @property
     def promote(self) -> int | str:
@@ -234,6 +249,42 @@ class Bank:
             raise RuntimeError("this bank was built without prefetch (Bank(..., prefetch=True))")
         self.prefetch_copier(t.pf_copies, t.pf_n_copies, stream=stream)
 
+    def set_split(self, split) -> None:
+        """The host's share of each step's misses (`PlanStep.set_split`: split[M] of M, max_lanes
+        + 1 entries). Outside graph capture; captured graphs read the table at every replay."""
+        self._plan.set_split(split)
+
+    def step_host(self, layer: int, ids: torch.Tensor):
+        """One layer call whose last promoted misses the host computes (`ReferencePlanner.
+        step_host`): plan, then the copies the GEMM needs, on torch's current stream; no host
+        sync, graph-capturable.
+
+        Returns views (routes int32 [W], lane_addr int64 [W], host_keys int64 [W]) of buffers the
+        next call overwrites: the host's lanes route −1 (lane_addr 0) and carry their key in
+        host_keys (else −1), what `cupool.ops.host_handoff.post` hands the host. The host
+        misses' rows are promoted and pending; `copy_behind` copies them (before the next step:
+        the list is reused), and `land` must follow those copies before a later step could
+        need a pending row as a victim."""
+        t = self.tables
+        if not t.host:
+            raise RuntimeError("this bank was built without host steps (Bank(..., host=True))")
+        W = self._plan(layer, ids, self._cap(ids))
+        self.copier(self.copies, self.n_copies)
+        return self.routes[:W], self.lane_addr[:W], t.host_keys[:W]
+
+    def copy_behind(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy the rows the last host step promoted for the host (its behind list; fixed grid,
+        the length read on the device) on `stream` (default: torch's current stream)."""
+        t = self.tables
+        if not t.host:
+            raise RuntimeError("this bank was built without host steps (Bank(..., host=True))")
+        self.behind_copier(t.behind, t.n_behind, stream=stream)
+
+    def land(self) -> None:
+        """The behind copies have landed: no row is pending (a memset on torch's current stream;
+        graph-capturable)."""
+        self._plan.land()
+
     def step_split(self, layer: int, ids: torch.Tensor):
         """`step` with the copies on the bank's copy stream, so work on the rows already in place
         can run while they land. Graph-capturable (the copy stream forks from and joins torch's
@@ -299,6 +350,9 @@ class Bank:
                                 f"clock {st['clock']}")
             empty = np.flatnonzero((st["prefetched"] != 0) & (st["key_of"] < 0))
             problems += [f"row {r} is marked prefetched but holds no key" for r in empty[:8]]
+        if "pending" in st:                 # the host tables
+            empty = np.flatnonzero((st["pending"] != 0) & (st["key_of"] < 0))
+            problems += [f"row {r} is pending but holds no key" for r in empty[:8]]
         key_of = st["key_of"]
         rows = np.flatnonzero((key_of >= 0) & (key_of < L * E))
         if sample is not None and sample < rows.size:
@@ -345,14 +399,18 @@ class Bank:
         self.counters.zero_()
         if self.tables.prefetch:
             self.tables.pf_counters.zero_()
+        if self.tables.host:
+            self.tables.host_counters.zero_()
 
     def stats(self) -> tuple[list[dict], str]:
         """Per-layer counters (counted while the gate is open) and rows owned now: a list of dicts
         (layer, hits, misses, hit_rate, promotions, steals, staged, rows_owned, bytes_copied;
-        a prefetching bank adds prefetched, prefetch_used, prefetch_wasted and bytes_prefetched)
-        and the same as a formatted table."""
+        a prefetching bank adds prefetched, prefetch_used, prefetch_wasted and bytes_prefetched;
+        a host-step bank adds host, the unique ids handed to the host) and the same as a
+        formatted table."""
         c = self.counters.cpu().numpy()
         pf = self.tables.pf_counters.cpu().numpy() if self.tables.prefetch else None
+        hc = self.tables.host_counters.cpu().numpy() if self.tables.host else None
         key_of = self.key_of.cpu().numpy()
         owned = np.bincount(key_of[key_of >= 0] // self.num_experts, minlength=self.num_layers)
         table = []
@@ -367,6 +425,8 @@ class Bank:
                 table[-1].update({name: int(pf[layer, i])
                                   for i, name in enumerate(PREFETCH_COUNTERS)},
                                  bytes_prefetched=int(pf[layer, 0]) * self.row_bytes)
+            if hc is not None:
+                table[-1]["host"] = int(hc[layer])
         head = (f"{'layer':>5} {'hits':>10} {'misses':>10} {'hit rate':>8} {'promotions':>10} "
                 f"{'steals':>8} {'staged':>8} {'rows':>6} {'copied':>11}")
         lines = [head]
@@ -385,6 +445,8 @@ class Bank:
             lines.append(f"prefetch: {n[0]} rows ({fmt_bytes(int(n[0]) * self.row_bytes)}), "
                          f"{n[1]} used, {n[2]} wasted (evicted unused), "
                          f"{n[0] - n[1] - n[2]} waiting")
+        if hc is not None:
+            lines.append(f"host: {int(hc.sum())} experts computed on the host's CPU")
         return table, "\n".join(lines)
 
     def memory_parts(self) -> list[tuple[str, int, str]]:
@@ -399,4 +461,5 @@ class Bank:
                 f"R={self.num_rows}, S={self.staging_rows}, max_lanes={self.max_lanes}, "
                 f"row={fmt_bytes(self.row_bytes)}, {self.device}"
                 f"{', prefetch' if self.tables.prefetch else ''}"
+                f"{', host' if self.tables.host else ''}"
                 f"{f', promote={self._promote}' if self._promote else ''})")

@@ -7,7 +7,10 @@ W lanes of one layer call · C the LRU ring's capacity.
 arguments and launches the kernel on torch's current stream. The semantics are those of
 `cupool.reference.planner.ReferencePlanner`, which the GPU tests compare the kernel with.
 With `prefetch=True` both use the kernel's PREFETCH build: three more tables and a prefetch list,
-and `PlanStep.prefetch` (`ReferencePlanner.prefetch`); without it the kernel is the plain build.
+and `PlanStep.prefetch` (`ReferencePlanner.prefetch`); with `host=True` the HOST_SPLIT build (a
+step hands its last promoted misses to the host's CPU, `ReferencePlanner.step_host`: a split
+table, pending rows, the host lanes' keys and a list of copies made behind the call); without
+either the kernel is the plain build.
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ class DeviceTables:
     the last open tick: the ring window's last entries) · pf_flag int32 [R] (1: filled by a
     prefetch, not used since) · pf_counters int64 [L, 3] (`PREFETCH_COUNTERS`) · pf_copies int32
     [max_lanes, 2] and pf_n_copies int32 [1] (the last prefetch's copy list).
+    Host tables (None unless built with `host=True`): split int32 [max_lanes + 1] (of M misses
+    the host takes split[M]; zeros: none) · pending int32 [R] (1: promoted by a host step, its
+    copy not landed) · host_counters int64 [L] · host_keys int64 [max_lanes] (the last step's
+    lanes' keys where the host computes them, else −1) · behind int32 [max_lanes, 2] and
+    n_behind int32 [1] (the last step's copies made behind the call).
     """
 
     slot_of: torch.Tensor
@@ -86,18 +94,33 @@ class DeviceTables:
     pf_counters: torch.Tensor | None = field(default=None)
     pf_copies: torch.Tensor | None = field(default=None)
     pf_n_copies: torch.Tensor | None = field(default=None)
+    split: torch.Tensor | None = field(default=None)
+    pending: torch.Tensor | None = field(default=None)
+    host_counters: torch.Tensor | None = field(default=None)
+    host_keys: torch.Tensor | None = field(default=None)
+    behind: torch.Tensor | None = field(default=None)
+    n_behind: torch.Tensor | None = field(default=None)
 
     @property
     def prefetch(self) -> bool:
         """Whether these tables have the prefetch tables (the PREFETCH build's)."""
         return self.pf_flag is not None
 
+    @property
+    def host(self) -> bool:
+        """Whether these tables have the host tables (the HOST_SPLIT build's)."""
+        return self.pending is not None
+
     @classmethod
     def build(cls, key_of: np.ndarray, num_layers: int, num_experts: int, max_lanes: int,
-              device, ring: int | None = None, prefetch: bool = False) -> DeviceTables:
+              device, ring: int | None = None, prefetch: bool = False,
+              host: bool = False) -> DeviceTables:
         """Tables for the placement `key_of` (from `initial_placement`), all rows unused.
         `ring`: the LRU ring's capacity (default `ring_capacity(R)`; tests pass a small one).
-        `prefetch`: add the prefetch tables (zero: nothing prefetched, no tick yet)."""
+        `prefetch`: add the prefetch tables (zero: nothing prefetched, no tick yet).
+        `host`: add the host tables (a zero split: nothing handed over until one is set)."""
+        if prefetch and host:
+            raise ValueError("prefetch and host are separate planner builds; pick one")
         R = key_of.size
         C = ring_capacity(R) if ring is None else int(ring)
         if C & (C - 1) or C < R:
@@ -132,7 +155,14 @@ class DeviceTables:
                 pf_counters=torch.zeros(num_layers, len(PREFETCH_COUNTERS), dtype=torch.int64,
                                         device=device),
                 pf_copies=torch.zeros(max_lanes, 2, dtype=torch.int32, device=device),
-                pf_n_copies=torch.zeros(1, dtype=torch.int32, device=device))))
+                pf_n_copies=torch.zeros(1, dtype=torch.int32, device=device))),
+            **({} if not host else dict(
+                split=torch.zeros(max_lanes + 1, dtype=torch.int32, device=device),
+                pending=torch.zeros(R, dtype=torch.int32, device=device),
+                host_counters=torch.zeros(num_layers, dtype=torch.int64, device=device),
+                host_keys=torch.full((max_lanes,), -1, dtype=torch.int64, device=device),
+                behind=torch.zeros(max_lanes, 2, dtype=torch.int32, device=device),
+                n_behind=torch.zeros(1, dtype=torch.int32, device=device))))
 
     def nbytes(self) -> int:
         return sum(getattr(self, f.name).nbytes for f in fields(self)
@@ -153,6 +183,9 @@ class DeviceTables:
         if self.prefetch:
             out.update(touched=int(self.touched.item()), prefetched=self.pf_flag.cpu().numpy(),
                        prefetch_counters=self.pf_counters.cpu().numpy())
+        if self.host:
+            out.update(pending=self.pending.cpu().numpy(),
+                       host_counters=self.host_counters.cpu().numpy())
         return out
 
 
@@ -195,7 +228,9 @@ class PlanStep:
         threads, items: block shape (default `launch_shape`); tests use tiny ones to exercise
             the kernel's multi-tile path.
     The kernel's PREFETCH build when `tables` has the prefetch tables (`DeviceTables.prefetch`):
-    then plan steps also keep them, and `prefetch` launches the prefetch mode.
+    then plan steps also keep them, and `prefetch` launches the prefetch mode. The HOST_SPLIT
+    build when it has the host tables (`DeviceTables.host`): every step hands over what the
+    split table (`set_split`) says, and `land` clears the pending rows.
     """
 
     def __init__(self, tables: DeviceTables, num_layers: int, num_experts: int,
@@ -219,14 +254,18 @@ class PlanStep:
         self.defines = {"THREADS": self.threads, "ITEMS": self.items}
         if tables.prefetch:
             self.defines["PREFETCH"] = 1
+        if tables.host:
+            self.defines["HOST_SPLIT"] = 1
         dev = self.device.index
         fn = lambda name: kernels.function("planner", name, self.defines, dev)  # noqa: E731
         self.kernels = {torch.int32: fn("plan_step_i32"), torch.int64: fn("plan_step_i64")}
         self.prefetch_kernels = {torch.int32: fn("prefetch_step_i32"),
                                  torch.int64: fn("prefetch_step_i64")} if tables.prefetch else None
         limit = _shared_mem_limit(dev)
-        # planner.cu's __shared__ arrays (and the PREFETCH build's two more ints)
-        static = 24 * self.threads + 4 * 64 + 8 * 6 + 12 + (8 if tables.prefetch else 0)
+        # planner.cu's __shared__ arrays (and the PREFETCH build's two more ints, the HOST_SPLIT
+        # build's s_host [THREADS] and one int)
+        static = 24 * self.threads + 4 * 64 + 8 * 6 + 12 + (8 if tables.prefetch else 0) \
+            + ((4 * self.threads + 4) if tables.host else 0)
         if self.shared_mem + static > limit:
             raise ValueError(f"the plan step needs {self.shared_mem + static} bytes of shared "
                              f"memory (E={self.num_experts}, R={self.num_rows}), more than the "
@@ -255,6 +294,33 @@ class PlanStep:
         return self._launch(self.prefetch_kernels, layer, ids, t.pf_copies, t.pf_n_copies,
                             max_rows)
 
+    def set_split(self, split) -> None:
+        """The host's share of a step's misses: split[M] of M (an int sequence of max_lanes + 1
+        entries, 0 <= split[M] <= M; `cupool.simulate.host_split` for measured rates). Copied to
+        the device table the kernel reads (a synchronous copy: not inside a captured graph; a
+        graph reads the table at every replay, so a new split applies to the next replay)."""
+        t = self.tables
+        if not t.host:
+            raise RuntimeError("this plan step was built without the host tables "
+                               "(DeviceTables.build(..., host=True))")
+        a = np.asarray(split)
+        n = self.max_lanes + 1
+        if a.dtype.kind not in "iu" or a.shape != (n,):
+            raise ValueError(f"split must be {n} integers (one for each miss count 0 ... "
+                             f"{self.max_lanes}), got {a.dtype} {list(a.shape)}")
+        bad = np.flatnonzero((a < 0) | (a > np.arange(n)))
+        if bad.size:
+            raise ValueError(f"split[{bad[0]}] = {a[bad[0]]} is not in [0, {bad[0]}]")
+        t.split.copy_(torch.from_numpy(a.astype(np.int32)))
+
+    def land(self) -> None:
+        """Every copy of the behind lists has landed: no row is pending (a memset on torch's
+        current stream; graph-capturable). Call it after those copies, before a later step may
+        need their rows as victims."""
+        if not self.tables.host:
+            raise RuntimeError("this plan step was built without the host tables")
+        self.tables.pending.zero_()
+
     def _launch(self, fns: dict, layer: int, ids: torch.Tensor, copies: torch.Tensor,
                 n_copies: torch.Tensor, promote: int) -> int:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
@@ -262,7 +328,9 @@ class PlanStep:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
         W = check_ids(ids, self.max_lanes, self.device)
         t = self.tables
-        extra = (t.touched, t.pf_flag, t.pf_counters) if t.prefetch else ()
+        extra = (t.touched, t.pf_flag, t.pf_counters) if t.prefetch else \
+            (t.split, t.pending, t.host_keys, t.behind, t.n_behind, t.host_counters) if t.host \
+            else ()
         kernels.launch(fns[ids.dtype], 1, self.threads, (
             ids, kernels.i32(W), kernels.i32(layer), kernels.i32(self.num_experts),
             kernels.i32(self.num_rows), kernels.i32(self.staging_rows), kernels.i32(promote),
