@@ -162,6 +162,36 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hx_serving.restype, lib.hx_serving.argtypes = i32, [p]
 
 
+def host_split(misses: int, link_us: float, cpu_us: float, handoff_us: float) -> int:
+    """How many of a layer call's `misses` to compute on the host's CPU rather than copy over the
+    link: the m that makes max((misses − m) · link_us, m · cpu_us + handoff_us) smallest (the link
+    and the CPU work at once, the CPU after a hand-off); the smallest such m on a tie, so a row
+    goes to the CPU only where that is faster."""
+    best, best_t = 0, misses * link_us
+    for m in range(1, misses + 1):
+        t = max((misses - m) * link_us, m * cpu_us + handoff_us)
+        if t < best_t:
+            best, best_t = m, t
+    return best
+
+
+def split_table(lanes: int, link_us: float, cpu_us: float, handoff_us: float) -> np.ndarray:
+    """The planner's split table for steps of up to `lanes` lanes (`Bank.set_split`): int64
+    [lanes + 1], entry M = `host_split(M, ...)`, from a row's time on the link, a row's time on
+    the host's CPU (`HostExperts.timed`, µs a row at the call's size) and the hand-off's fixed
+    cost (`benchmarks/probe_host_handoff.py`)."""
+    if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or lanes < 1:
+        raise ValueError(f"lanes must be an int >= 1, got {lanes!r}")
+    for name, v in (("link_us", link_us), ("cpu_us", cpu_us), ("handoff_us", handoff_us)):
+        if not (isinstance(v, (int, float, np.floating)) and np.isfinite(v) and v >= 0) \
+                or isinstance(v, bool):
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if cpu_us == 0:
+        raise ValueError("cpu_us must be > 0 (a row's time on the host's CPU)")
+    return np.array([host_split(m, float(link_us), float(cpu_us), float(handoff_us))
+                     for m in range(int(lanes) + 1)], dtype=np.int64)
+
+
 def default_threads() -> int:
     """One thread per CPU this process may run on, less one for the serving thread (at least 1)."""
     try:

@@ -7,7 +7,12 @@ torch's current stream. Decode (W ≤ the bank's max lanes): plan step + row cop
 graph-capturable; with the pool's `overlap_copies` the copies run on a second stream while the
 GEMM works on the experts already in the bank, and the copied experts follow in a second launch.
 With the pool's prefetch on (`Pool.enable_prefetch`), every call first joins the prefetch in
-flight, and a decode call issues the next layer's prefetch right after its plan step.
+flight, and a decode call issues the next layer's prefetch right after its plan step. With the
+host's CPU on (`Pool.enable_host_experts`, a `HostDecode`), a decode call's plan step hands its
+last promoted misses to the host (the planner's host step): their lanes are posted to the host's
+mailbox, their rows copied behind on a side stream, the GEMM computes the other lanes, and the
+host's answer is added to its output; the last pooled layer's call joins the behind copies and
+lands them, so a step forks and joins its side stream within itself (graph capture needs that).
 Wider calls (prefill) take the partition path (resident experts from the bank, the others from
 the host store through a bounded scratch), which leaves the placement alone; a call wider than
 the GEMM's `max_prefill_tokens` runs in chunks of that many tokens (exact: experts act on each
@@ -27,9 +32,12 @@ import itertools
 import os
 import weakref
 
+import numpy as np
 import torch
 
 from cupool._env import parse_switch
+from cupool.hostexperts import HostExperts, Mailbox, split_table
+from cupool.ops.host_handoff import post, wait
 
 
 PREFILL_AHEAD_ENV = "CUPOOL_PREFILL_AHEAD"
@@ -65,6 +73,98 @@ def prefill_plan(pool, layer: int, tokens: int) -> tuple[bool, int | None]:
             or tokens * pool.top_k < AHEAD_LANES_PER_EXPERT * pool.num_experts:
         return False, None
     return True, (layer + 1 if layer + 1 < pool.num_layers else None)
+
+
+class HostDecode:
+    """The host's CPU share of a pool's decode calls of `tokens` tokens: a `HostExperts` serving a
+    pinned `Mailbox`, the float32 buffers of the hand-off, the behind copies' stream, and the
+    split table the bank's host steps read (`Pool.enable_host_experts` builds it).
+
+    link_us / cpu_us: a row's time on the link (the row-copy kernel) and on the host's CPU;
+    None measures them here (`measure_link_us`, `measure_cpu_us`). handoff_us: a call's fixed
+    cost of the hand-off. `split`: the table they give (`cupool.hostexperts.split_table`)."""
+
+    def __init__(self, pool, tokens: int, *, threads: int | None = None,
+                 link_us: float | None = None, cpu_us: float | None = None,
+                 handoff_us: float = 10.0, spin_ms: float = 50.0):
+        bank = pool.bank
+        if not bank.hosting:
+            raise RuntimeError("the pool's bank has no host steps (Pool.enable_host_experts "
+                               "rebuilds it with them)")
+        if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)) \
+                or not 1 <= tokens * pool.top_k <= bank.max_lanes:
+            raise ValueError(f"tokens must be an int with 1 <= tokens · top_k ({pool.top_k}) <= "
+                             f"the bank's max_lanes ({bank.max_lanes}), got {tokens!r}")
+        self.pool, self.tokens = pool, int(tokens)
+        dev, H, K = pool.device, pool.layout.hidden, pool.top_k
+        self.hx = HostExperts(pool.store.host_addresses(), pool.layout, pool.gemm.activation,
+                              threads=threads, spin_ms=spin_ms)
+        try:
+            self.link_us = float(link_us) if link_us is not None else measure_link_us(bank)
+            self.cpu_us = float(cpu_us) if cpu_us is not None else measure_cpu_us(
+                self.hx, H, pool.num_layers * pool.num_experts)
+            self.handoff_us = float(handoff_us)
+            self.split = split_table(bank.max_lanes, self.link_us, self.cpu_us, self.handoff_us)
+            self.mailbox = Mailbox(self.tokens, K, H, pinned=True, device=dev)
+            self.error = torch.zeros(1, dtype=torch.int32, device=dev)
+            self.answer = torch.zeros(self.tokens, H, dtype=torch.float32, device=dev)
+            self.weights = torch.zeros(self.tokens, K, dtype=torch.float32, device=dev)
+            self.side = torch.cuda.Stream(dev)
+            bank.set_split(self.split)
+            self.hx.serve(self.mailbox)
+        except BaseException:
+            self.hx.close()
+            raise
+
+    def errors(self) -> list[str]:
+        """The hand-off's sticky error (a wait that gave up, about a second without an answer)
+        and the host pool's own error bits. A host read."""
+        out = []
+        if int(self.error.item()):
+            out.append("host: a decode call gave up waiting for the host's answer")
+        return out
+
+    def close(self) -> None:
+        """Stop serving and free the host pool and the mailbox (the bank keeps its split: zero it
+        with `Bank.set_split` to hand nothing over)."""
+        torch.cuda.current_stream(self.pool.device).wait_stream(self.side)
+        self.pool.bank.land()
+        self.pool.bank.set_split(np.zeros(self.pool.bank.max_lanes + 1, np.int64))
+        try:
+            self.hx.stop_serving()
+        finally:
+            self.hx.close()
+            self.mailbox.close()
+
+
+def measure_link_us(bank, rows: int = 16, reps: int = 5) -> float:
+    """µs a row on the link: the bank's row-copy kernel copying `rows` store rows into staging
+    rows (free between steps), the median of `reps` timed launches after one warm-up."""
+    n = min(rows, bank.staging_rows, bank.store.num_experts * bank.store.num_layers)
+    pairs = torch.tensor([[k, bank.num_rows + k] for k in range(n)], dtype=torch.int32,
+                         device=bank.device)
+    count = torch.tensor([n], dtype=torch.int32, device=bank.device)
+    times = []
+    for i in range(reps + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        bank.copier(pairs, count)
+        b.record()
+        b.synchronize()
+        if i:
+            times.append(a.elapsed_time(b) * 1e3 / n)
+    return float(np.median(times))
+
+
+def measure_cpu_us(hx: HostExperts, hidden: int, keys: int, reps: int = 9) -> float:
+    """µs a row on the host's CPU: one token through one row, `reps` rows spread over the `keys`
+    keys (so not in cache from the call before); the median of the calls."""
+    n = int(keys)
+    x = torch.randn(1, hidden)
+    w = torch.ones(1, 1)
+    ns = [hx.timed(x, torch.tensor([[int(k)]]), w, 1)[0]
+          for k in np.linspace(0, n - 1, reps).astype(np.int64)]
+    return float(np.median(ns)) / 1e3
 
 
 class PooledExperts:
@@ -118,6 +218,8 @@ class PooledExperts:
         if p.decode_backend is not None:
             y = p.decode_backend(self.layer, x, ids, w)
             return y if out is None else out.copy_(y)
+        if p.host is not None:
+            return self._decode_host(p.host, x, ids, w, out)
         pre = p.prefetcher
         if pre is not None:
             pre.observe(self.layer, ids)
@@ -130,6 +232,30 @@ class PooledExperts:
         if pre is not None:
             pre.issue(self.layer + 1, x, mask)
         return p.gemm.decode(x, lane_addr, w, out)
+
+    def _decode_host(self, hd: HostDecode, x, ids, w, out):
+        """The decode call with the host's CPU (module docstring): host step, post, behind copies,
+        GEMM, the host's answer added; the last pooled layer joins and lands."""
+        p = self.pool
+        T = x.shape[0]
+        if T != hd.tokens:
+            raise ValueError(f"layer {self.layer}: host experts serve decode calls of "
+                             f"{hd.tokens} tokens (Pool.enable_host_experts(tokens=...)), this "
+                             f"call has {T}")
+        cur = torch.cuda.current_stream(p.device)
+        _, lane_addr, host_keys = p.bank.step_host(self.layer, ids)
+        hd.weights.copy_(w.reshape(T, -1))
+        post(x.contiguous(), host_keys.view(T, -1), hd.weights, hd.mailbox)
+        hd.side.wait_stream(cur)
+        p.bank.copy_behind(hd.side)
+        y = p.gemm.decode(x, lane_addr, w, out)
+        hd.answer.zero_()
+        wait(hd.mailbox, hd.answer, hd.error)
+        y.add_(hd.answer)
+        if self.layer == p.num_layers - 1:      # the step's behind copies are in: none pending
+            cur.wait_stream(hd.side)
+            p.bank.land()
+        return y
 
     def _prefill(self, x, ids, w):
         p = self.pool

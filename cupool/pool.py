@@ -5,6 +5,8 @@ Shape legend (ARCHITECTURE.md): L MoE layers · E experts · K top-k · N rows p
 The gate starts closed (warm-up and graph capture must not move the placement); `open()` opens
 it. `stats_table()` and `report()` say what the pool did and holds; `unwrap()` undoes the swap.
 `enable_prefetch()` turns on prefetch in decode calls (`cupool.prefetch`; off by default).
+`enable_host_experts()` hands some of each decode call's misses to the host's CPU
+(`cupool.layer.HostDecode`; off by default).
 `promote` caps the misses of one decode call that take a bank row ("auto" by default: a cap once
 the call's lanes exceed a layer's rows, i.e. several sequences decoded together).
 """
@@ -21,7 +23,7 @@ from cupool.adapters import MoELayerSpec
 from cupool.bank import Bank
 from cupool.budget import MemoryReport, report
 from cupool.gemm import MoEGemm, ScratchLists
-from cupool.layer import PooledExperts, prefill_ahead_default
+from cupool.layer import HostDecode, PooledExperts, prefill_ahead_default
 from cupool.layout import RowLayout, unpack_bias, unpack_row
 from cupool.nvfp4 import dequantize
 from cupool.prefetch import Prefetcher, RouterPredictor, check_max_rows
@@ -70,6 +72,11 @@ class Pool:
         # pays only where its copies hide under compute and the predictor is right often enough
         # (docs/PERFORMANCE.md; bench_decode --modes pool-prefetch); keep it off where it loses.
         self.prefetcher: Prefetcher | None = None
+        # None, or the host's CPU share of decode calls (`enable_host_experts`): a call's last
+        # promoted misses computed on the host's cores while their rows are copied behind.
+        # Off by default: what it gives depends on the host's cores and the link
+        # (docs/PERFORMANCE.md, "Experts on the host's CPU").
+        self.host: HostDecode | None = None
         # True while the decode step last run (or captured) skips the plan step: the fused step
         # on a bank that holds every expert (`cupool.fused`; CUPOOL_SKIP_PLAN=0 keeps the plan
         # step). Its lookups all hit by construction, and the bank's counters do not advance.
@@ -113,6 +120,7 @@ class Pool:
         the dequantized NVFP4 values (the original bf16 weights were released at wrap time), on
         the pool's device in the model's dtype. The store and bank are freed."""
         self.disable_prefetch()
+        self.disable_host_experts()
         swap.uninstall(self._restore)
         if restore_weights:
             for spec in self.specs:
@@ -130,22 +138,25 @@ class Pool:
         self.gemm = None
         self.store.close()
 
-    def resize_bank(self, rows: int, *, prefetch: bool | None = None) -> None:
+    def resize_bank(self, rows: int, *, prefetch: bool | None = None,
+                    host: bool | None = None) -> None:
         """Replace the bank by one of `rows` rows per layer (initial placement, gate closed,
         counters zero). The old bank's memory is released first. Any captured graph that used the
-        old bank must be captured again. `prefetch`: build the planner's prefetch variant (None:
-        as the old bank)."""
+        old bank must be captured again. `prefetch` / `host`: build the planner's prefetch or
+        host variant (None: as the old bank). Host experts in use are turned off."""
         if isinstance(rows, bool) or not isinstance(rows, int) or not self.top_k <= rows <= self.num_experts:
             raise ValueError(f"rows must be an int with top_k={self.top_k} <= rows <= "
                              f"E={self.num_experts}, got {rows!r}")
         max_lanes, staging = self.bank.max_lanes, self.bank.staging_rows
         promote = self.bank.promote
         prefetch = self.bank.prefetching if prefetch is None else bool(prefetch)
+        host = self.bank.hosting if host is None else bool(host)
         self.join_prefetch()
+        self.disable_host_experts()
         self.bank = None
         torch.cuda.empty_cache()
         self.bank = Bank(self.store, rows, staging_rows=staging, max_lanes=max_lanes,
-                         device=self.device, prefetch=prefetch, promote=promote)
+                         device=self.device, prefetch=prefetch, promote=promote, host=host)
         self.rows_per_layer = rows
         if self.prefetcher is not None:
             self.prefetcher.bank = self.bank
@@ -206,6 +217,37 @@ class Pool:
         if self.prefetcher is None:
             raise RuntimeError("prefetch is off for this pool: call Pool.enable_prefetch() first")
         self.prefetcher.issue(layer, hidden, token_mask)
+
+    # --- the host's CPU ----------------------------------------------------------------------
+    def enable_host_experts(self, tokens: int = 1, *, threads: int | None = None,
+                            link_us: float | None = None, cpu_us: float | None = None,
+                            handoff_us: float = 10.0) -> HostDecode:
+        """Hand some of each decode call's misses to the host's CPU (`HostDecode`): the plan
+        step's last promoted misses, as many as make the link and the CPU finish together
+        (`cupool.hostexperts.split_table` from a row's time on each, measured here unless
+        given, and the hand-off's `handoff_us`), computed by `threads` host threads (default
+        `cupool.hostexperts.default_threads()`) while their rows are copied behind the call.
+        Decode calls must then have `tokens` tokens (the Engine's slots). Not with prefetch. A
+        bank without the planner's host variant is rebuilt with it first (as `resize_bank`:
+        placement reset, gate closed): call this before warm-up and capture. Returns the
+        HostDecode."""
+        if self.prefetcher is not None or self.bank.prefetching:
+            raise RuntimeError("host experts and prefetch are separate planner builds: "
+                               "disable prefetch and rebuild the bank (resize_bank(..., "
+                               "prefetch=False)) first")
+        self.disable_host_experts()
+        if not self.bank.hosting:
+            self.resize_bank(self.rows_per_layer, host=True)
+        self.host = HostDecode(self, tokens, threads=threads, link_us=link_us, cpu_us=cpu_us,
+                               handoff_us=handoff_us)
+        return self.host
+
+    def disable_host_experts(self) -> None:
+        """Turn the host's share off (the bank keeps its planner variant, with a zero split it
+        hands nothing over). Captured graphs that post to the host must be captured again."""
+        if self.host is not None:
+            self.host.close()
+            self.host = None
 
     def join_prefetch(self) -> None:
         """Make torch's current stream wait for the prefetch in flight, if any."""
@@ -292,6 +334,7 @@ class Pool:
         """Sticky device error flags (planner and GEMM), decoded. A host read."""
         err = self.bank.read_error()
         out = [f"planner: {f.name}" for f in PlanError if f and f in err]
+        out += self.host.errors() if self.host is not None else []
         return out + [f"gemm: {e}" for e in self.gemm.read_error()]
 
     def expert_addresses(self, layer: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ import heapq
 
 import numpy as np
 
+from cupool.hostexperts import host_split
 from cupool.reference.planner import (
     HITS,
     MISSES,
@@ -123,19 +124,6 @@ def simulate_opt(trace: Trace, rows_per_layer: int, *, warmup_steps: int = 0) ->
             due[k] = nxt[i][k]
             heapq.heappush(heap, (-due[k], k))
     return {"hit_rate": hits / max(1, hits + misses), "hits": hits, "misses": misses}
-
-
-def host_split(misses: int, link_us: float, cpu_us: float, handoff_us: float) -> int:
-    """How many of a layer call's `misses` to compute on the host's CPU rather than copy over the
-    link: the m that makes max((misses − m) · link_us, m · cpu_us + handoff_us) smallest (the link
-    and the CPU work at once, the CPU after a hand-off); the smallest such m on a tie, so a row
-    goes to the CPU only where that is faster."""
-    best, best_t = 0, misses * link_us
-    for m in range(1, misses + 1):
-        t = max((misses - m) * link_us, m * cpu_us + handoff_us)
-        if t < best_t:
-            best, best_t = m, t
-    return best
 
 
 def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cpu_us: float,

@@ -348,3 +348,12 @@ def test_serving_a_mailbox(small):
     with pytest.raises(ValueError, match="H = 64"):
         with HostExperts(small.store.host_addresses(), small.layout, threads=1) as hx:
             hx.serve(Mailbox(1, 1, 64, pinned=False))
+
+
+def test_measure_cpu_us(small):
+    """The row time a pool's host share is split by: one token through one row, positive and
+    finite."""
+    from cupool.layer import measure_cpu_us
+    with HostExperts(small.store.host_addresses(), small.layout, threads=1) as hx:
+        us = measure_cpu_us(hx, 80, 2 * small.E, reps=3)
+    assert np.isfinite(us) and us > 0

@@ -306,7 +306,7 @@ def test_a_promotion_cap_keeps_a_batch_from_evicting_the_whole_bank():
 
 
 def test_host_split_picks_the_faster_share():
-    from cupool.simulate import host_split
+    from cupool.hostexperts import host_split
     # link 50 µs a row, CPU 40 + 10 of hand-off: one miss stays on the link (tie: 50 vs 50)
     assert host_split(0, 50, 40, 10) == 0
     assert host_split(1, 50, 40, 10) == 0
@@ -315,6 +315,23 @@ def test_host_split_picks_the_faster_share():
     assert host_split(4, 50, 40, 10) == 2          # max(100, 90)
     assert host_split(3, 50, 1e9, 10) == 0         # a CPU slower than anything: the link alone
     assert host_split(2, 100, 10, 5) == 2          # a CPU much faster than the link takes all
+
+
+def test_split_table():
+    """The planner's table: host_split of every miss count, checked arguments."""
+    from cupool.hostexperts import host_split, split_table
+    t = split_table(8, 50, 40, 10)
+    assert t.dtype == np.int64 and t.tolist() == [host_split(m, 50, 40, 10) for m in range(9)]
+    assert t.tolist() == [0, 0, 1, 2, 2, 3, 3, 4, 4]
+    assert (t >= 0).all() and (t <= np.arange(9)).all()
+    assert split_table(3, 50, 1e9, 10).tolist() == [0, 0, 0, 0]
+    for kw, match in ((dict(lanes=0), "lanes"), (dict(lanes=True), "lanes"),
+                      (dict(cpu_us=0), "cpu_us must be > 0"), (dict(link_us=-1), "link_us"),
+                      (dict(handoff_us=float("nan")), "handoff_us")):
+        a = dict(lanes=4, link_us=50.0, cpu_us=40.0, handoff_us=10.0)
+        a.update(kw)
+        with pytest.raises(ValueError, match=match):
+            split_table(**a)
 
 
 def test_simulate_host_split_counts_and_promotion():

@@ -296,7 +296,7 @@ class PlanStep:
 
     def set_split(self, split) -> None:
         """The host's share of a step's misses: split[M] of M (an int sequence of max_lanes + 1
-        entries, 0 <= split[M] <= M; `cupool.simulate.host_split` for measured rates). Copied to
+        entries, 0 <= split[M] <= M; `cupool.hostexperts.split_table` from measured rates). Copied to
         the device table the kernel reads (a synchronous copy: not inside a captured graph; a
         graph reads the table at every replay, so a new split applies to the next replay)."""
         t = self.tables

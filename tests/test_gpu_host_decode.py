@@ -1,0 +1,103 @@
+"""The host's CPU in the pool's decode calls (`Pool.enable_host_experts`, `cupool.layer.HostDecode`)
+on the GPU: a decode call with lanes on the host equals the float reference within the int8
+rounding of the host's lanes, the Engine's captured step runs with it (the host's counters move,
+no error flags, the bank verified, pending rows landed), and turning it off restores the plain
+step's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gpu_engine import _prompts
+from test_gpu_wrap import model_for
+from tiny_models import FAMILIES
+
+import cupool
+from cupool.layout import unpack_row
+from cupool.reference.moe import reference_moe
+from cupool.sampling import SamplingParams
+from cupool.synthetic import dequantize_exact
+
+pytestmark = pytest.mark.gpu
+
+
+def _pool(rows_div=2, tokens=3):
+    family = "qwen3_moe"
+    model = model_for(family, seed=41)
+    _, (_, E, K, _, _) = FAMILIES[family]
+    pool = cupool.wrap(model, rows=E // rows_div, max_decode_tokens=tokens,
+                       max_prefill_tokens=64, progress=False)
+    return model, pool, E, K
+
+
+def test_decode_call_with_host_lanes_matches_the_reference():
+    model, pool, E, K = _pool()
+    # a CPU far faster than the link: the host takes nearly every promoted miss
+    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=1.0, handoff_us=0.0)
+    assert pool.bank.hosting and hd.split[4] == 4
+    pool.open()
+    H = pool.layout.hidden
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    layer = 1
+    experts = [tuple(None if m is None else dequantize_exact(m) for m in
+                     unpack_row(pool.layout, pool.store.row(layer, e))) for e in range(E)]
+    for call in range(6):
+        x = torch.randn(3, H, generator=gen).to(torch.bfloat16).cuda()
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(3)]).cuda()
+        w = torch.softmax(torch.randn(3, K, generator=gen), -1).cuda()
+        y = pool.layers[layer].decode(x, ids, w)
+        torch.cuda.synchronize()
+        ref = reference_moe(x.float().cpu(), ids.cpu(), w.cpu(), experts, torch.float64)
+        err = float((y.double().cpu() - ref).norm() / ref.norm())
+        # the host's lanes carry int8 rounding of x and the act (about 1e-2, test_host_experts),
+        # the GPU's bf16 (about 3e-3)
+        assert err <= 3e-2, (call, err)
+    assert int(pool.bank.tables.host_counters.sum()) > 0
+    assert pool.errors() == []
+    pool.disable_host_experts()
+    pool.unwrap()
+
+
+def test_engine_with_host_experts():
+    model, pool, E, K = _pool()
+    ps = _prompts([3, 2, 3, 1], seed=8)
+    params = [SamplingParams(max_tokens=n) for n in (12, 8, 10, 9)]
+
+    def run():
+        eng = cupool.Engine(model, pool, max_batch=3, max_len=40, eos_token_id=[])
+        out = [r.output_ids for r in eng.generate(ps, params)]
+        eng.close()
+        return out
+
+    plain = run()
+    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=20.0, handoff_us=5.0)
+    assert hd.split.max() > 0
+    with_host = run()
+    assert [len(o) for o in with_host] == [len(o) for o in plain]
+    stats = pool.stats()
+    assert sum(s.get("host", 0) for s in stats) > 0, stats
+    assert pool.errors() == []
+    assert not pool.bank.state()["pending"].any()            # the step landed its copies
+    assert pool.verify() > 0
+    pool.disable_host_experts()
+    assert run() == plain                                    # the host build with a zero split
+    pool.unwrap()
+
+
+def test_host_experts_refuse_prefetch_and_other_widths():
+    model, pool, E, K = _pool()
+    pool.enable_prefetch()
+    with pytest.raises(RuntimeError, match="separate planner builds"):
+        pool.enable_host_experts(3)
+    pool.disable_prefetch()
+    pool.resize_bank(E // 2, prefetch=False)
+    with pytest.raises(ValueError, match="tokens must be an int"):
+        pool.enable_host_experts(0, link_us=50.0, cpu_us=50.0)
+    pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0)
+    pool.open()
+    x = torch.randn(2, pool.layout.hidden, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(2, K, dtype=torch.int64, device="cuda")
+    w = torch.full((2, K), 1.0 / K, device="cuda")
+    with pytest.raises(ValueError, match="host experts serve decode calls of 3 tokens"):
+        pool.layers[0].decode(x, ids, w)
+    pool.unwrap()
