@@ -28,6 +28,14 @@ def _prompts(lengths, seed=0):
     return [torch.randint(3, 60, (n,), generator=g).tolist() for n in lengths]
 
 
+def _generate(model, pool, prompts, params, max_batch=3, max_len=40):
+    """The output ids of an Engine (a fresh one, closed after) over `prompts` with `params`."""
+    eng = cupool.Engine(model, pool, max_batch=max_batch, max_len=max_len, eos_token_id=[])
+    out = [r.output_ids for r in eng.generate(prompts, params)]
+    eng.close()
+    return out
+
+
 def _check_against_reference(model, reqs):
     """Unwrapped (dequantized) reference on each sequence; returns the steps off the argmax."""
     off = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_engine import _prompts
+from test_gpu_engine import _generate, _prompts
 from test_gpu_wrap import model_for
 from tiny_models import FAMILIES
 
@@ -64,10 +64,7 @@ def test_engine_with_host_experts():
     params = [SamplingParams(max_tokens=n) for n in (12, 8, 10, 9)]
 
     def run():
-        eng = cupool.Engine(model, pool, max_batch=3, max_len=40, eos_token_id=[])
-        out = [r.output_ids for r in eng.generate(ps, params)]
-        eng.close()
-        return out
+        return _generate(model, pool, ps, params)
 
     plain = run()
     hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=20.0, handoff_us=5.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_gpu_engine import _prompts
+from test_gpu_engine import _generate, _prompts
 from test_gpu_planner import make_store
 from test_gpu_wrap import model_for
 from tiny_models import FAMILIES
@@ -120,10 +120,7 @@ def test_pool_prefetch_leaves_decode_unchanged(overlap, max_rows):
     params = [SamplingParams(max_tokens=n) for n in (20, 12, 18, 16)]
 
     def run():
-        eng = cupool.Engine(model, pool, max_batch=3, max_len=40, eos_token_id=[])
-        out = [r.output_ids for r in eng.generate(ps, params)]
-        eng.close()
-        return out
+        return _generate(model, pool, ps, params)
 
     plain = run()
     assert not pool.bank.prefetching
