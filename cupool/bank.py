@@ -268,7 +268,7 @@ class Bank:
         t = self.tables
         if not t.host:
             raise RuntimeError("this bank was built without host steps (Bank(..., host=True))")
-        W = self._plan(layer, ids, self._cap(ids))
+        W = self._plan(layer, ids, self._cap(ids), host=True)
         self.copier(self.copies, self.n_copies)
         return self.routes[:W], self.lane_addr[:W], t.host_keys[:W]
 

@@ -117,19 +117,18 @@ class HostDecode:
             raise
 
     def errors(self) -> list[str]:
-        """The hand-off's sticky error (a wait that gave up, about a second without an answer)
-        and the host pool's own error bits. A host read."""
+        """The hand-off's sticky error (a wait that gave up, about a second without an answer).
+        A host read."""
         out = []
         if int(self.error.item()):
             out.append("host: a decode call gave up waiting for the host's answer")
         return out
 
     def close(self) -> None:
-        """Stop serving and free the host pool and the mailbox (the bank keeps its split: zero it
-        with `Bank.set_split` to hand nothing over)."""
+        """Land what is in flight, stop serving and free the host pool and the mailbox (the
+        bank's plain steps hand nothing over)."""
         torch.cuda.current_stream(self.pool.device).wait_stream(self.side)
         self.pool.bank.land()
-        self.pool.bank.set_split(np.zeros(self.pool.bank.max_lanes + 1, np.int64))
         try:
             self.hx.stop_serving()
         finally:
@@ -235,14 +234,18 @@ class PooledExperts:
 
     def _decode_host(self, hd: HostDecode, x, ids, w, out):
         """The decode call with the host's CPU (module docstring): host step, post, behind copies,
-        GEMM, the host's answer added; the last pooled layer joins and lands."""
+        GEMM, the host's answer added; the last pooled layer joins and lands. A call of another
+        width than the mailbox's takes the plain step (nothing handed over)."""
         p = self.pool
         T = x.shape[0]
-        if T != hd.tokens:
-            raise ValueError(f"layer {self.layer}: host experts serve decode calls of "
-                             f"{hd.tokens} tokens (Pool.enable_host_experts(tokens=...)), this "
-                             f"call has {T}")
         cur = torch.cuda.current_stream(p.device)
+        if T != hd.tokens:
+            # another width (a short prompt's prefill through the decode path): the plain step,
+            # which hands nothing over; no row may be pending then (its hit would be the host's)
+            cur.wait_stream(hd.side)
+            p.bank.land()
+            _, lane_addr = p.bank.step(self.layer, ids)
+            return p.gemm.decode(x, lane_addr, w, out)
         _, lane_addr, host_keys = p.bank.step_host(self.layer, ids)
         hd.weights.copy_(w.reshape(T, -1))
         post(x.contiguous(), host_keys.view(T, -1), hd.weights, hd.mailbox)

@@ -243,8 +243,8 @@ class Pool:
         return self.host
 
     def disable_host_experts(self) -> None:
-        """Turn the host's share off (the bank keeps its planner variant, with a zero split it
-        hands nothing over). Captured graphs that post to the host must be captured again."""
+        """Turn the host's share off (the bank keeps its planner variant, whose plain steps hand
+        nothing over). Captured graphs that post to the host must be captured again."""
         if self.host is not None:
             self.host.close()
             self.host = None

@@ -229,8 +229,9 @@ class PlanStep:
             the kernel's multi-tile path.
     The kernel's PREFETCH build when `tables` has the prefetch tables (`DeviceTables.prefetch`):
     then plan steps also keep them, and `prefetch` launches the prefetch mode. The HOST_SPLIT
-    build when it has the host tables (`DeviceTables.host`): every step hands over what the
-    split table (`set_split`) says, and `land` clears the pending rows.
+    build when it has the host tables (`DeviceTables.host`): a step launched with `host=True`
+    hands over what the split table (`set_split`) says, any other with an all-zero table
+    (nothing handed over), and `land` clears the pending rows.
     """
 
     def __init__(self, tables: DeviceTables, num_layers: int, num_experts: int,
@@ -256,6 +257,8 @@ class PlanStep:
             self.defines["PREFETCH"] = 1
         if tables.host:
             self.defines["HOST_SPLIT"] = 1
+        # the table a step that hands nothing over reads
+        self._no_split = torch.zeros_like(tables.split) if tables.host else None
         dev = self.device.index
         fn = lambda name: kernels.function("planner", name, self.defines, dev)  # noqa: E731
         self.kernels = {torch.int32: fn("plan_step_i32"), torch.int64: fn("plan_step_i64")}
@@ -271,16 +274,22 @@ class PlanStep:
                              f"memory (E={self.num_experts}, R={self.num_rows}), more than the "
                              f"device's {limit} per block")
 
-    def __call__(self, layer: int, ids: torch.Tensor, promote: int = 0) -> int:
+    def __call__(self, layer: int, ids: torch.Tensor, promote: int = 0,
+                 host: bool = False) -> int:
         """One plan step for `layer` on torch's current stream; returns W. No host sync.
         `promote`: the promotion cap (`Policy.promote`): at most that many of the step's misses
         take a bank row, the others are staged; 0 (default): no cap. A launch argument: a
-        captured graph keeps the cap it was captured with."""
+        captured graph keeps the cap it was captured with. `host` (HOST_SPLIT build only): a
+        host step (`ReferencePlanner.step_host` with the split table); else nothing is handed
+        over (a hit on a pending row still is: `land` first where none may be)."""
         if isinstance(promote, bool) or not isinstance(promote, (int, np.integer)) \
                 or not 0 <= promote < 2**31:
             raise ValueError(f"promote must be an int >= 0 (0: no cap), got {promote!r}")
+        if host and not self.tables.host:
+            raise RuntimeError("this plan step was built without the host tables "
+                               "(DeviceTables.build(..., host=True))")
         return self._launch(self.kernels, layer, ids, self.tables.copies, self.tables.n_copies,
-                            int(promote))
+                            int(promote), host)
 
     def prefetch(self, layer: int, ids: torch.Tensor, max_rows: int = 0) -> int:
         """One prefetch step for `layer` (ids: its predicted experts, any shape, −1 padding; at
@@ -322,15 +331,15 @@ class PlanStep:
         self.tables.pending.zero_()
 
     def _launch(self, fns: dict, layer: int, ids: torch.Tensor, copies: torch.Tensor,
-                n_copies: torch.Tensor, promote: int) -> int:
+                n_copies: torch.Tensor, promote: int, host: bool = False) -> int:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
                 or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
         W = check_ids(ids, self.max_lanes, self.device)
         t = self.tables
         extra = (t.touched, t.pf_flag, t.pf_counters) if t.prefetch else \
-            (t.split, t.pending, t.host_keys, t.behind, t.n_behind, t.host_counters) if t.host \
-            else ()
+            (t.split if host else self._no_split, t.pending, t.host_keys, t.behind, t.n_behind,
+             t.host_counters) if t.host else ()
         kernels.launch(fns[ids.dtype], 1, self.threads, (
             ids, kernels.i32(W), kernels.i32(layer), kernels.i32(self.num_experts),
             kernels.i32(self.num_rows), kernels.i32(self.staging_rows), kernels.i32(promote),
