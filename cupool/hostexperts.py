@@ -6,12 +6,12 @@ E experts a layer.
 A miss's row crosses PCIe before the GPU can use it (48 µs a 2.5 MB Qwen3-30B-A3B row on a 55 GB/s
 link, about twice that on PCIe 4.0). The host's cores can compute the same expert from the same
 bytes where they lie, as llama.cpp's `--n-cpu-moe` does; `HostExperts` is that computation:
-`rawkernels/host_experts.c` (AVX-512 with VBMI and VNNI, or AVX2 + FMA, where the CPU has them, else
-portable C), compiled
-at first use with the machine's C compiler (`$CC`, else cc, gcc or clang; `-O3 -march=native`) into
-`$XDG_CACHE_HOME/cupool/host` (default ~/.cache/cupool/host), keyed by the source, the compiler's
-version, the flags and the CPU's flags. A pool of threads (spinning between calls, asleep after
-`spin_ms` idle) splits each call.
+`rawkernels/host_experts.c` (AVX-512 with VBMI and VNNI, or AVX2 + FMA, where the CPU has them,
+else portable C), compiled at first use with the machine's C compiler (`$CC`, else cc, gcc or
+clang; `-O3 -march=native`) into `$XDG_CACHE_HOME/cupool/host` (default ~/.cache/cupool/host),
+keyed by the source, the compiler's version, the flags and the CPU's flags. A pool of threads
+(spinning between calls, asleep after `spin_ms` idle) splits each call. `host_split` and
+`split_table` say how many of a layer call's misses the host should take.
 
 It reads the store's rows in the kernel layout (`cupool.layout`), so it needs no second copy of the
 experts in host memory. The weights are the exact NVFP4 values; the vectors they multiply (x and
