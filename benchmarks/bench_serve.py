@@ -25,6 +25,11 @@ pool's prefetch on with the model's own predictor (layer l + 1's router on layer
 `--prefetch-accuracy`, at most `--prefetch-rows` rows a prefetch where given; each case then also
 reports the rows prefetched and wasted (evicted before use), in bytes a generated token. Prefetch
 runs are reduced runs (written only with --json).
+`--host-experts` hands some of each decode call's misses to the host's CPU
+(`Pool.enable_host_experts`, banks without every expert: `--host-threads` threads, the hand-off's
+cost `--handoff-us`, a row's time on the link and on the CPU measured at each case's start); each
+case then also reports those times, the split and the experts the host computed a token. Such
+runs are reduced runs too.
 `--promote` sets the pool's promotion cap (`Pool.promote`; default auto, the pool's own default:
 no cap while a step's lanes fit a layer's rows, a quarter of a layer's rows past that); each case
 reports the cap its steps launched with and the misses staged. A run with another cap is a
@@ -55,7 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import add_dense_nvfp4, pcie_h2d_GBps, results_path, save  # noqa: E402
 
-from cupool.cli import CLIParser, fraction, positive_int, promote, run  # noqa: E402
+from cupool.cli import CLIParser, bounded_int, fraction, positive_int, promote, run  # noqa: E402
 
 
 
@@ -85,8 +90,16 @@ def link_bound(rows: int, decoded: int, row_bytes: int, pcie_GBps: float) -> flo
 
 
 def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: bool,
-             compile: bool, fused: bool, seed: int, pcie_GBps: float) -> dict:
+             compile: bool, fused: bool, seed: int, pcie_GBps: float,
+             host: dict | None = None) -> dict:
+    """`host`: HostDecode settings (threads, handoff_us) to enable for this case's width."""
     import cupool
+    host_info = {}
+    if host is not None:
+        hd = pool.enable_host_experts(streams, **host)
+        host_info = {"host_threads": hd.hx.threads, "host_link_us": hd.link_us,
+                     "host_cpu_us": hd.cpu_us, "host_handoff_us": hd.handoff_us,
+                     "host_split": hd.split.tolist()}
     eng = cupool.Engine(model, pool, max_batch=streams, max_len=prompt_len + tokens + 8,
                         eos_token_id=[], compile=compile, fused=None if fused else False)
     g = torch.Generator().manual_seed(seed + streams)
@@ -116,6 +129,9 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
         prefetch = {"prefetched_bytes_per_token": prefetched * row / decoded,
                     "prefetch_wasted_bytes_per_token":
                         sum(s["prefetch_wasted"] for s in stats) * row / decoded}
+    if host is not None:
+        host_info["host_experts_per_token"] = sum(s.get("host", 0) for s in stats) / decoded
+        pool.disable_host_experts()
     per = [r.decode_tokens_per_s for r in reqs]
     decode_tps = decoded / decode_wall
     bound = link_bound(misses + prefetched, decoded, row, pcie_GBps)
@@ -135,7 +151,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
             "decode_over_link_bound": None if bound is None else decode_tps / bound,
             "per_request_tok_per_s_median": statistics.median(per),
             "per_request_tok_per_s_min": min(per), "hit_rate": pool.hit_rate(stats),
-            "steps": eng.steps_run, **prefetch}
+            "steps": eng.steps_run, **prefetch, **host_info}
 
 
 def replays_trace(args, holds_every_expert: bool) -> bool:
@@ -169,10 +185,14 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         pool.enable_prefetch(TracePredictor(replayer, tr.with_predictions(
             t, args.prefetch_accuracy, seed=args.seed)), max_rows=args.prefetch_rows)
     label = f"bank {bank:.0%}" + (", the model's router" if routing != args.routing else "")
+    host = dict(threads=args.host_threads, handoff_us=args.handoff_us) \
+        if args.host_experts and not every else None
+    if host is not None:
+        label += ", host experts"
     cases = []
     for b in streams:
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
-                     not args.no_fused, args.seed, pcie)
+                     not args.no_fused, args.seed, pcie, host)
         cases.append(r)
         print(f"{label}: {b:3d} streams greedy : aggregate {r['aggregate_tok_per_s']:7.1f} tok/s "
               f"(decode {r['aggregate_decode_tok_per_s']:7.1f}), per request "
@@ -183,12 +203,15 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
               + (f", prefetched {r['prefetched_bytes_per_token'] / 1e6:.1f} MB a token "
                  f"({r['prefetch_wasted_bytes_per_token'] / 1e6:.1f} MB wasted)"
                  if "prefetched_bytes_per_token" in r else "")
+              + (f", host {r['host_experts_per_token']:.1f} experts a token (a row "
+                 f"{r['host_cpu_us']:.0f} us on the CPU, {r['host_link_us']:.0f} on the link)"
+                 if "host_experts_per_token" in r else "")
               + (f": link bound {r['link_bound_decode_tok_per_s']:.1f} tok/s, decode at "
                  f"{r['decode_over_link_bound']:.2f} of it"
                  if r["link_bound_decode_tok_per_s"] is not None else ""), flush=True)
     b = 8 if 8 in streams else max(streams)
     sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile,
-                       not args.no_fused, args.seed, pcie)
+                       not args.no_fused, args.seed, pcie, host)
     greedy = next(c for c in cases if c["streams"] == b)
     print(f"{label}: {b:3d} streams sampled: aggregate {sampled['aggregate_tok_per_s']:7.1f} "
           f"tok/s, {sampled['aggregate_tok_per_s'] / greedy['aggregate_tok_per_s']:.3f} of "
@@ -214,6 +237,10 @@ def main(args) -> int:
         raise ValueError("--prefetch trace needs --routing locality (the trace's predictions)")
     if not 0 <= args.prefetch_accuracy <= 1:
         raise ValueError(f"--prefetch-accuracy must be in [0, 1], got {args.prefetch_accuracy:g}")
+    if args.host_experts and args.prefetch != "off":
+        raise ValueError("--host-experts and --prefetch are separate planner builds: pick one")
+    if not args.handoff_us >= 0:
+        raise ValueError(f"--handoff-us must be >= 0, got {args.handoff_us:g}")
     from cupool import _cuda
     _cuda.require_gpu("bench_serve")
     layers = 2 if args.small else args.layers
@@ -225,6 +252,7 @@ def main(args) -> int:
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
                "promote": args.promote, "overlap_copies": args.overlap_copies,
+               "host_experts": args.host_experts,
                "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
@@ -234,6 +262,7 @@ def main(args) -> int:
         ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else []) + \
         ([f"--promote {args.promote}"] if args.promote != "auto" else []) + \
         (["--overlap-copies"] if args.overlap_copies else []) + \
+        (["--host-experts"] if args.host_experts else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
@@ -269,6 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="banks without every expert: the pool's overlap_copies on (the misses' "
                         "row copies on the copy stream beside the decode GEMM of the rows in "
                         "place, the copied rows' GEMM after them)")
+    p.add_argument("--host-experts", action="store_true",
+                   help="banks without every expert: some of each decode call's misses computed "
+                        "on the host's CPU (Pool.enable_host_experts)")
+    p.add_argument("--host-threads", type=bounded_int(1, 1024), metavar="N",
+                   help="--host-experts: host threads (default: the CPUs this process may use, "
+                        "less one)")
+    p.add_argument("--handoff-us", type=float, default=10.0,
+                   help="--host-experts: a call's fixed cost of the hand-off, us (default 10)")
     add_dense_nvfp4(p)
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
