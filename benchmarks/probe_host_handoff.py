@@ -3,7 +3,8 @@
 
 A graph of 48 hand-offs (one a layer of the Qwen3-30B-A3B shape, batch 1: post x and the layer's
 keys, wait for the host's answer) replayed after warm-up; each layer asks for `n` experts that no
-other layer in the graph uses (n = 0: keys all -1, the host answers at once: the hand-off alone).
+other layer in the graph uses (n = 0: keys all -1, which posts nothing: what a decode call that
+hands nothing over pays, two small kernels and no round trip).
 Beside it, the same calls made on the host directly (HostExperts.timed, no GPU), so the
 difference is what the round trip through the mailbox adds; and what the n rows would take on
 the PCIe link (one pinned copy measured in the same run).

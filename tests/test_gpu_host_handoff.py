@@ -60,9 +60,44 @@ def test_graph_replays_get_the_hosts_answer(x_dtype):
             assert int(error) == 0
             assert torch.equal(y.cpu(), ref)          # the same C code on the same float32 x
         assert hx.stop_serving() == 1 + len(inputs)
-    assert int(mb.counter) == 1 + len(inputs)
+    assert int(mb.counter[0]) == 1 + len(inputs) and int(mb.counter[1]) == 1
     with pytest.raises(RuntimeError, match="the GPU posts to it"):
         mb.post(inputs[0][0].float().numpy(), inputs[0][1].numpy(), inputs[0][2].numpy())
+    mb.close()
+    store.close()
+
+
+def test_a_post_with_no_routed_lane_sends_nothing():
+    """Keys all -1 (a call the planner handed nothing over): no request (the host serves none,
+    the number stays), and the wait adds nothing and does not wait; a routed call after it is
+    answered as usual."""
+    T, K, E, H = 2, 3, 4, 64
+    layout = RowLayout(H, 64)
+    gen = torch.Generator().manual_seed(32)
+    rows, _ = random_experts(layout, E, gen)
+    store = HostStore(1, E, layout.row_bytes)
+    store.fill(lambda _l: rows, progress=False)
+    store.seal()
+    mb = Mailbox(T, K, H)
+    x = torch.randn(T, H, generator=gen).cuda()
+    w = torch.rand(T, K, generator=gen).cuda()
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    y = torch.full((T, H), 7.0, device="cuda")
+    with HostExperts(store.host_addresses(), layout, threads=2) as hx:
+        hx.serve(mb)
+        host_handoff.post(x, torch.full((T, K), -1, dtype=torch.int64, device="cuda"), w, mb)
+        host_handoff.wait(mb, y, error)
+        torch.cuda.synchronize()
+        assert int(mb.counter[0]) == 0 and int(mb.counter[1]) == 0
+        assert torch.equal(y, torch.full((T, H), 7.0, device="cuda")) and int(error) == 0
+        keys = torch.tensor([[0, -1, -1], [-1, -1, 2]])
+        y.zero_()
+        host_handoff.post(x, keys.cuda(), w, mb)
+        host_handoff.wait(mb, y, error)
+        torch.cuda.synchronize()
+        assert int(mb.counter[0]) == 1 and int(mb.counter[1]) == 1 and int(error) == 0
+        assert hx.stop_serving() == 1
+        assert torch.equal(y.cpu(), hx(x.cpu(), keys, w.cpu()))
     mb.close()
     store.close()
 

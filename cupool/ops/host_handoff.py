@@ -7,7 +7,8 @@ answer added in, both inside the stream's work (and a captured graph), no host c
 
 The mailbox (pinned) numbers its requests with its own device counter (`Mailbox.counter`), so
 each replay of a graph waits for its own answer; `error` is an int32 CUDA tensor [1] that gets
-ERR_HOST_STALL when an answer takes more than about a second.
+ERR_HOST_STALL when an answer takes more than about a second. A post whose keys are all -1 (the
+planner handed nothing over) sends nothing, and its wait adds nothing: no round trip.
 """
 
 from __future__ import annotations
