@@ -77,8 +77,8 @@ def prefill_plan(pool, layer: int, tokens: int) -> tuple[bool, int | None]:
 
 class HostDecode:
     """The host's CPU share of a pool's decode calls of `tokens` tokens: a `HostExperts` serving a
-    pinned `Mailbox`, the float32 buffers of the hand-off, the behind copies' stream, and the
-    split table the bank's host steps read (`Pool.enable_host_experts` builds it).
+    pinned `Mailbox`, the hand-off's error word, the behind copies' stream, and the split table
+    the bank's host steps read (`Pool.enable_host_experts` builds it).
 
     link_us / cpu_us: a row's time on the link (the row-copy kernel) and on the host's CPU;
     None measures them here (`measure_link_us`, `measure_cpu_us`). handoff_us: a call's fixed
@@ -107,8 +107,6 @@ class HostDecode:
             self.split = split_table(bank.max_lanes, self.link_us, self.cpu_us, self.handoff_us)
             self.mailbox = Mailbox(self.tokens, K, H, pinned=True, device=dev)
             self.error = torch.zeros(1, dtype=torch.int32, device=dev)
-            self.answer = torch.zeros(self.tokens, H, dtype=torch.float32, device=dev)
-            self.weights = torch.zeros(self.tokens, K, dtype=torch.float32, device=dev)
             self.side = torch.cuda.Stream(dev)
             bank.set_split(self.split)
             self.hx.serve(self.mailbox)
@@ -247,14 +245,11 @@ class PooledExperts:
             _, lane_addr = p.bank.step(self.layer, ids)
             return p.gemm.decode(x, lane_addr, w, out)
         _, lane_addr, host_keys = p.bank.step_host(self.layer, ids)
-        hd.weights.copy_(w.reshape(T, -1))
-        post(x.contiguous(), host_keys.view(T, -1), hd.weights, hd.mailbox)
+        post(x.contiguous(), host_keys.view(T, -1), w.reshape(T, -1).contiguous(), hd.mailbox)
         hd.side.wait_stream(cur)
         p.bank.copy_behind(hd.side)
         y = p.gemm.decode(x, lane_addr, w, out)
-        hd.answer.zero_()
-        wait(hd.mailbox, hd.answer, hd.error)
-        y.add_(hd.answer)
+        wait(hd.mailbox, y, hd.error)           # y += the host's answer, in y's dtype
         if self.layer == p.num_layers - 1:      # the step's behind copies are in: none pending
             cur.wait_stream(hd.side)
             p.bank.land()

@@ -22,16 +22,31 @@
 
 #define ERR_HOST_STALL 1
 
-#ifndef X_BF16
-#define X_BF16 1          // x: 1 bf16, 0 float32
+// dtypes of the tensors on the GPU side: 0 float32, 1 bf16, 2 fp16 (the mailbox is float32)
+#ifndef X_DTYPE
+#define X_DTYPE 1         // x, the layer's input
 #endif
+#ifndef W_DTYPE
+#define W_DTYPE 0         // the router weights
+#endif
+#ifndef Y_DTYPE
+#define Y_DTYPE 0         // y, the output the answer is added to (rounded once, as torch's add)
+#endif
+static_assert(X_DTYPE >= 0 && X_DTYPE <= 2 && W_DTYPE >= 0 && W_DTYPE <= 2 && Y_DTYPE >= 0 &&
+              Y_DTYPE <= 2, "X_DTYPE, W_DTYPE, Y_DTYPE: 0 float32, 1 bf16, 2 fp16");
 
-CUPOOL_DEVICE float load_x(const void* x, int i) {
-#if X_BF16
-    return __uint_as_float((u32)reinterpret_cast<const u16*>(x)[i] << 16);
-#else
-    return reinterpret_cast<const float*>(x)[i];
-#endif
+template <int D>
+CUPOOL_DEVICE float load_f32(const void* p, int i) {
+    if (D == 1) return bf16_to_f32(reinterpret_cast<const u16*>(p)[i]);
+    if (D == 2) return f16_to_f32(reinterpret_cast<const u16*>(p)[i]);
+    return reinterpret_cast<const float*>(p)[i];
+}
+
+template <int D>
+CUPOOL_DEVICE void store_f32(void* p, int i, float v) {
+    if (D == 1) reinterpret_cast<u16*>(p)[i] = f32_to_bf16(v);
+    else if (D == 2) reinterpret_cast<u16*>(p)[i] = f32_to_f16(v);
+    else reinterpret_cast<float*>(p)[i] = v;
 }
 
 CUPOOL_DEVICE u32 ld_acquire_sys(const u32* p) {
@@ -44,11 +59,11 @@ CUPOOL_DEVICE void st_release_sys(u32* p, u32 v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
-// The request: x [n] (T·H values) as float32, keys and weights [lanes], then the next sequence
-// number in counter[0] and in the mailbox's seq, and counter[1] = 1; with no routed lane only
-// counter[1] = 0.
+// The request: x [n] (T·H values) and the weights [lanes] as float32, keys [lanes], then the next
+// sequence number in counter[0] and in the mailbox's seq, and counter[1] = 1; with no routed lane
+// only counter[1] = 0.
 extern "C" __global__ void host_post(const void* __restrict__ x, i32 n,
-                                     const i64* __restrict__ keys, const float* __restrict__ weights,
+                                     const i64* __restrict__ keys, const void* __restrict__ weights,
                                      i32 lanes, i32* __restrict__ counter, u32* seq,
                                      float* mx, i64* mkeys, float* mweights) {
     int routed = 0;
@@ -57,10 +72,10 @@ extern "C" __global__ void host_post(const void* __restrict__ x, i32 n,
         if (threadIdx.x == 0) counter[1] = 0;
         return;
     }
-    for (int i = threadIdx.x; i < n; i += blockDim.x) mx[i] = load_x(x, i);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) mx[i] = load_f32<X_DTYPE>(x, i);
     for (int i = threadIdx.x; i < lanes; i += blockDim.x) {
         mkeys[i] = keys[i];
-        mweights[i] = weights[i];
+        mweights[i] = load_f32<W_DTYPE>(weights, i);
     }
     __threadfence_system();          // this thread's request writes before the block's barrier
     __syncthreads();
@@ -73,9 +88,10 @@ extern "C" __global__ void host_post(const void* __restrict__ x, i32 n,
 }
 
 // Waits for the answer to the request host_post last posted (counter[0]), then y[i] += out[i]
-// for i < n (float32); nothing when the last host_post posted nothing (counter[1] == 0).
+// for i < n (in float32, rounded once to Y_DTYPE); nothing when the last host_post posted nothing
+// (counter[1] == 0).
 extern "C" __global__ void host_wait(const i32* __restrict__ counter, const u32* done,
-                                     const float* out, i32 n, float* __restrict__ y,
+                                     const float* out, i32 n, void* __restrict__ y,
                                      i32* __restrict__ error) {
     __shared__ int skip;             // nothing posted, or the wait gave up
     if (threadIdx.x == 0) {
@@ -94,5 +110,6 @@ extern "C" __global__ void host_wait(const i32* __restrict__ counter, const u32*
     if (skip) return;
     // volatile: read from host memory now, never from a line cached by an earlier replay
     const volatile float* o = out;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] += o[i];
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        store_f32<Y_DTYPE>(y, i, load_f32<Y_DTYPE>(y, i) + o[i]);
 }

@@ -58,7 +58,9 @@ BUILDS: list[tuple[str, str]] = [
     ("selftest", ""),
     ("read_probe", ""),
     ("host_handoff", ""),               # x bf16
-    ("host_handoff", "-DX_BF16=0"),     # x float32
+    ("host_handoff", "-DX_DTYPE=0"),    # x float32
+    ("host_handoff", "-DX_DTYPE=2 -DW_DTYPE=1 -DY_DTYPE=1"),   # fp16 x, bf16 weights and y
+    ("host_handoff", "-DW_DTYPE=2 -DY_DTYPE=2"),               # fp16 weights and y
     ("nvfp4_quant", ""),
     ("nvfp4_quant", "-DTHREADS=256 -DUNROLL=4"),
     ("planner", ""),

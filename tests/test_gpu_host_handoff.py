@@ -15,8 +15,12 @@ from cupool.synthetic import random_experts
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-def test_graph_replays_get_the_hosts_answer(x_dtype):
+@pytest.mark.parametrize("x_dtype,w_dtype,y_dtype", [
+    (torch.bfloat16, torch.float32, torch.float32), (torch.float32, torch.float32, torch.float32),
+    (torch.float16, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16, torch.float16)])
+def test_graph_replays_get_the_hosts_answer(x_dtype, w_dtype, y_dtype):
+    """y (any start) += the host's answer, rounded once to y's dtype (as torch's y.add_ of a
+    float32 tensor); the weights reach the host as float32."""
     T, K, E, H = 2, 3, 5, 80
     layout = RowLayout(H, 48)
     gen = torch.Generator().manual_seed(31)
@@ -27,16 +31,17 @@ def test_graph_replays_get_the_hosts_answer(x_dtype):
     mb = Mailbox(T, K, H)
     x = torch.empty(T, H, dtype=x_dtype, device="cuda")
     keys = torch.empty(T, K, dtype=torch.int64, device="cuda")
-    w = torch.empty(T, K, dtype=torch.float32, device="cuda")
-    y = torch.empty(T, H, dtype=torch.float32, device="cuda")
+    w = torch.empty(T, K, dtype=w_dtype, device="cuda")
+    y = torch.empty(T, H, dtype=y_dtype, device="cuda")
     error = torch.zeros(1, dtype=torch.int32, device="cuda")
     with HostExperts(store.host_addresses(), layout, threads=2) as hx:
         inputs = []
         for _ in range(5):
             xi = torch.randn(T, H, generator=gen).to(x_dtype)
             ki = torch.randint(-1, E, (T, K), generator=gen)
-            wi = torch.rand(T, K, generator=gen)
-            inputs.append((xi, ki, wi, hx(xi.float(), ki, wi)))
+            ki[0, 0] = 1                            # a routed lane: a request is posted
+            wi = torch.rand(T, K, generator=gen).to(w_dtype)
+            inputs.append((xi, ki, wi, hx(xi.float(), ki, wi.float())))
         hx.serve(mb)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -54,11 +59,13 @@ def test_graph_replays_get_the_hosts_answer(x_dtype):
             x.copy_(xi.cuda())
             keys.copy_(ki.cuda())
             w.copy_(wi.cuda())
-            y.zero_()
+            start = torch.randn(T, H, generator=gen).to(y_dtype)
+            y.copy_(start.cuda())
             graph.replay()
             torch.cuda.synchronize()
             assert int(error) == 0
-            assert torch.equal(y.cpu(), ref)          # the same C code on the same float32 x
+            # the same C code on the same float32 x and weights, added as torch adds
+            assert torch.equal(y.cpu(), start.clone().add_(ref))
         assert hx.stop_serving() == 1 + len(inputs)
     assert int(mb.counter[0]) == 1 + len(inputs) and int(mb.counter[1]) == 1
     with pytest.raises(RuntimeError, match="the GPU posts to it"):
@@ -116,6 +123,11 @@ def test_bad_arguments():
         host_handoff.post(x, keys, w.cpu(), mb)
     with pytest.raises(ValueError, match="not pinned"):
         host_handoff.post(x, keys, w, cpu_mb)
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="y: expected"):
-        host_handoff.wait(mb, x, torch.zeros(1, dtype=torch.int32, device="cuda"))
+        host_handoff.wait(mb, torch.zeros(1, 64, dtype=torch.int32, device="cuda"), err)
+    with pytest.raises(ValueError, match="y: expected"):
+        host_handoff.wait(mb, x[:, :32].contiguous(), err)
+    with pytest.raises(ValueError, match="weights"):
+        host_handoff.post(x, keys, w.to(torch.float64), mb)
     mb.close()

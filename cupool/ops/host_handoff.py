@@ -1,9 +1,10 @@
 """Launcher of `rawkernels/host_handoff.cu`: a step's request posted to a `Mailbox` and the host's
 answer added in, both inside the stream's work (and a captured graph), no host call between.
 
-    post(x, keys, weights, mailbox)      x [T, H] bf16/float32, keys [T, K] int64,
-                                         weights [T, K] float32 (CUDA tensors)
-    wait(mailbox, y, error)              y [T, H] float32 += the answer
+    post(x, keys, weights, mailbox)      x [T, H], keys [T, K] int64, weights [T, K]
+    wait(mailbox, y, error)              y [T, H] += the answer (in float32, rounded once)
+x, weights and y are float32, bf16 or fp16 CUDA tensors (host_handoff.cu's X_DTYPE, W_DTYPE and
+Y_DTYPE builds); the mailbox holds float32.
 
 The mailbox (pinned) numbers its requests with its own device counter (`Mailbox.counter`), so
 each replay of a graph waits for its own answer; `error` is an int32 CUDA tensor [1] that gets
@@ -20,7 +21,7 @@ from cupool.kernels import i32, i64
 
 ERR_HOST_STALL = 1        # host_handoff.cu's
 THREADS = 256
-X_DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # host_handoff.cu's codes
 
 
 def _check_cuda(name, t, dtype, shape=None):
@@ -46,13 +47,14 @@ def post(x: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, mailbox) ->
     """Writes the request (x as float32, keys, weights) into `mailbox` and then its number."""
     T, H, K = mailbox.tokens, mailbox.hidden, mailbox.lanes
     a = _device_addresses(mailbox)
-    _check_cuda("x", x, tuple(X_DTYPES), (T, H))
+    _check_cuda("x", x, tuple(DTYPES), (T, H))
     _check_cuda("keys", keys, torch.int64, (T, K))
-    _check_cuda("weights", weights, torch.float32, (T, K))
+    _check_cuda("weights", weights, tuple(DTYPES), (T, K))
     counter = mailbox.counter
     if x.device != counter.device:
         raise ValueError(f"x: on {x.device}, the mailbox is for {counter.device}")
-    fn = kernels.function("host_handoff", "host_post", {"X_BF16": X_DTYPES[x.dtype]}, x.device)
+    fn = kernels.function("host_handoff", "host_post",
+                          {"X_DTYPE": DTYPES[x.dtype], "W_DTYPE": DTYPES[weights.dtype]}, x.device)
     kernels.launch(fn, 1, THREADS, (x, i32(T * H), keys, weights, i32(T * K), counter,
                                     i64(a["seq"]), i64(a["x"]), i64(a["keys"]),
                                     i64(a["weights"])), device=x.device)
@@ -62,11 +64,11 @@ def wait(mailbox, y: torch.Tensor, error: torch.Tensor) -> None:
     """y += the answer to the request last posted to `mailbox`, once the host has written it."""
     T, H = mailbox.tokens, mailbox.hidden
     a = _device_addresses(mailbox)
-    _check_cuda("y", y, torch.float32, (T, H))
+    _check_cuda("y", y, tuple(DTYPES), (T, H))
     _check_cuda("error", error, torch.int32, (1,))
     counter = mailbox.counter
     if y.device != counter.device:
         raise ValueError(f"y: on {y.device}, the mailbox is for {counter.device}")
-    fn = kernels.function("host_handoff", "host_wait", None, y.device)
+    fn = kernels.function("host_handoff", "host_wait", {"Y_DTYPE": DTYPES[y.dtype]}, y.device)
     kernels.launch(fn, 1, THREADS, (counter, i64(a["done"]), i64(a["out"]), i32(T * H), y, error),
                    device=y.device)
