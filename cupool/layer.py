@@ -137,7 +137,8 @@ class HostDecode:
 def measure_link_us(bank, rows: int = 16, reps: int = 5) -> float:
     """µs a row on the link: the bank's row-copy kernel copying `rows` store rows into staging
     rows (free between steps), the median of `reps` timed launches after one warm-up."""
-    n = min(rows, bank.staging_rows, bank.store.num_experts * bank.store.num_layers)
+    n = min(rows, bank.max_lanes, bank.staging_rows,
+            bank.store.num_experts * bank.store.num_layers)   # one step's copy list at most
     pairs = torch.tensor([[k, bank.num_rows + k] for k in range(n)], dtype=torch.int32,
                          device=bank.device)
     count = torch.tensor([n], dtype=torch.int32, device=bank.device)
