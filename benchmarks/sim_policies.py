@@ -29,7 +29,10 @@ popularity: where frequency should matter most). Banks of 25/50/75% of each laye
   for a few CPU times a row, on an H200's link and on a PCIe 4.0 one. Beside the hit rate, the
   rows a token waited for on each side, the misses' waited time, the link's busy time, and the
   decode rate that gives with the rest of the step as measured (REST_MS; the link's busy time
-  when that is longer): an estimate from measured parts, not a measurement.
+  when that is longer), and the rate a token laid out in time gives ("timeline": the link one
+  queue, so behind copies still crossing delay later calls' copies, and the step waits at its
+  end for the last behind copies, as the decode step joins them): estimates from measured
+  parts, not measurements.
 
     python benchmarks/sim_policies.py                     # all four parts
     python benchmarks/sim_policies.py --parts promote     # only the promotion caps
@@ -157,7 +160,7 @@ def host(args, trace) -> list[dict]:
                     r = simulate_host_split(trace, rows, link_us=link_us,
                                             cpu_us=cpu_us if cpu_us != math.inf else 1e12,
                                             handoff_us=HANDOFF_US, warmup_steps=args.warmup,
-                                            defer=defer)
+                                            defer=defer, rest_us=REST_MS * 1e3 / L)
                     # the link's busy time bounds the step too: deferred copies that do not fit
                     # the step queue up (an optimistic estimate: they delay no urgent copy)
                     step = max(REST_MS + r["miss_ms_per_token"], r["link_busy_ms_per_token"])
@@ -167,6 +170,7 @@ def host(args, trace) -> list[dict]:
                            **{k: v for k, v in r.items() if k != "miss_histogram"},
                            "miss_histogram": {str(k): v for k, v in r["miss_histogram"].items()},
                            "estimated_tok_s": 1000.0 / step,
+                           "timeline_tok_s": 1000.0 / r["timeline_ms_per_token"],
                            "link_bound": r["link_busy_ms_per_token"]
                            > REST_MS + r["miss_ms_per_token"]}
                     out.append(row)
@@ -177,7 +181,8 @@ def host(args, trace) -> list[dict]:
                           f"{r['cpu_rows_per_token']:.1f} CPU rows waited, misses "
                           f"{r['miss_ms_per_token']:.2f} ms, link busy "
                           f"{r['link_busy_ms_per_token']:.2f} ms: ~{1000 / step:.0f} tok/s"
-                          f"{' (link-bound)' if row['link_bound'] else ''}",
+                          f"{' (link-bound)' if row['link_bound'] else ''}, timeline "
+                          f"~{row['timeline_tok_s']:.0f}",
                           flush=True)
     return out
 

@@ -127,7 +127,8 @@ def simulate_opt(trace: Trace, rows_per_layer: int, *, warmup_steps: int = 0) ->
 
 
 def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cpu_us: float,
-                        handoff_us: float, warmup_steps: int = 0, defer: bool = False) -> dict:
+                        handoff_us: float, warmup_steps: int = 0, defer: bool = False,
+                        rest_us: float | None = None) -> dict:
     """A bank whose misses are split between the link and the host's CPU, replayed through the
     reference planner (one token a step; the pool's LRU, uncapped).
 
@@ -146,7 +147,14 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
     Returns the hit rate, the rows a token the calls wait for on the link and on the CPU, the
     misses' waited time a token (ms, the sum of the calls' maxima), the link's busy time a token
     (every row it carries), and how often a layer call had 0, 1, 2, ... misses
-    ("miss_histogram", fractions of calls), over the steps after `warmup_steps`."""
+    ("miss_histogram", fractions of calls), over the steps after `warmup_steps`.
+
+    With `rest_us` (a layer's work outside its misses, µs) also "timeline_ms_per_token": a token
+    laid out in time, the link one queue. Layer by layer: rest_us of work; the call's copies
+    start when the link is free (behind copies of earlier calls still crossing delay them); the
+    CPU starts at once (after handoff_us); the call ends when both are done; its behind copies
+    (defer) then queue on the link. The token ends when the last call has and, with defer, when
+    the link has carried every behind copy (the decode step joins them at its end)."""
     _check(trace, rows_per_layer, warmup_steps)
     for name, v in (("link_us", link_us), ("cpu_us", cpu_us), ("handoff_us", handoff_us)):
         if not v >= 0:
@@ -160,10 +168,14 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
     hits = link_rows = cpu_rows = behind = 0
     miss_us = 0.0
     hist: dict[int, int] = {}
+    if rest_us is not None and not rest_us >= 0:
+        raise ValueError(f"rest_us must be >= 0, got {rest_us!r}")
     W = trace.ids[0, 0].size
     split = np.array([host_split(n, link_us, cpu_us, handoff_us) for n in range(W + 1)])
+    timeline_us = 0.0
     for s in range(trace.steps):
         counted = s >= warmup_steps
+        t = link_free = 0.0                  # this token's clock and when the link is free
         for layer in range(L):
             ids = np.asarray(trace.ids[s, layer]).reshape(-1).astype(np.int64)
             uniq = list(dict.fromkeys(int(e) for e in ids if 0 <= e < E))
@@ -184,14 +196,26 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
                 behind += m if defer else 0
                 miss_us += max((n - m) * link_us, m * cpu_us + handoff_us if m else 0.0)
                 hist[n] = hist.get(n, 0) + 1
+            if rest_us is not None:
+                t += rest_us
+                waited_end = max(t, link_free) + (n - m) * link_us
+                link_free = waited_end if n > m else link_free
+                if defer and m:
+                    link_free = max(link_free, t) + m * link_us     # behind, after the waited
+                t = max(waited_end if n > m else t, t + handoff_us + m * cpu_us if m else t)
         ref.land()                       # the behind copies land by the token's end
+        if counted and rest_us is not None:
+            timeline_us += max(t, link_free)
     steps = trace.steps - warmup_steps
     calls = steps * L
-    return {"hit_rate": hits / max(1, hits + link_rows + cpu_rows),
-            "link_rows_per_token": link_rows / steps, "cpu_rows_per_token": cpu_rows / steps,
-            "miss_ms_per_token": miss_us / steps / 1e3,
-            "link_busy_ms_per_token": (link_rows + behind) * link_us / steps / 1e3,
-            "miss_histogram": {n: c / calls for n, c in sorted(hist.items())}}
+    out = {"hit_rate": hits / max(1, hits + link_rows + cpu_rows),
+           "link_rows_per_token": link_rows / steps, "cpu_rows_per_token": cpu_rows / steps,
+           "miss_ms_per_token": miss_us / steps / 1e3,
+           "link_busy_ms_per_token": (link_rows + behind) * link_us / steps / 1e3,
+           "miss_histogram": {n: c / calls for n, c in sorted(hist.items())}}
+    if rest_us is not None:
+        out["timeline_ms_per_token"] = timeline_us / steps / 1e3
+    return out
 
 
 def _evict(heap: list, held: set, due: dict, keys) -> bool:

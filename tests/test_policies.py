@@ -359,6 +359,22 @@ def test_simulate_host_split_counts_and_promotion():
         assert abs(sum(r["miss_histogram"].values()) - 1) < 1e-9
     # deferred: the link still carries every miss
     assert abs(deferred["link_busy_ms_per_token"] - none["link_busy_ms_per_token"]) < 1e-9
+    # the timeline: without behind copies the link is free at every call's start, so a token is
+    # the layers' rest plus the calls' waits; with them it is no shorter than either bound (the
+    # rest plus the waits, the link's traffic) and the link's queue delays some calls
+    L, rest = 6, 40.0
+    for r0, defer in ((none, False), (kept, False), (deferred, True)):
+        r = simulate_host_split(t, rows, link_us=50, cpu_us=20 if r0 is not none else 1e9,
+                                handoff_us=10, warmup_steps=warm, defer=defer, rest_us=rest)
+        assert {k: v for k, v in r.items() if k != "timeline_ms_per_token"} == r0
+        floor = L * rest / 1e3 + r0["miss_ms_per_token"]
+        if not defer:
+            assert abs(r["timeline_ms_per_token"] - floor) < 1e-9
+        else:
+            assert r["timeline_ms_per_token"] >= max(floor, r0["link_busy_ms_per_token"]) - 1e-9
+            assert r["timeline_ms_per_token"] > floor
+    with pytest.raises(ValueError, match="rest_us"):
+        simulate_host_split(t, rows, link_us=50, cpu_us=20, handoff_us=0, rest_us=-1)
     with pytest.raises(ValueError, match="cpu_us"):
         simulate_host_split(t, rows, link_us=50, cpu_us=-1, handoff_us=0)
     with pytest.raises(ValueError, match="one token a step"):
