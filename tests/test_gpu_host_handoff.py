@@ -15,6 +15,15 @@ from cupool.synthetic import random_experts
 pytestmark = pytest.mark.gpu
 
 
+def _store(layout, E, gen):
+    """A sealed one-layer store of E random experts of `layout`."""
+    rows, _ = random_experts(layout, E, gen)
+    store = HostStore(1, E, layout.row_bytes)
+    store.fill(lambda _l: rows, progress=False)
+    store.seal()
+    return store
+
+
 @pytest.mark.parametrize("x_dtype,w_dtype,y_dtype", [
     (torch.bfloat16, torch.float32, torch.float32), (torch.float32, torch.float32, torch.float32),
     (torch.float16, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16, torch.float16)])
@@ -24,10 +33,7 @@ def test_graph_replays_get_the_hosts_answer(x_dtype, w_dtype, y_dtype):
     T, K, E, H = 2, 3, 5, 80
     layout = RowLayout(H, 48)
     gen = torch.Generator().manual_seed(31)
-    rows, _ = random_experts(layout, E, gen)
-    store = HostStore(1, E, layout.row_bytes)
-    store.fill(lambda _l: rows, progress=False)
-    store.seal()
+    store = _store(layout, E, gen)
     mb = Mailbox(T, K, H)
     x = torch.empty(T, H, dtype=x_dtype, device="cuda")
     keys = torch.empty(T, K, dtype=torch.int64, device="cuda")
@@ -81,10 +87,7 @@ def test_a_post_with_no_routed_lane_sends_nothing():
     T, K, E, H = 2, 3, 4, 64
     layout = RowLayout(H, 64)
     gen = torch.Generator().manual_seed(32)
-    rows, _ = random_experts(layout, E, gen)
-    store = HostStore(1, E, layout.row_bytes)
-    store.fill(lambda _l: rows, progress=False)
-    store.seal()
+    store = _store(layout, E, gen)
     mb = Mailbox(T, K, H)
     x = torch.randn(T, H, generator=gen).cuda()
     w = torch.rand(T, K, generator=gen).cuda()
