@@ -634,10 +634,16 @@ def _parse(argv):
     (["--model", "{model}", "--resume-points", "-2"], "--resume-points must be >= 0"),
     (["--model", "{model}", "--shutdown-timeout", "soon"], "--shutdown-timeout"),
     (["--model", "{model}", "--api-key", " "], "--api-key is empty"),
+    (["--model", "{model}", "--device", "cpu", "--host-experts"], "--host-experts applies to a CUDA"),
+    (["--model", "{model}", "--host-threads", "4"], "--host-threads applies with --host-experts"),
+    (["--model", "{model}", "--host-experts", "--host-threads", "0"],
+     "--host-threads must be in 1..1024, got 0"),
+    (["--model", "{model}", "--host-experts", "--host-threads", "many"],
+     "--host-threads must be an integer"),
 ], ids=["missing-dir", "no-config", "port-range", "port-type", "max-batch", "budget",
         "budget-on-cpu", "max-len", "device", "log-level", "max-queue", "resume-points",
-        "shutdown-timeout",
-        "api-key"])
+        "shutdown-timeout", "api-key", "host-experts-on-cpu", "host-threads-alone",
+        "host-threads-range", "host-threads-type"])
 def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     (tmp_path / "empty").mkdir()
     subst = {"{missing}": str(tmp_path / "missing"), "{empty}": str(tmp_path / "empty"),

@@ -3,7 +3,7 @@
 
     python -m cupool serve --model DIR [--budget 40GiB] [--host 127.0.0.1 --port 8000]
                            [--api-key KEY] [--max-queue N] [--resume-points N]
-                           [--shutdown-timeout S]
+                           [--host-experts [--host-threads N]] [--shutdown-timeout S]
 
 `run` checks every option before it loads anything: a user's mistake (a missing directory, no
 config.json, a port outside 0..65535, --max-batch < 1, a budget that does not parse, a CUDA
@@ -78,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the fused step is not used, do not put the model's forward "
                              "through torch.compile (default on CUDA: compiled, which adds tens "
                              "of seconds before the server is ready)")
+    parser.add_argument("--host-experts", action="store_true",
+                        help="compute some of each decode step's missed experts on the host's "
+                             "CPU while their rows are copied (a bank that does not hold every "
+                             "expert; default: off)")
+    parser.add_argument("--host-threads", default=None, metavar="N",
+                        help="--host-experts: host threads (default: the CPUs this process may "
+                             "use, less one)")
     parser.add_argument("--shutdown-timeout", default="30", metavar="S",
                         help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to "
                              "finish before they are cancelled (default: %(default)s)")
@@ -102,6 +109,8 @@ class Options:
     resume_points: int | None = None
     fused: bool = True
     compile: bool = True
+    host_experts: bool = False
+    host_threads: int | None = None
 
 
 def _int(value, flag: str, lo: int, hi: int | None = None) -> int:
@@ -188,6 +197,15 @@ def check_options(args) -> Options:
     max_queue = None if args.max_queue is None else _int(args.max_queue, "--max-queue", 0)
     resume = getattr(args, "resume_points", None)
     resume = None if resume is None else _int(resume, "--resume-points", 0)
+    host_experts = bool(getattr(args, "host_experts", False))
+    host_threads = getattr(args, "host_threads", None)
+    if host_threads is not None:
+        if not host_experts:
+            raise UsageError("--host-threads applies with --host-experts")
+        host_threads = _int(host_threads, "--host-threads", 1, 1024)
+    if host_experts and device == "cpu":
+        raise UsageError("--host-experts applies to a CUDA device (the CPU serves the whole "
+                         "model itself)")
     try:
         shutdown = float(str(args.shutdown_timeout).strip())
     except ValueError:
@@ -198,7 +216,8 @@ def check_options(args) -> Options:
     return Options(model_dir, budget, str(args.host).strip(), port, device, max_batch, max_len,
                    dtype, name, log_level, api_key, max_queue, shutdown, resume_points=resume,
                    fused=not getattr(args, "no_fused", False),
-                   compile=device != "cpu" and not getattr(args, "no_compile", False))
+                   compile=device != "cpu" and not getattr(args, "no_compile", False),
+                   host_experts=host_experts, host_threads=host_threads)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -264,6 +283,11 @@ def run(args) -> int:
                                           dtype=opts.dtype, resume_points=opts.resume_points)
         except LoadError as e:
             return _fail(str(e))
+        if opts.host_experts:
+            if pool.rows_per_layer >= pool.num_experts:
+                return _fail(f"--host-experts: the bank holds every expert ({pool.num_experts} "
+                             f"rows a layer), so a step misses none; leave it out")
+            _enable_host_experts(log, pool, opts)
         try:
             # the fastest step by default: fused where the model fits, else the compiled forward
             engine = Engine(model, pool, tokenizer=tokenizer, max_batch=opts.max_batch,
@@ -303,6 +327,15 @@ def run(args) -> int:
         if engine is not None:
             engine.shutdown()
         sock.close()
+
+
+def _enable_host_experts(log, pool, opts) -> None:
+    """`Pool.enable_host_experts` for decode steps of --max-batch tokens; logs what it measured
+    and the split it gives."""
+    hd = pool.enable_host_experts(opts.max_batch, threads=opts.host_threads)
+    log.info("host experts: %d threads, a row %.1f us on the CPU and %.1f us on the link; of a "
+             "step's promoted misses the host takes %s (for 1..%d misses)", hd.hx.threads,
+             hd.cpu_us, hd.link_us, hd.split[1:].tolist(), len(hd.split) - 1)
 
 
 def _log_resume_points(log, engine, pool) -> None:
