@@ -262,9 +262,9 @@ class Bank:
         Returns views (routes int32 [W], lane_addr int64 [W], host_keys int64 [W]) of buffers the
         next call overwrites: the host's lanes route −1 (lane_addr 0) and carry their key in
         host_keys (else −1), what `cupool.ops.host_handoff.post` hands the host. The host
-        misses' rows are promoted and pending; `copy_behind` copies them (before the next step:
-        the list is reused), and `land` must follow those copies before a later step could
-        need a pending row as a victim."""
+        misses' rows are promoted and pending; `copy_behind(layer)` copies them (before this
+        layer's next host step, which rewrites its list), and `land` must follow those copies
+        before a later step could need a pending row as a victim."""
         t = self.tables
         if not t.host:
             raise RuntimeError("this bank was built without host steps (Bank(..., host=True))")
@@ -272,13 +272,17 @@ class Bank:
         self.copier(self.copies, self.n_copies)
         return self.routes[:W], self.lane_addr[:W], t.host_keys[:W]
 
-    def copy_behind(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Copy the rows the last host step promoted for the host (its behind list; fixed grid,
-        the length read on the device) on `stream` (default: torch's current stream)."""
+    def copy_behind(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy the rows layer `layer`'s last host step promoted for the host (that layer's behind
+        list; fixed grid, the length read on the device) on `stream` (default: torch's current
+        stream). Each layer has a list of its own, so these copies may still run while later
+        layers' steps plan; the list is rewritten by the layer's next host step."""
         t = self.tables
         if not t.host:
             raise RuntimeError("this bank was built without host steps (Bank(..., host=True))")
-        self.behind_copier(t.behind, t.n_behind, stream=stream)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.store.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.store.num_layers}), got {layer!r}")
+        self.behind_copier(t.behind[layer], t.n_behind[layer:layer + 1], stream=stream)
 
     def land(self) -> None:
         """The behind copies have landed: no row is pending (a memset on torch's current stream;

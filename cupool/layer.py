@@ -248,7 +248,7 @@ class PooledExperts:
         _, lane_addr, host_keys = p.bank.step_host(self.layer, ids)
         post(x.contiguous(), host_keys.view(T, -1), w.reshape(T, -1).contiguous(), hd.mailbox)
         hd.side.wait_stream(cur)
-        p.bank.copy_behind(hd.side)
+        p.bank.copy_behind(self.layer, hd.side)
         y = p.gemm.decode(x, lane_addr, w, out)
         wait(hd.mailbox, y, hd.error)           # y += the host's answer, in y's dtype
         if self.layer == p.num_layers - 1:      # the step's behind copies are in: none pending

@@ -52,7 +52,7 @@ class HostHarness:
         ids_dev = torch.from_numpy(ids).cuda()
         routes, addr, host_keys = b.step_host(layer, ids_dev)
         self.side.wait_stream(torch.cuda.current_stream())
-        b.copy_behind(self.side)
+        b.copy_behind(layer, self.side)
         want = self.ref.step_host(layer, ids, full)
         r = routes.long()
         keys = (layer * self.E + ids_dev.long()).clamp(0, self.L * self.E - 1)
@@ -65,9 +65,10 @@ class HostHarness:
         np.testing.assert_array_equal(addr.cpu().numpy(), want_addr, err_msg=f"lane_addr, {where}")
         np.testing.assert_array_equal(host_keys.cpu().numpy(), want.host_keys,
                                       err_msg=f"host_keys, {where}")
-        n, nb = int(t.n_copies.item()), int(t.n_behind.item())
+        n, nb = int(t.n_copies.item()), int(t.n_behind[layer].item())
         assert [tuple(c) for c in t.copies[:n].cpu().tolist()] == want.copies, f"copies, {where}"
-        assert [tuple(c) for c in t.behind[:nb].cpu().tolist()] == want.behind, f"behind, {where}"
+        assert [tuple(c) for c in t.behind[layer, :nb].cpu().tolist()] == want.behind, \
+            f"behind, {where}"
         st, ref = b.state(), self.ref.state()
         assert st["ring_problems"] == [], f"{st['ring_problems']}, {where}"
         for name in ("slot_of", "key_of", "last_use", "order"):
@@ -127,7 +128,7 @@ def test_captured_host_step_replays_like_eager_launches(rng):
         with torch.cuda.graph(g):
             routes, addr, keys = h.bank.step_host(layer, ids_buf)
             h.side.wait_stream(torch.cuda.current_stream())
-            h.bank.copy_behind(h.side)
+            h.bank.copy_behind(layer, h.side)
             torch.cuda.current_stream().wait_stream(h.side)
             h.bank.land()
         h.set_gate(1)
@@ -145,6 +146,34 @@ def test_captured_host_step_replays_like_eager_launches(rng):
             np.testing.assert_array_equal(st["slot_of"], h.ref.slot_of, err_msg=f"replay {i}")
             assert not st["pending"].any()
         h.bank.verify()
+    finally:
+        h.store.close()
+
+
+def test_behind_copies_of_a_layer_may_run_after_later_layers_steps(rng):
+    """As in a decode step, where layer l's behind copies on the side stream can still be
+    running while layers l + 1, ... plan: every layer's steps first, then each layer's copies.
+    Each layer keeps its own behind list, so every promoted row ends up with its key's bytes."""
+    L, E, N, S, lanes = 4, 24, 8, 32, 16
+    h = HostHarness(rng, L, E, N, S, lanes, 4352)
+    try:
+        h.bank.set_split(np.minimum(np.arange(lanes + 1), 3))
+        h.set_gate(1)
+        for token in range(6):
+            counts = []
+            for layer in range(L):
+                ids = rng.choice(E, size=lanes, replace=False).astype(np.int64)
+                h.bank.step_host(layer, torch.from_numpy(ids).cuda())
+                counts.append(int(h.bank.tables.n_behind[layer].item()))
+            h.side.wait_stream(torch.cuda.current_stream())
+            for layer in range(L):
+                h.bank.copy_behind(layer, h.side)
+            torch.cuda.current_stream().wait_stream(h.side)
+            h.bank.land()
+            assert sum(counts) > 0, f"token {token}: no host rows, the test checks nothing"
+            assert h.bank.verify() > 0, f"token {token}"
+        with pytest.raises(ValueError, match="layer must be an int"):
+            h.bank.copy_behind(L, h.side)
     finally:
         h.store.close()
 

@@ -729,13 +729,13 @@ def test_device_tables_host_build():
     assert t.split.shape == (9,) and t.split.dtype == torch.int32 and not t.split.any()
     assert t.pending.shape == (6,) and not t.pending.any()
     assert t.host_keys.shape == (8,) and t.host_keys.dtype == torch.int64
-    assert t.behind.shape == (8, 2) and t.n_behind.shape == (1,)
+    assert t.behind.shape == (3, 8, 2) and t.n_behind.shape == (3,)    # a list a layer
     assert t.host_counters.shape == (3,)
     st = t.to_numpy()
     assert st["pending"].tolist() == [0] * 6 and st["host_counters"].tolist() == [0, 0, 0]
     plain = DeviceTables.build(initial_placement(3, 5, 2), 3, 5, 8, "cpu")
     assert not plain.host and "pending" not in plain.to_numpy()
-    assert t.nbytes() - plain.nbytes() == 9 * 4 + 6 * 4 + 3 * 8 + 8 * 8 + 16 * 4 + 4
+    assert t.nbytes() - plain.nbytes() == 9 * 4 + 6 * 4 + 3 * 8 + 8 * 8 + 3 * 16 * 4 + 3 * 4
     with pytest.raises(ValueError, match="separate planner builds"):
         DeviceTables.build(initial_placement(3, 5, 2), 3, 5, 8, "cpu", host=True, prefetch=True)
 

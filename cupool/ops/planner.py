@@ -70,8 +70,10 @@ class DeviceTables:
     Host tables (None unless built with `host=True`): split int32 [max_lanes + 1] (of M misses
     the host takes split[M]; zeros: none) · pending int32 [R] (1: promoted by a host step, its
     copy not landed) · host_counters int64 [L] · host_keys int64 [max_lanes] (the last step's
-    lanes' keys where the host computes them, else −1) · behind int32 [max_lanes, 2] and
-    n_behind int32 [1] (the last step's copies made behind the call).
+    lanes' keys where the host computes them, else −1) · behind int32 [L, max_lanes, 2] and
+    n_behind int32 [L] (each layer's last step's copies made behind the call: a layer of its
+    own, so the copies of layer l, still running on a side stream, never read a list that layer
+    l + 1's step is writing).
     """
 
     slot_of: torch.Tensor
@@ -161,8 +163,8 @@ class DeviceTables:
                 pending=torch.zeros(R, dtype=torch.int32, device=device),
                 host_counters=torch.zeros(num_layers, dtype=torch.int64, device=device),
                 host_keys=torch.full((max_lanes,), -1, dtype=torch.int64, device=device),
-                behind=torch.zeros(max_lanes, 2, dtype=torch.int32, device=device),
-                n_behind=torch.zeros(1, dtype=torch.int32, device=device))))
+                behind=torch.zeros(num_layers, max_lanes, 2, dtype=torch.int32, device=device),
+                n_behind=torch.zeros(num_layers, dtype=torch.int32, device=device))))
 
     def nbytes(self) -> int:
         return sum(getattr(self, f.name).nbytes for f in fields(self)
@@ -338,8 +340,8 @@ class PlanStep:
         W = check_ids(ids, self.max_lanes, self.device)
         t = self.tables
         extra = (t.touched, t.pf_flag, t.pf_counters) if t.prefetch else \
-            (t.split if host else self._no_split, t.pending, t.host_keys, t.behind, t.n_behind,
-             t.host_counters) if t.host else ()
+            (t.split if host else self._no_split, t.pending, t.host_keys, t.behind[layer],
+             t.n_behind[layer:layer + 1], t.host_counters) if t.host else ()
         kernels.launch(fns[ids.dtype], 1, self.threads, (
             ids, kernels.i32(W), kernels.i32(layer), kernels.i32(self.num_experts),
             kernels.i32(self.num_rows), kernels.i32(self.staging_rows), kernels.i32(promote),
