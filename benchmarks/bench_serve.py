@@ -29,7 +29,9 @@ runs are reduced runs (written only with --json).
 (`Pool.enable_host_experts`, banks without every expert: `--host-threads` threads, the hand-off's
 cost `--handoff-us`, a row's time on the link and on the CPU measured at each case's start); each
 case then also reports those times, the split and the experts the host computed a token. Such
-runs are reduced runs too.
+runs are reduced runs too. `--host-baseline` (with `--host-experts`) first runs each such case
+without them on the same model (`host_baseline` in the bank's results, and the ratio printed),
+so both come from one process on one machine.
 `--promote` sets the pool's promotion cap (`Pool.promote`; default auto, the pool's own default:
 no cap while a step's lanes fit a layer's rows, a quarter of a layer's rows past that); each case
 reports the cap its steps launched with and the misses staged. A run with another cap is a
@@ -189,11 +191,23 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         if args.host_experts and not every else None
     if host is not None:
         label += ", host experts"
-    cases = []
+    cases, baseline = [], []
     for b in streams:
+        if host is not None and args.host_baseline:
+            r0 = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
+                          not args.no_fused, args.seed, pcie, None)
+            baseline.append(r0)
+            print(f"bank {bank:.0%}, without host experts: {b:3d} streams greedy : aggregate "
+                  f"{r0['aggregate_tok_per_s']:7.1f} tok/s (decode "
+                  f"{r0['aggregate_decode_tok_per_s']:7.1f}), hit rate {r0['hit_rate']:.3f}",
+                  flush=True)
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
                      not args.no_fused, args.seed, pcie, host)
         cases.append(r)
+        if baseline:
+            ratio = r["aggregate_decode_tok_per_s"] / baseline[-1]["aggregate_decode_tok_per_s"]
+            print(f"{label}: {b:3d} streams: {ratio:.3f}x the decode rate without them",
+                  flush=True)
         print(f"{label}: {b:3d} streams greedy : aggregate {r['aggregate_tok_per_s']:7.1f} tok/s "
               f"(decode {r['aggregate_decode_tok_per_s']:7.1f}), per request "
               f"{r['per_request_tok_per_s_median']:6.1f} tok/s, hit rate {r['hit_rate']:.3f} "
@@ -228,6 +242,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     gc.collect()
     torch.cuda.empty_cache()
     return {"bank": bank, "routing": routing, "cases": cases, "sampled": sampled,
+            **({"host_baseline": baseline} if baseline else {}),
             "sampled_over_greedy": sampled["aggregate_tok_per_s"] / greedy["aggregate_tok_per_s"],
             "aggregate_over_batch1": summary}
 
@@ -239,6 +254,8 @@ def main(args) -> int:
         raise ValueError(f"--prefetch-accuracy must be in [0, 1], got {args.prefetch_accuracy:g}")
     if args.host_experts and args.prefetch != "off":
         raise ValueError("--host-experts and --prefetch are separate planner builds: pick one")
+    if args.host_baseline and not args.host_experts:
+        raise ValueError("--host-baseline compares against --host-experts: give both")
     if not args.handoff_us >= 0:
         raise ValueError(f"--handoff-us must be >= 0, got {args.handoff_us:g}")
     from cupool import _cuda
@@ -307,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--handoff-us", type=float, default=10.0,
                    help="--host-experts: a call's fixed cost of the hand-off, us (default 10)")
     add_dense_nvfp4(p)
+    p.add_argument("--host-baseline", action="store_true",
+                   help="--host-experts: first run each such case without them, same model")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
     p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "

@@ -109,6 +109,7 @@ BAD = BAD_SUBPROCESS + [
     (["bench_serve.py", "--promote", "often"], "--promote"),
     (["bench_serve.py", "--host-experts", "--prefetch", "router"], "--host-experts and --prefetch"),
     (["bench_serve.py", "--host-experts", "--host-threads", "0"], "--host-threads"),
+    (["bench_serve.py", "--host-baseline"], "--host-baseline compares against --host-experts"),
     (["bench_serve.py", "--host-experts", "--handoff-us", "-1"], "--handoff-us"),
     (["sim_policies.py", "--parts", "lru"], "--parts"),
     (["bench_host_experts.py", "--isa", "sse"], "--isa"),
