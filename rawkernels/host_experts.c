@@ -35,7 +35,7 @@
 // 4 blocks × 4 words: acc[4t + q] += float(D) · (block scale(r, t) · vector scale(t)), fused
 // multiply-adds in chunk order, summed by `reduce16` at the end. A strip's lines are prefetched
 // before its first row pair (without it a thread waits on memory for about a fifth of its time:
-// its first reads stride a chunk apart).
+// its first reads stride a chunk apart), and its block scales converted once (`strip_scales`).
 //  - AVX-512 (F, BW, VBMI, VNNI): a vector is a chunk's 4 lane blocks of row pair g; the index
 //    bytes come from vpmultishiftqb (magnitudes, signs) and one ternary logic, the weights from
 //    vpermb, the products from vpdpbusd. Row pairs go 8, 4 or 2 at a time (1, 2, more tokens),
@@ -144,6 +144,37 @@ static inline __m256 block_scales(const uint8_t* p) {
     h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7E00)));
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
+
+// A strip's block scales, all of them before its row pairs: out[64c + 8g + i] = block_scales(chunk
+// c's scales + 8g)[i], 16 at a time (the same values, in half the integer operations; the
+// emulated build, which checks the AVX-512 loop's indexing, takes block_scales 8 at a time).
+#if defined(HX_EMULATE_AVX512)
+static inline void strip_scales(const uint8_t* strip, int nch, float* out) {
+    for (int c = 0; c < nch; ++c)
+        for (int g = 0; g < 8; ++g) {
+            const __m256 v = block_scales(strip + (int64_t)c * CHUNK_BYTES + 512 + 8 * g);
+            memcpy(out + 64 * c + 8 * g, &v, sizeof v);
+        }
+}
+#else
+static inline void strip_scales(const uint8_t* strip, int nch, float* out) {
+    const __m256i m7f = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16((short)0x8000);
+    const __m256i nan = _mm256_set1_epi16(0x7E00);
+    const __m256 k = _mm256_set1_ps(256.0f);
+    for (int c = 0; c < nch; ++c)
+        for (int i = 0; i < 4; ++i) {
+            const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                (const __m128i*)(strip + (int64_t)c * CHUNK_BYTES + 512 + 16 * i)));
+            const __m256i mag = _mm256_and_si256(b, m7f);
+            __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                        _mm256_and_si256(_mm256_slli_epi16(b, 8), sign));
+            h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(mag, m7f), nan));
+            float* o = out + 64 * c + 16 * i;
+            _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k));
+            _mm256_storeu_ps(o + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k));
+        }
+}
+#endif
 #endif
 
 // --- one strip times up to TB quantized vectors -------------------------------------------------
@@ -173,6 +204,8 @@ HX_INLINE void strip_dot_n(const uint8_t* strip, int nch, const hx_vec* xv, cons
     // 2·GB·nb accumulators kept in registers
     const int GB = nb == 1 ? 8 : nb == 2 ? 4 : 2;
     for (int64_t o = 0; o < (int64_t)nch * CHUNK_BYTES; o += 64) __builtin_prefetch(strip + o, 0, 3);
+    float sc[nch * 64];              // the strip's block scales (strip_scales)
+    strip_scales(strip, nch, sc);
     for (int g0 = 0; g0 < 8; g0 += GB) {
         __m512 acc[TB][8][2];
         for (int b = 0; b < TB; ++b)
@@ -190,7 +223,7 @@ HX_INLINE void strip_dot_n(const uint8_t* strip, int nch, const hx_vec* xv, cons
                 const __m512i wg8 = _mm512_permutexvar_epi8(_mm512_ternarylogic_epi32(
                     _mm512_multishift_epi64_epi8(ctl_ag8, v), _mm512_multishift_epi64_epi8(ctl_sg8, v),
                     low3, 0xE4), table);
-                const __m256 sw = block_scales(ch + 512 + 8 * g);  // (g, t), (g + 8, t), t = 0 ... 3
+                const __m256 sw = _mm256_loadu_ps(sc + 64 * c + 8 * g);  // (g, t), (g + 8, t), t = 0 ... 3
                 for (int b = 0; b < TB; ++b) {
                     if (b >= nb) break;
                     const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(sw, _mm256_loadu_ps(xv[b].s + 8 * c)));
@@ -246,6 +279,8 @@ HX_INLINE void strip_dot_n(const uint8_t* strip, int nch, const hx_vec* xv, cons
     const __m256i sp_g23 = _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6);
     const __m256i sp_g823 = _mm256_setr_epi32(5, 5, 5, 5, 7, 7, 7, 7);
     for (int64_t o = 0; o < (int64_t)nch * CHUNK_BYTES; o += 64) __builtin_prefetch(strip + o, 0, 3);
+    float sc[nch * 64];              // the strip's block scales (strip_scales)
+    strip_scales(strip, nch, sc);
     for (int g = 0; g < 8; ++g) {
         __m256 acc[TB][4];   // row g lanes 0-7, 8-15; row g + 8 lanes 0-7, 8-15
         for (int b = 0; b < TB; ++b)
@@ -255,7 +290,7 @@ HX_INLINE void strip_dot_n(const uint8_t* strip, int nch, const hx_vec* xv, cons
             __m256i wg01, wg801, wg23, wg823;
             decode16(_mm256_loadu_si256((const __m256i*)(ch + 64 * g)), table, &wg01, &wg801);
             decode16(_mm256_loadu_si256((const __m256i*)(ch + 64 * g + 32)), table, &wg23, &wg823);
-            const __m256 sw = block_scales(ch + 512 + 8 * g);     // (g, t), (g + 8, t), t = 0 ... 3
+            const __m256 sw = _mm256_loadu_ps(sc + 64 * c + 8 * g);  // (g, t), (g + 8, t), t = 0 ... 3
             for (int b = 0; b < TB; ++b) {
                 if (b >= nb) break;
                 const __m256 p = _mm256_mul_ps(sw, _mm256_loadu_ps(xv[b].s + 8 * c));
