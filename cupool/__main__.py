@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from cupool.cli import (CLIParser, existing_dir, existing_file, fail, fraction,
+from cupool.cli import (CLIParser, bounded_int, existing_dir, existing_file, fail, fraction,
                         nonnegative_float, nonnegative_int, positive_int, promote, run, size)
 
 PROG = "cupool"
@@ -347,10 +347,22 @@ def generate(args) -> int:
     from cupool.sampling import SamplingParams
     from cupool.serve.loader import load
 
+    if args.host_threads is not None and not args.host_experts:
+        raise ValueError("--host-threads applies with --host-experts")
+    if args.host_experts and args.device == "cpu":
+        raise ValueError("--host-experts applies to a CUDA device (the CPU runs the whole model "
+                         "itself)")
     t0 = time.perf_counter()
     model, pool, tok = load(args.model, args.device, budget=args.budget, max_batch=1,
                             dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
     load_s = time.perf_counter() - t0
+    if args.host_experts:
+        if pool.rows_per_layer >= pool.num_experts:
+            raise ValueError(f"--host-experts: the bank holds every expert ({pool.num_experts} "
+                             f"rows a layer), so a step misses none; leave it out")
+        hd = pool.enable_host_experts(1, threads=args.host_threads)
+        print(f"host experts: {hd.hx.threads} threads, a row {hd.cpu_us:.1f} us on the CPU and "
+              f"{hd.link_us:.1f} us on the link", file=sys.stderr)
     if args.prompt_ids is not None:
         ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]
     elif tok is None:
@@ -383,8 +395,9 @@ def generate(args) -> int:
     if pool is not None:
         stats = pool.stats()
         hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
-        print(f"bank hit rate {hits / max(1, hits + misses):.3f} ({hits} hits, {misses} misses)",
-              file=sys.stderr)
+        print(f"bank hit rate {hits / max(1, hits + misses):.3f} ({hits} hits, {misses} misses)"
+              + (f"; {sum(s.get('host', 0) for s in stats)} experts computed on the host"
+                 if args.host_experts else ""), file=sys.stderr)
         print(pool.report(), file=sys.stderr)
     return 0
 
@@ -456,6 +469,12 @@ def build_parser() -> CLIParser:
     g.add_argument("--no-compile", action="store_true",
                    help="where the fused step is not used, do not put the model's forward "
                         "through torch.compile (which takes tens of seconds at the start)")
+    g.add_argument("--host-experts", action="store_true",
+                   help="compute some of each decode step's missed experts on the host's CPU "
+                        "while their rows are copied (a bank that does not hold every expert)")
+    g.add_argument("--host-threads", type=bounded_int(1, 1024), metavar="N",
+                   help="--host-experts: host threads (default: the CPUs this process may use, "
+                        "less one)")
     g.add_argument("--device", default="cuda", help="cuda (a pool) or cpu (unwrapped, for tests)")
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -54,10 +54,22 @@ def parse_error(capsys, *argv):
     (["plan", "--model", "/no/such/dir"], "no such directory"),
     (["plan"], "--model"),
     (["generate", "--model", "."], "--prompt"),
+    (["generate", "--model", ".", "--prompt", "hi", "--host-experts", "--host-threads", "0"],
+     "--host-threads"),
     (["nonsense"], "invalid choice"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, word):
     assert word in parse_error(capsys, *argv)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--host-threads", "4"], "--host-threads applies with --host-experts"),
+    (["--host-experts", "--device", "cpu"], "--host-experts applies to a CUDA device"),
+])
+def test_generate_host_experts_arguments(tmp_path, capsys, extra, words):
+    """Checked before anything loads: one line, exit code 2."""
+    rc, _, err = run("generate", "--model", str(tmp_path), "--prompt", "hi", *extra, capsys=capsys)
+    one_line_error(rc, err, words)
 
 
 def test_simulate_rows_and_warmup_checked_against_the_trace(capsys):
