@@ -75,7 +75,7 @@ def test_graph_replays_get_the_hosts_answer(x_dtype, w_dtype, y_dtype):
         assert hx.stop_serving() == 1 + len(inputs)
     assert int(mb.counter[0]) == 1 + len(inputs) and int(mb.counter[1]) == 1
     with pytest.raises(RuntimeError, match="the GPU posts to it"):
-        mb.post(inputs[0][0].float().numpy(), inputs[0][1].numpy(), inputs[0][2].numpy())
+        mb.post(inputs[0][0].float().numpy(), inputs[0][1].numpy(), inputs[0][2].float().numpy())
     mb.close()
     store.close()
 
