@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from cupool import _cuda, kernels
-from cupool.ops.planner import MAX_LANES, DeviceTables, PlanStep
+from cupool.ops.planner import MAX_LANES, DeviceTables, PlanStep, check_layer
 from cupool.ops.rowcopy import MODES, RowCopier
 from cupool.reference.planner import (
     COUNTERS,
@@ -280,8 +280,7 @@ class Bank:
         t = self.tables
         if not t.host:
             raise RuntimeError("this bank was built without host steps (Bank(..., host=True))")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.store.num_layers:
-            raise ValueError(f"layer must be an int in [0, {self.store.num_layers}), got {layer!r}")
+        check_layer(layer, self.num_layers)
         self.behind_copier(t.behind[layer], t.n_behind[layer:layer + 1], stream=stream)
 
     def land(self) -> None:

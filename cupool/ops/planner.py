@@ -200,6 +200,13 @@ def launch_shape(num_rows: int, max_lanes: int) -> tuple[int, int]:
     return threads, items
 
 
+def check_layer(layer, num_layers: int) -> None:
+    """Validate a layer index before it selects a table or reaches the kernel."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
+            or not 0 <= layer < num_layers:
+        raise ValueError(f"layer must be an int in [0, {num_layers}), got {layer!r}")
+
+
 def check_ids(ids, max_lanes: int, device: torch.device) -> int:
     """Validate a step's ids before any pointer reaches the kernel; returns W."""
     if not isinstance(ids, torch.Tensor):
@@ -334,9 +341,7 @@ class PlanStep:
 
     def _launch(self, fns: dict, layer: int, ids: torch.Tensor, copies: torch.Tensor,
                 n_copies: torch.Tensor, promote: int, host: bool = False) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
-                or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        check_layer(layer, self.num_layers)
         W = check_ids(ids, self.max_lanes, self.device)
         t = self.tables
         extra = (t.touched, t.pf_flag, t.pf_counters) if t.prefetch else \
