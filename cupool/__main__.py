@@ -345,7 +345,7 @@ def generate(args) -> int:
 
     from cupool.engine import Engine
     from cupool.sampling import SamplingParams
-    from cupool.serve.loader import load
+    from cupool.serve.loader import enable_host_experts, load
 
     if args.host_threads is not None and not args.host_experts:
         raise ValueError("--host-threads applies with --host-experts")
@@ -357,10 +357,7 @@ def generate(args) -> int:
                             dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
     load_s = time.perf_counter() - t0
     if args.host_experts:
-        if pool.rows_per_layer >= pool.num_experts:
-            raise ValueError(f"--host-experts: the bank holds every expert ({pool.num_experts} "
-                             f"rows a layer), so a step misses none; leave it out")
-        hd = pool.enable_host_experts(1, threads=args.host_threads)
+        hd = enable_host_experts(pool, 1, args.host_threads)
         print(f"host experts: {hd.hx.threads} threads, a row {hd.cpu_us:.1f} us on the CPU and "
               f"{hd.link_us:.1f} us on the link", file=sys.stderr)
     if args.prompt_ids is not None:

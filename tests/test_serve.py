@@ -657,6 +657,22 @@ def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     assert words in lines[0], lines[0]
 
 
+def test_host_experts_refused_for_a_bank_holding_every_expert():
+    """`serve` / `generate --host-experts` on a bank that misses nothing: a LoadError (one line,
+    exit code 2 from either command) before the host's threads start."""
+    from types import SimpleNamespace
+
+    from cupool.serve.loader import LoadError, enable_host_experts
+
+    def refuse(*a, **k):
+        raise AssertionError("enable_host_experts reached the pool")
+
+    pool = SimpleNamespace(num_experts=8, bank=SimpleNamespace(holds_every_expert=lambda: True),
+                           enable_host_experts=refuse)
+    with pytest.raises(LoadError, match=r"--host-experts: the bank holds every expert \(8 rows"):
+        enable_host_experts(pool, 1)
+
+
 def test_cli_serves_until_interrupted(model_dir):
     """`run` in a process of its own on a free port: it prints the URL once ready, serves, and
     exits 0 on Ctrl-C (SIGINT)."""

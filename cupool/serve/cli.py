@@ -284,10 +284,10 @@ def run(args) -> int:
         except LoadError as e:
             return _fail(str(e))
         if opts.host_experts:
-            if pool.rows_per_layer >= pool.num_experts:
-                return _fail(f"--host-experts: the bank holds every expert ({pool.num_experts} "
-                             f"rows a layer), so a step misses none; leave it out")
-            _enable_host_experts(log, pool, opts)
+            try:
+                _enable_host_experts(log, pool, opts)
+            except LoadError as e:
+                return _fail(str(e))
         try:
             # the fastest step by default: fused where the model fits, else the compiled forward
             engine = Engine(model, pool, tokenizer=tokenizer, max_batch=opts.max_batch,
@@ -332,7 +332,8 @@ def run(args) -> int:
 def _enable_host_experts(log, pool, opts) -> None:
     """`Pool.enable_host_experts` for decode steps of --max-batch tokens; logs what it measured
     and the split it gives."""
-    hd = pool.enable_host_experts(opts.max_batch, threads=opts.host_threads)
+    from cupool.serve.loader import enable_host_experts
+    hd = enable_host_experts(pool, opts.max_batch, opts.host_threads)
     log.info("host experts: %d threads, a row %.1f us on the CPU and %.1f us on the link; of a "
              "step's promoted misses the host takes %s (for 1..%d misses)", hd.hx.threads,
              hd.cpu_us, hd.link_us, hd.split[1:].tolist(), len(hd.split) - 1)
