@@ -134,27 +134,16 @@ static float reduce16(const float a[16]) {
 }
 
 #if HX_ISA
-// The 8 E4M3 block scales at p as floats, exactly: an E4M3 byte's bits moved into a half float
+// A strip's E4M3 block scales as floats, all of them before its row pairs: out[64c + 8g + i] is
+// the scale of row g (i even) or g + 8 (i odd) of lane block 4g + i / 2 of chunk c (the chunk's
+// scale bytes in order). Exactly E4M3[]'s values: an E4M3 byte's bits moved into a half float
 // (sign at 15, exponent and mantissa at 7 ... 13) are the same number times 2^-8, normal or not;
-// the NaN codes (0x7F, 0xFF) become a half-float NaN. Same values as E4M3[].
-static inline __m256 block_scales(const uint8_t* p) {
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
-    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16((short)0x8000)));
-    h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7E00)));
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
-}
-
-// A strip's block scales, all of them before its row pairs: out[64c + 8g + i] = block_scales(chunk
-// c's scales + 8g)[i], 16 at a time (the same values, in half the integer operations; the
-// emulated build, which checks the AVX-512 loop's indexing, takes block_scales 8 at a time).
+// the NaN codes (0x7F, 0xFF) become a half-float NaN. 16 at a time; the emulated build, which
+// checks the AVX-512 loop's indexing, reads E4M3[].
 #if defined(HX_EMULATE_AVX512)
 static inline void strip_scales(const uint8_t* strip, int nch, float* out) {
     for (int c = 0; c < nch; ++c)
-        for (int g = 0; g < 8; ++g) {
-            const __m256 v = block_scales(strip + (int64_t)c * CHUNK_BYTES + 512 + 8 * g);
-            memcpy(out + 64 * c + 8 * g, &v, sizeof v);
-        }
+        for (int i = 0; i < 64; ++i) out[64 * c + i] = E4M3[strip[(int64_t)c * CHUNK_BYTES + 512 + i]];
 }
 #else
 static inline void strip_scales(const uint8_t* strip, int nch, float* out) {

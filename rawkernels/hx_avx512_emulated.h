@@ -11,82 +11,9 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef struct { uint8_t b[16]; } __m128i;
-typedef struct { int32_t i[8]; } __m256i;
 typedef struct { float f[8]; } __m256;
 typedef struct { uint8_t b[64]; } __m512i;
 typedef struct { float f[16]; } __m512;
-
-static inline __m128i _mm_loadl_epi64(const __m128i* p) {
-    __m128i r;
-    memset(&r, 0, sizeof r);
-    memcpy(r.b, p, 8);
-    return r;
-}
-
-static inline __m128i _mm_cvtepu8_epi16(__m128i a) {
-    __m128i r;
-    for (int i = 0; i < 8; ++i) {
-        const uint16_t v = a.b[i];
-        memcpy(r.b + 2 * i, &v, 2);
-    }
-    return r;
-}
-
-static inline __m128i _mm_set1_epi16(short v) {
-    __m128i r;
-    for (int i = 0; i < 8; ++i) memcpy(r.b + 2 * i, &v, 2);
-    return r;
-}
-
-static inline __m128i _mm_and_si128(__m128i a, __m128i b) {
-    for (int i = 0; i < 16; ++i) a.b[i] &= b.b[i];
-    return a;
-}
-
-static inline __m128i _mm_or_si128(__m128i a, __m128i b) {
-    for (int i = 0; i < 16; ++i) a.b[i] |= b.b[i];
-    return a;
-}
-
-static inline __m128i _mm_slli_epi16(__m128i a, int n) {
-    for (int i = 0; i < 8; ++i) {
-        uint16_t v;
-        memcpy(&v, a.b + 2 * i, 2);
-        v = n > 15 ? 0 : (uint16_t)(v << n);
-        memcpy(a.b + 2 * i, &v, 2);
-    }
-    return a;
-}
-
-static inline __m128i _mm_cmpeq_epi16(__m128i a, __m128i b) {
-    __m128i r;
-    for (int i = 0; i < 8; ++i) {
-        const uint16_t v = memcmp(a.b + 2 * i, b.b + 2 * i, 2) ? 0 : 0xFFFF;
-        memcpy(r.b + 2 * i, &v, 2);
-    }
-    return r;
-}
-
-// IEEE half -> float (F16C vcvtph2ps): exact for every half, NaN stays NaN
-static inline __m256 _mm256_cvtph_ps(__m128i a) {
-    __m256 r;
-    for (int i = 0; i < 8; ++i) {
-        uint16_t h;
-        memcpy(&h, a.b + 2 * i, 2);
-        const int e = (h >> 10) & 31, m = h & 1023;
-        float v = e == 31 ? (m ? NAN : INFINITY)
-                : e == 0 ? ldexpf((float)m, -24) : ldexpf((float)(1024 + m), e - 25);
-        r.f[i] = (h & 0x8000) ? -v : v;
-    }
-    return r;
-}
-
-static inline __m256 _mm256_set1_ps(float v) {
-    __m256 r;
-    for (int i = 0; i < 8; ++i) r.f[i] = v;
-    return r;
-}
 
 static inline __m256 _mm256_loadu_ps(const float* p) {
     __m256 r;
