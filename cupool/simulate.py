@@ -181,7 +181,7 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
             uniq = list(dict.fromkeys(int(e) for e in ids if 0 <= e < E))
             miss = [e for e in uniq if ref.slot_of[layer * E + e] < 0]
             n = len(miss)
-            m = host_split(n, link_us, cpu_us, handoff_us)
+            m = int(split[n])
             on_cpu = set(miss[n - m:])
             if defer:
                 ref.step_host(layer, ids, split)
