@@ -13,12 +13,19 @@ the median wall time of a call (timed in C), the rows' bytes over that time, and
 
     python benchmarks/bench_host_experts.py                  # writes results/bench_host_experts.json
     python benchmarks/bench_host_experts.py --threads 1 4 --tokens 1 --rows 1
+    python benchmarks/bench_host_experts.py --busy 2   # beside 2 processes that keep a CPU busy
+
+`--busy N` times the cases while N other processes spin on the CPU (as a serving process's other
+threads may: the Python thread launching GPU work, the mailbox's server): a call then waits on any
+thread of its pool the OS does not run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import subprocess
 import sys
 
 import numpy as np
@@ -50,39 +57,33 @@ def build_parser() -> CLIParser:
     p.add_argument("--isa", nargs="+", choices=sorted(ISA_BUILDS), default=["native", "avx2"],
                    help="builds (HostExperts' isa); one whose loop another already used is "
                         "skipped (avx2 where the CPU has no AVX-512)")
+    p.add_argument("--busy", type=bounded_int(0, 1024), default=0, metavar="N",
+                   help="processes that spin on the CPU while the cases are timed (default 0)")
     p.add_argument("--json", type=output_file, metavar="PATH")
     return p
 
 
-def main(args) -> int:
-    p = build_parser()
-    if max(args.rows) > args.experts:
-        raise ValueError(f"--rows {max(args.rows)} is more than the store's --experts "
-                         f"{args.experts}")
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """`n` processes that keep a CPU each busy until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for q in procs:
+            q.kill()
+        for q in procs:
+            q.wait()
 
-    dflt = default_threads()
-    threads = args.threads or sorted({t for t in (1, 2, 4, 8) if t < dflt} | {dflt})
-    layout = RowLayout(args.hidden, args.intermediate)
-    gpu = torch.cuda.is_available()
-    gen = torch.Generator().manual_seed(0)
-    base, _ = random_experts(layout, 8, gen)
-    store = HostStore(1, args.experts, layout.row_bytes, pinned=gpu)
-    store.fill(lambda _l: base.repeat((args.experts + 7) // 8, 1)[:args.experts], progress=False)
-    store.seal()
-    table = store.host_addresses()
-    link = None
-    if gpu:
-        link = pcie_h2d_GBps()
-        print(f"pinned host -> device copy {link:.1f} GB/s: {layout.row_bytes / link / 1e3:.1f} "
-              f"us a row of {layout.row_bytes / 2**20:.2f} MiB")
-    probe = np.ones(1 << 30, dtype=np.uint8)
-    x_all = torch.randn(max(args.tokens), args.hidden, generator=gen)
 
+def time_cases(args, table, layout, threads, probe, x_all, link) -> list[dict]:
+    """Every (build, threads, tokens, rows) case timed and printed, a dict each."""
     cases = []
-    print(f"{cpu_name()}; rows of {layout.row_bytes / 2**20:.2f} MiB (H={args.hidden}, "
+    busy = f", {args.busy} busy processes beside it" if args.busy else ""
+    print(f"{cpu_name()}{busy}; rows of {layout.row_bytes / 2**20:.2f} MiB (H={args.hidden}, "
           f"I={args.intermediate})")
     print(f"{'loop':>8} {'threads':>7} {'tokens':>6} {'rows':>4} {'us/call':>9} {'us/row':>8} {'GB/s':>7} "
-          f"{'read GB/s':>9} {'ratio':>6}" + (f" {'vs link':>8}" if gpu else ""))
+          f"{'read GB/s':>9} {'ratio':>6}" + (f" {'vs link':>8}" if link else ""))
     runs = []
     for isa in args.isa:
         for th in threads:
@@ -122,15 +123,47 @@ def main(args) -> int:
                         line += f" {us / link_us:>7.2f}x"
                     print(line, flush=True)
                     cases.append(row)
+    return cases
+
+
+def main(args) -> int:
+    p = build_parser()
+    if max(args.rows) > args.experts:
+        raise ValueError(f"--rows {max(args.rows)} is more than the store's --experts "
+                         f"{args.experts}")
+
+    dflt = default_threads()
+    threads = args.threads or sorted({t for t in (1, 2, 4, 8) if t < dflt} | {dflt})
+    layout = RowLayout(args.hidden, args.intermediate)
+    gpu = torch.cuda.is_available()
+    gen = torch.Generator().manual_seed(0)
+    base, _ = random_experts(layout, 8, gen)
+    store = HostStore(1, args.experts, layout.row_bytes, pinned=gpu)
+    store.fill(lambda _l: base.repeat((args.experts + 7) // 8, 1)[:args.experts], progress=False)
+    store.seal()
+    table = store.host_addresses()
+    link = None
+    if gpu:
+        link = pcie_h2d_GBps()
+        print(f"pinned host -> device copy {link:.1f} GB/s: {layout.row_bytes / link / 1e3:.1f} "
+              f"us a row of {layout.row_bytes / 2**20:.2f} MiB")
+    probe = np.ones(1 << 30, dtype=np.uint8)
+    x_all = torch.randn(max(args.tokens), args.hidden, generator=gen)
+
+    with busy_processes(args.busy):
+        cases = time_cases(args, table, layout, threads, probe, x_all, link)
     store.close()
     reduced = reduced_by(args, p, "experts", "tokens", "rows", "calls", "isa")
     if args.threads is not None:
         reduced.append("--threads")
+    if args.busy:
+        reduced.append(f"--busy {args.busy}")
     save("bench_host_experts", {
         **({} if gpu else {"gpu": "none (a run on a machine without a GPU: no link figures)"}),
         "cpu": cpu_name(), "default_threads": dflt, "hidden": args.hidden,
         "intermediate": args.intermediate, "row_bytes": layout.row_bytes,
-        "store_rows": args.experts, "pinned_store": gpu, "pcie_h2d_GBps": link, "cases": cases,
+        "store_rows": args.experts, "busy_processes": args.busy, "pinned_store": gpu,
+        "pcie_h2d_GBps": link, "cases": cases,
     }, results_path("bench_host_experts", args.json, reduced))
     return 0
 

@@ -15,10 +15,13 @@
 // cupool/hostexperts.py's `reference_host` is the same computation in NumPy.
 //
 // How threads split a call: the caller groups lanes into units (one a distinct row) and quantizes
-// x; then the caller and the pool's workers take items from two counters. Phase 1 item p: act
-// block p (16 columns of I) of every unit, its gate and up strips (or the up strip alone) times
-// the unit's tokens, quantized; phase 2 item s: output strip s (16 rows of H) of every unit,
-// written to out for every token. Phase 2 starts once every phase-1 item is counted done. An
+// x; then the caller and the pool's workers claim items one at a time from the job's claim word
+// (`claim_item`). Items 0 ... n1 - 1 are phase 1: item p is act block p (16 columns of I) of every
+// unit, its gate and up strips (or the up strip alone) times the unit's tokens, quantized; the
+// next n2 are phase 2: item n1 + s is output strip s (16 rows of H) of every unit, written to out
+// for every token. A phase-2 item waits until every phase-1 item is counted done. The caller
+// returns once every item is counted done, not once every worker has looked: a worker the OS has
+// not run for a while (more busy threads than CPUs) holds up only an item it claimed. An
 // item's result does not depend on which thread runs it, and every build below does the same
 // float operations in the same order, so the output is the same bit for bit for any thread count
 // and any build. Only phase-2 item s writes out[., 16s ... 16s + 15].
@@ -434,11 +437,16 @@ typedef struct {
     float* out;                      // [T][H]
     int T;
     int n1, n2;                      // items of the two phases
-    atomic_int next1, next2, done1;
+    // the claim word: the job's number (32 bits), its items (16) and the next unclaimed one (16);
+    // a thread that read another job's word cannot claim through it (its compare-exchange fails)
+    _Atomic uint64_t claim;
+    atomic_int done1, done;          // phase-1 items done; all items done
     const uint8_t* read_base;        // kind 1
-    int64_t read_bytes;
+    int64_t read_bytes, read_piece;
     atomic_ullong read_sum;
 } hx_job;
+
+#define HX_MAX_ITEMS 0xffff          // a job's items at most (the claim word's 16 bits)
 
 // What hx_serve answers: requests posted to a mailbox (rawkernels/host_handoff.cu).
 typedef struct {
@@ -459,7 +467,7 @@ typedef struct hx_pool {
     int threads;                     // the caller and threads - 1 workers
     pthread_t* tid;
     atomic_uint gen;                 // bumped to hand the workers a job
-    atomic_int finished;             // workers done with the current job
+    uint32_t jobs;                   // jobs run: the claim word's number
     atomic_int stop;
     atomic_int sleepers;
     int64_t spin_ns;                 // how long an idle worker spins before it sleeps
@@ -552,42 +560,53 @@ static void phase2_item(hx_job* j, int s) {
     }
 }
 
-// One thread's part of the current job.
+// The current job's next item, or -1 when none is left (or the word read was an earlier job's
+// and the current one has none left either). A claim succeeds only on the current job's word, and
+// the caller writes a job's fields before that word (release): after a claim they are the job's.
+static int claim_item(hx_job* j) {
+    uint64_t c = atomic_load_explicit(&j->claim, memory_order_acquire);
+    for (;;) {
+        const int total = (int)((c >> 16) & 0xffff), i = (int)(c & 0xffff);
+        if (i >= total) return -1;
+        if (atomic_compare_exchange_weak_explicit(&j->claim, &c, c + 1, memory_order_acq_rel,
+                                                  memory_order_acquire))
+            return i;
+    }
+}
+
+static void read_piece(hx_job* j, int i) {
+    // the read probe's piece i: its 64-bit words summed
+    const int64_t piece = j->read_piece, start = i * piece;
+    const uint64_t* p = (const uint64_t*)(j->read_base + start);
+    const int64_t words = (j->read_bytes - start < piece ? j->read_bytes - start : piece) / 8;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int64_t k = 0;
+    for (; k + 4 <= words; k += 4) {
+        s0 += p[k];
+        s1 += p[k + 1];
+        s2 += p[k + 2];
+        s3 += p[k + 3];
+    }
+    for (; k < words; ++k) s0 += p[k];
+    atomic_fetch_add_explicit(&j->read_sum, s0 + s1 + s2 + s3, memory_order_relaxed);
+}
+
+// One thread's part of the current job: items claimed until none is left.
 static void run_share(hx_job* j) {
-    if (j->kind == 1) {
-        // the read probe: claims 1 MiB pieces and sums their 64-bit words
-        const int64_t piece = 1 << 20, n = (j->read_bytes + piece - 1) / piece;
-        unsigned long long sum = 0;
-        for (;;) {
-            const int64_t i = atomic_fetch_add(&j->next1, 1);
-            if (i >= n) break;
-            const uint64_t* p = (const uint64_t*)(j->read_base + i * piece);
-            const int64_t words = (i + 1 == n ? j->read_bytes - i * piece : piece) / 8;
-            uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-            int64_t k = 0;
-            for (; k + 4 <= words; k += 4) {
-                s0 += p[k];
-                s1 += p[k + 1];
-                s2 += p[k + 2];
-                s3 += p[k + 3];
-            }
-            for (; k < words; ++k) s0 += p[k];
-            sum += s0 + s1 + s2 + s3;
+    for (;;) {
+        const int i = claim_item(j);
+        if (i < 0) return;
+        if (j->kind == 1) {
+            read_piece(j, i);
+        } else if (i < j->n1) {
+            phase1_item(j, i);
+            atomic_fetch_add_explicit(&j->done1, 1, memory_order_release);
+        } else {
+            while (atomic_load_explicit(&j->done1, memory_order_acquire) < j->n1) hx_pause();
+            phase2_item(j, i - j->n1);
         }
-        atomic_fetch_add(&j->read_sum, sum);
-        return;
-    }
-    for (;;) {
-        const int p = atomic_fetch_add_explicit(&j->next1, 1, memory_order_relaxed);
-        if (p >= j->n1) break;
-        phase1_item(j, p);
-        atomic_fetch_add_explicit(&j->done1, 1, memory_order_release);
-    }
-    while (atomic_load_explicit(&j->done1, memory_order_acquire) < j->n1) hx_pause();
-    for (;;) {
-        const int s = atomic_fetch_add_explicit(&j->next2, 1, memory_order_relaxed);
-        if (s >= j->n2) break;
-        phase2_item(j, s);
+        // the last touch of the job's data by a thread that holds no further item
+        atomic_fetch_add_explicit(&j->done, 1, memory_order_release);
     }
 }
 
@@ -615,22 +634,28 @@ static void* worker_main(void* arg) {
         seen = g;
         if (atomic_load(&p->stop)) return NULL;
         run_share(&p->job);
-        atomic_fetch_add(&p->finished, 1);
     }
 }
 
-// Hands the job to the workers, runs a share on the calling thread, and returns once every worker
-// is done with it (so the job and the scratch may be reused).
-static void run_job(hx_pool* p) {
-    atomic_store(&p->finished, 0);
-    atomic_fetch_add(&p->gen, 1);                // publishes the job (sequentially consistent)
+// Publishes the job whose fields are written (`items` of them, at most HX_MAX_ITEMS), runs a share
+// on the calling thread, and returns once every item is done: no thread reads the job's data
+// after that (a worker that comes late finds no item to claim), so it and the scratch may be
+// reused.
+static void run_job(hx_pool* p, int items) {
+    hx_job* j = &p->job;
+    atomic_store_explicit(&j->done1, 0, memory_order_relaxed);
+    atomic_store_explicit(&j->done, 0, memory_order_relaxed);
+    p->jobs += 1;
+    atomic_store_explicit(&j->claim, (uint64_t)p->jobs << 32 | (uint64_t)items << 16,
+                          memory_order_release);
+    atomic_fetch_add(&p->gen, 1);                // wakes the workers (sequentially consistent)
     if (atomic_load(&p->sleepers) > 0) {
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
     }
-    run_share(&p->job);
-    while (atomic_load(&p->finished) < p->threads - 1) hx_pause();
+    run_share(j);
+    while (atomic_load_explicit(&j->done, memory_order_acquire) < items) hx_pause();
 }
 
 // Replaces *buf with an uninitialised 64-byte aligned block of `bytes`; -1 (and *buf kept) if
@@ -724,7 +749,8 @@ int hx_isa(void) { return HX_ISA; }
 // error bits (HX_ERR_*); with HX_ERR_KEY, HX_ERR_ARGS or HX_ERR_MEMORY out is not written.
 int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys, int T, int K,
            const int64_t* keys, const float* weights, const float* x, float* out) {
-    if (T < 1 || K < 1 || L->hp % 64 || L->ip % 64 || L->hidden > L->hp || L->inter > L->ip)
+    if (T < 1 || K < 1 || L->hp % 64 || L->ip % 64 || L->hidden > L->hp || L->inter > L->ip ||
+        L->ip / 16 + (L->hidden + 15) / 16 > HX_MAX_ITEMS)
         return HX_ERR_ARGS;
     const int W = T * K;
     int err = 0;
@@ -789,10 +815,7 @@ int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys,
     j->T = T;
     j->n1 = (int)(L->ip / 16);
     j->n2 = (int)((L->hidden + 15) / 16);
-    atomic_store(&j->next1, 0);
-    atomic_store(&j->next2, 0);
-    atomic_store(&j->done1, 0);
-    run_job(p);
+    run_job(p, j->n1 + j->n2);
     return err;
 }
 
@@ -817,10 +840,12 @@ int64_t hx_read(hx_pool* p, const uint8_t* base, int64_t bytes, uint64_t* checks
     j->kind = 1;
     j->read_base = base;
     j->read_bytes = bytes;
-    atomic_store(&j->next1, 0);
+    // 1 MiB pieces, or as many bytes as keep the pieces to a job's items (multiples of 64)
+    const int64_t least = (bytes + HX_MAX_ITEMS - 1) / HX_MAX_ITEMS;
+    j->read_piece = least > (1 << 20) ? (least + 63) / 64 * 64 : 1 << 20;
     atomic_store(&j->read_sum, 0);
     const int64_t t0 = now_ns();
-    run_job(p);
+    run_job(p, (int)((bytes + j->read_piece - 1) / j->read_piece));
     const int64_t t = now_ns() - t0;
     *checksum = atomic_load(&j->read_sum);
     return t;
