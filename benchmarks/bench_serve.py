@@ -29,9 +29,10 @@ runs are reduced runs (written only with --json).
 (`Pool.enable_host_experts`, banks without every expert: `--host-threads` threads, the hand-off's
 cost `--handoff-us`, a row's time on the link and on the CPU measured at each case's start); each
 case then also reports those times, the split and the experts the host computed a token. Such
-runs are reduced runs too. `--host-baseline` (with `--host-experts`) first runs each such case
-without them on the same model (`host_baseline` in the bank's results, and the ratio printed),
-so both come from one process on one machine.
+runs are reduced runs too. `--host-leave` leaves the host's misses out of the bank instead of
+promoting them and copying their rows behind the call. `--host-baseline` (with `--host-experts`)
+first runs each such case without them on the same model (`host_baseline` in the bank's
+results, and the ratio printed), so both come from one process on one machine.
 `--promote` sets the pool's promotion cap (`Pool.promote`; default auto, the pool's own default:
 no cap while a step's lanes fit a layer's rows, a quarter of a layer's rows past that); each case
 reports the cap its steps launched with and the misses staged. A run with another cap is a
@@ -187,7 +188,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         pool.enable_prefetch(TracePredictor(replayer, tr.with_predictions(
             t, args.prefetch_accuracy, seed=args.seed)), max_rows=args.prefetch_rows)
     label = f"bank {bank:.0%}" + (", the model's router" if routing != args.routing else "")
-    host = dict(threads=args.host_threads, handoff_us=args.handoff_us) \
+    host = dict(threads=args.host_threads, handoff_us=args.handoff_us, leave=args.host_leave) \
         if args.host_experts and not every else None
     if host is not None:
         label += ", host experts"
@@ -256,6 +257,8 @@ def main(args) -> int:
         raise ValueError("--host-experts and --prefetch are separate planner builds: pick one")
     if args.host_baseline and not args.host_experts:
         raise ValueError("--host-baseline compares against --host-experts: give both")
+    if args.host_leave and not args.host_experts:
+        raise ValueError("--host-leave is a way of --host-experts: give both")
     if not args.handoff_us >= 0:
         raise ValueError(f"--handoff-us must be >= 0, got {args.handoff_us:g}")
     from cupool import _cuda
@@ -270,6 +273,7 @@ def main(args) -> int:
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
                "promote": args.promote, "overlap_copies": args.overlap_copies,
                "host_experts": args.host_experts,
+               **({"host_leave": args.host_leave} if args.host_experts else {}),
                "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
@@ -280,6 +284,7 @@ def main(args) -> int:
         ([f"--promote {args.promote}"] if args.promote != "auto" else []) + \
         (["--overlap-copies"] if args.overlap_copies else []) + \
         (["--host-experts"] if args.host_experts else []) + \
+        (["--host-leave"] if args.host_leave else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
@@ -324,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--handoff-us", type=float, default=10.0,
                    help="--host-experts: a call's fixed cost of the hand-off, us (default 10)")
     add_dense_nvfp4(p)
+    p.add_argument("--host-leave", action="store_true",
+                   help="--host-experts: the host's misses left out of the bank (not promoted, "
+                        "nothing copied behind the call)")
     p.add_argument("--host-baseline", action="store_true",
                    help="--host-experts: first run each such case without them, same model")
     p.add_argument("--seed", type=positive_int, default=1)

@@ -14,7 +14,8 @@ belongs outside the hot path. A Bank built with `prefetch=True` also runs prefet
 their own copy list; `cupool.prefetch.Prefetcher` issues them on a side stream). A Bank built with
 `host=True` runs host steps (`step_host`: the planner's HOST_SPLIT build hands a call's last
 promoted misses to the host's CPU as `set_split` says, `copy_behind` copies their rows behind the
-call, `land` ends their pending state once those copies are in). `promote` caps
+call, `land` ends their pending state once those copies are in; or, set_split's `leave`, its last
+misses, left out of the bank: nothing behind). `promote` caps
 the misses of one step that take a bank row (the rest are staged): a fixed cap, or "auto", the
 pool's default (`cupool.reference.planner.default_promote`: none for a step whose lanes fit a
 layer's rows).
@@ -249,10 +250,11 @@ class Bank:
             raise RuntimeError("this bank was built without prefetch (Bank(..., prefetch=True))")
         self.prefetch_copier(t.pf_copies, t.pf_n_copies, stream=stream)
 
-    def set_split(self, split) -> None:
+    def set_split(self, split, leave: bool = False) -> None:
         """The host's share of each step's misses (`PlanStep.set_split`: split[M] of M, max_lanes
-        + 1 entries). Outside graph capture; captured graphs read the table at every replay."""
-        self._plan.set_split(split)
+        + 1 entries), promoted and copied behind the call or, with `leave`, left out of the bank.
+        Outside graph capture; captured graphs read the tables at every replay."""
+        self._plan.set_split(split, leave)
 
     def step_host(self, layer: int, ids: torch.Tensor):
         """One layer call whose last promoted misses the host computes (`ReferencePlanner.
@@ -264,7 +266,8 @@ class Bank:
         host_keys (else −1), what `cupool.ops.host_handoff.post` hands the host. The host
         misses' rows are promoted and pending; `copy_behind(layer)` copies them (before this
         layer's next host step, which rewrites its list), and `land` must follow those copies
-        before a later step could need a pending row as a victim."""
+        before a later step could need a pending row as a victim. With set_split's `leave` the
+        host's misses take no row and the behind list is empty."""
         t = self.tables
         if not t.host:
             raise RuntimeError("this bank was built without host steps (Bank(..., host=True))")

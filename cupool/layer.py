@@ -82,11 +82,13 @@ class HostDecode:
 
     link_us / cpu_us: a row's time on the link (the row-copy kernel) and on the host's CPU;
     None measures them here (`measure_link_us`, `measure_cpu_us`). handoff_us: a call's fixed
-    cost of the hand-off. `split`: the table they give (`cupool.hostexperts.split_table`)."""
+    cost of the hand-off. `split`: the table they give (`cupool.hostexperts.split_table`).
+    leave: the host's misses are left out of the bank (no row, nothing copied behind) instead of
+    promoted and copied behind the call (`Bank.set_split`)."""
 
     def __init__(self, pool, tokens: int, *, threads: int | None = None,
                  link_us: float | None = None, cpu_us: float | None = None,
-                 handoff_us: float = 10.0, spin_ms: float = 50.0):
+                 handoff_us: float = 10.0, spin_ms: float = 50.0, leave: bool = False):
         bank = pool.bank
         if not bank.hosting:
             raise RuntimeError("the pool's bank has no host steps (Pool.enable_host_experts "
@@ -95,7 +97,9 @@ class HostDecode:
                 or not 1 <= tokens * pool.top_k <= bank.max_lanes:
             raise ValueError(f"tokens must be an int with 1 <= tokens · top_k ({pool.top_k}) <= "
                              f"the bank's max_lanes ({bank.max_lanes}), got {tokens!r}")
-        self.pool, self.tokens = pool, int(tokens)
+        if not isinstance(leave, bool):
+            raise ValueError(f"leave must be a bool, got {leave!r}")
+        self.pool, self.tokens, self.leave = pool, int(tokens), leave
         dev, H, K = pool.device, pool.layout.hidden, pool.top_k
         self.hx = HostExperts(pool.store.host_addresses(), pool.layout, pool.gemm.activation,
                               threads=threads, spin_ms=spin_ms)
@@ -108,7 +112,7 @@ class HostDecode:
             self.mailbox = Mailbox(self.tokens, K, H, pinned=True, device=dev)
             self.error = torch.zeros(1, dtype=torch.int32, device=dev)
             self.side = torch.cuda.Stream(dev)
-            bank.set_split(self.split)
+            bank.set_split(self.split, leave)
             self.hx.serve(self.mailbox)
         except BaseException:
             self.hx.close()
@@ -232,9 +236,10 @@ class PooledExperts:
         return p.gemm.decode(x, lane_addr, w, out)
 
     def _decode_host(self, hd: HostDecode, x, ids, w, out):
-        """The decode call with the host's CPU (module docstring): host step, post, behind copies,
-        GEMM, the host's answer added; the last pooled layer joins and lands. A call of another
-        width than the mailbox's takes the plain step (nothing handed over)."""
+        """The decode call with the host's CPU (module docstring): host step, post, behind copies
+        (none when the host's misses are left out of the bank), GEMM, the host's answer added;
+        the last pooled layer joins and lands. A call of another width than the mailbox's takes
+        the plain step (nothing handed over)."""
         p = self.pool
         T = x.shape[0]
         cur = torch.cuda.current_stream(p.device)
@@ -247,11 +252,12 @@ class PooledExperts:
             return p.gemm.decode(x, lane_addr, w, out)
         _, lane_addr, host_keys = p.bank.step_host(self.layer, ids)
         post(x.contiguous(), host_keys.view(T, -1), w.reshape(T, -1).contiguous(), hd.mailbox)
-        hd.side.wait_stream(cur)
-        p.bank.copy_behind(self.layer, hd.side)
+        if not hd.leave:
+            hd.side.wait_stream(cur)
+            p.bank.copy_behind(self.layer, hd.side)
         y = p.gemm.decode(x, lane_addr, w, out)
         wait(hd.mailbox, y, hd.error)           # y += the host's answer, in y's dtype
-        if self.layer == p.num_layers - 1:      # the step's behind copies are in: none pending
+        if not hd.leave and self.layer == p.num_layers - 1:   # behind copies in: none pending
             cur.wait_stream(hd.side)
             p.bank.land()
         return y

@@ -221,16 +221,16 @@ class Pool:
     # --- the host's CPU ----------------------------------------------------------------------
     def enable_host_experts(self, tokens: int = 1, *, threads: int | None = None,
                             link_us: float | None = None, cpu_us: float | None = None,
-                            handoff_us: float = 10.0) -> HostDecode:
+                            handoff_us: float = 10.0, leave: bool = False) -> HostDecode:
         """Hand some of each decode call's misses to the host's CPU (`HostDecode`): the plan
         step's last promoted misses, as many as make the link and the CPU finish together
         (`cupool.hostexperts.split_table` from a row's time on each, measured here unless
         given, and the hand-off's `handoff_us`), computed by `threads` host threads (default
-        `cupool.hostexperts.default_threads()`) while their rows are copied behind the call.
-        Decode calls must then have `tokens` tokens (the Engine's slots). Not with prefetch. A
-        bank without the planner's host variant is rebuilt with it first (as `resize_bank`:
-        placement reset, gate closed): call this before warm-up and capture. Returns the
-        HostDecode."""
+        `cupool.hostexperts.default_threads()`) while their rows are copied behind the call (with
+        `leave`: the host's misses are left out of the bank, nothing copied). Decode calls must
+        then have `tokens` tokens (the Engine's slots). Not with prefetch. A bank without the
+        planner's host variant is rebuilt with it first (as `resize_bank`: placement reset, gate
+        closed): call this before warm-up and capture. Returns the HostDecode."""
         if self.prefetcher is not None or self.bank.prefetching:
             raise RuntimeError("host experts and prefetch are separate planner builds: "
                                "disable prefetch and rebuild the bank (resize_bank(..., "
@@ -239,7 +239,7 @@ class Pool:
         if not self.bank.hosting:
             self.resize_bank(self.rows_per_layer, host=True)
         self.host = HostDecode(self, tokens, threads=threads, link_us=link_us, cpu_us=cpu_us,
-                               handoff_us=handoff_us)
+                               handoff_us=handoff_us, leave=leave)
         return self.host
 
     def disable_host_experts(self) -> None:

@@ -109,7 +109,8 @@
 // (ReferencePlanner.step_host). Tables: `pending` [R] (1: a host step promoted the row and its
 // copy, made behind the call, may not have landed; cleared all at once, by a memset, once the
 // behind copies have landed), `host_counters` [L]. Launch arguments: `split` [W + 1] (of M
-// misses the host takes split[M]), outputs `host_keys` [W], `behind` [2·W], `n_behind`.
+// misses the host takes split[M]), `host_leave` [1] (1: the host's misses are left out of the
+// bank, below), outputs `host_keys` [W], `behind` [2·W], `n_behind`.
 //   - B: a hit on a pending row is the host's (route -1); it is stamped as any hit.
 //   - C: a pending row is not eligible (not a victim) but stays in the window: the walk ranks
 //     eligible entries (victims: the first V) and survivors (non-hole, non-hit: the entries
@@ -122,6 +123,11 @@
 //     as any victim's (stamped, appended) and marked pending, their (key, row) go to `behind`,
 //     their lanes route -1 and write their key to host_keys. The copy list is the other victims,
 //     then the staged misses.
+//   - host_leave set (ReferencePlanner.step_host with leave): after B's scan, hl = split[M] (gate
+//     open) of the misses, the last hl in miss order, are the host's and take no row: the walk
+//     and D see the first M - hl misses alone (the cap P counts them alone), the host's route -1
+//     and write their keys to host_keys, nothing goes behind (h = 0, n_behind 0) and no row
+//     becomes pending.
 //   Who touches what (beyond the list above): pending: B reads hits' entries, C reads window
 //   entries' (both before any write), the marking after C writes host victims' entries (a
 //   barrier before D and E). s_host: B (hits) and D (misses), read in F.
@@ -230,7 +236,8 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
                              i64* __restrict__ pf_counters
 #endif
 #if HOST_SPLIT
-                             , const i32* __restrict__ split, i32* __restrict__ pending,
+                             , const i32* __restrict__ split, const i32* __restrict__ host_leave,
+                             i32* __restrict__ pending,
                              i64* __restrict__ host_keys, i32* __restrict__ behind,
                              i32* __restrict__ n_behind, i64* __restrict__ host_counters
 #endif
@@ -284,6 +291,9 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         s_host_hits = 0;
 #endif
     }
+#if HOST_SPLIT
+    const bool leave = *host_leave != 0;
+#endif
 #if PREFETCH
     const int prev_touched = *touched;  // the window's last prev_touched entries: the last tick's
 #endif
@@ -338,9 +348,16 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
         s_miss_key[before & 0xffff] = key;
         s_miss_lane[before & 0xffff] = t;
     }
+#if HOST_SPLIT
+    // leave mode: the last hl misses are the host's and take no row; Mo are the step's own
+    const int hl = open && leave ? split[M] : 0;
+    const int Mo = M - hl;
+#else
+    const int Mo = M;
+#endif
     // Misses allowed to take a bank row: the first `promote` (a cap the launcher picks per step;
     // 0: no cap); in a prefetch the others are skipped. A cap of 0 costs a compare and a select.
-    const int P = promote > 0 ? min(M, promote) : M;
+    const int P = promote > 0 ? min(Mo, promote) : Mo;
 #if PREFETCH
     // prefetch mode: the last tick's rows that are not hits now are not eligible (s_young_hits is
     // complete: the scan's barrier)
@@ -445,8 +462,8 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
     __syncthreads();  // s_victim*, s_miss_*, s_cut and both bitmaps complete; ring reads done
 #if HOST_SPLIT
     // Every victim is taken (appended at the tail as in the default build); the last h are the
-    // host's, whose rows are pending until the behind copies land.
-    const int h = open ? min(split[M], V) : 0;
+    // host's, whose rows are pending until the behind copies land (none in leave mode).
+    const int h = open && !leave ? min(split[M], V) : 0;
     const int T = H + V;  // rows stamped with `now` this step
     if (t < V) {
         set_bit(taken_bits, s_victim[t]);
@@ -486,11 +503,12 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
 #endif
         }
 #if HOST_SPLIT
-        const bool host = t < V && t >= V - h;
+        const bool left = t >= Mo;  // the host's, left out of the bank (its r is not used)
+        const bool host = left || (t < V && t >= V - h);
         s_route[s_miss_lane[t]] = host ? -1 : r;
         s_fresh[s_miss_lane[t]] = !host && r >= 0;
         s_host[s_miss_lane[t]] = host;
-        if (host) {
+        if (host && !left) {
             behind[2 * (t - (V - h))] = k;
             behind[2 * (t - (V - h)) + 1] = r;
         } else if (r >= 0) {
@@ -587,12 +605,12 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
 #else
     if (t == 0) {
 #endif
-        const int staged = M - V;
+        const int staged = Mo - V;
         const int staged_ok = min(staged, S);
 #if HOST_SPLIT
         *n_copies = V - h + staged_ok;
         *n_behind = h;
-        if (open) host_counters[layer] += h + s_host_hits;
+        if (open) host_counters[layer] += h + hl + s_host_hits;
 #else
         *n_copies = V + staged_ok;
 #endif
@@ -623,9 +641,9 @@ CUPOOL_DEVICE void plan_step(const Id* __restrict__ ids, i32 W, i32 layer, i32 E
 #define PF_ARGS , i32 *touched, i32 *pf_flag, i64 *pf_counters
 #define PF_PASS , touched, pf_flag, pf_counters
 #elif HOST_SPLIT
-#define PF_ARGS , const i32 *split, i32 *pending, i64 *host_keys, i32 *behind, i32 *n_behind,  \
-        i64 *host_counters
-#define PF_PASS , split, pending, host_keys, behind, n_behind, host_counters
+#define PF_ARGS , const i32 *split, const i32 *host_leave, i32 *pending, i64 *host_keys,         \
+        i32 *behind, i32 *n_behind, i64 *host_counters
+#define PF_PASS , split, host_leave, pending, host_keys, behind, n_behind, host_counters
 #else
 #define PF_ARGS
 #define PF_PASS

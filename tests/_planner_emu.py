@@ -6,8 +6,9 @@ random trace; after every step its routes, lane addresses, copy list and tables 
 reference's. With `prefetch`, the PREFETCH build runs a trace of plan and prefetch steps mixed
 (`random_mixed_trace`), and the prefetch tables and lists are compared too. With `promote`, each
 launch gets a promotion cap (`random_caps`) and the reference the same `Policy(promote=...)`.
-With `host`, the HOST_SPLIT build runs plan steps with random split tables and landings between
-them (`random_host_trace`), compared with `ReferencePlanner.step_host` and `land`.
+With `host`, the HOST_SPLIT build runs plan steps with random split tables, each promoting the
+host's misses behind the call or leaving them out of the bank, and landings between them
+(`random_host_trace`), compared with `ReferencePlanner.step_host` and `land`.
 Used by tests/test_planner.py; also runnable: `python tests/_planner_emu.py --tsan [--prefetch]
 [--promote]`.
 """
@@ -130,10 +131,12 @@ def random_mixed_trace(rng, L, E, steps, max_lanes, p_flip=(0.1, 0.01), p_prefet
 
 
 def random_host_trace(rng, L, E, steps, max_lanes, p_flip=(0.1, 0.01), p_land=0.2):
-    """[(gate, layer, kind, ids int64, split)]: `random_trace`'s plan steps (kind 0), each with a
-    split table (zeros a fifth of the time; else split[m] drawn from [0, m], often all of m),
-    and landings (kind 2, no ids) after a step with probability `p_land`, so rows stay pending
-    over several steps (and are hit, and sit in the window when others are taken)."""
+    """[(gate, layer, kind, ids int64, split, leave)]: `random_trace`'s plan steps (kind 0), each
+    with a split table (zeros a fifth of the time; else split[m] drawn from [0, m], often all of
+    m) and `leave` (the host's misses left out of the bank) two times in five, mixed with steps
+    that promote them behind; and landings (kind 2, no ids) after a step with probability
+    `p_land`, so rows stay pending over several steps (and are hit, and sit in the window when
+    others are taken, by steps of either kind)."""
     out = []
     for gate, layer, ids in random_trace(rng, L, E, steps, max_lanes, p_flip):
         W = ids.size
@@ -141,9 +144,9 @@ def random_host_trace(rng, L, E, steps, max_lanes, p_flip=(0.1, 0.01), p_land=0.
         m = np.arange(W + 1)
         split = np.zeros(W + 1, np.int64) if u < 0.2 else m.copy() if u < 0.4 else \
             np.array([int(rng.integers(0, k + 1)) for k in m], np.int64)
-        out.append((gate, layer, 0, ids, split))
+        out.append((gate, layer, 0, ids, split, bool(rng.random() < 0.4)))
         if rng.random() < p_land:
-            out.append((gate, 0, 2, np.zeros(0, np.int64), None))
+            out.append((gate, 0, 2, np.zeros(0, np.int64), None, False))
     return out[:steps]
 
 
@@ -192,11 +195,12 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
         htrace = random_host_trace(rng, L, E, steps, max_lanes, p_flip)
         trace = [t[:4] for t in htrace]
         splits = [t[4] for t in htrace]
+        leaves = [t[5] for t in htrace]
     else:
         trace = random_mixed_trace(rng, L, E, steps, max_lanes, p_flip) if prefetch else \
             [(g, layer, 0, ids)
              for g, layer, ids in random_trace(rng, L, E, steps, max_lanes, p_flip)]
-        splits = [None] * len(trace)
+        splits = leaves = [None] * len(trace)
     # int64 ids only where they fit int32, so the i32 entry point sees the same values
     is64 = [bool(rng.random() < 0.5) or np.any(np.abs(ids) > 2**31 - 1) for *_, ids in trace]
     if promote == "random":
@@ -208,13 +212,14 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
     C = ring_capacity(R) if ring is None else int(ring)
     words = [R, E, L, S, max_lanes, ROWS_BASE, ROW_STRIDE, len(trace), C]
     words += initial_placement(L, E, N, initial).tolist()
-    for (gate, layer, kind, ids), cap, wide, split in zip(trace, caps, is64, splits):
+    for (gate, layer, kind, ids), cap, wide, split, leave in zip(trace, caps, is64, splits,
+                                                                 leaves):
         if kind == 2:
             words += [gate, layer, kind, cap]
             continue
         words += [gate, layer, kind, cap, int(wide), ids.size] + ids.tolist()
         if host:
-            words += split.tolist()
+            words += split.tolist() + [int(leave)]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         exe = build(tmp, threads, items, tsan, source, prefetch, host)
@@ -240,6 +245,7 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
         return [tuple(c) for c in take(2 * max(0, min(n, max_lanes))).reshape(-1, 2).tolist()]
 
     open_prefetches = skipped = capped = behind_total = landings = starved = pending_hits = 0
+    left_total = 0
     for i, (gate, layer, kind, ids) in enumerate(trace):
         if gate:
             ref.open()
@@ -262,8 +268,11 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
                 was_pending = ref.pending.copy()
                 held = [int(ref.slot_of[layer * E + e]) for e in set(ids.tolist()) if 0 <= e < E]
                 pending_hits += sum(r >= 0 and was_pending[r] for r in held)
-                hs = ref.step_host(layer, ids, splits[i])
+                counted = ref.host_counters[layer]
+                hs = ref.step_host(layer, ids, splits[i], leave=leaves[i])
                 routes, copies = hs.routes, hs.copies
+                if leaves[i]:
+                    left_total += int(ref.host_counters[layer] - counted)
             else:
                 routes, copies = ref.step(layer, ids)
             misses, promoted = ref.counters[layer, [MISSES, PROMOTIONS]] - before
@@ -331,7 +340,7 @@ def run(L, E, N, S, max_lanes, threads, items, steps, seed, tsan=False, initial=
         report.update(counters=ref.counters.copy(), prefetch_counters=ref.prefetch_counters.copy(),
                       open_prefetches=open_prefetches, skipped=skipped, capped=capped,
                       behind=behind_total, landings=landings, starved=starved,
-                      pending_hits=pending_hits,
+                      pending_hits=pending_hits, left=left_total,
                       host_counters=ref.host_counters.copy())
     return len(trace)
 

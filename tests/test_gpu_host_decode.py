@@ -30,10 +30,12 @@ def _pool(rows_div=2, tokens=3):
     return model, pool, E, K
 
 
-def test_decode_call_with_host_lanes_matches_the_reference():
+@pytest.mark.parametrize("leave", [False, True])
+def test_decode_call_with_host_lanes_matches_the_reference(leave):
     model, pool, E, K = _pool()
-    # a CPU far faster than the link: the host takes nearly every promoted miss
-    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=1.0, handoff_us=0.0)
+    # a CPU far faster than the link: the host takes nearly every promoted miss (every miss but
+    # one when they are left out of the bank)
+    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=1.0, handoff_us=0.0, leave=leave)
     assert pool.bank.hosting and hd.split[4] == 4
     pool.open()
     H = pool.layout.hidden
@@ -52,13 +54,17 @@ def test_decode_call_with_host_lanes_matches_the_reference():
         # the host's lanes carry int8 rounding of x and the act (about 1e-2, test_host_experts),
         # the GPU's bf16 (about 3e-3)
         assert err <= 3e-2, (call, err)
+        if leave:
+            assert not pool.bank.state()["pending"].any()
     assert int(pool.bank.tables.host_counters.sum()) > 0
     assert pool.errors() == []
     pool.disable_host_experts()
     pool.unwrap()
 
 
-def test_engine_with_host_experts():
+@pytest.mark.parametrize("leave", [False, True])
+def test_engine_with_host_experts(leave):
+    """leave: the host's misses left out of the bank (nothing copied behind, no row pending)."""
     model, pool, E, K = _pool()
     ps = _prompts([3, 2, 3, 1], seed=8)
     params = [SamplingParams(max_tokens=n) for n in (12, 8, 10, 9)]
@@ -67,8 +73,8 @@ def test_engine_with_host_experts():
         return _generate(model, pool, ps, params)
 
     plain = run()
-    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=20.0, handoff_us=5.0)
-    assert hd.split.max() > 0
+    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=20.0, handoff_us=5.0, leave=leave)
+    assert hd.split.max() > 0 and hd.leave is leave
     with_host = run()
     assert [len(o) for o in with_host] == [len(o) for o in plain]
     stats = pool.stats()

@@ -1,5 +1,5 @@
 """GPU checks of the planner's HOST_SPLIT build through `Bank(host=True)`: host steps with random
-split tables and landings equal `ReferencePlanner.step_host` / `land` after every step (routes,
+split tables, the host's misses promoted behind or left out of the bank, and landings equal `ReferencePlanner.step_host` / `land` after every step (routes,
 lane addresses, host keys, copy and behind lists, pending flags, tables, counters); the rows the
 GEMM reads hold the right bytes, and a host miss's row does once its behind copy has landed; a
 captured graph of step + behind copy + landing replays as the eager launches do."""
@@ -24,7 +24,7 @@ class HostHarness:
         self.bank = Bank(self.store, N, S, lanes, host=True, **shape)
         self.ref = ReferencePlanner(L, E, N, S)
         self.side = torch.cuda.Stream()
-        self.behind_total = self.host_lanes = 0
+        self.behind_total = self.host_lanes = self.left = 0
 
     def set_gate(self, gate):
         if gate:
@@ -39,7 +39,7 @@ class HostHarness:
         self.bank.land()
         self.ref.land()
 
-    def step(self, layer, ids, split, where):
+    def step(self, layer, ids, split, where, leave=False):
         b, t = self.bank, self.bank.tables
         for buf, v in ((t.routes, POISON32), (t.lane_addr, POISON64), (t.copies, POISON32),
                        (t.n_copies, POISON32), (t.host_keys, POISON64), (t.behind, POISON32),
@@ -48,12 +48,12 @@ class HostHarness:
         full = np.zeros(self.lanes + 1, np.int64)
         full[:split.size] = split
         full[split.size:] = np.minimum(np.arange(split.size, self.lanes + 1), split[-1])
-        b.set_split(full)
+        b.set_split(full, leave)
         ids_dev = torch.from_numpy(ids).cuda()
         routes, addr, host_keys = b.step_host(layer, ids_dev)
         self.side.wait_stream(torch.cuda.current_stream())
         b.copy_behind(layer, self.side)
-        want = self.ref.step_host(layer, ids, full)
+        want = self.ref.step_host(layer, ids, full, leave=leave)
         r = routes.long()
         keys = (layer * self.E + ids_dev.long()).clamp(0, self.L * self.E - 1)
         got_rows = b.rows[r.clamp(min=0), :b.row_bytes]
@@ -83,6 +83,7 @@ class HostHarness:
                                       err_msg=f"host counters, {where}")
         self.behind_total += nb
         self.host_lanes += int((want.host_keys >= 0).sum())
+        self.left += int((want.host_keys >= 0).sum()) if leave else 0
         return want
 
 
@@ -94,7 +95,7 @@ def test_host_steps_equal_the_reference(rng, L, E, N, S, lanes, steps):
     h = HostHarness(rng, L, E, N, S, lanes, 4352)
     trace = random_host_trace(rng, L, E, steps, lanes)
     try:
-        for i, (gate, layer, kind, ids, split) in enumerate(trace):
+        for i, (gate, layer, kind, ids, split, leave) in enumerate(trace):
             if gate != h.ref.gate:
                 h.set_gate(gate)
             where = f"step {i} (layer {layer}, kind {kind}, gate {gate})"
@@ -103,10 +104,10 @@ def test_host_steps_equal_the_reference(rng, L, E, N, S, lanes, steps):
                 # every row that was pending now holds its key's bytes
                 h.bank.verify()
                 continue
-            h.step(layer, ids, split, where)
+            h.step(layer, ids, split, where, leave)
         h.land()
         h.bank.verify()
-        assert h.behind_total > steps // 10 and h.host_lanes > 0
+        assert h.behind_total > steps // 10 and h.host_lanes > 0 and h.left > steps // 10
     finally:
         h.store.close()
 
@@ -196,6 +197,8 @@ def test_host_bank_guards():
             b.set_split(np.zeros(8, np.int64))
         with pytest.raises(ValueError, match=r"split\[3\] = 4 is not in \[0, 3\]"):
             b.set_split(np.array([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+        with pytest.raises(ValueError, match="leave must be a bool"):
+            b.set_split(np.zeros(9, np.int64), leave=1)
         assert "host" in repr(b) and b.hosting and not plain.hosting
     finally:
         store.close()

@@ -305,6 +305,55 @@ def test_host_step_with_the_gate_closed_or_capped_hands_over_only_promoted_misse
     assert [row for _, row in r.copies] == [2, 3]                    # staging rows R + 0, R + 1
 
 
+def test_host_step_leaving_the_host_misses_out_of_the_bank():
+    p = fresh(L=2, E=6, N=3, S=4)                # layer 0 holds experts 0, 1, 2
+    before = p.state()
+    r = p.step_host(0, np.array([3, 0, 4, 3, -1, 5]), [0, 0, 1, 2, 2, 2, 2, 2], leave=True)
+    # misses 3, 4, 5 (M = 3): the host takes the last two before any row is given; 3 takes one
+    assert [k for k, _ in r.copies] == [3] and r.behind == []
+    row3 = r.copies[0][1]
+    assert r.routes.tolist() == [row3, p.slot_of[0], -1, row3, -1, -1]
+    assert r.host_keys.tolist() == [-1, -1, 4, -1, -1, 5]
+    assert p.slot_of[4] < 0 and p.slot_of[5] < 0 and not p.pending.any()
+    # one row changed hands (to 3), the others are as they were; every miss counted
+    changed = np.flatnonzero(p.key_of != before["key_of"])
+    assert changed.tolist() == [row3]
+    assert p.counters[0, MISSES] == 3 and p.counters[0, PROMOTIONS] == 1
+    assert p.host_counters.tolist() == [2, 0] and p.check() == []
+    # the cap counts the step's own misses alone: of misses 9, 10, 11 (experts 3, 4, 5 of layer
+    # 1; expert 1 a hit) the host takes 11, the cap of 1 promotes 9 and stages 10
+    p.policy = Policy(promote=1)
+    r = p.step_host(1, np.array([3, 4, 5, 1]), [0, 0, 0, 1, 1], leave=True)
+    assert [k for k, _ in r.copies] == [9, 10] and r.copies[1][1] == p.num_rows   # staging row
+    assert r.host_keys.tolist() == [-1, -1, 11, -1] and p.counters[1, MISSES] == 3
+    # gate closed: nothing is the host's, as a behind step
+    p.close()
+    r = p.step_host(0, np.array([4, 5]), [0, 1, 2], leave=True)
+    assert (r.host_keys == -1).all() and len(r.copies) == 2
+
+
+def test_host_step_leaving_out_equals_a_plain_step_without_those_lanes(rng):
+    """A leave step moves the tables as a plain step of the same ids with the host's experts
+    routed to padding (what `simulate_host_split(defer=False)` replays)."""
+    L, E, N, S = 4, 20, 6, 64
+    a, b = ReferencePlanner(L, E, N, S), ReferencePlanner(L, E, N, S)
+    a.open()
+    b.open()
+    hot = [hot_distribution(rng, E) for _ in range(L)]
+    for _ in range(600):
+        layer = int(rng.integers(L))
+        ids = random_ids(rng, E, int(rng.integers(1, 30)), hot[layer])
+        split = np.array([int(rng.integers(0, m + 1)) for m in range(ids.size + 1)])
+        r = b.step_host(layer, ids, split, leave=True)
+        left = {int(k) - layer * E for k in r.host_keys if k >= 0}
+        masked = np.where(np.isin(ids, list(left)), -1, ids)
+        routes, copies = a.step(layer, masked)
+        assert copies == r.copies and r.behind == []
+        np.testing.assert_array_equal(np.where(r.host_keys >= 0, -1, routes), r.routes)
+        for name in ("slot_of", "key_of", "last_use"):
+            np.testing.assert_array_equal(a.state()[name], b.state()[name], err_msg=name)
+
+
 @pytest.mark.parametrize("split,err,match", [
     ([0, 1], ValueError, "needs one for every miss count 0 ... 2"),
     ([0, 2, 1], ValueError, r"split\[1\] = 2 is not in \[0, 1\]"),
@@ -735,7 +784,8 @@ def test_device_tables_host_build():
     assert st["pending"].tolist() == [0] * 6 and st["host_counters"].tolist() == [0, 0, 0]
     plain = DeviceTables.build(initial_placement(3, 5, 2), 3, 5, 8, "cpu")
     assert not plain.host and "pending" not in plain.to_numpy()
-    assert t.nbytes() - plain.nbytes() == 9 * 4 + 6 * 4 + 3 * 8 + 8 * 8 + 3 * 16 * 4 + 3 * 4
+    assert t.host_leave.shape == (1,) and not t.host_leave.any()
+    assert t.nbytes() - plain.nbytes() == 9 * 4 + 4 + 6 * 4 + 3 * 8 + 8 * 8 + 3 * 16 * 4 + 3 * 4
     with pytest.raises(ValueError, match="separate planner builds"):
         DeviceTables.build(initial_placement(3, 5, 2), 3, 5, 8, "cpu", host=True, prefetch=True)
 
@@ -852,9 +902,10 @@ def test_promotion_cap_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, la
 ])
 def test_host_build_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, lanes, threads, items,
                                                      steps, ring, promote):
-    """The HOST_SPLIT build over plan steps with random split tables and landings between them:
-    routes, copy lists, behind lists, host keys, pending flags, tables and counters equal
-    `ReferencePlanner.step_host`'s after every step."""
+    """The HOST_SPLIT build over plan steps with random split tables, the host's misses promoted
+    behind or left out of the bank, and landings between them: routes, copy lists, behind lists,
+    host keys, pending flags, tables and counters equal `ReferencePlanner.step_host`'s after
+    every step."""
     seed = int(rng.integers(2**31))
     flips = (0.7, 0.1) if steps < 50 else (0.1, 0.01)
     rep = {}
@@ -862,7 +913,7 @@ def test_host_build_matches_reference_on_cpu_threads(gxx, rng, L, E, N, S, lanes
                             ring=ring, promote=promote, host=True, report=rep) == steps
     if steps >= 800:                      # the trace reached every path, or it proves little
         assert rep["behind"] > steps // 10 and rep["landings"] > steps // 10, rep
-        assert rep["pending_hits"] > 0, rep
+        assert rep["left"] > steps // 10 and rep["pending_hits"] > 0, rep
         if L * N < 2 * lanes:             # a small bank: pending rows starve some misses
             assert rep["starved"] > 0, rep
 

@@ -9,7 +9,8 @@ arguments and launches the kernel on torch's current stream. The semantics are t
 With `prefetch=True` both use the kernel's PREFETCH build: three more tables and a prefetch list,
 and `PlanStep.prefetch` (`ReferencePlanner.prefetch`); with `host=True` the HOST_SPLIT build (a
 step hands its last promoted misses to the host's CPU, `ReferencePlanner.step_host`: a split
-table, pending rows, the host lanes' keys and a list of copies made behind the call); without
+table, pending rows, the host lanes' keys and a list of copies made behind the call; or, with the
+leave flag, its last misses, left out of the bank); without
 either the kernel is the plain build.
 """
 
@@ -68,8 +69,9 @@ class DeviceTables:
     prefetch, not used since) · pf_counters int64 [L, 3] (`PREFETCH_COUNTERS`) · pf_copies int32
     [max_lanes, 2] and pf_n_copies int32 [1] (the last prefetch's copy list).
     Host tables (None unless built with `host=True`): split int32 [max_lanes + 1] (of M misses
-    the host takes split[M]; zeros: none) · pending int32 [R] (1: promoted by a host step, its
-    copy not landed) · host_counters int64 [L] · host_keys int64 [max_lanes] (the last step's
+    the host takes split[M]; zeros: none) · host_leave int32 [1] (1: the host's misses are left
+    out of the bank, `ReferencePlanner.step_host`'s leave; 0: promoted, copied behind) ·
+    pending int32 [R] (1: promoted by a host step, its copy not landed) · host_counters int64 [L] · host_keys int64 [max_lanes] (the last step's
     lanes' keys where the host computes them, else −1) · behind int32 [L, max_lanes, 2] and
     n_behind int32 [L] (each layer's last step's copies made behind the call: a layer of its
     own, so the copies of layer l, still running on a side stream, never read a list that layer
@@ -97,6 +99,7 @@ class DeviceTables:
     pf_copies: torch.Tensor | None = field(default=None)
     pf_n_copies: torch.Tensor | None = field(default=None)
     split: torch.Tensor | None = field(default=None)
+    host_leave: torch.Tensor | None = field(default=None)
     pending: torch.Tensor | None = field(default=None)
     host_counters: torch.Tensor | None = field(default=None)
     host_keys: torch.Tensor | None = field(default=None)
@@ -160,6 +163,7 @@ class DeviceTables:
                 pf_n_copies=torch.zeros(1, dtype=torch.int32, device=device))),
             **({} if not host else dict(
                 split=torch.zeros(max_lanes + 1, dtype=torch.int32, device=device),
+                host_leave=torch.zeros(1, dtype=torch.int32, device=device),
                 pending=torch.zeros(R, dtype=torch.int32, device=device),
                 host_counters=torch.zeros(num_layers, dtype=torch.int64, device=device),
                 host_keys=torch.full((max_lanes,), -1, dtype=torch.int64, device=device),
@@ -312,11 +316,13 @@ class PlanStep:
         return self._launch(self.prefetch_kernels, layer, ids, t.pf_copies, t.pf_n_copies,
                             max_rows)
 
-    def set_split(self, split) -> None:
+    def set_split(self, split, leave: bool = False) -> None:
         """The host's share of a step's misses: split[M] of M (an int sequence of max_lanes + 1
-        entries, 0 <= split[M] <= M; `cupool.hostexperts.split_table` from measured rates). Copied to
-        the device table the kernel reads (a synchronous copy: not inside a captured graph; a
-        graph reads the table at every replay, so a new split applies to the next replay)."""
+        entries, 0 <= split[M] <= M; `cupool.hostexperts.split_table` from measured rates), and
+        what becomes of them: promoted into the bank and copied behind the call, or with `leave`
+        left out of it (`ReferencePlanner.step_host`). Copied to the device tables the kernel
+        reads (synchronous copies: not inside a captured graph; a graph reads them at every
+        replay, so a new split applies to the next replay)."""
         t = self.tables
         if not t.host:
             raise RuntimeError("this plan step was built without the host tables "
@@ -329,7 +335,10 @@ class PlanStep:
         bad = np.flatnonzero((a < 0) | (a > np.arange(n)))
         if bad.size:
             raise ValueError(f"split[{bad[0]}] = {a[bad[0]]} is not in [0, {bad[0]}]")
+        if not isinstance(leave, (bool, np.bool_)):
+            raise ValueError(f"leave must be a bool, got {leave!r}")
         t.split.copy_(torch.from_numpy(a.astype(np.int32)))
+        t.host_leave.fill_(int(leave))
 
     def land(self) -> None:
         """Every copy of the behind lists has landed: no row is pending (a memset on torch's
@@ -345,8 +354,8 @@ class PlanStep:
         W = check_ids(ids, self.max_lanes, self.device)
         t = self.tables
         extra = (t.touched, t.pf_flag, t.pf_counters) if t.prefetch else \
-            (t.split if host else self._no_split, t.pending, t.host_keys, t.behind[layer],
-             t.n_behind[layer:layer + 1], t.host_counters) if t.host else ()
+            (t.split if host else self._no_split, t.host_leave, t.pending, t.host_keys,
+             t.behind[layer], t.n_behind[layer:layer + 1], t.host_counters) if t.host else ()
         kernels.launch(fns[ids.dtype], 1, self.threads, (
             ids, kernels.i32(W), kernels.i32(layer), kernels.i32(self.num_experts),
             kernels.i32(self.num_rows), kernels.i32(self.staging_rows), kernels.i32(promote),

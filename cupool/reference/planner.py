@@ -293,6 +293,13 @@ class ReferencePlanner:
          its key on those lanes, else −1.
       The copy list holds the other victims (miss order), then the staged misses (miss order);
       host_counters[layer] counts the host's unique ids (gate open).
+    step_host(layer, ids, split, leave=True) — the host's misses left out of the bank instead:
+      h = split[M] (gate open; 0 when closed) of the M misses, the last h in miss order, are the
+      host's before any row is given: they take no row, are neither copied nor staged, and the
+      bank is left as it was for them. The first M − h misses are a step's misses (the cap
+      counts them alone: the first min(M − h, promote) may take rows). Nothing goes behind and
+      no row becomes pending; hits on pending rows (left by earlier steps) are the host's as
+      above. The misses counter counts all M; host_counters[layer] the host's unique ids.
     land() — every behind copy has landed: no row is pending any more.
     A pending row is ordinary otherwise (it ages and is hit as any row); it only cannot be
     evicted while its copy may still be in flight.
@@ -396,10 +403,11 @@ class ReferencePlanner:
         r = self.step_host(layer, ids, None)
         return r.routes, r.copies
 
-    def step_host(self, layer: int, ids, split) -> HostStep:
+    def step_host(self, layer: int, ids, split, leave: bool = False) -> HostStep:
         """One layer call whose last promoted misses go to the host (the class docstring's
-        step_host). split: int sequence indexed by the step's miss count M (length > W), with
-        0 <= split[M] <= M; None hands nothing over (then this is `step`)."""
+        step_host; with `leave`, its last misses, left out of the bank). split: int sequence
+        indexed by the step's miss count M (length > W), with 0 <= split[M] <= M; None hands
+        nothing over (then this is `step`)."""
         E, R, S = self.num_experts, self.num_rows, self.staging_rows
         if split is not None:
             split = np.asarray(split)
@@ -429,12 +437,14 @@ class ReferencePlanner:
                 if self.prefetched[r]:
                     self.prefetch_counters[layer, PREFETCH_USED] += 1
                     self.prefetched[r] = False
-        # 4. misses
+        # 4. misses (with `leave`, the host's last ones first set aside)
+        left = int(split[len(misses)]) if leave and split is not None and self.gate else 0
+        own, left = misses[:len(misses) - left], misses[len(misses) - left:]
         copies = []
         promotions = steals = staged = 0
-        cap = self.policy.promote or len(misses)
+        cap = self.policy.promote or len(own)
         promoted = []
-        for k in misses:
+        for k in own:
             victim = self._victim(self.clock) if self.gate and promotions < cap else -1
             if victim >= 0:
                 old_layer = self._take(victim, k)
@@ -452,9 +462,10 @@ class ReferencePlanner:
             if row >= 0:
                 copies.append((k, row))
             row_of[k] = row
-        # 5. the host's misses: the last h promoted; hits on pending rows
-        h = min(int(split[len(misses)]), promotions) if split is not None else 0
-        host = set(promoted[promotions - h:]) | {k for k in hits if self.pending[row_of[k]]}
+        # 5. the host's misses: the last h promoted (or those left out); hits on pending rows
+        h = min(int(split[len(misses)]), promotions) if split is not None and not leave else 0
+        host = set(promoted[promotions - h:]) | set(left) \
+            | {k for k in hits if self.pending[row_of[k]]}
         behind = [(k, r) for k, r in copies if k in host]
         copies = [(k, r) for k, r in copies if k not in host]
         for k, _ in behind:

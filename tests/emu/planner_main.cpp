@@ -10,7 +10,8 @@
 // error, counters[L*5]; the PREFETCH build then adds pf_n_copies, pf_copies[2*pf_n_copies],
 // touched, pf_flag[R], pf_counters[L*3]. A prefetch step writes its list to the pf_ buffers: the
 // plan step's outputs above must keep their poison.
-// The HOST_SPLIT build reads split[W + 1] after a plan step's ids, takes kind 2 as a landing (every
+// The HOST_SPLIT build reads split[W + 1] and then leave (1: the host's misses left out of the
+// bank) after a plan step's ids, takes kind 2 as a landing (every
 // behind copy landed: pending cleared, as the pool's memset; nothing launched, nothing written),
 // and adds to a plan step's output n_behind, behind[2*n_behind], host_keys[W], pending[R],
 // host_counters[L].
@@ -45,10 +46,10 @@ int main(int argc, char** argv) {
     std::vector<i64> pf_counters((size_t)L * NUM_PF_COUNTERS, 0);
 #define EMU_PF , &touched, pf_flag.data(), pf_counters.data()
 #elif HOST_SPLIT
-    i32 n_behind = 0;
+    i32 n_behind = 0, leave = 0;
     std::vector<i32> split(max_lanes + 1), pending(R, 0), behind(2 * (size_t)max_lanes);
     std::vector<i64> host_keys(max_lanes), host_counters(L, 0);
-#define EMU_PF , split.data(), pending.data(), host_keys.data(), behind.data(), &n_behind, \
+#define EMU_PF , split.data(), &leave, pending.data(), host_keys.data(), behind.data(), &n_behind, \
         host_counters.data()
 #else
 #define EMU_PF
@@ -85,6 +86,7 @@ int main(int argc, char** argv) {
         for (int i = 0; i < W; ++i) ids32[i] = (i32)(ids64[i] = next());
 #if HOST_SPLIT
         for (int i = 0; i <= W; ++i) split[i] = (i32)next();
+        leave = (i32)next();
         std::fill(host_keys.begin(), host_keys.end(), 0x5A5A5A5A5A5ALL);
         std::fill(behind.begin(), behind.end(), 0x5A5A5A5A);
         n_behind = 0x5A5A5A5A;
