@@ -32,7 +32,9 @@ popularity: where frequency should matter most). Banks of 25/50/75% of each laye
   when that is longer), and the rate a token laid out in time gives ("timeline": the link one
   queue, so behind copies still crossing delay later calls' copies, and the step waits at its
   end for the last behind copies, as the decode step joins them): estimates from measured
-  parts, not measurements.
+  parts, not measurements. Then the same split for 8 streams at a 50% bank on the H200's link
+  ("host_streams"): per step, the misses' waited time and the link's busy time, the larger of
+  which bounds the step's miss part (the rest of an 8-stream step is not modelled).
 
     python benchmarks/sim_policies.py                     # all four parts
     python benchmarks/sim_policies.py --parts promote     # only the promotion caps
@@ -68,6 +70,8 @@ ROW_BYTES = 2_654_464
 LINKS = {"H200 (47.3 GB/s)": 47.3, "PCIe 4.0 (0.86 of 25 GB/s)": 0.86 * 25.0}
 CPU_US = (20.0, 30.0, 45.0, 66.0, 100.0)    # the host's time for one row (not yet measured there)
 HANDOFF_US = 10.0                           # a hand-off's round trip (assumed until probed)
+HOST_STREAMS = (8,)                         # host_streams: streams a step, CPU µs a row (66:
+HOST_STREAMS_CPU_US = (30.0, 66.0)          # about what a 16-core Xeon host measured)
 # the rest of a batch-1 step at a 50% bank: bench_serve_dense_nvfp4.json's 183.6 tok/s
 # (5.447 ms) less its misses' copies at the row-copy kernel's rate (51.2 rows, 2.875 ms)
 REST_MS = 2.572
@@ -102,12 +106,13 @@ def main(args) -> None:
                      tr.synthetic(n, L, E, K, seed=1, **kw)) for name, kw in TRACES.items()}
     res = {"shape": {"layers": L, "experts": E, "top_k": K}, "steps": args.steps,
            "warmup": args.warmup, "traces": {k: v.note for k, v in traces.items()},
-           "policies": [], "prefetch": [], "promote": [], "host": []}
+           "policies": [], "prefetch": [], "promote": [], "host": [], "host_streams": []}
     t0 = time.perf_counter()
     if "promote" in args.parts:
         res["promote"] = promote(args)
     if "host" in args.parts:
         res["host"] = host(args, traces["locality"])
+        res["host_streams"] = host_streams(args)
     for name, trace in traces.items():
         if "policies" not in args.parts and "prefetch" not in args.parts:
             break
@@ -184,6 +189,36 @@ def host(args, trace) -> list[dict]:
                           f"{' (link-bound)' if row['link_bound'] else ''}, timeline "
                           f"~{row['timeline_tok_s']:.0f}",
                           flush=True)
+    return out
+
+
+def host_streams(args) -> list[dict]:
+    """The host split with several streams a step (module docstring, part "host")."""
+    n = args.steps + args.warmup
+    link_us = ROW_BYTES / LINKS["H200 (47.3 GB/s)"] / 1e3
+    rows = E // 2
+    out = []
+    for streams in HOST_STREAMS:
+        trace = tr.streams(n, L, E, K, streams, seed=1, **tr.QWEN3_LOCALITY)
+        for cpu_us in (math.inf, *HOST_STREAMS_CPU_US):
+            for defer in ((False,) if cpu_us == math.inf else (False, True)):
+                r = simulate_host_split(trace, rows, link_us=link_us,
+                                        cpu_us=cpu_us if cpu_us != math.inf else 1e12,
+                                        handoff_us=HANDOFF_US, warmup_steps=args.warmup,
+                                        defer=defer)
+                miss_part = max(r["miss_ms_per_token"], r["link_busy_ms_per_token"])
+                out.append({"streams": streams, "bank_percent": 50,
+                            "link_us_per_row": round(link_us, 2),
+                            "cpu_us_per_row": None if cpu_us == math.inf else cpu_us,
+                            "deferred": defer, "handoff_us": HANDOFF_US,
+                            **{k: v for k, v in r.items() if k != "miss_histogram"},
+                            "miss_part_ms_per_step": miss_part})
+                what = ("link only" if cpu_us == math.inf else
+                        f"CPU {cpu_us:g} us/row, {'deferred' if defer else 'left out'}")
+                print(f"{streams} streams, bank 50%, {what:<30} hit rate {r['hit_rate']:.3f}, a "
+                      f"step {r['link_rows_per_token']:.1f} link + {r['cpu_rows_per_token']:.1f} "
+                      f"CPU rows waited, misses {r['miss_ms_per_token']:.2f} ms, link busy "
+                      f"{r['link_busy_ms_per_token']:.2f} ms", flush=True)
     return out
 
 

@@ -130,13 +130,17 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
                         handoff_us: float, warmup_steps: int = 0, defer: bool = False,
                         rest_us: float | None = None) -> dict:
     """A bank whose misses are split between the link and the host's CPU, replayed through the
-    reference planner (one token a step; the pool's LRU, uncapped).
+    reference planner (the pool's LRU, uncapped: the pool's default while a step's lanes fit a
+    layer's rows). A step may have several tokens (several
+    streams, `cupool.trace.streams`); a row's CPU time is cpu_us whatever its tokens (at several
+    streams most missed rows serve one), and "per token" below means per step.
 
     Per layer call with n distinct misses, `host_split` picks m of them for the CPU: the last m
     in first-use order. The call waits max((n − m) · link_us, m · cpu_us + handoff_us) for its
     misses, the link and the CPU started together after the plan step. What becomes of the m:
-    - defer False: neither copied nor promoted (lanes routed to padding leave the bank as it
-      is); the other n − m are promoted as usual;
+    - defer False: neither copied nor promoted, left out of the bank (`ReferencePlanner.
+      step_host` with leave, as the kernel's host build with its `host_leave` flag); the other
+      n − m are promoted as usual;
     - defer True: promoted too, their rows copied over the link behind the call (no layer waits
       for them): the planner's host step (`ReferencePlanner.step_host`, whose pending rows are
       not evicted until their copies land at the end of the token), so the bank evolves almost
@@ -159,9 +163,6 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
     for name, v in (("link_us", link_us), ("cpu_us", cpu_us), ("handoff_us", handoff_us)):
         if not v >= 0:
             raise ValueError(f"{name} must be >= 0, got {v!r}")
-    if trace.ids.shape[2] != 1:
-        raise ValueError(f"simulate_host_split takes one token a step, the trace has "
-                         f"{trace.ids.shape[2]}")
     L, E = trace.num_layers, trace.num_experts
     ref = ReferencePlanner(L, E, int(rows_per_layer), trace.ids.shape[-1], policy=Policy())
     ref.open()
@@ -182,13 +183,7 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
             miss = [e for e in uniq if ref.slot_of[layer * E + e] < 0]
             n = len(miss)
             m = int(split[n])
-            on_cpu = set(miss[n - m:])
-            if defer:
-                ref.step_host(layer, ids, split)
-            else:
-                if on_cpu:
-                    ids = np.where(np.isin(ids, list(on_cpu)), -1, ids)
-                ref.step(layer, ids)
+            ref.step_host(layer, ids, split, leave=not defer)
             if counted:
                 hits += len(uniq) - n
                 link_rows += n - m

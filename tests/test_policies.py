@@ -377,6 +377,23 @@ def test_simulate_host_split_counts_and_promotion():
         simulate_host_split(t, rows, link_us=50, cpu_us=20, handoff_us=0, rest_us=-1)
     with pytest.raises(ValueError, match="cpu_us"):
         simulate_host_split(t, rows, link_us=50, cpu_us=-1, handoff_us=0)
-    with pytest.raises(ValueError, match="one token a step"):
-        simulate_host_split(tr.streams(20, 6, 32, 4, 2, seed=1), rows, link_us=1, cpu_us=1,
-                            handoff_us=0)
+
+
+
+def test_simulate_host_split_with_several_streams():
+    """Several tokens a step: with no CPU share the replay is the plain pool's; rows left out of
+    the bank spend less of the link than rows promoted behind, which carry every miss."""
+    from cupool.simulate import simulate_host_split
+    t = tr.streams(80, 6, 32, 4, 4, seed=1, **tr.QWEN3_LOCALITY)
+    rows, warm = 16, 16          # a step's 16 lanes fit the rows: the pool's default is uncapped
+    plain = simulate(t, rows, warmup_steps=warm)
+    none = simulate_host_split(t, rows, link_us=50, cpu_us=1e9, handoff_us=10, warmup_steps=warm)
+    assert none["hit_rate"] == plain["hit_rate"]
+    assert none["link_rows_per_token"] * (80 - warm) == plain["misses"]
+    left = simulate_host_split(t, rows, link_us=50, cpu_us=60, handoff_us=10, warmup_steps=warm)
+    behind = simulate_host_split(t, rows, link_us=50, cpu_us=60, handoff_us=10,
+                                 warmup_steps=warm, defer=True)
+    assert left["cpu_rows_per_token"] > 0 and behind["cpu_rows_per_token"] > 0
+    assert behind["hit_rate"] == plain["hit_rate"]
+    assert abs(behind["link_busy_ms_per_token"] - none["link_busy_ms_per_token"]) < 1e-9
+    assert left["link_busy_ms_per_token"] < none["link_busy_ms_per_token"]
