@@ -349,6 +349,8 @@ def generate(args) -> int:
 
     if args.host_threads is not None and not args.host_experts:
         raise ValueError("--host-threads applies with --host-experts")
+    if args.host_leave and not args.host_experts:
+        raise ValueError("--host-leave applies with --host-experts")
     if args.host_experts and args.device == "cpu":
         raise ValueError("--host-experts applies to a CUDA device (the CPU runs the whole model "
                          "itself)")
@@ -357,7 +359,7 @@ def generate(args) -> int:
                             dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
     load_s = time.perf_counter() - t0
     if args.host_experts:
-        hd = enable_host_experts(pool, 1, args.host_threads)
+        hd = enable_host_experts(pool, 1, args.host_threads, args.host_leave)
         print(f"host experts: {hd.hx.threads} threads, a row {hd.cpu_us:.1f} us on the CPU and "
               f"{hd.link_us:.1f} us on the link", file=sys.stderr)
     if args.prompt_ids is not None:
@@ -472,6 +474,9 @@ def build_parser() -> CLIParser:
     g.add_argument("--host-threads", type=bounded_int(1, 1024), metavar="N",
                    help="--host-experts: host threads (default: the CPUs this process may use, "
                         "less one)")
+    g.add_argument("--host-leave", action="store_true",
+                   help="--host-experts: leave the host's experts out of the bank instead of "
+                        "copying their rows behind the step")
     g.add_argument("--device", default="cuda", help="cuda (a pool) or cpu (unwrapped, for tests)")
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -64,6 +64,7 @@ def test_bad_arguments_are_one_line(capsys, argv, word):
 
 @pytest.mark.parametrize("extra,words", [
     (["--host-threads", "4"], "--host-threads applies with --host-experts"),
+    (["--host-leave"], "--host-leave applies with --host-experts"),
     (["--host-experts", "--device", "cpu"], "--host-experts applies to a CUDA device"),
 ])
 def test_generate_host_experts_arguments(tmp_path, capsys, extra, words):

@@ -636,6 +636,7 @@ def _parse(argv):
     (["--model", "{model}", "--api-key", " "], "--api-key is empty"),
     (["--model", "{model}", "--device", "cpu", "--host-experts"], "--host-experts applies to a CUDA"),
     (["--model", "{model}", "--host-threads", "4"], "--host-threads applies with --host-experts"),
+    (["--model", "{model}", "--host-leave"], "--host-leave applies with --host-experts"),
     (["--model", "{model}", "--host-experts", "--host-threads", "0"],
      "--host-threads must be in 1..1024, got 0"),
     (["--model", "{model}", "--host-experts", "--host-threads", "many"],
@@ -643,7 +644,7 @@ def _parse(argv):
 ], ids=["missing-dir", "no-config", "port-range", "port-type", "max-batch", "budget",
         "budget-on-cpu", "max-len", "device", "log-level", "max-queue", "resume-points",
         "shutdown-timeout", "api-key", "host-experts-on-cpu", "host-threads-alone",
-        "host-threads-range", "host-threads-type"])
+        "host-leave-alone", "host-threads-range", "host-threads-type"])
 def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     (tmp_path / "empty").mkdir()
     subst = {"{missing}": str(tmp_path / "missing"), "{empty}": str(tmp_path / "empty"),
@@ -671,6 +672,11 @@ def test_host_experts_refused_for_a_bank_holding_every_expert():
                            enable_host_experts=refuse)
     with pytest.raises(LoadError, match=r"--host-experts: the bank holds every expert \(8 rows"):
         enable_host_experts(pool, 1)
+    calls = []
+    pool = SimpleNamespace(num_experts=8, bank=SimpleNamespace(holds_every_expert=lambda: False),
+                           enable_host_experts=lambda *a, **k: calls.append((a, k)))
+    enable_host_experts(pool, 2, 3, True)                    # --host-threads 3 --host-leave
+    assert calls == [((2,), {"threads": 3, "leave": True})]
 
 
 def test_cli_serves_until_interrupted(model_dir):

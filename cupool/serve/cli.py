@@ -3,7 +3,8 @@
 
     python -m cupool serve --model DIR [--budget 40GiB] [--host 127.0.0.1 --port 8000]
                            [--api-key KEY] [--max-queue N] [--resume-points N]
-                           [--host-experts [--host-threads N]] [--shutdown-timeout S]
+                           [--host-experts [--host-threads N] [--host-leave]]
+                           [--shutdown-timeout S]
 
 `run` checks every option before it loads anything: a user's mistake (a missing directory, no
 config.json, a port outside 0..65535, --max-batch < 1, a budget that does not parse, a CUDA
@@ -85,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-threads", default=None, metavar="N",
                         help="--host-experts: host threads (default: the CPUs this process may "
                              "use, less one)")
+    parser.add_argument("--host-leave", action="store_true",
+                        help="--host-experts: leave the host's experts out of the bank instead of "
+                             "copying their rows behind the step (faster where many streams "
+                             "keep the link busy)")
     parser.add_argument("--shutdown-timeout", default="30", metavar="S",
                         help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to "
                              "finish before they are cancelled (default: %(default)s)")
@@ -111,6 +116,7 @@ class Options:
     compile: bool = True
     host_experts: bool = False
     host_threads: int | None = None
+    host_leave: bool = False
 
 
 def _int(value, flag: str, lo: int, hi: int | None = None) -> int:
@@ -203,6 +209,9 @@ def check_options(args) -> Options:
         if not host_experts:
             raise UsageError("--host-threads applies with --host-experts")
         host_threads = _int(host_threads, "--host-threads", 1, 1024)
+    host_leave = bool(getattr(args, "host_leave", False))
+    if host_leave and not host_experts:
+        raise UsageError("--host-leave applies with --host-experts")
     if host_experts and device == "cpu":
         raise UsageError("--host-experts applies to a CUDA device (the CPU serves the whole "
                          "model itself)")
@@ -217,7 +226,8 @@ def check_options(args) -> Options:
                    dtype, name, log_level, api_key, max_queue, shutdown, resume_points=resume,
                    fused=not getattr(args, "no_fused", False),
                    compile=device != "cpu" and not getattr(args, "no_compile", False),
-                   host_experts=host_experts, host_threads=host_threads)
+                   host_experts=host_experts, host_threads=host_threads,
+                   host_leave=host_leave)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -333,10 +343,11 @@ def _enable_host_experts(log, pool, opts) -> None:
     """`Pool.enable_host_experts` for decode steps of --max-batch tokens; logs what it measured
     and the split it gives."""
     from cupool.serve.loader import enable_host_experts
-    hd = enable_host_experts(pool, opts.max_batch, opts.host_threads)
+    hd = enable_host_experts(pool, opts.max_batch, opts.host_threads, opts.host_leave)
     log.info("host experts: %d threads, a row %.1f us on the CPU and %.1f us on the link; of a "
-             "step's promoted misses the host takes %s (for 1..%d misses)", hd.hx.threads,
-             hd.cpu_us, hd.link_us, hd.split[1:].tolist(), len(hd.split) - 1)
+             "step's misses the host takes %s (for 1..%d misses), %s", hd.hx.threads,
+             hd.cpu_us, hd.link_us, hd.split[1:].tolist(), len(hd.split) - 1,
+             "left out of the bank" if hd.leave else "their rows copied behind the step")
 
 
 def _log_resume_points(log, engine, pool) -> None:
