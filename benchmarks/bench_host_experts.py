@@ -17,7 +17,10 @@ the median wall time of a call (timed in C), the rows' bytes over that time, and
 
 `--busy N` times the cases while N other processes spin on the CPU (as a serving process's other
 threads may: the Python thread launching GPU work, the mailbox's server): a call then waits on any
-thread of its pool the OS does not run.
+thread of its pool the OS does not run. `--link-busy` (with a GPU) times them while pinned host
+memory is copied to the GPU without a pause (1 GiB copies on a stream of their own, as a decode
+step's row copies read the host's memory beside the host's threads); each case then also
+reports the rate those copies kept (`link_GBps_during`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import contextlib
 import statistics
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import torch
@@ -59,8 +64,46 @@ def build_parser() -> CLIParser:
                         "skipped (avx2 where the CPU has no AVX-512)")
     p.add_argument("--busy", type=bounded_int(0, 1024), default=0, metavar="N",
                    help="processes that spin on the CPU while the cases are timed (default 0)")
+    p.add_argument("--link-busy", action="store_true",
+                   help="with a GPU: pinned host -> GPU copies running while the cases are timed")
     p.add_argument("--json", type=output_file, metavar="PATH")
     return p
+
+
+class LinkLoad:
+    """Pinned host -> GPU copies of 1 GiB, one after another on a stream of their own, from a
+    thread, while `running()` is entered; `GBps()` is the rate they kept since the last call."""
+
+    def __init__(self, nbytes: int = 1 << 30):
+        self.src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.copied, self.since = 0, time.perf_counter()
+        self._stop = threading.Event()
+
+    def _loop(self):
+        with torch.cuda.stream(self.stream):
+            while not self._stop.is_set():
+                self.dst.copy_(self.src, non_blocking=True)
+                self.stream.synchronize()
+                self.copied += self.src.numel()
+
+    def GBps(self) -> float:
+        now = time.perf_counter()
+        rate = self.copied / (now - self.since) / 1e9
+        self.copied, self.since = 0, now
+        return rate
+
+    @contextlib.contextmanager
+    def running(self):
+        t = threading.Thread(target=self._loop, name="link-load", daemon=True)
+        self._stop.clear()
+        t.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            t.join()
 
 
 @contextlib.contextmanager
@@ -76,8 +119,10 @@ def busy_processes(n: int):
             q.wait()
 
 
-def time_cases(args, table, layout, threads, probe, x_all, link) -> list[dict]:
-    """Every (build, threads, tokens, rows) case timed and printed, a dict each."""
+def time_cases(args, table, layout, threads, probe, x_all, link,
+               load: LinkLoad | None = None) -> list[dict]:
+    """Every (build, threads, tokens, rows) case timed and printed, a dict each (with `load`,
+    the copies' rate during each case too)."""
     cases = []
     busy = f", {args.busy} busy processes beside it" if args.busy else ""
     print(f"{cpu_name()}{busy}; rows of {layout.row_bytes / 2**20:.2f} MiB (H={args.hidden}, "
@@ -101,6 +146,8 @@ def time_cases(args, table, layout, threads, probe, x_all, link) -> list[dict]:
                 for n in args.rows:
                     times = []
                     first = 0
+                    if load is not None:
+                        load.GBps()                     # the rate from here
                     for c in range(args.calls + 10):
                         keys = ((first + torch.arange(n)) % args.experts).repeat(T, 1).contiguous()
                         first = (first + n) % args.experts
@@ -121,6 +168,9 @@ def time_cases(args, table, layout, threads, probe, x_all, link) -> list[dict]:
                         row["link_us"] = round(link_us, 2)
                         row["of_link_time"] = round(us / link_us, 3)
                         line += f" {us / link_us:>7.2f}x"
+                    if load is not None:
+                        row["link_GBps_during"] = round(load.GBps(), 2)
+                        line += f"  (copies at {row['link_GBps_during']:.1f} GB/s meanwhile)"
                     print(line, flush=True)
                     cases.append(row)
     return cases
@@ -131,6 +181,8 @@ def main(args) -> int:
     if max(args.rows) > args.experts:
         raise ValueError(f"--rows {max(args.rows)} is more than the store's --experts "
                          f"{args.experts}")
+    if args.link_busy and not torch.cuda.is_available():
+        raise ValueError("--link-busy needs a GPU (the copies go to it)")
 
     dflt = default_threads()
     threads = args.threads or sorted({t for t in (1, 2, 4, 8) if t < dflt} | {dflt})
@@ -150,19 +202,23 @@ def main(args) -> int:
     probe = np.ones(1 << 30, dtype=np.uint8)
     x_all = torch.randn(max(args.tokens), args.hidden, generator=gen)
 
-    with busy_processes(args.busy):
-        cases = time_cases(args, table, layout, threads, probe, x_all, link)
+    load = LinkLoad() if args.link_busy else None
+    with busy_processes(args.busy), (load.running() if load else contextlib.nullcontext()):
+        cases = time_cases(args, table, layout, threads, probe, x_all, link, load)
     store.close()
     reduced = reduced_by(args, p, "experts", "tokens", "rows", "calls", "isa")
     if args.threads is not None:
         reduced.append("--threads")
     if args.busy:
         reduced.append(f"--busy {args.busy}")
+    if args.link_busy:
+        reduced.append("--link-busy")
     save("bench_host_experts", {
         **({} if gpu else {"gpu": "none (a run on a machine without a GPU: no link figures)"}),
         "cpu": cpu_name(), "default_threads": dflt, "hidden": args.hidden,
         "intermediate": args.intermediate, "row_bytes": layout.row_bytes,
-        "store_rows": args.experts, "busy_processes": args.busy, "pinned_store": gpu,
+        "store_rows": args.experts, "busy_processes": args.busy,
+        "link_busy": args.link_busy, "pinned_store": gpu,
         "pcie_h2d_GBps": link, "cases": cases,
     }, results_path("bench_host_experts", args.json, reduced))
     return 0
