@@ -235,6 +235,8 @@ class Pool:
             raise RuntimeError("host experts and prefetch are separate planner builds: "
                                "disable prefetch and rebuild the bank (resize_bank(..., "
                                "prefetch=False)) first")
+        if not isinstance(leave, bool):                  # before the bank is rebuilt
+            raise ValueError(f"leave must be a bool, got {leave!r}")
         self.disable_host_experts()
         if not self.bank.hosting:
             self.resize_bank(self.rows_per_layer, host=True)

@@ -96,6 +96,8 @@ def test_host_experts_refuse_prefetch_and_plain_steps_for_other_widths():
     pool.resize_bank(E // 2, prefetch=False)
     with pytest.raises(ValueError, match="tokens must be an int"):
         pool.enable_host_experts(0, link_us=50.0, cpu_us=50.0)
+    with pytest.raises(ValueError, match="leave must be a bool, got 'yes'"):
+        pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0, leave="yes")
     pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0)
     pool.open()
     # a call of another width takes the plain step: nothing handed over, the right answer
