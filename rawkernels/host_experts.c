@@ -436,7 +436,7 @@ typedef struct {
     hx_vecs* aq;                     // W vectors of Ip columns: the lanes' act rows, quantized
     float* out;                      // [T][H]
     int T;
-    int n1, n2;                      // items of the two phases
+    int n1;                          // phase-1 items (the rest of the job's items are phase 2)
     // the claim word: the job's number (32 bits), its items (16) and the next unclaimed one (16);
     // a thread that read another job's word cannot claim through it (its compare-exchange fails)
     _Atomic uint64_t claim;
@@ -447,6 +447,9 @@ typedef struct {
 } hx_job;
 
 #define HX_MAX_ITEMS 0xffff          // a job's items at most (the claim word's 16 bits)
+
+// An expert call's items: Ip / 16 act blocks (phase 1), then ceil(H / 16) output strips.
+static int64_t expert_items(const hx_layout* L) { return L->ip / 16 + (L->hidden + 15) / 16; }
 
 // What hx_serve answers: requests posted to a mailbox (rawkernels/host_handoff.cu).
 typedef struct {
@@ -750,7 +753,7 @@ int hx_isa(void) { return HX_ISA; }
 int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys, int T, int K,
            const int64_t* keys, const float* weights, const float* x, float* out) {
     if (T < 1 || K < 1 || L->hp % 64 || L->ip % 64 || L->hidden > L->hp || L->inter > L->ip ||
-        L->ip / 16 + (L->hidden + 15) / 16 > HX_MAX_ITEMS)
+        expert_items(L) > HX_MAX_ITEMS)
         return HX_ERR_ARGS;
     const int W = T * K;
     int err = 0;
@@ -814,8 +817,7 @@ int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys,
     j->out = out;
     j->T = T;
     j->n1 = (int)(L->ip / 16);
-    j->n2 = (int)((L->hidden + 15) / 16);
-    run_job(p, j->n1 + j->n2);
+    run_job(p, (int)expert_items(L));
     return err;
 }
 
