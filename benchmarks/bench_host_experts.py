@@ -78,7 +78,8 @@ class LinkLoad:
         self.src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         self.dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         self.stream = torch.cuda.Stream()
-        self.copied, self.since = 0, time.perf_counter()
+        self.copied = 0                  # bytes, only ever added to (by the thread)
+        self._mark = (0, time.perf_counter())
         self._stop = threading.Event()
 
     def _loop(self):
@@ -89,9 +90,9 @@ class LinkLoad:
                 self.copied += self.src.numel()
 
     def GBps(self) -> float:
-        now = time.perf_counter()
-        rate = self.copied / (now - self.since) / 1e9
-        self.copied, self.since = 0, now
+        copied, now = self.copied, time.perf_counter()
+        rate = (copied - self._mark[0]) / (now - self._mark[1]) / 1e9
+        self._mark = (copied, now)
         return rate
 
     @contextlib.contextmanager

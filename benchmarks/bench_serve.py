@@ -63,7 +63,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import add_dense_nvfp4, pcie_h2d_GBps, results_path, save  # noqa: E402
 
-from cupool.cli import CLIParser, bounded_int, fraction, positive_int, promote, run  # noqa: E402
+from cupool.cli import CLIParser, add_host_experts, fraction, positive_int, promote, run  # noqa: E402
 
 
 
@@ -320,18 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="banks without every expert: the pool's overlap_copies on (the misses' "
                         "row copies on the copy stream beside the decode GEMM of the rows in "
                         "place, the copied rows' GEMM after them)")
-    p.add_argument("--host-experts", action="store_true",
-                   help="banks without every expert: some of each decode call's misses computed "
-                        "on the host's CPU (Pool.enable_host_experts)")
-    p.add_argument("--host-threads", type=bounded_int(1, 1024), metavar="N",
-                   help="--host-experts: host threads (default: the CPUs this process may use, "
-                        "less one)")
+    add_host_experts(p)
     p.add_argument("--handoff-us", type=float, default=10.0,
                    help="--host-experts: a call's fixed cost of the hand-off, us (default 10)")
     add_dense_nvfp4(p)
-    p.add_argument("--host-leave", action="store_true",
-                   help="--host-experts: the host's misses left out of the bank (not promoted, "
-                        "nothing copied behind the call)")
     p.add_argument("--host-baseline", action="store_true",
                    help="--host-experts: first run each such case without them, same model")
     p.add_argument("--seed", type=positive_int, default=1)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from cupool.cli import (CLIParser, bounded_int, existing_dir, existing_file, fail, fraction,
+from cupool.cli import (CLIParser, add_host_experts, existing_dir, existing_file, fail, fraction,
                         nonnegative_float, nonnegative_int, positive_int, promote, run, size)
 
 PROG = "cupool"
@@ -468,15 +468,7 @@ def build_parser() -> CLIParser:
     g.add_argument("--no-compile", action="store_true",
                    help="where the fused step is not used, do not put the model's forward "
                         "through torch.compile (which takes tens of seconds at the start)")
-    g.add_argument("--host-experts", action="store_true",
-                   help="compute some of each decode step's missed experts on the host's CPU "
-                        "while their rows are copied (a bank that does not hold every expert)")
-    g.add_argument("--host-threads", type=bounded_int(1, 1024), metavar="N",
-                   help="--host-experts: host threads (default: the CPUs this process may use, "
-                        "less one)")
-    g.add_argument("--host-leave", action="store_true",
-                   help="--host-experts: leave the host's experts out of the bank instead of "
-                        "copying their rows behind the step")
+    add_host_experts(g)
     g.add_argument("--device", default="cuda", help="cuda (a pool) or cpu (unwrapped, for tests)")
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

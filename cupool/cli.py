@@ -197,3 +197,19 @@ def fields(sep: str = ",", **types: Callable[[str], object]) -> Callable[[str], 
 
     parse.__name__ = form
     return parse
+
+
+def add_host_experts(parser) -> None:
+    """--host-experts, --host-threads N and --host-leave (`Pool.enable_host_experts`), as
+    `generate` and the benchmarks take them. The caller checks that the other two come with
+    --host-experts."""
+    parser.add_argument("--host-experts", action="store_true",
+                        help="compute some of each decode step's missed experts on the host's "
+                             "CPU while their rows are copied (a bank that does not hold every "
+                             "expert)")
+    parser.add_argument("--host-threads", type=bounded_int(1, 1024), metavar="N",
+                        help="--host-experts: host threads (default: the CPUs this process may "
+                             "use, less one)")
+    parser.add_argument("--host-leave", action="store_true",
+                        help="--host-experts: leave the host's experts out of the bank instead "
+                             "of copying their rows behind the step")
