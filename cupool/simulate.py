@@ -131,9 +131,9 @@ def simulate_host_split(trace: Trace, rows_per_layer: int, *, link_us: float, cp
                         rest_us: float | None = None) -> dict:
     """A bank whose misses are split between the link and the host's CPU, replayed through the
     reference planner (the pool's LRU, uncapped: the pool's default while a step's lanes fit a
-    layer's rows). A step may have several tokens (several
-    streams, `cupool.trace.streams`); a row's CPU time is cpu_us whatever its tokens (at several
-    streams most missed rows serve one), and "per token" below means per step.
+    layer's rows). A step may have several tokens (several streams, `cupool.trace.streams`); a
+    row's CPU time is cpu_us whatever its tokens (at several streams most missed rows serve one),
+    and "per token" below means per step.
 
     Per layer call with n distinct misses, `host_split` picks m of them for the CPU: the last m
     in first-use order. The call waits max((n − m) · link_us, m · cpu_us + handoff_us) for its

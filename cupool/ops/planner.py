@@ -71,8 +71,9 @@ class DeviceTables:
     Host tables (None unless built with `host=True`): split int32 [max_lanes + 1] (of M misses
     the host takes split[M]; zeros: none) · host_leave int32 [1] (1: the host's misses are left
     out of the bank, `ReferencePlanner.step_host`'s leave; 0: promoted, copied behind) ·
-    pending int32 [R] (1: promoted by a host step, its copy not landed) · host_counters int64 [L] · host_keys int64 [max_lanes] (the last step's
-    lanes' keys where the host computes them, else −1) · behind int32 [L, max_lanes, 2] and
+    pending int32 [R] (1: promoted by a host step, its copy not landed) · host_counters int64
+    [L] · host_keys int64 [max_lanes] (the last step's lanes' keys where the host computes them,
+    else −1) · behind int32 [L, max_lanes, 2] and
     n_behind int32 [L] (each layer's last step's copies made behind the call: a layer of its
     own, so the copies of layer l, still running on a side stream, never read a list that layer
     l + 1's step is writing).

@@ -438,8 +438,8 @@ class ReferencePlanner:
                     self.prefetch_counters[layer, PREFETCH_USED] += 1
                     self.prefetched[r] = False
         # 4. misses (with `leave`, the host's last ones first set aside)
-        left = int(split[len(misses)]) if leave and split is not None and self.gate else 0
-        own, left = misses[:len(misses) - left], misses[len(misses) - left:]
+        n_left = int(split[len(misses)]) if leave and split is not None and self.gate else 0
+        own, left = misses[:len(misses) - n_left], misses[len(misses) - n_left:]
         copies = []
         promotions = steals = staged = 0
         cap = self.policy.promote or len(own)

@@ -162,8 +162,9 @@ def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype,
 
 def enable_host_experts(pool, tokens: int, threads: int | None = None, leave: bool = False):
     """`Pool.enable_host_experts` for decode steps of `tokens` tokens (`--host-experts` of
-    `serve` and `generate`, `leave` their `--host-leave`); LoadError where the bank holds every expert (a step misses none, so
-    the host would have nothing to compute). Returns the HostDecode."""
+    `serve` and `generate`, `leave` their `--host-leave`); LoadError where the bank holds every
+    expert (a step misses none, so the host would have nothing to compute). Returns the
+    HostDecode."""
     if pool.bank.holds_every_expert():
         raise LoadError(f"--host-experts: the bank holds every expert ({pool.num_experts} rows a "
                         f"layer), so a step misses none; leave it out")
