@@ -268,11 +268,18 @@ class Bank:
         layer's next host step, which rewrites its list), and `land` must follow those copies
         before a later step could need a pending row as a victim. With set_split's `leave` the
         host's misses take no row and the behind list is empty."""
+        out = self.plan_host(layer, ids)
+        self.copy_rows()
+        return out
+
+    def plan_host(self, layer: int, ids: torch.Tensor):
+        """`step_host` without its copies: the plan alone, on torch's current stream. The host's
+        keys are known once it has run, so the request can be posted to the host before
+        `copy_rows` starts the link's copies and the two run side by side."""
         t = self.tables
         if not t.host:
             raise RuntimeError("this bank was built without host steps (Bank(..., host=True))")
         W = self._plan(layer, ids, self._cap(ids), host=True)
-        self.copier(self.copies, self.n_copies)
         return self.routes[:W], self.lane_addr[:W], t.host_keys[:W]
 
     def copy_behind(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:

@@ -10,9 +10,9 @@ With the pool's prefetch on (`Pool.enable_prefetch`), every call first joins the
 flight, and a decode call issues the next layer's prefetch right after its plan step. With the
 host's CPU on (`Pool.enable_host_experts`, a `HostDecode`), a decode call's plan step hands its
 last promoted misses to the host (the planner's host step): their lanes are posted to the host's
-mailbox, their rows copied behind on a side stream, the GEMM computes the other lanes, and the
-host's answer is added to its output; the last pooled layer's call joins the behind copies and
-lands them, so a step forks and joins its side stream within itself (graph capture needs that).
+mailbox before the link's row copies start (the two run side by side), their rows copied behind
+on a side stream, the GEMM computes the other lanes, and the host's answer is added to its
+output; the last pooled layer's call joins the behind copies and lands them, so a step forks and joins its side stream within itself (graph capture needs that).
 Wider calls (prefill) take the partition path (resident experts from the bank, the others from
 the host store through a bounded scratch), which leaves the placement alone; a call wider than
 the GEMM's `max_prefill_tokens` runs in chunks of that many tokens (exact: experts act on each
@@ -236,8 +236,8 @@ class PooledExperts:
         return p.gemm.decode(x, lane_addr, w, out)
 
     def _decode_host(self, hd: HostDecode, x, ids, w, out):
-        """The decode call with the host's CPU (module docstring): host step, post, behind copies
-        (none when the host's misses are left out of the bank), GEMM, the host's answer added;
+        """The decode call with the host's CPU (module docstring): host plan, post, the link's
+        copies, behind copies (none when the host's misses are left out of the bank), GEMM, the host's answer added;
         the last pooled layer joins and lands. A call of another width than the mailbox's takes
         the plain step (nothing handed over)."""
         p = self.pool
@@ -250,8 +250,11 @@ class PooledExperts:
             p.bank.land()
             _, lane_addr = p.bank.step(self.layer, ids)
             return p.gemm.decode(x, lane_addr, w, out)
-        _, lane_addr, host_keys = p.bank.step_host(self.layer, ids)
+        # posted between the plan and the link's copies: the host computes its rows while the
+        # link brings the others (the split table assumes the two run side by side)
+        _, lane_addr, host_keys = p.bank.plan_host(self.layer, ids)
         post(x.contiguous(), host_keys.view(T, -1), w.reshape(T, -1).contiguous(), hd.mailbox)
+        p.bank.copy_rows()
         if not hd.leave:
             hd.side.wait_stream(cur)
             p.bank.copy_behind(self.layer, hd.side)
