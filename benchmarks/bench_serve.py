@@ -101,7 +101,8 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     if host is not None:
         hd = pool.enable_host_experts(streams, **host)
         host_info = {"host_threads": hd.hx.threads, "host_link_us": hd.link_us,
-                     "host_cpu_us": hd.cpu_us, "host_handoff_us": hd.handoff_us,
+                     "host_cpu_us": hd.cpu_us, "host_cpu_call_us": hd.cpu_call_us,
+                     "host_handoff_us": hd.handoff_us,
                      "host_split": hd.split.tolist()}
     eng = cupool.Engine(model, pool, max_batch=streams, max_len=prompt_len + tokens + 8,
                         eos_token_id=[], compile=compile, fused=None if fused else False)
@@ -219,7 +220,8 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
                  f"({r['prefetch_wasted_bytes_per_token'] / 1e6:.1f} MB wasted)"
                  if "prefetched_bytes_per_token" in r else "")
               + (f", host {r['host_experts_per_token']:.1f} experts a token (a row "
-                 f"{r['host_cpu_us']:.0f} us on the CPU, {r['host_link_us']:.0f} on the link)"
+                 f"{r['host_cpu_us']:.0f} us on the CPU + {r['host_cpu_call_us']:.0f} a call, "
+                 f"{r['host_link_us']:.0f} on the link)"
                  if "host_experts_per_token" in r else "")
               + (f": link bound {r['link_bound_decode_tok_per_s']:.1f} tok/s, decode at "
                  f"{r['decode_over_link_bound']:.2f} of it"

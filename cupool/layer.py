@@ -81,14 +81,17 @@ class HostDecode:
     the bank's host steps read (`Pool.enable_host_experts` builds it).
 
     link_us / cpu_us: a row's time on the link (the row-copy kernel) and on the host's CPU;
-    None measures them here (`measure_link_us`, `measure_cpu_us`). handoff_us: a call's fixed
-    cost of the hand-off. `split`: the table they give (`cupool.hostexperts.split_table`).
+    cpu_call_us: a host call's own time besides its rows; None measures them here
+    (`measure_link_us`, `measure_cpu_us`: both CPU figures; cpu_call_us is 0 where cpu_us is
+    given alone). handoff_us: a call's fixed cost of the hand-off. `split`: the table they give
+    (`cupool.hostexperts.split_table`, the call's own time added to the hand-off's).
     leave: the host's misses are left out of the bank (no row, nothing copied behind) instead of
     promoted and copied behind the call (`Bank.set_split`)."""
 
     def __init__(self, pool, tokens: int, *, threads: int | None = None,
                  link_us: float | None = None, cpu_us: float | None = None,
-                 handoff_us: float = 10.0, spin_ms: float = 50.0, leave: bool = False):
+                 cpu_call_us: float | None = None, handoff_us: float = 10.0,
+                 spin_ms: float = 50.0, leave: bool = False):
         bank = pool.bank
         if not bank.hosting:
             raise RuntimeError("the pool's bank has no host steps (Pool.enable_host_experts "
@@ -99,16 +102,22 @@ class HostDecode:
                              f"the bank's max_lanes ({bank.max_lanes}), got {tokens!r}")
         if not isinstance(leave, bool):
             raise ValueError(f"leave must be a bool, got {leave!r}")
+        if cpu_call_us is not None and (isinstance(cpu_call_us, bool) or not isinstance(
+                cpu_call_us, (int, float, np.floating)) or not 0 <= cpu_call_us < float("inf")):
+            raise ValueError(f"cpu_call_us must be a finite number >= 0, got {cpu_call_us!r}")
         self.pool, self.tokens, self.leave = pool, int(tokens), leave
         dev, H, K = pool.device, pool.layout.hidden, pool.top_k
         self.hx = HostExperts(pool.store.host_addresses(), pool.layout, pool.gemm.activation,
                               threads=threads, spin_ms=spin_ms)
         try:
             self.link_us = float(link_us) if link_us is not None else measure_link_us(bank)
-            self.cpu_us = float(cpu_us) if cpu_us is not None else measure_cpu_us(
+            row, call = (float(cpu_us), 0.0) if cpu_us is not None else measure_cpu_us(
                 self.hx, H, pool.num_layers * pool.num_experts)
+            self.cpu_us = row
+            self.cpu_call_us = float(cpu_call_us) if cpu_call_us is not None else call
             self.handoff_us = float(handoff_us)
-            self.split = split_table(bank.max_lanes, self.link_us, self.cpu_us, self.handoff_us)
+            self.split = split_table(bank.max_lanes, self.link_us, self.cpu_us,
+                                     self.handoff_us + self.cpu_call_us)
             self.mailbox = Mailbox(self.tokens, K, H, pinned=True, device=dev)
             self.error = torch.zeros(1, dtype=torch.int32, device=dev)
             self.side = torch.cuda.Stream(dev)
@@ -158,15 +167,24 @@ def measure_link_us(bank, rows: int = 16, reps: int = 5) -> float:
     return float(np.median(times))
 
 
-def measure_cpu_us(hx: HostExperts, hidden: int, keys: int, reps: int = 9) -> float:
-    """µs a row on the host's CPU: one token through one row, `reps` rows spread over the `keys`
-    keys (so not in cache from the call before); the median of the calls."""
-    n = int(keys)
+def measure_cpu_us(hx: HostExperts, hidden: int, keys: int, reps: int = 9) -> tuple[float, float]:
+    """A host call's cost on the host's CPU, (µs a row, µs a call besides its rows): calls of one
+    token through 1 row and through 8 rows, `reps` of each spread over the `keys` keys (so not in
+    cache from the call before), their medians t1 and t8; a row is (t8 − t1) / 7 and the rest of
+    t1 the call's own (waking the pool, quantizing x, the last item's wait). A decode call's host
+    share is split by both (`split_table`, the call's part added to the hand-off's)."""
+    n, rows = int(keys), 8
     x = torch.randn(1, hidden)
-    w = torch.ones(1, 1)
-    ns = [hx.timed(x, torch.tensor([[int(k)]]), w, 1)[0]
-          for k in np.linspace(0, n - 1, reps).astype(np.int64)]
-    return float(np.median(ns)) / 1e3
+
+    def median_us(r: int) -> float:
+        starts = np.linspace(0, n - r, reps).astype(np.int64)
+        ns = [hx.timed(x, torch.arange(int(k), int(k) + r)[None], torch.full((1, r), 1.0 / r), 1)[0]
+              for k in starts]
+        return float(np.median(ns)) / 1e3
+
+    t1, t8 = median_us(1), median_us(min(rows, n))
+    row = max((t8 - t1) / (min(rows, n) - 1), 0.05 * t1) if n > 1 else t1
+    return row, max(t1 - row, 0.0)
 
 
 class PooledExperts:

@@ -221,11 +221,12 @@ class Pool:
     # --- the host's CPU ----------------------------------------------------------------------
     def enable_host_experts(self, tokens: int = 1, *, threads: int | None = None,
                             link_us: float | None = None, cpu_us: float | None = None,
-                            handoff_us: float = 10.0, leave: bool = False) -> HostDecode:
+                            cpu_call_us: float | None = None, handoff_us: float = 10.0,
+                            leave: bool = False) -> HostDecode:
         """Hand some of each decode call's misses to the host's CPU (`HostDecode`): the plan
         step's last promoted misses, as many as make the link and the CPU finish together
-        (`cupool.hostexperts.split_table` from a row's time on each, measured here unless
-        given, and the hand-off's `handoff_us`), computed by `threads` host threads (default
+        (`cupool.hostexperts.split_table` from a row's time on each and a host call's own
+        time `cpu_call_us`, measured here unless given, and the hand-off's `handoff_us`), computed by `threads` host threads (default
         `cupool.hostexperts.default_threads()`) while their rows are copied behind the call (with
         `leave`: the host's misses are left out of the bank, nothing copied). Decode calls must
         then have `tokens` tokens (the Engine's slots). Not with prefetch. A bank without the
@@ -241,7 +242,7 @@ class Pool:
         if not self.bank.hosting:
             self.resize_bank(self.rows_per_layer, host=True)
         self.host = HostDecode(self, tokens, threads=threads, link_us=link_us, cpu_us=cpu_us,
-                               handoff_us=handoff_us, leave=leave)
+                               cpu_call_us=cpu_call_us, handoff_us=handoff_us, leave=leave)
         return self.host
 
     def disable_host_experts(self) -> None:

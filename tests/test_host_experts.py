@@ -381,9 +381,28 @@ def test_serving_a_mailbox(small):
 
 
 def test_measure_cpu_us(small):
-    """The row time a pool's host share is split by: one token through one row, positive and
-    finite."""
+    """The host cost a pool's host share is split by, from calls of one token through 1 and 8
+    rows: on a stand-in timed at 30 µs a call plus 40 µs a row (each call's keys checked: one
+    token, distinct keys in range), exactly (40, 30); one with no cost of its own gives (row, 0);
+    the real pool gives a positive row and a call's part not negative."""
     from cupool.layer import measure_cpu_us
+
+    class Timed:
+        def __init__(self, call_ns, row_ns):
+            self.call_ns, self.row_ns, self.seen = call_ns, row_ns, []
+
+        def timed(self, x, keys, w, reps):
+            assert x.shape == (1, 80) and keys.shape == w.shape and keys.shape[0] == 1
+            k = keys[0].tolist()
+            assert len(set(k)) == len(k) and 0 <= min(k) and max(k) < 2 * small.E
+            self.seen.append(len(k))
+            return [self.call_ns + self.row_ns * len(k)] * reps
+
+    fake = Timed(30_000, 40_000)
+    assert measure_cpu_us(fake, 80, 2 * small.E, reps=5) == (40.0, 30.0)
+    assert sorted(set(fake.seen)) == [1, 8]
+    assert measure_cpu_us(Timed(0, 25_000), 80, 2 * small.E, reps=3) == (25.0, 0.0)
     with HostExperts(small.store.host_addresses(), small.layout, threads=1) as hx:
-        us = measure_cpu_us(hx, 80, 2 * small.E, reps=3)
-    assert np.isfinite(us) and us > 0
+        row, call = measure_cpu_us(hx, 80, 2 * small.E, reps=3)
+    assert np.isfinite(row) and np.isfinite(call)
+    assert row > 0 and call >= 0
