@@ -12,7 +12,8 @@ host's CPU on (`Pool.enable_host_experts`, a `HostDecode`), a decode call's plan
 last promoted misses to the host (the planner's host step): their lanes are posted to the host's
 mailbox before the link's row copies start (the two run side by side), their rows copied behind
 on a side stream, the GEMM computes the other lanes, and the host's answer is added to its
-output; the last pooled layer's call joins the behind copies and lands them, so a step forks and joins its side stream within itself (graph capture needs that).
+output; the last pooled layer's call joins the behind copies and lands them, so a step forks
+and joins its side stream within itself (graph capture needs that).
 Wider calls (prefill) take the partition path (resident experts from the bank, the others from
 the host store through a bounded scratch), which leaves the placement alone; a call wider than
 the GEMM's `max_prefill_tokens` runs in chunks of that many tokens (exact: experts act on each
@@ -255,9 +256,9 @@ class PooledExperts:
 
     def _decode_host(self, hd: HostDecode, x, ids, w, out):
         """The decode call with the host's CPU (module docstring): host plan, post, the link's
-        copies, behind copies (none when the host's misses are left out of the bank), GEMM, the host's answer added;
-        the last pooled layer joins and lands. A call of another width than the mailbox's takes
-        the plain step (nothing handed over)."""
+        copies, behind copies (none when the host's misses are left out of the bank), GEMM, the
+        host's answer added; the last pooled layer joins and lands. A call of another width than
+        the mailbox's takes the plain step (nothing handed over)."""
         p = self.pool
         T = x.shape[0]
         cur = torch.cuda.current_stream(p.device)

@@ -226,9 +226,10 @@ class Pool:
         """Hand some of each decode call's misses to the host's CPU (`HostDecode`): the plan
         step's last promoted misses, as many as make the link and the CPU finish together
         (`cupool.hostexperts.split_table` from a row's time on each and a host call's own
-        time `cpu_call_us`, measured here unless given, and the hand-off's `handoff_us`), computed by `threads` host threads (default
-        `cupool.hostexperts.default_threads()`) while their rows are copied behind the call (with
-        `leave`: the host's misses are left out of the bank, nothing copied). Decode calls must
+        time `cpu_call_us`, measured here unless given, and the hand-off's `handoff_us`),
+        computed by `threads` host threads (default `cupool.hostexperts.default_threads()`)
+        while the link copies the others, their rows copied behind the call (with `leave`: the
+        host's misses are left out of the bank, nothing copied). Decode calls must
         then have `tokens` tokens (the Engine's slots). Not with prefetch. A bank without the
         planner's host variant is rebuilt with it first (as `resize_bank`: placement reset, gate
         closed): call this before warm-up and capture. Returns the HostDecode."""
