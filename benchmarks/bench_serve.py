@@ -115,6 +115,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
                                                  top_p=p.top_p, seed=p.seed) for p in params])
     torch.cuda.synchronize()
     pool.bank.reset_stats()
+    served0 = pool.host.hx.serve_stats() if host is not None else None
     t0 = time.perf_counter()
     reqs = eng.generate(prompts, params)
     torch.cuda.synchronize()
@@ -135,6 +136,17 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
                         sum(s["prefetch_wasted"] for s in stats) * row / decoded}
     if host is not None:
         host_info["host_experts_per_token"] = sum(s.get("host", 0) for s in stats) / decoded
+        # the host's own time a call (hx_run's wall time in the serving thread), beside what
+        # the split expected of a call of that many rows
+        served = {k: v - served0[k] for k, v in pool.host.hx.serve_stats().items()}
+        hd = pool.host
+        if served["calls"]:
+            rows = served["rows"] / served["calls"]
+            host_info.update({
+                "host_calls": served["calls"], "host_rows_per_call": rows,
+                "host_call_us": served["ns"] / served["calls"] / 1e3,
+                "host_call_max_us": pool.host.hx.serve_stats()["max_ns"] / 1e3,
+                "host_call_expected_us": hd.cpu_call_us + rows * hd.cpu_us})
         pool.disable_host_experts()
     per = [r.decode_tokens_per_s for r in reqs]
     decode_tps = decoded / decode_wall
@@ -223,6 +235,9 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
                  f"{r['host_cpu_us']:.0f} us on the CPU + {r['host_cpu_call_us']:.0f} a call, "
                  f"{r['host_link_us']:.0f} on the link)"
                  if "host_experts_per_token" in r else "")
+              + (f", host calls {r['host_call_us']:.0f} us for {r['host_rows_per_call']:.1f} rows "
+                 f"(expected {r['host_call_expected_us']:.0f}, longest {r['host_call_max_us']:.0f})"
+                 if "host_call_us" in r else "")
               + (f": link bound {r['link_bound_decode_tok_per_s']:.1f} tok/s, decode at "
                  f"{r['decode_over_link_bound']:.2f} of it"
                  if r["link_bound_decode_tok_per_s"] is not None else ""), flush=True)

@@ -160,6 +160,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hx_serve_stop.restype = i32
     lib.hx_serve_stop.argtypes = [p, ctypes.POINTER(ctypes.c_uint)]
     lib.hx_serving.restype, lib.hx_serving.argtypes = i32, [p]
+    u64 = ctypes.POINTER(ctypes.c_uint64)
+    lib.hx_serve_stats.restype = None
+    lib.hx_serve_stats.argtypes = [p, ctypes.POINTER(ctypes.c_uint), u64, u64, u64]
 
 
 def host_split(misses: int, link_us: float, cpu_us: float, handoff_us: float) -> int:
@@ -348,6 +351,18 @@ class HostExperts:
             mb.served_by = None
             _raise(err & ~ERR_WEIGHT, mb.tokens, mb.lanes)
         return int(n.value)
+
+    def serve_stats(self) -> dict:
+        """What the serving thread's calls took since `serve` (readable while it serves):
+        `calls` answered, their wall time on the host summed (`ns`) and the longest
+        (`max_ns`), and their distinct rows summed (`rows`)."""
+        self._require_open()
+        n = ctypes.c_uint()
+        ns, mx, rows = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        self._lib.hx_serve_stats(self._pool, ctypes.byref(n), ctypes.byref(ns), ctypes.byref(mx),
+                                 ctypes.byref(rows))
+        return {"calls": int(n.value), "ns": int(ns.value), "max_ns": int(mx.value),
+                "rows": int(rows.value)}
 
     @property
     def serving(self) -> bool:

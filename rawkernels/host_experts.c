@@ -489,6 +489,10 @@ typedef struct hx_pool {
     atomic_int serve_stop;
     atomic_int serve_err;            // error bits of the calls served
     atomic_uint served;              // requests answered
+    // what the serving thread's calls took (hx_serve_stats): wall ns summed and the longest,
+    // distinct rows summed
+    _Atomic uint64_t served_ns, served_max_ns, served_rows;
+    int last_units;                  // distinct rows of the last hx_run
 } hx_pool;
 
 static int64_t now_ns(void) {
@@ -752,6 +756,7 @@ int hx_isa(void) { return HX_ISA; }
 // error bits (HX_ERR_*); with HX_ERR_KEY, HX_ERR_ARGS or HX_ERR_MEMORY out is not written.
 int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys, int T, int K,
            const int64_t* keys, const float* weights, const float* x, float* out) {
+    p->last_units = 0;
     if (T < 1 || K < 1 || L->hp % 64 || L->ip % 64 || L->hidden > L->hp || L->inter > L->ip ||
         expert_items(L) > HX_MAX_ITEMS)
         return HX_ERR_ARGS;
@@ -798,6 +803,7 @@ int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys,
             if (p->lane_unit[i] == u) p->unit_lane[n++] = i;
     }
     p->unit_start[units] = n;
+    p->last_units = units;
     for (int t = 0; t < T; ++t) quantize(x + (int64_t)t * L->hidden, L->hidden, &p->xq, t, L->hp);
     if (units == 0) {
         memset(out, 0, (size_t)T * L->hidden * sizeof(float));
@@ -873,10 +879,15 @@ static void* serve_main(void* arg) {
             }
         }
         last = s;
+        const int64_t t1 = now_ns();
         const int err = hx_run(p, a->L, a->table, a->n_keys, a->T, a->K, a->keys, a->weights, a->x,
                                a->out);
+        const uint64_t ns = (uint64_t)(now_ns() - t1);
         if (err) atomic_fetch_or(&p->serve_err, err);
         __atomic_store_n(a->done, s, __ATOMIC_RELEASE);
+        atomic_fetch_add(&p->served_ns, ns);
+        atomic_fetch_add(&p->served_rows, (uint64_t)p->last_units);
+        if (ns > atomic_load(&p->served_max_ns)) atomic_store(&p->served_max_ns, ns);
         atomic_fetch_add(&p->served, 1);
     }
 }
@@ -897,6 +908,9 @@ int hx_serve(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_key
     atomic_store(&p->serve_stop, 0);
     atomic_store(&p->serve_err, 0);
     atomic_store(&p->served, 0);
+    atomic_store(&p->served_ns, 0);
+    atomic_store(&p->served_max_ns, 0);
+    atomic_store(&p->served_rows, 0);
     if (pthread_create(&p->server, NULL, serve_main, p)) return -1;
     p->serving = 1;
     return 0;
@@ -915,3 +929,14 @@ int hx_serve_stop(hx_pool* p, unsigned* served) {
 }
 
 int hx_serving(const hx_pool* p) { return p->serving; }
+
+// What the serving thread's calls took since hx_serve: the requests answered, their hx_run wall
+// time summed and the longest (ns), and their distinct rows summed. May be read while serving
+// (each figure on its own: a call may land between the reads).
+void hx_serve_stats(hx_pool* p, unsigned* served, uint64_t* ns, uint64_t* max_ns,
+                    uint64_t* rows) {
+    *served = atomic_load(&p->served);
+    *ns = atomic_load(&p->served_ns);
+    *max_ns = atomic_load(&p->served_max_ns);
+    *rows = atomic_load(&p->served_rows);
+}

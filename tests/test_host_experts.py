@@ -350,7 +350,8 @@ def test_no_compiler_is_a_clear_error(monkeypatch):
 
 def test_serving_a_mailbox(small):
     """A mailbox in ordinary memory, the host playing the GPU's part: every request answered with
-    the call's bits; the pool refuses direct calls while it serves; stop_serving counts."""
+    the call's bits; the pool refuses direct calls while it serves; stop_serving and serve_stats
+    count the calls (and the stats their distinct rows and times)."""
     from cupool.hostexperts import Mailbox
     gen = torch.Generator().manual_seed(24)
     mb = Mailbox(2, 3, 80, pinned=False)
@@ -369,9 +370,15 @@ def test_serving_a_mailbox(small):
             hx.serve(mb)
         with pytest.raises(RuntimeError, match="still served"):
             mb.close()
+        assert hx.serve_stats() == {"calls": 0, "ns": 0, "max_ns": 0, "rows": 0}
+        rows = 0
         for x, keys, w, ref in cases * 3:
             n = mb.post(x.numpy(), keys.numpy(), w.numpy())
             assert torch.equal(torch.from_numpy(mb.wait(n).copy()), ref)
+            rows += len(set(keys[keys >= 0].tolist()))
+        st = hx.serve_stats()
+        assert st["calls"] == 12 and st["rows"] == rows
+        assert 0 < st["max_ns"] <= st["ns"] <= 12 * st["max_ns"]
         assert hx.stop_serving() == 12
         assert not hx.serving
         assert torch.equal(hx(*cases[0][:3]), cases[0][3])      # usable again
