@@ -115,7 +115,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
                                                  top_p=p.top_p, seed=p.seed) for p in params])
     torch.cuda.synchronize()
     pool.bank.reset_stats()
-    served0 = pool.host.hx.serve_stats() if host is not None else None
+    served0 = pool.host.hx.serve_stats(reset_max=True) if host is not None else None
     t0 = time.perf_counter()
     reqs = eng.generate(prompts, params)
     torch.cuda.synchronize()
@@ -136,16 +136,17 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
                         sum(s["prefetch_wasted"] for s in stats) * row / decoded}
     if host is not None:
         host_info["host_experts_per_token"] = sum(s.get("host", 0) for s in stats) / decoded
-        # the host's own time a call (hx_run's wall time in the serving thread), beside what
-        # the split expected of a call of that many rows
-        served = {k: v - served0[k] for k, v in pool.host.hx.serve_stats().items()}
+        # the host's own time a call in the timed run (hx_run's wall time in the serving
+        # thread), beside what the split expected of a call of that many rows
+        end = pool.host.hx.serve_stats()
+        calls = end["calls"] - served0["calls"]
         hd = pool.host
-        if served["calls"]:
-            rows = served["rows"] / served["calls"]
+        if calls:
+            rows = (end["rows"] - served0["rows"]) / calls
             host_info.update({
-                "host_calls": served["calls"], "host_rows_per_call": rows,
-                "host_call_us": served["ns"] / served["calls"] / 1e3,
-                "host_call_max_us": pool.host.hx.serve_stats()["max_ns"] / 1e3,
+                "host_calls": calls, "host_rows_per_call": rows,
+                "host_call_us": (end["ns"] - served0["ns"]) / calls / 1e3,
+                "host_call_max_us": end["max_ns"] / 1e3,
                 "host_call_expected_us": hd.cpu_call_us + rows * hd.cpu_us})
         pool.disable_host_experts()
     per = [r.decode_tokens_per_s for r in reqs]

@@ -162,7 +162,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hx_serving.restype, lib.hx_serving.argtypes = i32, [p]
     u64 = ctypes.POINTER(ctypes.c_uint64)
     lib.hx_serve_stats.restype = None
-    lib.hx_serve_stats.argtypes = [p, ctypes.POINTER(ctypes.c_uint), u64, u64, u64]
+    lib.hx_serve_stats.argtypes = [p, i32, ctypes.POINTER(ctypes.c_uint), u64, u64, u64]
 
 
 def host_split(misses: int, link_us: float, cpu_us: float, handoff_us: float) -> int:
@@ -352,15 +352,16 @@ class HostExperts:
             _raise(err & ~ERR_WEIGHT, mb.tokens, mb.lanes)
         return int(n.value)
 
-    def serve_stats(self) -> dict:
+    def serve_stats(self, reset_max: bool = False) -> dict:
         """What the serving thread's calls took since `serve` (readable while it serves):
-        `calls` answered, their wall time on the host summed (`ns`) and the longest
-        (`max_ns`), and their distinct rows summed (`rows`)."""
+        `calls` answered, their wall time on the host summed (`ns`) and their distinct rows
+        summed (`rows`); the longest call (`max_ns`) since `serve` or the last read with
+        `reset_max`, which starts it again."""
         self._require_open()
         n = ctypes.c_uint()
         ns, mx, rows = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
-        self._lib.hx_serve_stats(self._pool, ctypes.byref(n), ctypes.byref(ns), ctypes.byref(mx),
-                                 ctypes.byref(rows))
+        self._lib.hx_serve_stats(self._pool, int(bool(reset_max)), ctypes.byref(n),
+                                 ctypes.byref(ns), ctypes.byref(mx), ctypes.byref(rows))
         return {"calls": int(n.value), "ns": int(ns.value), "max_ns": int(mx.value),
                 "rows": int(rows.value)}
 

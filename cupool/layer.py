@@ -178,9 +178,9 @@ def measure_cpu_us(hx: HostExperts, hidden: int, keys: int, reps: int = 9) -> tu
     x = torch.randn(1, hidden)
 
     def median_us(r: int) -> float:
-        starts = np.linspace(0, n - r, reps).astype(np.int64)
-        ns = [hx.timed(x, torch.arange(int(k), int(k) + r)[None], torch.full((1, r), 1.0 / r), 1)[0]
-              for k in starts]
+        w = torch.full((1, r), 1.0 / r)
+        ns = [hx.timed(x, torch.arange(int(k), int(k) + r)[None], w, 1)[0]
+              for k in np.linspace(0, n - r, reps).astype(np.int64)]
         return float(np.median(ns)) / 1e3
 
     t1, t8 = median_us(1), median_us(min(rows, n))

@@ -931,12 +931,13 @@ int hx_serve_stop(hx_pool* p, unsigned* served) {
 int hx_serving(const hx_pool* p) { return p->serving; }
 
 // What the serving thread's calls took since hx_serve: the requests answered, their hx_run wall
-// time summed and the longest (ns), and their distinct rows summed. May be read while serving
-// (each figure on its own: a call may land between the reads).
-void hx_serve_stats(hx_pool* p, unsigned* served, uint64_t* ns, uint64_t* max_ns,
+// time summed and their distinct rows summed; the longest call (ns) since hx_serve or the last
+// read with reset_max, which starts it again at 0. May be read while serving (each figure on its
+// own: a call may land between the reads).
+void hx_serve_stats(hx_pool* p, int reset_max, unsigned* served, uint64_t* ns, uint64_t* max_ns,
                     uint64_t* rows) {
     *served = atomic_load(&p->served);
     *ns = atomic_load(&p->served_ns);
-    *max_ns = atomic_load(&p->served_max_ns);
+    *max_ns = reset_max ? atomic_exchange(&p->served_max_ns, 0) : atomic_load(&p->served_max_ns);
     *rows = atomic_load(&p->served_rows);
 }

@@ -376,10 +376,15 @@ def test_serving_a_mailbox(small):
             n = mb.post(x.numpy(), keys.numpy(), w.numpy())
             assert torch.equal(torch.from_numpy(mb.wait(n).copy()), ref)
             rows += len(set(keys[keys >= 0].tolist()))
-        st = hx.serve_stats()
+        st = hx.serve_stats(reset_max=True)
         assert st["calls"] == 12 and st["rows"] == rows
         assert 0 < st["max_ns"] <= st["ns"] <= 12 * st["max_ns"]
-        assert hx.stop_serving() == 12
+        assert hx.serve_stats()["max_ns"] == 0                  # started again by the reset
+        n = mb.post(*(t.numpy() for t in cases[0][:3]))
+        mb.wait(n)
+        again = hx.serve_stats()
+        assert again["calls"] == 13 and 0 < again["max_ns"] <= again["ns"] - st["ns"]
+        assert hx.stop_serving() == 13
         assert not hx.serving
         assert torch.equal(hx(*cases[0][:3]), cases[0][3])      # usable again
     with pytest.raises(ValueError, match="H = 64"):
