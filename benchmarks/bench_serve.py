@@ -30,7 +30,8 @@ runs are reduced runs (written only with --json).
 cost `--handoff-us`, a row's time on the link and on the CPU measured at each case's start); each
 case then also reports those times, the split and the experts the host computed a token. Such
 runs are reduced runs too. `--host-leave` leaves the host's misses out of the bank instead of
-promoting them and copying their rows behind the call. `--host-baseline` (with `--host-experts`)
+promoting them and copying their rows behind the call; `--host-min-misses N` hands nothing
+over in calls of fewer than N misses. `--host-baseline` (with `--host-experts`)
 first runs each such case without them on the same model (`host_baseline` in the bank's
 results, and the ratio printed), so both come from one process on one machine.
 `--promote` sets the pool's promotion cap (`Pool.promote`; default auto, the pool's own default:
@@ -102,7 +103,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
         hd = pool.enable_host_experts(streams, **host)
         host_info = {"host_threads": hd.hx.threads, "host_link_us": hd.link_us,
                      "host_cpu_us": hd.cpu_us, "host_cpu_call_us": hd.cpu_call_us,
-                     "host_handoff_us": hd.handoff_us,
+                     "host_handoff_us": hd.handoff_us, "host_min_misses": hd.min_misses,
                      "host_split": hd.split.tolist()}
     eng = cupool.Engine(model, pool, max_batch=streams, max_len=prompt_len + tokens + 8,
                         eos_token_id=[], compile=compile, fused=None if fused else False)
@@ -202,7 +203,8 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         pool.enable_prefetch(TracePredictor(replayer, tr.with_predictions(
             t, args.prefetch_accuracy, seed=args.seed)), max_rows=args.prefetch_rows)
     label = f"bank {bank:.0%}" + (", the model's router" if routing != args.routing else "")
-    host = dict(threads=args.host_threads, handoff_us=args.handoff_us, leave=args.host_leave) \
+    host = dict(threads=args.host_threads, handoff_us=args.handoff_us, leave=args.host_leave,
+                min_misses=args.host_min_misses) \
         if args.host_experts and not every else None
     if host is not None:
         label += ", host experts"
@@ -277,6 +279,10 @@ def main(args) -> int:
         raise ValueError("--host-baseline compares against --host-experts: give both")
     if args.host_leave and not args.host_experts:
         raise ValueError("--host-leave is a way of --host-experts: give both")
+    if args.host_min_misses < 0:
+        raise ValueError(f"--host-min-misses must be >= 0, got {args.host_min_misses}")
+    if args.host_min_misses and not args.host_experts:
+        raise ValueError("--host-min-misses applies with --host-experts")
     if not args.handoff_us >= 0:
         raise ValueError(f"--handoff-us must be >= 0, got {args.handoff_us:g}")
     from cupool import _cuda
@@ -303,6 +309,7 @@ def main(args) -> int:
         (["--overlap-copies"] if args.overlap_copies else []) + \
         (["--host-experts"] if args.host_experts else []) + \
         (["--host-leave"] if args.host_leave else []) + \
+        ([f"--host-min-misses {args.host_min_misses}"] if args.host_min_misses else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
@@ -342,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--handoff-us", type=float, default=10.0,
                    help="--host-experts: a call's fixed cost of the hand-off, us (default 10)")
     add_dense_nvfp4(p)
+    p.add_argument("--host-min-misses", type=int, default=0, metavar="N",
+                   help="--host-experts: hand nothing over in calls of fewer than N misses "
+                        "(default 0)")
     p.add_argument("--host-baseline", action="store_true",
                    help="--host-experts: first run each such case without them, same model")
     p.add_argument("--seed", type=positive_int, default=1)

@@ -178,13 +178,18 @@ def host_split(misses: int, link_us: float, cpu_us: float, handoff_us: float) ->
     return best
 
 
-def split_table(lanes: int, link_us: float, cpu_us: float, handoff_us: float) -> np.ndarray:
+def split_table(lanes: int, link_us: float, cpu_us: float, handoff_us: float,
+                min_misses: int = 0) -> np.ndarray:
     """The planner's split table for steps of up to `lanes` lanes (`Bank.set_split`): int64
     [lanes + 1], entry M = `host_split(M, ...)`, from a row's time on the link, a row's time on
     the host's CPU (`HostExperts.timed`, µs a row at the call's size) and the hand-off's fixed
-    cost (`benchmarks/probe_host_handoff.py`)."""
+    cost (`benchmarks/probe_host_handoff.py`); 0 (nothing handed over) for M < `min_misses`,
+    so calls with few misses (one stream's) keep the plain step."""
     if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or lanes < 1:
         raise ValueError(f"lanes must be an int >= 1, got {lanes!r}")
+    if isinstance(min_misses, bool) or not isinstance(min_misses, (int, np.integer)) \
+            or min_misses < 0:
+        raise ValueError(f"min_misses must be an int >= 0, got {min_misses!r}")
     for name, v in (("link_us", link_us), ("cpu_us", cpu_us), ("handoff_us", handoff_us)):
         if not (isinstance(v, (int, float, np.floating)) and np.isfinite(v) and v >= 0) \
                 or isinstance(v, bool):
@@ -192,7 +197,7 @@ def split_table(lanes: int, link_us: float, cpu_us: float, handoff_us: float) ->
     if cpu_us == 0:
         raise ValueError("cpu_us must be > 0 (a row's time on the host's CPU)")
     return np.array([host_split(m, float(link_us), float(cpu_us), float(handoff_us))
-                     for m in range(int(lanes) + 1)], dtype=np.int64)
+                     if m >= min_misses else 0 for m in range(int(lanes) + 1)], dtype=np.int64)
 
 
 def default_threads() -> int:

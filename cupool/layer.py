@@ -76,6 +76,19 @@ def prefill_plan(pool, layer: int, tokens: int) -> tuple[bool, int | None]:
     return True, (layer + 1 if layer + 1 < pool.num_layers else None)
 
 
+def check_host_settings(leave, cpu_call_us, min_misses) -> None:
+    """ValueError naming the setting for a `leave` that is not a bool, a `cpu_call_us` that is
+    not None or a finite number >= 0, or a `min_misses` that is not an int >= 0."""
+    if not isinstance(leave, bool):
+        raise ValueError(f"leave must be a bool, got {leave!r}")
+    if cpu_call_us is not None and (isinstance(cpu_call_us, bool) or not isinstance(
+            cpu_call_us, (int, float, np.floating)) or not 0 <= cpu_call_us < float("inf")):
+        raise ValueError(f"cpu_call_us must be a finite number >= 0, got {cpu_call_us!r}")
+    if isinstance(min_misses, bool) or not isinstance(min_misses, (int, np.integer)) \
+            or min_misses < 0:
+        raise ValueError(f"min_misses must be an int >= 0, got {min_misses!r}")
+
+
 class HostDecode:
     """The host's CPU share of a pool's decode calls of `tokens` tokens: a `HostExperts` serving a
     pinned `Mailbox`, the hand-off's error word, the behind copies' stream, and the split table
@@ -85,14 +98,15 @@ class HostDecode:
     cpu_call_us: a host call's own time besides its rows; None measures them here
     (`measure_link_us`, `measure_cpu_us`: both CPU figures; cpu_call_us is 0 where cpu_us is
     given alone). handoff_us: a call's fixed cost of the hand-off. `split`: the table they give
-    (`cupool.hostexperts.split_table`, the call's own time added to the hand-off's).
+    (`cupool.hostexperts.split_table`, the call's own time added to the hand-off's; nothing
+    handed over in calls of fewer than `min_misses` misses).
     leave: the host's misses are left out of the bank (no row, nothing copied behind) instead of
     promoted and copied behind the call (`Bank.set_split`)."""
 
     def __init__(self, pool, tokens: int, *, threads: int | None = None,
                  link_us: float | None = None, cpu_us: float | None = None,
                  cpu_call_us: float | None = None, handoff_us: float = 10.0,
-                 spin_ms: float = 50.0, leave: bool = False):
+                 spin_ms: float = 50.0, leave: bool = False, min_misses: int = 0):
         bank = pool.bank
         if not bank.hosting:
             raise RuntimeError("the pool's bank has no host steps (Pool.enable_host_experts "
@@ -101,12 +115,9 @@ class HostDecode:
                 or not 1 <= tokens * pool.top_k <= bank.max_lanes:
             raise ValueError(f"tokens must be an int with 1 <= tokens · top_k ({pool.top_k}) <= "
                              f"the bank's max_lanes ({bank.max_lanes}), got {tokens!r}")
-        if not isinstance(leave, bool):
-            raise ValueError(f"leave must be a bool, got {leave!r}")
-        if cpu_call_us is not None and (isinstance(cpu_call_us, bool) or not isinstance(
-                cpu_call_us, (int, float, np.floating)) or not 0 <= cpu_call_us < float("inf")):
-            raise ValueError(f"cpu_call_us must be a finite number >= 0, got {cpu_call_us!r}")
+        check_host_settings(leave, cpu_call_us, min_misses)
         self.pool, self.tokens, self.leave = pool, int(tokens), leave
+        self.min_misses = int(min_misses)
         dev, H, K = pool.device, pool.layout.hidden, pool.top_k
         self.hx = HostExperts(pool.store.host_addresses(), pool.layout, pool.gemm.activation,
                               threads=threads, spin_ms=spin_ms)
@@ -118,7 +129,7 @@ class HostDecode:
             self.cpu_call_us = float(cpu_call_us) if cpu_call_us is not None else call
             self.handoff_us = float(handoff_us)
             self.split = split_table(bank.max_lanes, self.link_us, self.cpu_us,
-                                     self.handoff_us + self.cpu_call_us)
+                                     self.handoff_us + self.cpu_call_us, self.min_misses)
             self.mailbox = Mailbox(self.tokens, K, H, pinned=True, device=dev)
             self.error = torch.zeros(1, dtype=torch.int32, device=dev)
             self.side = torch.cuda.Stream(dev)

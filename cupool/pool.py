@@ -23,7 +23,12 @@ from cupool.adapters import MoELayerSpec
 from cupool.bank import Bank
 from cupool.budget import MemoryReport, report
 from cupool.gemm import MoEGemm, ScratchLists
-from cupool.layer import HostDecode, PooledExperts, prefill_ahead_default
+from cupool.layer import (
+    HostDecode,
+    PooledExperts,
+    check_host_settings,
+    prefill_ahead_default,
+)
 from cupool.layout import RowLayout, unpack_bias, unpack_row
 from cupool.nvfp4 import dequantize
 from cupool.prefetch import Prefetcher, RouterPredictor, check_max_rows
@@ -222,14 +227,15 @@ class Pool:
     def enable_host_experts(self, tokens: int = 1, *, threads: int | None = None,
                             link_us: float | None = None, cpu_us: float | None = None,
                             cpu_call_us: float | None = None, handoff_us: float = 10.0,
-                            leave: bool = False) -> HostDecode:
+                            leave: bool = False, min_misses: int = 0) -> HostDecode:
         """Hand some of each decode call's misses to the host's CPU (`HostDecode`): the plan
         step's last promoted misses, as many as make the link and the CPU finish together
         (`cupool.hostexperts.split_table` from a row's time on each and a host call's own
         time `cpu_call_us`, measured here unless given, and the hand-off's `handoff_us`),
         computed by `threads` host threads (default `cupool.hostexperts.default_threads()`)
         while the link copies the others, their rows copied behind the call (with `leave`: the
-        host's misses are left out of the bank, nothing copied). Decode calls must
+        host's misses are left out of the bank, nothing copied); calls of fewer than
+        `min_misses` misses hand nothing over. Decode calls must
         then have `tokens` tokens (the Engine's slots). Not with prefetch. A bank without the
         planner's host variant is rebuilt with it first (as `resize_bank`: placement reset, gate
         closed): call this before warm-up and capture. Returns the HostDecode."""
@@ -237,13 +243,13 @@ class Pool:
             raise RuntimeError("host experts and prefetch are separate planner builds: "
                                "disable prefetch and rebuild the bank (resize_bank(..., "
                                "prefetch=False)) first")
-        if not isinstance(leave, bool):                  # before the bank is rebuilt
-            raise ValueError(f"leave must be a bool, got {leave!r}")
+        check_host_settings(leave, cpu_call_us, min_misses)     # before the bank is rebuilt
         self.disable_host_experts()
         if not self.bank.hosting:
             self.resize_bank(self.rows_per_layer, host=True)
         self.host = HostDecode(self, tokens, threads=threads, link_us=link_us, cpu_us=cpu_us,
-                               cpu_call_us=cpu_call_us, handoff_us=handoff_us, leave=leave)
+                               cpu_call_us=cpu_call_us, handoff_us=handoff_us, leave=leave,
+                               min_misses=min_misses)
         return self.host
 
     def disable_host_experts(self) -> None:

@@ -112,6 +112,8 @@ BAD = BAD_SUBPROCESS + [
     (["bench_serve.py", "--host-baseline"], "--host-baseline compares against --host-experts"),
     (["bench_serve.py", "--host-leave"], "--host-leave is a way of --host-experts"),
     (["bench_serve.py", "--host-experts", "--handoff-us", "-1"], "--handoff-us"),
+    (["bench_serve.py", "--host-experts", "--host-min-misses", "-2"], "--host-min-misses"),
+    (["bench_serve.py", "--host-min-misses", "9"], "--host-min-misses applies with --host-experts"),
     (["sim_policies.py", "--parts", "lru"], "--parts"),
     (["bench_host_experts.py", "--isa", "sse"], "--isa"),
     (["bench_host_experts.py", "--experts", "8", "--rows", "9"], "--rows"),

@@ -13,6 +13,7 @@ from test_gpu_wrap import model_for
 from tiny_models import FAMILIES
 
 import cupool
+from cupool.hostexperts import split_table
 from cupool.layout import unpack_row
 from cupool.reference.moe import reference_moe
 from cupool.sampling import SamplingParams
@@ -98,6 +99,13 @@ def test_host_experts_refuse_prefetch_and_plain_steps_for_other_widths():
         pool.enable_host_experts(0, link_us=50.0, cpu_us=50.0)
     with pytest.raises(ValueError, match="leave must be a bool, got 'yes'"):
         pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0, leave="yes")
+    with pytest.raises(ValueError, match="min_misses must be an int >= 0, got -1"):
+        pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0, min_misses=-1)
+    with pytest.raises(ValueError, match="cpu_call_us must be a finite number >= 0, got nan"):
+        pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0, cpu_call_us=float("nan"))
+    hd = pool.enable_host_experts(3, link_us=50.0, cpu_us=10.0, cpu_call_us=5.0, min_misses=5)
+    assert not hd.split[:5].any() and hd.split[5:].all()
+    assert hd.split.tolist() == split_table(pool.bank.max_lanes, 50.0, 10.0, 15.0, 5).tolist()
     pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0)
     pool.open()
     # a call of another width takes the plain step: nothing handed over, the right answer

@@ -318,16 +318,22 @@ def test_host_split_picks_the_faster_share():
 
 
 def test_split_table():
-    """The planner's table: host_split of every miss count, checked arguments."""
+    """The planner's table: host_split of every miss count (0 below min_misses), checked
+    arguments."""
     from cupool.hostexperts import host_split, split_table
     t = split_table(8, 50, 40, 10)
     assert t.dtype == np.int64 and t.tolist() == [host_split(m, 50, 40, 10) for m in range(9)]
     assert t.tolist() == [0, 0, 1, 2, 2, 3, 3, 4, 4]
     assert (t >= 0).all() and (t <= np.arange(9)).all()
     assert split_table(3, 50, 1e9, 10).tolist() == [0, 0, 0, 0]
+    assert split_table(8, 50, 40, 10, min_misses=5).tolist() == [0, 0, 0, 0, 0, 3, 3, 4, 4]
+    assert split_table(8, 50, 40, 10, min_misses=0).tolist() == t.tolist()
+    assert not split_table(8, 50, 40, 10, min_misses=9).any()
     for kw, match in ((dict(lanes=0), "lanes"), (dict(lanes=True), "lanes"),
                       (dict(cpu_us=0), "cpu_us must be > 0"), (dict(link_us=-1), "link_us"),
-                      (dict(handoff_us=float("nan")), "handoff_us")):
+                      (dict(handoff_us=float("nan")), "handoff_us"),
+                      (dict(min_misses=-1), "min_misses"), (dict(min_misses=2.0), "min_misses"),
+                      (dict(min_misses=True), "min_misses")):
         a = dict(lanes=4, link_us=50.0, cpu_us=40.0, handoff_us=10.0)
         a.update(kw)
         with pytest.raises(ValueError, match=match):
