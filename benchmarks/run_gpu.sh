@@ -7,7 +7,7 @@
 # seconds, the log's last pytest/sanitizer/error line) is printed last. Benchmarks write their
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
-# Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, tests-host, host-bench, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
+# Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, tests-host, host-serve, host-bench, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
@@ -21,6 +21,8 @@
 #                                 other profile_decode.py arguments of `ab-trees`
 #   PREFILL_SWEEP="default NB=2,MINB=1"  prefill launch configs of `prefill-sweep`
 #   SCRATCHES="32x2 64x2 64x4"    prefill scratch rows x buffers of `prefix-scratch`
+#   HOST_STREAMS="1 8 16"  HOST_ARGS="--host-leave"  stream counts and bench_serve arguments of
+#                                 `host-serve`
 #   GEMM_ARGS="..."               extra bench_gemm.py arguments of `gemm-bench`
 #   TESTS_TIMEOUT, SANITIZE_TIMEOUT  seconds of the `tests` and `sanitize-gemm` stages
 #   COPY="bench_gemm.json ..."    results files copied into $OUT at the end
@@ -51,8 +53,9 @@ for stage in "$@"; do
     wrap)     run pytest_wrap 300 "${PYTEST[@]}" $PYTEST_TIMEOUT -s tests/test_gpu_wrap.py tests/test_examples.py ;;
     gemm-tests) run pytest_gemm 200 "${PYTEST[@]}" tests/test_gpu_gemm.py ;;
     tests)    run pytest_gpu "${TESTS_TIMEOUT:-480}" "${PYTEST[@]}" $PYTEST_TIMEOUT tests ;;
-    # the same suite in two parts (the kernels; the pool, engine and models: 623 and 92 tests),
-    # for runs that must fit a time limit; with CUPOOL_ARCH set they test that architecture's code
+    # the same suite in three parts (the kernels; the pool, engine and models; the host's CPU path
+    # in tests-host below), for runs that must fit a time limit; with CUPOOL_ARCH set they test
+    # that architecture's code
     tests-kernels) run pytest_gpu_kernels "${TESTS_TIMEOUT:-480}" "${PYTEST[@]}" $PYTEST_TIMEOUT \
               tests/test_gpu_planner.py tests/test_gpu_gemm.py tests/test_gpu_nvfp4.py \
               tests/test_gpu_foundation.py tests/test_gpu_arch.py tests/test_gpu_read_probe.py \
@@ -63,12 +66,20 @@ for stage in "$@"; do
               --deselect tests/test_gpu_arch.py --deselect tests/test_gpu_read_probe.py \
               --deselect tests/test_gpu_dense.py --deselect tests/test_gpu_nongated.py \
               --deselect tests/test_checkpoints_fill.py --deselect tests/test_gpu_host_planner.py \
-              --deselect tests/test_gpu_host_handoff.py ;;
+              --deselect tests/test_gpu_host_handoff.py --deselect tests/test_gpu_host_decode.py ;;
     # the host's CPU path: its CPU tests on this machine's CPU (the native build is AVX-512 where
     # the CPU has it), the hand-off and the planner's HOST_SPLIT build on the GPU
     tests-host) run pytest_host "${TESTS_TIMEOUT:-300}" python3 -m pytest -m "gpu or not gpu" -q \
               -p no:cacheprovider -ra $PYTEST_TIMEOUT tests/test_host_experts.py \
-              tests/test_gpu_host_handoff.py tests/test_gpu_host_planner.py ;;
+              tests/test_host_decode_order.py tests/test_gpu_host_handoff.py \
+              tests/test_gpu_host_planner.py tests/test_gpu_host_decode.py ;;
+    # host experts in serve's step at a 50% bank, each stream count beside its baseline in one
+    # process (HOST_STREAMS; HOST_ARGS: the other bench_serve arguments, default --host-leave)
+    host-serve) for n in ${HOST_STREAMS:-1 8 16}; do
+                run "serve_host_$n" 200 python3 benchmarks/bench_serve.py --banks 0.5 --streams "$n" \
+                    --host-experts --host-baseline ${HOST_ARGS:---host-leave} --json "$OUT/serve_host_$n.json"
+                summary[-1]="${summary[-1]} $(grep -o '[0-9.]*x the decode rate without them' "$OUT/serve_host_$n.log")"
+              done ;;
     host-bench) run bench_host_experts 400 python3 benchmarks/bench_host_experts.py
               run probe_host_handoff 200 python3 benchmarks/probe_host_handoff.py \
                   --json "$OUT/probe_host_handoff.json" ;;
