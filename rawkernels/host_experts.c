@@ -860,23 +860,30 @@ int64_t hx_read(hx_pool* p, const uint8_t* base, int64_t bytes, uint64_t* checks
 }
 
 // --- serving a mailbox ----------------------------------------------------------------------------
+#define HX_NAP_MIN_NS 20000          // the serving thread's first nap once idle past spin_ns
+#define HX_NAP_MAX_NS 1000000        // and its longest
 static void* serve_main(void* arg) {
     hx_pool* p = (hx_pool*)arg;
     const hx_serve_args* a = &p->sa;
     uint32_t last = a->first;
     for (;;) {
         uint32_t s;
-        int64_t t0 = now_ns();
+        int64_t t0 = now_ns(), nap_ns = 0;          // 0: spinning
         unsigned spins = 0;
         while ((s = __atomic_load_n(a->seq, __ATOMIC_ACQUIRE)) == last) {
             if (atomic_load(&p->serve_stop)) return NULL;
-            hx_pause();
-            // idle past spin_ns: poll every 20 µs instead of spinning (the poster is a GPU, so
-            // there is nothing to sleep on); the first request after that waits up to 20 µs
-            if ((++spins & 255) == 0 && now_ns() - t0 > p->spin_ns) {
-                const struct timespec nap = {0, 20000};
+            // idle past spin_ns: poll between naps instead of spinning (the poster is a GPU, so
+            // there is nothing to sleep on), the nap doubling from 20 µs to 1 ms while nothing
+            // comes: an idle server wakes about a thousand times a second, and the first request
+            // after a long idle waits up to 1 ms
+            if (nap_ns) {
+                const struct timespec nap = {0, nap_ns};
                 nanosleep(&nap, NULL);
+                nap_ns = nap_ns * 2 < HX_NAP_MAX_NS ? nap_ns * 2 : HX_NAP_MAX_NS;
+                continue;
             }
+            hx_pause();
+            if ((++spins & 255) == 0 && now_ns() - t0 > p->spin_ns) nap_ns = HX_NAP_MIN_NS;
         }
         last = s;
         const int64_t t1 = now_ns();

@@ -392,6 +392,37 @@ def test_serving_a_mailbox(small):
             hx.serve(Mailbox(1, 1, 64, pinned=False))
 
 
+def test_idle_serving_sleeps(small):
+    """A serving pool with nothing posted naps instead of spinning (its nap growing to 1 ms): a
+    second of idle costs well under a tenth of a core of this process's CPU time (it cost about
+    a quarter while it polled every 20 µs between spins), and a request posted after it is
+    answered with the call's bits."""
+    import resource
+    import time
+
+    from cupool.hostexperts import Mailbox
+
+    def cpu_s():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    gen = torch.Generator().manual_seed(25)
+    keys, w = _routing(1, 3, 2 * small.E, gen)
+    x = torch.randn(1, 80, generator=gen)
+    mb = Mailbox(1, 3, 80, pinned=False)
+    with HostExperts(small.store.host_addresses(), small.layout, threads=2, spin_ms=0) as hx:
+        ref = hx(x, keys, w)
+        hx.serve(mb)
+        time.sleep(0.2)
+        c0, t0 = cpu_s(), time.monotonic()
+        time.sleep(1.0)
+        share = (cpu_s() - c0) / (time.monotonic() - t0)
+        n = mb.post(x.numpy(), keys.numpy(), w.numpy())
+        assert torch.equal(torch.from_numpy(mb.wait(n).copy()), ref)
+        assert hx.stop_serving() == 1
+    assert share < 0.1, f"an idle serving pool took {share:.3f} of a core"
+
+
 def test_measure_cpu_us(small):
     """The host cost a pool's host share is split by, from calls of one token through 1 and 8
     rows: on a stand-in timed at 30 µs a call plus 40 µs a row (each call's keys checked: one
