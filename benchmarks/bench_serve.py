@@ -279,8 +279,6 @@ def main(args) -> int:
         raise ValueError("--host-baseline compares against --host-experts: give both")
     if args.host_leave and not args.host_experts:
         raise ValueError("--host-leave is a way of --host-experts: give both")
-    if args.host_min_misses < 0:
-        raise ValueError(f"--host-min-misses must be >= 0, got {args.host_min_misses}")
     if args.host_min_misses and not args.host_experts:
         raise ValueError("--host-min-misses applies with --host-experts")
     if not args.handoff_us >= 0:
@@ -349,9 +347,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--handoff-us", type=float, default=10.0,
                    help="--host-experts: a call's fixed cost of the hand-off, us (default 10)")
     add_dense_nvfp4(p)
-    p.add_argument("--host-min-misses", type=int, default=0, metavar="N",
-                   help="--host-experts: hand nothing over in calls of fewer than N misses "
-                        "(default 0)")
     p.add_argument("--host-baseline", action="store_true",
                    help="--host-experts: first run each such case without them, same model")
     p.add_argument("--seed", type=positive_int, default=1)

@@ -351,6 +351,8 @@ def generate(args) -> int:
         raise ValueError("--host-threads applies with --host-experts")
     if args.host_leave and not args.host_experts:
         raise ValueError("--host-leave applies with --host-experts")
+    if args.host_min_misses and not args.host_experts:
+        raise ValueError("--host-min-misses applies with --host-experts")
     if args.host_experts and args.device == "cpu":
         raise ValueError("--host-experts applies to a CUDA device (the CPU runs the whole model "
                          "itself)")
@@ -359,9 +361,11 @@ def generate(args) -> int:
                             dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
     load_s = time.perf_counter() - t0
     if args.host_experts:
-        hd = enable_host_experts(pool, 1, args.host_threads, args.host_leave)
-        print(f"host experts: {hd.hx.threads} threads, a row {hd.cpu_us:.1f} us on the CPU and "
-              f"{hd.link_us:.1f} us on the link", file=sys.stderr)
+        hd = enable_host_experts(pool, 1, args.host_threads, args.host_leave,
+                                 args.host_min_misses)
+        print(f"host experts: {hd.hx.threads} threads, a row {hd.cpu_us:.1f} us on the CPU "
+              f"(+ {hd.cpu_call_us:.1f} a call) and {hd.link_us:.1f} us on the link",
+              file=sys.stderr)
     if args.prompt_ids is not None:
         ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]
     elif tok is None:

@@ -200,9 +200,9 @@ def fields(sep: str = ",", **types: Callable[[str], object]) -> Callable[[str], 
 
 
 def add_host_experts(parser) -> None:
-    """--host-experts, --host-threads N and --host-leave (`Pool.enable_host_experts`), as
-    `generate` and the benchmarks take them. The caller checks that the other two come with
-    --host-experts."""
+    """--host-experts, --host-threads N, --host-leave and --host-min-misses N
+    (`Pool.enable_host_experts`), as `generate` and the benchmarks take them. The caller checks
+    that the others come with --host-experts."""
     parser.add_argument("--host-experts", action="store_true",
                         help="compute some of each decode step's missed experts on the host's "
                              "CPU while their rows are copied (a bank that does not hold every "
@@ -213,3 +213,6 @@ def add_host_experts(parser) -> None:
     parser.add_argument("--host-leave", action="store_true",
                         help="--host-experts: leave the host's experts out of the bank instead "
                              "of copying their rows behind the step")
+    parser.add_argument("--host-min-misses", type=bounded_int(0, 1 << 20), default=0, metavar="N",
+                        help="--host-experts: hand the host nothing in decode calls of fewer "
+                             "than N misses (default 0)")

@@ -56,6 +56,8 @@ def parse_error(capsys, *argv):
     (["generate", "--model", "."], "--prompt"),
     (["generate", "--model", ".", "--prompt", "hi", "--host-experts", "--host-threads", "0"],
      "--host-threads"),
+    (["generate", "--model", ".", "--prompt", "hi", "--host-experts", "--host-min-misses", "-1"],
+     "--host-min-misses"),
     (["nonsense"], "invalid choice"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, word):
@@ -65,6 +67,7 @@ def test_bad_arguments_are_one_line(capsys, argv, word):
 @pytest.mark.parametrize("extra,words", [
     (["--host-threads", "4"], "--host-threads applies with --host-experts"),
     (["--host-leave"], "--host-leave applies with --host-experts"),
+    (["--host-min-misses", "9"], "--host-min-misses applies with --host-experts"),
     (["--host-experts", "--device", "cpu"], "--host-experts applies to a CUDA device"),
 ])
 def test_generate_host_experts_arguments(tmp_path, capsys, extra, words):

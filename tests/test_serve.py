@@ -641,10 +641,17 @@ def _parse(argv):
      "--host-threads must be in 1..1024, got 0"),
     (["--model", "{model}", "--host-experts", "--host-threads", "many"],
      "--host-threads must be an integer"),
+    (["--model", "{model}", "--host-min-misses", "9"],
+     "--host-min-misses applies with --host-experts"),
+    (["--model", "{model}", "--host-experts", "--host-min-misses", "-1"],
+     "--host-min-misses must be in 0..1048576, got -1"),
+    (["--model", "{model}", "--host-experts", "--host-min-misses", "some"],
+     "--host-min-misses must be an integer"),
 ], ids=["missing-dir", "no-config", "port-range", "port-type", "max-batch", "budget",
         "budget-on-cpu", "max-len", "device", "log-level", "max-queue", "resume-points",
         "shutdown-timeout", "api-key", "host-experts-on-cpu", "host-threads-alone",
-        "host-leave-alone", "host-threads-range", "host-threads-type"])
+        "host-leave-alone", "host-threads-range", "host-threads-type", "host-min-misses-alone",
+        "host-min-misses-range", "host-min-misses-type"])
 def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     (tmp_path / "empty").mkdir()
     subst = {"{missing}": str(tmp_path / "missing"), "{empty}": str(tmp_path / "empty"),
@@ -676,7 +683,9 @@ def test_host_experts_refused_for_a_bank_holding_every_expert():
     pool = SimpleNamespace(num_experts=8, bank=SimpleNamespace(holds_every_expert=lambda: False),
                            enable_host_experts=lambda *a, **k: calls.append((a, k)))
     enable_host_experts(pool, 2, 3, True)                    # --host-threads 3 --host-leave
-    assert calls == [((2,), {"threads": 3, "leave": True})]
+    enable_host_experts(pool, 2, None, True, 9)              # and --host-min-misses 9
+    assert calls == [((2,), {"threads": 3, "leave": True, "min_misses": 0}),
+                     ((2,), {"threads": None, "leave": True, "min_misses": 9})]
 
 
 def test_cli_serves_until_interrupted(model_dir):

@@ -3,7 +3,8 @@
 
     python -m cupool serve --model DIR [--budget 40GiB] [--host 127.0.0.1 --port 8000]
                            [--api-key KEY] [--max-queue N] [--resume-points N]
-                           [--host-experts [--host-threads N] [--host-leave]]
+                           [--host-experts [--host-threads N] [--host-leave]
+                                           [--host-min-misses N]]
                            [--shutdown-timeout S]
 
 `run` checks every option before it loads anything: a user's mistake (a missing directory, no
@@ -90,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--host-experts: leave the host's experts out of the bank instead of "
                              "copying their rows behind the step (faster where many streams "
                              "keep the link busy)")
+    parser.add_argument("--host-min-misses", default=None, metavar="N",
+                        help="--host-experts: hand the host nothing in decode steps' layer calls "
+                             "of fewer than N misses (default 0)")
     parser.add_argument("--shutdown-timeout", default="30", metavar="S",
                         help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to "
                              "finish before they are cancelled (default: %(default)s)")
@@ -117,6 +121,7 @@ class Options:
     host_experts: bool = False
     host_threads: int | None = None
     host_leave: bool = False
+    host_min_misses: int = 0
 
 
 def _int(value, flag: str, lo: int, hi: int | None = None) -> int:
@@ -212,6 +217,11 @@ def check_options(args) -> Options:
     host_leave = bool(getattr(args, "host_leave", False))
     if host_leave and not host_experts:
         raise UsageError("--host-leave applies with --host-experts")
+    host_min_misses = getattr(args, "host_min_misses", None)
+    if host_min_misses is not None:
+        if not host_experts:
+            raise UsageError("--host-min-misses applies with --host-experts")
+        host_min_misses = _int(host_min_misses, "--host-min-misses", 0, 1 << 20)
     if host_experts and device == "cpu":
         raise UsageError("--host-experts applies to a CUDA device (the CPU serves the whole "
                          "model itself)")
@@ -227,7 +237,7 @@ def check_options(args) -> Options:
                    fused=not getattr(args, "no_fused", False),
                    compile=device != "cpu" and not getattr(args, "no_compile", False),
                    host_experts=host_experts, host_threads=host_threads,
-                   host_leave=host_leave)
+                   host_leave=host_leave, host_min_misses=host_min_misses or 0)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -343,10 +353,12 @@ def _enable_host_experts(log, pool, opts) -> None:
     """`Pool.enable_host_experts` for decode steps of --max-batch tokens; logs what it measured
     and the split it gives."""
     from cupool.serve.loader import enable_host_experts
-    hd = enable_host_experts(pool, opts.max_batch, opts.host_threads, opts.host_leave)
-    log.info("host experts: %d threads, a row %.1f us on the CPU and %.1f us on the link; of a "
-             "step's misses the host takes %s (for 1..%d misses), %s", hd.hx.threads,
-             hd.cpu_us, hd.link_us, hd.split[1:].tolist(), len(hd.split) - 1,
+    hd = enable_host_experts(pool, opts.max_batch, opts.host_threads, opts.host_leave,
+                             opts.host_min_misses)
+    log.info("host experts: %d threads, a row %.1f us on the CPU (+ %.1f a call) and %.1f us on "
+             "the link; of a step's misses the host takes %s (for 1..%d misses), %s",
+             hd.hx.threads, hd.cpu_us, hd.cpu_call_us, hd.link_us, hd.split[1:].tolist(),
+             len(hd.split) - 1,
              "left out of the bank" if hd.leave else "their rows copied behind the step")
 
 

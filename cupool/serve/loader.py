@@ -160,12 +160,14 @@ def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype,
                                   kv_reserve=kept, **kwargs)
 
 
-def enable_host_experts(pool, tokens: int, threads: int | None = None, leave: bool = False):
+def enable_host_experts(pool, tokens: int, threads: int | None = None, leave: bool = False,
+                        min_misses: int = 0):
     """`Pool.enable_host_experts` for decode steps of `tokens` tokens (`--host-experts` of
-    `serve` and `generate`, `leave` their `--host-leave`); LoadError where the bank holds every
+    `serve` and `generate`, `leave` their `--host-leave`, `min_misses` their
+    `--host-min-misses`); LoadError where the bank holds every
     expert (a step misses none, so the host would have nothing to compute). Returns the
     HostDecode."""
     if pool.bank.holds_every_expert():
         raise LoadError(f"--host-experts: the bank holds every expert ({pool.num_experts} rows a "
                         f"layer), so a step misses none; leave it out")
-    return pool.enable_host_experts(tokens, threads=threads, leave=leave)
+    return pool.enable_host_experts(tokens, threads=threads, leave=leave, min_misses=min_misses)
