@@ -199,20 +199,25 @@ def fields(sep: str = ",", **types: Callable[[str], object]) -> Callable[[str], 
     return parse
 
 
-def add_host_experts(parser) -> None:
+def add_host_experts(parser, typed: bool = True) -> None:
     """--host-experts, --host-threads N, --host-leave and --host-min-misses N
-    (`Pool.enable_host_experts`), as `generate` and the benchmarks take them. The caller checks
-    that the others come with --host-experts."""
+    (`Pool.enable_host_experts`), as `serve`, `generate` and the benchmarks take them. The caller
+    checks that the others come with --host-experts. typed False (`serve`, which checks every
+    option itself to answer a mistake with its own one-line error): the two numbers stay strings,
+    None where not given."""
     parser.add_argument("--host-experts", action="store_true",
                         help="compute some of each decode step's missed experts on the host's "
                              "CPU while their rows are copied (a bank that does not hold every "
-                             "expert)")
-    parser.add_argument("--host-threads", type=bounded_int(1, 1024), metavar="N",
+                             "expert; default: off)")
+    parser.add_argument("--host-threads", type=bounded_int(1, 1024) if typed else str,
+                        metavar="N",
                         help="--host-experts: host threads (default: the CPUs this process may "
                              "use, less one)")
     parser.add_argument("--host-leave", action="store_true",
                         help="--host-experts: leave the host's experts out of the bank instead "
-                             "of copying their rows behind the step")
-    parser.add_argument("--host-min-misses", type=bounded_int(0, 1 << 20), default=0, metavar="N",
+                             "of copying their rows behind the step (faster where many streams "
+                             "keep the link busy)")
+    parser.add_argument("--host-min-misses", type=bounded_int(0, 1 << 20) if typed else str,
+                        default=0 if typed else None, metavar="N",
                         help="--host-experts: hand the host nothing in decode calls of fewer "
                              "than N misses (default 0)")

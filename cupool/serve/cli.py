@@ -25,6 +25,8 @@ import socket
 import sys
 from pathlib import Path
 
+from cupool.cli import add_host_experts
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PROG = "cupool serve"
@@ -80,20 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the fused step is not used, do not put the model's forward "
                              "through torch.compile (default on CUDA: compiled, which adds tens "
                              "of seconds before the server is ready)")
-    parser.add_argument("--host-experts", action="store_true",
-                        help="compute some of each decode step's missed experts on the host's "
-                             "CPU while their rows are copied (a bank that does not hold every "
-                             "expert; default: off)")
-    parser.add_argument("--host-threads", default=None, metavar="N",
-                        help="--host-experts: host threads (default: the CPUs this process may "
-                             "use, less one)")
-    parser.add_argument("--host-leave", action="store_true",
-                        help="--host-experts: leave the host's experts out of the bank instead of "
-                             "copying their rows behind the step (faster where many streams "
-                             "keep the link busy)")
-    parser.add_argument("--host-min-misses", default=None, metavar="N",
-                        help="--host-experts: hand the host nothing in decode steps' layer calls "
-                             "of fewer than N misses (default 0)")
+    add_host_experts(parser, typed=False)
     parser.add_argument("--shutdown-timeout", default="30", metavar="S",
                         help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to "
                              "finish before they are cancelled (default: %(default)s)")
