@@ -279,7 +279,7 @@ def main(args) -> int:
         raise ValueError("--host-baseline compares against --host-experts: give both")
     if args.host_leave and not args.host_experts:
         raise ValueError("--host-leave is a way of --host-experts: give both")
-    if args.host_min_misses and not args.host_experts:
+    if args.host_min_misses is not None and not args.host_experts:
         raise ValueError("--host-min-misses applies with --host-experts")
     if not args.handoff_us >= 0:
         raise ValueError(f"--handoff-us must be >= 0, got {args.handoff_us:g}")
@@ -307,7 +307,8 @@ def main(args) -> int:
         (["--overlap-copies"] if args.overlap_copies else []) + \
         (["--host-experts"] if args.host_experts else []) + \
         (["--host-leave"] if args.host_leave else []) + \
-        ([f"--host-min-misses {args.host_min_misses}"] if args.host_min_misses else []) + \
+        ([f"--host-min-misses {args.host_min_misses}"]
+         if args.host_min_misses is not None else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0

@@ -27,6 +27,11 @@ of the step's own (`Bank.copier`).
 row copies run on the copy stream beside the decode GEMM of the rows already in place, and the
 copied rows' GEMM is a second launch after them (`cupool.layer`); `--timeline` shows how much
 of the copies' time then overlaps the other kernels.
+`--host-experts` (with `--bank` below 100; `--host-threads`, `--host-leave`, `--host-min-misses`
+as bench_serve takes them) hands some of each call's misses to the host's CPU
+(`Pool.enable_host_experts`); the hand-off's kernels are their own group, and the profiled step
+is the one the Engine runs with all `--batch` slots active (a plain step where their calls
+cannot hand anything over).
 `--dense-nvfp4` keeps the attention projections in NVFP4 (`cupool.dense_nvfp4`): the fused
 step's QKV and o-projection GEMVs read the packed form.
 `--timeline` also profiles `--steps` replays of the captured step and reports, from their kernel
@@ -58,7 +63,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import cupool
 from cupool import _cuda, synthetic
-from cupool.cli import CLIParser, bounded_int, fraction, output_file, positive_int, run
+from cupool.cli import (CLIParser, add_host_experts, bounded_int, fraction, output_file,
+                        positive_int, run)
 from cupool.engine import StepKind
 from cupool.fused import ABLATE
 
@@ -67,6 +73,7 @@ S = 16                 # prompt tokens
 GROUPS = (("cupool MoE", ("plan_step", "copy_rows", "moe_decode", "route_decode", "moe_w13",
                           "moe_w2")),
           ("cupool dense", ("dense_gemv", "dense_attention")),
+          ("host hand-off", ("host_post", "host_wait")),
           ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "sm90_xmma", "splitK")),
           ("attention", ("flash", "attention", "fmha", "sdpa", "efficient")))
 
@@ -155,6 +162,7 @@ def build_parser() -> CLIParser:
                         "other kernels")
     p.add_argument("--ablate", action="store_true",
                    help="also time the captured step without each part of a layer (fused step)")
+    add_host_experts(p)
     p.add_argument("--json", type=output_file, metavar="PATH", help="also write the figures here")
     return p
 
@@ -170,6 +178,16 @@ def main(args) -> None:
     if args.overlap_copies and args.bank >= 100:
         raise ValueError("--overlap-copies needs --bank below 100 (a bank that holds every "
                          "expert copies nothing)")
+    if args.host_experts and args.bank >= 100:
+        raise ValueError("--host-experts needs --bank below 100 (a bank that holds every expert "
+                         "misses none)")
+    if args.host_experts and args.prefetch != "off":
+        raise ValueError("--host-experts and --prefetch are separate planner builds: pick one")
+    for flag, given in (("--host-threads", args.host_threads is not None),
+                        ("--host-leave", args.host_leave),
+                        ("--host-min-misses", args.host_min_misses is not None)):
+        if given and not args.host_experts:
+            raise ValueError(f"{flag} applies with --host-experts")
     _cuda.require_gpu("the decode profiler")
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=args.layers)
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0),
@@ -186,6 +204,8 @@ def main(args) -> None:
                        expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"),
                        progress=False)
     pool.overlap_copies = args.overlap_copies
+    hd = pool.enable_host_experts(B, threads=args.host_threads, leave=args.host_leave,
+                                  min_misses=args.host_min_misses) if args.host_experts else None
     if args.bank < 100:
         from cupool import trace as tr
         from cupool.replay import Replayer
@@ -214,7 +234,8 @@ def main(args) -> None:
     eng.cache.pos.fill_(args.context)
     pool.bank.reset_stats()
 
-    kind = StepKind(greedy=True, logprobs=False, masked=False)
+    kind = StepKind(greedy=True, logprobs=False, masked=False,
+                    host=hd is not None and hd.hands_over(B))
 
     def eager():
         with eng._masked():
@@ -273,6 +294,16 @@ f"{warm_s:.1f} s)")
               + (f"; prefetched {prefetched:.1f} rows a step "
                  f"({prefetched * layout.row_bytes / 1e6:.1f} MB)"
                  if pool.prefetcher is not None else ""))
+    host = None
+    if hd is not None:
+        host = {"step": "host" if kind.host else "plain", "threads": hd.hx.threads,
+                "min_misses": hd.min_misses, "cpu_us": hd.cpu_us, "cpu_call_us": hd.cpu_call_us,
+                "link_us": hd.link_us, "leave": hd.leave, "split": hd.split.tolist(),
+                "rows_per_step": sum(d.get("host", 0) for d in stats) / args.steps}
+        print(f"host experts ({host['step']} step): {host['rows_per_step']:.1f} rows a step on "
+              f"the host ({hd.hx.threads} threads, a row {hd.cpu_us:.0f} us + {hd.cpu_call_us:.0f} "
+              f"a call, {hd.link_us:.0f} on the link; nothing handed over below "
+              f"{hd.min_misses} misses)")
     copiers = copier_variants(eng, kind, pool, layout.row_bytes, args.prefetch_copiers,
                               args.steps, args.timeline, "prefetch_copier") \
         if args.prefetch_copiers else None
@@ -280,6 +311,7 @@ f"{warm_s:.1f} s)")
                                    args.timeline, "copier") if args.copiers else None
     ablate = ablation(eng, kind, graph_ms, L) if args.ablate else None
     eng.close()
+    pool.disable_host_experts()
     save("profile_decode", {
         "layers": L, "batch": B, "context": args.context, "bank_percent": args.bank, "misses_per_step": misses,
         "row_copies": copies, "step": eng.step_kind, "graph_ms_per_step": graph_ms,
@@ -289,7 +321,7 @@ f"{warm_s:.1f} s)")
         "ablate": ablate, "prefetch": args.prefetch,
         "prefetch_accuracy": args.prefetch_accuracy if args.prefetch != "off" else None,
         "prefetch_rows": args.prefetch_rows, "overlap_copies": args.overlap_copies,
-        "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
+        "dense": "nvfp4" if args.dense_nvfp4 else "bf16", "host_experts": host,
         "timeline": timeline, "prefetch_copiers": copiers, "copiers": step_copiers,
         "groups": {k: {"ms": v[0], "kernels": v[1]} for k, v in groups.items()},
         "top": [{"name": n, "ms": v[0], "count": v[1]} for n, v in top]}, args.json)

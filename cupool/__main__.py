@@ -351,7 +351,7 @@ def generate(args) -> int:
         raise ValueError("--host-threads applies with --host-experts")
     if args.host_leave and not args.host_experts:
         raise ValueError("--host-leave applies with --host-experts")
-    if args.host_min_misses and not args.host_experts:
+    if args.host_min_misses is not None and not args.host_experts:
         raise ValueError("--host-min-misses applies with --host-experts")
     if args.host_experts and args.device == "cpu":
         raise ValueError("--host-experts applies to a CUDA device (the CPU runs the whole model "
@@ -364,8 +364,10 @@ def generate(args) -> int:
         hd = enable_host_experts(pool, 1, args.host_threads, args.host_leave,
                                  args.host_min_misses)
         print(f"host experts: {hd.hx.threads} threads, a row {hd.cpu_us:.1f} us on the CPU "
-              f"(+ {hd.cpu_call_us:.1f} a call) and {hd.link_us:.1f} us on the link",
-              file=sys.stderr)
+              f"(+ {hd.cpu_call_us:.1f} a call) and {hd.link_us:.1f} us on the link"
+              + ("" if hd.hands_over(1) else f"; a step of one sequence hands the host nothing "
+                 f"(--host-min-misses {hd.min_misses}: its calls have at most "
+                 f"{pool.top_k} misses)"), file=sys.stderr)
     if args.prompt_ids is not None:
         ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]
     elif tok is None:

@@ -218,6 +218,7 @@ def add_host_experts(parser, typed: bool = True) -> None:
                              "of copying their rows behind the step (faster where many streams "
                              "keep the link busy)")
     parser.add_argument("--host-min-misses", type=bounded_int(0, 1 << 20) if typed else str,
-                        default=0 if typed else None, metavar="N",
+                        metavar="N",
                         help="--host-experts: hand the host nothing in decode calls of fewer "
-                             "than N misses (default 0)")
+                             "than N misses (default: top-k + 1, so a step of one active "
+                             "sequence runs without the hand-off)")

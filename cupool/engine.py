@@ -58,8 +58,10 @@ from cupool.sampling import (MAX_LOGPROBS, SamplingParams, apply_token_mask, mas
                              token_logprobs)
 from cupool.slotstate import StateSlotCache
 
-StepKind = collections.namedtuple("StepKind", "greedy logprobs masked")
-"""A decode step's variant: greedy only (no sort), logprobs written, a token mask applied."""
+StepKind = collections.namedtuple("StepKind", "greedy logprobs masked host", defaults=(False,))
+"""A decode step's variant: greedy only (no sort), logprobs written, a token mask applied, the
+pool's host experts handed their share (enough active slots for a call to hand anything over:
+`HostDecode.hands_over`; otherwise the step is a plain one, without the hand-off's launches)."""
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 NO_MASK = "no mask"           # a layer type that takes no mask (kvcache.STATE_TYPES)
@@ -642,13 +644,20 @@ class Engine:
     def _kind(self) -> "StepKind":
         """The step variant the active slots need (each variant is its own captured graph)."""
         live = [r for r in self._slots if r is not None]
+        hd = self.pool.host if self.pool is not None else None
         return StepKind(greedy=all(r.params.temperature == 0 for r in live),
                         logprobs=any(r.params.logprobs is not None for r in live),
-                        masked=any(r.constraint is not None for r in live))
+                        masked=any(r.constraint is not None for r in live),
+                        host=hd is not None and hd.hands_over(len(live)))
 
     # --- decode steps ---------------------------------------------------------------------------------
     def _step(self, kind: "StepKind") -> None:
         """One decode step of every slot, device-only (what the graph captures)."""
+        plain = self.pool is not None and self.pool.host is not None and not kind.host
+        with self.pool.plain_decode() if plain else contextlib.nullcontext():
+            self._decode(kind)
+
+    def _decode(self, kind: "StepKind") -> None:
         self.cache.decode_mode()
         fused = self._fused
         if fused is None or fused.needs_mask:
@@ -890,13 +899,21 @@ class Engine:
 
     def warmup(self) -> None:
         """Run two tiny requests (greedy, then sampled) so that the KV cache is allocated and both
-        decode graphs are captured before the first real request; the pool's counters are reset
-        after. Call it before `start()`."""
+        decode graphs are captured before the first real request (with host experts, also the
+        two of steps with enough active slots to hand the host a share); the pool's counters
+        are reset after. Call it before `start()`."""
         if self._thread is not None:
             raise RuntimeError("warmup() must run before start()")
         for t in (0.0, 1.0):
             self.generate([[0]], SamplingParams(temperature=t, max_tokens=2, seed=0,
                                                 ignore_eos=True))
+        hd = self.pool.host if self.pool is not None else None
+        if self.graph and hd is not None and hd.hands_over(self.max_batch):
+            with torch.inference_mode():     # the steps of enough slots to hand the host a share
+                for greedy in (True, False):
+                    kind = StepKind(greedy=greedy, logprobs=False, masked=False, host=True)
+                    if kind not in self._graphs:
+                        self._graphs[kind] = self._capture(kind)
         if self.pool is not None:
             self.pool.bank.reset_stats()
 

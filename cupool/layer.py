@@ -78,15 +78,15 @@ def prefill_plan(pool, layer: int, tokens: int) -> tuple[bool, int | None]:
 
 def check_host_settings(leave, cpu_call_us, min_misses) -> None:
     """ValueError naming the setting for a `leave` that is not a bool, a `cpu_call_us` that is
-    not None or a finite number >= 0, or a `min_misses` that is not an int >= 0."""
+    not None or a finite number >= 0, or a `min_misses` that is not None or an int >= 0."""
     if not isinstance(leave, bool):
         raise ValueError(f"leave must be a bool, got {leave!r}")
     if cpu_call_us is not None and (isinstance(cpu_call_us, bool) or not isinstance(
             cpu_call_us, (int, float, np.floating)) or not 0 <= cpu_call_us < float("inf")):
         raise ValueError(f"cpu_call_us must be a finite number >= 0, got {cpu_call_us!r}")
-    if isinstance(min_misses, bool) or not isinstance(min_misses, (int, np.integer)) \
-            or min_misses < 0:
-        raise ValueError(f"min_misses must be an int >= 0, got {min_misses!r}")
+    if min_misses is not None and (isinstance(min_misses, bool) or not isinstance(
+            min_misses, (int, np.integer)) or min_misses < 0):
+        raise ValueError(f"min_misses must be None or an int >= 0, got {min_misses!r}")
 
 
 class HostDecode:
@@ -99,14 +99,16 @@ class HostDecode:
     (`measure_link_us`, `measure_cpu_us`: both CPU figures; cpu_call_us is 0 where cpu_us is
     given alone). handoff_us: a call's fixed cost of the hand-off. `split`: the table they give
     (`cupool.hostexperts.split_table`, the call's own time added to the hand-off's; nothing
-    handed over in calls of fewer than `min_misses` misses).
+    handed over in calls of fewer than `min_misses` misses; None: top_k + 1, so that one
+    token's calls never hand anything over). `hands_over(n)` says whether a call of n active
+    tokens can hand anything over; the Engine runs steps that cannot as plain steps.
     leave: the host's misses are left out of the bank (no row, nothing copied behind) instead of
     promoted and copied behind the call (`Bank.set_split`)."""
 
     def __init__(self, pool, tokens: int, *, threads: int | None = None,
                  link_us: float | None = None, cpu_us: float | None = None,
                  cpu_call_us: float | None = None, handoff_us: float = 10.0,
-                 spin_ms: float = 50.0, leave: bool = False, min_misses: int = 0):
+                 spin_ms: float = 50.0, leave: bool = False, min_misses: int | None = None):
         bank = pool.bank
         if not bank.hosting:
             raise RuntimeError("the pool's bank has no host steps (Pool.enable_host_experts "
@@ -117,7 +119,7 @@ class HostDecode:
                              f"the bank's max_lanes ({bank.max_lanes}), got {tokens!r}")
         check_host_settings(leave, cpu_call_us, min_misses)
         self.pool, self.tokens, self.leave = pool, int(tokens), leave
-        self.min_misses = int(min_misses)
+        self.min_misses = pool.top_k + 1 if min_misses is None else int(min_misses)
         dev, H, K = pool.device, pool.layout.hidden, pool.top_k
         self.hx = HostExperts(pool.store.host_addresses(), pool.layout, pool.gemm.activation,
                               threads=threads, spin_ms=spin_ms)
@@ -130,6 +132,9 @@ class HostDecode:
             self.handoff_us = float(handoff_us)
             self.split = split_table(bank.max_lanes, self.link_us, self.cpu_us,
                                      self.handoff_us + self.cpu_call_us, self.min_misses)
+            handing = np.flatnonzero(self.split > 0)
+            # the fewest misses a call hands anything over at (None: no call does)
+            self.first_handed = int(handing[0]) if handing.size else None
             self.mailbox = Mailbox(self.tokens, K, H, pinned=True, device=dev)
             self.error = torch.zeros(1, dtype=torch.int32, device=dev)
             self.side = torch.cuda.Stream(dev)
@@ -138,6 +143,13 @@ class HostDecode:
         except BaseException:
             self.hx.close()
             raise
+
+    def hands_over(self, tokens: int) -> bool:
+        """Whether a decode call of `tokens` active tokens (each with top_k lanes, so at most
+        tokens · top_k misses) can hand the host anything. A step whose calls cannot gains
+        nothing from the hand-off and pays its launches, so the Engine runs it as a plain step
+        (`Pool.plain_decode`)."""
+        return self.first_handed is not None and tokens * self.pool.top_k >= self.first_handed
 
     def errors(self) -> list[str]:
         """The hand-off's sticky error (a wait that gave up, about a second without an answer).
@@ -250,7 +262,7 @@ class PooledExperts:
         if p.decode_backend is not None:
             y = p.decode_backend(self.layer, x, ids, w)
             return y if out is None else out.copy_(y)
-        if p.host is not None:
+        if p.host is not None and not p.plain:
             return self._decode_host(p.host, x, ids, w, out)
         pre = p.prefetcher
         if pre is not None:

@@ -82,6 +82,8 @@ class Pool:
         # Off by default: what it gives depends on the host's cores and the link
         # (docs/PERFORMANCE.md, "Experts on the host's CPU").
         self.host: HostDecode | None = None
+        # True inside `plain_decode()`: decode calls take the plain step with host experts on
+        self.plain = False
         # True while the decode step last run (or captured) skips the plan step: the fused step
         # on a bank that holds every expert (`cupool.fused`; CUPOOL_SKIP_PLAN=0 keeps the plan
         # step). Its lookups all hit by construction, and the bank's counters do not advance.
@@ -227,7 +229,7 @@ class Pool:
     def enable_host_experts(self, tokens: int = 1, *, threads: int | None = None,
                             link_us: float | None = None, cpu_us: float | None = None,
                             cpu_call_us: float | None = None, handoff_us: float = 10.0,
-                            leave: bool = False, min_misses: int = 0) -> HostDecode:
+                            leave: bool = False, min_misses: int | None = None) -> HostDecode:
         """Hand some of each decode call's misses to the host's CPU (`HostDecode`): the plan
         step's last promoted misses, as many as make the link and the CPU finish together
         (`cupool.hostexperts.split_table` from a row's time on each and a host call's own
@@ -235,7 +237,9 @@ class Pool:
         computed by `threads` host threads (default `cupool.hostexperts.default_threads()`)
         while the link copies the others, their rows copied behind the call (with `leave`: the
         host's misses are left out of the bank, nothing copied); calls of fewer than
-        `min_misses` misses hand nothing over. Decode calls must
+        `min_misses` misses (None: top_k + 1, so one token's calls) hand nothing over. Steps
+        whose calls cannot hand anything over run as plain steps (`HostDecode.hands_over`,
+        `plain_decode`: the Engine picks the step's graph by its active slots). Decode calls must
         then have `tokens` tokens (the Engine's slots). Not with prefetch. A bank without the
         planner's host variant is rebuilt with it first (as `resize_bank`: placement reset, gate
         closed): call this before warm-up and capture. Returns the HostDecode."""
@@ -258,6 +262,18 @@ class Pool:
         if self.host is not None:
             self.host.close()
             self.host = None
+
+    @contextlib.contextmanager
+    def plain_decode(self):
+        """Inside: decode calls take the plain step even with host experts on (no hand-off
+        launches). For steps whose calls cannot hand the host anything (`HostDecode.hands_over`):
+        a host step lands its behind copies at the last layer, so no row is pending between
+        steps and either kind of step may follow the other."""
+        before, self.plain = self.plain, True
+        try:
+            yield
+        finally:
+            self.plain = before
 
     def join_prefetch(self) -> None:
         """Make torch's current stream wait for the prefetch in flight, if any."""

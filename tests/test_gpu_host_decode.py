@@ -88,6 +88,31 @@ def test_engine_with_host_experts(leave):
     pool.unwrap()
 
 
+def test_engine_runs_plain_steps_where_no_call_can_hand_over():
+    """With the default min_misses (top_k + 1) a step of one active slot is a plain step (its own
+    captured graph, nothing handed over), a step of three a host step; warm-up captures both
+    kinds; the tokens are those of the pool without host experts."""
+    model, pool, E, K = _pool()
+    ps, params = _prompts([3], seed=9), [SamplingParams(max_tokens=6)]
+    alone = _generate(model, pool, ps, params)
+    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=20.0, handoff_us=5.0)
+    assert not hd.hands_over(1) and hd.hands_over(3)
+    eng = cupool.Engine(model, pool, max_batch=3, max_len=40, eos_token_id=[])
+    eng.warmup()
+    assert {k.host for k in eng._graphs} == {False, True}
+    assert {k.greedy for k in eng._graphs if k.host} == {False, True}
+    before = int(pool.bank.tables.host_counters.sum())
+    assert [r.output_ids for r in eng.generate(ps, params)] == alone
+    assert int(pool.bank.tables.host_counters.sum()) == before       # plain steps only
+    three = _prompts([3, 2, 3], seed=10)
+    eng.generate(three, [SamplingParams(max_tokens=8)] * 3)
+    assert int(pool.bank.tables.host_counters.sum()) > before
+    assert pool.errors() == [] and not pool.bank.state()["pending"].any()
+    eng.close()
+    pool.disable_host_experts()
+    pool.unwrap()
+
+
 def test_host_experts_refuse_prefetch_and_plain_steps_for_other_widths():
     model, pool, E, K = _pool()
     pool.enable_prefetch()
@@ -99,14 +124,17 @@ def test_host_experts_refuse_prefetch_and_plain_steps_for_other_widths():
         pool.enable_host_experts(0, link_us=50.0, cpu_us=50.0)
     with pytest.raises(ValueError, match="leave must be a bool, got 'yes'"):
         pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0, leave="yes")
-    with pytest.raises(ValueError, match="min_misses must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="min_misses must be None or an int >= 0, got -1"):
         pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0, min_misses=-1)
     with pytest.raises(ValueError, match="cpu_call_us must be a finite number >= 0, got nan"):
         pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0, cpu_call_us=float("nan"))
     hd = pool.enable_host_experts(3, link_us=50.0, cpu_us=10.0, cpu_call_us=5.0, min_misses=5)
     assert not hd.split[:5].any() and hd.split[5:].all()
     assert hd.split.tolist() == split_table(pool.bank.max_lanes, 50.0, 10.0, 15.0, 5).tolist()
-    pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0)
+    hd = pool.enable_host_experts(3, link_us=50.0, cpu_us=50.0)
+    assert hd.min_misses == K + 1 and not hd.split[:K + 1].any()      # the default
+    assert hd.first_handed is not None and hd.first_handed >= K + 1
+    assert not hd.hands_over(1) and hd.hands_over(3) == (3 * K >= hd.first_handed)
     pool.open()
     # a call of another width takes the plain step: nothing handed over, the right answer
     before = int(pool.bank.tables.host_counters.sum())

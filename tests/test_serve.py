@@ -684,7 +684,7 @@ def test_host_experts_refused_for_a_bank_holding_every_expert():
                            enable_host_experts=lambda *a, **k: calls.append((a, k)))
     enable_host_experts(pool, 2, 3, True)                    # --host-threads 3 --host-leave
     enable_host_experts(pool, 2, None, True, 9)              # and --host-min-misses 9
-    assert calls == [((2,), {"threads": 3, "leave": True, "min_misses": 0}),
+    assert calls == [((2,), {"threads": 3, "leave": True, "min_misses": None}),
                      ((2,), {"threads": None, "leave": True, "min_misses": 9})]
 
 

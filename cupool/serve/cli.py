@@ -110,7 +110,7 @@ class Options:
     host_experts: bool = False
     host_threads: int | None = None
     host_leave: bool = False
-    host_min_misses: int = 0
+    host_min_misses: int | None = None
 
 
 def _int(value, flag: str, lo: int, hi: int | None = None) -> int:
@@ -226,7 +226,7 @@ def check_options(args) -> Options:
                    fused=not getattr(args, "no_fused", False),
                    compile=device != "cpu" and not getattr(args, "no_compile", False),
                    host_experts=host_experts, host_threads=host_threads,
-                   host_leave=host_leave, host_min_misses=host_min_misses or 0)
+                   host_leave=host_leave, host_min_misses=host_min_misses)
 
 
 def _fail(message: str, code: int = 2) -> int:

@@ -161,7 +161,7 @@ def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype,
 
 
 def enable_host_experts(pool, tokens: int, threads: int | None = None, leave: bool = False,
-                        min_misses: int = 0):
+                        min_misses: int | None = None):
     """`Pool.enable_host_experts` for decode steps of `tokens` tokens (`--host-experts` of
     `serve` and `generate`, `leave` their `--host-leave`, `min_misses` their
     `--host-min-misses`); LoadError where the bank holds every
