@@ -38,6 +38,10 @@ results, and the ratio printed), so both come from one process on one machine.
 no cap while a step's lanes fit a layer's rows, a quarter of a layer's rows past that); each case
 reports the cap its steps launched with and the misses staged. A run with another cap is a
 reduced run.
+`--slots N` decodes N slots a step whatever the stream count, as `serve --max-batch N` does
+(serve's default is 8): a case of fewer streams leaves the other slots inactive in the same
+N-wide captured step, which is what one user of a default `serve` gets; the default is as many
+slots as streams. Such a run is a reduced run.
 `--dense-nvfp4` keeps the attention projections in NVFP4 (`cupool.dense_nvfp4.quantize_linears`,
 as a checkpoint with NVFP4 self_attn loads): the fused step's QKV and o-projection GEMVs then read
 a quarter of the bf16 bytes. Such a run is written only with --json.
@@ -64,7 +68,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import add_dense_nvfp4, pcie_h2d_GBps, results_path, save  # noqa: E402
 
-from cupool.cli import CLIParser, add_host_experts, fraction, positive_int, promote, run  # noqa: E402
+from cupool.cli import (CLIParser, add_host_experts, bounded_int, fraction,  # noqa: E402
+                        positive_int, promote, run)
 
 
 
@@ -95,17 +100,19 @@ def link_bound(rows: int, decoded: int, row_bytes: int, pcie_GBps: float) -> flo
 
 def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: bool,
              compile: bool, fused: bool, seed: int, pcie_GBps: float,
-             host: dict | None = None) -> dict:
-    """`host`: HostDecode settings (threads, handoff_us) to enable for this case's width."""
+             host: dict | None = None, slots: int | None = None) -> dict:
+    """`host`: HostDecode settings (threads, handoff_us) to enable for this case's width.
+    `slots`: the engine's slots (None: `streams`)."""
     import cupool
+    width = slots or streams
     host_info = {}
     if host is not None:
-        hd = pool.enable_host_experts(streams, **host)
+        hd = pool.enable_host_experts(width, **host)
         host_info = {"host_threads": hd.hx.threads, "host_link_us": hd.link_us,
                      "host_cpu_us": hd.cpu_us, "host_cpu_call_us": hd.cpu_call_us,
                      "host_handoff_us": hd.handoff_us, "host_min_misses": hd.min_misses,
                      "host_split": hd.split.tolist()}
-    eng = cupool.Engine(model, pool, max_batch=streams, max_len=prompt_len + tokens + 8,
+    eng = cupool.Engine(model, pool, max_batch=width, max_len=prompt_len + tokens + 8,
                         eos_token_id=[], compile=compile, fused=None if fused else False)
     g = torch.Generator().manual_seed(seed + streams)
     vocab = model.config.vocab_size
@@ -156,11 +163,12 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     eng.close()
     K = pool.top_k
     diag = {"hits": hits, "misses": misses, "staged": sum(s["staged"] for s in stats),
-            "promote_cap": pool.bank.promotion_cap(streams * K),
+            "promote_cap": pool.bank.promotion_cap(width * K),
             "promotions": sum(s["promotions"] for s in stats),
             "gate_open": int(pool.bank.gate.item()), "plan_skipped": pool.plan_skipped,
             "errors": pool.errors()}
-    return {"diagnostics": diag, "step": eng.step_kind, "streams": streams, "sampled": sampled,
+    return {"diagnostics": diag, "step": eng.step_kind, "streams": streams, "slots": width,
+            "sampled": sampled,
             "tokens_generated": n, "wall_s": wall,
             "aggregate_tok_per_s": n / wall,
             "aggregate_decode_tok_per_s": decode_tps,
@@ -181,7 +189,8 @@ def replays_trace(args, holds_every_expert: bool) -> bool:
 
 
 def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) -> dict:
-    model, pool, shape = build(layers, max(streams), args.seed, bank, args.dense_nvfp4)
+    model, pool, shape = build(layers, args.slots or max(streams), args.seed, bank,
+                               args.dense_nvfp4)
     pool.promote = args.promote
     every = pool.bank.holds_every_expert()
     # a bank holding every expert copies nothing (its fused step skips the plan step), and takes
@@ -208,18 +217,20 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         if args.host_experts and not every else None
     if host is not None:
         label += ", host experts"
+    if args.slots:
+        label += f", {args.slots} slots"
     cases, baseline = [], []
     for b in streams:
         if host is not None and args.host_baseline:
             r0 = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
-                          not args.no_fused, args.seed, pcie, None)
+                          not args.no_fused, args.seed, pcie, None, args.slots)
             baseline.append(r0)
             print(f"bank {bank:.0%}, without host experts: {b:3d} streams greedy : aggregate "
                   f"{r0['aggregate_tok_per_s']:7.1f} tok/s (decode "
                   f"{r0['aggregate_decode_tok_per_s']:7.1f}), hit rate {r0['hit_rate']:.3f}",
                   flush=True)
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
-                     not args.no_fused, args.seed, pcie, host)
+                     not args.no_fused, args.seed, pcie, host, args.slots)
         cases.append(r)
         if baseline:
             ratio = r["aggregate_decode_tok_per_s"] / baseline[-1]["aggregate_decode_tok_per_s"]
@@ -246,7 +257,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
                  if r["link_bound_decode_tok_per_s"] is not None else ""), flush=True)
     b = 8 if 8 in streams else max(streams)
     sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile,
-                       not args.no_fused, args.seed, pcie, host)
+                       not args.no_fused, args.seed, pcie, host, args.slots)
     greedy = next(c for c in cases if c["streams"] == b)
     print(f"{label}: {b:3d} streams sampled: aggregate {sampled['aggregate_tok_per_s']:7.1f} "
           f"tok/s, {sampled['aggregate_tok_per_s'] / greedy['aggregate_tok_per_s']:.3f} of "
@@ -281,6 +292,9 @@ def main(args) -> int:
         raise ValueError("--host-leave is a way of --host-experts: give both")
     if args.host_min_misses is not None and not args.host_experts:
         raise ValueError("--host-min-misses applies with --host-experts")
+    if args.slots is not None and args.slots < max(args.streams):
+        raise ValueError(f"--slots must be at least the largest --streams ({max(args.streams)}), "
+                         f"got {args.slots}")
     if not args.handoff_us >= 0:
         raise ValueError(f"--handoff-us must be >= 0, got {args.handoff_us:g}")
     from cupool import _cuda
@@ -300,7 +314,7 @@ def main(args) -> int:
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
-               "pcie_h2d_GBps": pcie, "banks": banks, "gpu": torch.cuda.get_device_name()}
+               "slots": args.slots, "pcie_h2d_GBps": pcie, "banks": banks, "gpu": torch.cuda.get_device_name()}
     reduced = (["--small"] if args.small else []) + \
         ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else []) + \
         ([f"--promote {args.promote}"] if args.promote != "auto" else []) + \
@@ -309,6 +323,7 @@ def main(args) -> int:
         (["--host-leave"] if args.host_leave else []) + \
         ([f"--host-min-misses {args.host_min_misses}"]
          if args.host_min_misses is not None else []) + \
+        ([f"--slots {args.slots}"] if args.slots else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
@@ -350,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dense_nvfp4(p)
     p.add_argument("--host-baseline", action="store_true",
                    help="--host-experts: first run each such case without them, same model")
+    p.add_argument("--slots", type=bounded_int(1, 256), metavar="N",
+                   help="slots the engine decodes a step, as serve's --max-batch (default: the "
+                        "stream count)")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
     p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "

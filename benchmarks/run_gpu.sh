@@ -11,7 +11,7 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, prefix-scratch, serve, overlap, graph-copies.
+# prefix, prefix-scratch, serve, serve-slots, overlap, graph-copies.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -151,6 +151,10 @@ for stage in "$@"; do
                 run "bench_prefix_75_$rb" 590 python3 benchmarks/bench_prefix.py --bank 75 --repeats 3 \
                     --scratch-rows "${rb%x*}" --scratch-buffers "${rb#*x}" --json "$OUT/bench_prefix_75_$rb.json"; done ;;
     serve)    run bench_serve 590 python3 benchmarks/bench_serve.py --streams 1 8 16 ;;
+    # serve's default 8 slots a step with 1, 4 and 8 of them active: what one user of a default
+    # `serve` gets (a reduced run, into $OUT)
+    serve-slots) run bench_serve_slots 590 python3 benchmarks/bench_serve.py --streams 1 4 8 --slots 8 \
+              --json "$OUT/bench_serve_slots.json" ;;
     # a 50% bank with and without the copies beside the GEMM of the rows in place
     overlap)  for o in "" --overlap-copies; do
                 run "profile_decode_50${o:+_overlap}" 200 python3 benchmarks/profile_decode.py --bank 50 --timeline $o \
