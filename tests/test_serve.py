@@ -718,3 +718,43 @@ def test_fixture_tokenizer_round_trips():
     tok = build_tokenizer()
     assert tok.decode(tok("Hello, World!")["input_ids"]) == "hello, world!"
     assert len(tok) == 64
+
+
+def test_host_experts_log_which_steps_hand_over(caplog):
+    """serve's log says from how many active sequences a step hands the host its share
+    (`HostDecode.hands_over`), and warns where no step of --max-batch sequences can."""
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cupool.layer import HostDecode
+    from cupool.serve import cli, loader
+
+    hd = object.__new__(HostDecode)            # hands_over alone: a pool of top-8, split from 9
+    hd.pool, hd.first_handed = SimpleNamespace(top_k=8), 9
+    assert [hd.hands_over(n) for n in (0, 1, 2, 8)] == [False, False, True, True]
+    hd.first_handed = None
+    assert not hd.hands_over(16)
+
+    def fake(min_misses):
+        return SimpleNamespace(hx=SimpleNamespace(threads=3), cpu_us=40.0, cpu_call_us=20.0,
+                               link_us=55.0, split=np.zeros(65, dtype=np.int64), leave=True,
+                               min_misses=min_misses, hands_over=lambda n: n * 8 >= min_misses)
+
+    log = logging.getLogger("cupool.test_host_log")
+    pool = SimpleNamespace(top_k=8)
+    for min_misses, level, words in (
+            (9, logging.INFO, "steps of fewer than 2 active sequences run without the hand-off "
+                              "(--host-min-misses 9)"),
+            (65, logging.WARNING, "no step hands the host anything (--host-min-misses 65; a step "
+                                  "of 8 sequences has at most 64 misses)")):
+        opts = SimpleNamespace(max_batch=8, host_threads=None, host_leave=True,
+                               host_min_misses=min_misses)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=log.name), \
+                pytest.MonkeyPatch.context() as mp:
+            mp.setattr(loader, "enable_host_experts", lambda *a, m=min_misses: fake(m))
+            cli._enable_host_experts(log, pool, opts)
+        rec = caplog.records[-1]
+        assert rec.levelno == level and words in rec.getMessage(), rec.getMessage()

@@ -349,6 +349,14 @@ def _enable_host_experts(log, pool, opts) -> None:
              hd.hx.threads, hd.cpu_us, hd.cpu_call_us, hd.link_us, hd.split[1:].tolist(),
              len(hd.split) - 1,
              "left out of the bank" if hd.leave else "their rows copied behind the step")
+    fewest = next((n for n in range(1, opts.max_batch + 1) if hd.hands_over(n)), None)
+    if fewest is None:
+        log.warning("host experts: no step hands the host anything (--host-min-misses %d; a step "
+                    "of %d sequences has at most %d misses)", hd.min_misses, opts.max_batch,
+                    opts.max_batch * pool.top_k)
+    else:
+        log.info("host experts: steps of fewer than %d active sequences run without the hand-off "
+                 "(--host-min-misses %d)", fewest, hd.min_misses)
 
 
 def _log_resume_points(log, engine, pool) -> None:
