@@ -33,7 +33,9 @@ runs are reduced runs too. `--host-leave` leaves the host's misses out of the ba
 promoting them and copying their rows behind the call; `--host-min-misses N` hands nothing
 over in calls of fewer than N misses. `--host-baseline` (with `--host-experts`)
 first runs each such case without them on the same model (`host_baseline` in the bank's
-results, and the ratio printed), so both come from one process on one machine.
+results, and the ratio printed), so both come from one process on one machine; each of the two
+starts from a bank rebuilt with the initial placement and from the trace's first step, so they
+replay the same routing.
 `--promote` sets the pool's promotion cap (`Pool.promote`; default auto, the pool's own default:
 no cap while a step's lanes fit a layer's rows, a quarter of a layer's rows past that); each case
 reports the cap its steps launched with and the misses staged. A run with another cap is a
@@ -188,6 +190,16 @@ def replays_trace(args, holds_every_expert: bool) -> bool:
     return args.routing == "locality" and (not holds_every_expert or args.prefetch == "trace")
 
 
+def fresh_case(pool, replayer, host_build: bool) -> None:
+    """A --host-baseline case starts as its pair does: a bank rebuilt with the initial placement
+    (the planner's host build for the host case, the plain one for the baseline) and the trace
+    (`replayer`, None for the model's router) at its first step, so the two replay the same
+    routing from the same bank."""
+    pool.resize_bank(pool.rows_per_layer, host=host_build)
+    if replayer is not None:
+        replayer.step.zero_()
+
+
 def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) -> dict:
     model, pool, shape = build(layers, args.slots or max(streams), args.seed, bank,
                                args.dense_nvfp4)
@@ -197,6 +209,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     # the model's own router (below) unless prefetch needs the trace's predictions
     pool.overlap_copies = args.overlap_copies and not every
     routing = args.routing if replays_trace(args, every) else "router"
+    replayer = None
     if routing == "locality":
         from cupool import trace as tr
         from cupool.replay import Replayer
@@ -222,6 +235,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     cases, baseline = [], []
     for b in streams:
         if host is not None and args.host_baseline:
+            fresh_case(pool, replayer, False)
             r0 = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
                           not args.no_fused, args.seed, pcie, None, args.slots)
             baseline.append(r0)
@@ -229,6 +243,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
                   f"{r0['aggregate_tok_per_s']:7.1f} tok/s (decode "
                   f"{r0['aggregate_decode_tok_per_s']:7.1f}), hit rate {r0['hit_rate']:.3f}",
                   flush=True)
+            fresh_case(pool, replayer, True)
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
                      not args.no_fused, args.seed, pcie, host, args.slots)
         cases.append(r)
