@@ -439,9 +439,9 @@ class Mailbox:
     weights [T·K] float32, x [T, H] float32, out [T, H] float32, each 64-byte aligned.
     seq and done start at 0. A pinned mailbox (the default) is posted to by the GPU
     (`cupool.ops.host_handoff`), which numbers its requests with the mailbox's own device counter
-    (`counter`, int32 [2]: the last request's number, and 1 if the last post sent one: a post
-    with no routed lane sends nothing and its wait adds nothing), so every replay of a captured
-    graph waits for its own answer.
+    (`counter`, int32 [3]: the last request's number; 1 if the last post sent one, as a post
+    with no routed lane sends nothing and its wait adds nothing; and the post's blocks counted
+    done, 0 between posts), so every replay of a captured graph waits for its own answer.
     `pinned=False` gives ordinary memory, posted to from the host (`post` and `wait` play the
     GPU's part: CPU tests)."""
 
@@ -468,7 +468,7 @@ class Mailbox:
             self._chunk = _PinnedChunk(at, idx)
             base, dev = self._chunk.host, self._chunk.device_address
             ctypes.memset(base, 0, at)
-            self.counter = torch.zeros(2, dtype=torch.int32, device=f"cuda:{idx}")
+            self.counter = torch.zeros(3, dtype=torch.int32, device=f"cuda:{idx}")
         else:
             self._chunk = None
             self._buf = np.zeros(at + 64, dtype=np.uint8)

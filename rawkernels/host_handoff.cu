@@ -15,9 +15,14 @@
 // posts nothing and costs no round trip: host_post writes counter[1] = 0 (1 when it posted) and
 // host_wait, finding 0, adds nothing (the answer would be zeros).
 //
-// Both kernels run as one block. A wait that runs past ~1 s sets ERR_HOST_STALL in *error and
-// goes on (the output is then wrong, never a hang); the caller reads the error word after the
-// step.
+// Both kernels run as a grid of any number of blocks (cupool/ops/host_handoff.py: one per 1,024
+// values of x, at most 32), each moving 4 values a thread a pass, 16 bytes at a time across PCIe:
+// a block's thread waits out a read of host memory (about a microsecond) before its next, so
+// the reads of the answer must be spread over many threads at once, not queued behind one block.
+// host_post's blocks count themselves done in counter[2] (after their system-scope fences); the
+// last one posts the number and puts the count back to 0. A wait that runs past ~1 s sets
+// ERR_HOST_STALL in *error and goes on (the output is then wrong, never a hang); the caller
+// reads the error word after the step.
 #include "common.cuh"
 
 #define ERR_HOST_STALL 1
@@ -61,25 +66,35 @@ CUPOOL_DEVICE void st_release_sys(u32* p, u32 v) {
 
 // The request: x [n] (T·H values) and the weights [lanes] as float32, keys [lanes], then the next
 // sequence number in counter[0] and in the mailbox's seq, and counter[1] = 1; with no routed lane
-// only counter[1] = 0.
+// only counter[1] = 0. mx is 16-byte aligned (the mailbox's 64-byte layout); x need not be.
 extern "C" __global__ void host_post(const void* __restrict__ x, i32 n,
                                      const i64* __restrict__ keys, const void* __restrict__ weights,
                                      i32 lanes, i32* __restrict__ counter, u32* seq,
                                      float* mx, i64* mkeys, float* mweights) {
     int routed = 0;
     for (int i = threadIdx.x; i < lanes; i += blockDim.x) routed |= keys[i] >= 0;
-    if (!__syncthreads_or(routed)) {
-        if (threadIdx.x == 0) counter[1] = 0;
+    if (!__syncthreads_or(routed)) {          // the same in every block: each reads every key
+        if (blockIdx.x == 0 && threadIdx.x == 0) counter[1] = 0;
         return;
     }
-    for (int i = threadIdx.x; i < n; i += blockDim.x) mx[i] = load_f32<X_DTYPE>(x, i);
-    for (int i = threadIdx.x; i < lanes; i += blockDim.x) {
-        mkeys[i] = keys[i];
-        mweights[i] = load_f32<W_DTYPE>(weights, i);
+    const int stride = 4 * gridDim.x * blockDim.x, n4 = n & ~3;
+    for (int i = 4 * (blockIdx.x * blockDim.x + threadIdx.x); i < n4; i += stride) {
+        const float4 v = make_float4(load_f32<X_DTYPE>(x, i), load_f32<X_DTYPE>(x, i + 1),
+                                     load_f32<X_DTYPE>(x, i + 2), load_f32<X_DTYPE>(x, i + 3));
+        *reinterpret_cast<float4*>(mx + i) = v;
+    }
+    if (blockIdx.x == 0) {
+        for (int i = n4 + threadIdx.x; i < n; i += blockDim.x) mx[i] = load_f32<X_DTYPE>(x, i);
+        for (int i = threadIdx.x; i < lanes; i += blockDim.x) {
+            mkeys[i] = keys[i];
+            mweights[i] = load_f32<W_DTYPE>(weights, i);
+        }
     }
     __threadfence_system();          // this thread's request writes before the block's barrier
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0 && atomicAdd(&counter[2], 1) == (int)gridDim.x - 1) {
+        __threadfence();             // every block's count seen: their fenced writes come first
+        counter[2] = 0;
         const u32 s = (u32)counter[0] + 1u;
         counter[0] = (i32)s;
         counter[1] = 1;
@@ -89,7 +104,7 @@ extern "C" __global__ void host_post(const void* __restrict__ x, i32 n,
 
 // Waits for the answer to the request host_post last posted (counter[0]), then y[i] += out[i]
 // for i < n (in float32, rounded once to Y_DTYPE); nothing when the last host_post posted nothing
-// (counter[1] == 0).
+// (counter[1] == 0). Each block waits on its own; out is 16-byte aligned, y need not be.
 extern "C" __global__ void host_wait(const i32* __restrict__ counter, const u32* done,
                                      const float* out, i32 n, void* __restrict__ y,
                                      i32* __restrict__ error) {
@@ -108,8 +123,16 @@ extern "C" __global__ void host_wait(const i32* __restrict__ counter, const u32*
     }
     __syncthreads();
     if (skip) return;
-    // volatile: read from host memory now, never from a line cached by an earlier replay
-    const volatile float* o = out;
-    for (int i = threadIdx.x; i < n; i += blockDim.x)
-        store_f32<Y_DTYPE>(y, i, load_f32<Y_DTYPE>(y, i) + o[i]);
+    // __ldcv: read from host memory now, never from a line cached by an earlier replay
+    const int stride = 4 * gridDim.x * blockDim.x, n4 = n & ~3;
+    for (int i = 4 * (blockIdx.x * blockDim.x + threadIdx.x); i < n4; i += stride) {
+        const float4 o = __ldcv(reinterpret_cast<const float4*>(out + i));
+        store_f32<Y_DTYPE>(y, i, load_f32<Y_DTYPE>(y, i) + o.x);
+        store_f32<Y_DTYPE>(y, i + 1, load_f32<Y_DTYPE>(y, i + 1) + o.y);
+        store_f32<Y_DTYPE>(y, i + 2, load_f32<Y_DTYPE>(y, i + 2) + o.z);
+        store_f32<Y_DTYPE>(y, i + 3, load_f32<Y_DTYPE>(y, i + 3) + o.w);
+    }
+    if (blockIdx.x == 0)
+        for (int i = n4 + threadIdx.x; i < n; i += blockDim.x)
+            store_f32<Y_DTYPE>(y, i, load_f32<Y_DTYPE>(y, i) + __ldcv(out + i));
 }

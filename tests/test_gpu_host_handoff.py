@@ -24,13 +24,18 @@ def _store(layout, E, gen):
     return store
 
 
-@pytest.mark.parametrize("x_dtype,w_dtype,y_dtype", [
-    (torch.bfloat16, torch.float32, torch.float32), (torch.float32, torch.float32, torch.float32),
-    (torch.float16, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float16, torch.float16)])
-def test_graph_replays_get_the_hosts_answer(x_dtype, w_dtype, y_dtype):
+@pytest.mark.parametrize("x_dtype,w_dtype,y_dtype,T,H", [
+    (torch.bfloat16, torch.float32, torch.float32, 2, 80),
+    (torch.float32, torch.float32, torch.float32, 2, 80),
+    (torch.float16, torch.bfloat16, torch.bfloat16, 2, 80),
+    (torch.bfloat16, torch.float16, torch.float16, 2, 80),
+    (torch.bfloat16, torch.float32, torch.bfloat16, 7, 2064)])   # 15 blocks a post and a wait
+def test_graph_replays_get_the_hosts_answer(x_dtype, w_dtype, y_dtype, T, H):
     """y (any start) += the host's answer, rounded once to y's dtype (as torch's y.add_ of a
-    float32 tensor); the weights reach the host as float32."""
-    T, K, E, H = 2, 3, 5, 80
+    float32 tensor); the weights reach the host as float32; a grid of several blocks
+    (host_handoff.blocks_for) counts its posts right."""
+    K, E = 3, 5
+    assert host_handoff.blocks_for(T * H) == (1 if T * H <= 1024 else 15)
     layout = RowLayout(H, 48)
     gen = torch.Generator().manual_seed(31)
     store = _store(layout, E, gen)
@@ -74,6 +79,7 @@ def test_graph_replays_get_the_hosts_answer(x_dtype, w_dtype, y_dtype):
             assert torch.equal(y.cpu(), start.clone().add_(ref))
         assert hx.stop_serving() == 1 + len(inputs)
     assert int(mb.counter[0]) == 1 + len(inputs) and int(mb.counter[1]) == 1
+    assert int(mb.counter[2]) == 0                           # the blocks' count put back
     with pytest.raises(RuntimeError, match="the GPU posts to it"):
         mb.post(inputs[0][0].float().numpy(), inputs[0][1].numpy(), inputs[0][2].float().numpy())
     mb.close()
