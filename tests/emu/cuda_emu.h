@@ -1,5 +1,5 @@
-// A CPU stand-in for the CUDA features cupool's plan step, decode attention, dense GEMVs and MoE
-// decode GEMM use (async_copy.cuh: the copies and mbarriers), so their real source runs in CPU
+// A CPU stand-in for the CUDA features cupool's plan step, decode attention, dense GEMVs, MoE
+// decode GEMM and host hand-off use (async_copy.cuh: the copies and mbarriers), so their real source runs in CPU
 // tests (and under ThreadSanitizer, which then reports any shared- or global-memory access that
 // two threads make without a barrier between them: what compute-sanitizer's racecheck finds on
 // the GPU, found here without one).
@@ -59,6 +59,10 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 template <class T>
 T __ldcg(const T* p) {  // a load through L2: blocks run one after another, so a plain load
+    return *p;
+}
+template <class T>
+T __ldcv(const T* p) {  // a load that fetches again (host memory): here a plain load
     return *p;
 }
 
@@ -166,6 +170,20 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
 
 // blocks run one after another: a fence orders nothing that is not already ordered
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+// __syncthreads that also returns whether any thread's predicate was nonzero: each thread adds
+// its vote, a barrier, every thread reads the sum, a barrier before the next call's votes.
+inline int emu_votes = 0;
+inline int __syncthreads_or(int pred) {
+    if (pred) std::atomic_ref<int>(emu_votes).fetch_add(1);
+    __syncthreads();
+    const int any = std::atomic_ref<int>(emu_votes).load() != 0;
+    __syncthreads();
+    if (threadIdx.x == 0) std::atomic_ref<int>(emu_votes).store(0);
+    __syncthreads();
+    return any;
+}
 
 inline unsigned __ballot_sync(unsigned mask, int pred) {
     emu_check_mask(mask);
