@@ -1,8 +1,8 @@
 // A CPU stand-in for the CUDA features cupool's plan step, decode attention, dense GEMVs, MoE
-// decode GEMM and host hand-off use (async_copy.cuh: the copies and mbarriers), so their real source runs in CPU
-// tests (and under ThreadSanitizer, which then reports any shared- or global-memory access that
-// two threads make without a barrier between them: what compute-sanitizer's racecheck finds on
-// the GPU, found here without one).
+// decode GEMM and host hand-off use (async_copy.cuh: the copies and mbarriers), so their real
+// source runs in CPU tests (and under ThreadSanitizer, which then reports any shared- or
+// global-memory access that two threads make without a barrier between them: what
+// compute-sanitizer's racecheck finds on the GPU, found here without one).
 //
 // Each CUDA thread of ONE block is a fiber (ucontext) on one OS thread by default, or, built with
 // -DEMU_THREADS=1 (the ThreadSanitizer builds), a std::thread. __syncthreads is a barrier over the
