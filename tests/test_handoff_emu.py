@@ -108,3 +108,38 @@ def test_a_post_with_no_routed_lane_touches_nothing(builds, blocks):
     assert (mkeys == -7).all()
     assert counters == [4, 0, 0] and seq == 4 and error == 0
     assert torch.equal(y_out, y)
+
+
+def test_post_and_wait_under_thread_sanitizer(tmp_path):
+    """The same source with a block's threads as OS threads under ThreadSanitizer (EMU_THREADS):
+    no access to shared or mailbox memory that two threads of a block make without a barrier
+    between them (the vote, the skip word, the last block's words); its exit code says so."""
+    import shutil
+    import subprocess
+
+    emu_build.require()
+    gxx = shutil.which("g++") or "g++"
+    probe = subprocess.run([gxx, "-fsanitize=thread", "-x", "c++", "-", "-o",
+                            str(tmp_path / "probe")], input="int main(){}", capture_output=True,
+                           text=True)
+    if probe.returncode:
+        pytest.skip(f"{gxx} cannot build with -fsanitize=thread: {probe.stderr.strip()[:200]}")
+    emu_build.stage(tmp_path, "host_handoff", replace=PTX)
+    exe = tmp_path / "handoff_tsan"
+    cmd = emu_build.command(tmp_path, "handoff_main.cpp",
+                            {"X_DTYPE": 1, "W_DTYPE": 0, "Y_DTYPE": 1, "EMU_THREADS": 1}, exe,
+                            opt="-O1")
+    cmd[1:1] = ["-fsanitize=thread", "-g"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    gen = torch.Generator().manual_seed(3)
+    n, lanes = 3003, 16
+    x = torch.randn(n, generator=gen).to(torch.bfloat16)
+    w = torch.rand(lanes, generator=gen)
+    y = torch.randn(n, generator=gen).to(torch.bfloat16)
+    out = torch.randn(n, generator=gen)
+    for keys in (torch.arange(lanes) - 1, torch.full((lanes,), -1)):
+        mx, _, _, counters, _, y_out, error = _run(exe, x, keys, w, y, out, blocks_for(n))
+        routed = bool((keys >= 0).any())
+        assert counters == ([5, 1, 0] if routed else [4, 0, 0]) and error == 0
+        assert torch.equal(y_out, y.clone().add_(out) if routed else y)
