@@ -63,8 +63,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import cupool
 from cupool import _cuda, synthetic
-from cupool.cli import (CLIParser, add_host_experts, bounded_int, fraction, output_file,
-                        positive_int, run)
+from cupool.cli import (CLIParser, add_host_experts, bounded_int, check_host_flags, fraction,
+                        output_file, positive_int, run)
 from cupool.engine import StepKind
 from cupool.fused import ABLATE
 
@@ -183,11 +183,7 @@ def main(args) -> None:
                          "misses none)")
     if args.host_experts and args.prefetch != "off":
         raise ValueError("--host-experts and --prefetch are separate planner builds: pick one")
-    for flag, given in (("--host-threads", args.host_threads is not None),
-                        ("--host-leave", args.host_leave),
-                        ("--host-min-misses", args.host_min_misses is not None)):
-        if given and not args.host_experts:
-            raise ValueError(f"{flag} applies with --host-experts")
+    check_host_flags(args)
     _cuda.require_gpu("the decode profiler")
     shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=args.layers)
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0),

@@ -20,8 +20,9 @@ import subprocess
 import sys
 import time
 
-from cupool.cli import (CLIParser, add_host_experts, existing_dir, existing_file, fail, fraction,
-                        nonnegative_float, nonnegative_int, positive_int, promote, run, size)
+from cupool.cli import (CLIParser, add_host_experts, check_host_flags, existing_dir,
+                        existing_file, fail, fraction, nonnegative_float, nonnegative_int,
+                        positive_int, promote, run, size)
 
 PROG = "cupool"
 
@@ -347,12 +348,7 @@ def generate(args) -> int:
     from cupool.sampling import SamplingParams
     from cupool.serve.loader import enable_host_experts, load
 
-    if args.host_threads is not None and not args.host_experts:
-        raise ValueError("--host-threads applies with --host-experts")
-    if args.host_leave and not args.host_experts:
-        raise ValueError("--host-leave applies with --host-experts")
-    if args.host_min_misses is not None and not args.host_experts:
-        raise ValueError("--host-min-misses applies with --host-experts")
+    check_host_flags(args)
     if args.host_experts and args.device == "cpu":
         raise ValueError("--host-experts applies to a CUDA device (the CPU runs the whole model "
                          "itself)")

@@ -199,10 +199,21 @@ def fields(sep: str = ",", **types: Callable[[str], object]) -> Callable[[str], 
     return parse
 
 
+def check_host_flags(args) -> None:
+    """ValueError naming the first of --host-threads, --host-leave, --host-min-misses given
+    without --host-experts (`add_host_experts`' typed flags)."""
+    for flag, given in (("--host-threads", args.host_threads is not None),
+                        ("--host-leave", args.host_leave),
+                        ("--host-min-misses", args.host_min_misses is not None)):
+        if given and not args.host_experts:
+            raise ValueError(f"{flag} applies with --host-experts")
+
+
 def add_host_experts(parser, typed: bool = True) -> None:
     """--host-experts, --host-threads N, --host-leave and --host-min-misses N
     (`Pool.enable_host_experts`), as `serve`, `generate` and the benchmarks take them. The caller
-    checks that the others come with --host-experts. typed False (`serve`, which checks every
+    checks that the others come with --host-experts (`check_host_flags`, where its messages
+    fit). typed False (`serve`, which checks every
     option itself to answer a mistake with its own one-line error): the two numbers stay strings,
     None where not given."""
     parser.add_argument("--host-experts", action="store_true",
