@@ -41,8 +41,16 @@ Prefill ahead (the pool's `prefill_ahead`: on unless `CUPOOL_PREFILL_AHEAD=0`) i
 partition path's scratch (`cupool.wrap`'s defaults 32 and 2): more rows let the copies of the
 next layer's host experts start before this layer's last chunk GEMM has freed a buffer.
 
+`--host-experts` turns the host's CPU on before the engines are built (`Pool.enable_host_experts`
+with `--host-threads` threads and prefill_tokens `--host-prefill-tokens`, default 512): prefill
+calls of up to that many tokens hand their last experts without a bank row to the host, as many
+as make the link and the host finish together (`HostDecode.prefill_share`, from the link's and
+the host's measured costs, printed). Reused turn 2's new tokens are one such call a layer; the
+cold turn's 4,096-token chunks are not. Each mode then also reports the rows the host computed
+(`HostExperts.serve_stats`), which do not cross the link: the PCIe bound counts the others.
+
 Writes benchmarks/results/bench_prefix.json. A reduced run (another prefix, --small, another
-bank or scratch, fewer repeats) writes nothing unless --json PATH is given.
+bank or scratch, fewer repeats, host experts) writes nothing unless --json PATH is given.
 """
 
 from __future__ import annotations
@@ -135,15 +143,18 @@ def ttft(engine, prompt, logits: FirstLogits) -> tuple[float, object, torch.Tens
     return time.perf_counter() - t0, r, logits.last
 
 
-def host_rows(pool, run_once) -> int:
-    """Expert rows read from the host by `run_once()` (one untimed request)."""
+def host_rows(pool, run_once) -> tuple[int, int]:
+    """(expert rows without a bank row that `run_once()` (one untimed request) routed to, of
+    them the rows the host's CPU computed: 0 without host experts)."""
     counter = HostRows(pool)
+    served = pool.host.hx.serve_stats()["rows"] if pool.host is not None else 0
     pool.routing_hook = counter
     try:
         run_once()
     finally:
         pool.routing_hook = None
-    return counter.rows()
+    on_host = pool.host.hx.serve_stats()["rows"] - served if pool.host is not None else 0
+    return counter.rows(), on_host
 
 
 def measure(engine, turn2, repeats: int, logits: FirstLogits, prime=None) -> dict:
@@ -190,6 +201,15 @@ def build_parser() -> CLIParser:
     p.add_argument("--profile", action="store_true",
                    help="also profile one cold and one reused turn 2: GPU time by stream and "
                         "kernel group")
+    p.add_argument("--host-experts", action="store_true",
+                   help="the host's CPU computes some experts without a bank row of prefill "
+                        "calls of up to --host-prefill-tokens tokens")
+    p.add_argument("--host-threads", type=bounded_int(1, 1024), metavar="N",
+                   help="--host-experts: host threads (default: the CPUs this process may use, "
+                        "less one)")
+    p.add_argument("--host-prefill-tokens", type=positive_int, default=512, metavar="N",
+                   help="--host-experts: the widest prefill call the host takes part in "
+                        "(default 512, at most --chunk)")
     p.add_argument("--json", type=output_file, metavar="PATH",
                    help="write the results here instead of benchmarks/results/bench_prefix.json")
     return p
@@ -203,10 +223,22 @@ def reduced(args) -> list[str]:
     for name in ("scratch_rows", "scratch_buffers"):
         if getattr(args, name) != parser.get_default(name):
             why.append(f"--{name.replace('_', '-')} {getattr(args, name)} (not the default)")
+    if args.host_experts:
+        why.append("--host-experts")
     return why
 
 
+def check_host_flags(args) -> None:
+    """ValueError for --host-threads or another --host-prefill-tokens without --host-experts."""
+    if not args.host_experts:
+        if args.host_threads is not None:
+            raise ValueError("--host-threads applies with --host-experts")
+        if args.host_prefill_tokens != build_parser().get_default("host_prefill_tokens"):
+            raise ValueError("--host-prefill-tokens applies with --host-experts")
+
+
 def main(args) -> None:
+    check_host_flags(args)
     _cuda.require_gpu("the prefix-reuse benchmark")
     out = results_path("bench_prefix", args.json, reduced(args))
     prefix = 512 if args.small else args.prefix
@@ -225,6 +257,21 @@ def main(args) -> None:
                        scratch_buffers=args.scratch_buffers,
                        expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"))
     print(f"built in {time.perf_counter() - t0:.0f} s: {pool}", flush=True)
+    host = {}
+    if args.host_experts:                            # before the engines: it rebuilds the bank
+        hd = pool.enable_host_experts(1, threads=args.host_threads,
+                                      prefill_tokens=min(args.host_prefill_tokens, chunk))
+        turn2_width = args.new                       # reused turn 2's one prefill call
+        missing = E - rows
+        host = {"threads": hd.hx.threads, "prefill_tokens": hd.prefill_tokens,
+                "link_us": hd.link_us, "handoff_us": hd.handoff_us,
+                "prefill_costs": hd.prefill_costs,
+                "reused_share": hd.prefill_share(turn2_width, missing)}
+        print(f"host experts: {hd.hx.threads} threads; a row {hd.link_us:.1f} us on the link; "
+              f"prefill calls on the host (tokens, us a row, us a call): "
+              + ", ".join(f"({t}, {r:.1f}, {c:.1f})" for t, r, c in hd.prefill_costs)
+              + f"; a {turn2_width}-token call hands the host {host['reused_share']} of its "
+              f"{missing} experts a layer without a bank row", flush=True)
     cpu_gen = torch.Generator().manual_seed(1)
     V = shape["vocab_size"]
     turn1 = torch.randint(0, V, (prefix + QUESTION,), generator=cpu_gen).tolist()
@@ -272,17 +319,18 @@ def main(args) -> None:
                "prefix_tokens": prefix, "question_tokens": QUESTION, "answer_tokens": args.answer,
                "new_tokens": args.new, "turn2_tokens": len(turn2), "repeats": args.repeats,
                "target_speedup": TARGET, "pcie_h2d_GBps": pcie, "row_bytes": row_bytes,
-               "prefill_ahead": bool(pool.prefill_ahead), "errors": errors}
+               "prefill_ahead": bool(pool.prefill_ahead), "errors": errors,
+               **({"host_experts": host} if host else {})}
     base = c["logits"][0]
-    for name, m, n_rows in (("cold", c, cold_rows), ("reused", w, warm_rows)):
+    for name, m, (n_rows, cpu_rows) in (("cold", c, cold_rows), ("reused", w, warm_rows)):
         others = m["logits"][1:] if name == "cold" else m["logits"]
-        host_bytes = n_rows * row_bytes
+        host_bytes = (n_rows - cpu_rows) * row_bytes       # the rows that cross the link
         bound = host_bytes / (pcie * 1e9)
         results[name] = {
             **{k: v for k, v in m.items() if k != "logits"},
             "vs_first_cold_run": [compare(base, lg) for lg in others],
-            "host_rows": n_rows, "host_bytes": host_bytes, "pcie_bound_s": bound,
-            "fraction_of_pcie_bound": bound / m["ttft_s"]}
+            "host_rows": n_rows, "host_cpu_rows": cpu_rows, "host_bytes": host_bytes,
+            "pcie_bound_s": bound, "fraction_of_pcie_bound": bound / m["ttft_s"]}
     cr, wr = results["cold"], results["reused"]
     results["speedup"] = cr["ttft_s"] / wr["ttft_s"]
     results["cold_prefill_tok_per_s"] = len(turn2) / cr["ttft_s"]
@@ -299,7 +347,9 @@ def main(args) -> None:
         print(f"{name:>6}: turn 2 of {len(turn2)} tokens, time to first token "
               f"{r['ttft_s'] * 1e3:.1f} ms (median of {args.repeats}), cached "
               f"{r['cached_tokens'][-1]}, prefilled {r['prefilled_tokens'][-1]}; "
-              f"{r['host_rows']} expert rows from the host ({r['host_bytes'] / 1e9:.2f} GB): "
+              f"{r['host_rows']} expert rows from the host"
+              + (f" ({r['host_cpu_rows']} of them computed on its CPU)" if host else "")
+              + f" ({r['host_bytes'] / 1e9:.2f} GB over the link): "
               f"PCIe bound {r['pcie_bound_s'] * 1e3:.1f} ms at {pcie:.1f} GB/s, achieved "
               f"{r['fraction_of_pcie_bound']:.0%} of it", flush=True)
     print(f"speedup {results['speedup']:.1f}x (target >= {TARGET:.0f}x, prefill ahead "

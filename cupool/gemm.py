@@ -503,7 +503,7 @@ class MoEGemm:
                 expert_addr: torch.Tensor, *, host_addr: torch.Tensor | None = None,
                 layer: int = 0, out: torch.Tensor | None = None,
                 lists: ScratchLists | None = None,
-                ahead: ScratchLists | None = None) -> torch.Tensor:
+                ahead: ScratchLists | None = None, accumulate=None) -> torch.Tensor:
         """The partition path. expert_addr: int64 [E], the GPU address of each resident expert's
         row, 0 for the others, which are read from `host_addr[layer·E + e]` (the store's UVA
         address table) into the scratch in chunks of scratch_rows // scratch_buffers, on a second
@@ -520,7 +520,11 @@ class MoEGemm:
         chunk copies at its end, each after this call's last GEMM on that buffer, so the copy
         stream keeps working while the model computes what lies between the two calls. A next
         call given those very lists uses them; any other next call drops them
-        (`ahead_dropped`)."""
+        (`ahead_dropped`).
+
+        accumulate: None, or a callable given the call's float32 sum [T, H] after the last GEMM
+        and before it is rounded into `out`, on the current stream, to add what was computed
+        elsewhere (the host's experts: `PooledExperts`' host prefill)."""
         if self._p is None:
             raise RuntimeError("this MoEGemm was built without prefill workspaces "
                                "(max_prefill_tokens=0)")
@@ -606,6 +610,8 @@ class MoEGemm:
                     side.wait_event(self._events[last][1])
                     copy(b, ahead)
                 self._ahead.issued(ahead, first)
+        if accumulate is not None:
+            accumulate(out32)
         ops.finish(cfg, out32, T, out)
         return out
 

@@ -156,7 +156,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hx_run_timed.restype, lib.hx_run_timed.argtypes = i32, run + [i32, p]
     lib.hx_read.restype, lib.hx_read.argtypes = i64, [p, p, i64, ctypes.POINTER(ctypes.c_uint64)]
     lib.hx_serve.restype, lib.hx_serve.argtypes = i32, [p, ctypes.POINTER(_Layout), p, i64, i32,
-                                                        i32, p, p, p, p, p, p]
+                                                        i32, p, p, p, p, p, p, p]
     lib.hx_serve_stop.restype = i32
     lib.hx_serve_stop.argtypes = [p, ctypes.POINTER(ctypes.c_uint)]
     lib.hx_serving.restype, lib.hx_serving.argtypes = i32, [p]
@@ -340,7 +340,7 @@ class HostExperts:
         a = mailbox.addresses
         if self._lib.hx_serve(self._pool, ctypes.byref(self._c), self._table.ctypes.data,
                               self._table.size, mailbox.tokens, mailbox.lanes, a["seq"],
-                              a["done"], a["keys"], a["weights"], a["x"], a["out"]):
+                              a["done"], a["size"], a["keys"], a["weights"], a["x"], a["out"]):
             raise RuntimeError("starting the host experts' serving thread failed")
         self._mailbox = mailbox              # kept alive while served
         mailbox.served_by = self
@@ -433,11 +433,13 @@ def _raise(err: int, T: int, K: int) -> None:
 
 class Mailbox:
     """Where a GPU step and `HostExperts.serve` meet (rawkernels/host_handoff.cu): one request of
-    T tokens × K lanes at a time, in pinned host memory the GPU reads and writes through UVA.
+    at most T tokens × K lanes at a time, in pinned host memory the GPU reads and writes through
+    UVA.
 
-    Layout (byte offsets in `addresses`): seq (u32) at 0, done (u32) at 64, keys [T·K] int64,
-    weights [T·K] float32, x [T, H] float32, out [T, H] float32, each 64-byte aligned.
-    seq and done start at 0. A pinned mailbox (the default) is posted to by the GPU
+    Layout (byte offsets in `addresses`): seq (u32) at 0, done (u32) at 64, size (u32, the
+    request's lanes t·K for its t ≤ T tokens) at 128, keys [T·K] int64, weights [T·K] float32,
+    x [T, H] float32, out [T, H] float32, each 64-byte aligned; a request of t tokens uses the
+    first t·K keys and weights and the first t rows of x and out. seq and done start at 0. A pinned mailbox (the default) is posted to by the GPU
     (`cupool.ops.host_handoff`), which numbers its requests with the mailbox's own device counter
     (`counter`, int32 [3]: the last request's number; 1 if the last post sent one, as a post
     with no routed lane sends nothing and its wait adds nothing; and the post's blocks counted
@@ -455,8 +457,8 @@ class Mailbox:
         self.tokens, self.lanes, self.hidden = tokens, lanes, hidden
         W, n = tokens * lanes, tokens * hidden
         offs, at = {}, 0
-        for name, size in (("seq", 4), ("done", 4), ("keys", 8 * W), ("weights", 4 * W),
-                           ("x", 4 * n), ("out", 4 * n)):
+        for name, size in (("seq", 4), ("done", 4), ("size", 4), ("keys", 8 * W),
+                           ("weights", 4 * W), ("x", 4 * n), ("out", 4 * n)):
             offs[name] = at
             at = -(-(at + size) // 64) * 64
         self.nbytes = at
@@ -497,23 +499,37 @@ class Mailbox:
     def done(self) -> int:
         return self._word("done").value
 
+    @property
+    def size(self) -> int:
+        """The last request's lanes (t·K for its t tokens)."""
+        return self._word("size").value
+
     def post(self, x, keys, weights) -> int:
-        """A request from the host (tests, tools): x [T, H], keys [T, K], weights [T, K]; returns its
-        number. Only for a mailbox in ordinary memory: a pinned one is the GPU's to post to
-        (`cupool.ops.host_handoff.post`), and its requests are numbered on the device."""
+        """A request from the host (tests, tools): x [t, H], keys [t, K], weights [t, K] for t ≤ T
+        tokens; returns its number. Only for a mailbox in ordinary memory: a pinned one is the
+        GPU's to post to (`cupool.ops.host_handoff.post`), and its requests are numbered on the
+        device."""
         if self.counter is not None:
             raise RuntimeError("mailbox: pinned, so the GPU posts to it "
                                "(cupool.ops.host_handoff.post); Mailbox(pinned=False) is posted "
                                "to from the host")
-        self.x[...] = np.asarray(x, dtype=np.float32).reshape(self.tokens, self.hidden)
-        self.keys[...] = np.asarray(keys, dtype=np.int64).reshape(-1)
-        self.weights[...] = np.asarray(weights, dtype=np.float32).reshape(-1)
+        x = np.asarray(x, dtype=np.float32)
+        t = x.shape[0] if x.ndim == 2 else 0
+        if x.ndim != 2 or x.shape[1] != self.hidden or not 1 <= t <= self.tokens:
+            raise ValueError(f"x: expected [t, {self.hidden}] with 1 <= t <= {self.tokens}, got "
+                             f"{list(x.shape)}")
+        W = t * self.lanes
+        self.x[:t] = x
+        self.keys[:W] = np.asarray(keys, dtype=np.int64).reshape(-1)
+        self.weights[:W] = np.asarray(weights, dtype=np.float32).reshape(-1)
+        self._word("size").value = W
         s = (self.seq + 1) & 0xFFFFFFFF
         self._word("seq").value = s           # after the request (x86 and CPython keep the order)
         return s
 
     def wait(self, number: int, timeout_s: float = 10.0) -> np.ndarray:
-        """Waits until request `number` is answered; returns out [T, H] (a view)."""
+        """Waits until request `number` is answered; returns out [T, H] (a view: a request of t
+        tokens answers in its first t rows)."""
         import time
         end = time.monotonic() + timeout_s
         while self.done != number:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from cupool._env import parse_switch
-from cupool.hostexperts import HostExperts, Mailbox, split_table
+from cupool.hostexperts import HostExperts, Mailbox, host_split, split_table
 from cupool.ops.host_handoff import post, wait
 
 
@@ -76,6 +76,34 @@ def prefill_plan(pool, layer: int, tokens: int) -> tuple[bool, int | None]:
     return True, (layer + 1 if layer + 1 < pool.num_layers else None)
 
 
+def check_prefill_settings(prefill_tokens, costs, widest: int) -> None:
+    """ValueError naming the setting for a `prefill_tokens` that is not an int in [0, widest]
+    (the GEMM's max_prefill_tokens) or `costs` that are not None or `check_prefill_costs`'."""
+    if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, (int, np.integer)) \
+            or not 0 <= prefill_tokens <= widest:
+        raise ValueError(f"prefill_tokens must be an int in [0, {widest}] (the GEMM's "
+                         f"max_prefill_tokens), got {prefill_tokens!r}")
+    if costs is not None:
+        check_prefill_costs(costs)
+
+
+def check_prefill_costs(costs) -> list[tuple[int, float, float]]:
+    """`HostDecode`'s prefill_costs as given: one or two (tokens, µs a row, µs a call) with
+    tokens ascending ints >= 1, a row's µs > 0 and a call's >= 0, all finite; else ValueError
+    naming what is wrong."""
+    try:
+        out = [(int(t), float(r), float(c)) for t, r, c in costs]
+        ok = all(t == t0 and t0 >= 1 for (t, _, _), (t0, _, _) in zip(costs, out))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok or not 1 <= len(out) <= 2 or any(
+            not (np.isfinite(r) and r > 0 and np.isfinite(c) and c >= 0) for _, r, c in out) \
+            or (len(out) == 2 and out[0][0] >= out[1][0]):
+        raise ValueError(f"prefill_costs must be one or two (tokens >= 1, µs a row > 0, µs a "
+                         f"call >= 0) with tokens ascending, got {costs!r}")
+    return out
+
+
 def check_host_settings(leave, cpu_call_us, min_misses) -> None:
     """ValueError naming the setting for a `leave` that is not a bool, a `cpu_call_us` that is
     not None or a finite number >= 0, or a `min_misses` that is not None or an int >= 0."""
@@ -103,12 +131,21 @@ class HostDecode:
     token's calls never hand anything over). `hands_over(n)` says whether a call of n active
     tokens can hand anything over; the Engine runs steps that cannot as plain steps.
     leave: the host's misses are left out of the bank (no row, nothing copied behind) instead of
-    promoted and copied behind the call (`Bank.set_split`)."""
+    promoted and copied behind the call (`Bank.set_split`).
+
+    prefill_tokens: 0, or the widest prompt prefill call (at most the GEMM's max_prefill_tokens)
+    whose experts without a bank row the host shares with the link: the call's last experts in
+    scratch order are computed on the host (`prefill_share`, `Pool.host_prefill_experts`), their
+    lanes posted to the same mailbox (sized for the wider of the two calls), the others copied
+    and computed as without the host. Its CPU figures, `prefill_costs` ((tokens, µs a row, µs a
+    call besides its rows) of one or two widths, ascending), are measured at that width and at a
+    quarter of it unless given (`measure_cpu_prefill_us`; `prefill_us`)."""
 
     def __init__(self, pool, tokens: int, *, threads: int | None = None,
                  link_us: float | None = None, cpu_us: float | None = None,
                  cpu_call_us: float | None = None, handoff_us: float = 10.0,
-                 spin_ms: float = 50.0, leave: bool = False, min_misses: int | None = None):
+                 spin_ms: float = 50.0, leave: bool = False, min_misses: int | None = None,
+                 prefill_tokens: int = 0, prefill_costs=None):
         bank = pool.bank
         if not bank.hosting:
             raise RuntimeError("the pool's bank has no host steps (Pool.enable_host_experts "
@@ -118,6 +155,8 @@ class HostDecode:
             raise ValueError(f"tokens must be an int with 1 <= tokens · top_k ({pool.top_k}) <= "
                              f"the bank's max_lanes ({bank.max_lanes}), got {tokens!r}")
         check_host_settings(leave, cpu_call_us, min_misses)
+        check_prefill_settings(prefill_tokens, prefill_costs, pool.gemm.max_prefill_tokens)
+        self.prefill_tokens = int(prefill_tokens)
         self.pool, self.tokens, self.leave = pool, int(tokens), leave
         self.min_misses = pool.top_k + 1 if min_misses is None else int(min_misses)
         dev, H, K = pool.device, pool.layout.hidden, pool.top_k
@@ -135,7 +174,18 @@ class HostDecode:
             handing = np.flatnonzero(self.split > 0)
             # the fewest misses a call hands anything over at (None: no call does)
             self.first_handed = int(handing[0]) if handing.size else None
-            self.mailbox = Mailbox(self.tokens, K, H, pinned=True, device=dev)
+            # (tokens, µs a row, µs a call besides its rows) of prefill calls on the host
+            self.prefill_costs: list[tuple[int, float, float]] = []
+            self._shares: dict[tuple[int, int], int] = {}
+            if self.prefill_tokens and prefill_costs is not None:
+                self.prefill_costs = check_prefill_costs(prefill_costs)
+            elif self.prefill_tokens:
+                for t in sorted({max(1, self.prefill_tokens // 4), self.prefill_tokens}):
+                    self.prefill_costs.append((t, *measure_cpu_prefill_us(
+                        self.hx, H, pool.num_layers * pool.num_experts, t, K,
+                        pool.num_experts)))
+            self.mailbox = Mailbox(max(self.tokens, self.prefill_tokens), K, H, pinned=True,
+                                   device=dev)
             self.error = torch.zeros(1, dtype=torch.int32, device=dev)
             self.side = torch.cuda.Stream(dev)
             bank.set_split(self.split, leave)
@@ -151,12 +201,42 @@ class HostDecode:
         (`Pool.plain_decode`)."""
         return self.first_handed is not None and tokens * self.pool.top_k >= self.first_handed
 
+    def prefill_share(self, tokens: int, missing: int) -> int:
+        """How many of a prefill call's `missing` experts (those without a bank row, each
+        copied whole) the host computes, for a call of `tokens` tokens: the count k that makes
+        the later of the link's (missing − k rows at link_us) and the host's (the hand-off, the
+        call's own prefill_call_us, k rows at prefill_cpu_us) finish soonest; 0 where that is
+        none, where host prefill is off (prefill_tokens 0) or the call is wider than
+        prefill_tokens."""
+        if not self.prefill_tokens or not 1 <= tokens <= self.prefill_tokens or missing < 1:
+            return 0
+        key = (int(tokens), int(missing))
+        k = self._shares.get(key)
+        if k is None:
+            row, call = self.prefill_us(tokens)
+            k = self._shares[key] = host_split(int(missing), self.link_us, row,
+                                               self.handoff_us + call)
+        return k
+
+    def prefill_us(self, tokens: int) -> tuple[float, float]:
+        """(µs a row, µs a call besides its rows) of a prefill call of `tokens` tokens on the
+        host: `prefill_costs` interpolated linearly in the tokens (held past the widest, and
+        past the narrowest a row at least 5% of the narrowest's); (0, 0) with host prefill off."""
+        c = self.prefill_costs
+        if not c:
+            return 0.0, 0.0
+        if len(c) == 1 or tokens >= c[-1][0]:
+            return c[-1][1], c[-1][2]
+        (t0, r0, k0), (t1, r1, k1) = c[0], c[-1]
+        f = (tokens - t0) / (t1 - t0)
+        return max(r0 + f * (r1 - r0), 0.05 * r0), max(k0 + f * (k1 - k0), 0.0)
+
     def errors(self) -> list[str]:
         """The hand-off's sticky error (a wait that gave up, about a second without an answer).
         A host read."""
         out = []
         if int(self.error.item()):
-            out.append("host: a decode call gave up waiting for the host's answer")
+            out.append("host: a call gave up waiting for the host's answer")
         return out
 
     def close(self) -> None:
@@ -189,6 +269,36 @@ def measure_link_us(bank, rows: int = 16, reps: int = 5) -> float:
         if i:
             times.append(a.elapsed_time(b) * 1e3 / n)
     return float(np.median(times))
+
+
+def measure_cpu_prefill_us(hx: HostExperts, hidden: int, keys: int, tokens: int, top_k: int,
+                           experts: int, reps: int = 5) -> tuple[float, float]:
+    """A prefill call's cost on the host's CPU, (µs a row, µs a call besides its rows): calls
+    of `tokens` tokens whose routed lanes go to 2 and to 10 rows, each row with the tokens a
+    prefill call of that width routes to an expert (tokens · top_k / experts, at least 1; the
+    other lanes -1, as the call posts them), `reps` of each spread over the `keys` keys; a row
+    is the difference of their medians / 8 and the rest of the 2-row call the call's own
+    (quantizing every token's x, writing every token's answer)."""
+    T, K = int(tokens), int(top_k)
+    m = max(1, min(T, round(T * K / experts)))      # tokens a row
+    x = torch.randn(T, hidden)
+    n = int(keys)
+
+    def median_us(rows: int) -> float:
+        ns = []
+        for k0 in np.linspace(0, n - rows, reps).astype(np.int64):
+            # the T·K lanes in lane-major order, row r taking m of them in a run: m ≤ T
+            # tokens, each once
+            flat = torch.full((K, T), -1, dtype=torch.int64)
+            flat.view(-1)[:rows * m] = int(k0) + torch.arange(rows).repeat_interleave(m)
+            ns.append(hx.timed(x, flat.t().contiguous(), torch.full((T, K), 1.0 / K), 1)[0])
+        return float(np.median(ns)) / 1e3
+
+    most = min(10, n, T * K // m)                    # rows of m tokens the lanes hold
+    lo, hi = min(2, most), most
+    t_lo, t_hi = median_us(lo), median_us(hi)
+    row = max((t_hi - t_lo) / (hi - lo), 0.05 * t_lo) if hi > lo else t_lo
+    return row, max(t_lo - lo * row, 0.0)
 
 
 def measure_cpu_us(hx: HostExperts, hidden: int, keys: int, reps: int = 9) -> tuple[float, float]:
@@ -315,11 +425,18 @@ class PooledExperts:
         host = p.store.address_table()
         step = p.gemm.max_prefill_tokens
         if x.shape[0] <= step:
-            listed, nxt = prefill_plan(p, self.layer, x.shape[0])
+            T = x.shape[0]
+            listed, nxt = prefill_plan(p, self.layer, T)
+            if not listed:
+                return p.gemm.prefill(x, ids, w, resident, host_addr=host, layer=self.layer)
             # lists from the placement read once a prefill: nothing moves it while the pool is
-            # prefilling (decode calls alone plan, and the prefetcher was joined above)
-            lists = p.scratch_lists(self.layer) if listed else None
-            ahead = p.scratch_lists(nxt) if listed and nxt is not None else None
+            # prefilling (decode calls alone plan, and the prefetcher was joined above); with
+            # host experts, each layer's without the experts the host takes at this width
+            share = p.host_prefill_share(self.layer, T)
+            lists = p.scratch_lists(self.layer, share)
+            ahead = None if nxt is None else p.scratch_lists(nxt, p.host_prefill_share(nxt, T))
+            if share:
+                return self._prefill_host(x, ids, w, resident, share, lists, ahead)
             return p.gemm.prefill(x, ids, w, resident, host_addr=host, layer=self.layer,
                                   lists=lists, ahead=ahead)
         out = torch.empty_like(x)
@@ -328,6 +445,27 @@ class PooledExperts:
             p.gemm.prefill(x[t0:t1], ids[t0:t1], w[t0:t1], resident, host_addr=host,
                            layer=self.layer, out=out[t0:t1])
         return out
+
+
+    def _prefill_host(self, x, ids, w, resident, share, lists, ahead):
+        """A prompt prefill call whose last `share` experts without a bank row the host's CPU
+        computes (`Pool.host_prefill_experts`): their lanes are posted to the host's mailbox
+        before the GEMM and taken out of the GPU's routing (padding lanes), the experts marked
+        as having a row elsewhere (address 1: no lane reads it) so the GEMM neither ranks nor
+        copies them, and the host's answer is added into the call's float32 sum before it is
+        rounded (`MoEGemm.prefill`'s accumulate)."""
+        p, hd = self.pool, self.pool.host
+        E = p.num_experts
+        on_host = p.host_prefill_mask(x.shape[0])[self.layer]
+        routed = (ids >= 0) & on_host[ids.clamp(min=0)]
+        keys = torch.where(routed, ids.to(torch.int64) + self.layer * E, -1)
+        weights = w if w.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            else w.to(torch.float32)
+        post(x, keys.contiguous(), weights.contiguous(), hd.mailbox)
+        addr = resident.masked_fill(on_host, 1)
+        return p.gemm.prefill(x, ids.masked_fill(routed, -1), w, addr,
+                              host_addr=p.store.address_table(), layer=self.layer, lists=lists,
+                              ahead=ahead, accumulate=lambda y: wait(hd.mailbox, y, hd.error))
 
 
 _LAYERS: weakref.WeakValueDictionary[int, PooledExperts] = weakref.WeakValueDictionary()

@@ -27,6 +27,7 @@ from cupool.layer import (
     HostDecode,
     PooledExperts,
     check_host_settings,
+    check_prefill_settings,
     prefill_ahead_default,
 )
 from cupool.layout import RowLayout, unpack_bias, unpack_row
@@ -67,7 +68,8 @@ class Pool:
         # while prefilling: which experts own a bank row ([L, E] bool, read from the device once
         # a prefill) and the `ScratchLists` made from it, per layer
         self._prefill_resident: np.ndarray | None = None
-        self._prefill_lists: dict[int, ScratchLists] = {}
+        self._prefill_lists: dict[tuple[int, int], ScratchLists] = {}   # (layer, host experts)
+        self._prefill_masks: dict[int, tuple] = {}   # tokens: host_prefill_mask's (device, pinned)
         # decode: copies on a second stream beside the GEMM of the rows in place. Off by default:
         # with the one-launch decode GEMM it bought ~1% at a half-size bank and cost ~10% with
         # every expert resident on an H200 (the second launch; docs/PERFORMANCE.md).
@@ -229,7 +231,8 @@ class Pool:
     def enable_host_experts(self, tokens: int = 1, *, threads: int | None = None,
                             link_us: float | None = None, cpu_us: float | None = None,
                             cpu_call_us: float | None = None, handoff_us: float = 10.0,
-                            leave: bool = False, min_misses: int | None = None) -> HostDecode:
+                            leave: bool = False, min_misses: int | None = None,
+                            prefill_tokens: int = 0, prefill_costs=None) -> HostDecode:
         """Hand some of each decode call's misses to the host's CPU (`HostDecode`): the plan
         step's last promoted misses, as many as make the link and the CPU finish together
         (`cupool.hostexperts.split_table` from a row's time on each and a host call's own
@@ -240,20 +243,24 @@ class Pool:
         `min_misses` misses (None: top_k + 1, so one token's calls) hand nothing over. Steps
         whose calls cannot hand anything over run as plain steps (`HostDecode.hands_over`,
         `plain_decode`: the Engine picks the step's graph by its active slots). Decode calls must
-        then have `tokens` tokens (the Engine's slots). Not with prefetch. A bank without the
-        planner's host variant is rebuilt with it first (as `resize_bank`: placement reset, gate
+        then have `tokens` tokens (the Engine's slots). With `prefill_tokens` > 0 the host also
+        computes some experts without a bank row of prompt prefill calls of up to that many
+        tokens (`HostDecode`'s prefill_tokens and prefill_costs: a short turn after a reused
+        prefix). Not with prefetch. A bank without the planner's host variant is rebuilt with it first (as `resize_bank`: placement reset, gate
         closed): call this before warm-up and capture. Returns the HostDecode."""
         if self.prefetcher is not None or self.bank.prefetching:
             raise RuntimeError("host experts and prefetch are separate planner builds: "
                                "disable prefetch and rebuild the bank (resize_bank(..., "
                                "prefetch=False)) first")
         check_host_settings(leave, cpu_call_us, min_misses)     # before the bank is rebuilt
+        check_prefill_settings(prefill_tokens, prefill_costs, self.gemm.max_prefill_tokens)
         self.disable_host_experts()
         if not self.bank.hosting:
             self.resize_bank(self.rows_per_layer, host=True)
         self.host = HostDecode(self, tokens, threads=threads, link_us=link_us, cpu_us=cpu_us,
                                cpu_call_us=cpu_call_us, handoff_us=handoff_us, leave=leave,
-                               min_misses=min_misses)
+                               min_misses=min_misses, prefill_tokens=prefill_tokens,
+                               prefill_costs=prefill_costs)
         return self.host
 
     def disable_host_experts(self) -> None:
@@ -294,26 +301,75 @@ class Pool:
             self.prefill_only = before
             if not before:               # the placement may move again: lists made from it go
                 self._prefill_resident, self._prefill_lists = None, {}
+                self._prefill_masks = {}
             if self.gemm is not None:
                 self.gemm.drop_ahead()   # copies issued ahead are for this prefill's calls only
 
-    def scratch_lists(self, layer: int) -> ScratchLists:
+    def scratch_lists(self, layer: int, host: int = 0) -> ScratchLists:
         """`ScratchLists` of `layer`'s prefill calls (prefill ahead), made from the placement,
         which is read from the device once a prefill (a host read: the first call waits for
-        the work queued before it) and cannot move until it ends. Only while prefilling."""
+        the work queued before it) and cannot move until it ends; with `host` > 0, without
+        the `host` experts the host's CPU computes instead (`host_prefill_experts`). Only while
+        prefilling."""
         if not self.prefill_only:
             raise RuntimeError("scratch lists follow the placement only while the pool is "
                                "prefilling (Pool.prefilling())")
-        lists = self._prefill_lists.get(layer)
+        key = (layer, int(host))
+        lists = self._prefill_lists.get(key)
         if lists is None:
-            if self._prefill_resident is None:
-                E = self.num_experts
-                self._prefill_resident = (self.bank.slot_of[:self.num_layers * E] >= 0) \
-                    .reshape(self.num_layers, E).cpu().numpy()
-            lists = self.gemm.scratch_lists(layer, self._prefill_resident[layer],
-                                            self.store.host_addresses())
-            self._prefill_lists[layer] = lists
+            resident = self.prefill_resident(layer)
+            if host:
+                resident = resident.copy()
+                resident[self.host_prefill_experts(layer, host)] = True
+            lists = self.gemm.scratch_lists(layer, resident, self.store.host_addresses())
+            self._prefill_lists[key] = lists
         return lists
+
+    def prefill_resident(self, layer: int) -> np.ndarray:
+        """bool [E]: `layer`'s experts with a bank row, read once a prefill (as `scratch_lists`).
+        Only while prefilling."""
+        if self._prefill_resident is None:
+            E = self.num_experts
+            self._prefill_resident = (self.bank.slot_of[:self.num_layers * E] >= 0) \
+                .reshape(self.num_layers, E).cpu().numpy()
+        return self._prefill_resident[layer]
+
+    def host_prefill_experts(self, layer: int, count: int) -> np.ndarray:
+        """The `count` experts of `layer` the host computes in a prefill call with host experts
+        (`HostDecode.prefill_share`): the last `count` experts without a bank row, in expert
+        order, i.e. those the scratch would take last, so the link's copies end that much
+        sooner and the first chunks (and the ones issued ahead) are as without the host."""
+        missing = np.flatnonzero(~self.prefill_resident(layer))
+        if not 0 < count <= missing.size:
+            raise ValueError(f"layer {layer}: count must be in [1, {missing.size}] (its experts "
+                             f"without a bank row), got {count}")
+        return missing[missing.size - count:]
+
+    def host_prefill_mask(self, tokens: int) -> torch.Tensor:
+        """bool [L, E] on the pool's device: the experts the host computes in prefill calls of
+        `tokens` tokens (`host_prefill_experts` of each layer's `host_prefill_share`), made
+        once a prefill from pinned memory without waiting for the device. Only while
+        prefilling."""
+        mask = self._prefill_masks.get(int(tokens))
+        if mask is None:
+            cpu = torch.zeros(self.num_layers, self.num_experts, dtype=torch.bool).pin_memory()
+            for layer in range(self.num_layers):
+                share = self.host_prefill_share(layer, tokens)
+                if share:
+                    cpu[layer, torch.from_numpy(self.host_prefill_experts(layer, share))] = True
+            mask = cpu.to(self.device, non_blocking=True)
+            self._prefill_masks[int(tokens)] = (mask, cpu)        # the pinned source kept
+        else:
+            mask = mask[0]
+        return mask
+
+    def host_prefill_share(self, layer: int, tokens: int) -> int:
+        """How many of `layer`'s experts without a bank row the host computes in a prefill call
+        of `tokens` tokens: 0 without host experts or where the split gives the host nothing.
+        Only while prefilling."""
+        if self.host is None:
+            return 0
+        return self.host.prefill_share(tokens, int((~self.prefill_resident(layer)).sum()))
 
     def open(self, verify: bool = True, sample: int | None = 64) -> None:
         """Open the gate (placement starts following the routing). Verifies tables and `sample`

@@ -456,13 +456,14 @@ typedef struct {
     const hx_layout* L;
     const int64_t* table;
     int64_t n_keys;
-    int T, K;
+    int T, K;                        // the mailbox's tokens (the most a request carries), lanes
     const uint32_t* seq;             // the request's number (written last by the poster)
     uint32_t* done;                  // the answered number (written last here)
-    const int64_t* keys;             // [T·K]
-    const float* weights;            // [T·K]
-    const float* x;                  // [T, H]
-    float* out;                      // [T, H]
+    const uint32_t* size;            // the request's lanes, t·K for its t <= T tokens
+    const int64_t* keys;             // [t·K]
+    const float* weights;            // [t·K]
+    const float* x;                  // [t, H]
+    float* out;                      // [t, H]
     uint32_t first;                  // seq when serving started: requests after it are answered
 } hx_serve_args;
 
@@ -887,8 +888,14 @@ static void* serve_main(void* arg) {
         }
         last = s;
         const int64_t t1 = now_ns();
-        const int err = hx_run(p, a->L, a->table, a->n_keys, a->T, a->K, a->keys, a->weights, a->x,
-                               a->out);
+        // the request's own tokens (a prefill call carries fewer than the mailbox holds): its
+        // size is written before seq, so the acquire above orders the read
+        const uint32_t lanes = __atomic_load_n(a->size, __ATOMIC_RELAXED);
+        const int T = (int)(lanes / (uint32_t)a->K);
+        int err = HX_ERR_ARGS;
+        p->last_units = 0;
+        if (lanes % (uint32_t)a->K == 0 && T >= 1 && T <= a->T)
+            err = hx_run(p, a->L, a->table, a->n_keys, T, a->K, a->keys, a->weights, a->x, a->out);
         const uint64_t ns = (uint64_t)(now_ns() - t1);
         if (err) atomic_fetch_or(&p->serve_err, err);
         __atomic_store_n(a->done, s, __ATOMIC_RELEASE);
@@ -899,17 +906,19 @@ static void* serve_main(void* arg) {
     }
 }
 
-// Starts a thread that answers every request posted to the mailbox (seq bumped after keys,
-// weights and x are written) with hx_run into out, then stores the request's number in done.
+// Starts a thread that answers every request posted to the mailbox (seq bumped after size, keys,
+// weights and x are written) with hx_run into out, then stores the request's number in done. A
+// request carries size / K tokens, at most T (the mailbox's); a size outside that is answered
+// with nothing computed and HX_ERR_ARGS in the served calls' error bits.
 // While it runs, the pool is that thread's: hx_run and hx_read must not be called. Returns 0, or
 // -1 if it is already serving or the thread could not start.
 int hx_serve(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys, int T, int K,
-             const uint32_t* seq, uint32_t* done, const int64_t* keys, const float* weights,
-             const float* x, float* out) {
+             const uint32_t* seq, uint32_t* done, const uint32_t* size, const int64_t* keys,
+             const float* weights, const float* x, float* out) {
     if (p->serving || T < 1 || K < 1) return -1;
     // read here, not by the new thread: a request posted before that thread first looks is
     // still answered
-    hx_serve_args a = {L, table, n_keys, T, K, seq, done, keys, weights, x, out,
+    hx_serve_args a = {L, table, n_keys, T, K, seq, done, size, keys, weights, x, out,
                        __atomic_load_n(seq, __ATOMIC_ACQUIRE)};
     p->sa = a;
     atomic_store(&p->serve_stop, 0);

@@ -5,6 +5,8 @@
 // Mailbox (host memory; the GPU reads and writes it across PCIe):
 //   seq  (u32, byte 0)   the request's sequence number: written by host_post, last
 //   done (u32, byte 64)  the answered sequence number: written by the host, after out
+//   size (u32, byte 128) the request's lanes W = T·K (host_post): T may be fewer tokens than the
+//                        mailbox holds (a prefill call's), and the host reads only those
 //   keys [W] i64, weights [W] f32, x [T, H] f32: the request (host_post)
 //   out [T, H] f32: the answer (the host)
 // Order: host_post writes the request, fences at system scope, then seq; the host polls seq,
@@ -64,12 +66,13 @@ CUPOOL_DEVICE void st_release_sys(u32* p, u32 v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
-// The request: x [n] (T·H values) and the weights [lanes] as float32, keys [lanes], then the next
-// sequence number in counter[0] and in the mailbox's seq, and counter[1] = 1; with no routed lane
-// only counter[1] = 0. mx is 16-byte aligned (the mailbox's 64-byte layout); x need not be.
+// The request: x [n] (T·H values) and the weights [lanes] as float32, keys [lanes], its size
+// (lanes), then the next sequence number in counter[0] and in the mailbox's seq, and counter[1] =
+// 1; with no routed lane only counter[1] = 0. mx is 16-byte aligned (the mailbox's 64-byte
+// layout); x need not be.
 extern "C" __global__ void host_post(const void* __restrict__ x, i32 n,
                                      const i64* __restrict__ keys, const void* __restrict__ weights,
-                                     i32 lanes, i32* __restrict__ counter, u32* seq,
+                                     i32 lanes, i32* __restrict__ counter, u32* seq, u32* msize,
                                      float* mx, i64* mkeys, float* mweights) {
     int routed = 0;
     for (int i = threadIdx.x; i < lanes; i += blockDim.x) routed |= keys[i] >= 0;
@@ -84,6 +87,7 @@ extern "C" __global__ void host_post(const void* __restrict__ x, i32 n,
         *reinterpret_cast<float4*>(mx + i) = v;
     }
     if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) *msize = (u32)lanes;
         for (int i = n4 + threadIdx.x; i < n; i += blockDim.x) mx[i] = load_f32<X_DTYPE>(x, i);
         for (int i = threadIdx.x; i < lanes; i += blockDim.x) {
             mkeys[i] = keys[i];

@@ -72,20 +72,23 @@ int main(int argc, char** argv) {
             bad += sa != sb;
         }
     }
-    // a served mailbox: this thread posts (writes the request, then bumps seq) and waits for done
-    static uint32_t seq = 0, done = 0;
+    // a served mailbox: this thread posts (writes the request and its size, then bumps seq) and
+    // waits for done; requests of 1 to T tokens, each compared over its own rows
+    static uint32_t seq = 0, done = 0, size = 0;
     int64_t mkeys[T * K];
     float mw[T * K], mx[T * H], mout[T * H];
-    if (hx_serve(many, &L, table, E, T, K, &seq, &done, mkeys, mw, mx, mout)) {
+    if (hx_serve(many, &L, table, E, T, K, &seq, &done, &size, mkeys, mw, mx, mout)) {
         fprintf(stderr, "hx_serve failed\n");
         return 2;
     }
     for (uint32_t r = 1; r <= (uint32_t)calls / 4; ++r) {
+        const int t = 1 + (int)(r % T);
         random_call(&s, mkeys, mw, mx);
+        size = (uint32_t)(t * K);
         __atomic_store_n(&seq, r, __ATOMIC_RELEASE);
         while (__atomic_load_n(&done, __ATOMIC_ACQUIRE) != r) hx_pause();
-        hx_run(one, &L, table, E, T, K, mkeys, mw, mx, b);
-        bad += memcmp(mout, b, sizeof b) != 0;
+        hx_run(one, &L, table, E, t, K, mkeys, mw, mx, b);
+        bad += memcmp(mout, b, sizeof(float) * (size_t)t * H) != 0;
     }
     hx_serve_stop(many, NULL);
     hx_destroy(many);

@@ -13,7 +13,7 @@ from test_gpu_wrap import model_for
 from tiny_models import FAMILIES
 
 import cupool
-from cupool.hostexperts import split_table
+from cupool.hostexperts import host_split, split_table
 from cupool.layout import unpack_row
 from cupool.reference.moe import reference_moe
 from cupool.sampling import SamplingParams
@@ -109,6 +109,75 @@ def test_engine_runs_plain_steps_where_no_call_can_hand_over():
     assert int(pool.bank.tables.host_counters.sum()) > before
     assert pool.errors() == [] and not pool.bank.state()["pending"].any()
     eng.close()
+    pool.disable_host_experts()
+    pool.unwrap()
+
+
+@pytest.mark.parametrize("T", [40, 64])
+def test_prefill_call_with_host_experts_matches_the_reference(T):
+    """A prompt prefill call wide enough for the copy lists (T·K >= 4·E, inside
+    `Pool.prefilling`) whose last experts without a bank row the host computes: the output
+    equals the float reference within the host lanes' int8 rounding, the host answered one
+    request of the call's lanes, the lists leave its experts out, and the next call (prefill
+    ahead issued for it) and a call with the host's share off agree with the reference too."""
+    model, pool, E, K = _pool()
+    assert T * K >= 4 * E
+    # a row on the link 100 µs, on the host 50 µs and nothing a call: the host takes 3 of the 4
+    # experts a layer without a bank row
+    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=20.0, handoff_us=0.0,
+                                  prefill_tokens=64, prefill_costs=[(64, 50.0, 0.0)])
+    pool.open()
+    H = pool.layout.hidden
+    gen = torch.Generator(device="cpu").manual_seed(6)
+    experts = {layer: [tuple(None if m is None else dequantize_exact(m) for m in
+                             unpack_row(pool.layout, pool.store.row(layer, e)))
+                       for e in range(E)] for layer in (0, 1)}
+    with pool.prefilling():
+        for layer in (0, 1):
+            missing = int((~pool.prefill_resident(layer)).sum())
+            share = pool.host_prefill_share(layer, T)
+            assert share == host_split(missing, 100.0, 50.0, 0.0) == 3 and missing == 4
+            on_host = pool.host_prefill_experts(layer, share)
+            assert pool.scratch_lists(layer, share).experts == missing - share
+            assert not pool.prefill_resident(layer)[on_host].any()
+            x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+            ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+            assert torch.isin(ids, torch.from_numpy(on_host)).any()     # lanes for the host
+            w = torch.softmax(torch.randn(T, K, generator=gen), -1)
+            calls = hd.hx.serve_stats()["calls"]
+            y = pool.layers[layer](x, ids.cuda(), w.cuda())
+            torch.cuda.synchronize()
+            assert hd.hx.serve_stats()["calls"] == calls + 1
+            assert hd.mailbox.size == T * K
+            ref = reference_moe(x.float().cpu(), ids, w, experts[layer], torch.float64)
+            err = float((y.double().cpu() - ref).norm() / ref.norm())
+            assert err <= 3e-2, (layer, err)      # int8 x on the host's lanes, bf16 on the GPU's
+    assert pool.errors() == []
+    pool.disable_host_experts()
+    with pool.prefilling():
+        assert pool.host_prefill_share(1, T) == 0
+        y = pool.layers[1](x, ids.cuda(), w.cuda())
+        ref = reference_moe(x.float().cpu(), ids, w, experts[1], torch.float64)
+        assert float((y.double().cpu() - ref).norm() / ref.norm()) <= 1e-2
+    pool.unwrap()
+
+
+def test_engine_prefill_with_host_experts():
+    """The Engine's prompt prefill with the host's share on: the host answers prefill calls
+    (more requests than the decode steps' alone), no error, and every request decodes its
+    tokens."""
+    model, pool, E, K = _pool()
+    ps = _prompts([40, 33, 48], seed=11)            # 40·K, 33·K, 48·K lanes: the lists' path
+    params = [SamplingParams(max_tokens=n) for n in (6, 5, 7)]
+    plain = _generate(model, pool, ps, params, max_len=64)
+    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=20.0, handoff_us=5.0,
+                                  prefill_tokens=64, prefill_costs=[(16, 20.0, 2.0),
+                                                                    (64, 50.0, 5.0)])
+    assert hd.prefill_share(40, E // 2) > 0
+    with_host = _generate(model, pool, ps, params, max_len=64)
+    assert [len(o) for o in with_host] == [len(o) for o in plain]
+    assert hd.hx.serve_stats()["calls"] > 0
+    assert pool.errors() == []
     pool.disable_host_experts()
     pool.unwrap()
 

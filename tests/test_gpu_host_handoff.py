@@ -118,6 +118,44 @@ def test_a_post_with_no_routed_lane_sends_nothing():
     store.close()
 
 
+def test_requests_of_fewer_tokens_than_the_mailbox_holds():
+    """A mailbox of 7 tokens (2 blocks a full post) takes posts of 3, 7 and 1 tokens (a prefill
+    call's are fewer than a decode step's): each answered over its own rows with the C code's
+    bits (the pool's own call, made before it serves), the size word the post's lanes; a post of
+    more rows than the mailbox holds is refused."""
+    T, K, E, H = 7, 3, 6, 144
+    layout = RowLayout(H, 64)
+    gen = torch.Generator().manual_seed(33)
+    store = _store(layout, E, gen)
+    mb = Mailbox(T, K, H)
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
+    with HostExperts(store.host_addresses(), layout, threads=2) as hx:
+        cases = []
+        for t in (3, 7, 1):
+            x = torch.randn(t, H, generator=gen).to(torch.bfloat16)
+            keys = torch.randint(-1, E, (t, K), generator=gen)
+            keys[0, 0] = 2                          # a routed lane: a request is posted
+            w = torch.rand(t, K, generator=gen)
+            cases.append((x, keys, w, hx(x.float(), keys, w)))
+        hx.serve(mb)
+        for x, keys, w, ref in cases:
+            t = x.shape[0]
+            start = torch.randn(t, H, generator=gen)
+            y = start.cuda()
+            host_handoff.post(x.cuda(), keys.cuda(), w.cuda(), mb)
+            host_handoff.wait(mb, y, error)
+            torch.cuda.synchronize()
+            assert int(error) == 0 and mb.size == t * K
+            assert torch.equal(y.cpu(), start.clone().add_(ref))
+        assert hx.stop_serving() == len(cases)
+    with pytest.raises(ValueError, match=r"x: expected 1 to 7 rows"):
+        host_handoff.post(torch.zeros(8, H, device="cuda"),
+                          torch.zeros(8, K, dtype=torch.int64, device="cuda"),
+                          torch.zeros(8, K, device="cuda"), mb)
+    mb.close()
+    store.close()
+
+
 def test_bad_arguments():
     mb = Mailbox(1, 2, 64)
     cpu_mb = Mailbox(1, 2, 64, pinned=False)

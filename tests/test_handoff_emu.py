@@ -58,12 +58,13 @@ def _run(exe, x, keys, w, y, out, blocks, counter=(4, 1, 0), seq=4):
     n, lanes = x.numel(), keys.numel()
     words = emu_build.run(exe, [[n, lanes, blocks], _bits(x), keys.reshape(-1).numpy(), _bits(w),
                                 list(counter), [seq, 1, 0], _bits(y), _bits(out)])
-    at = np.cumsum([0, n, lanes, lanes, 3, 1, n, 1])
+    at = np.cumsum([0, n, lanes, lanes, 3, 2, n, 1])
     parts = [words[a:b] for a, b in zip(at[:-1], at[1:])]
     assert len(words) == at[-1]
-    mx, mkeys, mw, counters, seq_out, y_out, error = parts
+    mx, mkeys, mw, counters, seq_size, y_out, error = parts
     return (mx.astype(np.uint32).view(np.float32), mkeys, mw.astype(np.uint32).view(np.float32),
-            counters.tolist(), int(seq_out[0]), _from_bits(y_out, y.dtype), int(error[0]))
+            counters.tolist(), int(seq_size[0]), _from_bits(y_out, y.dtype), int(error[0]),
+            int(seq_size[1]))                       # the last: the mailbox's size word
 
 
 @pytest.mark.parametrize("name", list(BUILDS))
@@ -83,11 +84,13 @@ def test_post_and_wait_over_a_grid(builds, name, n, lanes, blocks):
     out = torch.randn(n, generator=gen)
     grid = blocks or blocks_for(n)
     assert (n, grid) != (16384, 16) or blocks_for(n) == 16
-    mx, mkeys, mw, counters, seq, y_out, error = _run(builds[name], x, keys, w, y, out, grid)
+    mx, mkeys, mw, counters, seq, y_out, error, size = _run(builds[name], x, keys, w, y, out,
+                                                            grid)
     assert np.array_equal(mx, x.float().numpy())
     assert mkeys.tolist() == keys.tolist()
     assert np.array_equal(mw, w.float().numpy())
     assert counters == [5, 1, 0] and seq == 5 and error == 0
+    assert size == lanes                                       # the request's size word
     assert torch.equal(y_out, y.clone().add_(out))             # float32 sum, rounded once
 
 
@@ -102,10 +105,10 @@ def test_a_post_with_no_routed_lane_touches_nothing(builds, blocks):
     w = torch.rand(lanes, generator=gen)
     y = torch.randn(n, generator=gen).to(torch.bfloat16)
     out = torch.randn(n, generator=gen)
-    mx, mkeys, mw, counters, seq, y_out, error = _run(builds["bf16_f32_bf16"], x, keys, w, y, out,
-                                                      blocks)
+    mx, mkeys, mw, counters, seq, y_out, error, size = _run(builds["bf16_f32_bf16"], x, keys, w,
+                                                            y, out, blocks)
     assert (mx.view(np.uint32) == POISON).all() and (mw.view(np.uint32) == POISON).all()
-    assert (mkeys == -7).all()
+    assert (mkeys == -7).all() and size == POISON
     assert counters == [4, 0, 0] and seq == 4 and error == 0
     assert torch.equal(y_out, y)
 
@@ -139,7 +142,7 @@ def test_post_and_wait_under_thread_sanitizer(tmp_path):
     y = torch.randn(n, generator=gen).to(torch.bfloat16)
     out = torch.randn(n, generator=gen)
     for keys in (torch.arange(lanes) - 1, torch.full((lanes,), -1)):
-        mx, _, _, counters, _, y_out, error = _run(exe, x, keys, w, y, out, blocks_for(n))
+        mx, _, _, counters, _, y_out, error, _ = _run(exe, x, keys, w, y, out, blocks_for(n))
         routed = bool((keys >= 0).any())
         assert counters == ([5, 1, 0] if routed else [4, 0, 0]) and error == 0
         assert torch.equal(y_out, y.clone().add_(out) if routed else y)

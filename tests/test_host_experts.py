@@ -11,6 +11,7 @@ on any CPU); all must give the same bits.
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import numpy as np
@@ -392,6 +393,44 @@ def test_serving_a_mailbox(small):
             hx.serve(Mailbox(1, 1, 64, pinned=False))
 
 
+def test_serving_requests_of_fewer_tokens(small):
+    """A mailbox of 5 tokens answers requests of 1, 3 and 5 tokens (a prefill call's are fewer
+    than a decode step's) with the call's bits in their first rows, reading only those rows:
+    the rest of x, keys and weights hold NaN and out-of-range poison that would fail a call. A
+    request whose size is not whole tokens, or more than the mailbox holds, is answered with
+    nothing computed and refused when serving stops."""
+    from cupool.hostexperts import ERR_ARGS, Mailbox
+    gen = torch.Generator().manual_seed(26)
+    K = 3
+    mb = Mailbox(5, K, 80, pinned=False)
+    with HostExperts(small.store.host_addresses(), small.layout, threads=2) as hx:
+        cases = []
+        for t in (3, 1, 5, 2):
+            keys, w = _routing(t, K, 2 * small.E, gen)
+            x = torch.randn(t, 80, generator=gen)
+            cases.append((x, keys, w, hx(x, keys, w)))
+        hx.serve(mb)
+        for x, keys, w, ref in cases:
+            mb.x[...] = np.nan                      # poison past the request's rows
+            mb.keys[...] = 1 << 40
+            mb.weights[...] = np.nan
+            n = mb.post(x.numpy(), keys.numpy(), w.numpy())
+            assert mb.size == x.shape[0] * K
+            got = torch.from_numpy(mb.wait(n)[:x.shape[0]].copy())
+            assert torch.equal(got, ref)
+        with pytest.raises(ValueError, match=r"1 <= t <= 5"):
+            mb.post(np.zeros((6, 80)), np.zeros((6, K)), np.zeros((6, K)))
+        assert hx.serve_stats()["calls"] == 4
+        for size in (4, 6 * K, 0):                  # not whole tokens, too many, none
+            ctypes.c_uint32.from_address(mb.addresses["size"]).value = size
+            n = mb.seq + 1
+            ctypes.c_uint32.from_address(mb.addresses["seq"]).value = n
+            mb.wait(n)
+        with pytest.raises(RuntimeError, match=r"refused \(error bits 4\)"):
+            hx.stop_serving()
+    assert ERR_ARGS == 4
+
+
 def test_idle_serving_sleeps(small):
     """A serving pool with nothing posted naps instead of spinning (its nap growing to 1 ms): a
     second of idle serving costs well under a tenth of a core of this process's CPU time more
@@ -455,3 +494,90 @@ def test_measure_cpu_us(small):
         row, call = measure_cpu_us(hx, 80, 2 * small.E, reps=3)
     assert np.isfinite(row) and np.isfinite(call)
     assert row > 0 and call >= 0
+
+
+def test_measure_cpu_prefill_us(small):
+    """A prefill call's host cost, from calls of T tokens whose routed lanes go to 2 and to 10
+    rows of T·K / E tokens each: on a stand-in timed at 50 µs a call plus 12 µs a row-token
+    (each call's lanes checked: T tokens, distinct rows in range, each with its tokens, the other
+    lanes -1), exactly (12·m, 50) for m tokens a row; the real pool gives a positive row."""
+    from cupool.layer import measure_cpu_prefill_us
+
+    class Timed:
+        def __init__(self):
+            self.rows = []
+
+        def timed(self, x, keys, w, reps):
+            assert x.shape == (T, 80) and keys.shape == w.shape == (T, K)
+            routed = keys[keys >= 0]
+            counts = torch.bincount(routed - routed.min())
+            counts = counts[counts > 0]
+            assert 0 <= int(routed.min()) and int(routed.max()) < 2 * small.E
+            assert (counts == m).all()               # each row its m tokens
+            for t in range(T):                       # a token reaches a row once
+                k = keys[t][keys[t] >= 0].tolist()
+                assert len(set(k)) == len(k)
+            self.rows.append(counts.numel())
+            return [50_000 + 12_000 * int(counts.sum())] * reps
+
+    T, K, E = 24, 3, 12
+    m = round(T * K / E)                             # 6 tokens a row
+    fake = Timed()
+    assert measure_cpu_prefill_us(fake, 80, 2 * small.E, T, K, E, reps=3) == (12.0 * m, 50.0)
+    assert sorted(set(fake.rows)) == [2, 10]
+    with HostExperts(small.store.host_addresses(), small.layout, threads=1) as hx:
+        row, call = measure_cpu_prefill_us(hx, 80, 2 * small.E, T, K, E, reps=3)
+    assert np.isfinite(row) and np.isfinite(call) and row > 0 and call >= 0
+
+
+def test_prefill_share_balances_the_link_and_the_host():
+    """`HostDecode.prefill_us` interpolates the measured widths linearly (held past the widest,
+    a row at least 5% of the narrowest's below it) and `prefill_share` takes the count that
+    makes the later of the link and the host finish soonest (`host_split`): nothing for calls
+    wider than prefill_tokens, with no expert missing, or with host prefill off."""
+    from cupool.hostexperts import host_split
+    from cupool.layer import HostDecode
+
+    hd = object.__new__(HostDecode)                  # the figures alone: no pool, no GPU
+    hd.prefill_tokens, hd.link_us, hd.handoff_us, hd._shares = 128, 48.0, 10.0, {}
+    hd.prefill_costs = [(32, 40.0, 20.0), (128, 100.0, 60.0)]
+    assert hd.prefill_us(32) == (40.0, 20.0) and hd.prefill_us(128) == (100.0, 60.0)
+    assert hd.prefill_us(80) == (70.0, 40.0)
+    assert hd.prefill_us(8) == (25.0, 10.0)          # extrapolated below the narrowest
+    assert hd.prefill_us(1) == (pytest.approx(40.0 - 31 * 60 / 96),
+                                pytest.approx(20.0 - 31 * 40 / 96))
+    hd.prefill_costs = [(32, 40.0, 5.0), (128, 400.0, 60.0)]
+    assert hd.prefill_us(1) == (2.0, 0.0)            # a row's floor, a call's at 0
+    hd.prefill_costs = [(32, 40.0, 20.0), (128, 100.0, 60.0)]
+    assert hd.prefill_us(400) == (100.0, 60.0)
+    k = hd.prefill_share(128, 64)
+    assert k == host_split(64, 48.0, 100.0, 70.0) == 20
+    assert max((64 - k) * 48.0, 70.0 + 100.0 * k) < 64 * 48.0
+    assert hd.prefill_share(129, 64) == 0 and hd.prefill_share(128, 0) == 0
+    assert hd.prefill_share(0, 64) == 0
+    hd.prefill_costs = [(128, 5000.0, 0.0)]          # a CPU far slower than the link
+    hd._shares = {}
+    assert hd.prefill_share(128, 64) == 0
+    hd.prefill_tokens = 0
+    assert hd.prefill_share(16, 64) == 0 and hd.prefill_us(16) == (5000.0, 0.0)
+
+
+@pytest.mark.parametrize("costs", [[], [(0, 1.0, 1.0)], [(2.5, 1.0, 1.0)], [(4, 0.0, 1.0)],
+                                   [(4, 1.0, -1.0)], [(8, 1.0, 1.0), (4, 1.0, 1.0)],
+                                   [(1, 1.0, 1.0)] * 3, "x", [(1, float("nan"), 0.0)]])
+def test_prefill_costs_refused(costs):
+    from cupool.layer import check_prefill_costs, check_prefill_settings
+    with pytest.raises(ValueError, match="prefill_costs must be one or two"):
+        check_prefill_costs(costs)
+    with pytest.raises(ValueError, match="prefill_costs must be one or two"):
+        check_prefill_settings(16, costs, 64)
+
+
+def test_prefill_tokens_refused():
+    from cupool.layer import check_prefill_costs, check_prefill_settings
+    for bad in (-1, 65, 2.0, True, "8"):
+        with pytest.raises(ValueError, match=r"prefill_tokens must be an int in \[0, 64\]"):
+            check_prefill_settings(bad, None, 64)
+    check_prefill_settings(0, None, 64)
+    assert check_prefill_costs([(32, 40, 20), (128, 100.0, 60)]) == [(32, 40.0, 20.0),
+                                                                    (128, 100.0, 60.0)]

@@ -1,8 +1,10 @@
 """Launcher of `rawkernels/host_handoff.cu`: a step's request posted to a `Mailbox` and the host's
 answer added in, both inside the stream's work (and a captured graph), no host call between.
 
-    post(x, keys, weights, mailbox)      x [T, H], keys [T, K] int64, weights [T, K]
-    wait(mailbox, y, error)              y [T, H] += the answer (in float32, rounded once)
+    post(x, keys, weights, mailbox)      x [t, H], keys [t, K] int64, weights [t, K]
+    wait(mailbox, y, error)              y [t, H] += the answer (in float32, rounded once)
+for t up to the mailbox's T tokens (a decode step's, or fewer: a prefill call's); a wait's y has
+the t of the post before it.
 x, weights and y are float32, bf16 or fp16 CUDA tensors (host_handoff.cu's X_DTYPE, W_DTYPE and
 Y_DTYPE builds); the mailbox holds float32.
 
@@ -50,9 +52,19 @@ def _device_addresses(mailbox):
     return a
 
 
+def _tokens(name, t, mailbox) -> int:
+    """t's rows: 1 ..= the mailbox's tokens (ValueError naming `name` otherwise)."""
+    T = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() >= 1 else 0
+    if not 1 <= T <= mailbox.tokens:
+        raise ValueError(f"{name}: expected 1 to {mailbox.tokens} rows (the mailbox's tokens), "
+                         f"got {list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    return T
+
+
 def post(x: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, mailbox) -> None:
-    """Writes the request (x as float32, keys, weights) into `mailbox` and then its number."""
-    T, H, K = mailbox.tokens, mailbox.hidden, mailbox.lanes
+    """Writes the request (x as float32, keys, weights, its size) into `mailbox` and then its
+    number."""
+    T, H, K = _tokens("x", x, mailbox), mailbox.hidden, mailbox.lanes
     a = _device_addresses(mailbox)
     _check_cuda("x", x, tuple(DTYPES), (T, H))
     _check_cuda("keys", keys, torch.int64, (T, K))
@@ -63,13 +75,15 @@ def post(x: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, mailbox) ->
     fn = kernels.function("host_handoff", "host_post",
                           {"X_DTYPE": DTYPES[x.dtype], "W_DTYPE": DTYPES[weights.dtype]}, x.device)
     kernels.launch(fn, blocks_for(T * H), THREADS,
-                   (x, i32(T * H), keys, weights, i32(T * K), counter, i64(a["seq"]), i64(a["x"]),
-                    i64(a["keys"]), i64(a["weights"])), device=x.device)
+                   (x, i32(T * H), keys, weights, i32(T * K), counter, i64(a["seq"]),
+                    i64(a["size"]), i64(a["x"]), i64(a["keys"]), i64(a["weights"])),
+                   device=x.device)
 
 
 def wait(mailbox, y: torch.Tensor, error: torch.Tensor) -> None:
-    """y += the answer to the request last posted to `mailbox`, once the host has written it."""
-    T, H = mailbox.tokens, mailbox.hidden
+    """y += the answer to the request last posted to `mailbox` (y has that request's rows), once
+    the host has written it."""
+    T, H = _tokens("y", y, mailbox), mailbox.hidden
     a = _device_addresses(mailbox)
     _check_cuda("y", y, tuple(DTYPES), (T, H))
     _check_cuda("error", error, torch.int32, (1,))

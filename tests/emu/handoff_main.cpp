@@ -7,7 +7,7 @@
 // the post's number; 0: done stays at the next word), done, y[n] (Y_DTYPE's bits), out[n]
 // (float32 bits). The mailbox's x, keys and weights start poisoned.
 // Output (int64 words): mx[n] (float32 bits), mkeys[lanes], mweights[lanes] (float32 bits),
-// counter[3], seq, y[n] (Y_DTYPE's bits), error.
+// counter[3], seq, size (the mailbox's word; it starts poisoned), y[n] (Y_DTYPE's bits), error.
 #include <cstring>
 #include <type_traits>
 
@@ -31,7 +31,7 @@ int main(int argc, char** argv) {
     for (auto& v : w) v = (Word<W_DTYPE>)next();
     i32 counter[3];
     for (auto& v : counter) v = (i32)next();
-    u32 seq = (u32)next();
+    u32 seq = (u32)next(), size = POISON;
     const bool answer = next() != 0;
     u32 done = (u32)next();
     std::vector<Word<Y_DTYPE>> y(n);
@@ -50,8 +50,8 @@ int main(int argc, char** argv) {
     i32 error = 0;
 
     emu_launch_grid({(unsigned)blocks, 1, 1}, 256, 0, [&] {
-        host_post(x.data(), n, keys.data(), w.data(), lanes, counter, &seq, mx, mkeys.data(),
-                  mweights.data());
+        host_post(x.data(), n, keys.data(), w.data(), lanes, counter, &seq, &size, mx,
+                  mkeys.data(), mweights.data());
     });
     if (answer) done = seq;
     emu_launch_grid({(unsigned)blocks, 1, 1}, 256, 0, [&] {
@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
     std::memcpy(mx_bits.data(), mx, 4 * (size_t)n);
     std::memcpy(mw_bits.data(), mweights.data(), 4 * (size_t)lanes);
     const std::vector<i32> counters(counter, counter + 3);
-    const std::vector<u32> seqs{seq};
+    const std::vector<u32> seqs{seq, size};
     const std::vector<i32> errors{error};
     return emu_finish(fo, mx_bits, mkeys, mw_bits, counters, seqs, y, errors);
 }
