@@ -11,7 +11,7 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, prefix-scratch, serve, serve-slots, overlap, graph-copies.
+# prefix, prefix-host, prefix-scratch, serve, serve-slots, overlap, graph-copies.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -145,6 +145,9 @@ for stage in "$@"; do
     decode-qwen4) run bench_decode_qwen4_exp 590 python3 benchmarks/bench_decode.py --model qwen4_exp ;;
     ngram)    run bench_ngram 300 python3 benchmarks/bench_ngram.py ;;
     prefix)   run bench_prefix 590 python3 benchmarks/bench_prefix.py --profile ;;
+    # turn 2 with the host's CPU taking part in the reused turn's prefill (a reduced run, into $OUT)
+    prefix-host) run bench_prefix_host 590 python3 benchmarks/bench_prefix.py --host-experts \
+              --json "$OUT/bench_prefix_host.json" ;;
     # turn 2 at a 75% bank with the default scratch and with room for the next layer's copies
     # (SCRATCHES: rows x buffers)
     prefix-scratch) for rb in ${SCRATCHES:-32x2 64x2 64x4}; do
