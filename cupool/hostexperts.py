@@ -519,9 +519,15 @@ class Mailbox:
             raise ValueError(f"x: expected [t, {self.hidden}] with 1 <= t <= {self.tokens}, got "
                              f"{list(x.shape)}")
         W = t * self.lanes
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)
+        weights = np.asarray(weights, dtype=np.float32).reshape(-1)
+        for name, v in (("keys", keys), ("weights", weights)):
+            if v.size != W:
+                raise ValueError(f"{name}: expected t·K = {t}·{self.lanes} = {W} values, got "
+                                 f"{v.size}")
         self.x[:t] = x
-        self.keys[:W] = np.asarray(keys, dtype=np.int64).reshape(-1)
-        self.weights[:W] = np.asarray(weights, dtype=np.float32).reshape(-1)
+        self.keys[:W] = keys
+        self.weights[:W] = weights
         self._word("size").value = W
         s = (self.seq + 1) & 0xFFFFFFFF
         self._word("seq").value = s           # after the request (x86 and CPython keep the order)

@@ -420,6 +420,10 @@ def test_serving_requests_of_fewer_tokens(small):
             assert torch.equal(got, ref)
         with pytest.raises(ValueError, match=r"1 <= t <= 5"):
             mb.post(np.zeros((6, 80)), np.zeros((6, K)), np.zeros((6, K)))
+        with pytest.raises(ValueError, match=r"keys: expected t·K = 2·3 = 6 values, got 9"):
+            mb.post(np.zeros((2, 80)), np.zeros((3, K)), np.zeros((2, K)))
+        with pytest.raises(ValueError, match=r"weights: expected t·K = 2·3 = 6 values, got 3"):
+            mb.post(np.zeros((2, 80)), np.zeros((2, K)), np.zeros((1, K)))
         assert hx.serve_stats()["calls"] == 4
         for size in (4, 6 * K, 0):                  # not whole tokens, too many, none
             ctypes.c_uint32.from_address(mb.addresses["size"]).value = size
