@@ -436,14 +436,15 @@ class Mailbox:
     at most T tokens × K lanes at a time, in pinned host memory the GPU reads and writes through
     UVA.
 
-    Layout (byte offsets in `addresses`): seq (u32) at 0, done (u32) at 64, size (u32, the
-    request's lanes t·K for its t ≤ T tokens) at 128, keys [T·K] int64, weights [T·K] float32,
-    x [T, H] float32, out [T, H] float32, each 64-byte aligned; a request of t tokens uses the
-    first t·K keys and weights and the first t rows of x and out. seq and done start at 0. A pinned mailbox (the default) is posted to by the GPU
-    (`cupool.ops.host_handoff`), which numbers its requests with the mailbox's own device counter
-    (`counter`, int32 [3]: the last request's number; 1 if the last post sent one, as a post
-    with no routed lane sends nothing and its wait adds nothing; and the post's blocks counted
-    done, 0 between posts), so every replay of a captured graph waits for its own answer.
+    Layout (byte offsets in `addresses`): seq (u32) at 0, done (u32) at 64, size (u32, the request's
+    lanes t·K for its t ≤ T tokens) at 128, keys [T·K] int64, weights [T·K] float32, x [T, H]
+    float32, out [T, H] float32, each 64-byte aligned; a request of t tokens uses the first t·K keys
+    and weights and the first t rows of x and out. seq and done start at 0. A pinned mailbox (the
+    default) is posted to by the GPU (`cupool.ops.host_handoff`), which numbers its requests with
+    the mailbox's own device counter (`counter`, int32 [3]: the last request's number; 1 if the last
+    post sent one, as a post with no routed lane sends nothing and its wait adds nothing; and the
+    post's blocks counted done, 0 between posts), so every replay of a captured graph waits for its
+    own answer.
     `pinned=False` gives ordinary memory, posted to from the host (`post` and `wait` play the
     GPU's part: CPU tests)."""
 

@@ -205,9 +205,9 @@ class HostDecode:
         """How many of a prefill call's `missing` experts (those without a bank row, each
         copied whole) the host computes, for a call of `tokens` tokens: the count k that makes
         the later of the link's (missing − k rows at link_us) and the host's (the hand-off, the
-        call's own prefill_call_us, k rows at prefill_cpu_us) finish soonest; 0 where that is
-        none, where host prefill is off (prefill_tokens 0) or the call is wider than
-        prefill_tokens."""
+        call's own time and k rows at `prefill_us(tokens)`) finish soonest (`host_split`); 0
+        where that is none, where host prefill is off (prefill_tokens 0) or the call is wider
+        than prefill_tokens."""
         if not self.prefill_tokens or not 1 <= tokens <= self.prefill_tokens or missing < 1:
             return 0
         key = (int(tokens), int(missing))
@@ -276,9 +276,10 @@ def measure_cpu_prefill_us(hx: HostExperts, hidden: int, keys: int, tokens: int,
     """A prefill call's cost on the host's CPU, (µs a row, µs a call besides its rows): calls
     of `tokens` tokens whose routed lanes go to 2 and to 10 rows, each row with the tokens a
     prefill call of that width routes to an expert (tokens · top_k / experts, at least 1; the
-    other lanes -1, as the call posts them), `reps` of each spread over the `keys` keys; a row
-    is the difference of their medians / 8 and the rest of the 2-row call the call's own
-    (quantizing every token's x, writing every token's answer)."""
+    other lanes -1, as the call posts them; fewer than 10 where the lanes hold fewer), `reps`
+    of each spread over the `keys` keys; a row is the difference of their medians over the
+    difference of rows, and the rest of the 2-row call the call's own (quantizing every token's
+    x, writing every token's answer)."""
     T, K = int(tokens), int(top_k)
     m = max(1, min(T, round(T * K / experts)))      # tokens a row
     x = torch.randn(T, hidden)
@@ -445,7 +446,6 @@ class PooledExperts:
             p.gemm.prefill(x[t0:t1], ids[t0:t1], w[t0:t1], resident, host_addr=host,
                            layer=self.layer, out=out[t0:t1])
         return out
-
 
     def _prefill_host(self, x, ids, w, resident, share, lists, ahead):
         """A prompt prefill call whose last `share` experts without a bank row the host's CPU

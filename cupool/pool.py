@@ -246,8 +246,9 @@ class Pool:
         then have `tokens` tokens (the Engine's slots). With `prefill_tokens` > 0 the host also
         computes some experts without a bank row of prompt prefill calls of up to that many
         tokens (`HostDecode`'s prefill_tokens and prefill_costs: a short turn after a reused
-        prefix). Not with prefetch. A bank without the planner's host variant is rebuilt with it first (as `resize_bank`: placement reset, gate
-        closed): call this before warm-up and capture. Returns the HostDecode."""
+        prefix). Not with prefetch. A bank without the planner's host variant is rebuilt with it
+        first (as `resize_bank`: placement reset, gate closed): call this before warm-up and
+        capture. Returns the HostDecode."""
         if self.prefetcher is not None or self.bank.prefetching:
             raise RuntimeError("host experts and prefetch are separate planner builds: "
                                "disable prefetch and rebuild the bank (resize_bank(..., "

@@ -56,8 +56,9 @@ def _tokens(name, t, mailbox) -> int:
     """t's rows: 1 ..= the mailbox's tokens (ValueError naming `name` otherwise)."""
     T = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() >= 1 else 0
     if not 1 <= T <= mailbox.tokens:
+        got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name}: expected 1 to {mailbox.tokens} rows (the mailbox's tokens), "
-                         f"got {list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+                         f"got {got}")
     return T
 
 
