@@ -132,6 +132,41 @@ def test_scratch_runs_are_the_all_host_copy_lists(E, rows, buffers):
                      E - 1)
 
 
+@pytest.mark.parametrize("E, rows, buffers", [(128, 32, 2), (37, 5, 2), (60, 48, 3)])
+def test_host_prefill_experts_leave_the_all_host_lists(E, rows, buffers):
+    """The host's share of a prefill call as `PooledExperts._prefill_host` gives it to the GEMM:
+    its experts (the last without a bank row) at address 1 and their lanes as padding. Then
+    align_experts' ALL_HOST build neither ranks nor copies them and no unit reads address 1;
+    the other experts' units, lanes and copies are those of the call without them ranked
+    (`scratch_runs` over the placement with the host's experts counted as resident lists the
+    same rows); the host's lanes are exactly the ones taken out."""
+    gen = torch.Generator().manual_seed(E + rows)
+    for share_of_missing in (0.25, 0.5, 1.0):
+        ids, w, addr = random_case(gen, E, 4 * E, 0.5)
+        missing = np.flatnonzero(addr.numpy() == 0)
+        k = max(1, int(len(missing) * share_of_missing))
+        on_host = np.zeros(E, dtype=bool)
+        on_host[missing[len(missing) - k:]] = True
+        mask = torch.from_numpy(on_host)
+        routed = (ids >= 0) & mask[ids.clamp(min=0)]
+        gpu_ids = ids.masked_fill(routed, -1)
+        gpu_addr = addr.masked_fill(mask, 1)
+        ref, (nbuf, C, nchunks) = run(gpu_ids, w, E, gpu_addr, rows, buffers, 8)
+        assert all(a != 1 for _, a, _ in ref["units"])
+        assert not set(ref["expert_lanes"]) & set(np.flatnonzero(on_host).tolist())
+        assert [key - 3 * E for key, _ in ref["copies"]] == \
+            [e for e in missing.tolist() if not on_host[e]][:nchunks * C]
+        taken = sorted(set(range(len(ids))) - set().union(*ref["expert_lanes"].values())
+                       - set(np.flatnonzero(ids.numpy() == -1).tolist()))
+        assert taken == np.flatnonzero(routed.numpy()).tolist()
+        runs = scratch_runs(3, (addr.numpy() != 0) | on_host,
+                            np.arange(4 * E, dtype=np.int64) * STRIDE, BASE, STRIDE,
+                            STRIDE - 48, C, nbuf, nchunks)
+        listed = [(dst - BASE) // STRIDE for chunk in runs for start, _, nbytes in chunk
+                  for dst in range(start, start + nbytes, STRIDE)]
+        assert listed == [row for _, row in ref["copies"]]
+
+
 def test_ahead_copies_bookkeeping():
     """`take` gives a call its chunks issued ahead only when its lists are the very lists
     announced; anything else (other lists, none) drops them (counted), and a call finds
@@ -197,8 +232,10 @@ class StandInPool:
         slot = torch.where(torch.arange(L * E) % 2 == 0, torch.arange(L * E), -1)
         self.bank = CountedBank(slot.to(torch.int32))
 
-        def prefill(x, ids, w, addr, *, host_addr, layer, out=None, lists=None, ahead=None):
-            self.calls.append(dict(T=x.shape[0], layer=layer, lists=lists, ahead=ahead))
+        def prefill(x, ids, w, addr, *, host_addr, layer, out=None, lists=None, ahead=None,
+                    accumulate=None):
+            self.calls.append(dict(T=x.shape[0], layer=layer, lists=lists, ahead=ahead,
+                                   ids=ids, addr=addr, accumulate=accumulate))
             return torch.zeros_like(x) if out is None else out
 
         def lists_of(layer, resident, host_rows):
@@ -210,16 +247,29 @@ class StandInPool:
         self.gemm = SimpleNamespace(max_prefill_tokens=max_prefill_tokens, prefill=prefill,
                                     drop_ahead=drop_ahead, scratch_lists=lists_of)
 
+    host = None
     scratch_lists = Pool.scratch_lists
+    prefill_resident = Pool.prefill_resident
+    host_prefill_experts = Pool.host_prefill_experts
+    host_prefill_share = Pool.host_prefill_share
+
+    def host_prefill_mask(self, tokens):            # Pool's, without pinned memory
+        mask = torch.zeros(self.num_layers, self.num_experts, dtype=torch.bool)
+        for layer in range(self.num_layers):
+            k = self.host_prefill_share(layer, tokens)
+            if k:
+                mask[layer, torch.from_numpy(self.host_prefill_experts(layer, k))] = True
+        return mask
 
     def expert_addresses(self, layer):
         return (layer + 1) * 1000 + torch.arange(self.num_experts)
 
-    def forward(self, T):
-        """Every pooled layer's prefill call for T tokens; the calls the GEMM saw."""
+    def forward(self, T, ids=None):
+        """Every pooled layer's prefill call for T tokens (routed to expert 0, or `ids`); the
+        calls the GEMM saw."""
         self.calls.clear()
         x = torch.zeros(T, 8)
-        ids = torch.zeros(T, self.top_k, dtype=torch.int64)
+        ids = torch.zeros(T, self.top_k, dtype=torch.int64) if ids is None else ids
         for layer in range(self.num_layers):
             PooledExperts(self, layer)._prefill(x, ids, ids.float())
         return self.calls
@@ -275,3 +325,50 @@ def test_pool_switch_reads_the_environment(monkeypatch):
     monkeypatch.setenv("CUPOOL_PREFILL_AHEAD", "on")
     with pytest.raises(ValueError, match="CUPOOL_PREFILL_AHEAD='on'"):
         prefill_ahead_default()
+
+
+def test_prefill_with_host_experts_on_a_stand_in_pool(monkeypatch):
+    """With a host share (a stand-in HostDecode's `prefill_share`), each listed call posts the
+    host's lanes (keys layer·E + expert for the layer's last experts without a bank row, −1
+    elsewhere) before the GEMM, hands the GEMM the other lanes with the host's as padding and
+    its experts at address 1, lists (and announces to the layer before) the scratch copies
+    without them, and adds the host's answer through `accumulate`; a call wider than the
+    share's width, or under the lists' threshold, takes the path without the host."""
+    import cupool.layer as layer_mod
+
+    posted, waited = [], []
+    monkeypatch.setattr(layer_mod, "post", lambda x, keys, w, mb: posted.append((keys, mb)))
+    monkeypatch.setattr(layer_mod, "wait", lambda mb, y, err: waited.append((mb, y)))
+    pool = StandInPool(L=3, E=16, K=4, max_prefill_tokens=64)
+    mailbox = object()
+    shares = {}
+
+    def prefill_share(tokens, missing):
+        shares[tokens] = missing
+        return 3 if tokens <= 32 else 0
+    pool.host = SimpleNamespace(prefill_share=prefill_share, mailbox=mailbox, error=None)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(-1, 16, (24, 4), generator=gen)
+    with Pool.prefilling(pool):
+        calls = pool.forward(24, ids)
+        assert shares == {24: 8}                          # 8 odd experts a layer without a row
+        on_host = [11, 13, 15]                            # the last 3 of them
+        assert len(calls) == len(posted) == 3 and waited == []    # the GEMM's to call
+        for layer, (c, (keys, mb)) in enumerate(zip(calls, posted)):
+            mine = (ids >= 0) & torch.isin(ids, torch.tensor(on_host))
+            assert mb is mailbox
+            assert torch.equal(keys, torch.where(mine, ids + layer * 16, -1))
+            assert torch.equal(c["ids"], ids.masked_fill(mine, -1))
+            addr = pool.expert_addresses(layer)
+            assert c["addr"][on_host].tolist() == [1, 1, 1]
+            others = [e for e in range(16) if e not in on_host]
+            assert torch.equal(c["addr"][others], addr[others])
+            assert c["lists"].chunks == ((1, 3, 5, 7, 9),) and c["lists"].experts == 5
+            c["accumulate"]("sum")
+            assert waited[-1] == (mailbox, "sum")
+        assert all(calls[i]["ahead"] is calls[i + 1]["lists"] for i in range(2))
+        posted.clear()
+        wide = pool.forward(48, torch.zeros(48, 4, dtype=torch.int64))   # share 0 at 48
+        assert posted == [] and all(c["accumulate"] is None for c in wide)
+        assert all(c["lists"].experts == 8 for c in wide)
+        assert pool.forward(3) and posted == []           # under the lists' threshold
