@@ -15,7 +15,7 @@
 // cupool/hostexperts.py's `reference_host` is the same computation in NumPy.
 //
 // How threads split a call: the caller groups lanes into units (one a distinct row) and quantizes
-// x; then the caller and the pool's workers claim items one at a time from the job's claim word
+// the x of tokens with a routed lane; then the caller and the pool's workers claim items one at a time from the job's claim word
 // (`claim_item`). Items 0 ... n1 - 1 are phase 1: item p is act block p (16 columns of I) of every
 // unit, its gate and up strips (or the up strip alone) times the unit's tokens, quantized; the
 // next n2 are phase 2: item n1 + s is output strip s (16 rows of H) of every unit, written to out
@@ -114,8 +114,9 @@ static float E4M3[256];
 // index (sign · 8 + magnitude) -> 2·E2M1 value + CODE_BIAS
 static const int8_t WEIGHT_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
-// Where column 4m + r of a vector sits among its quantized codes: byte 4m + BPOS[r].
-static const int BPOS[4] = {0, 2, 1, 3};
+// Where column 4m + r of a vector sits among its quantized codes: byte 4m + BPOS[r] (the AVX-512
+// quantize_block has it as a byte shuffle).
+static const int BPOS[4] __attribute__((unused)) = {0, 2, 1, 3};
 
 static void init_tables(void) {
     for (int b = 0; b < 256; ++b) {
@@ -368,10 +369,35 @@ static void strip_dot(const uint8_t* strip, int nch, const hx_vec* xv, int nb, f
 // Quantizes block `blk` (columns 16·blk ...) of vector n (kp columns) of x from its 16 values v:
 // scale amax / 127, codes rint(v · (127 / amax)); a block with a NaN or an infinity gets a NaN
 // scale (so what it touches is NaN, as the float computation's would be) and zero codes.
+// One block of 16 columns: codes rint(v · 127 / amax) (ties to even), the scale amax / 127
+// (twice), the words' code sums · -CODE_BIAS; a block with a NaN or an infinity gets codes 0 and
+// the scale NaN. The AVX-512 build converts with the default rounding mode (to nearest, ties to
+// even, as nearbyintf): the same bits as the plain C.
 static void quantize_block(const float v[16], hx_vecs* x, int64_t n, int64_t kp, int64_t blk) {
     int8_t* q = x->q + n * kp;
     float* s = x->s + n * kp / 8;
     int32_t* c = x->c + n * kp / 4;
+    int32_t code[16];
+#if HX_ISA == 2 && !defined(HX_EMULATE_AVX512)
+    const __m512 vv = _mm512_loadu_ps(v);
+    // |v|'s bits: for non-negative floats they order as the values, and a NaN or an infinity is
+    // at least 0x7f800000, so one integer maximum gives both amax and finiteness
+    const uint32_t top = _mm512_reduce_max_epu32(
+        _mm512_and_si512(_mm512_castps_si512(vv), _mm512_set1_epi32(0x7fffffff)));
+    const int finite = top < 0x7f800000u;
+    float amax;
+    memcpy(&amax, &top, 4);
+    const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512i ci = finite ? _mm512_cvtps_epi32(_mm512_mul_ps(vv, _mm512_set1_ps(inv)))
+                              : _mm512_setzero_si512();
+    // each word's 4 codes in BPOS order: bytes 0, 2, 1, 3 of the word take codes 0, 1, 2, 3
+    const __m128i order = _mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    _mm_storeu_si128((__m128i*)(q + 16 * blk), _mm_shuffle_epi8(_mm512_cvtepi32_epi8(ci), order));
+    _mm512_storeu_si512(code, ci);
+    for (int w = 0; w < 4; ++w)
+        c[4 * blk + w] = -CODE_BIAS * (code[4 * w] + code[4 * w + 1] + code[4 * w + 2] +
+                                       code[4 * w + 3]);
+#else
     float amax = 0.0f;
     int finite = 1;
     for (int r = 0; r < 16; ++r) {
@@ -380,15 +406,16 @@ static void quantize_block(const float v[16], hx_vecs* x, int64_t n, int64_t kp,
         amax = a > amax ? a : amax;
     }
     const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int r = 0; r < 16; ++r) code[r] = finite ? (int)nearbyintf(v[r] * inv) : 0;
     for (int w = 0; w < 4; ++w) {
         int32_t sum = 0;
         for (int r = 0; r < 4; ++r) {
-            const int code = finite ? (int)nearbyintf(v[4 * w + r] * inv) : 0;
-            q[16 * blk + 4 * w + BPOS[r]] = (int8_t)code;
-            sum += code;
+            q[16 * blk + 4 * w + BPOS[r]] = (int8_t)code[4 * w + r];
+            sum += code[4 * w + r];
         }
         c[4 * blk + w] = -CODE_BIAS * sum;
     }
+#endif
     s[2 * blk] = s[2 * blk + 1] = finite ? amax / 127.0f : NAN;
 }
 
@@ -401,6 +428,10 @@ static hx_vec vec_at(const hx_vecs* x, int64_t n, int64_t kp) {
 // Quantizes vector n (kp columns) of x from v [cols] (columns past cols are zero).
 static void quantize(const float* v, int64_t cols, hx_vecs* x, int64_t n, int64_t kp) {
     for (int64_t blk = 0; blk < kp / 16; ++blk) {
+        if (16 * blk + 16 <= cols) {          // a whole block in place
+            quantize_block(v + 16 * blk, x, n, kp, blk);
+            continue;
+        }
         float b[16];
         for (int r = 0; r < 16; ++r) b[r] = 16 * blk + r < cols ? v[16 * blk + r] : 0.0f;
         quantize_block(b, x, n, kp, blk);
@@ -805,7 +836,14 @@ int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys,
     }
     p->unit_start[units] = n;
     p->last_units = units;
-    for (int t = 0; t < T; ++t) quantize(x + (int64_t)t * L->hidden, L->hidden, &p->xq, t, L->hp);
+    // the x of tokens with a routed lane (no unit reads the others': a prefill call's request
+    // carries every token of the call, and only some have a lane on the host)
+    for (int t = 0, i = 0; t < T; ++t) {
+        while (i < W && p->lane_token[i] < t) ++i;
+        int used = 0;
+        for (int k = i; k < W && p->lane_token[k] == t; ++k) used |= p->lane_unit[k] >= 0;
+        if (used) quantize(x + (int64_t)t * L->hidden, L->hidden, &p->xq, t, L->hp);
+    }
     if (units == 0) {
         memset(out, 0, (size_t)T * L->hidden * sizeof(float));
         return err;

@@ -174,6 +174,28 @@ def test_builds_give_the_same_bits_and_name_their_loop(qwen, T, K):
         HostExperts(qwen.store.host_addresses(), qwen.layout, isa="sse")
 
 
+def test_builds_agree_on_ties_and_zero_blocks(qwen):
+    """x's int8 blocks where rounding is a tie: blocks whose largest |value| is 127 (so the
+    scale is 1 and each value is its own code) of values k + 0.5, which round to even; and
+    all-zero blocks. Every build (the AVX-512 one converts 16 values at once in the default
+    rounding mode, the others call nearbyintf) gives the same bits, equal to the reference of
+    the quantized x."""
+    gen = torch.Generator().manual_seed(27)
+    x = torch.randint(-126, 126, (2, 2048), generator=gen).float() + 0.5
+    x[:, ::16] = 127.0                                   # each block's amax: scale 1
+    x[:, 1::32] = -127.0
+    x[1, 512:1024] = 0.0                                 # zero blocks
+    keys, w = _routing(2, 3, 4, gen, distinct=True)
+    outs = {}
+    for isa in ISAS:
+        with HostExperts(qwen.store.host_addresses(), qwen.layout, threads=2, isa=isa) as hx:
+            outs[isa] = hx(x, keys, w, out=torch.full((2, 2048), float("nan")))
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["portable"]), isa
+    assert torch.equal(quantize_q8(x[:, :16])[0, 2:4].float(), torch.round(x[0, 2:4]))
+    assert rel_err(outs["native"], qwen.reference(x, keys, w, SILU)) <= TOL
+
+
 def test_quantize_q8():
     """The reference's int8 blocks: ties to even, zero blocks, padding columns, NaN blocks."""
     v = torch.tensor([[127.0, 0.5, 1.5, -2.5, -127.0] + [0.0] * 11 + [0.0] * 16 + [3.0, float("nan")]])
