@@ -329,7 +329,8 @@ def main(args) -> int:
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
-               "slots": args.slots, "pcie_h2d_GBps": pcie, "banks": banks, "gpu": torch.cuda.get_device_name()}
+               "slots": args.slots, "pcie_h2d_GBps": pcie, "banks": banks,
+               "gpu": torch.cuda.get_device_name()}
     reduced = (["--small"] if args.small else []) + \
         ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else []) + \
         ([f"--promote {args.promote}"] if args.promote != "auto" else []) + \

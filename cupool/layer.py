@@ -38,6 +38,7 @@ import torch
 
 from cupool._env import parse_switch
 from cupool.hostexperts import HostExperts, Mailbox, host_split, split_table
+from cupool.ops.host_handoff import DTYPES as HANDOFF_DTYPES
 from cupool.ops.host_handoff import post, wait
 
 
@@ -278,8 +279,8 @@ def measure_cpu_prefill_us(hx: HostExperts, hidden: int, keys: int, tokens: int,
     prefill call of that width routes to an expert (tokens · top_k / experts, at least 1; the
     other lanes -1, as the call posts them; fewer than 10 where the lanes hold fewer), `reps`
     of each spread over the `keys` keys; a row is the difference of their medians over the
-    difference of rows, and the rest of the 2-row call the call's own (quantizing every token's
-    x, writing every token's answer)."""
+    difference of rows (quantizing its tokens' x included), and the rest of the 2-row call the
+    call's own (waking the pool, writing every token's answer)."""
     T, K = int(tokens), int(top_k)
     m = max(1, min(T, round(T * K / experts)))      # tokens a row
     x = torch.randn(T, hidden)
@@ -437,7 +438,7 @@ class PooledExperts:
             lists = p.scratch_lists(self.layer, share)
             ahead = None if nxt is None else p.scratch_lists(nxt, p.host_prefill_share(nxt, T))
             if share:
-                return self._prefill_host(x, ids, w, resident, share, lists, ahead)
+                return self._prefill_host(x, ids, w, resident, host, lists, ahead)
             return p.gemm.prefill(x, ids, w, resident, host_addr=host, layer=self.layer,
                                   lists=lists, ahead=ahead)
         out = torch.empty_like(x)
@@ -447,9 +448,9 @@ class PooledExperts:
                            layer=self.layer, out=out[t0:t1])
         return out
 
-    def _prefill_host(self, x, ids, w, resident, share, lists, ahead):
-        """A prompt prefill call whose last `share` experts without a bank row the host's CPU
-        computes (`Pool.host_prefill_experts`): their lanes are posted to the host's mailbox
+    def _prefill_host(self, x, ids, w, resident, host, lists, ahead):
+        """A prompt prefill call whose last experts without a bank row the host's CPU computes
+        (`Pool.host_prefill_mask`, this layer's row): their lanes are posted to the host's mailbox
         before the GEMM and taken out of the GPU's routing (padding lanes), the experts marked
         as having a row elsewhere (address 1: no lane reads it) so the GEMM neither ranks nor
         copies them, and the host's answer is added into the call's float32 sum before it is
@@ -459,13 +460,12 @@ class PooledExperts:
         on_host = p.host_prefill_mask(x.shape[0])[self.layer]
         routed = (ids >= 0) & on_host[ids.clamp(min=0)]
         keys = torch.where(routed, ids.to(torch.int64) + self.layer * E, -1)
-        weights = w if w.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-            else w.to(torch.float32)
+        weights = w if w.dtype in HANDOFF_DTYPES else w.to(torch.float32)
         post(x, keys.contiguous(), weights.contiguous(), hd.mailbox)
         addr = resident.masked_fill(on_host, 1)
-        return p.gemm.prefill(x, ids.masked_fill(routed, -1), w, addr,
-                              host_addr=p.store.address_table(), layer=self.layer, lists=lists,
-                              ahead=ahead, accumulate=lambda y: wait(hd.mailbox, y, hd.error))
+        return p.gemm.prefill(x, ids.masked_fill(routed, -1), w, addr, host_addr=host,
+                              layer=self.layer, lists=lists, ahead=ahead,
+                              accumulate=lambda y: wait(hd.mailbox, y, hd.error))
 
 
 _LAYERS: weakref.WeakValueDictionary[int, PooledExperts] = weakref.WeakValueDictionary()

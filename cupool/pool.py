@@ -351,18 +351,16 @@ class Pool:
         `tokens` tokens (`host_prefill_experts` of each layer's `host_prefill_share`), made
         once a prefill from pinned memory without waiting for the device. Only while
         prefilling."""
-        mask = self._prefill_masks.get(int(tokens))
-        if mask is None:
+        made = self._prefill_masks.get(int(tokens))
+        if made is None:
             cpu = torch.zeros(self.num_layers, self.num_experts, dtype=torch.bool).pin_memory()
             for layer in range(self.num_layers):
                 share = self.host_prefill_share(layer, tokens)
                 if share:
                     cpu[layer, torch.from_numpy(self.host_prefill_experts(layer, share))] = True
-            mask = cpu.to(self.device, non_blocking=True)
-            self._prefill_masks[int(tokens)] = (mask, cpu)        # the pinned source kept
-        else:
-            mask = mask[0]
-        return mask
+            # the pinned source is kept with its copy
+            made = self._prefill_masks[int(tokens)] = (cpu.to(self.device, non_blocking=True), cpu)
+        return made[0]
 
     def host_prefill_share(self, layer: int, tokens: int) -> int:
         """How many of `layer`'s experts without a bank row the host computes in a prefill call

@@ -15,16 +15,16 @@
 // cupool/hostexperts.py's `reference_host` is the same computation in NumPy.
 //
 // How threads split a call: the caller groups lanes into units (one a distinct row) and quantizes
-// the x of tokens with a routed lane; then the caller and the pool's workers claim items one at a time from the job's claim word
-// (`claim_item`). Items 0 ... n1 - 1 are phase 1: item p is act block p (16 columns of I) of every
-// unit, its gate and up strips (or the up strip alone) times the unit's tokens, quantized; the
-// next n2 are phase 2: item n1 + s is output strip s (16 rows of H) of every unit, written to out
-// for every token. A phase-2 item waits until every phase-1 item is counted done. The caller
-// returns once every item is counted done, not once every worker has looked: a worker the OS has
-// not run for a while (more busy threads than CPUs) holds up only an item it claimed. An
-// item's result does not depend on which thread runs it, and every build below does the same
-// float operations in the same order, so the output is the same bit for bit for any thread count
-// and any build. Only phase-2 item s writes out[., 16s ... 16s + 15].
+// the x of tokens with a routed lane; then the caller and the pool's workers claim items one at a
+// time from the job's claim word (`claim_item`). Items 0 ... n1 - 1 are phase 1: item p is act
+// block p (16 columns of I) of every unit, its gate and up strips (or the up strip alone) times the
+// unit's tokens, quantized; the next n2 are phase 2: item n1 + s is output strip s (16 rows of H)
+// of every unit, written to out for every token. A phase-2 item waits until every phase-1 item is
+// counted done. The caller returns once every item is counted done, not once every worker has
+// looked: a worker the OS has not run for a while (more busy threads than CPUs) holds up only an
+// item it claimed. An item's result does not depend on which thread runs it, and every build below
+// does the same float operations in the same order, so the output is the same bit for bit for any
+// thread count and any build. Only phase-2 item s writes out[., 16s ... 16s + 15].
 //
 // Inner loop: a strip (16 rows × Kp columns) is Kp/64 chunks of 32 lane blocks (16 bytes: 4
 // words of 8 E2M1 codes, rows g and g + 8, columns 16t ... 16t + 15 of the chunk, L = 4g + t) and
@@ -838,10 +838,9 @@ int hx_run(hx_pool* p, const hx_layout* L, const int64_t* table, int64_t n_keys,
     p->last_units = units;
     // the x of tokens with a routed lane (no unit reads the others': a prefill call's request
     // carries every token of the call, and only some have a lane on the host)
-    for (int t = 0, i = 0; t < T; ++t) {
-        while (i < W && p->lane_token[i] < t) ++i;
+    for (int t = 0; t < T; ++t) {
         int used = 0;
-        for (int k = i; k < W && p->lane_token[k] == t; ++k) used |= p->lane_unit[k] >= 0;
+        for (int k = t * K; k < (t + 1) * K; ++k) used |= p->lane_unit[k] >= 0;
         if (used) quantize(x + (int64_t)t * L->hidden, L->hidden, &p->xq, t, L->hp);
     }
     if (units == 0) {

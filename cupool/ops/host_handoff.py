@@ -24,13 +24,13 @@ from cupool.kernels import i32, i64
 ERR_HOST_STALL = 1        # host_handoff.cu's
 THREADS = 256
 MAX_BLOCKS = 32
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # host_handoff.cu's codes
 
 
 def blocks_for(n: int) -> int:
     """The grid of a post or wait of n values: one block per THREADS · 4 (each thread moves 4
     values a pass, 16 bytes across PCIe), at most MAX_BLOCKS."""
     return max(1, min(MAX_BLOCKS, -(-int(n) // (4 * THREADS))))
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}   # host_handoff.cu's codes
 
 
 def _check_cuda(name, t, dtype, shape=None):
