@@ -31,7 +31,9 @@ cost `--handoff-us`, a row's time on the link and on the CPU measured at each ca
 case then also reports those times, the split and the experts the host computed a token. Such
 runs are reduced runs too. `--host-leave` leaves the host's misses out of the bank instead of
 promoting them and copying their rows behind the call; `--host-min-misses N` hands nothing
-over in calls of fewer than N misses. `--host-baseline` (with `--host-experts`)
+over in calls of fewer than N misses; prompt prefill calls of up to `--host-prefill-tokens N`
+tokens (default: serve's, 512) share their missing experts with the host as in serve (the
+decode rate, which this measures, is not changed by it). `--host-baseline` (with `--host-experts`)
 first runs each such case without them on the same model (`host_baseline` in the bank's
 results, and the ratio printed), so both come from one process on one machine; each of the two
 starts from a bank rebuilt with the initial placement and from the trace's first step, so they
@@ -72,6 +74,7 @@ from _common import add_dense_nvfp4, pcie_h2d_GBps, results_path, save  # noqa: 
 
 from cupool.cli import (CLIParser, add_host_experts, bounded_int, fraction,  # noqa: E402
                         positive_int, promote, run)
+from cupool.serve.loader import HOST_PREFILL_TOKENS  # noqa: E402
 
 
 
@@ -113,7 +116,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
         host_info = {"host_threads": hd.hx.threads, "host_link_us": hd.link_us,
                      "host_cpu_us": hd.cpu_us, "host_cpu_call_us": hd.cpu_call_us,
                      "host_handoff_us": hd.handoff_us, "host_min_misses": hd.min_misses,
-                     "host_split": hd.split.tolist()}
+                     "host_split": hd.split.tolist(), "host_prefill_tokens": hd.prefill_tokens}
     eng = cupool.Engine(model, pool, max_batch=width, max_len=prompt_len + tokens + 8,
                         eos_token_id=[], compile=compile, fused=None if fused else False)
     g = torch.Generator().manual_seed(seed + streams)
@@ -225,8 +228,13 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         pool.enable_prefetch(TracePredictor(replayer, tr.with_predictions(
             t, args.prefetch_accuracy, seed=args.seed)), max_rows=args.prefetch_rows)
     label = f"bank {bank:.0%}" + (", the model's router" if routing != args.routing else "")
+    # prefill calls of serve's default width share their missing experts with the host, as in
+    # `cupool serve --host-experts`
+    widest = pool.gemm.max_prefill_tokens
     host = dict(threads=args.host_threads, handoff_us=args.handoff_us, leave=args.host_leave,
-                min_misses=args.host_min_misses) \
+                min_misses=args.host_min_misses,
+                prefill_tokens=min(HOST_PREFILL_TOKENS, widest)
+                if args.host_prefill_tokens is None else min(args.host_prefill_tokens, widest)) \
         if args.host_experts and not every else None
     if host is not None:
         label += ", host experts"
@@ -307,6 +315,8 @@ def main(args) -> int:
         raise ValueError("--host-leave is a way of --host-experts: give both")
     if args.host_min_misses is not None and not args.host_experts:
         raise ValueError("--host-min-misses applies with --host-experts")
+    if args.host_prefill_tokens is not None and not args.host_experts:
+        raise ValueError("--host-prefill-tokens applies with --host-experts")
     if args.slots is not None and args.slots < max(args.streams):
         raise ValueError(f"--slots must be at least the largest --streams ({max(args.streams)}), "
                          f"got {args.slots}")
@@ -339,6 +349,8 @@ def main(args) -> int:
         (["--host-leave"] if args.host_leave else []) + \
         ([f"--host-min-misses {args.host_min_misses}"]
          if args.host_min_misses is not None else []) + \
+        ([f"--host-prefill-tokens {args.host_prefill_tokens}"]
+         if args.host_prefill_tokens is not None else []) + \
         ([f"--slots {args.slots}"] if args.slots else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))

@@ -162,7 +162,7 @@ def build_parser() -> CLIParser:
                         "other kernels")
     p.add_argument("--ablate", action="store_true",
                    help="also time the captured step without each part of a layer (fused step)")
-    add_host_experts(p)
+    add_host_experts(p, prefill=False)
     p.add_argument("--json", type=output_file, metavar="PATH", help="also write the figures here")
     return p
 

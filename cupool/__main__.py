@@ -358,12 +358,14 @@ def generate(args) -> int:
     load_s = time.perf_counter() - t0
     if args.host_experts:
         hd = enable_host_experts(pool, 1, args.host_threads, args.host_leave,
-                                 args.host_min_misses)
+                                 args.host_min_misses, args.host_prefill_tokens)
         print(f"host experts: {hd.hx.threads} threads, a row {hd.cpu_us:.1f} us on the CPU "
               f"(+ {hd.cpu_call_us:.1f} a call) and {hd.link_us:.1f} us on the link"
               + ("" if hd.hands_over(1) else f"; a step of one sequence hands the host nothing "
                  f"(--host-min-misses {hd.min_misses}: its calls have at most "
-                 f"{pool.top_k} misses)"), file=sys.stderr)
+                 f"{pool.top_k} misses)")
+              + (f"; prompt prefill calls of up to {hd.prefill_tokens} tokens share their "
+                 f"missing experts with the host" if hd.prefill_tokens else ""), file=sys.stderr)
     if args.prompt_ids is not None:
         ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]
     elif tok is None:

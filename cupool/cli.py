@@ -200,21 +200,24 @@ def fields(sep: str = ",", **types: Callable[[str], object]) -> Callable[[str], 
 
 
 def check_host_flags(args) -> None:
-    """ValueError naming the first of --host-threads, --host-leave, --host-min-misses given
-    without --host-experts (`add_host_experts`' typed flags)."""
+    """ValueError naming the first of --host-threads, --host-leave, --host-min-misses and
+    --host-prefill-tokens given without --host-experts (`add_host_experts`' typed flags)."""
     for flag, given in (("--host-threads", args.host_threads is not None),
                         ("--host-leave", args.host_leave),
-                        ("--host-min-misses", args.host_min_misses is not None)):
+                        ("--host-min-misses", args.host_min_misses is not None),
+                        ("--host-prefill-tokens",
+                         getattr(args, "host_prefill_tokens", None) is not None)):
         if given and not args.host_experts:
             raise ValueError(f"{flag} applies with --host-experts")
 
 
-def add_host_experts(parser, typed: bool = True) -> None:
-    """--host-experts, --host-threads N, --host-leave and --host-min-misses N
+def add_host_experts(parser, typed: bool = True, prefill: bool = True) -> None:
+    """--host-experts, --host-threads N, --host-leave, --host-min-misses N and (with `prefill`:
+    not for a benchmark of decode steps alone) --host-prefill-tokens N
     (`Pool.enable_host_experts`), as `serve`, `generate` and the benchmarks take them. The caller
     checks that the others come with --host-experts (`check_host_flags`, where its messages
     fit). typed False (`serve`, which checks every
-    option itself to answer a mistake with its own one-line error): the two numbers stay strings,
+    option itself to answer a mistake with its own one-line error): the numbers stay strings,
     None where not given."""
     parser.add_argument("--host-experts", action="store_true",
                         help="compute some of each decode step's missed experts on the host's "
@@ -233,3 +236,10 @@ def add_host_experts(parser, typed: bool = True) -> None:
                         help="--host-experts: hand the host nothing in decode calls of fewer "
                              "than N misses (default: top-k + 1, so a step of one active "
                              "sequence runs without the hand-off)")
+    if prefill:
+        parser.add_argument("--host-prefill-tokens",
+                            type=bounded_int(0, 1 << 20) if typed else str, metavar="N",
+                            help="--host-experts: the host also computes some experts without a "
+                                 "bank row of prompt prefill calls of up to N tokens, such as a "
+                                 "turn after a reused prefix (0: decode steps only; default: "
+                                 "512, or the prefill chunk where that is smaller)")

@@ -58,6 +58,8 @@ def parse_error(capsys, *argv):
      "--host-threads"),
     (["generate", "--model", ".", "--prompt", "hi", "--host-experts", "--host-min-misses", "-1"],
      "--host-min-misses"),
+    (["generate", "--model", ".", "--prompt", "hi", "--host-experts", "--host-prefill-tokens",
+      "-1"], "--host-prefill-tokens"),
     (["nonsense"], "invalid choice"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, word):
@@ -68,6 +70,7 @@ def test_bad_arguments_are_one_line(capsys, argv, word):
     (["--host-threads", "4"], "--host-threads applies with --host-experts"),
     (["--host-leave"], "--host-leave applies with --host-experts"),
     (["--host-min-misses", "9"], "--host-min-misses applies with --host-experts"),
+    (["--host-prefill-tokens", "64"], "--host-prefill-tokens applies with --host-experts"),
     (["--host-experts", "--device", "cpu"], "--host-experts applies to a CUDA device"),
 ])
 def test_generate_host_experts_arguments(tmp_path, capsys, extra, words):

@@ -647,11 +647,18 @@ def _parse(argv):
      "--host-min-misses must be in 0..1048576, got -1"),
     (["--model", "{model}", "--host-experts", "--host-min-misses", "some"],
      "--host-min-misses must be an integer"),
+    (["--model", "{model}", "--host-prefill-tokens", "64"],
+     "--host-prefill-tokens applies with --host-experts"),
+    (["--model", "{model}", "--host-experts", "--host-prefill-tokens", "-1"],
+     "--host-prefill-tokens must be in 0..1048576, got -1"),
+    (["--model", "{model}", "--host-experts", "--host-prefill-tokens", "wide"],
+     "--host-prefill-tokens must be an integer"),
 ], ids=["missing-dir", "no-config", "port-range", "port-type", "max-batch", "budget",
         "budget-on-cpu", "max-len", "device", "log-level", "max-queue", "resume-points",
         "shutdown-timeout", "api-key", "host-experts-on-cpu", "host-threads-alone",
         "host-leave-alone", "host-threads-range", "host-threads-type", "host-min-misses-alone",
-        "host-min-misses-range", "host-min-misses-type"])
+        "host-min-misses-range", "host-min-misses-type", "host-prefill-tokens-alone",
+        "host-prefill-tokens-range", "host-prefill-tokens-type"])
 def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     (tmp_path / "empty").mkdir()
     subst = {"{missing}": str(tmp_path / "missing"), "{empty}": str(tmp_path / "empty"),
@@ -670,7 +677,9 @@ def test_host_experts_refused_for_a_bank_holding_every_expert():
     exit code 2 from either command) before the host's threads start."""
     from types import SimpleNamespace
 
-    from cupool.serve.loader import LoadError, enable_host_experts
+    from cupool.serve.loader import HOST_PREFILL_TOKENS, LoadError, enable_host_experts
+
+    assert HOST_PREFILL_TOKENS == 512
 
     def refuse(*a, **k):
         raise AssertionError("enable_host_experts reached the pool")
@@ -681,11 +690,29 @@ def test_host_experts_refused_for_a_bank_holding_every_expert():
         enable_host_experts(pool, 1)
     calls = []
     pool = SimpleNamespace(num_experts=8, bank=SimpleNamespace(holds_every_expert=lambda: False),
+                           gemm=SimpleNamespace(max_prefill_tokens=2048),
                            enable_host_experts=lambda *a, **k: calls.append((a, k)))
     enable_host_experts(pool, 2, 3, True)                    # --host-threads 3 --host-leave
     enable_host_experts(pool, 2, None, True, 9)              # and --host-min-misses 9
-    assert calls == [((2,), {"threads": 3, "leave": True, "min_misses": None}),
-                     ((2,), {"threads": None, "leave": True, "min_misses": 9})]
+    enable_host_experts(pool, 2, None, False, None, 0)       # --host-prefill-tokens 0
+    enable_host_experts(pool, 2, None, False, None, 2048)    # the widest the chunk allows
+    pool.gemm.max_prefill_tokens = 256                       # a chunk below the default
+    enable_host_experts(pool, 1)
+    assert calls == [((2,), {"threads": 3, "leave": True, "min_misses": None,
+                             "prefill_tokens": HOST_PREFILL_TOKENS}),
+                     ((2,), {"threads": None, "leave": True, "min_misses": 9,
+                             "prefill_tokens": HOST_PREFILL_TOKENS}),
+                     ((2,), {"threads": None, "leave": False, "min_misses": None,
+                             "prefill_tokens": 0}),
+                     ((2,), {"threads": None, "leave": False, "min_misses": None,
+                             "prefill_tokens": 2048}),
+                     ((1,), {"threads": None, "leave": False, "min_misses": None,
+                             "prefill_tokens": 256})]
+    calls.clear()
+    with pytest.raises(LoadError, match=r"--host-prefill-tokens 257 exceeds the prefill chunk, "
+                                        r"256 tokens"):
+        enable_host_experts(pool, 1, prefill_tokens=257)
+    assert calls == []
 
 
 def test_cli_serves_until_interrupted(model_dir):
@@ -737,24 +764,33 @@ def test_host_experts_log_which_steps_hand_over(caplog):
     hd.first_handed = None
     assert not hd.hands_over(16)
 
-    def fake(min_misses):
+    def fake(min_misses, prefill_tokens):
         return SimpleNamespace(hx=SimpleNamespace(threads=3), cpu_us=40.0, cpu_call_us=20.0,
                                link_us=55.0, split=np.zeros(65, dtype=np.int64), leave=True,
-                               min_misses=min_misses, hands_over=lambda n: n * 8 >= min_misses)
+                               min_misses=min_misses, hands_over=lambda n: n * 8 >= min_misses,
+                               prefill_tokens=prefill_tokens,
+                               prefill_costs=[(128, 30.25, 180.0), (512, 61.5, 410.0)]
+                               if prefill_tokens else [])
 
     log = logging.getLogger("cupool.test_host_log")
     pool = SimpleNamespace(top_k=8)
-    for min_misses, level, words in (
-            (9, logging.INFO, "steps of fewer than 2 active sequences run without the hand-off "
-                              "(--host-min-misses 9)"),
-            (65, logging.WARNING, "no step hands the host anything (--host-min-misses 65; a step "
-                                  "of 8 sequences has at most 64 misses)")):
+    for min_misses, prefill, level, words, last in (
+            (9, None, logging.INFO, "steps of fewer than 2 active sequences run without the "
+                                    "hand-off (--host-min-misses 9)",
+             "prompt prefill calls of up to 512 tokens share their missing experts with the host "
+             "(128 tokens: 30.2 us a row + 180 a call; 512 tokens: 61.5 us a row + 410 a call)"),
+            (65, 0, logging.WARNING, "no step hands the host anything (--host-min-misses 65; a "
+                                     "step of 8 sequences has at most 64 misses)",
+             "decode steps only (--host-prefill-tokens 0)")):
         opts = SimpleNamespace(max_batch=8, host_threads=None, host_leave=True,
-                               host_min_misses=min_misses)
+                               host_min_misses=min_misses, host_prefill_tokens=prefill)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=log.name), \
                 pytest.MonkeyPatch.context() as mp:
-            mp.setattr(loader, "enable_host_experts", lambda *a, m=min_misses: fake(m))
+            mp.setattr(loader, "enable_host_experts",
+                       lambda pool, tokens, threads, leave, m, p: fake(m, 512 if p is None else p))
             cli._enable_host_experts(log, pool, opts)
-        rec = caplog.records[-1]
+        rec = caplog.records[-2]
         assert rec.levelno == level and words in rec.getMessage(), rec.getMessage()
+        rec = caplog.records[-1]
+        assert rec.levelno == logging.INFO and last in rec.getMessage(), rec.getMessage()

@@ -111,6 +111,7 @@ class Options:
     host_threads: int | None = None
     host_leave: bool = False
     host_min_misses: int | None = None
+    host_prefill_tokens: int | None = None
 
 
 def _int(value, flag: str, lo: int, hi: int | None = None) -> int:
@@ -211,6 +212,11 @@ def check_options(args) -> Options:
         if not host_experts:
             raise UsageError("--host-min-misses applies with --host-experts")
         host_min_misses = _int(host_min_misses, "--host-min-misses", 0, 1 << 20)
+    host_prefill_tokens = getattr(args, "host_prefill_tokens", None)
+    if host_prefill_tokens is not None:
+        if not host_experts:
+            raise UsageError("--host-prefill-tokens applies with --host-experts")
+        host_prefill_tokens = _int(host_prefill_tokens, "--host-prefill-tokens", 0, 1 << 20)
     if host_experts and device == "cpu":
         raise UsageError("--host-experts applies to a CUDA device (the CPU serves the whole "
                          "model itself)")
@@ -226,7 +232,8 @@ def check_options(args) -> Options:
                    fused=not getattr(args, "no_fused", False),
                    compile=device != "cpu" and not getattr(args, "no_compile", False),
                    host_experts=host_experts, host_threads=host_threads,
-                   host_leave=host_leave, host_min_misses=host_min_misses)
+                   host_leave=host_leave, host_min_misses=host_min_misses,
+                   host_prefill_tokens=host_prefill_tokens)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -339,11 +346,11 @@ def run(args) -> int:
 
 
 def _enable_host_experts(log, pool, opts) -> None:
-    """`Pool.enable_host_experts` for decode steps of --max-batch tokens; logs what it measured
-    and the split it gives."""
+    """`Pool.enable_host_experts` for decode steps of --max-batch tokens and prefill calls of up
+    to --host-prefill-tokens; logs what it measured and the split it gives."""
     from cupool.serve.loader import enable_host_experts
     hd = enable_host_experts(pool, opts.max_batch, opts.host_threads, opts.host_leave,
-                             opts.host_min_misses)
+                             opts.host_min_misses, opts.host_prefill_tokens)
     log.info("host experts: %d threads, a row %.1f us on the CPU (+ %.1f a call) and %.1f us on "
              "the link; of a step's misses the host takes %s (for 1..%d misses), %s",
              hd.hx.threads, hd.cpu_us, hd.cpu_call_us, hd.link_us, hd.split[1:].tolist(),
@@ -357,6 +364,17 @@ def _enable_host_experts(log, pool, opts) -> None:
     else:
         log.info("host experts: steps of fewer than %d active sequences run without the hand-off "
                  "(--host-min-misses %d)", fewest, hd.min_misses)
+    if hd.prefill_tokens:
+        log.info("host experts: prompt prefill calls of up to %d tokens share their missing "
+                 "experts with the host (%s)", hd.prefill_tokens, _prefill_costs(hd))
+    else:
+        log.info("host experts: decode steps only (--host-prefill-tokens 0)")
+
+
+def _prefill_costs(hd) -> str:
+    """A HostDecode's measured prefill costs, e.g. '128 tokens: 40.1 us a row + 210 a call'."""
+    return "; ".join(f"{t} tokens: {row:.1f} us a row + {call:.0f} a call"
+                     for t, row, call in hd.prefill_costs)
 
 
 def _log_resume_points(log, engine, pool) -> None:

@@ -23,6 +23,10 @@ from cupool.pretrained import TOKENIZER_FILES, Loaded
 log = logging.getLogger("cupool.serve")
 
 DEFAULT_MAX_LEN_CAP = 4096
+# the widest prompt prefill call whose missing experts the host's CPU shares with the link under
+# --host-experts (a turn after a reused prefix is one such call a layer; a cold prompt's wide
+# chunks are not)
+HOST_PREFILL_TOKENS = 512
 
 
 class LoadError(ValueError):
@@ -161,13 +165,21 @@ def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype,
 
 
 def enable_host_experts(pool, tokens: int, threads: int | None = None, leave: bool = False,
-                        min_misses: int | None = None):
+                        min_misses: int | None = None, prefill_tokens: int | None = None):
     """`Pool.enable_host_experts` for decode steps of `tokens` tokens (`--host-experts` of
     `serve` and `generate`, `leave` their `--host-leave`, `min_misses` their
-    `--host-min-misses`); LoadError where the bank holds every
-    expert (a step misses none, so the host would have nothing to compute). Returns the
-    HostDecode."""
+    `--host-min-misses`, `prefill_tokens` their `--host-prefill-tokens`: None gives
+    `HOST_PREFILL_TOKENS` or the pool's prefill chunk where that is smaller); LoadError where
+    the bank holds every expert (a step misses none, so the host would have nothing to compute)
+    or where prefill_tokens exceeds the prefill chunk. Returns the HostDecode."""
     if pool.bank.holds_every_expert():
         raise LoadError(f"--host-experts: the bank holds every expert ({pool.num_experts} rows a "
                         f"layer), so a step misses none; leave it out")
-    return pool.enable_host_experts(tokens, threads=threads, leave=leave, min_misses=min_misses)
+    widest = pool.gemm.max_prefill_tokens
+    if prefill_tokens is None:
+        prefill_tokens = min(HOST_PREFILL_TOKENS, widest)
+    elif prefill_tokens > widest:
+        raise LoadError(f"--host-prefill-tokens {prefill_tokens} exceeds the prefill chunk, "
+                        f"{widest} tokens: give at most {widest}")
+    return pool.enable_host_experts(tokens, threads=threads, leave=leave, min_misses=min_misses,
+                                    prefill_tokens=prefill_tokens)
