@@ -611,7 +611,13 @@ class MoEGemm:
                     copy(b, ahead)
                 self._ahead.issued(ahead, first)
         if accumulate is not None:
-            accumulate(out32)
+            H = self.layout.hidden
+            if out32.shape[1] == H:
+                accumulate(out32)
+            else:             # the sum's rows are padded past H: accumulate sees [T, H] alone
+                part = torch.zeros(T, H, dtype=torch.float32, device=out32.device)
+                accumulate(part)
+                out32[:, :H] += part
         ops.finish(cfg, out32, T, out)
         return out
 
