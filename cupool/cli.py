@@ -242,4 +242,4 @@ def add_host_experts(parser, typed: bool = True, prefill: bool = True) -> None:
                             help="--host-experts: the host also computes some experts without a "
                                  "bank row of prompt prefill calls of up to N tokens, such as a "
                                  "turn after a reused prefix (0: decode steps only; default: "
-                                 "512, or the prefill chunk where that is smaller)")
+                                 "512, or the pool's widest prefill call where that is smaller)")

@@ -709,8 +709,8 @@ def test_host_experts_refused_for_a_bank_holding_every_expert():
                      ((1,), {"threads": None, "leave": False, "min_misses": None,
                              "prefill_tokens": 256})]
     calls.clear()
-    with pytest.raises(LoadError, match=r"--host-prefill-tokens 257 exceeds the prefill chunk, "
-                                        r"256 tokens"):
+    with pytest.raises(LoadError, match=r"--host-prefill-tokens 257 exceeds the widest prefill "
+                                        r"call the pool was built for, 256 tokens"):
         enable_host_experts(pool, 1, prefill_tokens=257)
     assert calls == []
 

@@ -169,9 +169,10 @@ def enable_host_experts(pool, tokens: int, threads: int | None = None, leave: bo
     """`Pool.enable_host_experts` for decode steps of `tokens` tokens (`--host-experts` of
     `serve` and `generate`, `leave` their `--host-leave`, `min_misses` their
     `--host-min-misses`, `prefill_tokens` their `--host-prefill-tokens`: None gives
-    `HOST_PREFILL_TOKENS` or the pool's prefill chunk where that is smaller); LoadError where
-    the bank holds every expert (a step misses none, so the host would have nothing to compute)
-    or where prefill_tokens exceeds the prefill chunk. Returns the HostDecode."""
+    `HOST_PREFILL_TOKENS`, or the widest prefill call the pool was built for where that is
+    smaller); LoadError where the bank holds every expert (a step misses none, so the host would
+    have nothing to compute) or where prefill_tokens exceeds that widest call. Returns the
+    HostDecode."""
     if pool.bank.holds_every_expert():
         raise LoadError(f"--host-experts: the bank holds every expert ({pool.num_experts} rows a "
                         f"layer), so a step misses none; leave it out")
@@ -179,7 +180,7 @@ def enable_host_experts(pool, tokens: int, threads: int | None = None, leave: bo
     if prefill_tokens is None:
         prefill_tokens = min(HOST_PREFILL_TOKENS, widest)
     elif prefill_tokens > widest:
-        raise LoadError(f"--host-prefill-tokens {prefill_tokens} exceeds the prefill chunk, "
-                        f"{widest} tokens: give at most {widest}")
+        raise LoadError(f"--host-prefill-tokens {prefill_tokens} exceeds the widest prefill call "
+                        f"the pool was built for, {widest} tokens: give at most {widest}")
     return pool.enable_host_experts(tokens, threads=threads, leave=leave, min_misses=min_misses,
                                     prefill_tokens=prefill_tokens)
