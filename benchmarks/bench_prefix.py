@@ -69,7 +69,6 @@ import cupool
 from cupool import _cuda, synthetic
 from cupool.cli import CLIParser, bounded_int, output_file, positive_int, run
 from cupool.sampling import SamplingParams
-from cupool.serve.loader import HOST_PREFILL_TOKENS
 
 TARGET = 10.0
 QUESTION = 64
@@ -208,10 +207,9 @@ def build_parser() -> CLIParser:
     p.add_argument("--host-threads", type=bounded_int(1, 1024), metavar="N",
                    help="--host-experts: host threads (default: the CPUs this process may use, "
                         "less one)")
-    p.add_argument("--host-prefill-tokens", type=positive_int, default=HOST_PREFILL_TOKENS,
-                   metavar="N",
+    p.add_argument("--host-prefill-tokens", type=positive_int, default=512, metavar="N",
                    help="--host-experts: the widest prefill call the host takes part in "
-                        f"(default {HOST_PREFILL_TOKENS}, serve's; at most --chunk)")
+                        "(default 512, at most --chunk)")
     p.add_argument("--json", type=output_file, metavar="PATH",
                    help="write the results here instead of benchmarks/results/bench_prefix.json")
     return p

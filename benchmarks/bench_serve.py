@@ -32,8 +32,8 @@ case then also reports those times, the split and the experts the host computed 
 runs are reduced runs too. `--host-leave` leaves the host's misses out of the bank instead of
 promoting them and copying their rows behind the call; `--host-min-misses N` hands nothing
 over in calls of fewer than N misses; prompt prefill calls of up to `--host-prefill-tokens N`
-tokens (default: serve's, 512) share their missing experts with the host as in serve (the
-decode rate, which this measures, is not changed by it). `--host-baseline` (with `--host-experts`)
+tokens (default 0, as serve's) share their missing experts with the host as in serve (the decode
+rate, which this measures, is not changed by it). `--host-baseline` (with `--host-experts`)
 first runs each such case without them on the same model (`host_baseline` in the bank's
 results, and the ratio printed), so both come from one process on one machine; each of the two
 starts from a bank rebuilt with the initial placement and from the trace's first step, so they
@@ -74,7 +74,6 @@ from _common import add_dense_nvfp4, pcie_h2d_GBps, results_path, save  # noqa: 
 
 from cupool.cli import (CLIParser, add_host_experts, bounded_int, fraction,  # noqa: E402
                         positive_int, promote, run)
-from cupool.serve.loader import HOST_PREFILL_TOKENS  # noqa: E402
 
 
 
@@ -228,13 +227,9 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         pool.enable_prefetch(TracePredictor(replayer, tr.with_predictions(
             t, args.prefetch_accuracy, seed=args.seed)), max_rows=args.prefetch_rows)
     label = f"bank {bank:.0%}" + (", the model's router" if routing != args.routing else "")
-    # prefill calls of serve's default width share their missing experts with the host, as in
-    # `cupool serve --host-experts`
-    widest = pool.gemm.max_prefill_tokens
     host = dict(threads=args.host_threads, handoff_us=args.handoff_us, leave=args.host_leave,
                 min_misses=args.host_min_misses,
-                prefill_tokens=min(HOST_PREFILL_TOKENS, widest)
-                if args.host_prefill_tokens is None else min(args.host_prefill_tokens, widest)) \
+                prefill_tokens=min(args.host_prefill_tokens or 0, pool.gemm.max_prefill_tokens)) \
         if args.host_experts and not every else None
     if host is not None:
         label += ", host experts"

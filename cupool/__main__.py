@@ -358,7 +358,7 @@ def generate(args) -> int:
     load_s = time.perf_counter() - t0
     if args.host_experts:
         hd = enable_host_experts(pool, 1, args.host_threads, args.host_leave,
-                                 args.host_min_misses, args.host_prefill_tokens)
+                                 args.host_min_misses, args.host_prefill_tokens or 0)
         print(f"host experts: {hd.hx.threads} threads, a row {hd.cpu_us:.1f} us on the CPU "
               f"(+ {hd.cpu_call_us:.1f} a call) and {hd.link_us:.1f} us on the link"
               + ("" if hd.hands_over(1) else f"; a step of one sequence hands the host nothing "

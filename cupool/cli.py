@@ -241,5 +241,6 @@ def add_host_experts(parser, typed: bool = True, prefill: bool = True) -> None:
                             type=bounded_int(0, 1 << 20) if typed else str, metavar="N",
                             help="--host-experts: the host also computes some experts without a "
                                  "bank row of prompt prefill calls of up to N tokens, such as a "
-                                 "turn after a reused prefix (0: decode steps only; default: "
-                                 "512, or the pool's widest prefill call where that is smaller)")
+                                 "turn after a reused prefix, e.g. 512 (at most the pool's "
+                                 "widest prefill call; default: 0, decode steps only, as this "
+                                 "is not yet measured on a GPU)")

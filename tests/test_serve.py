@@ -672,14 +672,24 @@ def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     assert words in lines[0], lines[0]
 
 
+def test_host_prefill_tokens_option(model_dir, monkeypatch):
+    """--host-prefill-tokens: 0 (decode steps only) unless given with --host-experts (a CUDA
+    device stood in: --host-experts needs one)."""
+    monkeypatch.setattr(cli, "_device", lambda value: "cuda")
+    opts = cli.check_options(_parse(["--model", str(model_dir), "--host-experts"]))
+    assert opts.host_experts and opts.host_prefill_tokens == 0
+    opts = cli.check_options(_parse(["--model", str(model_dir), "--host-experts",
+                                     "--host-prefill-tokens", " 512 "]))
+    assert opts.host_prefill_tokens == 512
+    assert cli.check_options(_parse(["--model", str(model_dir)])).host_prefill_tokens == 0
+
+
 def test_host_experts_refused_for_a_bank_holding_every_expert():
     """`serve` / `generate --host-experts` on a bank that misses nothing: a LoadError (one line,
     exit code 2 from either command) before the host's threads start."""
     from types import SimpleNamespace
 
-    from cupool.serve.loader import HOST_PREFILL_TOKENS, LoadError, enable_host_experts
-
-    assert HOST_PREFILL_TOKENS == 512
+    from cupool.serve.loader import LoadError, enable_host_experts
 
     def refuse(*a, **k):
         raise AssertionError("enable_host_experts reached the pool")
@@ -694,21 +704,18 @@ def test_host_experts_refused_for_a_bank_holding_every_expert():
                            enable_host_experts=lambda *a, **k: calls.append((a, k)))
     enable_host_experts(pool, 2, 3, True)                    # --host-threads 3 --host-leave
     enable_host_experts(pool, 2, None, True, 9)              # and --host-min-misses 9
-    enable_host_experts(pool, 2, None, False, None, 0)       # --host-prefill-tokens 0
-    enable_host_experts(pool, 2, None, False, None, 2048)    # the widest the chunk allows
-    pool.gemm.max_prefill_tokens = 256                       # a chunk below the default
-    enable_host_experts(pool, 1)
+    enable_host_experts(pool, 2, None, False, None, 512)     # --host-prefill-tokens 512
+    enable_host_experts(pool, 2, None, False, None, 2048)    # the widest the pool allows
     assert calls == [((2,), {"threads": 3, "leave": True, "min_misses": None,
-                             "prefill_tokens": HOST_PREFILL_TOKENS}),
+                             "prefill_tokens": 0}),
                      ((2,), {"threads": None, "leave": True, "min_misses": 9,
-                             "prefill_tokens": HOST_PREFILL_TOKENS}),
-                     ((2,), {"threads": None, "leave": False, "min_misses": None,
                              "prefill_tokens": 0}),
                      ((2,), {"threads": None, "leave": False, "min_misses": None,
-                             "prefill_tokens": 2048}),
-                     ((1,), {"threads": None, "leave": False, "min_misses": None,
-                             "prefill_tokens": 256})]
+                             "prefill_tokens": 512}),
+                     ((2,), {"threads": None, "leave": False, "min_misses": None,
+                             "prefill_tokens": 2048})]
     calls.clear()
+    pool.gemm.max_prefill_tokens = 256
     with pytest.raises(LoadError, match=r"--host-prefill-tokens 257 exceeds the widest prefill "
                                         r"call the pool was built for, 256 tokens"):
         enable_host_experts(pool, 1, prefill_tokens=257)
@@ -775,20 +782,21 @@ def test_host_experts_log_which_steps_hand_over(caplog):
     log = logging.getLogger("cupool.test_host_log")
     pool = SimpleNamespace(top_k=8)
     for min_misses, prefill, level, words, last in (
-            (9, None, logging.INFO, "steps of fewer than 2 active sequences run without the "
+            (9, 512, logging.INFO, "steps of fewer than 2 active sequences run without the "
                                     "hand-off (--host-min-misses 9)",
              "prompt prefill calls of up to 512 tokens share their missing experts with the host "
              "(128 tokens: 30.2 us a row + 180 a call; 512 tokens: 61.5 us a row + 410 a call)"),
             (65, 0, logging.WARNING, "no step hands the host anything (--host-min-misses 65; a "
                                      "step of 8 sequences has at most 64 misses)",
-             "decode steps only (--host-prefill-tokens 0)")):
+             "decode steps only (--host-prefill-tokens N: prompt prefill calls of up to N tokens "
+             "too)")):
         opts = SimpleNamespace(max_batch=8, host_threads=None, host_leave=True,
                                host_min_misses=min_misses, host_prefill_tokens=prefill)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=log.name), \
                 pytest.MonkeyPatch.context() as mp:
             mp.setattr(loader, "enable_host_experts",
-                       lambda pool, tokens, threads, leave, m, p: fake(m, 512 if p is None else p))
+                       lambda pool, tokens, threads, leave, m, p: fake(m, p))
             cli._enable_host_experts(log, pool, opts)
         rec = caplog.records[-2]
         assert rec.levelno == level and words in rec.getMessage(), rec.getMessage()

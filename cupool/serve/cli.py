@@ -111,7 +111,7 @@ class Options:
     host_threads: int | None = None
     host_leave: bool = False
     host_min_misses: int | None = None
-    host_prefill_tokens: int | None = None
+    host_prefill_tokens: int = 0
 
 
 def _int(value, flag: str, lo: int, hi: int | None = None) -> int:
@@ -217,6 +217,8 @@ def check_options(args) -> Options:
         if not host_experts:
             raise UsageError("--host-prefill-tokens applies with --host-experts")
         host_prefill_tokens = _int(host_prefill_tokens, "--host-prefill-tokens", 0, 1 << 20)
+    else:
+        host_prefill_tokens = 0
     if host_experts and device == "cpu":
         raise UsageError("--host-experts applies to a CUDA device (the CPU serves the whole "
                          "model itself)")
@@ -368,7 +370,8 @@ def _enable_host_experts(log, pool, opts) -> None:
         log.info("host experts: prompt prefill calls of up to %d tokens share their missing "
                  "experts with the host (%s)", hd.prefill_tokens, _prefill_costs(hd))
     else:
-        log.info("host experts: decode steps only (--host-prefill-tokens 0)")
+        log.info("host experts: decode steps only (--host-prefill-tokens N: prompt prefill "
+                 "calls of up to N tokens too)")
 
 
 def _prefill_costs(hd) -> str:

@@ -23,10 +23,6 @@ from cupool.pretrained import TOKENIZER_FILES, Loaded
 log = logging.getLogger("cupool.serve")
 
 DEFAULT_MAX_LEN_CAP = 4096
-# the widest prompt prefill call whose missing experts the host's CPU shares with the link under
-# --host-experts (a turn after a reused prefix is one such call a layer; a cold prompt's wide
-# chunks are not)
-HOST_PREFILL_TOKENS = 512
 
 
 class LoadError(ValueError):
@@ -165,21 +161,18 @@ def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype,
 
 
 def enable_host_experts(pool, tokens: int, threads: int | None = None, leave: bool = False,
-                        min_misses: int | None = None, prefill_tokens: int | None = None):
+                        min_misses: int | None = None, prefill_tokens: int = 0):
     """`Pool.enable_host_experts` for decode steps of `tokens` tokens (`--host-experts` of
     `serve` and `generate`, `leave` their `--host-leave`, `min_misses` their
-    `--host-min-misses`, `prefill_tokens` their `--host-prefill-tokens`: None gives
-    `HOST_PREFILL_TOKENS`, or the widest prefill call the pool was built for where that is
-    smaller); LoadError where the bank holds every expert (a step misses none, so the host would
-    have nothing to compute) or where prefill_tokens exceeds that widest call. Returns the
-    HostDecode."""
+    `--host-min-misses`, `prefill_tokens` their `--host-prefill-tokens`, 0: decode steps only);
+    LoadError where the bank holds every expert (a step misses none, so the host would have
+    nothing to compute) or where prefill_tokens exceeds the widest prefill call the pool was
+    built for. Returns the HostDecode."""
     if pool.bank.holds_every_expert():
         raise LoadError(f"--host-experts: the bank holds every expert ({pool.num_experts} rows a "
                         f"layer), so a step misses none; leave it out")
     widest = pool.gemm.max_prefill_tokens
-    if prefill_tokens is None:
-        prefill_tokens = min(HOST_PREFILL_TOKENS, widest)
-    elif prefill_tokens > widest:
+    if prefill_tokens > widest:
         raise LoadError(f"--host-prefill-tokens {prefill_tokens} exceeds the widest prefill call "
                         f"the pool was built for, {widest} tokens: give at most {widest}")
     return pool.enable_host_experts(tokens, threads=threads, leave=leave, min_misses=min_misses,
