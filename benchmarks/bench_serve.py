@@ -229,7 +229,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     label = f"bank {bank:.0%}" + (", the model's router" if routing != args.routing else "")
     host = dict(threads=args.host_threads, handoff_us=args.handoff_us, leave=args.host_leave,
                 min_misses=args.host_min_misses,
-                prefill_tokens=min(args.host_prefill_tokens or 0, pool.gemm.max_prefill_tokens)) \
+                prefill_tokens=args.host_prefill_tokens or 0) \
         if args.host_experts and not every else None
     if host is not None:
         label += ", host experts"
