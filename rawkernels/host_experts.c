@@ -367,12 +367,10 @@ static void strip_dot(const uint8_t* strip, int nch, const hx_vec* xv, int nb, f
 }
 
 // Quantizes block `blk` (columns 16·blk ...) of vector n (kp columns) of x from its 16 values v:
-// scale amax / 127, codes rint(v · (127 / amax)); a block with a NaN or an infinity gets a NaN
-// scale (so what it touches is NaN, as the float computation's would be) and zero codes.
-// One block of 16 columns: codes rint(v · 127 / amax) (ties to even), the scale amax / 127
-// (twice), the words' code sums · -CODE_BIAS; a block with a NaN or an infinity gets codes 0 and
-// the scale NaN. The AVX-512 build converts with the default rounding mode (to nearest, ties to
-// even, as nearbyintf): the same bits as the plain C.
+// codes rint(v · 127 / amax) (ties to even), the scale amax / 127 (twice), the words' code sums ·
+// -CODE_BIAS; a block with a NaN or an infinity gets codes 0 and a NaN scale (so what it touches
+// is NaN, as the float computation's would be). The AVX-512 build converts with the default
+// rounding mode (to nearest, ties to even, as nearbyintf): the same bits as the plain C.
 static void quantize_block(const float v[16], hx_vecs* x, int64_t n, int64_t kp, int64_t blk) {
     int8_t* q = x->q + n * kp;
     float* s = x->s + n * kp / 8;

@@ -213,12 +213,10 @@ def check_options(args) -> Options:
             raise UsageError("--host-min-misses applies with --host-experts")
         host_min_misses = _int(host_min_misses, "--host-min-misses", 0, 1 << 20)
     host_prefill_tokens = getattr(args, "host_prefill_tokens", None)
-    if host_prefill_tokens is not None:
-        if not host_experts:
-            raise UsageError("--host-prefill-tokens applies with --host-experts")
-        host_prefill_tokens = _int(host_prefill_tokens, "--host-prefill-tokens", 0, 1 << 20)
-    else:
-        host_prefill_tokens = 0
+    if host_prefill_tokens is not None and not host_experts:
+        raise UsageError("--host-prefill-tokens applies with --host-experts")
+    host_prefill_tokens = 0 if host_prefill_tokens is None else _int(
+        host_prefill_tokens, "--host-prefill-tokens", 0, 1 << 20)
     if host_experts and device == "cpu":
         raise UsageError("--host-experts applies to a CUDA device (the CPU serves the whole "
                          "model itself)")
