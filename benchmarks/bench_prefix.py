@@ -264,10 +264,13 @@ def main(args) -> None:
         turn2_width = args.new                       # reused turn 2's one prefill call
         missing = E - rows
         host = {"threads": hd.hx.threads, "prefill_tokens": hd.prefill_tokens,
-                "link_us": hd.link_us, "handoff_us": hd.handoff_us,
+                "link_us": hd.link_us, "prefill_link_us": hd.prefill_link_us,
+                "handoff_us": hd.handoff_us,
                 "prefill_costs": hd.prefill_costs,
                 "reused_share": hd.prefill_share(turn2_width, missing)}
-        print(f"host experts: {hd.hx.threads} threads; a row {hd.link_us:.1f} us on the link; "
+        print(f"host experts: {hd.hx.threads} threads; a row {hd.prefill_link_us:.1f} us on "
+              f"the link in a prefill call (the copy engine's; {hd.link_us:.1f} in a decode "
+              f"call's row copies); "
               f"prefill calls on the host (tokens, us a row, us a call): "
               + ", ".join(f"({t}, {r:.1f}, {c:.1f})" for t, r, c in hd.prefill_costs)
               + f"; a {turn2_width}-token call hands the host {host['reused_share']} of its "

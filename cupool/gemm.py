@@ -642,6 +642,31 @@ class MoEGemm:
                               self.layout.row_bytes, self._chunk, self._nbuf, self._p["nchunks"])
         return ScratchLists(int(layer), chunks, int((~resident).sum()))
 
+    def copy_engine_us(self, lists: ScratchLists, reps: int = 5) -> float:
+        """µs a row of `lists`' copies as a prefill call with lists makes them (the copy
+        engine's cudaMemcpyAsync runs into the scratch, on the copy stream): the median of `reps`
+        timed passes over all its chunks after one warm-up. Not while a prefill is in flight:
+        the copies overwrite the scratch, so what a call issued ahead is dropped first."""
+        if not lists.experts:
+            raise ValueError(f"layer {lists.layer}'s lists copy no rows: nothing to time")
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        side, main = self._copy_stream, torch.cuda.current_stream(self.device)
+        self.drop_ahead()
+        side.wait_stream(main)                      # earlier GEMMs reading the scratch
+        times = []
+        for i in range(int(reps) + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(side)
+            for runs in lists.chunks:
+                self._copy_engine(runs, side)
+            b.record(side)
+            b.synchronize()
+            if i:
+                times.append(a.elapsed_time(b) * 1e3 / lists.experts)
+        main.wait_stream(side)
+        return float(np.median(times))
+
     def _copy_engine(self, runs, stream) -> None:
         """Each (dst, src, bytes) run as one cudaMemcpyAsync on `stream` (a DMA engine's copy:
         no SM takes part)."""

@@ -77,15 +77,19 @@ def prefill_plan(pool, layer: int, tokens: int) -> tuple[bool, int | None]:
     return True, (layer + 1 if layer + 1 < pool.num_layers else None)
 
 
-def check_prefill_settings(prefill_tokens, costs, widest: int) -> None:
+def check_prefill_settings(prefill_tokens, costs, widest: int, link_us=None) -> None:
     """ValueError naming the setting for a `prefill_tokens` that is not an int in [0, widest]
-    (the GEMM's max_prefill_tokens) or `costs` that are not None or `check_prefill_costs`'."""
+    (the GEMM's max_prefill_tokens), `costs` that are not None or `check_prefill_costs`', or a
+    `link_us` (prefill_link_us) that is not None or a finite number > 0."""
     if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, (int, np.integer)) \
             or not 0 <= prefill_tokens <= widest:
         raise ValueError(f"prefill_tokens must be an int in [0, {widest}] (the GEMM's "
                          f"max_prefill_tokens), got {prefill_tokens!r}")
     if costs is not None:
         check_prefill_costs(costs)
+    if link_us is not None and (isinstance(link_us, bool) or not isinstance(
+            link_us, (int, float, np.floating)) or not 0 < link_us < float("inf")):
+        raise ValueError(f"prefill_link_us must be a finite number > 0, got {link_us!r}")
 
 
 def check_prefill_costs(costs) -> list[tuple[int, float, float]]:
@@ -140,13 +144,16 @@ class HostDecode:
     lanes posted to the same mailbox (sized for the wider of the two calls), the others copied
     and computed as without the host. Its CPU figures, `prefill_costs` ((tokens, µs a row, µs a
     call besides its rows) of one or two widths, ascending), are measured at that width and at a
-    quarter of it unless given (`measure_cpu_prefill_us`; `prefill_us`)."""
+    quarter of it unless given (`measure_cpu_prefill_us`; `prefill_us`); its link figure,
+    `prefill_link_us`, a row's time in the copy engine's scratch copies that such a call makes,
+    unless given (`measure_prefill_link_us`; 0 with host prefill off)."""
 
     def __init__(self, pool, tokens: int, *, threads: int | None = None,
                  link_us: float | None = None, cpu_us: float | None = None,
                  cpu_call_us: float | None = None, handoff_us: float = 10.0,
                  spin_ms: float = 50.0, leave: bool = False, min_misses: int | None = None,
-                 prefill_tokens: int = 0, prefill_costs=None):
+                 prefill_tokens: int = 0, prefill_costs=None,
+                 prefill_link_us: float | None = None):
         bank = pool.bank
         if not bank.hosting:
             raise RuntimeError("the pool's bank has no host steps (Pool.enable_host_experts "
@@ -156,7 +163,8 @@ class HostDecode:
             raise ValueError(f"tokens must be an int with 1 <= tokens · top_k ({pool.top_k}) <= "
                              f"the bank's max_lanes ({bank.max_lanes}), got {tokens!r}")
         check_host_settings(leave, cpu_call_us, min_misses)
-        check_prefill_settings(prefill_tokens, prefill_costs, pool.gemm.max_prefill_tokens)
+        check_prefill_settings(prefill_tokens, prefill_costs, pool.gemm.max_prefill_tokens,
+                               prefill_link_us)
         self.prefill_tokens = int(prefill_tokens)
         self.pool, self.tokens, self.leave = pool, int(tokens), leave
         self.min_misses = pool.top_k + 1 if min_misses is None else int(min_misses)
@@ -185,6 +193,12 @@ class HostDecode:
                     self.prefill_costs.append((t, *measure_cpu_prefill_us(
                         self.hx, H, pool.num_layers * pool.num_experts, t, K,
                         pool.num_experts)))
+            # a row's time on the link in a prefill call: the copy engine's, not the row-copy
+            # kernel's (prefill with host experts copies its scratch by lists)
+            self.prefill_link_us = 0.0
+            if self.prefill_tokens:
+                self.prefill_link_us = float(prefill_link_us) if prefill_link_us is not None \
+                    else measure_prefill_link_us(pool.gemm, pool.store.host_addresses())
             self.mailbox = Mailbox(max(self.tokens, self.prefill_tokens), K, H, pinned=True,
                                    device=dev)
             self.error = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -205,7 +219,7 @@ class HostDecode:
     def prefill_share(self, tokens: int, missing: int) -> int:
         """How many of a prefill call's `missing` experts (those without a bank row, each
         copied whole) the host computes, for a call of `tokens` tokens: the count k that makes
-        the later of the link's (missing − k rows at link_us) and the host's (the hand-off, the
+        the later of the link's (missing − k rows at prefill_link_us) and the host's (the hand-off, the
         call's own time and k rows at `prefill_us(tokens)`) finish soonest (`host_split`); 0
         where that is none, where host prefill is off (prefill_tokens 0) or the call is wider
         than prefill_tokens."""
@@ -215,7 +229,7 @@ class HostDecode:
         k = self._shares.get(key)
         if k is None:
             row, call = self.prefill_us(tokens)
-            k = self._shares[key] = host_split(int(missing), self.link_us, row,
+            k = self._shares[key] = host_split(int(missing), self.prefill_link_us, row,
                                                self.handoff_us + call)
         return k
 
@@ -270,6 +284,16 @@ def measure_link_us(bank, rows: int = 16, reps: int = 5) -> float:
         if i:
             times.append(a.elapsed_time(b) * 1e3 / n)
     return float(np.median(times))
+
+
+def measure_prefill_link_us(gemm, host_rows, reps: int = 5) -> float:
+    """µs a row on the link in a prefill call: the copy engine's scratch copies
+    (`MoEGemm.copy_engine_us`) of every other expert of layer 0 (host_rows: the store's
+    `host_addresses`), each its own run, as a layer's scattered experts without a bank row
+    mostly are."""
+    resident = np.ones(gemm.num_experts, dtype=bool)
+    resident[1::2] = False
+    return gemm.copy_engine_us(gemm.scratch_lists(0, resident, host_rows), reps)
 
 
 def measure_cpu_prefill_us(hx: HostExperts, hidden: int, keys: int, tokens: int, top_k: int,

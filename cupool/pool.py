@@ -232,7 +232,8 @@ class Pool:
                             link_us: float | None = None, cpu_us: float | None = None,
                             cpu_call_us: float | None = None, handoff_us: float = 10.0,
                             leave: bool = False, min_misses: int | None = None,
-                            prefill_tokens: int = 0, prefill_costs=None) -> HostDecode:
+                            prefill_tokens: int = 0, prefill_costs=None,
+                            prefill_link_us: float | None = None) -> HostDecode:
         """Hand some of each decode call's misses to the host's CPU (`HostDecode`): the plan
         step's last promoted misses, as many as make the link and the CPU finish together
         (`cupool.hostexperts.split_table` from a row's time on each and a host call's own
@@ -245,8 +246,8 @@ class Pool:
         `plain_decode`: the Engine picks the step's graph by its active slots). Decode calls must
         then have `tokens` tokens (the Engine's slots). With `prefill_tokens` > 0 the host also
         computes some experts without a bank row of prompt prefill calls of up to that many
-        tokens (`HostDecode`'s prefill_tokens and prefill_costs: a short turn after a reused
-        prefix). Not with prefetch. A bank without the planner's host variant is rebuilt with it
+        tokens (`HostDecode`'s prefill_tokens, prefill_costs and prefill_link_us: a short turn
+        after a reused prefix). Not with prefetch. A bank without the planner's host variant is rebuilt with it
         first (as `resize_bank`: placement reset, gate closed): call this before warm-up and
         capture. Returns the HostDecode."""
         if self.prefetcher is not None or self.bank.prefetching:
@@ -254,14 +255,15 @@ class Pool:
                                "disable prefetch and rebuild the bank (resize_bank(..., "
                                "prefetch=False)) first")
         check_host_settings(leave, cpu_call_us, min_misses)     # before the bank is rebuilt
-        check_prefill_settings(prefill_tokens, prefill_costs, self.gemm.max_prefill_tokens)
+        check_prefill_settings(prefill_tokens, prefill_costs, self.gemm.max_prefill_tokens,
+                               prefill_link_us)
         self.disable_host_experts()
         if not self.bank.hosting:
             self.resize_bank(self.rows_per_layer, host=True)
         self.host = HostDecode(self, tokens, threads=threads, link_us=link_us, cpu_us=cpu_us,
                                cpu_call_us=cpu_call_us, handoff_us=handoff_us, leave=leave,
                                min_misses=min_misses, prefill_tokens=prefill_tokens,
-                               prefill_costs=prefill_costs)
+                               prefill_costs=prefill_costs, prefill_link_us=prefill_link_us)
         return self.host
 
     def disable_host_experts(self) -> None:

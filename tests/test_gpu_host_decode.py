@@ -122,10 +122,11 @@ def test_prefill_call_with_host_experts_matches_the_reference(T):
     ahead issued for it) and a call with the host's share off agree with the reference too."""
     model, pool, E, K = _pool()
     assert T * K >= 4 * E
-    # a row on the link 100 µs, on the host 50 µs and nothing a call: the host takes 3 of the 4
-    # experts a layer without a bank row
-    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=20.0, handoff_us=0.0,
-                                  prefill_tokens=64, prefill_costs=[(64, 50.0, 0.0)])
+    # a row on the link 100 µs (the copy engine's: a decode row's 1 µs does not count), on the
+    # host 50 µs and nothing a call: the host takes 3 of the 4 experts a layer without a bank row
+    hd = pool.enable_host_experts(3, link_us=1.0, cpu_us=20.0, handoff_us=0.0,
+                                  prefill_tokens=64, prefill_costs=[(64, 50.0, 0.0)],
+                                  prefill_link_us=100.0)
     pool.open()
     H = pool.layout.hidden
     gen = torch.Generator(device="cpu").manual_seed(6)
@@ -162,6 +163,35 @@ def test_prefill_call_with_host_experts_matches_the_reference(T):
     pool.unwrap()
 
 
+def test_copy_engine_us_times_the_copies_a_prefill_call_makes():
+    """`MoEGemm.copy_engine_us` makes a layer's scratch copies as a prefill call with lists
+    does (every other expert of layer 1 lands in the poisoned scratch in rank order, byte for
+    byte) and gives a finite µs a row; lists that copy nothing are refused. A pool's host
+    prefill measures its link row this way (`prefill_link_us`)."""
+    import numpy as np
+    model, pool, E, K = _pool()
+    gemm, R = pool.gemm, pool.layout.row_bytes
+    resident = np.ones(E, dtype=bool)
+    resident[1::2] = False
+    lists = gemm.scratch_lists(1, resident, pool.store.host_addresses())
+    scratch = gemm._p["scratch"]
+    scratch.fill_(0xA5)
+    us = gemm.copy_engine_us(lists, reps=2)
+    assert np.isfinite(us) and us > 0
+    got = scratch[:E // 2, :R].cpu().numpy()
+    for r, e in enumerate(range(1, E, 2)):
+        assert np.array_equal(got[r], pool.store.row(1, e)), (r, e)
+    assert (scratch[E // 2:].cpu().numpy() == 0xA5).all()     # nothing past the listed rows
+    with pytest.raises(ValueError, match="lists copy no rows"):
+        gemm.copy_engine_us(gemm.scratch_lists(1, np.ones(E, dtype=bool),
+                                               pool.store.host_addresses()))
+    hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=20.0, prefill_tokens=64,
+                                  prefill_costs=[(64, 50.0, 0.0)])
+    assert np.isfinite(hd.prefill_link_us) and hd.prefill_link_us > 0
+    pool.disable_host_experts()
+    pool.unwrap()
+
+
 def test_engine_prefill_with_host_experts():
     """The Engine's prompt prefill with the host's share on: the host answers prefill calls
     (more requests than the decode steps' alone), no error, and every request decodes its
@@ -172,7 +202,8 @@ def test_engine_prefill_with_host_experts():
     plain = _generate(model, pool, ps, params, max_len=64)
     hd = pool.enable_host_experts(3, link_us=100.0, cpu_us=20.0, handoff_us=5.0,
                                   prefill_tokens=64, prefill_costs=[(16, 20.0, 2.0),
-                                                                    (64, 50.0, 5.0)])
+                                                                    (64, 50.0, 5.0)],
+                                  prefill_link_us=100.0)
     assert hd.prefill_share(40, E // 2) > 0
     with_host = _generate(model, pool, ps, params, max_len=64)
     assert [len(o) for o in with_host] == [len(o) for o in plain]

@@ -559,13 +559,15 @@ def test_measure_cpu_prefill_us(small):
 def test_prefill_share_balances_the_link_and_the_host():
     """`HostDecode.prefill_us` interpolates the measured widths linearly (held past the widest,
     a row at least 5% of the narrowest's below it) and `prefill_share` takes the count that
-    makes the later of the link and the host finish soonest (`host_split`): nothing for calls
-    wider than prefill_tokens, with no expert missing, or with host prefill off."""
+    makes the later of the link (a row at prefill_link_us, the copy engine's, not the decode
+    copies' link_us) and the host finish soonest (`host_split`): nothing for calls wider than
+    prefill_tokens, with no expert missing, or with host prefill off."""
     from cupool.hostexperts import host_split
     from cupool.layer import HostDecode
 
     hd = object.__new__(HostDecode)                  # the figures alone: no pool, no GPU
-    hd.prefill_tokens, hd.link_us, hd.handoff_us, hd._shares = 128, 48.0, 10.0, {}
+    hd.prefill_tokens, hd.handoff_us, hd._shares = 128, 10.0, {}
+    hd.link_us, hd.prefill_link_us = 500.0, 48.0
     hd.prefill_costs = [(32, 40.0, 20.0), (128, 100.0, 60.0)]
     assert hd.prefill_us(32) == (40.0, 20.0) and hd.prefill_us(128) == (100.0, 60.0)
     assert hd.prefill_us(80) == (70.0, 40.0)
@@ -605,5 +607,9 @@ def test_prefill_tokens_refused():
         with pytest.raises(ValueError, match=r"prefill_tokens must be an int in \[0, 64\]"):
             check_prefill_settings(bad, None, 64)
     check_prefill_settings(0, None, 64)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "48"):
+        with pytest.raises(ValueError, match="prefill_link_us must be a finite number > 0"):
+            check_prefill_settings(16, None, 64, bad)
+    check_prefill_settings(16, None, 64, 48)
     assert check_prefill_costs([(32, 40, 20), (128, 100.0, 60)]) == [(32, 40.0, 20.0),
                                                                     (128, 100.0, 60.0)]

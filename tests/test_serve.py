@@ -777,7 +777,8 @@ def test_host_experts_log_which_steps_hand_over(caplog):
                                min_misses=min_misses, hands_over=lambda n: n * 8 >= min_misses,
                                prefill_tokens=prefill_tokens,
                                prefill_costs=[(128, 30.25, 180.0), (512, 61.5, 410.0)]
-                               if prefill_tokens else [])
+                               if prefill_tokens else [],
+                               prefill_link_us=48.75 if prefill_tokens else 0.0)
 
     log = logging.getLogger("cupool.test_host_log")
     pool = SimpleNamespace(top_k=8)
@@ -785,7 +786,8 @@ def test_host_experts_log_which_steps_hand_over(caplog):
             (9, 512, logging.INFO, "steps of fewer than 2 active sequences run without the "
                                     "hand-off (--host-min-misses 9)",
              "prompt prefill calls of up to 512 tokens share their missing experts with the host "
-             "(128 tokens: 30.2 us a row + 180 a call; 512 tokens: 61.5 us a row + 410 a call)"),
+             "(128 tokens: 30.2 us a row + 180 a call; 512 tokens: 61.5 us a row + 410 a call; "
+             "a row 48.8 us on the link)"),
             (65, 0, logging.WARNING, "no step hands the host anything (--host-min-misses 65; a "
                                      "step of 8 sequences has at most 64 misses)",
              "decode steps only (--host-prefill-tokens N: prompt prefill calls of up to N tokens "

@@ -373,9 +373,11 @@ def _enable_host_experts(log, pool, opts) -> None:
 
 
 def _prefill_costs(hd) -> str:
-    """A HostDecode's measured prefill costs, e.g. '128 tokens: 40.1 us a row + 210 a call'."""
+    """A HostDecode's measured prefill costs, e.g. '128 tokens: 40.1 us a row + 210 a call; a
+    row 48.7 us on the link'."""
     return "; ".join(f"{t} tokens: {row:.1f} us a row + {call:.0f} a call"
-                     for t, row, call in hd.prefill_costs)
+                     for t, row, call in hd.prefill_costs) \
+        + f"; a row {hd.prefill_link_us:.1f} us on the link"
 
 
 def _log_resume_points(log, engine, pool) -> None:
