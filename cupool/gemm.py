@@ -558,10 +558,7 @@ class MoEGemm:
         first = min(nbuf, nchunks)               # chunks copied before the first chunk GEMM
         issued = self._ahead.take(lists if nchunks else None)
         main = torch.cuda.current_stream(self.device)
-        if nchunks and self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-            self._events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(nchunks)]
-        side = self._copy_stream
+        side = self._side_stream() if nchunks else self._copy_stream
         if nchunks and lists is not None:
             side.wait_stream(main)               # earlier calls' GEMMs on the scratch buffers
         kernels.launch(ops.align(cfg.nt, "prep_x", x), -(-T // 8), 256,
@@ -649,9 +646,7 @@ class MoEGemm:
         the copies overwrite the scratch, so what a call issued ahead is dropped first."""
         if not lists.experts:
             raise ValueError(f"layer {lists.layer}'s lists copy no rows: nothing to time")
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        side, main = self._copy_stream, torch.cuda.current_stream(self.device)
+        side, main = self._side_stream(), torch.cuda.current_stream(self.device)
         self.drop_ahead()
         side.wait_stream(main)                      # earlier GEMMs reading the scratch
         times = []
@@ -666,6 +661,14 @@ class MoEGemm:
                 times.append(a.elapsed_time(b) * 1e3 / lists.experts)
         main.wait_stream(side)
         return float(np.median(times))
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The copy stream of the scratch copies and their per-chunk events, made on first use."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._events = [(torch.cuda.Event(), torch.cuda.Event())
+                            for _ in range(self._p["nchunks"])]
+        return self._copy_stream
 
     def _copy_engine(self, runs, stream) -> None:
         """Each (dst, src, bytes) run as one cudaMemcpyAsync on `stream` (a DMA engine's copy:

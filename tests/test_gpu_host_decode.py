@@ -14,6 +14,7 @@ from tiny_models import FAMILIES
 
 import cupool
 from cupool.hostexperts import host_split, split_table
+from cupool.layer import prefill_plan
 from cupool.layout import unpack_row
 from cupool.reference.moe import reference_moe
 from cupool.sampling import SamplingParams
@@ -182,6 +183,21 @@ def test_copy_engine_us_times_the_copies_a_prefill_call_makes():
     for r, e in enumerate(range(1, E, 2)):
         assert np.array_equal(got[r], pool.store.row(1, e)), (r, e)
     assert (scratch[E // 2:].cpu().numpy() == 0xA5).all()     # nothing past the listed rows
+    # a prefill call with lists after the timing (which made the copy stream first) still
+    # equals the reference
+    H, T = pool.layout.hidden, 40
+    gen = torch.Generator(device="cpu").manual_seed(8)
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=gen), -1)
+    experts = [tuple(None if m is None else dequantize_exact(m) for m in
+                     unpack_row(pool.layout, pool.store.row(1, e))) for e in range(E)]
+    pool.open()
+    with pool.prefilling():
+        assert prefill_plan(pool, 1, T)[0]                      # the lists' path
+        y = pool.layers[1](x, ids.cuda(), w.cuda())
+    ref = reference_moe(x.float().cpu(), ids, w, experts, torch.float64)
+    assert float((y.double().cpu() - ref).norm() / ref.norm()) <= 1e-2
     with pytest.raises(ValueError, match="lists copy no rows"):
         gemm.copy_engine_us(gemm.scratch_lists(1, np.ones(E, dtype=bool),
                                                pool.store.host_addresses()))
