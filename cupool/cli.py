@@ -242,5 +242,5 @@ def add_host_experts(parser, typed: bool = True, prefill: bool = True) -> None:
                             help="--host-experts: the host also computes some experts without a "
                                  "bank row of prompt prefill calls of up to N tokens, such as a "
                                  "turn after a reused prefix, e.g. 512 (at most the pool's "
-                                 "widest prefill call; default: 0, decode steps only, as this "
-                                 "is not yet measured on a GPU)")
+                                 "widest prefill call; default: 0, decode steps only: where the "
+                                 "link slows beside the host's threads it loses)")
