@@ -46,6 +46,11 @@ reduced run.
 (serve's default is 8): a case of fewer streams leaves the other slots inactive in the same
 N-wide captured step, which is what one user of a default `serve` gets; the default is as many
 slots as streams. Such a run is a reduced run.
+`--late-prompt N` also times, in each case with a free slot (fewer streams than `--slots`), the
+first token of a request of N prompt tokens that arrives while the case's streams decode (three
+such requests, one at a time, each after the streams' first 8 tokens; median): its prefill is
+launched between their decode steps, as in serve, beside the host's threads where host experts
+are on. Such a run is a reduced run.
 `--dense-nvfp4` keeps the attention projections in NVFP4 (`cupool.dense_nvfp4.quantize_linears`,
 as a checkpoint with NVFP4 self_attn loads): the fused step's QKV and o-projection GEMVs then read
 a quarter of the bf16 bytes. Such a run is written only with --json.
@@ -102,11 +107,39 @@ def link_bound(rows: int, decoded: int, row_bytes: int, pcie_GBps: float) -> flo
     return decoded / (rows * row_bytes / (pcie_GBps * 1e9))
 
 
+# late_ttft: the others' tokens before a late request, room for theirs after, and late requests
+LATE_STEPS, LATE_MORE, LATE_REPEATS = 8, 256, 3
+
+
+def late_ttft(eng, prompts, late_prompts, steps: int = LATE_STEPS) -> list[float]:
+    """Times to first token (s) of requests of `late_prompts` (one at a time, each a prompt no
+    slot holds: nothing reused), each arriving while `prompts` decode (once each has `steps`
+    tokens): the engine driven on this thread as serve's engine thread drives it, the late
+    prompt's prefill launched eagerly between the others' decode steps."""
+    import cupool
+    out = []
+    for late_prompt in late_prompts:
+        running = [eng.submit(p, cupool.SamplingParams(max_tokens=steps + LATE_MORE))
+                   for p in prompts]
+        while min(len(r.output_ids) for r in running) < steps:
+            eng.iterate()
+        late = eng.submit(late_prompt, cupool.SamplingParams(max_tokens=2))
+        while late.first_token_at is None:
+            eng.iterate()
+        for r in running:
+            r.cancel()
+        eng.run_until_idle()
+        out.append(late.first_token_at - late.submitted_at)
+    return out
+
+
 def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: bool,
              compile: bool, fused: bool, seed: int, pcie_GBps: float,
-             host: dict | None = None, slots: int | None = None) -> dict:
+             host: dict | None = None, slots: int | None = None, late: int = 0) -> dict:
     """`host`: HostDecode settings (threads, handoff_us) to enable for this case's width.
-    `slots`: the engine's slots (None: `streams`)."""
+    `slots`: the engine's slots (None: `streams`). `late`: with a free slot, also the time to
+    first token of a request of `late` prompt tokens arriving while the streams decode
+    (`late_ttft`)."""
     import cupool
     width = slots or streams
     host_info = {}
@@ -116,7 +149,10 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
                      "host_cpu_us": hd.cpu_us, "host_cpu_call_us": hd.cpu_call_us,
                      "host_handoff_us": hd.handoff_us, "host_min_misses": hd.min_misses,
                      "host_split": hd.split.tolist(), "host_prefill_tokens": hd.prefill_tokens}
-    eng = cupool.Engine(model, pool, max_batch=width, max_len=prompt_len + tokens + 8,
+    # with a late request, room for the others' longer runs beside it (late_ttft)
+    max_len = max(prompt_len + max(tokens, LATE_STEPS + LATE_MORE), late + 2) + 8 if late \
+        else prompt_len + tokens + 8
+    eng = cupool.Engine(model, pool, max_batch=width, max_len=max_len,
                         eos_token_id=[], compile=compile, fused=None if fused else False)
     g = torch.Generator().manual_seed(seed + streams)
     vocab = model.config.vocab_size
@@ -160,6 +196,13 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
                 "host_call_us": (end["ns"] - served0["ns"]) / calls / 1e3,
                 "host_call_max_us": end["max_ns"] / 1e3,
                 "host_call_expected_us": hd.cpu_call_us + rows * hd.cpu_us})
+    late_info = {}
+    if late and streams < width:                   # after the host's counters above were read
+        ttft = late_ttft(eng, prompts, [torch.randint(0, vocab, (late,), generator=g).tolist()
+                                        for _ in range(LATE_REPEATS)])
+        late_info = {"late_prompt_tokens": late, "late_ttft_ms": statistics.median(ttft) * 1e3,
+                     "late_ttft_ms_all": [t * 1e3 for t in ttft]}
+    if host is not None:
         pool.disable_host_experts()
     per = [r.decode_tokens_per_s for r in reqs]
     decode_tps = decoded / decode_wall
@@ -181,7 +224,15 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
             "decode_over_link_bound": None if bound is None else decode_tps / bound,
             "per_request_tok_per_s_median": statistics.median(per),
             "per_request_tok_per_s_min": min(per), "hit_rate": pool.hit_rate(stats),
-            "steps": eng.steps_run, **prefetch, **host_info}
+            "steps": eng.steps_run, **prefetch, **host_info, **late_info}
+
+
+def late_text(r: dict) -> str:
+    """The case's late request's time to first token, for its printed line ('' without)."""
+    if "late_ttft_ms" not in r:
+        return ""
+    return (f"; a late {r['late_prompt_tokens']}-token prompt's first token after "
+            f"{r['late_ttft_ms']:.1f} ms (median of {len(r['late_ttft_ms_all'])})")
 
 
 def replays_trace(args, holds_every_expert: bool) -> bool:
@@ -240,15 +291,16 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         if host is not None and args.host_baseline:
             fresh_case(pool, replayer, False)
             r0 = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
-                          not args.no_fused, args.seed, pcie, None, args.slots)
+                          not args.no_fused, args.seed, pcie, None, args.slots,
+                          args.late_prompt or 0)
             baseline.append(r0)
             print(f"bank {bank:.0%}, without host experts: {b:3d} streams greedy : aggregate "
                   f"{r0['aggregate_tok_per_s']:7.1f} tok/s (decode "
-                  f"{r0['aggregate_decode_tok_per_s']:7.1f}), hit rate {r0['hit_rate']:.3f}",
-                  flush=True)
+                  f"{r0['aggregate_decode_tok_per_s']:7.1f}), hit rate {r0['hit_rate']:.3f}"
+                  + late_text(r0), flush=True)
             fresh_case(pool, replayer, True)
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
-                     not args.no_fused, args.seed, pcie, host, args.slots)
+                     not args.no_fused, args.seed, pcie, host, args.slots, args.late_prompt or 0)
         cases.append(r)
         if baseline:
             ratio = r["aggregate_decode_tok_per_s"] / baseline[-1]["aggregate_decode_tok_per_s"]
@@ -272,7 +324,8 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
                  if "host_call_us" in r else "")
               + (f": link bound {r['link_bound_decode_tok_per_s']:.1f} tok/s, decode at "
                  f"{r['decode_over_link_bound']:.2f} of it"
-                 if r["link_bound_decode_tok_per_s"] is not None else ""), flush=True)
+                 if r["link_bound_decode_tok_per_s"] is not None else "") + late_text(r),
+              flush=True)
     b = 8 if 8 in streams else max(streams)
     sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile,
                        not args.no_fused, args.seed, pcie, host, args.slots)
@@ -334,7 +387,8 @@ def main(args) -> int:
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
-               "slots": args.slots, "pcie_h2d_GBps": pcie, "banks": banks,
+               "slots": args.slots, "late_prompt": args.late_prompt,
+               "pcie_h2d_GBps": pcie, "banks": banks,
                "gpu": torch.cuda.get_device_name()}
     reduced = (["--small"] if args.small else []) + \
         ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else []) + \
@@ -347,6 +401,7 @@ def main(args) -> int:
         ([f"--host-prefill-tokens {args.host_prefill_tokens}"]
          if args.host_prefill_tokens is not None else []) + \
         ([f"--slots {args.slots}"] if args.slots else []) + \
+        ([f"--late-prompt {args.late_prompt}"] if args.late_prompt else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else [])
     save("bench_serve", results, results_path("bench_serve", args.json, reduced))
     return 0
@@ -391,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=bounded_int(1, 256), metavar="N",
                    help="slots the engine decodes a step, as serve's --max-batch (default: the "
                         "stream count)")
+    p.add_argument("--late-prompt", type=bounded_int(1, 1 << 16), metavar="N",
+                   help="also time the first token of a request of N prompt tokens arriving "
+                        "while a case's streams decode (cases with a free slot: see --slots)")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
     p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "

@@ -123,6 +123,7 @@ BAD = BAD_SUBPROCESS + [
     (["bench_serve.py", "--slots", "4", "--streams", "1", "8"],
      "--slots must be at least the largest --streams (8), got 4"),
     (["bench_serve.py", "--slots", "0"], "--slots"),
+    (["bench_serve.py", "--late-prompt", "0"], "--late-prompt"),
     (["sim_policies.py", "--parts", "lru"], "--parts"),
     (["bench_host_experts.py", "--isa", "sse"], "--isa"),
     (["bench_host_experts.py", "--experts", "8", "--rows", "9"], "--rows"),
@@ -364,6 +365,37 @@ def test_bench_serve_replays_the_trace_where_routing_decides_hits():
     assert bs.replays_trace(args, holds_every_expert=True)
     args = bs.build_parser().parse_args(["--routing", "router"])
     assert not bs.replays_trace(args, holds_every_expert=False)
+
+
+def test_bench_serve_late_ttft_times_a_request_arriving_mid_decode():
+    """late_ttft submits each late prompt once the others have decoded their first tokens, and
+    times its first token; the others are cancelled after it, and the engine ends idle."""
+    pytest.importorskip("transformers")
+    from tiny_models import hf_model
+
+    from cupool.engine import Engine
+    bs = load("bench_serve.py")
+    bs.LATE_MORE = 8                                 # the tiny model's 64 positions
+    eng = Engine(hf_model("qwen3_moe", seed=3), max_batch=3, max_len=32, eos_token_id=[])
+    seen = []
+    submit = eng.submit
+
+    def spy(prompt, params=None, *a, **k):
+        req = submit(prompt, params, *a, **k)
+        seen.append((len(prompt), params.max_tokens, req))
+        return req
+
+    eng.submit = spy
+    others = [[5, 6, 7, 8], [9, 10, 11]]
+    out = bs.late_ttft(eng, others, [[12] * 6, [13] * 5], steps=2)
+    assert len(out) == 2 and all(t > 0 for t in out)
+    assert [(n, m) for n, m, _ in seen] == [(4, 2 + bs.LATE_MORE), (3, 2 + bs.LATE_MORE), (6, 2),
+                                            (4, 2 + bs.LATE_MORE), (3, 2 + bs.LATE_MORE), (5, 2)]
+    late = [r for n, m, r in seen if m == 2]
+    assert all(r.finished and len(r.output_ids) == 2 for r in late)
+    assert all(r.finish_reason == "cancelled" and len(r.output_ids) >= 2
+               for n, m, r in seen if m != 2)
+    assert not eng.iterate()
 
 
 def test_timeline_breakdown():
