@@ -646,11 +646,13 @@ class MoEGemm:
         the copies overwrite the scratch, so what a call issued ahead is dropped first."""
         if not lists.experts:
             raise ValueError(f"layer {lists.layer}'s lists copy no rows: nothing to time")
+        if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+            raise ValueError(f"reps must be an int >= 1, got {reps!r}")
         side, main = self._side_stream(), torch.cuda.current_stream(self.device)
         self.drop_ahead()
         side.wait_stream(main)                      # earlier GEMMs reading the scratch
         times = []
-        for i in range(int(reps) + 1):
+        for i in range(reps + 1):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record(side)
             for runs in lists.chunks:

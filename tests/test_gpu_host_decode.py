@@ -198,6 +198,8 @@ def test_copy_engine_us_times_the_copies_a_prefill_call_makes():
         y = pool.layers[1](x, ids.cuda(), w.cuda())
     ref = reference_moe(x.float().cpu(), ids, w, experts, torch.float64)
     assert float((y.double().cpu() - ref).norm() / ref.norm()) <= 1e-2
+    with pytest.raises(ValueError, match="reps must be an int >= 1, got 0"):
+        gemm.copy_engine_us(lists, reps=0)
     with pytest.raises(ValueError, match="lists copy no rows"):
         gemm.copy_engine_us(gemm.scratch_lists(1, np.ones(E, dtype=bool),
                                                pool.store.host_addresses()))
