@@ -7,7 +7,7 @@
 # seconds, the log's last pytest/sanitizer/error line) is printed last. Benchmarks write their
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
-# Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, tests-host, host-serve, host-bench, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
+# Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, tests-host, host-serve, host-late, host-bench, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
@@ -80,6 +80,11 @@ for stage in "$@"; do
                     --host-experts --host-baseline ${HOST_ARGS:---host-leave} --json "$OUT/serve_host_$n.json"
                 summary[-1]="${summary[-1]} $(grep -o '[0-9.]*x the decode rate without them' "$OUT/serve_host_$n.log")"
               done ;;
+    # serve's 8 slots a step at 1, 4 and 7 streams, each with and without host experts, and the
+    # first token of a 512-token prompt arriving while they decode (a reduced run, into $OUT)
+    host-late) run serve_host_late 300 python3 benchmarks/bench_serve.py --banks 0.5 --streams 1 4 7 \
+              --slots 8 --host-experts --host-leave --host-baseline --late-prompt 512 \
+              --json "$OUT/serve_host_late.json" ;;
     host-bench) run bench_host_experts 400 python3 benchmarks/bench_host_experts.py
               run probe_host_handoff 200 python3 benchmarks/probe_host_handoff.py \
                   --json "$OUT/probe_host_handoff.json" ;;
