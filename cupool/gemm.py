@@ -558,7 +558,7 @@ class MoEGemm:
         first = min(nbuf, nchunks)               # chunks copied before the first chunk GEMM
         issued = self._ahead.take(lists if nchunks else None)
         main = torch.cuda.current_stream(self.device)
-        side = self._side_stream() if nchunks else self._copy_stream
+        side = self._side_stream() if nchunks else None     # used only with chunks
         if nchunks and lists is not None:
             side.wait_stream(main)               # earlier calls' GEMMs on the scratch buffers
         kernels.launch(ops.align(cfg.nt, "prep_x", x), -(-T // 8), 256,
