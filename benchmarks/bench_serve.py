@@ -3,7 +3,7 @@
 on the Qwen3-30B-A3B shape (synthetic weights), for each bank size asked for (default: every
 expert resident, then half of each layer's experts).
 
-For each number of concurrent streams (1, 4, 8, 16 by default) as many requests are submitted at
+For each number of concurrent streams (1, 8, 16 by default) as many requests are submitted at
 once (16-token prompts, `--tokens` new tokens each, greedy), and the engine decodes them together
 in its captured step (B = the stream count): aggregate tok/s (all generated tokens over the wall
 time from submission to the last token) and per-request decode tok/s, beside the batch-1 run as
@@ -25,19 +25,21 @@ pool's prefetch on with the model's own predictor (layer l + 1's router on layer
 `--prefetch-accuracy`, at most `--prefetch-rows` rows a prefetch where given; each case then also
 reports the rows prefetched and wasted (evicted before use), in bytes a generated token. Prefetch
 runs are reduced runs (written only with --json).
-`--host-experts` hands some of each decode call's misses to the host's CPU
-(`Pool.enable_host_experts`, banks without every expert: `--host-threads` threads, the hand-off's
-cost `--handoff-us`, a row's time on the link and on the CPU measured at each case's start); each
-case then also reports those times, the split and the experts the host computed a token. Such
-runs are reduced runs too. `--host-leave` leaves the host's misses out of the bank instead of
-promoting them and copying their rows behind the call; `--host-min-misses N` hands nothing
-over in calls of fewer than N misses; prompt prefill calls of up to `--host-prefill-tokens N`
-tokens (default 0, as serve's) share their missing experts with the host as in serve (the decode
-rate, which this measures, is not changed by it). `--host-baseline` (with `--host-experts`)
-first runs each such case without them on the same model (`host_baseline` in the bank's
-results, and the ratio printed), so both come from one process on one machine; each of the two
-starts from a bank rebuilt with the initial placement and from the trace's first step, so they
-replay the same routing.
+Host experts, as serve's default has them: a bank without every expert hands some of each
+decode call's misses to the host's CPU (`Pool.enable_host_experts`, the host's misses left out of
+the bank) where `cupool.serve.loader.auto_host_experts` finds no reason against (it prints one
+where it does: too few CPUs, no C compiler) and prefetch is off; `--host-experts` turns them on
+regardless, `--no-host-experts` off (a reduced run). `--host-threads` threads, the hand-off's
+cost `--handoff-us`, a row's time on the link and on the CPU measured at each case's start; each
+such case also reports those times, the split and the experts the host computed a token.
+`--host-promote` promotes the host's misses into the bank and copies their rows behind the call
+instead (a reduced run); `--host-min-misses N` hands nothing over in calls of fewer than N
+misses; prompt prefill calls of up to `--host-prefill-tokens N` tokens (default 0, as serve's)
+share their missing experts with the host as in serve (the decode rate, which this measures, is
+not changed by it). `--host-baseline` first runs each such case without them on the same model
+(`host_baseline` in the bank's results, and the ratio printed), so both come from one process
+on one machine; each of the two starts from a bank rebuilt with the initial placement and from
+the trace's first step, so they replay the same routing.
 `--promote` sets the pool's promotion cap (`Pool.promote`; default auto, the pool's own default:
 no cap while a step's lanes fit a layer's rows, a quarter of a layer's rows past that); each case
 reports the cap its steps launched with and the misses staged. A run with another cap is a
@@ -75,7 +77,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import add_dense_nvfp4, pcie_h2d_GBps, results_path, save  # noqa: E402
+from _common import (add_dense_nvfp4, pcie_h2d_GBps, reduced_by, results_path,  # noqa: E402
+                     save)
 
 from cupool.cli import (CLIParser, add_host_experts, bounded_int, fraction,  # noqa: E402
                         positive_int, promote, run)
@@ -253,6 +256,24 @@ def fresh_case(pool, replayer, host_build: bool) -> None:
         replayer.step.zero_()
 
 
+def host_experts_on(args, pool, label: str) -> bool:
+    """Whether this bank's cases run with host experts, as serve decides: --host-experts on
+    wherever the bank misses experts, --no-host-experts off, and by default where
+    `auto_host_experts` finds no reason against (printed where it finds one) and prefetch is
+    off (a separate planner build)."""
+    if args.no_host_experts or pool.bank.holds_every_expert():
+        return False
+    if args.host_experts:
+        return True
+    if args.prefetch != "off":
+        return False
+    from cupool.serve.loader import auto_host_experts
+    why = auto_host_experts(pool)
+    if why is not None:
+        print(f"{label}: host experts off, as serve's default leaves them: {why}", flush=True)
+    return why is None
+
+
 def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) -> dict:
     model, pool, shape = build(layers, args.slots or max(streams), args.seed, bank,
                                args.dense_nvfp4)
@@ -278,10 +299,10 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         pool.enable_prefetch(TracePredictor(replayer, tr.with_predictions(
             t, args.prefetch_accuracy, seed=args.seed)), max_rows=args.prefetch_rows)
     label = f"bank {bank:.0%}" + (", the model's router" if routing != args.routing else "")
-    host = dict(threads=args.host_threads, handoff_us=args.handoff_us, leave=args.host_leave,
-                min_misses=args.host_min_misses,
+    host = dict(threads=args.host_threads, handoff_us=args.handoff_us,
+                leave=not args.host_promote, min_misses=args.host_min_misses,
                 prefill_tokens=args.host_prefill_tokens or 0) \
-        if args.host_experts and not every else None
+        if host_experts_on(args, pool, label) else None
     if host is not None:
         label += ", host experts"
     if args.slots:
@@ -344,7 +365,8 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     del model, pool
     gc.collect()
     torch.cuda.empty_cache()
-    return {"bank": bank, "routing": routing, "cases": cases, "sampled": sampled,
+    return {"bank": bank, "routing": routing, "host_experts": host is not None,
+            "cases": cases, "sampled": sampled,
             **({"host_baseline": baseline} if baseline else {}),
             "sampled_over_greedy": sampled["aggregate_tok_per_s"] / greedy["aggregate_tok_per_s"],
             "aggregate_over_batch1": summary}
@@ -357,14 +379,14 @@ def main(args) -> int:
         raise ValueError(f"--prefetch-accuracy must be in [0, 1], got {args.prefetch_accuracy:g}")
     if args.host_experts and args.prefetch != "off":
         raise ValueError("--host-experts and --prefetch are separate planner builds: pick one")
-    if args.host_baseline and not args.host_experts:
-        raise ValueError("--host-baseline compares against --host-experts: give both")
-    if args.host_leave and not args.host_experts:
-        raise ValueError("--host-leave is a way of --host-experts: give both")
-    if args.host_min_misses is not None and not args.host_experts:
-        raise ValueError("--host-min-misses applies with --host-experts")
-    if args.host_prefill_tokens is not None and not args.host_experts:
-        raise ValueError("--host-prefill-tokens applies with --host-experts")
+    for flag, given in (("--host-baseline", args.host_baseline),
+                        ("--host-threads", args.host_threads is not None),
+                        ("--host-promote", args.host_promote),
+                        ("--host-min-misses", args.host_min_misses is not None),
+                        ("--host-prefill-tokens", args.host_prefill_tokens is not None)):
+        if given and (args.no_host_experts or args.prefetch != "off"):
+            off = "--no-host-experts" if args.no_host_experts else "--prefetch"
+            raise ValueError(f"{flag} applies to host experts, which {off} turns off")
     if args.slots is not None and args.slots < max(args.streams):
         raise ValueError(f"--slots must be at least the largest --streams ({max(args.streams)}), "
                          f"got {args.slots}")
@@ -381,8 +403,10 @@ def main(args) -> int:
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
                "promote": args.promote, "overlap_copies": args.overlap_copies,
-               "host_experts": args.host_experts,
-               **({"host_leave": args.host_leave} if args.host_experts else {}),
+               "host_experts": ("on" if args.host_experts
+                                else "off" if args.no_host_experts or args.prefetch != "off"
+                                else "serve's default"),
+               "host_leave": not args.host_promote,
                "dense": "nvfp4" if args.dense_nvfp4 else "bf16",
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
@@ -390,12 +414,21 @@ def main(args) -> int:
                "slots": args.slots, "late_prompt": args.late_prompt,
                "pcie_h2d_GBps": pcie, "banks": banks,
                "gpu": torch.cuda.get_device_name()}
-    reduced = (["--small"] if args.small else []) + \
+    save("bench_serve", results, results_path("bench_serve", args.json, reduced(args)))
+    return 0
+
+
+def reduced(args) -> list[str]:
+    """How this run differs from the canonical one (serve's defaults), as its flags read."""
+    return reduced_by(args, build_parser(), "layers", "streams", "tokens", "banks", "no_fused",
+                      "compile", "small") + \
+        ([f"--routing {args.routing}"] if args.routing != "locality" else []) + \
         ([f"--prefetch {args.prefetch}"] if args.prefetch != "off" else []) + \
         ([f"--promote {args.promote}"] if args.promote != "auto" else []) + \
         (["--overlap-copies"] if args.overlap_copies else []) + \
-        (["--host-experts"] if args.host_experts else []) + \
-        (["--host-leave"] if args.host_leave else []) + \
+        (["--no-host-experts"] if args.no_host_experts else []) + \
+        (["--host-promote"] if args.host_promote else []) + \
+        ([f"--host-threads {args.host_threads}"] if args.host_threads is not None else []) + \
         ([f"--host-min-misses {args.host_min_misses}"]
          if args.host_min_misses is not None else []) + \
         ([f"--host-prefill-tokens {args.host_prefill_tokens}"]
@@ -403,15 +436,13 @@ def main(args) -> int:
         ([f"--slots {args.slots}"] if args.slots else []) + \
         ([f"--late-prompt {args.late_prompt}"] if args.late_prompt else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else [])
-    save("bench_serve", results, results_path("bench_serve", args.json, reduced))
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = CLIParser(prog="bench_serve.py", description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=positive_int, default=48)
-    p.add_argument("--streams", type=positive_int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--streams", type=positive_int, nargs="+", default=[1, 8, 16])
     p.add_argument("--tokens", type=positive_int, default=64, help="new tokens a request")
     p.add_argument("--prompt", type=positive_int, default=16, help="prompt tokens a request")
     p.add_argument("--banks", type=fraction, nargs="+", default=[1.0, 0.5],
@@ -437,12 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="banks without every expert: the pool's overlap_copies on (the misses' "
                         "row copies on the copy stream beside the decode GEMM of the rows in "
                         "place, the copied rows' GEMM after them)")
-    add_host_experts(p)
+    add_host_experts(p, serving=True)
     p.add_argument("--handoff-us", type=float, default=10.0,
-                   help="--host-experts: a call's fixed cost of the hand-off, us (default 10)")
+                   help="host experts: a call's fixed cost of the hand-off, us (default 10)")
     add_dense_nvfp4(p)
     p.add_argument("--host-baseline", action="store_true",
-                   help="--host-experts: first run each such case without them, same model")
+                   help="host experts: first run each such case without them, same model")
     p.add_argument("--slots", type=bounded_int(1, 256), metavar="N",
                    help="slots the engine decodes a step, as serve's --max-batch (default: the "
                         "stream count)")

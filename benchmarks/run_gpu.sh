@@ -21,8 +21,8 @@
 #                                 other profile_decode.py arguments of `ab-trees`
 #   PREFILL_SWEEP="default NB=2,MINB=1"  prefill launch configs of `prefill-sweep`
 #   SCRATCHES="32x2 64x2 64x4"    prefill scratch rows x buffers of `prefix-scratch`
-#   HOST_STREAMS="1 8 16"  HOST_ARGS="--host-leave"  stream counts and bench_serve arguments of
-#                                 `host-serve`
+#   HOST_STREAMS="1 8 16"  HOST_ARGS="--host-promote"  stream counts and other bench_serve
+#                                 arguments of `host-serve` (default none: serve's own)
 #   GEMM_ARGS="..."               extra bench_gemm.py arguments of `gemm-bench`
 #   TESTS_TIMEOUT, SANITIZE_TIMEOUT  seconds of the `tests` and `sanitize-gemm` stages
 #   COPY="bench_gemm.json ..."    results files copied into $OUT at the end
@@ -74,16 +74,16 @@ for stage in "$@"; do
               tests/test_host_decode_order.py tests/test_gpu_host_handoff.py \
               tests/test_gpu_host_planner.py tests/test_gpu_host_decode.py ;;
     # host experts in serve's step at a 50% bank, each stream count beside its baseline in one
-    # process (HOST_STREAMS; HOST_ARGS: the other bench_serve arguments, default --host-leave)
+    # process (HOST_STREAMS; HOST_ARGS: other bench_serve arguments)
     host-serve) for n in ${HOST_STREAMS:-1 8 16}; do
                 run "serve_host_$n" 200 python3 benchmarks/bench_serve.py --banks 0.5 --streams "$n" \
-                    --host-experts --host-baseline ${HOST_ARGS:---host-leave} --json "$OUT/serve_host_$n.json"
+                    --host-experts --host-baseline ${HOST_ARGS:-} --json "$OUT/serve_host_$n.json"
                 summary[-1]="${summary[-1]} $(grep -o '[0-9.]*x the decode rate without them' "$OUT/serve_host_$n.log")"
               done ;;
     # serve's 8 slots a step at 1, 4 and 7 streams, each with and without host experts, and the
     # first token of a 512-token prompt arriving while they decode (a reduced run, into $OUT)
     host-late) run serve_host_late 300 python3 benchmarks/bench_serve.py --banks 0.5 --streams 1 4 7 \
-              --slots 8 --host-experts --host-leave --host-baseline --late-prompt 512 \
+              --slots 8 --host-experts --host-baseline --late-prompt 512 \
               --json "$OUT/serve_host_late.json" ;;
     host-bench) run bench_host_experts 400 python3 benchmarks/bench_host_experts.py
               run probe_host_handoff 200 python3 benchmarks/probe_host_handoff.py \
@@ -158,7 +158,7 @@ for stage in "$@"; do
     prefix-scratch) for rb in ${SCRATCHES:-32x2 64x2 64x4}; do
                 run "bench_prefix_75_$rb" 590 python3 benchmarks/bench_prefix.py --bank 75 --repeats 3 \
                     --scratch-rows "${rb%x*}" --scratch-buffers "${rb#*x}" --json "$OUT/bench_prefix_75_$rb.json"; done ;;
-    serve)    run bench_serve 590 python3 benchmarks/bench_serve.py --streams 1 8 16 ;;
+    serve)    run bench_serve 590 python3 benchmarks/bench_serve.py ;;
     # serve's default 8 slots a step with 1, 4 and 8 of them active: what one user of a default
     # `serve` gets (a reduced run, into $OUT)
     serve-slots) run bench_serve_slots 590 python3 benchmarks/bench_serve.py --streams 1 4 8 --slots 8 \

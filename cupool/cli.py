@@ -199,6 +199,12 @@ def fields(sep: str = ",", **types: Callable[[str], object]) -> Callable[[str], 
     return parse
 
 
+# serve's default turns host experts on only where the process may use this many CPUs: the
+# host's threads are the CPUs less one, and the serving and engine threads need cores of their own
+# (measured gains came from 16-core hosts, where 15 threads and 13 did alike)
+AUTO_HOST_CPUS = 8
+
+
 def check_host_flags(args) -> None:
     """ValueError naming the first of --host-threads, --host-leave, --host-min-misses and
     --host-prefill-tokens given without --host-experts (`add_host_experts`' typed flags)."""
@@ -211,35 +217,61 @@ def check_host_flags(args) -> None:
             raise ValueError(f"{flag} applies with --host-experts")
 
 
-def add_host_experts(parser, typed: bool = True, prefill: bool = True) -> None:
+def add_host_experts(parser, typed: bool = True, prefill: bool = True,
+                     serving: bool = False) -> None:
     """--host-experts, --host-threads N, --host-leave, --host-min-misses N and (with `prefill`:
     not for a benchmark of decode steps alone) --host-prefill-tokens N
-    (`Pool.enable_host_experts`), as `serve`, `generate` and the benchmarks take them. The caller
+    (`Pool.enable_host_experts`), as `generate` and the benchmarks take them. The caller
     checks that the others come with --host-experts (`check_host_flags`, where its messages
     fit). typed False (`serve`, which checks every
     option itself to answer a mistake with its own one-line error): the numbers stay strings,
-    None where not given."""
-    parser.add_argument("--host-experts", action="store_true",
-                        help="compute some of each decode step's missed experts on the host's "
-                             "CPU while their rows are copied (a bank that does not hold every "
-                             "expert; default: off)")
+    None where not given.
+
+    serving (`serve`, and bench_serve, which measures what serve does): host experts are on by
+    default where they can gain (`cupool.serve.loader.auto_host_experts`), so the flags are
+    --host-experts (on, or an error where they cannot be) and --no-host-experts (off), and the
+    host's misses are left out of the bank unless --host-promote is given (in place of
+    --host-leave)."""
+    if serving:
+        onoff = parser.add_mutually_exclusive_group()
+        onoff.add_argument("--host-experts", action="store_true",
+                           help="compute some of each decode step's missed experts on the "
+                                "host's CPU while their rows are copied (default: on where the "
+                                f"bank does not hold every expert, the device is CUDA and the "
+                                f"process may use at least {AUTO_HOST_CPUS} CPUs; given, it is "
+                                "an error where they cannot be on)")
+        onoff.add_argument("--no-host-experts", action="store_true",
+                           help="never compute experts on the host's CPU")
+    else:
+        parser.add_argument("--host-experts", action="store_true",
+                            help="compute some of each decode step's missed experts on the "
+                                 "host's CPU while their rows are copied (a bank that does not "
+                                 "hold every expert; default: off)")
+    about = "host experts" if serving else "--host-experts"
     parser.add_argument("--host-threads", type=bounded_int(1, 1024) if typed else str,
                         metavar="N",
-                        help="--host-experts: host threads (default: the CPUs this process may "
+                        help=f"{about}: host threads (default: the CPUs this process may "
                              "use, less one)")
-    parser.add_argument("--host-leave", action="store_true",
-                        help="--host-experts: leave the host's experts out of the bank instead "
-                             "of copying their rows behind the step (faster where many streams "
-                             "keep the link busy)")
+    if serving:
+        parser.add_argument("--host-promote", action="store_true",
+                            help="host experts: promote the host's misses into the bank and "
+                                 "copy their rows behind the step (default: they are left out "
+                                 "of the bank, which is faster where many streams keep the link "
+                                 "busy)")
+    else:
+        parser.add_argument("--host-leave", action="store_true",
+                            help="--host-experts: leave the host's experts out of the bank "
+                                 "instead of copying their rows behind the step (faster where "
+                                 "many streams keep the link busy)")
     parser.add_argument("--host-min-misses", type=bounded_int(0, 1 << 20) if typed else str,
                         metavar="N",
-                        help="--host-experts: hand the host nothing in decode calls of fewer "
+                        help=f"{about}: hand the host nothing in decode calls of fewer "
                              "than N misses (default: top-k + 1, so a step of one active "
                              "sequence runs without the hand-off)")
     if prefill:
         parser.add_argument("--host-prefill-tokens",
                             type=bounded_int(0, 1 << 20) if typed else str, metavar="N",
-                            help="--host-experts: the host also computes some experts without a "
+                            help=f"{about}: the host also computes some experts without a "
                                  "bank row of prompt prefill calls of up to N tokens, such as a "
                                  "turn after a reused prefix, e.g. 512 (at most the pool's "
                                  "widest prefill call; default: 0, decode steps only: where the "

@@ -200,13 +200,17 @@ def split_table(lanes: int, link_us: float, cpu_us: float, handoff_us: float,
                      if m >= min_misses else 0 for m in range(int(lanes) + 1)], dtype=np.int64)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:                   # not Linux
+        return os.cpu_count() or 1
+
+
 def default_threads() -> int:
     """One thread per CPU this process may run on, less one for the serving thread (at least 1)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:                   # not Linux
-        n = os.cpu_count() or 1
-    return max(1, n - 1)
+    return max(1, usable_cpus() - 1)
 
 
 class HostExperts:

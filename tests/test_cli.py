@@ -60,6 +60,9 @@ def parse_error(capsys, *argv):
      "--host-min-misses"),
     (["generate", "--model", ".", "--prompt", "hi", "--host-experts", "--host-prefill-tokens",
       "-1"], "--host-prefill-tokens"),
+    (["serve", "--model", ".", "--host-experts", "--no-host-experts"],
+     "argument --no-host-experts: not allowed with argument --host-experts"),
+    (["serve", "--model", ".", "--host-leave"], "unrecognized arguments: --host-leave"),
     (["nonsense"], "invalid choice"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, word):

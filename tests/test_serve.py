@@ -635,29 +635,33 @@ def _parse(argv):
     (["--model", "{model}", "--shutdown-timeout", "soon"], "--shutdown-timeout"),
     (["--model", "{model}", "--api-key", " "], "--api-key is empty"),
     (["--model", "{model}", "--device", "cpu", "--host-experts"], "--host-experts applies to a CUDA"),
-    (["--model", "{model}", "--host-threads", "4"], "--host-threads applies with --host-experts"),
-    (["--model", "{model}", "--host-leave"], "--host-leave applies with --host-experts"),
-    (["--model", "{model}", "--host-experts", "--host-threads", "0"],
-     "--host-threads must be in 1..1024, got 0"),
+    (["--model", "{model}", "--no-host-experts", "--host-threads", "4"],
+     "--host-threads applies to host experts, which --no-host-experts turns off"),
+    (["--model", "{model}", "--device", "cpu", "--host-threads", "4"],
+     "--host-threads applies to host experts, which --device cpu turns off"),
+    (["--model", "{model}", "--no-host-experts", "--host-promote"],
+     "--host-promote applies to host experts, which --no-host-experts turns off"),
+    (["--model", "{model}", "--host-threads", "0"], "--host-threads must be in 1..1024, got 0"),
     (["--model", "{model}", "--host-experts", "--host-threads", "many"],
      "--host-threads must be an integer"),
-    (["--model", "{model}", "--host-min-misses", "9"],
-     "--host-min-misses applies with --host-experts"),
-    (["--model", "{model}", "--host-experts", "--host-min-misses", "-1"],
+    (["--model", "{model}", "--no-host-experts", "--host-min-misses", "9"],
+     "--host-min-misses applies to host experts, which --no-host-experts turns off"),
+    (["--model", "{model}", "--host-min-misses", "-1"],
      "--host-min-misses must be in 0..1048576, got -1"),
     (["--model", "{model}", "--host-experts", "--host-min-misses", "some"],
      "--host-min-misses must be an integer"),
-    (["--model", "{model}", "--host-prefill-tokens", "64"],
-     "--host-prefill-tokens applies with --host-experts"),
-    (["--model", "{model}", "--host-experts", "--host-prefill-tokens", "-1"],
+    (["--model", "{model}", "--no-host-experts", "--host-prefill-tokens", "64"],
+     "--host-prefill-tokens applies to host experts, which --no-host-experts turns off"),
+    (["--model", "{model}", "--host-prefill-tokens", "-1"],
      "--host-prefill-tokens must be in 0..1048576, got -1"),
     (["--model", "{model}", "--host-experts", "--host-prefill-tokens", "wide"],
      "--host-prefill-tokens must be an integer"),
 ], ids=["missing-dir", "no-config", "port-range", "port-type", "max-batch", "budget",
         "budget-on-cpu", "max-len", "device", "log-level", "max-queue", "resume-points",
-        "shutdown-timeout", "api-key", "host-experts-on-cpu", "host-threads-alone",
-        "host-leave-alone", "host-threads-range", "host-threads-type", "host-min-misses-alone",
-        "host-min-misses-range", "host-min-misses-type", "host-prefill-tokens-alone",
+        "shutdown-timeout", "api-key", "host-experts-on-cpu", "host-threads-when-off",
+        "host-threads-on-cpu", "host-promote-when-off",
+        "host-threads-range", "host-threads-type", "host-min-misses-when-off",
+        "host-min-misses-range", "host-min-misses-type", "host-prefill-tokens-when-off",
         "host-prefill-tokens-range", "host-prefill-tokens-type"])
 def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     (tmp_path / "empty").mkdir()
@@ -672,16 +676,81 @@ def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     assert words in lines[0], lines[0]
 
 
-def test_host_prefill_tokens_option(model_dir, monkeypatch):
-    """--host-prefill-tokens: 0 (decode steps only) unless given with --host-experts (a CUDA
-    device stood in: --host-experts needs one)."""
+def test_host_experts_options(model_dir, monkeypatch):
+    """Host experts: None (serve's default, decided once the bank is built), True with
+    --host-experts, False with --no-host-experts or on the CPU; the host's misses left out of the
+    bank unless --host-promote; --host-prefill-tokens 0 (decode steps only) unless given (a CUDA
+    device stood in where they need one)."""
+    def opts(*argv):
+        return cli.check_options(_parse(["--model", str(model_dir), *argv]))
+
+    assert opts("--device", "cpu").host_experts is False
     monkeypatch.setattr(cli, "_device", lambda value: "cuda")
-    opts = cli.check_options(_parse(["--model", str(model_dir), "--host-experts"]))
-    assert opts.host_experts and opts.host_prefill_tokens == 0
-    opts = cli.check_options(_parse(["--model", str(model_dir), "--host-experts",
-                                     "--host-prefill-tokens", " 512 "]))
-    assert opts.host_prefill_tokens == 512
-    assert cli.check_options(_parse(["--model", str(model_dir)])).host_prefill_tokens == 0
+    o = opts()
+    assert o.host_experts is None and o.host_leave and o.host_prefill_tokens == 0
+    o = opts("--host-experts", "--host-prefill-tokens", " 512 ", "--host-promote")
+    assert o.host_experts is True and o.host_prefill_tokens == 512 and not o.host_leave
+    o = opts("--host-threads", "6", "--host-min-misses", "12")
+    assert o.host_experts is None and (o.host_threads, o.host_min_misses) == (6, 12)
+    assert opts("--no-host-experts").host_experts is False
+
+
+@pytest.mark.parametrize("every,cpus,compiler,why", [
+    (False, 16, True, None),
+    (True, 16, True, "the bank holds every expert (8 rows a layer)"),
+    (False, 4, True, "this process may use 4 CPUs, fewer than 8"),
+    (False, 8, False, "none was found"),
+], ids=["on", "every-expert", "few-cpus", "no-compiler"])
+def test_auto_host_experts(monkeypatch, every, cpus, compiler, why):
+    """serve's default turns host experts on where the bank misses experts, the process may use
+    at least AUTO_HOST_CPUS CPUs and a C compiler builds the host's loop; else the reason."""
+    from types import SimpleNamespace
+
+    from cupool import hostexperts
+    from cupool.serve.loader import auto_host_experts
+
+    monkeypatch.setattr(hostexperts, "usable_cpus", lambda: cpus)
+    monkeypatch.delenv("CC", raising=False)
+    if not compiler:
+        monkeypatch.setattr(hostexperts.shutil, "which", lambda name: None)
+    pool = SimpleNamespace(num_experts=8, bank=SimpleNamespace(holds_every_expert=lambda: every))
+    got = auto_host_experts(pool)
+    assert got == why if why is None or not why.startswith("none") else why in got
+
+
+def test_serve_decides_host_experts_and_says_why(caplog, monkeypatch):
+    """`_host_experts_wanted`: the flags decide where given; by default `auto_host_experts`
+    does, and the log says why they are off (a warning where host settings were given)."""
+    import logging
+    from types import SimpleNamespace
+
+    from cupool.serve import loader
+
+    log = logging.getLogger("cupool.test_host_auto")
+    base = dict(device="cuda", host_threads=None, host_leave=True, host_min_misses=None,
+                host_prefill_tokens=0)
+    reason = {"now": None}
+    monkeypatch.setattr(loader, "auto_host_experts", lambda pool: reason["now"])
+    for host_experts, why, extra, want, level, words in (
+            (True, "ignored", {}, True, None, None),
+            (False, None, {}, False, logging.INFO, "host experts: off (--no-host-experts)"),
+            (None, None, {}, True, None, None),
+            (None, "the bank holds every expert (8 rows a layer)", {}, False, logging.INFO,
+             "host experts: off: the bank holds every expert (8 rows a layer)"),
+            (None, "this process may use 4 CPUs, fewer than 8",
+             {"host_threads": 3, "host_leave": False}, False, logging.WARNING,
+             "host experts: off, so --host-threads and --host-promote are unused: this process "
+             "may use 4 CPUs, fewer than 8")):
+        reason["now"] = why
+        opts = SimpleNamespace(**{**base, **extra}, host_experts=host_experts)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=log.name):
+            assert cli._host_experts_wanted(log, None, opts) is want
+        if words is None:
+            assert not caplog.records
+        else:
+            rec = caplog.records[-1]
+            assert rec.levelno == level and words in rec.getMessage(), rec.getMessage()
 
 
 def test_host_experts_refused_for_a_bank_holding_every_expert():

@@ -3,8 +3,8 @@
 
     python -m cupool serve --model DIR [--budget 40GiB] [--host 127.0.0.1 --port 8000]
                            [--api-key KEY] [--max-queue N] [--resume-points N]
-                           [--host-experts [--host-threads N] [--host-leave]
-                                           [--host-min-misses N]]
+                           [--host-experts | --no-host-experts] [--host-threads N]
+                           [--host-promote] [--host-min-misses N] [--host-prefill-tokens N]
                            [--shutdown-timeout S]
 
 `run` checks every option before it loads anything: a user's mistake (a missing directory, no
@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the fused step is not used, do not put the model's forward "
                              "through torch.compile (default on CUDA: compiled, which adds tens "
                              "of seconds before the server is ready)")
-    add_host_experts(parser, typed=False)
+    add_host_experts(parser, typed=False, serving=True)
     parser.add_argument("--shutdown-timeout", default="30", metavar="S",
                         help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to "
                              "finish before they are cancelled (default: %(default)s)")
@@ -107,9 +107,9 @@ class Options:
     resume_points: int | None = None
     fused: bool = True
     compile: bool = True
-    host_experts: bool = False
+    host_experts: bool | None = None      # None: on where `auto_host_experts` says they can gain
     host_threads: int | None = None
-    host_leave: bool = False
+    host_leave: bool = True
     host_min_misses: int | None = None
     host_prefill_tokens: int = 0
 
@@ -198,28 +198,35 @@ def check_options(args) -> Options:
     max_queue = None if args.max_queue is None else _int(args.max_queue, "--max-queue", 0)
     resume = getattr(args, "resume_points", None)
     resume = None if resume is None else _int(resume, "--resume-points", 0)
-    host_experts = bool(getattr(args, "host_experts", False))
+    # host experts: True (--host-experts), False (--no-host-experts), None (the default: on
+    # where `auto_host_experts` finds they can gain, after loading); each setting's value is
+    # checked first, then whether it applies
+    host_experts = True if getattr(args, "host_experts", False) else \
+        False if getattr(args, "no_host_experts", False) else None
     host_threads = getattr(args, "host_threads", None)
-    if host_threads is not None:
-        if not host_experts:
-            raise UsageError("--host-threads applies with --host-experts")
-        host_threads = _int(host_threads, "--host-threads", 1, 1024)
-    host_leave = bool(getattr(args, "host_leave", False))
-    if host_leave and not host_experts:
-        raise UsageError("--host-leave applies with --host-experts")
+    host_promote = bool(getattr(args, "host_promote", False))
     host_min_misses = getattr(args, "host_min_misses", None)
-    if host_min_misses is not None:
-        if not host_experts:
-            raise UsageError("--host-min-misses applies with --host-experts")
-        host_min_misses = _int(host_min_misses, "--host-min-misses", 0, 1 << 20)
     host_prefill_tokens = getattr(args, "host_prefill_tokens", None)
-    if host_prefill_tokens is not None and not host_experts:
-        raise UsageError("--host-prefill-tokens applies with --host-experts")
+    given = [flag for flag, on in (("--host-threads", host_threads is not None),
+                                   ("--host-promote", host_promote),
+                                   ("--host-min-misses", host_min_misses is not None),
+                                   ("--host-prefill-tokens", host_prefill_tokens is not None))
+             if on]
+    if host_threads is not None:
+        host_threads = _int(host_threads, "--host-threads", 1, 1024)
+    if host_min_misses is not None:
+        host_min_misses = _int(host_min_misses, "--host-min-misses", 0, 1 << 20)
     host_prefill_tokens = 0 if host_prefill_tokens is None else _int(
         host_prefill_tokens, "--host-prefill-tokens", 0, 1 << 20)
     if host_experts and device == "cpu":
         raise UsageError("--host-experts applies to a CUDA device (the CPU serves the whole "
                          "model itself)")
+    off = ("--no-host-experts" if host_experts is False
+           else "--device cpu" if device == "cpu" else None)
+    if given and off:
+        raise UsageError(f"{given[0]} applies to host experts, which {off} turns off")
+    if device == "cpu":
+        host_experts = False
     try:
         shutdown = float(str(args.shutdown_timeout).strip())
     except ValueError:
@@ -232,7 +239,7 @@ def check_options(args) -> Options:
                    fused=not getattr(args, "no_fused", False),
                    compile=device != "cpu" and not getattr(args, "no_compile", False),
                    host_experts=host_experts, host_threads=host_threads,
-                   host_leave=host_leave, host_min_misses=host_min_misses,
+                   host_leave=not host_promote, host_min_misses=host_min_misses,
                    host_prefill_tokens=host_prefill_tokens)
 
 
@@ -299,7 +306,7 @@ def run(args) -> int:
                                           dtype=opts.dtype, resume_points=opts.resume_points)
         except LoadError as e:
             return _fail(str(e))
-        if opts.host_experts:
+        if _host_experts_wanted(log, pool, opts):
             try:
                 _enable_host_experts(log, pool, opts)
             except LoadError as e:
@@ -343,6 +350,32 @@ def run(args) -> int:
         if engine is not None:
             engine.shutdown()
         sock.close()
+
+
+def _host_experts_wanted(log, pool, opts) -> bool:
+    """Whether serve turns host experts on for the loaded pool: --host-experts (which errors
+    later where the bank misses nothing), --no-host-experts, or by default where
+    `auto_host_experts` finds no reason against (the log says which)."""
+    if opts.host_experts is not None:
+        if not opts.host_experts:
+            log.info("host experts: off (%s)",
+                     "--no-host-experts" if opts.device != "cpu" else "the CPU serves the model")
+        return opts.host_experts
+    from cupool.serve.loader import auto_host_experts
+    why = auto_host_experts(pool)
+    if why is None:
+        return True
+    given = [flag for flag, on in (("--host-threads", opts.host_threads is not None),
+                                   ("--host-promote", not opts.host_leave),
+                                   ("--host-min-misses", opts.host_min_misses is not None),
+                                   ("--host-prefill-tokens", opts.host_prefill_tokens > 0)) if on]
+    if given:
+        log.warning("host experts: off, so %s unused: %s (--host-experts turns them on "
+                    "anyway where the bank misses experts)",
+                    " and ".join(given) + (" is" if len(given) == 1 else " are"), why)
+    else:
+        log.info("host experts: off: %s", why)
+    return False
 
 
 def _enable_host_experts(log, pool, opts) -> None:

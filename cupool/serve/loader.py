@@ -160,10 +160,30 @@ def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype,
                                   kv_reserve=kept, **kwargs)
 
 
+def auto_host_experts(pool) -> str | None:
+    """Why `serve`'s default (neither --host-experts nor --no-host-experts) leaves host experts
+    off for this pool on a CUDA device, or None where it turns them on: not where the bank holds
+    every expert (nothing misses), nor where the process may use fewer than
+    `cupool.cli.AUTO_HOST_CPUS` CPUs, nor without a C compiler to build the host's loop."""
+    from cupool.cli import AUTO_HOST_CPUS
+    from cupool.hostexperts import find_compiler, usable_cpus
+    if pool.bank.holds_every_expert():
+        return f"the bank holds every expert ({pool.num_experts} rows a layer)"
+    cpus = usable_cpus()
+    if cpus < AUTO_HOST_CPUS:
+        return f"this process may use {cpus} CPUs, fewer than {AUTO_HOST_CPUS}"
+    try:
+        find_compiler()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def enable_host_experts(pool, tokens: int, threads: int | None = None, leave: bool = False,
                         min_misses: int | None = None, prefill_tokens: int = 0):
     """`Pool.enable_host_experts` for decode steps of `tokens` tokens (`--host-experts` of
-    `serve` and `generate`, `leave` their `--host-leave`, `min_misses` their
+    `serve` and `generate`, `leave` generate's `--host-leave` and serve's default (not
+    `--host-promote`), `min_misses` their
     `--host-min-misses`, `prefill_tokens` their `--host-prefill-tokens`, 0: decode steps only);
     LoadError where the bank holds every expert (a step misses none, so the host would have
     nothing to compute) or where prefill_tokens exceeds the widest prefill call the pool was
