@@ -262,3 +262,41 @@ def test_host_experts_refuse_prefetch_and_plain_steps_for_other_widths():
     y = pool.layers[0].decode(x, ids, w)
     assert torch.isfinite(y).all() and int(pool.bank.tables.host_counters.sum()) == before
     pool.unwrap()
+
+
+def test_serve_default_turns_host_experts_on_where_the_bank_misses(caplog, monkeypatch):
+    """serve's default on a real pool: a bank of half the experts gets host experts (left out of
+    the bank; the log gives the measured figures), one holding every expert does not (the log
+    says why), on a machine with enough CPUs (stood in where it has fewer)."""
+    import logging
+    from types import SimpleNamespace
+
+    from cupool import hostexperts
+    from cupool.cli import AUTO_HOST_CPUS
+    from cupool.serve import cli
+    from cupool.serve.loader import auto_host_experts
+
+    monkeypatch.setattr(hostexperts, "usable_cpus",
+                        lambda real=hostexperts.usable_cpus: max(real(), AUTO_HOST_CPUS))
+    log = logging.getLogger("cupool.test_gpu_serve_host")
+    opts = SimpleNamespace(device="cuda", host_experts=None, max_batch=3, host_threads=2,
+                           host_leave=True, host_min_misses=None, host_prefill_tokens=0)
+    for rows_div, on in ((2, True), (1, False)):
+        model, pool, E, K = _pool(rows_div=rows_div)
+        assert (auto_host_experts(pool) is None) is on
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=log.name):
+            assert cli._host_experts_wanted(log, pool, opts) is on
+            if on:
+                cli._enable_host_experts(log, pool, opts)
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        if on:
+            assert pool.host is not None and pool.host.leave and pool.host.hx.threads == 2
+            assert "host experts: 2 threads" in text and "left out of the bank" in text, text
+            assert pool.host.link_us > 0 and pool.host.cpu_us > 0
+            pool.disable_host_experts()
+        else:
+            assert pool.host is None
+            assert f"the bank holds every expert ({E} rows a layer)" in text, text
+            assert "--host-threads is unused" in text, text
+        pool.unwrap()
