@@ -256,7 +256,7 @@ def fresh_case(pool, replayer, host_build: bool) -> None:
         replayer.step.zero_()
 
 
-def host_experts_on(args, pool, label: str) -> bool:
+def host_experts_on(args, pool, width: int, label: str) -> bool:
     """Whether this bank's cases run with host experts, as serve decides: --host-experts on
     wherever the bank misses experts, --no-host-experts off, and by default where
     `auto_host_experts` finds no reason against (printed where it finds one) and prefetch is
@@ -268,7 +268,7 @@ def host_experts_on(args, pool, label: str) -> bool:
     if args.prefetch != "off":
         return False
     from cupool.serve.loader import auto_host_experts
-    why = auto_host_experts(pool)
+    why = auto_host_experts(pool, width, args.host_min_misses)
     if why is not None:
         print(f"{label}: host experts off, as serve's default leaves them: {why}", flush=True)
     return why is None
@@ -302,7 +302,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     host = dict(threads=args.host_threads, handoff_us=args.handoff_us,
                 leave=not args.host_promote, min_misses=args.host_min_misses,
                 prefill_tokens=args.host_prefill_tokens or 0) \
-        if host_experts_on(args, pool, label) else None
+        if host_experts_on(args, pool, args.slots or max(streams), label) else None
     if host is not None:
         label += ", host experts"
     if args.slots:

@@ -237,9 +237,11 @@ def add_host_experts(parser, typed: bool = True, prefill: bool = True,
         onoff.add_argument("--host-experts", action="store_true",
                            help="compute some of each decode step's missed experts on the "
                                 "host's CPU while their rows are copied (default: on where the "
-                                f"bank does not hold every expert, the device is CUDA and the "
-                                f"process may use at least {AUTO_HOST_CPUS} CPUs; given, it is "
-                                "an error where they cannot be on)")
+                                "bank does not hold every expert, a step of --max-batch "
+                                "sequences can hand the host something (see --host-min-misses), "
+                                f"the device is CUDA and the process may use at least "
+                                f"{AUTO_HOST_CPUS} CPUs; given, it is an error where they cannot "
+                                "be on)")
         onoff.add_argument("--no-host-experts", action="store_true",
                            help="never compute experts on the host's CPU")
     else:

@@ -283,7 +283,7 @@ def test_serve_default_turns_host_experts_on_where_the_bank_misses(caplog, monke
                            host_leave=True, host_min_misses=None, host_prefill_tokens=0)
     for rows_div, on in ((2, True), (1, False)):
         model, pool, E, K = _pool(rows_div=rows_div)
-        assert (auto_host_experts(pool) is None) is on
+        assert (auto_host_experts(pool, 3) is None) is on
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=log.name):
             assert cli._host_experts_wanted(log, pool, opts) is on

@@ -695,15 +695,23 @@ def test_host_experts_options(model_dir, monkeypatch):
     assert opts("--no-host-experts").host_experts is False
 
 
-@pytest.mark.parametrize("every,cpus,compiler,why", [
-    (False, 16, True, None),
-    (True, 16, True, "the bank holds every expert (8 rows a layer)"),
-    (False, 4, True, "this process may use 4 CPUs, fewer than 8"),
-    (False, 8, False, "none was found"),
-], ids=["on", "every-expert", "few-cpus", "no-compiler"])
-def test_auto_host_experts(monkeypatch, every, cpus, compiler, why):
-    """serve's default turns host experts on where the bank misses experts, the process may use
-    at least AUTO_HOST_CPUS CPUs and a C compiler builds the host's loop; else the reason."""
+@pytest.mark.parametrize("every,tokens,min_misses,cpus,compiler,why", [
+    (False, 8, None, 16, True, None),
+    (False, 2, None, 8, True, None),
+    (True, 8, None, 16, True, "the bank holds every expert (8 rows a layer)"),
+    (False, 1, None, 16, True, "a step of 1 sequence has at most 2 misses, fewer than "
+                               "--host-min-misses 3"),
+    (False, 4, 9, 16, True, "a step of 4 sequences has at most 8 misses, fewer than "
+                            "--host-min-misses 9"),
+    (False, 1, 2, 16, True, None),
+    (False, 8, None, 7, True, "this process may use 7 CPUs, fewer than 8"),
+    (False, 8, None, 8, False, "none was found"),
+], ids=["on", "on-at-8-cpus", "every-expert", "one-sequence", "min-misses", "one-sequence-low-min",
+        "few-cpus", "no-compiler"])
+def test_auto_host_experts(monkeypatch, every, tokens, min_misses, cpus, compiler, why):
+    """serve's default turns host experts on where the bank misses experts, a step of --max-batch
+    sequences can reach --host-min-misses (top-k + 1 by default), the process may use at least
+    AUTO_HOST_CPUS CPUs and a C compiler builds the host's loop; else it gives the reason."""
     from types import SimpleNamespace
 
     from cupool import hostexperts
@@ -713,9 +721,13 @@ def test_auto_host_experts(monkeypatch, every, cpus, compiler, why):
     monkeypatch.delenv("CC", raising=False)
     if not compiler:
         monkeypatch.setattr(hostexperts.shutil, "which", lambda name: None)
-    pool = SimpleNamespace(num_experts=8, bank=SimpleNamespace(holds_every_expert=lambda: every))
-    got = auto_host_experts(pool)
-    assert got == why if why is None or not why.startswith("none") else why in got
+    pool = SimpleNamespace(num_experts=8, top_k=2,
+                           bank=SimpleNamespace(holds_every_expert=lambda: every))
+    got = auto_host_experts(pool, tokens, min_misses)
+    if why is None or not why.startswith("none"):
+        assert got == why
+    else:
+        assert why in got
 
 
 def test_serve_decides_host_experts_and_says_why(caplog, monkeypatch):
@@ -727,10 +739,10 @@ def test_serve_decides_host_experts_and_says_why(caplog, monkeypatch):
     from cupool.serve import loader
 
     log = logging.getLogger("cupool.test_host_auto")
-    base = dict(device="cuda", host_threads=None, host_leave=True, host_min_misses=None,
-                host_prefill_tokens=0)
+    base = dict(device="cuda", max_batch=8, host_threads=None, host_leave=True,
+                host_min_misses=None, host_prefill_tokens=0)
     reason = {"now": None}
-    monkeypatch.setattr(loader, "auto_host_experts", lambda pool: reason["now"])
+    monkeypatch.setattr(loader, "auto_host_experts", lambda pool, tokens, m: reason["now"])
     for host_experts, why, extra, want, level, words in (
             (True, "ignored", {}, True, None, None),
             (False, None, {}, False, logging.INFO, "host experts: off (--no-host-experts)"),

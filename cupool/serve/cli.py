@@ -362,7 +362,7 @@ def _host_experts_wanted(log, pool, opts) -> bool:
                      "--no-host-experts" if opts.device != "cpu" else "the CPU serves the model")
         return opts.host_experts
     from cupool.serve.loader import auto_host_experts
-    why = auto_host_experts(pool)
+    why = auto_host_experts(pool, opts.max_batch, opts.host_min_misses)
     if why is None:
         return True
     given = [flag for flag, on in (("--host-threads", opts.host_threads is not None),
