@@ -29,12 +29,12 @@ Host experts, as serve's default has them: a bank without every expert hands som
 call's misses to the host's CPU (`Pool.enable_host_experts`, the host's misses left out of the
 bank) where `cupool.serve.loader.auto_host_experts` finds no reason against (it prints one where it
 does: steps too narrow to hand anything over, too few CPUs, no C compiler) and prefetch is off;
-`--host-experts` turns them on regardless, `--no-host-experts` off (a reduced run). `--host-
-threads` threads, the hand-off's cost `--handoff-us`, a row's time on the link and on the CPU
-measured at each case's start; each such case also reports those times, the split and the experts
-the host computed a token. `--host-promote` promotes the host's misses into the bank and copies
-their rows behind the call instead (a reduced run); `--host-min-misses N` hands nothing over in
-calls of fewer than N misses; prompt prefill calls of up to `--host-prefill-tokens N` tokens
+`--host-experts` turns them on regardless, `--no-host-experts` off (a reduced run).
+`--host-threads` threads, the hand-off's cost `--handoff-us`, a row's time on the link and on the
+CPU measured at each case's start; each such case also reports those times, the split and the
+experts the host computed a token. `--host-promote` promotes the host's misses into the bank and
+copies their rows behind the call instead (a reduced run); `--host-min-misses N` hands nothing over
+in calls of fewer than N misses; prompt prefill calls of up to `--host-prefill-tokens N` tokens
 (default 0, as serve's) share their missing experts with the host as in serve (the decode rate,
 which this measures, is not changed by it). `--host-baseline` first runs each such case without
 them on the same model (`host_baseline` in the bank's results, and the ratio printed), so both come
