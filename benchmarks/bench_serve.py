@@ -81,7 +81,7 @@ from _common import (add_dense_nvfp4, pcie_h2d_GBps, reduced_by, results_path,  
                      save)
 
 from cupool.cli import (CLIParser, add_host_experts, bounded_int, fraction,  # noqa: E402
-                        positive_int, promote, run)
+                        host_flags_given, positive_int, promote, run)
 
 
 
@@ -379,14 +379,10 @@ def main(args) -> int:
         raise ValueError(f"--prefetch-accuracy must be in [0, 1], got {args.prefetch_accuracy:g}")
     if args.host_experts and args.prefetch != "off":
         raise ValueError("--host-experts and --prefetch are separate planner builds: pick one")
-    for flag, given in (("--host-baseline", args.host_baseline),
-                        ("--host-threads", args.host_threads is not None),
-                        ("--host-promote", args.host_promote),
-                        ("--host-min-misses", args.host_min_misses is not None),
-                        ("--host-prefill-tokens", args.host_prefill_tokens is not None)):
-        if given and (args.no_host_experts or args.prefetch != "off"):
-            off = "--no-host-experts" if args.no_host_experts else "--prefetch"
-            raise ValueError(f"{flag} applies to host experts, which {off} turns off")
+    given = ["--host-baseline"] * args.host_baseline + host_flags_given(args)
+    if given and (args.no_host_experts or args.prefetch != "off"):
+        off = "--no-host-experts" if args.no_host_experts else "--prefetch"
+        raise ValueError(f"{given[0]} applies to host experts, which {off} turns off")
     if args.slots is not None and args.slots < max(args.streams):
         raise ValueError(f"--slots must be at least the largest --streams ({max(args.streams)}), "
                          f"got {args.slots}")

@@ -205,16 +205,25 @@ def fields(sep: str = ",", **types: Callable[[str], object]) -> Callable[[str], 
 AUTO_HOST_CPUS = 8
 
 
+def host_flags_given(args) -> list[str]:
+    """The host-expert settings given on the command line, in `add_host_experts`' order:
+    --host-threads, --host-leave (or serving's --host-promote), --host-min-misses,
+    --host-prefill-tokens (where the parser has it)."""
+    keep = "--host-promote" if hasattr(args, "host_promote") else "--host-leave"
+    return [flag for flag, given in (
+        ("--host-threads", args.host_threads is not None),
+        (keep, getattr(args, keep[2:].replace("-", "_"))),
+        ("--host-min-misses", args.host_min_misses is not None),
+        ("--host-prefill-tokens", getattr(args, "host_prefill_tokens", None) is not None))
+        if given]
+
+
 def check_host_flags(args) -> None:
     """ValueError naming the first of --host-threads, --host-leave, --host-min-misses and
     --host-prefill-tokens given without --host-experts (`add_host_experts`' typed flags)."""
-    for flag, given in (("--host-threads", args.host_threads is not None),
-                        ("--host-leave", args.host_leave),
-                        ("--host-min-misses", args.host_min_misses is not None),
-                        ("--host-prefill-tokens",
-                         getattr(args, "host_prefill_tokens", None) is not None)):
-        if given and not args.host_experts:
-            raise ValueError(f"{flag} applies with --host-experts")
+    given = host_flags_given(args)
+    if given and not args.host_experts:
+        raise ValueError(f"{given[0]} applies with --host-experts")
 
 
 def add_host_experts(parser, typed: bool = True, prefill: bool = True,

@@ -25,7 +25,7 @@ import socket
 import sys
 from pathlib import Path
 
-from cupool.cli import add_host_experts
+from cupool.cli import add_host_experts, host_flags_given
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -207,11 +207,7 @@ def check_options(args) -> Options:
     host_promote = bool(getattr(args, "host_promote", False))
     host_min_misses = getattr(args, "host_min_misses", None)
     host_prefill_tokens = getattr(args, "host_prefill_tokens", None)
-    given = [flag for flag, on in (("--host-threads", host_threads is not None),
-                                   ("--host-promote", host_promote),
-                                   ("--host-min-misses", host_min_misses is not None),
-                                   ("--host-prefill-tokens", host_prefill_tokens is not None))
-             if on]
+    given = host_flags_given(args)
     if host_threads is not None:
         host_threads = _int(host_threads, "--host-threads", 1, 1024)
     if host_min_misses is not None:
