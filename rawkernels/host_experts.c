@@ -17,14 +17,16 @@
 // How threads split a call: the caller groups lanes into units (one a distinct row) and quantizes
 // the x of tokens with a routed lane; then the caller and the pool's workers claim items one at a
 // time from the job's claim word (`claim_item`). Items 0 ... n1 - 1 are phase 1: item p is act
-// block p (16 columns of I) of every unit, its gate and up strips (or the up strip alone) times the
-// unit's tokens, quantized; the next n2 are phase 2: item n1 + s is output strip s (16 rows of H)
-// of every unit, written to out for every token. A phase-2 item waits until every phase-1 item is
-// counted done. The caller returns once every item is counted done, not once every worker has
-// looked: a worker the OS has not run for a while (more busy threads than CPUs) holds up only an
-// item it claimed. An item's result does not depend on which thread runs it, and every build below
-// does the same float operations in the same order, so the output is the same bit for bit for any
-// thread count and any build. Only phase-2 item s writes out[., 16s ... 16s + 15].
+// block p (16 columns of I) of every unit, its gate and up strips (or the up strip alone) times
+// the unit's tokens, quantized; the next n2 are phase 2: item n1 + s is output strip s (16 rows of
+// H) of every unit, written to out for every token. A phase-2 item waits until every phase-1 item
+// is counted done. A thread counts the items it did when it has no further item (its phase-1 items
+// also when it takes a phase-2 one), and the caller returns once every item is counted done, not
+// once every worker has looked: a worker the OS has not run for a while (more busy threads than
+// CPUs) holds up only items it claimed. An item's result does not depend on which thread runs it,
+// and every build below does the same float operations in the same order, so the output is the
+// same bit for bit for any thread count and any build. Only phase-2 item s writes out[., 16s ...
+// 16s + 15].
 //
 // Inner loop: a strip (16 rows × Kp columns) is Kp/64 chunks of 32 lane blocks (16 bytes: 4
 // words of 8 E2M1 codes, rows g and g + 8, columns 16t ... 16t + 15 of the chunk, L = 4g + t) and
@@ -452,6 +454,8 @@ static float activate(const hx_layout* L, float g, float u) {
 }
 
 // --- the pool -----------------------------------------------------------------------------------
+#define HX_LINE 64                   // a cache line's bytes
+
 typedef struct {
     int kind;                        // 0 an expert call, 1 a read of `bytes` (bandwidth probe)
     const hx_layout* L;
@@ -466,13 +470,17 @@ typedef struct {
     float* out;                      // [T][H]
     int T;
     int n1;                          // phase-1 items (the rest of the job's items are phase 2)
-    // the claim word: the job's number (32 bits), its items (16) and the next unclaimed one (16);
-    // a thread that read another job's word cannot claim through it (its compare-exchange fails)
-    _Atomic uint64_t claim;
-    atomic_int done1, done;          // phase-1 items done; all items done
     const uint8_t* read_base;        // kind 1
     int64_t read_bytes, read_piece;
-    atomic_ullong read_sum;
+    // Written by every thread while a job runs, each on a cache line of its own: sharing a line
+    // with each other or with the fields above, which every item reads, each write would take
+    // that line from every other thread.
+    // The claim word: the job's number (32 bits), its items (16) and the next unclaimed one (16);
+    // a thread that read another job's word cannot claim through it (its compare-exchange fails).
+    _Alignas(HX_LINE) _Atomic uint64_t claim;
+    _Alignas(HX_LINE) atomic_int done1;  // phase-1 items done
+    _Alignas(HX_LINE) atomic_int done;   // all items done
+    _Alignas(HX_LINE) atomic_ullong read_sum;
 } hx_job;
 
 #define HX_MAX_ITEMS 0xffff          // a job's items at most (the claim word's 16 bits)
@@ -499,13 +507,14 @@ typedef struct {
 typedef struct hx_pool {
     int threads;                     // the caller and threads - 1 workers
     pthread_t* tid;
-    atomic_uint gen;                 // bumped to hand the workers a job
     uint32_t jobs;                   // jobs run: the claim word's number
-    atomic_int stop;
     atomic_int sleepers;
     int64_t spin_ns;                 // how long an idle worker spins before it sleeps
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    // what idle workers poll, on a line of its own
+    _Alignas(HX_LINE) atomic_uint gen;   // bumped to hand the workers a job
+    atomic_int stop;
     hx_job job;
     hx_vecs xq, aq;                  // scratch, grown as calls need
     int64_t *unit_row;
@@ -628,23 +637,31 @@ static void read_piece(hx_job* j, int i) {
     atomic_fetch_add_explicit(&j->read_sum, s0 + s1 + s2 + s3, memory_order_relaxed);
 }
 
-// One thread's part of the current job: items claimed until none is left.
+// One thread's part of the current job: items claimed until none is left. The thread counts its
+// items done into the job's counters once, not an item at a time: its phase-1 items when it
+// claims a phase-2 item (every phase-1 item is claimed by then, and it runs its own in order) or
+// when none is left; all of its items when none is left, the last touch of the job's data by a
+// thread that holds no further item.
 static void run_share(hx_job* j) {
+    int done1 = 0, done = 0;
     for (;;) {
         const int i = claim_item(j);
-        if (i < 0) return;
+        if (i < 0) break;
         if (j->kind == 1) {
             read_piece(j, i);
         } else if (i < j->n1) {
             phase1_item(j, i);
-            atomic_fetch_add_explicit(&j->done1, 1, memory_order_release);
+            ++done1;
         } else {
+            if (done1) atomic_fetch_add_explicit(&j->done1, done1, memory_order_release);
+            done1 = 0;
             while (atomic_load_explicit(&j->done1, memory_order_acquire) < j->n1) hx_pause();
             phase2_item(j, i - j->n1);
         }
-        // the last touch of the job's data by a thread that holds no further item
-        atomic_fetch_add_explicit(&j->done, 1, memory_order_release);
+        ++done;
     }
+    if (done1) atomic_fetch_add_explicit(&j->done1, done1, memory_order_release);
+    if (done) atomic_fetch_add_explicit(&j->done, done, memory_order_release);
 }
 
 static void* worker_main(void* arg) {
@@ -724,8 +741,9 @@ hx_pool* hx_create(int threads, int64_t spin_ns) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, init_tables);
     if (threads < 1) return NULL;
-    hx_pool* p = (hx_pool*)calloc(1, sizeof(hx_pool));
-    if (!p) return NULL;
+    hx_pool* p = NULL;                           // aligned as its cache-line fields ask
+    if (posix_memalign((void**)&p, HX_LINE, sizeof(hx_pool))) return NULL;
+    memset(p, 0, sizeof(hx_pool));
     p->threads = threads;
     p->spin_ns = spin_ns;
     pthread_mutex_init(&p->mu, NULL);
