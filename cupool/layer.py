@@ -327,23 +327,33 @@ def measure_cpu_prefill_us(hx: HostExperts, hidden: int, keys: int, tokens: int,
     return row, max(t_lo - lo * row, 0.0)
 
 
-def measure_cpu_us(hx: HostExperts, hidden: int, keys: int, reps: int = 9) -> tuple[float, float]:
+def measure_cpu_us(hx: HostExperts, hidden: int, keys: int, reps: int = 9,
+                   rounds: int = 3) -> tuple[float, float]:
     """A host call's cost on the host's CPU, (µs a row, µs a call besides its rows): calls of one
-    token through 1 row and through 8 rows, `reps` of each spread over the `keys` keys (so not in
-    cache from the call before), their medians t1 and t8; a row is (t8 − t1) / 7 and the rest of
-    t1 the call's own (waking the pool, quantizing x, the last item's wait). A decode call's host
-    share is split by both (`split_table`, the call's part added to the hand-off's)."""
-    n, rows = int(keys), 8
+    token through 1 row and through 8 rows, one of each in turn, `reps` of each in each of
+    `rounds` rounds, spread over the `keys` keys (so not in cache from the call before); t1 and t8
+    are the lowest of the rounds' medians, so that a round other threads disturbed (the OS
+    running something else on the pool's CPUs for a few ms) does not set the split for the
+    pool's life. A row is (t8 − t1) / 7 and the rest of t1 the call's own (waking the pool,
+    quantizing x, the last item's wait). A decode call's host share is split by both
+    (`split_table`, the call's part added to the hand-off's)."""
+    n = int(keys)
+    sizes = (1, min(8, n)) if n > 1 else (1,)
     x = torch.randn(1, hidden)
-
-    def median_us(r: int) -> float:
-        w = torch.full((1, r), 1.0 / r)
-        ns = [hx.timed(x, torch.arange(int(k), int(k) + r)[None], w, 1)[0]
-              for k in np.linspace(0, n - r, reps).astype(np.int64)]
-        return float(np.median(ns)) / 1e3
-
-    t1, t8 = median_us(1), median_us(min(rows, n))
-    row = max((t8 - t1) / (min(rows, n) - 1), 0.05 * t1) if n > 1 else t1
+    # first keys of the calls, rounds and sizes interleaved over the whole range
+    starts = np.linspace(0, n - sizes[-1], len(sizes) * reps * rounds).astype(np.int64)
+    medians: dict[int, list[float]] = {m: [] for m in sizes}
+    for r in range(rounds):
+        ns: dict[int, list[int]] = {m: [] for m in sizes}
+        for i in range(reps):
+            for j, m in enumerate(sizes):
+                k = int(starts[((i * len(sizes)) + j) * rounds + r])
+                ns[m].append(hx.timed(x, torch.arange(k, k + m)[None],
+                                      torch.full((1, m), 1.0 / m), 1)[0])
+        for m in sizes:
+            medians[m].append(float(np.median(ns[m])) / 1e3)
+    t1, tn = min(medians[1]), min(medians[sizes[-1]])
+    row = max((tn - t1) / (sizes[-1] - 1), 0.05 * t1) if len(sizes) > 1 else t1
     return row, max(t1 - row, 0.0)
 
 

@@ -496,8 +496,9 @@ def test_idle_serving_sleeps(small):
 
 def test_measure_cpu_us(small):
     """The host cost a pool's host share is split by, from calls of one token through 1 and 8
-    rows: on a stand-in timed at 30 µs a call plus 40 µs a row (each call's keys checked: one
-    token, distinct keys in range), exactly (40, 30); one with no cost of its own gives (row, 0);
+    rows in turn, in three rounds: on a stand-in timed at 30 µs a call plus 40 µs a row (each
+    call's keys checked: one token, distinct keys in range), exactly (40, 30), also where the
+    first round's 8-row calls were ten times slower; one with no cost of its own gives (row, 0);
     the real pool gives a positive row and a call's part not negative."""
     from cupool.layer import measure_cpu_us
 
@@ -515,7 +516,20 @@ def test_measure_cpu_us(small):
     fake = Timed(30_000, 40_000)
     assert measure_cpu_us(fake, 80, 2 * small.E, reps=5) == (40.0, 30.0)
     assert sorted(set(fake.seen)) == [1, 8]
+    assert fake.seen == [1, 8] * 15                  # in turn, 5 of each in each of 3 rounds
     assert measure_cpu_us(Timed(0, 25_000), 80, 2 * small.E, reps=3) == (25.0, 0.0)
+
+    class Disturbed(Timed):
+        """8-row calls ten times slower through the first round (as a pool's calls run while
+        other threads hold its CPUs), then as Timed."""
+        def timed(self, x, keys, w, reps):
+            ns = super().timed(x, keys, w, reps)
+            slow = len(self.seen) <= 2 * 5 and keys.shape[1] == 8
+            return [t * 10 for t in ns] if slow else ns
+
+    assert measure_cpu_us(Disturbed(30_000, 40_000), 80, 2 * small.E, reps=5) == (40.0, 30.0)
+    # with one round (the disturbed one) the row's time is what the slow calls gave
+    assert measure_cpu_us(Disturbed(30_000, 40_000), 80, 2 * small.E, reps=5, rounds=1)[0] > 400
     with HostExperts(small.store.host_addresses(), small.layout, threads=1) as hx:
         row, call = measure_cpu_us(hx, 80, 2 * small.E, reps=3)
     assert np.isfinite(row) and np.isfinite(call)
