@@ -296,65 +296,67 @@ def measure_prefill_link_us(gemm, host_rows, reps: int = 5) -> float:
     return gemm.copy_engine_us(gemm.scratch_lists(0, resident, host_rows), reps)
 
 
-def measure_cpu_prefill_us(hx: HostExperts, hidden: int, keys: int, tokens: int, top_k: int,
-                           experts: int, reps: int = 5) -> tuple[float, float]:
-    """A prefill call's cost on the host's CPU, (µs a row, µs a call besides its rows): calls
-    of `tokens` tokens whose routed lanes go to 2 and to 10 rows, each row with the tokens a
-    prefill call of that width routes to an expert (tokens · top_k / experts, at least 1; the
-    other lanes -1, as the call posts them; fewer than 10 where the lanes hold fewer), `reps`
-    of each spread over the `keys` keys; a row is the difference of their medians over the
-    difference of rows (quantizing its tokens' x included), and the rest of the 2-row call the
-    call's own (waking the pool, writing every token's answer)."""
-    T, K = int(tokens), int(top_k)
-    m = max(1, min(T, round(T * K / experts)))      # tokens a row
-    x = torch.randn(T, hidden)
-    n = int(keys)
-
-    def median_us(rows: int) -> float:
-        ns = []
-        for k0 in np.linspace(0, n - rows, reps).astype(np.int64):
-            # the T·K lanes in lane-major order, row r taking m of them in a run: m ≤ T
-            # tokens, each once
-            flat = torch.full((K, T), -1, dtype=torch.int64)
-            flat.view(-1)[:rows * m] = int(k0) + torch.arange(rows).repeat_interleave(m)
-            ns.append(hx.timed(x, flat.t().contiguous(), torch.full((T, K), 1.0 / K), 1)[0])
-        return float(np.median(ns)) / 1e3
-
-    most = min(10, n, T * K // m)                    # rows of m tokens the lanes hold
-    lo, hi = min(2, most), most
-    t_lo, t_hi = median_us(lo), median_us(hi)
-    row = max((t_hi - t_lo) / (hi - lo), 0.05 * t_lo) if hi > lo else t_lo
-    return row, max(t_lo - lo * row, 0.0)
-
-
-def measure_cpu_us(hx: HostExperts, hidden: int, keys: int, reps: int = 9,
-                   rounds: int = 3) -> tuple[float, float]:
-    """A host call's cost on the host's CPU, (µs a row, µs a call besides its rows): calls of one
-    token through 1 row and through 8 rows, one of each in turn, `reps` of each in each of
-    `rounds` rounds, spread over the `keys` keys (so not in cache from the call before); t1 and t8
-    are the lowest of the rounds' medians, so that a round other threads disturbed (the OS
-    running something else on the pool's CPUs for a few ms) does not set the split for the
-    pool's life. A row is (t8 − t1) / 7 and the rest of t1 the call's own (waking the pool,
-    quantizing x, the last item's wait). A decode call's host share is split by both
-    (`split_table`, the call's part added to the hand-off's)."""
-    n = int(keys)
-    sizes = (1, min(8, n)) if n > 1 else (1,)
-    x = torch.randn(1, hidden)
-    # first keys of the calls, rounds and sizes interleaved over the whole range
-    starts = np.linspace(0, n - sizes[-1], len(sizes) * reps * rounds).astype(np.int64)
-    medians: dict[int, list[float]] = {m: [] for m in sizes}
+def _host_cost_us(call_ns, lo: int, hi: int, keys: int, reps: int,
+                  rounds: int) -> tuple[float, float]:
+    """(µs a row, µs a call besides its rows) from host calls through `lo` and through `hi` rows
+    (`call_ns(first_key, rows)` times one, in ns), one of each in turn, `reps` of each in each of
+    `rounds` rounds, their first keys spread over the `keys` keys (so not in cache from the call
+    before). t_lo and t_hi are the lowest of the rounds' medians, so that a round other threads
+    disturbed (the OS running something else on the pool's CPUs for a few ms) does not set the
+    split for the pool's life. A row is (t_hi − t_lo) / (hi − lo), at least a twentieth of t_lo;
+    the rest of t_lo is the call's own."""
+    sizes = (lo, hi) if hi > lo else (lo,)
+    starts = np.linspace(0, keys - sizes[-1], len(sizes) * reps * rounds).astype(np.int64)
+    best = dict.fromkeys(sizes, float("inf"))
     for r in range(rounds):
         ns: dict[int, list[int]] = {m: [] for m in sizes}
         for i in range(reps):
             for j, m in enumerate(sizes):
-                k = int(starts[((i * len(sizes)) + j) * rounds + r])
-                ns[m].append(hx.timed(x, torch.arange(k, k + m)[None],
-                                      torch.full((1, m), 1.0 / m), 1)[0])
+                ns[m].append(call_ns(int(starts[(i * len(sizes) + j) * rounds + r]), m))
         for m in sizes:
-            medians[m].append(float(np.median(ns[m])) / 1e3)
-    t1, tn = min(medians[1]), min(medians[sizes[-1]])
-    row = max((tn - t1) / (sizes[-1] - 1), 0.05 * t1) if len(sizes) > 1 else t1
-    return row, max(t1 - row, 0.0)
+            best[m] = min(best[m], float(np.median(ns[m])) / 1e3)
+    t_lo = best[lo]
+    row = max((best[hi] - t_lo) / (hi - lo), 0.05 * t_lo) if hi > lo else t_lo
+    return row, max(t_lo - lo * row, 0.0)
+
+
+def measure_cpu_prefill_us(hx: HostExperts, hidden: int, keys: int, tokens: int, top_k: int,
+                           experts: int, reps: int = 5, rounds: int = 3) -> tuple[float, float]:
+    """A prefill call's cost on the host's CPU, (µs a row, µs a call besides its rows), by
+    `_host_cost_us`: calls of `tokens` tokens whose routed lanes go to 2 and to 10 rows, each row
+    with the tokens a prefill call of that width routes to an expert (tokens · top_k / experts,
+    at least 1; the other lanes -1, as the call posts them; fewer than 10 where the lanes hold
+    fewer). A row's time includes quantizing its tokens' x; a call's own, waking the pool and
+    writing every token's answer."""
+    T, K = int(tokens), int(top_k)
+    m = max(1, min(T, round(T * K / experts)))      # tokens a row
+    x = torch.randn(T, hidden)
+    w = torch.full((T, K), 1.0 / K)
+
+    def call_ns(k0: int, rows: int) -> int:
+        # the T·K lanes in lane-major order, row r taking m of them in a run: m ≤ T tokens,
+        # each once
+        flat = torch.full((K, T), -1, dtype=torch.int64)
+        flat.view(-1)[:rows * m] = k0 + torch.arange(rows).repeat_interleave(m)
+        return hx.timed(x, flat.t().contiguous(), w, 1)[0]
+
+    most = min(10, int(keys), T * K // m)            # rows of m tokens the lanes hold
+    return _host_cost_us(call_ns, min(2, most), most, int(keys), reps, rounds)
+
+
+def measure_cpu_us(hx: HostExperts, hidden: int, keys: int, reps: int = 9,
+                   rounds: int = 3) -> tuple[float, float]:
+    """A decode call's cost on the host's CPU, (µs a row, µs a call besides its rows), by
+    `_host_cost_us`: calls of one token through 1 row and through 8 rows. The call's own time is
+    waking the pool, quantizing x and the last item's wait. A decode call's host share is split
+    by both (`split_table`, the call's part added to the hand-off's)."""
+    x = torch.randn(1, hidden)
+
+    def call_ns(k0: int, rows: int) -> int:
+        return hx.timed(x, torch.arange(k0, k0 + rows)[None], torch.full((1, rows), 1.0 / rows),
+                        1)[0]
+
+    return _host_cost_us(call_ns, 1, min(8, int(keys)), int(keys), reps, rounds)
 
 
 class PooledExperts:
