@@ -158,7 +158,9 @@ for stage in "$@"; do
     prefix-scratch) for rb in ${SCRATCHES:-32x2 64x2 64x4}; do
                 run "bench_prefix_75_$rb" 590 python3 benchmarks/bench_prefix.py --bank 75 --repeats 3 \
                     --scratch-rows "${rb%x*}" --scratch-buffers "${rb#*x}" --json "$OUT/bench_prefix_75_$rb.json"; done ;;
-    serve)    run bench_serve 590 python3 benchmarks/bench_serve.py ;;
+    # the canonical bench_serve (serve's defaults), the plain pool beside host experts where
+    # serve turns them on
+    serve)    run bench_serve 590 python3 benchmarks/bench_serve.py --host-baseline ;;
     # serve's default 8 slots a step with 1, 4 and 8 of them active: what one user of a default
     # `serve` gets (a reduced run, into $OUT)
     serve-slots) run bench_serve_slots 590 python3 benchmarks/bench_serve.py --streams 1 4 8 --slots 8 \
