@@ -209,6 +209,9 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
         pool.disable_host_experts()
     per = [r.decode_tokens_per_s for r in reqs]
     decode_tps = decoded / decode_wall
+    # the timed requests' prompts are the warm-up's: a slot may still hold them (prefix reuse),
+    # and what is left to prefill is then what their first tokens waited for
+    ttft = [(r.first_token_at - r.submitted_at) * 1e3 for r in reqs]
     bound = link_bound(misses + prefetched, decoded, row, pcie_GBps)
     eng.close()
     K = pool.top_k
@@ -221,6 +224,8 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
             "sampled": sampled,
             "tokens_generated": n, "wall_s": wall,
             "aggregate_tok_per_s": n / wall,
+            "ttft_ms_median": statistics.median(ttft), "ttft_ms_max": max(ttft),
+            "cached_prompt_tokens_mean": sum(r.cached_tokens for r in reqs) / len(reqs),
             "aggregate_decode_tok_per_s": decode_tps,
             "miss_bytes_per_token": misses * row / decoded,
             "link_bound_decode_tok_per_s": bound,
@@ -330,7 +335,9 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
         print(f"{label}: {b:3d} streams greedy : aggregate {r['aggregate_tok_per_s']:7.1f} tok/s "
               f"(decode {r['aggregate_decode_tok_per_s']:7.1f}), per request "
               f"{r['per_request_tok_per_s_median']:6.1f} tok/s, hit rate {r['hit_rate']:.3f} "
-              f"(cap {r['diagnostics']['promote_cap'] or 'none'}) [{r['step']}]"
+              f"(cap {r['diagnostics']['promote_cap'] or 'none'}) [{r['step']}], first token "
+              f"{r['ttft_ms_median']:.1f} ms (median; {r['cached_prompt_tokens_mean']:.1f} of "
+              f"{args.prompt} prompt tokens cached)"
               + (f", misses {r['miss_bytes_per_token'] / 1e6:.1f} MB a token"
                  if r["miss_bytes_per_token"] else "")
               + (f", prefetched {r['prefetched_bytes_per_token'] / 1e6:.1f} MB a token "
