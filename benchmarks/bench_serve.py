@@ -162,8 +162,11 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(streams)]
     params = [cupool.SamplingParams(temperature=0.8 if sampled else 0.0, top_p=0.95 if sampled else 1,
                                     seed=seed + i, max_tokens=tokens) for i in range(streams)]
-    eng.generate(prompts, [cupool.SamplingParams(max_tokens=4, temperature=p.temperature,
-                                                 top_p=p.top_p, seed=p.seed) for p in params])
+    # the warm-up runs prompts of its own, of the same length: a slot then holds nothing of the
+    # timed prompts, which are prefilled whole, as new requests are
+    warm = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(streams)]
+    eng.generate(warm, [cupool.SamplingParams(max_tokens=4, temperature=p.temperature,
+                                              top_p=p.top_p, seed=p.seed) for p in params])
     torch.cuda.synchronize()
     pool.bank.reset_stats()
     served0 = pool.host.hx.serve_stats(reset_max=True) if host is not None else None
@@ -209,8 +212,6 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
         pool.disable_host_experts()
     per = [r.decode_tokens_per_s for r in reqs]
     decode_tps = decoded / decode_wall
-    # the timed requests' prompts are the warm-up's: a slot may still hold them (prefix reuse),
-    # and what is left to prefill is then what their first tokens waited for
     ttft = [(r.first_token_at - r.submitted_at) * 1e3 for r in reqs]
     bound = link_bound(misses + prefetched, decoded, row, pcie_GBps)
     eng.close()
