@@ -167,7 +167,7 @@ class HostDecode:
                                prefill_link_us)
         self.prefill_tokens = int(prefill_tokens)
         self.pool, self.tokens, self.leave = pool, int(tokens), leave
-        self.min_misses = pool.top_k + 1 if min_misses is None else int(min_misses)
+        self.min_misses = resolve_min_misses(pool.top_k, min_misses)
         dev, H, K = pool.device, pool.layout.hidden, pool.top_k
         self.hx = HostExperts(pool.store.host_addresses(), pool.layout, pool.gemm.activation,
                               threads=threads, spin_ms=spin_ms)
@@ -294,6 +294,12 @@ def measure_prefill_link_us(gemm, host_rows, reps: int = 5) -> float:
     resident = np.ones(gemm.num_experts, dtype=bool)
     resident[1::2] = False
     return gemm.copy_engine_us(gemm.scratch_lists(0, resident, host_rows), reps)
+
+
+def resolve_min_misses(top_k: int, min_misses: int | None) -> int:
+    """The fewest misses a decode call hands the host anything at: `min_misses`, or by default
+    top_k + 1, so that one token's calls (at most top_k misses) never do."""
+    return int(top_k) + 1 if min_misses is None else int(min_misses)
 
 
 def _host_cost_us(call_ns, lo: int, hi: int, keys: int, reps: int,

@@ -164,14 +164,15 @@ def auto_host_experts(pool, tokens: int, min_misses: int | None = None) -> str |
     """Why `serve`'s default (neither --host-experts nor --no-host-experts) leaves host experts
     off for this pool's decode steps of `tokens` sequences on a CUDA device, or None where it
     turns them on: not where the bank holds every expert (nothing misses), nor where no step
-    can reach `min_misses` (None: top_k + 1, `HostDecode`'s default; a step has at most tokens ·
+    can reach `min_misses` (`cupool.layer.resolve_min_misses`; a step has at most tokens ·
     top_k misses), nor where the process may use fewer than `cupool.cli.AUTO_HOST_CPUS` CPUs,
     nor without a C compiler to build the host's loop."""
     from cupool.cli import AUTO_HOST_CPUS
     from cupool.hostexperts import find_compiler, usable_cpus
+    from cupool.layer import resolve_min_misses
     if pool.bank.holds_every_expert():
         return f"the bank holds every expert ({pool.num_experts} rows a layer)"
-    fewest = pool.top_k + 1 if min_misses is None else min_misses
+    fewest = resolve_min_misses(pool.top_k, min_misses)
     if tokens * pool.top_k < fewest:
         return (f"a step of {tokens} sequence{'s' if tokens != 1 else ''} has at most "
                 f"{tokens * pool.top_k} misses, fewer than --host-min-misses {fewest}")
