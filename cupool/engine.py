@@ -65,6 +65,9 @@ pool's host experts handed their share (enough active slots for a call to hand a
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 NO_MASK = "no mask"           # a layer type that takes no mask (kvcache.STATE_TYPES)
+WARMUP_MORE = 8               # tokens warmup()'s continued prompt adds to its long one
+WARMUP_LONGEST = 2048         # most tokens of warmup()'s long prompt (a model whose prompts
+                              # are not chunked would otherwise prefill max_len of them)
 log = logging.getLogger("cupool")
 
 
@@ -898,15 +901,29 @@ class Engine:
                 "slots": self.max_batch, "steps": self.steps_run}
 
     def warmup(self) -> None:
-        """Run two tiny requests (greedy, then sampled) so that the KV cache is allocated and both
-        decode graphs are captured before the first real request (with host experts, also the
-        two of steps with enough active slots to hand the host a share); the pool's counters
-        are reset after. Call it before `start()`."""
+        """Run the requests whose first run would otherwise fall on a user's first request, so
+        that `serve` says "ready" only once they are done:
+        - two one-token prompts (greedy, then sampled): the KV cache allocated and both decode
+          graphs captured (with host experts, also the two of steps with enough active slots to
+          hand the host a share);
+        - a prompt of `warmup_prompt_tokens()` tokens, then (prefix reuse on) the same prompt
+          with a few more tokens, prefilled from the slot that holds it: a whole prefill chunk
+          runs the wide calls a one-token prompt does not (the pool's prefill builds for calls
+          whose lanes cover every expert, attention and the dense layers' GEMMs at that width),
+          and the second a prefill continued from a slot's cache.
+        The pool's counters are reset after. Call it before `start()`."""
         if self._thread is not None:
             raise RuntimeError("warmup() must run before start()")
         for t in (0.0, 1.0):
             self.generate([[0]], SamplingParams(temperature=t, max_tokens=2, seed=0,
                                                 ignore_eos=True))
+        n = self.warmup_prompt_tokens()
+        if n > 1:
+            prompt = [(7919 * i + 1) % self.vocab for i in range(n + WARMUP_MORE)]
+            once = SamplingParams(max_tokens=1, ignore_eos=True)
+            self.generate([prompt[:n]], once)
+            if self.reuse_prefix:
+                self.generate([prompt], once)
         hd = self.pool.host if self.pool is not None else None
         if self.graph and hd is not None and hd.hands_over(self.max_batch):
             with torch.inference_mode():     # the steps of enough slots to hand the host a share
@@ -916,6 +933,12 @@ class Engine:
                         self._graphs[kind] = self._capture(kind)
         if self.pool is not None:
             self.pool.bank.reset_stats()
+
+    def warmup_prompt_tokens(self) -> int:
+        """The long prompt of `warmup()`: one prefill chunk (at most WARMUP_LONGEST tokens),
+        leaving room in a slot for the few tokens its continuation adds and the one token each
+        asks for."""
+        return max(1, min(self.prefill_chunk, WARMUP_LONGEST, self.max_len - WARMUP_MORE - 2))
 
     def __repr__(self) -> str:
         return (f"Engine(B={self.max_batch}, max_len={self.max_len}, step={self.step_kind}, "

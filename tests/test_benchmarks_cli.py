@@ -36,7 +36,7 @@ MINE = ("bench_store.py", "bench_nvfp4.py", "bench_planner.py", "bench_gemm.py",
         "profile_attention.py", "profile_chain.py", "profile_decode.py", "profile_gemm.py",
         "profile_host.py",
         "profile_read.py", "bench_host_experts.py", "probe_host_handoff.py",
-        "ncu_source.py") + EXAMPLE_SCRIPTS
+        "bench_first_request.py", "ncu_source.py") + EXAMPLE_SCRIPTS
 
 
 def where(script: str) -> Path:
@@ -55,6 +55,7 @@ NEEDS_GPU = [
     ["bench_ngram.py", "--table", "1GiB", "--batches", "1", "4"],
     ["bench_long.py", "--contexts", "4096", "--soak-steps", "96"],
     ["bench_prefix.py", "--small", "--profile"],
+    ["bench_first_request.py", "--prompts", "16", "512", "--bank", "1"],
     ["profile_decode.py", "--layers", "2", "--context", "4096"],
     ["profile_attention.py", "--contexts", "80", "4096", "--min-chunk", "64", "256"],
     ["profile_chain.py", "--launches", "96", "--grids", "8", "396"],
@@ -81,6 +82,7 @@ BAD_SUBPROCESS = [
     (["decode_loop.py", "--tokens", "-3"], "--tokens"),
     (["decode_loop.py", "--bank", "1.5"], "--bank"),                     # a fraction, (0, 1]
     (["bench_host_experts.py", "--threads", "0"], "--threads"),
+    (["bench_first_request.py", "--prompts", "0"], "--prompts"),
 ]
 BAD = BAD_SUBPROCESS + [
     (["bench_store.py", "--sizes", "1MiB", "lots"], "--sizes"),
@@ -143,6 +145,8 @@ BAD = BAD_SUBPROCESS + [
     (["bench_ngram.py", "--batches", "0"], "--batches"),
     (["bench_long.py", "--soak-steps", "0"], "--soak-steps"),
     (["bench_prefix.py", "--new", "0"], "--new"),
+    (["bench_first_request.py", "--bank", "1.5"], "--bank"),
+    (["bench_first_request.py", "--max-batch", "0"], "--max-batch"),
     (["bench_prefix.py", "--bank", "3"], "--bank"),
     (["bench_prefix.py", "--scratch-buffers", "0"], "--scratch-buffers"),
     (["bench_prefix.py", "--host-threads", "2"], "--host-threads applies with --host-experts"),
@@ -301,6 +305,10 @@ def test_every_script_covered():
     ("bench_prefix", ["--scratch-rows", "64", "--scratch-buffers", "4"], True),
     ("bench_prefix", ["--host-experts"], True),
     ("bench_serve", [], False),
+    ("bench_first_request", [], False),
+    ("bench_first_request", ["--bank", "1"], True),
+    ("bench_first_request", ["--prompts", "512"], True),
+    ("bench_first_request", ["--repeats", "1"], True),
     ("bench_serve", ["--host-experts", "--host-baseline"], False),   # serve's default, and more
     ("bench_serve", ["--no-host-experts"], True),
     ("bench_serve", ["--host-promote"], True),

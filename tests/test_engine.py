@@ -202,3 +202,38 @@ def test_incremental_text_equals_a_full_decode_and_stops_cut_it():
     if stop:
         cut = eng.generate([ps[0]], SamplingParams(max_tokens=30, stop=[stop]))[0]
         assert cut.finish_reason == "stop" and cut.text == text[:text.find(stop)]
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_warmup_prefills_a_whole_chunk_and_its_continuation(reuse):
+    """warmup() runs, besides its one-token prompts, a prompt of one prefill chunk and (prefix
+    reuse on) that prompt with WARMUP_MORE tokens more, of which only those are prefilled (the
+    slot holds the rest); requests after it give the tokens of an engine that never warmed up."""
+    from cupool.engine import WARMUP_MORE
+    model = hf_model("qwen3_moe", seed=5)
+    eng = Engine(model, max_batch=2, max_len=40, prefill_chunk=16, eos_token_id=[],
+                 reuse_prefix=reuse)
+    assert eng.warmup_prompt_tokens() == 16
+    eng.warmup()
+    long_prompts = 16 + WARMUP_MORE if reuse else 16      # the continuation prefilled alone
+    assert eng.prefill_tokens == 2 + long_prompts
+    ps = prompts(6, [5, 23])
+    cold = Engine(model, max_batch=2, max_len=40, prefill_chunk=16, eos_token_id=[],
+                  reuse_prefix=reuse)
+    params = SamplingParams(max_tokens=6)
+    assert [r.output_ids for r in eng.generate(ps, params)] == \
+        [r.output_ids for r in cold.generate(ps, params)]
+    with pytest.raises(RuntimeError, match="before start"):
+        eng.start()
+        eng.warmup()
+    eng.shutdown()
+
+
+def test_warmup_prompt_fits_the_slot():
+    """The long prompt leaves room for its continuation and one token in a short slot."""
+    from cupool.engine import WARMUP_MORE
+    model = hf_model("qwen3_moe", seed=5)
+    eng = Engine(model, max_batch=1, max_len=20, eos_token_id=[])
+    assert eng.warmup_prompt_tokens() == 20 - WARMUP_MORE - 2
+    eng.warmup()
+    assert eng.prefill_tokens == 2 + eng.warmup_prompt_tokens() + WARMUP_MORE
