@@ -50,6 +50,7 @@ import time
 from typing import Callable
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cupool import graphsafe
 from cupool.kvcache import ATTENTION_TYPES, STATE_TYPES
@@ -69,6 +70,8 @@ WARMUP_MORE = 8               # tokens warmup()'s continued prompt adds to its l
 WARMUP_LONGEST = 2048         # most tokens of warmup()'s long prompt (a model whose prompts
                               # are not chunked would otherwise prefill max_len of them)
 log = logging.getLogger("cupool")
+# SDPA backends of a prefill chunk whose lengths do not repeat (Engine._prefill_attention)
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _takes(model, name: str) -> bool:
@@ -591,9 +594,10 @@ class Engine:
                     self.cache.prefill_mode(b, a, e - a)
                     mask = self._masks(lambda w: self.cache.prefill_mask(self.dtype, w,
                                                                           self._mask_bool))
-                    out = self.model(input_ids=ids[None, a - start:e - start],
-                                     position_ids=torch.arange(a, e, device=dev)[None],
-                                     **self._fwd_kwargs(mask))
+                    with self._prefill_attention(a, e):
+                        out = self.model(input_ids=ids[None, a - start:e - start],
+                                         position_ids=torch.arange(a, e, device=dev)[None],
+                                         **self._fwd_kwargs(mask))
                     logits = out.logits[:, -1, :]
                     if e == point:
                         self.prefix.keep_point(b, point)
@@ -617,6 +621,19 @@ class Engine:
         if lp is not None:
             self._note_logprobs(r, token, *(t[0].tolist() for t in lp))
         self._accept(b, r, token)
+
+    def _prefill_attention(self, a: int, e: int):
+        """Where the prefill forward of positions [a, e) runs torch's SDPA: on a GPU, cuDNN's
+        attention only for a whole chunk that starts at a multiple of `prefill_chunk`. cuDNN
+        builds a plan for each new pair of query and key lengths, which took 40 ms to over 1 s
+        a request on an H100 and an H200 (docs/PERFORMANCE.md); such chunks repeat a few pairs
+        of lengths, where cuDNN's plans are built once and it is the fastest, while a prompt's
+        last chunk, and every chunk after a reused prefix, almost always has lengths no request
+        before it had."""
+        n = self.prefill_chunk
+        if self.device.type != "cuda" or (e - a == n and a % n == 0):
+            return contextlib.nullcontext()
+        return sdpa_kernel(_NOT_CUDNN)
 
     def _chunks(self, start: int, stop: int, point: int | None):
         """[a, e) of each prefill forward of positions [start, stop): `prefill_chunk` tokens each,

@@ -237,3 +237,17 @@ def test_warmup_prompt_fits_the_slot():
     assert eng.warmup_prompt_tokens() == 20 - WARMUP_MORE - 2
     eng.warmup()
     assert eng.prefill_tokens == 2 + eng.warmup_prompt_tokens() + WARMUP_MORE
+
+
+def test_prefill_attention_keeps_cudnn_for_aligned_whole_chunks_only():
+    """On a GPU a prefill chunk runs SDPA without cuDNN unless it is a whole chunk starting at a
+    multiple of prefill_chunk (lengths that repeat across requests); on the CPU nothing is set."""
+    import contextlib
+    model = hf_model("qwen3_moe", seed=5)
+    eng = Engine(model, max_batch=1, max_len=64, prefill_chunk=16, eos_token_id=[])
+    plain = lambda ctx: isinstance(ctx, contextlib.nullcontext)  # noqa: E731
+    assert plain(eng._prefill_attention(0, 5))                 # the CPU: torch's own choice
+    eng.device = torch.device("cuda")                          # the rule alone (nothing runs)
+    assert plain(eng._prefill_attention(0, 16)) and plain(eng._prefill_attention(32, 48))
+    for a, e in ((0, 5), (16, 21), (3, 19), (5, 21)):          # a tail; a whole chunk off the grid
+        assert not plain(eng._prefill_attention(a, e)), (a, e)
