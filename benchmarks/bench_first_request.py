@@ -97,8 +97,9 @@ def main(args) -> int:
 def reduced(args) -> list[str]:
     """How this run differs from the canonical one, as its flags read."""
     p = build_parser()
+    shown = lambda v: " ".join(map(str, v)) if isinstance(v, list) else str(v)  # noqa: E731
     return reduced_by(args, p, "layers", "repeats") + [
-        f"--{name.replace('_', '-')} {value}" for name in ("bank", "max_batch", "prompts")
+        f"--{name.replace('_', '-')} {shown(value)}" for name in ("bank", "max_batch", "prompts")
         if (value := getattr(args, name)) != p.get_default(name)]
 
 
