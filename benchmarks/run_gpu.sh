@@ -11,7 +11,7 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, prefix-host, prefix-scratch, serve, serve-slots, overlap, graph-copies.
+# prefix, prefix-host, prefix-scratch, serve, serve-slots, first-request, overlap, graph-copies.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -161,6 +161,8 @@ for stage in "$@"; do
     # the canonical bench_serve (serve's defaults), the plain pool beside host experts where
     # serve turns them on
     serve)    run bench_serve 590 python3 benchmarks/bench_serve.py --host-baseline ;;
+    # the first requests after Engine.warmup(), in a fresh process (run it with the kernel cache warm)
+    first-request) run bench_first_request 300 python3 benchmarks/bench_first_request.py ;;
     # serve's default 8 slots a step with 1, 4 and 8 of them active: what one user of a default
     # `serve` gets (a reduced run, into $OUT)
     serve-slots) run bench_serve_slots 590 python3 benchmarks/bench_serve.py --streams 1 4 8 --slots 8 \
