@@ -228,3 +228,17 @@ def test_resume_at_the_reused_start_keeps_the_point(family_model):
     p3 = p1[:point] + new
     r = eng.generate([p3], SamplingParams(max_tokens=N))[0]
     assert r.cached_tokens == point and r.output_ids == _cold(model, p3), family
+
+
+def test_warmup_then_requests_equal_generate_alone(family_model):
+    """warmup() (its whole chunk and the continuation from the slot, which resumes the states
+    the chunk left) runs on every hybrid family, and requests after it give generate's tokens."""
+    from cupool.engine import WARMUP_MORE
+    family, model = family_model
+    eng = Engine(model, max_batch=2, max_len=40, prefill_chunk=8, eos_token_id=[])
+    eng.warmup()
+    assert eng.prefill_tokens == 2 + 8 + WARMUP_MORE, family       # the continuation reused 8
+    ps = prompts(7, [5, 12])
+    got = eng.generate(ps, SamplingParams(max_tokens=N))
+    for p, r in zip(ps, got):
+        assert r.output_ids == hf_greedy(model, p, N), (family, len(p))
