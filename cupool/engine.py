@@ -53,7 +53,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cupool import graphsafe
-from cupool.kvcache import ATTENTION_TYPES, STATE_TYPES
+from cupool.kvcache import ATTENTION_TYPES, INDEXED_TYPES, STATE_TYPES
 from cupool.prefix import PrefixCache
 from cupool.sampling import (MAX_LOGPROBS, SamplingParams, apply_token_mask, mask_words, sample,
                              token_logprobs)
@@ -72,6 +72,18 @@ WARMUP_LONGEST = 2048         # most tokens of warmup()'s long prompt (a model w
 log = logging.getLogger("cupool")
 # SDPA backends of a prefill chunk whose lengths do not repeat (Engine._prefill_attention)
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _rows_prefill_fits(model) -> bool:
+    """Whether prompts of this model can be prefilled side by side in one forward (Engine's
+    batch_prefill): no indexed attention (its indexer keeps per-slot keys of its own) and no
+    rotary embedding that changes with the forward's length (dynamic NTK, LongRoPE), which
+    would give a short prompt the longest one's. Models whose slots hold recurrent states are
+    found at admission (`Engine._rows_take`)."""
+    if set(getattr(model.config, "layer_types", None) or []) & INDEXED_TYPES:
+        return False
+    return not any(any(k in str(getattr(m, "rope_type", "")) for k in ("dynamic", "longrope"))
+                   for m in model.modules())
 
 
 def _takes(model, name: str) -> bool:
@@ -190,6 +202,12 @@ class Engine:
             states and `resume_points` copies of one slot's states. An engine given more slots,
             positions or points than its pool's reserve was planned for takes the rest from
             whatever memory the bank left free.
+        batch_prefill: prefill requests queued together in one forward of padded rows (each
+            row the longest prompt's length, the rows together at most `prefill_chunk` tokens)
+            instead of one request at a time, the same tokens either way. Only requests that
+            reuse nothing, on models whose slots hold keys and values alone (no recurrent
+            states, no indexed attention, no rotary embedding that changes with the length);
+            the first prefill of an engine runs alone. Off by default: not yet measured on a GPU.
 
     Prefix reuse (`cupool.prefix`): a finished request leaves its prompt and the output tokens
     its steps fed in its slot's rows; the slot remembers those tokens until another request
@@ -210,7 +228,8 @@ class Engine:
     def __init__(self, model, pool=None, *, tokenizer=None, max_batch: int = 8,
                  max_len: int = 4096, prefill_chunk: int | None = None, graph: bool | None = None,
                  fused: bool | None = None, compile: bool = False, eos_token_id=None,
-                 reuse_prefix: bool = True, resume_points: int | None = None):
+                 reuse_prefix: bool = True, resume_points: int | None = None,
+                 batch_prefill: bool = False):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         try:
             param = next(model.parameters())
@@ -249,6 +268,8 @@ class Engine:
             chunk = max_len
         self.prefill_chunk = chunk
         self.max_batch, self.max_len = max_batch, max_len
+        self.batch_prefill = bool(batch_prefill) and whole is None and \
+            _rows_prefill_fits(model)
         self.graph = (self.device.type == "cuda") if graph is None else bool(graph)
         if self.graph and self.device.type != "cuda":
             raise ValueError(f"graph=True needs a CUDA device, the model is on {self.device}")
@@ -521,13 +542,7 @@ class Engine:
             if r is not None and r.cancelled.is_set():
                 self._finish(r, FINISH_CANCELLED)
                 self._free(b)
-        while self._pending and None in self._slots:
-            r = self._pending.pop(0)
-            if r.cancelled.is_set():
-                self._finish(r, FINISH_CANCELLED)
-                continue
-            b, start, entry = self._take_slot(r)
-            self._admit(b, r, start, entry)
+        self._admit_pending()
         launched = None
         if self._inflight is not None and self._kind().masked:
             self._read_step(*self._inflight)          # a token mask needs the token before it
@@ -563,6 +578,50 @@ class Engine:
         return {self._cache_kw: self.cache, "use_cache": self._use_cache, "attention_mask": mask,
                 **self._logits_kw}
 
+    def _admit_pending(self) -> None:
+        """Admit queued requests into free slots, in order. With `batch_prefill`, consecutive
+        requests that reuse nothing are prefilled together in one forward while their rows (the
+        longest prompt's length each) fit one prefill chunk; the others one at a time."""
+        rows: list[tuple[int, Request]] = []
+        while self._pending and None in self._slots:
+            r = self._pending.pop(0)
+            if r.cancelled.is_set():
+                self._finish(r, FINISH_CANCELLED)
+                continue
+            b, start, entry = self._take_slot(r)
+            if self._rows_take(r, start):
+                longest = max([len(r.prompt_ids)] + [len(x.prompt_ids) for _, x in rows])
+                if (len(rows) + 1) * longest > self.prefill_chunk:
+                    self._admit_rows(rows)
+                    rows = []
+                self._slots[b] = r                 # held for it: the next take skips the slot
+                rows.append((b, r))
+                continue
+            self._admit_rows(rows)
+            rows = []
+            self._admit(b, r, start, entry)
+        self._admit_rows(rows)
+
+    def _rows_take(self, r: Request, start: int) -> bool:
+        """Whether r may be prefilled beside other requests (`_admit_rows`): batch_prefill on, a
+        model whose slots hold keys and values alone (known once a prefill has run), nothing
+        reused and no resume point inside the prompt."""
+        return (self.batch_prefill and start == 0 and self.prefill_tokens > 0
+                and not self.cache.state_tensors() and len(r.prompt_ids) <= self.prefill_chunk
+                and self.prefix.point_in_prompt(r.resume_at, 0, len(r.prompt_ids)) is None)
+
+    def _claim(self, b: int, r: Request, start: int) -> None:
+        """Slot b is r's: its sampling settings, and the prompt tokens it prefills from `start`."""
+        self._slots[b] = r
+        r.cached_tokens = start
+        self.prefill_tokens += len(r.prompt_ids) - start
+        p = r.params
+        self.temperature[b] = float(p.temperature)
+        self.top_k[b] = int(p.top_k)
+        self.top_p[b] = float(p.top_p)
+        self.seeds[b] = r.seed
+        self.steps[b] = 0
+
     @torch.inference_mode()
     def _admit(self, b: int, r: Request, start: int = 0, entry: int | None = None) -> None:
         """Run r's prompt from position `start` (the slot holds the KV of the tokens before it,
@@ -570,15 +629,7 @@ class Engine:
         point at r.resume_at on the way, and sample its first token (one host read)."""
         dev, S = self.device, len(r.prompt_ids)
         ids = torch.tensor(r.prompt_ids[start:], dtype=torch.int64, device=dev)   # [S - start]
-        self._slots[b] = r
-        r.cached_tokens = start
-        self.prefill_tokens += S - start
-        p = r.params
-        self.temperature[b] = float(p.temperature)
-        self.top_k[b] = int(p.top_k)
-        self.top_p[b] = float(p.top_p)
-        self.seeds[b] = r.seed
-        self.steps[b] = 0
+        self._claim(b, r, start)
         if start == 0:
             self.cache.reset_slot(b)     # clean per-slot states (attention rows need nothing)
         elif entry is not None:
@@ -602,17 +653,63 @@ class Engine:
                     if e == point:
                         self.prefix.keep_point(b, point)
             self.prefix.prompt_done(b, S)
-            scores = logits
-            if r.constraint is not None:
-                self._fill_masks([b])
-                scores = apply_token_mask(logits, self.mask[b:b + 1])
-            first = sample(scores, self.temperature[b:b + 1], self.top_k[b:b + 1],
-                           self.top_p[b:b + 1], self.seeds[b:b + 1], self.steps[b:b + 1],
-                           greedy_only=p.temperature == 0)
-            lp = token_logprobs(logits, first) if p.logprobs is not None else None
         finally:
             self.cache.decode_mode()
-        self.cache.pos[b] = S
+        self._first_token(b, r, logits)
+
+    @torch.inference_mode()
+    def _admit_rows(self, rows: list[tuple[int, Request]]) -> None:
+        """Prefill the prompts of `rows` (slot, request; slots held for them, nothing reused)
+        together: one forward of [n, S] tokens, S the longest prompt, the shorter ones padded
+        with their last token at the end (positions their prompt's tokens never attend), then
+        each request's first token from its own last position."""
+        if len(rows) <= 1:
+            for b, r in rows:
+                self._admit(b, r)
+            return
+        dev = self.device
+        lens = [len(r.prompt_ids) for _, r in rows]
+        S = max(lens)
+        ids = torch.tensor([r.prompt_ids + r.prompt_ids[-1:] * (S - len(r.prompt_ids))
+                            for _, r in rows], dtype=torch.int64, device=dev)
+        for b, r in rows:
+            self._claim(b, r, 0)
+            self.cache.reset_slot(b)
+        kwargs = {}
+        keep = sorted(set(n - 1 for n in lens))          # the rows' last positions
+        if self._logits_kw:
+            kwargs["logits_to_keep"] = torch.tensor(keep, device=dev)
+        prefilling = self.pool.prefilling() if self.pool is not None else contextlib.nullcontext()
+        try:
+            with prefilling:
+                self.cache.prefill_rows_mode([b for b, _ in rows], S)
+                mask = self._masks(lambda w: self.cache.prefill_mask(self.dtype, w,
+                                                                      self._mask_bool))
+                with self._prefill_attention(0, S):
+                    out = self.model(input_ids=ids,
+                                     position_ids=torch.arange(S, device=dev).repeat(len(rows), 1),
+                                     **{**self._fwd_kwargs(mask), **kwargs})
+            for (b, r), n in zip(rows, lens):
+                self.prefix.prompt_done(b, n)
+        finally:
+            self.cache.decode_mode()
+        for i, ((b, r), n) in enumerate(zip(rows, lens)):
+            at = keep.index(n - 1) if self._logits_kw else n - 1
+            self._first_token(b, r, out.logits[i:i + 1, at, :])
+
+    def _first_token(self, b: int, r: Request, logits: torch.Tensor) -> None:
+        """Sample r's first token from its prompt's last logits [1, V] (one host read), and make
+        slot b a decoding one."""
+        p = r.params
+        scores = logits
+        if r.constraint is not None:
+            self._fill_masks([b])
+            scores = apply_token_mask(logits, self.mask[b:b + 1])
+        first = sample(scores, self.temperature[b:b + 1], self.top_k[b:b + 1],
+                       self.top_p[b:b + 1], self.seeds[b:b + 1], self.steps[b:b + 1],
+                       greedy_only=p.temperature == 0)
+        lp = token_logprobs(logits, first) if p.logprobs is not None else None
+        self.cache.pos[b] = len(r.prompt_ids)
         self.tok[b, 0] = first[0]
         self.steps[b] = 1
         self.active[b] = True

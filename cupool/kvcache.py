@@ -42,6 +42,7 @@ class SlotCache:
         self._slot = 0
         self._start = 0
         self._stop = 0
+        self._slot_rows = None
 
     # --- modes (host state: the captured step records the decode mode's ops) -------------------
     def decode_mode(self) -> None:
@@ -57,11 +58,26 @@ class SlotCache:
                              f"{self.max_len} positions a slot")
         self._mode, self._slot, self._start, self._stop = "prefill", slot, start, start + length
 
+    def prefill_rows_mode(self, slots: list[int], length: int) -> None:
+        """Next forward: positions [0, length) of each slot of `slots`, batch row i into slot
+        slots[i] (prompts of up to `length` tokens, right-padded: a row's keys past its prompt
+        are attended by none of its prompt's positions, and decode masks them until a step
+        writes there)."""
+        if not slots or len(set(slots)) != len(slots) or \
+                not all(0 <= b < self.slots for b in slots):
+            raise ValueError(f"slots must be distinct, in [0, {self.slots}), got {slots}")
+        if not 1 <= length <= self.max_len:
+            raise ValueError(f"length {length} does not fit the cache's {self.max_len} positions "
+                             f"a slot")
+        self._mode, self._start, self._stop = "rows", 0, int(length)
+        self._slot_rows = torch.tensor(slots, dtype=torch.int64, device=self.device)
+
     # --- what attention layers call --------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs):
         """Store [B or 1, h, S, d] keys and values of this forward, return what to attend to:
-        decode: every slot's [B, h, L_max, d]; prefill: the slot's [1, h, start + S, d]."""
+        decode: every slot's [B, h, L_max, d]; prefill: the slot's [1, h, start + S, d]; rows:
+        the rows' slots' [n, h, S, d]."""
         k, v = self.keys[layer_idx], self.values[layer_idx]
         if k is None:
             k, v = self._allocate(layer_idx, key_states, value_states)
@@ -69,6 +85,11 @@ class SlotCache:
             k[self._rows, :, self.pos] = key_states[:, :, 0].to(k.dtype)
             v[self._rows, :, self.pos] = value_states[:, :, 0].to(v.dtype)
             return k, v
+        if self._mode == "rows":
+            rows, e = self._slot_rows, self._stop
+            k[rows, :, :e] = key_states.to(k.dtype)
+            v[rows, :, :e] = value_states.to(v.dtype)
+            return k[rows, :, :e], v[rows, :, :e]
         b, a, e = self._slot, self._start, self._stop
         k[b, :, a:e] = key_states[0].to(k.dtype)
         v[b, :, a:e] = value_states[0].to(v.dtype)
@@ -86,7 +107,7 @@ class SlotCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """For callers that ask (position ids and masks are always passed explicitly)."""
-        return self._stop if self._mode == "prefill" else self.max_len
+        return self.max_len if self._mode == "decode" else self._stop
 
     # --- masks -------------------------------------------------------------------------------------
     def _visible(self, q: torch.Tensor, j: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -104,7 +125,8 @@ class SlotCache:
 
     def prefill_mask(self, dtype: torch.dtype, window: int | None = None,
                      boolean: bool = False) -> torch.Tensor:
-        """[1, 1, S, start + S] for the prefill chunk set by `prefill_mode`."""
+        """[1, 1, S, start + S] for the prefill chunk set by `prefill_mode` (or
+        `prefill_rows_mode`, start 0: every row's causal mask)."""
         q = torch.arange(self._start, self._stop, device=self.device)
         j = torch.arange(self._stop, device=self.device)
         ok = self._visible(q[:, None], j[None, :], window)[None, None]

@@ -251,3 +251,69 @@ def test_prefill_attention_keeps_cudnn_for_aligned_whole_chunks_only():
     assert plain(eng._prefill_attention(0, 16)) and plain(eng._prefill_attention(32, 48))
     for a, e in ((0, 5), (16, 21), (3, 19), (5, 21)):          # a tail; a whole chunk off the grid
         assert not plain(eng._prefill_attention(a, e)), (a, e)
+
+
+def _batched_forwards(model) -> list[int]:
+    """The batch size of every forward of `model` from now on (a pre-hook's record)."""
+    seen = []
+    model.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    return seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batch_prefill_gives_the_tokens_of_one_at_a_time(family):
+    """batch_prefill=True: prompts queued together (nothing reused) are prefilled in one forward
+    of padded rows, and every request's tokens, greedy and seeded-sampled, equal an engine's that
+    admits them one at a time."""
+    model = hf_model(family, seed=3)
+    ps = prompts(8, [5, 11, 2, 8])
+    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=6),
+              SamplingParams(max_tokens=1)]
+    alone = Engine(model, max_batch=4, max_len=40, eos_token_id=[])
+    want = [r.output_ids for r in alone.generate(ps, params)]
+    eng = Engine(model, max_batch=4, max_len=40, eos_token_id=[], batch_prefill=True)
+    assert eng.batch_prefill
+    eng.generate([[1]], SamplingParams(max_tokens=1))      # the first prefill runs alone
+    seen = _batched_forwards(model)
+    got = eng.generate(ps, params)
+    assert [r.output_ids for r in got] == want, family
+    assert seen[0] == 4 and all(n == 4 for n in seen), seen   # one prefill of 4 rows, then steps
+    assert all(r.cached_tokens == 0 for r in got)
+
+
+def test_batch_prefill_groups_fit_a_chunk_and_reuse_goes_alone():
+    """Rows of the longest prompt's length fit one prefill chunk: prompts of 5, 7 and 9 tokens at
+    a 16-token chunk make a row pair (2 x 7) and one prompt alone; a prompt that starts with a
+    free slot's tokens reuses them, prefilled alone; the tokens equal one-at-a-time admission."""
+    model = hf_model("qwen3_moe", seed=4)
+    ps = prompts(9, [5, 7, 9])
+    params = SamplingParams(max_tokens=4)
+    kw = dict(max_batch=3, max_len=40, prefill_chunk=16, eos_token_id=[])
+    alone = Engine(model, **kw)
+    want = [r.output_ids for r in alone.generate(ps, params)]
+    eng = Engine(model, **kw, batch_prefill=True)
+    eng.generate([[1]], SamplingParams(max_tokens=1))     # (no prompt starts with token 1)
+    seen = _batched_forwards(model)
+    got = eng.generate(ps, params)
+    assert [r.output_ids for r in got] == want
+    assert seen[:2] == [2, 1], seen
+    seen.clear()
+    longer = ps[2] + got[2].output_ids + [4, 5]
+    again = eng.generate([longer, ps[0]], params)
+    assert again[0].cached_tokens > 0 and again[1].cached_tokens == len(ps[0]) - 1
+    assert again[0].output_ids == alone.generate([longer], params)[0].output_ids
+    assert seen[:2] == [1, 1], seen                # both prefilled alone, then the steps
+
+
+def test_batch_prefill_off_by_default_and_for_length_dependent_rope():
+    """batch_prefill is off unless asked for, and a model whose rotary embedding changes with
+    the forward's length does not take it."""
+    model = hf_model("qwen3_moe", seed=4)
+    assert not Engine(model, max_batch=2, max_len=32).batch_prefill
+    model.model.rotary_emb.rope_type = "dynamic"
+    try:
+        assert not Engine(model, max_batch=2, max_len=32, batch_prefill=True).batch_prefill
+    finally:
+        model.model.rotary_emb.rope_type = "default"

@@ -242,3 +242,25 @@ def test_warmup_then_requests_equal_generate_alone(family_model):
     got = eng.generate(ps, SamplingParams(max_tokens=N))
     for p, r in zip(ps, got):
         assert r.output_ids == hf_greedy(model, p, N), (family, len(p))
+
+
+def test_batch_prefill_leaves_models_with_states_one_prompt_at_a_time(family_model):
+    """batch_prefill=True: on a model whose slots hold recurrent states every prompt is still
+    prefilled alone (a forward of several rows never runs outside decode steps); the families
+    here without states (PhiMoE, DeepSeek-V2) prefill the two prompts together; the tokens
+    equal generate's either way."""
+    family, model = family_model
+    eng = Engine(model, max_batch=2, max_len=40, eos_token_id=[], batch_prefill=True)
+    eng.generate([[1]], SamplingParams(max_tokens=1))
+    shapes = []
+    hook = model.register_forward_pre_hook(
+        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        ps = prompts(3, [6, 9])
+        got = eng.generate(ps, SamplingParams(max_tokens=N))
+    finally:
+        hook.remove()
+    together = any(n > 1 and s > 1 for n, s in shapes)
+    assert together != bool(eng.cache.state_tensors()), (family, shapes)
+    for p, r in zip(ps, got):
+        assert r.output_ids == hf_greedy(model, p, N), (family, len(p))

@@ -214,3 +214,28 @@ def test_saved_states_copy_one_slot_at_fixed_addresses():
         saved.read(-1)
     with pytest.raises(ValueError, match="count must be an int >= 0"):
         SavedStates(c, -1)
+
+
+def test_rows_mode_writes_each_row_into_its_slot_and_refuses_states():
+    """prefill_rows_mode: row i's keys and values land in slot slots[i] at positions [0, S), the
+    forward reads the rows' slots back, the mask is the causal one, other slots are untouched;
+    bad slot lists and lengths are refused, and a state layer in that mode is an error (the
+    engine prefills such models one prompt at a time)."""
+    c = _cache()
+    c.prefill_rows_mode([2, 0], 5)
+    k, v = _rand(2, 2, 5, 4, seed=1), _rand(2, 2, 5, 4, seed=2)
+    got_k, got_v = c.update(k, v, 0)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert torch.equal(c.keys[0][2, :, :5], k[0]) and torch.equal(c.keys[0][0, :, :5], k[1])
+    assert not c.keys[0][1].any() and not c.keys[0][:, :, 5:].any()
+    assert c.get_seq_length() == 5
+    mask = c.prefill_mask(torch.float32, boolean=True)
+    assert mask.shape == (1, 1, 5, 5) and torch.equal(mask[0, 0], torch.ones(5, 5).tril().bool())
+    with pytest.raises(ValueError, match="batch 2"):
+        c.update_conv_state(_rand(2, C, 5), 1, conv_kernel_size=K)
+    for slots, n, what in (([1, 1], 3, "distinct"), ([3], 3, "distinct"), ([], 3, "distinct"),
+                           ([0], 0, "does not fit"), ([0], L + 1, "does not fit")):
+        with pytest.raises(ValueError, match=what):
+            c.prefill_rows_mode(slots, n)
+    c.decode_mode()
+    assert c.get_seq_length() == L
