@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import reduced_by, results_path, save  # noqa: E402
 
 from cupool.cli import CLIParser, bounded_int, fraction, positive_int, run  # noqa: E402

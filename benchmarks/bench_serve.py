@@ -324,7 +324,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
             fresh_case(pool, replayer, False)
             r0 = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
                           not args.no_fused, args.seed, pcie, None, args.slots,
-                          args.late_prompt or 0, args.batch_prefill)
+                          args.late_prompt or 0, batch_prefill=args.batch_prefill)
             baseline.append(r0)
             print(f"bank {bank:.0%}, without host experts: {b:3d} streams greedy : aggregate "
                   f"{r0['aggregate_tok_per_s']:7.1f} tok/s (decode "
@@ -333,7 +333,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
             fresh_case(pool, replayer, True)
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
                      not args.no_fused, args.seed, pcie, host, args.slots, args.late_prompt or 0,
-                     args.batch_prefill)
+                     batch_prefill=args.batch_prefill)
         cases.append(r)
         if baseline:
             ratio = r["aggregate_decode_tok_per_s"] / baseline[-1]["aggregate_decode_tok_per_s"]

@@ -82,7 +82,7 @@ def _rows_prefill_fits(model) -> bool:
     found at admission (`Engine._rows_take`)."""
     if set(getattr(model.config, "layer_types", None) or []) & INDEXED_TYPES:
         return False
-    return not any(any(k in str(getattr(m, "rope_type", "")) for k in ("dynamic", "longrope"))
+    return not any(graphsafe.rope_changes_with_length(getattr(m, "rope_type", ""))
                    for m in model.modules())
 
 
@@ -583,6 +583,7 @@ class Engine:
         requests that reuse nothing are prefilled together in one forward while their rows (the
         longest prompt's length each) fit one prefill chunk; the others one at a time."""
         rows: list[tuple[int, Request]] = []
+        longest = 0                                # the rows' longest prompt
         while self._pending and None in self._slots:
             r = self._pending.pop(0)
             if r.cancelled.is_set():
@@ -590,15 +591,15 @@ class Engine:
                 continue
             b, start, entry = self._take_slot(r)
             if self._rows_take(r, start):
-                longest = max([len(r.prompt_ids)] + [len(x.prompt_ids) for _, x in rows])
-                if (len(rows) + 1) * longest > self.prefill_chunk:
+                if (len(rows) + 1) * max(longest, len(r.prompt_ids)) > self.prefill_chunk:
                     self._admit_rows(rows)
-                    rows = []
+                    rows, longest = [], 0
                 self._slots[b] = r                 # held for it: the next take skips the slot
                 rows.append((b, r))
+                longest = max(longest, len(r.prompt_ids))
                 continue
             self._admit_rows(rows)
-            rows = []
+            rows, longest = [], 0
             self._admit(b, r, start, entry)
         self._admit_rows(rows)
 

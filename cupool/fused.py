@@ -73,7 +73,7 @@ import re
 import torch
 from torch import nn
 
-from cupool import _cuda, dense_nvfp4
+from cupool import _cuda, dense_nvfp4, graphsafe
 from cupool._env import parse_switch
 from cupool.engine import cache_kwarg
 from cupool.ops.dense_attention import (
@@ -385,7 +385,7 @@ class FusedStep:
                 raise Unsupported(f"config.{name} = {getattr(cfg, name)} is not fused")
         rope = base.rotary_emb
         kind = str(getattr(rope, "rope_type", "default"))
-        if "dynamic" in kind or "longrope" in kind:
+        if graphsafe.rope_changes_with_length(kind):
             raise Unsupported(f"rotary embedding of kind {kind!r} changes with the length")
         H = embed.weight.shape[1]
         self.model, self.pool, self.cache, self.device = model, pool, cache, dev

@@ -69,6 +69,14 @@ def use_cache_flag(model: nn.Module) -> bool:
 _NO_CONTINUATION = (("transformers.models.jamba.modeling_jamba", "JambaMambaMixer"),)
 
 
+def rope_changes_with_length(rope_type) -> bool:
+    """Whether a rotary embedding of this `rope_type` changes with the forward's length (dynamic
+    NTK scaling, LongRoPE's short and long factors): a step or a forward of padded rows would
+    then give a token another length's rotation."""
+    kind = str(rope_type)
+    return "dynamic" in kind or "longrope" in kind
+
+
 def whole_prompt_prefill(model: nn.Module) -> str | None:
     """Why the model's prompts must be prefilled in one forward (a module that cannot continue a
     multi-token forward from a state), or None."""

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from tiny_models import hf_model
+from tiny_models import forward_shapes, hf_model
 
 pytest.importorskip("transformers")
 
@@ -253,14 +253,6 @@ def test_prefill_attention_keeps_cudnn_for_aligned_whole_chunks_only():
         assert not plain(eng._prefill_attention(a, e)), (a, e)
 
 
-def _batched_forwards(model) -> list[int]:
-    """The batch size of every forward of `model` from now on (a pre-hook's record)."""
-    seen = []
-    model.register_forward_pre_hook(
-        lambda mod, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
-    return seen
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_batch_prefill_gives_the_tokens_of_one_at_a_time(family):
     """batch_prefill=True: prompts queued together (nothing reused) are prefilled in one forward
@@ -276,8 +268,9 @@ def test_batch_prefill_gives_the_tokens_of_one_at_a_time(family):
     eng = Engine(model, max_batch=4, max_len=40, eos_token_id=[], batch_prefill=True)
     assert eng.batch_prefill
     eng.generate([[1]], SamplingParams(max_tokens=1))      # the first prefill runs alone
-    seen = _batched_forwards(model)
-    got = eng.generate(ps, params)
+    with forward_shapes(model) as shapes:
+        got = eng.generate(ps, params)
+    seen = [n for n, _ in shapes]                              # each forward's batch
     assert [r.output_ids for r in got] == want, family
     assert seen[0] == 4 and all(n == 4 for n in seen), seen   # one prefill of 4 rows, then steps
     assert all(r.cached_tokens == 0 for r in got)
@@ -295,13 +288,15 @@ def test_batch_prefill_groups_fit_a_chunk_and_reuse_goes_alone():
     want = [r.output_ids for r in alone.generate(ps, params)]
     eng = Engine(model, **kw, batch_prefill=True)
     eng.generate([[1]], SamplingParams(max_tokens=1))     # (no prompt starts with token 1)
-    seen = _batched_forwards(model)
-    got = eng.generate(ps, params)
+    with forward_shapes(model) as shapes:
+        got = eng.generate(ps, params)
+    seen = [n for n, _ in shapes]
     assert [r.output_ids for r in got] == want
     assert seen[:2] == [2, 1], seen
-    seen.clear()
     longer = ps[2] + got[2].output_ids + [4, 5]
-    again = eng.generate([longer, ps[0]], params)
+    with forward_shapes(model) as shapes:
+        again = eng.generate([longer, ps[0]], params)
+    seen = [n for n, _ in shapes]
     assert again[0].cached_tokens > 0 and again[1].cached_tokens == len(ps[0]) - 1
     assert again[0].output_ids == alone.generate([longer], params)[0].output_ids
     assert seen[:2] == [1, 1], seen                # both prefilled alone, then the steps

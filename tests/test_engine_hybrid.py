@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import HYBRID_FAMILIES, hybrid_model
+from tiny_models import HYBRID_FAMILIES, forward_shapes, hybrid_model
 
 pytest.importorskip("transformers")
 
@@ -252,14 +252,9 @@ def test_batch_prefill_leaves_models_with_states_one_prompt_at_a_time(family_mod
     family, model = family_model
     eng = Engine(model, max_batch=2, max_len=40, eos_token_id=[], batch_prefill=True)
     eng.generate([[1]], SamplingParams(max_tokens=1))
-    shapes = []
-    hook = model.register_forward_pre_hook(
-        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
-    try:
-        ps = prompts(3, [6, 9])
+    ps = prompts(3, [6, 9])
+    with forward_shapes(model) as shapes:
         got = eng.generate(ps, SamplingParams(max_tokens=N))
-    finally:
-        hook.remove()
     together = any(n > 1 and s > 1 for n, s in shapes)
     assert together != bool(eng.cache.state_tensors()), (family, shapes)
     for p, r in zip(ps, got):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_gpu_wrap import TIE, model_for, teacher_forced
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, forward_shapes
 
 import cupool
 from cupool.sampling import SamplingParams
@@ -178,13 +178,8 @@ def test_batch_prefill_through_the_pool_matches_the_reference(family):
     eng = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[],
                         batch_prefill=True)
     eng.generate([[1]], SamplingParams(max_tokens=1))         # an engine's first prefill: alone
-    shapes = []
-    hook = model.register_forward_pre_hook(
-        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
-    try:
+    with forward_shapes(model) as shapes:
         reqs = eng.generate(_prompts([3, 9, 14, 5], seed=2), SamplingParams(max_tokens=12))
-    finally:
-        hook.remove()
     assert shapes[0] == (4, 14), shapes[:3]
     assert all(len(r.output_ids) == 12 and r.cached_tokens == 0 for r in reqs)
     assert pool.errors() == []

@@ -7,6 +7,8 @@ shape instead of silently passing. Importing this module does not import transfo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,6 +120,20 @@ HYBRID_FAMILIES = {
                                                "mlp"]),
                    ([1], 8, 2, 48, 32, "model.layers.{i}.mixer.experts")),
 }
+
+
+@contextlib.contextmanager
+def forward_shapes(model):
+    """The input_ids shape (batch, tokens) of every forward of `model` inside the block, in
+    order (a forward pre-hook, removed at the end)."""
+    shapes: list[tuple[int, ...]] = []
+    hook = model.register_forward_pre_hook(
+        lambda mod, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True)
+    try:
+        yield shapes
+    finally:
+        hook.remove()
 
 
 def hybrid_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
