@@ -207,7 +207,8 @@ class Engine:
             instead of one request at a time, the same tokens either way. Only requests that
             reuse nothing, on models whose slots hold keys and values alone (no recurrent
             states, no indexed attention, no rotary embedding that changes with the length);
-            the first prefill of an engine runs alone. Off by default: not yet measured on a GPU.
+            the first prefill of an engine runs alone. On by default; False prefills each
+            request alone.
 
     Prefix reuse (`cupool.prefix`): a finished request leaves its prompt and the output tokens
     its steps fed in its slot's rows; the slot remembers those tokens until another request
@@ -229,7 +230,7 @@ class Engine:
                  max_len: int = 4096, prefill_chunk: int | None = None, graph: bool | None = None,
                  fused: bool | None = None, compile: bool = False, eos_token_id=None,
                  reuse_prefix: bool = True, resume_points: int | None = None,
-                 batch_prefill: bool = False):
+                 batch_prefill: bool = True):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         try:
             param = next(model.parameters())

@@ -313,7 +313,7 @@ def test_every_script_covered():
     ("bench_serve", ["--no-host-experts"], True),
     ("bench_serve", ["--host-promote"], True),
     ("bench_serve", ["--host-threads", "12"], True),
-    ("bench_serve", ["--batch-prefill"], True),
+    ("bench_serve", ["--no-batch-prefill"], True),
     ("bench_gemm", ["--skip-gpt-oss"], True),
     ("bench_planner", ["--copy-sweep", "2,512,4"], False),
     ("bench_planner", ["--skip-copy", "--experts", "128", "--lanes", "8", "--replays", "20"], True),

@@ -263,10 +263,10 @@ def test_batch_prefill_gives_the_tokens_of_one_at_a_time(family):
     params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6),
               SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=6),
               SamplingParams(max_tokens=1)]
-    alone = Engine(model, max_batch=4, max_len=40, eos_token_id=[])
+    alone = Engine(model, max_batch=4, max_len=40, eos_token_id=[], batch_prefill=False)
     want = [r.output_ids for r in alone.generate(ps, params)]
-    eng = Engine(model, max_batch=4, max_len=40, eos_token_id=[], batch_prefill=True)
-    assert eng.batch_prefill
+    eng = Engine(model, max_batch=4, max_len=40, eos_token_id=[])
+    assert eng.batch_prefill and not alone.batch_prefill
     eng.generate([[1]], SamplingParams(max_tokens=1))      # the first prefill runs alone
     with forward_shapes(model) as shapes:
         got = eng.generate(ps, params)
@@ -284,9 +284,9 @@ def test_batch_prefill_groups_fit_a_chunk_and_reuse_goes_alone():
     ps = prompts(9, [5, 7, 9])
     params = SamplingParams(max_tokens=4)
     kw = dict(max_batch=3, max_len=40, prefill_chunk=16, eos_token_id=[])
-    alone = Engine(model, **kw)
+    alone = Engine(model, **kw, batch_prefill=False)
     want = [r.output_ids for r in alone.generate(ps, params)]
-    eng = Engine(model, **kw, batch_prefill=True)
+    eng = Engine(model, **kw)
     eng.generate([[1]], SamplingParams(max_tokens=1))     # (no prompt starts with token 1)
     with forward_shapes(model) as shapes:
         got = eng.generate(ps, params)
@@ -302,11 +302,12 @@ def test_batch_prefill_groups_fit_a_chunk_and_reuse_goes_alone():
     assert seen[:2] == [1, 1], seen                # both prefilled alone, then the steps
 
 
-def test_batch_prefill_off_by_default_and_for_length_dependent_rope():
-    """batch_prefill is off unless asked for, and a model whose rotary embedding changes with
+def test_batch_prefill_on_by_default_and_off_for_length_dependent_rope():
+    """batch_prefill is on unless turned off, and a model whose rotary embedding changes with
     the forward's length does not take it."""
     model = hf_model("qwen3_moe", seed=4)
-    assert not Engine(model, max_batch=2, max_len=32).batch_prefill
+    assert Engine(model, max_batch=2, max_len=32).batch_prefill
+    assert not Engine(model, max_batch=2, max_len=32, batch_prefill=False).batch_prefill
     model.model.rotary_emb.rope_type = "dynamic"
     try:
         assert not Engine(model, max_batch=2, max_len=32, batch_prefill=True).batch_prefill

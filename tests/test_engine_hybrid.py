@@ -245,7 +245,7 @@ def test_warmup_then_requests_equal_generate_alone(family_model):
 
 
 def test_batch_prefill_leaves_models_with_states_one_prompt_at_a_time(family_model):
-    """batch_prefill=True: on a model whose slots hold recurrent states every prompt is still
+    """batch_prefill (the default): on a model whose slots hold recurrent states every prompt is still
     prefilled alone (a forward of several rows never runs outside decode steps); the families
     here without states (PhiMoE, DeepSeek-V2) prefill the two prompts together; the tokens
     equal generate's either way."""

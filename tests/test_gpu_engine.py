@@ -167,7 +167,7 @@ def test_prefix_reuse_with_prefill_ahead(monkeypatch, family):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_batch_prefill_through_the_pool_matches_the_reference(family):
-    """batch_prefill=True: four prompts queued together are prefilled in one forward of padded
+    """batch_prefill (the default): four prompts queued together are prefilled in one forward of padded
     rows through the pool's partition path (4 x 14 tokens within the 64 a prefill call takes),
     and every sequence's tokens match the dequantized reference as the one-at-a-time engine's
     do (same tolerance)."""
@@ -175,8 +175,8 @@ def test_batch_prefill_through_the_pool_matches_the_reference(family):
     _, (_, E, K, _, _) = FAMILIES[family]
     pool = cupool.wrap(model, rows=max(K, E // 2), max_decode_tokens=4, max_prefill_tokens=64,
                        progress=False)
-    eng = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[],
-                        batch_prefill=True)
+    eng = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[])
+    assert eng.batch_prefill
     eng.generate([[1]], SamplingParams(max_tokens=1))         # an engine's first prefill: alone
     with forward_shapes(model) as shapes:
         reqs = eng.generate(_prompts([3, 9, 14, 5], seed=2), SamplingParams(max_tokens=12))

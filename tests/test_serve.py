@@ -695,6 +695,14 @@ def test_host_experts_options(model_dir, monkeypatch):
     assert opts("--no-host-experts").host_experts is False
 
 
+def test_batch_prefill_option(model_dir):
+    """Prompts that arrive together are prefilled in one forward unless --no-batch-prefill."""
+    def opts(*argv):
+        return cli.check_options(_parse(["--model", str(model_dir), "--device", "cpu", *argv]))
+
+    assert opts().batch_prefill and not opts("--no-batch-prefill").batch_prefill
+
+
 @pytest.mark.parametrize("every,tokens,min_misses,cpus,compiler,why", [
     (False, 8, None, 16, True, None),
     (False, 2, None, 8, True, None),

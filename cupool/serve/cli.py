@@ -78,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fused", action="store_true",
                         help="run the model's own forward instead of cupool's fused decode step "
                              "(default: fused where the model fits)")
+    parser.add_argument("--no-batch-prefill", action="store_true",
+                        help="prefill each request's prompt alone instead of the prompts that "
+                             "arrive together in one forward (default: together, on models "
+                             "whose slots hold keys and values alone)")
     parser.add_argument("--no-compile", action="store_true",
                         help="where the fused step is not used, do not put the model's forward "
                              "through torch.compile (default on CUDA: compiled, which adds tens "
@@ -107,6 +111,7 @@ class Options:
     resume_points: int | None = None
     fused: bool = True
     compile: bool = True
+    batch_prefill: bool = True
     host_experts: bool | None = None      # None: on where `auto_host_experts` says they can gain
     host_threads: int | None = None
     host_leave: bool = True
@@ -234,6 +239,7 @@ def check_options(args) -> Options:
                    dtype, name, log_level, api_key, max_queue, shutdown, resume_points=resume,
                    fused=not getattr(args, "no_fused", False),
                    compile=device != "cpu" and not getattr(args, "no_compile", False),
+                   batch_prefill=not getattr(args, "no_batch_prefill", False),
                    host_experts=host_experts, host_threads=host_threads,
                    host_leave=not host_promote, host_min_misses=host_min_misses,
                    host_prefill_tokens=host_prefill_tokens)
@@ -311,7 +317,8 @@ def run(args) -> int:
             # the fastest step by default: fused where the model fits, else the compiled forward
             engine = Engine(model, pool, tokenizer=tokenizer, max_batch=opts.max_batch,
                             max_len=opts.max_len, fused=None if opts.fused else False,
-                            compile=opts.compile, resume_points=opts.resume_points)
+                            compile=opts.compile, resume_points=opts.resume_points,
+                            batch_prefill=opts.batch_prefill)
         except ValueError as e:
             return _fail(str(e))
         log.info("decode step: %s", engine.step_kind)
