@@ -112,10 +112,10 @@ class Calibration:
 
 H200 = Calibration(
     hbm_eff=0.905, pcie_eff=0.825,
-    layer_s={"fused": 51.7e-6, "fused-resident": 34.2e-6, "compiled": 99.7e-6},
+    layer_s={"fused": 51.8e-6, "fused-resident": 34.1e-6, "compiled": 99.7e-6},
     source="NVIDIA H200, Qwen3-30B-A3B shape (48 layers, E=128, top-8): "
            "benchmarks/results/bench_decode.json (2026-11-29; pool-25/50/100 x uniform/locality, "
-           "compiled), bench_serve.json (2026-12-06 07:25 UTC; 1 stream, fused step: resident with "
+           "compiled), bench_serve.json (2026-12-06 10:05 UTC; 1 stream, fused step: resident with "
            "the model's router, 50% bank on the locality trace with serve's default, where a step "
            "of one sequence hands the host nothing), bench_gemm.json (2026-12-01; "
            "HBM read 4,342 GB/s)")
