@@ -22,12 +22,19 @@ loaded). Kernels compiled into CuPy's disk cache (CUPY_CACHE_DIR) stay compiled 
 processes: the first run after a source change (or on a fresh machine) also compiles them,
 later ones load them.
 
+`--profile N`: afterwards, N more requests of each length under cProfile, the host's Python time
+by function (top 30 by own time, then by cumulative time), beside their mean time to first token:
+where a prefill that the host's launches bound spends it. A reduced run.
+
 Writes benchmarks/results/bench_first_request.json for a run with the defaults (--json PATH for
 any run).
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -47,6 +54,22 @@ def ttft_s(eng, prompt: list[int]) -> float:
     torch.cuda.synchronize()
     r = eng.generate([prompt], cupool.SamplingParams(max_tokens=1, ignore_eos=True))[0]
     return r.first_token_at - r.submitted_at
+
+
+def profile_requests(eng, prompts: list[list[int]], top: int = 30) -> None:
+    """The host's time in `prompts` (each one request, one token asked for) by function."""
+    prof, spent = cProfile.Profile(), []
+    for p in prompts:
+        torch.cuda.synchronize()
+        prof.enable()
+        spent.append(ttft_s(eng, p))
+        prof.disable()
+    print(f"\n--- {len(prompts)} requests of {len(prompts[0])} prompt tokens under cProfile: "
+          f"{statistics.mean(spent) * 1e3:.1f} ms to the first token (mean) ---")
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        print(buf.getvalue().split("\n", 6)[-1] if key == "tottime" else buf.getvalue(), flush=True)
 
 
 def main(args) -> int:
@@ -83,6 +106,9 @@ def main(args) -> int:
         print(f"{n:6d} prompt tokens: first request {first * 1e3:8.1f} ms to its first token, "
               f"then {steady * 1e3:8.1f} ms (median of {args.repeats}): "
               f"{first / steady:.2f}x", flush=True)
+    if args.profile:
+        for n in args.prompts:
+            profile_requests(eng, [fresh(n) for _ in range(args.profile)])
     eng.close()
     results = {"shape": f"Qwen3-30B-A3B, {args.layers} layers", "bank": args.bank,
                "max_batch": args.max_batch, "step": eng.step_kind,
@@ -97,7 +123,8 @@ def reduced(args) -> list[str]:
     """How this run differs from the canonical one, as its flags read."""
     p = build_parser()
     shown = lambda v: " ".join(map(str, v)) if isinstance(v, list) else str(v)  # noqa: E731
-    return reduced_by(args, p, "layers", "repeats") + [
+    return reduced_by(args, p, "layers", "repeats") + \
+        ([f"--profile {args.profile}"] if args.profile else []) + [
         f"--{name.replace('_', '-')} {shown(value)}" for name in ("bank", "max_batch", "prompts")
         if (value := getattr(args, name)) != p.get_default(name)]
 
@@ -115,6 +142,8 @@ def build_parser() -> CLIParser:
                    help="prompt lengths, in the order they are first asked for")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="requests of each length after its first (default 3)")
+    p.add_argument("--profile", type=bounded_int(0, 100), default=0, metavar="N",
+                   help="then N requests of each length under cProfile (default 0: none)")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--json", help="write the results here (default: "
                                   "results/bench_first_request.json for a run with the defaults)")

@@ -55,7 +55,7 @@ NEEDS_GPU = [
     ["bench_ngram.py", "--table", "1GiB", "--batches", "1", "4"],
     ["bench_long.py", "--contexts", "4096", "--soak-steps", "96"],
     ["bench_prefix.py", "--small", "--profile"],
-    ["bench_first_request.py", "--prompts", "16", "512", "--bank", "1"],
+    ["bench_first_request.py", "--prompts", "16", "512", "--bank", "1", "--profile", "2"],
     ["profile_decode.py", "--layers", "2", "--context", "4096"],
     ["profile_attention.py", "--contexts", "80", "4096", "--min-chunk", "64", "256"],
     ["profile_chain.py", "--launches", "96", "--grids", "8", "396"],
@@ -309,6 +309,7 @@ def test_every_script_covered():
     ("bench_first_request", ["--bank", "1"], True),
     ("bench_first_request", ["--prompts", "512"], True),
     ("bench_first_request", ["--repeats", "1"], True),
+    ("bench_first_request", ["--profile", "2"], True),
     ("bench_serve", ["--host-experts", "--host-baseline"], False),   # serve's default, and more
     ("bench_serve", ["--no-host-experts"], True),
     ("bench_serve", ["--host-promote"], True),
