@@ -503,7 +503,8 @@ class MoEGemm:
                 expert_addr: torch.Tensor, *, host_addr: torch.Tensor | None = None,
                 layer: int = 0, out: torch.Tensor | None = None,
                 lists: ScratchLists | None = None,
-                ahead: ScratchLists | None = None, accumulate=None) -> torch.Tensor:
+                ahead: ScratchLists | None = None, accumulate=None,
+                host_experts: int | None = None) -> torch.Tensor:
         """The partition path. expert_addr: int64 [E], the GPU address of each resident expert's
         row, 0 for the others, which are read from `host_addr[layer·E + e]` (the store's UVA
         address table) into the scratch in chunks of scratch_rows // scratch_buffers, on a second
@@ -524,7 +525,14 @@ class MoEGemm:
 
         accumulate: None, or a callable given the call's float32 sum [T, H] after the last GEMM
         and before it is rounded into `out`, on the current stream, to add what was computed
-        elsewhere (the host's experts: `PooledExperts`' host prefill)."""
+        elsewhere (the host's experts: `PooledExperts`' host prefill).
+
+        host_experts: None, or how many of the layer's experts have no bank row (expert_addr 0),
+        as the caller knows without reading the device (`Pool.prefill_resident`); it must agree
+        with expert_addr. A call runs only the chunks that can hold a row: with lists, those
+        their experts fill; else those min(host_experts, T·K) routed experts can fill (all of
+        them when None). A chunk's GEMM and copy cost the host tens of µs each, which a short
+        prompt's call, whose routed experts mostly have bank rows, would spend on empty chunks."""
         if self._p is None:
             raise RuntimeError("this MoEGemm was built without prefill workspaces "
                                "(max_prefill_tokens=0)")
@@ -553,13 +561,24 @@ class MoEGemm:
         w = topk_weights.reshape(-1)
         if w.dtype not in W_DTYPES or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
-        nchunks = p["nchunks"] if host_addr is not None or lists is not None else 0
+        if host_experts is not None and (isinstance(host_experts, bool)
+                                         or not isinstance(host_experts, int)
+                                         or not 0 <= host_experts <= self.num_experts):
+            raise ValueError(f"host_experts must be None or an int in [0, {self.num_experts}], "
+                             f"got {host_experts!r}")
+        nchunks = 0
+        if lists is not None:
+            nchunks = self._chunks_for(lists.experts)
+        elif host_addr is not None:
+            nchunks = self._chunks_for(None if host_experts is None
+                                       else min(host_experts, T * K))
         nbuf = self._nbuf
         first = min(nbuf, nchunks)               # chunks copied before the first chunk GEMM
-        issued = self._ahead.take(lists if nchunks else None)
+        issued = self._ahead.take(lists)         # == first when the call before issued them
+        ahead_first = 0 if ahead is None else min(nbuf, self._chunks_for(ahead.experts))
         main = torch.cuda.current_stream(self.device)
-        side = self._side_stream() if nchunks else None     # used only with chunks
-        if nchunks and lists is not None:
+        side = self._side_stream() if nchunks or ahead_first else None
+        if side is not None and lists is not None:
             side.wait_stream(main)               # earlier calls' GEMMs on the scratch buffers
         kernels.launch(ops.align(cfg.nt, "prep_x", x), -(-T // 8), 256,
                        (x, kernels.i32(T), kernels.i32(self.layout.hidden), p["xh"], p["xscale"]),
@@ -569,21 +588,21 @@ class MoEGemm:
         out32.zero_()
         args = (p["unit_addr"], p["unit_lanes"], p["unit_count"], p["xh"], p["xscale"], p["act"],
                 p["lane_w"], T, self.error)
+        views = p["chunk_views"]
+        copier = self._scratch_copier(host_addr) if nchunks and lists is None else None
+
+        def copy(c, src=lists):                  # chunk c into buffer c % nbuf, on `side`
+            if src is None:
+                copier(views[c][1], views[c][2], stream=side)
+            else:
+                self._copy_engine(src.chunks[c], side)
+            self._events[c][0].record(side)
+
         if not nchunks:
             ops.run(cfg, p["phase_off"][0:2], *args, out32=out32)
         else:
-            views = p["chunk_views"]
-            copier = self._scratch_copier(host_addr) if lists is None else None
             if lists is None:
                 side.wait_stream(main)           # the copy lists from align_experts
-
-            def copy(c, src=lists):              # chunk c into buffer c % nbuf, on `side`
-                if src is None:
-                    copier(views[c][1], views[c][2], stream=side)
-                else:
-                    self._copy_engine(src.chunks[c], side)
-                self._events[c][0].record(side)
-
             # Chunks [0, issued) were issued by the previous call from these very lists.
             for c in range(issued, first):
                 copy(c)
@@ -598,15 +617,17 @@ class MoEGemm:
                 elif ahead is not None:              # this call's last GEMM on buffer c % nbuf
                     self._events[c][1].record(main)
             main.wait_stream(side)                   # this call's copies (not the ahead ones)
-            if ahead is not None:
-                # Chunk b of the next layer goes into buffer b after the last GEMM here that
-                # read it. The copy stream is in order: these copies follow this call's, and
-                # whatever the next call copies into a buffer follows them.
-                for b in range(first):
+        if ahead is not None:
+            # Chunk b of the next layer goes into buffer b after the last GEMM here that read
+            # it; a buffer no chunk here read waits for nothing more than the earlier calls'
+            # GEMMs, which `side` waited for above. The copy stream is in order: these copies
+            # follow this call's, and whatever the next call copies into a buffer follows them.
+            for b in range(ahead_first):
+                if b < nchunks:
                     last = b + nbuf * ((nchunks - 1 - b) // nbuf)
                     side.wait_event(self._events[last][1])
-                    copy(b, ahead)
-                self._ahead.issued(ahead, first)
+                copy(b, ahead)
+            self._ahead.issued(ahead, ahead_first)
         if accumulate is not None:
             H = self.layout.hidden
             if out32.shape[1] == H:
@@ -663,6 +684,12 @@ class MoEGemm:
                 times.append(a.elapsed_time(b) * 1e3 / lists.experts)
         main.wait_stream(side)
         return float(np.median(times))
+
+    def _chunks_for(self, experts: int | None) -> int:
+        """Scratch chunks a call needs for `experts` rows without a bank row (align_experts ranks
+        them in order, chunk c taking ranks c·chunk ...); None: all of them."""
+        n = self._p["nchunks"]
+        return n if experts is None else min(n, -(-int(experts) // self._chunk))
 
     def _side_stream(self) -> torch.cuda.Stream:
         """The copy stream of the scratch copies and their per-chunk events, made on first use."""

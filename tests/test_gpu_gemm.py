@@ -615,3 +615,60 @@ def test_prefill_ahead_over_layers(E, rows, buffers):
         ahead.prefill(*args, lists=placed.lists(ahead, 1))
     with pytest.raises(TypeError, match="lists must be None or a cupool.gemm.ScratchLists"):
         ahead.prefill(*args, lists=(1, placed.addr[1]))
+
+
+@pytest.mark.parametrize("E, rows, buffers", [(37, 5, 2), (13, 2, 2), (128, 32, 2)])
+def test_prefill_runs_only_the_chunks_its_rows_fill(E, rows, buffers):
+    """host_experts (how many of the layer's experts lack a bank row) and host lists bound the
+    scratch chunks a call runs: calls over layers with every expert, most, half and none of them
+    resident, narrow ones (T·K below E) with host_experts and wide ones with lists announcing
+    the next (a layer with nothing to copy announcing one with rows, and the reverse), equal the
+    same calls over every chunk within TOL, and every announced call uses what was issued. A
+    count below the layer's own is flagged, never read past the scratch; a bad value is an
+    error naming it."""
+    L, K = 4, 4
+    placed = Layers(2048, 768, L, E, seed=E + 3 * rows)
+    res = torch.ones(L, E, dtype=torch.bool)
+    res[1, ::5] = False                                    # most resident
+    res[2, ::2] = False                                    # half
+    res[3] = False                                         # none
+    base = placed.bank.data_ptr() + torch.arange(L * E).reshape(L, E) * placed.store.row_stride
+    placed.addr = torch.where(res, base, torch.zeros_like(base)).cuda()
+    missing = [int((~res[l]).sum()) for l in range(L)]
+    mk = lambda: MoEGemm(placed.layout, K, torch.bfloat16, max_prefill_tokens=160,  # noqa: E731
+                         num_experts=E, scratch_rows=rows, scratch_buffers=buffers)
+    bounded, full = mk(), mk()
+    host = placed.store.address_table()
+    gen = torch.Generator().manual_seed(E)
+    narrow = max(1, E // (2 * K))
+    for layer in range(L):
+        x = torch.randn(narrow, 2048, generator=gen).to(torch.bfloat16).cuda()
+        ids, w = routing(narrow, K, E, gen)
+        outs = []
+        for gemm, count in ((bounded, missing[layer]), (full, None)):
+            out = torch.full_like(x, float("nan"))
+            gemm.prefill(x, ids, w, placed.addr[layer], host_addr=host, layer=layer, out=out,
+                         host_experts=count)
+            outs.append(out)
+        assert rel_err(outs[0], reference_moe(x, ids, w, placed.deq[layer])) <= TOL, layer
+        assert rel_err(outs[0], outs[1]) <= TOL, layer
+    order = [0, 3, 0, 2, 1, 0]                             # none -> all -> none -> half -> ...
+    calls = [(l, 129, order[i + 1] if i + 1 < len(order) else None, True)
+             for i, l in enumerate(order)]
+    a = placed.run(bounded, calls, torch.Generator().manual_seed(5))
+    b = placed.run(full, [(l, T, None, False) for l, T, _, _ in calls],
+                   torch.Generator().manual_seed(5))
+    for x, y in zip(a, b):
+        assert rel_err(x, y) <= TOL
+    assert (bounded.ahead_used, bounded.ahead_dropped) == (len(order) - 1, 0)
+    assert bounded.read_error() == [] and full.read_error() == []
+    if narrow * K > bounded._chunk:                        # too few chunks for layer 3's rows
+        x = torch.randn(narrow, 2048, generator=gen).to(torch.bfloat16).cuda()
+        ids = torch.arange(narrow * K, device="cuda").remainder(E).reshape(narrow, K)
+        bounded.prefill(x, ids, torch.ones(narrow, K, device="cuda"), placed.addr[3],
+                        host_addr=host, layer=3, host_experts=1)
+        assert bounded.read_error() == ["more host experts than scratch chunks (internal)"]
+        bounded.clear_error()
+    for bad in (-1, E + 1, True, 2.0):
+        with pytest.raises(ValueError, match=rf"host_experts must be None or an int in \[0, {E}\]"):
+            bounded.prefill(x, ids, w, placed.addr[0], host_addr=host, host_experts=bad)

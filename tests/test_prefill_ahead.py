@@ -233,9 +233,10 @@ class StandInPool:
         self.bank = CountedBank(slot.to(torch.int32))
 
         def prefill(x, ids, w, addr, *, host_addr, layer, out=None, lists=None, ahead=None,
-                    accumulate=None):
+                    accumulate=None, host_experts=None):
             self.calls.append(dict(T=x.shape[0], layer=layer, lists=lists, ahead=ahead,
-                                   ids=ids, addr=addr, accumulate=accumulate))
+                                   ids=ids, addr=addr, accumulate=accumulate,
+                                   host_experts=host_experts))
             return torch.zeros_like(x) if out is None else out
 
         def lists_of(layer, resident, host_rows):
@@ -280,11 +281,13 @@ def test_prefill_plan_gates_and_announces_the_next_layer():
     layer's host lists and announces layer + 1's (the very lists that call gets), none after
     the last; the placement is read from the device once a prefill. A call under the lane
     threshold, outside prefilling, with the switch off or split over several GEMM calls keeps
-    the plain path; leaving prefilling drops what was issued ahead and forgets the lists, and
-    lists outside prefilling are an error."""
+    the plain path, told how many experts lack a bank row while prefilling (so it runs only the
+    scratch chunks they can fill) and nothing outside; leaving prefilling drops what was issued
+    ahead and forgets the lists, and lists outside prefilling are an error."""
     pool = StandInPool(L=4, E=16, K=4, max_prefill_tokens=64)
     plain = lambda calls: all(c["lists"] is None and c["ahead"] is None for c in calls)  # noqa: E731
     assert plain(pool.forward(32))                            # not prefilling
+    assert all(c["host_experts"] is None for c in pool.calls)
     with Pool.prefilling(pool):
         calls = pool.forward(16)                              # 16·4 = 4·16 lanes: the threshold
         assert [c["lists"].layer for c in calls] == [0, 1, 2, 3]
@@ -295,8 +298,10 @@ def test_prefill_plan_gates_and_announces_the_next_layer():
         assert all(a["lists"] is b["lists"] for a, b in zip(calls, again))
         assert pool.bank.reads == 1
         assert plain(pool.forward(15))
+        assert [c["host_experts"] for c in pool.calls] == [8] * 4   # the odd experts
         split = pool.forward(100)                             # over max_prefill_tokens: split
         assert len(split) == 8 and plain(split)
+        assert all(c["host_experts"] == 8 for c in split)
         pool.prefill_ahead = False
         assert plain(pool.forward(32))
         assert pool.drops == 0
