@@ -69,7 +69,7 @@ def profile_requests(eng, prompts: list[list[int]], top: int = 30) -> None:
     for key in ("tottime", "cumulative"):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
-        print(buf.getvalue().split("\n", 6)[-1] if key == "tottime" else buf.getvalue(), flush=True)
+        print(buf.getvalue(), flush=True)
 
 
 def main(args) -> int:
