@@ -74,16 +74,18 @@ log = logging.getLogger("cupool")
 _NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _rows_prefill_fits(model) -> bool:
-    """Whether prompts of this model can be prefilled side by side in one forward (Engine's
-    batch_prefill): no indexed attention (its indexer keeps per-slot keys of its own) and no
-    rotary embedding that changes with the forward's length (dynamic NTK, LongRoPE), which
-    would give a short prompt the longest one's. Models whose slots hold recurrent states are
-    found at admission (`Engine._rows_take`)."""
+def _rows_prefill_unfit(model) -> str | None:
+    """Why prompts of this model cannot be prefilled side by side in one forward (Engine's
+    batch_prefill), or None where they can: indexed attention (its indexer keeps per-slot keys
+    of its own), or a rotary embedding that changes with the forward's length (dynamic NTK,
+    LongRoPE), which would give a short prompt the longest one's. Models whose slots hold
+    recurrent states are found at admission (`Engine._rows_take`)."""
     if set(getattr(model.config, "layer_types", None) or []) & INDEXED_TYPES:
-        return False
-    return not any(graphsafe.rope_changes_with_length(getattr(m, "rope_type", ""))
-                   for m in model.modules())
+        return "indexed attention keeps per-slot keys of its own"
+    if any(graphsafe.rope_changes_with_length(getattr(m, "rope_type", ""))
+           for m in model.modules()):
+        return "its rotary embedding changes with the forward's length"
+    return None
 
 
 def _takes(model, name: str) -> bool:
@@ -269,8 +271,10 @@ class Engine:
             chunk = max_len
         self.prefill_chunk = chunk
         self.max_batch, self.max_len = max_batch, max_len
-        self.batch_prefill = bool(batch_prefill) and whole is None and \
-            _rows_prefill_fits(model)
+        unfit = "batch_prefill=False" if not batch_prefill else \
+            "each prompt is one forward" if whole is not None else _rows_prefill_unfit(model)
+        self.batch_prefill = unfit is None
+        self._rows_unfit = unfit
         self.graph = (self.device.type == "cuda") if graph is None else bool(graph)
         if self.graph and self.device.type != "cuda":
             raise ValueError(f"graph=True needs a CUDA device, the model is on {self.device}")
@@ -1008,6 +1012,22 @@ class Engine:
         attention layers alone, and before the first prefill allocates the states). The saved
         points take `resume_points` times this, allocated on the first save."""
         return self.prefix.saved.entry_bytes()
+
+    @property
+    def prefill_kind(self) -> str:
+        """How prompts that arrive together are prefilled, in words (`serve` logs it): together
+        in one forward (`batch_prefill`), or each alone and why. Whether the model's slots hold
+        recurrent states is known once a prefill has run (`warmup`)."""
+        why = self._rows_unfit
+        if why is None and self.prefill_tokens and self.cache.state_tensors():
+            why = "the model's slots hold recurrent states"
+        if why is not None:
+            return f"each prompt alone ({why})"
+        together = (f"prompts that arrive together in one forward, up to {self.prefill_chunk} "
+                    f"tokens (those that reuse a prefix alone)")
+        if not self.prefill_tokens:
+            return together + " where the slots hold no recurrent states (known after a prompt)"
+        return together
 
     def stats(self) -> dict:
         """Occupancy: running sequences, requests waiting for a slot, decode steps run so far.

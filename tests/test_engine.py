@@ -304,12 +304,22 @@ def test_batch_prefill_groups_fit_a_chunk_and_reuse_goes_alone():
 
 def test_batch_prefill_on_by_default_and_off_for_length_dependent_rope():
     """batch_prefill is on unless turned off, and a model whose rotary embedding changes with
-    the forward's length does not take it."""
+    the forward's length does not take it; `prefill_kind` says which, and why."""
     model = hf_model("qwen3_moe", seed=4)
-    assert Engine(model, max_batch=2, max_len=32).batch_prefill
-    assert not Engine(model, max_batch=2, max_len=32, batch_prefill=False).batch_prefill
+    eng = Engine(model, max_batch=2, max_len=32, eos_token_id=[], prefill_chunk=16)
+    assert eng.batch_prefill
+    assert eng.prefill_kind.endswith("where the slots hold no recurrent states (known after a "
+                                      "prompt)")
+    eng.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
+    assert eng.prefill_kind == ("prompts that arrive together in one forward, up to 16 tokens "
+                                "(those that reuse a prefix alone)")
+    off = Engine(model, max_batch=2, max_len=32, batch_prefill=False)
+    assert not off.batch_prefill and off.prefill_kind == "each prompt alone (batch_prefill=False)"
     model.model.rotary_emb.rope_type = "dynamic"
     try:
-        assert not Engine(model, max_batch=2, max_len=32, batch_prefill=True).batch_prefill
+        eng = Engine(model, max_batch=2, max_len=32, batch_prefill=True)
+        assert not eng.batch_prefill
+        assert eng.prefill_kind == ("each prompt alone (its rotary embedding changes with the "
+                                    "forward's length)")
     finally:
         model.model.rotary_emb.rope_type = "default"

@@ -257,5 +257,7 @@ def test_batch_prefill_leaves_models_with_states_one_prompt_at_a_time(family_mod
         got = eng.generate(ps, SamplingParams(max_tokens=N))
     together = any(n > 1 and s > 1 for n, s in shapes)
     assert together != bool(eng.cache.state_tensors()), (family, shapes)
+    assert eng.prefill_kind.startswith("prompts that arrive together" if together else
+                                       "each prompt alone ("), (family, eng.prefill_kind)
     for p, r in zip(ps, got):
         assert r.output_ids == hf_greedy(model, p, N), (family, len(p))

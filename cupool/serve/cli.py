@@ -324,6 +324,7 @@ def run(args) -> int:
         log.info("decode step: %s", engine.step_kind)
         if engine.graph:
             engine.warmup()               # compile and capture the decode step before "ready"
+        log.info("prefill: %s", engine.prefill_kind)
         if engine.resume_point_bytes:
             _log_resume_points(log, engine, pool)
         engine.start()
