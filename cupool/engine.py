@@ -272,7 +272,7 @@ class Engine:
         self.prefill_chunk = chunk
         self.max_batch, self.max_len = max_batch, max_len
         unfit = "batch_prefill=False" if not batch_prefill else \
-            "each prompt is one forward" if whole is not None else _rows_prefill_unfit(model)
+            whole if whole is not None else _rows_prefill_unfit(model)
         self.batch_prefill = unfit is None
         self._rows_unfit = unfit
         self.graph = (self.device.type == "cuda") if graph is None else bool(graph)
