@@ -271,10 +271,9 @@ class Engine:
             chunk = max_len
         self.prefill_chunk = chunk
         self.max_batch, self.max_len = max_batch, max_len
-        unfit = "batch_prefill=False" if not batch_prefill else \
+        # why prompts are never prefilled side by side (None: they may be, `_rows_why`)
+        self._rows_unfit = "batch_prefill=False" if not batch_prefill else \
             whole if whole is not None else _rows_prefill_unfit(model)
-        self.batch_prefill = unfit is None
-        self._rows_unfit = unfit
         self.graph = (self.device.type == "cuda") if graph is None else bool(graph)
         if self.graph and self.device.type != "cuda":
             raise ValueError(f"graph=True needs a CUDA device, the model is on {self.device}")
@@ -612,8 +611,8 @@ class Engine:
         """Whether r may be prefilled beside other requests (`_admit_rows`): batch_prefill on, a
         model whose slots hold keys and values alone (known once a prefill has run), nothing
         reused and no resume point inside the prompt."""
-        return (self.batch_prefill and start == 0 and self.prefill_tokens > 0
-                and not self.cache.state_tensors() and len(r.prompt_ids) <= self.prefill_chunk
+        return (start == 0 and self.prefill_tokens > 0 and self._rows_why() is None
+                and len(r.prompt_ids) <= self.prefill_chunk
                 and self.prefix.point_in_prompt(r.resume_at, 0, len(r.prompt_ids)) is None)
 
     def _claim(self, b: int, r: Request, start: int) -> None:
@@ -643,10 +642,9 @@ class Engine:
         point = self.prefix.point_in_prompt(r.resume_at, start, S)
         if point == start:                   # the loaded state is the point's
             self.prefix.keep_point(b, point)
-        prefilling = self.pool.prefilling() if self.pool is not None else contextlib.nullcontext()
         try:
             logits = None
-            with prefilling:
+            with self._prefilling():
                 for a, e in self._chunks(start, S, point):
                     self.cache.prefill_mode(b, a, e - a)
                     mask = self._masks(lambda w: self.cache.prefill_mask(self.dtype, w,
@@ -685,9 +683,8 @@ class Engine:
         keep = sorted(set(n - 1 for n in lens))          # the rows' last positions
         if self._logits_kw:
             kwargs["logits_to_keep"] = torch.tensor(keep, device=dev)
-        prefilling = self.pool.prefilling() if self.pool is not None else contextlib.nullcontext()
         try:
-            with prefilling:
+            with self._prefilling():
                 self.cache.prefill_rows_mode([b for b, _ in rows], S)
                 mask = self._masks(lambda w: self.cache.prefill_mask(self.dtype, w,
                                                                       self._mask_bool))
@@ -724,6 +721,11 @@ class Engine:
         if lp is not None:
             self._note_logprobs(r, token, *(t[0].tolist() for t in lp))
         self._accept(b, r, token)
+
+    def _prefilling(self):
+        """The context a prompt's prefill forward runs in: the pool's `prefilling()` (every pooled
+        layer on the partition path, the placement untouched), nothing without a pool."""
+        return self.pool.prefilling() if self.pool is not None else contextlib.nullcontext()
 
     def _prefill_attention(self, a: int, e: int):
         """Where the prefill forward of positions [a, e) runs torch's SDPA: on a GPU, cuDNN's
@@ -1014,13 +1016,25 @@ class Engine:
         return self.prefix.saved.entry_bytes()
 
     @property
+    def batch_prefill(self) -> bool:
+        """Whether prompts that arrive together may be prefilled in one forward (the argument,
+        where the model allows it; recurrent states, found at the first prefill, still keep
+        each prompt alone: `prefill_kind`)."""
+        return self._rows_unfit is None
+
+    def _rows_why(self) -> str | None:
+        """Why prompts are prefilled each alone, as far as is known: `_rows_unfit`, or the
+        recurrent states the model's slots hold (known once a prefill has run); None if not."""
+        if self._rows_unfit is None and self.prefill_tokens and self.cache.state_tensors():
+            return "the model's slots hold recurrent states"
+        return self._rows_unfit
+
+    @property
     def prefill_kind(self) -> str:
         """How prompts that arrive together are prefilled, in words (`serve` logs it): together
         in one forward (`batch_prefill`), or each alone and why. Whether the model's slots hold
         recurrent states is known once a prefill has run (`warmup`)."""
-        why = self._rows_unfit
-        if why is None and self.prefill_tokens and self.cache.state_tensors():
-            why = "the model's slots hold recurrent states"
+        why = self._rows_why()
         if why is not None:
             return f"each prompt alone ({why})"
         together = (f"prompts that arrive together in one forward, up to {self.prefill_chunk} "
