@@ -468,15 +468,12 @@ class PooledExperts:
         resident = p.expert_addresses(self.layer)
         host = p.store.address_table()
         step = p.gemm.max_prefill_tokens
-        # while prefilling, the host knows how many experts lack a bank row (read once a
-        # prefill), so a call runs no scratch chunk that no row can fill
-        missing = int((~p.prefill_resident(self.layer)).sum()) if p.prefill_only else None
         if x.shape[0] <= step:
             T = x.shape[0]
             listed, nxt = prefill_plan(p, self.layer, T)
             if not listed:
                 return p.gemm.prefill(x, ids, w, resident, host_addr=host, layer=self.layer,
-                                      host_experts=missing)
+                                      host_experts=self._missing())
             # lists from the placement read once a prefill: nothing moves it while the pool is
             # prefilling (decode calls alone plan, and the prefetcher was joined above); with
             # host experts, each layer's without the experts the host takes at this width
@@ -488,11 +485,19 @@ class PooledExperts:
             return p.gemm.prefill(x, ids, w, resident, host_addr=host, layer=self.layer,
                                   lists=lists, ahead=ahead)
         out = torch.empty_like(x)
+        missing = self._missing()
         for t0 in range(0, x.shape[0], step):
             t1 = min(x.shape[0], t0 + step)
             p.gemm.prefill(x[t0:t1], ids[t0:t1], w[t0:t1], resident, host_addr=host,
                            layer=self.layer, out=out[t0:t1], host_experts=missing)
         return out
+
+    def _missing(self) -> int | None:
+        """While the pool is prefilling, how many of this layer's experts lack a bank row (from
+        the placement read once a prefill), so a call without host lists runs no scratch chunk
+        that no row can fill; None otherwise (the host does not know the placement)."""
+        p = self.pool
+        return int((~p.prefill_resident(self.layer)).sum()) if p.prefill_only else None
 
     def _prefill_host(self, x, ids, w, resident, host, lists, ahead):
         """A prompt prefill call whose last experts without a bank row the host's CPU computes
