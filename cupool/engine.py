@@ -1109,11 +1109,13 @@ class Engine:
     @property
     def prefill_kind(self) -> str:
         """How prompts that arrive together are prefilled, in words (`serve` logs it): together
-        in one forward (`batch_prefill`), or each alone and why. Whether the model's slots hold
-        recurrent states is known once a prefill has run (`warmup`)."""
+        in one forward (`batch_prefill`), or each alone and why; with `step_prefill`, whether
+        short prompts are fed through the decode steps instead, and why not. Whether the model's
+        slots hold recurrent states is known once a prefill has run (`warmup`)."""
         return self._rows_kind() + self._step_kind()
 
     def _rows_kind(self) -> str:
+        """`prefill_kind`'s first part: together in one forward, or each alone and why."""
         why = self._rows_why()
         if why is not None:
             return f"each prompt alone ({why})"
