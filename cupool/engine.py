@@ -1157,19 +1157,25 @@ class Engine:
           runs the wide calls a one-token prompt does not (the pool's prefill builds for calls
           whose lanes cover every expert, attention and the dense layers' GEMMs at that width),
           and the second a prefill continued from a slot's cache.
-        The pool's counters are reset after. Call it before `start()`."""
+        Its prompts are prefilled even where `step_prefill` would feed them through the decode
+        steps (the steps' graphs are captured either way). The pool's counters are reset after.
+        Call it before `start()`."""
         if self._thread is not None:
             raise RuntimeError("warmup() must run before start()")
-        for t in (0.0, 1.0):
-            self.generate([[0]], SamplingParams(temperature=t, max_tokens=2, seed=0,
-                                                ignore_eos=True))
-        n = self.warmup_prompt_tokens()
-        if n > 1:
-            prompt = [(7919 * i + 1) % self.vocab for i in range(n + WARMUP_MORE)]
-            once = SamplingParams(max_tokens=1, ignore_eos=True)
-            self.generate([prompt[:n]], once)
-            if self.reuse_prefix:
-                self.generate([prompt], once)
+        step_prefill, self.step_prefill = self.step_prefill, 0
+        try:
+            for t in (0.0, 1.0):
+                self.generate([[0]], SamplingParams(temperature=t, max_tokens=2, seed=0,
+                                                    ignore_eos=True))
+            n = self.warmup_prompt_tokens()
+            if n > 1:
+                prompt = [(7919 * i + 1) % self.vocab for i in range(n + WARMUP_MORE)]
+                once = SamplingParams(max_tokens=1, ignore_eos=True)
+                self.generate([prompt[:n]], once)
+                if self.reuse_prefix:
+                    self.generate([prompt], once)
+        finally:
+            self.step_prefill = step_prefill
         hd = self.pool.host if self.pool is not None else None
         if self.graph and hd is not None and hd.hands_over(self.max_batch):
             with torch.inference_mode():     # the steps of enough slots to hand the host a share

@@ -204,19 +204,23 @@ def test_incremental_text_equals_a_full_decode_and_stops_cut_it():
         assert cut.finish_reason == "stop" and cut.text == text[:text.find(stop)]
 
 
-@pytest.mark.parametrize("reuse", [True, False])
-def test_warmup_prefills_a_whole_chunk_and_its_continuation(reuse):
+@pytest.mark.parametrize("reuse,step_prefill", [(True, 0), (False, 0), (True, 16)])
+def test_warmup_prefills_a_whole_chunk_and_its_continuation(reuse, step_prefill):
     """warmup() runs, besides its one-token prompts, a prompt of one prefill chunk and (prefix
     reuse on) that prompt with WARMUP_MORE tokens more, of which only those are prefilled (the
-    slot holds the rest); requests after it give the tokens of an engine that never warmed up."""
+    slot holds the rest), also where step_prefill would feed them through the decode steps;
+    requests after it give the tokens of an engine that never warmed up."""
     from cupool.engine import WARMUP_MORE
     model = hf_model("qwen3_moe", seed=5)
     eng = Engine(model, max_batch=2, max_len=40, prefill_chunk=16, eos_token_id=[],
-                 reuse_prefix=reuse)
+                 reuse_prefix=reuse, step_prefill=step_prefill)
     assert eng.warmup_prompt_tokens() == 16
-    eng.warmup()
+    with forward_shapes(model) as shapes:
+        eng.warmup()
     long_prompts = 16 + WARMUP_MORE if reuse else 16      # the continuation prefilled alone
     assert eng.prefill_tokens == 2 + long_prompts
+    assert [n for _, n in shapes if n > 1] == ([16, WARMUP_MORE] if reuse else [16])
+    assert eng.step_prefill == step_prefill
     ps = prompts(6, [5, 23])
     cold = Engine(model, max_batch=2, max_len=40, prefill_chunk=16, eos_token_id=[],
                   reuse_prefix=reuse)
