@@ -87,9 +87,9 @@ def main(args) -> int:
     why = auto_host_experts(pool, args.max_batch)
     if why is None:
         enable_host_experts(pool, args.max_batch, leave=True)
-    eng = cupool.Engine(model, pool, max_batch=args.max_batch,
-                        max_len=max(args.prompts) + 64, eos_token_id=[],
-                        step_prefill=min(args.step_prefill, max(args.prompts) + 64))
+    max_len = max(args.prompts) + 64
+    eng = cupool.Engine(model, pool, max_batch=args.max_batch, max_len=max_len, eos_token_id=[],
+                        step_prefill=min(args.step_prefill, max_len))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     eng.warmup()

@@ -82,10 +82,7 @@ def _rows_prefill_unfit(model) -> str | None:
     recurrent states are found at admission (`Engine._rows_take`)."""
     if set(getattr(model.config, "layer_types", None) or []) & INDEXED_TYPES:
         return "indexed attention keeps per-slot keys of its own"
-    if any(graphsafe.rope_changes_with_length(getattr(m, "rope_type", ""))
-           for m in model.modules()):
-        return "its rotary embedding changes with the forward's length"
-    return None
+    return _step_prefill_unfit(model)
 
 
 def _step_prefill_unfit(model) -> str | None:
@@ -645,9 +642,8 @@ class Engine:
         """Whether r's prompt (from `start`) is fed through decode steps (`step_prefill`): short
         enough, a model that allows it (`_step_unfit`) whose slots hold keys and values alone
         (known once a prefill has run), no token mask and no resume point inside the prompt."""
-        return (self._step_unfit is None and len(r.prompt_ids) - start <= self.step_prefill
-                and self.prefill_tokens > 0 and not self.cache.state_tensors()
-                and r.constraint is None
+        return (self.prefill_tokens > 0 and self._step_why() is None
+                and len(r.prompt_ids) - start <= self.step_prefill and r.constraint is None
                 and self.prefix.point_in_prompt(r.resume_at, start, len(r.prompt_ids)) is None)
 
     @torch.inference_mode()
@@ -664,11 +660,13 @@ class Engine:
         self.active[b] = True
 
     def _place(self, b: int, r: Request) -> None:
-        """The next prompt token of r into slot b's step input, with the sampling step count a
-        prefill gives its first token (0), so greedy and seeded tokens are a prefill's."""
+        """The next prompt token of r into slot b's step input; with the last, the sampling
+        step count a prefill gives its first token (0), so greedy and seeded tokens are a
+        prefill's (the steps before sample nothing of r's)."""
         self.tok[b, 0] = r._feed[r._feed_at]
-        self.steps[b] = 0
         r._feed_at += 1
+        if r._feed_at == len(r._feed):
+            self.steps[b] = 0
 
     def _rows_take(self, r: Request, start: int) -> bool:
         """Whether r may be prefilled beside other requests (`_admit_rows`): batch_prefill on, a
@@ -1099,12 +1097,22 @@ class Engine:
         each prompt alone: `prefill_kind`)."""
         return self._rows_unfit is None
 
+    def _states_why(self) -> str | None:
+        """The recurrent states the model's slots hold, as a reason (known once a prefill has
+        run), or None."""
+        if self.prefill_tokens and self.cache.state_tensors():
+            return "the model's slots hold recurrent states"
+        return None
+
     def _rows_why(self) -> str | None:
         """Why prompts are prefilled each alone, as far as is known: `_rows_unfit`, or the
-        recurrent states the model's slots hold (known once a prefill has run); None if not."""
-        if self._rows_unfit is None and self.prefill_tokens and self.cache.state_tensors():
-            return "the model's slots hold recurrent states"
-        return self._rows_unfit
+        recurrent states the model's slots hold; None if not."""
+        return self._rows_unfit or self._states_why()
+
+    def _step_why(self) -> str | None:
+        """Why no prompt is fed through the decode steps, as far as is known: `_step_unfit`, or
+        the recurrent states the model's slots hold; None if not."""
+        return self._step_unfit or self._states_why()
 
     @property
     def prefill_kind(self) -> str:
@@ -1130,9 +1138,7 @@ class Engine:
         fed through the decode steps, and why not."""
         if not self.step_prefill:
             return ""
-        why = self._step_unfit
-        if why is None and self.prefill_tokens and self.cache.state_tensors():
-            why = "the model's slots hold recurrent states"
+        why = self._step_why()
         if why is not None:
             return f"; no prompt fed through the decode steps ({why})"
         fed = (f"; prompts of up to {self.step_prefill} tokens to run fed through the decode "
