@@ -22,9 +22,6 @@ loaded). Kernels compiled into CuPy's disk cache (CUPY_CACHE_DIR) stay compiled 
 processes: the first run after a source change (or on a fresh machine) also compiles them,
 later ones load them.
 
-`--step-prefill N`: the engine built with `step_prefill=N` (serve's `--step-prefill`): prompts of
-at most N tokens fed through the decode steps instead of a prefill forward. A reduced run.
-
 `--profile N`: afterwards, N more requests of each length under cProfile, the host's Python time
 by function (top 30 by own time, then by cumulative time), beside their mean time to first token:
 where a prefill that the host's launches bound spends it. A reduced run.
@@ -87,9 +84,8 @@ def main(args) -> int:
     why = auto_host_experts(pool, args.max_batch)
     if why is None:
         enable_host_experts(pool, args.max_batch, leave=True)
-    max_len = max(args.prompts) + 64
-    eng = cupool.Engine(model, pool, max_batch=args.max_batch, max_len=max_len, eos_token_id=[],
-                        step_prefill=min(args.step_prefill, max_len))
+    eng = cupool.Engine(model, pool, max_batch=args.max_batch,
+                        max_len=max(args.prompts) + 64, eos_token_id=[])
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     eng.warmup()
@@ -116,8 +112,7 @@ def main(args) -> int:
     eng.close()
     results = {"shape": f"Qwen3-30B-A3B, {args.layers} layers", "bank": args.bank,
                "max_batch": args.max_batch, "step": eng.step_kind,
-               "host_experts": why is None, "step_prefill": args.step_prefill,
-               "warmup_s": warmup_s, "lengths": lengths,
+               "host_experts": why is None, "warmup_s": warmup_s, "lengths": lengths,
                "gpu": torch.cuda.get_device_name()}
     save("bench_first_request", results, results_path("bench_first_request", args.json,
                                                       reduced(args)))
@@ -129,8 +124,7 @@ def reduced(args) -> list[str]:
     p = build_parser()
     shown = lambda v: " ".join(map(str, v)) if isinstance(v, list) else str(v)  # noqa: E731
     return reduced_by(args, p, "layers", "repeats") + \
-        ([f"--profile {args.profile}"] if args.profile else []) + \
-        ([f"--step-prefill {args.step_prefill}"] if args.step_prefill else []) + [
+        ([f"--profile {args.profile}"] if args.profile else []) + [
         f"--{name.replace('_', '-')} {shown(value)}" for name in ("bank", "max_batch", "prompts")
         if (value := getattr(args, name)) != p.get_default(name)]
 
@@ -150,8 +144,6 @@ def build_parser() -> CLIParser:
                    help="requests of each length after its first (default 3)")
     p.add_argument("--profile", type=bounded_int(0, 100), default=0, metavar="N",
                    help="then N requests of each length under cProfile (default 0: none)")
-    p.add_argument("--step-prefill", type=bounded_int(0, 1 << 16), default=0, metavar="N",
-                   help="feed prompts of at most N tokens through the decode steps (default 0)")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--json", help="write the results here (default: "
                                   "results/bench_first_request.json for a run with the defaults)")

@@ -60,9 +60,6 @@ a quarter of the bf16 bytes. Such a run is written only with --json.
 the prompts a case submits together are prefilled one request at a time instead of in one forward
 of padded rows, which moves the first-token times and the aggregate rates, not decode. A reduced
 run.
-`--step-prefill N` builds the engines with `step_prefill=N` (serve's `--step-prefill`): prompts of
-at most N tokens are fed through the decode steps, one token a step beside the other slots,
-instead of a prefill forward between steps (the warm-up's prompts are prefilled). A reduced run.
 
     python benchmarks/bench_serve.py
     python benchmarks/bench_serve.py --small          # 2 layers, for a quick check
@@ -146,7 +143,7 @@ def late_ttft(eng, prompts, late_prompts, steps: int = LATE_STEPS) -> list[float
 def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: bool,
              compile: bool, fused: bool, seed: int, pcie_GBps: float,
              host: dict | None = None, slots: int | None = None, late: int = 0,
-             batch_prefill: bool = True, step_prefill: int = 0) -> dict:
+             batch_prefill: bool = True) -> dict:
     """`host`: HostDecode settings (threads, handoff_us) to enable for this case's width.
     `slots`: the engine's slots (None: `streams`). `late`: with a free slot, also the time to
     first token of a request of `late` prompt tokens arriving while the streams decode
@@ -165,7 +162,7 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
         else prompt_len + tokens + 8
     eng = cupool.Engine(model, pool, max_batch=width, max_len=max_len,
                         eos_token_id=[], compile=compile, fused=None if fused else False,
-                        batch_prefill=batch_prefill, step_prefill=step_prefill)
+                        batch_prefill=batch_prefill)
     g = torch.Generator().manual_seed(seed + streams)
     vocab = model.config.vocab_size
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(streams)]
@@ -328,8 +325,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
             fresh_case(pool, replayer, False)
             r0 = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
                           not args.no_fused, args.seed, pcie, None, args.slots,
-                          args.late_prompt or 0, batch_prefill=not args.no_batch_prefill,
-                          step_prefill=args.step_prefill)
+                          args.late_prompt or 0, batch_prefill=not args.no_batch_prefill)
             baseline.append(r0)
             print(f"bank {bank:.0%}, without host experts: {b:3d} streams greedy : aggregate "
                   f"{r0['aggregate_tok_per_s']:7.1f} tok/s (decode "
@@ -338,7 +334,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
             fresh_case(pool, replayer, True)
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
                      not args.no_fused, args.seed, pcie, host, args.slots, args.late_prompt or 0,
-                     batch_prefill=not args.no_batch_prefill, step_prefill=args.step_prefill)
+                     batch_prefill=not args.no_batch_prefill)
         cases.append(r)
         if baseline:
             ratio = r["aggregate_decode_tok_per_s"] / baseline[-1]["aggregate_decode_tok_per_s"]
@@ -369,7 +365,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     b = 8 if 8 in streams else max(streams)
     sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile,
                        not args.no_fused, args.seed, pcie, host, args.slots,
-                       batch_prefill=not args.no_batch_prefill, step_prefill=args.step_prefill)
+                       batch_prefill=not args.no_batch_prefill)
     greedy = next(c for c in cases if c["streams"] == b)
     print(f"{label}: {b:3d} streams sampled: aggregate {sampled['aggregate_tok_per_s']:7.1f} "
           f"tok/s, {sampled['aggregate_tok_per_s'] / greedy['aggregate_tok_per_s']:.3f} of "
@@ -428,7 +424,7 @@ def main(args) -> int:
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
                "slots": args.slots, "late_prompt": args.late_prompt,
-               "batch_prefill": not args.no_batch_prefill, "step_prefill": args.step_prefill,
+               "batch_prefill": not args.no_batch_prefill,
                "pcie_h2d_GBps": pcie, "banks": banks,
                "gpu": torch.cuda.get_device_name()}
     save("bench_serve", results, results_path("bench_serve", args.json, reduced(args)))
@@ -453,8 +449,7 @@ def reduced(args) -> list[str]:
         ([f"--slots {args.slots}"] if args.slots else []) + \
         ([f"--late-prompt {args.late_prompt}"] if args.late_prompt else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else []) + \
-        (["--no-batch-prefill"] if args.no_batch_prefill else []) + \
-        ([f"--step-prefill {args.step_prefill}"] if args.step_prefill else [])
+        (["--no-batch-prefill"] if args.no_batch_prefill else [])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -502,9 +497,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-batch-prefill", action="store_true",
                    help="prefill the prompts queued together one request at a time (the "
                         "Engine's batch_prefill=False; default: in one forward, as serve does)")
-    p.add_argument("--step-prefill", type=bounded_int(0, 1 << 16), default=0, metavar="N",
-                   help="feed prompts of at most N tokens through the decode steps (the "
-                        "Engine's step_prefill; default 0: prefilled, as serve does)")
     p.add_argument("--seed", type=positive_int, default=1)
     p.add_argument("--small", action="store_true", help="2 layers (a quick check)")
     p.add_argument("--json", help="write the results here (default: results/bench_serve.json for a "

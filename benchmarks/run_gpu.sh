@@ -11,7 +11,7 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, prefix-host, prefix-scratch, serve, serve-slots, first-request, step-prefill, overlap, graph-copies.
+# prefix, prefix-host, prefix-scratch, serve, serve-slots, first-request, overlap, graph-copies.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -25,7 +25,6 @@
 #                                 arguments of `host-serve` (default none: serve's own)
 #   GEMM_ARGS="..."               extra bench_gemm.py arguments of `gemm-bench`
 #   TESTS_TIMEOUT, SANITIZE_TIMEOUT  seconds of the `tests` and `sanitize-gemm` stages
-#   STEP_PREFILL=32               prompt tokens `step-prefill` feeds through the decode steps
 #   COPY="bench_gemm.json ..."    results files copied into $OUT at the end
 #   BUNDLE=1                      packs the logs and benchmarks/results/ into $OUT/bundle.tgz
 set -u
@@ -164,16 +163,6 @@ for stage in "$@"; do
     serve)    run bench_serve 590 python3 benchmarks/bench_serve.py --host-baseline ;;
     # the first requests after Engine.warmup(), in a fresh process (run it with the kernel cache warm)
     first-request) run bench_first_request 300 python3 benchmarks/bench_first_request.py ;;
-    # short prompts fed through the decode steps (STEP_PREFILL tokens, default 32) beside the
-    # prefill: first tokens of 16- and 64-token prompts alone, and of a 16-token prompt arriving
-    # while 4 streams decode, each way in one process order (reduced runs, into $OUT)
-    step-prefill) for n in 0 "${STEP_PREFILL:-32}"; do
-                run "first_request_step$n" 200 python3 benchmarks/bench_first_request.py --bank 1.0 \
-                    --prompts 16 64 --repeats 5 --step-prefill "$n" --json "$OUT/first_request_step$n.json"
-                run "serve_late_step$n" 300 python3 benchmarks/bench_serve.py --banks 1.0 0.5 \
-                    --streams 1 4 --slots 8 --late-prompt 16 --step-prefill "$n" \
-                    --json "$OUT/serve_late_step$n.json"
-              done ;;
     # serve's default 8 slots a step with 1, 4 and 8 of them active: what one user of a default
     # `serve` gets (a reduced run, into $OUT)
     serve-slots) run bench_serve_slots 590 python3 benchmarks/bench_serve.py --streams 1 4 8 --slots 8 \

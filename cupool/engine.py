@@ -82,13 +82,6 @@ def _rows_prefill_unfit(model) -> str | None:
     recurrent states are found at admission (`Engine._rows_take`)."""
     if set(getattr(model.config, "layer_types", None) or []) & INDEXED_TYPES:
         return "indexed attention keeps per-slot keys of its own"
-    return _step_prefill_unfit(model)
-
-
-def _step_prefill_unfit(model) -> str | None:
-    """Why no prompt of this model may be fed through decode steps (Engine's step_prefill), or
-    None: a rotary embedding that changes with the forward's length gives a token fed alone the
-    angles of a shorter sequence than its prompt's forward would."""
     if any(graphsafe.rope_changes_with_length(getattr(m, "rope_type", ""))
            for m in model.modules()):
         return "its rotary embedding changes with the forward's length"
@@ -137,11 +130,6 @@ class Request:
         self.logprobs: list[tuple] = []   # per output token, where params.logprobs is set
         self.cached_tokens = 0            # prompt tokens whose KV a slot already held
         self._fed = 0                     # decode steps launched that fed this request's tokens
-        # prompt tokens whose keys a step launched so far writes (all of them once the prompt
-        # is prefilled; for a prompt fed through decode steps, those fed so far)
-        self._prompt_run = len(prompt_ids)
-        self._feed: list[int] | None = None   # the tokens decode steps still feed (step_prefill)
-        self._feed_at = 0                 # the next of them to place in the step's input
         self._stop_token: int | None = None   # the EOS / stop token that ended it, if one did
         self.stop_string: str | None = None   # the stop string that ended it, if one did
         self.seed = params.resolved_seed()
@@ -223,14 +211,6 @@ class Engine:
             states, no indexed attention, no rotary embedding that changes with the length);
             the first prefill of an engine runs alone. On by default; False prefills each
             request alone.
-        step_prefill: a prompt of at most this many tokens to run (those after a reused prefix)
-            is fed through the decode steps, one token a step beside the other slots' tokens,
-            instead of a prefill forward between steps: its first token comes after that many
-            steps and the other slots keep decoding meanwhile. Greedy and seeded tokens are
-            those of a prefill. Only on models whose slots hold keys and values alone (no
-            recurrent states, known once a prefill has run), whose rotary embedding does not
-            change with the length and which prefill in chunks, and for requests without a token
-            mask or a resume point inside the prompt. 0 (default): every prompt is prefilled.
 
     Prefix reuse (`cupool.prefix`): a finished request leaves its prompt and the output tokens
     its steps fed in its slot's rows; the slot remembers those tokens until another request
@@ -252,7 +232,7 @@ class Engine:
                  max_len: int = 4096, prefill_chunk: int | None = None, graph: bool | None = None,
                  fused: bool | None = None, compile: bool = False, eos_token_id=None,
                  reuse_prefix: bool = True, resume_points: int | None = None,
-                 batch_prefill: bool = True, step_prefill: int = 0):
+                 batch_prefill: bool = True):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         try:
             param = next(model.parameters())
@@ -282,10 +262,6 @@ class Engine:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         if pool is not None:
             chunk = min(chunk, pool.gemm.max_prefill_tokens or chunk)
-        if isinstance(step_prefill, bool) or not isinstance(step_prefill, int) or \
-                not 0 <= step_prefill <= max_len:
-            raise ValueError(f"step_prefill must be an int in [0, max_len={max_len}], got "
-                             f"{step_prefill!r}")
         points = 3 * max_batch if resume_points is None else resume_points
         if isinstance(points, bool) or not isinstance(points, int) or points < 0:
             raise ValueError(f"resume_points must be an int >= 0, got {resume_points!r}")
@@ -298,10 +274,6 @@ class Engine:
         # why prompts are never prefilled side by side (None: they may be, `_rows_why`)
         self._rows_unfit = "batch_prefill=False" if not batch_prefill else \
             whole if whole is not None else _rows_prefill_unfit(model)
-        self.step_prefill = step_prefill
-        # why no prompt is fed through decode steps (None: short ones may be, `_step_takes`)
-        self._step_unfit = "step_prefill=0" if not step_prefill else whole if whole is not None \
-            else _step_prefill_unfit(model)
         self.graph = (self.device.type == "cuda") if graph is None else bool(graph)
         if self.graph and self.device.type != "cuda":
             raise ValueError(f"graph=True needs a CUDA device, the model is on {self.device}")
@@ -622,9 +594,6 @@ class Engine:
                 self._finish(r, FINISH_CANCELLED)
                 continue
             b, start, entry = self._take_slot(r)
-            if self._step_takes(r, start):
-                self._admit_step(b, r, start)
-                continue
             if self._rows_take(r, start):
                 if (len(rows) + 1) * max(longest, len(r.prompt_ids)) > self.prefill_chunk:
                     self._admit_rows(rows)
@@ -637,36 +606,6 @@ class Engine:
             rows, longest = [], 0
             self._admit(b, r, start, entry)
         self._admit_rows(rows)
-
-    def _step_takes(self, r: Request, start: int) -> bool:
-        """Whether r's prompt (from `start`) is fed through decode steps (`step_prefill`): short
-        enough, a model that allows it (`_step_unfit`) whose slots hold keys and values alone
-        (known once a prefill has run), no token mask and no resume point inside the prompt."""
-        return (self.prefill_tokens > 0 and self._step_why() is None
-                and len(r.prompt_ids) - start <= self.step_prefill and r.constraint is None
-                and self.prefix.point_in_prompt(r.resume_at, start, len(r.prompt_ids)) is None)
-
-    @torch.inference_mode()
-    def _admit_step(self, b: int, r: Request, start: int) -> None:
-        """Slot b takes r, whose prompt tokens from `start` the next decode steps feed (one a
-        step, `_launch_step`); the step that feeds the last one samples its first token."""
-        self._claim(b, r, start)
-        if start == 0:
-            self.cache.reset_slot(b)
-        self.prefix.prompt_done(b, len(r.prompt_ids))     # (slots of keys alone: nothing kept)
-        r._feed, r._feed_at, r._prompt_run = r.prompt_ids[start:], 0, start
-        self.cache.pos[b] = start
-        self._place(b, r)
-        self.active[b] = True
-
-    def _place(self, b: int, r: Request) -> None:
-        """The next prompt token of r into slot b's step input; with the last, the sampling
-        step count a prefill gives its first token (0), so greedy and seeded tokens are a
-        prefill's (the steps before sample nothing of r's)."""
-        self.tok[b, 0] = r._feed[r._feed_at]
-        r._feed_at += 1
-        if r._feed_at == len(r._feed):
-            self.steps[b] = 0
 
     def _rows_take(self, r: Request, start: int) -> bool:
         """Whether r may be prefilled beside other requests (`_admit_rows`): batch_prefill on, a
@@ -937,22 +876,12 @@ class Engine:
         if ev is not None:
             ev.record()
         owners = list(self._slots)
-        feeding = {}                        # slot: this step fed its prompt's last token
-        for b, r in enumerate(owners):
-            if r is None:
-                continue
-            if r._feed is None:
+        for r in owners:
+            if r is not None:
                 r._fed += 1                 # this step fed r's newest token (prefix reuse)
-                continue
-            r._prompt_run += 1              # this step fed a prompt token (step_prefill)
-            feeding[b] = r._feed_at == len(r._feed)
-            if feeding[b]:
-                r._feed = None              # its output is the first token
-            else:
-                self._place(b, r)           # after the step and its copy out, in stream order
-        return buf, ev, owners, lp, feeding
+        return buf, ev, owners, lp
 
-    def _read_step(self, buf, ev, owners, lp=None, feeding=None) -> None:
+    def _read_step(self, buf, ev, owners, lp=None) -> None:
         if ev is not None:
             ev.synchronize()
         tokens = buf.tolist()
@@ -960,10 +889,6 @@ class Engine:
         for b, r in enumerate(owners):
             if r is None or r.finished or self._slots[b] is not r:
                 continue                      # finished after the step was launched
-            if feeding and b in feeding:      # the step fed a prompt token (step_prefill)
-                if not feeding[b]:
-                    continue                  # not its last: the output is not r's
-                r.first_token_at = time.perf_counter()
             if lists is not None and r.params.logprobs is not None:
                 self._note_logprobs(r, tokens[b], lists[0][b], lists[1][b], lists[2][b])
             self._accept(b, r, tokens[b])
@@ -1064,7 +989,7 @@ class Engine:
         slot's keys and values hold exactly these positions and its recurrent states cover
         exactly these tokens: every step launched after this point has the slot inactive."""
         sampled = r.output_ids + ([r._stop_token] if r._stop_token is not None else [])
-        return r.prompt_ids[:r._prompt_run] + sampled[:r._fed]
+        return r.prompt_ids + sampled[:r._fed]
 
     def _take_slot(self, r: Request) -> tuple[int, int, int | None]:
         """(slot, positions to reuse, saved states to load) for r (`PrefixCache.take`)."""
@@ -1097,33 +1022,18 @@ class Engine:
         each prompt alone: `prefill_kind`)."""
         return self._rows_unfit is None
 
-    def _states_why(self) -> str | None:
-        """The recurrent states the model's slots hold, as a reason (known once a prefill has
-        run), or None."""
-        if self.prefill_tokens and self.cache.state_tensors():
-            return "the model's slots hold recurrent states"
-        return None
-
     def _rows_why(self) -> str | None:
         """Why prompts are prefilled each alone, as far as is known: `_rows_unfit`, or the
-        recurrent states the model's slots hold; None if not."""
-        return self._rows_unfit or self._states_why()
-
-    def _step_why(self) -> str | None:
-        """Why no prompt is fed through the decode steps, as far as is known: `_step_unfit`, or
-        the recurrent states the model's slots hold; None if not."""
-        return self._step_unfit or self._states_why()
+        recurrent states the model's slots hold (known once a prefill has run); None if not."""
+        if self._rows_unfit is None and self.prefill_tokens and self.cache.state_tensors():
+            return "the model's slots hold recurrent states"
+        return self._rows_unfit
 
     @property
     def prefill_kind(self) -> str:
         """How prompts that arrive together are prefilled, in words (`serve` logs it): together
-        in one forward (`batch_prefill`), or each alone and why; with `step_prefill`, whether
-        short prompts are fed through the decode steps instead, and why not. Whether the model's
-        slots hold recurrent states is known once a prefill has run (`warmup`)."""
-        return self._rows_kind() + self._step_kind()
-
-    def _rows_kind(self) -> str:
-        """`prefill_kind`'s first part: together in one forward, or each alone and why."""
+        in one forward (`batch_prefill`), or each alone and why. Whether the model's slots hold
+        recurrent states is known once a prefill has run (`warmup`)."""
         why = self._rows_why()
         if why is not None:
             return f"each prompt alone ({why})"
@@ -1132,18 +1042,6 @@ class Engine:
         if not self.prefill_tokens:
             return together + " where the slots hold no recurrent states (known after a prompt)"
         return together
-
-    def _step_kind(self) -> str:
-        """What `prefill_kind` adds where step_prefill is asked for: whether short prompts are
-        fed through the decode steps, and why not."""
-        if not self.step_prefill:
-            return ""
-        why = self._step_why()
-        if why is not None:
-            return f"; no prompt fed through the decode steps ({why})"
-        fed = (f"; prompts of up to {self.step_prefill} tokens to run fed through the decode "
-               f"steps, except those with a token mask or a resume point inside")
-        return fed + ("" if self.prefill_tokens else " (after the first prompt)")
 
     def stats(self) -> dict:
         """Occupancy: running sequences, requests waiting for a slot, decode steps run so far.
@@ -1163,25 +1061,19 @@ class Engine:
           runs the wide calls a one-token prompt does not (the pool's prefill builds for calls
           whose lanes cover every expert, attention and the dense layers' GEMMs at that width),
           and the second a prefill continued from a slot's cache.
-        Its prompts are prefilled even where `step_prefill` would feed them through the decode
-        steps (the steps' graphs are captured either way). The pool's counters are reset after.
-        Call it before `start()`."""
+        The pool's counters are reset after. Call it before `start()`."""
         if self._thread is not None:
             raise RuntimeError("warmup() must run before start()")
-        step_prefill, self.step_prefill = self.step_prefill, 0
-        try:
-            for t in (0.0, 1.0):
-                self.generate([[0]], SamplingParams(temperature=t, max_tokens=2, seed=0,
-                                                    ignore_eos=True))
-            n = self.warmup_prompt_tokens()
-            if n > 1:
-                prompt = [(7919 * i + 1) % self.vocab for i in range(n + WARMUP_MORE)]
-                once = SamplingParams(max_tokens=1, ignore_eos=True)
-                self.generate([prompt[:n]], once)
-                if self.reuse_prefix:
-                    self.generate([prompt], once)
-        finally:
-            self.step_prefill = step_prefill
+        for t in (0.0, 1.0):
+            self.generate([[0]], SamplingParams(temperature=t, max_tokens=2, seed=0,
+                                                ignore_eos=True))
+        n = self.warmup_prompt_tokens()
+        if n > 1:
+            prompt = [(7919 * i + 1) % self.vocab for i in range(n + WARMUP_MORE)]
+            once = SamplingParams(max_tokens=1, ignore_eos=True)
+            self.generate([prompt[:n]], once)
+            if self.reuse_prefix:
+                self.generate([prompt], once)
         hd = self.pool.host if self.pool is not None else None
         if self.graph and hd is not None and hd.hands_over(self.max_batch):
             with torch.inference_mode():     # the steps of enough slots to hand the host a share

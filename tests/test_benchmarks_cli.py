@@ -315,8 +315,6 @@ def test_every_script_covered():
     ("bench_serve", ["--host-promote"], True),
     ("bench_serve", ["--host-threads", "12"], True),
     ("bench_serve", ["--no-batch-prefill"], True),
-    ("bench_serve", ["--step-prefill", "16"], True),
-    ("bench_first_request", ["--step-prefill", "16"], True),
     ("bench_gemm", ["--skip-gpt-oss"], True),
     ("bench_planner", ["--copy-sweep", "2,512,4"], False),
     ("bench_planner", ["--skip-copy", "--experts", "128", "--lanes", "8", "--replays", "20"], True),

@@ -204,23 +204,19 @@ def test_incremental_text_equals_a_full_decode_and_stops_cut_it():
         assert cut.finish_reason == "stop" and cut.text == text[:text.find(stop)]
 
 
-@pytest.mark.parametrize("reuse,step_prefill", [(True, 0), (False, 0), (True, 16)])
-def test_warmup_prefills_a_whole_chunk_and_its_continuation(reuse, step_prefill):
+@pytest.mark.parametrize("reuse", [True, False])
+def test_warmup_prefills_a_whole_chunk_and_its_continuation(reuse):
     """warmup() runs, besides its one-token prompts, a prompt of one prefill chunk and (prefix
     reuse on) that prompt with WARMUP_MORE tokens more, of which only those are prefilled (the
-    slot holds the rest), also where step_prefill would feed them through the decode steps;
-    requests after it give the tokens of an engine that never warmed up."""
+    slot holds the rest); requests after it give the tokens of an engine that never warmed up."""
     from cupool.engine import WARMUP_MORE
     model = hf_model("qwen3_moe", seed=5)
     eng = Engine(model, max_batch=2, max_len=40, prefill_chunk=16, eos_token_id=[],
-                 reuse_prefix=reuse, step_prefill=step_prefill)
+                 reuse_prefix=reuse)
     assert eng.warmup_prompt_tokens() == 16
-    with forward_shapes(model) as shapes:
-        eng.warmup()
+    eng.warmup()
     long_prompts = 16 + WARMUP_MORE if reuse else 16      # the continuation prefilled alone
     assert eng.prefill_tokens == 2 + long_prompts
-    assert [n for _, n in shapes if n > 1] == ([16, WARMUP_MORE] if reuse else [16])
-    assert eng.step_prefill == step_prefill
     ps = prompts(6, [5, 23])
     cold = Engine(model, max_batch=2, max_len=40, prefill_chunk=16, eos_token_id=[],
                   reuse_prefix=reuse)
@@ -327,113 +323,3 @@ def test_batch_prefill_on_by_default_and_off_for_length_dependent_rope():
                                     "forward's length)")
     finally:
         model.model.rotary_emb.rope_type = "default"
-
-
-def _prefills(shapes) -> list[tuple[int, ...]]:
-    """The forwards of more than one token a row: prefills (a decode step feeds one a row)."""
-    return [s for s in shapes if s[1] > 1]
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_step_prefill_gives_the_tokens_of_a_prefill(family):
-    """step_prefill=8: prompts of up to 8 tokens are fed through the decode steps, one token a
-    step beside the other slots (no prefill forward of theirs), and give, greedy and
-    seeded-sampled, the tokens of an engine that prefills them; a longer prompt is prefilled;
-    the engine's first prompt is prefilled (what its slots hold is known after it)."""
-    model = hf_model(family, seed=3)
-    ps = prompts(11, [5, 1, 8, 12])
-    params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6),
-              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=6),
-              SamplingParams(max_tokens=3)]
-    plain = Engine(model, max_batch=4, max_len=40, eos_token_id=[])
-    want = [r.output_ids for r in plain.generate(ps, params)]
-    assert want[0] == reference_greedy(model, ps[0], 6)
-    eng = Engine(model, max_batch=4, max_len=40, eos_token_id=[], step_prefill=8)
-    with forward_shapes(model) as shapes:
-        first = eng.generate([[1, 2]], SamplingParams(max_tokens=1))[0]
-    assert _prefills(shapes) == [(1, 2)] and first.first_token_at is not None
-    with forward_shapes(model) as shapes:
-        got = eng.generate(ps, params)
-    assert [r.output_ids for r in got] == want, family
-    assert _prefills(shapes) == [(1, 12)], shapes         # only the 12-token prompt
-    assert all(r.first_token_at is not None and r.cached_tokens == 0 for r in got)
-
-
-def test_step_prefill_while_others_decode_and_reused_prefixes():
-    """A short prompt submitted while another request decodes joins its steps (the other keeps
-    decoding: no step is spent on the prompt alone); a next turn whose new tokens are few is fed
-    from the reused prefix; the tokens equal an engine that prefills."""
-    model = hf_model("qwen3_moe", seed=4)
-    long_p, short_p = prompts(12, [14, 6])
-    kw = dict(max_batch=2, max_len=60, eos_token_id=[])
-    plain = Engine(model, **kw)
-    eng = Engine(model, **kw, step_prefill=8)
-    a = eng.submit(long_p, SamplingParams(max_tokens=20))
-    while len(a.output_ids) < 3:
-        eng.iterate()
-    steps = eng.steps_run
-    b = eng.submit(short_p, SamplingParams(max_tokens=5))
-    with forward_shapes(model) as shapes:
-        eng.run_until_idle()
-    assert _prefills(shapes) == []
-    assert b.output_ids == plain.generate([short_p], SamplingParams(max_tokens=5))[0].output_ids
-    assert a.output_ids == plain.generate([long_p], SamplingParams(max_tokens=20))[0].output_ids
-    # a's own steps: its 20 tokens take 20 launches (the first token is its prefill's, the
-    # last launch runs past its end), 3 of them before b came; b's 5 + 4 rode along in them
-    assert eng.steps_run - steps == 20 - 3
-    turn = short_p + b.output_ids + [7, 8, 9]
-    with forward_shapes(model) as shapes:
-        again = eng.generate([turn], SamplingParams(max_tokens=4))[0]
-    assert _prefills(shapes) == [] and again.cached_tokens == len(short_p) + 5   # its 3 new fed
-    assert again.output_ids == plain.generate([turn], SamplingParams(max_tokens=4))[0].output_ids
-
-
-def test_step_prefill_cancelled_midway_leaves_the_fed_prefix():
-    """A request cancelled while its prompt is fed leaves its slot holding the tokens fed so
-    far: a later request with the same prompt reuses at most those, and its tokens are a
-    prefill's."""
-    model = hf_model("qwen3_moe", seed=5)
-    p = prompts(13, [8])[0]
-    eng = Engine(model, max_batch=1, max_len=40, eos_token_id=[], step_prefill=8)
-    eng.generate([[1, 2]], SamplingParams(max_tokens=1))
-    r = eng.submit(p, SamplingParams(max_tokens=4))
-    for _ in range(3):
-        eng.iterate()
-    assert r._feed is not None and not r.output_ids      # three of eight tokens fed
-    r.cancel()
-    eng.run_until_idle()
-    assert r.finish_reason == "cancelled"
-    assert eng.prefix.held[0] == p[:r._prompt_run] and 3 <= r._prompt_run < 8
-    again = eng.generate([p], SamplingParams(max_tokens=4))[0]
-    assert again.cached_tokens == r._prompt_run
-    assert again.output_ids == reference_greedy(model, p, 4)
-
-
-def test_step_prefill_arguments_and_models_it_does_not_take():
-    model = hf_model("qwen3_moe", seed=4)
-    for bad in (-1, True, 41, 2.0):
-        with pytest.raises(ValueError, match="step_prefill must be an int in"):
-            Engine(model, max_batch=1, max_len=40, step_prefill=bad)
-    assert Engine(model, max_batch=1, max_len=40)._step_unfit == "step_prefill=0"
-    model.model.rotary_emb.rope_type = "dynamic"
-    try:
-        eng = Engine(model, max_batch=1, max_len=40, step_prefill=8)
-        assert eng._step_unfit == "its rotary embedding changes with the forward's length"
-    finally:
-        model.model.rotary_emb.rope_type = "default"
-
-
-def test_prefill_kind_says_whether_short_prompts_are_fed_through_steps():
-    model = hf_model("qwen3_moe", seed=4)
-    eng = Engine(model, max_batch=2, max_len=32, eos_token_id=[], prefill_chunk=16,
-                 step_prefill=8)
-    assert eng.prefill_kind.endswith("; prompts of up to 8 tokens to run fed through the decode "
-                                      "steps, except those with a token mask or a resume point "
-                                      "inside (after the first prompt)")
-    eng.generate([[1, 2, 3]], SamplingParams(max_tokens=1))
-    assert eng.prefill_kind == ("prompts that arrive together in one forward, up to 16 tokens "
-                                "(those that reuse a prefix alone); prompts of up to 8 tokens to "
-                                "run fed through the decode steps, except those with a token "
-                                "mask or a resume point inside")
-    off = Engine(model, max_batch=2, max_len=32, batch_prefill=False)
-    assert off.prefill_kind == "each prompt alone (batch_prefill=False)"

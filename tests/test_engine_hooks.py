@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from serve_fixtures import Forced
-from tiny_models import forward_shapes, hf_model
+from tiny_models import hf_model
 
 pytest.importorskip("transformers")
 
@@ -51,30 +51,6 @@ def test_logprobs_equal_the_models_log_softmax():
             assert all(abs(v - w) < 1e-4 for (_, v), w in zip(top, vals.tolist()))
         if sp.temperature == 0:
             assert all(lp == max(v for _, v in top) for _, lp, top in r.logprobs)
-
-
-@pytest.mark.parametrize("step_prefill", [0, 16])
-def test_logprobs_of_a_first_token_fed_through_the_steps(step_prefill):
-    """With step_prefill the first token comes from the decode step that fed the prompt's last
-    token: its log-probabilities (and the later tokens') are the model's own, as a prefill's;
-    a first token that is a stop token ends the request with nothing emitted."""
-    model = hf_model("qwen3_moe", seed=11)
-    ps = prompts(6, [5, 3])
-    eng = Engine(model, max_batch=2, max_len=32, eos_token_id=[], step_prefill=step_prefill)
-    eng.generate([[1, 2]], SamplingParams(max_tokens=1))          # the engine's first prompt
-    sp = SamplingParams(max_tokens=5, logprobs=3)
-    with forward_shapes(model) as shapes:
-        got = eng.generate(ps, sp)
-    assert any(n > 1 for _, n in shapes) == (step_prefill == 0), shapes
-    for p, r in zip(ps, got):
-        want = full_logprobs(model, p, r.output_ids)
-        assert [e[0] for e in r.logprobs] == r.output_ids and len(r.output_ids) == 5
-        for i, (tok, lp, top) in enumerate(r.logprobs):
-            assert abs(lp - want[i, tok].item()) < 1e-4
-            assert [t for t, _ in top] == want[i].topk(3).indices.tolist()
-    first = got[0].output_ids[0]
-    stopped = eng.generate([ps[0]], SamplingParams(max_tokens=5, stop_token_ids=[first]))[0]
-    assert stopped.output_ids == [] and stopped.finish_reason == "stop"
 
 
 def test_apply_token_mask_bits():

@@ -261,23 +261,3 @@ def test_batch_prefill_leaves_models_with_states_one_prompt_at_a_time(family_mod
                                        "each prompt alone ("), (family, eng.prefill_kind)
     for p, r in zip(ps, got):
         assert r.output_ids == hf_greedy(model, p, N), (family, len(p))
-
-
-def test_step_prefill_leaves_models_with_recurrent_states_to_prefill(family_model):
-    """step_prefill asks for short prompts to be fed through decode steps; on a model whose slots
-    hold recurrent states (or indexed attention's keys, known after the first prompt) every
-    prompt is still prefilled, and the tokens are transformers' own."""
-    family, model = family_model
-    ps = prompts(3, [4, 7])
-    eng = Engine(model, max_batch=2, max_len=40, eos_token_id=[], step_prefill=16)
-    eng.generate([[5, 6]], SamplingParams(max_tokens=1))
-    with forward_shapes(model) as shapes:
-        got = eng.generate(ps, [SamplingParams(max_tokens=N)] * 2)
-    stateful = bool(eng.cache.state_tensors())
-    fed = [s for s in shapes if s[1] > 1]
-    if stateful:
-        assert sorted(n for _, n in fed) == [4, 7], (family, shapes)
-    else:
-        assert fed == [], (family, shapes)
-    for p, r in zip(ps, got):
-        assert r.output_ids == hf_greedy(model, p, N), (family, len(p))

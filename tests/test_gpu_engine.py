@@ -187,30 +187,3 @@ def test_batch_prefill_through_the_pool_matches_the_reference(family):
     pool.unwrap()
     off = _check_against_reference(model, reqs)
     assert len(off) <= MAX_OFF, f"{family}: tokens off the reference's argmax at {off}"
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_step_prefill_through_the_pool_matches_the_reference(family):
-    """step_prefill=16: prompts of up to 16 tokens are fed through the captured decode step (no
-    prefill forward of theirs), a longer one prefilled, one submitted while the others decode
-    rides along in their steps; every sequence's tokens match the dequantized reference (same
-    tolerance), and the bank reports no errors."""
-    model = model_for(family, seed=29)
-    _, (_, E, K, _, _) = FAMILIES[family]
-    pool = cupool.wrap(model, rows=max(K, E // 2), max_decode_tokens=4, max_prefill_tokens=64,
-                       progress=False)
-    eng = cupool.Engine(model, pool, max_batch=4, max_len=56, eos_token_id=[], step_prefill=16)
-    eng.generate([[1, 2]], SamplingParams(max_tokens=1))      # an engine's first prompt: prefilled
-    with forward_shapes(model) as shapes:
-        reqs = [eng.submit(p, SamplingParams(max_tokens=12)) for p in _prompts([3, 16, 21], seed=4)]
-        while len(reqs[0].output_ids) < 4:
-            eng.iterate()
-        reqs.append(eng.submit(_prompts([9], seed=5)[0], SamplingParams(max_tokens=12)))
-        eng.run_until_idle()
-    assert [s for s in shapes if s[1] > 1] == [(1, 21)], shapes
-    assert all(len(r.output_ids) == 12 and r.first_token_at is not None for r in reqs)
-    assert pool.errors() == []
-    eng.close()
-    pool.unwrap()
-    off = _check_against_reference(model, reqs)
-    assert len(off) <= MAX_OFF, f"{family}: tokens off the reference's argmax at {off}"

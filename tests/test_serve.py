@@ -656,17 +656,13 @@ def _parse(argv):
      "--host-prefill-tokens must be in 0..1048576, got -1"),
     (["--model", "{model}", "--host-experts", "--host-prefill-tokens", "wide"],
      "--host-prefill-tokens must be an integer"),
-    (["--model", "{model}", "--max-len", "64", "--step-prefill", "65"],
-     "--step-prefill must be in 0..64, got 65"),
-    (["--model", "{model}", "--step-prefill", "short"], "--step-prefill must be an integer"),
 ], ids=["missing-dir", "no-config", "port-range", "port-type", "max-batch", "budget",
         "budget-on-cpu", "max-len", "device", "log-level", "max-queue", "resume-points",
         "shutdown-timeout", "api-key", "host-experts-on-cpu", "host-threads-when-off",
         "host-threads-on-cpu", "host-promote-when-off",
         "host-threads-range", "host-threads-type", "host-min-misses-when-off",
         "host-min-misses-range", "host-min-misses-type", "host-prefill-tokens-when-off",
-        "host-prefill-tokens-range", "host-prefill-tokens-type", "step-prefill-range",
-        "step-prefill-type"])
+        "host-prefill-tokens-range", "host-prefill-tokens-type"])
 def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     (tmp_path / "empty").mkdir()
     subst = {"{missing}": str(tmp_path / "missing"), "{empty}": str(tmp_path / "empty"),
@@ -705,14 +701,6 @@ def test_batch_prefill_option(model_dir):
         return cli.check_options(_parse(["--model", str(model_dir), "--device", "cpu", *argv]))
 
     assert opts().batch_prefill and not opts("--no-batch-prefill").batch_prefill
-
-
-def test_step_prefill_option(model_dir):
-    """Short prompts are fed through the decode steps only with --step-prefill N (default 0)."""
-    def opts(*argv):
-        return cli.check_options(_parse(["--model", str(model_dir), "--device", "cpu", *argv]))
-
-    assert opts().step_prefill == 0 and opts("--step-prefill", " 16 ").step_prefill == 16
 
 
 @pytest.mark.parametrize("every,tokens,min_misses,cpus,compiler,why", [

@@ -82,11 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill each request's prompt alone instead of the prompts that "
                              "arrive together in one forward (default: together, on models "
                              "whose slots hold keys and values alone)")
-    parser.add_argument("--step-prefill", default="0", metavar="N",
-                        help="feed a prompt of at most N tokens to run (those after a reused "
-                             "prefix) through the decode steps, one a step beside the other "
-                             "requests' tokens, instead of a prefill between steps; models whose "
-                             "slots hold keys and values alone (default: %(default)s, off)")
     parser.add_argument("--no-compile", action="store_true",
                         help="where the fused step is not used, do not put the model's forward "
                              "through torch.compile (default on CUDA: compiled, which adds tens "
@@ -117,7 +112,6 @@ class Options:
     fused: bool = True
     compile: bool = True
     batch_prefill: bool = True
-    step_prefill: int = 0
     host_experts: bool | None = None      # None: on where `auto_host_experts` says they can gain
     host_threads: int | None = None
     host_leave: bool = True
@@ -209,7 +203,6 @@ def check_options(args) -> Options:
     max_queue = None if args.max_queue is None else _int(args.max_queue, "--max-queue", 0)
     resume = getattr(args, "resume_points", None)
     resume = None if resume is None else _int(resume, "--resume-points", 0)
-    step_prefill = _int(getattr(args, "step_prefill", "0"), "--step-prefill", 0, max_len)
     # host experts: True (--host-experts), False (--no-host-experts), None (the default: on
     # where `auto_host_experts` finds they can gain, after loading); each setting's value is
     # checked first, then whether it applies
@@ -247,7 +240,7 @@ def check_options(args) -> Options:
                    fused=not getattr(args, "no_fused", False),
                    compile=device != "cpu" and not getattr(args, "no_compile", False),
                    batch_prefill=not getattr(args, "no_batch_prefill", False),
-                   step_prefill=step_prefill, host_experts=host_experts, host_threads=host_threads,
+                   host_experts=host_experts, host_threads=host_threads,
                    host_leave=not host_promote, host_min_misses=host_min_misses,
                    host_prefill_tokens=host_prefill_tokens)
 
@@ -325,7 +318,7 @@ def run(args) -> int:
             engine = Engine(model, pool, tokenizer=tokenizer, max_batch=opts.max_batch,
                             max_len=opts.max_len, fused=None if opts.fused else False,
                             compile=opts.compile, resume_points=opts.resume_points,
-                            batch_prefill=opts.batch_prefill, step_prefill=opts.step_prefill)
+                            batch_prefill=opts.batch_prefill)
         except ValueError as e:
             return _fail(str(e))
         log.info("decode step: %s", engine.step_kind)
