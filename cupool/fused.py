@@ -6,12 +6,14 @@ E experts · K top-k · nh / hk query / KV heads · D head dim · L_max position
 
 A decoder layer of the common pattern — RMSNorm → attention (q/k/v/o projections with or without
 biases, q/k RMSNorm over the head dim or none, rotary embedding, grouped-query, full or sliding
-window) → residual → RMSNorm → softmax top-k router → pooled experts → residual — runs as:
+window, with or without sinks) → residual → RMSNorm → softmax top-k router (its logits with or
+without a bias) → pooled experts → residual; Qwen3-MoE, Mixtral, gpt-oss — runs as:
 
     dense_gemv (norm)   h = h_mid + moe of the layer before; x = rmsnorm(h); qkv = x·Wqkv (+ b)
     dense_attention     q/k norm, rotary, k and v into the slot cache at pos, split-KV attention
+                        (sinks: exp(sink) joins each head's softmax sum)
     dense_gemv (resid)  h_mid = h + attn·Wo (+ b)
-    dense_gemv (route)  xn = rmsnorm(h_mid); logits = xn·Wr; softmax top-k → ids, weights
+    dense_gemv (route)  xn = rmsnorm(h_mid); logits = xn·Wr (+ b); softmax top-k → ids, weights
     plan, row copies, moe_decode    the pool's decode path on (xn, ids, weights) → moe
 
 seven launches a layer (the last three are the pool's), then one dense_gemv (norm) for the final
@@ -22,9 +24,12 @@ with the mask and rotary embedding the engine would pass. Which layers matched a
 did not is in `FusedStep.layers` / `describe()`.
 
 What is checked before any kernel runs: the model's structure (embedding, final norm, output head,
-rotary module of the default kind), each norm by a probe (it must compute transformers' RMSNorm
-exactly), each router by a probe against `cupool.reference.dense.route_topk` (softmax top-k, with or
-without renormalisation, weights in the dtype it returns), bf16 weights on the pool's device.
+a rotary embedding that does not change with the length; a table of D / 2 frequencies only where
+a probe shows the model turns both halves of a head by it, `kernel_rotary`), each norm by a probe
+(it must compute transformers' RMSNorm exactly), each router by a probe against
+`cupool.reference.dense.route_topk` on its own logits (softmax top-k, with or without
+renormalisation, weights in the dtype it returns; gpt-oss's softmax over its top-k logits is the
+renormalised one), bf16 weights on the pool's device.
 A model that does not fit raises `Unsupported` with the reason; the engine then runs the model's
 own forward.
 
@@ -69,6 +74,7 @@ import dataclasses
 import logging
 import os
 import re
+import sys
 
 import torch
 from torch import nn
@@ -107,10 +113,11 @@ from cupool.reference.dense import (
 log = logging.getLogger("cupool")
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-_MOE_CHILDREN = {"gate", "experts"}
+# a MoE block's modules: its router (`gate`, or gpt-oss's `router`) and its experts
+_MOE_CHILDREN = ({"gate", "experts"}, {"router", "experts"})
 # attention modules with these attributes compute something else than the pattern (latent
-# attention, logit soft-capping, gated outputs, sinks)
-_ATTN_REFUSE = ("q_a_proj", "kv_a_proj_with_mqa", "attn_logit_softcapping", "sinks", "gate_proj")
+# attention, logit soft-capping, gated outputs)
+_ATTN_REFUSE = ("q_a_proj", "kv_a_proj_with_mqa", "attn_logit_softcapping", "gate_proj")
 
 
 DENSE_SHAPE_ENV = "CUPOOL_DENSE_SHAPE"
@@ -244,12 +251,21 @@ def check_rms_norm(norm: nn.Module, what: str, size: int) -> float:
 
 def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: int):
     """(norm_topk, weight dtype) of a softmax top-k router, found by a probe; Unsupported for
-    any other router."""
+    any other router. Its logits may carry a bias (`gate.bias`, bf16 [E]: gpt-oss's router, whose
+    softmax over the top-k logits is softmax → top-k → renormalised); a bias that only chooses
+    the experts (DeepSeek's e_score_correction_bias) is another router."""
     w = getattr(gate, "weight", None)
     if not isinstance(w, torch.Tensor) or w.shape != (experts, hidden):
         raise Unsupported(f"{what} ({type(gate).__name__}) has no weight [{experts}, {hidden}]")
-    if getattr(gate, "bias", None) is not None or hasattr(gate, "e_score_correction_bias"):
-        raise Unsupported(f"{what} ({type(gate).__name__}) has a bias: not a plain softmax router")
+    if hasattr(gate, "e_score_correction_bias"):
+        raise Unsupported(f"{what} ({type(gate).__name__}) has a bias that chooses experts: not "
+                          f"a plain softmax router")
+    b = getattr(gate, "bias", None)
+    if b is not None and not (isinstance(b, torch.Tensor) and b.shape == (experts,)
+                              and b.dtype == w.dtype and b.device == w.device):
+        got = f"{b.dtype} {list(b.shape)}" if isinstance(b, torch.Tensor) else type(b).__name__
+        raise Unsupported(f"{what} ({type(gate).__name__}) has a bias of {got}, not a "
+                          f"{w.dtype} [{experts}] beside its weight")
     gen = torch.Generator(device=w.device).manual_seed(1)
     x = torch.randn(5, hidden, generator=gen, device=w.device).to(w.dtype)
     with torch.no_grad():
@@ -269,6 +285,48 @@ def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: i
             return norm_topk, weights.dtype
     raise Unsupported(f"{what} ({type(gate).__name__}) is not a softmax top-k router (a probe "
                       f"differs from softmax → top-k with and without renormalisation)")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def kernel_rotary(cos: torch.Tensor, sin: torch.Tensor, D: int, attn: nn.Module):
+    """The rotary tables [L, D] that the attention kernel (and its reference) apply as
+    x·cos + rotate_half(x)·sin, from the model's own cos / sin [L, n]. Where n = D they are the
+    model's. Where n = D / 2 (gpt-oss: both halves of a head turned by the same D / 2
+    frequencies, first·cos − second·sin and second·cos + first·sin), each table is set beside
+    itself, once a probe shows that the function the attention's module applies them with
+    (`apply_rotary_pos_emb` of its modeling file) computes exactly that. Anything else (partial
+    rotary, which leaves dims unturned) raises Unsupported."""
+    n = cos.shape[-1]
+    if n == D:
+        return cos, sin
+    why = f"the rotary embedding covers {n} of the head's {D} dims (partial rotary is not fused)"
+    module = sys.modules.get(type(attn).__module__)
+    apply = getattr(module, "apply_rotary_pos_emb", None)
+    if 2 * n != D or not callable(apply):
+        raise Unsupported(why)
+    full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    L = cos.shape[0]
+    rows = torch.tensor([0, L // 2, L - 1], device=cos.device)
+    gen = torch.Generator(device=cos.device).manual_seed(2)
+    q = torch.randn(1, 2, 3, D, generator=gen, device=cos.device)
+    k = torch.randn(1, 1, 3, D, generator=gen, device=cos.device)
+    c, s = cos[rows].float()[None], sin[rows].float()[None]                 # [1, 3, n]
+    C, S = full_cos[rows].float(), full_sin[rows].float()                    # [3, D]
+    try:
+        with torch.no_grad():
+            got_q, got_k = apply(q, k, c, s)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise Unsupported(f"{why}: {module.__name__}.apply_rotary_pos_emb did not take a probe "
+                          f"({e})") from None
+    for x, got in ((q, got_q), (k, got_k)):
+        if not torch.allclose(got.float(), x * C + _rotate_half(x) * S, rtol=1e-5, atol=1e-5):
+            raise Unsupported(f"{why}: {module.__name__}.apply_rotary_pos_emb does not turn both "
+                              f"halves of a head by the table (a probe differs)")
+    return full_cos.contiguous(), full_sin.contiguous()
 
 
 class _ModelExperts:
@@ -296,7 +354,7 @@ class FusedLayer:
     qkv: DenseGemv
     attn: DecodeAttention | dict    # the launcher (its arguments while the model is matched)
     o: DenseGemv
-    router: DenseGemv
+    router: DenseGemv           # with the router's bias where it has one (gpt-oss)
     top_k: int
     norm_topk: bool
     in_norm: torch.Tensor
@@ -456,10 +514,11 @@ class FusedStep:
             L = cache.max_len
             probe = torch.zeros(1, 1, H, dtype=bf, device=dev)
             cos, sin = rope(probe, torch.arange(L, device=dev)[None])
-        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
-        if self.cos.shape != (L, D):
-            raise Unsupported(f"the rotary embedding covers {self.cos.shape[-1]} of the head's "
-                              f"{D} dims (partial rotary is not fused)")
+        # the model's own tables (transformers' layers take these), and the kernel's [L, D]
+        self.rope_cos, self.rope_sin = cos[0].contiguous(), sin[0].contiguous()
+        first = next(l for l in self.layers if isinstance(l, FusedLayer))
+        self.cos, self.sin = kernel_rotary(self.rope_cos, self.rope_sin, D,
+                                           base.layers[first.index].self_attn)
 
     # --- matching ---------------------------------------------------------------------------
     def _fuse(self, i: int, layer: nn.Module, layer_type, window, by_parent) -> FusedLayer:
@@ -477,10 +536,12 @@ class FusedStep:
                 raise Unsupported(f"{where}.self_attn has {name}")
         mlp = layer.mlp
         moe_children = {n for n, _ in mlp.named_children()}
-        if moe_children != _MOE_CHILDREN:
+        if moe_children not in _MOE_CHILDREN:
             raise Unsupported(f"{where}.mlp has modules {sorted(moe_children)}, not a MoE block "
-                              f"of {sorted(_MOE_CHILDREN)} (dense MLPs and shared experts are not "
-                              f"fused)")
+                              f"of {' or '.join(str(sorted(c)) for c in _MOE_CHILDREN)} (dense "
+                              f"MLPs and shared experts are not fused)")
+        gname = "gate" if "gate" in moe_children else "router"
+        gate = getattr(mlp, gname)
         pool = self.pool
         if pool is not None:
             spec = by_parent.get(id(mlp))
@@ -488,9 +549,9 @@ class FusedStep:
                 raise Unsupported(f"{where}.mlp is not one of the pool's MoE layers")
             experts, top_k, moe = pool.num_experts, pool.top_k, pool.layers[spec]
         else:
-            gw = getattr(mlp.gate, "weight", None)
+            gw = getattr(gate, "weight", None)
             experts = gw.shape[0] if isinstance(gw, torch.Tensor) else -1
-            top_k = int(getattr(mlp.gate, "top_k", 0))
+            top_k = int(getattr(gate, "top_k", 0))
             moe = _ModelExperts(mlp.experts, experts)
         if self._experts is not None and (self._experts, self._top_k) != (experts, top_k):
             raise Unsupported(f"{where}.mlp has {experts} experts, top-{top_k}; other layers "
@@ -529,12 +590,21 @@ class FusedStep:
         scale = getattr(attn, "scaling", None)
         if not isinstance(scale, float):
             raise Unsupported(f"{where}.self_attn has no float `scaling`")
+        # attention sinks (gpt-oss): a logit a head whose exp(sink) joins the softmax's sum
+        sinks = getattr(attn, "sinks", None)
+        if sinks is not None and not (isinstance(sinks, torch.Tensor) and sinks.shape == (nh,)
+                                      and sinks.dtype == torch.bfloat16
+                                      and sinks.device == wq.device and sinks.is_contiguous()):
+            got = (f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}"
+                   if isinstance(sinks, torch.Tensor) else type(sinks).__name__)
+            raise Unsupported(f"{where}.self_attn.sinks is {got}, not a contiguous bf16 [{nh}] "
+                              f"beside the projections")
         in_eps = check_rms_norm(layer.input_layernorm, f"{where}.input_layernorm", H)
         post_eps = check_rms_norm(layer.post_attention_layernorm,
                                   f"{where}.post_attention_layernorm", H)
-        norm_topk, w_dtype = check_router(mlp.gate, f"{where}.mlp.gate", experts, H, top_k)
+        norm_topk, w_dtype = check_router(gate, f"{where}.mlp.{gname}", experts, H, top_k)
         if self._w_dtype not in (None, w_dtype):
-            raise Unsupported(f"{where}.mlp.gate returns {w_dtype} weights, other layers "
+            raise Unsupported(f"{where}.mlp.{gname} returns {w_dtype} weights, other layers "
                               f"{self._w_dtype}")
         B = self.tokens
         # NVFP4 projections kept packed (a checkpoint's, or quantize_linears'): their GEMVs read
@@ -549,13 +619,15 @@ class FusedStep:
                              tokens=B, norm=True, epilogue=PLAIN, **shapes["qkv"])
             o = self._gemv(po or [wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL,
                            **shapes["o"])
-            router = self._gemv([mlp.gate.weight], tokens=B, norm=True, epilogue=ROUTE,
+            gbias = getattr(gate, "bias", None)
+            router = self._gemv([gate.weight], None if gbias is None else [gbias],
+                                tokens=B, norm=True, epilogue=ROUTE,
                                 lane_addr=self.lane_table is not None, **shapes["router"])
             # the attention launcher is made once every layer is matched (they share a workspace
             # of the heads' shape)
             att = {"q_norm": None if qn is None else qn.weight,
                        "k_norm": None if kn is None else kn.weight, "eps": eps_qk, "scale": scale,
-                       "window": int(window or 0)}
+                       "window": int(window or 0), "sinks": sinks}
         except (ValueError, TypeError) as e:
             raise Unsupported(f"{where}: {e}") from None
         self._attn_shape = (nh, hk, D)
@@ -620,6 +692,9 @@ class FusedStep:
             return f"{FUSED_ROUTE_ENV} is not 1"
         if self._w_dtype not in (torch.float32, torch.bfloat16):
             return f"the router returns {self._w_dtype} weights (float32 or bf16 are routed)"
+        if any(isinstance(l, FusedLayer) and (l.router.biases or [None])[0] is not None
+               for l in self.layers):
+            return "the router has a bias (the decode GEMM's routing adds none)"
         # (each router's weight is a contiguous, aligned bf16 matrix: its DenseGemv checked it)
         return self.pool.gemm.routes_decode(self.tokens, self._experts)
 
@@ -659,8 +734,8 @@ class FusedStep:
                 h = res if add is None else res + add
                 mask = masks.get(layer.layer_type) if isinstance(masks, dict) else masks
                 if rotary is None:
-                    rotary = (self.cos.index_select(0, pos)[:, None],
-                              self.sin.index_select(0, pos)[:, None])
+                    rotary = (self.rope_cos.index_select(0, pos)[:, None],
+                              self.rope_sin.index_select(0, pos)[:, None])
                 out = layer.module(h[:, None], attention_mask=mask, position_ids=pos[:, None],
                                    position_embeddings=rotary, use_cache=True,
                                    **{layer.cache_kw: cache})

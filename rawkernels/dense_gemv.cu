@@ -33,7 +33,8 @@
 // Epilogues:
 //   EPI 0: out[n, r] = bf16(acc + bias[r])
 //   EPI 1: out[n, r] = bf16(res2[n, r] + bf16(acc + bias[r]))           (o-projection + residual)
-//   EPI 2: logits[n, r] = bf16(acc) as float; the last block to finish (a ticket counter, put
+//   EPI 2: logits[n, r] = bf16(acc) as float (RBIAS=1: bf16(acc + bias[r]), a router with a
+//          bias, gpt-oss's); the last block to finish (a ticket counter, put
 //          back to zero by that block) routes every token: softmax over the N logits (float32) →
 //          top-k (NaN counts as largest, ties go to the lower expert, as a stable descending sort)
 //          → divided by their sum when norm_topk → weights (bf16, or float32 with w_f32, as the
@@ -117,6 +118,9 @@
 #ifndef LANE_ADDR
 #define LANE_ADDR 0       // the route epilogue also writes the lanes' expert row addresses
 #endif
+#ifndef RBIAS
+#define RBIAS 0           // the route epilogue adds the router's bias to the logits
+#endif
 #if WFP4
 #include "mma_fp4.cuh"
 #define CCOLS 64          // columns a chunk: 16 code bytes a lane (four k-tiles)
@@ -143,6 +147,7 @@ static_assert(KT % CCOLS == 0, "x tiles are whole chunks");
 static_assert(WARPS == 4 || WARPS == 8, "a block of 4 or 8 warps");
 static_assert(KS >= 1 && KS <= 16, "K split over 1 to 16 blocks");
 static_assert(LANE_ADDR == 0 || EPI == 2, "lane addresses are written by the route epilogue");
+static_assert(RBIAS == 0 || EPI == 2, "RBIAS belongs to the route epilogue (the others add biases)");
 static_assert(PRE == 0 || (WFP4 && PRE <= 8), "PRE dequantises up to 8 NVFP4 chunks a warp");
 
 #if WFP4
@@ -562,7 +567,9 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #if WFP4
         s *= rows.scale(r);
 #endif
-#if EPI == 2
+#if EPI == 2 && RBIAS
+        logits[(i64)n * N + r] = bf16_to_f32(f32_to_bf16(s + rows.bias(r)));
+#elif EPI == 2
         logits[(i64)n * N + r] = bf16_to_f32(f32_to_bf16(s));
 #else
         float y = bf16_to_f32(f32_to_bf16(s + rows.bias(r)));

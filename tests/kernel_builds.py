@@ -120,6 +120,9 @@ BUILDS: list[tuple[str, str]] = [
     # the bank): the plain shape (the default) and router=k16
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DKS=16 -DLANE_ADDR=1"),
+    # gpt-oss's router (a bias on the logits, RBIAS), without and with lane addresses
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DRBIAS=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1 -DRBIAS=1"),
     # NVFP4 attention projections (cupool.dense_nvfp4) at the default shapes: QKV (norm, 4 warps)
     # at batch 1 and 16, the o-projection (+ residual, 4 warps, K split over 4 blocks)
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1"),
@@ -187,6 +190,8 @@ VARIANTS = [
     # the router writing lane addresses at 8 and 16 tokens (two n tiles, 4 warps, K in 16 slices)
     ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1"),
     ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=2 -DWARPS=4 -DRT=1 -DKS=16 -DLANE_ADDR=1"),
+    # gpt-oss's router (a bias on the logits) at 8 tokens, with lane addresses
+    ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1 -DRBIAS=1"),
     ("dense_attention", "-DD=64 -DG=8 -DMINCHUNK=64"),
     ("dense_attention", "-DD=128 -DG=16 -DMINCHUNK=64"),
     ("dense_attention", "-DD=256 -DG=4 -DMINCHUNK=64"),

@@ -29,7 +29,8 @@ TIE = 0.05
 # the kernel-sized tiny models: head dims the attention kernel is built for (64), hidden a
 # multiple of 8
 SHAPES = {"qwen3_moe": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2),
-          "mixtral": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2)}
+          "mixtral": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2),
+          "gpt_oss": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2)}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -42,11 +43,29 @@ def fused_model(family: str, seed: int = 0, device="cpu", **overrides):
     return model.to(device=device, dtype=torch.bfloat16)
 
 
+def windows_of(cfg) -> list[int | None]:
+    """Each layer's attention window, as the engine gives them (None: full attention)."""
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    return [cfg.sliding_window if t == "sliding_attention" else None for t in types]
+
+
+def masks_of(cfg, make):
+    """The attention mask(s) transformers' forward takes, as the engine passes them: make(window,
+    boolean) (boolean for SDPA, additive for eager attention: gpt-oss's), one a layer type where
+    the config has sliding-window layers."""
+    boolean = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
+    types = set(getattr(cfg, "layer_types", None) or ())
+    if "sliding_attention" not in types:
+        return make(None, boolean)
+    return {t: make(cfg.sliding_window if t == "sliding_attention" else None, boolean)
+            for t in types}
+
+
 def prefill(model, cache: SlotCache, slot: int, ids: list[int]) -> None:
     """The engine's admission: the prompt into the slot's rows of the cache."""
     dev = cache.device
     cache.prefill_mode(slot, 0, len(ids))
-    mask = cache.prefill_mask(torch.bfloat16, None, True)
+    mask = masks_of(model.config, lambda w, b: cache.prefill_mask(torch.bfloat16, w, b))
     with torch.inference_mode():
         model(input_ids=torch.tensor([ids], device=dev),
               position_ids=torch.arange(len(ids), device=dev)[None], attention_mask=mask,
@@ -73,19 +92,19 @@ def compare_step(model, pool, backend: str, prompts, tok, max_len=40):
     cache = SlotCache(model.config.num_hidden_layers, B, max_len, torch.bfloat16, dev)
     for b, p in enumerate(prompts):
         prefill(model, cache, b, p)
-    step = FusedStep(model, pool, cache, B, [None] * len(cache.keys), backend=backend)
+    step = FusedStep(model, pool, cache, B, windows_of(model.config), backend=backend)
     tok = torch.tensor(tok, device=dev)[:, None]
     active = torch.ones(B, dtype=torch.bool, device=dev)
     before = snapshot(cache)
     pos = cache.pos.clone()
-    masks = cache.decode_mask(torch.bfloat16, None, True) if step.needs_mask else None
-    fused = step(tok, pos, active, masks).clone()
+    decode_masks = lambda: masks_of(  # noqa: E731
+        model.config, lambda w, b: cache.decode_mask(torch.bfloat16, w, b))
+    fused = step(tok, pos, active, decode_masks() if step.needs_mask else None).clone()
     after_fused = snapshot(cache)
     restore(cache, before)
     cache.decode_mode()
     out = model(input_ids=tok, position_ids=pos[:, None], use_cache=True,
-                attention_mask=cache.decode_mask(torch.bfloat16, None, True),
-                **{cache_kwarg(model): cache})
+                attention_mask=decode_masks(), **{cache_kwarg(model): cache})
     return fused, out.logits[:, -1], after_fused, snapshot(cache), step
 
 
@@ -102,6 +121,64 @@ def test_reference_step_equals_transformers(family):
             assert int(fused[b].argmax()) == int(want[b].argmax())
     for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
         assert rel(k_f, k_m) <= 1e-2
+
+
+def gpt_oss_model(seed: int, device="cpu"):
+    """A tiny gpt-oss whose sinks and router biases are far from zero (sinks that take most of
+    each head's attention), so that a step leaving either out is far off."""
+    model = fused_model("gpt_oss", seed=seed, device=device,
+                        max_position_embeddings=131072)     # YaRN's factor as its config's ratio
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(3, 1)
+            layer.mlp.router.bias.normal_(0, 1)
+    return model
+
+
+@torch.inference_mode()
+def test_reference_step_runs_gpt_oss():
+    """gpt-oss's layers are fused: attention sinks, biases on q/k/v/o, sliding-window layers
+    between full ones, the rotary tables of D / 2 frequencies turning both halves of a head
+    (`kernel_rotary`), and the router's bias with its softmax over the top-k logits. A prompt
+    longer than the window (8), so the window cuts the sliding layers' keys; logits and cache
+    writes against transformers' eager forward with its per-type masks."""
+    from cupool.fused import kernel_rotary
+    model = gpt_oss_model(seed=12)
+    cfg = model.config
+    assert cfg._attn_implementation == "eager"
+    assert cfg.sliding_window == 8 and "sliding_attention" in cfg.layer_types
+    prompts, tok = [[5, 9, 3, 7, 1, 4, 4, 8, 2, 6, 11, 3], [7, 1, 4]], [11, 13]
+    fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
+    assert all(isinstance(l, FusedLayer) for l in step.layers), step.describe()
+    assert not step.needs_mask
+    assert [l.attn.window for l in step.layers] == [8, 0, 8]
+    assert step.rope_cos.shape == (40, 32) and step.cos.shape == (40, 64)
+    assert torch.equal(step.cos[:, :32], step.cos[:, 32:])
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for b in range(len(prompts)):
+        top2 = want[b].float().topk(2).values
+        if float(top2[0] - top2[1]) >= TIE:
+            assert int(fused[b].argmax()) == int(want[b].argmax())
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+    # the comparison can fail: the same step without the sinks, or without the routers' biases,
+    # is far off; the model's half tables taken for a partial rotary are refused
+    tok_t, pos = torch.tensor(tok)[:, None], step.cache.pos.clone()
+    active = torch.ones(len(prompts), dtype=torch.bool)
+    for part in ("sinks", "bias"):
+        kept = [(l.attn.sinks, l.router.biases) for l in step.layers]
+        for l in step.layers:
+            if part == "sinks":
+                l.attn.sinks = None
+            else:
+                l.router.biases = None
+        off = rel(step(tok_t, pos, active), want)
+        assert off > 5 * LOGIT_TOL, (part, off)
+        for l, (sk, bs) in zip(step.layers, kept):
+            l.attn.sinks, l.router.biases = sk, bs
+    assert rel(step(tok_t, pos, active), want) <= LOGIT_TOL
+    with pytest.raises(Unsupported, match="partial rotary"):
+        kernel_rotary(step.rope_cos, step.rope_sin, 128, model.model.layers[0].self_attn)
 
 
 def test_reference_step_reads_nvfp4_projections():

@@ -35,6 +35,9 @@ BUILDS = {
     "residual": dict(NB=13, MODE=0, EPI=1, WARPS=4, RT=2, KS=3, LANE_ADDR=0),
     "route": dict(NB=1, MODE=1, EPI=2, WARPS=8, RT=1, KS=1, LANE_ADDR=1),   # Qwen3-30B-A3B's
     "route_split": dict(NB=5, MODE=1, EPI=2, WARPS=4, RT=1, KS=3, LANE_ADDR=1),
+    # a router with a bias (gpt-oss's): the bias added to the sums before the logits' rounding
+    "route_bias": dict(NB=3, MODE=1, EPI=2, WARPS=8, RT=1, KS=1, LANE_ADDR=0, RBIAS=1),
+    "route_bias_split": dict(NB=1, MODE=1, EPI=2, WARPS=8, RT=1, KS=5, LANE_ADDR=1, RBIAS=1),
     "fp4_plain": dict(NB=3, MODE=0, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0, WFP4=1),
     # 9 to 16 tokens: two MMA n tiles, x tiles of KT = 1024 columns
     "fp4_norm_nb10": dict(NB=10, MODE=1, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0, WFP4=1),
@@ -186,6 +189,37 @@ def test_route_kernel_source_matches_reference_on_cpu(builds, name, E, K, H, w_f
         assert torch.allclose(got["weights"].float(), wts.float(), rtol=2 ** -7, atol=0)
     assert torch.equal(got["lane_addr"], ref.lane_addresses(ids, table))
     assert got["ticket"] == 0 and not got["tile_tickets"].any()
+
+
+# gpt-oss-120b's router (128 experts, top-4, H = 2880: past one x tile) and an odd one
+@pytest.mark.parametrize("name,E,K,H", [("route_bias", 128, 4, 2880), ("route_bias", 37, 3, 264),
+                                        ("route_bias_split", 128, 4, 2880)])
+def test_route_bias_kernel_source_matches_reference_on_cpu(builds, name, E, K, H):
+    """RBIAS: logits = bf16(x·W + bias) as a Linear with a bias rounds, then the same top-k.
+    The biases are large beside the products, so a kernel that left them out would route
+    elsewhere (checked: the logits without them differ)."""
+    gen = torch.Generator().manual_seed(E * 13 + K + H)
+    NB = BUILDS[name]["NB"]
+    w = rand(E, H, scale=0.02, gen=gen)
+    bias = rand(E, scale=2.0, gen=gen)
+    h = rand(NB, H, scale=3.0, gen=gen)
+    nw = rand(H, scale=0.3, gen=gen) + 1
+    active = torch.ones(NB, dtype=torch.bool)
+    table = torch.randint(1, 2**47, (E,), generator=gen)
+    got = run_kernel(builds, name, [w], [bias], h, nw=nw, topk=K, norm_topk=True, w_f32=False,
+                     active=active, table=table)
+    _, xin = ref.residual_norm(h, None, nw, 1e-6)
+    want = ref.gemv([w], [bias], xin)
+    close(got["logits"].to(torch.bfloat16), want, "router logits with a bias")
+    assert rel_err(got["logits"], ref.gemv([w], None, xin).float()) > 0.1
+    ids, wts = ref.route_topk(got["logits"].to(torch.bfloat16), K, True, torch.bfloat16, active)
+    assert torch.equal(got["ids"], ids), (got["ids"], ids)
+    assert torch.allclose(got["weights"].float(), wts.float(), rtol=2 ** -7, atol=0)
+    assert got["ticket"] == 0 and not got["tile_tickets"].any()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 @pytest.mark.parametrize("name,E,K", [("route", 128, 8), ("route", 200, 6), ("route_split", 96, 6),

@@ -253,6 +253,50 @@ def test_dense_gemv_routes(tokens, E, K, norm_topk, wdtype, shape):
         assert torch.allclose(r.weights, wts, rtol=1e-6, atol=1e-7)
 
 
+# gpt-oss-120b's router (E = 128, top-4, H = 2880) and gpt-oss-20b's (E = 32), odd ones
+@pytest.mark.parametrize("tokens,E,K,H", [(1, 128, 4, 2880), (8, 128, 4, 2880), (1, 32, 4, 2880),
+                                          (5, 37, 3, 264)])
+@pytest.mark.parametrize("shape", [{}, dict(split_k=5), dict(warps=4, split_k=3)], ids=_shape_id)
+@pytest.mark.parametrize("lanes", [False, True], ids=["ids", "lane_addr"])
+def test_dense_gemv_routes_with_a_bias(tokens, E, K, H, shape, lanes):
+    """A router with a bias (the RBIAS build): logits = bf16(x·W + bias), then the same routing;
+    the biases are large beside the products, so logits without them would be far off."""
+    from cupool.ops.dense_gemv import ROUTE, DenseGemv, RouteOut
+    gen = torch.Generator(device="cuda").manual_seed(E * 17 + tokens + H)
+    w = rand(E, H, scale=0.02, gen=gen)
+    bias = rand(E, scale=2.0, gen=gen)
+    op = DenseGemv([w], [bias], tokens=tokens, norm=True, epilogue=ROUTE, lane_addr=lanes,
+                   **shape)
+    r = RouteOut.allocate(tokens, E, K, torch.bfloat16, "cuda")
+    r.logits.fill_(float("nan"))
+    r.ids.fill_(-7)
+    r.weights.fill_(float("nan"))
+    h = rand(tokens, H, scale=3.0, gen=gen)
+    nw = rand(H, scale=0.3, gen=gen) + 1
+    active = torch.ones(tokens, dtype=torch.bool, device="cuda")
+    active[-1] = tokens == 1
+    table = torch.randint(1, 2**47, (E,), device="cuda", generator=gen)
+    lane_addr = torch.full((tokens * K,), -5, dtype=torch.int64, device="cuda")
+    xn = poison(tokens, H)
+    kw = dict(table=table, lane_addr=lane_addr) if lanes else {}
+    for _ in range(2):                     # twice: the ticket must be back at zero
+        op(h, norm_weight=nw, eps=1e-6, x_out=xn, route=r, top_k=K, norm_topk=True,
+           active=active, **kw)
+    torch.cuda.synchronize()
+    assert int(r.ticket.item()) == 0
+    _, xin = ref.residual_norm(h, None, nw, 1e-6)
+    step = xin.float().abs() * 2 ** -7 + 1e-30
+    assert ((xn.float() - xin.float()).abs() <= step).all(), "x_out off by > 1 bf16 step"
+    xin = xn                                # the product on the kernel's own normed x
+    close(r.logits.to(torch.bfloat16), ref.gemv([w], [bias], xin), "router logits with a bias")
+    assert rel(r.logits, ref.gemv([w], None, xin).float()) > 0.1
+    ids, wts = ref.route_topk(r.logits.to(torch.bfloat16), K, True, torch.bfloat16, active)
+    assert torch.equal(r.ids, ids), (r.ids, ids)
+    assert torch.allclose(r.weights.float(), wts.float(), rtol=2 ** -7, atol=0)
+    if lanes:
+        assert torch.equal(lane_addr, ref.lane_addresses(ids, table))
+
+
 @pytest.mark.parametrize("tokens,E,K,H", [(1, 128, 8, 2048), (4, 128, 8, 2048), (16, 128, 8, 2048),
                                           (5, 60, 4, 264), (13, 37, 3, 4104)])
 @pytest.mark.parametrize("shape", [{}, dict(split_k=8), dict(warps=4, split_k=3)], ids=_shape_id)
@@ -582,25 +626,30 @@ def _wrapped(family: str, seed: int, rows=None, **overrides):
     """A tiny model of `family` wrapped with `rows` bank rows a layer (default half the experts;
     "all": every expert)."""
     import cupool
-    from test_fused_step import fused_model
-    model = fused_model(family, seed=seed, device="cuda", **overrides)
+    from test_fused_step import fused_model, gpt_oss_model
+    model = (gpt_oss_model(seed, device="cuda") if family == "gpt_oss" and not overrides else
+             fused_model(family, seed=seed, device="cuda", **overrides))
     with torch.no_grad():
         for m in model.modules():             # real-model-sized experts (test_gpu_wrap.model_for)
             if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
                 m.gate_up_proj.normal_(0, 0.05)
                 m.down_proj.normal_(0, 0.05)
-    E = model.model.layers[0].mlp.gate.weight.shape[0]
+    mlp = model.model.layers[0].mlp
+    E = getattr(mlp, "gate", None) or mlp.router
+    E = E.weight.shape[0]
     rows = E if rows == "all" else rows or E // 2
     pool = cupool.wrap(model, rows=rows, max_decode_tokens=4, progress=False)
     return model, pool
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_fused_step_matches_transformers_through_the_pool(family):
     from test_fused_step import LOGIT_TOL, compare_step
     model, pool = _wrapped(family, seed=31)
+    # the second prompt longer than gpt-oss's window (8)
     fused, want, fc, mc, step = compare_step(model, pool, "kernels",
-                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9, 9, 13]], [11, 13])
+                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9, 9, 13, 2, 6]],
+                                             [11, 13])
     assert step.describe().startswith("fused decode step: 3 of 3 layers"), step.describe()
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
@@ -645,7 +694,7 @@ def test_fused_step_with_launch_shapes_from_the_environment(monkeypatch):
     assert pool.errors() == []
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_fused_step_skipping_the_plan_gives_the_same_bits(family, monkeypatch):
     """The plan step skipped (the default) on a pool whose bank holds every expert: the routers write the lane
     addresses the plan step would have (the last layer's, compared with the bank's), and the
@@ -673,6 +722,11 @@ def test_fused_step_skipping_the_plan_gives_the_same_bits(family, monkeypatch):
     # order, so the step is held to the reference's tolerance, and its lane addresses are the plan's
     monkeypatch.setenv("CUPOOL_FUSED_ROUTE", "1")
     got, _, _, _, step = compare_step(model, pool, "kernels", prompts, tok)
+    if family == "gpt_oss":       # its routers' biases keep their own launch
+        assert "the router keeps its own launch: the router has a bias" in step.describe()
+        assert torch.equal(got, base)
+        assert pool.errors() == []
+        return
     assert "routing inside the decode GEMM's launch" in step.describe(), step.describe()
     _, planned = pool.bank.step(step.layers[-1].pooled.layer, step.route.ids)
     assert torch.equal(step.lane_addr, planned), (step.lane_addr, planned)
@@ -702,7 +756,7 @@ def test_engine_skipping_the_plan_gives_the_same_tokens(monkeypatch):
     assert pool.hit_rate() == 1.0 and pool.errors() == []
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_engine_fused_greedy_matches_the_reference(family):
     """The engine's default step on a model that fits: fused, captured, gate open, half the
     experts banked; tokens checked as test_gpu_engine checks the unfused engine's."""

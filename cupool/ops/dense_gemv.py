@@ -180,7 +180,8 @@ class DenseGemv:
             every n_i but the last a multiple of 16.
         tokens: B, the step's tokens (1 to 16).
         norm: the prologue sums the residual and applies an RMSNorm (call with norm_weight, eps).
-        epilogue: PLAIN, RESIDUAL (+ a residual) or ROUTE (softmax top-k routing of the logits).
+        epilogue: PLAIN, RESIDUAL (+ a residual) or ROUTE (softmax top-k routing of the logits,
+            a router's bias added to them before their rounding, the kernel's RBIAS build).
         warps: warps a block, 4 or 8 (the module docstring: launch shape).
         split_k: blocks each row tile's K is split over, 1 to 16 with K >= 32 · split_k.
         lane_addr: ROUTE only: also build the launch that writes lane addresses (the module
@@ -223,8 +224,6 @@ class DenseGemv:
                 _check_vector(f"biases[{i}]", b, n, self.device)
         if lane_addr and epilogue != ROUTE:
             raise ValueError("lane_addr=True belongs to a GEMV built with epilogue=ROUTE")
-        if epilogue == ROUTE and any(b is not None for b in biases):
-            raise ValueError("a router GEMV takes no biases")
         self.weights, self.biases = weights, biases
         self.K, self.N, self.rows = int(K), sum(rows), rows
         self.tokens, self.norm, self.epilogue = tokens, bool(norm), epilogue
@@ -240,6 +239,8 @@ class DenseGemv:
         self.grid = tiles if split_k == 1 else (tiles, split_k)
         defines = {"NB": tokens, "MODE": NORM if norm else NO_NORM, "EPI": epilogue,
                    "WARPS": warps, "RT": self.row_tiles}
+        if epilogue == ROUTE and biases[0] is not None:    # a router with a bias (gpt-oss's)
+            defines["RBIAS"] = 1
         if self.nvfp4:             # bf16 builds take neither the defines nor the scales
             defines["WFP4"] = 1
             pre = predequant_chunks(self.K, warps, split_k, tokens, self.row_tiles)

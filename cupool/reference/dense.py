@@ -156,7 +156,7 @@ class GemvReference:
                 x_out.copy_(xin)
         else:
             xin = x
-        y = gemv(self._mats, None if self.epilogue == 2 else self.biases, xin)
+        y = gemv(self._mats, self.biases, xin)
         if self.epilogue == 2:
             ids, w = route_topk(y, top_k, norm_topk, route.weights.dtype, active)
             route.logits.copy_(y.to(torch.float32))
