@@ -74,13 +74,14 @@ class Run:
     rates: list                 # tok/s of each repeat
     stats: list | None          # pool counters of the last repeat (pool modes)
     capture_s: list             # capture seconds of each repeat (with compile, the first compiles)
+    step: str = ""              # the engine's step_kind (fused, or the model's forward and why)
 
 
 def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, replay=None,
              rows=None, compile=False) -> Run:
     """`repeats` decode runs of one mode through the Engine with serve's defaults (one slot,
     greedy; its decode graphs captured by a warm-up before the timed request)."""
-    rates, captures, stats = [], [], None
+    rates, captures, stats, step = [], [], None, ""
     for _ in range(repeats):
         if pool is not None:
             pool.decode_backend = backend
@@ -97,13 +98,14 @@ def run_mode(model, pool, prompt, tokens, repeats, *, graph=True, backend=None, 
         req = eng.generate([prompt[0].tolist()],
                            SamplingParams(max_tokens=tokens, ignore_eos=True))[0]
         rates.append(req.decode_tokens_per_s)
+        step = eng.step_kind
         eng.close()
         del eng
         if pool is not None and backend is None:
             stats = pool.stats()
     if pool is not None:
         pool.decode_backend = None
-    return Run(statistics.median(rates), rates, stats, captures)
+    return Run(statistics.median(rates), rates, stats, captures, step)
 
 
 def pool_figures(stats, tokens, row_bytes):
@@ -344,12 +346,18 @@ def main(args) -> None:
     results.update({"pcie_h2d_GBps": pcie, "traces": {k: v.note for k, v in traces.items()},
                     "modes": dict(old_modes)})
     modes = results["modes"]
+    shown_step = None
 
     def record(name, routing, run, extra=None):
         modes.setdefault(name, {})[routing] = {"tok_per_s": run.tok_per_s, "runs": run.rates,
-                                               "capture_s": run.capture_s, **(extra or {})}
+                                               "capture_s": run.capture_s, "step": run.step,
+                                               **(extra or {})}
         print(f"{name:>14} {routing:>9}: {run.tok_per_s:8.1f} tok/s  {extra or ''}"[:300],
               flush=True)
+        nonlocal shown_step
+        if run.step and run.step != shown_step:          # once, and again where it changes
+            print(f"{'':>14} step: {run.step}", flush=True)
+            shown_step = run.step
         save(result_name, {**results, "partial": True}, out)   # keep what is done if cut short
         return run
 
