@@ -635,8 +635,8 @@ def _wrapped(family: str, seed: int, rows=None, **overrides):
                 m.gate_up_proj.normal_(0, 0.05)
                 m.down_proj.normal_(0, 0.05)
     mlp = model.model.layers[0].mlp
-    E = getattr(mlp, "gate", None) or mlp.router
-    E = E.weight.shape[0]
+    router = mlp.gate if hasattr(mlp, "gate") else mlp.router       # gpt-oss: mlp.router
+    E = router.weight.shape[0]
     rows = E if rows == "all" else rows or E // 2
     pool = cupool.wrap(model, rows=rows, max_decode_tokens=4, progress=False)
     return model, pool
