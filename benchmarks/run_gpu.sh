@@ -11,7 +11,8 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, prefix-host, prefix-scratch, serve, serve-slots, first-request, overlap, graph-copies.
+# prefix, prefix-host, prefix-scratch, serve, serve-slots, first-request, overlap, graph-copies,
+# decode-gptoss, decode-gptoss-small.
 #
 # Settings (environment):
 #   SWEEP="default minb=4 w13_split=2 minb=3,w13_split=4"  moe_decode builds of `sweep`
@@ -186,6 +187,12 @@ src = "extern \"C\" __device__ void cudaGraphSetConditional(unsigned long long, 
       "extern \"C\" __global__ void set_it(const unsigned long long* h) { cudaGraphSetConditional(h[0], 1u); }"
 cp.RawModule(code=src, options=("-std=c++17",)).get_function("set_it")
 print("NVRTC (CuPy) cubin calling cudaGraphSetConditional: loaded")' ;;
+    # gpt-oss-120b's shape through the engine: the canonical file (36 layers, 64.6 GB of rows
+    # resident: an H200), and a reduced run of 8 layers (resident, pool-25, pool-50; into $OUT)
+    decode-gptoss) run bench_decode_gptoss 590 python3 benchmarks/bench_decode.py --model gpt-oss-120b ;;
+    decode-gptoss-small) run bench_decode_gptoss_small 200 python3 benchmarks/bench_decode.py \
+              --model gpt-oss-120b --layers 8 --modes resident pool --routings locality --repeats 2 \
+              --tokens 64 --json "$OUT/bench_decode_gptoss_small.json" ;;
     decode-small) run bench_decode_small 200 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 1 --json "$OUT/bench_decode_small.json" ;;
     decode-compile-small) run bench_decode_small_compiled 300 python3 benchmarks/bench_decode.py --small --tokens 16 --repeats 2 --compile --json "$OUT/bench_decode_small_compiled.json" ;;
     # the canonical bench_decode.json in three parts, each merged into the one before
