@@ -299,6 +299,45 @@ def test_norm_probe_refuses_another_norm():
         check_rms_norm(OnePlus(), "norm", 16)
 
 
+def test_router_probe_takes_a_logit_bias_and_refuses_others():
+    """gpt-oss's router (a bias on its logits, softmax over the top-k logits) passes the probe as
+    a renormalised softmax top-k; a bias of another dtype or length, a bias that only chooses
+    experts (DeepSeek's e_score_correction_bias) and a sigmoid router with a bias are refused
+    with the reason."""
+    from cupool.fused import check_router
+    router = gpt_oss_model(seed=5).model.layers[0].mlp.router
+    E, H, K = router.weight.shape[0], router.weight.shape[1], router.top_k
+    assert check_router(router, "router", E, H, K) == (True, torch.bfloat16)
+    with torch.no_grad():
+        router.bias.data = router.bias.float()
+    with pytest.raises(Unsupported, match=r"bias of torch.float32 \[8\], not a torch.bfloat16"):
+        check_router(router, "router", E, H, K)
+    router.bias.data = router.bias.to(torch.bfloat16)[:-1]
+    with pytest.raises(Unsupported,
+                       match=r"bias of torch.bfloat16 \[7\], not a torch.bfloat16 \[8\]"):
+        check_router(router, "router", E, H, K)
+    router.bias.data = torch.full((E,), 2.0, dtype=torch.bfloat16)
+    router.register_buffer("e_score_correction_bias", torch.zeros(E))
+    with pytest.raises(Unsupported, match="chooses experts"):
+        check_router(router, "router", E, H, K)
+    del router.e_score_correction_bias
+
+    class Sigmoid(torch.nn.Module):                # a sigmoid router with a bias: refused
+        def __init__(self, inner):
+            super().__init__()
+            self.weight, self.bias, self.top_k = inner.weight, inner.bias, inner.top_k
+
+        def forward(self, x):
+            logits = torch.nn.functional.linear(x, self.weight, self.bias)
+            w, ids = torch.sigmoid(logits.float()).topk(self.top_k, dim=-1)
+            return logits, w.to(logits.dtype), ids
+
+    with torch.no_grad():
+        router.bias.normal_(0, 1)
+    with pytest.raises(Unsupported, match="not a softmax top-k router"):
+        check_router(Sigmoid(router), "router", E, H, K)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_router_reference_equals_transformers_router(family):
     """route_topk on the router's own logits gives its ids and weights (and the weights' dtype:
