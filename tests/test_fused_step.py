@@ -181,6 +181,53 @@ def test_reference_step_runs_gpt_oss():
         kernel_rotary(step.rope_cos, step.rope_sin, 128, model.model.layers[0].self_attn)
 
 
+def test_half_rotary_tables_need_the_models_own_rotation(monkeypatch):
+    """`kernel_rotary` widens a table of D / 2 frequencies only where the attention's modeling
+    file turns both halves of a head by it (gpt-oss); a partial rotary (the first D / 2 dims
+    turned, the rest passed through: GLM's, NeoX's) and an apply function that cannot take the
+    table are refused, each with its reason."""
+    import sys
+    import types
+
+    from cupool.fused import kernel_rotary
+    D, L = 8, 6
+    pos = torch.arange(L, dtype=torch.float32)[:, None]
+    freqs = pos * torch.tensor([1.0, 0.5, 0.25, 0.125])                   # [L, D / 2]
+    cos, sin = freqs.cos(), freqs.sin()
+
+    def attention_of(apply):
+        mod = types.ModuleType("modeling_probe")
+        mod.apply_rotary_pos_emb = apply
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+        return type("ProbeAttention", (torch.nn.Module,), {"__module__": mod.__name__})()
+
+    def half_turn(x, c, s):          # gpt-oss: each half turned by the same D / 2 frequencies
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+    def partial(x, c, s):            # the first D / 2 dims turned as a rotate_half pair, rest kept
+        n = c.shape[-1]
+        r, keep = x[..., :n], x[..., n:]
+        a, b = r.chunk(2, dim=-1)
+        c2, s2 = c[..., : n // 2], s[..., : n // 2]
+        return torch.cat([a * c2 - b * s2, b * c2 + a * s2, keep], dim=-1)
+
+    def llama(x, c, s):              # rotate_half with a table as wide as the head: cannot broadcast
+        return x * c + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * s
+
+    def wrap(f):
+        return lambda q, k, c, s: (f(q, c[:, None], s[:, None]), f(k, c[:, None], s[:, None]))
+
+    C, S = kernel_rotary(cos, sin, D, attention_of(wrap(half_turn)))
+    assert C.shape == (L, D) and torch.equal(C[:, :4], cos) and torch.equal(C[:, 4:], cos)
+    with pytest.raises(Unsupported, match="does not turn both halves"):
+        kernel_rotary(cos, sin, D, attention_of(wrap(partial)))
+    with pytest.raises(Unsupported, match="did not take a probe"):
+        kernel_rotary(cos, sin, D, attention_of(wrap(llama)))
+    with pytest.raises(Unsupported, match="partial rotary"):
+        kernel_rotary(cos[:, :2], sin[:, :2], D, attention_of(wrap(half_turn)))
+
+
 def test_reference_step_reads_nvfp4_projections():
     """Attention projections kept packed in NVFP4 (`dense_nvfp4.quantize_linears`): the step's QKV
     and o GEMVs take the packed forms (a 16-row tile of q/k ends where the next matrix starts),
