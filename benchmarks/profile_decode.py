@@ -47,6 +47,10 @@ The fused step's GEMVs run the launch shapes CUPOOL_DENSE_SHAPE names (e.g.
 `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8`; `cupool/fused.py`), so shapes are compared by running
 this script under each value; the step printed (and the JSON's "step") names the value.
 
+`--model gpt-oss-120b` profiles gpt-oss-120b's shape instead (bench_decode's: attention sinks,
+alternating sliding-window layers, a router with a bias, experts with biases and the clamped
+SwiGLU; `--layers` defaults to the model's, 48 or 36); its attention projections stay bf16.
+
 Prints its tables; writes the figures as JSON only to --json PATH.
 """
 
@@ -59,10 +63,15 @@ import time
 
 import torch
 from _common import add_dense_nvfp4, kernel_group, save, time_ms
+from bench_decode import shape_keys
 from torch.profiler import ProfilerActivity, profile
 
 import cupool
 from cupool import _cuda, synthetic
+
+# --model: (full shape, dense-part builder), the shapes bench_decode builds
+MODELS = {"qwen3-30b-a3b": (synthetic.QWEN3_30B_A3B, synthetic.qwen3_moe_dense_on_gpu),
+          "gpt-oss-120b": (synthetic.GPT_OSS_120B, synthetic.gpt_oss_dense_on_gpu)}
 from cupool.cli import (CLIParser, add_host_experts, bounded_int, check_host_flags, fraction,
                         output_file, positive_int, run)
 from cupool.engine import StepKind
@@ -127,7 +136,11 @@ def copier_variants(eng, kind, pool, row_bytes: int, specs, steps: int, timeline
 def build_parser() -> CLIParser:
     p = CLIParser(prog="profile_decode.py", description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=positive_int, default=48, help="MoE layers (>= 1)")
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b",
+                   help="the synthetic model's shape (default qwen3-30b-a3b)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="MoE layers (>= 1; default the model's: 48 for qwen3-30b-a3b, 36 for "
+                        "gpt-oss-120b)")
     p.add_argument("--batch", type=bounded_int(1, 16), default=1, help="slots decoded together")
     p.add_argument("--steps", type=bounded_int(1, 64), default=4, help="profiled eager steps")
     p.add_argument("--step", choices=["fused", "compiled", "graph"], default="fused",
@@ -183,18 +196,20 @@ def main(args) -> None:
                          "misses none)")
     if args.host_experts and args.prefetch != "off":
         raise ValueError("--host-experts and --prefetch are separate planner builds: pick one")
+    if args.dense_nvfp4 and args.model != "qwen3-30b-a3b":
+        raise ValueError(f"--dense-nvfp4 builds the qwen3-30b-a3b shape only, not {args.model}")
     check_host_flags(args)
     _cuda.require_gpu("the decode profiler")
-    shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    full, build = MODELS[args.model]
+    shape = dict(full, num_hidden_layers=args.layers or full["num_hidden_layers"])
     shape["max_position_embeddings"] = max(shape.get("max_position_embeddings", 0),
                                            args.context + 512)
-    E = shape["num_experts"]
+    layers, E, K, hidden, inter, _ = shape_keys(shape)
     B = args.batch
-    layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
-    model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16,
-                                                    dense_nvfp4=args.dense_nvfp4, **shape)
+    extra = {"dense_nvfp4": True} if args.dense_nvfp4 else {}
+    model, specs = build("cuda", torch.bfloat16, **extra, **shape)
+    layout = cupool.RowLayout(hidden, inter, bias=specs[0].bias)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    K = shape["num_experts_per_tok"]
     pool = cupool.wrap(model, rows=max(K, E * args.bank // 100), layers=specs,
                        max_decode_tokens=B, max_prefill_tokens=64,
                        expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"),
@@ -205,7 +220,7 @@ def main(args) -> None:
     if args.bank < 100:
         from cupool import trace as tr
         from cupool.replay import Replayer
-        t = tr.streams(4096, args.layers, E, K, B, seed=0, **tr.QWEN3_LOCALITY)
+        t = tr.streams(4096, layers, E, K, B, seed=0, **tr.QWEN3_LOCALITY)
         replayer = Replayer(pool, t)
         replayer.install()
         if args.prefetch == "trace":
@@ -261,7 +276,7 @@ def main(args) -> None:
     kernel_ms = sum(v[0] for v in kern.values())
     launches = sum(v[1] for v in kern.values())
     top = sorted(kern.items(), key=lambda kv: -kv[1][0])[:30]
-    L = args.layers
+    L = layers
     print(f"layers {L}, batch {B}, context {args.context}, step {eng.step_kind} (warm-up incl. "
           f"build and capture "
 f"{warm_s:.1f} s)")
@@ -309,7 +324,8 @@ f"{warm_s:.1f} s)")
     eng.close()
     pool.disable_host_experts()
     save("profile_decode", {
-        "layers": L, "batch": B, "context": args.context, "bank_percent": args.bank, "misses_per_step": misses,
+        "model": args.model, "layers": L, "batch": B, "context": args.context,
+        "bank_percent": args.bank, "misses_per_step": misses,
         "row_copies": copies, "step": eng.step_kind, "graph_ms_per_step": graph_ms,
         "tokens_per_s": B * 1e3 / graph_ms, "eager_ms_per_step": eager_ms,
         "kernel_ms_per_step": kernel_ms, "kernels_per_step": launches,
