@@ -239,7 +239,7 @@ class DenseGemv:
         self.grid = tiles if split_k == 1 else (tiles, split_k)
         defines = {"NB": tokens, "MODE": NORM if norm else NO_NORM, "EPI": epilogue,
                    "WARPS": warps, "RT": self.row_tiles}
-        if epilogue == ROUTE and biases[0] is not None:    # a router with a bias (gpt-oss's)
+        if epilogue == ROUTE and any(b is not None for b in biases):    # gpt-oss's router
             defines["RBIAS"] = 1
         if self.nvfp4:             # bf16 builds take neither the defines nor the scales
             defines["WFP4"] = 1
