@@ -109,6 +109,7 @@ from cupool.reference.dense import (
     rms_norm,
     route_topk,
 )
+from cupool.reference.dense import rope as rope_reference
 
 log = logging.getLogger("cupool")
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -287,11 +288,6 @@ def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: i
                       f"differs from softmax → top-k with and without renormalisation)")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 def kernel_rotary(cos: torch.Tensor, sin: torch.Tensor, D: int, attn: nn.Module):
     """The rotary tables [L, D] that the attention kernel (and its reference) apply as
     x·cos + rotate_half(x)·sin, from the model's own cos / sin [L, n]. Where n = D they are the
@@ -323,7 +319,7 @@ def kernel_rotary(cos: torch.Tensor, sin: torch.Tensor, D: int, attn: nn.Module)
         raise Unsupported(f"{why}: {module.__name__}.apply_rotary_pos_emb did not take a probe "
                           f"({e})") from None
     for x, got in ((q, got_q), (k, got_k)):
-        if not torch.allclose(got.float(), x * C + _rotate_half(x) * S, rtol=1e-5, atol=1e-5):
+        if not torch.allclose(got.float(), rope_reference(x, C, S), rtol=1e-5, atol=1e-5):
             raise Unsupported(f"{why}: {module.__name__}.apply_rotary_pos_emb does not turn both "
                               f"halves of a head by the table (a probe differs)")
     return full_cos.contiguous(), full_sin.contiguous()
