@@ -63,21 +63,21 @@ import time
 
 import torch
 from _common import add_dense_nvfp4, kernel_group, save, time_ms
+from bench_decode import MODELS as DECODE_MODELS
 from bench_decode import shape_keys
 from torch.profiler import ProfilerActivity, profile
 
 import cupool
 from cupool import _cuda, synthetic
-
-# --model: (full shape, dense-part builder), the shapes bench_decode builds
-MODELS = {"qwen3-30b-a3b": (synthetic.QWEN3_30B_A3B, synthetic.qwen3_moe_dense_on_gpu),
-          "gpt-oss-120b": (synthetic.GPT_OSS_120B, synthetic.gpt_oss_dense_on_gpu)}
 from cupool.cli import (CLIParser, add_host_experts, bounded_int, check_host_flags, fraction,
                         output_file, positive_int, run)
 from cupool.engine import StepKind
 from cupool.fused import ABLATE
 
 S = 16                 # prompt tokens
+# --model: the shapes of bench_decode's models whose layers the fused step runs (full shape,
+# dense-part builder)
+MODELS = {name: DECODE_MODELS[name][:2] for name in ("qwen3-30b-a3b", "gpt-oss-120b")}
 
 GROUPS = (("cupool MoE", ("plan_step", "copy_rows", "moe_decode", "route_decode", "moe_w13",
                           "moe_w2")),
