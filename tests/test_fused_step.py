@@ -19,7 +19,7 @@ from tiny_models import hf_model
 
 pytest.importorskip("transformers")
 
-from cupool.engine import cache_kwarg  # noqa: E402
+from cupool.engine import Engine, cache_kwarg  # noqa: E402
 from cupool.fused import ABLATE, FusedLayer, FusedStep, Unsupported  # noqa: E402
 from cupool.kvcache import SlotCache  # noqa: E402
 from cupool.reference import dense as ref  # noqa: E402
@@ -44,21 +44,22 @@ def fused_model(family: str, seed: int = 0, device="cpu", **overrides):
 
 
 def windows_of(cfg) -> list[int | None]:
-    """Each layer's attention window, as the engine gives them (None: full attention)."""
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    return [cfg.sliding_window if t == "sliding_attention" else None for t in types]
+    """Each layer's attention window as the engine gives the fused step (`Engine._sliding_window`;
+    None: full attention)."""
+    w = Engine._sliding_window(cfg)
+    types = getattr(cfg, "layer_types", None) or [None] * cfg.num_hidden_layers
+    return [w.get(t) if isinstance(w, dict) else w for t in types]
 
 
 def masks_of(cfg, make):
     """The attention mask(s) transformers' forward takes, as the engine passes them: make(window,
     boolean) (boolean for SDPA, additive for eager attention: gpt-oss's), one a layer type where
-    the config has sliding-window layers."""
+    the engine's windows are by type."""
     boolean = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
-    types = set(getattr(cfg, "layer_types", None) or ())
-    if "sliding_attention" not in types:
-        return make(None, boolean)
-    return {t: make(cfg.sliding_window if t == "sliding_attention" else None, boolean)
-            for t in types}
+    w = Engine._sliding_window(cfg)
+    if isinstance(w, dict):
+        return {t: make(window, boolean) for t, window in w.items()}
+    return make(w, boolean)
 
 
 def prefill(model, cache: SlotCache, slot: int, ids: list[int]) -> None:
