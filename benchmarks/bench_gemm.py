@@ -292,15 +292,17 @@ def main(args) -> None:
         "layers": args.layers, "decode": decode, "prefill": prefill, "gpt_oss": gpt_oss}, out)
 
 
-# gpt-oss's experts: (model, E); H = I = 2880, top-4, rows with biases, the clamped SwiGLU
+# gpt-oss's experts: (model, E) of both sizes, and their (RowLayout, activation, top-k): H = I =
+# 2880, rows with biases, the clamped SwiGLU, top-4
 GPT_OSS = (("gpt-oss-20b", 32), ("gpt-oss-120b", 128))
+GPT_OSS_SHAPE = (RowLayout(2880, 2880, bias=True), swiglu_clamp(1.702, 7.0), 4)
 
 
 def bench_gpt_oss(args, gen, hbm_read, pcie) -> list[dict]:
     """Decode (each --decode-tokens, each kernel) and resident / half-on-host prefill at gpt-oss's
     dims; the prefill has no torch baseline (torch has no clamped-SwiGLU grouped GEMM to compare
     with), so its figures are times (and the PCIe bound with half on the host)."""
-    layout, act, K = RowLayout(2880, 2880, bias=True), swiglu_clamp(1.702, 7.0), 4
+    layout, act, K = GPT_OSS_SHAPE
     out = []
     for model, E in GPT_OSS:
         for T, kernel in ([] if args.skip_decode else

@@ -10,9 +10,11 @@ import sys
 
 import torch
 from _common import ExpertRows, gpu_events, keep_busy, sm_clock_mhz
+from bench_gemm import GPT_OSS_SHAPE
 from torch.profiler import ProfilerActivity, profile
 
 from cupool import _cuda
+from cupool.activation import RELU2, SILU
 from cupool.cli import CLIParser, bounded_int, positive_int, run
 from cupool.gemm import MoEGemm
 from cupool.layout import RowLayout
@@ -54,18 +56,22 @@ def variant_text(variant: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
 
 
-DIMS = {2048: (2048, 768), 4096: (4096, 1536)}
+# a case's hidden size -> its experts' (RowLayout, activation, top-k): Qwen3-30B-A3B's and
+# H = 4096 / I = 1536 (SiLU, top-8), gpt-oss's (H = I = 2880, biases, clamped SwiGLU, top-4) and
+# Nemotron-3-Nano-30B-A3B's (H = 2688, I = 1856, no gate, ReLU(up)², top-6)
+SHAPES = {2048: (RowLayout(2048, 768), SILU, 8), 4096: (RowLayout(4096, 1536), SILU, 8),
+          2880: GPT_OSS_SHAPE, 2688: (RowLayout(2688, 1856, gated=False), RELU2, 6)}
 SWEEP_CASES = ("2048:1", "2048:4", "4096:1", "4096:4")
 
 
-def parse_case(text: str) -> tuple[tuple[int, int], int]:
-    """"H:T" -> ((H, I), T) for the two benchmark dims (Qwen3-30B-A3B and H=4096/I=1536). An
+def parse_case(text: str) -> tuple[int, int]:
+    """"H:T" -> (H, T), H one of SHAPES' hidden sizes (Qwen3-30B-A3B, H=4096/I=1536, gpt-oss). An
     argument type (--cases)."""
     h, sep, t = text.partition(":")
-    if not sep or not h.isdigit() or not t.isdigit() or int(h) not in DIMS or not 1 <= int(t) <= 16:
+    if not sep or not h.isdigit() or not t.isdigit() or int(h) not in SHAPES or not 1 <= int(t) <= 16:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected H:T with H in {sorted(DIMS)} and T in [1, 16]")
-    return DIMS[int(h)], int(t)
+            f"{text!r}: expected H:T with H in {sorted(SHAPES)} and T in [1, 16]")
+    return int(h), int(t)
 
 
 def sweep(variants=tuple(map(parse_variant, SWEEP)), layers: int = 16, repeats: int = 1,
@@ -78,16 +84,17 @@ def sweep(variants=tuple(map(parse_variant, SWEEP)), layers: int = 16, repeats: 
     gen = torch.Generator(device="cuda")
 
     def run(case, extra, outputs=None):                # same rows and routing for each variant
-        (H, I), T = cases[case]
+        H, T = cases[case]
+        layout, act, K = SHAPES[H]
         torch.manual_seed(case)
         gen.manual_seed(case)
-        return bench_decode(RowLayout(H, I), 128, T, 8, layers, gen, 1.0, override=extra,
-                            outputs=outputs)
+        return bench_decode(layout, 128, T, K, layers, gen, 1.0, override=extra,
+                            outputs=outputs, activation=act)
 
     ref = {}                                            # case -> the default build's outputs
     for rep in range(repeats):
         for extra in variants:
-            for case, ((H, I), T) in enumerate(cases):
+            for case, (H, T) in enumerate(cases):
                 outs = [] if rep == 0 else None
                 r = run(case, extra, outs)
                 check = ""
@@ -102,28 +109,28 @@ def sweep(variants=tuple(map(parse_variant, SWEEP)), layers: int = 16, repeats: 
                       f"{r['us_per_layer']:6.1f} us/layer {r['GBps']:7.0f} GB/s{check}", flush=True)
 
 
-def trace(T: int = 1, E: int = 128, override: dict | None = None, dims=(2048, 768)):
-    """Timeline of one moe_decode call (the DECODE_TRACE build): when blocks start, when each
-    item's waits end, its K loop ends and it ends, as percentiles in µs from the first block's
-    start. `override`: build fields forced over the rules' choice."""
+def trace(T: int = 1, E: int = 128, override: dict | None = None, hidden: int = 2048):
+    """Timeline of one moe_decode call (the DECODE_TRACE build) at SHAPES[hidden]: when blocks
+    start, when each item's waits end, its K loop ends and it ends, as percentiles in µs from the
+    first block's start. `override`: build fields forced over the rules' choice."""
     import dataclasses
 
     import numpy as np
-    layout = RowLayout(*dims)
+    layout, act, K = SHAPES[hidden]
     rows = ExpertRows(layout, E)                      # kept alive: addr points into rows.bank
     addr = rows.addr
-    gemm = MoEGemm(layout, 8, torch.bfloat16, max_decode_tokens=T)
+    gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=T, activation=act)
     blocks = 4096
     stamps = moe_decode.trace_buffer("cuda", blocks)
     x = torch.randn(T, layout.hidden, device="cuda", dtype=torch.bfloat16)
-    ids = torch.rand(T, E, device="cuda").topk(8, dim=-1).indices
-    w = torch.rand(T, 8, device="cuda").reshape(-1)
+    ids = torch.rand(T, E, device="cuda").topk(K, dim=-1).indices
+    w = torch.rand(T, K, device="cuda").reshape(-1)
     la = addr[ids].reshape(-1)
     out = torch.empty_like(x)
-    build = dataclasses.replace(gemm.decoder.choose(T * 8, x, w), trace=True, **(override or {}))
+    build = dataclasses.replace(gemm.decoder.choose(T * K, x, w), trace=True, **(override or {}))
 
     def call():
-        gemm.decoder.launch(build, x, la, None, w, 8, 2, gemm.decode_workspaces, out, gemm.error,
+        gemm.decoder.launch(build, x, la, None, w, K, 2, gemm.decode_workspaces, out, gemm.error,
                             trace=stamps)
 
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -160,7 +167,7 @@ def trace(T: int = 1, E: int = 128, override: dict | None = None, dims=(2048, 76
             print(f"{name:4s} {'K loop (dur)':14s} {pct((sl[:, 2] - sl[:, 1]) / 1e3)}")
 
 
-def route_trace(T: int = 1, E: int = 128, dims=(2048, 768)):
+def route_trace(T: int = 1, E: int = 128, layout: RowLayout = SHAPES[2048][0]):
     """Timeline of one call of the router folded into the decode GEMM's launch (moe_decode's ROUTE
     build, DECODE_TRACE): when its blocks waited, wrote their logits, saw every expert's, read
     them, routed and grouped their lanes, and when the items' K loops and the items end, as
@@ -171,7 +178,6 @@ def route_trace(T: int = 1, E: int = 128, dims=(2048, 768)):
     import numpy as np
 
     from cupool.ops.dense_gemv import RouteOut
-    layout = RowLayout(*dims)
     H, K = layout.hidden, 8
     rows = ExpertRows(layout, E)                      # kept alive: table points into rows.bank
     gemm = MoEGemm(layout, K, torch.bfloat16, max_decode_tokens=T)
@@ -428,12 +434,14 @@ def build_parser() -> CLIParser:
                    help="--sweep, --prefill-sweep: rounds over the variants (>= 1)")
     p.add_argument("--cases", nargs="+", type=parse_case, metavar="H:T",
                    default=[parse_case(c) for c in SWEEP_CASES],
-                   help="--sweep: decode cases, hidden size (2048 or 4096) and tokens (1 to 16; "
-                        "default %s)" % " ".join(SWEEP_CASES))
+                   help="--sweep: decode cases, hidden size (SHAPES: 2048, 4096, gpt-oss's 2880 "
+                        "or Nemotron-H's 2688) and tokens (1 to 16; default %s)"
+                        % " ".join(SWEEP_CASES))
     p.add_argument("--variant", type=parse_variant, default={}, metavar="NAME=INT[,...]",
                    help="--trace: minb / w13_split of the traced build")
-    p.add_argument("--hidden", type=int, choices=sorted(DIMS), default=2048,
-                   help="--trace: hidden size of the traced layer (I follows: 768 or 1536)")
+    p.add_argument("--hidden", type=int, choices=sorted(SHAPES), default=2048,
+                   help="--trace, --route-trace: hidden size of the traced layer (SHAPES: I "
+                        "follows; --route-trace takes 2048 or 4096)")
     what.add_argument("--trace", type=bounded_int(1, 32), nargs="*", metavar="T",
                       help="timeline of moe_decode calls of T tokens (1 to 32; default 1), then "
                            "exit")
@@ -462,6 +470,9 @@ def build_parser() -> CLIParser:
 
 
 def main(args) -> None:
+    if args.route_trace is not None and args.hidden not in (2048, 4096):
+        raise ValueError(f"--route-trace: the routing build routes SiLU experts of top-8 without "
+                         f"a router bias, so not --hidden {args.hidden}; use 2048 or 4096")
     _cuda.require_gpu("the MoE GEMM profiler")
     if args.prefill_sweep is not None:
         prefill_sweep(args.prefill_sweep or [prefill_variant("default")], repeats=args.repeats)
@@ -487,11 +498,11 @@ def main(args) -> None:
         return
     if args.route_trace is not None:
         for T in args.route_trace or [1]:
-            route_trace(T, E=args.experts, dims=DIMS[args.hidden])
+            route_trace(T, E=args.experts, layout=SHAPES[args.hidden][0])  # SiLU, top-8
         return
     if args.trace is not None:
         for T in args.trace or [1]:
-            trace(T, E=args.experts, override=args.variant, dims=DIMS[args.hidden])
+            trace(T, E=args.experts, override=args.variant, hidden=args.hidden)
         return
     E, K = args.experts, 8
     layout = RowLayout(2048, 768)

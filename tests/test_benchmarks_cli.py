@@ -179,6 +179,7 @@ BAD = BAD_SUBPROCESS + [
     (["profile_gemm.py", "--sweep", "stage=2"], "--sweep"),
     (["profile_gemm.py", "--prefill-sweep", "NB=x"], "--prefill-sweep"),
     (["profile_gemm.py", "--trace", "1", "--sweep"], "--sweep"),         # one diagnostic a run
+    (["profile_gemm.py", "--route-trace", "1", "--hidden", "2880"], "--route-trace"),  # a router bias
     (["profile_host.py", "--calls", "many"], "--calls"),
     (["profile_read.py", "--experts", "8"], "--experts"),
     (["ncu_source.py", "--top", "0", "x.csv"], "--top"),
@@ -527,8 +528,11 @@ def test_ncu_source_summary(tmp_path):
 
 def test_profile_gemm_cases():
     profile_gemm = load("profile_gemm.py")
-    assert profile_gemm.parse_case("2048:3") == ((2048, 768), 3)
-    assert profile_gemm.parse_case("4096:16") == ((4096, 1536), 16)
+    assert profile_gemm.parse_case("2048:3") == (2048, 3)
+    assert profile_gemm.parse_case("4096:16") == (4096, 16)
+    assert profile_gemm.parse_case("2880:1") == (2880, 1)            # gpt-oss's experts
+    layout, _, topk = profile_gemm.SHAPES[2880]
+    assert (layout.hidden, layout.intermediate, layout.bias, topk) == (2880, 2880, True, 4)
     for bad in ("2048", "1024:1", "2048:0", "2048:17", "x:1"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected H:T"):
             profile_gemm.parse_case(bad)
