@@ -104,13 +104,21 @@ def test_decode_blocks_per_sm_without_spills(nvcc, tmp_path, nt, minb, spill):
 
 
 def test_decode_blocks_per_sm_rule():
-    """4 blocks per SM where a call's w13 items (lanes · Ip/16) fill 4 blocks on every SM."""
+    """4 blocks per SM where a call's w13 items (lanes · Ip/16) fill 4 blocks on every SM, and
+    fill them twice or leave no more slots of the call's waves empty than 3 blocks would."""
     rule = moe_decode.blocks_per_sm
     qwen, big = RowLayout(2048, 768), RowLayout(4096, 1536)
     assert rule(qwen, 132, 8, 8) == 3                         # T=1, K=8: 384 items < 528
     assert rule(qwen, 132, 8, 32) == 4                        # T=4: 1,536
     assert rule(qwen, 132, 16, 128) == 3                      # units of 16 lanes: never 4
     assert rule(big, 132, 8, 8) == 4                          # 768 items
+    # w13 items filling the 4-block grid less than twice: the waves of all the call's items
+    gpt_oss = RowLayout(2880, 2880, bias=True)
+    assert moe_decode.call_items(gpt_oss, 4, 4) == 720 + 360
+    assert rule(gpt_oss, 132, 8, 4) == 3                      # T=1: 3 waves of 396 or of 528
+    assert rule(gpt_oss, 132, 8, 8) == 4                      # T=2: 1,440 w13 items, 2.7 waves
+    assert moe_decode.call_items(big, 8, 4) == 768 + 512      # 304 empty slots either way
+    assert rule(gpt_oss, 188, 8, 4) == 3 and rule(gpt_oss, 170, 8, 4) == 4
 
 
 @pytest.mark.parametrize("nt,minb,maxw", [(8, 4, 64), (16, 3, 256)])

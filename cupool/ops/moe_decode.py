@@ -130,6 +130,12 @@ def w13_items_fill(layout: RowLayout, sms: int, lanes: int, w13_split: int,
     return w13_items(layout, lanes, w13_split) >= blocks_per_sm * sms
 
 
+def call_items(layout: RowLayout, lanes: int, w13_split: int) -> int:
+    """Items of a call of `lanes` lanes, one unit a lane (an upper bound): its w13 items at
+    `w13_split` and its units' w2 items."""
+    return w13_items(layout, lanes, w13_split) + lanes * w2_items(layout)
+
+
 def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int) -> int:
     """Blocks per SM a build's registers must allow, for a call of `lanes` lanes.
 
@@ -138,8 +144,27 @@ def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int) -> int:
     SM; else 3 (at most 80 registers). On an H200 (K=8, same
     output bits) 4 measured 6–12% faster where the items fill the grid (H=2048 T=4, H=4096 T=1
     and T=4) and 5% slower at H=2048 T=1 (384 items for 528 blocks). Units of 16 lanes spill at
-    64 registers and keep 3 (tests/test_nvcc_compile.py checks both facts)."""
-    return 4 if nt == 8 and w13_items_fill(layout, sms, lanes, 4, 4) else 3
+    64 registers and keep 3 (tests/test_nvcc_compile.py checks both facts).
+
+    Where the w13 items fill the 4-block grid less than twice, the waves of the whole call's items
+    (`call_items`) decide: 3 where a 3-block grid's waves leave fewer block slots empty, else 4.
+    At gpt-oss's T=1 (4 units: 720 w13 and 360 w2 items, 132 SMs) that is 3 waves of 396 blocks
+    against 3 of 528: on an H100 (profile_gemm --sweep, two calls of two rounds) 3 blocks an SM
+    took 38.8–39.5 µs a layer against 45.4–48.1 with 4; at H=4096 T=1 (768 and 512 items) both
+    leave 304 slots empty and 4 stays (52.2–52.7 against 55.1–55.4 with 3). In the same sweep
+    the rule's choice was the faster one, or within 1%, at gpt-oss T=2–4, H=2048 T=1–2 and
+    Nemotron-H T=2–3 (rows without a gate: T=3 now takes 3, 55.9–56.3 against 56.7 µs)."""
+    if nt != 8 or not w13_items_fill(layout, sms, lanes, 4, 4):
+        return 3
+    if w13_items(layout, lanes, 4) >= 2 * 4 * sms:
+        return 4
+
+    def empty_slots(minb: int) -> int:
+        grid = minb * sms
+        n = call_items(layout, lanes, w13_split(layout, sms, lanes, minb))
+        return -(-n // grid) * grid - n
+
+    return 3 if empty_slots(3) < empty_slots(4) else 4
 
 
 def w13_split(layout: RowLayout, sms: int, lanes: int, minb: int) -> int:
