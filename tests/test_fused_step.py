@@ -127,8 +127,7 @@ def test_reference_step_equals_transformers(family):
 def gpt_oss_model(seed: int, device="cpu"):
     """A tiny gpt-oss whose sinks and router biases are far from zero (sinks that take most of
     each head's attention), so that a step leaving either out is far off."""
-    model = fused_model("gpt_oss", seed=seed, device=device,
-                        max_position_embeddings=131072)     # YaRN's factor as its config's ratio
+    model = fused_model("gpt_oss", seed=seed, device=device)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(3, 1)

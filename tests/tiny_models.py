@@ -39,9 +39,12 @@ FAMILIES = {
                          q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8),
                     ([1, 2], 8, 2, 48, 16)),
     # Experts with biases, gate/up interleaved and transposed, clamped SwiGLU (alpha, limit from
-    # the config); attention with sinks, alternating sliding-window layers.
-    "gpt_oss": (dict(_COMMON, hidden_size=48, intermediate_size=32, head_dim=16,
-                     num_local_experts=8, num_experts_per_tok=4, sliding_window=8,
+    # the config); attention with sinks, alternating sliding-window layers. The published
+    # max_position_embeddings (YaRN's factor 32 over 4,096 positions: transformers warns where
+    # the two disagree).
+    "gpt_oss": (dict(_COMMON, max_position_embeddings=131072, hidden_size=48,
+                     intermediate_size=32, head_dim=16, num_local_experts=8,
+                     num_experts_per_tok=4, sliding_window=8,
                      layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
                 ([0, 1, 2], 8, 4, 48, 32)),
 }
