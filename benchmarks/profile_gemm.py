@@ -65,8 +65,7 @@ SWEEP_CASES = ("2048:1", "2048:4", "4096:1", "4096:4")
 
 
 def parse_case(text: str) -> tuple[int, int]:
-    """"H:T" -> (H, T), H one of SHAPES' hidden sizes (Qwen3-30B-A3B, H=4096/I=1536, gpt-oss). An
-    argument type (--cases)."""
+    """"H:T" -> (H, T), H one of SHAPES' hidden sizes. An argument type (--cases)."""
     h, sep, t = text.partition(":")
     if not sep or not h.isdigit() or not t.isdigit() or int(h) not in SHAPES or not 1 <= int(t) <= 16:
         raise argparse.ArgumentTypeError(

@@ -153,7 +153,12 @@ def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int) -> int:
     took 38.8–39.5 µs a layer against 45.4–48.1 with 4; at H=4096 T=1 (768 and 512 items) both
     leave 304 slots empty and 4 stays (52.2–52.7 against 55.1–55.4 with 3). In the same sweep
     the rule's choice was the faster one, or within 1%, at gpt-oss T=2–4, H=2048 T=1–2 and
-    Nemotron-H T=2–3 (rows without a gate: T=3 now takes 3, 55.9–56.3 against 56.7 µs)."""
+    Nemotron-H T=2–3 (rows without a gate: T=3 now takes 3, 55.9–56.3 against 56.7 µs).
+
+    The value is the build's register bound (MINB); the grid is what fits (`kernels.
+    resident_grid`). gpt-oss's MINB 3 build takes 66 registers (nvcc 13, sm_90), so 3 blocks an
+    SM; Qwen3-30B-A3B's (64) and Nemotron-H's (61) still fit 4, so there the two builds differ in
+    their code, not their grid, and the slot count above is the rule's model, not the launch."""
     if nt != 8 or not w13_items_fill(layout, sms, lanes, 4, 4):
         return 3
     if w13_items(layout, lanes, 4) >= 2 * 4 * sms:
