@@ -35,7 +35,7 @@ def table(fn, label, reps=5):
 # moe_decode builds of the sweep: fields of cupool.ops.moe_decode.Build forced over what the
 # per-call rules choose ("" is the rules' own choice).
 SWEEP = ("", "minb=3", "minb=4", "w13_split=2", "w13_split=4", "xsmem=1")
-_BUILD_FIELDS = ("minb", "w13_split", "xsmem")
+_BUILD_FIELDS = ("minb", "w13_split", "xsmem", "blocks")
 
 
 def parse_variant(text: str) -> dict:
@@ -427,7 +427,8 @@ def build_parser() -> CLIParser:
                         "--prefill-timeline (in [8, 1024]: top-8 routing; --sweep uses 128)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--sweep", nargs="*", type=parse_variant, metavar="NAME=INT[,...]",
-                      help="time moe_decode builds with minb / w13_split forced ('' is the rules' "
+                      help="time moe_decode builds with minb / w13_split / xsmem / blocks (blocks "
+                           "an SM of the launch) forced ('' is the rules' "
                            "choice; none given: a split/occupancy sweep), then exit")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="--sweep, --prefill-sweep: rounds over the variants (>= 1)")
@@ -437,7 +438,7 @@ def build_parser() -> CLIParser:
                         "or Nemotron-H's 2688) and tokens (1 to 16; default %s)"
                         % " ".join(SWEEP_CASES))
     p.add_argument("--variant", type=parse_variant, default={}, metavar="NAME=INT[,...]",
-                   help="--trace: minb / w13_split of the traced build")
+                   help="--trace: minb / w13_split / xsmem / blocks of the traced build")
     p.add_argument("--hidden", type=int, choices=sorted(SHAPES), default=2048,
                    help="--trace, --route-trace: hidden size of the traced layer (SHAPES: I "
                         "follows; --route-trace takes 2048 or 4096)")

@@ -539,5 +539,6 @@ def test_profile_gemm_cases():
     assert profile_gemm.parse_variant("minb=4,w13_split=2") == {"minb": 4, "w13_split": 2}
     assert profile_gemm.parse_variant("default") == {}
     assert profile_gemm.parse_variant("xsmem=1") == {"xsmem": 1}     # x rows in shared memory
+    assert profile_gemm.parse_variant("minb=3,blocks=3") == {"minb": 3, "blocks": 3}  # the grid
     with pytest.raises(argparse.ArgumentTypeError, match="NAME=INT"):
         profile_gemm.parse_variant("stage=2")

@@ -337,6 +337,34 @@ def test_decode_split_in_place_then_fresh_is_bitwise_one_pass(request, placed_na
     assert gemm.read_error() == []
 
 
+@pytest.mark.parametrize("placed_name,T,K,blocks", [("qwen", 1, 8, 3), ("qwen", 4, 8, 1),
+                                                      ("small", 33, 4, 2), ("gptoss", 1, 4, 2)])
+def test_decode_fewer_blocks_same_bits(request, placed_name, T, K, blocks):
+    """A launch of at most `blocks` blocks an SM (Build.blocks, the profilers' grid variant) takes
+    the same items from the ticket, so its output equals the rules' grid's bit for bit (poisoned
+    first), with counters at rest after."""
+    import dataclasses
+
+    placed = request.getfixturevalue(placed_name)
+    gen = torch.Generator().manual_seed(T * 13 + blocks)
+    gemm = placed.gemm(K, max_decode_tokens=64)
+    x = torch.randn(T, placed.layout.hidden, generator=gen).to(torch.bfloat16).cuda()
+    ids, w = routing(T, K, placed.E, gen)
+    la, wf = placed.lane_addr(ids), w.reshape(-1).contiguous()
+    full = gemm.decoder.choose(T * K, x, wf)
+    outs = []
+    for build in (full, dataclasses.replace(full, blocks=blocks)):
+        out = torch.full_like(x, float("nan"))
+        gemm.decoder.launch(build, x, la, None, wf, K, 2, gemm.decode_workspaces, out, gemm.error)
+        outs.append(out)
+        assert_counters_at_rest(gemm)
+    grids = [gemm.decoder._compile(b)[1] for b in (full, dataclasses.replace(full, blocks=blocks))]
+    assert grids[1] == min(grids[0], blocks * gemm.decoder.sms), grids
+    assert rel_err(outs[0], placed.reference(x, ids, w)) <= TOL
+    assert torch.equal(outs[0], outs[1])
+    assert gemm.read_error() == []
+
+
 @pytest.mark.parametrize("T", [1, 2, 3, 7, 16, 33, 511, 2048])
 @pytest.mark.parametrize("K", [1, 8])
 def test_prefill_partition(qwen, T, K, prefill_config):

@@ -48,6 +48,9 @@ class Build:
     # (profile_decode, two rounds a tree): inside the step the kernel took 20.6-20.8 µs against
     # 19.8 and the next kernel's early start no longer overlapped it (32 KB more a block))
     route: int = 0           # 1: the launch routes the step itself (ROUTE, `route_fits`)
+    blocks: int = 0          # blocks an SM the launch runs: 0 as many as fit (`kernels.
+    # resident_grid`, the rules' choice); n > 0 at most n, a profiler's variant for timing a
+    # grid apart from the register bound (a build of MINB 3 may still fit 4 blocks an SM)
 
 
 def stage_ring_bytes() -> int:
@@ -252,8 +255,10 @@ class DecodeKernel:
                                   defines(build, self.layout, self.dtype, self.activation),
                                   self.device)
             smem = shared_bytes(build, self.layout.bias, self.layout.hp)
-            got = self._compiled[build] = (fn, kernels.resident_grid(fn, 32 * WARPS, smem,
-                                                                     self.device), smem)
+            grid = kernels.resident_grid(fn, 32 * WARPS, smem, self.device)
+            if build.blocks > 0:                  # fewer blocks are still resident at once
+                grid = min(grid, build.blocks * self.sms)
+            got = self._compiled[build] = (fn, grid, smem)
         return got
 
     def launch(self, build: Build, x: torch.Tensor, lane_addr: torch.Tensor,
