@@ -19,7 +19,8 @@
 #   SWEEP_CASES="2048:1 4096:4"   its decode cases, H:T;  SWEEP_REPEATS=2  rounds over them
 #   DENSE_SHAPES="default qkv=w4 ..."  CUPOOL_DENSE_SHAPE values of `ab-dense`
 #   AB_TREES="ab_base ."  AB_ROUNDS=3  AB_CONTEXT=16  AB_ARGS=  the trees, rounds, positions and
-#                                 other profile_decode.py arguments of `ab-trees`
+#                                 other profile_decode.py arguments of `ab-trees` (AB_ROUNDS,
+#                                 default 1 there, and AB_ARGS also of `ab-dense`)
 #   PREFILL_SWEEP="default NB=2,MINB=1"  prefill launch configs of `prefill-sweep`
 #   SCRATCHES="32x2 64x2 64x4"    prefill scratch rows x buffers of `prefix-scratch`
 #   HOST_STREAMS="1 8 16"  HOST_ARGS="--host-promote"  stream counts and other bench_serve
@@ -114,14 +115,17 @@ for stage in "$@"; do
               for k in moe_w13 moe_w2; do
                 run "ncu_source_$k" 300 $NCU_SOURCE -k regex:$k --launch-skip 1 -c 1 python3 benchmarks/profile_gemm.py --prefill-kernels 2048
                 gzip -f "$OUT/ncu_source_$k.log"; done ;;
-    # the fused step's launch shapes side by side (CUPOOL_DENSE_SHAPE; "default": unset), one
-    # profile_decode run each (with --ablate), the graph's ms a step in each summary line
+    # the fused step's launch shapes side by side (CUPOOL_DENSE_SHAPE; "default": unset), in
+    # AB_ROUNDS rounds (default 1) of one profile_decode run a shape (with --ablate and AB_ARGS,
+    # e.g. "--model gpt-oss-120b --layers 8"), the graph's ms a step in each summary line
     ab-dense) i=0
-              for shape in ${DENSE_SHAPES:-default qkv=w4 o=k2,router=k8 attn=ahead qkv=w4,o=k2,router=k8,attn=ahead}; do
-                i=$((i + 1))
-                [ "$shape" = default ] && v= || v=$shape
-                CUPOOL_DENSE_SHAPE=$v run "profile_decode_ab$i" 200 python3 benchmarks/profile_decode.py --ablate --json "$OUT/profile_decode_ab$i.json"
-                summary[-1]="${summary[-1]} [$shape] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/profile_decode_ab$i.log")"
+              for r in $(seq "${AB_ROUNDS:-1}"); do
+                for shape in ${DENSE_SHAPES:-default qkv=w4 o=k2,router=k8 attn=ahead qkv=w4,o=k2,router=k8,attn=ahead}; do
+                  i=$((i + 1))
+                  [ "$shape" = default ] && v= || v=$shape
+                  CUPOOL_DENSE_SHAPE=$v run "profile_decode_ab$i" 200 python3 benchmarks/profile_decode.py --ablate ${AB_ARGS:-} --json "$OUT/profile_decode_ab$i.json"
+                  summary[-1]="${summary[-1]} [$shape] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/profile_decode_ab$i.log")"
+                done
               done ;;
     # trees side by side: AB_TREES, directories holding a checkout's cupool/, rawkernels/ and
     # benchmarks/ ("." this one; e.g. ab_base/ from `git archive HEAD cupool rawkernels benchmarks`),
