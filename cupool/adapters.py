@@ -217,7 +217,7 @@ class MoELayerSpec:
         """The block's router module (`gate` or `router` of `parent`), or None: what computes the
         routing this layer's experts receive (`cupool.prefetch.RouterPredictor` reads its
         weight [E, H] to predict this layer's experts from the previous layer's input)."""
-        return _owner(self.parent, ("gate", "router"))[1]
+        return router_of(self.parent)[1]
 
     def restore(self, weights, device=None, biases=None) -> None:
         """The inverse of `release`: put E (gate [I, H], up [I, H], down [H, I]) tuples back into
@@ -323,9 +323,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> tuple[b
     return diff <= tol * scale, diff
 
 
-def _owner(spec_parent: nn.Module, names: tuple[str, ...]):
-    for n in names:
-        m = getattr(spec_parent, n, None)
+ROUTER_NAMES = ("gate", "router")     # a MoE block's router module: `gate`, or gpt-oss's `router`
+
+
+def router_of(block: nn.Module) -> tuple[str | None, nn.Module | None]:
+    """(attribute name, module) of a MoE block's router (ROUTER_NAMES, the first present), or
+    (None, None) where the block has none."""
+    for n in ROUTER_NAMES:
+        m = getattr(block, n, None)
         if isinstance(m, nn.Module):
             return n, m
     return None, None
@@ -336,7 +341,7 @@ def _find_top_k(path: str, parent_path: str, module: nn.Module, parent: nn.Modul
     found = []
     for attr in ("top_k", "num_experts_per_tok"):
         found.append((f"{parent_path}.{attr}", getattr(parent, attr, None)))
-    rname, router = _owner(parent, ("gate", "router"))
+    rname, router = router_of(parent)
     if router is not None:
         for attr in ("top_k", "num_experts_per_tok"):
             found.append((f"{parent_path}.{rname}.{attr}", getattr(router, attr, None)))
@@ -365,7 +370,7 @@ def _check_router(path: str, parent_path: str, parent: nn.Module, E: int, H: int
     """The router must score exactly the experts this module holds (routing ids index rows).
     Its weight is [E, H], or [E, block_in] where the block's input is not the experts' (a latent
     MoE projects the block's input of size block_in to the experts' H after routing it)."""
-    rname, router = _owner(parent, ("gate", "router"))
+    rname, router = router_of(parent)
     if router is None:
         return
     where = f"{parent_path}.{rname}" if parent_path else rname
@@ -655,7 +660,7 @@ def _list_spec(path: str, parent_path: str, experts: nn.ModuleList, parent: nn.M
         raise UnsupportedModelError(
             path, f"its expert weights are {g0.dtype}, not one of float32, float16, bfloat16")
     E = len(experts)
-    rname, router = _owner(parent, ("gate", "router"))
+    rname, router = router_of(parent)
     where = f"{parent_path}.{rname}" if parent_path else (rname or "gate")
     if not isinstance(router, nn.Linear):
         raise UnsupportedModelError(

@@ -81,6 +81,7 @@ from torch import nn
 
 from cupool import _cuda, dense_nvfp4, graphsafe
 from cupool._env import parse_switch
+from cupool.adapters import ROUTER_NAMES, router_of
 from cupool.engine import cache_kwarg
 from cupool.ops.dense_attention import (
     HEAD_DIMS,
@@ -114,8 +115,8 @@ from cupool.reference.dense import rope as rope_reference
 log = logging.getLogger("cupool")
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-# a MoE block's modules: its router (`gate`, or gpt-oss's `router`) and its experts
-_MOE_CHILDREN = ({"gate", "experts"}, {"router", "experts"})
+# a MoE block's modules: its router (adapters.ROUTER_NAMES) and its experts
+_MOE_CHILDREN = tuple({name, "experts"} for name in ROUTER_NAMES)
 # attention modules with these attributes compute something else than the pattern (latent
 # attention, logit soft-capping, gated outputs)
 _ATTN_REFUSE = ("q_a_proj", "kv_a_proj_with_mqa", "attn_logit_softcapping", "gate_proj")
@@ -536,8 +537,7 @@ class FusedStep:
             raise Unsupported(f"{where}.mlp has modules {sorted(moe_children)}, not a MoE block "
                               f"of {' or '.join(str(sorted(c)) for c in _MOE_CHILDREN)} (dense "
                               f"MLPs and shared experts are not fused)")
-        gname = "gate" if "gate" in moe_children else "router"
-        gate = getattr(mlp, gname)
+        gname, gate = router_of(mlp)
         pool = self.pool
         if pool is not None:
             spec = by_parent.get(id(mlp))
