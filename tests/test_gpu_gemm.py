@@ -7,6 +7,7 @@ the pair's and prefill's power-of-two-scaled fp16 x for bf16 inputs; the error c
 handed to w2 in bf16 and the bf16 output rounding, ~3e-3 in practice).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -343,8 +344,6 @@ def test_decode_fewer_blocks_same_bits(request, placed_name, T, K, blocks):
     """A launch of at most `blocks` blocks an SM (Build.blocks, the profilers' grid variant) takes
     the same items from the ticket, so its output equals the rules' grid's bit for bit (poisoned
     first), with counters at rest after."""
-    import dataclasses
-
     placed = request.getfixturevalue(placed_name)
     gen = torch.Generator().manual_seed(T * 13 + blocks)
     gemm = placed.gemm(K, max_decode_tokens=64)
@@ -352,13 +351,14 @@ def test_decode_fewer_blocks_same_bits(request, placed_name, T, K, blocks):
     ids, w = routing(T, K, placed.E, gen)
     la, wf = placed.lane_addr(ids), w.reshape(-1).contiguous()
     full = gemm.decoder.choose(T * K, x, wf)
+    builds = (full, dataclasses.replace(full, blocks=blocks))
     outs = []
-    for build in (full, dataclasses.replace(full, blocks=blocks)):
+    for build in builds:
         out = torch.full_like(x, float("nan"))
         gemm.decoder.launch(build, x, la, None, wf, K, 2, gemm.decode_workspaces, out, gemm.error)
         outs.append(out)
         assert_counters_at_rest(gemm)
-    grids = [gemm.decoder._compile(b)[1] for b in (full, dataclasses.replace(full, blocks=blocks))]
+    grids = [gemm.decoder._compile(b)[1] for b in builds]
     assert grids[1] == min(grids[0], blocks * gemm.decoder.sms), grids
     assert rel_err(outs[0], placed.reference(x, ids, w)) <= TOL
     assert torch.equal(outs[0], outs[1])
