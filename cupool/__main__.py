@@ -199,7 +199,7 @@ def plan(args) -> int:
     from cupool.gemm import workspace_bytes
     from cupool.hosttable import is_table_name, table_patterns
     from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot
-    from cupool.layout import RowLayout
+    from cupool.layout import RowLayout, dense_strips_shape
     from cupool.store import fmt_bytes
 
     dtype = torch.bfloat16
@@ -222,6 +222,11 @@ def plan(args) -> int:
         # what the fused step's GEMVs read instead of them
         packed = {n: ck.dense_nvfp4_bytes([n]) for n in ck.dense_names()
                   if is_projection_weight(n) and ck.dense_kind(n) == "nvfp4"}
+        # --quantize-attention: the other projections quantized at load, packed the same way
+        quantized = {n: math.prod(dense_strips_shape(*ck.dense_shape(n)))
+                     for n in ck.dense_names() if is_projection_weight(n) and n not in packed
+                     and len(ck.dense_shape(n)) == 2} if args.quantize_attention else {}
+        packed.update(quantized)
         dense += sum(packed.values())
         fused_read = {**dense_read, **packed}
         sizes = ck.expert_sizes()
@@ -242,7 +247,9 @@ def plan(args) -> int:
           f"{E} experts (top-{K}), H={H}, I={I}")
     print(f"dense part   {fmt_bytes(dense):>12}  on the GPU (bf16"
           + (f"; {len(packed)} NVFP4 attention projections also kept packed, "
-             f"{fmt_bytes(sum(packed.values()))})" if packed else ")"))
+             f"{fmt_bytes(sum(packed.values()))}" if packed else "")
+          + (f", {len(quantized)} of them quantized at load" if quantized else "")
+          + ")")
     what = "NVFP4 + biases" if bias else "NVFP4"
     print(f"experts      {fmt_bytes(sizes.store_bytes):>12}  in pinned host memory "
           f"({L} x {E} rows of {fmt_bytes(layout.row_bytes)}, {what})")
@@ -352,9 +359,16 @@ def generate(args) -> int:
     if args.host_experts and args.device == "cpu":
         raise ValueError("--host-experts applies to a CUDA device (the CPU runs the whole model "
                          "itself)")
+    if args.quantize_attention and args.device == "cpu":
+        raise ValueError("--quantize-attention applies to a CUDA device (the fused decode "
+                         "step's GEMVs read the quantized projections)")
+    if args.quantize_attention and args.no_fused:
+        raise ValueError("--quantize-attention is for the fused decode step, which --no-fused "
+                         "turns off")
     t0 = time.perf_counter()
     model, pool, tok = load(args.model, args.device, budget=args.budget, max_batch=1,
-                            dtype=torch.bfloat16 if args.device != "cpu" else torch.float32)
+                            dtype=torch.bfloat16 if args.device != "cpu" else torch.float32,
+                            quantize_attention=args.quantize_attention)
     load_s = time.perf_counter() - t0
     if args.host_experts:
         hd = enable_host_experts(pool, 1, args.host_threads, args.host_leave,
@@ -448,6 +462,10 @@ def build_parser() -> CLIParser:
     pl.add_argument("--prefill-tokens", type=positive_int, default=4096,
                     help="tokens of one prefill GEMM call (longer prompts run in chunks)")
     pl.add_argument("--mtp", action="store_true", help="count the MTP layers' experts too")
+    pl.add_argument("--quantize-attention", action="store_true",
+                    help="the attention projections quantized to NVFP4 at load, as serve's "
+                         "--quantize-attention: their packed bytes on the GPU and in a token's "
+                         "reads")
     pl.add_argument("--gpu", type=_table_gpu, help="estimate decode speed on this GPU (RTX 3090, RTX 4090, "
                                   "RTX 5090, RTX PRO 6000, A100, H100, H200; default: this "
                                   "machine's GPU, if any)")
@@ -469,6 +487,9 @@ def build_parser() -> CLIParser:
     g.add_argument("--seed", type=nonnegative_int)
     g.add_argument("--no-fused", action="store_true",
                    help="run the model's own forward instead of cupool's fused decode step")
+    g.add_argument("--quantize-attention", action="store_true",
+                   help="quantize the attention projections to NVFP4 at load, as serve's "
+                        "--quantize-attention (CUDA)")
     g.add_argument("--no-compile", action="store_true",
                    help="where the fused step is not used, do not put the model's forward "
                         "through torch.compile (which takes tens of seconds at the start)")

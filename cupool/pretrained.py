@@ -26,9 +26,10 @@ Steps, each failing with a clear error before the next one takes memory:
 6. The dense part (attention, norms, routers, embeddings, shared experts, dense MLP layers) is
    materialised on the GPU and loaded tensor by tensor from the checkpoint (NVFP4/FP8 dense
    weights dequantized to `dtype`; NVFP4 attention projections also kept packed beside their
-   Linears, `cupool.dense_nvfp4`, for the fused decode step's GEMVs); non-persistent buffers
-   (rotary tables) are computed as transformers computes them; tied embeddings are tied;
-   generation_config.json is read.
+   Linears, `cupool.dense_nvfp4`, for the fused decode step's GEMVs; with
+   `quantize_attention=True` the other attention projections are quantized to NVFP4 here, on
+   the GPU, and kept the same way); non-persistent buffers (rotary tables) are computed as
+   transformers computes them; tied embeddings are tied; generation_config.json is read.
 7. The bank is built and the layers are swapped (`cupool.wrap.assemble`).
 """
 
@@ -42,10 +43,11 @@ from typing import NamedTuple
 
 import torch
 
-from cupool import dense_nvfp4
+from cupool import dense_nvfp4, nvfp4
 from cupool.adapters import MoELayerSpec, find_moe_layers
 from cupool.checkpoints import Checkpoint, CheckpointError, fill_store, open_checkpoint
 from cupool.hosttable import as_table_parameter, host_table_bytes, host_table_names, mapped_empty
+from cupool.layout import dense_strips_shape
 from cupool.store import fmt_bytes
 from cupool.wrap import assemble, plan
 
@@ -58,6 +60,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # checkpoint tensors a model may lack without harm (older exports' per-layer rotary tables)
 _IGNORED = (re.compile(r"(^|\.)rotary_emb\.inv_freq$"),)
 _LAYER_NO = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class QuantizeError(ValueError):
+    """An attention projection `quantize_attention` cannot quantize (the message names it)."""
 
 
 class Loaded(NamedTuple):
@@ -379,30 +385,61 @@ def packed_projections(model, mapping: dict[str, str | list[str]],
     return out
 
 
+def quantized_projections(model, mapping: dict[str, str | list[str]],
+                          ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
+    """{model weight name: (N, K)} of the attention projections `load_dense` quantizes to NVFP4
+    where it is asked to (`quantize_attention`): the `.weight` of every nn.Linear whose attribute
+    name is one of `dense_nvfp4.ATTENTION_PROJECTIONS`, except those the checkpoint already holds
+    as NVFP4 (`packed_projections`, kept as written). QuantizeError naming the first whose K is
+    not a multiple of 16 (NVFP4's block). From the model's modules alone (meta ones too)."""
+    packed = packed_projections(model, mapping, ckpt)
+    out = {}
+    for target in mapping:
+        if target in packed or not dense_nvfp4.is_projection_weight(target):
+            continue
+        linear = model.get_submodule(target.rpartition(".")[0])
+        if not isinstance(linear, torch.nn.Linear):
+            continue
+        n, k = linear.weight.shape
+        if k % nvfp4.BLOCK:
+            raise QuantizeError(f"quantize_attention: {target} is [{n}, {k}]; NVFP4 needs "
+                                f"its inner dim to be a multiple of {nvfp4.BLOCK}")
+        out[target] = (n, k)
+    return out
+
+
 def dense_gpu_bytes(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint,
-                    dtype: torch.dtype) -> int:
+                    dtype: torch.dtype, quantize_attention: bool = False) -> int:
     """GPU bytes `load_dense` will take on a CUDA device: every dense tensor in `dtype`
     (`Checkpoint.dense_bytes`), less the host tables kept in pinned host memory, plus the packed
     NVFP4 forms of `packed_projections` (`Checkpoint.dense_nvfp4_bytes`, about 0.28 of their
-    bf16 weights' bytes, held beside them). No data read."""
+    bf16 weights' bytes, held beside them) and, with `quantize_attention`, those of
+    `quantized_projections`. No data read."""
     packed = packed_projections(model, mapping, ckpt)
+    quantized = quantized_projections(model, mapping, ckpt) if quantize_attention else {}
     return (ckpt.dense_bytes(dtype) - host_table_bytes(model, dtype)
-            + ckpt.dense_nvfp4_bytes(packed.values()))
+            + ckpt.dense_nvfp4_bytes(packed.values())
+            + sum(a * b for a, b in (dense_strips_shape(n, k) for n, k in quantized.values())))
 
 
 @torch.no_grad()
-def load_dense(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint, device) -> None:
+def load_dense(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint, device,
+               quantize_attention: bool = False) -> None:
     """Materialise the model's dense part on `device` (the released experts hold no memory) and
     fill it from the checkpoint, one tensor (or one part) at a time. The weights of
     `packed_projections` are read once as NVFP4 and attached (`dense_nvfp4.attach`: the Linear's
     weight dequantized to its dtype, the same values `Checkpoint.dense_tensor` gives, and the
-    packed form beside it on `device`). On a CUDA device the host tables (`cupool.hosttable`:
-    qwen4_exp's n-gram embeddings) go to pinned, mapped host memory instead, filled part by
-    part."""
+    packed form beside it on `device`). With `quantize_attention`, each weight of
+    `quantized_projections` is then quantized on `device` (`cupool.nvfp4.quantize`, one global
+    scale a matrix) and attached the same way, so that prefill (transformers' forward) and the
+    fused step's GEMVs compute with the same quantized weights; QuantizeError naming a weight
+    that is not finite. On a CUDA device the host tables (`cupool.hosttable`: qwen4_exp's n-gram
+    embeddings) go to pinned, mapped host memory instead, filled part by part."""
     device = torch.device(device)
     host = host_table_names(model) if device.type == "cuda" else []
     held = {n: _hold_off(model, n) for n in host}
     packed = packed_projections(model, mapping, ckpt)
+    quantized = quantized_projections(model, mapping, ckpt) if quantize_attention else {}
     model.to_empty(device=device)
     targets = model.state_dict(keep_vars=True)
     for target, name in mapping.items():
@@ -414,9 +451,17 @@ def load_dense(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint, dev
             continue
         t = targets[target]
         _fill(t, ckpt, name)
-    if packed:
-        log.info("cupool: %s kept packed beside their weights (%s on %s)",
-                 dense_nvfp4.describe(model), fmt_bytes(dense_nvfp4.packed_bytes(model)), device)
+    for target in quantized:
+        linear = model.get_submodule(target.rpartition(".")[0])
+        try:
+            q = nvfp4.quantize(linear.weight.detach())
+        except ValueError as e:
+            raise QuantizeError(f"quantize_attention: {target}: {e}") from None
+        dense_nvfp4.attach(linear, q, target)
+    if packed or quantized:
+        log.info("cupool: %s kept packed beside their weights (%s on %s%s)",
+                 dense_nvfp4.describe(model), fmt_bytes(dense_nvfp4.packed_bytes(model)), device,
+                 f"; {len(quantized)} of them quantized at load" if quantized else "")
     for target, (shape, dtype) in held.items():
         cpu, gpu = mapped_empty(shape, dtype, device)
         _fill(cpu, ckpt, mapping[target])
@@ -474,7 +519,8 @@ def _generation_config(model, directory: Path) -> None:
 
 def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="cuda", *,
                     include_mtp: bool = False, window: int | None = None, progress: bool = True,
-                    load_tokenizer: bool = True, **wrap_kwargs) -> Loaded:
+                    load_tokenizer: bool = True, quantize_attention: bool = False,
+                    **wrap_kwargs) -> Loaded:
     """Load a checkpoint directory (or hub id) into a model whose experts are served by a pool.
 
     Args:
@@ -485,6 +531,12 @@ def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="
         include_mtp: also read multi-token-prediction layers (their experts join the store).
         window: experts quantized or laid out at a time (default: ≤ 1 GiB of temporaries).
         load_tokenizer: load the directory's tokenizer when it has one.
+        quantize_attention: quantize the attention projections (q/k/v/o_proj) the checkpoint
+            holds in bf16/fp16/FP8 to NVFP4 at load, for the fused decode step's GEMVs (a
+            quarter of the bytes a token reads for them: docs/PERFORMANCE.md, "Serving with
+            NVFP4 attention projections"). It changes the model's outputs, as any quantization
+            does: prefill and decode both compute with the quantized weights. Projections the
+            checkpoint holds as NVFP4 are kept as written either way.
         **wrap_kwargs: kv_reserve, max_decode_tokens, max_prefill_tokens, scratch_rows,
             scratch_buffers, route_fn (as `cupool.wrap`). kv_reserve: bytes, or what an engine
             of B slots of max_len positions allocates beside the model,
@@ -495,6 +547,8 @@ def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="
     """
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    if not isinstance(quantize_attention, bool):
+        raise TypeError(f"quantize_attention must be a bool, got {quantize_attention!r}")
     unknown = set(wrap_kwargs) - {"kv_reserve", "max_decode_tokens", "max_prefill_tokens",
                                   "scratch_rows", "scratch_buffers", "route_fn"}
     if unknown:
@@ -509,7 +563,7 @@ def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="
         mapping = dense_plan(model, specs, ckpt)
         for spec in specs:
             spec.release()
-        on_gpu = dense_gpu_bytes(model, mapping, ckpt, dtype)
+        on_gpu = dense_gpu_bytes(model, mapping, ckpt, dtype, quantize_attention)
         p = plan(specs, pending_bytes=on_gpu, rows=rows, budget=budget,
                  device=device, **wrap_kwargs)
 
@@ -518,7 +572,7 @@ def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="
                        progress=progress)
 
         def dense():
-            load_dense(model, mapping, ckpt, p.device)
+            load_dense(model, mapping, ckpt, p.device, quantize_attention)
             for spec in specs:
                 spec.device = p.device
 

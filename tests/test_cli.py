@@ -75,6 +75,8 @@ def test_bad_arguments_are_one_line(capsys, argv, word):
     (["--host-min-misses", "9"], "--host-min-misses applies with --host-experts"),
     (["--host-prefill-tokens", "64"], "--host-prefill-tokens applies with --host-experts"),
     (["--host-experts", "--device", "cpu"], "--host-experts applies to a CUDA device"),
+    (["--quantize-attention", "--device", "cpu"], "--quantize-attention applies to a CUDA device"),
+    (["--quantize-attention", "--no-fused"], "--quantize-attention is for the fused decode step"),
 ])
 def test_generate_host_experts_arguments(tmp_path, capsys, extra, words):
     """Checked before anything loads: one line, exit code 2."""

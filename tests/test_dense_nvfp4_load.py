@@ -16,6 +16,7 @@ from_pretrained at its plan call.
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -32,8 +33,9 @@ from checkpoint_fixtures import (
 )
 
 from cupool import dense_nvfp4
+from cupool.adapters import find_moe_layers
 from cupool.checkpoints import CheckpointError, open_checkpoint
-from cupool.nvfp4 import NVFP4Tensor, dequantize
+from cupool.nvfp4 import NVFP4Tensor, dequantize, quantize
 
 pytest.importorskip("transformers")
 
@@ -240,3 +242,149 @@ def test_cupool_plan_counts_the_packed_bytes(tmp_path, rng, capsys, attention):
     line = next(l for l in out.splitlines() if l.startswith("dense part"))
     assert fmt_bytes(dense + packed) in line, line
     assert ("8 NVFP4 attention projections also kept packed" in line) == attention, line
+
+
+# --- quantize_attention: bf16 projections quantized to NVFP4 at load ------------------------------
+def _bf16_projections(d) -> dict[str, torch.Tensor]:
+    """{module name: bf16 weight} of the attention projections a checkpoint stores in bf16."""
+    from safetensors.torch import load_file
+    t = {}
+    for f in sorted(d.glob("*.safetensors")):
+        t.update(load_file(f))
+    return {n.removesuffix(".weight"): w for n, w in t.items()
+            if dense_nvfp4.is_projection_weight(n)}
+
+
+def test_quantize_attention_packs_the_bf16_projections(tmp_path, rng, caplog):
+    """Each bf16 projection is quantized as `cupool.nvfp4.quantize` quantizes it and attached:
+    the packed form and the Linear's weight (its dequantized values) both the quantized matrix;
+    the model equals one loaded plain whose projections `quantize_linears` quantized after."""
+    from test_pretrained import _load_cpu
+    d, written = _export(tmp_path, rng, attention=False)
+    stored = _bf16_projections(d)
+    assert len(stored) == 8 and all(w.dtype == torch.bfloat16 for w in stored.values())
+    with caplog.at_level(logging.INFO, logger="cupool"):
+        ckpt, model, specs, layers = _load_cpu(d, quantize_attention=True)
+    try:
+        _restore_experts(ckpt, specs, layers)
+    finally:
+        ckpt.close()
+    assert "8 NVFP4 dense Linears" in caplog.text and "8 of them quantized at load" in caplog.text
+    linears = {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in PROJ}
+    assert sorted(linears) == sorted(stored)
+    for name, lin in linears.items():
+        q = quantize(stored[name])
+        p = dense_nvfp4.of(lin)
+        assert p is not None and p.shape == tuple(lin.weight.shape), name
+        assert torch.equal(p.strips, dense_nvfp4.pack(q).strips), name
+        assert p.global_scale == float(q.global_scale), name
+        assert lin.weight.dtype == torch.bfloat16
+        assert torch.equal(lin.weight, dequantize(q).to(torch.bfloat16)), name
+        assert not torch.equal(lin.weight, stored[name]), name      # it did change the weights
+    assert dense_nvfp4.packed_bytes(model) == 2 * (4 + 2 + 2 + 3) * 576
+
+    ckpt, plain, specs, layers = _load_cpu(d)
+    try:
+        _restore_experts(ckpt, specs, layers)
+    finally:
+        ckpt.close()
+    assert dense_nvfp4.packed_bytes(plain) == 0
+    assert dense_nvfp4.quantize_linears(plain) == 8
+    ids = torch.randint(3, 32, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+
+
+def test_quantize_attention_keeps_the_checkpoints_nvfp4_as_written(tmp_path, rng, caplog):
+    from test_pretrained import _load_cpu
+    d, written = _export(tmp_path, rng)
+    with caplog.at_level(logging.INFO, logger="cupool"):
+        ckpt, model, _, _ = _load_cpu(d, quantize_attention=True)
+    ckpt.close()
+    assert "8 NVFP4 dense Linears" in caplog.text and "quantized at load" not in caplog.text
+    for name, q in written.items():
+        lin = model.get_submodule(name.removesuffix(".weight"))
+        assert torch.equal(dense_nvfp4.of(lin).strips, dense_nvfp4.pack(q).strips), name
+        assert torch.equal(lin.weight, dequantize(q).to(torch.bfloat16)), name
+
+
+def test_quantize_attention_refuses_what_nvfp4_cannot_hold(tmp_path, rng):
+    """A projection whose inner dim is not a multiple of 16 is named before anything is read;
+    a NaN in a bf16 projection is named when it is quantized."""
+    from safetensors.torch import load_file, save_file
+    from test_pretrained import _load_cpu
+    d, _ = _export(tmp_path, rng, attention=False)
+    with open_checkpoint(d) as ck:
+        _, model = P.skeleton(d, torch.bfloat16)
+        specs = find_moe_layers(model)
+        P.match_layers(specs, ck)
+        mapping = P.dense_plan(model, specs, ck)
+        with torch.device("meta"):
+            model.model.layers[1].self_attn.q_proj = torch.nn.Linear(40, 64, bias=False)
+        with pytest.raises(P.QuantizeError, match=r"quantize_attention: model\.layers\.1\."
+                                                  r"self_attn\.q_proj\.weight is \[64, 40\]; "
+                                                  r"NVFP4 needs its inner dim to be a multiple "
+                                                  r"of 16"):
+            P.quantized_projections(model, mapping, ck)
+        # without quantize_attention nothing is asked of that Linear
+        assert P.dense_gpu_bytes(model, mapping, ck, torch.bfloat16) == \
+            ck.dense_bytes(torch.bfloat16)
+    f = next(d.glob("*.safetensors"))
+    t = load_file(f)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    t[name][3, 5] = float("nan")
+    save_file(t, f, metadata={"format": "pt"})
+    with pytest.raises(P.QuantizeError, match=rf"quantize_attention: {re.escape(name)}: .*NaN"):
+        _load_cpu(d, quantize_attention=True)
+    # the same checkpoint loads as it is without quantize_attention
+    ckpt, model, _, _ = _load_cpu(d)
+    ckpt.close()
+    assert torch.isnan(model.get_parameter(name)).any()
+
+
+def test_from_pretrained_plans_the_quantized_bytes(tmp_path, rng, monkeypatch):
+    d, _ = _export(tmp_path, rng, attention=False)
+    seen = []
+
+    def plan(specs, *, pending_bytes, **kw):
+        seen.append(pending_bytes)
+        raise _Planned
+
+    monkeypatch.setattr(P, "plan", plan)
+    for q in (False, True):
+        with pytest.raises(_Planned):
+            P.from_pretrained(d, rows=2, progress=False, load_tokenizer=False,
+                              quantize_attention=q)
+    with open_checkpoint(d) as ck:
+        dense = ck.dense_bytes(torch.bfloat16)
+    assert seen == [dense, dense + 2 * (4 + 2 + 2 + 3) * 576]
+    with pytest.raises(TypeError, match=r"quantize_attention must be a bool, got 'yes'"):
+        P.from_pretrained(d, rows=2, progress=False, quantize_attention="yes")
+
+
+def test_cupool_plan_quantize_attention(tmp_path, rng, capsys):
+    from cupool import __main__ as cli
+    from cupool.store import fmt_bytes
+    d, _ = _export(tmp_path, rng, attention=False)
+    lines = {}
+    for flag in ([], ["--quantize-attention"]):
+        rc = cli.main(["plan", "--model", str(d), "--budget", "1GiB", "--context", "64",
+                       "--gpu", "H200", *flag])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        lines[bool(flag)] = out
+    with open_checkpoint(d) as ck:
+        dense = ck.dense_bytes(torch.bfloat16)
+    packed = 2 * (4 + 2 + 2 + 3) * 576
+    line = next(l for l in lines[True].splitlines() if l.startswith("dense part"))
+    assert fmt_bytes(dense + packed) in line, line
+    assert "8 NVFP4 attention projections also kept packed" in line, line
+    assert "8 of them quantized at load" in line, line
+    line = next(l for l in lines[False].splitlines() if l.startswith("dense part"))
+    assert fmt_bytes(dense) in line and "packed" not in line, line
+
+    def read(out):        # a token's bytes read, from the speed estimate
+        m = re.search(r"a token reads ([0-9.]+) (\w+)", out)
+        return float(m.group(1)), m.group(2)
+    assert read(lines[True]) != read(lines[False])

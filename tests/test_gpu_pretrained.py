@@ -135,6 +135,41 @@ def test_from_pretrained_equals_the_model_built_in_memory(tmp_path, family, fmt)
     assert_same_tokens(loaded, twin, pool)
 
 
+def test_from_pretrained_quantize_attention(tmp_path):
+    """quantize_attention=True: the bf16 checkpoint's attention projections quantized to NVFP4
+    on the GPU, the same bits `dense_nvfp4.quantize_linears` gives the model transformers loads
+    (so the same logits, bit for bit), and the engine's fused step reading them packed (the same
+    greedy tokens as that twin's)."""
+    from cupool import dense_nvfp4
+    model = model_for("qwen3_moe", seed=33)
+    _, (_, E, K, _, _) = FAMILIES["qwen3_moe"]
+    model.save_pretrained(tmp_path / "m")
+    loaded = cupool.from_pretrained(tmp_path / "m", rows=max(K, E // 2), max_decode_tokens=2,
+                                    progress=False, quantize_attention=True)
+    from transformers import AutoModelForCausalLM
+    twin = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16).eval().cuda()
+    count = dense_nvfp4.quantize_linears(twin)
+    assert count == 4 * twin.config.num_hidden_layers
+    mine = {n: m for n, m in loaded.model.named_modules() if dense_nvfp4.of(m) is not None}
+    theirs = {n: m for n, m in twin.named_modules() if dense_nvfp4.of(m) is not None}
+    assert sorted(mine) == sorted(theirs) and len(mine) == count
+    for name, lin in mine.items():
+        a, b = dense_nvfp4.of(lin), dense_nvfp4.of(theirs[name])
+        assert a.device.type == "cuda" and torch.equal(a.strips, b.strips), name
+        assert a.global_scale == b.global_scale and torch.equal(lin.weight, theirs[name].weight)
+    pool = cupool.wrap(twin, rows=max(K, E // 2), max_decode_tokens=2, progress=False)
+    assert_same_pool(loaded, twin, pool)
+    prompts, params = [[5, 9, 13], [7, 3, 21, 30, 2]], cupool.SamplingParams(max_tokens=10)
+    engines = [cupool.Engine(m, p, max_batch=2, max_len=32, eos_token_id=[])
+               for m, p in ((loaded.model, loaded.pool), (twin, pool))]
+    L = twin.config.num_hidden_layers
+    for e in engines:
+        assert f"NVFP4 weights for qkv in {L} layers, o in {L} layers" in e.step_kind, e.step_kind
+    got, want = (e.generate(prompts, params) for e in engines)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert loaded.pool.errors() == [] and loaded.pool.verify() > 0
+
+
 def test_a_budget_too_small_fails_before_the_store_is_filled(tmp_path):
     model = model_for("qwen3_moe", seed=32)
     model.save_pretrained(tmp_path / "m")

@@ -25,7 +25,7 @@ def _saved(tmp_path, family, dtype=torch.bfloat16, **kw):
     return model, d
 
 
-def _load_cpu(d, dtype=torch.bfloat16):
+def _load_cpu(d, dtype=torch.bfloat16, quantize_attention=False):
     ckpt = open_checkpoint(d)
     _, model = P.skeleton(d, dtype)
     specs = find_moe_layers(model)
@@ -33,7 +33,7 @@ def _load_cpu(d, dtype=torch.bfloat16):
     mapping = P.dense_plan(model, specs, ckpt)
     for s in specs:
         s.release()
-    P.load_dense(model, mapping, ckpt, "cpu")
+    P.load_dense(model, mapping, ckpt, "cpu", quantize_attention)
     return ckpt, model, specs, layers
 
 

@@ -579,6 +579,9 @@ def test_loader(tmp_path, model_dir):
         load(model_dir, "cpu", max_len=257)
     with pytest.raises(LoadError, match="CUDA device"):
         load(model_dir, "cpu", budget="1GiB")
+    with pytest.raises(LoadError, match="quantizing the attention projections applies to a "
+                                        "CUDA device"):
+        load(model_dir, "cpu", quantize_attention=True)
     broken = tmp_path / "broken-tokenizer"
     write_tiny_model(broken)
     (broken / "tokenizer.json").write_text("{not json")
@@ -656,13 +659,15 @@ def _parse(argv):
      "--host-prefill-tokens must be in 0..1048576, got -1"),
     (["--model", "{model}", "--host-experts", "--host-prefill-tokens", "wide"],
      "--host-prefill-tokens must be an integer"),
+    (["--model", "{model}", "--device", "cpu", "--quantize-attention"],
+     "--quantize-attention applies to a CUDA device"),
 ], ids=["missing-dir", "no-config", "port-range", "port-type", "max-batch", "budget",
         "budget-on-cpu", "max-len", "device", "log-level", "max-queue", "resume-points",
         "shutdown-timeout", "api-key", "host-experts-on-cpu", "host-threads-when-off",
         "host-threads-on-cpu", "host-promote-when-off",
         "host-threads-range", "host-threads-type", "host-min-misses-when-off",
         "host-min-misses-range", "host-min-misses-type", "host-prefill-tokens-when-off",
-        "host-prefill-tokens-range", "host-prefill-tokens-type"])
+        "host-prefill-tokens-range", "host-prefill-tokens-type", "quantize-attention-on-cpu"])
 def test_cli_argument_errors(tmp_path, model_dir, capsys, argv, words):
     (tmp_path / "empty").mkdir()
     subst = {"{missing}": str(tmp_path / "missing"), "{empty}": str(tmp_path / "empty"),
@@ -693,6 +698,41 @@ def test_host_experts_options(model_dir, monkeypatch):
     o = opts("--host-threads", "6", "--host-min-misses", "12")
     assert o.host_experts is None and (o.host_threads, o.host_min_misses) == (6, 12)
     assert opts("--no-host-experts").host_experts is False
+
+
+def test_quantize_attention_option(model_dir, monkeypatch):
+    """--quantize-attention reaches cupool.from_pretrained; a projection it cannot quantize is a
+    LoadError (one line, exit code 2), not a traceback (a CUDA device stood in)."""
+    import torch
+
+    import cupool
+    from cupool.pretrained import QuantizeError
+    from cupool.serve import loader
+
+    def opts(*argv):
+        return cli.check_options(_parse(["--model", str(model_dir), *argv]))
+
+    monkeypatch.setattr(cli, "_device", lambda value: "cuda")
+    assert not opts().quantize_attention and opts("--quantize-attention").quantize_attention
+    with pytest.raises(cli.UsageError, match="--quantize-attention is for the fused decode "
+                                             "step, which --no-fused turns off"):
+        opts("--quantize-attention", "--no-fused")
+    seen = {}
+
+    def from_pretrained(path, **kw):
+        seen.update(kw)
+        if kw.get("quantize_attention"):
+            raise QuantizeError("quantize_attention: model.layers.0.self_attn.q_proj.weight is "
+                                "[64, 40]; NVFP4 needs its inner dim to be a multiple of 16")
+        return "loaded"
+
+    monkeypatch.setattr(cupool, "from_pretrained", from_pretrained)
+    dev = torch.device("cuda")
+    assert loader._load_cuda(model_dir, dev, None, 2, 64, None, None) == "loaded"
+    assert "quantize_attention" not in seen
+    with pytest.raises(loader.LoadError, match=r"q_proj\.weight is \[64, 40\]; NVFP4 needs"):
+        loader._load_cuda(model_dir, dev, None, 2, 64, None, None, True)
+    assert seen["quantize_attention"] is True
 
 
 def test_batch_prefill_option(model_dir):

@@ -5,7 +5,7 @@
                            [--api-key KEY] [--max-queue N] [--resume-points N]
                            [--host-experts | --no-host-experts] [--host-threads N]
                            [--host-promote] [--host-min-misses N] [--host-prefill-tokens N]
-                           [--shutdown-timeout S]
+                           [--quantize-attention] [--shutdown-timeout S]
 
 `run` checks every option before it loads anything: a user's mistake (a missing directory, no
 config.json, a port outside 0..65535, --max-batch < 1, a budget that does not parse, a CUDA
@@ -75,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="models with recurrent (linear-attention, Mamba) layers: copies of a "
                              "slot's states kept on the GPU for prefix reuse, 0 for none "
                              "(default: 3 x --max-batch; the log gives their size)")
+    parser.add_argument("--quantize-attention", action="store_true",
+                        help="CUDA: quantize the attention projections to NVFP4 at load, as the "
+                             "experts are, for a faster decode step (a quarter of their bytes a "
+                             "token); it changes the outputs, as quantization does. Projections "
+                             "the checkpoint holds as NVFP4 are used as they are either way")
     parser.add_argument("--no-fused", action="store_true",
                         help="run the model's own forward instead of cupool's fused decode step "
                              "(default: fused where the model fits)")
@@ -117,6 +122,7 @@ class Options:
     host_leave: bool = True
     host_min_misses: int | None = None
     host_prefill_tokens: int = 0
+    quantize_attention: bool = False
 
 
 def _int(value, flag: str, lo: int, hi: int | None = None) -> int:
@@ -228,6 +234,14 @@ def check_options(args) -> Options:
         raise UsageError(f"{given[0]} applies to host experts, which {off} turns off")
     if device == "cpu":
         host_experts = False
+    quantize_attention = bool(getattr(args, "quantize_attention", False))
+    if quantize_attention and device == "cpu":
+        raise UsageError("--quantize-attention applies to a CUDA device (the fused decode "
+                         "step's GEMVs read the quantized projections); the CPU serves the "
+                         "model's own weights")
+    if quantize_attention and getattr(args, "no_fused", False):
+        raise UsageError("--quantize-attention is for the fused decode step, which --no-fused "
+                         "turns off")
     try:
         shutdown = float(str(args.shutdown_timeout).strip())
     except ValueError:
@@ -242,7 +256,8 @@ def check_options(args) -> Options:
                    batch_prefill=not getattr(args, "no_batch_prefill", False),
                    host_experts=host_experts, host_threads=host_threads,
                    host_leave=not host_promote, host_min_misses=host_min_misses,
-                   host_prefill_tokens=host_prefill_tokens)
+                   host_prefill_tokens=host_prefill_tokens,
+                   quantize_attention=quantize_attention)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -305,7 +320,8 @@ def run(args) -> int:
         try:
             model, pool, tokenizer = load(opts.model_dir, opts.device, budget=opts.budget,
                                           max_batch=opts.max_batch, max_len=opts.max_len,
-                                          dtype=opts.dtype, resume_points=opts.resume_points)
+                                          dtype=opts.dtype, resume_points=opts.resume_points,
+                                          quantize_attention=opts.quantize_attention)
         except LoadError as e:
             return _fail(str(e))
         if _host_experts_wanted(log, pool, opts):

@@ -18,7 +18,7 @@ import json
 import logging
 from pathlib import Path
 
-from cupool.pretrained import TOKENIZER_FILES, Loaded
+from cupool.pretrained import TOKENIZER_FILES, Loaded, QuantizeError
 
 log = logging.getLogger("cupool.serve")
 
@@ -90,7 +90,7 @@ def load_tokenizer(model_dir):
 
 
 def load(model_dir, device, budget=None, max_batch: int = 8, max_len: int | None = None,
-         dtype=None, resume_points: int | None = None) -> Loaded:
+         dtype=None, resume_points: int | None = None, quantize_attention: bool = False) -> Loaded:
     """Load `model_dir` for serving on `device` ("cpu", "cuda", "cuda:N").
 
     budget: GPU memory for the whole model (bytes or "40GiB"; CUDA only, None: cupool's default).
@@ -103,6 +103,9 @@ def load(model_dir, device, budget=None, max_batch: int = 8, max_len: int | None
     recurrent states and resume_points copies of one slot's states.
     dtype: of the weights and activations; None: the checkpoint's own on the CPU, cupool's
         default on CUDA.
+    quantize_attention: CUDA only: the attention projections quantized to NVFP4 at load
+        (`cupool.from_pretrained`'s quantize_attention); LoadError naming a projection that
+        cannot be.
     """
     import torch
 
@@ -115,12 +118,17 @@ def load(model_dir, device, budget=None, max_batch: int = 8, max_len: int | None
         if budget is not None:
             raise LoadError("a memory budget applies to a CUDA device; the CPU serves the model "
                             "unwrapped (leave the budget out)")
+        if quantize_attention:
+            raise LoadError("quantizing the attention projections applies to a CUDA device "
+                            "(the fused decode step's GEMVs read them); the CPU serves the "
+                            "model's own weights")
         return _load_cpu(path, dtype)
     if resume_points is not None and (isinstance(resume_points, bool)
                                       or not isinstance(resume_points, int) or resume_points < 0):
         raise LoadError(f"resume_points must be an int >= 0, got {resume_points!r}")
     if dev.type == "cuda":
-        return _load_cuda(path, dev, budget, max_batch, max_len, dtype, resume_points)
+        return _load_cuda(path, dev, budget, max_batch, max_len, dtype, resume_points,
+                          quantize_attention)
     raise LoadError(f"device {device!r} is not served: use cpu or cuda[:N]")
 
 
@@ -148,16 +156,21 @@ def reserve(path: Path, max_batch: int, max_len: int, resume_points: int | None 
 
 
 def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype,
-               resume_points: int | None) -> Loaded:
+               resume_points: int | None, quantize_attention: bool = False) -> Loaded:
     import cupool
 
     kwargs = {} if dtype is None else {"dtype": dtype}
     if device.index is not None:
         kwargs["device"] = str(device)
+    if quantize_attention:
+        kwargs["quantize_attention"] = True
     kept = reserve(path, max_batch, max_len, resume_points)
     log.info("kept out of the bank: %s", kept.parts())
-    return cupool.from_pretrained(path, budget=budget, max_decode_tokens=max_batch,
-                                  kv_reserve=kept, **kwargs)
+    try:
+        return cupool.from_pretrained(path, budget=budget, max_decode_tokens=max_batch,
+                                      kv_reserve=kept, **kwargs)
+    except QuantizeError as e:
+        raise LoadError(f"{str(path)!r}: {e}") from None
 
 
 def auto_host_experts(pool, tokens: int, min_misses: int | None = None) -> str | None:
