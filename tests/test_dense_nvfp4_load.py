@@ -100,6 +100,18 @@ def _restore_experts(ckpt, specs, layers) -> None:
         spec.restore([(g[e], u[e], d[e]) for e in range(g.shape[0])], "cpu")
 
 
+def _load_whole(d, **kw):
+    """The model `test_pretrained._load_cpu` loads from `d` (kw: its quantize_attention), with
+    its experts put back from the checkpoint, so that it runs a forward."""
+    from test_pretrained import _load_cpu
+    ckpt, model, specs, layers = _load_cpu(d, **kw)
+    try:
+        _restore_experts(ckpt, specs, layers)
+    finally:
+        ckpt.close()
+    return model
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dense_nvfp4_gives_the_stored_matrix(tmp_path, rng, fmt):
     d, written = _export(tmp_path, rng, fmt)
@@ -127,15 +139,11 @@ def test_dense_nvfp4_gives_the_stored_matrix(tmp_path, rng, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_load_dense_keeps_the_projections_packed_with_the_same_weights(tmp_path, rng, fmt,
                                                                         monkeypatch, caplog):
-    from test_pretrained import _load_cpu
     d, written = _export(tmp_path, rng, fmt)
     with caplog.at_level(logging.INFO, logger="cupool"):
-        ckpt, model, specs, layers = _load_cpu(d)
-    try:
-        _restore_experts(ckpt, specs, layers)
+        model = _load_whole(d)
+    with open_checkpoint(d) as ckpt:
         assert ckpt.dense_nvfp4_bytes(written) == dense_nvfp4.packed_bytes(model)
-    finally:
-        ckpt.close()
     assert "8 NVFP4 dense Linears (model.layers.N.self_attn.k_proj" in caplog.text
     linears = {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in PROJ}
     assert len(linears) == len(written) == 8
@@ -152,11 +160,7 @@ def test_load_dense_keeps_the_projections_packed_with_the_same_weights(tmp_path,
 
     # the same checkpoint read as before: every dense weight dequantized, nothing attached
     monkeypatch.setattr(P, "packed_projections", lambda *args: {})
-    ckpt, plain, specs, layers = _load_cpu(d)
-    try:
-        _restore_experts(ckpt, specs, layers)
-    finally:
-        ckpt.close()
+    plain = _load_whole(d)
     assert dense_nvfp4.packed_bytes(plain) == 0
     want = plain.state_dict()
     for name, t in model.state_dict().items():
@@ -259,16 +263,11 @@ def test_quantize_attention_packs_the_bf16_projections(tmp_path, rng, caplog):
     """Each bf16 projection is quantized as `cupool.nvfp4.quantize` quantizes it and attached:
     the packed form and the Linear's weight (its dequantized values) both the quantized matrix;
     the model equals one loaded plain whose projections `quantize_linears` quantized after."""
-    from test_pretrained import _load_cpu
     d, written = _export(tmp_path, rng, attention=False)
     stored = _bf16_projections(d)
     assert len(stored) == 8 and all(w.dtype == torch.bfloat16 for w in stored.values())
     with caplog.at_level(logging.INFO, logger="cupool"):
-        ckpt, model, specs, layers = _load_cpu(d, quantize_attention=True)
-    try:
-        _restore_experts(ckpt, specs, layers)
-    finally:
-        ckpt.close()
+        model = _load_whole(d, quantize_attention=True)
     assert "8 NVFP4 dense Linears" in caplog.text and "8 of them quantized at load" in caplog.text
     linears = {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in PROJ}
     assert sorted(linears) == sorted(stored)
@@ -283,11 +282,7 @@ def test_quantize_attention_packs_the_bf16_projections(tmp_path, rng, caplog):
         assert not torch.equal(lin.weight, stored[name]), name      # it did change the weights
     assert dense_nvfp4.packed_bytes(model) == 2 * (4 + 2 + 2 + 3) * 576
 
-    ckpt, plain, specs, layers = _load_cpu(d)
-    try:
-        _restore_experts(ckpt, specs, layers)
-    finally:
-        ckpt.close()
+    plain = _load_whole(d)
     assert dense_nvfp4.packed_bytes(plain) == 0
     assert dense_nvfp4.quantize_linears(plain) == 8
     ids = torch.randint(3, 32, (2, 9), generator=torch.Generator().manual_seed(2))
