@@ -226,6 +226,10 @@ def plan(args) -> int:
         quantized = {n: math.prod(dense_strips_shape(*ck.dense_shape(n)))
                      for n in ck.dense_names() if is_projection_weight(n) and n not in packed
                      and len(ck.dense_shape(n)) == 2} if args.quantize_attention else {}
+        for n in quantized:
+            if ck.dense_shape(n)[1] % 16:
+                raise ValueError(f"--quantize-attention: {n} is {list(ck.dense_shape(n))}; "
+                                 f"NVFP4 needs its inner dim to be a multiple of 16")
         packed.update(quantized)
         dense += sum(packed.values())
         fused_read = {**dense_read, **packed}
@@ -353,7 +357,7 @@ def generate(args) -> int:
 
     from cupool.engine import Engine
     from cupool.sampling import SamplingParams
-    from cupool.serve.loader import enable_host_experts, load
+    from cupool.serve.loader import enable_host_experts, load, unused_quantization
 
     check_host_flags(args)
     if args.host_experts and args.device == "cpu":
@@ -395,6 +399,8 @@ def generate(args) -> int:
                     fused=False if args.no_fused else None,
                     compile=args.device != "cpu" and not args.no_compile)
     print(f"decode step: {engine.step_kind}", file=sys.stderr)
+    if args.quantize_attention and (why := unused_quantization(engine)) is not None:
+        print(f"warning: {why}", file=sys.stderr)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_new_tokens)
     print(f"loaded in {load_s:.1f} s; prompt of {len(ids)} tokens", file=sys.stderr)

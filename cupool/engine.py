@@ -1009,6 +1009,12 @@ class Engine:
 
     # --- facts ----------------------------------------------------------------------------------------
     @property
+    def fused_step(self):
+        """The fused decode step (`cupool.fused.FusedStep`) this engine runs, or None where it
+        runs the model's own forward (`step_kind` says which)."""
+        return self._fused
+
+    @property
     def resume_point_bytes(self) -> int:
         """Device bytes of one resume point: one slot's recurrent states (0 for a model of
         attention layers alone, and before the first prefill allocates the states). The saved

@@ -662,15 +662,19 @@ class FusedStep:
             if why is None and self.fused_route_asked:
                 text += ("; routing inside the decode GEMM's launch" if self.fused_route_why is None
                          else f"; the router keeps its own launch: {self.fused_route_why}")
-        fl = [l for l in self.layers if isinstance(l, FusedLayer)]
-        nv = [f"{name} in {n} layers" for name in ("qkv", "o")
-              if (n := sum(getattr(l, name).nvfp4 for l in fl))]
+        nv = [f"{name} in {n} layers" for name, n in self.nvfp4_gemvs().items() if n]
         if nv:
             text += f"; NVFP4 weights for {', '.join(nv)}"
         others = [l for l in self.layers if isinstance(l, ModelLayer)]
         if others:
             text += f"; transformers' modules for layers {[l.index for l in others]} ({others[0].reason})"
         return text
+
+    def nvfp4_gemvs(self) -> dict[str, int]:
+        """{"qkv": n, "o": n}: in how many fused layers that GEMV reads NVFP4 weights (a
+        checkpoint's, or those `from_pretrained(quantize_attention=True)` made)."""
+        fl = [l for l in self.layers if isinstance(l, FusedLayer)]
+        return {name: sum(getattr(l, name).nvfp4 for l in fl) for name in ("qkv", "o")}
 
     @property
     def needs_mask(self) -> bool:

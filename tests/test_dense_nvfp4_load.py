@@ -383,3 +383,28 @@ def test_cupool_plan_quantize_attention(tmp_path, rng, capsys):
         m = re.search(r"a token reads ([0-9.]+) (\w+)", out)
         return float(m.group(1)), m.group(2)
     assert read(lines[True]) != read(lines[False])
+
+
+def test_cupool_plan_quantize_attention_refuses_what_nvfp4_cannot_hold(tmp_path, rng, capsys):
+    """A bf16 projection whose inner dim is not a multiple of 16 (o_proj of 5 heads of 8: K = 40)
+    under --quantize-attention: one line, exit code 2, naming it; without the flag the plan is
+    made."""
+    from cupool import __main__ as cli
+    a = qwen3_moe(rng, H=48)
+    a.config.update(num_attention_heads=5, num_key_value_heads=1, head_dim=8)
+    t = dict(a.dense)
+    for li in range(a.config["num_hidden_layers"]):
+        pre = f"model.layers.{li}.self_attn"
+        for name, shape in (("q_proj", (40, 48)), ("k_proj", (8, 48)), ("v_proj", (8, 48)),
+                            ("o_proj", (48, 40)), ("q_norm", (8,)), ("k_norm", (8,))):
+            t[f"{pre}.{name}.weight"] = torch.randn(shape).to(torch.bfloat16)
+    q = reference_nvfp4(float_experts(rng, a))
+    put_modelopt_experts(t, a, q)
+    d = save(tmp_path / "k40", t, a.config, hf_quant_config=modelopt_hf_quant())
+    argv = ["plan", "--model", str(d), "--budget", "1GiB", "--context", "64"]
+    assert cli.main(argv) == 0, capsys.readouterr()
+    capsys.readouterr()
+    assert cli.main([*argv, "--quantize-attention"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--quantize-attention: model.layers.0.self_attn.o_proj.weight is " \
+        "[48, 40]; NVFP4 needs its inner dim to be a multiple of 16" in err[0], err

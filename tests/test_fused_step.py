@@ -242,6 +242,7 @@ def test_reference_step_reads_nvfp4_projections():
     fused, want, fc, mc, step = compare_step(model, None, "reference",
                                              [[5, 9, 3], [7, 1, 4, 4, 8, 2]], [11, 13])
     assert "NVFP4 weights for qkv in 3 layers, o in 2 layers" in step.describe(), step.describe()
+    assert step.nvfp4_gemvs() == {"qkv": 3, "o": 2}
     assert [l.o.nvfp4 for l in step.layers] == [True, True, False]
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):

@@ -735,6 +735,25 @@ def test_quantize_attention_option(model_dir, monkeypatch):
     assert seen["quantize_attention"] is True
 
 
+def test_unused_quantization_is_named():
+    """--quantize-attention where no GEMV of the decode step reads the projections (the model's
+    own forward, or fused layers without NVFP4 GEMVs): the warning names the step; none where
+    some GEMV reads them."""
+    from types import SimpleNamespace
+
+    from cupool.serve.loader import unused_quantization
+
+    def engine(counts, kind="fused decode step: 3 of 3 layers"):
+        step = None if counts is None else SimpleNamespace(nvfp4_gemvs=lambda: counts)
+        return SimpleNamespace(fused_step=step, step_kind=kind)
+
+    assert unused_quantization(engine({"qkv": 3, "o": 0})) is None
+    why = unused_quantization(engine(None, "compiled graph"))
+    assert why == ("--quantize-attention: no GEMV of the decode step (compiled graph) reads the "
+                   "quantized projections; they change the outputs and make nothing faster")
+    assert "(fused decode step: 3 of 3 layers)" in unused_quantization(engine({"qkv": 0, "o": 0}))
+
+
 def test_batch_prefill_option(model_dir):
     """Prompts that arrive together are prefilled in one forward unless --no-batch-prefill."""
     def opts(*argv):

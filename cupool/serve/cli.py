@@ -314,7 +314,7 @@ def run(args) -> int:
     try:
         from cupool.engine import Engine
         from cupool.serve.app import create_app
-        from cupool.serve.loader import LoadError, load
+        from cupool.serve.loader import LoadError, load, unused_quantization
 
         log.info("loading %s on %s", opts.model_dir, opts.device)
         try:
@@ -338,6 +338,8 @@ def run(args) -> int:
         except ValueError as e:
             return _fail(str(e))
         log.info("decode step: %s", engine.step_kind)
+        if opts.quantize_attention and (why := unused_quantization(engine)) is not None:
+            log.warning("%s", why)
         if engine.graph:
             engine.warmup()               # compile and capture the decode step before "ready"
         log.info("prefill: %s", engine.prefill_kind)

@@ -173,6 +173,18 @@ def _load_cuda(path: Path, device, budget, max_batch: int, max_len: int, dtype,
         raise LoadError(f"{str(path)!r}: {e}") from None
 
 
+def unused_quantization(engine) -> str | None:
+    """Where the model's attention projections were quantized to NVFP4 at load
+    (`--quantize-attention`) but no GEMV of the engine's decode step reads them (its own forward
+    runs, or no layer of the model fits the fused step's pattern): the line to warn with, for
+    then they change the outputs and make nothing faster. None where some GEMV reads them."""
+    step = engine.fused_step
+    if step is not None and any(step.nvfp4_gemvs().values()):
+        return None
+    return (f"--quantize-attention: no GEMV of the decode step ({engine.step_kind}) reads the "
+            f"quantized projections; they change the outputs and make nothing faster")
+
+
 def auto_host_experts(pool, tokens: int, min_misses: int | None = None) -> str | None:
     """Why `serve`'s default (neither --host-experts nor --no-host-experts) leaves host experts
     off for this pool's decode steps of `tokens` sequences on a CUDA device, or None where it
