@@ -7,6 +7,7 @@ same greedy tokens through the engine."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 
@@ -135,13 +136,15 @@ def test_from_pretrained_equals_the_model_built_in_memory(tmp_path, family, fmt)
     assert_same_tokens(loaded, twin, pool)
 
 
-def test_from_pretrained_quantize_attention(tmp_path):
+def test_from_pretrained_quantize_attention(tmp_path, caplog):
     """quantize_attention=True: the bf16 checkpoint's attention projections quantized to NVFP4
     on the GPU, the same bits `dense_nvfp4.quantize_linears` gives the model transformers loads
     (so the same logits, bit for bit), and the engine's fused step reading them packed (the same
     greedy tokens as that twin's)."""
+    from test_fused_step import SHAPES
+
     from cupool import dense_nvfp4
-    model = model_for("qwen3_moe", seed=33)
+    model = model_for("qwen3_moe", seed=33, **SHAPES["qwen3_moe"])     # attention it fuses
     _, (_, E, K, _, _) = FAMILIES["qwen3_moe"]
     model.save_pretrained(tmp_path / "m")
     loaded = cupool.from_pretrained(tmp_path / "m", rows=max(K, E // 2), max_decode_tokens=2,
@@ -160,11 +163,13 @@ def test_from_pretrained_quantize_attention(tmp_path):
     pool = cupool.wrap(twin, rows=max(K, E // 2), max_decode_tokens=2, progress=False)
     assert_same_pool(loaded, twin, pool)
     prompts, params = [[5, 9, 13], [7, 3, 21, 30, 2]], cupool.SamplingParams(max_tokens=10)
-    engines = [cupool.Engine(m, p, max_batch=2, max_len=32, eos_token_id=[])
-               for m, p in ((loaded.model, loaded.pool), (twin, pool))]
+    with caplog.at_level(logging.INFO, logger="cupool"):      # says why a step is not fused
+        engines = [cupool.Engine(m, p, max_batch=2, max_len=32, eos_token_id=[])
+                   for m, p in ((loaded.model, loaded.pool), (twin, pool))]
     L = twin.config.num_hidden_layers
     for e in engines:
-        assert f"NVFP4 weights for qkv in {L} layers, o in {L} layers" in e.step_kind, e.step_kind
+        assert f"NVFP4 weights for qkv in {L} layers, o in {L} layers" in e.step_kind, \
+            (e.step_kind, caplog.text)
     got, want = (e.generate(prompts, params) for e in engines)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert loaded.pool.errors() == [] and loaded.pool.verify() > 0

@@ -124,13 +124,14 @@ def check_steps(name, tokens, logits, ref_logits, tied=()):
     return flips
 
 
-def model_for(family, seed):
-    """A tiny model of `family` in bf16 with expert weights of real-model size (std 0.05).
+def model_for(family, seed, **overrides):
+    """A tiny model of `family` in bf16 with expert weights of real-model size (std 0.05)
+    (overrides: config values, e.g. test_fused_step.SHAPES' attention the fused step takes).
 
     tiny_models spreads experts at std 0.2, which makes 64-wide tiny models chaotic in bf16:
     on the GPU (2026-11-29) OLMoE and Qwen2-MoE prompts then differed from the reference by
     more than the tolerance at later positions while position 0 agreed."""
-    model = hf_model(family, seed=seed)
+    model = hf_model(family, seed=seed, **overrides)
     with torch.no_grad():
         for m in model.modules():
             if hasattr(m, "gate_up_proj") and isinstance(m.gate_up_proj, torch.Tensor):
