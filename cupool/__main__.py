@@ -199,7 +199,7 @@ def plan(args) -> int:
     from cupool.gemm import workspace_bytes
     from cupool.hosttable import is_table_name, table_patterns
     from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot
-    from cupool.layout import RowLayout, dense_strips_shape
+    from cupool.layout import RowLayout, dense_strips_bytes
     from cupool.store import fmt_bytes
 
     dtype = torch.bfloat16
@@ -223,7 +223,7 @@ def plan(args) -> int:
         packed = {n: ck.dense_nvfp4_bytes([n]) for n in ck.dense_names()
                   if is_projection_weight(n) and ck.dense_kind(n) == "nvfp4"}
         # --quantize-attention: the other projections quantized at load, packed the same way
-        quantized = {n: math.prod(dense_strips_shape(*ck.dense_shape(n)))
+        quantized = {n: dense_strips_bytes(*ck.dense_shape(n))
                      for n in ck.dense_names() if is_projection_weight(n) and n not in packed
                      and len(ck.dense_shape(n)) == 2} if args.quantize_attention else {}
         for n in quantized:

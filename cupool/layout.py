@@ -433,6 +433,12 @@ def dense_strips_shape(n: int, k: int) -> tuple[int, int]:
     return -(-n // 16), 9 * _roundup(k, CHUNK_COLS)
 
 
+def dense_strips_bytes(n: int, k: int) -> int:
+    """Bytes of `dense_strips` of an [n, k] matrix (uint8, `dense_strips_shape`)."""
+    strips, width = dense_strips_shape(n, k)
+    return strips * width
+
+
 def dense_strips(q: NVFP4Tensor) -> torch.Tensor:
     """One NVFP4 matrix [N, K] (a dense Linear's weight) as the strips `dense_gemv`'s NVFP4 build
     reads: uint8 [ceil(N/16), 9·Kp] on q's device, Kp = roundup(K, 64), strip s holding rows

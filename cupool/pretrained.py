@@ -47,7 +47,7 @@ from cupool import dense_nvfp4, nvfp4
 from cupool.adapters import MoELayerSpec, find_moe_layers
 from cupool.checkpoints import Checkpoint, CheckpointError, fill_store, open_checkpoint
 from cupool.hosttable import as_table_parameter, host_table_bytes, host_table_names, mapped_empty
-from cupool.layout import dense_strips_shape
+from cupool.layout import dense_strips_bytes
 from cupool.store import fmt_bytes
 from cupool.wrap import assemble, plan
 
@@ -386,13 +386,13 @@ def packed_projections(model, mapping: dict[str, str | list[str]],
 
 
 def quantized_projections(model, mapping: dict[str, str | list[str]],
-                          ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
+                          packed: dict[str, str]) -> dict[str, tuple[int, int]]:
     """{model weight name: (N, K)} of the attention projections `load_dense` quantizes to NVFP4
     where it is asked to (`quantize_attention`): the `.weight` of every nn.Linear whose attribute
-    name is one of `dense_nvfp4.ATTENTION_PROJECTIONS`, except those the checkpoint already holds
-    as NVFP4 (`packed_projections`, kept as written). QuantizeError naming the first whose K is
-    not a multiple of 16 (NVFP4's block). From the model's modules alone (meta ones too)."""
-    packed = packed_projections(model, mapping, ckpt)
+    name is one of `dense_nvfp4.ATTENTION_PROJECTIONS`, except `packed` (`packed_projections`:
+    those the checkpoint already holds as NVFP4, kept as written). QuantizeError naming the first
+    whose K is not a multiple of 16 (NVFP4's block). From the model's modules alone (meta ones
+    too)."""
     out = {}
     for target in mapping:
         if target in packed or not dense_nvfp4.is_projection_weight(target):
@@ -416,10 +416,10 @@ def dense_gpu_bytes(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint
     bf16 weights' bytes, held beside them) and, with `quantize_attention`, those of
     `quantized_projections`. No data read."""
     packed = packed_projections(model, mapping, ckpt)
-    quantized = quantized_projections(model, mapping, ckpt) if quantize_attention else {}
+    quantized = quantized_projections(model, mapping, packed) if quantize_attention else {}
     return (ckpt.dense_bytes(dtype) - host_table_bytes(model, dtype)
             + ckpt.dense_nvfp4_bytes(packed.values())
-            + sum(a * b for a, b in (dense_strips_shape(n, k) for n, k in quantized.values())))
+            + sum(dense_strips_bytes(n, k) for n, k in quantized.values()))
 
 
 @torch.no_grad()
@@ -439,7 +439,7 @@ def load_dense(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint, dev
     host = host_table_names(model) if device.type == "cuda" else []
     held = {n: _hold_off(model, n) for n in host}
     packed = packed_projections(model, mapping, ckpt)
-    quantized = quantized_projections(model, mapping, ckpt) if quantize_attention else {}
+    quantized = quantized_projections(model, mapping, packed) if quantize_attention else {}
     model.to_empty(device=device)
     targets = model.state_dict(keep_vars=True)
     for target, name in mapping.items():

@@ -321,7 +321,7 @@ def test_quantize_attention_refuses_what_nvfp4_cannot_hold(tmp_path, rng):
                                                   r"self_attn\.q_proj\.weight is \[64, 40\]; "
                                                   r"NVFP4 needs its inner dim to be a multiple "
                                                   r"of 16"):
-            P.quantized_projections(model, mapping, ck)
+            P.quantized_projections(model, mapping, P.packed_projections(model, mapping, ck))
         # without quantize_attention nothing is asked of that Linear
         assert P.dense_gpu_bytes(model, mapping, ck, torch.bfloat16) == \
             ck.dense_bytes(torch.bfloat16)

@@ -74,7 +74,7 @@ import torch
 from cupool import nvfp4
 from cupool.checkpoints.errors import CheckpointError
 from cupool.checkpoints.index import TensorIndex, TensorInfo
-from cupool.layout import RowLayout, dense_strips_shape
+from cupool.layout import RowLayout, dense_strips_bytes
 from cupool.nvfp4 import BLOCK, NVFP4Tensor
 
 MAX_IMPLIED_WEIGHT = 1e4
@@ -1302,7 +1302,7 @@ class Checkpoint:
         64, 9·Kp bytes a strip as `cupool.layout` lays them out); they sit beside the dequantized
         weights `dense_bytes` counts. No data read; CheckpointError naming a name whose
         `dense_kind` is not "nvfp4"."""
-        return sum(math.prod(dense_strips_shape(*self._nvfp4_spec(name).shape)) for name in names)
+        return sum(dense_strips_bytes(*self._nvfp4_spec(name).shape) for name in names)
 
     # --- life cycle ----------------------------------------------------------------------------
     def close(self) -> None:
