@@ -195,7 +195,7 @@ def plan(args) -> int:
 
     from cupool.budget import MARGIN_BYTES, rows_for_budget, staging_and_tables_bytes
     from cupool.checkpoints import open_checkpoint
-    from cupool.dense_nvfp4 import is_projection_weight
+    from cupool.dense_nvfp4 import is_projection_weight, step_projection_weights
     from cupool.gemm import workspace_bytes
     from cupool.hosttable import is_table_name, table_patterns
     from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot
@@ -223,8 +223,9 @@ def plan(args) -> int:
         packed = {n: ck.dense_nvfp4_bytes([n]) for n in ck.dense_names()
                   if is_projection_weight(n) and ck.dense_kind(n) == "nvfp4"}
         # --quantize-attention: the other projections quantized at load, packed the same way
+        # (those of attention modules the fused step reads: not an MLA attention's o_proj)
         quantized = {n: dense_strips_bytes(*ck.dense_shape(n))
-                     for n in ck.dense_names() if is_projection_weight(n) and n not in packed
+                     for n in step_projection_weights(ck.dense_names()) if n not in packed
                      and len(ck.dense_shape(n)) == 2} if args.quantize_attention else {}
         for n in quantized:
             if ck.dense_shape(n)[1] % 16:

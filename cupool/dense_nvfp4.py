@@ -39,6 +39,21 @@ def is_projection_weight(name: str) -> bool:
     return leaf == "weight" and owner.rpartition(".")[2] in ATTENTION_PROJECTIONS
 
 
+def step_projection_weights(names) -> list[str]:
+    """The projection weights among `names` (`is_projection_weight`) whose attention module has
+    all four of them among `names`: the GQA attention the fused step's GEMVs read. An MLA
+    attention's lone o_proj (DeepSeek, Kimi: q_a/q_b/kv_a/kv_b, no k_proj or v_proj) is not
+    one; its attention runs transformers' module, which no packed form makes faster. In the
+    order of `names`."""
+    names = [n for n in names if is_projection_weight(n)]
+    have: dict[str, set[str]] = {}
+    for n in names:
+        attn, _, proj = n.removesuffix(".weight").rpartition(".")
+        have.setdefault(attn, set()).add(proj)
+    return [n for n in names
+            if have[n.removesuffix(".weight").rpartition(".")[0]] == set(ATTENTION_PROJECTIONS)]
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseNVFP4:
     """One NVFP4 matrix [N, K] packed for `dense_gemv` (`cupool.layout.dense_strips`).

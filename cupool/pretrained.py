@@ -389,13 +389,14 @@ def quantized_projections(model, mapping: dict[str, str | list[str]],
                           packed: dict[str, str]) -> dict[str, tuple[int, int]]:
     """{model weight name: (N, K)} of the attention projections `load_dense` quantizes to NVFP4
     where it is asked to (`quantize_attention`): the `.weight` of every nn.Linear whose attribute
-    name is one of `dense_nvfp4.ATTENTION_PROJECTIONS`, except `packed` (`packed_projections`:
-    those the checkpoint already holds as NVFP4, kept as written). QuantizeError naming the first
-    whose K is not a multiple of 16 (NVFP4's block). From the model's modules alone (meta ones
-    too)."""
+    name is one of `dense_nvfp4.ATTENTION_PROJECTIONS`, in attention modules that have all four
+    (`dense_nvfp4.step_projection_weights`: the ones the fused step reads), except `packed`
+    (`packed_projections`: those the checkpoint already holds as NVFP4, kept as written).
+    QuantizeError naming the first whose K is not a multiple of 16 (NVFP4's block). From the
+    model's modules alone (meta ones too)."""
     out = {}
-    for target in mapping:
-        if target in packed or not dense_nvfp4.is_projection_weight(target):
+    for target in dense_nvfp4.step_projection_weights(mapping):
+        if target in packed:
             continue
         linear = model.get_submodule(target.rpartition(".")[0])
         if not isinstance(linear, torch.nn.Linear):

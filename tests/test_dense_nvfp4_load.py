@@ -338,6 +338,43 @@ def test_quantize_attention_refuses_what_nvfp4_cannot_hold(tmp_path, rng):
     assert torch.isnan(model.get_parameter(name)).any()
 
 
+def test_step_projection_weights_are_those_of_attention_with_all_four():
+    names = [f"model.layers.0.self_attn.{p}.weight" for p in PROJ] + [
+        "model.layers.0.self_attn.q_norm.weight", "model.layers.0.mlp.gate.weight",
+        "model.layers.1.self_attn.q_a_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight",
+        "model.layers.1.self_attn.o_proj.weight",                 # MLA: o_proj alone
+        "model.layers.2.self_attn.q_proj.weight", "model.layers.2.self_attn.k_proj.weight",
+        "model.layers.2.self_attn.v_proj.weight",                 # no o_proj
+        "model.layers.3.self_attn.o_proj.bias"] + \
+        [f"model.layers.3.self_attn.{p}.weight" for p in reversed(PROJ)]
+    assert dense_nvfp4.step_projection_weights(names) == \
+        [f"model.layers.0.self_attn.{p}.weight" for p in PROJ] + \
+        [f"model.layers.3.self_attn.{p}.weight" for p in reversed(PROJ)]
+    assert dense_nvfp4.step_projection_weights([]) == []
+
+
+def test_quantize_attention_leaves_an_mla_attention_as_it_is(tmp_path, caplog, capsys):
+    """DeepSeek-V3's MLA attention has an o_proj but no k_proj or v_proj: the fused step reads
+    none of it, so quantize_attention leaves it in bf16 (nothing quantized or planned), and
+    `cupool plan --quantize-attention` counts nothing for it."""
+    from test_pretrained import _load_cpu, _saved
+
+    from cupool import __main__ as cli
+    _, d = _saved(tmp_path, "deepseek_v3")
+    with caplog.at_level(logging.INFO, logger="cupool"):
+        ckpt, model, _, _ = _load_cpu(d, quantize_attention=True)
+    ckpt.close()
+    o = [m for n, m in model.named_modules() if n.endswith("self_attn.o_proj")]
+    assert o and all(dense_nvfp4.of(m) is None and m.weight.dtype == torch.bfloat16 for m in o)
+    assert dense_nvfp4.packed_bytes(model) == 0 and "quantized at load" not in caplog.text
+    for flag in ([], ["--quantize-attention"]):
+        rc = cli.main(["plan", "--model", str(d), "--budget", "1GiB", "--context", "64", *flag])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        line = next(l for l in out.splitlines() if l.startswith("dense part"))
+        assert "packed" not in line and "quantized" not in line, line
+
+
 def test_from_pretrained_plans_the_quantized_bytes(tmp_path, rng, monkeypatch):
     d, _ = _export(tmp_path, rng, attention=False)
     seen = []
