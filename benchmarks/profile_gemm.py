@@ -35,7 +35,7 @@ def table(fn, label, reps=5):
 # moe_decode builds of the sweep: fields of cupool.ops.moe_decode.Build forced over what the
 # per-call rules choose ("" is the rules' own choice).
 SWEEP = ("", "minb=3", "minb=4", "w13_split=2", "w13_split=4", "xsmem=1")
-_BUILD_FIELDS = ("minb", "w13_split", "xsmem", "blocks")
+_BUILD_FIELDS = ("minb", "w13_split", "xsmem", "blocks", "w2_split")
 
 
 def parse_variant(text: str) -> dict:
@@ -151,7 +151,8 @@ def trace(T: int = 1, E: int = 128, override: dict | None = None, hidden: int = 
         t0 = bl[:, 0].min()
         units = len(set(ids.reshape(-1).tolist()))
         ppi = moe_decode.act_strips_per_item(layout, build.w13_split)
-        n13, n2 = units * (layout.ip // 16) // ppi, units * moe_decode.w2_items(layout)
+        n13 = units * (layout.ip // 16) // ppi
+        n2 = units * moe_decode.w2_items(layout, build.w2_split)
         us = lambda v: (v - t0) / 1e3
         pct = lambda v: " ".join(f"{np.percentile(v, q):6.2f}" for q in (0, 10, 50, 90, 100))
         print(f"--- trace H={layout.hidden} T={T} {override or ''} rep {rep}: {len(bl)} blocks, "

@@ -146,8 +146,14 @@ constexpr int NI13 = NP / PPI;             // w13 items of a unit
 // (IP ≤ 512), else 2 up to 32 chunks (IP ≤ 2048), then 4, then 8. More warps put more of a
 // strip's bytes in flight at once and add a sum of partials; on an H200 at 4 blocks per SM, 2
 // warps measured faster than 4 at IP = 1536 and than 1 at IP = 768 (see docs/PERFORMANCE.md).
+// W2_KSPLIT (1, 2, 4, 8) forces another split: a profiler's variant, never chosen.
+#ifdef W2_KSPLIT
+constexpr int KS2 = W2_KSPLIT;
+#else
 constexpr int KS2 = NC2 <= NBUF * STAGE ? 1 : NC2 <= 32 ? 2 : NC2 <= 64 ? 4 : 8;
-static_assert(WARPS % KS2 == 0, "KS2 must divide the block's 8 warps");
+#endif
+static_assert(WARPS % KS2 == 0 && KS2 <= NC2,
+              "KS2 must divide the block's 8 warps and leave each warp a chunk of a w2 strip");
 static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per thread");
 constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit

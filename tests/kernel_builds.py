@@ -154,6 +154,7 @@ VARIANTS = [
     ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=1"),
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, XSMEM=1)),       # x in shared memory (a variant)
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 2, XSMEM=1)),
+    ("moe_decode", _decode(_QWEN, 8, 64, 4, 4, W2_KSPLIT=4)),   # w2 split forced (a variant)
     ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=2"),
     ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=4 -DHP=4096 -DIP=1536"),
     ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DW13_KSPLIT=1 -DHP=4096 -DIP=1536"),

@@ -540,5 +540,6 @@ def test_profile_gemm_cases():
     assert profile_gemm.parse_variant("default") == {}
     assert profile_gemm.parse_variant("xsmem=1") == {"xsmem": 1}     # x rows in shared memory
     assert profile_gemm.parse_variant("minb=3,blocks=3") == {"minb": 3, "blocks": 3}  # the grid
+    assert profile_gemm.parse_variant("w2_split=4") == {"w2_split": 4}   # warps a w2 strip
     with pytest.raises(argparse.ArgumentTypeError, match="NAME=INT"):
         profile_gemm.parse_variant("stage=2")

@@ -365,6 +365,26 @@ def test_decode_fewer_blocks_same_bits(request, placed_name, T, K, blocks):
     assert gemm.read_error() == []
 
 
+@pytest.mark.parametrize("placed_name,T,K,split", [("qwen", 1, 8, 4), ("qwen", 3, 8, 8),
+                                                     ("qwen", 2, 8, 1), ("gptoss", 1, 4, 2)])
+def test_decode_forced_w2_split(request, placed_name, T, K, split):
+    """A build whose w2 strips are split over `split` warps (Build.w2_split, the profilers'
+    variant) against the reference on poisoned outputs, with counters at rest after: its
+    partial sums add in another order, so it is held to the same tolerance, not the same bits."""
+    placed = request.getfixturevalue(placed_name)
+    gen = torch.Generator().manual_seed(T * 17 + split)
+    gemm = placed.gemm(K, max_decode_tokens=64)
+    x = torch.randn(T, placed.layout.hidden, generator=gen).to(torch.bfloat16).cuda()
+    ids, w = routing(T, K, placed.E, gen)
+    la, wf = placed.lane_addr(ids), w.reshape(-1).contiguous()
+    build = dataclasses.replace(gemm.decoder.choose(T * K, x, wf), w2_split=split)
+    out = torch.full_like(x, float("nan"))
+    gemm.decoder.launch(build, x, la, None, wf, K, 2, gemm.decode_workspaces, out, gemm.error)
+    assert_counters_at_rest(gemm)
+    assert rel_err(out, placed.reference(x, ids, w)) <= TOL
+    assert gemm.read_error() == []
+
+
 @pytest.mark.parametrize("T", [1, 2, 3, 7, 16, 33, 511, 2048])
 @pytest.mark.parametrize("K", [1, 8])
 def test_prefill_partition(qwen, T, K, prefill_config):

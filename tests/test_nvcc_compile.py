@@ -210,6 +210,21 @@ def test_decode_shared_memory_is_the_kernels_carve():
     assert [moe_decode.w2_ksplit(RowLayout(2048, i)) for i in (512, 768, 2048, 4096, 8192)] == \
         [1, 2, 2, 4, 8]
     assert moe_decode.w2_items(RowLayout(2048, 768)) == 2048 // 16 // 4
+    assert moe_decode.w2_items(RowLayout(2048, 768), 4) == 2048 // 16 // 2     # forced (W2_KSPLIT)
+
+
+def test_forced_w2_split_is_a_define_only_where_asked():
+    """Build.w2_split 0 leaves W2_KSPLIT out (the kernel's rule: the default builds' source and
+    defines are unchanged); 1, 2, 4, 8 up to the strip's chunks are passed, others refused."""
+    layout = RowLayout(2048, 768)                             # 12 chunks a w2 strip
+    b = moe_decode.Build(nt=8, maxw=64, minb=3, w13_split=4, xalign=1, w_dtype=0)
+    assert "W2_KSPLIT" not in moe_decode.defines(b, layout, torch.bfloat16)
+    for ks in (1, 2, 4, 8):
+        d = moe_decode.defines(dataclasses.replace(b, w2_split=ks), layout, torch.bfloat16)
+        assert d["W2_KSPLIT"] == ks
+    for bad, lay in ((3, layout), (16, layout), (8, RowLayout(2048, 448))):   # 448: 7 chunks
+        with pytest.raises(ValueError, match=r"w2_split must be 1, 2, 4 or 8 and at most the"):
+            moe_decode.defines(dataclasses.replace(b, w2_split=bad), lay, torch.bfloat16)
 
 
 def test_prefill_staging_fits_two_blocks_per_sm():

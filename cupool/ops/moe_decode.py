@@ -51,6 +51,8 @@ class Build:
     blocks: int = 0          # blocks an SM the launch runs: 0 as many as fit (`kernels.
     # resident_grid`, the rules' choice); n > 0 at most n, a profiler's variant for timing a
     # grid apart from the register bound (a build of MINB 3 may still fit 4 blocks an SM)
+    w2_split: int = 0        # warps splitting the K of a w2 strip: 0 the kernel's rule
+    # (`w2_ksplit`); 1, 2, 4 or 8 forced (W2_KSPLIT), a profiler's variant
 
 
 def stage_ring_bytes() -> int:
@@ -106,9 +108,10 @@ def w2_ksplit(layout: RowLayout) -> int:
     return 1 if nc2 <= NBUF * STAGE else 2 if nc2 <= 32 else 4 if nc2 <= 64 else 8
 
 
-def w2_items(layout: RowLayout) -> int:
-    """w2 items of one unit (moe_decode.cu's G2): Hp/16 output strips, WARPS / KS2 an item."""
-    return -(-(layout.hp // 16) // (WARPS // w2_ksplit(layout)))
+def w2_items(layout: RowLayout, w2_split: int = 0) -> int:
+    """w2 items of one unit (moe_decode.cu's G2): Hp/16 output strips, WARPS / KS2 an item
+    (KS2: `w2_split`, or the kernel's rule where 0)."""
+    return -(-(layout.hp // 16) // (WARPS // (w2_split or w2_ksplit(layout))))
 
 
 def act_strips_per_item(layout: RowLayout, w13_split: int) -> int:
@@ -207,6 +210,11 @@ def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
          "IN_BF16": ACT_DTYPES[dtype], "W_DTYPE": build.w_dtype, "XALIGN": build.xalign,
          "HFULL": int(layout.hidden == layout.hp), "MINB": build.minb,
          "W13_KSPLIT": build.w13_split}
+    if build.w2_split:
+        if build.w2_split not in (1, 2, 4, 8) or build.w2_split > layout.ip // 64:
+            raise ValueError(f"w2_split must be 1, 2, 4 or 8 and at most the {layout.ip // 64} "
+                             f"chunks of a w2 strip, got {build.w2_split}")
+        d["W2_KSPLIT"] = build.w2_split
     if build.xsmem:
         d["XSMEM"] = 1
     if build.route:
