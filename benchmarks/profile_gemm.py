@@ -429,8 +429,8 @@ def build_parser() -> CLIParser:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--sweep", nargs="*", type=parse_variant, metavar="NAME=INT[,...]",
                       help="time moe_decode builds with minb / w13_split / xsmem / blocks (blocks "
-                           "an SM of the launch) forced ('' is the rules' "
-                           "choice; none given: a split/occupancy sweep), then exit")
+                           "an SM of the launch) / w2_split (warps a w2 strip) forced ('' is the "
+                           "rules' choice; none given: a split/occupancy sweep), then exit")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="--sweep, --prefill-sweep: rounds over the variants (>= 1)")
     p.add_argument("--cases", nargs="+", type=parse_case, metavar="H:T",
