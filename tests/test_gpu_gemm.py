@@ -338,26 +338,35 @@ def test_decode_split_in_place_then_fresh_is_bitwise_one_pass(request, placed_na
     assert gemm.read_error() == []
 
 
+def _decode_variants(request, placed_name: str, T: int, K: int, seed: int):
+    """A decode call's inputs on fixture `placed_name` (random x and routing from `seed`) and
+    `run(build)`: that build's launch on a poisoned output, checked for counters at rest after.
+    Returns (placed, gemm, x, ids, w, run)."""
+    placed = request.getfixturevalue(placed_name)
+    gen = torch.Generator().manual_seed(seed)
+    gemm = placed.gemm(K, max_decode_tokens=64)
+    x = torch.randn(T, placed.layout.hidden, generator=gen).to(torch.bfloat16).cuda()
+    ids, w = routing(T, K, placed.E, gen)
+    la, wf = placed.lane_addr(ids), w.reshape(-1).contiguous()
+
+    def run(build):
+        out = torch.full_like(x, float("nan"))
+        gemm.decoder.launch(build, x, la, None, wf, K, 2, gemm.decode_workspaces, out, gemm.error)
+        assert_counters_at_rest(gemm)
+        return out
+    return placed, gemm, x, ids, w, run
+
+
 @pytest.mark.parametrize("placed_name,T,K,blocks", [("qwen", 1, 8, 3), ("qwen", 4, 8, 1),
                                                       ("small", 33, 4, 2), ("gptoss", 1, 4, 2)])
 def test_decode_fewer_blocks_same_bits(request, placed_name, T, K, blocks):
     """A launch of at most `blocks` blocks an SM (Build.blocks, the profilers' grid variant) takes
     the same items from the ticket, so its output equals the rules' grid's bit for bit (poisoned
     first), with counters at rest after."""
-    placed = request.getfixturevalue(placed_name)
-    gen = torch.Generator().manual_seed(T * 13 + blocks)
-    gemm = placed.gemm(K, max_decode_tokens=64)
-    x = torch.randn(T, placed.layout.hidden, generator=gen).to(torch.bfloat16).cuda()
-    ids, w = routing(T, K, placed.E, gen)
-    la, wf = placed.lane_addr(ids), w.reshape(-1).contiguous()
-    full = gemm.decoder.choose(T * K, x, wf)
+    placed, gemm, x, ids, w, run = _decode_variants(request, placed_name, T, K, T * 13 + blocks)
+    full = gemm.decoder.choose(T * K, x, w.reshape(-1))
     builds = (full, dataclasses.replace(full, blocks=blocks))
-    outs = []
-    for build in builds:
-        out = torch.full_like(x, float("nan"))
-        gemm.decoder.launch(build, x, la, None, wf, K, 2, gemm.decode_workspaces, out, gemm.error)
-        outs.append(out)
-        assert_counters_at_rest(gemm)
+    outs = [run(b) for b in builds]
     grids = [gemm.decoder._compile(b)[1] for b in builds]
     assert grids[1] == min(grids[0], blocks * gemm.decoder.sms), grids
     assert rel_err(outs[0], placed.reference(x, ids, w)) <= TOL
@@ -371,16 +380,8 @@ def test_decode_forced_w2_split(request, placed_name, T, K, split):
     """A build whose w2 strips are split over `split` warps (Build.w2_split, the profilers'
     variant) against the reference on poisoned outputs, with counters at rest after: its
     partial sums add in another order, so it is held to the same tolerance, not the same bits."""
-    placed = request.getfixturevalue(placed_name)
-    gen = torch.Generator().manual_seed(T * 17 + split)
-    gemm = placed.gemm(K, max_decode_tokens=64)
-    x = torch.randn(T, placed.layout.hidden, generator=gen).to(torch.bfloat16).cuda()
-    ids, w = routing(T, K, placed.E, gen)
-    la, wf = placed.lane_addr(ids), w.reshape(-1).contiguous()
-    build = dataclasses.replace(gemm.decoder.choose(T * K, x, wf), w2_split=split)
-    out = torch.full_like(x, float("nan"))
-    gemm.decoder.launch(build, x, la, None, wf, K, 2, gemm.decode_workspaces, out, gemm.error)
-    assert_counters_at_rest(gemm)
+    placed, gemm, x, ids, w, run = _decode_variants(request, placed_name, T, K, T * 17 + split)
+    out = run(dataclasses.replace(gemm.decoder.choose(T * K, x, w.reshape(-1)), w2_split=split))
     assert rel_err(out, placed.reference(x, ids, w)) <= TOL
     assert gemm.read_error() == []
 
