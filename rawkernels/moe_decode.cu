@@ -153,7 +153,7 @@ constexpr int KS2 = W2_KSPLIT;
 constexpr int KS2 = NC2 <= NBUF * STAGE ? 1 : NC2 <= 32 ? 2 : NC2 <= 64 ? 4 : 8;
 #endif
 static_assert(WARPS % KS2 == 0 && KS2 <= NC2,
-              "KS2 must divide the block's 8 warps and leave each warp a chunk of a w2 strip");
+              "KS2 must divide the block's 8 warps and be at most a w2 strip's chunks");
 static_assert(MAXW <= THREADS && MAXW % 8 == 0, "group_lanes takes one lane per thread");
 constexpr int WM2 = WARPS / KS2;
 constexpr int G2 = (NS + WM2 - 1) / WM2;   // w2 items of a unit
