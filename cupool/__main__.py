@@ -22,7 +22,7 @@ import time
 
 from cupool.cli import (CLIParser, add_host_experts, check_host_flags, existing_dir,
                         existing_file, fail, fraction, nonnegative_float, nonnegative_int,
-                        positive_int, promote, run, size)
+                        positive_int, promote, quantize_attention_error, run, size)
 
 PROG = "cupool"
 
@@ -195,7 +195,8 @@ def plan(args) -> int:
 
     from cupool.budget import MARGIN_BYTES, rows_for_budget, staging_and_tables_bytes
     from cupool.checkpoints import open_checkpoint
-    from cupool.dense_nvfp4 import is_projection_weight, step_projection_weights
+    from cupool.dense_nvfp4 import (is_projection_weight, quantize_shape_error,
+                                    step_projection_weights)
     from cupool.gemm import workspace_bytes
     from cupool.hosttable import is_table_name, table_patterns
     from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot
@@ -228,9 +229,8 @@ def plan(args) -> int:
                      for n in step_projection_weights(ck.dense_names()) if n not in packed
                      and len(ck.dense_shape(n)) == 2} if args.quantize_attention else {}
         for n in quantized:
-            if ck.dense_shape(n)[1] % 16:
-                raise ValueError(f"--quantize-attention: {n} is {list(ck.dense_shape(n))}; "
-                                 f"NVFP4 needs its inner dim to be a multiple of 16")
+            if (why := quantize_shape_error(n, *ck.dense_shape(n))) is not None:
+                raise ValueError(f"--quantize-attention: {why}")
         packed.update(quantized)
         dense += sum(packed.values())
         fused_read = {**dense_read, **packed}
@@ -364,12 +364,8 @@ def generate(args) -> int:
     if args.host_experts and args.device == "cpu":
         raise ValueError("--host-experts applies to a CUDA device (the CPU runs the whole model "
                          "itself)")
-    if args.quantize_attention and args.device == "cpu":
-        raise ValueError("--quantize-attention applies to a CUDA device (the fused decode "
-                         "step's GEMVs read the quantized projections)")
-    if args.quantize_attention and args.no_fused:
-        raise ValueError("--quantize-attention is for the fused decode step, which --no-fused "
-                         "turns off")
+    if (why := quantize_attention_error(args, args.device)) is not None:
+        raise ValueError(why)
     t0 = time.perf_counter()
     model, pool, tok = load(args.model, args.device, budget=args.budget, max_batch=1,
                             dtype=torch.bfloat16 if args.device != "cpu" else torch.float32,

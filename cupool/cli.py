@@ -226,6 +226,20 @@ def check_host_flags(args) -> None:
         raise ValueError(f"{given[0]} applies with --host-experts")
 
 
+def quantize_attention_error(args, device: str) -> str | None:
+    """Why --quantize-attention (`generate`, `serve`) cannot go with the other options: a CPU
+    device, or --no-fused (the quantized projections are read by the fused step's GEMVs only);
+    None where it can, or where it is not given."""
+    if not getattr(args, "quantize_attention", False):
+        return None
+    if device == "cpu":
+        return ("--quantize-attention applies to a CUDA device (the fused decode step's GEMVs "
+                "read the quantized projections); the CPU serves the model's own weights")
+    if getattr(args, "no_fused", False):
+        return "--quantize-attention is for the fused decode step, which --no-fused turns off"
+    return None
+
+
 def add_host_experts(parser, typed: bool = True, prefill: bool = True,
                      serving: bool = False) -> None:
     """--host-experts, --host-threads N, --host-leave, --host-min-misses N and (with `prefill`:

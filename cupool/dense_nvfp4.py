@@ -54,6 +54,15 @@ def step_projection_weights(names) -> list[str]:
             if have[n.removesuffix(".weight").rpartition(".")[0]] == set(ATTENTION_PROJECTIONS)]
 
 
+def quantize_shape_error(name: str, n: int, k: int) -> str | None:
+    """Why the [n, k] projection `name` cannot be quantized to NVFP4 (its inner dim is not a
+    whole number of NVFP4 blocks), or None where it can."""
+    if k % nvfp4.BLOCK:
+        return (f"{name} is [{n}, {k}]; NVFP4 needs its inner dim to be a multiple of "
+                f"{nvfp4.BLOCK}")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseNVFP4:
     """One NVFP4 matrix [N, K] packed for `dense_gemv` (`cupool.layout.dense_strips`).

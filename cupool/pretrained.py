@@ -402,9 +402,8 @@ def quantized_projections(model, mapping: dict[str, str | list[str]],
         if not isinstance(linear, torch.nn.Linear):
             continue
         n, k = linear.weight.shape
-        if k % nvfp4.BLOCK:
-            raise QuantizeError(f"quantize_attention: {target} is [{n}, {k}]; NVFP4 needs "
-                                f"its inner dim to be a multiple of {nvfp4.BLOCK}")
+        if (why := dense_nvfp4.quantize_shape_error(target, n, k)) is not None:
+            raise QuantizeError(f"quantize_attention: {why}")
         out[target] = (n, k)
     return out
 

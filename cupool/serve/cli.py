@@ -25,7 +25,7 @@ import socket
 import sys
 from pathlib import Path
 
-from cupool.cli import add_host_experts, host_flags_given
+from cupool.cli import add_host_experts, host_flags_given, quantize_attention_error
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -234,14 +234,8 @@ def check_options(args) -> Options:
         raise UsageError(f"{given[0]} applies to host experts, which {off} turns off")
     if device == "cpu":
         host_experts = False
-    quantize_attention = bool(getattr(args, "quantize_attention", False))
-    if quantize_attention and device == "cpu":
-        raise UsageError("--quantize-attention applies to a CUDA device (the fused decode "
-                         "step's GEMVs read the quantized projections); the CPU serves the "
-                         "model's own weights")
-    if quantize_attention and getattr(args, "no_fused", False):
-        raise UsageError("--quantize-attention is for the fused decode step, which --no-fused "
-                         "turns off")
+    if (why := quantize_attention_error(args, device)) is not None:
+        raise UsageError(why)
     try:
         shutdown = float(str(args.shutdown_timeout).strip())
     except ValueError:
@@ -257,7 +251,7 @@ def check_options(args) -> Options:
                    host_experts=host_experts, host_threads=host_threads,
                    host_leave=not host_promote, host_min_misses=host_min_misses,
                    host_prefill_tokens=host_prefill_tokens,
-                   quantize_attention=quantize_attention)
+                   quantize_attention=bool(getattr(args, "quantize_attention", False)))
 
 
 def _fail(message: str, code: int = 2) -> int:
