@@ -132,9 +132,11 @@ BUILDS: list[tuple[str, str]] = [
     # wait (cupool.ops.dense_gemv.predequant_chunks: 8 and 4 a warp)
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1 -DPRE=8"),
     ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=4 -DWFP4=1 -DPRE=4"),
-    # the router folded into the decode GEMM's launch (the plan step skipped, CUPOOL_FUSED_ROUTE):
-    # T=1, T=4..8, T=16 at Qwen3-30B-A3B's dims
-    ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, ROUTE=1)),
+    # the router folded into the decode GEMM's launch (the plan step skipped, CUPOOL_FUSED_ROUTE)
+    # at Qwen3-30B-A3B's dims: T=1 (its w2 strips split over 4 warps, moe_decode.w2_split_for),
+    # T=2, T=3..8, T=9..16
+    ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, ROUTE=1, W2_KSPLIT=4)),
+    ("moe_decode", _decode(_QWEN, 8, 64, 4, 4, ROUTE=1)),
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 2, ROUTE=1)),
     ("moe_decode", _decode(_QWEN, 16, 256, 3, 2, ROUTE=1)),
     ("dense_attention", ""),

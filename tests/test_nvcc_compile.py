@@ -227,6 +227,37 @@ def test_forced_w2_split_is_a_define_only_where_asked():
             moe_decode.defines(dataclasses.replace(b, w2_split=bad), lay, torch.bfloat16)
 
 
+def test_w2_split_rule():
+    """w2_split_for: 4 warps a w2 strip for a ROUTE launch of one token's lanes where the
+    kernel's rule gives 2 to a strip of at most 16 chunks; everything else keeps the rule (0)."""
+    qwen = RowLayout(2048, 768)                               # 12 chunks: the rule's 2
+    assert [moe_decode.w2_split_for(qwen, n, True) for n in (1, 6, 8, 9, 16, 64)] == \
+        [4, 4, 4, 0, 0, 0]
+    assert moe_decode.w2_split_for(qwen, 8, False) == 0       # plain builds: a step with misses
+    for ip in (512, 1024 + 64, 1536, 2880):                   # 8, 17, 24, 45 chunks
+        assert moe_decode.w2_split_for(RowLayout(2048, ip), 8, True) == 0
+    assert moe_decode.w2_split_for(RowLayout(2048, 1024), 8, True) == 4      # 16 chunks
+    # the call's items count the split's w2 items: 8 lanes at w13_split 4, 64 w2 items a unit
+    assert moe_decode.call_items(qwen, 8, 4, 4) == 8 * 48 + 8 * 64
+    x = torch.zeros(1, 2048, dtype=torch.bfloat16)
+    assert moe_decode.choose(qwen, 132, 8, x, torch.zeros(8), route=True).w2_split == 4
+    assert moe_decode.choose(qwen, 132, 8, x, torch.zeros(8)).w2_split == 0
+
+
+def test_qwen_route_builds_the_launcher_makes_are_registered():
+    """The ROUTE builds the fused step launches at Qwen3-30B-A3B dims (top-8, 1 to 16 tokens on
+    132 SMs) are in kernel_builds.BUILDS, so every architecture compiles them."""
+    qwen = RowLayout(2048, 768)
+    registered = {frozenset(d.split()) for n, d in BUILDS if n == "moe_decode"}
+    x = torch.zeros(16, 2048, dtype=torch.bfloat16)
+    seen = set()
+    for T in range(1, 17):
+        b = moe_decode.choose(qwen, 132, T * 8, x[:T], torch.zeros(T * 8), route=True)
+        d = moe_decode.defines(b, qwen, torch.bfloat16)
+        seen.add(frozenset(f"-D{k}={v}" for k, v in d.items()))
+    assert len(seen) == 4 and seen <= registered, [sorted(s) for s in seen - registered]
+
+
 def test_prefill_staging_fits_two_blocks_per_sm():
     """PREFILL's MINB=2 also needs two blocks' shared memory on an SM (H100/H200: 228 KiB, 1 KiB
     of it reserved per block). At Qwen3-30B-A3B dims moe_w2 stages all of I once per unit; at

@@ -52,7 +52,8 @@ class Build:
     # resident_grid`, the rules' choice); n > 0 at most n, a profiler's variant for timing a
     # grid apart from the register bound (a build of MINB 3 may still fit 4 blocks an SM)
     w2_split: int = 0        # warps splitting the K of a w2 strip: 0 the kernel's rule
-    # (`w2_ksplit`); 1, 2, 4 or 8 forced (W2_KSPLIT), a profiler's variant
+    # (`w2_ksplit`); 1, 2, 4 or 8 set (W2_KSPLIT): `w2_split_for`'s choice at one token's lanes,
+    # or any of them forced by a profiler
 
 
 def stage_ring_bytes() -> int:
@@ -108,6 +109,26 @@ def w2_ksplit(layout: RowLayout) -> int:
     return 1 if nc2 <= NBUF * STAGE else 2 if nc2 <= 32 else 4 if nc2 <= 64 else 8
 
 
+def w2_split_for(layout: RowLayout, lanes: int, route: bool) -> int:
+    """Warps splitting the K of a w2 strip that a call of `lanes` lanes sets (`Build.w2_split`;
+    0: the kernel's rule, `w2_ksplit`): 4 where the call is a ROUTE build's (the fused step's
+    router and MoE in one launch) of one token's 8 lanes or fewer and the rule would give 2
+    warps a strip of at most 16 chunks (Ip 576–1024), so each warp takes 3–4 chunks, one
+    stage, instead of 5–8.
+
+    There the w2 phase is the tail of the launch that the next layer's QKV GEMV waits for.
+    Qwen3-30B-A3B's dims (Ip 768, 12 chunks), batch 1, every expert resident, on an H100: the
+    fused step decoded 368.2 / 368.5 tok/s in `bench_serve.py --streams 1 --banks 1.0` against
+    362.9 / 363.2 with 2 warps (two runs each, alternated, one machine), and 8 of its layers
+    replayed in 0.664–0.701 ms against 0.684–0.737 (`profile_decode.py --layers 8`, six runs
+    each). The layer alone is slower (`profile_gemm.py --sweep`: 22.7 µs against 20.7 at T=1;
+    48.2 against 47.6 at T=4), so launches of more lanes, and the plain builds a step with
+    misses runs, keep the rule; other Ip were not measured inside the step and keep it too
+    (docs/PERFORMANCE.md, Experiments)."""
+    nc2 = layout.ip // 64
+    return 4 if route and lanes <= 8 and w2_ksplit(layout) == 2 and nc2 <= 16 else 0
+
+
 def w2_items(layout: RowLayout, w2_split: int = 0) -> int:
     """w2 items of one unit (moe_decode.cu's G2): Hp/16 output strips, WARPS / KS2 an item
     (KS2: `w2_split`, or the kernel's rule where 0)."""
@@ -136,14 +157,15 @@ def w13_items_fill(layout: RowLayout, sms: int, lanes: int, w13_split: int,
     return w13_items(layout, lanes, w13_split) >= blocks_per_sm * sms
 
 
-def call_items(layout: RowLayout, lanes: int, w13_split: int) -> int:
+def call_items(layout: RowLayout, lanes: int, w13_split: int, w2_split: int = 0) -> int:
     """Items of a call of `lanes` lanes, one unit a lane (an upper bound): its w13 items at
-    `w13_split` and its units' w2 items."""
-    return w13_items(layout, lanes, w13_split) + lanes * w2_items(layout)
+    `w13_split` and its units' w2 items at `w2_split` (0: the kernel's rule)."""
+    return w13_items(layout, lanes, w13_split) + lanes * w2_items(layout, w2_split)
 
 
-def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int) -> int:
-    """Blocks per SM a build's registers must allow, for a call of `lanes` lanes.
+def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int, route: bool = False) -> int:
+    """Blocks per SM a build's registers must allow, for a call of `lanes` lanes (of a ROUTE
+    build where `route`: its w2 split, `w2_split_for`, counts in `call_items`).
 
     4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone, at 4 warps a strip
     (one strip pair an item; two up strips in rows without a gate), fill a grid of 4 blocks per
@@ -172,7 +194,8 @@ def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int) -> int:
 
     def empty_slots(minb: int) -> int:
         grid = minb * sms
-        n = call_items(layout, lanes, w13_split(layout, sms, lanes, minb))
+        n = call_items(layout, lanes, w13_split(layout, sms, lanes, minb),
+                       w2_split_for(layout, lanes, route))
         return -(-n // grid) * grid - n
 
     return 3 if empty_slots(3) < empty_slots(4) else 4
@@ -195,10 +218,10 @@ def choose(layout: RowLayout, sms: int, lanes: int, x: torch.Tensor,
     `weights` (one of W_DTYPES). Depends only on shapes, dtypes and x's alignment, so a captured
     graph keeps its choice. route: the ROUTE build (`route_fits`)."""
     nt, maxw = (8, 64) if lanes <= 64 else (16, MAX_LANES)
-    minb = blocks_per_sm(layout, sms, nt, lanes)
+    minb = blocks_per_sm(layout, sms, nt, lanes, route)
     return Build(nt=nt, maxw=maxw, minb=minb, w13_split=w13_split(layout, sms, lanes, minb),
                  xalign=int(x.data_ptr() % 16 == 0), w_dtype=W_DTYPES[weights.dtype],
-                 route=int(route))
+                 route=int(route), w2_split=w2_split_for(layout, lanes, route))
 
 
 def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
