@@ -488,13 +488,6 @@ class FusedStep:
             if isinstance(l, FusedLayer):
                 l.attn = self._attention(nh, hk, D, workspace=self.workspace, **l.attn,
                                          **attn_shape)
-        # a layer's o-projection asks L2 for the next layer's QKV weights before its wait (while
-        # the attention runs), so that they come from L2 when the QKV GEMV runs after the MoE
-        if backend == "kernels":
-            for l, nxt in zip(self.layers, self.layers[1:]):
-                if isinstance(l, FusedLayer) and isinstance(nxt, FusedLayer):
-                    l.o.prefetch_next([w.strips if isinstance(w, dense_nvfp4.DenseNVFP4) else w
-                                      for w in nxt.qkv.weights])
         # profiling only: parts of every fused layer the step leaves out (`ABLATE` names them;
         # `benchmarks/profile_decode.py --ablate` captures the step without each to time what it
         # costs inside the graph; the logits are then meaningless)

@@ -58,11 +58,6 @@
 // dequantised to A fragments before the wait, as soon as they land, so that after it a chunk
 // costs only its MMAs and x loads.
 //
-// L2NEXT = 1: before the wait every thread of the grid also asks L2 for its share of up to three
-// byte ranges (pf_i, pb_i; pb_i = 0 for none), a 128-byte line a prefetch: the fused step's
-// o-projection asks for the next layer's QKV weights, so that they come from L2 rather than HBM
-// when that GEMV runs after the layer's MoE (cupool/fused.py).
-//
 // Rows come from up to three matrices (a fused q/k/v projection): output row r is row r of w0 for
 // r < n0, row r − n0 of w1 for r < n0 + n1, else row r − n0 − n1 of w2 — the weights are used
 // where they lie, no concatenated copy is kept. Biases (bf16) likewise, null where absent.
@@ -122,9 +117,6 @@
 #endif
 #ifndef LANE_ADDR
 #define LANE_ADDR 0       // the route epilogue also writes the lanes' expert row addresses
-#endif
-#ifndef L2NEXT
-#define L2NEXT 0          // before the wait, ask L2 for up to three ranges (the next GEMV's weights)
 #endif
 #ifndef RBIAS
 #define RBIAS 0           // the route epilogue adds the router's bias to the logits
@@ -233,9 +225,6 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #endif
 #if LANE_ADDR
            , const i64* __restrict__ table, i64* lane_addr
-#endif
-#if L2NEXT
-           , const u8* pf0, i64 pb0, const u8* pf1, i64 pb1, const u8* pf2, i64 pb2
 #endif
            ) {
     // x tiles; after the last tile the warps' partial sums (red), then the routing logits
@@ -438,19 +427,6 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #if LANE_ADDR
     // the last block reads the lanes' row addresses from the table right after the top-k
     for (i32 i = threadIdx.x * 16; i < N; i += WARPS * 32 * 16) prefetch_l2(table + i);
-#endif
-#if L2NEXT
-    // ask L2 for the ranges pf0..2 (pb bytes each: the next GEMV's weights), spread over every
-    // thread of the grid a 128-byte line at a time, while the kernel before still runs
-    {
-        const i64 threads = (i64)gridDim.x * gridDim.y * WARPS * 32;
-        const i64 t0 = ((i64)blockIdx.y * gridDim.x + blockIdx.x) * WARPS * 32 + threadIdx.x;
-        const u8* const pf[3] = {pf0, pf1, pf2};
-        const i64 pb[3] = {pb0, pb1, pb2};
-#pragma unroll
-        for (int r = 0; r < 3; ++r)
-            for (i64 off = t0 * 128; off < pb[r]; off += threads * 128) prefetch_l2(pf[r] + off);
-    }
 #endif
     // in, add and res2 are the kernel before's output; every write below comes after this
     wait_for_producers();

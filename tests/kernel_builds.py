@@ -116,10 +116,6 @@ BUILDS: list[tuple[str, str]] = [
     # router=k16 (the default before the plain router measured faster)
     ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=4"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DKS=16"),
-    # the o-projection at the default shape asking L2 for the next layer's QKV weights
-    # (L2NEXT, `DenseGemv.prefetch_next`), bf16 and NVFP4
-    ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=4 -DL2NEXT=1"),
-    ("dense_gemv", "-DNB=1 -DMODE=0 -DEPI=1 -DWARPS=4 -DRT=1 -DKS=4 -DWFP4=1 -DPRE=4 -DL2NEXT=1"),
     # the router writing the lanes' expert row addresses (the plan step skipped, every expert in
     # the bank): the plain shape (the default) and router=k16
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1"),

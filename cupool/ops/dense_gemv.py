@@ -258,7 +258,6 @@ class DenseGemv:
                                         device=self.device)        # [S, B, N]
             self.tile_tickets = torch.zeros(tiles, dtype=torch.int32, device=self.device)
             self._split_args = (self.partials, self.tile_tickets)
-        self._defines, self._l2_args = defines, ()
         self.kernel = kernels.function("dense_gemv", "dense_gemv", defines, self.device.index)
         self.lane_kernel = (kernels.function("dense_gemv", "dense_gemv",
                                              {**defines, "LANE_ADDR": 1}, self.device.index)
@@ -274,30 +273,6 @@ class DenseGemv:
         self._wargs = (*w, kernels.i32(n0), kernels.i32(n1), kernels.i32(self.N),
                        kernels.i32(self.K), *scales,
                        *(kernels.NULL if t is None else t for t in b))
-
-    def prefetch_next(self, tensors: Sequence[torch.Tensor]) -> None:
-        """From now on each launch also asks L2, before it waits for the kernel before it, for
-        the bytes of `tensors` (1 to 3 contiguous tensors on this GEMV's device, 16-byte aligned:
-        the weights the next GEMV reads; the kernel's L2NEXT build). The fused step gives a
-        layer's o-projection the next layer's QKV weights (`cupool.fused`)."""
-        tensors = list(tensors)
-        if not 1 <= len(tensors) <= 3:
-            raise ValueError(f"prefetch_next takes 1 to 3 tensors, got {len(tensors)}")
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or t.device != self.device \
-                    or not t.is_contiguous() or t.data_ptr() % 16:
-                got = (f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor)
-                       else type(t).__name__)
-                raise ValueError(f"tensors[{i}] must be a contiguous, 16-byte aligned tensor on "
-                                 f"{self.device}, got {got}")
-        ranges = [(t, kernels.i64(t.numel() * t.element_size())) for t in tensors]
-        ranges += [(kernels.NULL, kernels.i64(0))] * (3 - len(ranges))
-        self._l2_args = tuple(a for r in ranges for a in r)
-        defines = {**self._defines, "L2NEXT": 1}
-        self.kernel = kernels.function("dense_gemv", "dense_gemv", defines, self.device.index)
-        if self.lane_kernel is not None:
-            self.lane_kernel = kernels.function("dense_gemv", "dense_gemv",
-                                                {**defines, "LANE_ADDR": 1}, self.device.index)
 
     def _check_act(self, name: str, t, cols: int):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.device != self.device \
@@ -385,8 +360,7 @@ class DenseGemv:
             null if norm_weight is None else norm_weight, kernels.f32(eps),
             null if h_out is None else h_out, null if x_out is None else x_out,
             null if residual is None else residual, null if out is None else out,
-            *rargs, *self._split_args, *lane_args, *self._l2_args), device=self.device,
-            dependent=True)
+            *rargs, *self._split_args, *lane_args), device=self.device, dependent=True)
 
     def _check_lane_addr(self, table, lane_addr, top_k: int) -> None:
         """ValueError naming the argument unless this is a ROUTE GEMV built with lane_addr=True,
