@@ -8,7 +8,7 @@
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
 # Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, tests-host, host-serve, host-late, host-bench, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
-# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees,
+# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees, ab-serve,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
 # prefix, prefix-host, prefix-scratch, serve, serve-slots, first-request, overlap, graph-copies,
@@ -20,7 +20,10 @@
 #   DENSE_SHAPES="default qkv=w4 ..."  CUPOOL_DENSE_SHAPE values of `ab-dense`
 #   AB_TREES="ab_base ."  AB_ROUNDS=3  AB_CONTEXT=16  AB_ARGS=  the trees, rounds, positions and
 #                                 other profile_decode.py arguments of `ab-trees` (AB_ROUNDS,
-#                                 default 1 there, and AB_ARGS also of `ab-dense`)
+#                                 default 1 there, and AB_ARGS also of `ab-dense`); `ab-serve`
+#                                 times bench_serve.py (SERVE_ARGS, default "--streams 1 --banks
+#                                 1.0") in AB_TREES, AB_ROUNDS rounds (default 2), each round's
+#                                 trees in the other order than the round before
 #   PREFILL_SWEEP="default NB=2,MINB=1"  prefill launch configs of `prefill-sweep`
 #   SCRATCHES="32x2 64x2 64x4"    prefill scratch rows x buffers of `prefix-scratch`
 #   HOST_STREAMS="1 8 16"  HOST_ARGS="--host-promote"  stream counts and other bench_serve
@@ -138,6 +141,17 @@ for stage in "$@"; do
                   PYTHONPATH=$tree run "$name" 200 python3 "$tree/benchmarks/profile_decode.py" --context "${AB_CONTEXT:-16}" ${AB_ARGS:-}
                   summary[-1]="${summary[-1]} [$t] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/$name.log")"
                 done
+              done ;;
+    ab-serve) order=(${AB_TREES:-.})
+              for r in $(seq "${AB_ROUNDS:-2}"); do
+                for t in "${order[@]}"; do
+                  tree=$(cd "$t" && pwd)
+                  name="serve_$(basename "$tree")_$r"
+                  PYTHONPATH=$tree run "$name" 200 python3 "$tree/benchmarks/bench_serve.py" \
+                    ${SERVE_ARGS:---streams 1 --banks 1.0} --json "$OUT/$name.json"
+                  summary[-1]="${summary[-1]} [$t] $(grep -oE 'decode +[0-9.]+' "$OUT/$name.log" | tr '\n' ' ')"
+                done
+                rev=(); for ((i=${#order[@]}-1; i>=0; i--)); do rev+=("${order[i]}"); done; order=("${rev[@]}")
               done ;;
     chain)    run profile_chain 120 python3 benchmarks/profile_chain.py --json "$OUT/profile_chain.json" ;;
     attention) run profile_attention 300 python3 benchmarks/profile_attention.py --min-chunk 64 256 --json "$OUT/profile_attention.json" ;;
