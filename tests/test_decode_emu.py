@@ -6,7 +6,7 @@ whose async_copy.cuh copies at once and keeps each mbarrier's arrivals, transact
 phase as the hardware does; `decode_main.cpp` runs it as one block that takes every item of the
 call in order. So a decode call's numbers are checked without a GPU for the builds the launcher
 chooses (`cupool.ops.moe_decode.defines`): both copy paths (bulk copies, sm_90+; cp.async
-before), each w13 K split, units of 8 and 16 lanes, biases with the clamped SwiGLU, rows
+before), each w13 K split, w2 strips split over 2 and 4 warps (Ip = 768), units of 8 and 16 lanes, biases with the clamped SwiGLU, rows
 without a gate, padding, a NaN router weight, and a call split into rows in place then fresh
 rows. What several blocks do to each other (the ticket, the unit waits, the last arrival's
 top-k sum) runs here in one order only: the GPU tests' part (test_gpu_gemm.py). Builds ending
@@ -39,10 +39,10 @@ SWIGLU = swiglu_clamp(1.702, 7.0)
 
 
 def _build(nt, split, bulk, bias=False, gated=True, activation=SILU, xsmem=0, route=0,
-           w_dtype=0):
-    layout = RowLayout(80, 48, bias=bias, gated=gated)      # Hp = 128, Ip = 64: H < Hp
+           w_dtype=0, inter=48, w2_split=0):
+    layout = RowLayout(80, inter, bias=bias, gated=gated)   # Hp = 128: H < Hp
     b = moe_decode.Build(nt=nt, maxw=64 if nt == 8 else 256, minb=3, w13_split=split, xalign=1,
-                         w_dtype=w_dtype, xsmem=xsmem, route=route)
+                         w_dtype=w_dtype, xsmem=xsmem, route=route, w2_split=w2_split)
     return layout, activation, b, bulk
 
 
@@ -56,6 +56,10 @@ BUILDS = {
     "relu2_nt16_xsmem": _build(16, 4, bulk=0, gated=False, activation=RELU2, xsmem=1),
     "route": _build(8, 2, bulk=1, route=1),
     "route_nt16_bf16": _build(16, 4, bulk=0, route=1, w_dtype=1),
+    # Ip = 768 (12 chunks a w2 strip): the kernel's rule splits a strip over 2 warps; the ROUTE
+    # build of one token's lanes over 4 (moe_decode.w2_split_for), its partials summed by warp 0
+    "silu_ip768": _build(8, 4, bulk=1, inter=768),
+    "route_ip768_w2split4": _build(8, 4, bulk=1, route=1, inter=768, w2_split=4),
 }
 
 
@@ -130,7 +134,7 @@ def _routing(T, K, gen, distinct=True):
     ("silu", 1, 8, True), ("silu", 3, 2, False), ("silu_bulk", 1, 8, True),
     ("silu_bulk", 5, 4, False), ("silu_nt16", 16, 8, False), ("swiglu_bias", 3, 4, True),
     ("relu2", 2, 6, True), ("silu_xsmem", 1, 8, True), ("silu_xsmem", 3, 4, False),
-    ("relu2_nt16_xsmem", 9, 4, False), ("silu", 11, 2, "crowded"),
+    ("relu2_nt16_xsmem", 9, 4, False), ("silu", 11, 2, "crowded"), ("silu_ip768", 1, 8, True),
     ("silu_nt16", 16, 2, "crowded"), ("silu_bulk", 12, 3, "crowded")])
 def test_decode_kernel_source_matches_reference_on_cpu(builds, name, T, K, distinct):
     """Poisoned workspaces and output; the counters back at zero; no error bits. Up to 32
@@ -240,7 +244,8 @@ def _within_bf16_ulp(got, want):
 
 @pytest.mark.parametrize("name,T,K,norm_topk,inactive", [
     ("route", 1, 8, True, None), ("route", 5, 4, False, 3),
-    ("route_nt16_bf16", 9, 8, True, 0), ("route_nt16_bf16", 16, 6, True, None)])
+    ("route_nt16_bf16", 9, 8, True, 0), ("route_nt16_bf16", 16, 6, True, None),
+    ("route_ip768_w2split4", 1, 8, True, None)])
 def test_routed_decode_matches_the_router_and_reference_on_cpu(builds, name, T, K, norm_topk,
                                                                inactive):
     """A ROUTE build (one block, which takes every expert's logit): x is the RMSNorm of h, the
