@@ -8,9 +8,10 @@ call in order. So a decode call's numbers are checked without a GPU for the buil
 chooses (`cupool.ops.moe_decode.defines`): both copy paths (bulk copies, sm_90+; cp.async
 before), each w13 K split, w2 strips split over 2 and 4 warps (Ip = 768), units of 8 and 16
 lanes, biases with the clamped SwiGLU, rows without a gate, padding, a NaN router weight, and a
-call split into rows in place then fresh rows. What several blocks do to each other (the ticket, the unit waits, the last arrival's
-top-k sum) runs here in one order only: the GPU tests' part (test_gpu_gemm.py). Builds ending
-in `_xsmem` stage each w13 item's x rows in shared memory (the XSMEM variant profilers select).
+call split into rows in place then fresh rows. What several blocks do to each other (the
+ticket, the unit waits, the last arrival's top-k sum) runs here in one order only: the GPU
+tests' part (test_gpu_gemm.py). Builds ending in `_xsmem` stage each w13 item's x rows in shared
+memory (the XSMEM variant profilers select).
 Builds starting with `route` route the call themselves (ROUTE: the RMSNorm, router GEMV and
 softmax top-k of the router's launch folded in), checked against `cupool.reference.dense`.
 """
