@@ -12,9 +12,10 @@ source that has no default build here).
 
 BUILDS holds the builds at the Qwen3-30B-A3B (H=2048, I=768), H=4096/I=1536, gpt-oss (H = I =
 2880, biases, clamped SwiGLU) and Nemotron-3-Nano-30B-A3B (H=2688, I=1856, experts without a
-gate: ROW_GATED=0, ReLU(up)²) dims: the moe_decode variants the per-call rules choose, the
-moe_gemm configs (pair decode and prefill), moe_align, the planner, the row copy kernels, the
-quantizer. The sets are written out here rather than taken from the launchers, so a change to a
+gate: ROW_GATED=0, ReLU(up)²) dims: the moe_decode variants the per-call rules choose (also at
+Qwen3-Next's, GLM-4.5-Air's and DeepSeek-V3's dims, on every SM count of
+test_nvcc_compile.SM_COUNTS), the moe_gemm configs (pair decode and prefill), moe_align, the
+planner, the row copy kernels, the quantizer. The sets are written out here rather than taken from the launchers, so a change to a
 launcher's rule shows up as a change of hashes only where it changes a kernel.
 """
 
@@ -40,6 +41,11 @@ _GPTOSS = ("-DHP=2880 -DIP=2880 -DROW_W2_OFFSET=9331456 -DROW_BIAS=1 -DACT=1 "
 # Nemotron-3-Nano-30B-A3B: H=2688, I=1856 (29 chunks a w2 strip), rows without gate strips,
 # ReLU(up)² (RowLayout(2688, 1856, gated=False).defines() and RELU2.defines())
 _NEMOTRON = "-DHP=2688 -DIP=1856 -DROW_W2_OFFSET=2806528 -DROW_GATED=0 -DACT=2"
+# Qwen3-Next-80B-A3B (H=2048, I=512: a w2 strip's 8 chunks fit the stage ring), GLM-4.5-Air
+# (H=4096, I=1408), DeepSeek-V3 / Kimi-K2 (H=7168, I=2048: wider than a ROUTE build takes)
+_QWEN_NEXT = "-DHP=2048 -DIP=512 -DROW_W2_OFFSET=1179904"
+_GLM_AIR = "-DHP=4096 -DIP=1408 -DROW_W2_OFFSET=6488320"
+_DEEPSEEK = "-DHP=7168 -DIP=2048 -DROW_W2_OFFSET=16515328"
 
 
 def _gemm(dims: str, nt, ksplit, warps_m, kc, w2_kc, nb, reduce, prefetch, minb, w2_ns) -> str:
@@ -139,6 +145,47 @@ BUILDS: list[tuple[str, str]] = [
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 4, ROUTE=1)),
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 2, ROUTE=1)),
     ("moe_decode", _decode(_QWEN, 16, 256, 3, 2, ROUTE=1)),
+    # the rest of what the per-call rules choose (`moe_decode.choose`, plain and ROUTE) for 1 to
+    # 16 tokens at the dims of the served families, on the SM counts of the GPUs cupool builds for
+    # (tests/test_nvcc_compile.py: test_launcher_decode_builds_are_registered)
+    # Qwen3-30B-A3B
+    ("moe_decode", _decode(_QWEN, 8, 64, 4, 4)),
+    ("moe_decode", _decode(_QWEN, 8, 64, 4, 4, ROUTE=1, W2_KSPLIT=4)),
+    ("moe_decode", _decode(_QWEN, 8, 64, 3, 2)),
+    ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, ROUTE=1)),
+    ("moe_decode", _decode(_QWEN, 8, 64, 3, 2, ROUTE=1)),
+    # Qwen3-Next (top-10 of 512)
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 4)),
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 2)),
+    ("moe_decode", _decode(_QWEN_NEXT, 16, 256, 3, 2)),
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 4, ROUTE=1)),
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 2, ROUTE=1)),
+    ("moe_decode", _decode(_QWEN_NEXT, 16, 256, 3, 2, ROUTE=1)),
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 3, 4)),
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 3, 4, ROUTE=1)),
+    # H=4096, I=1536 (Qwen3-235B-A22B)
+    ("moe_decode", _decode(_BIG, 8, 64, 4, 4, ROUTE=1)),
+    ("moe_decode", _decode(_BIG, 16, 256, 3, 4, ROUTE=1)),
+    ("moe_decode", _decode(_BIG, 8, 64, 3, 4)),
+    ("moe_decode", _decode(_BIG, 8, 64, 3, 4, ROUTE=1)),
+    # GLM-4.5-Air
+    ("moe_decode", _decode(_GLM_AIR, 8, 64, 4, 4)),
+    ("moe_decode", _decode(_GLM_AIR, 16, 256, 3, 4)),
+    ("moe_decode", _decode(_GLM_AIR, 8, 64, 4, 4, ROUTE=1)),
+    ("moe_decode", _decode(_GLM_AIR, 16, 256, 3, 4, ROUTE=1)),
+    ("moe_decode", _decode(_GLM_AIR, 8, 64, 3, 4)),
+    ("moe_decode", _decode(_GLM_AIR, 8, 64, 3, 4, ROUTE=1)),
+    # gpt-oss
+    ("moe_decode", _decode(_GPTOSS, 8, 64, 4, 4, ROUTE=1)),
+    ("moe_decode", _decode(_GPTOSS, 8, 64, 3, 4, ROUTE=1)),
+    # Nemotron-H
+    ("moe_decode", _decode(_NEMOTRON, 8, 64, 3, 4, ROUTE=1)),
+    ("moe_decode", _decode(_NEMOTRON, 8, 64, 4, 4, ROUTE=1)),
+    ("moe_decode", _decode(_NEMOTRON, 16, 256, 3, 4, ROUTE=1)),
+    # DeepSeek-V3 / Kimi-K2 (plain builds only)
+    ("moe_decode", _decode(_DEEPSEEK, 8, 64, 4, 4)),
+    ("moe_decode", _decode(_DEEPSEEK, 16, 256, 3, 4)),
+    ("moe_decode", _decode(_DEEPSEEK, 8, 64, 3, 4)),
     ("dense_attention", ""),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64"),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),

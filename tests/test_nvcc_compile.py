@@ -12,6 +12,7 @@ import torch
 from kernel_builds import ARCHS, BUILDS, ROOT, VARIANTS, compile_many, nvcc_command
 
 from cupool import _cuda, kernels
+from cupool.activation import RELU2, SILU, swiglu_clamp
 from cupool.layout import RowLayout
 from cupool.ops import moe_decode
 from cupool.ops.moe_gemm import PREFILL, w2_cols
@@ -244,18 +245,42 @@ def test_w2_split_rule():
     assert moe_decode.choose(qwen, 132, 8, x, torch.zeros(8)).w2_split == 0
 
 
-def test_qwen_route_builds_the_launcher_makes_are_registered():
-    """The ROUTE builds the fused step launches at Qwen3-30B-A3B dims (top-8, 1 to 16 tokens on
-    132 SMs) are in kernel_builds.BUILDS, so every architecture compiles them."""
-    qwen = RowLayout(2048, 768)
+# The served families' expert dims (published configs: hidden, moe_intermediate, experts, top-k)
+# and the SM counts of the GPUs cupool builds for: RTX 3080 / 4080 / 3090 / 5080, A100, H100 PCIe,
+# RTX 4090, H100 / H200, B200, RTX 5090, RTX PRO 6000.
+SERVED_DIMS = {
+    "Qwen3-30B-A3B": (RowLayout(2048, 768), SILU, 128, 8),
+    "Qwen3-Next-80B-A3B": (RowLayout(2048, 512), SILU, 512, 10),
+    "Qwen3-235B-A22B": (RowLayout(4096, 1536), SILU, 128, 8),
+    "GLM-4.5-Air": (RowLayout(4096, 1408), SILU, 128, 8),
+    "gpt-oss-120b": (RowLayout(2880, 2880, bias=True), swiglu_clamp(1.702, 7.0), 128, 4),
+    "Nemotron-3-Nano-30B-A3B": (RowLayout(2688, 1856, gated=False), RELU2, 128, 6),
+    "DeepSeek-V3": (RowLayout(7168, 2048), SILU, 256, 8),
+}
+SM_COUNTS = (68, 76, 82, 84, 108, 114, 128, 132, 148, 170, 188)
+
+
+@pytest.mark.parametrize("family", sorted(SERVED_DIMS))
+def test_launcher_decode_builds_are_registered(family):
+    """Every moe_decode build the per-call rules choose (`choose`: plain, and ROUTE where
+    `route_fits`) for 1 to 16 tokens at a served family's dims, on each GPU's SM count, is in
+    kernel_builds.BUILDS, so every architecture compiles it."""
+    layout, activation, experts, top_k = SERVED_DIMS[family]
     registered = {frozenset(d.split()) for n, d in BUILDS if n == "moe_decode"}
-    x = torch.zeros(16, 2048, dtype=torch.bfloat16)
-    seen = set()
-    for T in range(1, 17):
-        b = moe_decode.choose(qwen, 132, T * 8, x[:T], torch.zeros(T * 8), route=True)
-        d = moe_decode.defines(b, qwen, torch.bfloat16)
-        seen.add(frozenset(f"-D{k}={v}" for k, v in d.items()))
-    assert len(seen) == 4 and seen <= registered, [sorted(s) for s in seen - registered]
+    x = torch.zeros(16, layout.hidden, dtype=torch.bfloat16)
+    missing = set()
+    for sms in SM_COUNTS:
+        for route in (False, True):
+            for T in range(1, 17):
+                if route and moe_decode.route_fits(T, experts, layout.hp) is not None:
+                    continue
+                b = moe_decode.choose(layout, sms, T * top_k, x[:T], torch.zeros(T * top_k),
+                                      route=route)
+                d = moe_decode.defines(b, layout, torch.bfloat16, activation)
+                flags = frozenset(f"-D{k}={v}" for k, v in d.items())
+                if flags not in registered:
+                    missing.add((sms, route, T, " ".join(sorted(flags))))
+    assert not missing, sorted(missing)[:4]
 
 
 def test_prefill_staging_fits_two_blocks_per_sm():
