@@ -12,10 +12,11 @@ source that has no default build here).
 
 BUILDS holds the builds at the Qwen3-30B-A3B (H=2048, I=768), H=4096/I=1536, gpt-oss (H = I =
 2880, biases, clamped SwiGLU) and Nemotron-3-Nano-30B-A3B (H=2688, I=1856, experts without a
-gate: ROW_GATED=0, ReLU(up)²) dims: the moe_decode variants the per-call rules choose (also at
-Qwen3-Next's, GLM-4.5-Air's and DeepSeek-V3's dims, on every SM count of
-test_nvcc_compile.SM_COUNTS), the moe_gemm configs (pair decode and prefill), moe_align, the
-planner, the row copy kernels, the quantizer. The sets are written out here rather than taken from the launchers, so a change to a
+gate: ROW_GATED=0, ReLU(up)²) dims: the moe_decode variants the per-call rules choose (at
+Qwen3-30B-A3B's dims on every SM count of test_nvcc_compile.SM_COUNTS; VARIANTS holds those of the
+other served families' dims, Qwen3-Next's, GLM-4.5-Air's and DeepSeek-V3's among them), the
+moe_gemm configs (pair decode and prefill), moe_align, the planner, the row copy kernels, the
+quantizer. The sets are written out here rather than taken from the launchers, so a change to a
 launcher's rule shows up as a change of hashes only where it changes a kernel.
 """
 
@@ -146,46 +147,13 @@ BUILDS: list[tuple[str, str]] = [
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 2, ROUTE=1)),
     ("moe_decode", _decode(_QWEN, 16, 256, 3, 2, ROUTE=1)),
     # the rest of what the per-call rules choose (`moe_decode.choose`, plain and ROUTE) for 1 to
-    # 16 tokens at the dims of the served families, on the SM counts of the GPUs cupool builds for
-    # (tests/test_nvcc_compile.py: test_launcher_decode_builds_are_registered)
-    # Qwen3-30B-A3B
+    # 16 tokens at Qwen3-30B-A3B's dims on the SM counts of the GPUs cupool builds for (other
+    # families' in VARIANTS; tests/test_nvcc_compile.py: test_launcher_decode_builds_are_registered)
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 4)),
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 4, ROUTE=1, W2_KSPLIT=4)),
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 2)),
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, ROUTE=1)),
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 2, ROUTE=1)),
-    # Qwen3-Next (top-10 of 512)
-    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 4)),
-    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 2)),
-    ("moe_decode", _decode(_QWEN_NEXT, 16, 256, 3, 2)),
-    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 4, ROUTE=1)),
-    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 2, ROUTE=1)),
-    ("moe_decode", _decode(_QWEN_NEXT, 16, 256, 3, 2, ROUTE=1)),
-    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 3, 4)),
-    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 3, 4, ROUTE=1)),
-    # H=4096, I=1536 (Qwen3-235B-A22B)
-    ("moe_decode", _decode(_BIG, 8, 64, 4, 4, ROUTE=1)),
-    ("moe_decode", _decode(_BIG, 16, 256, 3, 4, ROUTE=1)),
-    ("moe_decode", _decode(_BIG, 8, 64, 3, 4)),
-    ("moe_decode", _decode(_BIG, 8, 64, 3, 4, ROUTE=1)),
-    # GLM-4.5-Air
-    ("moe_decode", _decode(_GLM_AIR, 8, 64, 4, 4)),
-    ("moe_decode", _decode(_GLM_AIR, 16, 256, 3, 4)),
-    ("moe_decode", _decode(_GLM_AIR, 8, 64, 4, 4, ROUTE=1)),
-    ("moe_decode", _decode(_GLM_AIR, 16, 256, 3, 4, ROUTE=1)),
-    ("moe_decode", _decode(_GLM_AIR, 8, 64, 3, 4)),
-    ("moe_decode", _decode(_GLM_AIR, 8, 64, 3, 4, ROUTE=1)),
-    # gpt-oss
-    ("moe_decode", _decode(_GPTOSS, 8, 64, 4, 4, ROUTE=1)),
-    ("moe_decode", _decode(_GPTOSS, 8, 64, 3, 4, ROUTE=1)),
-    # Nemotron-H
-    ("moe_decode", _decode(_NEMOTRON, 8, 64, 3, 4, ROUTE=1)),
-    ("moe_decode", _decode(_NEMOTRON, 8, 64, 4, 4, ROUTE=1)),
-    ("moe_decode", _decode(_NEMOTRON, 16, 256, 3, 4, ROUTE=1)),
-    # DeepSeek-V3 / Kimi-K2 (plain builds only)
-    ("moe_decode", _decode(_DEEPSEEK, 8, 64, 4, 4)),
-    ("moe_decode", _decode(_DEEPSEEK, 16, 256, 3, 4)),
-    ("moe_decode", _decode(_DEEPSEEK, 8, 64, 3, 4)),
     ("dense_attention", ""),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64"),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),
@@ -274,6 +242,39 @@ VARIANTS = [
                     "-DMINB=3 -DW13_KSPLIT=4 -DHFULL=0 -DXSMEM=1")),
     ("moe_gemm", ("-DHP=128 -DIP=64 -DROW_GATED=0 -DACT=2 -DNT=64 -DKSPLIT=1 -DWARPS_M=8 -DKC=64 "
                   "-DW2_KC=64 -DNB=1 -DREDUCE=1 -DMINB=2 -DW2_NS=2")),
+    # what the per-call rules choose at other served families' dims (BUILDS has Qwen3-30B-A3B's)
+    # Qwen3-Next (top-10 of 512)
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 4)),
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 2)),
+    ("moe_decode", _decode(_QWEN_NEXT, 16, 256, 3, 2)),
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 4, ROUTE=1)),
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 4, 2, ROUTE=1)),
+    ("moe_decode", _decode(_QWEN_NEXT, 16, 256, 3, 2, ROUTE=1)),
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 3, 4)),
+    ("moe_decode", _decode(_QWEN_NEXT, 8, 64, 3, 4, ROUTE=1)),
+    # H=4096, I=1536 (Qwen3-235B-A22B)
+    ("moe_decode", _decode(_BIG, 8, 64, 4, 4, ROUTE=1)),
+    ("moe_decode", _decode(_BIG, 16, 256, 3, 4, ROUTE=1)),
+    ("moe_decode", _decode(_BIG, 8, 64, 3, 4)),
+    ("moe_decode", _decode(_BIG, 8, 64, 3, 4, ROUTE=1)),
+    # GLM-4.5-Air
+    ("moe_decode", _decode(_GLM_AIR, 8, 64, 4, 4)),
+    ("moe_decode", _decode(_GLM_AIR, 16, 256, 3, 4)),
+    ("moe_decode", _decode(_GLM_AIR, 8, 64, 4, 4, ROUTE=1)),
+    ("moe_decode", _decode(_GLM_AIR, 16, 256, 3, 4, ROUTE=1)),
+    ("moe_decode", _decode(_GLM_AIR, 8, 64, 3, 4)),
+    ("moe_decode", _decode(_GLM_AIR, 8, 64, 3, 4, ROUTE=1)),
+    # gpt-oss
+    ("moe_decode", _decode(_GPTOSS, 8, 64, 4, 4, ROUTE=1)),
+    ("moe_decode", _decode(_GPTOSS, 8, 64, 3, 4, ROUTE=1)),
+    # Nemotron-H
+    ("moe_decode", _decode(_NEMOTRON, 8, 64, 3, 4, ROUTE=1)),
+    ("moe_decode", _decode(_NEMOTRON, 8, 64, 4, 4, ROUTE=1)),
+    ("moe_decode", _decode(_NEMOTRON, 16, 256, 3, 4, ROUTE=1)),
+    # DeepSeek-V3 / Kimi-K2 (plain builds only)
+    ("moe_decode", _decode(_DEEPSEEK, 8, 64, 4, 4)),
+    ("moe_decode", _decode(_DEEPSEEK, 16, 256, 3, 4)),
+    ("moe_decode", _decode(_DEEPSEEK, 8, 64, 3, 4)),
 ]
 
 
