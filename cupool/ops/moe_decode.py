@@ -125,8 +125,7 @@ def w2_split_for(layout: RowLayout, lanes: int, route: bool) -> int:
     48.2 against 47.6 at T=4), so launches of more lanes, and the plain builds a step with
     misses runs, keep the rule; other Ip were not measured inside the step and keep it too
     (docs/PERFORMANCE.md, Experiments)."""
-    nc2 = layout.ip // 64
-    return 4 if route and lanes <= 8 and w2_ksplit(layout) == 2 and nc2 <= 16 else 0
+    return 4 if route and lanes <= 8 and w2_ksplit(layout) == 2 and layout.ip // 64 <= 16 else 0
 
 
 def w2_items(layout: RowLayout, w2_split: int = 0) -> int:
@@ -163,9 +162,10 @@ def call_items(layout: RowLayout, lanes: int, w13_split: int, w2_split: int = 0)
     return w13_items(layout, lanes, w13_split) + lanes * w2_items(layout, w2_split)
 
 
-def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int, route: bool = False) -> int:
-    """Blocks per SM a build's registers must allow, for a call of `lanes` lanes (of a ROUTE
-    build where `route`: its w2 split, `w2_split_for`, counts in `call_items`).
+def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int, w2_split: int = 0) -> int:
+    """Blocks per SM a build's registers must allow, for a call of `lanes` lanes whose w2 strips
+    are split over `w2_split` warps (`w2_split_for`; 0: the kernel's rule), which `call_items`
+    counts.
 
     4 (at most 64 registers; 32 warps an SM) where the call's w13 items alone, at 4 warps a strip
     (one strip pair an item; two up strips in rows without a gate), fill a grid of 4 blocks per
@@ -194,8 +194,7 @@ def blocks_per_sm(layout: RowLayout, sms: int, nt: int, lanes: int, route: bool 
 
     def empty_slots(minb: int) -> int:
         grid = minb * sms
-        n = call_items(layout, lanes, w13_split(layout, sms, lanes, minb),
-                       w2_split_for(layout, lanes, route))
+        n = call_items(layout, lanes, w13_split(layout, sms, lanes, minb), w2_split)
         return -(-n // grid) * grid - n
 
     return 3 if empty_slots(3) < empty_slots(4) else 4
@@ -218,10 +217,11 @@ def choose(layout: RowLayout, sms: int, lanes: int, x: torch.Tensor,
     `weights` (one of W_DTYPES). Depends only on shapes, dtypes and x's alignment, so a captured
     graph keeps its choice. route: the ROUTE build (`route_fits`)."""
     nt, maxw = (8, 64) if lanes <= 64 else (16, MAX_LANES)
-    minb = blocks_per_sm(layout, sms, nt, lanes, route)
+    w2 = w2_split_for(layout, lanes, route)
+    minb = blocks_per_sm(layout, sms, nt, lanes, w2)
     return Build(nt=nt, maxw=maxw, minb=minb, w13_split=w13_split(layout, sms, lanes, minb),
                  xalign=int(x.data_ptr() % 16 == 0), w_dtype=W_DTYPES[weights.dtype],
-                 route=int(route), w2_split=w2_split_for(layout, lanes, route))
+                 route=int(route), w2_split=w2)
 
 
 def defines(build: Build, layout: RowLayout, dtype: torch.dtype,
