@@ -14,10 +14,10 @@ How a request runs:
    `resume_at`, where hybrid layers' states are copied out), and its first token is sampled from
    the last position's logits.
 3. Every active slot then advances one token per *step*: the model's forward on [B, 1] tokens at
-   each slot's own position, the sampling (`cupool.sampling.sample`) and the position update,
-   all on the device. On a GPU the step is captured in a CUDA graph once (two: with and without
-   the sampling sort) and replayed for every token, whatever the slots hold; a finished
-   sequence's slot takes the next request without recapture.
+   each slot's own position, the sampling (`cupool.sampling.sample`'s draw; on a GPU its kernel,
+   `cupool.ops.sampler`) and the position update, all on the device. On a GPU the step is
+   captured in a CUDA graph once (two: greedy only, and sampled) and replayed for every token,
+   whatever the slots hold; a finished sequence's slot takes the next request without recapture.
 4. After each step one small copy brings the B new tokens to the host (the only read of a step),
    where EOS ids, stop token ids, stop strings and max_tokens are checked, text is detokenized
    incrementally, and events go to the request's callback. Steps are pipelined by one: step n+1
@@ -54,6 +54,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cupool import graphsafe
 from cupool.kvcache import ATTENTION_TYPES, INDEXED_TYPES, STATE_TYPES
+from cupool.ops.sampler import LOGIT_DTYPES, Sampler
 from cupool.prefix import PrefixCache
 from cupool.sampling import (MAX_LOGPROBS, SamplingParams, apply_token_mask, mask_words, sample,
                              token_logprobs)
@@ -296,6 +297,8 @@ class Engine:
         self.top_p = torch.ones(B, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(B, dtype=torch.int64, device=dev)
         self.steps = torch.zeros(B, dtype=torch.int64, device=dev)
+        self._sampler: Sampler | None = None      # made at the first sampled step (`_sample`)
+        self._sampler_warned = False
         # logprobs of the step's tokens (chosen, top MAX_LOGPROBS) and the grammar token mask
         self.lp_chosen = torch.zeros(B, dtype=torch.float32, device=dev)
         self.lp_top = torch.zeros(B, MAX_LOGPROBS, dtype=torch.float32, device=dev)
@@ -708,9 +711,7 @@ class Engine:
         if r.constraint is not None:
             self._fill_masks([b])
             scores = apply_token_mask(logits, self.mask[b:b + 1])
-        first = sample(scores, self.temperature[b:b + 1], self.top_k[b:b + 1],
-                       self.top_p[b:b + 1], self.seeds[b:b + 1], self.steps[b:b + 1],
-                       greedy_only=p.temperature == 0)
+        first = self._sample(scores, slice(b, b + 1), greedy=p.temperature == 0)
         lp = token_logprobs(logits, first) if p.logprobs is not None else None
         self.cache.pos[b] = len(r.prompt_ids)
         self.tok[b, 0] = first[0]
@@ -796,8 +797,7 @@ class Engine:
                                 **self._fwd_kwargs(mask))
             logits = out.logits[:, -1, :]
         scores = apply_token_mask(logits, self.mask) if kind.masked else logits
-        nxt = sample(scores, self.temperature, self.top_k, self.top_p,
-                     self.seeds, self.steps, kind.greedy)
+        nxt = self._sample(scores, slice(None), kind.greedy)
         if kind.logprobs:
             for buf, val in zip((self.lp_chosen, self.lp_top, self.lp_ids),
                                 token_logprobs(logits, nxt)):
@@ -806,6 +806,33 @@ class Engine:
         self.tok[:, 0] = torch.where(act, nxt, self.tok[:, 0])
         self.cache.pos.add_(act.to(torch.int64)).clamp_(max=self.max_len - 1)
         self.steps.add_(act.to(torch.int64))
+
+    def _sample(self, scores: torch.Tensor, rows: slice, greedy: bool) -> torch.Tensor:
+        """Next tokens int64 [B] of `rows` (a slice of the slots) from their scores [B, V]: the
+        argmax where every row is greedy; else on a GPU the sampling kernel
+        (`cupool.ops.sampler.Sampler`, for bf16 and fp16 logits), elsewhere `sample`'s tensor ops
+        (its reference). Same tokens for a request whichever rows it shares a call with."""
+        args = (self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seeds[rows],
+                self.steps[rows])
+        if greedy:
+            return sample(scores, *args, greedy_only=True)
+        if scores.is_cuda and scores.dtype in LOGIT_DTYPES:
+            s = self._sampler
+            if s is None or s.vocab != scores.shape[-1] or s.dtype != scores.dtype:
+                if torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError("the sampling kernel's workspace must exist before a step "
+                                       "is captured (the step's warm-up makes it)")
+                s = self._sampler = Sampler(self.max_batch, scores.shape[-1], scores.dtype,
+                                            self.device)
+                log.info("cupool: sampling with rawkernels/sample.cu (%s logits, %d ids)",
+                         str(scores.dtype).removeprefix("torch."), s.vocab)
+            return s(scores, *args)
+        if scores.is_cuda and not self._sampler_warned:
+            self._sampler_warned = True
+            log.warning("cupool: the model's logits are %s; sampling runs as tensor ops with a "
+                        "sort of the vocabulary each step (rawkernels/sample.cu takes bf16 or "
+                        "fp16 logits)", scores.dtype)
+        return sample(scores, *args)
 
     @contextlib.contextmanager
     def _masked(self):

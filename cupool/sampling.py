@@ -9,10 +9,15 @@ greedy (argmax).
 
 Randomness is counter-based: the noise of vocabulary entry v at step s of a request with seed
 `seed` is a hash of (seed, s, v), computed with integer tensor ops on the device. A seeded
-request therefore samples the same tokens whether it runs alone or beside other requests, on a
-GPU or the CPU, and no generator state has to advance inside the graph. Sampling is the
-Gumbel-max trick over the kept tokens: argmax(logits / T + Gumbel noise) draws from
-softmax(logits / T) restricted to them.
+request therefore samples the same tokens whether it runs alone or beside other requests, and no
+generator state has to advance inside the graph. Sampling is the Gumbel-max trick over the kept
+tokens: argmax(logits / T + Gumbel noise) draws from softmax(logits / T) restricted to them.
+
+The order that top-k and top-p cut is by logit, larger first, and equal logits by id (a stable
+sort), so the kept set is defined even where a cut falls among equal logits, as it often does
+with bf16 logits. On a GPU the Engine draws with `cupool.ops.sampler.Sampler`, rawkernels/sample.cu
+(no sort, a few launches), which picks the tokens this reference picks except where top_p times
+the kept mass lies within float rounding of the mass ahead of a group of equal logits.
 """
 
 from __future__ import annotations
@@ -109,13 +114,15 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """u [B, V] float32 in (0, 1): entry (b, v) a hash of (seeds[b], steps[b], v), 24 bits of it."""
+    """u [B, V] float32 in (0, 1): entry (b, v) a hash of (seeds[b], steps[b], v), 23 bits of it
+    plus a half, over 2^23 (exact in float32, so u never rounds to 1, where the noise would be
+    infinite)."""
     dev = seeds.device
     s = _mix(_mix(seeds & _M32) ^ ((seeds >> 32) & _M32))                 # [B]
     s = _mix(s ^ (steps & _M32))                                           # [B]
     v = torch.arange(vocab, device=dev, dtype=torch.int64)
     h = _mix(s[:, None] ^ v[None, :])                                      # [B, V]
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -132,7 +139,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         return greedy
     B, V = logits.shape
     scaled = logits.float() / temperature.clamp_min(1e-6)[:, None]
-    vals, order = scaled.sort(dim=-1, descending=True)                    # [B, V]
+    vals, order = scaled.sort(dim=-1, descending=True, stable=True)       # [B, V]
     ranks = torch.arange(V, device=logits.device)
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
     keep = ranks[None, :] < k[:, None]

@@ -75,6 +75,9 @@ BUILDS: list[tuple[str, str]] = [
     ("planner", "-DTHREADS=1024 -DITEMS=4"),
     ("planner", "-DTHREADS=128 -DITEMS=4 -DPREFETCH=1"),   # Bank(prefetch=True)
     ("planner", "-DTHREADS=128 -DITEMS=4 -DHOST_SPLIT=1"),  # misses handed to the host's CPU
+    ("sample", ""),
+    ("sample", "-DTHREADS=256 -DITEMS=8 -DIN_F16=0"),    # bf16 logits (cupool.ops.sampler)
+    ("sample", "-DTHREADS=256 -DITEMS=8 -DIN_F16=1"),    # fp16 logits
     ("rowcopy", ""),
     ("rowcopy", "-DUNROLL=4"),
     ("rowcopy", "-DCHUNK=32768 -DNSTAGES=4"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from cupool.sampling import sample, uniform_noise
@@ -76,3 +77,50 @@ def test_noise_is_a_function_of_seed_step_and_token():
     assert abs(float(u.mean()) - 0.5) < 0.02            # 4,000 uniform draws
     big = uniform_noise(torch.tensor([2**62 + 5, 5]), torch.tensor([0, 0]), 64)
     assert not torch.equal(big[0], big[1])              # the seed's high bits count
+
+
+def test_cuts_among_equal_logits_keep_the_lower_ids():
+    """The order puts equal logits by id, so top-k and top-p cutting through a group keep its
+    lowest ids: four ids share the top logit, top-k 2 keeps ids 1 and 3 (the group's first two)."""
+    row = torch.tensor([0.0, 5.0, 1.0, 5.0, 5.0, 2.0, 5.0])
+    logits = row.expand(2000, 7).contiguous()
+    seeds = torch.arange(2000)
+    assert set(_call(logits, 1.0, 2, 1.0, seeds, 0).tolist()) == {1, 3}
+    # each of the group has a quarter of the top mass and more: top_p 0.3 keeps two of them
+    assert set(_call(logits, 1.0, 0, 0.3, seeds, 0).tolist()) == {1, 3}
+
+
+def test_noise_stays_inside_the_unit_interval():
+    """The largest hash gives u = (2^23 - 0.5) / 2^23 < 1 exactly in float32 (24 bits of hash
+    rounded u to 1, and -log(-log(1)) is infinite)."""
+    u = uniform_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), 20000)
+    assert float(u.max()) < 1 and float(u.min()) > 0
+    top = (torch.tensor(2**23 - 1, dtype=torch.int64).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    assert float(top) < 1
+
+
+def test_sampler_refuses_arguments_before_touching_a_device():
+    from cupool.ops.sampler import MAX_VOCAB, Sampler
+    for kwargs, match in ((dict(rows=0), "rows must be"), (dict(vocab=0), "vocab must be"),
+                          (dict(vocab=MAX_VOCAB + 1), "vocab must be"),
+                          (dict(dtype=torch.float32), "bf16 or fp16 logits"),
+                          (dict(device="cpu"), "CUDA device")):
+        args = dict(rows=4, vocab=100, dtype=torch.bfloat16, device="cuda") | kwargs
+        with pytest.raises(ValueError, match=match):
+            Sampler(**args)
+
+
+def test_sampler_constants_match_the_kernel():
+    """ops/sampler.py mirrors sample.cu's constants (ARCHITECTURE.md, "Constants Python and CUDA
+    share")."""
+    import re
+    from pathlib import Path
+
+    from cupool.ops import sampler
+    src = (Path(__file__).resolve().parent.parent / "rawkernels" / "sample.cu").read_text()
+    defines = dict(re.findall(r"^#define (\w+) (.+?)\s*(?://.*)?$", src, re.M))
+    assert int(defines["THREADS"]) == sampler.THREADS and int(defines["ITEMS"]) == sampler.ITEMS
+    assert int(defines["KEYS"]) == sampler.KEYS and int(defines["CUT_WORDS"]) == sampler.CUT_WORDS
+    assert defines["HIST_WORDS"] == "(KEYS + THREADS)"
+    assert sampler.HIST_WORDS == sampler.KEYS + sampler.THREADS
+    assert float(defines["FIXED_ONE"]) == 2.0 ** 40 and sampler.MAX_VOCAB * 2 ** 40 < 2 ** 63

@@ -8,6 +8,7 @@ launching on torch's current stream.
     rawkernels/moe_align.cu +   cupool/ops/moe_gemm.py     reference: cupool/reference/moe.py
     rawkernels/moe_gemm.cu
     rawkernels/host_handoff.cu  cupool/ops/host_handoff.py reference: HostExperts called directly
+    rawkernels/sample.cu        cupool/ops/sampler.py      reference: cupool/sampling.py (sample)
 
 The MoE kernels share two compile-time conventions and one rule on what they are built for,
 defined here once.

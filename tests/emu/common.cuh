@@ -85,6 +85,11 @@ CUPOOL_DEVICE float warp_sum(float v) {
     return v;
 }
 
+CUPOOL_DEVICE int warp_sum_int(int v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // rawkernels/common.cuh's redux.sync max over the warp's 32 lanes
 CUPOOL_DEVICE u32 warp_max_u32(u32 v) {
     emu_check_mask(0xffffffffu);

@@ -1,6 +1,6 @@
 // A CPU stand-in for the CUDA features cupool's plan step, decode attention, dense GEMVs, MoE
-// decode GEMM and host hand-off use (async_copy.cuh: the copies and mbarriers), so their real
-// source runs in CPU tests (and under ThreadSanitizer, which then reports any shared- or
+// decode GEMM, sampler and host hand-off use (async_copy.cuh: the copies and mbarriers), so their
+// real source runs in CPU tests (and under ThreadSanitizer, which then reports any shared- or
 // global-memory access that two threads make without a barrier between them: what
 // compute-sanitizer's racecheck finds on the GPU, found here without one).
 //
@@ -252,6 +252,15 @@ T atomicOr(T* p, U v) { return std::atomic_ref<T>(*p).fetch_or(static_cast<T>(v)
 
 template <class T, class U>
 T atomicAdd(T* p, U v) { return std::atomic_ref<T>(*p).fetch_add(static_cast<T>(v)); }
+
+template <class T, class U>
+T atomicMax(T* p, U v) {
+    std::atomic_ref<T> a(*p);
+    T cur = a.load();
+    while (static_cast<T>(v) > cur && !a.compare_exchange_weak(cur, static_cast<T>(v))) {
+    }
+    return cur;
+}
 
 template <class T, class U>
 T atomicMin(T* p, U v) {
