@@ -15,11 +15,10 @@ defaults writes nothing unless --json PATH is given).
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
-from _common import capture, reduced_by, results_path, save
+from _common import capture, reduced_by, results_path, save, time_ms
 
 from cupool import _cuda
 from cupool.cli import CLIParser, output_file, positive_int, run
@@ -27,22 +26,6 @@ from cupool.ops.sampler import Sampler
 from cupool.sampling import sample
 
 VOCAB = 151936
-
-
-def replay_us(graph: torch.cuda.CUDAGraph, calls: int, replays: int) -> float:
-    """Median µs a call of `graph` (which holds `calls` calls) over `replays` timed replays."""
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def case(B: int, args) -> dict:
@@ -66,7 +49,7 @@ def case(B: int, args) -> dict:
             steps.add_(1)
 
         graph = capture(call, args.calls)
-        row[f"{name}_us"] = replay_us(graph, args.calls, args.replays)
+        row[f"{name}_us"] = time_ms(graph.replay, warmup=3, iters=args.replays) * 1e3 / args.calls
         del graph
     for name in ("sampled_torch", "sampled_kernel"):
         row[f"{name}_over_greedy"] = row[f"{name}_us"] / row["greedy_us"]

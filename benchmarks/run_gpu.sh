@@ -64,13 +64,15 @@ for stage in "$@"; do
     tests-kernels) run pytest_gpu_kernels "${TESTS_TIMEOUT:-480}" "${PYTEST[@]}" $PYTEST_TIMEOUT \
               tests/test_gpu_planner.py tests/test_gpu_gemm.py tests/test_gpu_nvfp4.py \
               tests/test_gpu_foundation.py tests/test_gpu_arch.py tests/test_gpu_read_probe.py \
-              tests/test_gpu_dense.py tests/test_gpu_nongated.py tests/test_checkpoints_fill.py ;;
+              tests/test_gpu_dense.py tests/test_gpu_nongated.py tests/test_checkpoints_fill.py \
+              tests/test_gpu_sampling.py ;;
     tests-models) run pytest_gpu_models "${TESTS_TIMEOUT:-480}" "${PYTEST[@]}" $PYTEST_TIMEOUT \
               tests --deselect tests/test_gpu_planner.py --deselect tests/test_gpu_gemm.py \
               --deselect tests/test_gpu_nvfp4.py --deselect tests/test_gpu_foundation.py \
               --deselect tests/test_gpu_arch.py --deselect tests/test_gpu_read_probe.py \
               --deselect tests/test_gpu_dense.py --deselect tests/test_gpu_nongated.py \
-              --deselect tests/test_checkpoints_fill.py --deselect tests/test_gpu_host_planner.py \
+              --deselect tests/test_checkpoints_fill.py --deselect tests/test_gpu_sampling.py \
+              --deselect tests/test_gpu_host_planner.py \
               --deselect tests/test_gpu_host_handoff.py --deselect tests/test_gpu_host_decode.py ;;
     # the host's CPU path: its CPU tests on this machine's CPU (the native build is AVX-512 where
     # the CPU has it), the hand-off and the planner's HOST_SPLIT build on the GPU
