@@ -63,7 +63,7 @@
 // sum, at most V·2^40, stays below 2^63 for any V under 2^23)
 #define FIXED_ONE 1099511627776.0
 
-static_assert(KEYS % (4 * THREADS) == 0, "a scan thread reads its keys 4 at a time");
+static_assert(KEYS_PER_THREAD % 256 == 0, "a warp reads a coarse bin 8 rounds of 32 keys at once");
 static_assert(ITEMS >= 1, "ITEMS: ids a thread");
 static_assert(THREADS % 32 == 0 && THREADS <= 1024, "THREADS: whole warps, at most 1024");
 
@@ -139,96 +139,147 @@ CUPOOL_DEVICE bool last_of_row(i32* ticket, int* flag) {
     return true;
 }
 
-// Calls f(key, count) for keys [lo, lo + KEYS_PER_THREAD) from the largest down, until f returns
-// true; the counts are read 4 at a time through L2, where the other blocks' atomics landed.
+// One warp's walk over coarse bin `seg` from its largest key down, 32 keys a round (lane 0 the
+// largest), the counts of 8 rounds loaded at once through L2 (where the other blocks' atomics
+// landed). f(key, count) runs on every lane and returns a warp-uniform bool: true stops the walk.
 template <class F>
-CUPOOL_DEVICE void walk_keys(const u32* hist, int lo, F f) {
-#pragma unroll 4
-    for (int j = KEYS_PER_THREAD - 4; j >= 0; j -= 4) {
-        const u32x4 c = ld_u32x4_cg(hist + lo + j);
-        if (f(lo + j + 3, c.w) || f(lo + j + 2, c.z) || f(lo + j + 1, c.y) || f(lo + j, c.x)) return;
+CUPOOL_DEVICE void warp_walk(const u32* hist, int seg, F f) {
+    const int lane = threadIdx.x & 31, top = (seg + 1) * KEYS_PER_THREAD - 1 - lane;
+    for (int r0 = 0; r0 < KEYS_PER_THREAD / 32; r0 += 8) {
+        u32 c[8];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) c[r] = __ldcg(hist + top - 32 * (r0 + r));
+#pragma unroll
+        for (int r = 0; r < 8; ++r)
+            if (f(top - 32 * (r0 + r), c[r])) return;
     }
 }
 
-// The histogram's scan (one block: the row's last), from the largest key down. Thread t owns
-// keys [lo, lo + KEYS_PER_THREAD) with lo = KEYS - (t + 1)·KEYS_PER_THREAD, which is coarse bin
-// THREADS - 1 - t, so thread order is the keys' descending order and block scans over threads are
-// prefixes of the sorted order. A thread whose coarse bin is empty (most: logits span a few
-// octaves) reads none of its keys.
+// Inclusive sum over lanes 0..lane (lane 0 holds the largest key of a round).
+template <class T>
+CUPOOL_DEVICE T warp_inclusive(T v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T n = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += n;
+    }
+    return v;
+}
+
+// The histogram's scan (one block: the row's last), from the largest key down. Coarse bin s
+// holds keys [s·KEYS_PER_THREAD, +KEYS_PER_THREAD); thread t stands for bin THREADS - 1 - t in
+// the block scans, so thread order is the keys' descending order and a block scan over threads
+// is a prefix of the sorted order. The keys of a bin are read by one warp at a time, and only in
+// bins that hold ids (logits span a few octaves: most bins are empty).
 CUPOOL_DEVICE void scan_row(u32* hist, int V, float temperature, i64 top_k, float top_p,
                             i32* cut) {
     __shared__ u64 u64scratch[33];
     __shared__ int iscratch[33];
     __shared__ u64 slots[WARPS];
-    __shared__ int k_key, k_ties, p_key, p_keep;
-    const int lo = KEYS - (threadIdx.x + 1) * KEYS_PER_THREAD;
-    u32* coarse = hist + KEYS + (THREADS - 1 - threadIdx.x);
-    const u32 mine = __ldcg(coarse);                       // ids whose key this thread owns
+    __shared__ u64 seg_mass[THREADS];
+    __shared__ u32 seg_count[THREADS];
+    __shared__ int found_seg, k_key, k_ties, p_key, p_keep, top_key;
+    __shared__ u64 found_run;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int my_seg = THREADS - 1 - threadIdx.x;
+    const u32 mine = __ldcg(hist + KEYS + my_seg);           // ids whose key is in my_seg
+    seg_count[my_seg] = mine;
+    seg_mass[my_seg] = 0;
     auto count_at = [&](int key) -> u32 { return __ldcg(hist + key); };
 
-    // (a) the row's largest key that some id holds
-    int top = -1;
-    if (mine) walk_keys(hist, lo, [&](int key, u32 c) { return c ? (top = key, true) : false; });
-    const int kmax = (int)block_max_u64((u64)(top + 1), slots) - 1;   // V >= 1: some key is held
+    // (a) the row's largest key that some id holds: in the highest bin that holds ids
+    const int top_seg = (int)block_max_u64(mine ? (u64)my_seg + 1 : 0ull, slots) - 1;  // V >= 1
+    if (warp == 0)
+        warp_walk(hist, top_seg, [&](int key, u32 c) {
+            const u32 held = __ballot_sync(0xffffffffu, c != 0);
+            if (held && lane == __ffs((int)held) - 1) top_key = key;
+            return held != 0;
+        });
+    __syncthreads();
+    const int kmax = top_key;
     const float t = divisor(temperature);
     const float m = key_value(kmax) / t;
     const bool greedy = !(temperature > 0.0f);
 
     // (b) top-k: the key whose group holds the k-th id of the order, and how many of its ids
     const int K = (top_k > 0 && top_k < (i64)V) ? (int)top_k : V;
-    if (threadIdx.x == 0) { k_key = -1; k_ties = 0; }
+    if (threadIdx.x == 0) { k_key = -1; k_ties = 0; found_seg = -1; }
     int total;
-    const int above = block_exclusive_scan((int)mine, iscratch, &total);
-    if (K < V && above < K && K <= above + (int)mine) {
-        int run = above;
-        walk_keys(hist, lo, [&](int key, u32 c) {
-            if (run + (int)c < K) { run += (int)c; return false; }
-            k_key = key;
-            k_ties = K - run;
-            return true;
+    const int above = block_exclusive_scan((int)mine, iscratch, &total);   // synchronises
+    if (K < V && above < K && K <= above + (int)mine) { found_seg = my_seg; found_run = above; }
+    __syncthreads();
+    if (K < V && warp == 0) {
+        int run = (int)found_run;
+        warp_walk(hist, found_seg, [&](int key, u32 c) {
+            const int incl = warp_inclusive((int)c);
+            const u32 reach = __ballot_sync(0xffffffffu, run + incl >= K);
+            if (reach && lane == __ffs((int)reach) - 1) {
+                k_key = key;
+                k_ties = K - (run + incl - (int)c);
+            }
+            run += __shfl_sync(0xffffffffu, incl, 31);
+            return reach != 0;
         });
     }
     __syncthreads();
     const int kk = k_key, kties = k_ties;    // kk = -1: every id is in the top-k set
 
     // (c) the top-k set's mass: exp(logit / T - m) an id in fixed point (FIXED_ONE is the
-    // largest id's), summed a key at a time. Integer sums make the scan's prefixes exact, so each
-    // thread's range of the mass ends where the next one's starts.
+    // largest id's), summed by each bin's warp. Integer sums make the scan's prefixes exact, so
+    // each thread's range of the mass ends where the next one's starts.
     auto in_set = [&](int key, u32 c) -> u64 {
         return key > kk ? (u64)c : key == kk ? (u64)kties : 0ull;
     };
     auto prob = [&](int key) -> u64 {
         return (u64)((double)expf(key_value(key) / t - m) * FIXED_ONE + 0.5);
     };
-    u64 mass = 0;
-    if (!greedy && mine && lo + KEYS_PER_THREAD - 1 >= kk) {
-        walk_keys(hist, lo, [&](int key, u32 c) {
-            const u64 n = in_set(key, c);
-            if (n) mass += n * prob(key);
-            return key <= kk;
-        });
+    if (!greedy) {
+        for (int seg = warp; seg < THREADS; seg += WARPS) {
+            if (!seg_count[seg] || (seg + 1) * KEYS_PER_THREAD - 1 < kk) continue;
+            u64 sum = 0;
+            warp_walk(hist, seg, [&](int key, u32 c) {
+                const u64 n = in_set(key, c);
+                if (n) sum += n * prob(key);
+                return __shfl_sync(0xffffffffu, key, 31) <= kk;     // the round reached kk
+            });
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (lane == 0) seg_mass[seg] = sum;
+        }
     }
+    __syncthreads();
+    const u64 mass = seg_mass[my_seg];
     u64 z;
     const u64 mass_above = block_exclusive_scan(mass, u64scratch, &z);
 
     // (d) top-p: the group where the mass ahead of an id reaches top_p · z, and how many of its
     // ids have less than that ahead of them
-    if (threadIdx.x == 0) { p_key = -1; p_keep = 0; }
+    if (threadIdx.x == 0) { p_key = -1; p_keep = 0; found_seg = -1; }
     __syncthreads();
     const double target = (double)top_p * (double)z;
-    if (!greedy && top_p < 1.0f && (double)mass_above < target
-            && target <= (double)(mass_above + mass)) {
-        u64 run = mass_above;
-        walk_keys(hist, lo, [&](int key, u32 c) {
-            const u64 n = in_set(key, c), q = n ? prob(key) : 0ull;
-            if ((double)(run + n * q) < target) { run += n * q; return false; }
-            // q > 0 here: the mass ahead was below target. Ids j = 0.. of the group have
-            // run + j·q ahead of them; those below target stay.
-            const double need = (target - (double)run) / (double)q;
-            const u64 up = (u64)need + ((double)(u64)need < need ? 1 : 0);
-            p_key = key;
-            p_keep = (int)(up < 1 ? 1 : up > n ? n : up);
-            return true;
+    const bool cut_p = !greedy && top_p < 1.0f;
+    if (cut_p && (double)mass_above < target && target <= (double)(mass_above + mass)) {
+        found_seg = my_seg;
+        found_run = mass_above;
+    }
+    __syncthreads();
+    if (cut_p && warp == 0 && found_seg >= 0) {
+        u64 run = found_run;
+        warp_walk(hist, found_seg, [&](int key, u32 c) {
+            const u64 n = in_set(key, c), q = n ? prob(key) : 0ull, incl = warp_inclusive(n * q);
+            const u32 reach = __ballot_sync(0xffffffffu, (double)(run + incl) >= target);
+            if (reach && lane == __ffs((int)reach) - 1) {
+                // q > 0 here: the mass ahead was below target. Ids j = 0.. of the group have
+                // before + j·q ahead of them; those below target stay.
+                const u64 before = run + incl - n * q;
+                const double need = (target - (double)before) / (double)q;
+                const u64 up = (u64)need + ((double)(u64)need < need ? 1 : 0);
+                p_key = key;
+                p_keep = (int)(up < 1 ? 1 : up > n ? n : up);
+            }
+            run += __shfl_sync(0xffffffffu, incl, 31);
+            return reach != 0;
         });
     }
     __syncthreads();
@@ -256,9 +307,10 @@ CUPOOL_DEVICE void scan_row(u32* hist, int V, float temperature, i64 top_k, floa
     }
     __syncthreads();                     // every read of the histogram is done
     const u32x4 zero = {0u, 0u, 0u, 0u};
+    u32* mine_keys = hist + my_seg * KEYS_PER_THREAD;
     if (mine)
-        for (int j = 0; j < KEYS_PER_THREAD; j += 4) st16(hist + lo + j, zero);
-    *coarse = 0u;
+        for (int j = 0; j < KEYS_PER_THREAD; j += 4) st16(mine_keys + j, zero);
+    hist[KEYS + my_seg] = 0u;
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
