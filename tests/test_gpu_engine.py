@@ -103,6 +103,26 @@ def test_seeded_sampling_repeats_through_the_graph():
     assert [r.output_ids for r in greedy] != runs[0]
 
 
+def test_seeded_request_samples_the_same_alone_and_batched():
+    """A seeded request's tokens through the sampling kernel do not depend on the requests beside
+    it: alone in an engine of one slot, and in the middle slot of three, with others' seeds,
+    temperatures and top-k beside it (each row's draw reads only its own logits and noise)."""
+    from cupool.ops.sampler import Sampler
+    model = model_for("mixtral", seed=25)
+    _, (_, E, K, _, _) = FAMILIES["mixtral"]
+    pool = cupool.wrap(model, rows=E, max_decode_tokens=3, progress=False)
+    ps = _prompts([5, 4, 7], seed=5)
+    params = [SamplingParams(temperature=1.1, top_k=20, seed=7, max_tokens=12),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=41, max_tokens=12),
+              SamplingParams(temperature=0.6, seed=3, max_tokens=12)]
+    eng = cupool.Engine(model, pool, max_batch=3, max_len=32, eos_token_id=[])
+    batched = [r.output_ids for r in eng.generate(ps, params)]
+    assert isinstance(eng._sampler, Sampler)              # the kernel drew them
+    alone = cupool.Engine(model, pool, max_batch=1, max_len=32, eos_token_id=[]).generate(
+        [ps[1]], params[1])[0].output_ids
+    assert alone == batched[1]
+
+
 def test_long_prompts_run_in_chunks():
     """A forward of more tokens than the pool's max_prefill_tokens runs the partition path in
     chunks inside each pooled layer (its logits match the reference as test_gpu_wrap's prompts
