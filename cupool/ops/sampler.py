@@ -55,6 +55,7 @@ class Sampler:
         if self.device.type != "cuda":
             raise ValueError(f"the sampling kernel runs on a CUDA device, got {self.device}")
         _cuda.require_gpu("the sampling kernel")
+        self.device = torch.device("cuda", _cuda.device_index(self.device))     # "cuda" -> cuda:N
         self.rows, self.vocab, self.dtype = rows, vocab, dtype
         self.blocks = blocks_for(vocab)
         dev = self.device
