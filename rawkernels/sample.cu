@@ -27,8 +27,8 @@
 //   3. sample_draw: each block's best kept id by (score, smaller id) goes into best[b] by a 64-bit
 //      atomicMax; the row's last block (a ticket) writes out[b] and zeroes best[b] and its ticket.
 // Invariants between calls (the launcher allocates them zeroed; every call leaves them so): hist,
-// best and the tickets are zero. Every atomic sum is of integers and every floating-point sum is
-// made in one order by one block, so a row's token does not depend on which block ran first.
+// best and the tickets are zero. Every sum is of integers (the atomic ones included), so a row's
+// token does not depend on which block ran first.
 //
 // The scan sums probabilities as integers (2^-40 of the largest id's a unit) over the histogram,
 // where the reference adds float32 probabilities in the sorted order: the two can disagree on a
@@ -38,7 +38,7 @@
 #include "common.cuh"
 
 #ifndef THREADS
-#define THREADS 256        // threads a block (both kernels; the scan's thread t owns KEYS / THREADS keys)
+#define THREADS 256        // threads a block (all three kernels); also the coarse bins a row
 #endif
 #ifndef ITEMS
 #define ITEMS 8            // consecutive ids a thread
