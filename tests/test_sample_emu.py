@@ -56,8 +56,9 @@ def check(r: cases.Rows, tokens, cut, call: int) -> list[str]:
         if call == tokens.shape[0] - 1:
             why = cases.check_row(*args, int(tokens[call, b]), int(cut[b, 0]), int(cut[b, 1]))
         else:
-            lo, hi = cases.kept_range(*args[:4])
-            allowed = {cases.draw(*args[:1], args[1], args[4], args[5], n) for n in {lo, hi}}
+            row, temperature, _, _, seed, step = args
+            allowed = {cases.draw(row, temperature, seed, step, n)
+                       for n in cases.kept_range(*args[:4])}
             why = None if int(tokens[call, b]) in allowed else \
                 f"drew {int(tokens[call, b])}, want one of {sorted(allowed)}"
         if why:

@@ -4,8 +4,8 @@
 Shape legend: B rows (a decode step's slots) · V vocabulary.
 
 `Sampler` owns the kernels' workspace (a 65,536-key histogram a row and its coarse counts, the
-row's cut, block counts, tickets), allocated zeroed once at fixed addresses, so a captured decode step can hold its
-launches; every call leaves the workspace zeroed again. Rows never exchange anything, so a row's
+row's cut, block counts, tickets), allocated zeroed once at fixed addresses, so a captured decode
+step can hold its launches; every call leaves the workspace zeroed again. Rows never exchange anything, so a row's
 token is the same alone or beside others. The kernel and the reference agree on every token except
 where top_p times the kept mass lies within their rounding of the mass ahead of a group of equal
 logits (sample.cu's header): the reference adds float32 probabilities in sorted order, the kernel
@@ -51,11 +51,10 @@ class Sampler:
         if dtype not in LOGIT_DTYPES:
             raise ValueError(f"the sampling kernel takes bf16 or fp16 logits, got {dtype} "
                              f"(cupool.sampling.sample takes any float dtype)")
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise ValueError(f"the sampling kernel runs on a CUDA device, got {self.device}")
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"the sampling kernel runs on a CUDA device, got {device}")
         _cuda.require_gpu("the sampling kernel")
-        self.device = torch.device("cuda", _cuda.device_index(self.device))     # "cuda" -> cuda:N
+        self.device = torch.device("cuda", _cuda.device_index(device))     # "cuda" -> cuda:N
         self.rows, self.vocab, self.dtype = rows, vocab, dtype
         self.blocks = blocks_for(vocab)
         dev = self.device
