@@ -58,7 +58,8 @@ skipped and a hit rate of 1.0 by construction (`Pool.plan_skipped`). `describe()
 applies.
 
 Routing inside the decode GEMM (`CUPOOL_FUSED_ROUTE`, read when a FusedStep is built; "1" on,
-"0" or unset off: on an H200 the step measured the same either way): with the plan step
+"0" or unset off: on an H200 the step measured the same either way, and on an H100 batch 1
+resident decoded 0.964× the router's own launch in `bench_serve.py`): with the plan step
 skipped, each layer's router launch and decode GEMM launch become one
 (`MoEGemm.decode_routed`: the RMSNorm, router GEMV and softmax top-k run in the decode GEMM's
 blocks, which then group their lanes without a second exchange), where the GEMM takes the step

@@ -146,9 +146,9 @@ constexpr int NI13 = NP / PPI;             // w13 items of a unit
 // (IP ≤ 512), else 2 up to 32 chunks (IP ≤ 2048), then 4, then 8. More warps put more of a
 // strip's bytes in flight at once and add a sum of partials; on an H200 at 4 blocks per SM, 2
 // warps measured faster than 4 at IP = 1536 and than 1 at IP = 768 (see docs/PERFORMANCE.md).
-// W2_KSPLIT (1, 2, 4, 8) sets another split: 4 for a ROUTE launch of one token's lanes where
-// the rule gives 2 (moe_decode.w2_split_for: the fused step measured faster so), or any of them
-// forced by a profiler.
+// W2_KSPLIT (1, 2, 4, 8) sets another split: 4 for a launch of one token's lanes where the rule
+// gives 2 (moe_decode.w2_split_for: the decode step measured faster so), or any of them forced
+// by a profiler.
 #ifdef W2_KSPLIT
 constexpr int KS2 = W2_KSPLIT;
 #else

@@ -151,7 +151,10 @@ BUILDS: list[tuple[str, str]] = [
     ("moe_decode", _decode(_QWEN, 16, 256, 3, 2, ROUTE=1)),
     # the rest of what the per-call rules choose (`moe_decode.choose`, plain and ROUTE) for 1 to
     # 16 tokens at Qwen3-30B-A3B's dims on the SM counts of the GPUs cupool builds for (other
-    # families' in VARIANTS; tests/test_nvcc_compile.py: test_launcher_decode_builds_are_registered)
+    # families' in VARIANTS; tests/test_nvcc_compile.py: test_launcher_decode_builds_are_registered);
+    # the plain T=1 launch splits its w2 strips over 4 warps as well (moe_decode.w2_split_for)
+    ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, W2_KSPLIT=4)),
+    ("moe_decode", _decode(_QWEN, 8, 64, 4, 4, W2_KSPLIT=4)),
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 4)),
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 4, ROUTE=1, W2_KSPLIT=4)),
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 2)),
@@ -174,7 +177,6 @@ VARIANTS = [
     ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=1"),
     ("moe_decode", _decode(_QWEN, 8, 64, 3, 4, XSMEM=1)),       # x in shared memory (a variant)
     ("moe_decode", _decode(_QWEN, 8, 64, 4, 2, XSMEM=1)),
-    ("moe_decode", _decode(_QWEN, 8, 64, 4, 4, W2_KSPLIT=4)),   # w2 split forced (a variant)
     ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=2"),
     ("moe_decode", "-DNT=8 -DMAXW=64 -DMINB=4 -DW13_KSPLIT=4 -DHP=4096 -DIP=1536"),
     ("moe_decode", "-DNT=16 -DMAXW=256 -DMINB=3 -DW13_KSPLIT=1 -DHP=4096 -DIP=1536"),

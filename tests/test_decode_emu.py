@@ -57,8 +57,9 @@ BUILDS = {
     "relu2_nt16_xsmem": _build(16, 4, bulk=0, gated=False, activation=RELU2, xsmem=1),
     "route": _build(8, 2, bulk=1, route=1),
     "route_nt16_bf16": _build(16, 4, bulk=0, route=1, w_dtype=1),
-    # Ip = 768 (12 chunks a w2 strip): the kernel's rule splits a strip over 2 warps; the ROUTE
-    # build of one token's lanes over 4 (moe_decode.w2_split_for), its partials summed by warp 0
+    # Ip = 768 (12 chunks a w2 strip): the kernel's rule splits a strip over 2 warps (the
+    # launcher's choice from two tokens on); a launch of one token's lanes over 4
+    # (moe_decode.w2_split_for, plain or ROUTE: the same w2 items), its partials summed by warp 0
     "silu_ip768": _build(8, 4, bulk=1, inter=768),
     "route_ip768_w2split4": _build(8, 4, bulk=1, route=1, inter=768, w2_split=4),
 }

@@ -229,20 +229,21 @@ def test_forced_w2_split_is_a_define_only_where_asked():
 
 
 def test_w2_split_rule():
-    """w2_split_for: 4 warps a w2 strip for a ROUTE launch of one token's lanes where the
-    kernel's rule gives 2 to a strip of at most 16 chunks; everything else keeps the rule (0)."""
+    """w2_split_for: 4 warps a w2 strip for a launch of one token's lanes (plain or ROUTE) where
+    the kernel's rule gives 2 to a strip of at most 16 chunks; everything else keeps the rule
+    (0)."""
     qwen = RowLayout(2048, 768)                               # 12 chunks: the rule's 2
-    assert [moe_decode.w2_split_for(qwen, n, True) for n in (1, 6, 8, 9, 16, 64)] == \
+    assert [moe_decode.w2_split_for(qwen, n) for n in (1, 6, 8, 9, 16, 64)] == \
         [4, 4, 4, 0, 0, 0]
-    assert moe_decode.w2_split_for(qwen, 8, False) == 0       # plain builds: a step with misses
     for ip in (512, 1024 + 64, 1536, 2880):                   # 8, 17, 24, 45 chunks
-        assert moe_decode.w2_split_for(RowLayout(2048, ip), 8, True) == 0
-    assert moe_decode.w2_split_for(RowLayout(2048, 1024), 8, True) == 4      # 16 chunks
+        assert moe_decode.w2_split_for(RowLayout(2048, ip), 8) == 0
+    assert moe_decode.w2_split_for(RowLayout(2048, 1024), 8) == 4      # 16 chunks
     # the call's items count the split's w2 items: 8 lanes at w13_split 4, 64 w2 items a unit
     assert moe_decode.call_items(qwen, 8, 4, 4) == 8 * 48 + 8 * 64
     x = torch.zeros(1, 2048, dtype=torch.bfloat16)
     assert moe_decode.choose(qwen, 132, 8, x, torch.zeros(8), route=True).w2_split == 4
-    assert moe_decode.choose(qwen, 132, 8, x, torch.zeros(8)).w2_split == 0
+    assert moe_decode.choose(qwen, 132, 8, x, torch.zeros(8)).w2_split == 4
+    assert moe_decode.choose(qwen, 132, 16, x, torch.zeros(16)).w2_split == 0
 
 
 # The served families' expert dims (published configs: hidden, moe_intermediate, experts, top-k)

@@ -109,23 +109,22 @@ def w2_ksplit(layout: RowLayout) -> int:
     return 1 if nc2 <= NBUF * STAGE else 2 if nc2 <= 32 else 4 if nc2 <= 64 else 8
 
 
-def w2_split_for(layout: RowLayout, lanes: int, route: bool) -> int:
+def w2_split_for(layout: RowLayout, lanes: int) -> int:
     """Warps splitting the K of a w2 strip that a call of `lanes` lanes sets (`Build.w2_split`;
-    0: the kernel's rule, `w2_ksplit`): 4 where the call is a ROUTE build's (the fused step's
-    router and MoE in one launch) of one token's 8 lanes or fewer and the rule would give 2
-    warps a strip of at most 16 chunks (Ip 576–1024), so each warp takes 3–4 chunks, one
-    stage, instead of 5–8.
+    0: the kernel's rule, `w2_ksplit`): 4 for a call of one token's 8 lanes or fewer where the
+    rule would give 2 warps a strip of at most 16 chunks (Ip 576–1024), so each warp takes 3–4
+    chunks, one stage, instead of 5–8.
 
-    There the w2 phase is the tail of the launch that the next layer's QKV GEMV waits for.
-    Qwen3-30B-A3B's dims (Ip 768, 12 chunks), batch 1, every expert resident, on an H100: the
-    fused step decoded 368.2 / 368.5 tok/s in `bench_serve.py --streams 1 --banks 1.0` against
-    362.9 / 363.2 with 2 warps (two runs each, alternated, one machine), and 8 of its layers
-    replayed in 0.664–0.701 ms against 0.684–0.737 (`profile_decode.py --layers 8`, six runs
-    each). The layer alone is slower (`profile_gemm.py --sweep`: 22.7 µs against 20.7 at T=1;
-    48.2 against 47.6 at T=4), so launches of more lanes, and the plain builds a step with
-    misses runs, keep the rule; other Ip were not measured inside the step and keep it too
-    (docs/PERFORMANCE.md, Experiments)."""
-    return 4 if route and lanes <= 8 and w2_ksplit(layout) == 2 and layout.ip // 64 <= 16 else 0
+    In a decode step the w2 phase is the tail of the launch that the next layer's QKV GEMV waits
+    for. Qwen3-30B-A3B's dims (Ip 768, 12 chunks), batch 1, `bench_serve.py --streams 1`, on an
+    H100, two runs each alternated in one machine start: every expert resident (the plain
+    launch after the router's), 368.9 / 368.3 tok/s against 365.1 / 364.4 with 2 warps; at a
+    50% bank (row copies before the launch) 161.7 against 161.8. The ROUTE build (router and
+    MoE in one launch, `CUPOOL_FUSED_ROUTE=1`) had measured 368.2 / 368.5 against 362.9 / 363.2
+    there. The layer alone is slower (`profile_gemm.py --sweep`: 22.7 µs against 20.7 at T=1;
+    48.2 against 47.6 at T=4), so launches of more lanes keep the rule; other Ip were not
+    measured inside the step and keep it too (docs/PERFORMANCE.md, Experiments)."""
+    return 4 if lanes <= 8 and w2_ksplit(layout) == 2 and layout.ip // 64 <= 16 else 0
 
 
 def w2_items(layout: RowLayout, w2_split: int = 0) -> int:
@@ -217,7 +216,7 @@ def choose(layout: RowLayout, sms: int, lanes: int, x: torch.Tensor,
     `weights` (one of W_DTYPES). Depends only on shapes, dtypes and x's alignment, so a captured
     graph keeps its choice. route: the ROUTE build (`route_fits`)."""
     nt, maxw = (8, 64) if lanes <= 64 else (16, MAX_LANES)
-    w2 = w2_split_for(layout, lanes, route)
+    w2 = w2_split_for(layout, lanes)
     minb = blocks_per_sm(layout, sms, nt, lanes, w2)
     return Build(nt=nt, maxw=maxw, minb=minb, w13_split=w13_split(layout, sms, lanes, minb),
                  xalign=int(x.data_ptr() % 16 == 0), w_dtype=W_DTYPES[weights.dtype],
