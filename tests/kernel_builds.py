@@ -186,7 +186,6 @@ VARIANTS = [
     ("moe_decode", "-DNT=8 -DMAXW=64 -DOUT_BF16=0 -DIN_BF16=0 -DHP=128 -DIP=64 -DHFULL=0"),
     ("moe_align", "-DNT=64 -DIDS64=0 -DIN_BF16=0"),
     ("moe_align", "-DNT=8 -DXVEC=1 -DW_DTYPE=2"),
-    ("planner", "-DTHREADS=1024 -DITEMS=4"),
     ("planner", "-DPREFETCH=1"),
     ("planner", "-DPREFETCH=1 -DTHREADS=1024 -DITEMS=2"),
     ("planner", "-DHOST_SPLIT=1 -DTHREADS=1024 -DITEMS=2"),

@@ -33,6 +33,17 @@ def test_every_source_is_registered():
     assert {p.stem for p in SOURCES} <= {name for name, d in BUILDS if d == ""}
 
 
+def test_every_build_is_registered_once():
+    """No kernel's set of defines appears twice in kernel_builds.BUILDS and VARIANTS together
+    (BUILDS compiles for every architecture, sm_90 included, so a VARIANTS copy of one is a second
+    compile of the same cubin)."""
+    seen: dict = {}
+    for name, defines in BUILDS + VARIANTS:
+        key = (name, frozenset(defines.split()))
+        assert key not in seen, f"{name} {defines!r} is registered twice"
+        seen[key] = defines
+
+
 def test_the_matrix_is_cupools_architectures():
     assert ARCHS == tuple(_cuda.ARCHS)
 
