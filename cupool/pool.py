@@ -429,9 +429,14 @@ class Pool:
 
     def memory_parts(self) -> list[tuple[str, int, str]]:
         parts = list(self.bank.memory_parts()) + list(self.gemm.memory_parts())
-        rest = sum(t.numel() * t.element_size() for t in
-                   list(self.model.parameters()) + list(self.model.buffers()) if t.is_cuda)
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        # host tables (cupool.hosttable) are CUDA tensors over pinned host memory
+        host = [t for t in tensors if getattr(t, "_cupool_host_table", False)]
+        rest = sum(t.numel() * t.element_size() for t in tensors
+                   if t.is_cuda and not getattr(t, "_cupool_host_table", False))
         parts.append(("rest of the model", rest, "gpu"))
+        if host:
+            parts.append(("host tables", sum(t.numel() * t.element_size() for t in host), "host"))
         return parts
 
     def report(self) -> MemoryReport:

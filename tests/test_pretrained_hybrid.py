@@ -255,3 +255,21 @@ def test_placing_host_tables_needs_a_gpu_only_where_there_are_tables():
         pytest.skip("a GPU is present (test_gpu_engine_hybrid.py places tables there)")
     with pytest.raises(RuntimeError, match="placing tables in mapped host memory"):
         place_host_tables(model, "cuda")
+
+
+def test_memory_parts_count_host_tables_in_host_memory():
+    """`Pool.memory_parts` lists host tables (CUDA tensors over pinned host memory on a GPU) as
+    host memory, apart from the rest of the model: on the CPU, with stand-ins for the bank and
+    the GEMM."""
+    from types import SimpleNamespace
+
+    from cupool.pool import Pool
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4))
+    model[0].weight = hosttable.as_table_parameter(model[0].weight.detach())
+    none = SimpleNamespace(memory_parts=lambda: [])
+    parts = Pool.memory_parts(SimpleNamespace(bank=none, gemm=none, model=model))
+    assert ("host tables", 10 * 4 * 4, "host") in parts
+    assert ("rest of the model", 0, "gpu") in parts          # nothing of it is on a GPU here
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach())
+    assert not [p for p in Pool.memory_parts(SimpleNamespace(bank=none, gemm=none, model=model))
+                if p[0] == "host tables"]
