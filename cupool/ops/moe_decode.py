@@ -119,9 +119,10 @@ def w2_split_for(layout: RowLayout, lanes: int) -> int:
     for. Qwen3-30B-A3B's dims (Ip 768, 12 chunks), batch 1, `bench_serve.py --streams 1`, on an
     H100, one machine start: every expert resident (the plain launch after the router's), two
     runs each alternated, 368.9 / 368.3 tok/s against 365.1 / 364.4 with 2 warps; at a 50% bank
-    (row copies before the launch), one run each, 161.7 against 161.8. An earlier A/B of the
-    ROUTE build (router and MoE in one launch, `CUPOOL_FUSED_ROUTE=1`, off by default) gave
-    368.2 / 368.5 against 362.9 / 363.2 on another H100 start. The layer alone is slower (`profile_gemm.py --sweep`: 22.7 µs against 20.7 at T=1;
+    (row copies before the launch), one run each, 161.7 against 161.8. An earlier A/B meant for
+    the ROUTE build (router and MoE in one launch, `CUPOOL_FUSED_ROUTE=1`, off by default;
+    whether its runs set it is not recorded) gave 368.2 / 368.5 against 362.9 / 363.2 on another
+    H100 start. The layer alone is slower (`profile_gemm.py --sweep`: 22.7 µs against 20.7 at T=1;
     48.2 against 47.6 at T=4), so launches of more lanes keep the rule; other Ip were not
     measured inside the step and keep it too (docs/PERFORMANCE.md, Experiments)."""
     return 4 if lanes <= 8 and w2_ksplit(layout) == 2 and layout.ip // 64 <= 16 else 0
