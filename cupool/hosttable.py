@@ -105,7 +105,7 @@ def place_host_tables(model: nn.Module, device) -> int:
     """Move each host table of `model` (wherever it is) into pinned mapped host memory and make
     the parameter the CUDA view of it (tables already placed stay). Returns the bytes placed."""
     names = [n for n in host_table_names(model)
-             if not getattr(model.get_parameter(n), "_cupool_host_table", False)]
+             if not is_host_table(model.get_parameter(n))]
     if not names:
         return 0
     _cuda.require_gpu("placing tables in mapped host memory")
@@ -119,6 +119,12 @@ def place_host_tables(model: nn.Module, device) -> int:
         setattr(module, attr, as_table_parameter(gpu))
         total += host.numel() * host.element_size()
     return total
+
+
+def is_host_table(t: torch.Tensor) -> bool:
+    """Whether `t` is a placed table (`as_table_parameter`): a CUDA tensor over pinned host
+    memory, which holds no GPU memory."""
+    return bool(getattr(t, "_cupool_host_table", False))
 
 
 def as_table_parameter(gpu: torch.Tensor) -> nn.Parameter:

@@ -23,6 +23,7 @@ from cupool.adapters import MoELayerSpec
 from cupool.bank import Bank
 from cupool.budget import MemoryReport, report
 from cupool.gemm import MoEGemm, ScratchLists
+from cupool.hosttable import is_host_table
 from cupool.layer import (
     HostDecode,
     PooledExperts,
@@ -429,14 +430,15 @@ class Pool:
 
     def memory_parts(self) -> list[tuple[str, int, str]]:
         parts = list(self.bank.memory_parts()) + list(self.gemm.memory_parts())
-        tensors = list(self.model.parameters()) + list(self.model.buffers())
-        # host tables (cupool.hosttable) are CUDA tensors over pinned host memory
-        host = [t for t in tensors if getattr(t, "_cupool_host_table", False)]
-        rest = sum(t.numel() * t.element_size() for t in tensors
-                   if t.is_cuda and not getattr(t, "_cupool_host_table", False))
-        parts.append(("rest of the model", rest, "gpu"))
+        gpu = host = 0
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            if is_host_table(t):          # a CUDA tensor over pinned host memory
+                host += t.numel() * t.element_size()
+            elif t.is_cuda:
+                gpu += t.numel() * t.element_size()
+        parts.append(("rest of the model", gpu, "gpu"))
         if host:
-            parts.append(("host tables", sum(t.numel() * t.element_size() for t in host), "host"))
+            parts.append(("host tables", host, "host"))
         return parts
 
     def report(self) -> MemoryReport:

@@ -5,11 +5,11 @@ Shape legend: B rows (a decode step's slots) · V vocabulary.
 
 `Sampler` owns the kernels' workspace (a 65,536-key histogram a row and its coarse counts, the
 row's cut, block counts, tickets), allocated zeroed once at fixed addresses, so a captured decode
-step can hold its launches; every call leaves the workspace zeroed again. Rows never exchange anything, so a row's
-token is the same alone or beside others. The kernel and the reference agree on every token except
-where top_p times the kept mass lies within their rounding of the mass ahead of a group of equal
-logits (sample.cu's header): the reference adds float32 probabilities in sorted order, the kernel
-integers.
+step can hold its launches; every call leaves the workspace zeroed again. Rows never exchange
+anything, so a row's token is the same alone or beside others. The kernel and the reference agree
+on every token except where top_p times the kept mass lies within their rounding of the mass
+ahead of a group of equal logits (sample.cu's header): the reference adds float32 probabilities
+in sorted order, the kernel integers.
 """
 
 from __future__ import annotations
