@@ -193,7 +193,8 @@ def plan(args) -> int:
     import torch
     from transformers import AutoConfig
 
-    from cupool.budget import MARGIN_BYTES, rows_for_budget, staging_and_tables_bytes
+    from cupool.budget import (MARGIN_BYTES, rows_and_host, rows_for_budget,
+                               staging_and_tables_bytes)
     from cupool.checkpoints import open_checkpoint
     from cupool.dense_nvfp4 import (is_projection_weight, quantize_shape_error,
                                     step_projection_weights)
@@ -278,18 +279,31 @@ def plan(args) -> int:
         print(f"budget       none given: the bank takes what the GPU has free at load time "
               f"(every expert resident needs {fmt_bytes(fixed + reserve.total + L * E * stride)})")
         return 0
-    try:
-        rows = rows_for_budget(args.budget, fixed=fixed, row_stride=stride, num_layers=L,
+    # the input embedding goes to host memory where the bank cannot hold every expert with it on
+    # the GPU (cupool.wrap.rows_and_host); from the checkpoint's names: an untied embed_tokens
+    embedding = [n for n in dense_read if n.endswith("embed_tokens.weight")]
+    tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+    optional = dense_read[embedding[0]] if len(embedding) == 1 and not tied else 0
+
+    def rows_for(extra):
+        return rows_for_budget(args.budget, fixed=extra, row_stride=stride, num_layers=L,
                                top_k=K, num_experts=E, kv_reserve=reserve)
+    try:
+        rows, on_host = rows_and_host(rows_for, fixed, optional, E)
     except ValueError as e:
         print(f"budget       {fmt_bytes(args.budget):>12}  does not fit: {e}")
         return 1
+    moved = optional if on_host else 0
+    if on_host:
+        print(f"embedding    {fmt_bytes(moved):>12}  in pinned host memory ({embedding[0]}: the "
+              f"bank cannot hold every expert, so it takes the embedding's room; a decode step "
+              f"reads a row a token over PCIe)")
     bank = rows * L * stride
     print(f"bank         {fmt_bytes(bank):>12}  {rows} rows per layer ({100 * rows / E:.0f}% of "
           f"the experts on the GPU at once)")
-    on_gpu = fixed + reserve.total + bank
+    on_gpu = fixed - moved + reserve.total + bank
     print(f"budget       {fmt_bytes(args.budget):>12}  fits: {fmt_bytes(on_gpu)} on the GPU, "
-          f"{fmt_bytes(sizes.store_bytes + tables)} pinned in host memory")
+          f"{fmt_bytes(sizes.store_bytes + tables + moved)} pinned in host memory")
     print(speed_lines(args, rows=rows, topk=K, num_experts=E, moe_layers=L, layout=layout,
                       config=config, text=text, dense=dense_read, fused_dense=fused_read))
     return 0

@@ -7,12 +7,15 @@ torch holds, and asks the pool (when given) for its parts: bank, staging, worksp
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 
 import torch
 
 from cupool.store import fmt_bytes
+
+log = logging.getLogger("cupool")
 
 
 class BudgetError(ValueError):
@@ -238,3 +241,24 @@ def rows_for_device(budget: int | None, row_stride: int, L: int, K: int, E: int,
         raise BudgetError(f"NVML reports {fmt_bytes(free)} free on {device}, not enough: "
                           f"{str(e).replace('budget=', 'free memory ')}") from None
     return min(by_budget, by_nvml)
+
+
+def rows_and_host(rows_for, extra: int, optional: int, num_experts: int) -> tuple[int, bool]:
+    """Rows per layer, and whether `optional` bytes of the model (its input embedding) go to host
+    memory: they stay on the GPU where the bank holds every expert with them there; else they go
+    to host memory and the bank takes their room. `rows_for(extra)`: the rows a layer gets beside
+    `extra` bytes of everything else (`rows_for_device`, `rows_for_budget`; ValueError
+    where none fit)."""
+    if optional <= 0:
+        return rows_for(extra), False
+    try:
+        rows = rows_for(extra)
+    except ValueError:
+        rows = 0
+    if rows >= num_experts:
+        return rows, False
+    more = rows_for(extra - optional)
+    log.info("cupool: the input embedding (%s) goes to pinned host memory, where a decode step "
+             "reads its rows: the bank holds %d of %d experts a layer with it on the GPU, %d "
+             "without", fmt_bytes(optional), rows, num_experts, more)
+    return more, True

@@ -1,6 +1,9 @@
 """Tables that stay in host memory and are read by the GPU where they are: `qwen4_exp`'s n-gram
 per-layer embeddings (tens of GiB; transformers lists them in the model's
-`_no_placement_params`), whose decode step reads a few rows per token.
+`_no_placement_params`), whose decode step reads a few rows per token; and, where the bank cannot
+hold every expert, the model's input embedding (`input_embedding_name`: 0.6–1.9 GB in the
+families cupool serves, of which a decode step reads one row a token), whose GPU bytes then go to
+bank rows (`cupool.wrap.plan`'s `host_optional_bytes`).
 
 Shape legend: R rows of a table · D its row width · B tokens of a step · h n-gram heads.
 
@@ -58,6 +61,28 @@ def host_table_names(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters() if is_table_name(n, patterns)]
 
 
+def input_embedding_name(model: nn.Module) -> str | None:
+    """The parameter name of the model's input embedding matrix where it may live in host memory:
+    the weight of an nn.Embedding (`get_input_embeddings()`) that the output head does not share
+    (a tied matrix is read whole by every step's head) and that is not a host table already.
+    None otherwise."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if get is not None else None
+    except NotImplementedError:
+        return None
+    if not isinstance(emb, nn.Embedding) or is_host_table(emb.weight):
+        return None
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)):
+        return None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is not None and getattr(out, "weight", None) is emb.weight:
+        return None
+    return next((n for n, p in model.named_parameters() if p is emb.weight), None)
+
+
 def host_table_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Bytes of the host tables (in `dtype`, default each parameter's own)."""
     params = dict(model.named_parameters())
@@ -101,10 +126,11 @@ def mapped_empty(shape, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch
     return host, gpu
 
 
-def place_host_tables(model: nn.Module, device) -> int:
-    """Move each host table of `model` (wherever it is) into pinned mapped host memory and make
-    the parameter the CUDA view of it (tables already placed stay). Returns the bytes placed."""
-    names = [n for n in host_table_names(model)
+def place_host_tables(model: nn.Module, device, also=()) -> int:
+    """Move each host table of `model` (wherever it is), and the parameters named in `also` (the
+    input embedding, `input_embedding_name`), into pinned mapped host memory and make the
+    parameter the CUDA view of it (tables already placed stay). Returns the bytes placed."""
+    names = [n for n in dict.fromkeys([*host_table_names(model), *also])
              if not is_host_table(model.get_parameter(n))]
     if not names:
         return 0

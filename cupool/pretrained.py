@@ -46,7 +46,8 @@ import torch
 from cupool import dense_nvfp4, nvfp4
 from cupool.adapters import MoELayerSpec, find_moe_layers
 from cupool.checkpoints import Checkpoint, CheckpointError, fill_store, open_checkpoint
-from cupool.hosttable import as_table_parameter, host_table_bytes, host_table_names, mapped_empty
+from cupool.hosttable import (as_table_parameter, host_table_bytes, host_table_names,
+                              input_embedding_name, mapped_empty)
 from cupool.layout import dense_strips_bytes
 from cupool.store import fmt_bytes
 from cupool.wrap import assemble, plan
@@ -422,9 +423,22 @@ def dense_gpu_bytes(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint
             + sum(dense_strips_bytes(n, k) for n, k in quantized.values()))
 
 
+def embedding_for_host(model, mapping: dict[str, str | list[str]], device) -> str | None:
+    """The input embedding's weight name where `load_dense` may keep it in host memory (a CUDA
+    device, read from the checkpoint, untied, not a host table already:
+    `cupool.hosttable.input_embedding_name`), else None. Whether it does is the plan's
+    (`cupool.wrap.rows_and_host`: only where the bank cannot hold every expert)."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = input_embedding_name(model)
+    if name is None or name not in mapping or name in host_table_names(model):
+        return None
+    return name
+
+
 @torch.no_grad()
 def load_dense(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint, device,
-               quantize_attention: bool = False) -> None:
+               quantize_attention: bool = False, host_also=()) -> None:
     """Materialise the model's dense part on `device` (the released experts hold no memory) and
     fill it from the checkpoint, one tensor (or one part) at a time. The weights of
     `packed_projections` are read once as NVFP4 and attached (`dense_nvfp4.attach`: the Linear's
@@ -434,9 +448,11 @@ def load_dense(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint, dev
     scale a matrix) and attached the same way, so that prefill (transformers' forward) and the
     fused step's GEMVs compute with the same quantized weights; QuantizeError naming a weight
     that is not finite. On a CUDA device the host tables (`cupool.hosttable`: qwen4_exp's n-gram
-    embeddings) go to pinned, mapped host memory instead, filled part by part."""
+    embeddings) and the weights named in `host_also` (the input embedding where the plan put it
+    in host memory) go to pinned, mapped host memory instead, filled part by part."""
     device = torch.device(device)
-    host = host_table_names(model) if device.type == "cuda" else []
+    host = list(dict.fromkeys([*host_table_names(model), *host_also])) \
+        if device.type == "cuda" else []
     held = {n: _hold_off(model, n) for n in host}
     packed = packed_projections(model, mapping, ckpt)
     quantized = quantized_projections(model, mapping, packed) if quantize_attention else {}
@@ -525,7 +541,8 @@ def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="
 
     Args:
         path: a local checkpoint directory, or a hub id ("org/name").
-        budget, rows: the GPU memory for the whole model, or bank rows per layer (see `wrap`).
+        budget, rows: the GPU memory for the whole model, or bank rows per layer (see `wrap`;
+            with fewer rows than experts the input embedding goes to host memory there too).
         dtype: of the dense part and the activations (torch.bfloat16 or torch.float16).
         device: the CUDA device.
         include_mtp: also read multi-token-prediction layers (their experts join the store).
@@ -564,15 +581,19 @@ def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="
         for spec in specs:
             spec.release()
         on_gpu = dense_gpu_bytes(model, mapping, ckpt, dtype, quantize_attention)
+        embedding = embedding_for_host(model, mapping, device)
+        optional = 0 if embedding is None else \
+            model.get_parameter(embedding).numel() * torch.empty((), dtype=dtype).element_size()
         p = plan(specs, pending_bytes=on_gpu, rows=rows, budget=budget,
-                 device=device, **wrap_kwargs)
+                 device=device, host_optional_bytes=optional, **wrap_kwargs)
 
         def fill(store):
             fill_store(store, ckpt, p.layout, layers=layers, device=p.device, window=window,
                        progress=progress)
 
         def dense():
-            load_dense(model, mapping, ckpt, p.device, quantize_attention)
+            load_dense(model, mapping, ckpt, p.device, quantize_attention,
+                       host_also=[embedding] if p.embedding_on_host else [])
             for spec in specs:
                 spec.device = p.device
 

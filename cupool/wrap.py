@@ -8,7 +8,9 @@ wrap():
    and activation (the row layout carries the biases, the GEMM compiles the activation in);
 2. sizes the bank before anything is converted: `rows` per layer, or what `budget` leaves after
    the rest of the model, the workspaces, staging and the KV-cache reserve (and what NVML says is
-   free), so a budget that cannot work fails before any memory is taken;
+   free), so a budget that cannot work fails before any memory is taken; where the bank then
+   cannot hold every expert, the input embedding goes to host memory and the bank takes its room
+   (`rows_and_host`);
 3. quantizes every layer's experts to NVFP4 on the GPU, straight into the pinned host store,
    layer by layer (progress bar), releasing each layer's bf16 expert weights once converted;
    or fills the store from a checkpoint, or from rows the caller makes (synthetic models);
@@ -20,20 +22,23 @@ The gate starts closed (warm-up and capture must not move the placement); `pool.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from cupool import _cuda, dense_nvfp4
 from cupool.adapters import MoELayerSpec, check_consistent, find_moe_layers
 from cupool.bank import Bank
-from cupool.budget import (MARGIN_BYTES, Reserve, parse_bytes, reserve_bytes, rows_for_device,
-                           staging_and_tables_bytes)
+from cupool.budget import (MARGIN_BYTES, Reserve, parse_bytes, reserve_bytes, rows_and_host,
+                           rows_for_device, staging_and_tables_bytes)
 from cupool.gemm import MoEGemm
-from cupool.hosttable import host_table_names, place_host_tables
+from cupool.hosttable import host_table_names, input_embedding_name, place_host_tables
 from cupool.layout import RowLayout, pack_rows
 from cupool.ops.nvfp4_quant import quantize as gpu_quantize
 from cupool.pool import Pool
-from cupool.store import HostStore
+from cupool.store import HostStore, fmt_bytes
+
+log = logging.getLogger("cupool")
 
 
 def _layer_rows(spec: MoELayerSpec, layout: RowLayout, device, chunk: int = 16):
@@ -69,6 +74,7 @@ class PoolPlan:
     max_lanes: int
     num_layers: int
     num_experts: int
+    embedding_on_host: bool = False   # the input embedding goes to host memory (`rows_and_host`)
 
 
 def check_specs(specs: list[MoELayerSpec]) -> MoELayerSpec:
@@ -84,11 +90,13 @@ def check_specs(specs: list[MoELayerSpec]) -> MoELayerSpec:
 def plan(specs: list[MoELayerSpec], *, pending_bytes: int, rows=None, budget=None,
          device="cuda", kv_reserve=0, max_decode_tokens: int = 16,
          max_prefill_tokens: int = 4096, scratch_rows: int = 32,
-         scratch_buffers: int = 2) -> PoolPlan:
+         scratch_buffers: int = 2, host_optional_bytes: int = 0) -> PoolPlan:
     """Check the arguments, build the GEMM and decide the rows per layer (see `wrap`), before any
     expert is converted, so a budget that cannot work fails here, holding only the GEMM's
     workspaces. `pending_bytes`: what the rest of the model will add on the device (its dense
-    part, not there yet)."""
+    part, not there yet). `host_optional_bytes`: the input embedding's bytes, which go to host
+    memory where the bank cannot hold every expert (`rows_and_host`; with `rows` given, where
+    rows < E); 0: it stays where the model puts it."""
     if rows is not None and budget is not None:
         raise ValueError(f"give rows or budget, not both (rows={rows}, budget={budget!r})")
     s0 = check_specs(specs)
@@ -116,8 +124,16 @@ def plan(specs: list[MoELayerSpec], *, pending_bytes: int, rows=None, budget=Non
     if rows is None:
         extra = (pending_bytes + staging_and_tables_bytes(L, E, max_lanes, layout.row_stride)
                  + MARGIN_BYTES)
-        rows = rows_for_device(budget_bytes, layout.row_stride, L, K, E, extra, dev, kv)
-    return PoolPlan(layout, gemm, rows, dev, max_lanes, L, E)
+        rows, on_host = rows_and_host(
+            lambda x: rows_for_device(budget_bytes, layout.row_stride, L, K, E, x, dev, kv),
+            extra, host_optional_bytes, E)
+    else:
+        on_host = host_optional_bytes > 0 and rows < E
+        if on_host:
+            log.info("cupool: the input embedding (%s) goes to pinned host memory, where a "
+                     "decode step reads its rows: rows=%d of E=%d", fmt_bytes(host_optional_bytes),
+                     rows, E)
+    return PoolPlan(layout, gemm, rows, dev, max_lanes, L, E, on_host)
 
 
 def assemble(model, specs: list[MoELayerSpec], p: PoolPlan, fill, *, route_fn=None,
@@ -150,7 +166,10 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
     Args:
         rows: bank rows per layer at start (K ≤ rows ≤ E). Exclusive with `budget`.
         budget: GPU memory the whole model may use (bytes or '48GiB'); rows follow from it.
-            Neither given: rows from what NVML says is free after the rest of the model.
+            Neither given: rows from what NVML says is free after the rest of the model. Where
+            the rows are fewer than E (given or not), an untied input embedding goes to pinned
+            mapped host memory and, with rows not given, the bank takes its room
+            (`cupool.budget.rows_and_host`).
         kv_reserve: bytes (or a string like '2GiB') kept free for the KV cache, or a
             `cupool.budget.Reserve` (`cupool.kvcache.engine_reserve`: the KV cache, the slots'
             recurrent states and the resume points of an engine), whose parts a budget too small
@@ -184,10 +203,15 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
                   for t in list(model.parameters()) + list(model.buffers())
                   if id(t) not in expert_params | tables and t.device != dev)
     pending += dense_nvfp4.packed_bytes(model, elsewhere=dev)     # moved beside the weights
+    embedding = input_embedding_name(model) if dev is not None else None
+    optional = 0
+    if embedding is not None:
+        w = named[embedding]
+        optional = w.numel() * w.element_size()
     p = plan(specs, pending_bytes=pending, rows=rows, budget=budget, device=device,
              kv_reserve=kv_reserve, max_decode_tokens=max_decode_tokens,
              max_prefill_tokens=max_prefill_tokens, scratch_rows=scratch_rows,
-             scratch_buffers=scratch_buffers)
+             scratch_buffers=scratch_buffers, host_optional_bytes=optional)
     layout = p.layout
 
     def fill(store):
@@ -217,7 +241,9 @@ def wrap(model: torch.nn.Module, rows: int | None = None, budget=None, device="c
             store.fill(make_layer, progress=progress, desc="quantize experts -> NVFP4 store")
 
     def dense():
-        place_host_tables(model, p.device)          # before .to(): they never touch the GPU
+        # before .to(): they never touch the GPU (nor the input embedding, where the plan put it
+        # in host memory)
+        place_host_tables(model, p.device, also=[embedding] if p.embedding_on_host else [])
         model.to(p.device)
         dense_nvfp4.move(model, p.device)           # packed projections go with their weights
 

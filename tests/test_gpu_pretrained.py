@@ -175,6 +175,35 @@ def test_from_pretrained_quantize_attention(tmp_path, caplog):
     assert loaded.pool.errors() == [] and loaded.pool.verify() > 0
 
 
+def test_the_input_embedding_goes_to_host_memory_where_the_bank_is_partial(tmp_path):
+    """A bank that holds every expert keeps the embedding on the GPU; one that cannot puts it in
+    pinned mapped host memory (a CUDA tensor over the mapping), from_pretrained and wrap alike,
+    with the checkpoint's values. The engine's greedy tokens (its step reads the rows over PCIe,
+    inside the graph) equal those of the same pool with the embedding put back on the GPU."""
+    from transformers import AutoModelForCausalLM
+    model = model_for("qwen3_moe", seed=34)
+    _, (_, E, K, _, _) = FAMILIES["qwen3_moe"]
+    model.save_pretrained(tmp_path / "m")
+    want = model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+    for rows in (E, max(K, E // 2)):
+        loaded = cupool.from_pretrained(tmp_path / "m", rows=rows, max_decode_tokens=2,
+                                        progress=False)
+        twin = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16).eval()
+        pool = cupool.wrap(twin, rows=rows, max_decode_tokens=2, progress=False)
+        for m in (loaded.model, twin):
+            w = m.get_input_embeddings().weight
+            assert w.is_cuda and torch.equal(w.cpu(), want)
+            assert getattr(w, "_cupool_host_table", False) == (rows < E), rows
+    # the last pair (a partial bank): the twin's embedding back in GPU memory
+    emb = twin.get_input_embeddings()
+    emb.weight = torch.nn.Parameter(want.cuda(), requires_grad=False)
+    prompts, params = [[5, 9, 13], [7, 3, 21, 30, 2]], cupool.SamplingParams(max_tokens=8)
+    got, ref = (cupool.Engine(m, p, max_batch=2, max_len=32, eos_token_id=[]).generate(
+        prompts, params) for m, p in ((loaded.model, loaded.pool), (twin, pool)))
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert loaded.pool.errors() == [] and pool.errors() == []
+
+
 def test_a_budget_too_small_fails_before_the_store_is_filled(tmp_path):
     model = model_for("qwen3_moe", seed=32)
     model.save_pretrained(tmp_path / "m")
