@@ -194,6 +194,9 @@ def test_the_input_embedding_goes_to_host_memory_where_the_bank_is_partial(tmp_p
             w = m.get_input_embeddings().weight
             assert w.is_cuda and torch.equal(w.cpu(), want)
             assert getattr(w, "_cupool_host_table", False) == (rows < E), rows
+        host = [(n, b) for n, b, where in loaded.pool.memory_parts() if where == "host"
+                and n == "host tables"]
+        assert host == ([("host tables", want.numel() * 2)] if rows < E else []), host
     # the last pair (a partial bank): the twin's embedding back in GPU memory
     emb = twin.get_input_embeddings()
     emb.weight = torch.nn.Parameter(want.cuda(), requires_grad=False)
