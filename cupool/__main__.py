@@ -280,7 +280,7 @@ def plan(args) -> int:
               f"(every expert resident needs {fmt_bytes(fixed + reserve.total + L * E * stride)})")
         return 0
     # the input embedding goes to host memory where the bank cannot hold every expert with it on
-    # the GPU (cupool.wrap.rows_and_host); from the checkpoint's names: an untied embed_tokens
+    # the GPU (cupool.budget.rows_and_host); from the checkpoint's names: an untied embed_tokens
     embedding = [n for n in dense_read if n.endswith("embed_tokens.weight")]
     tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
     optional = dense_read[embedding[0]] if len(embedding) == 1 and not tied else 0

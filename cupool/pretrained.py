@@ -427,7 +427,7 @@ def embedding_for_host(model, mapping: dict[str, str | list[str]], device) -> st
     """The input embedding's weight name where `load_dense` may keep it in host memory (a CUDA
     device, read from the checkpoint, untied, not a host table already:
     `cupool.hosttable.input_embedding_name`), else None. Whether it does is the plan's
-    (`cupool.wrap.rows_and_host`: only where the bank cannot hold every expert)."""
+    (`cupool.budget.rows_and_host`: only where the bank cannot hold every expert)."""
     if torch.device(device).type != "cuda":
         return None
     name = input_embedding_name(model)
