@@ -53,6 +53,10 @@ first token of a request of N prompt tokens that arrives while the case's stream
 such requests, one at a time, each after the streams' first 8 tokens; median): its prefill is
 launched between their decode steps, as in serve, beside the host's threads where host experts
 are on. Such a run is a reduced run.
+`--held-context N` (with `--slots`), in each case with free slots, first runs one request of N
+prompt tokens (and one new token) in each slot the case's streams leave free, so those slots hold
+an N-position context while the timed streams decode, as finished conversations do in a serve
+whose prefix reuse keeps them. Such a run is a reduced run.
 `--dense-nvfp4` keeps the attention projections in NVFP4 (`cupool.dense_nvfp4.quantize_linears`,
 as a checkpoint with NVFP4 self_attn loads): the fused step's QKV and o-projection GEMVs then read
 a quarter of the bf16 bytes. Such a run is written only with --json.
@@ -143,11 +147,12 @@ def late_ttft(eng, prompts, late_prompts, steps: int = LATE_STEPS) -> list[float
 def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: bool,
              compile: bool, fused: bool, seed: int, pcie_GBps: float,
              host: dict | None = None, slots: int | None = None, late: int = 0,
-             batch_prefill: bool = True) -> dict:
+             batch_prefill: bool = True, held: int = 0) -> dict:
     """`host`: HostDecode settings (threads, handoff_us) to enable for this case's width.
     `slots`: the engine's slots (None: `streams`). `late`: with a free slot, also the time to
     first token of a request of `late` prompt tokens arriving while the streams decode
-    (`late_ttft`)."""
+    (`late_ttft`). `held`: with free slots, each of them first holds a finished request of
+    `held` prompt tokens (--held-context)."""
     import cupool
     width = slots or streams
     host_info = {}
@@ -160,6 +165,8 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     # with a late request, room for the others' longer runs beside it (late_ttft)
     max_len = max(prompt_len + max(tokens, LATE_STEPS + LATE_MORE), late + 2) + 8 if late \
         else prompt_len + tokens + 8
+    held = held if streams < width else 0
+    max_len = max(max_len, held + 10)
     eng = cupool.Engine(model, pool, max_batch=width, max_len=max_len,
                         eos_token_id=[], compile=compile, fused=None if fused else False,
                         batch_prefill=batch_prefill)
@@ -173,6 +180,12 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
     warm = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(streams)]
     eng.generate(warm, [cupool.SamplingParams(max_tokens=4, temperature=p.temperature,
                                               top_p=p.top_p, seed=p.seed) for p in params])
+    if held:
+        # the slots the warm-up left unused take these (a free slot that holds nothing goes
+        # first); the timed prompts then take the warm-up's slots (least recently used)
+        eng.generate([torch.randint(0, vocab, (held,), generator=g).tolist()
+                      for _ in range(width - streams)],
+                     [cupool.SamplingParams(max_tokens=1)] * (width - streams))
     torch.cuda.synchronize()
     pool.bank.reset_stats()
     served0 = pool.host.hx.serve_stats(reset_max=True) if host is not None else None
@@ -239,7 +252,8 @@ def run_case(model, pool, streams: int, tokens: int, prompt_len: int, sampled: b
             "decode_over_link_bound": None if bound is None else decode_tps / bound,
             "per_request_tok_per_s_median": statistics.median(per),
             "per_request_tok_per_s_min": min(per), "hit_rate": pool.hit_rate(stats),
-            "steps": eng.steps_run, **prefetch, **host_info, **late_info}
+            "steps": eng.steps_run, **({"held_context": held} if held else {}),
+            **prefetch, **host_info, **late_info}
 
 
 def late_text(r: dict) -> str:
@@ -325,7 +339,8 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
             fresh_case(pool, replayer, False)
             r0 = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
                           not args.no_fused, args.seed, pcie, None, args.slots,
-                          args.late_prompt or 0, batch_prefill=not args.no_batch_prefill)
+                          args.late_prompt or 0, batch_prefill=not args.no_batch_prefill,
+                          held=args.held_context or 0)
             baseline.append(r0)
             print(f"bank {bank:.0%}, without host experts: {b:3d} streams greedy : aggregate "
                   f"{r0['aggregate_tok_per_s']:7.1f} tok/s (decode "
@@ -334,7 +349,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
             fresh_case(pool, replayer, True)
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
                      not args.no_fused, args.seed, pcie, host, args.slots, args.late_prompt or 0,
-                     batch_prefill=not args.no_batch_prefill)
+                     batch_prefill=not args.no_batch_prefill, held=args.held_context or 0)
         cases.append(r)
         if baseline:
             ratio = r["aggregate_decode_tok_per_s"] / baseline[-1]["aggregate_decode_tok_per_s"]
@@ -365,7 +380,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     b = 8 if 8 in streams else max(streams)
     sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile,
                        not args.no_fused, args.seed, pcie, host, args.slots,
-                       batch_prefill=not args.no_batch_prefill)
+                       batch_prefill=not args.no_batch_prefill, held=args.held_context or 0)
     greedy = next(c for c in cases if c["streams"] == b)
     print(f"{label}: {b:3d} streams sampled: aggregate {sampled['aggregate_tok_per_s']:7.1f} "
           f"tok/s, {sampled['aggregate_tok_per_s'] / greedy['aggregate_tok_per_s']:.3f} of "
@@ -406,6 +421,8 @@ def main(args) -> int:
     if args.slots is not None and args.slots < max(args.streams):
         raise ValueError(f"--slots must be at least the largest --streams ({max(args.streams)}), "
                          f"got {args.slots}")
+    if args.held_context and not args.slots:
+        raise ValueError("--held-context fills the slots the streams leave free: give --slots")
     if not args.handoff_us >= 0:
         raise ValueError(f"--handoff-us must be >= 0, got {args.handoff_us:g}")
     from cupool import _cuda
@@ -428,6 +445,7 @@ def main(args) -> int:
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
                "slots": args.slots, "late_prompt": args.late_prompt,
+               "held_context": args.held_context,
                "batch_prefill": not args.no_batch_prefill,
                "pcie_h2d_GBps": pcie, "banks": banks,
                "gpu": torch.cuda.get_device_name()}
@@ -452,6 +470,7 @@ def reduced(args) -> list[str]:
          if args.host_prefill_tokens is not None else []) + \
         ([f"--slots {args.slots}"] if args.slots else []) + \
         ([f"--late-prompt {args.late_prompt}"] if args.late_prompt else []) + \
+        ([f"--held-context {args.held_context}"] if args.held_context else []) + \
         (["--dense-nvfp4"] if args.dense_nvfp4 else []) + \
         (["--no-batch-prefill"] if args.no_batch_prefill else [])
 
@@ -498,6 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--late-prompt", type=bounded_int(1, 1 << 16), metavar="N",
                    help="also time the first token of a request of N prompt tokens arriving "
                         "while a case's streams decode (cases with a free slot: see --slots)")
+    p.add_argument("--held-context", type=bounded_int(1, 1 << 17), metavar="N",
+                   help="first fill each slot a case's streams leave free with a finished "
+                        "request of N prompt tokens (cases with a free slot: see --slots)")
     p.add_argument("--no-batch-prefill", action="store_true",
                    help="prefill the prompts queued together one request at a time (the "
                         "Engine's batch_prefill=False; default: in one forward, as serve does)")

@@ -136,6 +136,8 @@ BAD = BAD_SUBPROCESS + [
      "--slots must be at least the largest --streams (8), got 4"),
     (["bench_serve.py", "--slots", "0"], "--slots"),
     (["bench_serve.py", "--late-prompt", "0"], "--late-prompt"),
+    (["bench_serve.py", "--held-context", "0"], "--held-context"),
+    (["bench_serve.py", "--held-context", "4096"], "--held-context fills the slots"),
     (["sim_policies.py", "--parts", "lru"], "--parts"),
     (["bench_host_experts.py", "--isa", "sse"], "--isa"),
     (["bench_host_experts.py", "--experts", "8", "--rows", "9"], "--rows"),
