@@ -11,7 +11,8 @@ without a bias) → pooled experts → residual; Qwen3-MoE, Mixtral, gpt-oss —
 
     dense_gemv (norm)   h = h_mid + moe of the layer before; x = rmsnorm(h); qkv = x·Wqkv (+ b)
     dense_attention     q/k norm, rotary, k and v into the slot cache at pos, split-KV attention
-                        (sinks: exp(sink) joins each head's softmax sum)
+                        (sinks: exp(sink) joins each head's softmax sum); an inactive slot's
+                        blocks return at once (its cache untouched, its row zeros)
     dense_gemv (resid)  h_mid = h + attn·Wo (+ b)
     dense_gemv (route)  xn = rmsnorm(h_mid); logits = xn·Wr (+ b); softmax top-k → ids, weights
     plan, row copies, moe_decode    the pool's decode path on (xn, ids, weights) → moe
@@ -724,6 +725,9 @@ class FusedStep:
             raise ValueError(f"tok, pos, active must be [{B}, 1], [{B}], [{B}]; got "
                              f"{list(tok.shape)}, {list(pos.shape)}, {list(active.shape)}")
         x = nn.functional.embedding(tok[:, 0], self.embed)             # [B, H]
+        # the attention's positions: -1 for an inactive slot, which then reads and writes none of
+        # its cache (a free slot keeps a finished request's context for reuse, however long)
+        apos = pos.masked_fill(~active, -1)
         res, add = x, None            # the residual stream is res (+ add, when add is not None)
         cache = self.cache
         rotary = None        # the step's cos / sin rows, gathered once for transformers' layers
@@ -753,7 +757,7 @@ class FusedStep:
                 layer.qkv(res, add=add, norm_weight=layer.in_norm, eps=layer.in_eps,
                           h_out=self.h if add is not None else None, out=self.qkv)
             if "attention" not in skip:
-                layer.attn(self.qkv, pos, k_cache, v_cache, self.cos, self.sin, self.attn)
+                layer.attn(self.qkv, apos, k_cache, v_cache, self.cos, self.sin, self.attn)
             if "o" not in skip:
                 layer.o(self.attn, residual=h, out=self.h_mid)
             r = self.route

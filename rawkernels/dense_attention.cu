@@ -33,6 +33,10 @@
 // bf16.
 //
 // Who writes what, in order:
+// - pos[b] < 0 marks slot b inactive (no token this step): its blocks return at once, but for
+//   part 0's, which waits for the kernel before (out is read by the o-projection after it) and
+//   writes zeros to its G heads' rows of out. Nothing else of slot b is read or written: an idle
+//   slot holding a finished request's context costs nothing, however long that context.
 // - the new key and value of slot b, KV head h go to the cache at pos[b], written only by the
 //   block whose part holds pos[b], before (__syncthreads) that block reads its positions; no
 //   other block reads position pos[b] (the parts are disjoint).
@@ -341,7 +345,15 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const i64 stride = (i64)(nh + 2 * hk) * D;               // one token's q, k, v
     const u16* row = qkv + b * stride;
-    const i64 P = min(max(pos[b], (i64)0), (i64)max_len - 1);
+    if (pos[b] < 0) {                          // an inactive slot: zeros out, nothing else
+        if (s == 0) {
+            wait_for_producers();
+            u16* o = out + ((i64)b * nh + h * G) * D;
+            for (int i = threadIdx.x; i < G * D; i += THREADS) o[i] = 0;
+        }
+        return;
+    }
+    const i64 P = min(pos[b], (i64)max_len - 1);
     const i64 lo = window > 0 ? max((i64)0, P - window + 1) : 0;
     const i64 n = P - lo + 1;
     const i64 chunk = max((i64)MINCHUNK, (n + NS - 1) / NS);

@@ -3,7 +3,8 @@
 The kernel's own source is compiled with g++ against tests/emu (the CUDA features it uses
 emulated, every block of its grid run one after another; `attention_main.cpp` drives it), so the
 split of a token's positions into parts, the parts past the used ones, the last block's merge,
-window, sinks, the q/k norms, the rotary embedding and the cache write are checked without a GPU.
+window, sinks, the q/k norms, the rotary embedding, the cache write and inactive slots (pos -1)
+are checked without a GPU.
 What concurrent blocks do to each other is the GPU tests' part (test_gpu_dense.py).
 """
 
@@ -76,6 +77,9 @@ CASES = [  # build, B, nh, hk, L, positions, qk_norm, window, sinks, sm_count (s
     ("d64g4", 1, 8, 2, 3000, [2999], False, 2000, True, 64),   # 32 parts, two levels, sinks
     ("d128g12", 2, 24, 2, 500, [499, 40], True, 0, True, 8),   # 4 padding heads; one part; sinks
     ("d256g8", 2, 16, 2, 300, [299, 130], True, 0, False, 8),
+    # inactive slots (pos -1, beside long contexts and one part): zeros, their cache untouched
+    ("d128g8", 4, 16, 2, 2100, [-1, 2099, -1, 40], True, 0, False, 64),
+    ("d64g4", 3, 8, 2, 300, [-1, 299, -1], False, 40, True, 12),
 ]
 
 
@@ -96,9 +100,13 @@ def test_attention_kernel_source_matches_reference_on_cpu(builds, build, B, nh, 
     assert (count == 0).all(), "the merge counters must be back at zero"
     assert not out.isnan().any()
     for b in range(B):
+        if pos[b] < 0:                      # an inactive slot's row: zeros over the poison
+            assert (out[b] == 0).all(), b
+            continue
         assert rel(out[b], want[b]) <= ATTN_TOL, (b, rel(out[b], want[b]))
+    live = pos >= 0
     written = torch.zeros(B, L, dtype=torch.bool)
-    written[torch.arange(B), pos] = True
+    written[torch.arange(B)[live], pos[live]] = True
     for got, exp in ((k, kr), (v, vr)):
         assert torch.equal(got.transpose(1, 2)[~written], exp.transpose(1, 2)[~written])
     assert torch.equal(v.transpose(1, 2)[written], vr.transpose(1, 2)[written])

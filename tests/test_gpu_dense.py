@@ -515,6 +515,51 @@ def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sin
         assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", [
+    (8, 32, 4, 128, 4096, True, 0, False),        # Qwen3-30B-A3B, serve's 8 slots
+    (5, 16, 2, 128, 2000, True, 1500, True),      # window, sinks, two merge levels
+    (3, 8, 2, 64, 300, False, 0, False),
+])
+def test_dense_attention_inactive_slots_write_zeros_and_leave_their_cache(
+        B, nh, hk, D, L, qk_norm, window, sinks, ahead):
+    """pos -1 (an inactive slot, as the fused step passes it): the slot's out row is zeros over
+    the poison and its cache rows keep their bits, long contexts beside it or not; the active
+    slots' rows and cache writes match the reference, the merge counters are back at zero."""
+    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
+    gen = torch.Generator(device="cuda").manual_seed(B * 7 + L)
+    qkv, kc, vc, cos, sin, qn, kn, sk = _attention_inputs(B, nh, hk, D, L, qk_norm, sinks, gen)
+    pos = torch.randint(0, L, (B,), device="cuda", generator=gen)
+    pos[0] = L - 1
+    idle = torch.arange(B, device="cuda") % 2 == 1          # every other slot inactive
+    pos[idle] = -1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms), "cuda")
+    op = DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
+                         window=window, sinks=sk, workspace=ws, ahead=ahead)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kc_ref, vc_ref,
+                                D ** -0.5, window, sk)
+    before_k, before_v = kc[idle].clone(), vc[idle].clone()
+    for _ in range(2):
+        out = poison(B, nh * D)
+        op(qkv, pos, kc, vc, cos, sin, out)
+    torch.cuda.synchronize()
+    assert int(ws.count.abs().sum()) == 0
+    assert (out[idle] == 0).all()
+    assert torch.equal(kc[idle], before_k) and torch.equal(vc[idle], before_v)
+    assert torch.equal(kc_ref[idle], before_k)                  # the reference agrees
+    for b in torch.nonzero(~idle).flatten().tolist():
+        assert rel(out[b], want[b]) <= ATTN_TOL, (b, rel(out[b], want[b]))
+        P = int(pos[b])
+        for got, exp in ((kc, kc_ref), (vc, vc_ref)):
+            keep = torch.ones(L, dtype=torch.bool, device="cuda")
+            keep[P] = False
+            assert torch.equal(got[b][:, keep], exp[b][:, keep])
+            new, new_ref = got[b][:, P].float(), exp[b][:, P].float()
+            assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
+
+
 @pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", ATTN_CASES)
 def test_dense_attention_ahead_gives_the_same_bits(B, nh, hk, D, L, qk_norm, window, sinks):
     """The AHEAD build only issues its loads earlier: output and cache writes equal the default

@@ -162,7 +162,8 @@ class DecodeAttention:
     def __call__(self, qkv: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  out: torch.Tensor, trace: torch.Tensor | None = None) -> None:
-        """qkv bf16 [B, (nh + 2 hk)·D]; pos int64 [B]; k_cache / v_cache bf16 [B, hk, L_max, D]
+        """qkv bf16 [B, (nh + 2 hk)·D]; pos int64 [B] (-1: slot b is inactive, its out row
+        zeros and its cache neither read nor written); k_cache / v_cache bf16 [B, hk, L_max, D]
         (updated at pos); cos / sin bf16 [L_max, D]; out bf16 [B, nh·D]; trace: the stamps'
         buffer (`trace_buffer`), for a launcher built with trace=True only. One launch."""
         ws, D = self.workspace, self.head_dim

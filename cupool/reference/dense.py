@@ -85,11 +85,12 @@ def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: f
                      window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of attention for B tokens. qkv [B, (nh + 2 hk)·D] (queries, keys, values
     of the new tokens, in the model's dtype); q_norm / k_norm: RMSNorm weights [D] or None;
-    cos_t / sin_t [L_max, D]; pos int [B] (where each token goes); k_cache / v_cache
-    [B, hk, L_max, D], updated in place at pos. Token b attends to positions lo … pos[b]
-    (lo = pos − window + 1 with a window > 0). Scores, softmax and the weighted sum in float32;
-    sinks [nh] (or None) add exp(sink) to each head's softmax denominator. Returns [B, nh·D] in
-    the model's dtype."""
+    cos_t / sin_t [L_max, D]; pos int [B] (where each token goes; a negative pos marks an
+    inactive slot, whose output row is zeros and whose cache rows are left as they are);
+    k_cache / v_cache [B, hk, L_max, D], updated in place at pos. Token b attends to positions
+    lo … pos[b] (lo = pos − window + 1 with a window > 0). Scores, softmax and the weighted sum
+    in float32; sinks [nh] (or None) add exp(sink) to each head's softmax denominator. Returns
+    [B, nh·D] in the model's dtype."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     L = k_cache.shape[2]
@@ -105,8 +106,10 @@ def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: f
     p = pos.to(torch.int64).clamp(0, L - 1)
     cos, sin = cos_t[p][:, None, :], sin_t[p][:, None, :]
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    out = torch.empty(B, nh, D, dtype=dt, device=qkv.device)
+    out = torch.zeros(B, nh, D, dtype=dt, device=qkv.device)
     for b in range(B):
+        if int(pos[b]) < 0:
+            continue
         P = int(p[b])
         k_cache[b, :, P] = k[b]
         v_cache[b, :, P] = v[b]
