@@ -34,8 +34,8 @@
 //
 // Who writes what, in order:
 // - pos[b] < 0 marks slot b inactive (no token this step): its blocks return at once, but for
-//   part 0's, which waits for the kernel before (out is read by the o-projection after it) and
-//   writes zeros to its G heads' rows of out. Nothing else of slot b is read or written: an idle
+//   part 0's, which waits for the kernel before (a dependent writes nothing before its wait)
+//   and writes zeros to its G heads' rows of out. Nothing else of slot b is read or written: an idle
 //   slot holding a finished request's context costs nothing, however long that context.
 // - the new key and value of slot b, KV head h go to the cache at pos[b], written only by the
 //   block whose part holds pos[b], before (__syncthreads) that block reads its positions; no
