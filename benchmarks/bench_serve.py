@@ -423,6 +423,13 @@ def main(args) -> int:
                          f"got {args.slots}")
     if args.held_context and not args.slots:
         raise ValueError("--held-context fills the slots the streams leave free: give --slots")
+    from cupool.synthetic import QWEN3_30B_A3B
+    limit = QWEN3_30B_A3B["max_position_embeddings"]       # the positions a slot may hold
+    for flag, n in (("--prompt + --tokens", args.prompt + args.tokens),
+                    ("--late-prompt", args.late_prompt), ("--held-context", args.held_context)):
+        if n and n + 10 > limit:
+            raise ValueError(f"{flag} is {n}: a slot of the Qwen3-30B-A3B shape holds {limit} "
+                             f"positions, {limit - 10} for a request (the rest the runs' margin)")
     if not args.handoff_us >= 0:
         raise ValueError(f"--handoff-us must be >= 0, got {args.handoff_us:g}")
     from cupool import _cuda
