@@ -32,6 +32,9 @@ as bench_serve takes them) hands some of each call's misses to the host's CPU
 (`Pool.enable_host_experts`); the hand-off's kernels are their own group, and the profiled step
 is the one the Engine runs with all `--batch` slots active (a plain step where their calls
 cannot hand anything over).
+`--active N` leaves only the first N of the `--batch` slots active: the step of N requests in an
+engine of `--batch` slots (serve's `--max-batch`, default 8), whose kernels still run every slot's
+row; tok/s counts the active slots' tokens.
 `--dense-nvfp4` keeps the attention projections in NVFP4 (`cupool.dense_nvfp4`): the fused
 step's QKV and o-projection GEMVs read the packed form.
 `--timeline` also profiles `--steps` replays of the captured step and reports, from their kernel
@@ -142,6 +145,9 @@ def build_parser() -> CLIParser:
                    help="MoE layers (>= 1; default the model's: 48 for qwen3-30b-a3b, 36 for "
                         "gpt-oss-120b)")
     p.add_argument("--batch", type=bounded_int(1, 16), default=1, help="slots decoded together")
+    p.add_argument("--active", type=bounded_int(1, 16), default=None, metavar="N",
+                   help="only the first N of the --batch slots active (the step of N requests in "
+                        "a --batch-slot engine, as serve's --max-batch runs; default: all)")
     p.add_argument("--steps", type=bounded_int(1, 64), default=4, help="profiled eager steps")
     p.add_argument("--step", choices=["fused", "compiled", "graph"], default="fused",
                    help="the engine's decode step (default: fused)")
@@ -196,6 +202,8 @@ def main(args) -> None:
                          "misses none)")
     if args.host_experts and args.prefetch != "off":
         raise ValueError("--host-experts and --prefetch are separate planner builds: pick one")
+    if args.active is not None and args.active > args.batch:
+        raise ValueError(f"--active {args.active} is more than the --batch {args.batch} slots")
     if args.dense_nvfp4 and args.model != "qwen3-30b-a3b":
         raise ValueError(f"--dense-nvfp4 builds the qwen3-30b-a3b shape only, not {args.model}")
     check_host_flags(args)
@@ -235,8 +243,11 @@ def main(args) -> None:
     eng.generate([prompt.tolist()] * B, cupool.SamplingParams(max_tokens=3, temperature=0.0))
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
-    # every slot active at a real position, so the step reads what a running batch reads
-    eng.active.fill_(True)
+    # every slot (or the first --active) active at a real position, so the step reads what a
+    # running batch reads
+    A = B if args.active is None else args.active
+    eng.active.fill_(False)
+    eng.active[:A] = True
     if args.context > S:
         with torch.inference_mode():         # the cache's tensors were made under it
             for t in eng.cache.keys + eng.cache.values:
@@ -246,7 +257,7 @@ def main(args) -> None:
     pool.bank.reset_stats()
 
     kind = StepKind(greedy=True, logprobs=False, masked=False,
-                    host=hd is not None and hd.hands_over(B))
+                    host=hd is not None and hd.hands_over(A))
 
     def eager():
         with eng._masked():
@@ -277,10 +288,10 @@ def main(args) -> None:
     launches = sum(v[1] for v in kern.values())
     top = sorted(kern.items(), key=lambda kv: -kv[1][0])[:30]
     L = layers
-    print(f"layers {L}, batch {B}, context {args.context}, step {eng.step_kind} (warm-up incl. "
-          f"build and capture "
-f"{warm_s:.1f} s)")
-    print(f"per step: graph replay {graph_ms:.3f} ms ({B * 1e3 / graph_ms:.1f} tok/s), eager "
+    print(f"layers {L}, batch {B}" + (f" ({A} active)" if A < B else "") +
+          f", context {args.context}, step {eng.step_kind} (warm-up incl. build and capture "
+          f"{warm_s:.1f} s)")
+    print(f"per step: graph replay {graph_ms:.3f} ms ({A * 1e3 / graph_ms:.1f} tok/s), eager "
           f"{eager_ms:.3f} ms, kernel time {kernel_ms:.3f} ms in {launches:.0f} kernels "
           f"({launches / L:.1f} a layer), gaps in graph {graph_ms - kernel_ms:.3f} ms")
     for gname, (ms, n) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
@@ -324,10 +335,10 @@ f"{warm_s:.1f} s)")
     eng.close()
     pool.disable_host_experts()
     save("profile_decode", {
-        "model": args.model, "layers": L, "batch": B, "context": args.context,
+        "model": args.model, "layers": L, "batch": B, "active": A, "context": args.context,
         "bank_percent": args.bank, "misses_per_step": misses,
         "row_copies": copies, "step": eng.step_kind, "graph_ms_per_step": graph_ms,
-        "tokens_per_s": B * 1e3 / graph_ms, "eager_ms_per_step": eager_ms,
+        "tokens_per_s": A * 1e3 / graph_ms, "eager_ms_per_step": eager_ms,
         "kernel_ms_per_step": kernel_ms, "kernels_per_step": launches,
         "kernels_per_layer": launches / L, "warmup_s": warm_s,
         "ablate": ablate, "prefetch": args.prefetch,

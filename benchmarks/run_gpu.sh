@@ -8,7 +8,7 @@
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
 # Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, tests-host, host-serve, host-late, host-bench, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
-# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, ab-dense, ab-trees, ab-serve,
+# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, profile-slots, ab-dense, ab-trees, ab-serve,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
 # prefix, prefix-host, prefix-scratch, serve, serve-slots, first-request, overlap, graph-copies,
@@ -157,6 +157,14 @@ for stage in "$@"; do
               done ;;
     chain)    run profile_chain 120 python3 benchmarks/profile_chain.py --json "$OUT/profile_chain.json" ;;
     attention) run profile_attention 300 python3 benchmarks/profile_attention.py --min-chunk 64 256 --json "$OUT/profile_attention.json" ;;
+    # one request's step in an engine of 1 slot and of serve's default 8, and 8 requests', each
+    # with its parts' cost inside the graph (--ablate; reduced runs, into $OUT)
+    profile-slots) for ba in 1:1 8:1 8:8; do
+                b=${ba%:*} a=${ba#*:}
+                run "profile_decode_b${b}a${a}" 200 python3 benchmarks/profile_decode.py --batch "$b" \
+                    --active "$a" --ablate --json "$OUT/profile_decode_b${b}a${a}.json"
+                summary[-1]="${summary[-1]} [$a of $b] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/profile_decode_b${b}a${a}.log" | head -1)"
+              done ;;
     profile-decode) run profile_decode 200 python3 benchmarks/profile_decode.py --json "$OUT/profile_decode.json"
               run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --step compiled --layers 8 --json "$OUT/profile_decode_compiled.json" ;;
     bench)    run bench_store 120 python3 benchmarks/bench_store.py --rows 16
