@@ -198,6 +198,7 @@ def plan(args) -> int:
     from cupool.checkpoints import open_checkpoint
     from cupool.dense_nvfp4 import (is_projection_weight, quantize_shape_error,
                                     step_projection_weights)
+    from cupool.hosttable import ties_embeddings
     from cupool.gemm import workspace_bytes
     from cupool.hosttable import is_table_name, table_patterns
     from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot
@@ -282,7 +283,7 @@ def plan(args) -> int:
     # the input embedding goes to host memory where the bank cannot hold every expert with it on
     # the GPU (cupool.budget.rows_and_host); from the checkpoint's names: an untied embed_tokens
     embedding = [n for n in dense_read if n.endswith("embed_tokens.weight")]
-    tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+    tied = ties_embeddings(config)
     optional = dense_read[embedding[0]] if len(embedding) == 1 and not tied else 0
 
     def rows_for(extra):

@@ -61,6 +61,13 @@ def host_table_names(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters() if is_table_name(n, patterns)]
 
 
+def ties_embeddings(config) -> bool:
+    """Whether a model of `config` ties its output head to its input embedding (the text
+    config's `tie_word_embeddings`, else the top config's; False where neither says)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+
+
 def input_embedding_name(model: nn.Module) -> str | None:
     """The parameter name of the model's input embedding matrix where it may live in host memory:
     the weight of an nn.Embedding (`get_input_embeddings()`) that the output head does not share
@@ -73,9 +80,7 @@ def input_embedding_name(model: nn.Module) -> str | None:
         return None
     if not isinstance(emb, nn.Embedding) or is_host_table(emb.weight):
         return None
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)):
+    if ties_embeddings(getattr(model, "config", None)):
         return None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if out is not None and getattr(out, "weight", None) is emb.weight:

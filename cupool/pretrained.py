@@ -47,7 +47,7 @@ from cupool import dense_nvfp4, nvfp4
 from cupool.adapters import MoELayerSpec, find_moe_layers
 from cupool.checkpoints import Checkpoint, CheckpointError, fill_store, open_checkpoint
 from cupool.hosttable import (as_table_parameter, host_table_bytes, host_table_names,
-                              input_embedding_name, mapped_empty)
+                              input_embedding_name, mapped_empty, ties_embeddings)
 from cupool.layout import dense_strips_bytes
 from cupool.store import fmt_bytes
 from cupool.wrap import assemble, plan
@@ -283,7 +283,7 @@ def dense_plan(model, specs: list[MoELayerSpec], ckpt: Checkpoint) -> dict[str, 
     expert_ids = {id(p) for s in specs for p in s.module.parameters()}
     targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if id(t) not in expert_ids}
     tied = set()                       # names of the one tensor tied input/output embeddings share
-    if _ties_embeddings(model) and model.get_output_embeddings() is not None:
+    if ties_embeddings(model.config) and model.get_output_embeddings() is not None:
         out_w = model.get_output_embeddings().weight
         tied = {n for n, t in targets.items() if t is out_w}
     renames, concats = _renames(model), _concats(model)
@@ -332,12 +332,6 @@ def dense_plan(model, specs: list[MoELayerSpec], ckpt: Checkpoint) -> dict[str, 
         log.warning("cupool: %d checkpoint tensors have no place in the model and are skipped, "
                     "e.g. %s", len(unused), unused[:4])
     return mapping
-
-
-def _ties_embeddings(model) -> bool:
-    cfg = model.config
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False)))
 
 
 def _fresh_buffers(model, device) -> None:
@@ -483,7 +477,7 @@ def load_dense(model, mapping: dict[str, str | list[str]], ckpt: Checkpoint, dev
         _fill(cpu, ckpt, mapping[target])
         owner, _, attr = target.rpartition(".")
         setattr(model.get_submodule(owner), attr, as_table_parameter(gpu))
-    if _ties_embeddings(model):
+    if ties_embeddings(model.config):
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
         if out is not None and inp is not None:
             out.weight = inp.weight
@@ -583,7 +577,7 @@ def from_pretrained(path, budget=None, rows=None, dtype=torch.bfloat16, device="
         on_gpu = dense_gpu_bytes(model, mapping, ckpt, dtype, quantize_attention)
         embedding = embedding_for_host(model, mapping, device)
         optional = 0 if embedding is None else \
-            model.get_parameter(embedding).numel() * torch.empty((), dtype=dtype).element_size()
+            model.get_parameter(embedding).numel() * dtype.itemsize
         p = plan(specs, pending_bytes=on_gpu, rows=rows, budget=budget,
                  device=device, host_optional_bytes=optional, **wrap_kwargs)
 
