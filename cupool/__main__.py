@@ -198,9 +198,8 @@ def plan(args) -> int:
     from cupool.checkpoints import open_checkpoint
     from cupool.dense_nvfp4 import (is_projection_weight, quantize_shape_error,
                                     step_projection_weights)
-    from cupool.hosttable import ties_embeddings
     from cupool.gemm import workspace_bytes
-    from cupool.hosttable import is_table_name, table_patterns
+    from cupool.hosttable import is_table_name, table_patterns, ties_embeddings
     from cupool.kvcache import engine_reserve, kv_bytes_per_token, state_bytes_per_slot
     from cupool.layout import RowLayout, dense_strips_bytes
     from cupool.store import fmt_bytes
