@@ -260,7 +260,7 @@ def main(args) -> None:
                     host=hd is not None and hd.hands_over(A))
 
     def eager():
-        with eng._masked():
+        with eng._masked(kind):
             eng._step(kind)
 
     with torch.inference_mode():
@@ -414,7 +414,7 @@ def ablation(eng, kind, graph_ms: float, layers: int) -> dict:
     print(f"without each part of every layer (graph replay; whole step {graph_ms:.3f} ms):")
     with torch.inference_mode():
         for part in ABLATE:
-            with eng._masked():
+            with eng._masked(kind):
                 eng._step(kind)       # a real step first: "plan" reuses its lane addresses
             fused.ablate = frozenset([part])
             try:

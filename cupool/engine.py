@@ -60,10 +60,13 @@ from cupool.sampling import (MAX_LOGPROBS, SamplingParams, apply_token_mask, mas
                              token_logprobs)
 from cupool.slotstate import StateSlotCache
 
-StepKind = collections.namedtuple("StepKind", "greedy logprobs masked host", defaults=(False,))
+StepKind = collections.namedtuple("StepKind", "greedy logprobs masked host slot",
+                                  defaults=(False, -1))
 """A decode step's variant: greedy only (no sort), logprobs written, a token mask applied, the
 pool's host experts handed their share (enough active slots for a call to hand anything over:
-`HostDecode.hands_over`; otherwise the step is a plain one, without the hand-off's launches)."""
+`HostDecode.hands_over`; otherwise the step is a plain one, without the hand-off's launches), and
+`slot`: -1 for a step of every slot, else the one slot a one-slot step runs (`Engine(one_slot=)`:
+each slot's such step is its own captured graph)."""
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 NO_MASK = "no mask"           # a layer type that takes no mask (kvcache.STATE_TYPES)
@@ -212,6 +215,11 @@ class Engine:
             states, no indexed attention, no rotary embedding that changes with the length);
             the first prefill of an engine runs alone. On by default; False prefills each
             request alone.
+        one_slot: where one request is active, run a step of its slot alone (a one-token fused
+            step over that slot's cache rows, a captured graph a slot) instead of the step of
+            every slot, whose kernels run `max_batch` rows however few are active. Only with the
+            fused step, every layer fused, and more than one slot; the same tokens either way.
+            On by default; False runs every step over every slot.
 
     Prefix reuse (`cupool.prefix`): a finished request leaves its prompt and the output tokens
     its steps fed in its slot's rows; the slot remembers those tokens until another request
@@ -233,7 +241,7 @@ class Engine:
                  max_len: int = 4096, prefill_chunk: int | None = None, graph: bool | None = None,
                  fused: bool | None = None, compile: bool = False, eos_token_id=None,
                  reuse_prefix: bool = True, resume_points: int | None = None,
-                 batch_prefill: bool = True):
+                 batch_prefill: bool = True, one_slot: bool = True):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         try:
             param = next(model.parameters())
@@ -309,10 +317,15 @@ class Engine:
         if fixed:
             log.info("cupool: graph-safe forwards installed in %s", ", ".join(fixed))
         self._fused = self._fused_step(fused)
+        if not isinstance(one_slot, bool):
+            raise ValueError(f"one_slot must be True or False, got {one_slot!r}")
+        self._fused_one, self.one_slot_why = self._one_slot_step(one_slot)
         self._forward = torch.compile(model, dynamic=False) if compile and self._fused is None \
             else model
         self.step_kind = (self._fused.describe() if self._fused is not None else
                           ("compiled " if compile else "") + ("graph" if self.graph else "eager"))
+        if self._fused_one is not None:
+            self.step_kind += "; one active request: a step of its slot alone"
         self._graphs: dict[StepKind, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._slots: list[Request | None] = [None] * B
@@ -407,6 +420,22 @@ class Engine:
             raise ValueError(f"fused=True, but {why}")
         log.info("cupool: the decode step runs the model's forward: %s", why)
         return None
+
+    def _one_slot_step(self, want: bool):
+        """(the one-token FusedStep that runs one slot of the cache, or None; why not, or None)."""
+        if not want:
+            return None, "one_slot=False"
+        if self._fused is None:
+            return None, "the decode step runs the model's own forward"
+        if self.max_batch == 1:
+            return None, "max_batch is 1: every step is a step of one slot"
+        if self._fused.needs_mask:
+            return None, "some layers run transformers' modules, which take every slot"
+        from cupool.fused import FusedStep
+        types = getattr(self.model.config, "layer_types", None)
+        windows = [self._window.get(types[i]) if isinstance(self._window, dict)
+                   else self._window for i in range(len(self.cache.keys))]
+        return FusedStep(self.model, self.pool, self.cache, 1, windows), None
 
     def _masks(self, make):
         """make(window) for the model's one window, or a dict of them by layer type (None for
@@ -771,20 +800,27 @@ class Engine:
         """The step variant the active slots need (each variant is its own captured graph)."""
         live = [r for r in self._slots if r is not None]
         hd = self.pool.host if self.pool is not None else None
+        host = hd is not None and hd.hands_over(len(live))
+        slot = -1
+        if self._fused_one is not None and len(live) == 1 and not host:
+            slot = next(b for b, r in enumerate(self._slots) if r is not None)
         return StepKind(greedy=all(r.params.temperature == 0 for r in live),
                         logprobs=any(r.params.logprobs is not None for r in live),
-                        masked=any(r.constraint is not None for r in live),
-                        host=hd is not None and hd.hands_over(len(live)))
+                        masked=any(r.constraint is not None for r in live), host=host, slot=slot)
 
     # --- decode steps ---------------------------------------------------------------------------------
     def _step(self, kind: "StepKind") -> None:
-        """One decode step of every slot, device-only (what the graph captures)."""
+        """One decode step of every slot (or of `kind.slot` alone), device-only (what the graph
+        captures)."""
         plain = self.pool is not None and self.pool.host is not None and not kind.host
         with self.pool.plain_decode() if plain else contextlib.nullcontext():
             self._decode(kind)
 
     def _decode(self, kind: "StepKind") -> None:
         self.cache.decode_mode()
+        if kind.slot >= 0:
+            self._decode_slot(kind)
+            return
         fused = self._fused
         if fused is None or fused.needs_mask:
             mask = self._masks(lambda w: self.cache.decode_mask(self.dtype, w, self._mask_bool))
@@ -806,6 +842,22 @@ class Engine:
         self.tok[:, 0] = torch.where(act, nxt, self.tok[:, 0])
         self.cache.pos.add_(act.to(torch.int64)).clamp_(max=self.max_len - 1)
         self.steps.add_(act.to(torch.int64))
+
+    def _decode_slot(self, kind: "StepKind") -> None:
+        """`_decode` for slot `kind.slot` alone: the one-token fused step over its cache rows,
+        then its row of the sampling, logprobs, token and position updates."""
+        rows = slice(kind.slot, kind.slot + 1)
+        act = self.active[rows]
+        logits = self._fused_one(self.tok[rows], self.cache.pos[rows], act, None, slot=kind.slot)
+        scores = apply_token_mask(logits, self.mask[rows]) if kind.masked else logits
+        nxt = self._sample(scores, rows, kind.greedy)
+        if kind.logprobs:
+            for buf, val in zip((self.lp_chosen, self.lp_top, self.lp_ids),
+                                token_logprobs(logits, nxt)):
+                buf[rows].copy_(val)
+        self.tok[rows, 0] = torch.where(act, nxt, self.tok[rows, 0])
+        self.cache.pos[rows].add_(act.to(torch.int64)).clamp_(max=self.max_len - 1)
+        self.steps[rows].add_(act.to(torch.int64))
 
     def _sample(self, scores: torch.Tensor, rows: slice, greedy: bool) -> torch.Tensor:
         """Next tokens int64 [B] of `rows` (a slice of the slots) from their scores [B, V]: the
@@ -835,10 +887,11 @@ class Engine:
         return sample(scores, *args)
 
     @contextlib.contextmanager
-    def _masked(self):
-        """The pool's token mask set to the active slots for the duration of a step."""
+    def _masked(self, kind: "StepKind"):
+        """The pool's token mask set to the step's active slots for the duration of a step."""
         if self.pool is not None:
-            self.pool.token_mask = self.active
+            self.pool.token_mask = self.active if kind.slot < 0 else \
+                self.active[kind.slot:kind.slot + 1]
         try:
             yield
         finally:
@@ -857,7 +910,7 @@ class Engine:
         self.active.zero_()
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), self._masked():
+        with torch.cuda.stream(side), self._masked(kind):
             for _ in range(3):
                 self._step(kind)
         torch.cuda.current_stream(dev).wait_stream(side)
@@ -869,7 +922,7 @@ class Engine:
         gc.disable()
         try:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._graph_pool), self._masked():
+            with torch.cuda.graph(g, pool=self._graph_pool), self._masked(kind):
                 self._step(kind)
         finally:
             gc.enable()
@@ -890,7 +943,7 @@ class Engine:
                 g = self._graphs[kind] = self._capture(kind)
             g.replay()
         else:
-            with self._masked():
+            with self._masked(kind):
                 self._step(kind)
         self.steps_run += 1
         buf, ev = self._host_tok[self._flip], self._host_ready[self._flip]
@@ -1088,7 +1141,7 @@ class Engine:
         that `serve` says "ready" only once they are done:
         - two one-token prompts (greedy, then sampled): the KV cache allocated and both decode
           graphs captured (with host experts, also the two of steps with enough active slots to
-          hand the host a share);
+          hand the host a share; with one-slot steps, each slot's two);
         - a prompt of `warmup_prompt_tokens()` tokens, then (prefix reuse on) the same prompt
           with a few more tokens, prefilled from the slot that holds it: a whole prefill chunk
           runs the wide calls a one-token prompt does not (the pool's prefill builds for calls
@@ -1114,6 +1167,13 @@ class Engine:
                     kind = StepKind(greedy=greedy, logprobs=False, masked=False, host=True)
                     if kind not in self._graphs:
                         self._graphs[kind] = self._capture(kind)
+        if self.graph and self._fused_one is not None:
+            with torch.inference_mode():     # each slot's one-slot steps (a graph a slot)
+                for b in range(self.max_batch):
+                    for greedy in (True, False):
+                        kind = StepKind(greedy=greedy, logprobs=False, masked=False, slot=b)
+                        if kind not in self._graphs:
+                            self._graphs[kind] = self._capture(kind)
         if self.pool is not None:
             self.pool.bank.reset_stats()
 

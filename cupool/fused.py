@@ -683,6 +683,17 @@ class FusedStep:
         """Whether some layer runs transformers' module (it takes the engine's masks)."""
         return any(isinstance(l, ModelLayer) for l in self.layers)
 
+    def one_slot_why(self) -> str | None:
+        """Why this step cannot run one slot of a wider cache (`__call__(slot=)`), or None:
+        it must be a step of one token, and every layer fused (transformers' modules take every
+        slot's cache and states)."""
+        if self.tokens != 1:
+            return f"a step of one slot is a step of one token; this one takes {self.tokens}"
+        if self.needs_mask:
+            others = [l.index for l in self.layers if isinstance(l, ModelLayer)]
+            return f"layers {others} run transformers' modules, which take every slot"
+        return None
+
     def _fused_route_why(self) -> str | None:
         """Why the router keeps its own launch where the plan step is skipped (None: the decode
         GEMM routes); where the plan step always runs, the reason that says so."""
@@ -715,15 +726,23 @@ class FusedStep:
 
     # --- the step ---------------------------------------------------------------------------
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor, active: torch.Tensor,
-                 masks=None) -> torch.Tensor:
+                 masks=None, slot: int | None = None) -> torch.Tensor:
         """Logits [B, V] (bf16) of tokens tok [B, 1] at positions pos [B] (int64), the cache
         taking their keys and values; active [B] bool marks the real tokens (the others' lanes
         are padding). masks: the attention mask(s) transformers' modules take (only for layers
-        that run them). Device work only: capturable."""
+        that run them). slot: a step of one token (B = 1) for that slot of a cache of more
+        slots, which it alone reads and writes (`one_slot_why` says where this cannot run).
+        Device work only: capturable."""
         B = self.tokens
         if tok.shape != (B, 1) or pos.shape != (B,) or active.shape != (B,):
             raise ValueError(f"tok, pos, active must be [{B}, 1], [{B}], [{B}]; got "
                              f"{list(tok.shape)}, {list(pos.shape)}, {list(active.shape)}")
+        if slot is not None:
+            if (why := self.one_slot_why()) is not None:
+                raise ValueError(f"slot={slot!r}: {why}")
+            slots = self.cache.slots
+            if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < slots:
+                raise ValueError(f"slot must be an int in [0, {slots}), got {slot!r}")
         x = nn.functional.embedding(tok[:, 0], self.embed)             # [B, H]
         # the attention's positions: -1 for an inactive slot, which then reads and writes none of
         # its cache (a free slot keeps a finished request's context for reuse, however long)
@@ -751,6 +770,8 @@ class FusedStep:
             if k_cache is None:
                 raise RuntimeError(f"layer {layer.index}'s KV cache is not allocated yet: run a "
                                    f"prefill through the cache before the first decode step")
+            if slot is not None:          # the slot's rows: contiguous views of the first dim
+                k_cache, v_cache = k_cache[slot:slot + 1], v_cache[slot:slot + 1]
             h = self.h if add is not None else res
             skip = self.ablate
             if "qkv" not in skip:
