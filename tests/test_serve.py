@@ -700,6 +700,16 @@ def test_host_experts_options(model_dir, monkeypatch):
     assert opts("--no-host-experts").host_experts is False
 
 
+def test_one_slot_step_option(model_dir):
+    """serve runs one active request's slot alone by default; --no-one-slot-step runs every
+    step over all --max-batch slots (the Engine's one_slot)."""
+    def opts(*argv):
+        return cli.check_options(_parse(["--model", str(model_dir), "--device", "cpu", *argv]))
+
+    assert opts().one_slot is True
+    assert opts("--no-one-slot-step").one_slot is False
+
+
 def test_quantize_attention_option(model_dir, monkeypatch):
     """--quantize-attention reaches cupool.from_pretrained; a projection it cannot quantize is a
     LoadError (one line, exit code 2), not a traceback (a CUDA device stood in)."""
