@@ -431,11 +431,15 @@ class Engine:
             return None, "max_batch is 1: every step is a step of one slot"
         if self._fused.needs_mask:
             return None, "some layers run transformers' modules, which take every slot"
-        from cupool.fused import FusedStep
+        from cupool.fused import FusedStep, Unsupported
         types = getattr(self.model.config, "layer_types", None)
         windows = [self._window.get(types[i]) if isinstance(self._window, dict)
                    else self._window for i in range(len(self.cache.keys))]
-        return FusedStep(self.model, self.pool, self.cache, 1, windows), None
+        try:
+            return FusedStep(self.model, self.pool, self.cache, 1, windows), None
+        except Unsupported as e:          # what fits B tokens fits one; said, not hidden
+            log.info("cupool: no one-slot step: %s", e)
+            return None, str(e)
 
     def _masks(self, make):
         """make(window) for the model's one window, or a dict of them by layer type (None for
