@@ -746,7 +746,7 @@ class FusedStep:
         x = nn.functional.embedding(tok[:, 0], self.embed)             # [B, H]
         # the attention's positions: -1 for an inactive slot, which then reads and writes none of
         # its cache (a free slot keeps a finished request's context for reuse, however long)
-        apos = pos.masked_fill(~active, -1)
+        apos = torch.where(active, pos, -1)
         res, add = x, None            # the residual stream is res (+ add, when add is not None)
         cache = self.cache
         rotary = None        # the step's cos / sin rows, gathered once for transformers' layers
