@@ -5,7 +5,8 @@ expert resident, then half of each layer's experts).
 
 For each number of concurrent streams (1, 8, 16 by default) as many requests are submitted at
 once (16-token prompts, `--tokens` new tokens each, greedy), and the engine decodes them together
-in its captured step (B = the stream count): aggregate tok/s (all generated tokens over the wall
+in its captured step (as many slots as `serve` decodes a step with its default `--max-batch`, 8,
+or as many as the streams where they are more): aggregate tok/s (all generated tokens over the wall
 time from submission to the last token) and per-request decode tok/s, beside the batch-1 run as
 the baseline; then the same at 8 streams with sampling (temperature 0.8, top-p 0.95) against
 greedy. The hit rate of each case comes from the pool's counters; with misses, a case also
@@ -44,16 +45,18 @@ placement and from the trace's first step, so they replay the same routing.
 no cap while a step's lanes fit a layer's rows, a quarter of a layer's rows past that); each case
 reports the cap its steps launched with and the misses staged. A run with another cap is a
 reduced run.
-`--slots N` decodes N slots a step whatever the stream count, as `serve --max-batch N` does
-(serve's default is 8): a case of fewer streams leaves the other slots inactive in the same
-N-wide captured step, which is what one user of a default `serve` gets; the default is as many
-slots as streams. Such a run is a reduced run.
-`--late-prompt N` also times, in each case with a free slot (fewer streams than `--slots`), the
+`--slots N` gives every case's engine N slots, as `serve --max-batch N` does (default: serve's 8,
+or the case's stream count where that is more): a case of fewer streams than slots leaves the
+others free, as a `serve` with fewer requests than `--max-batch` does; where one stream is left,
+the engine's one-slot step decodes its slot alone (`Engine(one_slot=)`). `--slots` equal to each
+stream count (e.g. `--streams 1 --slots 1`) times engines of exactly the streams' slots. Such a
+run is a reduced run.
+`--late-prompt N` also times, in each case with a free slot (fewer streams than slots), the
 first token of a request of N prompt tokens that arrives while the case's streams decode (three
 such requests, one at a time, each after the streams' first 8 tokens; median): its prefill is
 launched between their decode steps, as in serve, beside the host's threads where host experts
 are on. Such a run is a reduced run.
-`--held-context N` (with `--slots`), in each case with free slots, first runs one request of N
+`--held-context N`, in each case with free slots, first runs one request of N
 prompt tokens (and one new token) in each slot the case's streams leave free, so those slots hold
 an N-position context while the timed streams decode, as finished conversations do in a serve
 whose prefix reuse keeps them. Such a run is a reduced run.
@@ -300,8 +303,16 @@ def host_experts_on(args, pool, width: int, label: str) -> bool:
     return why is None
 
 
+def case_slots(args, streams: int) -> int:
+    """The slots of a case of `streams` streams: --slots, else serve's default --max-batch (or
+    the streams, where they are more, as a serve started for them would take)."""
+    from cupool.serve.cli import MAX_BATCH
+    return args.slots or max(MAX_BATCH, streams)
+
+
 def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) -> dict:
-    model, pool, shape = build(layers, args.slots or max(streams), args.seed, bank,
+    width = case_slots(args, max(streams))
+    model, pool, shape = build(layers, width, args.seed, bank,
                                args.dense_nvfp4)
     pool.promote = args.promote
     every = pool.bank.holds_every_expert()
@@ -328,34 +339,35 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     host = dict(threads=args.host_threads, handoff_us=args.handoff_us,
                 leave=not args.host_promote, min_misses=args.host_min_misses,
                 prefill_tokens=args.host_prefill_tokens or 0) \
-        if host_experts_on(args, pool, args.slots or max(streams), label) else None
+        if host_experts_on(args, pool, width, label) else None
     if host is not None:
         label += ", host experts"
-    if args.slots:
-        label += f", {args.slots} slots"
     cases, baseline = [], []
     for b in streams:
         if host is not None and args.host_baseline:
             fresh_case(pool, replayer, False)
             r0 = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
-                          not args.no_fused, args.seed, pcie, None, args.slots,
+                          not args.no_fused, args.seed, pcie, None, case_slots(args, b),
                           args.late_prompt or 0, batch_prefill=not args.no_batch_prefill,
                           held=args.held_context or 0)
             baseline.append(r0)
-            print(f"bank {bank:.0%}, without host experts: {b:3d} streams greedy : aggregate "
+            print(f"bank {bank:.0%}, without host experts: {b:3d} streams ({r0['slots']} slots) "
+                  f"greedy : aggregate "
                   f"{r0['aggregate_tok_per_s']:7.1f} tok/s (decode "
                   f"{r0['aggregate_decode_tok_per_s']:7.1f}), hit rate {r0['hit_rate']:.3f}"
                   + late_text(r0), flush=True)
             fresh_case(pool, replayer, True)
         r = run_case(model, pool, b, args.tokens, args.prompt, False, args.compile,
-                     not args.no_fused, args.seed, pcie, host, args.slots, args.late_prompt or 0,
+                     not args.no_fused, args.seed, pcie, host, case_slots(args, b),
+                     args.late_prompt or 0,
                      batch_prefill=not args.no_batch_prefill, held=args.held_context or 0)
         cases.append(r)
         if baseline:
             ratio = r["aggregate_decode_tok_per_s"] / baseline[-1]["aggregate_decode_tok_per_s"]
             print(f"{label}: {b:3d} streams: {ratio:.3f}x the decode rate without them",
                   flush=True)
-        print(f"{label}: {b:3d} streams greedy : aggregate {r['aggregate_tok_per_s']:7.1f} tok/s "
+        print(f"{label}: {b:3d} streams ({r['slots']} slots) greedy : aggregate "
+              f"{r['aggregate_tok_per_s']:7.1f} tok/s "
               f"(decode {r['aggregate_decode_tok_per_s']:7.1f}), per request "
               f"{r['per_request_tok_per_s_median']:6.1f} tok/s, hit rate {r['hit_rate']:.3f} "
               f"(cap {r['diagnostics']['promote_cap'] or 'none'}) [{r['step']}], first token "
@@ -379,7 +391,7 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
               flush=True)
     b = 8 if 8 in streams else max(streams)
     sampled = run_case(model, pool, b, args.tokens, args.prompt, True, args.compile,
-                       not args.no_fused, args.seed, pcie, host, args.slots,
+                       not args.no_fused, args.seed, pcie, host, case_slots(args, b),
                        batch_prefill=not args.no_batch_prefill, held=args.held_context or 0)
     greedy = next(c for c in cases if c["streams"] == b)
     print(f"{label}: {b:3d} streams sampled: aggregate {sampled['aggregate_tok_per_s']:7.1f} "
@@ -421,8 +433,10 @@ def main(args) -> int:
     if args.slots is not None and args.slots < max(args.streams):
         raise ValueError(f"--slots must be at least the largest --streams ({max(args.streams)}), "
                          f"got {args.slots}")
-    if args.held_context and not args.slots:
-        raise ValueError("--held-context fills the slots the streams leave free: give --slots")
+    if args.held_context and all(case_slots(args, b) <= b for b in args.streams):
+        slots = f"--slots {args.slots}" if args.slots else "serve's default slots"
+        raise ValueError(f"--held-context fills the slots the streams leave free, and no case "
+                         f"has any (--streams {' '.join(map(str, args.streams))} in {slots})")
     from cupool.synthetic import QWEN3_30B_A3B
     limit = QWEN3_30B_A3B["max_position_embeddings"]       # the positions a slot may hold
     for flag, n in (("--prompt + --tokens", args.prompt + args.tokens),
@@ -451,7 +465,7 @@ def main(args) -> int:
                **({"prefetch_rows": args.prefetch_rows} if args.prefetch != "off" else {}),
                **({"prefetch_accuracy": args.prefetch_accuracy} if args.prefetch == "trace"
                   else {}),
-               "slots": args.slots, "late_prompt": args.late_prompt,
+               "slots": args.slots or "serve's default", "late_prompt": args.late_prompt,
                "held_context": args.held_context,
                "batch_prefill": not args.no_batch_prefill,
                "pcie_h2d_GBps": pcie, "banks": banks,
@@ -519,8 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-baseline", action="store_true",
                    help="host experts: first run each such case without them, same model")
     p.add_argument("--slots", type=bounded_int(1, 256), metavar="N",
-                   help="slots the engine decodes a step, as serve's --max-batch (default: the "
-                        "stream count)")
+                   help="slots the engine decodes a step, as serve's --max-batch (default: "
+                        "serve's 8, or the stream count where that is more)")
     p.add_argument("--late-prompt", type=bounded_int(1, 1 << 16), metavar="N",
                    help="also time the first token of a request of N prompt tokens arriving "
                         "while a case's streams decode (cases with a free slot: see --slots)")

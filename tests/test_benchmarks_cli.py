@@ -138,7 +138,11 @@ BAD = BAD_SUBPROCESS + [
     (["bench_serve.py", "--slots", "0"], "--slots"),
     (["bench_serve.py", "--late-prompt", "0"], "--late-prompt"),
     (["bench_serve.py", "--held-context", "0"], "--held-context"),
-    (["bench_serve.py", "--held-context", "4096"], "--held-context fills the slots"),
+    (["bench_serve.py", "--streams", "8", "16", "--held-context", "64"],
+     "--held-context fills the slots the streams leave free, and no case has any (--streams 8 16 "
+     "in serve's default slots)"),
+    (["bench_serve.py", "--streams", "4", "--slots", "4", "--held-context", "64"],
+     "no case has any (--streams 4 in --slots 4)"),
     (["bench_serve.py", "--slots", "8", "--streams", "1", "--held-context", "8192"],
      "--held-context is 8192: a slot of the Qwen3-30B-A3B shape holds 4096"),
     (["bench_serve.py", "--late-prompt", "4090"], "--late-prompt is 4090"),

@@ -27,6 +27,9 @@ from pathlib import Path
 
 from cupool.cli import add_host_experts, host_flags_given, quantize_attention_error
 
+MAX_BATCH = 8
+"""serve's default --max-batch: the slots its engine decodes a step."""
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PROG = "cupool serve"
@@ -53,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--device", default=None,
                         help="cpu, cuda or cuda:N (default: cuda if a GPU is visible, else cpu)")
-    parser.add_argument("--max-batch", default="8", metavar="B",
+    parser.add_argument("--max-batch", default=str(MAX_BATCH), metavar="B",
                         help="sequences decoded together (default: %(default)s)")
     parser.add_argument("--max-len", default=None, metavar="N",
                         help="tokens a sequence holds, prompt and output (default: the model's "
