@@ -5,10 +5,12 @@
 // attention sinks (gpt-oss), and the merge of the split-KV partial results.
 //
 // How blocks split the work: grid (NS, hk, B). Block (s, h, b) takes the G = nh / hk query heads
-// of KV head h of slot b and the s-th of NS equal parts of the positions that slot b's token
-// attends to, [lo, pos[b]] (lo = pos − window + 1 with a sliding window, else 0), at least
+// of KV head h of token b and the s-th of NS equal parts of the positions that token b attends
+// to in its slot, [lo, pos[b]] (lo = pos − window + 1 with a sliding window, else 0), at least
 // MINCHUNK positions a part (so short contexts use few parts). The parts are cut on the device
-// from pos[b], so a captured graph replays at any position. Within a block, tiles of TP = 64
+// from pos[b], so a captured graph replays at any position. Token b's slot of the cache is
+// slot_of[b] where the launch passes that map (a step of fewer tokens than the cache has slots,
+// each token's slot set on the device before each replay), else b. Within a block, tiles of TP = 64
 // positions, 16 a warp: the warp's scores with tensor-core MMAs, an online softmax per head over
 // the tile (m, l kept in shared memory), then the warp's P·V with MMAs; the warps' sums are
 // added after the last tile.
@@ -33,11 +35,11 @@
 // bf16.
 //
 // Who writes what, in order:
-// - pos[b] < 0 marks slot b inactive (no token this step): its blocks return at once, but for
-//   part 0's, which waits for the kernel before (a dependent writes nothing before its wait)
-//   and writes zeros to its G heads' rows of out. Nothing else of slot b is read or written: an idle
-//   slot holding a finished request's context costs nothing, however long that context.
-// - the new key and value of slot b, KV head h go to the cache at pos[b], written only by the
+// - pos[b] < 0 marks token b inactive (its slot has no token this step): its blocks return at
+//   once, but for part 0's, which waits for the kernel before (a dependent writes nothing before
+//   its wait) and writes zeros to its G heads' rows of out. Nothing of its slot is read or
+//   written: an idle slot holding a finished request's context costs nothing, however long.
+// - the new key and value of token b, KV head h go to its slot's cache at pos[b], written only by the
 //   block whose part holds pos[b], before (__syncthreads) that block reads its positions; no
 //   other block reads position pos[b] (the parts are disjoint).
 // - Only the parts that hold positions take part: the first `used` = ceil(n / chunk) of the NS
@@ -320,7 +322,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
                 const u16* __restrict__ q_norm, const u16* __restrict__ k_norm, float eps,
                 const u16* __restrict__ cos_t, const u16* __restrict__ sin_t,
-                const i64* __restrict__ pos, u16* kc, u16* vc, i32 max_len,
+                const i64* __restrict__ pos, const i64* __restrict__ slot_of,
+                u16* kc, u16* vc, i32 max_len,
                 float scale, i32 window, const u16* __restrict__ sinks,
                 float* part_o, float* part_ml, i32* count, u16* out
 #if ATTN_TRACE
@@ -352,6 +355,11 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
             for (int i = threadIdx.x; i < G * D; i += THREADS) o[i] = 0;
         }
         return;
+    }
+    if (slot_of) {                             // token b's slot, where that is not slot b
+        const i64 moved = (slot_of[b] - b) * hk * max_len * D;
+        kc += moved;
+        vc += moved;
     }
     const i64 P = min(pos[b], (i64)max_len - 1);
     const i64 lo = window > 0 ? max((i64)0, P - window + 1) : 0;

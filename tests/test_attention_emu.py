@@ -39,15 +39,17 @@ def builds(tmp_path_factory):
 
 
 def run_kernel(builds, name, qkv, pos, kc, vc, cos, sin, qn, kn, sinks, nh, hk, window,
-               num_parts, eps, scale):
-    """The emulated launch over grid (num_parts, hk, B): (out, k_cache, v_cache, count)."""
+               num_parts, eps, scale, slots=None):
+    """The emulated launch over grid (num_parts, hk, B): (out, k_cache, v_cache, count);
+    slots: each token's slot of the cache (None: token b's is b)."""
     work, exes = builds
-    B, L, D = qkv.shape[0], kc.shape[2], kc.shape[3]
-    head = [B, nh, hk, L, num_parts, window, qn is not None, kn is not None, sinks is not None,
-            emu_build.f32_bits(eps), emu_build.f32_bits(scale), *pos.tolist()]
+    B, S, L, D = qkv.shape[0], kc.shape[0], kc.shape[2], kc.shape[3]
+    head = [B, S, nh, hk, L, num_parts, window, qn is not None, kn is not None,
+            sinks is not None, slots is not None, emu_build.f32_bits(eps),
+            emu_build.f32_bits(scale), *pos.tolist(), *([] if slots is None else slots.tolist())]
     got = emu_build.run(exes[name], [head] + [
         emu_build.bf16_words(t) for t in (qkv, kc, vc, cos, sin, qn, kn, sinks) if t is not None])
-    n_out, n_kv = B * nh * D, B * hk * L * D
+    n_out, n_kv = B * nh * D, S * hk * L * D
     assert got.size == n_out + 2 * n_kv + B * hk * COUNTERS
     out = emu_build.bf16(got[:n_out], (B, nh * D))
     k = emu_build.bf16(got[n_out:n_out + n_kv], kc.shape)
@@ -112,6 +114,45 @@ def test_attention_kernel_source_matches_reference_on_cpu(builds, build, B, nh, 
     assert torch.equal(v.transpose(1, 2)[written], vr.transpose(1, 2)[written])
     new, new_ref = k.transpose(1, 2)[written].float(), kr.transpose(1, 2)[written].float()
     assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
+
+
+@pytest.mark.parametrize("build,positions,slots,sms", [
+    ("d128g8", [699, -1, 5], [3, 0, 4], 8),      # a long and a short context, one inactive
+    ("d64g4", [299, 123], [1, 0], 12),           # the slots swapped
+])
+def test_attention_kernel_slot_map_matches_reference_on_cpu(builds, build, positions, slots,
+                                                            sms):
+    """A step of fewer tokens than the cache has slots: token b reads and writes slot
+    slots[b] alone; every other slot (and an inactive token's) keeps its bits."""
+    D, G, min_chunk = BUILDS[build]["D"], BUILDS[build]["G"], BUILDS[build]["MINCHUNK"]
+    B, S, hk, L = len(positions), 5, 2, 700
+    nh = G * hk
+    qkv, kc, vc, cos, sin, qn, kn, _ = _inputs(S, nh, hk, D, L, True, False, seed=7 + B)
+    qkv = qkv[:B].contiguous()
+    pos, smap = torch.tensor(positions), torch.tensor(slots)
+    NS = parts(B, hk, L, sms, min_chunk)
+    out, k, v, count = run_kernel(builds, build, qkv, pos, kc, vc, cos, sin, qn, kn, None, nh,
+                                  hk, 0, NS, 1e-6, D ** -0.5, slots=smap)
+    kr, vr = kc.clone(), vc.clone()
+    want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kr, vr, D ** -0.5,
+                                slots=smap)
+    assert (count == 0).all()
+    for b in range(B):
+        if pos[b] < 0:
+            assert (out[b] == 0).all(), b
+        else:
+            assert rel(out[b], want[b]) <= ATTN_TOL, (b, rel(out[b], want[b]))
+    live = smap[pos >= 0]
+    for c in range(S):
+        if c not in live:                     # no token of this slot: its rows keep their bits
+            assert torch.equal(k[c], kc[c]) and torch.equal(v[c], vc[c]), c
+    for b in range(B):
+        if pos[b] >= 0:
+            c, P = int(smap[b]), int(pos[b])
+            assert torch.equal(v[c, :, P], vr[c, :, P]) and not torch.equal(v[c, :, P], vc[c, :, P])
+            others = torch.ones(L, dtype=torch.bool)
+            others[P] = False
+            assert torch.equal(k[c][:, others], kc[c][:, others])
 
 
 def test_attention_emulation_sees_a_wrong_merge(builds):

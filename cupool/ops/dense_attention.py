@@ -7,10 +7,10 @@ are split into.
 
 The reference is `cupool.reference.dense.attention_decode`.
 
-The launch is a dependent one (`cupool.kernels.launch`): the kernel reads pos, the cache's older
-rows, the norms and the rotary tables before it waits for the kernel before it, so none of
-those may be that kernel's output (in the fused step it is the QKV projection; a torch op before
-it always finishes first).
+The launch is a dependent one (`cupool.kernels.launch`): the kernel reads pos, the slot map, the
+cache's older rows, the norms and the rotary tables before it waits for the kernel before it, so
+none of those may be that kernel's output (in the fused step it is the QKV projection; a torch op
+before it always finishes first).
 """
 
 from __future__ import annotations
@@ -161,11 +161,14 @@ class DecodeAttention:
 
     def __call__(self, qkv: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 out: torch.Tensor, trace: torch.Tensor | None = None) -> None:
-        """qkv bf16 [B, (nh + 2 hk)·D]; pos int64 [B] (-1: slot b is inactive, its out row
-        zeros and its cache neither read nor written); k_cache / v_cache bf16 [B, hk, L_max, D]
-        (updated at pos); cos / sin bf16 [L_max, D]; out bf16 [B, nh·D]; trace: the stamps'
-        buffer (`trace_buffer`), for a launcher built with trace=True only. One launch."""
+                 out: torch.Tensor, trace: torch.Tensor | None = None,
+                 slots: torch.Tensor | None = None) -> None:
+        """qkv bf16 [B, (nh + 2 hk)·D]; pos int64 [B] (-1: token b is inactive, its out row
+        zeros and its slot's cache neither read nor written); k_cache / v_cache bf16 [S, hk,
+        L_max, D] (updated at pos); slots: int64 [B], token b's slot of the cache, distinct
+        values in [0, S) (not checked on the device: the caller's), or None for slot b (S = B);
+        cos / sin bf16 [L_max, D]; out bf16 [B, nh·D]; trace: the stamps' buffer
+        (`trace_buffer`), for a launcher built with trace=True only. One launch."""
         ws, D = self.workspace, self.head_dim
         B, nh, hk = ws.tokens, self.heads, self.kv_heads
         dev = self.device
@@ -184,9 +187,14 @@ class DecodeAttention:
         if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
             raise ValueError(f"k_cache must be [B, hk, L_max, D], got "
                              f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
-        L = k_cache.shape[2]
-        check("k_cache", k_cache, (B, hk, L, D), bf)
-        check("v_cache", v_cache, (B, hk, L, D), bf)
+        S, L = k_cache.shape[0], k_cache.shape[2]
+        if slots is None and S != B:
+            raise ValueError(f"k_cache has {S} slots for a step of {B} tokens: pass slots, each "
+                             f"token's slot")
+        check("k_cache", k_cache, (S, hk, L, D), bf)
+        check("v_cache", v_cache, (S, hk, L, D), bf)
+        if slots is not None:
+            check("slots", slots, (B,), torch.int64)
         check("cos", cos, (L, D), bf)
         check("sin", sin, (L, D), bf)
         check("out", out, (B, nh * D), bf)
@@ -199,7 +207,8 @@ class DecodeAttention:
             qkv, kernels.i32(nh), kernels.i32(hk),
             null if self.q_norm is None else self.q_norm,
             null if self.k_norm is None else self.k_norm, kernels.f32(self.eps),
-            cos, sin, pos, k_cache, v_cache, kernels.i32(L), kernels.f32(self.scale),
+            cos, sin, pos, null if slots is None else slots, k_cache, v_cache, kernels.i32(L),
+            kernels.f32(self.scale),
             kernels.i32(self.window), null if self.sinks is None else self.sinks,
             ws.part_o, ws.part_ml, ws.count, out) + ((trace,) if self.trace else ()),
             device=dev, dependent=True)

@@ -82,12 +82,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: float,
                      cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                     window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int = 0, sinks: torch.Tensor | None = None,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of attention for B tokens. qkv [B, (nh + 2 hk)·D] (queries, keys, values
     of the new tokens, in the model's dtype); q_norm / k_norm: RMSNorm weights [D] or None;
     cos_t / sin_t [L_max, D]; pos int [B] (where each token goes; a negative pos marks an
-    inactive slot, whose output row is zeros and whose cache rows are left as they are);
-    k_cache / v_cache [B, hk, L_max, D], updated in place at pos. Token b attends to positions
+    inactive token, whose output row is zeros and whose slot's cache rows are left as they are);
+    k_cache / v_cache [S, hk, L_max, D], updated in place at pos; slots int [B]: token b's slot
+    of the cache (None: slot b, S = B). Token b attends to positions
     lo … pos[b] (lo = pos − window + 1 with a window > 0). Scores, softmax and the weighted sum
     in float32; sinks [nh] (or None) add exp(sink) to each head's softmax denominator. Returns
     [B, nh·D] in the model's dtype."""
@@ -110,12 +112,12 @@ def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: f
     for b in range(B):
         if int(pos[b]) < 0:
             continue
-        P = int(p[b])
-        k_cache[b, :, P] = k[b]
-        v_cache[b, :, P] = v[b]
+        P, c = int(p[b]), int(slots[b]) if slots is not None else b
+        k_cache[c, :, P] = k[b]
+        v_cache[c, :, P] = v[b]
         lo = max(0, P - window + 1) if window > 0 else 0
-        keys = k_cache[b, :, lo:P + 1].to(torch.float32)            # [hk, n, D]
-        vals = v_cache[b, :, lo:P + 1].to(torch.float32)
+        keys = k_cache[c, :, lo:P + 1].to(torch.float32)            # [hk, n, D]
+        vals = v_cache[c, :, lo:P + 1].to(torch.float32)
         qf = q[b].to(torch.float32).reshape(hk, G, D)
         s = torch.einsum("hgd,hnd->hgn", qf, keys) * scale           # [hk, G, n]
         if sinks is not None:
@@ -185,7 +187,7 @@ class AttentionReference:
         self.q_norm, self.k_norm, self.eps = q_norm, k_norm, eps
         self.scale, self.window, self.sinks = scale, window, sinks
 
-    def __call__(self, qkv, pos, k_cache, v_cache, cos, sin, out):
+    def __call__(self, qkv, pos, k_cache, v_cache, cos, sin, out, slots=None):
         out.copy_(attention_decode(qkv, self.heads, self.kv_heads, self.q_norm, self.k_norm,
                                    self.eps, cos, sin, pos, k_cache, v_cache, self.scale,
-                                   self.window, self.sinks))
+                                   self.window, self.sinks, slots))

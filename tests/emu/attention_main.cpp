@@ -3,10 +3,11 @@
 // tests/test_attention_emu.py to compare with the reference. D, G, MINCHUNK and AHEAD are the
 // build's defines.
 //
-// Input (int64 words): B, nh, hk, L, NS, window, has_q_norm, has_k_norm, has_sinks, the bits of
-// eps and scale (float32), pos[B]; then one bf16 a word: qkv[B·(nh + 2hk)·D], k_cache and v_cache
-// [B·hk·L·D] each, cos and sin [L·D] each, q_norm[D], k_norm[D], sinks[nh] (the absent ones
-// left out).
+// Input (int64 words): B, S (the cache's slots), nh, hk, L, NS, window, has_q_norm, has_k_norm,
+// has_sinks, has_slots, the bits of eps and scale (float32), pos[B], slots[B] (each token's slot;
+// only with has_slots, else S = B and token b's slot is b); then one bf16 a word:
+// qkv[B·(nh + 2hk)·D], k_cache and v_cache [S·hk·L·D] each, cos and sin [L·D] each, q_norm[D],
+// k_norm[D], sinks[nh] (the absent ones left out).
 // Output (int64 words): out[B·nh·D] (bf16), k_cache, v_cache (bf16), count[B·hk·COUNTERS].
 #include "dense_attention.cu"  // the kernel, copied next to the emulated common.cuh
 #include "emu_io.h"
@@ -20,15 +21,17 @@ static std::vector<u16> words(long long n) {
 int main(int argc, char** argv) {
     std::FILE* fo = emu_open(argc, argv, "attention_main");
     if (!fo) return 2;
-    const int B = (int)next(), nh = (int)next(), hk = (int)next(), L = (int)next();
-    const int NS = (int)next(), window = (int)next();
-    const bool has_qn = next(), has_kn = next(), has_sinks = next();
+    const int B = (int)next(), S = (int)next(), nh = (int)next(), hk = (int)next();
+    const int L = (int)next(), NS = (int)next(), window = (int)next();
+    const bool has_qn = next(), has_kn = next(), has_sinks = next(), has_slots = next();
     const u32 eps_bits = (u32)next(), scale_bits = (u32)next();
     const float eps = __uint_as_float(eps_bits), scale = __uint_as_float(scale_bits);
     std::vector<i64> pos(B);
     for (auto& p : pos) p = next();
+    std::vector<i64> slots(has_slots ? B : 0);
+    for (auto& c : slots) c = next();
     std::vector<u16> qkv = words((long long)B * (nh + 2 * hk) * D);
-    std::vector<u16> kc = words((long long)B * hk * L * D), vc = words((long long)B * hk * L * D);
+    std::vector<u16> kc = words((long long)S * hk * L * D), vc = words((long long)S * hk * L * D);
     std::vector<u16> cs = words((long long)L * D), sn = words((long long)L * D);
     std::vector<u16> qn = has_qn ? words(D) : std::vector<u16>();
     std::vector<u16> kn = has_kn ? words(D) : std::vector<u16>();
@@ -46,7 +49,7 @@ int main(int argc, char** argv) {
     emu_launch_grid({(unsigned)NS, (unsigned)hk, (unsigned)B}, THREADS, 0, [&] {
         dense_attention(qkv.data(), nh, hk, has_qn ? qn.data() : nullptr,
                         has_kn ? kn.data() : nullptr, eps, cs.data(), sn.data(), pos.data(),
-                        kc.data(), vc.data(), L, scale, window,
+                        has_slots ? slots.data() : nullptr, kc.data(), vc.data(), L, scale, window,
                         has_sinks ? sk.data() : nullptr, part_o.data(), part_ml.data(),
                         count.data(), out.data());
     });
