@@ -683,12 +683,9 @@ class FusedStep:
         """Whether some layer runs transformers' module (it takes the engine's masks)."""
         return any(isinstance(l, ModelLayer) for l in self.layers)
 
-    def one_slot_why(self) -> str | None:
-        """Why this step cannot run one slot of a wider cache (`__call__(slot=)`), or None:
-        it must be a step of one token, and every layer fused (transformers' modules take every
-        slot's cache and states)."""
-        if self.tokens != 1:
-            return f"a step of one slot is a step of one token; this one takes {self.tokens}"
+    def narrow_why(self) -> str | None:
+        """Why this step cannot run some slots of a cache of more (`__call__(slots=)`), or None:
+        every layer must be fused (transformers' modules take every slot's cache and states)."""
         if self.needs_mask:
             others = [l.index for l in self.layers if isinstance(l, ModelLayer)]
             return f"layers {others} run transformers' modules, which take every slot"
@@ -726,23 +723,30 @@ class FusedStep:
 
     # --- the step ---------------------------------------------------------------------------
     def __call__(self, tok: torch.Tensor, pos: torch.Tensor, active: torch.Tensor,
-                 masks=None, slot: int | None = None) -> torch.Tensor:
+                 masks=None, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] (bf16) of tokens tok [B, 1] at positions pos [B] (int64), the cache
         taking their keys and values; active [B] bool marks the real tokens (the others' lanes
         are padding). masks: the attention mask(s) transformers' modules take (only for layers
-        that run them). slot: a step of one token (B = 1) for that slot of a cache of more
-        slots, which it alone reads and writes (`one_slot_why` says where this cannot run).
+        that run them). slots: int64 [B] on the step's device, token b's slot of a cache of more
+        slots than B (distinct slots: their values are the caller's, not checked on the
+        device), which alone are read and written (`narrow_why` says where this cannot run);
+        None: token b's slot is b, the cache has B slots.
         Device work only: capturable."""
         B = self.tokens
         if tok.shape != (B, 1) or pos.shape != (B,) or active.shape != (B,):
             raise ValueError(f"tok, pos, active must be [{B}, 1], [{B}], [{B}]; got "
                              f"{list(tok.shape)}, {list(pos.shape)}, {list(active.shape)}")
-        if slot is not None:
-            if (why := self.one_slot_why()) is not None:
-                raise ValueError(f"slot={slot!r}: {why}")
-            slots = self.cache.slots
-            if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < slots:
-                raise ValueError(f"slot must be an int in [0, {slots}), got {slot!r}")
+        if slots is not None:
+            if (why := self.narrow_why()) is not None:
+                raise ValueError(f"slots: {why}")
+            if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 \
+                    or slots.shape != (B,) or slots.device != pos.device:
+                got = (f"{slots.dtype} {list(slots.shape)} on {slots.device}"
+                       if isinstance(slots, torch.Tensor) else type(slots).__name__)
+                raise ValueError(f"slots must be an int64 [{B}] tensor on {pos.device}, got {got}")
+        elif self.cache.slots != B:
+            raise ValueError(f"the cache has {self.cache.slots} slots for a step of {B} tokens: "
+                             f"pass slots, each token's slot")
         x = nn.functional.embedding(tok[:, 0], self.embed)             # [B, H]
         # the attention's positions: -1 for an inactive slot, which then reads and writes none of
         # its cache (a free slot keeps a finished request's context for reuse, however long)
@@ -770,15 +774,14 @@ class FusedStep:
             if k_cache is None:
                 raise RuntimeError(f"layer {layer.index}'s KV cache is not allocated yet: run a "
                                    f"prefill through the cache before the first decode step")
-            if slot is not None:          # the slot's rows: contiguous views of the first dim
-                k_cache, v_cache = k_cache[slot:slot + 1], v_cache[slot:slot + 1]
             h = self.h if add is not None else res
             skip = self.ablate
             if "qkv" not in skip:
                 layer.qkv(res, add=add, norm_weight=layer.in_norm, eps=layer.in_eps,
                           h_out=self.h if add is not None else None, out=self.qkv)
             if "attention" not in skip:
-                layer.attn(self.qkv, apos, k_cache, v_cache, self.cos, self.sin, self.attn)
+                layer.attn(self.qkv, apos, k_cache, v_cache, self.cos, self.sin, self.attn,
+                           slots=slots)
             if "o" not in skip:
                 layer.o(self.attn, residual=h, out=self.h_mid)
             r = self.route

@@ -788,52 +788,54 @@ def test_reference_step_with_an_inactive_slot():
 
 
 @torch.inference_mode()
-def test_one_slot_step_equals_its_row_of_the_step_of_every_slot():
-    """`FusedStep(tokens=1)(..., slot=b)` over a 3-slot cache: slot b's logits and cache rows
-    are those of the 3-slot step with only b active (the same bits: the reference backend
-    computes each row alone), and the other slots' rows keep their bits (the step reads and
-    writes slot b alone)."""
+@pytest.mark.parametrize("chosen", [[2], [3, 1], [0, 2]])
+def test_narrow_step_equals_its_rows_of_the_step_of_every_slot(chosen):
+    """`FusedStep(tokens=w)(..., slots=)` over a 4-slot cache: each chosen slot's logits and
+    cache rows are those of the 4-slot step with only the chosen slots active (the same bits:
+    the reference backend computes each row alone), in the order the map gives them, and the
+    other slots' rows keep their bits (the step reads and writes the chosen slots alone)."""
     model = fused_model("qwen3_moe", seed=14)
-    cache = SlotCache(model.config.num_hidden_layers, 3, 40, torch.bfloat16, "cpu")
-    for b, prompt in enumerate([[5, 9, 3], [7, 1, 4, 4, 2], [8, 8]]):
+    cache = SlotCache(model.config.num_hidden_layers, 4, 40, torch.bfloat16, "cpu")
+    for b, prompt in enumerate([[5, 9, 3], [7, 1, 4, 4, 2], [8, 8], [6, 2, 9, 1]]):
         prefill(model, cache, b, prompt)
     windows = [None] * len(cache.keys)
-    wide = FusedStep(model, None, cache, 3, windows, backend="reference")
-    one = FusedStep(model, None, cache, 1, windows, backend="reference")
-    tok, pos = torch.tensor([[11], [13], [17]]), cache.pos.clone()
+    wide = FusedStep(model, None, cache, 4, windows, backend="reference")
+    narrow = FusedStep(model, None, cache, len(chosen), windows, backend="reference")
+    tok, pos = torch.tensor([[11], [13], [17], [19]]), cache.pos.clone()
     before = snapshot(cache)
-    for b in range(3):
-        restore(cache, before)
-        active = torch.arange(3) == b
-        want = wide(tok, pos, active)[b].clone()
-        after_wide = snapshot(cache)
-        restore(cache, before)
-        got = one(tok[b:b + 1], pos[b:b + 1], torch.ones(1, dtype=torch.bool), slot=b)[0]
-        assert torch.equal(got, want), (b, rel(got, want))
-        for k_got, k_wide, k_before in zip(cache.keys, after_wide[0], before[0]):
-            for o in range(3):
-                if o == b:
-                    assert torch.equal(k_got[o], k_wide[o]), (b, o)
-                else:
-                    assert torch.equal(k_got[o], k_before[o]), (b, o)
+    active = torch.zeros(4, dtype=torch.bool)
+    active[chosen] = True
+    want = wide(tok, pos, active).clone()
+    after_wide = snapshot(cache)
+    restore(cache, before)
+    idx = torch.tensor(chosen)
+    got = narrow(tok[idx], pos[idx], torch.ones(len(chosen), dtype=torch.bool), slots=idx)
+    for r, b in enumerate(chosen):
+        assert torch.equal(got[r], want[b]), (b, rel(got[r], want[b]))
+    for k_got, k_wide, k_before in zip(cache.keys, after_wide[0], before[0]):
+        for o in range(4):
+            expect = k_wide if o in chosen else k_before
+            assert torch.equal(k_got[o], expect[o]), (chosen, o)
 
 
-def test_one_slot_step_refuses_what_it_cannot_run():
+def test_narrow_step_refuses_what_it_cannot_run():
     model = fused_model("qwen3_moe", seed=15)
     cache = SlotCache(model.config.num_hidden_layers, 2, 40, torch.bfloat16, "cpu")
     prefill(model, cache, 0, [5, 9, 3])
     windows = [None] * len(cache.keys)
     one = FusedStep(model, None, cache, 1, windows, backend="reference")
-    wide = FusedStep(model, None, cache, 2, windows, backend="reference")
     tok, pos, act = torch.tensor([[11]]), cache.pos[:1].clone(), torch.ones(1, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"slot must be an int in \[0, 2\), got 2"):
-        one(tok, pos, act, slot=2)
-    with pytest.raises(ValueError, match="slot must be an int"):
-        one(tok, pos, act, slot=True)
-    with pytest.raises(ValueError, match="a step of one token; this one takes 2"):
-        wide(torch.tensor([[11], [3]]), cache.pos.clone(), torch.ones(2, dtype=torch.bool),
-             slot=0)
+    with pytest.raises(ValueError, match=r"slots must be an int64 \[1\] tensor on cpu, got "
+                                         r"torch.int32 \[1\]"):
+        one(tok, pos, act, slots=torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"slots must be an int64 \[1\] tensor on cpu, got int"):
+        one(tok, pos, act, slots=0)
+    with pytest.raises(ValueError, match="the cache has 2 slots for a step of 1 tokens: pass "
+                                         "slots"):
+        one(tok, pos, act)
     mixed = fused_model("qwen3_moe", seed=10, mlp_only_layers=[1])
     cache2 = SlotCache(mixed.config.num_hidden_layers, 2, 40, torch.bfloat16, "cpu")
     step = FusedStep(mixed, None, cache2, 1, [None] * len(cache2.keys), backend="reference")
-    assert "run transformers' modules" in step.one_slot_why()
+    assert "run transformers' modules" in step.narrow_why()
+    with pytest.raises(ValueError, match="slots: layers \\[1\\] run transformers' modules"):
+        step(tok, cache2.pos[:1].clone(), act, slots=torch.tensor([1]))
