@@ -47,10 +47,10 @@ reports the cap its steps launched with and the misses staged. A run with anothe
 reduced run.
 `--slots N` gives every case's engine N slots, as `serve --max-batch N` does (default: serve's 8,
 or the case's stream count where that is more): a case of fewer streams than slots leaves the
-others free, as a `serve` with fewer requests than `--max-batch` does; where one stream is left,
-the engine's one-slot step decodes its slot alone (`Engine(one_slot=)`). `--slots` equal to each
-stream count (e.g. `--streams 1 --slots 1`) times engines of exactly the streams' slots. Such a
-run is a reduced run.
+others free, as a `serve` with fewer requests than `--max-batch` does; where at most half the
+slots are active, the engine's narrow step decodes theirs alone (`Engine(narrow=)`). `--slots`
+equal to each stream count (e.g. `--streams 1 --slots 1`) times engines of exactly the streams'
+slots. Such a run is a reduced run.
 `--late-prompt N` also times, in each case with a free slot (fewer streams than slots), the
 first token of a request of N prompt tokens that arrives while the case's streams decode (three
 such requests, one at a time, each after the streams' first 8 tokens; median): its prefill is

@@ -60,13 +60,13 @@ from cupool.sampling import (MAX_LOGPROBS, SamplingParams, apply_token_mask, mas
                              token_logprobs)
 from cupool.slotstate import StateSlotCache
 
-StepKind = collections.namedtuple("StepKind", "greedy logprobs masked host slot",
-                                  defaults=(False, -1))
+StepKind = collections.namedtuple("StepKind", "greedy logprobs masked host width",
+                                  defaults=(False, 0))
 """A decode step's variant: greedy only (no sort), logprobs written, a token mask applied, the
 pool's host experts handed their share (enough active slots for a call to hand anything over:
 `HostDecode.hands_over`; otherwise the step is a plain one, without the hand-off's launches), and
-`slot`: -1 for a step of every slot, else the one slot a one-slot step runs (`Engine(one_slot=)`:
-each slot's such step is its own captured graph)."""
+`width`: 0 for a step of every slot, else a narrow step of that many slots, those of the engine's
+slot map (`Engine(narrow=)`: the active ones first, free ones after)."""
 
 FINISH_STOP, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "stop", "length", "cancelled", "error"
 NO_MASK = "no mask"           # a layer type that takes no mask (kvcache.STATE_TYPES)
@@ -215,10 +215,12 @@ class Engine:
             states, no indexed attention, no rotary embedding that changes with the length);
             the first prefill of an engine runs alone. On by default; False prefills each
             request alone.
-        one_slot: where one request is active, run a step of its slot alone (a one-token fused
-            step over that slot's cache rows, a captured graph a slot) instead of the step of
-            every slot, whose kernels run `max_batch` rows however few are active. Only with the
-            fused step, every layer fused, and more than one slot; the same tokens either way.
+        narrow: where at most half the slots are active, run a narrow step, of
+            the active slots alone (a fused step of 1, 2, 4, ... tokens, the fewest that hold
+            them, over those slots' cache rows: `FusedStep(slots=)`), instead of the step of
+            every slot, whose kernels run `max_batch` rows however few are active. Each width is
+            its own captured graph, whichever slots it runs. Only with the fused step, every
+            layer fused, and not with host experts handed a share; the same tokens either way.
             On by default; False runs every step over every slot.
 
     Prefix reuse (`cupool.prefix`): a finished request leaves its prompt and the output tokens
@@ -241,7 +243,7 @@ class Engine:
                  max_len: int = 4096, prefill_chunk: int | None = None, graph: bool | None = None,
                  fused: bool | None = None, compile: bool = False, eos_token_id=None,
                  reuse_prefix: bool = True, resume_points: int | None = None,
-                 batch_prefill: bool = True, one_slot: bool = True):
+                 batch_prefill: bool = True, narrow: bool = True):
         self.model, self.pool, self.tokenizer = model, pool, tokenizer
         try:
             param = next(model.parameters())
@@ -317,15 +319,16 @@ class Engine:
         if fixed:
             log.info("cupool: graph-safe forwards installed in %s", ", ".join(fixed))
         self._fused = self._fused_step(fused)
-        if not isinstance(one_slot, bool):
-            raise ValueError(f"one_slot must be True or False, got {one_slot!r}")
-        self._fused_one, self.one_slot_why = self._one_slot_step(one_slot)
+        if not isinstance(narrow, bool):
+            raise ValueError(f"narrow must be True or False, got {narrow!r}")
+        self._narrow, self.narrow_why = self._narrow_steps(narrow)
         self._forward = torch.compile(model, dynamic=False) if compile and self._fused is None \
             else model
         self.step_kind = (self._fused.describe() if self._fused is not None else
                           ("compiled " if compile else "") + ("graph" if self.graph else "eager"))
-        if self._fused_one is not None:
-            self.step_kind += "; one active request: a step of its slot alone"
+        if self._narrow:
+            self.step_kind += (f"; at most {max(self._narrow)} active requests: a narrow step "
+                               f"of theirs ({', '.join(map(str, self._narrow))} slots)")
         self._graphs: dict[StepKind, torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         self._slots: list[Request | None] = [None] * B
@@ -343,6 +346,14 @@ class Engine:
                                for t in (self.lp_chosen, self.lp_top, self.lp_ids))
                          for _ in range(2)]
         self._flip = 0
+        # the narrow steps' slot map (`_set_slot_map`): always B distinct slots, so a step
+        # captured or run before any request reads valid rows
+        self._slot_map = torch.arange(B, dtype=torch.int64, device=dev)
+        self._map_host = torch.arange(B, dtype=torch.int64).pin_memory() \
+            if dev.type == "cuda" else torch.arange(B, dtype=torch.int64)
+        self._map_ready = torch.cuda.Event() if dev.type == "cuda" else None
+        self._map_order = tuple(range(B))
+        self._narrow_active = torch.zeros(B, dtype=torch.bool, device=dev)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -421,25 +432,30 @@ class Engine:
         log.info("cupool: the decode step runs the model's forward: %s", why)
         return None
 
-    def _one_slot_step(self, want: bool):
-        """(the one-token FusedStep that runs one slot of the cache, or None; why not, or None)."""
+    def _narrow_steps(self, want: bool):
+        """({width: the FusedStep of that many of the cache's slots} for the widths 1, 2, 4, ...
+        below max_batch, or {}; why none, or None)."""
         if not want:
-            return None, "one_slot=False"
+            return {}, "narrow=False"
         if self._fused is None:
-            return None, "the decode step runs the model's own forward"
+            return {}, "the decode step runs the model's own forward"
         if self.max_batch == 1:
-            return None, "max_batch is 1: every step is a step of one slot"
-        if self._fused.needs_mask:
-            return None, "some layers run transformers' modules, which take every slot"
+            return {}, "max_batch is 1: every step is a step of one slot"
+        if (why := self._fused.narrow_why()) is not None:
+            return {}, why
         from cupool.fused import FusedStep, Unsupported
         types = getattr(self.model.config, "layer_types", None)
         windows = [self._window.get(types[i]) if isinstance(self._window, dict)
                    else self._window for i in range(len(self.cache.keys))]
+        steps, w = {}, 1
         try:
-            return FusedStep(self.model, self.pool, self.cache, 1, windows), None
-        except Unsupported as e:          # what fits B tokens fits one; said, not hidden
-            log.info("cupool: no one-slot step: %s", e)
-            return None, str(e)
+            while w < self.max_batch:
+                steps[w] = FusedStep(self.model, self.pool, self.cache, w, windows)
+                w *= 2
+        except Unsupported as e:          # what fits B tokens fits fewer; said, not hidden
+            log.info("cupool: no narrow step of %d slots: %s", w, e)
+            return {}, str(e)
+        return steps, None
 
     def _masks(self, make):
         """make(window) for the model's one window, or a dict of them by layer type (None for
@@ -805,25 +821,43 @@ class Engine:
         live = [r for r in self._slots if r is not None]
         hd = self.pool.host if self.pool is not None else None
         host = hd is not None and hd.hands_over(len(live))
-        slot = -1
-        if self._fused_one is not None and len(live) == 1 and not host:
-            slot = next(b for b, r in enumerate(self._slots) if r is not None)
+        width = 0
+        if not host:
+            width = next((w for w in self._narrow if w >= len(live)), 0)
         return StepKind(greedy=all(r.params.temperature == 0 for r in live),
                         logprobs=any(r.params.logprobs is not None for r in live),
-                        masked=any(r.constraint is not None for r in live), host=host, slot=slot)
+                        masked=any(r.constraint is not None for r in live), host=host,
+                        width=width)
+
+    def _set_slot_map(self, width: int) -> None:
+        """The slot map's first `width` entries: the active slots, then free ones (distinct, as
+        the narrow step needs), written to the device where they changed (a pinned row and its
+        stream-ordered copy; a change waits only for the copy before it)."""
+        live = [b for b, r in enumerate(self._slots) if r is not None]
+        order = live + [b for b in range(self.max_batch) if self._slots[b] is None]
+        order = tuple(order[:width])
+        if order == self._map_order[:width]:
+            return
+        if self._map_ready is not None:
+            self._map_ready.synchronize()      # the last copy has read the pinned row
+        self._map_host[:width] = torch.tensor(order, dtype=torch.int64)
+        self._slot_map[:width].copy_(self._map_host[:width], non_blocking=True)
+        if self._map_ready is not None:
+            self._map_ready.record()
+        self._map_order = order + self._map_order[width:]
 
     # --- decode steps ---------------------------------------------------------------------------------
     def _step(self, kind: "StepKind") -> None:
-        """One decode step of every slot (or of `kind.slot` alone), device-only (what the graph
-        captures)."""
+        """One decode step of every slot (or of the slot map's first `kind.width`), device-only
+        (what the graph captures)."""
         plain = self.pool is not None and self.pool.host is not None and not kind.host
         with self.pool.plain_decode() if plain else contextlib.nullcontext():
             self._decode(kind)
 
     def _decode(self, kind: "StepKind") -> None:
         self.cache.decode_mode()
-        if kind.slot >= 0:
-            self._decode_slot(kind)
+        if kind.width:
+            self._decode_narrow(kind)
             return
         fused = self._fused
         if fused is None or fused.needs_mask:
@@ -847,24 +881,32 @@ class Engine:
         self.cache.pos.add_(act.to(torch.int64)).clamp_(max=self.max_len - 1)
         self.steps.add_(act.to(torch.int64))
 
-    def _decode_slot(self, kind: "StepKind") -> None:
-        """`_decode` for slot `kind.slot` alone: the one-token fused step over its cache rows,
-        then its row of the sampling, logprobs, token and position updates."""
-        rows = slice(kind.slot, kind.slot + 1)
-        act = self.active[rows]
-        logits = self._fused_one(self.tok[rows], self.cache.pos[rows], act, None, slot=kind.slot)
-        scores = apply_token_mask(logits, self.mask[rows]) if kind.masked else logits
+    def _decode_narrow(self, kind: "StepKind") -> None:
+        """`_decode` for the slot map's first `kind.width` slots alone: the narrow fused step
+        over their cache rows, then their rows of the sampling, logprobs, token and position
+        updates, gathered from and put back into the slots' rows."""
+        w = kind.width
+        rows = self._slot_map[:w]
+        act = self._narrow_active[:w]
+        torch.index_select(self.active, 0, rows, out=act)
+        tok = self.tok.index_select(0, rows)
+        pos = self.cache.pos.index_select(0, rows)
+        logits = self._narrow[w](tok, pos, act, None, slots=rows)
+        scores = apply_token_mask(logits, self.mask.index_select(0, rows)) if kind.masked \
+            else logits
         nxt = self._sample(scores, rows, kind.greedy)
         if kind.logprobs:
             for buf, val in zip((self.lp_chosen, self.lp_top, self.lp_ids),
                                 token_logprobs(logits, nxt)):
-                buf[rows].copy_(val)
-        self.tok[rows, 0] = torch.where(act, nxt, self.tok[rows, 0])
-        self.cache.pos[rows].add_(act.to(torch.int64)).clamp_(max=self.max_len - 1)
-        self.steps[rows].add_(act.to(torch.int64))
+                buf.index_copy_(0, rows, val)
+        step = act.to(torch.int64)
+        self.tok.index_copy_(0, rows, torch.where(act, nxt, tok[:, 0])[:, None])
+        self.cache.pos.index_copy_(0, rows, (pos + step).clamp_(max=self.max_len - 1))
+        self.steps.index_copy_(0, rows, self.steps.index_select(0, rows) + step)
 
     def _sample(self, scores: torch.Tensor, rows: slice, greedy: bool) -> torch.Tensor:
-        """Next tokens int64 [B] of `rows` (a slice of the slots) from their scores [B, V]: the
+        """Next tokens int64 [B] of `rows` (a slice or int64 index of the slots) from their
+        scores [B, V]: the
         argmax where every row is greedy; else on a GPU the sampling kernel
         (`cupool.ops.sampler.Sampler`, for bf16 and fp16 logits), elsewhere `sample`'s tensor ops
         (its reference). Same tokens for a request whichever rows it shares a call with."""
@@ -894,8 +936,8 @@ class Engine:
     def _masked(self, kind: "StepKind"):
         """The pool's token mask set to the step's active slots for the duration of a step."""
         if self.pool is not None:
-            self.pool.token_mask = self.active if kind.slot < 0 else \
-                self.active[kind.slot:kind.slot + 1]
+            self.pool.token_mask = self._narrow_active[:kind.width] if kind.width else \
+                self.active
         try:
             yield
         finally:
@@ -941,6 +983,8 @@ class Engine:
         kind = self._kind()
         if kind.masked:
             self._fill_masks(range(self.max_batch))
+        if kind.width:
+            self._set_slot_map(kind.width)
         if self.graph:
             g = self._graphs.get(kind)
             if g is None:
@@ -1145,7 +1189,7 @@ class Engine:
         that `serve` says "ready" only once they are done:
         - two one-token prompts (greedy, then sampled): the KV cache allocated and both decode
           graphs captured (with host experts, also the two of steps with enough active slots to
-          hand the host a share; with one-slot steps, each slot's two);
+          hand the host a share; with narrow steps, each width's two);
         - a prompt of `warmup_prompt_tokens()` tokens, then (prefix reuse on) the same prompt
           with a few more tokens, prefilled from the slot that holds it: a whole prefill chunk
           runs the wide calls a one-token prompt does not (the pool's prefill builds for calls
@@ -1171,11 +1215,11 @@ class Engine:
                     kind = StepKind(greedy=greedy, logprobs=False, masked=False, host=True)
                     if kind not in self._graphs:
                         self._graphs[kind] = self._capture(kind)
-        if self.graph and self._fused_one is not None:
-            with torch.inference_mode():     # each slot's one-slot steps (a graph a slot)
-                for b in range(self.max_batch):
+        if self.graph and self._narrow:
+            with torch.inference_mode():     # the narrow steps (a graph a width)
+                for w in self._narrow:
                     for greedy in (True, False):
-                        kind = StepKind(greedy=greedy, logprobs=False, masked=False, slot=b)
+                        kind = StepKind(greedy=greedy, logprobs=False, masked=False, width=w)
                         if kind not in self._graphs:
                             self._graphs[kind] = self._capture(kind)
         if self.pool is not None:

@@ -302,16 +302,16 @@ def test_batch_prefill_groups_fit_a_chunk_and_reuse_goes_alone():
     assert seen[:2] == [1, 1], seen                # both prefilled alone, then the steps
 
 
-def test_one_slot_steps_need_the_fused_step():
-    """`one_slot` asks for one-slot steps; without the fused step (here: the CPU) the engine
-    says why it runs every step over every slot; a value that is not a bool is refused."""
+def test_narrow_steps_need_the_fused_step():
+    """`narrow` asks for narrow steps; without the fused step (here: the CPU) the engine says
+    why it runs every step over every slot; a value that is not a bool is refused."""
     model = hf_model("qwen3_moe", seed=4)
     eng = Engine(model, max_batch=2, max_len=32, eos_token_id=[])
-    assert eng.one_slot_why == "the decode step runs the model's own forward"
-    assert "one active request" not in eng.step_kind
-    assert Engine(model, max_batch=2, max_len=32, one_slot=False).one_slot_why == "one_slot=False"
-    with pytest.raises(ValueError, match="one_slot must be True or False, got 'yes'"):
-        Engine(model, max_batch=2, max_len=32, one_slot="yes")
+    assert eng.narrow_why == "the decode step runs the model's own forward"
+    assert "alone" not in eng.step_kind
+    assert Engine(model, max_batch=2, max_len=32, narrow=False).narrow_why == "narrow=False"
+    with pytest.raises(ValueError, match="narrow must be True or False, got 'yes'"):
+        Engine(model, max_batch=2, max_len=32, narrow="yes")
 
 
 def test_batch_prefill_on_by_default_and_off_for_length_dependent_rope():

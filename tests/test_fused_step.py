@@ -23,6 +23,7 @@ from cupool.engine import Engine, cache_kwarg  # noqa: E402
 from cupool.fused import ABLATE, FusedLayer, FusedStep, Unsupported  # noqa: E402
 from cupool.kvcache import SlotCache  # noqa: E402
 from cupool.reference import dense as ref  # noqa: E402
+from cupool.sampling import SamplingParams  # noqa: E402
 
 LOGIT_TOL = 2e-2
 TIE = 0.05
@@ -839,3 +840,40 @@ def test_narrow_step_refuses_what_it_cannot_run():
     assert "run transformers' modules" in step.narrow_why()
     with pytest.raises(ValueError, match="slots: layers \\[1\\] run transformers' modules"):
         step(tok, cache2.pos[:1].clone(), act, slots=torch.tensor([1]))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_engine_narrow_steps_give_the_tokens_of_steps_of_every_slot(family):
+    """The engine's narrow steps (`Engine(narrow=)`; here on the CPU, FusedSteps of the
+    reference backend standing in for the kernels' steps the engine builds on a GPU): requests
+    of 3, 6 and 10 new tokens in 4 slots run steps of 3 active slots, then of 2 and of 1, which
+    take the narrow steps of 2 and 1 slots (the slot map: the active slots, then free ones);
+    greedy and seeded sampled requests give the tokens of every step over every slot."""
+    model = fused_model(family, seed=21)
+    windows = windows_of(model.config)
+    prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 8, 1, 2], [6, 2]]
+
+    def run(narrow: bool, temperature: float):
+        eng = Engine(model, max_batch=4, max_len=48, eos_token_id=[])
+        eng._fused = FusedStep(model, None, eng.cache, 4, windows, backend="reference")
+        eng._narrow = {w: FusedStep(model, None, eng.cache, w, windows, backend="reference")
+                       for w in (1, 2)} if narrow else {}
+        widths, kind = [], eng._kind
+
+        def noted():
+            k = kind()
+            widths.append(k.width)
+            return k
+        eng._kind = noted
+        params = [SamplingParams(temperature=temperature, top_p=0.9, seed=40 + i, max_tokens=n)
+                  for i, n in enumerate((3, 10, 6))]
+        out = [r.output_ids for r in eng.generate(prompts, params)]
+        return out, widths
+
+    for t in (0.0, 0.8):
+        want, wide = run(False, t)
+        got, narrow = run(True, t)
+        assert got == want, (t, got, want)
+        assert set(wide) == {0} and {1, 2} <= set(narrow) and narrow[0] == 0, narrow
+        assert [len(o) for o in got] == [3, 10, 6]

@@ -560,6 +560,62 @@ def test_dense_attention_inactive_slots_write_zeros_and_leave_their_cache(
             assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("S,slots,nh,hk,D,L,qk_norm,window,sinks", [
+    (8, [5], 32, 4, 128, 4096, True, 0, False),           # one of serve's 8 slots
+    (8, [6, 1, 3, 0], 32, 4, 128, 4096, True, 0, False),  # four of them, out of order
+    (5, [4, 2], 16, 2, 128, 2000, True, 1500, True),      # window, sinks, two merge levels
+    (3, [2, 0], 8, 2, 64, 300, False, 0, False),
+])
+def test_dense_attention_slot_map_reads_and_writes_the_mapped_slots(
+        S, slots, nh, hk, D, L, qk_norm, window, sinks, ahead):
+    """A step of fewer tokens than the cache's S slots (the narrow step): token b reads and
+    writes slot slots[b] alone, its out row and cache write matching the reference's; the last
+    token inactive where there are several (a free slot the map pads with: zeros, its slot
+    untouched); every slot the map leaves out keeps its bits."""
+    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
+    B = len(slots)
+    gen = torch.Generator(device="cuda").manual_seed(S * 11 + L + B)
+    qkv, kc, vc, cos, sin, qn, kn, sk = _attention_inputs(S, nh, hk, D, L, qk_norm, sinks, gen)
+    qkv = qkv[:B].contiguous()
+    smap = torch.tensor(slots, dtype=torch.int64, device="cuda")
+    pos = torch.randint(0, L, (B,), device="cuda", generator=gen)
+    pos[0] = L - 1
+    if B > 1:
+        pos[-1] = -1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms), "cuda")
+    op = DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
+                         window=window, sinks=sk, workspace=ws, ahead=ahead)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kc_ref, vc_ref,
+                                D ** -0.5, window, sk, slots=smap)
+    before_k, before_v = kc.clone(), vc.clone()
+    with pytest.raises(ValueError, match=f"k_cache has {S} slots for a step of {B} tokens"):
+        op(qkv, pos, kc, vc, cos, sin, poison(B, nh * D))
+    for _ in range(2):
+        out = poison(B, nh * D)
+        op(qkv, pos, kc, vc, cos, sin, out, slots=smap)
+    torch.cuda.synchronize()
+    assert int(ws.count.abs().sum()) == 0
+    live = {slots[b] for b in range(B) if pos[b] >= 0}
+    for c in range(S):
+        if c not in live:
+            assert torch.equal(kc[c], before_k[c]) and torch.equal(vc[c], before_v[c]), c
+    for b in range(B):
+        if pos[b] < 0:
+            assert (out[b] == 0).all(), b
+            continue
+        assert rel(out[b], want[b]) <= ATTN_TOL, (b, rel(out[b], want[b]))
+        c, P = slots[b], int(pos[b])
+        keep = torch.ones(L, dtype=torch.bool, device="cuda")
+        keep[P] = False
+        for got, exp in ((kc, kc_ref), (vc, vc_ref)):
+            assert torch.equal(got[c][:, keep], exp[c][:, keep])
+            new, new_ref = got[c][:, P].float(), exp[c][:, P].float()
+            assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
+
+
 @pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", ATTN_CASES)
 def test_dense_attention_ahead_gives_the_same_bits(B, nh, hk, D, L, qk_norm, window, sinks):
     """The AHEAD build only issues its loads earlier: output and cache writes equal the default

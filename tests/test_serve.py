@@ -700,14 +700,14 @@ def test_host_experts_options(model_dir, monkeypatch):
     assert opts("--no-host-experts").host_experts is False
 
 
-def test_one_slot_step_option(model_dir):
-    """serve runs one active request's slot alone by default; --no-one-slot-step runs every
-    step over all --max-batch slots (the Engine's one_slot)."""
+def test_narrow_step_option(model_dir):
+    """serve runs a narrow step where few requests are active by default; --no-narrow-step runs
+    every step over all --max-batch slots (the Engine's narrow)."""
     def opts(*argv):
         return cli.check_options(_parse(["--model", str(model_dir), "--device", "cpu", *argv]))
 
-    assert opts().one_slot is True
-    assert opts("--no-one-slot-step").one_slot is False
+    assert opts().narrow is True
+    assert opts("--no-narrow-step").narrow is False
 
 
 def test_quantize_attention_option(model_dir, monkeypatch):

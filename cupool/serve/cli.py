@@ -90,10 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill each request's prompt alone instead of the prompts that "
                              "arrive together in one forward (default: together, on models "
                              "whose slots hold keys and values alone)")
-    parser.add_argument("--no-one-slot-step", action="store_true",
-                        help="run every decode step over all --max-batch slots, also where one "
-                             "request is active (default: that request's slot alone, a faster "
-                             "step; the same tokens)")
+    parser.add_argument("--no-narrow-step", action="store_true",
+                        help="run every decode step over all --max-batch slots, also where few "
+                             "requests are active (default: at most half the slots active, a "
+                             "step of theirs alone, faster; the same tokens)")
     parser.add_argument("--no-compile", action="store_true",
                         help="where the fused step is not used, do not put the model's forward "
                              "through torch.compile (default on CUDA: compiled, which adds tens "
@@ -124,7 +124,7 @@ class Options:
     fused: bool = True
     compile: bool = True
     batch_prefill: bool = True
-    one_slot: bool = True
+    narrow: bool = True
     host_experts: bool | None = None      # None: on where `auto_host_experts` says they can gain
     host_threads: int | None = None
     host_leave: bool = True
@@ -256,7 +256,7 @@ def check_options(args) -> Options:
                    fused=not getattr(args, "no_fused", False),
                    compile=device != "cpu" and not getattr(args, "no_compile", False),
                    batch_prefill=not getattr(args, "no_batch_prefill", False),
-                   one_slot=not getattr(args, "no_one_slot_step", False),
+                   narrow=not getattr(args, "no_narrow_step", False),
                    host_experts=host_experts, host_threads=host_threads,
                    host_leave=not host_promote, host_min_misses=host_min_misses,
                    host_prefill_tokens=host_prefill_tokens,
@@ -337,7 +337,7 @@ def run(args) -> int:
             engine = Engine(model, pool, tokenizer=tokenizer, max_batch=opts.max_batch,
                             max_len=opts.max_len, fused=None if opts.fused else False,
                             compile=opts.compile, resume_points=opts.resume_points,
-                            batch_prefill=opts.batch_prefill, one_slot=opts.one_slot)
+                            batch_prefill=opts.batch_prefill, narrow=opts.narrow)
         except ValueError as e:
             return _fail(str(e))
         log.info("decode step: %s", engine.step_kind)
