@@ -34,7 +34,9 @@ is the one the Engine runs with all `--batch` slots active (a plain step where t
 cannot hand anything over).
 `--active N` leaves only the first N of the `--batch` slots active: the step of N requests in an
 engine of `--batch` slots (serve's `--max-batch`, default 8), whose kernels still run every slot's
-row; tok/s counts the active slots' tokens.
+row; tok/s counts the active slots' tokens. With `--narrow` the profiled step is instead the
+engine's narrow step that `serve` runs for them (`Engine(narrow=)`: the fewest of 1, 2, 4, ...
+slots that hold N, at most half the slots).
 `--dense-nvfp4` keeps the attention projections in NVFP4 (`cupool.dense_nvfp4`): the fused
 step's QKV and o-projection GEMVs read the packed form.
 `--timeline` also profiles `--steps` replays of the captured step and reports, from their kernel
@@ -148,6 +150,9 @@ def build_parser() -> CLIParser:
     p.add_argument("--active", type=bounded_int(1, 16), default=None, metavar="N",
                    help="only the first N of the --batch slots active (the step of N requests in "
                         "a --batch-slot engine, as serve's --max-batch runs; default: all)")
+    p.add_argument("--narrow", action="store_true",
+                   help="with --active N: profile the engine's narrow step for N active slots "
+                        "(as serve runs it) instead of the step of every slot")
     p.add_argument("--steps", type=bounded_int(1, 64), default=4, help="profiled eager steps")
     p.add_argument("--step", choices=["fused", "compiled", "graph"], default="fused",
                    help="the engine's decode step (default: fused)")
@@ -202,6 +207,9 @@ def main(args) -> None:
                          "misses none)")
     if args.host_experts and args.prefetch != "off":
         raise ValueError("--host-experts and --prefetch are separate planner builds: pick one")
+    if args.narrow and args.active is None:
+        raise ValueError("--narrow profiles the step of --active N of the --batch slots: give "
+                         "--active")
     if args.active is not None and args.active > args.batch:
         raise ValueError(f"--active {args.active} is more than the --batch {args.batch} slots")
     if args.dense_nvfp4 and args.model != "qwen3-30b-a3b":
@@ -256,8 +264,17 @@ def main(args) -> None:
     eng.cache.pos.fill_(args.context)
     pool.bank.reset_stats()
 
-    kind = StepKind(greedy=True, logprobs=False, masked=False,
-                    host=hd is not None and hd.hands_over(A))
+    host = hd is not None and hd.hands_over(A)
+    width = 0
+    if args.narrow:
+        width = 0 if host else next((w for w in eng._narrow if w >= A), 0)
+        if not width:
+            why = eng.narrow_why or ("host experts take a share of this step" if host else
+                                     f"its narrow steps are of {sorted(eng._narrow)} slots")
+            raise SystemExit(f"--narrow: the engine runs {A} active of {B} slots in the step of "
+                             f"every slot ({why})")
+        eng._set_slot_map(width)                # no request holds a slot: slots 0, 1, ...
+    kind = StepKind(greedy=True, logprobs=False, masked=False, host=host, width=width)
 
     def eager():
         with eng._masked(kind):
@@ -271,6 +288,8 @@ def main(args) -> None:
                 eager()
             torch.cuda.synchronize()
         stats = pool.stats()
+        if kind not in eng._graphs:                 # a narrow step: not run by the warm-up
+            eng._graphs[kind] = eng._capture(kind)
         graph = eng._graphs[kind]
         graph_ms = time_ms(graph.replay, warmup=5, iters=50)
         timeline = replay_timeline(graph, pool, layout.row_bytes, args.steps) \
@@ -289,6 +308,7 @@ def main(args) -> None:
     top = sorted(kern.items(), key=lambda kv: -kv[1][0])[:30]
     L = layers
     print(f"layers {L}, batch {B}" + (f" ({A} active)" if A < B else "") +
+          (f", the narrow step of {width} slots" if width else "") +
           f", context {args.context}, step {eng.step_kind} (warm-up incl. build and capture "
           f"{warm_s:.1f} s)")
     print(f"per step: graph replay {graph_ms:.3f} ms ({A * 1e3 / graph_ms:.1f} tok/s), eager "
@@ -335,7 +355,8 @@ def main(args) -> None:
     eng.close()
     pool.disable_host_experts()
     save("profile_decode", {
-        "model": args.model, "layers": L, "batch": B, "active": A, "context": args.context,
+        "model": args.model, "layers": L, "batch": B, "active": A, "narrow_width": width,
+        "context": args.context,
         "bank_percent": args.bank, "misses_per_step": misses,
         "row_copies": copies, "step": eng.step_kind, "graph_ms_per_step": graph_ms,
         "tokens_per_s": A * 1e3 / graph_ms, "eager_ms_per_step": eager_ms,
@@ -407,7 +428,7 @@ def replay_timeline(graph, pool, row_bytes: int, steps: int) -> dict:
 def ablation(eng, kind, graph_ms: float, layers: int) -> dict:
     """{part: ms a step of the captured step without it} (`--ablate`), printed with the drop
     from the whole step a layer."""
-    fused = eng._fused
+    fused = eng._narrow[kind.width] if kind.width else eng._fused
     if fused is None:
         raise SystemExit("--ablate needs the fused step (--step fused on a model it runs)")
     out = {}

@@ -8,7 +8,7 @@
 # canonical files to benchmarks/results/ (a reduced run writes to $OUT through --json instead).
 #
 # Stages: wrap, gemm-tests, tests, tests-kernels, tests-models, tests-host, host-serve, host-late, host-bench, sanitize, sanitize-decode, sanitize-gemm, profile, sweep,
-# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, profile-slots, ab-dense, ab-trees, ab-serve,
+# prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, profile-slots, profile-narrow, ab-dense, ab-trees, ab-serve,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
 # prefix, prefix-host, prefix-scratch, serve, serve-slots, first-request, overlap, graph-copies,
@@ -164,6 +164,16 @@ for stage in "$@"; do
                 run "profile_decode_b${b}a${a}" 200 python3 benchmarks/profile_decode.py --batch "$b" \
                     --active "$a" --ablate --json "$OUT/profile_decode_b${b}a${a}.json"
                 summary[-1]="${summary[-1]} [$a of $b] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/profile_decode_b${b}a${a}.log" | head -1)"
+              done ;;
+    # N of serve's 8 slots active (NARROW_ACTIVE, default 1 2 3 4): the step of every slot and
+    # the engine's narrow step for them, side by side (reduced runs, into $OUT)
+    profile-narrow) for a in ${NARROW_ACTIVE:-1 2 3 4}; do
+                for n in "" --narrow; do
+                  name="profile_decode_b8a${a}${n:+_narrow}"
+                  run "$name" 200 python3 benchmarks/profile_decode.py --batch 8 --active "$a" $n \
+                      --json "$OUT/$name.json"
+                  summary[-1]="${summary[-1]} [$a of 8${n:+, narrow}] $(grep -o 'graph replay [0-9.]* ms ([0-9.]* tok/s)' "$OUT/$name.log" | head -1)"
+                done
               done ;;
     profile-decode) run profile_decode 200 python3 benchmarks/profile_decode.py --json "$OUT/profile_decode.json"
               run profile_decode_compiled 300 python3 benchmarks/profile_decode.py --step compiled --layers 8 --json "$OUT/profile_decode_compiled.json" ;;
