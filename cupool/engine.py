@@ -215,13 +215,13 @@ class Engine:
             states, no indexed attention, no rotary embedding that changes with the length);
             the first prefill of an engine runs alone. On by default; False prefills each
             request alone.
-        narrow: where at most half the slots are active, run a narrow step, of
-            the active slots alone (a fused step of 1, 2, 4, ... tokens, the fewest that hold
-            them, over those slots' cache rows: `FusedStep(slots=)`), instead of the step of
-            every slot, whose kernels run `max_batch` rows however few are active. Each width is
-            its own captured graph, whichever slots it runs. Only with the fused step, every
-            layer fused, and not with host experts handed a share; the same tokens either way.
-            On by default; False runs every step over every slot.
+        narrow: where at most half the slots are active, run a narrow step of the active slots
+            alone (a fused step of 1, 2, 4, ... tokens, the fewest that hold them, over those
+            slots' cache rows: `FusedStep(slots=)`) instead of the step of every slot, whose
+            kernels run `max_batch` rows however few are active. Each width is its own captured
+            graph, whichever slots it runs. Only with the fused step, every layer fused, and not
+            in steps that hand host experts a share; the same tokens either way. On by default;
+            False runs every step over every slot.
 
     Prefix reuse (`cupool.prefix`): a finished request leaves its prompt and the output tokens
     its steps fed in its slot's rows; the slot remembers those tokens until another request
@@ -906,8 +906,7 @@ class Engine:
 
     def _sample(self, scores: torch.Tensor, rows: slice, greedy: bool) -> torch.Tensor:
         """Next tokens int64 [B] of `rows` (a slice or int64 index of the slots) from their
-        scores [B, V]: the
-        argmax where every row is greedy; else on a GPU the sampling kernel
+        scores [B, V]: the argmax where every row is greedy; else on a GPU the sampling kernel
         (`cupool.ops.sampler.Sampler`, for bf16 and fp16 logits), elsewhere `sample`'s tensor ops
         (its reference). Same tokens for a request whichever rows it shares a call with."""
         args = (self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seeds[rows],
