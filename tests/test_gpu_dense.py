@@ -880,6 +880,56 @@ def test_engine_fused_greedy_matches_the_reference(family):
     assert len(off) <= MAX_OFF, f"{family}: tokens off the reference's argmax at {off}"
 
 
+@pytest.mark.parametrize("family,rows", [("qwen3_moe", "all"), ("qwen3_moe", None),
+                                         ("gpt_oss", None)])
+def test_engine_narrow_steps_match_the_reference_and_the_steps_of_every_slot(family, rows):
+    """Requests of different lengths in a 4-slot engine (every expert banked, or half): as they
+    finish, the steps of 2 and then 1 active slots run the narrow steps of those widths (a graph
+    a width, the slot map choosing the slots), the others' held rows untouched. Tokens are the
+    reference's argmax (teacher forcing, as test_gpu_engine checks); seeded sampled requests
+    give the same tokens with narrow steps on and off (each row's draw reads its own logits,
+    which GEMV builds of another width may round differently only within a tie)."""
+    import cupool
+    from test_gpu_engine import MAX_OFF, _check_against_reference, _prompts
+
+    from cupool.sampling import SamplingParams
+    model, pool = _wrapped(family, seed=26, rows=rows)
+    ps = _prompts([3, 9, 14], seed=6)
+    eng = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[])
+    assert eng.narrow_why is None and "(1, 2 slots)" in eng.step_kind, eng.step_kind
+    reqs = eng.generate(ps, [SamplingParams(max_tokens=n) for n in (4, 8, 16)])
+    widths = {k.width for k in eng._graphs}
+    assert {0, 1, 2} <= widths, widths
+    assert [len(r.output_ids) for r in reqs] == [4, 8, 16]
+    eng.close()
+    assert pool.errors() == []
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=50 + i, max_tokens=n)
+               for i, n in enumerate((4, 8, 16))]
+    runs = []
+    for narrow in (True, False):
+        e = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[], narrow=narrow)
+        runs.append([r.output_ids for r in e.generate(ps, sampled)])
+        e.close()
+    assert runs[0] == runs[1]
+    assert pool.errors() == []
+    pool.unwrap()
+    off = _check_against_reference(model, reqs)
+    assert len(off) <= MAX_OFF, f"{family}: tokens off the reference's argmax at {off}"
+
+
+def test_engine_narrow_step_refusals_are_said():
+    import cupool
+    model, pool = _wrapped("qwen3_moe", seed=27, rows="all")
+    assert cupool.Engine(model, pool, max_batch=1, max_len=32).narrow_why.startswith(
+        "max_batch is 1")
+    assert cupool.Engine(model, pool, max_batch=2, max_len=32, narrow=False).narrow_why == \
+        "narrow=False"
+    assert "model's own forward" in cupool.Engine(model, pool, max_batch=2, max_len=32,
+                                                  fused=False).narrow_why
+    with pytest.raises(ValueError, match="narrow must be True or False"):
+        cupool.Engine(model, pool, max_batch=2, max_len=32, narrow=1)
+
+
 def test_engine_fused_equals_unfused_sampling_seeded():
     """Seeded sampling through the fused step: the same seed repeats, and greedy tokens of the
     fused and the unfused engine agree on most steps (bf16 noise may flip a near-tie)."""

@@ -87,53 +87,6 @@ def test_inactive_slots_read_no_experts():
     assert pool.token_mask is None                          # only set around a step
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_narrow_steps_match_the_reference_and_the_steps_of_every_slot(family):
-    """Requests of different lengths in a 4-slot engine: as they finish, the steps of 2 and then
-    1 active slots run the narrow steps of those widths (a graph a width, the slot map choosing
-    the slots), the others' held rows untouched. Tokens are the reference's argmax (teacher
-    forcing); seeded sampled requests give the same tokens with narrow steps on and off (each
-    row's draw reads its own logits, which GEMV builds of another width may round differently
-    only within a tie)."""
-    model = model_for(family, seed=26)
-    _, (_, E, K, _, _) = FAMILIES[family]
-    pool = cupool.wrap(model, rows=E, max_decode_tokens=4, max_prefill_tokens=64,
-                       progress=False)
-    ps = _prompts([3, 9, 14], seed=6)
-    greedy = [SamplingParams(max_tokens=n) for n in (4, 8, 16)]
-    eng = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[])
-    assert eng.narrow_why is None and "(1, 2 slots)" in eng.step_kind, eng.step_kind
-    reqs = eng.generate(ps, greedy)
-    widths = {k.width for k in eng._graphs}
-    assert {0, 1, 2} <= widths, widths
-    eng.close()
-    assert pool.errors() == []
-    off = _check_against_reference(model, reqs)
-    assert len(off) <= MAX_OFF, f"{family}: tokens off the reference's argmax at {off}"
-    sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=50 + i, max_tokens=n)
-               for i, n in enumerate((4, 8, 16))]
-    runs = []
-    for narrow in (True, False):
-        e = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[], narrow=narrow)
-        runs.append([r.output_ids for r in e.generate(ps, sampled)])
-        e.close()
-    assert runs[0] == runs[1]
-
-
-def test_narrow_step_refusals_are_said():
-    model = model_for("qwen3_moe", seed=27)
-    _, (_, E, K, _, _) = FAMILIES["qwen3_moe"]
-    pool = cupool.wrap(model, rows=E, max_decode_tokens=4, progress=False)
-    assert cupool.Engine(model, pool, max_batch=1, max_len=32).narrow_why.startswith(
-        "max_batch is 1")
-    assert cupool.Engine(model, pool, max_batch=2, max_len=32, narrow=False).narrow_why == \
-        "narrow=False"
-    assert "model's own forward" in cupool.Engine(model, pool, max_batch=2, max_len=32,
-                                                  fused=False).narrow_why
-    with pytest.raises(ValueError, match="narrow must be True or False"):
-        cupool.Engine(model, pool, max_batch=2, max_len=32, narrow=1)
-
-
 def test_seeded_sampling_repeats_through_the_graph():
     model = model_for("mixtral", seed=23)
     _, (_, E, K, _, _) = FAMILIES["mixtral"]
