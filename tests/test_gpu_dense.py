@@ -515,6 +515,15 @@ def test_dense_attention_matches_reference(B, nh, hk, D, L, qk_norm, window, sin
         assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
 
 
+def _attention_op(B, nh, hk, D, L, qn, kn, sk, window, ahead):
+    """(workspace, DecodeAttention) of a step of B tokens, its parts cut for this GPU's SMs."""
+    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms), "cuda")
+    return ws, DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
+                               window=window, sinks=sk, workspace=ws, ahead=ahead)
+
+
 @pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", [
     (8, 32, 4, 128, 4096, True, 0, False),        # Qwen3-30B-A3B, serve's 8 slots
@@ -526,17 +535,13 @@ def test_dense_attention_inactive_slots_write_zeros_and_leave_their_cache(
     """pos -1 (an inactive slot, as the fused step passes it): the slot's out row is zeros over
     the poison and its cache rows keep their bits, long contexts beside it or not; the active
     slots' rows and cache writes match the reference, the merge counters are back at zero."""
-    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
     gen = torch.Generator(device="cuda").manual_seed(B * 7 + L)
     qkv, kc, vc, cos, sin, qn, kn, sk = _attention_inputs(B, nh, hk, D, L, qk_norm, sinks, gen)
     pos = torch.randint(0, L, (B,), device="cuda", generator=gen)
     pos[0] = L - 1
     idle = torch.arange(B, device="cuda") % 2 == 1          # every other slot inactive
     pos[idle] = -1
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms), "cuda")
-    op = DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
-                         window=window, sinks=sk, workspace=ws, ahead=ahead)
+    ws, op = _attention_op(B, nh, hk, D, L, qn, kn, sk, window, ahead)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kc_ref, vc_ref,
                                 D ** -0.5, window, sk)
@@ -573,7 +578,6 @@ def test_dense_attention_slot_map_reads_and_writes_the_mapped_slots(
     writes slot slots[b] alone, its out row and cache write matching the reference's; the last
     token inactive where there are several (a free slot the map pads with: zeros, its slot
     untouched); every slot the map leaves out keeps its bits."""
-    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
     B = len(slots)
     gen = torch.Generator(device="cuda").manual_seed(S * 11 + L + B)
     qkv, kc, vc, cos, sin, qn, kn, sk = _attention_inputs(S, nh, hk, D, L, qk_norm, sinks, gen)
@@ -583,10 +587,7 @@ def test_dense_attention_slot_map_reads_and_writes_the_mapped_slots(
     pos[0] = L - 1
     if B > 1:
         pos[-1] = -1
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms), "cuda")
-    op = DecodeAttention(nh, hk, D, q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5,
-                         window=window, sinks=sk, workspace=ws, ahead=ahead)
+    ws, op = _attention_op(B, nh, hk, D, L, qn, kn, sk, window, ahead)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kc_ref, vc_ref,
                                 D ** -0.5, window, sk, slots=smap)
