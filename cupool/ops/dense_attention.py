@@ -185,7 +185,7 @@ class DecodeAttention:
         check("qkv", qkv, (B, (nh + 2 * hk) * D), bf)
         check("pos", pos, (B,), torch.int64)
         if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
-            raise ValueError(f"k_cache must be [B, hk, L_max, D], got "
+            raise ValueError(f"k_cache must be [S, hk, L_max, D], got "
                              f"{getattr(k_cache, 'shape', type(k_cache).__name__)}")
         S, L = k_cache.shape[0], k_cache.shape[2]
         if slots is None and S != B:
