@@ -877,3 +877,48 @@ def test_engine_narrow_steps_give_the_tokens_of_steps_of_every_slot(family):
         assert got == want, (t, got, want)
         assert set(wide) == {0} and {1, 2} <= set(narrow) and narrow[0] == 0, narrow
         assert [len(o) for o in got] == [3, 10, 6]
+
+
+class _OddIds:
+    """A token-mask constraint (the engine's hook: fill / accept / done) that allows odd ids."""
+
+    def fill(self, words) -> None:
+        words.fill_(int.from_bytes(bytes([0xAA] * 4), "little", signed=True))
+
+    def accept(self, token: int) -> None:
+        assert token % 2 == 1, token
+
+    def done(self) -> bool:
+        return False
+
+
+@torch.inference_mode()
+def test_engine_narrow_steps_with_logprobs_and_token_masks():
+    """The narrow steps' logprobs and token masks (each a variant of the step) gathered and put
+    back by the slot map: a masked request (odd ids only) and one with logprobs, beside a plain
+    one, give the tokens and logprobs of every step over every slot."""
+    model = fused_model("qwen3_moe", seed=22)
+    windows = windows_of(model.config)
+    prompts = [[5, 9, 3], [7, 1, 4, 4, 2], [6, 2, 8, 8]]
+
+    def run(narrow: bool):
+        eng = Engine(model, max_batch=4, max_len=48, eos_token_id=[])
+        eng._fused = FusedStep(model, None, eng.cache, 4, windows, backend="reference")
+        eng._narrow = {w: FusedStep(model, None, eng.cache, w, windows, backend="reference")
+                       for w in (1, 2)} if narrow else {}
+        kinds, kind = [], eng._kind
+
+        def noted():
+            kinds.append(kind())
+            return kinds[-1]
+        eng._kind = noted
+        reqs = [eng.submit(prompts[0], SamplingParams(max_tokens=2)),
+                eng.submit(prompts[1], SamplingParams(max_tokens=9, logprobs=3)),
+                eng.submit(prompts[2], SamplingParams(max_tokens=6), constraint=_OddIds())]
+        eng.run_until_idle()
+        return [(r.output_ids, r.logprobs) for r in reqs], kinds
+    want, _ = run(False)
+    got, kinds = run(True)
+    assert got == want
+    assert any(k.width and k.logprobs for k in kinds) and any(k.width and k.masked for k in kinds)
+    assert all(t % 2 == 1 for t in got[2][0]) and len(got[1][1]) == 9
