@@ -267,7 +267,7 @@ def main(args) -> None:
     host = hd is not None and hd.hands_over(A)
     width = 0
     if args.narrow:
-        width = 0 if host else next((w for w in eng._narrow if w >= A), 0)
+        width = 0 if host else eng._narrow_width(A)
         if not width:
             why = eng.narrow_why or ("host experts take a share of this step" if host else
                                      f"its narrow steps are of {sorted(eng._narrow)} slots")

@@ -419,18 +419,26 @@ class Engine:
             why = ("the fused step runs inside the captured graph (graph=True, a CUDA device)"
                    if not self.graph else "the fused step runs pooled models")
         else:
-            types = getattr(self.model.config, "layer_types", None)
-            n = len(self.cache.keys)
-            windows = [self._window.get(types[i]) if isinstance(self._window, dict)
-                       else self._window for i in range(n)]
             try:
-                return FusedStep(self.model, self.pool, self.cache, self.max_batch, windows)
+                return FusedStep(self.model, self.pool, self.cache, self.max_batch,
+                                 self._layer_windows())
             except Unsupported as e:
                 why = str(e)
         if want:
             raise ValueError(f"fused=True, but {why}")
         log.info("cupool: the decode step runs the model's forward: %s", why)
         return None
+
+    def _layer_windows(self) -> list[int | None]:
+        """Each layer's attention window, as the fused steps take them (None: full attention)."""
+        types = getattr(self.model.config, "layer_types", None)
+        return [self._window.get(types[i]) if isinstance(self._window, dict) else self._window
+                for i in range(len(self.cache.keys))]
+
+    def _narrow_width(self, active: int) -> int:
+        """The width of the narrow step that runs `active` requests (0: the step of every
+        slot): the narrowest that holds them."""
+        return next((w for w in self._narrow if w >= active), 0)
 
     def _narrow_steps(self, want: bool):
         """({width: the FusedStep of that many of the cache's slots} for the widths 1, 2, 4, ...
@@ -444,9 +452,7 @@ class Engine:
         if (why := self._fused.narrow_why()) is not None:
             return {}, why
         from cupool.fused import FusedStep, Unsupported
-        types = getattr(self.model.config, "layer_types", None)
-        windows = [self._window.get(types[i]) if isinstance(self._window, dict)
-                   else self._window for i in range(len(self.cache.keys))]
+        windows = self._layer_windows()
         steps, w = {}, 1
         try:
             while w < self.max_batch:
@@ -821,13 +827,10 @@ class Engine:
         live = [r for r in self._slots if r is not None]
         hd = self.pool.host if self.pool is not None else None
         host = hd is not None and hd.hands_over(len(live))
-        width = 0
-        if not host:
-            width = next((w for w in self._narrow if w >= len(live)), 0)
         return StepKind(greedy=all(r.params.temperature == 0 for r in live),
                         logprobs=any(r.params.logprobs is not None for r in live),
                         masked=any(r.constraint is not None for r in live), host=host,
-                        width=width)
+                        width=0 if host else self._narrow_width(len(live)))
 
     def _set_slot_map(self, width: int) -> None:
         """The slot map's first `width` entries: the active slots, then free ones (distinct, as
