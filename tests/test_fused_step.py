@@ -842,6 +842,24 @@ def test_narrow_step_refuses_what_it_cannot_run():
         step(tok, cache2.pos[:1].clone(), act, slots=torch.tensor([1]))
 
 
+def reference_engine(model, narrow: bool):
+    """A 4-slot CPU Engine whose decode steps are FusedSteps of the reference backend (standing
+    in for the kernels' steps the engine builds on a GPU), with the narrow steps of 1 and 2
+    slots where `narrow`; and the list its steps' StepKinds are noted in."""
+    windows = windows_of(model.config)
+    eng = Engine(model, max_batch=4, max_len=48, eos_token_id=[])
+    eng._fused = FusedStep(model, None, eng.cache, 4, windows, backend="reference")
+    eng._narrow = {w: FusedStep(model, None, eng.cache, w, windows, backend="reference")
+                   for w in (1, 2)} if narrow else {}
+    kinds, kind = [], eng._kind
+
+    def noted():
+        kinds.append(kind())
+        return kinds[-1]
+    eng._kind = noted
+    return eng, kinds
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_engine_narrow_steps_give_the_tokens_of_steps_of_every_slot(family):
@@ -851,25 +869,14 @@ def test_engine_narrow_steps_give_the_tokens_of_steps_of_every_slot(family):
     take the narrow steps of 2 and 1 slots (the slot map: the active slots, then free ones);
     greedy and seeded sampled requests give the tokens of every step over every slot."""
     model = fused_model(family, seed=21)
-    windows = windows_of(model.config)
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 8, 1, 2], [6, 2]]
 
     def run(narrow: bool, temperature: float):
-        eng = Engine(model, max_batch=4, max_len=48, eos_token_id=[])
-        eng._fused = FusedStep(model, None, eng.cache, 4, windows, backend="reference")
-        eng._narrow = {w: FusedStep(model, None, eng.cache, w, windows, backend="reference")
-                       for w in (1, 2)} if narrow else {}
-        widths, kind = [], eng._kind
-
-        def noted():
-            k = kind()
-            widths.append(k.width)
-            return k
-        eng._kind = noted
+        eng, kinds = reference_engine(model, narrow)
         params = [SamplingParams(temperature=temperature, top_p=0.9, seed=40 + i, max_tokens=n)
                   for i, n in enumerate((3, 10, 6))]
         out = [r.output_ids for r in eng.generate(prompts, params)]
-        return out, widths
+        return out, [k.width for k in kinds]
 
     for t in (0.0, 0.8):
         want, wide = run(False, t)
@@ -898,20 +905,10 @@ def test_engine_narrow_steps_with_logprobs_and_token_masks():
     back by the slot map: a masked request (odd ids only) and one with logprobs, beside a plain
     one, give the tokens and logprobs of every step over every slot."""
     model = fused_model("qwen3_moe", seed=22)
-    windows = windows_of(model.config)
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2], [6, 2, 8, 8]]
 
     def run(narrow: bool):
-        eng = Engine(model, max_batch=4, max_len=48, eos_token_id=[])
-        eng._fused = FusedStep(model, None, eng.cache, 4, windows, backend="reference")
-        eng._narrow = {w: FusedStep(model, None, eng.cache, w, windows, backend="reference")
-                       for w in (1, 2)} if narrow else {}
-        kinds, kind = [], eng._kind
-
-        def noted():
-            kinds.append(kind())
-            return kinds[-1]
-        eng._kind = noted
+        eng, kinds = reference_engine(model, narrow)
         reqs = [eng.submit(prompts[0], SamplingParams(max_tokens=2)),
                 eng.submit(prompts[1], SamplingParams(max_tokens=9, logprobs=3)),
                 eng.submit(prompts[2], SamplingParams(max_tokens=6), constraint=_OddIds())]
