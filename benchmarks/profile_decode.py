@@ -32,11 +32,13 @@ as bench_serve takes them) hands some of each call's misses to the host's CPU
 (`Pool.enable_host_experts`); the hand-off's kernels are their own group, and the profiled step
 is the one the Engine runs with all `--batch` slots active (a plain step where their calls
 cannot hand anything over).
+Each slot prefills a prompt of its own (slot b's drawn from seed b), so with the model's router
+(`--bank 100`) the slots' tokens route to different experts.
 `--active N` leaves only the first N of the `--batch` slots active: the step of N requests in an
 engine of `--batch` slots (serve's `--max-batch`, default 8), whose kernels still run every slot's
 row; tok/s counts the active slots' tokens. With `--narrow` the profiled step is instead the
 engine's narrow step that `serve` runs for them (`Engine(narrow=)`: the fewest of 1, 2, 4, ...
-slots that hold N, at most half the slots).
+slots, widths below --batch, that hold N).
 `--dense-nvfp4` keeps the attention projections in NVFP4 (`cupool.dense_nvfp4`): the fused
 step's QKV and o-projection GEMVs read the packed form.
 `--timeline` also profiles `--steps` replays of the captured step and reports, from their kernel
@@ -245,10 +247,13 @@ def main(args) -> None:
                 t, args.prefetch_accuracy, seed=0)), max_rows=args.prefetch_rows)
     eng = cupool.Engine(model, pool, max_batch=B, max_len=args.context + 512, eos_token_id=[],
                         fused=args.step == "fused", compile=args.step == "compiled")
-    prompt = torch.randint(0, shape["vocab_size"], (S,), generator=torch.Generator().manual_seed(0))
+    # a prompt of its own a slot (slot b's from seed b), so that with the model's router the
+    # slots' tokens route to different experts, as a batch of requests does
+    prompts = [torch.randint(0, shape["vocab_size"], (S,),
+                             generator=torch.Generator().manual_seed(b)).tolist() for b in range(B)]
     t0 = time.perf_counter()
     # KV, and the greedy step's graph (the step the profile runs)
-    eng.generate([prompt.tolist()] * B, cupool.SamplingParams(max_tokens=3, temperature=0.0))
+    eng.generate(prompts, cupool.SamplingParams(max_tokens=3, temperature=0.0))
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
     # every slot (or the first --active) active at a real position, so the step reads what a

@@ -215,8 +215,8 @@ class Engine:
             states, no indexed attention, no rotary embedding that changes with the length);
             the first prefill of an engine runs alone. On by default; False prefills each
             request alone.
-        narrow: where at most half the slots are active, run a narrow step of the active slots
-            alone (a fused step of 1, 2, 4, ... tokens, the fewest that hold them, over those
+        narrow: where the active slots fit a power of two below max_batch, run a narrow step of
+            them alone (a fused step of 1, 2, 4, ... tokens, the fewest that hold them, over those
             slots' cache rows: `FusedStep(slots=)`) instead of the step of every slot, whose
             kernels run `max_batch` rows however few are active. Each width is its own captured
             graph, whichever slots it runs. Only with the fused step, every layer fused, and not

@@ -92,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "whose slots hold keys and values alone)")
     parser.add_argument("--no-narrow-step", action="store_true",
                         help="run every decode step over all --max-batch slots, also where few "
-                             "requests are active (default: at most half the slots active, a "
-                             "step of theirs alone, faster; the same tokens)")
+                             "requests are active (default: where they fit 1, 2, 4, ... slots, "
+                             "the powers of two below --max-batch, a step of theirs alone, "
+                             "faster; the same tokens)")
     parser.add_argument("--no-compile", action="store_true",
                         help="where the fused step is not used, do not put the model's forward "
                              "through torch.compile (default on CUDA: compiled, which adds tens "
