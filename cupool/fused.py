@@ -7,7 +7,8 @@ E experts · K top-k · nh / hk query / KV heads · D head dim · L_max position
 A decoder layer of the common pattern — RMSNorm → attention (q/k/v/o projections with or without
 biases, q/k RMSNorm over the head dim or none, rotary embedding, grouped-query, full or sliding
 window, with or without sinks) → residual → RMSNorm → softmax top-k router (its logits with or
-without a bias) → pooled experts → residual; Qwen3-MoE, Mixtral, gpt-oss — runs as:
+without a bias) → pooled experts, plus a gated shared expert where the block has one →
+residual; Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE — runs as:
 
     dense_gemv (norm)   h = h_mid + moe of the layer before; x = rmsnorm(h); qkv = x·Wqkv (+ b)
     dense_attention     q/k norm, rotary, k and v into the slot cache at pos, split-KV attention
@@ -18,9 +19,18 @@ without a bias) → pooled experts → residual; Qwen3-MoE, Mixtral, gpt-oss —
     plan, row copies, moe_decode    the pool's decode path on (xn, ids, weights) → moe
 
 seven launches a layer (the last three are the pool's), then one dense_gemv (norm) for the final
-norm and the output head. The residual stream is never materialised between a layer's MoE and the
+norm and the output head. A MoE block with a shared expert (Qwen2-MoE's and Qwen3-Next's
+`shared_expert`: gate_proj, up_proj, down_proj and its act_fn, scaled by `shared_expert_gate`,
+a Linear to one output) adds, after the pool's launches:
+
+    dense_gemv          [g | u | sg] = xn·[Wg; Wu; Wsg]   (the gate's row as a third matrix)
+    torch ops           a = act_fn(g) · u
+    dense_gemv          s = a·Wd
+    torch ops           moe = moe + sigmoid(sg) · s
+
+each op in bf16 where transformers' block rounds, so the sum is the block's. The residual stream is never materialised between a layer's MoE and the
 next layer: the next QKV GEMV adds it in its prologue. A layer that does not match the pattern (a
-dense MLP, a shared expert, another attention) runs transformers' own module on the same cache,
+dense MLP, another attention) runs transformers' own module on the same cache,
 with the mask and rotary embedding the engine would pass. Which layers matched and why the others
 did not is in `FusedStep.layers` / `describe()`.
 
@@ -36,9 +46,9 @@ own forward.
 
 Launch shapes: every GEMV runs the shape DEFAULT_DENSE_SHAPE gives it (none named: `DenseGemv`'s
 warps=8, split_k=1) unless CUPOOL_DENSE_SHAPE names another, read when a FusedStep is built:
-comma-separated `gemv=shape` entries, gemv one of qkv, o, router, head and shape `w<warps>`,
-`k<split_k>` or both (`w4k2`), e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8` (`w8k1` asks
-for the kernel's plain build); the entry `attn=ahead` picks the attention build that issues a
+comma-separated `gemv=shape` entries, gemv one of qkv, o, router, head, shared (a shared
+expert's gate and up rows), shared_down, and shape `w<warps>`, `k<split_k>` or both (`w4k2`),
+e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8` (`w8k1` asks for the kernel's plain build); the entry `attn=ahead` picks the attention build that issues a
 tile's loads ahead of their use (`DecodeAttention(ahead=True)`), `attn=plain` the other one,
 either optionally followed by `c<positions>`, the fewest positions a split-KV part
 (`DecodeAttention(min_chunk=...)`, e.g. `attn=aheadc256`), or `attn=c<positions>` alone. A
@@ -119,6 +129,9 @@ ATTENTION_TYPES = ("full_attention", "sliding_attention")
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 # a MoE block's modules: its router (adapters.ROUTER_NAMES) and its experts
 _MOE_CHILDREN = tuple({name, "experts"} for name in ROUTER_NAMES)
+# a shared expert beside the routed ones, scaled by a sigmoid gate (Qwen2-MoE's and Qwen3-Next's
+# blocks); DeepSeek's and GLM's ungated `shared_experts` are not fused
+_SHARED = {"shared_expert", "shared_expert_gate"}
 # attention modules with these attributes compute something else than the pattern (latent
 # attention, logit soft-capping, gated outputs)
 _ATTN_REFUSE = ("q_a_proj", "kv_a_proj_with_mqa", "attn_logit_softcapping", "gate_proj")
@@ -133,7 +146,7 @@ FUSED_ROUTE_ENV = "CUPOOL_FUSED_ROUTE"
 # nothing to leave out and "moe" is the decode GEMM; with the routing inside it,
 # CUPOOL_FUSED_ROUTE, "router" has nothing of its own and "moe" is their one launch)
 ABLATE = ("qkv", "attention", "o", "router", "plan", "moe")
-DENSE_GEMVS = ("qkv", "o", "router", "head")
+DENSE_GEMVS = ("qkv", "o", "router", "head", "shared", "shared_down")
 # the launch shapes where CUPOOL_DENSE_SHAPE names none (the same format): the fastest step of
 # `benchmarks/run_gpu.sh ab-dense` on the H200 (docs/PERFORMANCE.md, "What each part costs")
 DEFAULT_DENSE_SHAPE = "qkv=w4,o=w4k4,attn=ahead"
@@ -361,6 +374,18 @@ class FusedLayer:
     post_norm: torch.Tensor
     post_eps: float
     pooled: object              # cupool.layer.PooledExperts (or _ModelExperts)
+    shared: "SharedExpert | None" = None
+
+
+@dataclasses.dataclass
+class SharedExpert:
+    """A MoE block's shared expert, run on the router's normed rows: `gate_up` computes
+    [g | u | sg] (sg: the logit of its sigmoid gate), `down` the expert's output from
+    act(g) · u."""
+    gate_up: DenseGemv
+    down: DenseGemv
+    act: nn.Module              # the expert's own act_fn
+    size: int                   # its intermediate size
 
 
 @dataclasses.dataclass
@@ -535,10 +560,12 @@ class FusedStep:
                 raise Unsupported(f"{where}.self_attn has {name}")
         mlp = layer.mlp
         moe_children = {n for n, _ in mlp.named_children()}
-        if moe_children not in _MOE_CHILDREN:
+        has_shared = _SHARED <= moe_children
+        if (moe_children - _SHARED if has_shared else moe_children) not in _MOE_CHILDREN:
             raise Unsupported(f"{where}.mlp has modules {sorted(moe_children)}, not a MoE block "
-                              f"of {' or '.join(str(sorted(c)) for c in _MOE_CHILDREN)} (dense "
-                              f"MLPs and shared experts are not fused)")
+                              f"of {' or '.join(str(sorted(c)) for c in _MOE_CHILDREN)}, or one "
+                              f"of them with {sorted(_SHARED)} (dense MLPs and ungated shared "
+                              f"experts are not fused)")
         gname, gate = router_of(mlp)
         pool = self.pool
         if pool is not None:
@@ -626,13 +653,41 @@ class FusedStep:
             att = {"q_norm": None if qn is None else qn.weight,
                        "k_norm": None if kn is None else kn.weight, "eps": eps_qk, "scale": scale,
                        "window": int(window or 0), "sinks": sinks}
+            shared = (self._shared(mlp.shared_expert, mlp.shared_expert_gate,
+                                   f"{where}.mlp.shared_expert") if has_shared else None)
         except (ValueError, TypeError) as e:
             raise Unsupported(f"{where}: {e}") from None
         self._attn_shape = (nh, hk, D)
         self._w_dtype, self._experts, self._top_k = w_dtype, experts, top_k
         return FusedLayer(i, qkv, att, o, router, top_k, norm_topk,
                           layer.input_layernorm.weight, in_eps,
-                          layer.post_attention_layernorm.weight, post_eps, moe)
+                          layer.post_attention_layernorm.weight, post_eps, moe, shared)
+
+    def _shared(self, mlp: nn.Module, gate: nn.Module, where: str) -> SharedExpert:
+        """The GEMVs of a shared expert `mlp` (gate_proj, up_proj, down_proj, act_fn) and of its
+        sigmoid gate (a Linear of the hidden size to one output)."""
+        H = self.hidden
+        act = getattr(mlp, "act_fn", None)
+        if not isinstance(act, nn.Module):
+            raise Unsupported(f"{where} has no act_fn module (not a gated MLP of gate_proj, "
+                              f"up_proj, down_proj)")
+        wg, bg = _linear(mlp, "gate_proj", where)
+        wu, bu = _linear(mlp, "up_proj", where)
+        wd, bd = _linear(mlp, "down_proj", where)
+        size = wg.shape[0]
+        if wg.shape != (size, H) or wu.shape != (size, H) or wd.shape != (H, size):
+            raise Unsupported(f"{where}: gate_proj / up_proj / down_proj {list(wg.shape)} / "
+                              f"{list(wu.shape)} / {list(wd.shape)} do not fit hidden {H}")
+        if not isinstance(gate, nn.Linear) or gate.weight.shape != (1, H):
+            got = list(gate.weight.shape) if isinstance(gate, nn.Linear) else type(gate).__name__
+            raise Unsupported(f"{where}_gate is {got}, not a Linear of hidden {H} to one output")
+        weights, biases = [wg, wu, gate.weight], [bg, bu, gate.bias]
+        B = self.tokens
+        gate_up = self._gemv(weights, None if all(b is None for b in biases) else biases,
+                             tokens=B, epilogue=PLAIN, **self._shape("shared", H))
+        down = self._gemv([wd], None if bd is None else [bd], tokens=B, epilogue=PLAIN,
+                          **self._shape("shared_down", size))
+        return SharedExpert(gate_up, down, act, size)
 
     def _shape(self, gemv: str, K: int, nvfp4: bool = False) -> dict[str, int]:
         """The launch-shape keywords of `gemv` (K: its inner dim; nvfp4: its weights are NVFP4,
@@ -664,6 +719,9 @@ class FusedStep:
             if why is None and self.fused_route_asked:
                 text += ("; routing inside the decode GEMM's launch" if self.fused_route_why is None
                          else f"; the router keeps its own launch: {self.fused_route_why}")
+        shared = sum(isinstance(l, FusedLayer) and l.shared is not None for l in self.layers)
+        if shared:
+            text += f"; a gated shared expert in {shared} layers"
         nv = [f"{name} in {n} layers" for name, n in self.nvfp4_gemvs().items() if n]
         if nv:
             text += f"; NVFP4 weights for {', '.join(nv)}"
@@ -792,7 +850,7 @@ class FusedStep:
                         layer.norm_topk, self.lane_table[layer.pooled.layer], x_out=self.xn,
                         logits=r.logits, ids=r.ids, weights=r.weights, lane_addr=self.lane_addr,
                         count=r.ticket, active=active, out=self.moe)
-                res, add = self.h_mid, self.moe
+                res, add = self.h_mid, self._with_shared(layer)
                 continue
             # with the plan step skipped the router writes the lanes' row addresses too
             lanes = ({"table": self.lane_table[layer.pooled.layer], "lane_addr": self.lane_addr}
@@ -810,6 +868,21 @@ class FusedStep:
             elif "moe" not in skip:
                 layer.pooled.decode(self.xn, r.ids, r.weights, self.moe, mask=active,
                                     ids_masked=True)
-            res, add = self.h_mid, self.moe
+            res, add = self.h_mid, self._with_shared(layer)
         self.head(res, add=add, norm_weight=self.final_norm, eps=self.final_eps, out=self.logits)
         return self.logits
+
+    def _with_shared(self, layer: FusedLayer) -> torch.Tensor:
+        """The layer's MLP output: the routed experts' (self.moe), plus its shared expert's on the
+        router's normed rows (self.xn) where it has one, rounded where transformers' block
+        rounds."""
+        sh = layer.shared
+        if sh is None:
+            return self.moe
+        B, n = self.tokens, sh.size
+        gu = torch.empty(B, sh.gate_up.N, dtype=torch.bfloat16, device=self.device)
+        sh.gate_up(self.xn, out=gu)
+        a = sh.act(gu[:, :n]) * gu[:, n:2 * n]
+        y = torch.empty(B, self.hidden, dtype=torch.bfloat16, device=self.device)
+        sh.down(a, out=y)
+        return self.moe + torch.sigmoid(gu[:, 2 * n:]) * y

@@ -31,7 +31,10 @@ TIE = 0.05
 # multiple of 8
 SHAPES = {"qwen3_moe": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2),
           "mixtral": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2),
-          "gpt_oss": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2)}
+          "gpt_oss": dict(head_dim=64, num_attention_heads=4, num_key_value_heads=2),
+          # every layer a MoE block with a gated shared expert (tiny_models' layer 1 is dense)
+          "qwen2_moe": dict(head_dim=64, num_attention_heads=2, num_key_value_heads=2,
+                            mlp_only_layers=[])}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -41,6 +44,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def fused_model(family: str, seed: int = 0, device="cpu", **overrides):
     model = hf_model(family, seed=seed, **{**SHAPES.get(family, {}), **overrides})
+    with torch.no_grad():
+        for m in model.modules():
+            # shared experts and their sigmoid gates far from zero: with these, a step that
+            # leaves the shared expert out is 0.52 off in LOGIT_TOL's measure, one that leaves
+            # its gate out (a gate of 1) 0.38 (qwen2_moe, seed 12; the test below checks one)
+            if hasattr(m, "shared_expert_gate"):
+                m.shared_expert_gate.weight.normal_(0, 0.5)
+                for lin in (m.shared_expert.gate_proj, m.shared_expert.up_proj,
+                            m.shared_expert.down_proj):
+                    lin.weight.normal_(0, 0.1)
     return model.to(device=device, dtype=torch.bfloat16)
 
 
@@ -290,12 +303,14 @@ def test_ablate_leaves_each_part_out():
 
 
 def test_layers_outside_the_pattern_run_transformers_modules():
-    """qwen2_moe: a dense MLP layer and shared experts are not fused; those layers run the
-    model's own modules inside the step, and the logits still match."""
-    model = hf_model("qwen2_moe", seed=9, head_dim=64, num_attention_heads=2,
-                     num_key_value_heads=2).to(torch.bfloat16)
-    with pytest.raises(Unsupported, match="no decoder layer"):
-        compare_step(model, None, "reference", [[5, 9, 3]], [11])
+    """A dense MLP layer is not fused (qwen2_moe's layer 1, and qwen3_moe's with the same
+    config): it runs the model's own module inside the step, and the logits still match."""
+    model = fused_model("qwen2_moe", seed=9, mlp_only_layers=[1])
+    fused, want, _, _, step = compare_step(model, None, "reference", [[5, 9, 3]], [11])
+    kinds = [type(l).__name__ for l in step.layers]
+    assert kinds == ["FusedLayer", "ModelLayer", "FusedLayer"], kinds
+    assert "dense MLPs" in step.layers[1].reason
+    assert rel(fused, want) <= LOGIT_TOL
     qwen3 = fused_model("qwen3_moe", seed=10, mlp_only_layers=[1])
     fused, want, _, _, step = compare_step(qwen3, None, "reference", [[5, 9, 3], [2, 6]], [11, 4])
     kinds = [type(l).__name__ for l in step.layers]
@@ -303,6 +318,43 @@ def test_layers_outside_the_pattern_run_transformers_modules():
     assert "mlp has modules" in step.layers[1].reason
     assert step.needs_mask
     assert rel(fused, want) <= LOGIT_TOL
+
+
+def test_reference_step_runs_shared_experts(monkeypatch):
+    """qwen2_moe's blocks: routed experts plus a shared expert scaled by a sigmoid gate, on the
+    router's normed rows (two more GEMVs, the gate's row with the gate and up rows). Every layer
+    is fused, and the logits and the cache's writes match transformers'; a step whose layers
+    leave the shared expert out is far off (the test can fail)."""
+    model = fused_model("qwen2_moe", seed=12)
+    prompts, tok = [[5, 9, 3], [2, 6, 7, 1]], [11, 4]
+    fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
+    assert step.describe() == ("fused decode step: 3 of 3 layers; a gated shared expert in 3 "
+                               "layers"), step.describe()
+    assert all(l.shared is not None and l.shared.gate_up.N == 2 * l.shared.size + 1
+               for l in step.layers)
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+    monkeypatch.setattr(FusedStep, "_with_shared", lambda self, layer: self.moe)
+    without, want, _, _, _ = compare_step(model, None, "reference", prompts, tok)
+    assert rel(without, want) > 10 * LOGIT_TOL, rel(without, want)
+
+
+def test_shared_expert_refusals_name_the_reason():
+    """A shared expert's gate that is not a Linear to one output, or a shared expert without
+    its gate (DeepSeek's and GLM's ungated shared experts), leaves the layer to transformers'
+    module, with the reason said."""
+    model = fused_model("qwen2_moe", seed=13)
+    H = model.config.hidden_size
+    mlp0, mlp1 = model.model.layers[0].mlp, model.model.layers[1].mlp
+    mlp0.shared_expert_gate = torch.nn.Linear(H, 2, bias=False, dtype=torch.bfloat16)
+    del mlp1.shared_expert_gate
+    cache = SlotCache(3, 1, 16, torch.bfloat16, "cpu")
+    step = FusedStep(model, None, cache, 1, [None] * 3, backend="reference")
+    kinds = [type(l).__name__ for l in step.layers]
+    assert kinds == ["ModelLayer", "ModelLayer", "FusedLayer"], kinds
+    assert "shared_expert_gate is [2, " in step.layers[0].reason, step.layers[0].reason
+    assert "ungated shared experts" in step.layers[1].reason, step.layers[1].reason
 
 
 def test_refusals_name_the_reason():
@@ -861,7 +913,7 @@ def reference_engine(model, narrow: bool):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen2_moe"])
 def test_engine_narrow_steps_give_the_tokens_of_steps_of_every_slot(family):
     """The engine's narrow steps (`Engine(narrow=)`; here on the CPU, FusedSteps of the
     reference backend standing in for the kernels' steps the engine builds on a GPU): requests

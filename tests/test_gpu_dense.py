@@ -744,8 +744,10 @@ def _wrapped(family: str, seed: int, rows=None, **overrides):
     return model, pool
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"])
 def test_fused_step_matches_transformers_through_the_pool(family):
+    """One decode step of the fused step's kernels (the pool's experts at half the bank) against
+    transformers' forward on the same cache; qwen2_moe's layers add a gated shared expert."""
     from test_fused_step import LOGIT_TOL, compare_step
     model, pool = _wrapped(family, seed=31)
     # the second prompt longer than gpt-oss's window (8)
@@ -882,7 +884,7 @@ def test_engine_fused_greedy_matches_the_reference(family):
 
 
 @pytest.mark.parametrize("family,rows", [("qwen3_moe", "all"), ("qwen3_moe", None),
-                                         ("gpt_oss", None)])
+                                         ("gpt_oss", None), ("qwen2_moe", "all")])
 def test_engine_narrow_steps_match_the_reference_and_the_steps_of_every_slot(family, rows):
     """Requests of different lengths in a 4-slot engine (every expert banked, or half): as they
     finish, the steps of 2 and then 1 active slots run the narrow steps of those widths (a graph
