@@ -28,10 +28,11 @@ a Linear to one output) adds, after the pool's launches:
     dense_gemv          s = a·Wd
     torch ops           moe = moe + sigmoid(sg) · s
 
-each op in bf16 where transformers' block rounds, so the sum is the block's. The residual stream is never materialised between a layer's MoE and the
-next layer: the next QKV GEMV adds it in its prologue. A layer that does not match the pattern (a
-dense MLP, another attention) runs transformers' own module on the same cache,
-with the mask and rotary embedding the engine would pass. Which layers matched and why the others
+each op in bf16 where transformers' block rounds, so the sum is the block's. The residual
+stream is never materialised between a layer's MoE and the next layer: the next QKV GEMV adds it
+in its prologue. A layer that does not match the pattern (a dense MLP, an ungated shared expert,
+another attention) runs transformers' own module on the same cache, with the mask and rotary
+embedding the engine would pass. Which layers matched and why the others
 did not is in `FusedStep.layers` / `describe()`.
 
 What is checked before any kernel runs: the model's structure (embedding, final norm, output head,
@@ -48,10 +49,11 @@ Launch shapes: every GEMV runs the shape DEFAULT_DENSE_SHAPE gives it (none name
 warps=8, split_k=1) unless CUPOOL_DENSE_SHAPE names another, read when a FusedStep is built:
 comma-separated `gemv=shape` entries, gemv one of qkv, o, router, head, shared (a shared
 expert's gate and up rows), shared_down, and shape `w<warps>`, `k<split_k>` or both (`w4k2`),
-e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8` (`w8k1` asks for the kernel's plain build); the entry `attn=ahead` picks the attention build that issues a
-tile's loads ahead of their use (`DecodeAttention(ahead=True)`), `attn=plain` the other one,
-either optionally followed by `c<positions>`, the fewest positions a split-KV part
-(`DecodeAttention(min_chunk=...)`, e.g. `attn=aheadc256`), or `attn=c<positions>` alone. A
+e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8` (`w8k1` asks for the kernel's plain build);
+the entry `attn=ahead` picks the attention build that issues a tile's loads ahead of their use
+(`DecodeAttention(ahead=True)`), `attn=plain` the other one, either optionally followed by
+`c<positions>`, the fewest positions a split-KV part (`DecodeAttention(min_chunk=...)`, e.g.
+`attn=aheadc256`), or `attn=c<positions>` alone. A
 malformed value, or a split_k a GEMV's K cannot take (fewer than 32 columns a block), raises
 ValueError naming the variable: a shape asked for is never dropped silently. A default's split_k
 is lowered to what a small K takes.
