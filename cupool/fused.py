@@ -30,10 +30,12 @@ a Linear to one output) adds, after the pool's launches:
 
 each op in bf16 where transformers' block rounds, so the sum is the block's. The residual
 stream is never materialised between a layer's MoE and the next layer: the next QKV GEMV adds it
-in its prologue. A layer that does not match the pattern (a dense MLP, an ungated shared expert,
-another attention) runs transformers' own module on the same cache, with the mask and rotary
-embedding the engine would pass. Which layers matched and why the others
-did not is in `FusedStep.layers` / `describe()`.
+in its prologue. A dense MLP layer (`mlp` of gate_proj, up_proj, down_proj and act_fn: Qwen2-MoE's
+mlp_only_layers, DeepSeek's first layers) runs the same two GEMVs in place of the router and the
+pool's launches, its gate and up GEMV norming the residual stream. A layer that does not match
+the pattern (an ungated shared expert, another attention) runs transformers' own module on the
+same cache, with the mask and rotary embedding the engine would pass. Which layers matched and
+why the others did not is in `FusedStep.layers` / `describe()`.
 
 What is checked before any kernel runs: the model's structure (embedding, final norm, output head,
 a rotary embedding that does not change with the length; a table of D / 2 frequencies only where
@@ -47,8 +49,8 @@ own forward.
 
 Launch shapes: every GEMV runs the shape DEFAULT_DENSE_SHAPE gives it (none named: `DenseGemv`'s
 warps=8, split_k=1) unless CUPOOL_DENSE_SHAPE names another, read when a FusedStep is built:
-comma-separated `gemv=shape` entries, gemv one of qkv, o, router, head, shared (a shared
-expert's gate and up rows), shared_down, and shape `w<warps>`, `k<split_k>` or both (`w4k2`),
+comma-separated `gemv=shape` entries, gemv one of qkv, o, router, head, mlp (a shared expert's
+or a dense MLP's gate and up rows), mlp_down, and shape `w<warps>`, `k<split_k>` or both (`w4k2`),
 e.g. `CUPOOL_DENSE_SHAPE=qkv=w4,o=k2,router=k8` (`w8k1` asks for the kernel's plain build);
 the entry `attn=ahead` picks the attention build that issues a tile's loads ahead of their use
 (`DecodeAttention(ahead=True)`), `attn=plain` the other one, either optionally followed by
@@ -134,6 +136,8 @@ _MOE_CHILDREN = tuple({name, "experts"} for name in ROUTER_NAMES)
 # a shared expert beside the routed ones, scaled by a sigmoid gate (Qwen2-MoE's and Qwen3-Next's
 # blocks); DeepSeek's and GLM's ungated `shared_experts` are not fused
 _SHARED = {"shared_expert", "shared_expert_gate"}
+# a dense MLP layer's `mlp` (Qwen2-MoE's mlp_only_layers, DeepSeek's first_k_dense_replace)
+_DENSE_MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 # attention modules with these attributes compute something else than the pattern (latent
 # attention, logit soft-capping, gated outputs)
 _ATTN_REFUSE = ("q_a_proj", "kv_a_proj_with_mqa", "attn_logit_softcapping", "gate_proj")
@@ -148,7 +152,7 @@ FUSED_ROUTE_ENV = "CUPOOL_FUSED_ROUTE"
 # nothing to leave out and "moe" is the decode GEMM; with the routing inside it,
 # CUPOOL_FUSED_ROUTE, "router" has nothing of its own and "moe" is their one launch)
 ABLATE = ("qkv", "attention", "o", "router", "plan", "moe")
-DENSE_GEMVS = ("qkv", "o", "router", "head", "shared", "shared_down")
+DENSE_GEMVS = ("qkv", "o", "router", "head", "mlp", "mlp_down")
 # the launch shapes where CUPOOL_DENSE_SHAPE names none (the same format): the fastest step of
 # `benchmarks/run_gpu.sh ab-dense` on the H200 (docs/PERFORMANCE.md, "What each part costs")
 DEFAULT_DENSE_SHAPE = "qkv=w4,o=w4k4,attn=ahead"
@@ -375,19 +379,25 @@ class FusedLayer:
     in_eps: float
     post_norm: torch.Tensor
     post_eps: float
-    pooled: object              # cupool.layer.PooledExperts (or _ModelExperts)
-    shared: "SharedExpert | None" = None
+    pooled: object              # cupool.layer.PooledExperts (or _ModelExperts); None: dense
+    mlp: "GatedMLP | None" = None   # a MoE block's shared expert, or a dense layer's MLP
+
+    @property
+    def dense(self) -> bool:
+        """A dense MLP layer (no router, no pooled experts: `mlp` is its whole MLP)."""
+        return self.router is None
 
 
 @dataclasses.dataclass
-class SharedExpert:
-    """A MoE block's shared expert, run on the router's normed rows: `gate_up` computes
-    [g | u | sg] (sg: the logit of its sigmoid gate), `down` the expert's output from
-    act(g) · u."""
+class GatedMLP:
+    """down(act(gate(x)) · up(x)): a MoE block's shared expert, run on the router's normed rows,
+    scaled by its sigmoid gate (`gated`: the gate's logit is the last row of `gate_up`), or a
+    dense layer's MLP, whose `gate_up` norms the residual stream itself (its `norm`)."""
     gate_up: DenseGemv
     down: DenseGemv
-    act: nn.Module              # the expert's own act_fn
+    act: nn.Module              # the MLP's own act_fn
     size: int                   # its intermediate size
+    gated: bool
 
 
 @dataclasses.dataclass
@@ -505,6 +515,10 @@ class FusedStep:
         if not any(isinstance(l, FusedLayer) for l in self.layers):
             reasons = sorted({l.reason for l in self.layers})
             raise Unsupported("no decoder layer matches the fused pattern: " + "; ".join(reasons[:3]))
+        if self._experts is None:
+            reasons = sorted({l.reason for l in self.layers if isinstance(l, ModelLayer)})
+            raise Unsupported("no MoE layer matches the fused pattern (only dense MLP layers "
+                              "do): " + "; ".join(reasons[:3]))
         B = self.tokens
         bf = torch.bfloat16
         nh, hk, D = self._attn_shape
@@ -562,27 +576,32 @@ class FusedStep:
                 raise Unsupported(f"{where}.self_attn has {name}")
         mlp = layer.mlp
         moe_children = {n for n, _ in mlp.named_children()}
+        dense = moe_children == _DENSE_MLP
         has_shared = _SHARED <= moe_children
-        if (moe_children - _SHARED if has_shared else moe_children) not in _MOE_CHILDREN:
+        if not dense and (moe_children - _SHARED if has_shared else moe_children) \
+                not in _MOE_CHILDREN:
             raise Unsupported(f"{where}.mlp has modules {sorted(moe_children)}, not a MoE block "
-                              f"of {' or '.join(str(sorted(c)) for c in _MOE_CHILDREN)}, or one "
-                              f"of them with {sorted(_SHARED)} (dense MLPs and ungated shared "
-                              f"experts are not fused)")
-        gname, gate = router_of(mlp)
-        pool = self.pool
-        if pool is not None:
-            spec = by_parent.get(id(mlp))
-            if spec is None:
-                raise Unsupported(f"{where}.mlp is not one of the pool's MoE layers")
-            experts, top_k, moe = pool.num_experts, pool.top_k, pool.layers[spec]
-        else:
-            gw = getattr(gate, "weight", None)
-            experts = gw.shape[0] if isinstance(gw, torch.Tensor) else -1
-            top_k = int(getattr(gate, "top_k", 0))
-            moe = _ModelExperts(mlp.experts, experts)
-        if self._experts is not None and (self._experts, self._top_k) != (experts, top_k):
-            raise Unsupported(f"{where}.mlp has {experts} experts, top-{top_k}; other layers "
-                              f"{self._experts}, top-{self._top_k}")
+                              f"of {' or '.join(str(sorted(c)) for c in _MOE_CHILDREN)}, one of "
+                              f"them with {sorted(_SHARED)}, or a dense MLP of "
+                              f"{sorted(_DENSE_MLP)} (ungated shared experts are not fused)")
+        gname = gate = moe = None
+        experts = top_k = 0
+        if not dense:
+            gname, gate = router_of(mlp)
+            pool = self.pool
+            if pool is not None:
+                spec = by_parent.get(id(mlp))
+                if spec is None:
+                    raise Unsupported(f"{where}.mlp is not one of the pool's MoE layers")
+                experts, top_k, moe = pool.num_experts, pool.top_k, pool.layers[spec]
+            else:
+                gw = getattr(gate, "weight", None)
+                experts = gw.shape[0] if isinstance(gw, torch.Tensor) else -1
+                top_k = int(getattr(gate, "top_k", 0))
+                moe = _ModelExperts(mlp.experts, experts)
+            if self._experts is not None and (self._experts, self._top_k) != (experts, top_k):
+                raise Unsupported(f"{where}.mlp has {experts} experts, top-{top_k}; other layers "
+                                  f"{self._experts}, top-{self._top_k}")
         D = getattr(attn, "head_dim", None)
         wq, bq = _linear(attn, "q_proj", f"{where}.self_attn")
         wk, bk = _linear(attn, "k_proj", f"{where}.self_attn")
@@ -629,10 +648,12 @@ class FusedStep:
         in_eps = check_rms_norm(layer.input_layernorm, f"{where}.input_layernorm", H)
         post_eps = check_rms_norm(layer.post_attention_layernorm,
                                   f"{where}.post_attention_layernorm", H)
-        norm_topk, w_dtype = check_router(gate, f"{where}.mlp.{gname}", experts, H, top_k)
-        if self._w_dtype not in (None, w_dtype):
-            raise Unsupported(f"{where}.mlp.{gname} returns {w_dtype} weights, other layers "
-                              f"{self._w_dtype}")
+        norm_topk, w_dtype = False, None
+        if not dense:
+            norm_topk, w_dtype = check_router(gate, f"{where}.mlp.{gname}", experts, H, top_k)
+            if self._w_dtype not in (None, w_dtype):
+                raise Unsupported(f"{where}.mlp.{gname} returns {w_dtype} weights, other layers "
+                                  f"{self._w_dtype}")
         B = self.tokens
         # NVFP4 projections kept packed (a checkpoint's, or quantize_linears'): their GEMVs read
         # those, a quarter of the bf16 bytes
@@ -646,28 +667,39 @@ class FusedStep:
                              tokens=B, norm=True, epilogue=PLAIN, **shapes["qkv"])
             o = self._gemv(po or [wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL,
                            **shapes["o"])
-            gbias = getattr(gate, "bias", None)
-            router = self._gemv([gate.weight], None if gbias is None else [gbias],
-                                tokens=B, norm=True, epilogue=ROUTE,
-                                lane_addr=self.lane_table is not None, **shapes["router"])
+            router = None
+            if not dense:
+                gbias = getattr(gate, "bias", None)
+                router = self._gemv([gate.weight], None if gbias is None else [gbias],
+                                    tokens=B, norm=True, epilogue=ROUTE,
+                                    lane_addr=self.lane_table is not None, **shapes["router"])
             # the attention launcher is made once every layer is matched (they share a workspace
             # of the heads' shape)
             att = {"q_norm": None if qn is None else qn.weight,
                        "k_norm": None if kn is None else kn.weight, "eps": eps_qk, "scale": scale,
                        "window": int(window or 0), "sinks": sinks}
-            shared = (self._shared(mlp.shared_expert, mlp.shared_expert_gate,
-                                   f"{where}.mlp.shared_expert") if has_shared else None)
+            if dense:
+                gmlp = self._gated_mlp(mlp, None, f"{where}.mlp", norm=True)
+            elif has_shared:
+                gmlp = self._gated_mlp(mlp.shared_expert, mlp.shared_expert_gate,
+                                       f"{where}.mlp.shared_expert", norm=False)
+            else:
+                gmlp = None
         except (ValueError, TypeError) as e:
             raise Unsupported(f"{where}: {e}") from None
         self._attn_shape = (nh, hk, D)
-        self._w_dtype, self._experts, self._top_k = w_dtype, experts, top_k
+        if not dense:
+            self._w_dtype, self._experts, self._top_k = w_dtype, experts, top_k
         return FusedLayer(i, qkv, att, o, router, top_k, norm_topk,
                           layer.input_layernorm.weight, in_eps,
-                          layer.post_attention_layernorm.weight, post_eps, moe, shared)
+                          layer.post_attention_layernorm.weight, post_eps, moe, gmlp)
 
-    def _shared(self, mlp: nn.Module, gate: nn.Module, where: str) -> SharedExpert:
-        """The GEMVs of a shared expert `mlp` (gate_proj, up_proj, down_proj, act_fn) and of its
-        sigmoid gate (a Linear of the hidden size to one output)."""
+    def _gated_mlp(self, mlp: nn.Module, gate: nn.Module | None, where: str,
+                   norm: bool) -> GatedMLP:
+        """The GEMVs of a gated MLP `mlp` (gate_proj, up_proj, down_proj, act_fn): with `gate`,
+        a shared expert's sigmoid gate (a Linear of the hidden size to one output), whose row
+        joins the gate and up rows; with `norm`, the gate and up GEMV norms its input (a dense
+        layer's post-attention norm)."""
         H = self.hidden
         act = getattr(mlp, "act_fn", None)
         if not isinstance(act, nn.Module):
@@ -680,16 +712,21 @@ class FusedStep:
         if wg.shape != (size, H) or wu.shape != (size, H) or wd.shape != (H, size):
             raise Unsupported(f"{where}: gate_proj / up_proj / down_proj {list(wg.shape)} / "
                               f"{list(wu.shape)} / {list(wd.shape)} do not fit hidden {H}")
-        if not isinstance(gate, nn.Linear) or gate.weight.shape != (1, H):
-            got = list(gate.weight.shape) if isinstance(gate, nn.Linear) else type(gate).__name__
-            raise Unsupported(f"{where}_gate is {got}, not a Linear of hidden {H} to one output")
-        weights, biases = [wg, wu, gate.weight], [bg, bu, gate.bias]
+        weights, biases = [wg, wu], [bg, bu]
+        if gate is not None:
+            if not isinstance(gate, nn.Linear) or gate.weight.shape != (1, H):
+                got = (list(gate.weight.shape) if isinstance(gate, nn.Linear)
+                       else type(gate).__name__)
+                raise Unsupported(f"{where}_gate is {got}, not a Linear of hidden {H} to one "
+                                  f"output")
+            weights.append(gate.weight)
+            biases.append(gate.bias)
         B = self.tokens
         gate_up = self._gemv(weights, None if all(b is None for b in biases) else biases,
-                             tokens=B, epilogue=PLAIN, **self._shape("shared", H))
+                             tokens=B, norm=norm, epilogue=PLAIN, **self._shape("mlp", H))
         down = self._gemv([wd], None if bd is None else [bd], tokens=B, epilogue=PLAIN,
-                          **self._shape("shared_down", size))
-        return SharedExpert(gate_up, down, act, size)
+                          **self._shape("mlp_down", size))
+        return GatedMLP(gate_up, down, act, size, gate is not None)
 
     def _shape(self, gemv: str, K: int, nvfp4: bool = False) -> dict[str, int]:
         """The launch-shape keywords of `gemv` (K: its inner dim; nvfp4: its weights are NVFP4,
@@ -721,9 +758,13 @@ class FusedStep:
             if why is None and self.fused_route_asked:
                 text += ("; routing inside the decode GEMM's launch" if self.fused_route_why is None
                          else f"; the router keeps its own launch: {self.fused_route_why}")
-        shared = sum(isinstance(l, FusedLayer) and l.shared is not None for l in self.layers)
+        fl = [l for l in self.layers if isinstance(l, FusedLayer)]
+        shared = sum(l.mlp is not None and not l.dense for l in fl)
         if shared:
             text += f"; a gated shared expert in {shared} layers"
+        dense = sum(l.dense for l in fl)
+        if dense:
+            text += f"; a dense MLP in {dense} layers"
         nv = [f"{name} in {n} layers" for name, n in self.nvfp4_gemvs().items() if n]
         if nv:
             text += f"; NVFP4 weights for {', '.join(nv)}"
@@ -762,7 +803,8 @@ class FusedStep:
             return f"{FUSED_ROUTE_ENV} is not 1"
         if self._w_dtype not in (torch.float32, torch.bfloat16):
             return f"the router returns {self._w_dtype} weights (float32 or bf16 are routed)"
-        if any(isinstance(l, FusedLayer) and (l.router.biases or [None])[0] is not None
+        if any(isinstance(l, FusedLayer) and not l.dense
+               and (l.router.biases or [None])[0] is not None
                for l in self.layers):
             return "the router has a bias (the decode GEMM's routing adds none)"
         # (each router's weight is a contiguous, aligned bf16 matrix: its DenseGemv checked it)
@@ -844,6 +886,9 @@ class FusedStep:
                            slots=slots)
             if "o" not in skip:
                 layer.o(self.attn, residual=h, out=self.h_mid)
+            if layer.dense:                # its gate and up GEMV norms h_mid itself
+                res, add = self.h_mid, self._gated_mlp_out(layer.mlp, self.h_mid, layer)
+                continue
             r = self.route
             if skip_plan and self.fused_route_why is None:     # router and MoE: one launch
                 if "moe" not in skip:
@@ -875,16 +920,24 @@ class FusedStep:
         return self.logits
 
     def _with_shared(self, layer: FusedLayer) -> torch.Tensor:
-        """The layer's MLP output: the routed experts' (self.moe), plus its shared expert's on the
-        router's normed rows (self.xn) where it has one, rounded where transformers' block
+        """A MoE layer's MLP output: the routed experts' (self.moe), plus its shared expert's on
+        the router's normed rows (self.xn) where it has one, rounded where transformers' block
         rounds."""
-        sh = layer.shared
-        if sh is None:
+        if layer.mlp is None:
             return self.moe
-        B, n = self.tokens, sh.size
-        gu = torch.empty(B, sh.gate_up.N, dtype=torch.bfloat16, device=self.device)
-        sh.gate_up(self.xn, out=gu)
-        a = sh.act(gu[:, :n]) * gu[:, n:2 * n]
+        return self.moe + self._gated_mlp_out(layer.mlp, self.xn)
+
+    def _gated_mlp_out(self, m: GatedMLP, x: torch.Tensor,
+                       layer: FusedLayer | None = None) -> torch.Tensor:
+        """down(act(gate(x)) · up(x)), times sigmoid of the gate's logit where `m.gated`; a
+        GatedMLP whose gate and up GEMV norms (a dense layer's) takes the norm of `layer`."""
+        B, n = self.tokens, m.size
+        gu = torch.empty(B, m.gate_up.N, dtype=torch.bfloat16, device=self.device)
+        if m.gate_up.norm:
+            m.gate_up(x, norm_weight=layer.post_norm, eps=layer.post_eps, out=gu)
+        else:
+            m.gate_up(x, out=gu)
+        a = m.act(gu[:, :n]) * gu[:, n:2 * n]
         y = torch.empty(B, self.hidden, dtype=torch.bfloat16, device=self.device)
-        sh.down(a, out=y)
-        return self.moe + torch.sigmoid(gu[:, 2 * n:]) * y
+        m.down(a, out=y)
+        return torch.sigmoid(gu[:, 2 * n:]) * y if m.gated else y

@@ -51,10 +51,23 @@ def fused_model(family: str, seed: int = 0, device="cpu", **overrides):
             # its gate out (a gate of 1) 0.38 (qwen2_moe, seed 12; the test below checks one)
             if hasattr(m, "shared_expert_gate"):
                 m.shared_expert_gate.weight.normal_(0, 0.5)
-                for lin in (m.shared_expert.gate_proj, m.shared_expert.up_proj,
-                            m.shared_expert.down_proj):
+            # shared experts and dense MLP layers (mlp_only_layers): far from zero too
+            if isinstance(getattr(m, "gate_proj", None), torch.nn.Linear):
+                for lin in (m.gate_proj, m.up_proj, m.down_proj):
                     lin.weight.normal_(0, 0.1)
     return model.to(device=device, dtype=torch.bfloat16)
+
+
+def unmatched_layer_model(seed: int):
+    """A tiny qwen3_moe whose layer 1 matches no fused pattern: a dense MLP (mlp_only_layers)
+    whose act_fn goes by another name, so that it is a block of other modules (its forward
+    unchanged)."""
+    model = fused_model("qwen3_moe", seed=seed, mlp_only_layers=[1])
+    mlp = model.model.layers[1].mlp
+    mlp.act = mlp.act_fn
+    del mlp.act_fn
+    mlp.forward = lambda x: mlp.down_proj(mlp.act(mlp.gate_proj(x)) * mlp.up_proj(x))
+    return model
 
 
 def windows_of(cfg) -> list[int | None]:
@@ -302,16 +315,36 @@ def test_ablate_leaves_each_part_out():
     assert torch.equal(logits(()), whole)
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_dense_mlp_layers_are_fused(family, monkeypatch):
+    """A dense MLP layer (mlp_only_layers=[1]) runs its gate and up GEMV (norming the residual
+    stream itself) and its down GEMV in place of the router and the experts: every layer is
+    fused and the logits match transformers'; a step that leaves the dense MLP out is far off."""
+    model = fused_model(family, seed=9, mlp_only_layers=[1])
+    with torch.no_grad():       # norms unlike each other: the MLP must take the post-attention one
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.normal_(1, 0.3)
+            layer.post_attention_layernorm.weight.normal_(1, 0.3)
+    prompts, tok = [[5, 9, 3], [2, 6]], [11, 4]
+    fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
+    assert [l.dense for l in step.layers] == [False, True, False]
+    assert "a dense MLP in 1 layers" in step.describe(), step.describe()
+    assert not step.needs_mask and step.layers[1].mlp.gate_up.norm
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+    monkeypatch.setattr(FusedStep, "_gated_mlp_out",
+                        lambda self, m, x, layer=None: torch.zeros_like(x))
+    monkeypatch.setattr(FusedStep, "_with_shared", lambda self, layer: self.moe)
+    without, want, _, _, _ = compare_step(model, None, "reference", prompts, tok)
+    assert rel(without, want) > 10 * LOGIT_TOL, rel(without, want)
+
+
 def test_layers_outside_the_pattern_run_transformers_modules():
-    """A dense MLP layer is not fused (qwen2_moe's layer 1, and qwen3_moe's with the same
-    config): it runs the model's own module inside the step, and the logits still match."""
-    model = fused_model("qwen2_moe", seed=9, mlp_only_layers=[1])
-    fused, want, _, _, step = compare_step(model, None, "reference", [[5, 9, 3]], [11])
-    kinds = [type(l).__name__ for l in step.layers]
-    assert kinds == ["FusedLayer", "ModelLayer", "FusedLayer"], kinds
-    assert "dense MLPs" in step.layers[1].reason
-    assert rel(fused, want) <= LOGIT_TOL
-    qwen3 = fused_model("qwen3_moe", seed=10, mlp_only_layers=[1])
+    """A layer whose MLP is neither a MoE block of the pattern nor a dense gated MLP
+    (`unmatched_layer_model`) runs the model's own module inside the step, and the logits still
+    match."""
+    qwen3 = unmatched_layer_model(seed=10)
     fused, want, _, _, step = compare_step(qwen3, None, "reference", [[5, 9, 3], [2, 6]], [11, 4])
     kinds = [type(l).__name__ for l in step.layers]
     assert kinds == ["FusedLayer", "ModelLayer", "FusedLayer"], kinds
@@ -330,8 +363,7 @@ def test_reference_step_runs_shared_experts(monkeypatch):
     fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
     assert step.describe() == ("fused decode step: 3 of 3 layers; a gated shared expert in 3 "
                                "layers"), step.describe()
-    assert all(l.shared is not None and l.shared.gate_up.N == 2 * l.shared.size + 1
-               for l in step.layers)
+    assert all(l.mlp.gated and l.mlp.gate_up.N == 2 * l.mlp.size + 1 for l in step.layers)
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
         assert rel(k_f, k_m) <= 1e-2
@@ -354,7 +386,7 @@ def test_shared_expert_refusals_name_the_reason():
     kinds = [type(l).__name__ for l in step.layers]
     assert kinds == ["ModelLayer", "ModelLayer", "FusedLayer"], kinds
     assert "shared_expert_gate is [2, " in step.layers[0].reason, step.layers[0].reason
-    assert "ungated shared experts" in step.layers[1].reason, step.layers[1].reason
+    assert "ungated shared experts are not fused" in step.layers[1].reason, step.layers[1].reason
 
 
 def test_refusals_name_the_reason():
@@ -539,7 +571,7 @@ def test_dense_shape_parser():
     from cupool.fused import DEFAULT_DENSE_SHAPE
     parse_dense_shape(DEFAULT_DENSE_SHAPE)
     for bad, why in (("qkv=w5", "warps"), ("o=k0", "split_k"), ("o=k17", "split_k"),
-                     ("mlp=w4", "gemv one of"), ("qkv=w4,qkv=k2", "twice"), ("qkv=", "shape"),
+                     ("ffn=w4", "gemv one of"), ("qkv=w4,qkv=k2", "twice"), ("qkv=", "shape"),
                      ("qkv", "gemv one of"), ("qkv=w4,", "gemv one of"), ("qkv=k2w4", "shape"),
                      ("qkv=w4 ", "shape"), ("qkv=w4;o=k2", "shape"), ("QKV=w4", "gemv one of"),
                      ("attn=w4", "not ahead"), ("attn=ahead,attn=ahead", "twice"),
@@ -886,7 +918,7 @@ def test_narrow_step_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="the cache has 2 slots for a step of 1 tokens: pass "
                                          "slots"):
         one(tok, pos, act)
-    mixed = fused_model("qwen3_moe", seed=10, mlp_only_layers=[1])
+    mixed = unmatched_layer_model(seed=10)
     cache2 = SlotCache(mixed.config.num_hidden_layers, 2, 40, torch.bfloat16, "cpu")
     step = FusedStep(mixed, None, cache2, 1, [None] * len(cache2.keys), backend="reference")
     assert "run transformers' modules" in step.narrow_why()

@@ -761,6 +761,22 @@ def test_fused_step_matches_transformers_through_the_pool(family):
     assert pool.errors() == []
 
 
+def test_fused_step_runs_dense_mlp_layers_through_the_pool():
+    """qwen2_moe with a dense MLP layer (mlp_only_layers=[1]) between two MoE layers with shared
+    experts: every layer runs the fused step's kernels, and one step's logits and cache writes
+    match transformers' forward."""
+    from test_fused_step import LOGIT_TOL, compare_step
+    model, pool = _wrapped("qwen2_moe", seed=32, mlp_only_layers=[1])
+    fused, want, fc, mc, step = compare_step(model, pool, "kernels",
+                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
+    assert step.describe().startswith("fused decode step: 3 of 3 layers; a gated shared expert "
+                                      "in 2 layers; a dense MLP in 1 layers"), step.describe()
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+    assert pool.errors() == []
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_fused_step_with_nvfp4_projections_matches_transformers(family):
     """q/k/v/o kept packed in NVFP4 (`dense_nvfp4.quantize_linears`, which also sets the Linears'
