@@ -761,10 +761,10 @@ class FusedStep:
         fl = [l for l in self.layers if isinstance(l, FusedLayer)]
         shared = sum(l.mlp is not None and not l.dense for l in fl)
         if shared:
-            text += f"; a gated shared expert in {shared} layers"
+            text += f"; a gated shared expert in {shared} layer{'s' * (shared != 1)}"
         dense = sum(l.dense for l in fl)
         if dense:
-            text += f"; a dense MLP in {dense} layers"
+            text += f"; a dense MLP in {dense} layer{'s' * (dense != 1)}"
         nv = [f"{name} in {n} layers" for name, n in self.nvfp4_gemvs().items() if n]
         if nv:
             text += f"; NVFP4 weights for {', '.join(nv)}"

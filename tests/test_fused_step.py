@@ -328,7 +328,7 @@ def test_dense_mlp_layers_are_fused(family, monkeypatch):
     prompts, tok = [[5, 9, 3], [2, 6]], [11, 4]
     fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
     assert [l.dense for l in step.layers] == [False, True, False]
-    assert "a dense MLP in 1 layers" in step.describe(), step.describe()
+    assert "a dense MLP in 1 layer" in step.describe(), step.describe()
     assert not step.needs_mask and step.layers[1].mlp.gate_up.norm
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):

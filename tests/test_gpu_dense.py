@@ -770,7 +770,7 @@ def test_fused_step_runs_dense_mlp_layers_through_the_pool():
     fused, want, fc, mc, step = compare_step(model, pool, "kernels",
                                              [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
     assert step.describe().startswith("fused decode step: 3 of 3 layers; a gated shared expert "
-                                      "in 2 layers; a dense MLP in 1 layers"), step.describe()
+                                      "in 2 layers; a dense MLP in 1 layer"), step.describe()
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
         assert rel(k_f, k_m) <= 1e-2
