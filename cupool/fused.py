@@ -7,8 +7,9 @@ E experts · K top-k · nh / hk query / KV heads · D head dim · L_max position
 A decoder layer of the common pattern — RMSNorm → attention (q/k/v/o projections with or without
 biases, q/k RMSNorm over the head dim or none, rotary embedding, grouped-query, full or sliding
 window, with or without sinks) → residual → RMSNorm → softmax top-k router (its logits with or
-without a bias) → pooled experts, plus a gated shared expert where the block has one →
-residual; Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE — runs as:
+without a bias), or a sigmoid router with a correction bias and one expert group → pooled
+experts, plus a shared expert where the block has one → residual; Qwen3-MoE, Mixtral, gpt-oss,
+Qwen2-MoE, dots.llm1 — runs as:
 
     dense_gemv (norm)   h = h_mid + moe of the layer before; x = rmsnorm(h); qkv = x·Wqkv (+ b)
     dense_attention     q/k norm, rotary, k and v into the slot cache at pos, split-KV attention
@@ -19,21 +20,23 @@ residual; Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE — runs as:
     plan, row copies, moe_decode    the pool's decode path on (xn, ids, weights) → moe
 
 seven launches a layer (the last three are the pool's), then one dense_gemv (norm) for the final
-norm and the output head. A MoE block with a shared expert (Qwen2-MoE's and Qwen3-Next's
-`shared_expert`: gate_proj, up_proj, down_proj and its act_fn, scaled by `shared_expert_gate`,
-a Linear to one output) adds, after the pool's launches:
+norm and the output head. A MoE block with a shared expert (gate_proj, up_proj, down_proj and
+its act_fn: Qwen2-MoE's and Qwen3-Next's `shared_expert`, scaled by `shared_expert_gate`, a
+Linear to one output; DeepSeek's, GLM-4.5's and dots.llm1's `shared_experts`, ungated) adds,
+after the pool's launches:
 
-    dense_gemv          [g | u | sg] = xn·[Wg; Wu; Wsg]   (the gate's row as a third matrix)
+    dense_gemv          [g | u | sg] = xn·[Wg; Wu; Wsg]   (the gate's row, where there is one,
+                                                          as a third matrix)
     torch ops           a = act_fn(g) · u
     dense_gemv          s = a·Wd
-    torch ops           moe = moe + sigmoid(sg) · s
+    torch ops           moe = moe + sigmoid(sg) · s      (moe + s ungated)
 
 each op in bf16 where transformers' block rounds, so the sum is the block's. The residual
 stream is never materialised between a layer's MoE and the next layer: the next QKV GEMV adds it
 in its prologue. A dense MLP layer (`mlp` of gate_proj, up_proj, down_proj and act_fn: Qwen2-MoE's
 mlp_only_layers, DeepSeek's first layers) runs the same two GEMVs in place of the router and the
 pool's launches, its gate and up GEMV norming the residual stream. A layer that does not match
-the pattern (an ungated shared expert, another attention) runs transformers' own module on the
+the pattern (another attention, another router) runs transformers' own module on the
 same cache, with the mask and rotary embedding the engine would pass. Which layers matched and
 why the others did not is in `FusedStep.layers` / `describe()`.
 
@@ -43,7 +46,8 @@ a probe shows the model turns both halves of a head by it, `kernel_rotary`), eac
 (it must compute transformers' RMSNorm exactly), each router by a probe against
 `cupool.reference.dense.route_topk` on its own logits (softmax top-k, with or without
 renormalisation, weights in the dtype it returns; gpt-oss's softmax over its top-k logits is the
-renormalised one), bf16 weights on the pool's device.
+renormalised one) or, for a router with an e_score_correction_bias, `route_sigmoid` (its logits
+float32, as those routers compute them), bf16 weights on the pool's device.
 A model that does not fit raises `Unsupported` with the reason; the engine then runs the model's
 own forward.
 
@@ -124,6 +128,7 @@ from cupool.reference.dense import (
     AttentionReference,
     GemvReference,
     rms_norm,
+    route_sigmoid,
     route_topk,
 )
 from cupool.reference.dense import rope as rope_reference
@@ -134,8 +139,9 @@ _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layern
 # a MoE block's modules: its router (adapters.ROUTER_NAMES) and its experts
 _MOE_CHILDREN = tuple({name, "experts"} for name in ROUTER_NAMES)
 # a shared expert beside the routed ones, scaled by a sigmoid gate (Qwen2-MoE's and Qwen3-Next's
-# blocks); DeepSeek's and GLM's ungated `shared_experts` are not fused
+# blocks), or ungated (DeepSeek's, GLM-4.5's and dots.llm1's `shared_experts`)
 _SHARED = {"shared_expert", "shared_expert_gate"}
+_SHARED_UNGATED = {"shared_experts"}
 # a dense MLP layer's `mlp` (Qwen2-MoE's mlp_only_layers, DeepSeek's first_k_dense_replace)
 _DENSE_MLP = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 # attention modules with these attributes compute something else than the pattern (latent
@@ -276,7 +282,7 @@ def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: i
     """(norm_topk, weight dtype) of a softmax top-k router, found by a probe; Unsupported for
     any other router. Its logits may carry a bias (`gate.bias`, bf16 [E]: gpt-oss's router, whose
     softmax over the top-k logits is softmax → top-k → renormalised); a bias that only chooses
-    the experts (DeepSeek's e_score_correction_bias) is another router."""
+    the experts (DeepSeek's e_score_correction_bias) is a sigmoid router (`check_sigmoid_router`)."""
     w = getattr(gate, "weight", None)
     if not isinstance(w, torch.Tensor) or w.shape != (experts, hidden):
         raise Unsupported(f"{what} ({type(gate).__name__}) has no weight [{experts}, {hidden}]")
@@ -308,6 +314,54 @@ def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: i
             return norm_topk, weights.dtype
     raise Unsupported(f"{what} ({type(gate).__name__}) is not a softmax top-k router (a probe "
                       f"differs from softmax → top-k with and without renormalisation)")
+
+
+def check_sigmoid_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: int):
+    """(norm_topk, weight dtype, (bias float32 [E], scale)) of a sigmoid router with a correction
+    bias (DeepSeek-V3's, GLM-4.5's, dots.llm1's: `e_score_correction_bias`, `n_group`,
+    `topk_group`, `routed_scaling_factor`, `norm_topk_prob`), found by a probe against
+    `cupool.reference.dense.route_sigmoid`; Unsupported for another router, one that limits the
+    experts to some of several groups, or one whose weight is not bf16."""
+    name = f"{what} ({type(gate).__name__})"
+    w = getattr(gate, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.shape != (experts, hidden):
+        raise Unsupported(f"{name} has no weight [{experts}, {hidden}]")
+    if w.dtype != torch.bfloat16:
+        raise Unsupported(f"{name}'s weight is {w.dtype}: the router GEMV reads bf16")
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if not (isinstance(bias, torch.Tensor) and bias.shape == (experts,)
+            and bias.dtype.is_floating_point):
+        raise Unsupported(f"{name} has no float e_score_correction_bias [{experts}]")
+    groups, kept = getattr(gate, "n_group", 1), getattr(gate, "topk_group", 1)
+    if groups != kept:
+        raise Unsupported(f"{name} keeps {kept} of {groups} expert groups: group-limited "
+                          f"routing is not fused")
+    scale = getattr(gate, "routed_scaling_factor", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not 0 < scale < float("inf"):
+        raise Unsupported(f"{name} has routed_scaling_factor {scale!r}, not a positive number")
+    bias32 = bias.detach().to(torch.float32).contiguous()
+    gen = torch.Generator(device=w.device).manual_seed(1)
+    x = torch.randn(5, hidden, generator=gen, device=w.device).to(w.dtype)
+    with torch.no_grad():
+        got = gate(x)
+    if not (isinstance(got, tuple) and len(got) == 3):
+        raise Unsupported(f"{name} does not return (logits, weights, ids)")
+    logits, weights, ids = got
+    if ids.shape != (5, top_k):
+        raise Unsupported(f"{what} routes to {tuple(ids.shape)[-1]} experts, the pool to {top_k}")
+    for norm_topk in (True, False):
+        want_ids, want_w = route_sigmoid(logits.to(torch.float32), bias32, top_k, norm_topk,
+                                         float(scale), weights.dtype)
+        same = torch.equal(torch.sort(want_ids.long(), -1).values,
+                           torch.sort(ids.long(), -1).values)
+        order, mine = torch.argsort(ids.long(), -1), torch.argsort(want_ids.long(), -1)
+        if same and torch.allclose(want_w.gather(1, mine).float(),
+                                   weights.gather(1, order).float(), rtol=1e-2, atol=1e-6):
+            return norm_topk, weights.dtype, (bias32, float(scale))
+    raise Unsupported(f"{name} is not a sigmoid top-k router with a correction bias (a probe "
+                      f"differs from sigmoid → top-k of score + bias, with and without "
+                      f"renormalisation)")
 
 
 def kernel_rotary(cos: torch.Tensor, sin: torch.Tensor, D: int, attn: nn.Module):
@@ -577,13 +631,12 @@ class FusedStep:
         mlp = layer.mlp
         moe_children = {n for n, _ in mlp.named_children()}
         dense = moe_children == _DENSE_MLP
-        has_shared = _SHARED <= moe_children
-        if not dense and (moe_children - _SHARED if has_shared else moe_children) \
-                not in _MOE_CHILDREN:
+        shared = next((s for s in (_SHARED, _SHARED_UNGATED) if s <= moe_children), set())
+        if not dense and moe_children - shared not in _MOE_CHILDREN:
             raise Unsupported(f"{where}.mlp has modules {sorted(moe_children)}, not a MoE block "
-                              f"of {' or '.join(str(sorted(c)) for c in _MOE_CHILDREN)}, one of "
-                              f"them with {sorted(_SHARED)}, or a dense MLP of "
-                              f"{sorted(_DENSE_MLP)} (ungated shared experts are not fused)")
+                              f"of {' or '.join(str(sorted(c)) for c in _MOE_CHILDREN)} (with "
+                              f"{sorted(_SHARED)} or {sorted(_SHARED_UNGATED)}), or a dense MLP "
+                              f"of {sorted(_DENSE_MLP)}")
         gname = gate = moe = None
         experts = top_k = 0
         if not dense:
@@ -648,9 +701,12 @@ class FusedStep:
         in_eps = check_rms_norm(layer.input_layernorm, f"{where}.input_layernorm", H)
         post_eps = check_rms_norm(layer.post_attention_layernorm,
                                   f"{where}.post_attention_layernorm", H)
-        norm_topk, w_dtype = False, None
+        norm_topk, w_dtype, sigmoid = False, None, None
         if not dense:
-            norm_topk, w_dtype = check_router(gate, f"{where}.mlp.{gname}", experts, H, top_k)
+            check = check_sigmoid_router if hasattr(gate, "e_score_correction_bias") \
+                else check_router
+            norm_topk, w_dtype, *sig = check(gate, f"{where}.mlp.{gname}", experts, H, top_k)
+            sigmoid = sig[0] if sig else None
             if self._w_dtype not in (None, w_dtype):
                 raise Unsupported(f"{where}.mlp.{gname} returns {w_dtype} weights, other layers "
                                   f"{self._w_dtype}")
@@ -672,7 +728,8 @@ class FusedStep:
                 gbias = getattr(gate, "bias", None)
                 router = self._gemv([gate.weight], None if gbias is None else [gbias],
                                     tokens=B, norm=True, epilogue=ROUTE,
-                                    lane_addr=self.lane_table is not None, **shapes["router"])
+                                    lane_addr=self.lane_table is not None, sigmoid=sigmoid,
+                                    **shapes["router"])
             # the attention launcher is made once every layer is matched (they share a workspace
             # of the heads' shape)
             att = {"q_norm": None if qn is None else qn.weight,
@@ -680,9 +737,12 @@ class FusedStep:
                        "window": int(window or 0), "sinks": sinks}
             if dense:
                 gmlp = self._gated_mlp(mlp, None, f"{where}.mlp", norm=True)
-            elif has_shared:
+            elif shared == _SHARED:
                 gmlp = self._gated_mlp(mlp.shared_expert, mlp.shared_expert_gate,
                                        f"{where}.mlp.shared_expert", norm=False)
+            elif shared:
+                gmlp = self._gated_mlp(mlp.shared_experts, None, f"{where}.mlp.shared_experts",
+                                       norm=False)
             else:
                 gmlp = None
         except (ValueError, TypeError) as e:
@@ -761,7 +821,10 @@ class FusedStep:
         fl = [l for l in self.layers if isinstance(l, FusedLayer)]
         shared = sum(l.mlp is not None and not l.dense for l in fl)
         if shared:
-            text += f"; a gated shared expert in {shared} layer{'s' * (shared != 1)}"
+            text += f"; a shared expert in {shared} layer{'s' * (shared != 1)}"
+        sig = sum(not l.dense and l.router.sigmoid is not None for l in fl)
+        if sig:
+            text += f"; a sigmoid router in {sig} layer{'s' * (sig != 1)}"
         dense = sum(l.dense for l in fl)
         if dense:
             text += f"; a dense MLP in {dense} layer{'s' * (dense != 1)}"
@@ -807,6 +870,9 @@ class FusedStep:
                and (l.router.biases or [None])[0] is not None
                for l in self.layers):
             return "the router has a bias (the decode GEMM's routing adds none)"
+        if any(isinstance(l, FusedLayer) and not l.dense and l.router.sigmoid is not None
+               for l in self.layers):
+            return "the router is a sigmoid router (the decode GEMM's routing is softmax top-k)"
         # (each router's weight is a contiguous, aligned bf16 matrix: its DenseGemv checked it)
         return self.pool.gemm.routes_decode(self.tokens, self._experts)
 

@@ -44,6 +44,10 @@
 //          table int64 [N] the device address of each expert's bank row: the decode GEMM's lane
 //          addresses, for a bank that holds every expert at a fixed row (the plan step and row
 //          copies then have nothing to do and are not run).
+//          SIG=1: a sigmoid router with a correction bias (DeepSeek-V3's, GLM-4.5's, one expert
+//          group; route.cuh's route_token_sigmoid): the logits stay float32 (acc, unrounded, as
+//          those routers compute them), N ≤ 512, and the bias (float32 [N]) and the scale (the
+//          routed_scaling_factor) come as the last two arguments.
 //
 // NVFP4 weights (WFP4 = 1): each matrix is NVFP4 strips (cupool/layout.py, `dense_strips`: 16
 // rows × Kp columns a strip, 64-column chunks of 512 bytes of E2M1 codes and 64 of E4M3 block
@@ -225,6 +229,9 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #endif
 #if LANE_ADDR
            , const i64* __restrict__ table, i64* lane_addr
+#endif
+#if SIG
+           , const float* __restrict__ sbias, float sscale
 #endif
            ) {
     // x tiles; after the last tile the warps' partial sums (red), then the routing logits
@@ -569,6 +576,8 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #endif
 #if EPI == 2 && RBIAS
         logits[(i64)n * N + r] = bf16_to_f32(f32_to_bf16(s + rows.bias(r)));
+#elif EPI == 2 && SIG
+        logits[(i64)n * N + r] = s;               // a sigmoid router's logits stay float32
 #elif EPI == 2
         logits[(i64)n * N + r] = bf16_to_f32(f32_to_bf16(s));
 #else
@@ -601,15 +610,24 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
             lg[i] = ld_f32_cg(logits + (i64)n0 * N + i);
         __syncthreads();
         const int n = n0 + warp;
-        if (warp < nn)
-            route_token<LANE_ADDR>(lg + warp * N, N, topk, norm_topk,
-                                   active == nullptr || active[n] != 0, ids + n * topk,
-                                   static_cast<u8*>(wts) + (i64)n * topk * (w_f32 ? 4 : 2), w_f32,
+        if (warp < nn) {
+            const bool on = active == nullptr || active[n] != 0;
+            u8* w = static_cast<u8*>(wts) + (i64)n * topk * (w_f32 ? 4 : 2);
 #if LANE_ADDR
-                                   table, lane_addr + n * topk);
+            const i64* tab = table;
+            i64* la = lane_addr + n * topk;
 #else
-                                   nullptr, nullptr);
+            const i64* tab = nullptr;
+            i64* la = nullptr;
 #endif
+#if SIG
+            route_token_sigmoid<LANE_ADDR>(lg + warp * N, N, topk, norm_topk, on, ids + n * topk,
+                                           w, w_f32, tab, la, sbias, sscale);
+#else
+            route_token<LANE_ADDR>(lg + warp * N, N, topk, norm_topk, on, ids + n * topk, w,
+                                   w_f32, tab, la);
+#endif
+        }
     }
 #endif
 }

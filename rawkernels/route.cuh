@@ -4,7 +4,8 @@
 // stable descending sort) → divided by their sum when norm_topk → weights (bf16, or float32 with
 // w_f32, as the model's router returns them); a token that is not active gets ids −1 and weights
 // 0 (padding lanes for the pool). With LA the lanes' row addresses too: lane_addr[j] = table[id]
-// (0 for an inactive token).
+// (0 for an inactive token). route_token_sigmoid: the sigmoid routers of DeepSeek-V3, GLM-4.5
+// and dots.llm1 (one expert group), below.
 #pragma once
 #include "common.cuh"
 
@@ -231,4 +232,103 @@ CUPOOL_DEVICE void route_token(float* lg, i32 N, i32 topk, int norm_topk, bool a
     else
         route_token_shared<LA>(lg, N, topk, norm_topk, active, ids, wts, w_f32, table,
                                lane_addr);
+}
+
+// An order-preserving key of any float c, for sigmoid routing's choice scores (which a
+// correction bias can make negative): NaN above every float (NaN counts as largest), 0 ("none
+// left") below all; −0 is taken as +0 first, so that the two tie as floats do.
+CUPOOL_DEVICE u32 sigmoid_key(float c) {
+    if (c != c) return 0xffffffffu;
+    const u32 b = __float_as_uint(c + 0.0f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Sigmoid top-k routing of one token by one warp (N ≤ 32·PER, in registers, as
+// route_token_regs): scores v = sigmoid(logit) in float32; the top-k of v + bias[e] (float32
+// [N], the router's e_score_correction_bias; NaN counts as largest, ties go to the lower
+// expert) are chosen; a chosen expert's weight is its v, divided by the chosen v's sum + 1e-20
+// when norm_topk, times scale (float32 with w_f32, else bf16), as transformers' router computes
+// them for one expert group. Lane l holds entries [l·PER, l·PER + PER); each round takes the
+// largest key (a warp max, the lowest lane holding it), whose v comes with it by a shuffle.
+template <int PER, bool LA>
+CUPOOL_DEVICE void route_token_sigmoid_regs(const float* lg, i32 N, i32 topk, int norm_topk,
+                                            bool active, i32* ids, void* wts, int w_f32,
+                                            const i64* table, i64* lane_addr,
+                                            const float* bias, float scale) {
+    const int lane = threadIdx.x & 31;
+    const i32 e0 = lane * PER;
+    float v[PER];
+    u32 key[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const bool in = e0 + i < N;
+        v[i] = in ? 1.0f / (1.0f + expf(-lg[e0 + i])) : 0.0f;
+        key[i] = in ? sigmoid_key(v[i] + bias[e0 + i]) : 0u;
+    }
+    // the segment's best: a tree of pairs, the lower index kept unless the higher one's key is
+    // larger
+    auto best_of = [&](u32& bk, int& bi, float& bv) {
+        u32 k2[PER];
+        int i2[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) { k2[i] = key[i]; i2[i] = i; }
+#pragma unroll
+        for (int w = 1; w < PER; w *= 2)
+#pragma unroll
+            for (int i = 0; i + w < PER; i += 2 * w)
+                if (k2[i + w] > k2[i]) { k2[i] = k2[i + w]; i2[i] = i2[i + w]; }
+        bk = k2[0];
+        bi = i2[0];
+        bv = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) bv = i == bi ? v[i] : bv;
+    };
+    u32 best;
+    int best_i;
+    float best_v;
+    best_of(best, best_i, best_v);
+    float mine_v = 0.0f, den = 0.0f;
+    i32 mine_e = -1;
+    for (i32 j = 0; j < topk; ++j) {
+        const u32 top = warp_max_u32(best);
+        const int src = __ffs(__ballot_sync(0xffffffffu, best == top)) - 1;
+        const i32 e = src * PER + __shfl_sync(0xffffffffu, best_i, src);
+        const float val = __shfl_sync(0xffffffffu, best_v, src);
+        if (lane == src) {
+#pragma unroll
+            for (int i = 0; i < PER; ++i) key[i] = i == best_i ? 0u : key[i];
+        }
+        best_of(best, best_i, best_v);
+        den += val;
+        if (lane == j) {
+            mine_v = val;
+            mine_e = e;
+        }
+    }
+    if (lane < topk) {
+        const float w = (norm_topk ? mine_v / (den + 1e-20f) : mine_v) * scale;
+        ids[lane] = active ? mine_e : -1;
+        if (LA) lane_addr[lane] = active ? table[mine_e] : 0;
+        if (w_f32) static_cast<float*>(wts)[lane] = active ? w : 0.0f;
+        else static_cast<u16*>(wts)[lane] = active ? f32_to_bf16(w) : (u16)0;
+    }
+}
+
+// Sigmoid top-k routing of one token by one warp, its N ≤ 512 logits in `lg` (the launcher
+// refuses more): ids, weights and, with LA, lane addresses as route_token_sigmoid_regs writes
+// them.
+template <bool LA>
+CUPOOL_DEVICE void route_token_sigmoid(const float* lg, i32 N, i32 topk, int norm_topk,
+                                       bool active, i32* ids, void* wts, int w_f32,
+                                       const i64* table, i64* lane_addr, const float* bias,
+                                       float scale) {
+    if (N <= 128)
+        route_token_sigmoid_regs<4, LA>(lg, N, topk, norm_topk, active, ids, wts, w_f32, table,
+                                        lane_addr, bias, scale);
+    else if (N <= 256)
+        route_token_sigmoid_regs<8, LA>(lg, N, topk, norm_topk, active, ids, wts, w_f32, table,
+                                        lane_addr, bias, scale);
+    else if (N <= 512)
+        route_token_sigmoid_regs<16, LA>(lg, N, topk, norm_topk, active, ids, wts, w_f32, table,
+                                         lane_addr, bias, scale);
 }

@@ -133,6 +133,10 @@ BUILDS: list[tuple[str, str]] = [
     # gpt-oss's router (a bias on the logits, RBIAS), without and with lane addresses
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DRBIAS=1"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1 -DRBIAS=1"),
+    # a sigmoid router with a correction bias (GLM-4.5's, DeepSeek-V3's: SIG), without and with
+    # lane addresses
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DSIG=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1 -DSIG=1"),
     # NVFP4 attention projections (cupool.dense_nvfp4) at the default shapes: QKV (norm, 4 warps)
     # at batch 1 and 16, the o-projection (+ residual, 4 warps, K split over 4 blocks)
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1"),

@@ -361,7 +361,7 @@ def test_reference_step_runs_shared_experts(monkeypatch):
     model = fused_model("qwen2_moe", seed=12)
     prompts, tok = [[5, 9, 3], [2, 6, 7, 1]], [11, 4]
     fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
-    assert step.describe() == ("fused decode step: 3 of 3 layers; a gated shared expert in 3 "
+    assert step.describe() == ("fused decode step: 3 of 3 layers; a shared expert in 3 "
                                "layers"), step.describe()
     assert all(l.mlp.gated and l.mlp.gate_up.N == 2 * l.mlp.size + 1 for l in step.layers)
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
@@ -372,10 +372,82 @@ def test_reference_step_runs_shared_experts(monkeypatch):
     assert rel(without, want) > 10 * LOGIT_TOL, rel(without, want)
 
 
+def dots1_model(seed: int, device="cpu"):
+    """A tiny dots.llm1 (transformers' `dots1`): layer 0 a dense MLP, layers 1 and 2 MoE blocks
+    with a sigmoid router (its e_score_correction_bias far from zero, one expert group, weights
+    renormalised and scaled by 2.5) and an ungated shared expert; q/k norms over the head dim."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        "dots1", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.3)
+                m.weight.normal_(0, 0.1)
+            if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor):
+                m.gate_up_proj.normal_(0, 0.2)
+                m.down_proj.normal_(0, 0.2)
+            if isinstance(getattr(m, "gate_proj", None), torch.nn.Linear):
+                for lin in (m.gate_proj, m.up_proj, m.down_proj):
+                    lin.weight.normal_(0, 0.1)
+    return model.to(device=device, dtype=torch.bfloat16)
+
+
+@torch.inference_mode()
+def test_reference_step_runs_sigmoid_routers_and_ungated_shared_experts():
+    """dots.llm1's layers (a dense first layer, then sigmoid routers with a correction bias and
+    ungated shared experts) are all fused; the routers pass their probe against
+    `ref.route_sigmoid` and one step's logits and cache writes match transformers'. A step whose
+    routers leave the correction bias out is far off (the test can fail)."""
+    model = dots1_model(seed=1)
+    prompts, tok = [[5, 9, 3], [2, 6, 7, 1]], [11, 4]
+    fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
+    assert step.describe() == ("fused decode step: 3 of 3 layers; a shared expert in 2 layers; "
+                               "a sigmoid router in 2 layers; a dense MLP in 1 layer"), \
+        step.describe()
+    assert [l.dense for l in step.layers] == [True, False, False]
+    for l in step.layers[1:]:
+        assert not l.mlp.gated and l.router.sigmoid[1] == 2.5 and l.norm_topk
+        assert l.router.sigmoid[0].dtype == torch.float32
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+    for l in step.layers[1:]:
+        l.router.sigmoid = (torch.zeros_like(l.router.sigmoid[0]), l.router.sigmoid[1])
+    cache = SlotCache(3, 2, 40, torch.bfloat16, "cpu")
+    for b, p in enumerate(prompts):
+        prefill(model, cache, b, p)
+    step.cache = cache
+    unbiased = step(torch.tensor(tok)[:, None], cache.pos.clone(), torch.ones(2, dtype=torch.bool))
+    assert rel(unbiased, want) > 5 * LOGIT_TOL, rel(unbiased, want)
+
+
+def test_sigmoid_router_refusals_name_the_reason():
+    """A sigmoid router that keeps some of several expert groups, or whose weight is float32,
+    is refused with the reason (its layer then runs transformers' module)."""
+    from cupool.fused import check_sigmoid_router
+    gate = dots1_model(seed=2).model.layers[1].mlp.gate
+    E, H, K = gate.weight.shape[0], gate.weight.shape[1], gate.top_k
+    assert check_sigmoid_router(gate, "gate", E, H, K)[:2] == (True, torch.float32)
+    gate.n_group, gate.topk_group = 4, 2
+    with pytest.raises(Unsupported, match="keeps 2 of 4 expert groups"):
+        check_sigmoid_router(gate, "gate", E, H, K)
+    gate.n_group = gate.topk_group = 1
+    gate.weight.data = gate.weight.float()
+    with pytest.raises(Unsupported, match="weight is torch.float32"):
+        check_sigmoid_router(gate, "gate", E, H, K)
+
+
 def test_shared_expert_refusals_name_the_reason():
-    """A shared expert's gate that is not a Linear to one output, or a shared expert without
-    its gate (DeepSeek's and GLM's ungated shared experts), leaves the layer to transformers'
-    module, with the reason said."""
+    """A shared expert's gate that is not a Linear to one output, or a `shared_expert` without
+    its `shared_expert_gate` (a block of other modules: the ungated ones are `shared_experts`),
+    leaves the layer to transformers' module, with the reason said."""
     model = fused_model("qwen2_moe", seed=13)
     H = model.config.hidden_size
     mlp0, mlp1 = model.model.layers[0].mlp, model.model.layers[1].mlp
@@ -386,7 +458,7 @@ def test_shared_expert_refusals_name_the_reason():
     kinds = [type(l).__name__ for l in step.layers]
     assert kinds == ["ModelLayer", "ModelLayer", "FusedLayer"], kinds
     assert "shared_expert_gate is [2, " in step.layers[0].reason, step.layers[0].reason
-    assert "ungated shared experts are not fused" in step.layers[1].reason, step.layers[1].reason
+    assert "not a MoE block of" in step.layers[1].reason, step.layers[1].reason
 
 
 def test_refusals_name_the_reason():

@@ -38,6 +38,9 @@ BUILDS = {
     # a router with a bias (gpt-oss's): the bias added to the sums before the logits' rounding
     "route_bias": dict(NB=3, MODE=1, EPI=2, WARPS=8, RT=1, KS=1, LANE_ADDR=0, RBIAS=1),
     "route_bias_split": dict(NB=1, MODE=1, EPI=2, WARPS=8, RT=1, KS=5, LANE_ADDR=1, RBIAS=1),
+    # sigmoid routing with a correction bias (DeepSeek-V3's, GLM-4.5's routers: SIG)
+    "route_sigmoid": dict(NB=3, MODE=1, EPI=2, WARPS=8, RT=1, KS=1, LANE_ADDR=1, SIG=1),
+    "route_sigmoid_split": dict(NB=1, MODE=1, EPI=2, WARPS=4, RT=1, KS=3, LANE_ADDR=0, SIG=1),
     "fp4_plain": dict(NB=3, MODE=0, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0, WFP4=1),
     # 9 to 16 tokens: two MMA n tiles, x tiles of KT = 1024 columns
     "fp4_norm_nb10": dict(NB=10, MODE=1, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0, WFP4=1),
@@ -68,9 +71,10 @@ def builds(tmp_path_factory):
 
 
 def run_kernel(work, name, ws, bs, x, add=None, nw=None, res=None, eps=1e-6, topk=0,
-               norm_topk=True, w_f32=False, active=None, table=None):
+               norm_topk=True, w_f32=False, active=None, table=None, sbias=None, sscale=1.0):
     """The emulated launch over grid (tiles, KS): a dict of what it wrote (poisoned where not).
-    ws: bf16 matrices, or `DenseNVFP4` ones for a WFP4 build."""
+    ws: bf16 matrices, or `DenseNVFP4` ones for a WFP4 build; sbias (float32 [N]) and sscale
+    for a SIG build."""
     b = BUILDS[name]
     NB, K = b["NB"], x.shape[1]
     assert x.shape[0] == NB
@@ -90,6 +94,9 @@ def run_kernel(work, name, ws, bs, x, add=None, nw=None, res=None, eps=1e-6, top
         words.append(active.to(torch.int64).numpy())
     if b["LANE_ADDR"]:
         words.append(table.numpy())
+    if b.get("SIG"):
+        words.append(sbias.to(torch.float32).numpy().view(np.uint32).astype(np.int64))
+        words.append([emu_build.f32_bits(sscale)])
     got = emu_build.run(work / name, words)
     tiles = -(-N // (16 * b["RT"]))
     sizes = {"out": NB * N, "h_out": NB * K, "x_out": NB * K, "logits": NB * N,
@@ -216,6 +223,78 @@ def test_route_bias_kernel_source_matches_reference_on_cpu(builds, name, E, K, H
     assert torch.equal(got["ids"], ids), (got["ids"], ids)
     assert torch.allclose(got["weights"].float(), wts.float(), rtol=2 ** -7, atol=0)
     assert got["ticket"] == 0 and not got["tile_tickets"].any()
+
+
+# GLM-4.5-Air's router (128 experts, top-8, H = 4096: past one x tile), DeepSeek-V3's (256), Kimi
+# K2's (384: 12 a lane), and odd ones (37: a short last segment; K split over 3 blocks)
+@pytest.mark.parametrize("name,E,K,H", [("route_sigmoid", 128, 8, 4096),
+                                        ("route_sigmoid", 256, 8, 264),
+                                        ("route_sigmoid", 384, 8, 264),
+                                        ("route_sigmoid", 37, 3, 264),
+                                        ("route_sigmoid_split", 160, 6, 2048)])
+@pytest.mark.parametrize("norm_topk,scale,w_f32", [(True, 1.0, True), (False, 2.5, True),
+                                                   (True, 2.5, False)])
+def test_route_sigmoid_kernel_source_matches_reference_on_cpu(builds, name, E, K, H, norm_topk,
+                                                              scale, w_f32):
+    """SIG: sigmoid scores, the top-k of scores + the correction bias, weights the chosen scores
+    (normalised or not, times the scale), as `ref.route_sigmoid` on the kernel's logits; two
+    experts with equal rows and biases come out in ascending order; inactive tokens get −1 and 0.
+    The biases move the choice (checked: without them the ids differ), so a kernel that left
+    them out would fail."""
+    gen = torch.Generator().manual_seed(E * 17 + K + H + int(norm_topk) + int(w_f32))
+    NB = BUILDS[name]["NB"]
+    w = rand(E, H, scale=0.02, gen=gen)
+    h = rand(NB, H, scale=3.0, gen=gen)
+    nw = rand(H, scale=0.3, gen=gen) + 1
+    _, xin = ref.residual_norm(h, None, nw, 1e-6)
+    w[[E - 2, 1]] = (0.05 * xin[0].float().sign()).to(torch.bfloat16)   # tied, token 0's top
+    sbias = torch.randn(E, generator=gen) * 0.3
+    sbias[[E - 2, 1]] = 2.0                   # above every other score + bias
+    active = torch.ones(NB, dtype=torch.bool)
+    active[-1] = NB == 1
+    table = torch.randint(1, 2**47, (E,), generator=gen)
+    got = run_kernel(builds, name, [w], None, h, nw=nw, topk=K, norm_topk=norm_topk,
+                     w_f32=w_f32, active=active, table=table, sbias=sbias, sscale=scale)
+    want = xin.float() @ w.float().T                    # float32 logits, not rounded to bf16
+    assert torch.allclose(got["logits"], want, rtol=1e-4, atol=1e-4), \
+        float((got["logits"] - want).abs().max())
+    assert not torch.equal(got["logits"], got["logits"].to(torch.bfloat16).float())
+    wdtype = torch.float32 if w_f32 else torch.bfloat16
+    ids, wts = ref.route_sigmoid(got["logits"], sbias, K, norm_topk, scale, wdtype, active)
+    assert torch.equal(got["ids"], ids), (got["ids"], ids)
+    assert got["ids"][0, :2].tolist() == [1, E - 2], got["ids"][0]
+    unbiased, _ = ref.route_sigmoid(got["logits"], torch.zeros(E), K, norm_topk, scale, wdtype,
+                                    active)
+    assert not torch.equal(unbiased, ids)
+    if w_f32:
+        assert torch.allclose(got["weights"], wts, rtol=1e-6, atol=1e-7)
+    else:                          # one bf16 step where float rounding orders differ
+        assert torch.allclose(got["weights"].float(), wts.float(), rtol=2 ** -7, atol=0)
+    if BUILDS[name]["LANE_ADDR"]:
+        assert torch.equal(got["lane_addr"], ref.lane_addresses(ids, table))
+    assert got["ticket"] == 0 and not got["tile_tickets"].any()
+
+
+def test_route_sigmoid_nan_on_cpu(builds):
+    """A NaN logit's score counts as largest: that expert comes first, its weight NaN, and with
+    norm_topk every weight of the token NaN (their sum is); the other tokens route as usual."""
+    gen = torch.Generator().manual_seed(5)
+    E, K, H, NB = 128, 8, 264, BUILDS["route_sigmoid"]["NB"]
+    w = rand(E, H, scale=0.02, gen=gen)
+    h = rand(NB, H, scale=3.0, gen=gen)
+    h[1, 7] = float("nan")                     # token 1's every logit NaN: experts 0 … K − 1
+    nw = rand(H, scale=0.3, gen=gen) + 1
+    sbias = torch.randn(E, generator=gen) * 0.3
+    active = torch.ones(NB, dtype=torch.bool)
+    table = torch.randint(1, 2**47, (E,), generator=gen)
+    for norm in (True, False):
+        got = run_kernel(builds, "route_sigmoid", [w], None, h, nw=nw, topk=K, norm_topk=norm,
+                         w_f32=True, active=active, table=table, sbias=sbias, sscale=1.0)
+        ids, wts = ref.route_sigmoid(got["logits"], sbias, K, norm, 1.0, torch.float32, active)
+        assert torch.equal(got["ids"], ids), (got["ids"], ids)
+        assert got["ids"][1].tolist() == list(range(K))
+        assert got["weights"][1].isnan().all()
+        assert torch.allclose(got["weights"][0], wts[0], rtol=1e-6, atol=1e-7)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

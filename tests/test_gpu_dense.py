@@ -253,6 +253,69 @@ def test_dense_gemv_routes(tokens, E, K, norm_topk, wdtype, shape):
         assert torch.allclose(r.weights, wts, rtol=1e-6, atol=1e-7)
 
 
+# GLM-4.5-Air's router (128 experts, top-8, H = 4096), DeepSeek-V3's (256, H = 7168), Kimi K2's
+# (384), an odd one; one token and several, K split and not
+@pytest.mark.parametrize("tokens,E,K,H,shape", [(1, 128, 8, 4096, {}),
+                                                (8, 128, 8, 4096, dict(split_k=8)),
+                                                (1, 256, 8, 7168, dict(warps=4, split_k=16)),
+                                                (3, 384, 8, 2048, {}), (5, 37, 3, 264, {})])
+@pytest.mark.parametrize("norm_topk,scale", [(True, 1.0), (False, 2.5)])
+def test_dense_gemv_routes_sigmoid_routers(tokens, E, K, H, shape, norm_topk, scale):
+    """The SIG build (a sigmoid router with a correction bias): float32 logits (not rounded to
+    bf16), then `ref.route_sigmoid` on them, float32 weights, lane addresses; the biases move
+    the choice, so a kernel that left them out would route elsewhere."""
+    from cupool.ops.dense_gemv import ROUTE, DenseGemv, RouteOut
+    gen = torch.Generator(device="cuda").manual_seed(E * 23 + tokens + H + int(norm_topk))
+    w = rand(E, H, scale=0.02, gen=gen)
+    sbias = torch.randn(E, device="cuda", generator=gen) * 0.3
+    op = DenseGemv([w], tokens=tokens, norm=True, epilogue=ROUTE, lane_addr=True,
+                   sigmoid=(sbias, scale), **shape)
+    r = RouteOut.allocate(tokens, E, K, torch.float32, "cuda")
+    r.logits.fill_(float("nan"))
+    r.ids.fill_(-7)
+    r.weights.fill_(float("nan"))
+    h = rand(tokens, H, scale=3.0, gen=gen)
+    nw = rand(H, scale=0.3, gen=gen) + 1
+    active = torch.ones(tokens, dtype=torch.bool, device="cuda")
+    active[-1] = tokens == 1
+    table = torch.randint(1, 2**47, (E,), device="cuda", generator=gen)
+    lane_addr = torch.full((tokens * K,), -7, dtype=torch.int64, device="cuda")
+    for _ in range(2):                     # twice: the tickets must be back at zero
+        op(h, norm_weight=nw, eps=1e-6, route=r, top_k=K, norm_topk=norm_topk, active=active,
+           table=table, lane_addr=lane_addr)
+    torch.cuda.synchronize()
+    assert int(r.ticket.item()) == 0
+    _, xin = ref.residual_norm(h, None, nw, 1e-6)
+    want = xin.float() @ w.float().T
+    assert torch.allclose(r.logits, want, rtol=1e-3, atol=1e-3), \
+        float((r.logits - want).abs().max())
+    ids, wts = ref.route_sigmoid(r.logits, sbias, K, norm_topk, scale, torch.float32, active)
+    assert torch.equal(r.ids, ids), (r.ids, ids)
+    assert torch.allclose(r.weights, wts, rtol=1e-6, atol=1e-7)
+    assert torch.equal(lane_addr, ref.lane_addresses(ids, table))
+    unbiased, _ = ref.route_sigmoid(r.logits, torch.zeros_like(sbias), K, norm_topk, scale,
+                                    torch.float32, active)
+    assert not torch.equal(unbiased, ids)
+
+
+def test_fused_step_runs_sigmoid_routers_through_the_pool():
+    """dots.llm1's layers (a dense first layer; sigmoid routers with a correction bias and
+    ungated shared experts) on the fused step's kernels, the pool's experts at half the bank:
+    one step's logits and cache writes match transformers' forward."""
+    import cupool
+    from test_fused_step import LOGIT_TOL, compare_step, dots1_model
+    model = dots1_model(seed=1, device="cuda")
+    pool = cupool.wrap(model, rows=4, max_decode_tokens=4, progress=False)
+    fused, want, fc, mc, step = compare_step(model, pool, "kernels",
+                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
+    assert step.describe().startswith("fused decode step: 3 of 3 layers; a shared expert in 2 "
+                                      "layers; a sigmoid router in 2 layers"), step.describe()
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+    assert pool.errors() == []
+
+
 # gpt-oss-120b's router (E = 128, top-4, H = 2880) and gpt-oss-20b's (E = 32), odd ones
 @pytest.mark.parametrize("tokens,E,K,H", [(1, 128, 4, 2880), (8, 128, 4, 2880), (1, 32, 4, 2880),
                                           (5, 37, 3, 264)])
@@ -769,8 +832,8 @@ def test_fused_step_runs_dense_mlp_layers_through_the_pool():
     model, pool = _wrapped("qwen2_moe", seed=32, mlp_only_layers=[1])
     fused, want, fc, mc, step = compare_step(model, pool, "kernels",
                                              [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
-    assert step.describe().startswith("fused decode step: 3 of 3 layers; a gated shared expert "
-                                      "in 2 layers; a dense MLP in 1 layer"), step.describe()
+    assert step.describe().startswith("fused decode step: 3 of 3 layers; a shared expert in 2 "
+                                      "layers; a dense MLP in 1 layer"), step.describe()
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
         assert rel(k_f, k_m) <= 1e-2

@@ -48,6 +48,7 @@ from cupool.layout import CHUNK_COLS, dense_strips_shape
 WARPS = 8                      # the kernel's block: 8 warps (4 with warps=4)
 WARPS_CHOICES = (4, 8)
 MAX_SPLIT_K = 16
+SIGMOID_EXPERTS = 512           # most experts the SIG route epilogue takes (16 a lane, in registers)
 NO_NORM, NORM = 0, 1           # MODE
 PLAIN, RESIDUAL, ROUTE = 0, 1, 2   # EPI
 # x tile columns in shared memory (KT of the kernel) by n tiles of 8 tokens; the route epilogue
@@ -186,11 +187,16 @@ class DenseGemv:
         split_k: blocks each row tile's K is split over, 1 to 16 with K >= 32 · split_k.
         lane_addr: ROUTE only: also build the launch that writes lane addresses (the module
             docstring), taken by calls with table= and lane_addr=.
+        sigmoid: ROUTE only, a sigmoid router with a correction bias (DeepSeek-V3's, GLM-4.5's,
+            one expert group): (bias, scale), bias a float32 [N] tensor (its
+            e_score_correction_bias), scale its routed_scaling_factor: the kernel's SIG build
+            (`cupool.reference.dense.route_sigmoid`'s rule), at most 512 experts. None: softmax.
     """
 
     def __init__(self, weights: Sequence[torch.Tensor], biases=None, *, tokens: int,
                  norm: bool = False, epilogue: int = PLAIN, warps: int = WARPS,
-                 split_k: int = 1, lane_addr: bool = False):
+                 split_k: int = 1, lane_addr: bool = False,
+                 sigmoid: tuple[torch.Tensor, float] | None = None):
         weights = list(weights)
         if not 1 <= len(weights) <= 3:
             raise ValueError(f"weights must hold 1 to 3 matrices, got {len(weights)}")
@@ -241,6 +247,22 @@ class DenseGemv:
                    "WARPS": warps, "RT": self.row_tiles}
         if epilogue == ROUTE and any(b is not None for b in biases):    # gpt-oss's router
             defines["RBIAS"] = 1
+        self.sigmoid = sigmoid
+        self._sig_args = ()
+        if sigmoid is not None:
+            if epilogue != ROUTE:
+                raise ValueError("sigmoid= belongs to a GEMV built with epilogue=ROUTE")
+            sbias, scale = sigmoid
+            _check_vector("sigmoid bias", sbias, self.N, self.device, torch.float32)
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+                    or not 0 < scale < float("inf"):
+                raise ValueError(f"the sigmoid router's scale must be a positive finite number, "
+                                 f"got {scale!r}")
+            if self.N > SIGMOID_EXPERTS:
+                raise ValueError(f"a sigmoid router of {self.N} experts is more than the "
+                                 f"{SIGMOID_EXPERTS} the route epilogue takes")
+            defines["SIG"] = 1
+            self._sig_args = (sbias, kernels.f32(float(scale)))
         if self.nvfp4:             # bf16 builds take neither the defines nor the scales
             defines["WFP4"] = 1
             pre = predequant_chunks(self.K, warps, split_k, tokens, self.row_tiles)
@@ -360,7 +382,8 @@ class DenseGemv:
             null if norm_weight is None else norm_weight, kernels.f32(eps),
             null if h_out is None else h_out, null if x_out is None else x_out,
             null if residual is None else residual, null if out is None else out,
-            *rargs, *self._split_args, *lane_args), device=self.device, dependent=True)
+            *rargs, *self._split_args, *lane_args, *self._sig_args), device=self.device,
+            dependent=True)
 
     def _check_lane_addr(self, table, lane_addr, top_k: int) -> None:
         """ValueError naming the argument unless this is a ROUTE GEMV built with lane_addr=True,

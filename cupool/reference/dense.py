@@ -63,6 +63,30 @@ def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool, weight_dtype: 
     return ids, w
 
 
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk: bool,
+                  scale: float, weight_dtype: torch.dtype = torch.float32,
+                  active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sigmoid top-k router with a correction bias on logits [B, E] (DeepSeek-V3's, GLM-4.5's
+    and dots.llm1's routers with one expert group): scores = sigmoid(logits) in float32; the
+    top_k largest of scores + bias (float32 [E]; NaN counts as largest, ties to the lower
+    expert) are chosen; their weights are their scores, divided by their sum (+ 1e-20) when
+    norm_topk, times scale, in weight_dtype. Tokens with active False get ids −1 and weights 0.
+    Returns (ids int32 [B, K], weights [B, K])."""
+    scores = torch.sigmoid(logits.to(torch.float32))
+    choice = scores + bias.to(torch.float32)
+    key = torch.where(choice.isnan(), torch.full_like(choice, float("inf")), choice)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    top = scores.gather(1, order)
+    if norm_topk:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    ids, w = order.to(torch.int32), (top * scale).to(weight_dtype)
+    if active is not None:
+        off = ~active.to(torch.bool)
+        ids = ids.masked_fill(off[:, None], -1)
+        w = w.masked_fill(off[:, None], 0)
+    return ids, w
+
+
 def lane_addresses(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """The decode GEMM's lane addresses of a bank holding every expert: ids int32 [B, K] (−1:
     padding), table int64 [E] (each expert's bank row address) → int64 [B·K], table[id] a lane,
@@ -137,8 +161,10 @@ class GemvReference:
     ignored: it changes only the order of the kernel's float sums."""
 
     def __init__(self, weights, biases=None, *, tokens: int, norm: bool = False,
-                 epilogue: int = 0, warps: int = 8, split_k: int = 1, lane_addr: bool = False):
+                 epilogue: int = 0, warps: int = 8, split_k: int = 1, lane_addr: bool = False,
+                 sigmoid=None):
         self.weights, self.biases = list(weights), biases
+        self.sigmoid = sigmoid
         self.tokens, self.norm, self.epilogue = tokens, norm, epilogue
         self.lane_addr = lane_addr
         # NVFP4 weights (cupool.dense_nvfp4.DenseNVFP4) as the float32 values they hold
@@ -163,7 +189,12 @@ class GemvReference:
             xin = x
         y = gemv(self._mats, self.biases, xin)
         if self.epilogue == 2:
-            ids, w = route_topk(y, top_k, norm_topk, route.weights.dtype, active)
+            if self.sigmoid is not None:        # float32 logits, as those routers compute them
+                y = xin.to(torch.float32) @ self._mats[0].to(torch.float32).T
+                ids, w = route_sigmoid(y, self.sigmoid[0], top_k, norm_topk, self.sigmoid[1],
+                                       route.weights.dtype, active)
+            else:
+                ids, w = route_topk(y, top_k, norm_topk, route.weights.dtype, active)
             route.logits.copy_(y.to(torch.float32))
             route.ids.copy_(ids)
             route.weights.copy_(w)

@@ -1,11 +1,13 @@
 // Runs rawkernels/dense_gemv.cu on CPU fibers (cuda_emu.h), the blocks of its grid (tiles, KS)
 // one after another, and writes what it wrote, for tests/test_gemv_emu.py to compare with the
-// reference. NB, MODE, EPI, WFP4, PRE, WARPS, RT, KS and LANE_ADDR are the build's defines.
+// reference. NB, MODE, EPI, WFP4, PRE, WARPS, RT, KS, LANE_ADDR and SIG are the build's defines.
 //
 // Input (int64 words): n0, n1, n2 (rows of the three matrices), K, has_bias, has_add, has_res2,
 // the bits of eps (float32), topk, norm_topk, w_f32, has_active; then one bf16 a word: w0, w1, w2
 // ([n·K] each), b0, b1, b2 ([n] each, has_bias), in [NB·K], add [NB·K] (has_add), nw [K] (MODE
-// 1), res2 [NB·N] (has_res2); then active [NB] (has_active), table [N] (LANE_ADDR), a word each.
+// 1), res2 [NB·N] (has_res2); then active [NB] (has_active), table [N] (LANE_ADDR), a word each;
+// a SIG build (sigmoid routing) then reads the correction bias [N] and the scale, float32 bits a
+// word.
 // Output (int64 words): out [NB·N] (bf16; EPI 0 and 1), h_out and x_out [NB·K] (bf16; MODE 1),
 // logits [NB·N] (float32 bits), ids [NB·topk], weights [NB·topk] (bf16, or float32 bits with
 // w_f32), lane_addr [NB·topk] (EPI 2), the routing ticket (EPI 2) and the tiles' tickets (KS > 1).
@@ -73,6 +75,11 @@ int main(int argc, char** argv) {
     std::vector<i64> table;
     if (LANE_ADDR)
         for (int i = 0; i < N; ++i) table.push_back(next());
+#if SIG
+    std::vector<float> sbias;
+    for (int i = 0; i < N; ++i) sbias.push_back(__uint_as_float((u32)next()));
+    const float sscale = __uint_as_float((u32)next());
+#endif
     if (emu_at != emu_in.size()) {
         std::fprintf(stderr, "gemv_main: %zu input words left over\n", emu_in.size() - emu_at);
         return 2;
@@ -104,6 +111,9 @@ int main(int argc, char** argv) {
 #endif
 #if LANE_ADDR
                    , table.data(), lane_addr.data()
+#endif
+#if SIG
+                   , sbias.data(), sscale
 #endif
         );
     });
