@@ -5,11 +5,12 @@ Shape legend (ARCHITECTURE.md): B tokens of the step (one a slot) · H hidden ·
 E experts · K top-k · nh / hk query / KV heads · D head dim · L_max positions a slot holds.
 
 A decoder layer of the common pattern — RMSNorm → attention (q/k/v/o projections with or without
-biases, q/k RMSNorm over the head dim or none, rotary embedding, grouped-query, full or sliding
+biases, q/k RMSNorm over the head dim or none, rotary embedding over the whole head or its first
+dims (GLM-4.5's partial rotary, `kernel_rotary`), grouped-query, full or sliding
 window, with or without sinks) → residual → RMSNorm → softmax top-k router (its logits with or
 without a bias), or a sigmoid router with a correction bias and one expert group → pooled
 experts, plus a shared expert where the block has one → residual; Qwen3-MoE, Mixtral, gpt-oss,
-Qwen2-MoE, dots.llm1 — runs as:
+Qwen2-MoE, GLM-4.5, dots.llm1 — runs as:
 
     dense_gemv (norm)   h = h_mid + moe of the layer before; x = rmsnorm(h); qkv = x·Wqkv (+ b)
     dense_attention     q/k norm, rotary, k and v into the slot cache at pos, split-KV attention
@@ -365,40 +366,57 @@ def check_sigmoid_router(gate: nn.Module, what: str, experts: int, hidden: int, 
 
 
 def kernel_rotary(cos: torch.Tensor, sin: torch.Tensor, D: int, attn: nn.Module):
-    """The rotary tables [L, D] that the attention kernel (and its reference) apply as
-    x·cos + rotate_half(x)·sin, from the model's own cos / sin [L, n]. Where n = D they are the
-    model's. Where n = D / 2 (gpt-oss: both halves of a head turned by the same D / 2
-    frequencies, first·cos − second·sin and second·cos + first·sin), each table is set beside
-    itself, once a probe shows that the function the attention's module applies them with
-    (`apply_rotary_pos_emb` of its modeling file) computes exactly that. Anything else (partial
-    rotary, which leaves dims unturned) raises Unsupported."""
+    """(cos, sin, rotary_dims): the rotary tables [L, D] that the attention kernel (and its
+    reference) apply as x·cos + rotate_half(x)·sin over the first rotary_dims dims of a head
+    (None: all D), from the model's own cos / sin [L, n]. Where n = D they are the model's.
+    Otherwise a probe of the function the attention's module applies them with
+    (`apply_rotary_pos_emb` of its modeling file) decides: where n = D / 2 and it turns both
+    halves of a head by the same D / 2 frequencies (gpt-oss: first·cos − second·sin, second·cos
+    + first·sin), each table is set beside itself; where it turns the first n dims as a
+    rotate_half pair and passes the rest (partial rotary: GLM-4.5's), the tables are the model's
+    padded to D (columns past n never read) and rotary_dims is n, which the kernel takes in
+    multiples of 64. Anything else raises Unsupported."""
     n = cos.shape[-1]
     if n == D:
-        return cos, sin
-    why = f"the rotary embedding covers {n} of the head's {D} dims (partial rotary is not fused)"
+        return cos, sin, None
+    why = f"the rotary embedding covers {n} of the head's {D} dims"
     module = sys.modules.get(type(attn).__module__)
     apply = getattr(module, "apply_rotary_pos_emb", None)
-    if 2 * n != D or not callable(apply):
-        raise Unsupported(why)
-    full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    if not callable(apply):
+        raise Unsupported(f"{why}, and the attention's module has no apply_rotary_pos_emb to "
+                          f"probe")
     L = cos.shape[0]
     rows = torch.tensor([0, L // 2, L - 1], device=cos.device)
     gen = torch.Generator(device=cos.device).manual_seed(2)
     q = torch.randn(1, 2, 3, D, generator=gen, device=cos.device)
     k = torch.randn(1, 1, 3, D, generator=gen, device=cos.device)
     c, s = cos[rows].float()[None], sin[rows].float()[None]                 # [1, 3, n]
-    C, S = full_cos[rows].float(), full_sin[rows].float()                    # [3, D]
     try:
         with torch.no_grad():
             got_q, got_k = apply(q, k, c, s)
     except (TypeError, ValueError, RuntimeError) as e:
         raise Unsupported(f"{why}: {module.__name__}.apply_rotary_pos_emb did not take a probe "
                           f"({e})") from None
-    for x, got in ((q, got_q), (k, got_k)):
-        if not torch.allclose(got.float(), rope_reference(x, C, S), rtol=1e-5, atol=1e-5):
-            raise Unsupported(f"{why}: {module.__name__}.apply_rotary_pos_emb does not turn both "
-                              f"halves of a head by the table (a probe differs)")
-    return full_cos.contiguous(), full_sin.contiguous()
+
+    def turns(want) -> bool:
+        return all(torch.allclose(got.float(), want(x), rtol=1e-5, atol=1e-5)
+                   for x, got in ((q, got_q), (k, got_k)))
+
+    full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    if 2 * n == D and turns(lambda x: rope_reference(x, full_cos[rows].float(),
+                                                     full_sin[rows].float())):
+        return full_cos.contiguous(), full_sin.contiguous(), None
+    if n < D and turns(lambda x: rope_reference(x, c[0], s[0], n)):
+        if n % 64:
+            raise Unsupported(f"{why} (partial rotary): the attention kernel turns a multiple "
+                              f"of 64 dims")
+        pad = (L, D - n)
+        return (torch.cat([cos, torch.ones(pad, dtype=cos.dtype, device=cos.device)], -1)
+                .contiguous(),
+                torch.cat([sin, torch.zeros(pad, dtype=sin.dtype, device=sin.device)], -1)
+                .contiguous(), n)
+    raise Unsupported(f"{why}: {module.__name__}.apply_rotary_pos_emb turns them neither as a "
+                      f"partial rotary nor both halves of a head by the table (a probe differs)")
 
 
 class _ModelExperts:
@@ -576,6 +594,15 @@ class FusedStep:
         B = self.tokens
         bf = torch.bfloat16
         nh, hk, D = self._attn_shape
+        with torch.no_grad():
+            L = cache.max_len
+            probe = torch.zeros(1, 1, H, dtype=bf, device=dev)
+            cos, sin = rope(probe, torch.arange(L, device=dev)[None])
+        # the model's own tables (transformers' layers take these), and the kernel's [L, D]
+        self.rope_cos, self.rope_sin = cos[0].contiguous(), sin[0].contiguous()
+        first = next(l for l in self.layers if isinstance(l, FusedLayer))
+        self.cos, self.sin, self.rotary_dims = kernel_rotary(
+            self.rope_cos, self.rope_sin, D, base.layers[first.index].self_attn)
         sms = _cuda.target(dev).sms if dev.type == "cuda" else 1
         attn_shape = self.dense_shape.get("attn", {})
         self.workspace = AttentionWorkspace(
@@ -584,7 +611,7 @@ class FusedStep:
         for l in self.layers:
             if isinstance(l, FusedLayer):
                 l.attn = self._attention(nh, hk, D, workspace=self.workspace, **l.attn,
-                                         **attn_shape)
+                                         rotary_dims=self.rotary_dims, **attn_shape)
         # profiling only: parts of every fused layer the step leaves out (`ABLATE` names them;
         # `benchmarks/profile_decode.py --ablate` captures the step without each to time what it
         # costs inside the graph; the logits are then meaningless)
@@ -604,15 +631,6 @@ class FusedStep:
         # step is skipped, and why not
         self.fused_route_asked = parse_fused_route(os.environ.get(FUSED_ROUTE_ENV))
         self.fused_route_why = self._fused_route_why()
-        with torch.no_grad():
-            L = cache.max_len
-            probe = torch.zeros(1, 1, H, dtype=bf, device=dev)
-            cos, sin = rope(probe, torch.arange(L, device=dev)[None])
-        # the model's own tables (transformers' layers take these), and the kernel's [L, D]
-        self.rope_cos, self.rope_sin = cos[0].contiguous(), sin[0].contiguous()
-        first = next(l for l in self.layers if isinstance(l, FusedLayer))
-        self.cos, self.sin = kernel_rotary(self.rope_cos, self.rope_sin, D,
-                                           base.layers[first.index].self_attn)
 
     # --- matching ---------------------------------------------------------------------------
     def _fuse(self, i: int, layer: nn.Module, layer_type, window, by_parent) -> FusedLayer:

@@ -29,7 +29,9 @@
 // Rounding follows transformers: q and k leave the projection in bf16; the norm is
 // bf16(w · bf16(x · rsqrt(mean(x²) + eps))); the rotary embedding is
 // bf16(bf16(x · cos) + bf16(rotate_half(x) · sin)) with transformers' own bf16 cos / sin tables
-// (passed in, [L_max, D]). Scores, softmax and P·V run in float32: the MMAs' products of bf16
+// (passed in, [L_max, D]); with ROT < D (partial rotary, GLM-4.5's: ROT a multiple of 64) only
+// the first ROT dims turn, rotate_half pairing dims c and c + ROT / 2, and the others pass as
+// they are (the tables' columns past ROT are not read). Scores, softmax and P·V run in float32: the MMAs' products of bf16
 // values are exact, and P·V takes each float32 probability as two bf16 terms, hi = bf16(p) and
 // lo = bf16(p − hi) (two MMAs: 16 bits of its mantissa where one bf16 keeps 8); the output is
 // bf16.
@@ -83,6 +85,9 @@
 #ifndef MINCHUNK
 #define MINCHUNK 64       // fewest positions a part
 #endif
+#ifndef ROT
+#define ROT D             // dims the rotary embedding turns: the first ROT (partial rotary below D)
+#endif
 #ifndef AHEAD
 #define AHEAD 0           // 1: a tile's key and value loads issued ahead of their use (below)
 #endif
@@ -107,6 +112,8 @@
 
 static_assert(D % 64 == 0 && D <= 256, "head dims of 64, 128, 192 or 256");
 static_assert(DPL % 2 == 0, "rotate_half pairs a lane's dims i and i + DPL / 2");
+#define RPL (ROT / 32)    // rotary dims a lane holds: its first RPL of the DPL
+static_assert(ROT % 64 == 0 && ROT <= D, "rotate_half pairs a lane's dims i and i + RPL / 2");
 static_assert(G >= 1 && NG * D <= 256, "the G heads' P·V sums fit a lane's registers (NG·D/4)");
 static_assert(TP == 16 * NWARP, "16 positions of a tile a warp");
 
@@ -180,14 +187,14 @@ CUPOOL_DEVICE void norm_rope_row(float (&x)[DPL], bool norm, const float (&w)[DP
 #pragma unroll
         for (int i = 0; i < DPL; ++i) x[i] = round_bf16(w[i] * round_bf16(x[i] * rs));
     }
-    float y[DPL];
+    float y[RPL];
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) {     // rotate_half: dim c < D/2 takes −x[c + D/2], else x[c − D/2]
-        const float rot = i < DPL / 2 ? -x[i + DPL / 2] : x[i - DPL / 2];
+    for (int i = 0; i < RPL; ++i) {     // rotate_half: dim c < R/2 takes −x[c + R/2], else x[c − R/2]
+        const float rot = i < RPL / 2 ? -x[i + RPL / 2] : x[i - RPL / 2];
         y[i] = round_bf16(round_bf16(x[i] * cs[i]) + round_bf16(rot * sn[i]));
     }
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) x[i] = y[i];
+    for (int i = 0; i < RPL; ++i) x[i] = y[i];    // dims past ROT pass as they are
 }
 
 // One merge: for each of the G heads of (b, h) (heads [head0, head0 + G), NS slots a head),

@@ -227,6 +227,8 @@ VARIANTS = [
     ("dense_attention", "-DD=64 -DG=1 -DMINCHUNK=64 -DAHEAD=1"),
     # two MMA n tiles of heads (GLM-4.5-Air's 12 a KV head) and Qwen3-Next's 256 dims
     ("dense_attention", "-DD=128 -DG=12 -DMINCHUNK=64 -DAHEAD=1"),
+    # GLM-4.5-Air's partial rotary: the first 64 of 128 dims turn (ROT)
+    ("dense_attention", "-DD=128 -DG=12 -DMINCHUNK=64 -DAHEAD=1 -DROT=64"),
     ("dense_attention", "-DD=256 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),
     # parts of at least 192 positions (CUPOOL_DENSE_SHAPE attn=aheadc192)
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=192 -DAHEAD=1"),

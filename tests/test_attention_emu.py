@@ -27,6 +27,8 @@ BUILDS = {
     "d128g8c192": {"D": 128, "G": 8, "MINCHUNK": 192, "AHEAD": 1},
     "d128g12": {"D": 128, "G": 12, "MINCHUNK": 64, "AHEAD": 1},     # GLM-4.5-Air's: two MMA n tiles
     "d256g8": {"D": 256, "G": 8, "MINCHUNK": 64, "AHEAD": 0},      # Qwen3-Next's
+    # GLM-4.5-Air's partial rotary: the first 64 of 128 dims turn
+    "d128g12r64": {"D": 128, "G": 12, "MINCHUNK": 64, "AHEAD": 1, "ROT": 64},
 }
 
 
@@ -114,6 +116,38 @@ def test_attention_kernel_source_matches_reference_on_cpu(builds, build, B, nh, 
     assert torch.equal(v.transpose(1, 2)[written], vr.transpose(1, 2)[written])
     new, new_ref = k.transpose(1, 2)[written].float(), kr.transpose(1, 2)[written].float()
     assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
+
+
+def test_attention_kernel_partial_rotary_matches_reference_on_cpu(builds):
+    """ROT = 64 of D = 128 (GLM-4.5-Air's heads: 96 over 8 KV heads, here 24 over 2): the first
+    64 dims of q and k turn (rotate_half pairing c and c + 32), the rest pass; the tables'
+    columns past 64 are NaN, so a kernel that read them would write NaN. A full rotary on the
+    same tables is far off (the test can fail)."""
+    B, nh, hk, L, D, R = 2, 24, 2, 400, 128, 64
+    qkv, kc, vc, _, _, _, _, sk = _inputs(B, nh, hk, D, L, False, True, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    ang = torch.rand(L, R // 2, generator=gen) * 6.3
+    nan = torch.full((L, D - R), float("nan"))
+    cos = torch.cat([ang.cos(), ang.cos(), nan], -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin(), ang.sin(), nan], -1).to(torch.bfloat16)
+    pos = torch.tensor([399, 17])
+    NS = parts(B, hk, L, 8, 64)
+    out, k, v, count = run_kernel(builds, "d128g12r64", qkv, pos, kc, vc, cos, sin, None, None,
+                                  sk, nh, hk, 0, NS, 1e-6, D ** -0.5)
+    kr, vr = kc.clone(), vc.clone()
+    want = ref.attention_decode(qkv, nh, hk, None, None, 1e-6, cos, sin, pos, kr, vr,
+                                D ** -0.5, 0, sk, rotary_dims=R)
+    assert (count == 0).all()
+    assert not out.isnan().any() and not k.isnan().any()
+    for b in range(B):
+        assert rel(out[b], want[b]) <= ATTN_TOL, (b, rel(out[b], want[b]))
+    written = k.transpose(1, 2)[torch.arange(B), pos].float()
+    exp = kr.transpose(1, 2)[torch.arange(B), pos].float()
+    assert ((written - exp).abs() <= exp.abs() * 2 ** -7 + 1e-30).all()
+    full = torch.cat([cos[:, :R], cos[:, :R]], -1), torch.cat([sin[:, :R], sin[:, :R]], -1)
+    other = ref.attention_decode(qkv, nh, hk, None, None, 1e-6, *full, pos, kc.clone(),
+                                 vc.clone(), D ** -0.5, 0, sk)
+    assert rel(other[0], want[0]) > 10 * ATTN_TOL
 
 
 @pytest.mark.parametrize("build,positions,slots,sms", [

@@ -204,15 +204,16 @@ def test_reference_step_runs_gpt_oss():
         for l, (sk, bs) in zip(step.layers, kept):
             l.attn.sinks, l.router.biases = sk, bs
     assert rel(step(tok_t, pos, active), want) <= LOGIT_TOL
-    with pytest.raises(Unsupported, match="partial rotary"):
+    with pytest.raises(Unsupported, match="covers 32 of the head's 128 dims"):
         kernel_rotary(step.rope_cos, step.rope_sin, 128, model.model.layers[0].self_attn)
 
 
 def test_half_rotary_tables_need_the_models_own_rotation(monkeypatch):
     """`kernel_rotary` widens a table of D / 2 frequencies only where the attention's modeling
-    file turns both halves of a head by it (gpt-oss); a partial rotary (the first D / 2 dims
-    turned, the rest passed through: GLM's, NeoX's) and an apply function that cannot take the
-    table are refused, each with its reason."""
+    file turns both halves of a head by it (gpt-oss); a partial rotary (the first n dims turned,
+    the rest passed through: GLM's, NeoX's) is taken where n is a multiple of 64 (the kernel's
+    ROT; here D = 8, so refused, and test_reference_step_runs_partial_rotary takes one), and an
+    apply function that cannot take the table is refused, each with its reason."""
     import sys
     import types
 
@@ -232,12 +233,11 @@ def test_half_rotary_tables_need_the_models_own_rotation(monkeypatch):
         a, b = x.chunk(2, dim=-1)
         return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
 
-    def partial(x, c, s):            # the first D / 2 dims turned as a rotate_half pair, rest kept
+    def partial(x, c, s):            # GLM's: the first n dims turned by rotate_half, rest kept
         n = c.shape[-1]
         r, keep = x[..., :n], x[..., n:]
-        a, b = r.chunk(2, dim=-1)
-        c2, s2 = c[..., : n // 2], s[..., : n // 2]
-        return torch.cat([a * c2 - b * s2, b * c2 + a * s2, keep], dim=-1)
+        rot = torch.cat([-r[..., n // 2:], r[..., :n // 2]], dim=-1)
+        return torch.cat([r * c + rot * s, keep], dim=-1)
 
     def llama(x, c, s):              # rotate_half with a table as wide as the head: cannot broadcast
         return x * c + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * s
@@ -245,14 +245,18 @@ def test_half_rotary_tables_need_the_models_own_rotation(monkeypatch):
     def wrap(f):
         return lambda q, k, c, s: (f(q, c[:, None], s[:, None]), f(k, c[:, None], s[:, None]))
 
-    C, S = kernel_rotary(cos, sin, D, attention_of(wrap(half_turn)))
+    C, S, R = kernel_rotary(cos, sin, D, attention_of(wrap(half_turn)))
     assert C.shape == (L, D) and torch.equal(C[:, :4], cos) and torch.equal(C[:, 4:], cos)
-    with pytest.raises(Unsupported, match="does not turn both halves"):
+    assert R is None
+    with pytest.raises(Unsupported, match=r"partial rotary\): the attention kernel turns a "
+                                          r"multiple of 64"):
         kernel_rotary(cos, sin, D, attention_of(wrap(partial)))
     with pytest.raises(Unsupported, match="did not take a probe"):
         kernel_rotary(cos, sin, D, attention_of(wrap(llama)))
-    with pytest.raises(Unsupported, match="partial rotary"):
+    with pytest.raises(Unsupported, match="covers 2 of the head's 8 dims"):
         kernel_rotary(cos[:, :2], sin[:, :2], D, attention_of(wrap(half_turn)))
+    with pytest.raises(Unsupported, match="neither as a partial rotary nor both halves"):
+        kernel_rotary(cos, sin, D, attention_of(lambda q, k, c, s: (q, k)))
 
 
 def test_reference_step_reads_nvfp4_projections():
@@ -426,6 +430,69 @@ def test_reference_step_runs_sigmoid_routers_and_ungated_shared_experts():
     step.cache = cache
     unbiased = step(torch.tensor(tok)[:, None], cache.pos.clone(), torch.ones(2, dtype=torch.bool))
     assert rel(unbiased, want) > 5 * LOGIT_TOL, rel(unbiased, want)
+
+
+def glm4_moe_model(seed: int, device="cpu"):
+    """A tiny GLM-4.5-Air (transformers' `glm4_moe`): partial rotary (the first 64 of the
+    head's 128 dims), q/k/v biases far from zero, no q/k norm; layer 0 a dense MLP, layers 1 and
+    2 MoE blocks with a sigmoid router (one expert group, its correction bias far from zero) and
+    an ungated shared expert."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        "glm4_moe", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+        partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.3)
+                m.weight.normal_(0, 0.1)
+            if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor):
+                m.gate_up_proj.normal_(0, 0.2)
+                m.down_proj.normal_(0, 0.2)
+            if isinstance(getattr(m, "gate_proj", None), torch.nn.Linear):
+                for lin in (m.gate_proj, m.up_proj, m.down_proj):
+                    lin.weight.normal_(0, 0.1)
+            if isinstance(getattr(m, "q_proj", None), torch.nn.Linear):
+                for lin in (m.q_proj, m.k_proj, m.v_proj):
+                    lin.bias.normal_(0, 0.5)
+    return model.to(device=device, dtype=torch.bfloat16)
+
+
+@torch.inference_mode()
+def test_reference_step_runs_glm4_moe():
+    """GLM-4.5-Air's layers are all fused: the attention turns the first 64 of 128 dims
+    (`kernel_rotary` pads the model's tables, the kernel's ROT), then the sigmoid routers and
+    shared experts; logits and cache writes match transformers'. The same step turning every dim
+    writes keys far from transformers' (the test can fail)."""
+    model = glm4_moe_model(seed=0)
+    prompts, tok = [[5, 9, 3], [2, 6, 7, 1]], [11, 4]
+    fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
+    assert step.describe() == ("fused decode step: 3 of 3 layers; a shared expert in 2 layers; "
+                               "a sigmoid router in 2 layers; a dense MLP in 1 layer"), \
+        step.describe()
+    assert step.rotary_dims == 64 and step.rope_cos.shape == (40, 64)
+    assert step.cos.shape == (40, 128) and (step.cos[:, 64:] == 1).all()
+    assert all(l.attn.rotary_dims == 64 for l in step.layers)
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+    for l in step.layers:
+        l.attn.rotary_dims = None
+    cache = SlotCache(3, 2, 40, torch.bfloat16, "cpu")
+    for b, p in enumerate(prompts):
+        prefill(model, cache, b, p)
+    step.cache = cache
+    pos = cache.pos.clone()
+    step(torch.tensor(tok)[:, None], pos, torch.ones(2, dtype=torch.bool))
+    for i in range(3):                  # the step's new key rows against transformers'
+        new = cache.keys[i][torch.arange(2), :, pos]
+        assert rel(new, mc[0][i][torch.arange(2), :, pos]) > 0.1, i
 
 
 def test_sigmoid_router_refusals_name_the_reason():

@@ -316,6 +316,24 @@ def test_fused_step_runs_sigmoid_routers_through_the_pool():
     assert pool.errors() == []
 
 
+def test_fused_step_runs_glm4_moe_through_the_pool():
+    """GLM-4.5-Air's layers (partial rotary: the attention kernel's ROT build; sigmoid routers,
+    ungated shared experts, a dense first layer) on the fused step's kernels, half the experts
+    banked: one step's logits and cache writes match transformers' forward."""
+    import cupool
+    from test_fused_step import LOGIT_TOL, compare_step, glm4_moe_model
+    model = glm4_moe_model(seed=0, device="cuda")
+    pool = cupool.wrap(model, rows=4, max_decode_tokens=4, progress=False)
+    fused, want, fc, mc, step = compare_step(model, pool, "kernels",
+                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
+    assert step.describe().startswith("fused decode step: 3 of 3 layers"), step.describe()
+    assert step.rotary_dims == 64
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
+        assert rel(k_f, k_m) <= 1e-2
+    assert pool.errors() == []
+
+
 # gpt-oss-120b's router (E = 128, top-4, H = 2880) and gpt-oss-20b's (E = 32), odd ones
 @pytest.mark.parametrize("tokens,E,K,H", [(1, 128, 4, 2880), (8, 128, 4, 2880), (1, 32, 4, 2880),
                                           (5, 37, 3, 264)])

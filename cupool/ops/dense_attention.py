@@ -110,12 +110,15 @@ class DecodeAttention:
             of MGROUP first). Fewer, longer parts cost less to merge; more keep more SMs busy.
         trace: the profiling build (the kernel's ATTN_TRACE: the same outputs, and each block's
             phase times written to the `trace` buffer a call passes; `trace_buffer`).
+        rotary_dims: the dims the rotary embedding turns, a multiple of 64 below D (partial
+            rotary, GLM-4.5's: the kernel's ROT), or None for all of them.
     """
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, *, q_norm=None, k_norm=None,
                  eps: float = 1e-6, scale: float, window: int = 0, sinks=None,
                  workspace: AttentionWorkspace, ahead: bool = False,
-                 min_chunk: int = MINCHUNK, trace: bool = False):
+                 min_chunk: int = MINCHUNK, trace: bool = False,
+                 rotary_dims: int | None = None):
         for name, v in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -152,6 +155,13 @@ class DecodeAttention:
         defines = {"D": head_dim, "G": G, "MINCHUNK": self.min_chunk}
         if ahead:
             defines["AHEAD"] = 1
+        if rotary_dims is not None and rotary_dims != head_dim:
+            if isinstance(rotary_dims, bool) or not isinstance(rotary_dims, int) \
+                    or not 0 < rotary_dims < head_dim or rotary_dims % 64:
+                raise ValueError(f"rotary_dims must be a multiple of 64 below the head dim "
+                                 f"{head_dim} (or None), got {rotary_dims!r}")
+            defines["ROT"] = rotary_dims
+        self.rotary_dims = rotary_dims
         if not isinstance(trace, bool):
             raise ValueError(f"trace must be True or False, got {trace!r}")
         self.trace = trace

@@ -95,10 +95,15 @@ def lane_addresses(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.where(flat >= 0, table[flat.clamp(min=0)], torch.zeros_like(flat))
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         rotary_dims: int | None = None) -> torch.Tensor:
     """transformers' rotary embedding in x's dtype: x·cos + rotate_half(x)·sin, each product and
-    the sum rounded. x [..., D], cos / sin broadcastable to it."""
-    half = x.shape[-1] // 2
+    the sum rounded. x [..., D], cos / sin broadcastable to it. rotary_dims R < D (partial
+    rotary, GLM-4.5's): only x[..., :R] turns, by cos / sin[..., :R], and the rest passes."""
+    R = x.shape[-1] if rotary_dims is None else rotary_dims
+    if R < x.shape[-1]:
+        return torch.cat((rope(x[..., :R], cos[..., :R], sin[..., :R]), x[..., R:]), dim=-1)
+    half = R // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
 
@@ -107,7 +112,8 @@ def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: f
                      cos_t: torch.Tensor, sin_t: torch.Tensor, pos: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                      window: int = 0, sinks: torch.Tensor | None = None,
-                     slots: torch.Tensor | None = None) -> torch.Tensor:
+                     slots: torch.Tensor | None = None,
+                     rotary_dims: int | None = None) -> torch.Tensor:
     """One decode step of attention for B tokens. qkv [B, (nh + 2 hk)·D] (queries, keys, values
     of the new tokens, in the model's dtype); q_norm / k_norm: RMSNorm weights [D] or None;
     cos_t / sin_t [L_max, D]; pos int [B] (where each token goes; a negative pos marks an
@@ -115,8 +121,9 @@ def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: f
     k_cache / v_cache [S, hk, L_max, D], updated in place at pos; slots int [B]: token b's slot
     of the cache (None: slot b, S = B). Token b attends to positions
     lo … pos[b] (lo = pos − window + 1 with a window > 0). Scores, softmax and the weighted sum
-    in float32; sinks [nh] (or None) add exp(sink) to each head's softmax denominator. Returns
-    [B, nh·D] in the model's dtype."""
+    in float32; sinks [nh] (or None) add exp(sink) to each head's softmax denominator;
+    rotary_dims (None: D) the dims the rotary embedding turns (`rope`). Returns [B, nh·D] in the
+    model's dtype."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     L = k_cache.shape[2]
@@ -131,7 +138,7 @@ def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: f
         k = rms_norm(k, k_norm, eps)
     p = pos.to(torch.int64).clamp(0, L - 1)
     cos, sin = cos_t[p][:, None, :], sin_t[p][:, None, :]
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    q, k = rope(q, cos, sin, rotary_dims), rope(k, cos, sin, rotary_dims)
     out = torch.zeros(B, nh, D, dtype=dt, device=qkv.device)
     for b in range(B):
         if int(pos[b]) < 0:
@@ -213,12 +220,14 @@ class AttentionReference:
     (`ahead` and `min_chunk`, choices of kernel build and split, change nothing here)."""
 
     def __init__(self, heads, kv_heads, head_dim, *, q_norm=None, k_norm=None, eps=1e-6,
-                 scale, window=0, sinks=None, workspace=None, ahead=False, min_chunk=64):
+                 scale, window=0, sinks=None, workspace=None, ahead=False, min_chunk=64,
+                 rotary_dims=None):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rotary_dims = rotary_dims
         self.q_norm, self.k_norm, self.eps = q_norm, k_norm, eps
         self.scale, self.window, self.sinks = scale, window, sinks
 
     def __call__(self, qkv, pos, k_cache, v_cache, cos, sin, out, slots=None):
         out.copy_(attention_decode(qkv, self.heads, self.kv_heads, self.q_norm, self.k_norm,
                                    self.eps, cos, sin, pos, k_cache, v_cache, self.scale,
-                                   self.window, self.sinks, slots))
+                                   self.window, self.sinks, slots, self.rotary_dims))
