@@ -333,6 +333,8 @@ def check_sigmoid_router(gate: nn.Module, what: str, experts: int, hidden: int, 
     if not (isinstance(bias, torch.Tensor) and bias.shape == (experts,)
             and bias.dtype.is_floating_point):
         raise Unsupported(f"{name} has no float e_score_correction_bias [{experts}]")
+    if getattr(gate, "bias", None) is not None:
+        raise Unsupported(f"{name} has a bias on its logits besides the correction bias")
     groups, kept = getattr(gate, "n_group", 1), getattr(gate, "topk_group", 1)
     if groups != kept:
         raise Unsupported(f"{name} keeps {kept} of {groups} expert groups: group-limited "

@@ -496,8 +496,9 @@ def test_reference_step_runs_glm4_moe():
 
 
 def test_sigmoid_router_refusals_name_the_reason():
-    """A sigmoid router that keeps some of several expert groups, or whose weight is float32,
-    is refused with the reason (its layer then runs transformers' module)."""
+    """A sigmoid router that keeps some of several expert groups, one with a bias on its logits
+    too, or one whose weight is float32, is refused with the reason (its layer then runs
+    transformers' module)."""
     from cupool.fused import check_sigmoid_router
     gate = dots1_model(seed=2).model.layers[1].mlp.gate
     E, H, K = gate.weight.shape[0], gate.weight.shape[1], gate.top_k
@@ -506,6 +507,10 @@ def test_sigmoid_router_refusals_name_the_reason():
     with pytest.raises(Unsupported, match="keeps 2 of 4 expert groups"):
         check_sigmoid_router(gate, "gate", E, H, K)
     gate.n_group = gate.topk_group = 1
+    gate.bias = torch.nn.Parameter(torch.zeros(E, dtype=torch.bfloat16))
+    with pytest.raises(Unsupported, match="a bias on its logits besides the correction bias"):
+        check_sigmoid_router(gate, "gate", E, H, K)
+    del gate.bias
     gate.weight.data = gate.weight.float()
     with pytest.raises(Unsupported, match="weight is torch.float32"):
         check_sigmoid_router(gate, "gate", E, H, K)
