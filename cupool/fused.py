@@ -283,7 +283,8 @@ def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: i
     """(norm_topk, weight dtype) of a softmax top-k router, found by a probe; Unsupported for
     any other router. Its logits may carry a bias (`gate.bias`, bf16 [E]: gpt-oss's router, whose
     softmax over the top-k logits is softmax → top-k → renormalised); a bias that only chooses
-    the experts (DeepSeek's e_score_correction_bias) is a sigmoid router (`check_sigmoid_router`)."""
+    the experts (DeepSeek's e_score_correction_bias) makes a sigmoid router
+    (`check_sigmoid_router`)."""
     w = getattr(gate, "weight", None)
     if not isinstance(w, torch.Tensor) or w.shape != (experts, hidden):
         raise Unsupported(f"{what} ({type(gate).__name__}) has no weight [{experts}, {hidden}]")

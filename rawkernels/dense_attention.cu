@@ -31,10 +31,10 @@
 // bf16(bf16(x · cos) + bf16(rotate_half(x) · sin)) with transformers' own bf16 cos / sin tables
 // (passed in, [L_max, D]); with ROT < D (partial rotary, GLM-4.5's: ROT a multiple of 64) only
 // the first ROT dims turn, rotate_half pairing dims c and c + ROT / 2, and the others pass as
-// they are (the tables' columns past ROT are not read). Scores, softmax and P·V run in float32: the MMAs' products of bf16
-// values are exact, and P·V takes each float32 probability as two bf16 terms, hi = bf16(p) and
-// lo = bf16(p − hi) (two MMAs: 16 bits of its mantissa where one bf16 keeps 8); the output is
-// bf16.
+// they are (the tables' columns past ROT are not read). Scores, softmax and P·V run in float32:
+// the MMAs' products of bf16 values are exact, and P·V takes each float32 probability as two
+// bf16 terms, hi = bf16(p) and lo = bf16(p − hi) (two MMAs: 16 bits of its mantissa where one
+// bf16 keeps 8); the output is bf16.
 //
 // Who writes what, in order:
 // - pos[b] < 0 marks token b inactive (its slot has no token this step): its blocks return at
@@ -189,7 +189,7 @@ CUPOOL_DEVICE void norm_rope_row(float (&x)[DPL], bool norm, const float (&w)[DP
     }
     float y[RPL];
 #pragma unroll
-    for (int i = 0; i < RPL; ++i) {     // rotate_half: dim c < R/2 takes −x[c + R/2], else x[c − R/2]
+    for (int i = 0; i < RPL; ++i) {     // rotate_half: c < R/2 takes −x[c + R/2], else x[c − R/2]
         const float rot = i < RPL / 2 ? -x[i + RPL / 2] : x[i - RPL / 2];
         y[i] = round_bf16(round_bf16(x[i] * cs[i]) + round_bf16(rot * sn[i]));
     }

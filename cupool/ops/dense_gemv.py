@@ -48,7 +48,7 @@ from cupool.layout import CHUNK_COLS, dense_strips_shape
 WARPS = 8                      # the kernel's block: 8 warps (4 with warps=4)
 WARPS_CHOICES = (4, 8)
 MAX_SPLIT_K = 16
-SIGMOID_EXPERTS = 512           # most experts the SIG route epilogue takes (16 a lane, in registers)
+SIGMOID_EXPERTS = 512          # most experts the SIG route epilogue takes (16 a lane, registers)
 NO_NORM, NORM = 0, 1           # MODE
 PLAIN, RESIDUAL, ROUTE = 0, 1, 2   # EPI
 # x tile columns in shared memory (KT of the kernel) by n tiles of 8 tokens; the route epilogue
