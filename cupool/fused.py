@@ -297,6 +297,20 @@ def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: i
         got = f"{b.dtype} {list(b.shape)}" if isinstance(b, torch.Tensor) else type(b).__name__
         raise Unsupported(f"{what} ({type(gate).__name__}) has a bias of {got}, not a "
                           f"{w.dtype} [{experts}] beside its weight")
+    found = _probe_router(gate, what, hidden, top_k,
+                          lambda logits, norm, dt: route_topk(logits, top_k, norm, dt))
+    if found is None:
+        raise Unsupported(f"{what} ({type(gate).__name__}) is not a softmax top-k router (a "
+                          f"probe differs from softmax → top-k with and without "
+                          f"renormalisation)")
+    return found
+
+
+def _probe_router(gate: nn.Module, what: str, hidden: int, top_k: int, route):
+    """(norm_topk, weight dtype) for which `route(logits, norm_topk, weight dtype)` (ids,
+    weights) gives what `gate` returns on 5 random rows (the same experts, weights within 1%),
+    trying norm_topk True then False; None if neither does."""
+    w = gate.weight
     gen = torch.Generator(device=w.device).manual_seed(1)
     x = torch.randn(5, hidden, generator=gen, device=w.device).to(w.dtype)
     with torch.no_grad():
@@ -307,15 +321,15 @@ def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: i
     if ids.shape != (5, top_k):
         raise Unsupported(f"{what} routes to {tuple(ids.shape)[-1]} experts, the pool to {top_k}")
     for norm_topk in (True, False):
-        want_ids, want_w = route_topk(logits, top_k, norm_topk, weights.dtype)
-        same_ids = torch.equal(torch.sort(want_ids.long(), -1).values, torch.sort(ids.long(), -1).values)
+        want_ids, want_w = route(logits, norm_topk, weights.dtype)
+        same_ids = torch.equal(torch.sort(want_ids.long(), -1).values,
+                               torch.sort(ids.long(), -1).values)
         order = torch.argsort(ids.long(), -1)
         mine = torch.argsort(want_ids.long(), -1)
         if same_ids and torch.allclose(want_w.gather(1, mine).float(),
                                        weights.gather(1, order).float(), rtol=1e-2, atol=1e-6):
             return norm_topk, weights.dtype
-    raise Unsupported(f"{what} ({type(gate).__name__}) is not a softmax top-k router (a probe "
-                      f"differs from softmax → top-k with and without renormalisation)")
+    return None
 
 
 def check_sigmoid_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: int):
@@ -345,24 +359,10 @@ def check_sigmoid_router(gate: nn.Module, what: str, experts: int, hidden: int, 
             or not 0 < scale < float("inf"):
         raise Unsupported(f"{name} has routed_scaling_factor {scale!r}, not a positive number")
     bias32 = bias.detach().to(torch.float32).contiguous()
-    gen = torch.Generator(device=w.device).manual_seed(1)
-    x = torch.randn(5, hidden, generator=gen, device=w.device).to(w.dtype)
-    with torch.no_grad():
-        got = gate(x)
-    if not (isinstance(got, tuple) and len(got) == 3):
-        raise Unsupported(f"{name} does not return (logits, weights, ids)")
-    logits, weights, ids = got
-    if ids.shape != (5, top_k):
-        raise Unsupported(f"{what} routes to {tuple(ids.shape)[-1]} experts, the pool to {top_k}")
-    for norm_topk in (True, False):
-        want_ids, want_w = route_sigmoid(logits.to(torch.float32), bias32, top_k, norm_topk,
-                                         float(scale), weights.dtype)
-        same = torch.equal(torch.sort(want_ids.long(), -1).values,
-                           torch.sort(ids.long(), -1).values)
-        order, mine = torch.argsort(ids.long(), -1), torch.argsort(want_ids.long(), -1)
-        if same and torch.allclose(want_w.gather(1, mine).float(),
-                                   weights.gather(1, order).float(), rtol=1e-2, atol=1e-6):
-            return norm_topk, weights.dtype, (bias32, float(scale))
+    found = _probe_router(gate, what, hidden, top_k, lambda logits, norm, dt: route_sigmoid(
+        logits.to(torch.float32), bias32, top_k, norm, float(scale), dt))
+    if found is not None:
+        return (*found, (bias32, float(scale)))
     raise Unsupported(f"{name} is not a sigmoid top-k router with a correction bias (a probe "
                       f"differs from sigmoid → top-k of score + bias, with and without "
                       f"renormalisation)")

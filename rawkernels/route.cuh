@@ -152,6 +152,23 @@ CUPOOL_DEVICE void route_token_shared(float* lg, i32 N, i32 topk, int norm_topk,
     route_out<LA>(mine_e, mine_v, den, topk, active, ids, wts, w_f32, table, lane_addr);
 }
 
+// A lane's segment's best of its PER keys: the largest key (bk) and its index (bi), as a tree of
+// pairs, the lower index kept unless the higher one's key is larger.
+template <int PER>
+CUPOOL_DEVICE void segment_best(const u32 (&key)[PER], u32& bk, int& bi) {
+    u32 k2[PER];
+    int i2[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) { k2[i] = key[i]; i2[i] = i; }
+#pragma unroll
+    for (int w = 1; w < PER; w *= 2)
+#pragma unroll
+        for (int i = 0; i + w < PER; i += 2 * w)
+            if (k2[i + w] > k2[i]) { k2[i] = k2[i + w]; i2[i] = i2[i + w]; }
+    bk = k2[0];
+    bi = i2[0];
+}
+
 // route_token for segments of up to PER entries (N ≤ 32·PER), in registers: lane l holds
 // entries [l·PER, l·PER + PER) (−inf past N), their softmax's numerators (a local max and sum,
 // then one warp max and one warp sum), their keys, and its best (largest key, the lowest e
@@ -183,21 +200,7 @@ CUPOOL_DEVICE void route_token_regs(const float* lg, i32 N, i32 topk, int norm_t
 #pragma unroll
     for (int i = 0; i < PER; ++i)
         key[i] = e0 + i >= N ? 0u : s != s ? ROUTE_NAN_KEY : __float_as_uint(v[i]) + 1u;
-    // the segment's best: a tree of pairs, the lower index kept unless the higher one's key is
-    // larger
-    auto best_of = [&](u32& bk, int& bi) {
-        u32 k2[PER];
-        int i2[PER];
-#pragma unroll
-        for (int i = 0; i < PER; ++i) { k2[i] = key[i]; i2[i] = i; }
-#pragma unroll
-        for (int w = 1; w < PER; w *= 2)
-#pragma unroll
-            for (int i = 0; i + w < PER; i += 2 * w)
-                if (k2[i + w] > k2[i]) { k2[i] = k2[i + w]; i2[i] = i2[i + w]; }
-        bk = k2[0];
-        bi = i2[0];
-    };
+    auto best_of = [&](u32& bk, int& bi) { segment_best<PER>(key, bk, bi); };
     u32 best;
     int best_i;
     best_of(best, best_i);
@@ -265,20 +268,8 @@ CUPOOL_DEVICE void route_token_sigmoid_regs(const float* lg, i32 N, i32 topk, in
         v[i] = in ? 1.0f / (1.0f + expf(-lg[e0 + i])) : 0.0f;
         key[i] = in ? sigmoid_key(v[i] + bias[e0 + i]) : 0u;
     }
-    // the segment's best: a tree of pairs, the lower index kept unless the higher one's key is
-    // larger
     auto best_of = [&](u32& bk, int& bi, float& bv) {
-        u32 k2[PER];
-        int i2[PER];
-#pragma unroll
-        for (int i = 0; i < PER; ++i) { k2[i] = key[i]; i2[i] = i; }
-#pragma unroll
-        for (int w = 1; w < PER; w *= 2)
-#pragma unroll
-            for (int i = 0; i + w < PER; i += 2 * w)
-                if (k2[i + w] > k2[i]) { k2[i] = k2[i + w]; i2[i] = i2[i + w]; }
-        bk = k2[0];
-        bi = i2[0];
+        segment_best<PER>(key, bk, bi);
         bv = 0.0f;
 #pragma unroll
         for (int i = 0; i < PER; ++i) bv = i == bi ? v[i] : bv;

@@ -376,18 +376,11 @@ def test_reference_step_runs_shared_experts(monkeypatch):
     assert rel(without, want) > 10 * LOGIT_TOL, rel(without, want)
 
 
-def dots1_model(seed: int, device="cpu"):
-    """A tiny dots.llm1 (transformers' `dots1`): layer 0 a dense MLP, layers 1 and 2 MoE blocks
-    with a sigmoid router (its e_score_correction_bias far from zero, one expert group, weights
-    renormalised and scaled by 2.5) and an ungated shared expert; q/k norms over the head dim."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(
-        "dots1", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
-        n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+def sigmoid_routed(cfg, device):
+    """The causal LM of `cfg` (a family with sigmoid routers) in bf16 on `device`: its routers'
+    weights and correction biases, experts, shared experts and dense MLPs, and q/k/v biases where
+    it has them, far from zero, so that a step that leaves any of them out is far off."""
+    from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for m in model.modules():
@@ -400,7 +393,25 @@ def dots1_model(seed: int, device="cpu"):
             if isinstance(getattr(m, "gate_proj", None), torch.nn.Linear):
                 for lin in (m.gate_proj, m.up_proj, m.down_proj):
                     lin.weight.normal_(0, 0.1)
+            if getattr(getattr(m, "q_proj", None), "bias", None) is not None:
+                for lin in (m.q_proj, m.k_proj, m.v_proj):
+                    lin.bias.normal_(0, 0.5)
     return model.to(device=device, dtype=torch.bfloat16)
+
+
+def dots1_model(seed: int, device="cpu"):
+    """A tiny dots.llm1 (transformers' `dots1`): layer 0 a dense MLP, layers 1 and 2 MoE blocks
+    with a sigmoid router (its e_score_correction_bias far from zero, one expert group, weights
+    renormalised and scaled by 2.5) and an ungated shared expert; q/k norms over the head dim."""
+    from transformers import AutoConfig
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        "dots1", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    return sigmoid_routed(cfg, device)
 
 
 @torch.inference_mode()
@@ -437,7 +448,7 @@ def glm4_moe_model(seed: int, device="cpu"):
     head's 128 dims), q/k/v biases far from zero, no q/k norm; layer 0 a dense MLP, layers 1 and
     2 MoE blocks with a sigmoid router (one expert group, its correction bias far from zero) and
     an ungated shared expert."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(
         "glm4_moe", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -446,22 +457,7 @@ def glm4_moe_model(seed: int, device="cpu"):
         n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
         topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
         max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.normal_(0, 0.3)
-                m.weight.normal_(0, 0.1)
-            if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor):
-                m.gate_up_proj.normal_(0, 0.2)
-                m.down_proj.normal_(0, 0.2)
-            if isinstance(getattr(m, "gate_proj", None), torch.nn.Linear):
-                for lin in (m.gate_proj, m.up_proj, m.down_proj):
-                    lin.weight.normal_(0, 0.1)
-            if isinstance(getattr(m, "q_proj", None), torch.nn.Linear):
-                for lin in (m.q_proj, m.k_proj, m.v_proj):
-                    lin.bias.normal_(0, 0.5)
-    return model.to(device=device, dtype=torch.bfloat16)
+    return sigmoid_routed(cfg, device)
 
 
 @torch.inference_mode()

@@ -209,6 +209,27 @@ def test_dense_gemv_nvfp4_sees_each_strip_byte():
     assert changed and all(16 <= r < 32 for r in changed), changed
 
 
+def router_inputs(tokens: int, E: int, H: int, gen):
+    """A router GEMV's inputs: the residual stream h [tokens, H], its norm's weights, the tokens'
+    active flags (the last inactive where there are several) and a table of E row addresses."""
+    h = rand(tokens, H, scale=3.0, gen=gen)
+    nw = rand(H, scale=0.3, gen=gen) + 1
+    active = torch.ones(tokens, dtype=torch.bool, device="cuda")
+    active[-1] = tokens == 1
+    table = torch.randint(1, 2**47, (E,), device="cuda", generator=gen)
+    return h, nw, active, table
+
+
+def poisoned_route(tokens: int, E: int, K: int, wdtype: torch.dtype):
+    """A router GEMV's RouteOut buffers, poisoned (NaN logits and weights, ids −7)."""
+    from cupool.ops.dense_gemv import RouteOut
+    r = RouteOut.allocate(tokens, E, K, wdtype, "cuda")
+    r.logits.fill_(float("nan"))
+    r.ids.fill_(-7)
+    r.weights.fill_(float("nan"))
+    return r
+
+
 @pytest.mark.parametrize("tokens,E,K", [(1, 128, 8), (8, 128, 8), (16, 128, 8), (3, 512, 10),
                                         (5, 60, 4), (2, 200, 6), (2, 640, 8)])
 @pytest.mark.parametrize("norm_topk", [True, False])
@@ -219,15 +240,12 @@ def test_dense_gemv_routes(tokens, E, K, norm_topk, wdtype, shape):
     """With split_k the logits come from each tile's last block and the routing block is the
     last of the tiles' last blocks: a routing block that ran before some tile's logits were
     complete would route on poisoned (NaN) logits."""
-    from cupool.ops.dense_gemv import ROUTE, DenseGemv, RouteOut
+    from cupool.ops.dense_gemv import ROUTE, DenseGemv
     gen = torch.Generator(device="cuda").manual_seed(E * 31 + tokens)
     H = 2056 if shape.get("split_k", 1) == 3 else 2048     # 3 slices: the last ends in a part chunk
     w = rand(E, H, scale=0.02, gen=gen)
     op = DenseGemv([w], tokens=tokens, norm=True, epilogue=ROUTE, **shape)
-    r = RouteOut.allocate(tokens, E, K, wdtype, "cuda")
-    r.logits.fill_(float("nan"))
-    r.ids.fill_(-7)
-    r.weights.fill_(float("nan"))
+    r = poisoned_route(tokens, E, K, wdtype)
     h = rand(tokens, H, scale=3.0, gen=gen)
     nw = rand(H, scale=0.3, gen=gen) + 1
     active = torch.rand(tokens, device="cuda", generator=gen) > 0.3
@@ -264,21 +282,14 @@ def test_dense_gemv_routes_sigmoid_routers(tokens, E, K, H, shape, norm_topk, sc
     """The SIG build (a sigmoid router with a correction bias): float32 logits (not rounded to
     bf16), then `ref.route_sigmoid` on them, float32 weights, lane addresses; the biases move
     the choice, so a kernel that left them out would route elsewhere."""
-    from cupool.ops.dense_gemv import ROUTE, DenseGemv, RouteOut
+    from cupool.ops.dense_gemv import ROUTE, DenseGemv
     gen = torch.Generator(device="cuda").manual_seed(E * 23 + tokens + H + int(norm_topk))
     w = rand(E, H, scale=0.02, gen=gen)
     sbias = torch.randn(E, device="cuda", generator=gen) * 0.3
     op = DenseGemv([w], tokens=tokens, norm=True, epilogue=ROUTE, lane_addr=True,
                    sigmoid=(sbias, scale), **shape)
-    r = RouteOut.allocate(tokens, E, K, torch.float32, "cuda")
-    r.logits.fill_(float("nan"))
-    r.ids.fill_(-7)
-    r.weights.fill_(float("nan"))
-    h = rand(tokens, H, scale=3.0, gen=gen)
-    nw = rand(H, scale=0.3, gen=gen) + 1
-    active = torch.ones(tokens, dtype=torch.bool, device="cuda")
-    active[-1] = tokens == 1
-    table = torch.randint(1, 2**47, (E,), device="cuda", generator=gen)
+    r = poisoned_route(tokens, E, K, torch.float32)
+    h, nw, active, table = router_inputs(tokens, E, H, gen)
     lane_addr = torch.full((tokens * K,), -7, dtype=torch.int64, device="cuda")
     for _ in range(2):                     # twice: the tickets must be back at zero
         op(h, norm_weight=nw, eps=1e-6, route=r, top_k=K, norm_topk=norm_topk, active=active,
@@ -298,42 +309,6 @@ def test_dense_gemv_routes_sigmoid_routers(tokens, E, K, H, shape, norm_topk, sc
     assert not torch.equal(unbiased, ids)
 
 
-def test_fused_step_runs_sigmoid_routers_through_the_pool():
-    """dots.llm1's layers (a dense first layer; sigmoid routers with a correction bias and
-    ungated shared experts) on the fused step's kernels, the pool's experts at half the bank:
-    one step's logits and cache writes match transformers' forward."""
-    import cupool
-    from test_fused_step import LOGIT_TOL, compare_step, dots1_model
-    model = dots1_model(seed=1, device="cuda")
-    pool = cupool.wrap(model, rows=4, max_decode_tokens=4, progress=False)
-    fused, want, fc, mc, step = compare_step(model, pool, "kernels",
-                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
-    assert step.describe().startswith("fused decode step: 3 of 3 layers; a shared expert in 2 "
-                                      "layers; a sigmoid router in 2 layers"), step.describe()
-    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
-    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
-        assert rel(k_f, k_m) <= 1e-2
-    assert pool.errors() == []
-
-
-def test_fused_step_runs_glm4_moe_through_the_pool():
-    """GLM-4.5-Air's layers (partial rotary: the attention kernel's ROT build; sigmoid routers,
-    ungated shared experts, a dense first layer) on the fused step's kernels, half the experts
-    banked: one step's logits and cache writes match transformers' forward."""
-    import cupool
-    from test_fused_step import LOGIT_TOL, compare_step, glm4_moe_model
-    model = glm4_moe_model(seed=0, device="cuda")
-    pool = cupool.wrap(model, rows=4, max_decode_tokens=4, progress=False)
-    fused, want, fc, mc, step = compare_step(model, pool, "kernels",
-                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
-    assert step.describe().startswith("fused decode step: 3 of 3 layers"), step.describe()
-    assert step.rotary_dims == 64
-    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
-    for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
-        assert rel(k_f, k_m) <= 1e-2
-    assert pool.errors() == []
-
-
 # gpt-oss-120b's router (E = 128, top-4, H = 2880) and gpt-oss-20b's (E = 32), odd ones
 @pytest.mark.parametrize("tokens,E,K,H", [(1, 128, 4, 2880), (8, 128, 4, 2880), (1, 32, 4, 2880),
                                           (5, 37, 3, 264)])
@@ -342,21 +317,14 @@ def test_fused_step_runs_glm4_moe_through_the_pool():
 def test_dense_gemv_routes_with_a_bias(tokens, E, K, H, shape, lanes):
     """A router with a bias (the RBIAS build): logits = bf16(x·W + bias), then the same routing;
     the biases are large beside the products, so logits without them would be far off."""
-    from cupool.ops.dense_gemv import ROUTE, DenseGemv, RouteOut
+    from cupool.ops.dense_gemv import ROUTE, DenseGemv
     gen = torch.Generator(device="cuda").manual_seed(E * 17 + tokens + H)
     w = rand(E, H, scale=0.02, gen=gen)
     bias = rand(E, scale=2.0, gen=gen)
     op = DenseGemv([w], [bias], tokens=tokens, norm=True, epilogue=ROUTE, lane_addr=lanes,
                    **shape)
-    r = RouteOut.allocate(tokens, E, K, torch.bfloat16, "cuda")
-    r.logits.fill_(float("nan"))
-    r.ids.fill_(-7)
-    r.weights.fill_(float("nan"))
-    h = rand(tokens, H, scale=3.0, gen=gen)
-    nw = rand(H, scale=0.3, gen=gen) + 1
-    active = torch.ones(tokens, dtype=torch.bool, device="cuda")
-    active[-1] = tokens == 1
-    table = torch.randint(1, 2**47, (E,), device="cuda", generator=gen)
+    r = poisoned_route(tokens, E, K, torch.bfloat16)
+    h, nw, active, table = router_inputs(tokens, E, H, gen)
     lane_addr = torch.full((tokens * K,), -5, dtype=torch.int64, device="cuda")
     xn = poison(tokens, H)
     kw = dict(table=table, lane_addr=lane_addr) if lanes else {}
@@ -842,16 +810,35 @@ def test_fused_step_matches_transformers_through_the_pool(family):
     assert pool.errors() == []
 
 
-def test_fused_step_runs_dense_mlp_layers_through_the_pool():
-    """qwen2_moe with a dense MLP layer (mlp_only_layers=[1]) between two MoE layers with shared
-    experts: every layer runs the fused step's kernels, and one step's logits and cache writes
-    match transformers' forward."""
+def _wrapped_kind(kind: str):
+    """The model and pool of a layer kind of test_fused_step_runs_other_layer_kinds."""
+    import cupool
+    from test_fused_step import dots1_model, glm4_moe_model
+    if kind == "qwen2_moe_dense":
+        return _wrapped("qwen2_moe", seed=32, mlp_only_layers=[1])
+    model = {"dots1": dots1_model, "glm4_moe": glm4_moe_model}[kind](seed=1, device="cuda")
+    return model, cupool.wrap(model, rows=4, max_decode_tokens=4, progress=False)
+
+
+@pytest.mark.parametrize("kind,says", [
+    ("qwen2_moe_dense", "; a shared expert in 2 layers; a dense MLP in 1 layer"),
+    ("dots1", "; a shared expert in 2 layers; a sigmoid router in 2 layers; a dense MLP in 1 "
+              "layer"),
+    ("glm4_moe", "; a shared expert in 2 layers; a sigmoid router in 2 layers; a dense MLP in 1 "
+                 "layer")])
+def test_fused_step_runs_other_layer_kinds_through_the_pool(kind, says):
+    """Layer kinds beyond the routed experts, on the fused step's kernels with half the experts
+    banked: qwen2_moe's gated shared experts and a dense MLP layer (mlp_only_layers=[1]);
+    dots.llm1's sigmoid routers (dense_gemv's SIG build) and ungated shared experts; GLM-4.5-Air's
+    partial rotary (dense_attention's ROT build) with the same. One step's logits and cache
+    writes match transformers' forward."""
     from test_fused_step import LOGIT_TOL, compare_step
-    model, pool = _wrapped("qwen2_moe", seed=32, mlp_only_layers=[1])
+    model, pool = _wrapped_kind(kind)
     fused, want, fc, mc, step = compare_step(model, pool, "kernels",
                                              [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
-    assert step.describe().startswith("fused decode step: 3 of 3 layers; a shared expert in 2 "
-                                      "layers; a dense MLP in 1 layer"), step.describe()
+    assert step.describe().startswith("fused decode step: 3 of 3 layers" + says), \
+        step.describe()
+    assert step.rotary_dims == (64 if kind == "glm4_moe" else None)
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
         assert rel(k_f, k_m) <= 1e-2
