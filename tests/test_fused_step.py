@@ -1085,14 +1085,14 @@ def reference_engine(model, narrow: bool):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen2_moe", "glm4_moe"])
 def test_engine_narrow_steps_give_the_tokens_of_steps_of_every_slot(family):
     """The engine's narrow steps (`Engine(narrow=)`; here on the CPU, FusedSteps of the
     reference backend standing in for the kernels' steps the engine builds on a GPU): requests
     of 3, 6 and 10 new tokens in 4 slots run steps of 3 active slots, then of 2 and of 1, which
     take the narrow steps of 2 and 1 slots (the slot map: the active slots, then free ones);
     greedy and seeded sampled requests give the tokens of every step over every slot."""
-    model = fused_model(family, seed=21)
+    model = glm4_moe_model(seed=21) if family == "glm4_moe" else fused_model(family, seed=21)
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 8, 1, 2], [6, 2]]
 
     def run(narrow: bool, temperature: float):
