@@ -473,6 +473,8 @@ class GatedMLP:
     act: nn.Module              # the MLP's own act_fn
     size: int                   # its intermediate size
     gated: bool
+    gu: torch.Tensor            # gate_up's output [B, gate_up.N] (bf16), made once
+    out: torch.Tensor           # down's output [B, H] (bf16), made once
 
 
 @dataclasses.dataclass
@@ -807,7 +809,10 @@ class FusedStep:
                              tokens=B, norm=norm, epilogue=PLAIN, **self._shape("mlp", H))
         down = self._gemv([wd], None if bd is None else [bd], tokens=B, epilogue=PLAIN,
                           **self._shape("mlp_down", size))
-        return GatedMLP(gate_up, down, act, size, gate is not None)
+        bf, dev = torch.bfloat16, wg.device
+        return GatedMLP(gate_up, down, act, size, gate is not None,
+                        torch.empty(B, gate_up.N, dtype=bf, device=dev),
+                        torch.empty(B, H, dtype=bf, device=dev))
 
     def _shape(self, gemv: str, K: int, nvfp4: bool = False) -> dict[str, int]:
         """The launch-shape keywords of `gemv` (K: its inner dim; nvfp4: its weights are NVFP4,
@@ -1018,13 +1023,10 @@ class FusedStep:
                        layer: FusedLayer | None = None) -> torch.Tensor:
         """down(act(gate(x)) · up(x)), times sigmoid of the gate's logit where `m.gated`; a
         GatedMLP whose gate and up GEMV norms (a dense layer's) takes the norm of `layer`."""
-        B, n = self.tokens, m.size
-        gu = torch.empty(B, m.gate_up.N, dtype=torch.bfloat16, device=self.device)
+        n, gu, y = m.size, m.gu, m.out
         if m.gate_up.norm:
             m.gate_up(x, norm_weight=layer.post_norm, eps=layer.post_eps, out=gu)
         else:
             m.gate_up(x, out=gu)
-        a = m.act(gu[:, :n]) * gu[:, n:2 * n]
-        y = torch.empty(B, self.hidden, dtype=torch.bfloat16, device=self.device)
-        m.down(a, out=y)
+        m.down(m.act(gu[:, :n]) * gu[:, n:2 * n], out=y)
         return torch.sigmoid(gu[:, 2 * n:]) * y if m.gated else y

@@ -194,10 +194,13 @@ class GemvReference:
                 x_out.copy_(xin)
         else:
             xin = x
-        y = gemv(self._mats, self.biases, xin)
+        if self.epilogue == 2 and self.sigmoid is not None:
+            # float32 logits, as those routers compute them
+            y = xin.to(torch.float32) @ self._mats[0].to(torch.float32).T
+        else:
+            y = gemv(self._mats, self.biases, xin)
         if self.epilogue == 2:
-            if self.sigmoid is not None:        # float32 logits, as those routers compute them
-                y = xin.to(torch.float32) @ self._mats[0].to(torch.float32).T
+            if self.sigmoid is not None:
                 ids, w = route_sigmoid(y, self.sigmoid[0], top_k, norm_topk, self.sigmoid[1],
                                        route.weights.dtype, active)
             else:
