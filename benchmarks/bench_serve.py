@@ -47,8 +47,9 @@ reports the cap its steps launched with and the misses staged. A run with anothe
 reduced run.
 `--slots N` gives every case's engine N slots, as `serve --max-batch N` does (default: serve's 8,
 or the case's stream count where that is more): a case of fewer streams than slots leaves the
-others free, as a `serve` with fewer requests than `--max-batch` does; where at most half the
-slots are active, the engine's narrow step decodes theirs alone (`Engine(narrow=)`). `--slots`
+others free, as a `serve` with fewer requests than `--max-batch` does; where the active slots
+fit one of the narrow steps' widths (the powers of two below the slot count), the engine's
+narrow step decodes theirs alone (`Engine(narrow=)`). `--slots`
 equal to each stream count (e.g. `--streams 1 --slots 1`) times engines of exactly the streams'
 slots. Such a run is a reduced run.
 `--late-prompt N` also times, in each case with a free slot (fewer streams than slots), the

@@ -905,7 +905,7 @@ class Engine:
         step = act.to(torch.int64)
         self.tok.index_copy_(0, rows, torch.where(act, nxt, tok[:, 0])[:, None])
         self.cache.pos.index_copy_(0, rows, (pos + step).clamp_(max=self.max_len - 1))
-        self.steps.index_copy_(0, rows, self.steps.index_select(0, rows) + step)
+        self.steps.index_add_(0, rows, step)
 
     def _sample(self, scores: torch.Tensor, rows: slice, greedy: bool) -> torch.Tensor:
         """Next tokens int64 [B] of `rows` (a slice or int64 index of the slots) from their
