@@ -208,11 +208,8 @@ TINY_SHAPES = {"qwen3-30b-a3b": synthetic.TINY, "gpt-oss-120b": synthetic.GPT_OS
 
 def shape_keys(shape: dict) -> tuple[int, int, int, int, int, int]:
     """(L, E, K, H, I, vocab) of a Qwen3-MoE, gpt-oss or qwen4_exp config dict."""
-    E = shape.get("num_experts", shape.get("num_local_experts"))
-    I = shape["moe_intermediate_size"] if "moe_intermediate_size" in shape else \
-        shape["intermediate_size"]
-    return (shape["num_hidden_layers"], E, shape["num_experts_per_tok"], shape["hidden_size"], I,
-            shape["vocab_size"])
+    E, K, H, I = synthetic.moe_dims(shape)
+    return shape["num_hidden_layers"], E, K, H, I, shape["vocab_size"]
 
 
 def build_parser() -> CLIParser:

@@ -1,7 +1,8 @@
 """Serving throughput, as `cupool serve` delivers it: concurrent streams decoded together by
 `cupool.Engine` with its defaults (the fused decode step where the model fits), through the pool,
-on the Qwen3-30B-A3B shape (synthetic weights), for each bank size asked for (default: every
-expert resident, then half of each layer's experts).
+on the Qwen3-30B-A3B shape (synthetic weights; `--model glm-4.5-air` GLM-4.5-Air's, whose dense
+first layer, sigmoid routers, shared experts and partial rotary the fused step also runs), for
+each bank size asked for (default: every expert resident, then half of each layer's experts).
 
 For each number of concurrent streams (1, 8, 16 by default) as many requests are submitted at
 once (16-token prompts, `--tokens` new tokens each, greedy), and the engine decodes them together
@@ -97,16 +98,36 @@ from cupool.cli import (CLIParser, add_host_experts, bounded_int, fraction,  # n
 
 
 
-def build(layers: int, max_batch: int, seed: int, bank: float, dense_nvfp4: bool = False):
+# --model: (shape, dense-part builder, results name, name in the results)
+MODELS = {
+    "qwen3-30b-a3b": ("QWEN3_30B_A3B", "qwen3_moe_dense_on_gpu", "bench_serve", "Qwen3-30B-A3B"),
+    # a dense first layer, sigmoid routers, shared experts, partial rotary, 12 query heads a KV
+    # head (each fused by the step)
+    "glm-4.5-air": ("GLM45_AIR", "glm4_moe_dense_on_gpu", "bench_serve_glm_4_5_air",
+                    "GLM-4.5-Air"),
+}
+
+
+def model_shape(name: str, layers: int | None) -> dict:
+    """The --model's config dict (synthetic's), with `layers` decoder layers where given."""
+    from cupool import synthetic
+    shape = getattr(synthetic, MODELS[name][0])
+    return dict(shape, num_hidden_layers=layers or shape["num_hidden_layers"])
+
+
+def build(layers: int | None, max_batch: int, seed: int, bank: float, dense_nvfp4: bool = False,
+          model_name: str = "qwen3-30b-a3b"):
+    """(model, pool, shape): the --model's dense part on the GPU with random weights, its
+    experts' random NVFP4 rows in a pool whose bank holds `bank` of each layer's experts."""
     import cupool
     from cupool import synthetic
-    shape = dict(synthetic.QWEN3_30B_A3B, num_hidden_layers=layers)
-    model, specs = synthetic.qwen3_moe_dense_on_gpu("cuda", torch.bfloat16, seed=seed,
-                                                    dense_nvfp4=dense_nvfp4, **shape)
-    E = shape["num_experts"]
-    layout = cupool.RowLayout(shape["hidden_size"], shape["moe_intermediate_size"])
+    shape = model_shape(model_name, layers)
+    make = getattr(synthetic, MODELS[model_name][1])
+    model, specs = make("cuda", torch.bfloat16, seed=seed, dense_nvfp4=dense_nvfp4, **shape)
+    E, K, H, I = synthetic.moe_dims(shape)
+    layout = cupool.RowLayout(H, I)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    rows = max(shape["num_experts_per_tok"], round(E * bank))
+    rows = max(K, round(E * bank))
     pool = cupool.wrap(model, rows=rows, layers=specs, max_decode_tokens=max_batch,
                        expert_rows=lambda layer: synthetic.random_rows_fast(layout, E, gen, "cuda"),
                        progress=False)
@@ -313,8 +334,7 @@ def case_slots(args, streams: int) -> int:
 
 def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) -> dict:
     width = case_slots(args, max(streams))
-    model, pool, shape = build(layers, width, args.seed, bank,
-                               args.dense_nvfp4)
+    model, pool, shape = build(layers, width, args.seed, bank, args.dense_nvfp4, args.model)
     pool.promote = args.promote
     every = pool.bank.holds_every_expert()
     # a bank holding every expert copies nothing (its fused step skips the plan step), and takes
@@ -325,8 +345,10 @@ def run_bank(args, layers: int, streams: list[int], bank: float, pcie: float) ->
     if routing == "locality":
         from cupool import trace as tr
         from cupool.replay import Replayer
-        t = tr.streams(args.tokens + 192, layers, shape["num_experts"],
-                       shape["num_experts_per_tok"], max(streams), seed=args.seed,
+        from cupool.synthetic import moe_dims
+        E, K, _, _ = moe_dims(shape)
+        # one trace layer a MoE layer (a model's dense layers have none)
+        t = tr.streams(args.tokens + 192, len(pool.specs), E, K, max(streams), seed=args.seed,
                        **tr.QWEN3_LOCALITY)
         replayer = Replayer(pool, t)
         replayer.install()
@@ -438,12 +460,12 @@ def main(args) -> int:
         slots = f"--slots {args.slots}" if args.slots else "serve's default slots"
         raise ValueError(f"--held-context fills the slots the streams leave free, and no case "
                          f"has any (--streams {' '.join(map(str, args.streams))} in {slots})")
-    from cupool.synthetic import QWEN3_30B_A3B
-    limit = QWEN3_30B_A3B["max_position_embeddings"]       # the positions a slot may hold
+    title = MODELS[args.model][3]
+    limit = model_shape(args.model, None)["max_position_embeddings"]   # a slot's positions
     for flag, n in (("--prompt + --tokens", args.prompt + args.tokens),
                     ("--late-prompt", args.late_prompt), ("--held-context", args.held_context)):
         if n and n + 10 > limit:
-            raise ValueError(f"{flag} is {n}: a slot of the Qwen3-30B-A3B shape holds {limit} "
+            raise ValueError(f"{flag} is {n}: a slot of the {title} shape holds {limit} "
                              f"positions, {limit - 10} for a request (the rest the runs' margin)")
     if not args.handoff_us >= 0:
         raise ValueError(f"--handoff-us must be >= 0, got {args.handoff_us:g}")
@@ -454,7 +476,8 @@ def main(args) -> int:
     pcie = pcie_h2d_GBps()
     print(f"pinned host -> GPU copy: {pcie:.1f} GB/s", flush=True)
     banks = [run_bank(args, layers, streams, bank, pcie) for bank in args.banks]
-    results = {"shape": f"Qwen3-30B-A3B, {layers} layers", "routing": args.routing,
+    layers = model_shape(args.model, layers)["num_hidden_layers"]
+    results = {"shape": f"{title}, {layers} layers", "routing": args.routing,
                "tokens_per_request": args.tokens, "prompt_tokens": args.prompt,
                "compile": args.compile, "fused": not args.no_fused, "prefetch": args.prefetch,
                "promote": args.promote, "overlap_copies": args.overlap_copies,
@@ -471,7 +494,8 @@ def main(args) -> int:
                "batch_prefill": not args.no_batch_prefill,
                "pcie_h2d_GBps": pcie, "banks": banks,
                "gpu": torch.cuda.get_device_name()}
-    save("bench_serve", results, results_path("bench_serve", args.json, reduced(args)))
+    name = MODELS[args.model][2]
+    save(name, results, results_path(name, args.json, reduced(args)))
     return 0
 
 
@@ -500,7 +524,12 @@ def reduced(args) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = CLIParser(prog="bench_serve.py", description=__doc__,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=positive_int, default=48)
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b",
+                   help="the shape (synthetic weights): qwen3-30b-a3b (default, writes "
+                        "bench_serve.json) or glm-4.5-air (bench_serve_glm_4_5_air.json)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="decoder layers (default: the model's, 48 for qwen3-30b-a3b, 46 for "
+                        "glm-4.5-air)")
     p.add_argument("--streams", type=positive_int, nargs="+", default=[1, 8, 16])
     p.add_argument("--tokens", type=positive_int, default=64, help="new tokens a request")
     p.add_argument("--prompt", type=positive_int, default=16, help="prompt tokens a request")

@@ -143,6 +143,33 @@ QWEN4_EXP_TINY = dict(QWEN4_EXP, num_hidden_layers=4, num_experts=8, num_experts
                       indexer_compress_ratio=8)
 
 
+# GLM-4.5-Air (transformers' `glm4_moe`): 46 layers, the first a dense MLP (I = 10,944), then 45
+# MoE blocks of 128 experts top-8 (I = 1,408) with a sigmoid router (a correction bias, one
+# expert group, weights renormalised) and one ungated shared expert of 1,408; H = 4,096, 96
+# query heads over 8 KV heads of 128 dims with q/k/v biases, rotary over the first half of each
+# head (rope theta 10^6); vocabulary 151,552.
+GLM45_AIR = dict(num_hidden_layers=46, n_routed_experts=128, num_experts_per_tok=8,
+                 hidden_size=4096, moe_intermediate_size=1408, intermediate_size=10944,
+                 n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                 norm_topk_prob=True, routed_scaling_factor=1.0, num_attention_heads=96,
+                 num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5,
+                 attention_bias=True, use_qk_norm=False, vocab_size=151552,
+                 max_position_embeddings=4096, rope_theta=1e6)
+GLM45_AIR_TINY = dict(GLM45_AIR, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                      hidden_size=64, moe_intermediate_size=32, intermediate_size=96,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
+                      max_position_embeddings=256)
+
+
+def moe_dims(shape: dict) -> tuple[int, int, int, int]:
+    """(experts, top-k, hidden, expert intermediate) of a Qwen3-MoE, gpt-oss, qwen4_exp or
+    glm4_moe config dict."""
+    E = next(shape[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+             if k in shape)
+    I = shape.get("moe_intermediate_size", shape.get("intermediate_size"))
+    return E, shape["num_experts_per_tok"], shape["hidden_size"], I
+
+
 def qwen3_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0,
                            dense_nvfp4: bool = False, **shape):
     """A Qwen3-MoE causal LM whose dense part (attention, norms, router, embeddings) lives on
@@ -187,6 +214,22 @@ def qwen4_exp_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0, *
     return _dense_on_gpu(cfg, device, dtype, seed)
 
 
+def glm4_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0,
+                          dense_nvfp4: bool = False, **shape):
+    """`qwen3_moe_dense_on_gpu` for a `glm4_moe` causal LM (GLM45_AIR unless `shape` says
+    otherwise): its dense first layer's MLP, shared experts and q/k/v biases are dense weights
+    here, its routers' correction biases random (normal(0, 0.1))."""
+    from transformers import AutoConfig
+
+    from cupool import dense_nvfp4 as dn
+    cfg = AutoConfig.for_model("glm4_moe", **{**GLM45_AIR, **shape}, dtype=dtype,
+                               tie_word_embeddings=False)
+    model, specs = _dense_on_gpu(cfg, device, dtype, seed)
+    if dense_nvfp4:
+        dn.quantize_linears(model)
+    return model, specs
+
+
 def _dense_on_gpu(cfg, device, dtype, seed):
     from transformers import AutoModelForCausalLM
 
@@ -206,6 +249,9 @@ def _dense_on_gpu(cfg, device, dtype, seed):
                 p.fill_(0.0 if name.endswith(("bias", "sinks")) else 1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+        for name, b in model.named_buffers():    # sigmoid routers' correction biases
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1, generator=gen)
         for parent in model.modules():            # rotary tables were left uninitialised
             for child_name, child in list(parent.named_children()):
                 if hasattr(child, "inv_freq") and hasattr(child, "config"):

@@ -388,6 +388,43 @@ def test_bench_decode_shape_keys():
     assert bd.shape_keys(bd.MODELS["qwen4_exp"][0])[4] == 512
 
 
+def test_bench_serve_models():
+    """bench_serve's --model shapes: each names its synthetic shape and builder, layers default
+    to the model's, and the experts' dims read from either family's config keys (GLM-4.5-Air's
+    n_routed_experts); an unknown model is refused by the parser."""
+    from cupool import synthetic
+    bs = load("bench_serve.py")
+    for name, (shape, builder, results, title) in bs.MODELS.items():
+        assert callable(getattr(synthetic, builder)) and results.startswith("bench_serve"), name
+        assert bs.model_shape(name, None) == getattr(synthetic, shape)
+        assert bs.model_shape(name, 2)["num_hidden_layers"] == 2
+    assert bs.model_shape("glm-4.5-air", None)["num_hidden_layers"] == 46
+    assert synthetic.moe_dims(synthetic.GLM45_AIR) == (128, 8, 4096, 1408)
+    assert synthetic.moe_dims(synthetic.QWEN3_30B_A3B) == (128, 8, 2048, 768)
+    assert synthetic.moe_dims(synthetic.GPT_OSS_120B) == (128, 4, 2880, 2880)
+    with pytest.raises(SystemExit) as e:
+        bs.build_parser().parse_args(["--model", "glm-4.5"])
+    assert e.value.code == 2
+
+
+def test_glm45_air_synthetic_dense_part():
+    """synthetic's GLM-4.5-Air builder (tiny shape, on the CPU): its MoE layers (all but the
+    dense first) are the pool's, their experts released; the routers' correction biases, which
+    `to_empty` leaves uninitialised, are drawn (finite, not all zero) and every dense weight is
+    finite."""
+    import torch
+
+    from cupool import synthetic
+    model, specs = synthetic.glm4_moe_dense_on_gpu("cpu", seed=3, **synthetic.GLM45_AIR_TINY)
+    assert [s.index for s in specs] == [0, 1]
+    assert [s.parent is model.model.layers[i].mlp for i, s in zip((1, 2), specs)] == [True, True]
+    for i in (1, 2):
+        b = model.model.layers[i].mlp.gate.e_score_correction_bias
+        assert torch.isfinite(b).all() and b.abs().max() > 0
+    for name, p in model.named_parameters():
+        assert p.numel() == 0 or torch.isfinite(p).all(), name
+
+
 def test_bench_serve_link_bound():
     """bench_serve's link bound: decoded tokens over the seconds the rows crossing the link
     (misses, and prefetched rows with prefetch on) take on it; none without any."""
