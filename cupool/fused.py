@@ -6,11 +6,12 @@ E experts · K top-k · nh / hk query / KV heads · D head dim · L_max position
 
 A decoder layer of the common pattern — RMSNorm → attention (q/k/v/o projections with or without
 biases, q/k RMSNorm over the head dim or none, rotary embedding over the whole head or its first
-dims (GLM-4.5's partial rotary, `kernel_rotary`), grouped-query, full or sliding
-window, with or without sinks) → residual → RMSNorm → softmax top-k router (its logits with or
-without a bias), or a sigmoid router with a correction bias and one expert group → pooled
-experts, plus a shared expert where the block has one → residual; Qwen3-MoE, Mixtral, gpt-oss,
-Qwen2-MoE, GLM-4.5, dots.llm1 — runs as:
+dims (GLM-4.5's and Qwen3-Next's partial rotary, `kernel_rotary`), grouped-query, full or sliding
+window, with or without sinks, with or without Qwen3-Next's output gate) → residual → RMSNorm →
+softmax top-k router (its logits with or without a bias), or a sigmoid router with a correction
+bias and one expert group → pooled experts, plus a shared expert where the block has one →
+residual; Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE, GLM-4.5, dots.llm1, and Qwen3-Next's
+full-attention layers — runs as:
 
     dense_gemv (norm)   h = h_mid + moe of the layer before; x = rmsnorm(h); qkv = x·Wqkv (+ b)
     dense_attention     q/k norm, rotary, k and v into the slot cache at pos, split-KV attention
@@ -32,19 +33,25 @@ after the pool's launches:
     dense_gemv          s = a·Wd
     torch ops           moe = moe + sigmoid(sg) · s      (moe + s ungated)
 
-each op in bf16 where transformers' block rounds, so the sum is the block's. The residual
+each op in bf16 where transformers' block rounds, so the sum is the block's. Gated attention
+(q_proj's rows each head's query followed by its output gate, twice the o-projection's width)
+keeps that layout in the QKV GEMV's output, which the attention kernel reads (its QGATE build);
+after it, torch ops multiply the output by sigmoid(gate), rounded as the model does. Every
+RMSNorm is transformers' weight · x̂ or the (1 + w) form of Qwen3-Next (x̂ · (1 + w) in float32,
+rounded once), which the GEMVs' and the attention's NORM1 builds compute. The residual
 stream is never materialised between a layer's MoE and the next layer: the next QKV GEMV adds it
 in its prologue. A dense MLP layer (`mlp` of gate_proj, up_proj, down_proj and act_fn: Qwen2-MoE's
 mlp_only_layers, DeepSeek's first layers) runs the same two GEMVs in place of the router and the
 pool's launches, its gate and up GEMV norming the residual stream. A layer that does not match
-the pattern (another attention, another router) runs transformers' own module on the
-same cache, with the mask and rotary embedding the engine would pass. Which layers matched and
+the pattern (another attention, another router; Qwen3-Next's gated delta nets) runs
+transformers' own module on the same cache and per-slot states, with the mask and rotary
+embedding the engine would pass. Which layers matched and
 why the others did not is in `FusedStep.layers` / `describe()`.
 
 What is checked before any kernel runs: the model's structure (embedding, final norm, output head,
 a rotary embedding that does not change with the length; a table of D / 2 frequencies only where
 a probe shows the model turns both halves of a head by it, `kernel_rotary`), each norm by a probe
-(it must compute transformers' RMSNorm exactly), each router by a probe against
+(it must compute one of the two RMSNorms above exactly), each router by a probe against
 `cupool.reference.dense.route_topk` on its own logits (softmax top-k, with or without
 renormalisation, weights in the dtype it returns; gpt-oss's softmax over its top-k logits is the
 renormalised one) or, for a router with an e_score_correction_bias, `route_sigmoid` (its logits
@@ -260,9 +267,11 @@ def _eps(norm: nn.Module) -> float:
     raise Unsupported(f"{type(norm).__name__} has no epsilon attribute (variance_epsilon or eps)")
 
 
-def check_rms_norm(norm: nn.Module, what: str, size: int) -> float:
-    """The norm's epsilon, after a probe shows it computes transformers' RMSNorm (weight · x̂)
-    exactly on a random input; Unsupported otherwise."""
+def check_rms_norm(norm: nn.Module, what: str, size: int) -> tuple[float, bool]:
+    """(epsilon, one_plus) of the norm, after a probe shows it computes one of transformers'
+    RMSNorms exactly on a random input: weight · x̂ with x̂ rounded first (one_plus False), or
+    Qwen3-Next's and Gemma's x̂ · (1 + weight) in float32, rounded once (one_plus True; the
+    kernels' NORM1 builds); Unsupported otherwise."""
     w = getattr(norm, "weight", None)
     if not isinstance(w, torch.Tensor) or w.shape != (size,):
         raise Unsupported(f"{what} ({type(norm).__name__}) has no weight [{size}]")
@@ -273,10 +282,11 @@ def check_rms_norm(norm: nn.Module, what: str, size: int) -> float:
     x = torch.randn(3, size, generator=gen, device=w.device).to(w.dtype) * 3
     with torch.no_grad():
         got = norm(x)
-    if not torch.equal(got, rms_norm(x, w, eps)):
-        raise Unsupported(f"{what} ({type(norm).__name__}) does not compute transformers' "
-                          f"RMSNorm weight · x / rms(x) (a probe differs)")
-    return eps
+    for one_plus in (False, True):
+        if torch.equal(got, rms_norm(x, w, eps, one_plus)):
+            return eps, one_plus
+    raise Unsupported(f"{what} ({type(norm).__name__}) computes neither transformers' RMSNorm "
+                      f"weight · x / rms(x) nor its (1 + weight) form (a probe differs)")
 
 
 def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: int):
@@ -456,6 +466,9 @@ class FusedLayer:
     post_eps: float
     pooled: object              # cupool.layer.PooledExperts (or _ModelExperts); None: dense
     mlp: "GatedMLP | None" = None   # a MoE block's shared expert, or a dense layer's MLP
+    post_one_plus: bool = False     # the post-attention norm is a (1 + w) one
+    q_gate: bool = False        # Qwen3-Next's gated attention: q_proj's rows hold each head's
+                                # query, then its output gate
 
     @property
     def dense(self) -> bool:
@@ -572,17 +585,18 @@ class FusedStep:
         # and the bank they are in; None where the plan step runs
         self.lane_table = resident_table(pool) if self.skip_plan_asked else None
         self._table_bank = None if self.lane_table is None else pool.bank
-        self.final_eps = check_rms_norm(base.norm, "model.norm", H)
+        self.final_eps, final_one_plus = check_rms_norm(base.norm, "model.norm", H)
         self.final_norm = base.norm.weight
         self.embed = embed.weight
         self.head = self._gemv([head.weight], tokens=tokens, norm=True, epilogue=PLAIN,
-                               **self._shape("head", H))
+                               one_plus=final_one_plus, **self._shape("head", H))
         self.vocab = head.weight.shape[0]
         by_parent = {} if pool is None else {id(s.parent): s.index for s in pool.specs}
         layer_types = getattr(cfg, "layer_types", None)
         self.layers: list[FusedLayer | ModelLayer] = []
         # what every fused layer must share, set by the first one matched
         self._attn_shape = self._w_dtype = self._experts = self._top_k = None
+        self._q_gate = None
         for i, layer in enumerate(base.layers):
             lt = layer_types[i] if layer_types else None
             try:
@@ -625,7 +639,8 @@ class FusedStep:
         self.h_mid = torch.empty(B, H, dtype=bf, device=dev)
         self.xn = torch.empty(B, H, dtype=bf, device=dev)
         self.moe = torch.empty(B, H, dtype=bf, device=dev)
-        self.qkv = torch.empty(B, (nh + 2 * hk) * D, dtype=bf, device=dev)
+        self.qkv = torch.empty(B, ((2 if self._q_gate else 1) * nh + 2 * hk) * D, dtype=bf,
+                               device=dev)
         self.attn = torch.empty(B, nh * D, dtype=bf, device=dev)
         self.logits = torch.empty(B, self.vocab, dtype=bf, device=dev)
         self.route = RouteOut.allocate(B, self._experts, self._top_k, self._w_dtype, dev)
@@ -687,6 +702,11 @@ class FusedStep:
             raise Unsupported(f"{where}.self_attn: head_dim {D!r} does not divide the projections "
                               f"{list(wq.shape)}, {list(wk.shape)}, {list(wv.shape)}")
         nh, hk = wq.shape[0] // D, wk.shape[0] // D
+        # gated attention (Qwen3-Next's): q_proj twice as wide as the o-projection takes, each
+        # head's query followed by its output gate; the output is attention · sigmoid(gate)
+        q_gate = wo.shape[1] * 2 == wq.shape[0]
+        if q_gate:
+            nh //= 2
         if wq.shape[1] != H or wo.shape != (H, nh * D):
             raise Unsupported(f"{where}.self_attn: projections {list(wq.shape)} / "
                               f"{list(wo.shape)} do not fit hidden {H} with {nh} heads of {D}")
@@ -700,15 +720,19 @@ class FusedStep:
         if self._attn_shape not in (None, (nh, hk, D)):
             raise Unsupported(f"{where}.self_attn has (heads, kv heads, head dim) {(nh, hk, D)}, "
                               f"other layers {self._attn_shape}")
+        if self._q_gate not in (None, q_gate):
+            raise Unsupported(f"{where}.self_attn is {'' if q_gate else 'not '}gated, other "
+                              f"layers are{'' if self._q_gate else ' not'}")
         qn = getattr(attn, "q_norm", None)
         kn = getattr(attn, "k_norm", None)
         if (qn is None) != (kn is None):
             raise Unsupported(f"{where}.self_attn has only one of q_norm / k_norm")
-        eps_qk = 1e-6
+        eps_qk, qk_one_plus = 1e-6, False
         if qn is not None:
-            eps_qk = check_rms_norm(qn, f"{where}.self_attn.q_norm", D)
-            if check_rms_norm(kn, f"{where}.self_attn.k_norm", D) != eps_qk:
-                raise Unsupported(f"{where}.self_attn: q_norm and k_norm differ in epsilon")
+            eps_qk, qk_one_plus = check_rms_norm(qn, f"{where}.self_attn.q_norm", D)
+            if check_rms_norm(kn, f"{where}.self_attn.k_norm", D) != (eps_qk, qk_one_plus):
+                raise Unsupported(f"{where}.self_attn: q_norm and k_norm differ in epsilon or "
+                                  f"kind")
         scale = getattr(attn, "scaling", None)
         if not isinstance(scale, float):
             raise Unsupported(f"{where}.self_attn has no float `scaling`")
@@ -721,9 +745,9 @@ class FusedStep:
                    if isinstance(sinks, torch.Tensor) else type(sinks).__name__)
             raise Unsupported(f"{where}.self_attn.sinks is {got}, not a contiguous bf16 [{nh}] "
                               f"beside the projections")
-        in_eps = check_rms_norm(layer.input_layernorm, f"{where}.input_layernorm", H)
-        post_eps = check_rms_norm(layer.post_attention_layernorm,
-                                  f"{where}.post_attention_layernorm", H)
+        in_eps, in_one_plus = check_rms_norm(layer.input_layernorm, f"{where}.input_layernorm", H)
+        post_eps, post_one_plus = check_rms_norm(layer.post_attention_layernorm,
+                                                 f"{where}.post_attention_layernorm", H)
         norm_topk, w_dtype, sigmoid = False, None, None
         if not dense:
             check = check_sigmoid_router if hasattr(gate, "e_score_correction_bias") \
@@ -743,7 +767,8 @@ class FusedStep:
                   "router": self._shape("router", H)}
         try:
             qkv = self._gemv(pqkv or [wq, wk, wv], None if bq is None else [bq, bk, bv],
-                             tokens=B, norm=True, epilogue=PLAIN, **shapes["qkv"])
+                             tokens=B, norm=True, epilogue=PLAIN, one_plus=in_one_plus,
+                             **shapes["qkv"])
             o = self._gemv(po or [wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL,
                            **shapes["o"])
             router = None
@@ -752,14 +777,16 @@ class FusedStep:
                 router = self._gemv([gate.weight], None if gbias is None else [gbias],
                                     tokens=B, norm=True, epilogue=ROUTE,
                                     lane_addr=self.lane_table is not None, sigmoid=sigmoid,
-                                    **shapes["router"])
+                                    one_plus=post_one_plus, **shapes["router"])
             # the attention launcher is made once every layer is matched (they share a workspace
             # of the heads' shape)
             att = {"q_norm": None if qn is None else qn.weight,
-                       "k_norm": None if kn is None else kn.weight, "eps": eps_qk, "scale": scale,
-                       "window": int(window or 0), "sinks": sinks}
+                   "k_norm": None if kn is None else kn.weight, "eps": eps_qk, "scale": scale,
+                   "window": int(window or 0), "sinks": sinks, "q_gate": q_gate,
+                   "one_plus": qk_one_plus}
             if dense:
-                gmlp = self._gated_mlp(mlp, None, f"{where}.mlp", norm=True)
+                gmlp = self._gated_mlp(mlp, None, f"{where}.mlp", norm=True,
+                                       one_plus=post_one_plus)
             elif shared == _SHARED:
                 gmlp = self._gated_mlp(mlp.shared_expert, mlp.shared_expert_gate,
                                        f"{where}.mlp.shared_expert", norm=False)
@@ -770,19 +797,20 @@ class FusedStep:
                 gmlp = None
         except (ValueError, TypeError) as e:
             raise Unsupported(f"{where}: {e}") from None
-        self._attn_shape = (nh, hk, D)
+        self._attn_shape, self._q_gate = (nh, hk, D), q_gate
         if not dense:
             self._w_dtype, self._experts, self._top_k = w_dtype, experts, top_k
         return FusedLayer(i, qkv, att, o, router, top_k, norm_topk,
                           layer.input_layernorm.weight, in_eps,
-                          layer.post_attention_layernorm.weight, post_eps, moe, gmlp)
+                          layer.post_attention_layernorm.weight, post_eps, moe, gmlp,
+                          post_one_plus, q_gate)
 
     def _gated_mlp(self, mlp: nn.Module, gate: nn.Module | None, where: str,
-                   norm: bool) -> GatedMLP:
+                   norm: bool, one_plus: bool = False) -> GatedMLP:
         """The GEMVs of a gated MLP `mlp` (gate_proj, up_proj, down_proj, act_fn): with `gate`,
         a shared expert's sigmoid gate (a Linear of the hidden size to one output), whose row
         joins the gate and up rows; with `norm`, the gate and up GEMV norms its input (a dense
-        layer's post-attention norm)."""
+        layer's post-attention norm, of `one_plus`'s kind)."""
         H = self.hidden
         act = getattr(mlp, "act_fn", None)
         if not isinstance(act, nn.Module):
@@ -806,7 +834,8 @@ class FusedStep:
             biases.append(gate.bias)
         B = self.tokens
         gate_up = self._gemv(weights, None if all(b is None for b in biases) else biases,
-                             tokens=B, norm=norm, epilogue=PLAIN, **self._shape("mlp", H))
+                             tokens=B, norm=norm, epilogue=PLAIN, one_plus=one_plus,
+                             **self._shape("mlp", H))
         down = self._gemv([wd], None if bd is None else [bd], tokens=B, epilogue=PLAIN,
                           **self._shape("mlp_down", size))
         bf, dev = torch.bfloat16, wg.device
@@ -854,6 +883,11 @@ class FusedStep:
         dense = sum(l.dense for l in fl)
         if dense:
             text += f"; a dense MLP in {dense} layer{'s' * (dense != 1)}"
+        gated = sum(l.q_gate for l in fl)
+        if gated:
+            text += f"; gated attention in {gated} layer{'s' * (gated != 1)}"
+        if self.head.one_plus:
+            text += "; (1 + w) RMSNorms"
         nv = [f"{name} in {n} layers" for name, n in self.nvfp4_gemvs().items() if n]
         if nv:
             text += f"; NVFP4 weights for {', '.join(nv)}"
@@ -899,6 +933,9 @@ class FusedStep:
         if any(isinstance(l, FusedLayer) and not l.dense and l.router.sigmoid is not None
                for l in self.layers):
             return "the router is a sigmoid router (the decode GEMM's routing is softmax top-k)"
+        if any(isinstance(l, FusedLayer) and l.post_one_plus for l in self.layers):
+            return ("the post-attention norm is a (1 + w) one (the decode GEMM's routing norms "
+                    "with w)")
         # (each router's weight is a contiguous, aligned bf16 matrix: its DenseGemv checked it)
         return self.pool.gemm.routes_decode(self.tokens, self._experts)
 
@@ -976,6 +1013,11 @@ class FusedStep:
             if "attention" not in skip:
                 layer.attn(self.qkv, apos, k_cache, v_cache, self.cos, self.sin, self.attn,
                            slots=slots)
+            if layer.q_gate:           # attention · sigmoid(gate), each op rounded, as the model
+                nh, _, D = self._attn_shape
+                gate = self.qkv[:, :2 * nh * D].view(-1, nh, 2, D)[:, :, 1]
+                a = self.attn.view(-1, nh, D)
+                torch.mul(a, torch.sigmoid(gate), out=a)
             if "o" not in skip:
                 layer.o(self.attn, residual=h, out=self.h_mid)
             if layer.dense:                # its gate and up GEMV norms h_mid itself

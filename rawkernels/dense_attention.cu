@@ -36,6 +36,13 @@
 // bf16 terms, hi = bf16(p) and lo = bf16(p − hi) (two MMAs: 16 bits of its mantissa where one
 // bf16 keeps 8); the output is bf16.
 //
+// Qwen3-Next's full-attention layers: QGATE = 1 reads a token's qkv row [(2·nh + 2·hk)·D] as its
+// q_proj lays it out, query head j at columns 2jD ... 2jD + D − 1 with that head's output gate
+// right after it, then the keys at column 2·nh·D and the values (QGATE = 0: [q (nh·D) | k (hk·D) |
+// v (hk·D)]). The gates are not read: out stays [B, nh·D], and the caller multiplies it by their
+// sigmoid. NORM1 = 1: the q/k norms' weights are stored as w − 1 (Qwen3-Next's RMSNorm), and the
+// norm is bf16((1 + w) · (x · rsqrt(mean(x²) + eps))) in float32, rounded once.
+//
 // Who writes what, in order:
 // - pos[b] < 0 marks token b inactive (its slot has no token this step): its blocks return at
 //   once, but for part 0's, which waits for the kernel before (a dependent writes nothing before
@@ -91,6 +98,12 @@
 #ifndef AHEAD
 #define AHEAD 0           // 1: a tile's key and value loads issued ahead of their use (below)
 #endif
+#ifndef QGATE
+#define QGATE 0           // 1: each query head's D columns followed by its gate's (Qwen3-Next)
+#endif
+#ifndef NORM1
+#define NORM1 0           // 1: the q/k norms' weights stored as w − 1 (Qwen3-Next, above)
+#endif
 #ifndef ATTN_TRACE
 #define ATTN_TRACE 0
 #endif
@@ -101,6 +114,7 @@
 #define THREADS 128
 #define NWARP (THREADS / 32)
 #define DPL (D / 32)      // head dims a lane holds in the q/k norm: lane + 32·i
+#define QCOL (QGATE ? 2 : 1)   // D-column blocks of a token's qkv row a query head takes
 #define RPW ((G + NWARP) / NWARP)   // rows a warp normalises and rotates: G queries and the new key
 #define NG ((G + 7) / 8)  // MMA n tiles of 8 heads
 #define MT (D / 16)       // P·V's m tiles of 16 dims
@@ -121,6 +135,16 @@ static_assert(TP == 16 * NWARP, "16 positions of a tile a warp");
 // barrier of the ticket before those reads keeps them after it.
 
 CUPOOL_DEVICE float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// A q/k norm weight as the norm multiplies by it: with NORM1 the stored w − 1 plus one (float32,
+// as Qwen3-Next's norm adds it).
+CUPOOL_DEVICE float norm_weight(u16 w) {
+#if NORM1
+    return 1.0f + bf16_to_f32(w);
+#else
+    return bf16_to_f32(w);
+#endif
+}
 
 #if ATTN_TRACE
 // stamp k of this block (thread 0)
@@ -174,9 +198,9 @@ CUPOOL_DEVICE u32 pack_bf16(float lo, float hi) {
 }
 
 // One row of D values (bf16 values in float32), a lane's dims lane + 32·i: the RMSNorm (if norm:
-// w the lane's DPL weights) and the rotary embedding (cs, sn the lane's DPL entries of the
-// row's cos and sin), in registers. A whole warp calls it. The lane's squares are summed in the
-// order of its dims, then across the warp.
+// w the lane's DPL weights, `norm_weight`s) and the rotary embedding (cs, sn the lane's DPL
+// entries of the row's cos and sin), in registers. A whole warp calls it. The lane's squares are
+// summed in the order of its dims, then across the warp.
 CUPOOL_DEVICE void norm_rope_row(float (&x)[DPL], bool norm, const float (&w)[DPL], float eps,
                                  const float (&cs)[DPL], const float (&sn)[DPL]) {
     if (norm) {
@@ -184,8 +208,13 @@ CUPOOL_DEVICE void norm_rope_row(float (&x)[DPL], bool norm, const float (&w)[DP
 #pragma unroll
         for (int i = 0; i < DPL; ++i) ss += x[i] * x[i];
         const float rs = rsqrtf(warp_sum(ss) / (float)D + eps);
+#if NORM1
+#pragma unroll
+        for (int i = 0; i < DPL; ++i) x[i] = round_bf16(w[i] * (x[i] * rs));   // one rounding
+#else
 #pragma unroll
         for (int i = 0; i < DPL; ++i) x[i] = round_bf16(w[i] * round_bf16(x[i] * rs));
+#endif
     }
     float y[RPL];
 #pragma unroll
@@ -353,7 +382,7 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
     STAMP(0);
     const int NS = gridDim.x, s = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const i64 stride = (i64)(nh + 2 * hk) * D;               // one token's q, k, v
+    const i64 stride = (i64)(QCOL * nh + 2 * hk) * D;        // one token's q (and gates), k, v
     const u16* row = qkv + b * stride;
     if (pos[b] < 0) {                          // an inactive slot: zeros out, nothing else
         if (s == 0) {
@@ -403,8 +432,8 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         const int c = lane + 32 * i;
         cs_f[i] = bf16_to_f32(cs[c]);
         sn_f[i] = bf16_to_f32(sn[c]);
-        qw[i] = q_norm ? bf16_to_f32(q_norm[c]) : 0.0f;
-        kw[i] = k_norm ? bf16_to_f32(k_norm[c]) : 0.0f;
+        qw[i] = q_norm ? norm_weight(q_norm[c]) : 0.0f;
+        kw[i] = k_norm ? norm_weight(k_norm[c]) : 0.0f;
     }
     // qkv is the kernel before's output
     wait_for_producers();
@@ -420,12 +449,13 @@ dense_attention(const u16* __restrict__ qkv, i32 nh, i32 hk,
         for (int j = 0; j < RPW; ++j) {
             const int r = warp + j * NWARP;
             if (r < G || (r == G && holds)) {
-                const u16* src = row + (i64)(r < G ? h * G + r : nh + h) * D;
+                const u16* src = row + (i64)(r < G ? QCOL * (h * G + r) : QCOL * nh + h) * D;
 #pragma unroll
                 for (int i = 0; i < DPL; ++i) x[j][i] = bf16_to_f32(src[lane + 32 * i]);
                 if (r == G) {
 #pragma unroll
-                    for (int i = 0; i < DPL; ++i) vnew[i] = row[(i64)(nh + hk + h) * D + lane + 32 * i];
+                    for (int i = 0; i < DPL; ++i)
+                        vnew[i] = row[(i64)(QCOL * nh + hk + h) * D + lane + 32 * i];
                 }
             }
         }

@@ -30,6 +30,9 @@
 //                   writes h to h_out and x to x_out where given. Where K is one x tile
 //                   (K ≤ KT, KS = 1) the statistics pass keeps h in the tile and the norm's
 //                   weights are in shared memory before the wait: h is read once.
+//                   NORM1=1: the RMSNorm of Qwen3-Next and Gemma, whose weight is stored as
+//                   w − 1: x = bf16((1 + nw) · (h · rsqrt(mean(h²) + eps))), the product in
+//                   float32 and one rounding.
 // Epilogues:
 //   EPI 0: out[n, r] = bf16(acc + bias[r])
 //   EPI 1: out[n, r] = bf16(res2[n, r] + bf16(acc + bias[r]))           (o-projection + residual)
@@ -125,6 +128,9 @@
 #ifndef RBIAS
 #define RBIAS 0           // the route epilogue adds the router's bias to the logits
 #endif
+#ifndef NORM1
+#define NORM1 0           // the norm prologue's weight is stored as w − 1 (header: MODE 1)
+#endif
 #if WFP4
 #include "mma_fp4.cuh"
 #define CCOLS 64          // columns a chunk: 16 code bytes a lane (four k-tiles)
@@ -152,6 +158,7 @@ static_assert(WARPS == 4 || WARPS == 8, "a block of 4 or 8 warps");
 static_assert(KS >= 1 && KS <= 16, "K split over 1 to 16 blocks");
 static_assert(LANE_ADDR == 0 || EPI == 2, "lane addresses are written by the route epilogue");
 static_assert(RBIAS == 0 || EPI == 2, "RBIAS belongs to the route epilogue (the others add biases)");
+static_assert(NORM1 == 0 || MODE == 1, "NORM1 belongs to the norm prologue");
 static_assert(PRE == 0 || (WFP4 && PRE <= 8), "PRE dequantises up to 8 NVFP4 chunks a warp");
 
 #if WFP4
@@ -491,8 +498,14 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
                     unpack8(ld_plain16(nw + k), w);
                 }
                 const float r = rstd[n];
+#if NORM1
+                // (1 + w) times the normalised h in float32: pack8 is the one rounding
+#pragma unroll
+                for (int j = 0; j < 8; ++j) x[j] = (1.0f + w[j]) * (h[j] * r);
+#else
 #pragma unroll
                 for (int j = 0; j < 8; ++j) x[j] = w[j] * bf16_to_f32(f32_to_bf16(h[j] * r));
+#endif
                 v = pack8(x);
                 if (blockIdx.x == 0) {
                     if (h_out && add) st16(h_out + (i64)n * K + k, pack8(h));

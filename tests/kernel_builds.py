@@ -137,6 +137,12 @@ BUILDS: list[tuple[str, str]] = [
     # lane addresses
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DSIG=1"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1 -DSIG=1"),
+    # the (1 + w) RMSNorm (Qwen3-Next's, Gemma's: NORM1) at batch 1: a normed GEMV at the plain
+    # shape and QKV at the default one (qkv=w4), the softmax router, the output head
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=1 -DNORM1=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DNORM1=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DNORM1=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=2 -DNORM1=1"),
     # NVFP4 attention projections (cupool.dense_nvfp4) at the default shapes: QKV (norm, 4 warps)
     # at batch 1 and 16, the o-projection (+ residual, 4 warps, K split over 4 blocks)
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1"),
@@ -167,6 +173,10 @@ BUILDS: list[tuple[str, str]] = [
     ("dense_attention", ""),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64"),
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),
+    # Qwen3-Next's full-attention layers at the default shape (attn=ahead): 16 query heads over
+    # 2 KV heads of 256 dims, the first 64 turning, q_proj's rows with each head's gate (QGATE),
+    # the (1 + w) q/k norms (NORM1)
+    ("dense_attention", "-DD=256 -DG=8 -DMINCHUNK=64 -DAHEAD=1 -DROT=64 -DQGATE=1 -DNORM1=1"),
 ]
 
 

@@ -3,8 +3,9 @@
 The kernel's own source is compiled with g++ against tests/emu (the CUDA features it uses
 emulated, every block of its grid run one after another; `attention_main.cpp` drives it), so the
 split of a token's positions into parts, the parts past the used ones, the last block's merge,
-window, sinks, the q/k norms, the rotary embedding, the cache write and inactive slots (pos -1)
-are checked without a GPU.
+window, sinks, the q/k norms (Qwen3-Next's (1 + w) kind too), the rotary embedding, the cache
+write, inactive slots (pos -1) and qkv rows with each query head's gate (Qwen3-Next's) are
+checked without a GPU.
 What concurrent blocks do to each other is the GPU tests' part (test_gpu_dense.py).
 """
 
@@ -29,6 +30,10 @@ BUILDS = {
     "d256g8": {"D": 256, "G": 8, "MINCHUNK": 64, "AHEAD": 0},      # Qwen3-Next's
     # GLM-4.5-Air's partial rotary: the first 64 of 128 dims turn
     "d128g12r64": {"D": 128, "G": 12, "MINCHUNK": 64, "AHEAD": 1, "ROT": 64},
+    # Qwen3-Next's full-attention layers: the first 64 of 256 dims turn, each query head's gate
+    # after it in the qkv row, the (1 + w) q/k norms
+    "d256g8next": {"D": 256, "G": 8, "MINCHUNK": 64, "AHEAD": 1, "ROT": 64, "QGATE": 1,
+                   "NORM1": 1},
 }
 
 
@@ -148,6 +153,55 @@ def test_attention_kernel_partial_rotary_matches_reference_on_cpu(builds):
     other = ref.attention_decode(qkv, nh, hk, None, None, 1e-6, *full, pos, kc.clone(),
                                  vc.clone(), D ** -0.5, 0, sk)
     assert rel(other[0], want[0]) > 10 * ATTN_TOL
+
+
+@pytest.mark.parametrize("positions,sms", [
+    ([699, 130, 5], 8),          # 3 parts: all used, all used (parts of 64), one
+    ([699, -1, 40], 64),         # 11 parts of 64 beside an inactive slot and one part
+])
+def test_attention_kernel_qwen3_next_matches_reference_on_cpu(builds, positions, sms):
+    """Qwen3-Next's heads (16 over 2 KV heads of 256; the first 64 dims turn): qkv rows of
+    [(2·nh + 2·hk)·D], each query head's D columns followed by its gate's (QGATE), and q/k norms
+    stored as w − 1 (NORM1: x·rs·(1 + w), rounded once). The gate columns are NaN and so are the
+    rotary tables' columns past 64: a kernel that read either would write NaN. The reference with
+    the other norm is far off on the same inputs (the test can fail)."""
+    B, nh, hk, L, D, R = len(positions), 16, 2, 700, 256, 64
+    gen = torch.Generator().manual_seed(sum(positions) + sms)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(torch.bfloat16)  # noqa
+    qkv, kc, vc = r(B, (2 * nh + 2 * hk) * D), r(B, hk, L, D), r(B, hk, L, D)
+    qkv[:, :2 * nh * D].view(B, nh, 2, D)[:, :, 1] = float("nan")      # the gates
+    ang = torch.rand(L, R // 2, generator=gen) * 6.3
+    nan = torch.full((L, D - R), float("nan"))
+    cos = torch.cat([ang.cos(), ang.cos(), nan], -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin(), ang.sin(), nan], -1).to(torch.bfloat16)
+    qn, kn = r(D, scale=0.3), r(D, scale=0.3)     # w − 1: the norms multiply by 1 + w
+    assert (qn != 0).any() and (kn != 0).any()
+    pos = torch.tensor(positions)
+    NS = parts(B, hk, L, sms, 64)
+    out, k, v, count = run_kernel(builds, "d256g8next", qkv, pos, kc, vc, cos, sin, qn, kn, None,
+                                  nh, hk, 0, NS, 1e-6, D ** -0.5)
+    kr, vr = kc.clone(), vc.clone()
+    want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kr, vr, D ** -0.5,
+                                rotary_dims=R, q_gate=True, one_plus=True)
+    other = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kc.clone(),
+                                 vc.clone(), D ** -0.5, rotary_dims=R, q_gate=True,
+                                 one_plus=False)
+    assert (count == 0).all()
+    assert not out.isnan().any() and not k.isnan().any()
+    for b in range(B):
+        if pos[b] < 0:
+            assert (out[b] == 0).all(), b
+            continue
+        assert rel(out[b], want[b]) <= ATTN_TOL, (b, rel(out[b], want[b]))
+        assert rel(other[b], want[b]) > 10 * ATTN_TOL, (b, rel(other[b], want[b]))
+    live = pos >= 0
+    written = torch.zeros(B, L, dtype=torch.bool)
+    written[torch.arange(B)[live], pos[live]] = True
+    for got, exp in ((k, kr), (v, vr)):
+        assert torch.equal(got.transpose(1, 2)[~written], exp.transpose(1, 2)[~written])
+    assert torch.equal(v.transpose(1, 2)[written], vr.transpose(1, 2)[written])
+    new, new_ref = k.transpose(1, 2)[written].float(), kr.transpose(1, 2)[written].float()
+    assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
 
 
 @pytest.mark.parametrize("build,positions,slots,sms", [

@@ -19,9 +19,10 @@ from tiny_models import hf_model
 
 pytest.importorskip("transformers")
 
-from cupool.engine import Engine, cache_kwarg  # noqa: E402
+from cupool.engine import NO_MASK, Engine, cache_kwarg  # noqa: E402
 from cupool.fused import ABLATE, FusedLayer, FusedStep, Unsupported  # noqa: E402
 from cupool.kvcache import SlotCache  # noqa: E402
+from cupool.slotstate import StateSlotCache  # noqa: E402
 from cupool.reference import dense as ref  # noqa: E402
 from cupool.sampling import SamplingParams  # noqa: E402
 
@@ -81,11 +82,12 @@ def windows_of(cfg) -> list[int | None]:
 def masks_of(cfg, make):
     """The attention mask(s) transformers' forward takes, as the engine passes them: make(window,
     boolean) (boolean for SDPA, additive for eager attention: gpt-oss's), one a layer type where
-    the engine's windows are by type."""
+    the engine's windows are by type (None for layers that keep states in place of keys)."""
     boolean = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
     w = Engine._sliding_window(cfg)
     if isinstance(w, dict):
-        return {t: make(window, boolean) for t, window in w.items()}
+        return {t: None if window is NO_MASK else make(window, boolean)
+                for t, window in w.items()}
     return make(w, boolean)
 
 
@@ -103,12 +105,19 @@ def prefill(model, cache: SlotCache, slot: int, ids: list[int]) -> None:
 
 
 def snapshot(cache: SlotCache):
-    return [k.clone() for k in cache.keys], [v.clone() for v in cache.values]
+    """Copies of the cache's keys and values (None for a layer that keeps states instead) and of
+    its per-slot states."""
+    keep = lambda ts: [None if t is None else t.clone() for t in ts]  # noqa: E731
+    return (keep(cache.keys), keep(cache.values),
+            cache.snapshot() if isinstance(cache, StateSlotCache) else [])
 
 
 def restore(cache: SlotCache, snap) -> None:
     for dst, src in zip(cache.keys + cache.values, snap[0] + snap[1]):
-        dst.copy_(src)
+        if dst is not None:
+            dst.copy_(src)
+    if isinstance(cache, StateSlotCache):
+        cache.restore(snap[2])
 
 
 @torch.inference_mode()
@@ -117,7 +126,7 @@ def compare_step(model, pool, backend: str, prompts, tok, max_len=40):
     from the same cache; returns (fused logits, model logits, fused cache, model cache)."""
     dev = next(model.parameters()).device
     B = len(prompts)
-    cache = SlotCache(model.config.num_hidden_layers, B, max_len, torch.bfloat16, dev)
+    cache = StateSlotCache(model.config.num_hidden_layers, B, max_len, torch.bfloat16, dev)
     for b, p in enumerate(prompts):
         prefill(model, cache, b, p)
     step = FusedStep(model, pool, cache, B, windows_of(model.config), backend=backend)
@@ -491,6 +500,70 @@ def test_reference_step_runs_glm4_moe():
         assert rel(new, mc[0][i][torch.arange(2), :, pos]) > 0.1, i
 
 
+def qwen3_next_model(seed: int, device="cpu"):
+    """A tiny Qwen3-Next (transformers' `qwen3_next`): gated delta nets at layers 0 and 2, gated
+    full attention at 1 and 3 (q_proj's rows each head's query then its output gate; 2 heads of
+    256 over 1 KV head, rotary over the first 64 dims), every RMSNorm of the (1 + w) kind with its
+    weights far from zero, MoE blocks with a gated shared expert in every layer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        "qwen3_next", vocab_size=128, hidden_size=64, intermediate_size=96,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=256, partial_rotary_factor=0.25,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=256,
+        rms_norm_eps=1e-6, initializer_range=0.15, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, Qwen3NextRMSNorm):
+                m.weight.normal_(0, 0.5)
+            if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor):
+                m.gate_up_proj.normal_(0, 0.2)
+                m.down_proj.normal_(0, 0.2)
+    return model.to(device=device, dtype=torch.bfloat16)
+
+
+@torch.inference_mode()
+def test_reference_step_runs_qwen3_next():
+    """Qwen3-Next's full-attention layers are fused between its gated delta nets, which run
+    transformers' modules on the same cache and states: (1 + w) RMSNorms (input, post-attention,
+    q/k and final), q_proj's interleaved queries and output gates (attention · sigmoid(gate)),
+    rotary over the first 64 of 256 dims, a gated shared expert; logits and cache writes match
+    transformers'. The same step without the output gate, or with plain norms, is far off (the
+    test can fail)."""
+    model = qwen3_next_model(seed=3)
+    prompts, tok = [[5, 9, 3], [2, 6, 7, 1]], [11, 4]
+    fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
+    assert [isinstance(l, FusedLayer) for l in step.layers] == [False, True, False, True]
+    assert step.describe().startswith(
+        "fused decode step: 2 of 4 layers; a shared expert in 2 layers; gated attention in 2 "
+        "layers; (1 + w) RMSNorms; transformers' modules for layers [0, 2]"), step.describe()
+    assert step.rotary_dims == 64 and step.qkv.shape == (2, (2 * 2 + 2) * 256)
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for i in (1, 3):
+        assert rel(fc[0][i], mc[0][i]) <= 1e-2 and rel(fc[1][i], mc[1][i]) <= 1e-2
+    cache = StateSlotCache(4, 2, 40, torch.bfloat16, "cpu")
+    for b, p in enumerate(prompts):
+        prefill(model, cache, b, p)
+    step.cache, before = cache, snapshot(cache)
+    masks = masks_of(model.config, lambda w, b: cache.decode_mask(torch.bfloat16, w, b))
+    for mend in ("q_gate", "one_plus"):
+        restore(cache, before)
+        for l in step.layers[1::2]:
+            if mend == "q_gate":
+                l.q_gate = False
+            else:
+                l.qkv.one_plus = l.router.one_plus = l.attn.one_plus = False
+        got = step(torch.tensor(tok)[:, None], cache.pos.clone(), torch.ones(2, dtype=torch.bool),
+                   masks)
+        assert rel(got, want) > 5 * LOGIT_TOL, (mend, rel(got, want))
+
+
 def test_sigmoid_router_refusals_name_the_reason():
     """A sigmoid router that keeps some of several expert groups, one with a bias on its logits
     too, or one whose weight is float32, is refused with the reason (its layer then runs
@@ -556,20 +629,39 @@ def test_attention_shapes_the_kernel_takes():
         DecodeAttention(18, 2, 192, scale=0.1, workspace=ws)
 
 
-def test_norm_probe_refuses_another_norm():
-    from cupool.fused import check_rms_norm
+def test_norm_probe_tells_the_two_rmsnorms_and_refuses_others():
+    """The norm probe: transformers' RMSNorm (weight · x̂ rounded) and Qwen3-Next's (x̂ · (1 + w)
+    in float32, rounded once) are told apart on their own weights; a (1 + w) norm that rounds
+    x̂ first, or one without the weight, is refused with the reason."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
-    class OnePlus(torch.nn.Module):                  # Gemma's (1 + w) · x̂
+    from cupool.fused import check_rms_norm
+    torch.manual_seed(0)
+    plain, one_plus = Qwen3MoeRMSNorm(16, eps=1e-5), Qwen3NextRMSNorm(16, eps=1e-6)
+    for n in (plain, one_plus):
+        with torch.no_grad():
+            n.weight.normal_(0, 0.5)
+        n.to(torch.bfloat16)
+    assert check_rms_norm(plain, "norm", 16) == (1e-5, False)
+    assert check_rms_norm(one_plus, "norm", 16) == (1e-6, True)
+
+    class RoundedOnePlus(torch.nn.Module):           # (1 + w) times x̂ rounded to bf16 first
         def __init__(self):
             super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(16))
+            self.weight = torch.nn.Parameter(torch.randn(16).to(torch.bfloat16))
             self.eps = 1e-6
 
         def forward(self, x):
             return ref.rms_norm(x, 1 + self.weight, self.eps)
 
-    with pytest.raises(Unsupported, match="RMSNorm"):
-        check_rms_norm(OnePlus(), "norm", 16)
+    class Unweighted(RoundedOnePlus):
+        def forward(self, x):
+            return ref.rms_norm(x, torch.ones_like(self.weight), self.eps)
+
+    for norm in (RoundedOnePlus(), Unweighted()):
+        with pytest.raises(Unsupported, match="computes neither transformers' RMSNorm"):
+            check_rms_norm(norm, "norm", 16)
 
 
 def test_router_probe_takes_a_logit_bias_and_refuses_others():

@@ -5,7 +5,7 @@ The kernel's own source is compiled with g++ against tests/emu (the CUDA feature
 emulated, every block of its grid run one after another; `gemv_main.cpp` drives it), so the
 fused step's GEMVs are checked without a GPU: the three matrices side by side, biases, the
 residual sum and RMSNorm prologue (h read once where K is one x tile, staged tile by tile past
-it), the residual epilogue, K split over blocks with the tiles' tickets, two row tiles a block,
+it; transformers' norm and the (1 + w) one, NORM1), the residual epilogue, K split over blocks with the tiles' tickets, two row tiles a block,
 and the router's softmax top-k with its ties, NaN rule, inactive tokens and lane addresses. The
 NVFP4 builds (WFP4: weights as `cupool.layout.dense_strips`, dequantised by mma_fp4.cuh, each
 matrix's sums times its global scale) are checked the same way against the reference on the
@@ -32,6 +32,8 @@ from cupool.reference import dense as ref
 BUILDS = {
     "plain": dict(NB=3, MODE=0, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0),
     "norm": dict(NB=3, MODE=1, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0),
+    # the (1 + w) RMSNorm (Qwen3-Next's, Gemma's: NORM1)
+    "norm1": dict(NB=3, MODE=1, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0, NORM1=1),
     "residual": dict(NB=13, MODE=0, EPI=1, WARPS=4, RT=2, KS=3, LANE_ADDR=0),
     "route": dict(NB=1, MODE=1, EPI=2, WARPS=8, RT=1, KS=1, LANE_ADDR=1),   # Qwen3-30B-A3B's
     "route_split": dict(NB=5, MODE=1, EPI=2, WARPS=4, RT=1, KS=3, LANE_ADDR=1),
@@ -295,6 +297,59 @@ def test_route_sigmoid_nan_on_cpu(builds):
         assert got["ids"][1].tolist() == list(range(K))
         assert got["weights"][1].isnan().all()
         assert torch.allclose(got["weights"][0], wts[0], rtol=1e-6, atol=1e-7)
+
+
+# the (1 + w) RMSNorm (NORM1): K past one x tile (staged tile by tile), an odd K of one tile,
+# Qwen3-Next-80B-A3B's QKV at H = 2048 (q with its gates 2·16·256 rows, k and v 2·256: h read
+# once)
+@pytest.mark.parametrize("rows,K", [([40, 9], 4104), ([33], 264), ([8192, 512, 512], 2048)])
+def test_gemv_one_plus_norm_matches_reference_on_cpu(builds, rows, K):
+    """NORM1 against GemvReference(one_plus=True) on fresh random inputs (the norm's weight,
+    stored as w − 1, random around 0; h = in + add), within the normed tests' bounds above: h
+    exact, x within one bf16 step, the product (on the kernel's own x) within `close`. The
+    check can fail: the same launch is off beyond those bounds against transformers' norm
+    (x̂ rounded, then times the stored weight), and x matches the one-rounding reference in far
+    more elements than the same norm rounded twice, bf16(bf16(1 + w) · bf16(x̂))."""
+    seed = int(torch.randint(0, 2**31, ()))
+    gen = torch.Generator().manual_seed(seed)
+    what = f"norm1 rows={rows} K={K} seed={seed}"
+    NB, N = BUILDS["norm1"]["NB"], sum(rows)
+    ws = [rand(n, K, scale=0.05, gen=gen) for n in rows]
+    x = rand(NB, K, scale=2.0, gen=gen)
+    add = rand(NB, K, gen=gen)
+    nw = rand(K, scale=0.3, gen=gen)
+    got = run_kernel(builds, "norm1", ws, None, x, add=add, nw=nw)
+
+    def reference(one_plus):
+        want = {k: torch.full((NB, n), float("nan"), dtype=torch.bfloat16)
+                for k, n in (("out", N), ("h_out", K), ("x_out", K))}
+        ref.GemvReference(ws, tokens=NB, norm=True, one_plus=one_plus)(
+            x, add=add, norm_weight=nw, eps=1e-6, **want)
+        return want
+
+    want = reference(True)
+    assert torch.equal(got["h_out"], want["h_out"]), f"{what}: h = in + add must round as torch's"
+    step = want["x_out"].float().abs() * 2 ** -7 + 1e-30
+    off = (got["x_out"].float() - want["x_out"].float()).abs() > step
+    assert not off.any(), f"{what}: x_out off by > 1 step at {off.nonzero()[:4].tolist()}"
+    product = torch.full((NB, N), float("nan"), dtype=torch.bfloat16)
+    ref.GemvReference(ws, tokens=NB)(got["x_out"], out=product)
+    close(got["out"], product, what)
+    assert not got["tile_tickets"].any(), "a tile's ticket is not back at zero"
+
+    # transformers' norm on the same inputs: x, and so the output, far off
+    plain = reference(False)
+    assert ((got["x_out"].float() - plain["x_out"].float()).abs() > step).any()
+    with pytest.raises(AssertionError, match="relative error|elements off"):
+        close(got["out"], plain["out"], f"{what} against transformers' norm")
+    # one rounding, not two: x equals the reference almost everywhere (where the two rsqrt
+    # and sums do not straddle a rounding boundary), the twice-rounded norm far less often
+    h = want["h_out"].float()
+    xhat = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    twice = (1.0 + nw.float()).to(torch.bfloat16) * xhat.to(torch.bfloat16)
+    once_off = float((got["x_out"] != want["x_out"]).float().mean())
+    twice_off = float((got["x_out"] != twice).float().mean())
+    assert once_off < 0.02 < 0.1 < twice_off, (what, once_off, twice_off)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -131,6 +131,51 @@ def check_product(op, out, mats, bs, xin, res, what: str) -> None:
         assert int(op.tile_tickets.abs().sum()) == 0, "a tile's ticket is not back at zero"
 
 
+# the (1 + w) RMSNorm (one_plus, the NORM1 build): Qwen3-Next-80B-A3B's QKV (q with its gates
+# 2·16·256 rows, k and v 2·256, H = 2048) at the fused step's default shape and at 8 tokens,
+# then K past one x tile, K split over blocks, two row tiles a block, K of one chunk
+ONE_PLUS_CASES = [  # tokens, rows of each matrix, K, shape
+    (1, [8192, 512, 512], 2048, dict(warps=4)), (8, [8192, 512, 512], 2048, {}),
+    (3, [100, 37, 37], 4104, {}), (13, [33], 4104, dict(split_k=3)), (2, [20011], 264, {}),
+    (5, [16], 8, {}),
+]
+
+
+@pytest.mark.parametrize("tokens,rows,K,shape", ONE_PLUS_CASES,
+                         ids=[f"B{c[0]}-N{sum(c[1])}-K{c[2]}-{_shape_id(c[3])}"
+                              for c in ONE_PLUS_CASES])
+def test_dense_gemv_one_plus_norm_matches_reference(tokens, rows, K, shape):
+    """DenseGemv(norm=True, one_plus=True) against GemvReference(one_plus=True): h_out exact,
+    x_out within one bf16 step, the product on the kernel's own x; the norm's weight (stored as
+    w − 1) random around 0. x is off from transformers' norm on the same inputs (the NORM1
+    build is the one launched), and one_plus without norm is refused."""
+    from cupool.ops.dense_gemv import DenseGemv
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
+    ws = [rand(n, K, scale=0.05, gen=gen) for n in rows]
+    N = sum(rows)
+    op = DenseGemv(ws, tokens=tokens, norm=True, one_plus=True, **shape)
+    assert op.one_plus
+    x = rand(tokens, K, scale=2.0, gen=gen)
+    add = rand(tokens, K, gen=gen)
+    nw = rand(K, scale=0.3, gen=gen)
+    out, h_out, x_out = poison(tokens, N), poison(tokens, K), poison(tokens, K)
+    op(x, add=add, norm_weight=nw, eps=1e-6, h_out=h_out, x_out=x_out, out=out)
+    torch.cuda.synchronize()
+    want = {"h_out": poison(tokens, K), "x_out": poison(tokens, K), "out": poison(tokens, N)}
+    ref.GemvReference(ws, tokens=tokens, norm=True, one_plus=True)(
+        x, add=add, norm_weight=nw, eps=1e-6, **want)
+    what = f"one_plus tokens={tokens} rows={rows} K={K} {shape}"
+    assert torch.equal(h_out, want["h_out"]), "h = in + add must round as torch's bf16 add"
+    step = want["x_out"].float().abs() * 2 ** -7 + 1e-30
+    assert ((x_out.float() - want["x_out"].float()).abs() <= step).all(), \
+        f"{what}: x_out off by > 1 bf16 step"
+    check_product(op, out, ws, None, x_out, None, what)
+    _, plain = ref.residual_norm(x, add, nw, 1e-6)
+    assert ((x_out.float() - plain.float()).abs() > step).any(), "x_out is transformers' norm"
+    with pytest.raises(ValueError, match="one_plus=True belongs to a GEMV built with norm=True"):
+        DenseGemv(ws, tokens=tokens, one_plus=True)
+
+
 # NVFP4 weights (DenseNVFP4 strips): the Qwen3-30B-A3B QKV and o-projection at the fused step's
 # default shapes, then N not whole tiles (the last matrix 40 rows), K not whole 64-column chunks
 # (208, 4160 = 65 chunks over 3 slices: 21, 22, 22), two x tiles (16 tokens: 1,024 columns a
@@ -666,6 +711,67 @@ def test_dense_attention_slot_map_reads_and_writes_the_mapped_slots(
             assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
 
 
+@pytest.mark.parametrize("B,nh,hk,D,L,window,sinks,ahead", [
+    (1, 16, 2, 256, 4096, 0, False, True),     # Qwen3-Next-80B-A3B: 16 heads over 2 of 256
+    (4, 16, 2, 256, 700, 0, False, True),      # several slots, one inactive
+    (3, 16, 2, 256, 300, 0, False, False),
+    (5, 12, 4, 128, 257, 40, True, True),      # G = 3, window and sinks
+    (2, 24, 2, 128, 500, 0, True, True),       # G = 12: two MMA n tiles
+])
+def test_dense_attention_gated_queries_and_one_plus_norm_match_reference(
+        B, nh, hk, D, L, window, sinks, ahead):
+    """Qwen3-Next's full attention: DecodeAttention(q_gate=True, one_plus=True, rotary_dims=64)
+    against AttentionReference with the same. qkv rows of [(2·nh + 2·hk)·D], each query head's
+    gate after it (NaN: the kernel must not read it), the q/k norms stored as w − 1 (random
+    around 0), the rotary tables' columns past 64 NaN; the output poisoned, two launches (the
+    merge counters back at zero), the cache writes the reference's. qkv of the ungated width
+    is refused."""
+    from cupool.ops.dense_attention import AttentionWorkspace, DecodeAttention, parts
+    R = 64
+    gen = torch.Generator(device="cuda").manual_seed(B * 31 + L + D)
+    qkv = rand(B, (2 * nh + 2 * hk) * D, gen=gen)
+    qkv[:, :2 * nh * D].view(B, nh, 2, D)[:, :, 1] = float("nan")     # the gates
+    kc, vc = rand(B, hk, L, D, gen=gen), rand(B, hk, L, D, gen=gen)
+    ang = torch.rand(L, R // 2, device="cuda", generator=gen) * 6.3
+    nan = torch.full((L, D - R), float("nan"), device="cuda")
+    cos = torch.cat([ang.cos(), ang.cos(), nan], -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin(), ang.sin(), nan], -1).to(torch.bfloat16)
+    qn, kn = rand(D, scale=0.3, gen=gen), rand(D, scale=0.3, gen=gen)
+    sk = rand(nh, gen=gen) if sinks else None
+    pos = torch.randint(0, L, (B,), device="cuda", generator=gen)
+    pos[0] = L - 1
+    if B > 3:
+        pos[2] = -1
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ws = AttentionWorkspace(B, nh, hk, D, parts(B, hk, L, sms), "cuda")
+    kw = dict(q_norm=qn, k_norm=kn, eps=1e-6, scale=D ** -0.5, window=window, sinks=sk,
+              workspace=ws, ahead=ahead, rotary_dims=R, q_gate=True, one_plus=True)
+    op = DecodeAttention(nh, hk, D, **kw)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = poison(B, nh * D)
+    ref.AttentionReference(nh, hk, D, **kw)(qkv, pos, kc_ref, vc_ref, cos, sin, want)
+    for _ in range(2):
+        out = poison(B, nh * D)
+        op(qkv, pos, kc, vc, cos, sin, out)
+    torch.cuda.synchronize()
+    assert int(ws.count.abs().sum()) == 0
+    assert not out.isnan().any() and not kc.isnan().any()
+    for b in range(B):
+        if pos[b] < 0:
+            assert (out[b] == 0).all(), b
+            continue
+        assert rel(out[b], want[b]) <= ATTN_TOL, (b, rel(out[b], want[b]))
+    live = pos >= 0
+    written = torch.zeros(B, L, dtype=torch.bool, device="cuda")
+    written[torch.arange(B, device="cuda")[live], pos[live]] = True
+    for got, exp in ((kc, kc_ref), (vc, vc_ref)):
+        assert torch.equal(got.transpose(1, 2)[~written], exp.transpose(1, 2)[~written])
+        new, new_ref = got.transpose(1, 2)[written].float(), exp.transpose(1, 2)[written].float()
+        assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
+    with pytest.raises(ValueError, match=r"qkv must be \[B, \(2·heads \+ 2·kv_heads\)"):
+        op(qkv[:, :(nh + 2 * hk) * D].contiguous(), pos, kc, vc, cos, sin, out)
+
+
 @pytest.mark.parametrize("B,nh,hk,D,L,qk_norm,window,sinks", ATTN_CASES)
 def test_dense_attention_ahead_gives_the_same_bits(B, nh, hk, D, L, qk_norm, window, sinks):
     """The AHEAD build only issues its loads earlier: output and cache writes equal the default
@@ -843,6 +949,40 @@ def test_fused_step_runs_other_layer_kinds_through_the_pool(kind, says):
     for k_f, k_m in zip(fc[0] + fc[1], mc[0] + mc[1]):
         assert rel(k_f, k_m) <= 1e-2
     assert pool.errors() == []
+
+
+def test_fused_step_and_engine_run_qwen3_next():
+    """Qwen3-Next's gated full-attention layers on the kernels (dense_gemv's NORM1 builds for its
+    (1 + w) norms, dense_attention's QGATE and NORM1 build over 256-dim heads turning their first
+    64 dims) between its gated delta nets, which run transformers' modules on the same cache and
+    states, half the experts banked: one step's logits and cache writes against transformers'
+    forward, then the engine's default step (fused, captured) giving the reference's tokens."""
+    import cupool
+    from test_fused_step import LOGIT_TOL, compare_step, qwen3_next_model
+    from test_gpu_engine import MAX_OFF, _check_against_reference, _prompts
+
+    from cupool.sampling import SamplingParams
+    model = qwen3_next_model(seed=4, device="cuda")
+    pool = cupool.wrap(model, rows=4, max_decode_tokens=4, progress=False)
+    fused, want, fc, mc, step = compare_step(model, pool, "kernels",
+                                             [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
+    assert step.describe().startswith(
+        "fused decode step: 2 of 4 layers; a shared expert in 2 layers; gated attention in 2 "
+        "layers; (1 + w) RMSNorms"), step.describe()
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for i in (1, 3):
+        assert rel(fc[0][i], mc[0][i]) <= 1e-2 and rel(fc[1][i], mc[1][i]) <= 1e-2
+    assert pool.errors() == []
+    eng = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[])
+    assert eng.step_kind.startswith("fused"), eng.step_kind
+    reqs = eng.generate(_prompts([3, 9, 14], seed=2),
+                        [SamplingParams(max_tokens=n) for n in (12, 8, 12)])
+    assert [len(r.output_ids) for r in reqs] == [12, 8, 12]
+    eng.close()
+    assert pool.errors() == []
+    pool.unwrap()
+    off = _check_against_reference(model, reqs)
+    assert len(off) <= MAX_OFF, f"qwen3_next: tokens off the reference's argmax at {off}"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

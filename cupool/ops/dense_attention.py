@@ -112,13 +112,19 @@ class DecodeAttention:
             phase times written to the `trace` buffer a call passes; `trace_buffer`).
         rotary_dims: the dims the rotary embedding turns, a multiple of 64 below D (partial
             rotary, GLM-4.5's: the kernel's ROT), or None for all of them.
+        q_gate: qkv rows as Qwen3-Next's gated attention lays them out, [B, (2 nh + 2 hk)·D]:
+            query head j at columns 2jD … 2jD + D − 1, its output gate right after it, then the
+            keys and values (the kernel's QGATE). The gates are not read: out stays [B, nh·D],
+            and the caller multiplies it by their sigmoid.
+        one_plus: q_norm / k_norm stored as w − 1 (Qwen3-Next's RMSNorm): the normalised value
+            times (1 + w) in float32, rounded once (the kernel's NORM1).
     """
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, *, q_norm=None, k_norm=None,
                  eps: float = 1e-6, scale: float, window: int = 0, sinks=None,
                  workspace: AttentionWorkspace, ahead: bool = False,
                  min_chunk: int = MINCHUNK, trace: bool = False,
-                 rotary_dims: int | None = None):
+                 rotary_dims: int | None = None, q_gate: bool = False, one_plus: bool = False):
         for name, v in (("heads", heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -162,6 +168,14 @@ class DecodeAttention:
                                  f"{head_dim} (or None), got {rotary_dims!r}")
             defines["ROT"] = rotary_dims
         self.rotary_dims = rotary_dims
+        for name, v in (("q_gate", q_gate), ("one_plus", one_plus)):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be True or False, got {v!r}")
+        self.q_gate, self.one_plus = q_gate, one_plus
+        if q_gate:
+            defines["QGATE"] = 1
+        if one_plus:
+            defines["NORM1"] = 1
         if not isinstance(trace, bool):
             raise ValueError(f"trace must be True or False, got {trace!r}")
         self.trace = trace
@@ -173,12 +187,12 @@ class DecodeAttention:
                  v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  out: torch.Tensor, trace: torch.Tensor | None = None,
                  slots: torch.Tensor | None = None) -> None:
-        """qkv bf16 [B, (nh + 2 hk)·D]; pos int64 [B] (-1: token b is inactive, its out row
-        zeros and its slot's cache neither read nor written); k_cache / v_cache bf16 [S, hk,
-        L_max, D] (updated at pos); slots: int64 [B], token b's slot of the cache, distinct
-        values in [0, S) (not checked on the device: the caller's), or None for slot b (S = B);
-        cos / sin bf16 [L_max, D]; out bf16 [B, nh·D]; trace: the stamps' buffer
-        (`trace_buffer`), for a launcher built with trace=True only. One launch."""
+        """qkv bf16 [B, (nh + 2 hk)·D] ([B, (2 nh + 2 hk)·D] with q_gate); pos int64 [B] (-1:
+        token b is inactive, its out row zeros and its slot's cache neither read nor written);
+        k_cache / v_cache bf16 [S, hk, L_max, D] (updated at pos); slots: int64 [B], token b's
+        slot of the cache, distinct values in [0, S) (not checked on the device: the caller's),
+        or None for slot b (S = B); cos / sin bf16 [L_max, D]; out bf16 [B, nh·D]; trace: the
+        stamps' buffer (`trace_buffer`), for a launcher built with trace=True only. One launch."""
         ws, D = self.workspace, self.head_dim
         B, nh, hk = ws.tokens, self.heads, self.kv_heads
         dev = self.device
@@ -192,7 +206,12 @@ class DecodeAttention:
                                  f"{dev}, got {got}")
 
         bf = torch.bfloat16
-        check("qkv", qkv, (B, (nh + 2 * hk) * D), bf)
+        width = ((2 if self.q_gate else 1) * nh + 2 * hk) * D    # with q_gate, each query's gate
+        if self.q_gate and isinstance(qkv, torch.Tensor) and tuple(qkv.shape) != (B, width):
+            raise ValueError(f"qkv must be [B, (2·heads + 2·kv_heads)·head_dim] = [{B}, {width}] "
+                             f"with q_gate (each query head's gate after it), got "
+                             f"{list(qkv.shape)}")
+        check("qkv", qkv, (B, width), bf)
         check("pos", pos, (B,), torch.int64)
         if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
             raise ValueError(f"k_cache must be [S, hk, L_max, D], got "

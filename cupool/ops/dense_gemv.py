@@ -1,6 +1,7 @@
 """Launcher of `rawkernels/dense_gemv.cu`: the decode step's GEMVs (bf16 weights, or NVFP4 ones
 kept packed: `cupool.dense_nvfp4.DenseNVFP4`) with their prologue (plain, or residual sum +
-RMSNorm) and epilogue (plain, + residual, or softmax top-k routing).
+RMSNorm, transformers' or the (1 + w) one: `DenseGemv`'s one_plus) and epilogue (plain,
++ residual, or softmax top-k routing).
 
 Shape legend (ARCHITECTURE.md): B tokens of the step · K inner dim · N output rows (Σ n_i of up
 to three matrices) · E experts (N of a router) · k top-k.
@@ -191,12 +192,16 @@ class DenseGemv:
             one expert group): (bias, scale), bias a float32 [N] tensor (its
             e_score_correction_bias), scale its routed_scaling_factor: the kernel's SIG build
             (`cupool.reference.dense.route_sigmoid`'s rule), at most 512 experts. None: softmax.
+        one_plus: norm only, the RMSNorm of Qwen3-Next and Gemma, whose weight is stored as
+            w − 1: the normalised x times (1 + norm_weight) in float32, rounded once
+            (`cupool.reference.dense.rms_norm`'s one_plus), the kernel's NORM1 build. False:
+            transformers' RMSNorm (the normalised x rounded, then times the weight in bf16).
     """
 
     def __init__(self, weights: Sequence[torch.Tensor], biases=None, *, tokens: int,
                  norm: bool = False, epilogue: int = PLAIN, warps: int = WARPS,
                  split_k: int = 1, lane_addr: bool = False,
-                 sigmoid: tuple[torch.Tensor, float] | None = None):
+                 sigmoid: tuple[torch.Tensor, float] | None = None, one_plus: bool = False):
         weights = list(weights)
         if not 1 <= len(weights) <= 3:
             raise ValueError(f"weights must hold 1 to 3 matrices, got {len(weights)}")
@@ -230,9 +235,12 @@ class DenseGemv:
                 _check_vector(f"biases[{i}]", b, n, self.device)
         if lane_addr and epilogue != ROUTE:
             raise ValueError("lane_addr=True belongs to a GEMV built with epilogue=ROUTE")
+        if one_plus and not norm:
+            raise ValueError("one_plus=True belongs to a GEMV built with norm=True")
         self.weights, self.biases = weights, biases
         self.K, self.N, self.rows = int(K), sum(rows), rows
         self.tokens, self.norm, self.epilogue = tokens, bool(norm), epilogue
+        self.one_plus = bool(one_plus)
         self.warps, self.split_k = warps, split_k
         cap = route_capacity(tokens, warps)
         if epilogue == ROUTE and self.N > cap:
@@ -245,6 +253,8 @@ class DenseGemv:
         self.grid = tiles if split_k == 1 else (tiles, split_k)
         defines = {"NB": tokens, "MODE": NORM if norm else NO_NORM, "EPI": epilogue,
                    "WARPS": warps, "RT": self.row_tiles}
+        if self.one_plus:          # the (1 + w) norm (Qwen3-Next's, Gemma's)
+            defines["NORM1"] = 1
         if epilogue == ROUTE and any(b is not None for b in biases):    # gpt-oss's router
             defines["RBIAS"] = 1
         self.sigmoid = sigmoid

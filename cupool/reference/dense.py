@@ -14,11 +14,15 @@ import torch
 from cupool.dense_nvfp4 import DenseNVFP4
 
 
-def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float,
+             one_plus: bool = False) -> torch.Tensor:
     """transformers' RMSNorm: float32 statistics, the normalised value rounded to h's dtype, then
-    times the weight in that dtype."""
+    times the weight in that dtype. one_plus: the norm of Qwen3-Next and Gemma, whose weight is
+    stored as w − 1: the normalised value times (1 + w) in float32, rounded once."""
     x = h.to(torch.float32)
     var = x.pow(2).mean(-1, keepdim=True)
+    if one_plus:
+        return (x * torch.rsqrt(var + eps) * (1.0 + weight.to(torch.float32))).to(h.dtype)
     return weight * (x * torch.rsqrt(var + eps)).to(h.dtype)
 
 
@@ -36,11 +40,12 @@ def gemv(weights, biases, x: torch.Tensor) -> torch.Tensor:
 
 
 def residual_norm(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + add rounded to h's dtype, its RMSNorm): the prologue of a normed GEMV."""
+                  eps: float, one_plus: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + add rounded to h's dtype, its RMSNorm (`rms_norm`'s one_plus)): the prologue of a
+    normed GEMV."""
     if add is not None:
         h = h + add
-    return h, rms_norm(h, weight, eps)
+    return h, rms_norm(h, weight, eps, one_plus)
 
 
 def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool, weight_dtype: torch.dtype,
@@ -113,7 +118,8 @@ def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: f
                      k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                      window: int = 0, sinks: torch.Tensor | None = None,
                      slots: torch.Tensor | None = None,
-                     rotary_dims: int | None = None) -> torch.Tensor:
+                     rotary_dims: int | None = None, q_gate: bool = False,
+                     one_plus: bool = False) -> torch.Tensor:
     """One decode step of attention for B tokens. qkv [B, (nh + 2 hk)·D] (queries, keys, values
     of the new tokens, in the model's dtype); q_norm / k_norm: RMSNorm weights [D] or None;
     cos_t / sin_t [L_max, D]; pos int [B] (where each token goes; a negative pos marks an
@@ -122,20 +128,25 @@ def attention_decode(qkv: torch.Tensor, nh: int, hk: int, q_norm, k_norm, eps: f
     of the cache (None: slot b, S = B). Token b attends to positions
     lo … pos[b] (lo = pos − window + 1 with a window > 0). Scores, softmax and the weighted sum
     in float32; sinks [nh] (or None) add exp(sink) to each head's softmax denominator;
-    rotary_dims (None: D) the dims the rotary embedding turns (`rope`). Returns [B, nh·D] in the
-    model's dtype."""
+    rotary_dims (None: D) the dims the rotary embedding turns (`rope`). q_gate (Qwen3-Next's gated
+    attention): qkv is [B, (2 nh + 2 hk)·D], q_proj's rows as that model lays them out, head j's
+    query at columns 2jD … 2jD + D − 1 and its output gate right after it, then the keys and
+    values; the gates are not read here (the caller multiplies the output by their sigmoid).
+    one_plus: the q/k norms are `rms_norm`'s one_plus kind. Returns [B, nh·D] in the model's
+    dtype."""
     B = qkv.shape[0]
     D = k_cache.shape[-1]
     L = k_cache.shape[2]
     G = nh // hk
     dt = qkv.dtype
-    q = qkv[:, :nh * D].reshape(B, nh, D)
-    k = qkv[:, nh * D:(nh + hk) * D].reshape(B, hk, D)
-    v = qkv[:, (nh + hk) * D:].reshape(B, hk, D)
+    nq = 2 * nh if q_gate else nh                 # query columns / D: with their gates
+    q = qkv[:, :nq * D].reshape(B, nh, nq // nh, D)[:, :, 0]
+    k = qkv[:, nq * D:(nq + hk) * D].reshape(B, hk, D)
+    v = qkv[:, (nq + hk) * D:(nq + 2 * hk) * D].reshape(B, hk, D)
     if q_norm is not None:
-        q = rms_norm(q, q_norm, eps)
+        q = rms_norm(q, q_norm, eps, one_plus)
     if k_norm is not None:
-        k = rms_norm(k, k_norm, eps)
+        k = rms_norm(k, k_norm, eps, one_plus)
     p = pos.to(torch.int64).clamp(0, L - 1)
     cos, sin = cos_t[p][:, None, :], sin_t[p][:, None, :]
     q, k = rope(q, cos, sin, rotary_dims), rope(k, cos, sin, rotary_dims)
@@ -169,8 +180,9 @@ class GemvReference:
 
     def __init__(self, weights, biases=None, *, tokens: int, norm: bool = False,
                  epilogue: int = 0, warps: int = 8, split_k: int = 1, lane_addr: bool = False,
-                 sigmoid=None):
+                 sigmoid=None, one_plus: bool = False):
         self.weights, self.biases = list(weights), biases
+        self.one_plus = one_plus
         self.sigmoid = sigmoid
         self.tokens, self.norm, self.epilogue = tokens, norm, epilogue
         self.lane_addr = lane_addr
@@ -187,7 +199,7 @@ class GemvReference:
         if lanes and not (self.epilogue == 2 and self.lane_addr):
             raise ValueError("table and lane_addr belong to a ROUTE GEMV built with lane_addr=True")
         if self.norm:
-            h, xin = residual_norm(x, add, norm_weight, eps)
+            h, xin = residual_norm(x, add, norm_weight, eps, self.one_plus)
             if h_out is not None:
                 h_out.copy_(h)
             if x_out is not None:
@@ -224,8 +236,9 @@ class AttentionReference:
 
     def __init__(self, heads, kv_heads, head_dim, *, q_norm=None, k_norm=None, eps=1e-6,
                  scale, window=0, sinks=None, workspace=None, ahead=False, min_chunk=64,
-                 rotary_dims=None):
+                 rotary_dims=None, q_gate=False, one_plus=False):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_gate, self.one_plus = q_gate, one_plus
         self.rotary_dims = rotary_dims
         self.q_norm, self.k_norm, self.eps = q_norm, k_norm, eps
         self.scale, self.window, self.sinks = scale, window, sinks
@@ -233,4 +246,5 @@ class AttentionReference:
     def __call__(self, qkv, pos, k_cache, v_cache, cos, sin, out, slots=None):
         out.copy_(attention_decode(qkv, self.heads, self.kv_heads, self.q_norm, self.k_norm,
                                    self.eps, cos, sin, pos, k_cache, v_cache, self.scale,
-                                   self.window, self.sinks, slots, self.rotary_dims))
+                                   self.window, self.sinks, slots, self.rotary_dims,
+                                   self.q_gate, self.one_plus))

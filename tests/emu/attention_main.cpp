@@ -1,13 +1,14 @@
 // Runs rawkernels/dense_attention.cu's decode attention on CPU fibers (cuda_emu.h), the blocks of
 // its grid (NS, hk, B) one after another, and writes what it wrote, for
-// tests/test_attention_emu.py to compare with the reference. D, G, MINCHUNK and AHEAD are the
-// build's defines.
+// tests/test_attention_emu.py to compare with the reference. D, G, MINCHUNK, AHEAD, ROT, QGATE
+// and NORM1 are the build's defines.
 //
 // Input (int64 words): B, S (the cache's slots), nh, hk, L, NS, window, has_q_norm, has_k_norm,
 // has_sinks, has_slots, the bits of eps and scale (float32), pos[B], slots[B] (each token's slot;
 // only with has_slots, else S = B and token b's slot is b); then one bf16 a word:
-// qkv[B·(nh + 2hk)·D], k_cache and v_cache [S·hk·L·D] each, cos and sin [L·D] each, q_norm[D],
-// k_norm[D], sinks[nh] (the absent ones left out).
+// qkv[B·(nh + 2hk)·D] (with QGATE [B·(2nh + 2hk)·D], each query head's gate after it), k_cache
+// and v_cache [S·hk·L·D] each, cos and sin [L·D] each, q_norm[D], k_norm[D], sinks[nh] (the
+// absent ones left out).
 // Output (int64 words): out[B·nh·D] (bf16), k_cache, v_cache (bf16), count[B·hk·COUNTERS].
 #include "dense_attention.cu"  // the kernel, copied next to the emulated common.cuh
 #include "emu_io.h"
@@ -30,7 +31,7 @@ int main(int argc, char** argv) {
     for (auto& p : pos) p = next();
     std::vector<i64> slots(has_slots ? B : 0);
     for (auto& c : slots) c = next();
-    std::vector<u16> qkv = words((long long)B * (nh + 2 * hk) * D);
+    std::vector<u16> qkv = words((long long)B * (QCOL * nh + 2 * hk) * D);
     std::vector<u16> kc = words((long long)S * hk * L * D), vc = words((long long)S * hk * L * D);
     std::vector<u16> cs = words((long long)L * D), sn = words((long long)L * D);
     std::vector<u16> qn = has_qn ? words(D) : std::vector<u16>();
