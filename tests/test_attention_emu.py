@@ -106,6 +106,15 @@ def test_attention_kernel_source_matches_reference_on_cpu(builds, build, B, nh, 
     kr, vr = kc.clone(), vc.clone()
     want = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kr, vr, scale,
                                 window, sk)
+    check_launch(out, k, v, count, want, kr, vr, pos)
+
+
+def check_launch(out, k, v, count, want, kr, vr, pos):
+    """An emulated launch against the reference's output `want` and cache (kr, vr): the merge
+    counters back at zero; each active token's row within ATTN_TOL, an inactive one's zeros over
+    the poison; the cache rows the step did not write keep their bits, the new values are the
+    reference's and the new keys within one bf16 step."""
+    B, L = out.shape[0], k.shape[2]
     assert (count == 0).all(), "the merge counters must be back at zero"
     assert not out.isnan().any()
     for b in range(B):
@@ -186,22 +195,11 @@ def test_attention_kernel_qwen3_next_matches_reference_on_cpu(builds, positions,
     other = ref.attention_decode(qkv, nh, hk, qn, kn, 1e-6, cos, sin, pos, kc.clone(),
                                  vc.clone(), D ** -0.5, rotary_dims=R, q_gate=True,
                                  one_plus=False)
-    assert (count == 0).all()
-    assert not out.isnan().any() and not k.isnan().any()
+    check_launch(out, k, v, count, want, kr, vr, pos)
+    assert not k.isnan().any()
     for b in range(B):
-        if pos[b] < 0:
-            assert (out[b] == 0).all(), b
-            continue
-        assert rel(out[b], want[b]) <= ATTN_TOL, (b, rel(out[b], want[b]))
-        assert rel(other[b], want[b]) > 10 * ATTN_TOL, (b, rel(other[b], want[b]))
-    live = pos >= 0
-    written = torch.zeros(B, L, dtype=torch.bool)
-    written[torch.arange(B)[live], pos[live]] = True
-    for got, exp in ((k, kr), (v, vr)):
-        assert torch.equal(got.transpose(1, 2)[~written], exp.transpose(1, 2)[~written])
-    assert torch.equal(v.transpose(1, 2)[written], vr.transpose(1, 2)[written])
-    new, new_ref = k.transpose(1, 2)[written].float(), kr.transpose(1, 2)[written].float()
-    assert ((new - new_ref).abs() <= new_ref.abs() * 2 ** -7 + 1e-30).all()
+        if pos[b] >= 0:
+            assert rel(other[b], want[b]) > 10 * ATTN_TOL, (b, rel(other[b], want[b]))
 
 
 @pytest.mark.parametrize("build,positions,slots,sms", [
