@@ -616,7 +616,17 @@ class FusedStep:
         with torch.no_grad():
             L = cache.max_len
             probe = torch.zeros(1, 1, H, dtype=bf, device=dev)
-            cos, sin = rope(probe, torch.arange(L, device=dev)[None])
+            ids = torch.arange(L, device=dev)[None]
+            if getattr(rope, "mrope_section", None) is not None:
+                # a multimodal rotary embedding (Qwen3.5's): a text token's position is the
+                # same in each of its three sections, and the tables those give are text's
+                ids = ids[None].expand(3, 1, L)
+            try:
+                cos, sin = rope(probe, ids)
+            except (IndexError, RuntimeError, TypeError, ValueError) as e:
+                raise Unsupported(f"model.rotary_emb ({type(rope).__name__}) does not take "
+                                  f"position ids {list(ids.shape)}: {type(e).__name__}: "
+                                  f"{e}") from None
         # the model's own tables (transformers' layers take these), and the kernel's [L, D]
         self.rope_cos, self.rope_sin = cos[0].contiguous(), sin[0].contiguous()
         first = next(l for l in self.layers if isinstance(l, FusedLayer))

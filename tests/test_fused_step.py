@@ -500,27 +500,29 @@ def test_reference_step_runs_glm4_moe():
         assert rel(new, mc[0][i][torch.arange(2), :, pos]) > 0.1, i
 
 
-def qwen3_next_model(seed: int, device="cpu"):
-    """A tiny Qwen3-Next (transformers' `qwen3_next`): gated delta nets at layers 0 and 2, gated
-    full attention at 1 and 3 (q_proj's rows each head's query then its output gate; 2 heads of
-    256 over 1 KV head, rotary over the first 64 dims), every RMSNorm of the (1 + w) kind with its
+def qwen3_next_model(seed: int, device="cpu", family: str = "qwen3_next"):
+    """A tiny Qwen3-Next (transformers' `qwen3_next`; `qwen3_5_moe_text`: Qwen3.5's, the same
+    layers under a multimodal rotary embedding): gated delta nets at layers 0 and 2, gated full
+    attention at 1 and 3 (q_proj's rows each head's query then its output gate; 2 heads of 256
+    over 1 KV head, rotary over the first 64 dims), every RMSNorm of the (1 + w) kind with its
     weights far from zero, MoE blocks with a gated shared expert in every layer."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
     torch.manual_seed(seed)
+    own = (dict(intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[],
+                partial_rotary_factor=0.25, norm_topk_prob=True)
+           if family == "qwen3_next" else {})
     cfg = AutoConfig.for_model(
-        "qwen3_next", vocab_size=128, hidden_size=64, intermediate_size=96,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=256, partial_rotary_factor=0.25,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], layer_types=["linear_attention", "full_attention"] * 2,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=256,
-        rms_norm_eps=1e-6, initializer_range=0.15, tie_word_embeddings=False)
+        family, vocab_size=128, hidden_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=256, num_experts=8, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, max_position_embeddings=256, rms_norm_eps=1e-6,
+        initializer_range=0.15, tie_word_embeddings=False, **own)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, Qwen3NextRMSNorm):
+            if type(m).__name__.endswith("RMSNorm"):          # the (1 + w) norms
                 m.weight.normal_(0, 0.5)
             if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor):
                 m.gate_up_proj.normal_(0, 0.2)
@@ -528,15 +530,16 @@ def qwen3_next_model(seed: int, device="cpu"):
     return model.to(device=device, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
 @torch.inference_mode()
-def test_reference_step_runs_qwen3_next():
-    """Qwen3-Next's full-attention layers are fused between its gated delta nets, which run
-    transformers' modules on the same cache and states: (1 + w) RMSNorms (input, post-attention,
-    q/k and final), q_proj's interleaved queries and output gates (attention · sigmoid(gate)),
-    rotary over the first 64 of 256 dims, a gated shared expert; logits and cache writes match
-    transformers'. The same step without the output gate, or with plain norms, is far off (the
-    test can fail)."""
-    model = qwen3_next_model(seed=3)
+def test_reference_step_runs_qwen3_next(family):
+    """Qwen3-Next's (and Qwen3.5's) full-attention layers are fused between its gated delta nets,
+    which run transformers' modules on the same cache and states: (1 + w) RMSNorms (input,
+    post-attention, q/k and final), q_proj's interleaved queries and output gates (attention ·
+    sigmoid(gate)), rotary over the first 64 of 256 dims (Qwen3.5's multimodal rotary giving text
+    positions' tables), a gated shared expert; logits and cache writes match transformers'. The
+    same step without the output gate, or with plain norms, is far off (the test can fail)."""
+    model = qwen3_next_model(seed=3, family=family)
     prompts, tok = [[5, 9, 3], [2, 6, 7, 1]], [11, 4]
     fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
     assert [isinstance(l, FusedLayer) for l in step.layers] == [False, True, False, True]
@@ -614,6 +617,17 @@ def test_refusals_name_the_reason():
         FusedStep(f32, None, cache, 1, [None] * 3)
     with pytest.raises(ValueError, match="backend"):
         FusedStep(f32, None, cache, 1, [None] * 3, backend="fast")
+    # a rotary embedding that does not take [1, L] position ids (as a multimodal one would not,
+    # were it not recognised): refused with its error, not raised as that error
+    model = fused_model("qwen3_moe", seed=11)
+
+    def wants_3d(x, position_ids):
+        return position_ids[:, :, None, :]
+
+    model.model.rotary_emb.forward = wants_3d
+    with pytest.raises(Unsupported, match=r"model.rotary_emb \(\w+\) does not take position "
+                                          r"ids \[1, 16\]: IndexError"):
+        FusedStep(model, None, cache, 1, [None] * 3, backend="reference")
 
 
 def test_attention_shapes_the_kernel_takes():
