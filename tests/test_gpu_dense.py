@@ -951,18 +951,20 @@ def test_fused_step_runs_other_layer_kinds_through_the_pool(kind, says):
     assert pool.errors() == []
 
 
-def test_fused_step_and_engine_run_qwen3_next():
-    """Qwen3-Next's gated full-attention layers on the kernels (dense_gemv's NORM1 builds for its
-    (1 + w) norms, dense_attention's QGATE and NORM1 build over 256-dim heads turning their first
-    64 dims) between its gated delta nets, which run transformers' modules on the same cache and
-    states, half the experts banked: one step's logits and cache writes against transformers'
-    forward, then the engine's default step (fused, captured) giving the reference's tokens."""
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
+def test_fused_step_and_engine_run_qwen3_next(family):
+    """Qwen3-Next's (and Qwen3.5's) gated full-attention layers on the kernels (dense_gemv's
+    NORM1 builds for its (1 + w) norms, dense_attention's QGATE and NORM1 build over 256-dim
+    heads turning their first 64 dims) between its gated delta nets, which run transformers'
+    modules on the same cache and states, half the experts banked: one step's logits and cache
+    writes against transformers' forward, then the engine's default step (fused, captured)
+    giving the reference's tokens."""
     import cupool
     from test_fused_step import LOGIT_TOL, compare_step, qwen3_next_model
     from test_gpu_engine import MAX_OFF, _check_against_reference, _prompts
 
     from cupool.sampling import SamplingParams
-    model = qwen3_next_model(seed=4, device="cuda")
+    model = qwen3_next_model(seed=4, device="cuda", family=family)
     pool = cupool.wrap(model, rows=4, max_decode_tokens=4, progress=False)
     fused, want, fc, mc, step = compare_step(model, pool, "kernels",
                                              [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
@@ -982,7 +984,7 @@ def test_fused_step_and_engine_run_qwen3_next():
     assert pool.errors() == []
     pool.unwrap()
     off = _check_against_reference(model, reqs)
-    assert len(off) <= MAX_OFF, f"qwen3_next: tokens off the reference's argmax at {off}"
+    assert len(off) <= MAX_OFF, f"{family}: tokens off the reference's argmax at {off}"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
