@@ -10,8 +10,8 @@ dims (GLM-4.5's and Qwen3-Next's partial rotary, `kernel_rotary`), grouped-query
 window, with or without sinks, with or without Qwen3-Next's output gate) → residual → RMSNorm →
 softmax top-k router (its logits with or without a bias), or a sigmoid router with a correction
 bias and one expert group → pooled experts, plus a shared expert where the block has one →
-residual; Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE, GLM-4.5, dots.llm1, and Qwen3-Next's
-full-attention layers — runs as:
+residual; Qwen3-MoE, Mixtral, gpt-oss, Qwen2-MoE, GLM-4.5, dots.llm1, and Qwen3-Next's and
+Qwen3.5's full-attention layers — runs as:
 
     dense_gemv (norm)   h = h_mid + moe of the layer before; x = rmsnorm(h); qkv = x·Wqkv (+ b)
     dense_attention     q/k norm, rotary, k and v into the slot cache at pos, split-KV attention
