@@ -200,7 +200,7 @@ for stage in "$@"; do
     # the canonical bench_serve (serve's defaults), the plain pool beside host experts where
     # serve turns them on
     serve)    run bench_serve 590 python3 benchmarks/bench_serve.py --host-baseline ;;
-    # GLM-4.5-Air's shape (46 layers, 56 GB of NVFP4 expert rows) at 1 and 8 streams (a reduced
+    # GLM-4.5-Air's shape (46 layers, 56.1 GB of NVFP4 expert rows) at 1 and 8 streams (a reduced
     # run, into $OUT; GLM_BANKS, default "1.0 0.5")
     serve-glm) run bench_serve_glm 590 python3 benchmarks/bench_serve.py --model glm-4.5-air \
               --streams 1 8 --banks ${GLM_BANKS:-1.0 0.5} --json "$OUT/bench_serve_glm_4_5_air.json" ;;
