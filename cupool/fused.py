@@ -466,9 +466,6 @@ class FusedLayer:
     post_eps: float
     pooled: object              # cupool.layer.PooledExperts (or _ModelExperts); None: dense
     mlp: "GatedMLP | None" = None   # a MoE block's shared expert, or a dense layer's MLP
-    post_one_plus: bool = False     # the post-attention norm is a (1 + w) one
-    q_gate: bool = False        # Qwen3-Next's gated attention: q_proj's rows hold each head's
-                                # query, then its output gate
 
     @property
     def dense(self) -> bool:
@@ -652,6 +649,10 @@ class FusedStep:
         self.qkv = torch.empty(B, ((2 if self._q_gate else 1) * nh + 2 * hk) * D, dtype=bf,
                                device=dev)
         self.attn = torch.empty(B, nh * D, dtype=bf, device=dev)
+        # gated attention (every fused layer's or none): the output by heads [B, nh, D] and the
+        # gates' columns of qkv [B, nh, D] (each head's after its query), views made once
+        self.attn_gate = None if not self._q_gate else (
+            self.attn.view(B, nh, D), self.qkv[:, :2 * nh * D].view(B, nh, 2, D)[:, :, 1])
         self.logits = torch.empty(B, self.vocab, dtype=bf, device=dev)
         self.route = RouteOut.allocate(B, self._experts, self._top_k, self._w_dtype, dev)
         # the lanes' row addresses the routers write when the plan step is skipped: int64 [B·K]
@@ -812,8 +813,7 @@ class FusedStep:
             self._w_dtype, self._experts, self._top_k = w_dtype, experts, top_k
         return FusedLayer(i, qkv, att, o, router, top_k, norm_topk,
                           layer.input_layernorm.weight, in_eps,
-                          layer.post_attention_layernorm.weight, post_eps, moe, gmlp,
-                          post_one_plus, q_gate)
+                          layer.post_attention_layernorm.weight, post_eps, moe, gmlp)
 
     def _gated_mlp(self, mlp: nn.Module, gate: nn.Module | None, where: str,
                    norm: bool, one_plus: bool = False) -> GatedMLP:
@@ -893,9 +893,8 @@ class FusedStep:
         dense = sum(l.dense for l in fl)
         if dense:
             text += f"; a dense MLP in {dense} layer{'s' * (dense != 1)}"
-        gated = sum(l.q_gate for l in fl)
-        if gated:
-            text += f"; gated attention in {gated} layer{'s' * (gated != 1)}"
+        if self.attn_gate is not None:          # every fused layer's, as they share the heads
+            text += f"; gated attention in {len(fl)} layer{'s' * (len(fl) != 1)}"
         if self.head.one_plus:
             text += "; (1 + w) RMSNorms"
         nv = [f"{name} in {n} layers" for name, n in self.nvfp4_gemvs().items() if n]
@@ -943,7 +942,8 @@ class FusedStep:
         if any(isinstance(l, FusedLayer) and not l.dense and l.router.sigmoid is not None
                for l in self.layers):
             return "the router is a sigmoid router (the decode GEMM's routing is softmax top-k)"
-        if any(isinstance(l, FusedLayer) and l.post_one_plus for l in self.layers):
+        if any(isinstance(l, FusedLayer) and not l.dense and l.router.one_plus
+               for l in self.layers):
             return ("the post-attention norm is a (1 + w) one (the decode GEMM's routing norms "
                     "with w)")
         # (each router's weight is a contiguous, aligned bf16 matrix: its DenseGemv checked it)
@@ -1023,10 +1023,8 @@ class FusedStep:
             if "attention" not in skip:
                 layer.attn(self.qkv, apos, k_cache, v_cache, self.cos, self.sin, self.attn,
                            slots=slots)
-            if layer.q_gate:           # attention · sigmoid(gate), each op rounded, as the model
-                nh, _, D = self._attn_shape
-                gate = self.qkv[:, :2 * nh * D].view(-1, nh, 2, D)[:, :, 1]
-                a = self.attn.view(-1, nh, D)
+            if self.attn_gate is not None:     # attention · sigmoid(gate), each op rounded
+                a, gate = self.attn_gate
                 torch.mul(a, torch.sigmoid(gate), out=a)
             if "o" not in skip:
                 layer.o(self.attn, residual=h, out=self.h_mid)

@@ -557,10 +557,10 @@ def test_reference_step_runs_qwen3_next(family):
     masks = masks_of(model.config, lambda w, b: cache.decode_mask(torch.bfloat16, w, b))
     for mend in ("q_gate", "one_plus"):
         restore(cache, before)
+        if mend == "q_gate":
+            step.attn_gate = None
         for l in step.layers[1::2]:
-            if mend == "q_gate":
-                l.q_gate = False
-            else:
+            if mend == "one_plus":
                 l.qkv.one_plus = l.router.one_plus = l.attn.one_plus = False
         got = step(torch.tensor(tok)[:, None], cache.pos.clone(), torch.ones(2, dtype=torch.bool),
                    masks)
@@ -1251,8 +1251,7 @@ def test_engine_fused_step_runs_qwen3_next(family):
     assert {k.width for k in kinds} == {0}
     off = tokens_off(model, reqs)
     assert len(off) <= 2, off
-    for layer in eng._fused.layers[1::2]:
-        layer.q_gate = False
+    eng._fused.attn_gate = None
     assert len(tokens_off(model, eng.generate(prompts, params))) > 8
 
 
