@@ -23,26 +23,28 @@ Qwen3.5's full-attention layers — runs as:
 
 seven launches a layer (the last three are the pool's), then one dense_gemv (norm) for the final
 norm and the output head. A MoE block with a shared expert (gate_proj, up_proj, down_proj and
-its act_fn: Qwen2-MoE's and Qwen3-Next's `shared_expert`, scaled by `shared_expert_gate`, a
+a SiLU act_fn: Qwen2-MoE's and Qwen3-Next's `shared_expert`, scaled by `shared_expert_gate`, a
 Linear to one output; DeepSeek's, GLM-4.5's and dots.llm1's `shared_experts`, ungated) adds,
 after the pool's launches:
 
     dense_gemv          [g | u | sg] = xn·[Wg; Wu; Wsg]   (the gate's row, where there is one,
                                                           as a third matrix)
-    torch ops           a = act_fn(g) · u
-    dense_gemv          s = a·Wd
-    torch ops           moe = moe + sigmoid(sg) · s      (moe + s ungated)
+    dense_gemv (GLU)    moe = moe + sigmoid(sg) · (silu(g) · u)·Wd    (moe + (silu(g) · u)·Wd
+                                                          ungated)
 
-each op in bf16 where transformers' block rounds, so the sum is the block's. Gated attention
+each op in bf16 where transformers' block rounds (the down GEMV's GLU prologue and its GATE
+epilogue), so the sum is the block's. Gated attention
 (q_proj's rows each head's query followed by its output gate, twice the o-projection's width)
 keeps that layout in the QKV GEMV's output, which the attention kernel reads (its QGATE build);
 after it, torch ops multiply the output by sigmoid(gate), rounded as the model does. Every
 RMSNorm is transformers' weight · x̂ or the (1 + w) form of Qwen3-Next (x̂ · (1 + w) in float32,
 rounded once), which the GEMVs' and the attention's NORM1 builds compute. The residual
 stream is never materialised between a layer's MoE and the next layer: the next QKV GEMV adds it
-in its prologue. A dense MLP layer (`mlp` of gate_proj, up_proj, down_proj and act_fn: Qwen2-MoE's
-mlp_only_layers, DeepSeek's first layers) runs the same two GEMVs in place of the router and the
-pool's launches, its gate and up GEMV norming the residual stream. A layer that does not match
+in its prologue. A dense MLP layer (`mlp` of gate_proj, up_proj, down_proj and a SiLU act_fn: Qwen2-MoE's
+mlp_only_layers, DeepSeek's and GLM-4.5's first layers) runs the same two GEMVs in place of the
+router and the pool's launches, its gate and up GEMV norming the residual stream (the down
+GEMV's output, silu(g) · u times Wd, is then what the next layer adds). An MLP whose act_fn is
+not SiLU does not match. A layer that does not match
 the pattern (another attention, another router; Qwen3-Next's gated delta nets) runs
 transformers' own module on the same cache and per-slot states, with the mask and rotary
 embedding the engine would pass. Which layers matched and
@@ -289,6 +291,18 @@ def check_rms_norm(norm: nn.Module, what: str, size: int) -> tuple[float, bool]:
                       f"weight · x / rms(x) nor its (1 + weight) form (a probe differs)")
 
 
+def check_silu(act: nn.Module, what: str, device) -> None:
+    """Unsupported unless the activation `act` computes SiLU (torch's silu, bf16 in and out)
+    exactly on a probe over its bend and tails: what the down GEMV's GLU prologue computes."""
+    x = torch.linspace(-20, 20, 801, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        got = act(x)
+    if not (isinstance(got, torch.Tensor) and got.dtype == x.dtype
+            and torch.equal(got, nn.functional.silu(x))):
+        raise Unsupported(f"{what} ({type(act).__name__}) is not SiLU (a probe differs): its "
+                          f"MLP is not fused")
+
+
 def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: int):
     """(norm_topk, weight dtype) of a softmax top-k router, found by a probe; Unsupported for
     any other router. Its logits may carry a bias (`gate.bias`, bf16 [E]: gpt-oss's router, whose
@@ -475,12 +489,13 @@ class FusedLayer:
 
 @dataclasses.dataclass
 class GatedMLP:
-    """down(act(gate(x)) · up(x)): a MoE block's shared expert, run on the router's normed rows,
-    scaled by its sigmoid gate (`gated`: the gate's logit is the last row of `gate_up`), or a
-    dense layer's MLP, whose `gate_up` norms the residual stream itself (its `norm`)."""
+    """down(silu(gate(x)) · up(x)): a MoE block's shared expert, run on the router's normed
+    rows, scaled by its sigmoid gate (`gated`: the gate's logit is the last row of `gate_up`) and
+    added to the routed experts' sum by `down`'s epilogue, or a dense layer's MLP, whose
+    `gate_up` norms the residual stream itself (its `norm`). `down` takes `gate_up`'s output
+    whole (its GLU prologue)."""
     gate_up: DenseGemv
     down: DenseGemv
-    act: nn.Module              # the MLP's own act_fn
     size: int                   # its intermediate size
     gated: bool
     gu: torch.Tensor            # gate_up's output [B, gate_up.N] (bf16), made once
@@ -817,15 +832,17 @@ class FusedStep:
 
     def _gated_mlp(self, mlp: nn.Module, gate: nn.Module | None, where: str,
                    norm: bool, one_plus: bool = False) -> GatedMLP:
-        """The GEMVs of a gated MLP `mlp` (gate_proj, up_proj, down_proj, act_fn): with `gate`,
-        a shared expert's sigmoid gate (a Linear of the hidden size to one output), whose row
-        joins the gate and up rows; with `norm`, the gate and up GEMV norms its input (a dense
-        layer's post-attention norm, of `one_plus`'s kind)."""
+        """The GEMVs of a gated MLP `mlp` (gate_proj, up_proj, down_proj, a SiLU act_fn): with
+        `gate`, a shared expert's sigmoid gate (a Linear of the hidden size to one output), whose
+        row joins the gate and up rows; with `norm`, the gate and up GEMV norms its input (a
+        dense layer's post-attention norm, of `one_plus`'s kind), else (a shared expert) the down
+        GEMV adds the routed experts' sum."""
         H = self.hidden
         act = getattr(mlp, "act_fn", None)
         if not isinstance(act, nn.Module):
             raise Unsupported(f"{where} has no act_fn module (not a gated MLP of gate_proj, "
                               f"up_proj, down_proj)")
+        check_silu(act, f"{where}.act_fn", self.device)
         wg, bg = _linear(mlp, "gate_proj", where)
         wu, bu = _linear(mlp, "up_proj", where)
         wd, bd = _linear(mlp, "down_proj", where)
@@ -846,10 +863,13 @@ class FusedStep:
         gate_up = self._gemv(weights, None if all(b is None for b in biases) else biases,
                              tokens=B, norm=norm, epilogue=PLAIN, one_plus=one_plus,
                              **self._shape("mlp", H))
-        down = self._gemv([wd], None if bd is None else [bd], tokens=B, epilogue=PLAIN,
-                          **self._shape("mlp_down", size))
+        # silu(g) · u in the down GEMV's prologue; a shared expert's sigmoid gate and the routed
+        # experts' sum in its epilogue
+        down = self._gemv([wd], None if bd is None else [bd], tokens=B,
+                          epilogue=PLAIN if norm else RESIDUAL, glu=True,
+                          glu_gate=gate is not None, **self._shape("mlp_down", size))
         bf, dev = torch.bfloat16, wg.device
-        return GatedMLP(gate_up, down, act, size, gate is not None,
+        return GatedMLP(gate_up, down, size, gate is not None,
                         torch.empty(B, gate_up.N, dtype=bf, device=dev),
                         torch.empty(B, H, dtype=bf, device=dev))
 
@@ -1067,16 +1087,17 @@ class FusedStep:
         rounds."""
         if layer.mlp is None:
             return self.moe
-        return self.moe + self._gated_mlp_out(layer.mlp, self.xn)
+        return self._gated_mlp_out(layer.mlp, self.xn)
 
     def _gated_mlp_out(self, m: GatedMLP, x: torch.Tensor,
                        layer: FusedLayer | None = None) -> torch.Tensor:
-        """down(act(gate(x)) · up(x)), times sigmoid of the gate's logit where `m.gated`; a
-        GatedMLP whose gate and up GEMV norms (a dense layer's) takes the norm of `layer`."""
-        n, gu, y = m.size, m.gu, m.out
+        """Two launches: down(silu(gate(x)) · up(x)); a shared expert's times sigmoid of the
+        gate's logit where `m.gated`, plus the routed experts' sum (self.moe). A GatedMLP whose
+        gate and up GEMV norms (a dense layer's) takes the norm of `layer`."""
         if m.gate_up.norm:
-            m.gate_up(x, norm_weight=layer.post_norm, eps=layer.post_eps, out=gu)
+            m.gate_up(x, norm_weight=layer.post_norm, eps=layer.post_eps, out=m.gu)
+            m.down(m.gu, out=m.out)
         else:
-            m.gate_up(x, out=gu)
-        m.down(m.act(gu[:, :n]) * gu[:, n:2 * n], out=y)
-        return torch.sigmoid(gu[:, 2 * n:]) * y if m.gated else y
+            m.gate_up(x, out=m.gu)
+            m.down(m.gu, residual=self.moe, out=m.out)
+        return m.out

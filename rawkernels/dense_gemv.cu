@@ -33,9 +33,19 @@
 //                   NORM1=1: the RMSNorm of Qwen3-Next and Gemma, whose weight is stored as
 //                   w − 1: x = bf16((1 + nw) · (h · rsqrt(mean(h²) + eps))), the product in
 //                   float32 and one rounding.
+//   MODE 2 (GLU):   in is a gated MLP's gate and up GEMV output [NB, 2K + GATE] (its gate
+//                   rows, its up rows, with GATE its sigmoid gate's logit), and
+//                   x = bf16(bf16(silu(g)) · u), g = in[n, k], u = in[n, K + k]: the
+//                   act_fn(gate_proj(x)) * up_proj(x) of transformers' MLPs with SiLU, each op
+//                   rounded to bf16 as torch rounds it. The MLP's down projection then needs no
+//                   launch of its own for the activation and the product.
 // Epilogues:
 //   EPI 0: out[n, r] = bf16(acc + bias[r])
 //   EPI 1: out[n, r] = bf16(res2[n, r] + bf16(acc + bias[r]))           (o-projection + residual)
+//          GATE=1 (MODE 2 only): out[n, r] = bf16(res2[n, r] + bf16(s[n] · bf16(acc + bias[r]))),
+//          s[n] = bf16(sigmoid(in[n, 2K])): a shared expert scaled by its sigmoid gate (Qwen2-MoE's,
+//          Qwen3-Next's) added to the routed experts' sum (res2), as transformers' block rounds it;
+//          without GATE, MODE 2 with EPI 1 adds an ungated shared expert (GLM-4.5's, DeepSeek's).
 //   EPI 2: logits[n, r] = bf16(acc) as float (RBIAS=1: bf16(acc + bias[r]), a router with a
 //          bias, gpt-oss's); the last block to finish (a ticket counter, put
 //          back to zero by that block) routes every token: softmax over the N logits (float32) →
@@ -131,6 +141,9 @@
 #ifndef NORM1
 #define NORM1 0           // the norm prologue's weight is stored as w − 1 (header: MODE 1)
 #endif
+#ifndef GATE
+#define GATE 0            // MODE 2, EPI 1: the product scaled by the sigmoid gate in `in` (header)
+#endif
 #if WFP4
 #include "mma_fp4.cuh"
 #define CCOLS 64          // columns a chunk: 16 code bytes a lane (four k-tiles)
@@ -158,7 +171,9 @@ static_assert(WARPS == 4 || WARPS == 8, "a block of 4 or 8 warps");
 static_assert(KS >= 1 && KS <= 16, "K split over 1 to 16 blocks");
 static_assert(LANE_ADDR == 0 || EPI == 2, "lane addresses are written by the route epilogue");
 static_assert(RBIAS == 0 || EPI == 2, "RBIAS belongs to the route epilogue (the others add biases)");
+static_assert(MODE >= 0 && MODE <= 2, "prologue MODE 0 (plain), 1 (norm) or 2 (GLU)");
 static_assert(NORM1 == 0 || MODE == 1, "NORM1 belongs to the norm prologue");
+static_assert(GATE == 0 || (MODE == 2 && EPI == 1), "GATE belongs to the GLU prologue + residual");
 static_assert(PRE == 0 || (WFP4 && PRE <= 8), "PRE dequantises up to 8 NVFP4 chunks a warp");
 
 #if WFP4
@@ -217,6 +232,27 @@ CUPOOL_DEVICE void residual8(const u16* in, const u16* add, i32 K, int n, i32 k,
         for (int i = 0; i < 8; ++i) h[i] = bf16_to_f32(f32_to_bf16(h[i] + a[i]));
     }
 }
+
+#if MODE == 2
+// x = bf16(bf16(silu(g)) · u), 8 columns at k of token n: g = in[n, k], u = in[n, K + k] of
+// in [NB, 2K + GATE] (K a multiple of 8); silu(g) = g / (1 + e^-g) in float32, as torch's silu.
+CUPOOL_DEVICE void glu8(const u16* in, i32 K, int n, i32 k, float* x) {
+    const u16* row = in + (i64)n * (2 * K + GATE);
+    float g[8], u[8];
+#if GATE             // rows of an odd width: past the first, not 16-byte aligned
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        g[i] = bf16_to_f32(row[k + i]);
+        u[i] = bf16_to_f32(row[K + k + i]);
+    }
+#else
+    unpack8(ld_plain16(row + k), g);
+    unpack8(ld_plain16(row + K + k), u);
+#endif
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = bf16_to_f32(f32_to_bf16(g[i] / (1.0f + expf(-g[i])))) * u[i];
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 #if WFP4
@@ -511,6 +547,10 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
                     if (h_out && add) st16(h_out + (i64)n * K + k, pack8(h));
                     if (x_out) st16(x_out + (i64)n * K + k, v);
                 }
+#elif MODE == 2
+                float x[8];
+                glu8(in, K, n, k, x);
+                v = pack8(x);
 #else
                 v = ld_plain16(in + (i64)n * K + k);
 #endif
@@ -596,6 +636,11 @@ dense_gemv(const u16* __restrict__ w0, const u16* __restrict__ w1, const u16* __
 #else
         float y = bf16_to_f32(f32_to_bf16(s + rows.bias(r)));
 #if EPI == 1
+#if GATE
+        // the gate's logit: the last column of token n's row of in; sigmoid as torch's, rounded
+        const float gl = bf16_to_f32(in[(i64)n * (2 * K + 1) + 2 * K]);
+        y = bf16_to_f32(f32_to_bf16(bf16_to_f32(f32_to_bf16(1.0f / (1.0f + expf(-gl)))) * y));
+#endif
         y += bf16_to_f32(res2[(i64)n * N + r]);
 #endif
         out[(i64)n * N + r] = f32_to_bf16(y);

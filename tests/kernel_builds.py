@@ -143,6 +143,14 @@ BUILDS: list[tuple[str, str]] = [
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DNORM1=1"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DNORM1=1"),
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=8 -DRT=2 -DNORM1=1"),
+    # a gated MLP's down projection on silu(gate) · up (the GLU prologue, MODE 2) at batch 1 and
+    # the plain shape (mlp_down): a dense layer's MLP; a shared expert added to the routed
+    # experts' sum (GLM-4.5's), and one with a sigmoid gate (GATE: Qwen2-MoE's, Qwen3-Next's),
+    # also with NVFP4 weights
+    ("dense_gemv", "-DNB=1 -DMODE=2 -DEPI=0 -DWARPS=8 -DRT=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=2 -DEPI=1 -DWARPS=8 -DRT=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=2 -DEPI=1 -DWARPS=8 -DRT=1 -DGATE=1"),
+    ("dense_gemv", "-DNB=1 -DMODE=2 -DEPI=1 -DWARPS=8 -DRT=1 -DWFP4=1 -DGATE=1"),
     # NVFP4 attention projections (cupool.dense_nvfp4) at the default shapes: QKV (norm, 4 warps)
     # at batch 1 and 16, the o-projection (+ residual, 4 warps, K split over 4 blocks)
     ("dense_gemv", "-DNB=1 -DMODE=1 -DEPI=0 -DWARPS=4 -DRT=1 -DWFP4=1"),
@@ -228,6 +236,9 @@ VARIANTS = [
     ("dense_gemv", "-DNB=16 -DMODE=1 -DEPI=2 -DWARPS=4 -DRT=1 -DKS=16 -DLANE_ADDR=1"),
     # gpt-oss's router (a bias on the logits) at 8 tokens, with lane addresses
     ("dense_gemv", "-DNB=8 -DMODE=1 -DEPI=2 -DWARPS=8 -DRT=1 -DLANE_ADDR=1 -DRBIAS=1"),
+    # the GLU prologue at 8 and 16 tokens: a gated shared expert over two n tiles, K split in 3
+    ("dense_gemv", "-DNB=8 -DMODE=2 -DEPI=1 -DWARPS=8 -DRT=1 -DGATE=1"),
+    ("dense_gemv", "-DNB=16 -DMODE=2 -DEPI=1 -DWARPS=4 -DRT=2 -DKS=3 -DGATE=1"),
     ("dense_attention", "-DD=64 -DG=8 -DMINCHUNK=64"),
     ("dense_attention", "-DD=128 -DG=16 -DMINCHUNK=64"),
     ("dense_attention", "-DD=256 -DG=4 -DMINCHUNK=64"),

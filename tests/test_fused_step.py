@@ -385,6 +385,21 @@ def test_reference_step_runs_shared_experts(monkeypatch):
     assert rel(without, want) > 10 * LOGIT_TOL, rel(without, want)
 
 
+
+def test_mlp_without_silu_is_not_fused():
+    """A shared expert whose act_fn is not SiLU (GELU here) cannot take the down GEMV's GLU
+    prologue: its layer runs transformers' module, with the reason named, and the logits still
+    match; the other layers stay fused."""
+    model = fused_model("qwen2_moe", seed=12)
+    model.model.layers[1].mlp.shared_expert.act_fn = torch.nn.GELU()
+    fused, want, _, _, step = compare_step(model, None, "reference", [[5, 9, 3], [2, 6]], [11, 4])
+    kinds = [type(l).__name__ for l in step.layers]
+    assert kinds == ["FusedLayer", "ModelLayer", "FusedLayer"], kinds
+    assert "shared_expert.act_fn (GELU) is not SiLU" in step.layers[1].reason, \
+        step.layers[1].reason
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+
+
 def sigmoid_routed(cfg, device):
     """The causal LM of `cfg` (a family with sigmoid routers) in bf16 on `device`: its routers'
     weights and correction biases, experts, shared experts and dense MLPs, and q/k/v biases where

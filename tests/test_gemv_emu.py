@@ -5,7 +5,9 @@ The kernel's own source is compiled with g++ against tests/emu (the CUDA feature
 emulated, every block of its grid run one after another; `gemv_main.cpp` drives it), so the
 fused step's GEMVs are checked without a GPU: the three matrices side by side, biases, the
 residual sum and RMSNorm prologue (h read once where K is one x tile, staged tile by tile past
-it; transformers' norm and the (1 + w) one, NORM1), the residual epilogue, K split over blocks with the tiles' tickets, two row tiles a block,
+it; transformers' norm and the (1 + w) one, NORM1), the GLU prologue of a gated MLP's down
+projection (silu(gate) · up; a shared expert's sigmoid gate, GATE), the residual epilogue, K split
+over blocks with the tiles' tickets, two row tiles a block,
 and the router's softmax top-k with its ties, NaN rule, inactive tokens and lane addresses. The
 NVFP4 builds (WFP4: weights as `cupool.layout.dense_strips`, dequantised by mma_fp4.cuh, each
 matrix's sums times its global scale) are checked the same way against the reference on the
@@ -27,7 +29,7 @@ from test_gpu_dense import close
 from cupool import dense_nvfp4, nvfp4
 from cupool.reference import dense as ref
 
-# NB, MODE (1: norm), EPI (0 plain, 1 + residual, 2 route), WARPS, RT, KS, LANE_ADDR; WFP4 = 1:
+# NB, MODE (1: norm, 2: GLU), EPI (0 plain, 1 + residual, 2 route), WARPS, RT, KS, LANE_ADDR; WFP4 = 1:
 # NVFP4 weights (absent: bf16)
 BUILDS = {
     "plain": dict(NB=3, MODE=0, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0),
@@ -43,6 +45,13 @@ BUILDS = {
     # sigmoid routing with a correction bias (DeepSeek-V3's, GLM-4.5's routers: SIG)
     "route_sigmoid": dict(NB=3, MODE=1, EPI=2, WARPS=8, RT=1, KS=1, LANE_ADDR=1, SIG=1),
     "route_sigmoid_split": dict(NB=1, MODE=1, EPI=2, WARPS=4, RT=1, KS=3, LANE_ADDR=0, SIG=1),
+    # the GLU prologue (MODE 2: a gated MLP's down projection on silu(gate) · up): a dense
+    # layer's MLP; a shared expert added to the routed experts' sum; one with a sigmoid gate
+    # (GATE: rows of 2K + 1 columns, read a column at a time)
+    "glu": dict(NB=3, MODE=2, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0),
+    "glu_residual": dict(NB=5, MODE=2, EPI=1, WARPS=4, RT=1, KS=3, LANE_ADDR=0),
+    "glu_gate": dict(NB=3, MODE=2, EPI=1, WARPS=8, RT=2, KS=1, LANE_ADDR=0, GATE=1),
+    "fp4_glu_gate": dict(NB=2, MODE=2, EPI=1, WARPS=4, RT=1, KS=2, LANE_ADDR=0, WFP4=1, GATE=1),
     "fp4_plain": dict(NB=3, MODE=0, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0, WFP4=1),
     # 9 to 16 tokens: two MMA n tiles, x tiles of KT = 1024 columns
     "fp4_norm_nb10": dict(NB=10, MODE=1, EPI=0, WARPS=8, RT=1, KS=1, LANE_ADDR=0, WFP4=1),
@@ -78,9 +87,10 @@ def run_kernel(work, name, ws, bs, x, add=None, nw=None, res=None, eps=1e-6, top
     ws: bf16 matrices, or `DenseNVFP4` ones for a WFP4 build; sbias (float32 [N]) and sscale
     for a SIG build."""
     b = BUILDS[name]
-    NB, K = b["NB"], x.shape[1]
-    assert x.shape[0] == NB
     fp4 = b.get("WFP4", 0) == 1
+    NB, K = b["NB"], ws[0].cols if fp4 else ws[0].shape[1]
+    # x: [NB, K], or a gated MLP's gate and up output [NB, 2K (+ 1)] for the GLU prologue
+    assert x.shape == (NB, 2 * K + b.get("GATE", 0) if b["MODE"] == 2 else K)
     rows = [w.rows if fp4 else w.shape[0] for w in ws] + [0] * (3 - len(ws))
     N = sum(rows)
     head = [*rows, K, bs is not None, add is not None, res is not None, emu_build.f32_bits(eps),
@@ -350,6 +360,49 @@ def test_gemv_one_plus_norm_matches_reference_on_cpu(builds, rows, K):
     once_off = float((got["x_out"] != want["x_out"]).float().mean())
     twice_off = float((got["x_out"] != twice).float().mean())
     assert once_off < 0.02 < 0.1 < twice_off, (what, once_off, twice_off)
+
+
+# a dense layer's MLP (K a partial chunk; K past one x tile), GLM-4.5-Air's shared expert
+# (K = 1408) over 3 K slices, gated shared experts of Qwen2-MoE's size (K = 5632, three x tiles)
+# and an odd one, and the NVFP4 build (K one tile; K a partial chunk)
+@pytest.mark.parametrize("name,rows,K", [
+    ("glu", [37], 264), ("glu", [64], 4104), ("glu_residual", [61], 1408),
+    ("glu_gate", [100], 5632), ("glu_gate", [33], 520),
+    ("fp4_glu_gate", [48], 1408), ("fp4_glu_gate", [37], 208)])
+def test_gemv_glu_matches_reference_on_cpu(builds, name, rows, K):
+    """The GLU prologue against GemvReference(glu=True, glu_gate=GATE) on fresh random gate and
+    up rows (and gate logits) of a spread that covers silu's bend, with the residual (the routed
+    experts' sum) for EPI 1, within `close` at the size of the sum's terms. The check can fail:
+    the same launch is off beyond the bound against the gate and up halves swapped, and (GATE)
+    against the product without its sigmoid gate."""
+    seed = int(torch.randint(0, 2**31, ()))
+    gen = torch.Generator().manual_seed(seed)
+    b = BUILDS[name]
+    NB, N, gate = b["NB"], sum(rows), b.get("GATE", 0) == 1
+    fp4 = b.get("WFP4", 0) == 1
+    what = f"{name} rows={rows} K={K} seed={seed}"
+    ws = [fp4_matrix(n, K, 0.05, gen) if fp4 else rand(n, K, scale=0.05, gen=gen) for n in rows]
+    gu = rand(NB, 2 * K + gate, scale=2.0, gen=gen)
+    res = rand(NB, N, gen=gen) if b["EPI"] == 1 else None
+    got = run_kernel(builds, name, ws, None, gu, res=res)
+
+    def reference(gu, glu_gate):
+        want = torch.full((NB, N), float("nan"), dtype=torch.bfloat16)
+        ref.GemvReference(ws, tokens=NB, epilogue=b["EPI"], glu=True, glu_gate=glu_gate)(
+            gu, residual=res, out=want)
+        return want
+
+    want = reference(gu, gate)
+    size = None if res is None else res.float().abs() + (want - res).float().abs()
+    close(got["out"], want, what, size)
+    assert not got["tile_tickets"].any(), "a tile's ticket is not back at zero"
+    swapped = torch.cat([gu[:, K:2 * K], gu[:, :K], gu[:, 2 * K:]], dim=1)
+    with pytest.raises(AssertionError, match="relative error|elements off"):
+        close(got["out"], reference(swapped, gate), f"{what} against silu(up) · gate", size)
+    if gate:
+        with pytest.raises(AssertionError, match="relative error|elements off"):
+            close(got["out"], reference(gu[:, :2 * K].contiguous(), False),
+                  f"{what} without its gate", size)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

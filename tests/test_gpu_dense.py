@@ -176,6 +176,69 @@ def test_dense_gemv_one_plus_norm_matches_reference(tokens, rows, K, shape):
         DenseGemv(ws, tokens=tokens, one_plus=True)
 
 
+# the GLU prologue (a gated MLP's down projection on silu(gate) · up): GLM-4.5-Air's dense MLP
+# (K = 10944, six x tiles at batch 1) and shared expert (K = 1408, + the routed experts' sum),
+# Qwen3-Next's gated shared expert (K = 512), Qwen2-MoE's (K = 5632) at 8 tokens, then K split
+# over blocks, two row tiles a block, K of one chunk, and the NVFP4 build
+GLU_CASES = [  # tokens, N, K, epilogue ("plain", "residual", "gate"), shape, fp4
+    (1, 4096, 10944, "plain", {}, False), (1, 4096, 1408, "residual", {}, False),
+    (1, 2048, 512, "gate", {}, False), (8, 2048, 5632, "gate", {}, False),
+    (13, 37, 4104, "gate", dict(warps=4, split_k=3), False),
+    (3, 20011, 264, "residual", {}, False), (5, 16, 8, "plain", {}, False),
+    (1, 4096, 1408, "gate", {}, True), (9, 61, 208, "residual", dict(split_k=2), True),
+]
+
+
+@pytest.mark.parametrize("tokens,N,K,epi,shape,fp4", GLU_CASES,
+                         ids=[f"B{c[0]}-N{c[1]}-K{c[2]}-{c[3]}-{_shape_id(c[4])}"
+                              f"{'-fp4' * c[5]}" for c in GLU_CASES])
+def test_dense_gemv_glu_matches_reference(tokens, N, K, epi, shape, fp4):
+    """DenseGemv(glu=True) against GemvReference(glu=True) on fresh random gate and up rows
+    (and gate logits), out poisoned: the product, the routed experts' sum added (residual) and
+    scaled by the sigmoid gate first (gate), within `close` at the size of the sum's terms. The
+    launch is off against the gate and up halves swapped and (gate) without the gate, so the
+    check can fail; x of the wrong width and glu with a norm or gate without a residual are
+    refused."""
+    from cupool import dense_nvfp4, nvfp4
+    from cupool.ops.dense_gemv import PLAIN, RESIDUAL, DenseGemv
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
+    gate = epi == "gate"
+    w = rand(N, K, scale=0.05, gen=gen)
+    if fp4:
+        w = dense_nvfp4.pack(nvfp4.quantize(w.float()))
+    kw = dict(tokens=tokens, epilogue=PLAIN if epi == "plain" else RESIDUAL, glu=True,
+              glu_gate=gate)
+    op = DenseGemv([w], **kw, **shape)
+    gu = rand(tokens, 2 * K + gate, scale=2.0, gen=gen)
+    res = None if epi == "plain" else rand(tokens, N, gen=gen)
+    out = poison(tokens, N)
+    op(gu, residual=res, out=out)
+    torch.cuda.synchronize()
+
+    def reference(gu, gated):
+        want = poison(tokens, N)
+        ref.GemvReference([w], **{**kw, "glu_gate": gated})(gu, residual=res, out=want)
+        return want
+
+    want = reference(gu, gate)
+    what = f"glu tokens={tokens} N={N} K={K} {epi} {shape} nvfp4={fp4}"
+    size = None if res is None else res.float().abs() + (want - res).float().abs()
+    close(out, want, what, size)
+    swapped = torch.cat([gu[:, K:2 * K], gu[:, :K], gu[:, 2 * K:]], dim=1)
+    with pytest.raises(AssertionError, match="relative error|elements off"):
+        close(out, reference(swapped, gate), f"{what} against silu(up) · gate", size)
+    if gate:
+        with pytest.raises(AssertionError, match="relative error|elements off"):
+            close(out, reference(gu[:, :2 * K].contiguous(), False), f"{what} ungated", size)
+    with pytest.raises(ValueError, match=rf"x must be .*\[{tokens}, {2 * K + gate}\]"):
+        op(gu[:, :2 * K - 8].contiguous(), residual=res, out=out)
+    with pytest.raises(ValueError, match="glu=True takes neither norm=True nor epilogue=ROUTE"):
+        DenseGemv([w], tokens=tokens, norm=True, glu=True)
+    with pytest.raises(ValueError, match="glu_gate=True belongs to a GEMV built with glu=True "
+                                         "and epilogue=RESIDUAL"):
+        DenseGemv([w], tokens=tokens, glu=True, glu_gate=True)
+
+
 # NVFP4 weights (DenseNVFP4 strips): the Qwen3-30B-A3B QKV and o-projection at the fused step's
 # default shapes, then N not whole tiles (the last matrix 40 rows), K not whole 64-column chunks
 # (208, 4160 = 65 chunks over 3 slices: 21, 22, 22), two x tiles (16 tokens: 1,024 columns a

@@ -1,7 +1,8 @@
 """Launcher of `rawkernels/dense_gemv.cu`: the decode step's GEMVs (bf16 weights, or NVFP4 ones
-kept packed: `cupool.dense_nvfp4.DenseNVFP4`) with their prologue (plain, or residual sum +
-RMSNorm, transformers' or the (1 + w) one: `DenseGemv`'s one_plus) and epilogue (plain,
-+ residual, or softmax top-k routing).
+kept packed: `cupool.dense_nvfp4.DenseNVFP4`) with their prologue (plain; residual sum +
+RMSNorm, transformers' or the (1 + w) one: `DenseGemv`'s one_plus; or a SiLU gated MLP's
+act(gate) · up: `DenseGemv`'s glu) and epilogue (plain; + residual, with a shared expert's
+sigmoid gate or without; or softmax top-k routing).
 
 Shape legend (ARCHITECTURE.md): B tokens of the step · K inner dim · N output rows (Σ n_i of up
 to three matrices) · E experts (N of a router) · k top-k.
@@ -50,7 +51,7 @@ WARPS = 8                      # the kernel's block: 8 warps (4 with warps=4)
 WARPS_CHOICES = (4, 8)
 MAX_SPLIT_K = 16
 SIGMOID_EXPERTS = 512          # most experts the SIG route epilogue takes (16 a lane, registers)
-NO_NORM, NORM = 0, 1           # MODE
+NO_NORM, NORM, GLU = 0, 1, 2     # MODE
 PLAIN, RESIDUAL, ROUTE = 0, 1, 2   # EPI
 # x tile columns in shared memory (KT of the kernel) by n tiles of 8 tokens; the route epilogue
 # reuses that memory for up to `warps` tokens' logits
@@ -196,12 +197,21 @@ class DenseGemv:
             w − 1: the normalised x times (1 + norm_weight) in float32, rounded once
             (`cupool.reference.dense.rms_norm`'s one_plus), the kernel's NORM1 build. False:
             transformers' RMSNorm (the normalised x rounded, then times the weight in bf16).
+        glu: the down projection of a gated MLP with SiLU: called with x its gate and up GEMV's
+            output [B, 2K] (gate rows, then up rows), it multiplies silu(gate) · up, each op
+            rounded to bf16 (`cupool.reference.dense.glu`): the kernel's GLU prologue (MODE 2).
+            K a multiple of 8; not with norm or ROUTE.
+        glu_gate: glu with RESIDUAL only, a shared expert with a sigmoid gate (Qwen2-MoE's,
+            Qwen3-Next's): x is [B, 2K + 1], its last column the gate's logit, and the product
+            is scaled by its sigmoid before the residual (the routed experts' sum) is added
+            (`cupool.reference.dense.glu_gate`), the kernel's GATE build.
     """
 
     def __init__(self, weights: Sequence[torch.Tensor], biases=None, *, tokens: int,
                  norm: bool = False, epilogue: int = PLAIN, warps: int = WARPS,
                  split_k: int = 1, lane_addr: bool = False,
-                 sigmoid: tuple[torch.Tensor, float] | None = None, one_plus: bool = False):
+                 sigmoid: tuple[torch.Tensor, float] | None = None, one_plus: bool = False,
+                 glu: bool = False, glu_gate: bool = False):
         weights = list(weights)
         if not 1 <= len(weights) <= 3:
             raise ValueError(f"weights must hold 1 to 3 matrices, got {len(weights)}")
@@ -237,10 +247,22 @@ class DenseGemv:
             raise ValueError("lane_addr=True belongs to a GEMV built with epilogue=ROUTE")
         if one_plus and not norm:
             raise ValueError("one_plus=True belongs to a GEMV built with norm=True")
+        if glu and (norm or epilogue == ROUTE):
+            raise ValueError("glu=True takes neither norm=True nor epilogue=ROUTE (it is the "
+                             "prologue of a gated MLP's down projection)")
+        if glu_gate and not (glu and epilogue == RESIDUAL):
+            raise ValueError("glu_gate=True belongs to a GEMV built with glu=True and "
+                             "epilogue=RESIDUAL")
+        if glu and K % 8:
+            raise ValueError(f"glu=True needs the inner dim K={K} to be a multiple of 8 (the "
+                             f"gate and up halves of x are read 8 columns at a time)")
         self.weights, self.biases = weights, biases
         self.K, self.N, self.rows = int(K), sum(rows), rows
         self.tokens, self.norm, self.epilogue = tokens, bool(norm), epilogue
         self.one_plus = bool(one_plus)
+        self.glu, self.glu_gate = bool(glu), bool(glu_gate)
+        # columns of x: K, or with glu a gated MLP's gate and up rows (and its gate's logit)
+        self.x_cols = 2 * int(K) + int(self.glu_gate) if self.glu else int(K)
         self.warps, self.split_k = warps, split_k
         cap = route_capacity(tokens, warps)
         if epilogue == ROUTE and self.N > cap:
@@ -251,8 +273,10 @@ class DenseGemv:
         self.row_tiles = 2 if self.N >= 16384 else 1
         tiles = -(-self.N // (16 * self.row_tiles))
         self.grid = tiles if split_k == 1 else (tiles, split_k)
-        defines = {"NB": tokens, "MODE": NORM if norm else NO_NORM, "EPI": epilogue,
-                   "WARPS": warps, "RT": self.row_tiles}
+        defines = {"NB": tokens, "MODE": NORM if norm else GLU if glu else NO_NORM,
+                   "EPI": epilogue, "WARPS": warps, "RT": self.row_tiles}
+        if self.glu_gate:          # the shared expert's sigmoid gate
+            defines["GATE"] = 1
         if self.one_plus:          # the (1 + w) norm (Qwen3-Next's, Gemma's)
             defines["NORM1"] = 1
         if epilogue == ROUTE and any(b is not None for b in biases):    # gpt-oss's router
@@ -323,7 +347,8 @@ class DenseGemv:
                  lane_addr: torch.Tensor | None = None) -> None:
         """One launch on torch's current stream.
 
-        x: [B, K] (the GEMV's input; with norm, the residual stream before `add`). add: [B, K] or
+        x: [B, K] (the GEMV's input; with norm, the residual stream before `add`; with glu, the
+        gate and up GEMV's output [B, 2K], or [B, 2K + 1] with glu_gate). add: [B, K] or
         None, summed into x first (norm only). norm_weight [K], eps: the RMSNorm (norm only).
         h_out / x_out: [B, K] or None, receive x + add and the normed x (norm only).
         residual: [B, N] added to the product (RESIDUAL). out: [B, N] (PLAIN, RESIDUAL).
@@ -332,7 +357,7 @@ class DenseGemv:
         lane_addr[b·k + j] = table[route.ids[b, j]], 0 for padding lanes.
         """
         B, K, N = self.tokens, self.K, self.N
-        self._check_act("x", x, K)
+        self._check_act("x", x, self.x_cols)
         null = kernels.NULL
         if self.norm:
             if add is not None:

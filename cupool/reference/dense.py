@@ -48,6 +48,20 @@ def residual_norm(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tenso
     return h, rms_norm(h, weight, eps, one_plus)
 
 
+def glu(gu: torch.Tensor, size: int) -> torch.Tensor:
+    """act_fn(gate) · up of a gated MLP with SiLU, from its gate and up GEMV's output gu [B,
+    2·size] or [B, 2·size + 1] (the gate rows, the up rows, then a sigmoid gate's logit where it
+    has one), each op rounded to gu's dtype as transformers' MLP rounds: the GLU prologue of its
+    down projection."""
+    return torch.nn.functional.silu(gu[:, :size]) * gu[:, size:2 * size]
+
+
+def glu_gate(gu: torch.Tensor, size: int) -> torch.Tensor:
+    """sigmoid of a shared expert gate's logit, the last column of gu [B, 2·size + 1], in gu's
+    dtype: [B, 1], the factor of the down projection's output (Qwen2-MoE's, Qwen3-Next's)."""
+    return torch.sigmoid(gu[:, 2 * size:])
+
+
 def route_topk(logits: torch.Tensor, top_k: int, norm_topk: bool, weight_dtype: torch.dtype,
           active: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A softmax top-k router on logits [B, E] (already in the model's dtype): softmax in float32,
@@ -180,9 +194,11 @@ class GemvReference:
 
     def __init__(self, weights, biases=None, *, tokens: int, norm: bool = False,
                  epilogue: int = 0, warps: int = 8, split_k: int = 1, lane_addr: bool = False,
-                 sigmoid=None, one_plus: bool = False):
+                 sigmoid=None, one_plus: bool = False, glu: bool = False,
+                 glu_gate: bool = False):
         self.weights, self.biases = list(weights), biases
         self.one_plus = one_plus
+        self.glu, self.glu_gate = glu, glu_gate
         self.sigmoid = sigmoid
         self.tokens, self.norm, self.epilogue = tokens, norm, epilogue
         self.lane_addr = lane_addr
@@ -204,6 +220,8 @@ class GemvReference:
                 h_out.copy_(h)
             if x_out is not None:
                 x_out.copy_(xin)
+        elif self.glu:
+            xin = glu(x, self._mats[0].shape[1])
         else:
             xin = x
         if self.epilogue == 2 and self.sigmoid is not None:
@@ -225,6 +243,8 @@ class GemvReference:
                     raise ValueError(f"table [E] and lane_addr [{ids.numel()}] go together")
                 lane_addr.copy_(lane_addresses(ids, table))
         elif self.epilogue == 1:
+            if self.glu_gate:
+                y = glu_gate(x, self._mats[0].shape[1]) * y
             out.copy_(residual + y)
         else:
             out.copy_(y)

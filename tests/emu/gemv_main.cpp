@@ -1,10 +1,12 @@
 // Runs rawkernels/dense_gemv.cu on CPU fibers (cuda_emu.h), the blocks of its grid (tiles, KS)
 // one after another, and writes what it wrote, for tests/test_gemv_emu.py to compare with the
-// reference. NB, MODE, EPI, WFP4, PRE, WARPS, RT, KS, LANE_ADDR and SIG are the build's defines.
+// reference. NB, MODE, EPI, WFP4, PRE, WARPS, RT, KS, LANE_ADDR, SIG and GATE are the build's
+// defines.
 //
 // Input (int64 words): n0, n1, n2 (rows of the three matrices), K, has_bias, has_add, has_res2,
 // the bits of eps (float32), topk, norm_topk, w_f32, has_active; then one bf16 a word: w0, w1, w2
-// ([n·K] each), b0, b1, b2 ([n] each, has_bias), in [NB·K], add [NB·K] (has_add), nw [K] (MODE
+// ([n·K] each), b0, b1, b2 ([n] each, has_bias), in [NB·K] (MODE 2: [NB·(2K + GATE)], a gated
+// MLP's gate and up output), add [NB·K] (has_add), nw [K] (MODE
 // 1), res2 [NB·N] (has_res2); then active [NB] (has_active), table [N] (LANE_ADDR), a word each;
 // a SIG build (sigmoid routing) then reads the correction bias [N] and the scale, float32 bits a
 // word.
@@ -65,7 +67,7 @@ int main(int argc, char** argv) {
         b1 = words(n1);
         b2 = words(n2);
     }
-    std::vector<u16> in = words((long long)NB * K);
+    std::vector<u16> in = words((long long)NB * (MODE == 2 ? 2 * K + GATE : K));
     std::vector<u16> add = has_add ? words((long long)NB * K) : std::vector<u16>();
     std::vector<u16> nw = MODE == 1 ? words(K) : std::vector<u16>();
     std::vector<u16> res2 = has_res2 ? words((long long)NB * N) : std::vector<u16>();
