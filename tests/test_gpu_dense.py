@@ -1038,16 +1038,28 @@ def test_fused_step_and_engine_run_qwen3_next(family):
     for i in (1, 3):
         assert rel(fc[0][i], mc[0][i]) <= 1e-2 and rel(fc[1][i], mc[1][i]) <= 1e-2
     assert pool.errors() == []
+    params = [SamplingParams(max_tokens=n) for n in (12, 8, 12)]
+    prompts = _prompts([3, 9, 14], seed=2)
     eng = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[])
     assert eng.step_kind.startswith("fused"), eng.step_kind
-    reqs = eng.generate(_prompts([3, 9, 14], seed=2),
-                        [SamplingParams(max_tokens=n) for n in (12, 8, 12)])
+    reqs = eng.generate(prompts, params)
     assert [len(r.output_ids) for r in reqs] == [12, 8, 12]
     eng.close()
     assert pool.errors() == []
+    # the unfused engine (transformers' forward in the captured step) on the same model: the
+    # reference is a whole-sequence forward, whose gated delta nets take the chunked algorithm
+    # where a decode step takes the recurrent one, so on this tiny model transformers' own decode
+    # is off its argmax at a few steps too (3 of 32 for qwen3_5_moe_text at this seed, on an
+    # H100); the fused engine may be off where it is, and at most MAX_OFF steps more
+    plain = cupool.Engine(model, pool, max_batch=4, max_len=48, eos_token_id=[], fused=False)
+    assert not plain.step_kind.startswith("fused"), plain.step_kind
+    plain_reqs = plain.generate(prompts, params)
+    plain.close()
     pool.unwrap()
-    off = _check_against_reference(model, reqs)
-    assert len(off) <= MAX_OFF, f"{family}: tokens off the reference's argmax at {off}"
+    off, plain_off = ({(k, i) for k, r in enumerate(rs) for _, i in _check_against_reference(
+        model, [r])} for rs in (reqs, plain_reqs))
+    assert len(off - plain_off) <= MAX_OFF, \
+        f"{family}: tokens off the reference's argmax at {sorted(off)}, unfused {sorted(plain_off)}"
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
