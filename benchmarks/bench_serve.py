@@ -1,7 +1,8 @@
 """Serving throughput, as `cupool serve` delivers it: concurrent streams decoded together by
 `cupool.Engine` with its defaults (the fused decode step where the model fits), through the pool,
 on the Qwen3-30B-A3B shape (synthetic weights; `--model glm-4.5-air` GLM-4.5-Air's, whose dense
-first layer, sigmoid routers, shared experts and partial rotary the fused step also runs), for
+first layer, sigmoid routers, shared experts and partial rotary the fused step also runs;
+`--model qwen3-next-80b-a3b` Qwen3-Next's, whose gated delta nets keep per-slot states), for
 each bank size asked for (default: every expert resident, then half of each layer's experts).
 
 For each number of concurrent streams (1, 8, 16 by default) as many requests are submitted at
@@ -105,6 +106,10 @@ MODELS = {
     # head (each fused by the step)
     "glm-4.5-air": ("GLM45_AIR", "glm4_moe_dense_on_gpu", "bench_serve_glm_4_5_air",
                     "GLM-4.5-Air"),
+    # three gated delta nets to one gated full-attention layer, 512 experts top-10 and a gated
+    # shared expert a layer (the full-attention layers fused; the delta nets transformers')
+    "qwen3-next-80b-a3b": ("QWEN3_NEXT_80B", "qwen3_next_dense_on_gpu",
+                           "bench_serve_qwen3_next_80b_a3b", "Qwen3-Next-80B-A3B"),
 }
 
 

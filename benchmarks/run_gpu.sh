@@ -11,7 +11,7 @@
 # prefill-kernels, prefill-sweep, trace, read, ncu, ncu-dense, ncu-source, ncu-prefill, attention, chain, profile-decode, profile-slots, profile-narrow, ab-dense, ab-trees, ab-serve,
 # bench, planner, gemm-bench, example, decode, decode-small, decode-compile-small,
 # decode-compile, decode-compile-serial, decode-compile-rest, hybrid-tests, decode-qwen4, ngram,
-# prefix, prefix-host, prefix-scratch, serve, serve-glm, serve-slots, first-request, overlap, graph-copies,
+# prefix, prefix-host, prefix-scratch, serve, serve-glm, serve-next, serve-slots, first-request, overlap, graph-copies,
 # decode-gptoss, decode-gptoss-small.
 #
 # Settings (environment):
@@ -204,6 +204,10 @@ for stage in "$@"; do
     # run, into $OUT; GLM_BANKS, default "1.0 0.5")
     serve-glm) run bench_serve_glm 590 python3 benchmarks/bench_serve.py --model glm-4.5-air \
               --streams 1 8 --banks ${GLM_BANKS:-1.0 0.5} --json "$OUT/bench_serve_glm_4_5_air.json" ;;
+    # Qwen3-Next-80B-A3B's shape (48 layers, 43.5 GB of NVFP4 expert rows) at 1 and 8 streams (a
+    # reduced run, into $OUT; NEXT_BANKS, default "1.0 0.5")
+    serve-next) run bench_serve_next 590 python3 benchmarks/bench_serve.py --model qwen3-next-80b-a3b \
+              --streams 1 8 --banks ${NEXT_BANKS:-1.0 0.5} --json "$OUT/bench_serve_qwen3_next_80b_a3b.json" ;;
     # the first requests after Engine.warmup(), in a fresh process (run it with the kernel cache warm)
     first-request) run bench_first_request 300 python3 benchmarks/bench_first_request.py ;;
     # serve's default 8 slots a step with 1, 4 and 8 of them active: what one user of a default

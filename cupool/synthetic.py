@@ -161,9 +161,30 @@ GLM45_AIR_TINY = dict(GLM45_AIR, num_hidden_layers=3, n_routed_experts=8, num_ex
                       max_position_embeddings=256)
 
 
+# Qwen3-Next-80B-A3B (transformers' `qwen3_next` defaults): 48 layers, three gated delta nets
+# (16 key heads and 32 value heads of 128) to one gated full-attention layer (16 query heads
+# over 2 KV heads of 256, rotary over the first 64 dims), every layer a MoE block of 512
+# experts top-10 (I = 512) with a gated shared expert of 512; H = 2,048, (1 + w) RMSNorms,
+# vocabulary 151,936. A slot's positions are capped here as in the other shapes.
+QWEN3_NEXT_80B = dict(num_hidden_layers=48, num_experts=512, num_experts_per_tok=10,
+                      hidden_size=2048, moe_intermediate_size=512,
+                      shared_expert_intermediate_size=512, intermediate_size=5632,
+                      num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                      linear_num_key_heads=16, linear_num_value_heads=32,
+                      linear_key_head_dim=128, linear_value_head_dim=128,
+                      linear_conv_kernel_dim=4, norm_topk_prob=True, vocab_size=151936,
+                      max_position_embeddings=4096)
+QWEN3_NEXT_TINY = dict(QWEN3_NEXT_80B, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                       hidden_size=64, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32, intermediate_size=96,
+                       num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, vocab_size=128, max_position_embeddings=256)
+
+
 def moe_dims(shape: dict) -> tuple[int, int, int, int]:
-    """(experts, top-k, hidden, expert intermediate) of a Qwen3-MoE, gpt-oss, qwen4_exp or
-    glm4_moe config dict."""
+    """(experts, top-k, hidden, expert intermediate) of a Qwen3-MoE, gpt-oss, qwen4_exp,
+    glm4_moe or qwen3_next config dict."""
     E = next(shape[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
              if k in shape)
     I = shape.get("moe_intermediate_size", shape.get("intermediate_size"))
@@ -223,6 +244,22 @@ def glm4_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0,
 
     from cupool import dense_nvfp4 as dn
     cfg = AutoConfig.for_model("glm4_moe", **{**GLM45_AIR, **shape}, dtype=dtype,
+                               tie_word_embeddings=False)
+    model, specs = _dense_on_gpu(cfg, device, dtype, seed)
+    if dense_nvfp4:
+        dn.quantize_linears(model)
+    return model, specs
+
+
+def qwen3_next_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0,
+                            dense_nvfp4: bool = False, **shape):
+    """`qwen3_moe_dense_on_gpu` for a `qwen3_next` causal LM (QWEN3_NEXT_80B unless `shape` says
+    otherwise): its gated delta nets, shared experts and their gates are dense weights here; it
+    decodes through the Engine (per-slot states)."""
+    from transformers import AutoConfig
+
+    from cupool import dense_nvfp4 as dn
+    cfg = AutoConfig.for_model("qwen3_next", **{**QWEN3_NEXT_80B, **shape}, dtype=dtype,
                                tie_word_embeddings=False)
     model, specs = _dense_on_gpu(cfg, device, dtype, seed)
     if dense_nvfp4:

@@ -402,6 +402,7 @@ def test_bench_serve_models():
     assert synthetic.moe_dims(synthetic.GLM45_AIR) == (128, 8, 4096, 1408)
     assert synthetic.moe_dims(synthetic.QWEN3_30B_A3B) == (128, 8, 2048, 768)
     assert synthetic.moe_dims(synthetic.GPT_OSS_120B) == (128, 4, 2880, 2880)
+    assert synthetic.moe_dims(synthetic.QWEN3_NEXT_80B) == (512, 10, 2048, 512)
     with pytest.raises(SystemExit) as e:
         bs.build_parser().parse_args(["--model", "glm-4.5"])
     assert e.value.code == 2
@@ -423,6 +424,27 @@ def test_glm45_air_synthetic_dense_part():
         assert torch.isfinite(b).all() and b.abs().max() > 0
     for name, p in model.named_parameters():
         assert p.numel() == 0 or torch.isfinite(p).all(), name
+
+
+def test_qwen3_next_synthetic_dense_part():
+    """synthetic's Qwen3-Next builder (tiny shape, on the CPU): three gated delta nets to one
+    full-attention layer, as transformers' defaults space them; every layer's MoE block is the
+    pool's, its experts released, its shared expert and gate dense; every dense weight finite.
+    The full shape's expert rows are 43.5 GB of NVFP4 (run_gpu.sh serve-next's note)."""
+    import torch
+
+    import cupool
+    from cupool import synthetic
+    model, specs = synthetic.qwen3_next_dense_on_gpu("cpu", seed=3, **synthetic.QWEN3_NEXT_TINY)
+    assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert [s.parent for s in specs] == [layer.mlp for layer in model.model.layers]
+    for layer in model.model.layers:
+        assert layer.mlp.shared_expert_gate.weight.shape == (1, 64)
+    for name, p in model.named_parameters():
+        assert p.numel() == 0 or torch.isfinite(p).all(), name
+    E, K, H, I = synthetic.moe_dims(synthetic.QWEN3_NEXT_80B)
+    rows = E * synthetic.QWEN3_NEXT_80B["num_hidden_layers"]
+    assert round(rows * cupool.RowLayout(H, I).row_bytes / 1e9, 1) == 43.5
 
 
 def test_bench_serve_link_bound():
