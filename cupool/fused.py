@@ -33,22 +33,21 @@ after the pool's launches:
                                                           ungated)
 
 each op in bf16 where transformers' block rounds (the down GEMV's GLU prologue and its GATE
-epilogue), so the sum is the block's. Gated attention
-(q_proj's rows each head's query followed by its output gate, twice the o-projection's width)
-keeps that layout in the QKV GEMV's output, which the attention kernel reads (its QGATE build);
-after it, torch ops multiply the output by sigmoid(gate), rounded as the model does. Every
-RMSNorm is transformers' weight · x̂ or the (1 + w) form of Qwen3-Next (x̂ · (1 + w) in float32,
-rounded once), which the GEMVs' and the attention's NORM1 builds compute. The residual
-stream is never materialised between a layer's MoE and the next layer: the next QKV GEMV adds it
-in its prologue. A dense MLP layer (`mlp` of gate_proj, up_proj, down_proj and a SiLU act_fn: Qwen2-MoE's
-mlp_only_layers, DeepSeek's and GLM-4.5's first layers) runs the same two GEMVs in place of the
-router and the pool's launches, its gate and up GEMV norming the residual stream (the down
-GEMV's output, silu(g) · u times Wd, is then what the next layer adds). An MLP whose act_fn is
-not SiLU does not match. A layer that does not match
-the pattern (another attention, another router; Qwen3-Next's gated delta nets) runs
-transformers' own module on the same cache and per-slot states, with the mask and rotary
-embedding the engine would pass. Which layers matched and
-why the others did not is in `FusedStep.layers` / `describe()`.
+epilogue), so the sum is the block's. Gated attention (q_proj's rows each head's query followed
+by its output gate, twice the o-projection's width) keeps that layout in the QKV GEMV's output,
+which the attention kernel reads (its QGATE build); after it, torch ops multiply the output by
+sigmoid(gate), rounded as the model does. Every RMSNorm is transformers' weight · x̂ or the
+(1 + w) form of Qwen3-Next (x̂ · (1 + w) in float32, rounded once), which the GEMVs' and the
+attention's NORM1 builds compute. The residual stream is never materialised between a layer's
+MoE and the next layer: the next QKV GEMV adds it in its prologue. A dense MLP layer (`mlp` of
+gate_proj, up_proj, down_proj and a SiLU act_fn: Qwen2-MoE's mlp_only_layers, DeepSeek's and
+GLM-4.5's first layers) runs the same two GEMVs in place of the router and the pool's launches,
+its gate and up GEMV norming the residual stream (the down GEMV's output, silu(g) · u times Wd,
+is then what the next layer adds). An MLP whose act_fn is not SiLU does not match. A layer that
+does not match the pattern (another attention, another router; Qwen3-Next's gated delta nets)
+runs transformers' own module on the same cache and per-slot states, with the mask and rotary
+embedding the engine would pass. Which layers matched and why the others did not is in
+`FusedStep.layers` / `describe()`.
 
 What is checked before any kernel runs: the model's structure (embedding, final norm, output head,
 a rotary embedding that does not change with the length; a table of D / 2 frequencies only where
