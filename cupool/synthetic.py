@@ -240,15 +240,8 @@ def glm4_moe_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0,
     """`qwen3_moe_dense_on_gpu` for a `glm4_moe` causal LM (GLM45_AIR unless `shape` says
     otherwise): its dense first layer's MLP, shared experts and q/k/v biases are dense weights
     here, its routers' correction biases random (normal(0, 0.1))."""
-    from transformers import AutoConfig
-
-    from cupool import dense_nvfp4 as dn
-    cfg = AutoConfig.for_model("glm4_moe", **{**GLM45_AIR, **shape}, dtype=dtype,
-                               tie_word_embeddings=False)
-    model, specs = _dense_on_gpu(cfg, device, dtype, seed)
-    if dense_nvfp4:
-        dn.quantize_linears(model)
-    return model, specs
+    return _family_dense_on_gpu("glm4_moe", {**GLM45_AIR, **shape}, device, dtype, seed,
+                                dense_nvfp4)
 
 
 def qwen3_next_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0,
@@ -256,11 +249,18 @@ def qwen3_next_dense_on_gpu(device="cuda", dtype=torch.bfloat16, seed: int = 0,
     """`qwen3_moe_dense_on_gpu` for a `qwen3_next` causal LM (QWEN3_NEXT_80B unless `shape` says
     otherwise): its gated delta nets, shared experts and their gates are dense weights here; it
     decodes through the Engine (per-slot states)."""
+    return _family_dense_on_gpu("qwen3_next", {**QWEN3_NEXT_80B, **shape}, device, dtype, seed,
+                                dense_nvfp4)
+
+
+def _family_dense_on_gpu(model_type: str, shape: dict, device, dtype, seed: int,
+                         dense_nvfp4: bool):
+    """`_dense_on_gpu` of transformers' `model_type` config with `shape`, its attention
+    projections quantized to NVFP4 and kept packed where dense_nvfp4."""
     from transformers import AutoConfig
 
     from cupool import dense_nvfp4 as dn
-    cfg = AutoConfig.for_model("qwen3_next", **{**QWEN3_NEXT_80B, **shape}, dtype=dtype,
-                               tie_word_embeddings=False)
+    cfg = AutoConfig.for_model(model_type, **shape, dtype=dtype, tie_word_embeddings=False)
     model, specs = _dense_on_gpu(cfg, device, dtype, seed)
     if dense_nvfp4:
         dn.quantize_linears(model)
