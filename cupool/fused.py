@@ -495,10 +495,18 @@ class GatedMLP:
     whole (its GLU prologue)."""
     gate_up: DenseGemv
     down: DenseGemv
-    size: int                   # its intermediate size
-    gated: bool
     gu: torch.Tensor            # gate_up's output [B, gate_up.N] (bf16), made once
     out: torch.Tensor           # down's output [B, H] (bf16), made once
+
+    @property
+    def size(self) -> int:
+        """Its intermediate size (the down GEMV's K)."""
+        return self.down.K
+
+    @property
+    def gated(self) -> bool:
+        """A shared expert with a sigmoid gate (the down GEMV's GATE epilogue)."""
+        return self.down.glu_gate
 
 
 @dataclasses.dataclass
@@ -868,8 +876,7 @@ class FusedStep:
                           epilogue=PLAIN if norm else RESIDUAL, glu=True,
                           glu_gate=gate is not None, **self._shape("mlp_down", size))
         bf, dev = torch.bfloat16, wg.device
-        return GatedMLP(gate_up, down, size, gate is not None,
-                        torch.empty(B, gate_up.N, dtype=bf, device=dev),
+        return GatedMLP(gate_up, down, torch.empty(B, gate_up.N, dtype=bf, device=dev),
                         torch.empty(B, H, dtype=bf, device=dev))
 
     def _shape(self, gemv: str, K: int, nvfp4: bool = False) -> dict[str, int]:

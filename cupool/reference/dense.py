@@ -205,7 +205,7 @@ class GemvReference:
         # NVFP4 weights (cupool.dense_nvfp4.DenseNVFP4) as the float32 values they hold
         self._mats = [w.dequantize(torch.float32) if isinstance(w, DenseNVFP4) else w
                       for w in self.weights]
-        self.N = sum(w.shape[0] for w in self._mats)
+        self.N, self.K = sum(w.shape[0] for w in self._mats), self._mats[0].shape[1]
         self.nvfp4 = isinstance(self.weights[0], DenseNVFP4)
 
     def __call__(self, x, *, add=None, norm_weight=None, eps=1e-6, h_out=None, x_out=None,
@@ -221,7 +221,7 @@ class GemvReference:
             if x_out is not None:
                 x_out.copy_(xin)
         elif self.glu:
-            xin = glu(x, self._mats[0].shape[1])
+            xin = glu(x, self.K)
         else:
             xin = x
         if self.epilogue == 2 and self.sigmoid is not None:
@@ -244,7 +244,7 @@ class GemvReference:
                 lane_addr.copy_(lane_addresses(ids, table))
         elif self.epilogue == 1:
             if self.glu_gate:
-                y = glu_gate(x, self._mats[0].shape[1]) * y
+                y = glu_gate(x, self.K) * y
             out.copy_(residual + y)
         else:
             out.copy_(y)
