@@ -6,10 +6,9 @@
 // Input (int64 words): n0, n1, n2 (rows of the three matrices), K, has_bias, has_add, has_res2,
 // the bits of eps (float32), topk, norm_topk, w_f32, has_active; then one bf16 a word: w0, w1, w2
 // ([n·K] each), b0, b1, b2 ([n] each, has_bias), in [NB·K] (MODE 2: [NB·(2K + GATE)], a gated
-// MLP's gate and up output), add [NB·K] (has_add), nw [K] (MODE
-// 1), res2 [NB·N] (has_res2); then active [NB] (has_active), table [N] (LANE_ADDR), a word each;
-// a SIG build (sigmoid routing) then reads the correction bias [N] and the scale, float32 bits a
-// word.
+// MLP's gate and up output), add [NB·K] (has_add), nw [K] (MODE 1), res2 [NB·N] (has_res2);
+// then active [NB] (has_active), table [N] (LANE_ADDR), a word each; a SIG build (sigmoid
+// routing) then reads the correction bias [N] and the scale, float32 bits a word.
 // Output (int64 words): out [NB·N] (bf16; EPI 0 and 1), h_out and x_out [NB·K] (bf16; MODE 1),
 // logits [NB·N] (float32 bits), ids [NB·topk], weights [NB·topk] (bf16, or float32 bits with
 // w_f32), lane_addr [NB·topk] (EPI 2), the routing ticket (EPI 2) and the tiles' tickets (KS > 1).
