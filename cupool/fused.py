@@ -44,10 +44,14 @@ gate_proj, up_proj, down_proj and a SiLU act_fn: Qwen2-MoE's mlp_only_layers, De
 GLM-4.5's first layers) runs the same two GEMVs in place of the router and the pool's launches,
 its gate and up GEMV norming the residual stream (the down GEMV's output, silu(g) · u times Wd,
 is then what the next layer adds). An MLP whose act_fn is not SiLU does not match. A layer that
-does not match the pattern (another attention, another router; Qwen3-Next's gated delta nets)
-runs transformers' own module on the same cache and per-slot states, with the mask and rotary
-embedding the engine would pass. Which layers matched and why the others did not is in
-`FusedStep.layers` / `describe()`.
+does not match the pattern runs transformers' own module on the same cache and per-slot states,
+with the mask and rotary embedding the engine would pass: where only its token mixer does not
+match (Qwen3-Next's and Qwen3.5's gated delta nets, another attention) and the rest is an input
+norm, the post-attention RMSNorm and an MLP of the pattern, the module runs with that norm and
+MLP stood in for by the step's own MLP half (`MixerLayer`: the router GEMV norms the mixer's
+residual sum, then the pool's launches and the shared expert's GEMVs, the module adding the
+residual); else (another router, another MLP) the whole module runs. Which layers matched and
+why the others did not is in `FusedStep.layers` / `describe()`.
 
 What is checked before any kernel runs: the model's structure (embedding, final norm, output head,
 a rotary embedding that does not change with the length; a table of D / 2 frequencies only where
@@ -258,6 +262,10 @@ def resident_table(pool) -> torch.Tensor | None:
 
 class Unsupported(ValueError):
     """The model (or a layer of it) is not one the fused step runs; the message says why."""
+
+
+class _MLPUnsupported(Unsupported):
+    """A layer's MLP half does not match (its token mixer need not be tried alone)."""
 
 
 def _eps(norm: nn.Module) -> float:
@@ -519,6 +527,37 @@ class ModelLayer:
     cache_kw: str = "past_key_values"   # the keyword its forward takes the cache under
 
 
+@dataclasses.dataclass(kw_only=True)
+class MixerLayer(ModelLayer):
+    """A decoder layer whose token mixer (`reason`: why it is not fused; a gated delta net, an
+    attention of another kind) runs in transformers' module, and whose MLP half runs on
+    cupool's kernels as a FusedLayer's does: the module's post-attention norm and MLP are
+    stood in for while it runs, so that the router GEMV norms the mixer's residual sum itself
+    and the MLP's output goes back to the module, which adds the residual."""
+    router: DenseGemv | None
+    top_k: int
+    norm_topk: bool
+    post_norm: torch.Tensor
+    post_eps: float
+    pooled: object
+    mlp: GatedMLP | None = None
+
+    @property
+    def dense(self) -> bool:
+        return self.router is None
+
+
+class _StandIn(nn.Module):
+    """A module that calls `fn` (a MixerLayer's MLP half, or the identity for its norm)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
 def _linear(m, name: str, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     lin = getattr(m, name, None)
     if not isinstance(lin, nn.Linear):
@@ -620,8 +659,10 @@ class FusedStep:
             lt = layer_types[i] if layer_types else None
             try:
                 self.layers.append(self._fuse(i, layer, lt, windows[i], by_parent))
-            except Unsupported as e:
+            except _MLPUnsupported as e:
                 self.layers.append(ModelLayer(i, layer, lt, str(e), cache_kwarg(layer)))
+            except Unsupported as e:      # its token mixer: the MLP half may still be fused
+                self.layers.append(self._mixer(i, layer, lt, str(e), by_parent))
         if not any(isinstance(l, FusedLayer) for l in self.layers):
             reasons = sorted({l.reason for l in self.layers})
             raise Unsupported("no decoder layer matches the fused pattern: " + "; ".join(reasons[:3]))
@@ -699,33 +740,10 @@ class FusedStep:
         for name in _ATTN_REFUSE:
             if getattr(attn, name, None) is not None:
                 raise Unsupported(f"{where}.self_attn has {name}")
-        mlp = layer.mlp
-        moe_children = {n for n, _ in mlp.named_children()}
-        dense = moe_children == _DENSE_MLP
-        shared = next((s for s in (_SHARED, _SHARED_UNGATED) if s <= moe_children), set())
-        if not dense and moe_children - shared not in _MOE_CHILDREN:
-            raise Unsupported(f"{where}.mlp has modules {sorted(moe_children)}, not a MoE block "
-                              f"of {' or '.join(str(sorted(c)) for c in _MOE_CHILDREN)} (with "
-                              f"{sorted(_SHARED)} or {sorted(_SHARED_UNGATED)}), or a dense MLP "
-                              f"of {sorted(_DENSE_MLP)}")
-        gname = gate = moe = None
-        experts = top_k = 0
-        if not dense:
-            gname, gate = router_of(mlp)
-            pool = self.pool
-            if pool is not None:
-                spec = by_parent.get(id(mlp))
-                if spec is None:
-                    raise Unsupported(f"{where}.mlp is not one of the pool's MoE layers")
-                experts, top_k, moe = pool.num_experts, pool.top_k, pool.layers[spec]
-            else:
-                gw = getattr(gate, "weight", None)
-                experts = gw.shape[0] if isinstance(gw, torch.Tensor) else -1
-                top_k = int(getattr(gate, "top_k", 0))
-                moe = _ModelExperts(mlp.experts, experts)
-            if self._experts is not None and (self._experts, self._top_k) != (experts, top_k):
-                raise Unsupported(f"{where}.mlp has {experts} experts, top-{top_k}; other layers "
-                                  f"{self._experts}, top-{self._top_k}")
+        try:
+            mlp_fields, mlp_commit = self._match_mlp(i, layer, by_parent)
+        except Unsupported as e:
+            raise _MLPUnsupported(str(e)) from None
         D = getattr(attn, "head_dim", None)
         wq, bq = _linear(attn, "q_proj", f"{where}.self_attn")
         wk, bk = _linear(attn, "k_proj", f"{where}.self_attn")
@@ -779,6 +797,82 @@ class FusedStep:
             raise Unsupported(f"{where}.self_attn.sinks is {got}, not a contiguous bf16 [{nh}] "
                               f"beside the projections")
         in_eps, in_one_plus = check_rms_norm(layer.input_layernorm, f"{where}.input_layernorm", H)
+        B = self.tokens
+        # NVFP4 projections kept packed (a checkpoint's, or quantize_linears'): their GEMVs read
+        # those, a quarter of the bf16 bytes
+        pqkv = _packed(attn, ("q_proj", "k_proj", "v_proj"))
+        po = _packed(attn, ("o_proj",))
+        shapes = {"qkv": self._shape("qkv", H, pqkv is not None),
+                  "o": self._shape("o", nh * D, po is not None)}
+        try:
+            qkv = self._gemv(pqkv or [wq, wk, wv], None if bq is None else [bq, bk, bv],
+                             tokens=B, norm=True, epilogue=PLAIN, one_plus=in_one_plus,
+                             **shapes["qkv"])
+            o = self._gemv(po or [wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL,
+                           **shapes["o"])
+            # the attention launcher is made once every layer is matched (they share a workspace
+            # of the heads' shape)
+            att = {"q_norm": None if qn is None else qn.weight,
+                   "k_norm": None if kn is None else kn.weight, "eps": eps_qk, "scale": scale,
+                   "window": int(window or 0), "sinks": sinks, "q_gate": q_gate,
+                   "one_plus": qk_one_plus}
+        except (ValueError, TypeError) as e:
+            raise Unsupported(f"{where}: {e}") from None
+        self._attn_shape, self._q_gate = (nh, hk, D), q_gate
+        self._commit_mlp(mlp_commit)
+        return FusedLayer(i, qkv, att, o, in_norm=layer.input_layernorm.weight, in_eps=in_eps,
+                          **mlp_fields)
+
+    def _mixer(self, i: int, layer: nn.Module, layer_type, reason: str, by_parent) -> ModelLayer:
+        """Decoder layer i, whose token mixer did not match (`reason`), as a MixerLayer where its
+        MLP half does (an input norm, one mixer module, a post-attention norm and an MLP of the
+        pattern), else as a ModelLayer (with `reason`)."""
+        children = {n for n, _ in layer.named_children()}
+        rest = children - {"input_layernorm", "post_attention_layernorm", "mlp"}
+        if len(rest) != 1 or len(children) != 4:
+            return ModelLayer(i, layer, layer_type, reason, cache_kwarg(layer))
+        try:
+            fields, commit = self._match_mlp(i, layer, by_parent)
+        except Unsupported as e:
+            return ModelLayer(i, layer, layer_type, f"{reason}; its MLP: {e}", cache_kwarg(layer))
+        self._commit_mlp(commit)
+        return MixerLayer(i, layer, layer_type, reason, cache_kwarg(layer), **fields)
+
+    def _match_mlp(self, i: int, layer: nn.Module, by_parent) -> tuple[dict, tuple | None]:
+        """The MLP half of decoder layer i on the kernels: post-attention norm → router → pooled
+        experts (+ a shared expert), or a dense MLP. Returns (the FusedLayer / MixerLayer fields
+        router, top_k, norm_topk, post_norm, post_eps, pooled, mlp; what `_commit_mlp` records
+        once the whole layer matched: None for a dense MLP); Unsupported where it does not
+        match."""
+        where = f"model.layers.{i}"
+        H = self.hidden
+        mlp = layer.mlp
+        moe_children = {n for n, _ in mlp.named_children()}
+        dense = moe_children == _DENSE_MLP
+        shared = next((s for s in (_SHARED, _SHARED_UNGATED) if s <= moe_children), set())
+        if not dense and moe_children - shared not in _MOE_CHILDREN:
+            raise Unsupported(f"{where}.mlp has modules {sorted(moe_children)}, not a MoE block "
+                              f"of {' or '.join(str(sorted(c)) for c in _MOE_CHILDREN)} (with "
+                              f"{sorted(_SHARED)} or {sorted(_SHARED_UNGATED)}), or a dense MLP "
+                              f"of {sorted(_DENSE_MLP)}")
+        gname = gate = moe = None
+        experts = top_k = 0
+        if not dense:
+            gname, gate = router_of(mlp)
+            pool = self.pool
+            if pool is not None:
+                spec = by_parent.get(id(mlp))
+                if spec is None:
+                    raise Unsupported(f"{where}.mlp is not one of the pool's MoE layers")
+                experts, top_k, moe = pool.num_experts, pool.top_k, pool.layers[spec]
+            else:
+                gw = getattr(gate, "weight", None)
+                experts = gw.shape[0] if isinstance(gw, torch.Tensor) else -1
+                top_k = int(getattr(gate, "top_k", 0))
+                moe = _ModelExperts(mlp.experts, experts)
+            if self._experts is not None and (self._experts, self._top_k) != (experts, top_k):
+                raise Unsupported(f"{where}.mlp has {experts} experts, top-{top_k}; other layers "
+                                  f"{self._experts}, top-{self._top_k}")
         post_eps, post_one_plus = check_rms_norm(layer.post_attention_layernorm,
                                                  f"{where}.post_attention_layernorm", H)
         norm_topk, w_dtype, sigmoid = False, None, None
@@ -790,33 +884,15 @@ class FusedStep:
             if self._w_dtype not in (None, w_dtype):
                 raise Unsupported(f"{where}.mlp.{gname} returns {w_dtype} weights, other layers "
                                   f"{self._w_dtype}")
-        B = self.tokens
-        # NVFP4 projections kept packed (a checkpoint's, or quantize_linears'): their GEMVs read
-        # those, a quarter of the bf16 bytes
-        pqkv = _packed(attn, ("q_proj", "k_proj", "v_proj"))
-        po = _packed(attn, ("o_proj",))
-        shapes = {"qkv": self._shape("qkv", H, pqkv is not None),
-                  "o": self._shape("o", nh * D, po is not None),
-                  "router": self._shape("router", H)}
+        shape = self._shape("router", H)      # a ValueError naming the variable, not Unsupported
         try:
-            qkv = self._gemv(pqkv or [wq, wk, wv], None if bq is None else [bq, bk, bv],
-                             tokens=B, norm=True, epilogue=PLAIN, one_plus=in_one_plus,
-                             **shapes["qkv"])
-            o = self._gemv(po or [wo], None if bo is None else [bo], tokens=B, epilogue=RESIDUAL,
-                           **shapes["o"])
             router = None
             if not dense:
                 gbias = getattr(gate, "bias", None)
                 router = self._gemv([gate.weight], None if gbias is None else [gbias],
-                                    tokens=B, norm=True, epilogue=ROUTE,
+                                    tokens=self.tokens, norm=True, epilogue=ROUTE,
                                     lane_addr=self.lane_table is not None, sigmoid=sigmoid,
-                                    one_plus=post_one_plus, **shapes["router"])
-            # the attention launcher is made once every layer is matched (they share a workspace
-            # of the heads' shape)
-            att = {"q_norm": None if qn is None else qn.weight,
-                   "k_norm": None if kn is None else kn.weight, "eps": eps_qk, "scale": scale,
-                   "window": int(window or 0), "sinks": sinks, "q_gate": q_gate,
-                   "one_plus": qk_one_plus}
+                                    one_plus=post_one_plus, **shape)
             if dense:
                 gmlp = self._gated_mlp(mlp, None, f"{where}.mlp", norm=True,
                                        one_plus=post_one_plus)
@@ -830,12 +906,15 @@ class FusedStep:
                 gmlp = None
         except (ValueError, TypeError) as e:
             raise Unsupported(f"{where}: {e}") from None
-        self._attn_shape, self._q_gate = (nh, hk, D), q_gate
-        if not dense:
-            self._w_dtype, self._experts, self._top_k = w_dtype, experts, top_k
-        return FusedLayer(i, qkv, att, o, router, top_k, norm_topk,
-                          layer.input_layernorm.weight, in_eps,
-                          layer.post_attention_layernorm.weight, post_eps, moe, gmlp)
+        fields = dict(router=router, top_k=top_k, norm_topk=norm_topk,
+                      post_norm=layer.post_attention_layernorm.weight, post_eps=post_eps,
+                      pooled=moe, mlp=gmlp)
+        return fields, None if dense else (w_dtype, experts, top_k)
+
+    def _commit_mlp(self, commit: tuple | None) -> None:
+        """Record what every MoE layer must share, once a layer's match is complete."""
+        if commit is not None:
+            self._w_dtype, self._experts, self._top_k = commit
 
     def _gated_mlp(self, mlp: nn.Module, gate: nn.Module | None, where: str,
                    norm: bool, one_plus: bool = False) -> GatedMLP:
@@ -910,13 +989,18 @@ class FusedStep:
                 text += ("; routing inside the decode GEMM's launch" if self.fused_route_why is None
                          else f"; the router keeps its own launch: {self.fused_route_why}")
         fl = [l for l in self.layers if isinstance(l, FusedLayer)]
-        shared = sum(l.mlp is not None and not l.dense for l in fl)
+        mixers = [l for l in self.layers if isinstance(l, MixerLayer)]
+        if mixers:
+            text += (f"; transformers' token mixers for layers {[l.index for l in mixers]}, "
+                     f"their MLPs fused ({mixers[0].reason})")
+        halves = fl + mixers             # every layer whose MLP half runs on the kernels
+        shared = sum(l.mlp is not None and not l.dense for l in halves)
         if shared:
             text += f"; a shared expert in {shared} layer{'s' * (shared != 1)}"
-        sig = sum(not l.dense and l.router.sigmoid is not None for l in fl)
+        sig = sum(not l.dense and l.router.sigmoid is not None for l in halves)
         if sig:
             text += f"; a sigmoid router in {sig} layer{'s' * (sig != 1)}"
-        dense = sum(l.dense for l in fl)
+        dense = sum(l.dense for l in halves)
         if dense:
             text += f"; a dense MLP in {dense} layer{'s' * (dense != 1)}"
         if self.attn_gate is not None:          # every fused layer's, as they share the heads
@@ -926,7 +1010,8 @@ class FusedStep:
         nv = [f"{name} in {n} layers" for name, n in self.nvfp4_gemvs().items() if n]
         if nv:
             text += f"; NVFP4 weights for {', '.join(nv)}"
-        others = [l for l in self.layers if isinstance(l, ModelLayer)]
+        others = [l for l in self.layers
+                  if isinstance(l, ModelLayer) and not isinstance(l, MixerLayer)]
         if others:
             text += f"; transformers' modules for layers {[l.index for l in others]} ({others[0].reason})"
         return text
@@ -961,14 +1046,14 @@ class FusedStep:
             return f"{FUSED_ROUTE_ENV} is not 1"
         if self._w_dtype not in (torch.float32, torch.bfloat16):
             return f"the router returns {self._w_dtype} weights (float32 or bf16 are routed)"
-        if any(isinstance(l, FusedLayer) and not l.dense
+        if any(isinstance(l, (FusedLayer, MixerLayer)) and not l.dense
                and (l.router.biases or [None])[0] is not None
                for l in self.layers):
             return "the router has a bias (the decode GEMM's routing adds none)"
-        if any(isinstance(l, FusedLayer) and not l.dense and l.router.sigmoid is not None
+        if any(isinstance(l, (FusedLayer, MixerLayer)) and not l.dense and l.router.sigmoid is not None
                for l in self.layers):
             return "the router is a sigmoid router (the decode GEMM's routing is softmax top-k)"
-        if any(isinstance(l, FusedLayer) and not l.dense and l.router.one_plus
+        if any(isinstance(l, (FusedLayer, MixerLayer)) and not l.dense and l.router.one_plus
                for l in self.layers):
             return ("the post-attention norm is a (1 + w) one (the decode GEMM's routing norms "
                     "with w)")
@@ -1031,9 +1116,10 @@ class FusedStep:
                 if rotary is None:
                     rotary = (self.rope_cos.index_select(0, pos)[:, None],
                               self.rope_sin.index_select(0, pos)[:, None])
-                out = layer.module(h[:, None], attention_mask=mask, position_ids=pos[:, None],
-                                   position_embeddings=rotary, use_cache=True,
-                                   **{layer.cache_kw: cache})
+                kw = dict(attention_mask=mask, position_ids=pos[:, None],
+                          position_embeddings=rotary, use_cache=True, **{layer.cache_kw: cache})
+                out = (self._run_mixer(layer, h, active, skip_plan, **kw)
+                       if isinstance(layer, MixerLayer) else layer.module(h[:, None], **kw))
                 out = out[0] if isinstance(out, tuple) else out
                 res, add = out[:, 0].contiguous(), None
                 continue
@@ -1054,40 +1140,60 @@ class FusedStep:
                 torch.mul(a, torch.sigmoid(gate), out=a)
             if "o" not in skip:
                 layer.o(self.attn, residual=h, out=self.h_mid)
-            if layer.dense:                # its gate and up GEMV norms h_mid itself
-                res, add = self.h_mid, self._gated_mlp_out(layer.mlp, self.h_mid, layer)
-                continue
-            r = self.route
-            if skip_plan and self.fused_route_why is None:     # router and MoE: one launch
-                if "moe" not in skip:
-                    self.pool.gemm.decode_routed(
-                        self.h_mid, layer.router.weights[0], layer.post_norm, layer.post_eps,
-                        layer.norm_topk, self.lane_table[layer.pooled.layer], x_out=self.xn,
-                        logits=r.logits, ids=r.ids, weights=r.weights, lane_addr=self.lane_addr,
-                        count=r.ticket, active=active, out=self.moe)
-                res, add = self.h_mid, self._with_shared(layer)
-                continue
-            # with the plan step skipped the router writes the lanes' row addresses too
-            lanes = ({"table": self.lane_table[layer.pooled.layer], "lane_addr": self.lane_addr}
-                     if skip_plan else {})
-            if "router" not in skip:
-                layer.router(self.h_mid, norm_weight=layer.post_norm, eps=layer.post_eps,
-                             x_out=self.xn, route=r, top_k=layer.top_k,
-                             norm_topk=layer.norm_topk, active=active, **lanes)
-            if skip_plan:             # no plan step to leave out ("plan"): only "moe" applies
-                if "moe" not in skip:
-                    self.pool.gemm.decode(self.xn, self.lane_addr, r.weights, self.moe)
-            elif "plan" in skip:
-                W = r.ids.numel()
-                self.pool.gemm.decode(self.xn, self.pool.bank.lane_addr[:W], r.weights, self.moe)
-            elif "moe" not in skip:
-                layer.pooled.decode(self.xn, r.ids, r.weights, self.moe, mask=active,
-                                    ids_masked=True)
-            res, add = self.h_mid, self._with_shared(layer)
+            res, add = self.h_mid, self._mlp_half(layer, self.h_mid, active, skip_plan)
         self.head(res, add=add, norm_weight=self.final_norm, eps=self.final_eps, out=self.logits)
         return self.logits
 
-    def _with_shared(self, layer: FusedLayer) -> torch.Tensor:
+    def _mlp_half(self, layer: FusedLayer | MixerLayer, h_mid: torch.Tensor,
+                  active: torch.Tensor, skip_plan: bool) -> torch.Tensor:
+        """The MLP half of a fused layer or a MixerLayer on h_mid [B, H] (the residual stream
+        after the mixer): its output [B, H], which the residual stream adds next."""
+        skip = self.ablate
+        if layer.dense:                # its gate and up GEMV norms h_mid itself
+            return self._gated_mlp_out(layer.mlp, h_mid, layer)
+        r = self.route
+        if skip_plan and self.fused_route_why is None:     # router and MoE: one launch
+            if "moe" not in skip:
+                self.pool.gemm.decode_routed(
+                    h_mid, layer.router.weights[0], layer.post_norm, layer.post_eps,
+                    layer.norm_topk, self.lane_table[layer.pooled.layer], x_out=self.xn,
+                    logits=r.logits, ids=r.ids, weights=r.weights, lane_addr=self.lane_addr,
+                    count=r.ticket, active=active, out=self.moe)
+            return self._with_shared(layer)
+        # with the plan step skipped the router writes the lanes' row addresses too
+        lanes = ({"table": self.lane_table[layer.pooled.layer], "lane_addr": self.lane_addr}
+                 if skip_plan else {})
+        if "router" not in skip:
+            layer.router(h_mid, norm_weight=layer.post_norm, eps=layer.post_eps,
+                         x_out=self.xn, route=r, top_k=layer.top_k,
+                         norm_topk=layer.norm_topk, active=active, **lanes)
+        if skip_plan:             # no plan step to leave out ("plan"): only "moe" applies
+            if "moe" not in skip:
+                self.pool.gemm.decode(self.xn, self.lane_addr, r.weights, self.moe)
+        elif "plan" in skip:
+            W = r.ids.numel()
+            self.pool.gemm.decode(self.xn, self.pool.bank.lane_addr[:W], r.weights, self.moe)
+        elif "moe" not in skip:
+            layer.pooled.decode(self.xn, r.ids, r.weights, self.moe, mask=active,
+                                ids_masked=True)
+        return self._with_shared(layer)
+
+    def _run_mixer(self, layer: MixerLayer, h: torch.Tensor, active: torch.Tensor,
+                   skip_plan: bool, **kw) -> torch.Tensor:
+        """Transformers' decoder layer of a MixerLayer on h [B, H] (kw: its forward's other
+        arguments), with its post-attention norm stood in for by the identity and its MLP by
+        `_mlp_half` (which norms the mixer's residual sum itself), put back after."""
+        mods = layer.module._modules
+        saved = mods["post_attention_layernorm"], mods["mlp"]
+        mods["post_attention_layernorm"] = _StandIn(lambda x: x)
+        mods["mlp"] = _StandIn(
+            lambda x: self._mlp_half(layer, x[:, 0], active, skip_plan)[:, None])
+        try:
+            return layer.module(h[:, None], **kw)
+        finally:
+            mods["post_attention_layernorm"], mods["mlp"] = saved
+
+    def _with_shared(self, layer: FusedLayer | MixerLayer) -> torch.Tensor:
         """A MoE layer's MLP output: the routed experts' (self.moe), plus its shared expert's on
         the router's normed rows (self.xn) where it has one, rounded where transformers' block
         rounds."""
@@ -1096,7 +1202,7 @@ class FusedStep:
         return self._gated_mlp_out(layer.mlp, self.xn)
 
     def _gated_mlp_out(self, m: GatedMLP, x: torch.Tensor,
-                       layer: FusedLayer | None = None) -> torch.Tensor:
+                       layer: FusedLayer | MixerLayer | None = None) -> torch.Tensor:
         """Two launches: down(silu(gate(x)) · up(x)); a shared expert's times sigmoid of the
         gate's logit where `m.gated`, plus the routed experts' sum (self.moe). A GatedMLP whose
         gate and up GEMV norms (a dense layer's) takes the norm of `layer`."""

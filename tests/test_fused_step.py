@@ -552,15 +552,21 @@ def test_reference_step_runs_qwen3_next(family):
     which run transformers' modules on the same cache and states: (1 + w) RMSNorms (input,
     post-attention, q/k and final), q_proj's interleaved queries and output gates (attention ·
     sigmoid(gate)), rotary over the first 64 of 256 dims (Qwen3.5's multimodal rotary giving text
-    positions' tables), a gated shared expert; logits and cache writes match transformers'. The
-    same step without the output gate, or with plain norms, is far off (the test can fail)."""
+    positions' tables), a gated shared expert; the gated delta nets' MLP halves (router, pooled
+    experts, shared expert) on the step's own GEMVs too (MixerLayer); logits and cache writes
+    match transformers'. The same step without the output gate, with plain norms, or without
+    the delta net layers' shared experts is far off (the test can fail)."""
     model = qwen3_next_model(seed=3, family=family)
     prompts, tok = [[5, 9, 3], [2, 6, 7, 1]], [11, 4]
     fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
-    assert [isinstance(l, FusedLayer) for l in step.layers] == [False, True, False, True]
-    assert step.describe().startswith(
-        "fused decode step: 2 of 4 layers; a shared expert in 2 layers; gated attention in 2 "
-        "layers; (1 + w) RMSNorms; transformers' modules for layers [0, 2]"), step.describe()
+    kinds = [type(l).__name__ for l in step.layers]
+    assert kinds == ["MixerLayer", "FusedLayer"] * 2, kinds
+    assert step.describe() == (
+        "fused decode step: 2 of 4 layers; transformers' token mixers for layers [0, 2], their "
+        "MLPs fused (model.layers.0 has modules ['input_layernorm', 'linear_attn', 'mlp', "
+        "'post_attention_layernorm'], not ['input_layernorm', 'mlp', 'post_attention_layernorm', "
+        "'self_attn']); a shared expert in 4 layers; gated attention in 2 layers; (1 + w) "
+        "RMSNorms"), step.describe()
     assert step.rotary_dims == 64 and step.qkv.shape == (2, (2 * 2 + 2) * 256)
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for i in (1, 3):
@@ -570,13 +576,16 @@ def test_reference_step_runs_qwen3_next(family):
         prefill(model, cache, b, p)
     step.cache, before = cache, snapshot(cache)
     masks = masks_of(model.config, lambda w, b: cache.decode_mask(torch.bfloat16, w, b))
-    for mend in ("q_gate", "one_plus"):
+    for mend in ("q_gate", "one_plus", "mixer_mlp"):
         restore(cache, before)
         if mend == "q_gate":
             step.attn_gate = None
         for l in step.layers[1::2]:
             if mend == "one_plus":
                 l.qkv.one_plus = l.router.one_plus = l.attn.one_plus = False
+        if mend == "mixer_mlp":   # the gated delta net layers' MLP halves are the step's own
+            for l in step.layers[0::2]:
+                l.mlp = None
         got = step(torch.tensor(tok)[:, None], cache.pos.clone(), torch.ones(2, dtype=torch.bool),
                    masks)
         assert rel(got, want) > 5 * LOGIT_TOL, (mend, rel(got, want))
@@ -870,11 +879,11 @@ def test_fused_step_takes_the_dense_shape_from_the_environment(monkeypatch):
     assert "CUPOOL_DENSE_SHAPE=qkv=w4,o=w4k8,head=w4" in step.describe()
     vocab = model.lm_head.weight.shape[0]
     assert built[0] == (vocab, 48, {"warps": 4})                           # the head
-    layers = built[1:]
+    layers = built[1:]              # each layer's router first (its MLP half is matched first)
     assert len(layers) == 3 * 3
-    assert all(kw == {"warps": 4} for _, K, kw in layers[0::3])           # qkv
-    assert all(kw == {"warps": 4, "split_k": 8} for _, K, kw in layers[1::3])   # o
-    assert all(kw == {} for _, K, kw in layers[2::3])                     # router
+    assert all(kw == {} for _, K, kw in layers[0::3])                     # router
+    assert all(kw == {"warps": 4} for _, K, kw in layers[1::3])           # qkv
+    assert all(kw == {"warps": 4, "split_k": 8} for _, K, kw in layers[2::3])   # o
     assert torch.equal(got, base)
     for value, gemv in (("o=k9", "o"), ("router=k2", "router"), ("qkv=w4,head=k2", "head")):
         monkeypatch.setenv("CUPOOL_DENSE_SHAPE", value)
@@ -924,16 +933,17 @@ def test_default_shapes_yield_to_the_environment_and_to_small_k(monkeypatch):
     base, *_ = compare_step(model, None, "reference", [[5, 9, 3]], [11])
     head, layers = built[0], built[1:]
     assert head == (48, {})
-    assert all(kw == {"warps": 4} for _, kw in layers[0::3])            # qkv
-    assert all(kw == {"split_k": 4} for _, kw in layers[1::3])          # o: K 256 takes 8
-    assert all(kw == {"split_k": 1} for _, kw in layers[2::3])          # router: K 48 takes 1
+    # each layer's router first (its MLP half is matched first), then qkv and o
+    assert all(kw == {"split_k": 1} for _, kw in layers[0::3])          # router: K 48 takes 1
+    assert all(kw == {"warps": 4} for _, kw in layers[1::3])            # qkv
+    assert all(kw == {"split_k": 4} for _, kw in layers[2::3])          # o: K 256 takes 8
     built.clear()
     monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "qkv=w8k1,o=k2")
     got, *_ = compare_step(model, None, "reference", [[5, 9, 3]], [11])
     layers = built[1:]
-    assert all(kw == {"warps": 8, "split_k": 1} for _, kw in layers[0::3])
-    assert all(kw == {"split_k": 2} for _, kw in layers[1::3])
-    assert all(kw == {"split_k": 1} for _, kw in layers[2::3])
+    assert all(kw == {"split_k": 1} for _, kw in layers[0::3])
+    assert all(kw == {"warps": 8, "split_k": 1} for _, kw in layers[1::3])
+    assert all(kw == {"split_k": 2} for _, kw in layers[2::3])
     assert torch.equal(got, base)
     monkeypatch.setenv("CUPOOL_DENSE_SHAPE", "router=k16")   # asked for: K 48 cannot take it
     with pytest.raises(ValueError, match="router: split_k"):

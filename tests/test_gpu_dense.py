@@ -1018,8 +1018,9 @@ def test_fused_step_runs_other_layer_kinds_through_the_pool(kind, says):
 def test_fused_step_and_engine_run_qwen3_next(family):
     """Qwen3-Next's (and Qwen3.5's) gated full-attention layers on the kernels (dense_gemv's
     NORM1 builds for its (1 + w) norms, dense_attention's QGATE and NORM1 build over 256-dim
-    heads turning their first 64 dims) between its gated delta nets, which run transformers'
-    modules on the same cache and states, half the experts banked: one step's logits and cache
+    heads turning their first 64 dims) between its gated delta nets, whose token mixers run
+    transformers' modules on the same cache and states and whose MLP halves the kernels (the
+    router GEMV, the pool, the shared expert's GEMVs), half the experts banked: one step's logits and cache
     writes against transformers' forward, then the engine's default step (fused, captured)
     giving the reference's tokens."""
     import cupool
@@ -1032,8 +1033,10 @@ def test_fused_step_and_engine_run_qwen3_next(family):
     fused, want, fc, mc, step = compare_step(model, pool, "kernels",
                                              [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
     assert step.describe().startswith(
-        "fused decode step: 2 of 4 layers; a shared expert in 2 layers; gated attention in 2 "
-        "layers; (1 + w) RMSNorms"), step.describe()
+        "fused decode step: 2 of 4 layers; transformers' token mixers for layers [0, 2], their "
+        "MLPs fused ("), step.describe()
+    assert "; a shared expert in 4 layers; gated attention in 2 layers; (1 + w) RMSNorms" \
+        in step.describe(), step.describe()
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for i in (1, 3):
         assert rel(fc[0][i], mc[0][i]) <= 1e-2 and rel(fc[1][i], mc[1][i]) <= 1e-2
