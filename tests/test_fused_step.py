@@ -386,6 +386,41 @@ def test_reference_step_runs_shared_experts(monkeypatch):
 
 
 
+def test_layer_whose_attention_does_not_match_fuses_its_mlp_half(monkeypatch):
+    """A layer of the common layout whose attention the kernels do not take (here one that says
+    it soft-caps its logits, which Qwen3-MoE's attention does not read) runs transformers'
+    module with its MLP half on the step's own path (a MixerLayer: its router GEMV called on the
+    module's residual sum, the module adding the residual back): the logits still match, and
+    dropping that layer's routed experts from the step makes them far off. A layer whose MLP
+    does not match runs the whole module (a ModelLayer: `unmatched_layer_model` above)."""
+    from cupool.fused import MixerLayer
+    model = fused_model("qwen3_moe", seed=12)
+    model.model.layers[1].self_attn.attn_logit_softcapping = 30.0
+    halves = []
+    run = FusedStep._mlp_half
+
+    def counted(self, layer, h_mid, active, skip_plan):
+        halves.append(layer.index)
+        return run(self, layer, h_mid, active, skip_plan)
+
+    monkeypatch.setattr(FusedStep, "_mlp_half", counted)
+    fused, want, _, _, step = compare_step(model, None, "reference", [[5, 9, 3], [2, 6]], [11, 4])
+    kinds = [type(l).__name__ for l in step.layers]
+    assert kinds == ["FusedLayer", "MixerLayer", "FusedLayer"], kinds
+    assert halves == [0, 1, 2], halves
+    assert "transformers' token mixers for layers [1], their MLPs fused " \
+           "(model.layers.1.self_attn has attn_logit_softcapping)" in step.describe(), \
+        step.describe()
+    assert step.needs_mask and step.narrow_why() is not None
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    mixer = step.layers[1]
+    assert isinstance(mixer, MixerLayer) and model.model.layers[1].mlp is mixer.module.mlp
+    monkeypatch.setattr(FusedStep, "_with_shared",
+                        lambda self, layer: self.moe.zero_() if layer.index == 1 else self.moe)
+    without, want, _, _, _ = compare_step(model, None, "reference", [[5, 9, 3], [2, 6]], [11, 4])
+    assert rel(without, want) > 5 * LOGIT_TOL, rel(without, want)
+
+
 def test_mlp_without_silu_is_not_fused():
     """A shared expert whose act_fn is not SiLU (GELU here) cannot take the down GEMV's GLU
     prologue: its layer runs transformers' module, with the reason named, and the logits still
