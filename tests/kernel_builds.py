@@ -185,6 +185,11 @@ BUILDS: list[tuple[str, str]] = [
     # 2 KV heads of 256 dims, the first 64 turning, q_proj's rows with each head's gate (QGATE),
     # the (1 + w) q/k norms (NORM1)
     ("dense_attention", "-DD=256 -DG=8 -DMINCHUNK=64 -DAHEAD=1 -DROT=64 -DQGATE=1 -DNORM1=1"),
+    # gated delta nets: Qwen3-Next's (in_proj_qkvz's grouped layout) and Qwen3.5's (flat), 128-dim
+    # key and value heads, a 4-position convolution
+    ("delta_decode", ""),
+    ("delta_decode", "-DDK=128 -DDV=128 -DKC=4 -DGROUPED=1"),
+    ("delta_decode", "-DDK=128 -DDV=128 -DKC=4 -DGROUPED=0"),
 ]
 
 
@@ -253,6 +258,9 @@ VARIANTS = [
     ("dense_attention", "-DD=256 -DG=8 -DMINCHUNK=64 -DAHEAD=1"),
     # parts of at least 192 positions (CUPOOL_DENSE_SHAPE attn=aheadc192)
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=192 -DAHEAD=1"),
+    # gated delta nets of other head dims and convolution kernels
+    ("delta_decode", "-DDK=64 -DDV=32 -DKC=4 -DGROUPED=1"),
+    ("delta_decode", "-DDK=32 -DDV=64 -DKC=3 -DGROUPED=0"),
     # its profiling build (benchmarks/profile_attention.py)
     ("dense_attention", "-DD=128 -DG=8 -DMINCHUNK=64 -DAHEAD=1 -DATTN_TRACE=1"),
     ("moe_decode", "-DDECODE_TRACE=1 -DNT=16 -DMAXW=256 -DW13_KSPLIT=2 -DHP=128 -DIP=64 -DHFULL=0"),

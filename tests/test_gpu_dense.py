@@ -962,6 +962,48 @@ def _wrapped(family: str, seed: int, rows=None, **overrides):
     return model, pool
 
 
+DELTA_CASES = [  # B, S (None: B), hk, hv, dk, dv, KC, grouped, positions (-1 inactive)
+    (1, None, 16, 32, 128, 128, 4, True, [900]),        # Qwen3-Next-80B-A3B's delta nets
+    (8, None, 16, 32, 128, 128, 4, True, [5, -1, 9, 300, 1, 2, -1, 70]),
+    (2, None, 16, 32, 128, 128, 4, False, [3, 4]),      # Qwen3.5's in-projection layout
+    (5, 9, 3, 9, 64, 32, 4, True, [1, 2, -1, 4, 5]),    # three value heads a key head; slots
+    (3, None, 5, 5, 32, 64, 3, False, [8, 0, 2]),       # one a key head (no tickets)
+    (13, None, 2, 4, 128, 64, 4, True, list(range(13))),
+]
+
+
+@pytest.mark.parametrize("B,S,hk,hv,dk,dv,KC,grouped,positions", DELTA_CASES)
+def test_delta_decode_matches_reference(B, S, hk, hv, dk, dv, KC, grouped, positions):
+    """delta_decode.cu against `reference.dense.delta_decode` on fresh random inputs (the output
+    poisoned), two steps in a row (the second reads the states the first wrote, and the tickets
+    the first put back): outputs, convolution windows and recurrent states, slots of a larger
+    cache where S is given, and inactive tokens' rows zeros with their slots untouched."""
+    from test_delta_emu import check_launch, delta_inputs
+
+    from cupool.ops.delta_decode import DeltaDecode
+    S = S or B
+    proj, conv_state, conv_w, state, neg_a, dt_bias, norm_w = (
+        t.cuda() for t in delta_inputs(B, S, hk, hv, dk, dv, KC, seed=B * 31 + hv + dk))
+    slots = None if S == B else torch.randperm(S, device="cuda")[:B]
+    pos = torch.tensor(positions, dtype=torch.int64, device="cuda")
+    op = DeltaDecode(hk, hv, dk, dv, grouped=grouped, conv_w=conv_w, neg_a=neg_a,
+                     dt_bias=dt_bias, norm_w=norm_w, eps=1e-6, tokens=B)
+    conv_ref, st_ref = conv_state.clone(), state.clone()
+    for step in range(2):
+        if step:
+            proj = rand(*proj.shape)
+        conv_in, st_in = conv_state.clone(), state.clone()
+        out = poison(B, hv * dv)
+        op(proj, pos, conv_state, state, out, slots=slots)
+        want = ref.delta_decode(proj, hk, hv, dk, dv, grouped, conv_ref, conv_w, st_ref, neg_a,
+                                dt_bias, norm_w, 1e-6, pos, slots)
+        torch.cuda.synchronize()
+        check_launch(out, conv_state, state, op.count, want, conv_ref, st_ref, pos.cpu(),
+                     None if slots is None else slots.cpu(), st_in, conv_in)
+        conv_ref.copy_(conv_state)         # the next step from the kernel's own states
+        st_ref.copy_(state)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"])
 def test_fused_step_matches_transformers_through_the_pool(family):
     """One decode step of the fused step's kernels (the pool's experts at half the bank) against

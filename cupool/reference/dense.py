@@ -1,10 +1,11 @@
 """The float references of the fused decode step's kernels (`rawkernels/dense_gemv.cu`,
-`rawkernels/dense_attention.cu`), written as transformers computes a decoder layer, with the
-roundings to the model's dtype where transformers rounds.
+`rawkernels/dense_attention.cu`, `rawkernels/delta_decode.cu`), written as transformers computes a
+decoder layer, with the roundings to the model's dtype where transformers rounds.
 
 Shape legend (ARCHITECTURE.md): B tokens of a decode step (one a slot) · H hidden · N output rows
 · E experts · K top-k · nh query heads · hk KV heads · G = nh / hk · D head dim · L_max positions
-a slot holds.
+a slot holds; a gated delta net's: hk / hv key / value heads · dk / dv their dims · r = hv / hk ·
+C = 2·hk·dk + hv·dv convolution channels · KC the convolution's kernel · S slots.
 """
 
 from __future__ import annotations
@@ -268,3 +269,94 @@ class AttentionReference:
                                    self.eps, cos, sin, pos, k_cache, v_cache, self.scale,
                                    self.window, self.sinks, slots, self.rotary_dims,
                                    self.q_gate, self.one_plus))
+
+
+def delta_projection(proj: torch.Tensor, hk: int, hv: int, dk: int, dv: int, grouped: bool):
+    """A gated delta net's in-projection output proj [B, 2·hk·dk + 2·hv·dv + 2·hv] split into
+    (mixed [B, C]: the queries, keys and values in the convolution's channel order; z [B, hv,
+    dv]; b, a [B, hv]). grouped: Qwen3-Next's layout, in_proj_qkvz's rows then in_proj_ba's, each
+    by key head (head j: its query, its key, then its r value heads, then their r gates z; then
+    key head j's r b then r a); else Qwen3.5's, in_proj_qkv, in_proj_z, in_proj_b, in_proj_a one
+    after another (q of every head, k, v, then z, b, a)."""
+    B, r = proj.shape[0], hv // hk
+    if grouped:
+        g = 2 * dk + 2 * r * dv
+        qkvz = proj[:, :hk * g].reshape(B, hk, g)
+        ba = proj[:, hk * g:].reshape(B, hk, 2 * r)
+        q, k = qkvz[..., :dk].reshape(B, -1), qkvz[..., dk:2 * dk].reshape(B, -1)
+        v = qkvz[..., 2 * dk:2 * dk + r * dv].reshape(B, -1)
+        z = qkvz[..., 2 * dk + r * dv:].reshape(B, hv, dv)
+        b, a = ba[..., :r].reshape(B, hv), ba[..., r:].reshape(B, hv)
+        return torch.cat([q, k, v], dim=-1), z, b, a
+    C, V = 2 * hk * dk + hv * dv, hv * dv
+    return (proj[:, :C], proj[:, C:C + V].reshape(B, hv, dv), proj[:, C + V:C + V + hv],
+            proj[:, C + V + hv:C + V + 2 * hv])
+
+
+def delta_decode(proj: torch.Tensor, hk: int, hv: int, dk: int, dv: int, grouped: bool,
+                 conv_state: torch.Tensor, conv_w: torch.Tensor, state: torch.Tensor,
+                 neg_a: torch.Tensor, dt_bias: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                 pos: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step of a gated delta net (Qwen3-Next's, Qwen3.5's) from its in-projection's
+    output to the input of its out-projection, as transformers' module computes it with its torch
+    functions (`causal_conv1d_update`, `torch_recurrent_gated_delta_rule`, the gated RMSNorm).
+
+    proj [B, 2·hk·dk + 2·hv·dv + 2·hv] (model dtype; `delta_projection`'s layouts); conv_state
+    [S, C, KC] (model dtype) and state [S, hv, dk, dv] (float32), token b's rows those of slot
+    slots[b] (None: slot b), both updated in place; conv_w [C, KC]; neg_a = −exp(A_log) and
+    dt_bias, float32 [hv]; norm_w [dv] (model dtype) and eps the gated norm's; pos [B]: a
+    negative one marks an inactive token, whose output row is zeros and whose slot's states are
+    left as they are. Returns [B, hv·dv] in the model's dtype.
+
+    Per token: the convolution over the slot's last KC inputs (the new one last; the state keeps
+    them), rounded, then SiLU, rounded; q and k L2-normalised in float32 (eps 1e-6), q / √dk;
+    value head j reads key head j // r; beta = sigmoid(b) rounded; g = neg_a · softplus(a +
+    dt_bias) in float32; the state S [dk, dv] of a value head decays by exp(g), then S += k ⊗
+    beta·(v − kᵀS), and o = qᵀS, rounded; then weight · rmsnorm(o) (rounded twice, as
+    transformers' gated RMSNorm) times silu(z) in float32, rounded."""
+    dt, f32 = proj.dtype, torch.float32
+    B, r = proj.shape[0], hv // hk
+    mixed, z, b, a = delta_projection(proj, hk, hv, dk, dv, grouped)
+    out = torch.zeros(B, hv, dv, dtype=dt, device=proj.device)
+    silu = torch.nn.functional.silu
+    for t in range(B):
+        if int(pos[t]) < 0:
+            continue
+        c = int(slots[t]) if slots is not None else t
+        window = torch.cat([conv_state[c, :, 1:], mixed[t, :, None].to(conv_state.dtype)], -1)
+        conv_state[c] = window
+        y = (window.to(f32) * conv_w.to(f32)).sum(-1).to(dt)
+        y = silu(y.to(f32)).to(dt).to(f32)
+        q = y[:hk * dk].reshape(hk, dk)
+        k = y[hk * dk:2 * hk * dk].reshape(hk, dk)
+        v = y[2 * hk * dk:].reshape(hv, dv)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q = (q * (1.0 / dk ** 0.5)).repeat_interleave(r, 0)
+        k = k.repeat_interleave(r, 0)
+        beta = torch.sigmoid(b[t].to(f32)).to(dt).to(f32)
+        g = neg_a.to(f32) * torch.nn.functional.softplus(a[t].to(f32) + dt_bias.to(f32))
+        S = state[c].to(f32) * g.exp()[:, None, None]
+        kv = (S * k[:, :, None]).sum(1)
+        delta = (v - kv) * beta[:, None]
+        S = S + k[:, :, None] * delta[:, None, :]
+        state[c] = S
+        o = (S * q[:, :, None]).sum(1).to(dt).to(f32)
+        n = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+        out[t] = ((norm_w * n).to(f32) * silu(z[t].to(f32))).to(dt)
+    return out.reshape(B, hv * dv)
+
+
+class DeltaReference:
+    """`cupool.ops.delta_decode.DeltaDecode`'s interface computed by `delta_decode`."""
+
+    def __init__(self, key_heads, value_heads, key_dim, value_dim, *, grouped, conv_w, neg_a,
+                 dt_bias, norm_w, eps, tokens=None):
+        self.hk, self.hv, self.dk, self.dv = key_heads, value_heads, key_dim, value_dim
+        self.grouped, self.conv_w, self.neg_a, self.dt_bias = grouped, conv_w, neg_a, dt_bias
+        self.norm_w, self.eps = norm_w, eps
+
+    def __call__(self, proj, pos, conv_state, state, out, slots=None):
+        out.copy_(delta_decode(proj, self.hk, self.hv, self.dk, self.dv, self.grouped,
+                               conv_state, self.conv_w, state, self.neg_a, self.dt_bias,
+                               self.norm_w, self.eps, pos, slots))
