@@ -127,6 +127,9 @@ from cupool.ops.dense_attention import (
 from cupool.ops.dense_attention import (
     shape_fits as attention_shape_fits,
 )
+from cupool.ops.delta_decode import HEAD_DIMS as DELTA_DIMS
+from cupool.ops.delta_decode import KERNELS as CONV_KERNELS
+from cupool.ops.delta_decode import DeltaDecode
 from cupool.ops.dense_gemv import (
     PLAIN,
     RESIDUAL,
@@ -139,7 +142,10 @@ from cupool.ops.dense_gemv import (
 )
 from cupool.reference.dense import (
     AttentionReference,
+    DeltaReference,
     GemvReference,
+    delta_projection,
+    gated_rms_norm,
     rms_norm,
     route_sigmoid,
     route_topk,
@@ -149,6 +155,9 @@ from cupool.reference.dense import rope as rope_reference
 log = logging.getLogger("cupool")
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+# a gated delta net's in-projections: Qwen3-Next's (grouped by key head) and Qwen3.5's
+_DELTA_GROUPED = ("in_proj_qkvz", "in_proj_ba")
+_DELTA_FLAT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 # a MoE block's modules: its router (adapters.ROUTER_NAMES) and its experts
 _MOE_CHILDREN = tuple({name, "experts"} for name in ROUTER_NAMES)
 # a shared expert beside the routed ones, scaled by a sigmoid gate (Qwen2-MoE's and Qwen3-Next's
@@ -308,6 +317,30 @@ def check_silu(act: nn.Module, what: str, device) -> None:
             and torch.equal(got, nn.functional.silu(x))):
         raise Unsupported(f"{what} ({type(act).__name__}) is not SiLU (a probe differs): its "
                           f"MLP is not fused")
+
+
+def check_gated_norm(norm: nn.Module, what: str, size: int) -> float:
+    """The epsilon of a gated delta net's output norm, after a probe shows it computes
+    `cupool.reference.dense.gated_rms_norm` exactly (weight · rmsnorm(o), rounded, times silu(z)
+    in float32, rounded: delta_decode.cu's); Unsupported otherwise."""
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.shape != (size,) or w.dtype != torch.bfloat16:
+        got = f"{w.dtype} {list(w.shape)}" if isinstance(w, torch.Tensor) else type(w).__name__
+        raise Unsupported(f"{what} ({type(norm).__name__}) has weight {got}, not bf16 [{size}]")
+    eps = _eps(norm)
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    o, z = (torch.randn(3, size, generator=gen, device=w.device).to(w.dtype) * 3
+            for _ in range(2))
+    try:
+        with torch.no_grad():
+            got = norm(o, z)
+    except (TypeError, RuntimeError) as e:
+        raise Unsupported(f"{what} ({type(norm).__name__}) does not take (o, z): "
+                          f"{type(e).__name__}: {e}") from None
+    if not (isinstance(got, torch.Tensor) and torch.equal(got, gated_rms_norm(o, z, w, eps))):
+        raise Unsupported(f"{what} ({type(norm).__name__}) is not the gated RMSNorm weight · "
+                          f"rmsnorm(o) · silu(z) (a probe differs)")
+    return eps
 
 
 def check_router(gate: nn.Module, what: str, experts: int, hidden: int, top_k: int):
@@ -547,6 +580,32 @@ class MixerLayer(ModelLayer):
         return self.router is None
 
 
+@dataclasses.dataclass(kw_only=True)
+class DeltaLayer:
+    """A decoder layer whose token mixer is a gated delta net (Qwen3-Next's and Qwen3.5's
+    linear attention), run by cupool's kernels: `proj` (its in-projections, one GEMV norming the
+    residual stream), `delta` (delta_decode: convolution, gates, the recurrent state's update,
+    the gated norm), `out` (the out-projection, adding the residual); then its MLP half as a
+    FusedLayer's."""
+    index: int
+    proj: DenseGemv
+    delta: DeltaDecode
+    out: DenseGemv
+    in_norm: torch.Tensor
+    in_eps: float
+    router: DenseGemv | None
+    top_k: int
+    norm_topk: bool
+    post_norm: torch.Tensor
+    post_eps: float
+    pooled: object
+    mlp: GatedMLP | None = None
+
+    @property
+    def dense(self) -> bool:
+        return self.router is None
+
+
 class _StandIn(nn.Module):
     """A module that calls `fn` (a MixerLayer's MLP half, or the identity for its norm)."""
 
@@ -604,6 +663,7 @@ class FusedStep:
                                   f"{pool.device}")
         self._gemv = DenseGemv if backend == "kernels" else GemvReference
         self._attention = DecodeAttention if backend == "kernels" else AttentionReference
+        self._delta_op = DeltaDecode if backend == "kernels" else DeltaReference
         base = getattr(model, "model", None)
         for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
             if not hasattr(base, name):
@@ -651,10 +711,12 @@ class FusedStep:
         self.vocab = head.weight.shape[0]
         by_parent = {} if pool is None else {id(s.parent): s.index for s in pool.specs}
         layer_types = getattr(cfg, "layer_types", None)
-        self.layers: list[FusedLayer | ModelLayer] = []
+        self.layers: list[FusedLayer | DeltaLayer | ModelLayer] = []
         # what every fused layer must share, set by the first one matched
         self._attn_shape = self._w_dtype = self._experts = self._top_k = None
         self._q_gate = None
+        # what every DeltaLayer must share: (hk, hv, dk, dv, in-projection width)
+        self._delta_shape = None
         for i, layer in enumerate(base.layers):
             lt = layer_types[i] if layer_types else None
             try:
@@ -712,6 +774,12 @@ class FusedStep:
         self.qkv = torch.empty(B, ((2 if self._q_gate else 1) * nh + 2 * hk) * D, dtype=bf,
                                device=dev)
         self.attn = torch.empty(B, nh * D, dtype=bf, device=dev)
+        # the gated delta nets' in-projection output and their out-projection's input
+        self.delta_in = self.delta_out = None
+        if self._delta_shape is not None:
+            hk_d, hv_d, dk_d, dv_d, width = self._delta_shape
+            self.delta_in = torch.empty(B, width, dtype=bf, device=dev)
+            self.delta_out = torch.empty(B, hv_d * dv_d, dtype=bf, device=dev)
         # gated attention (every fused layer's or none): the output by heads [B, nh, D] and the
         # gates' columns of qkv [B, nh, D] (each head's after its query), views made once
         self.attn_gate = None if not self._q_gate else (
@@ -835,8 +903,118 @@ class FusedStep:
             fields, commit = self._match_mlp(i, layer, by_parent)
         except Unsupported as e:
             return ModelLayer(i, layer, layer_type, f"{reason}; its MLP: {e}", cache_kwarg(layer))
+        if rest == {"linear_attn"}:
+            try:
+                mixer = self._delta(i, layer)
+            except Unsupported as e:
+                reason = str(e)           # why the delta net is not on the kernels
+            else:
+                self._commit_mlp(commit)
+                return DeltaLayer(index=i, **mixer, **fields)
         self._commit_mlp(commit)
         return MixerLayer(i, layer, layer_type, reason, cache_kwarg(layer), **fields)
+
+    def _delta(self, i: int, layer: nn.Module) -> dict:
+        """The DeltaLayer fields proj, delta, out, in_norm, in_eps of decoder layer i's gated
+        delta net (`layer.linear_attn`: Qwen3-Next's or Qwen3.5's), or Unsupported with the
+        reason it does not match."""
+        where = f"model.layers.{i}.linear_attn"
+        la, H, B = layer.linear_attn, self.hidden, self.tokens
+        names = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
+        dims = [getattr(la, n, None) for n in names]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in dims):
+            raise Unsupported(f"{where} ({type(la).__name__}) has no int {', '.join(names)}: "
+                              f"not a gated delta net")
+        hk, hv, dk, dv = dims
+        if hv % hk:
+            raise Unsupported(f"{where}: {hv} value heads over {hk} key heads")
+        if dk not in DELTA_DIMS or dv not in DELTA_DIMS:
+            raise Unsupported(f"{where}: key / value head dims {dk} / {dv}; delta_decode is "
+                              f"built for {DELTA_DIMS}")
+        if getattr(la, "activation", None) != "silu":
+            raise Unsupported(f"{where}'s convolution activation is "
+                              f"{getattr(la, 'activation', None)!r}, not 'silu'")
+        C = 2 * hk * dk + hv * dv
+        conv = getattr(la, "conv1d", None)
+        KC = conv.kernel_size[0] if isinstance(conv, nn.Conv1d) else None
+        if not (isinstance(conv, nn.Conv1d) and conv.in_channels == conv.out_channels == C
+                and conv.groups == C and conv.bias is None and conv.stride == (1,)
+                and conv.dilation == (1,) and conv.padding == (KC - 1,)):
+            raise Unsupported(f"{where}.conv1d is not a causal depthwise Conv1d of {C} channels "
+                              f"without bias")
+        if KC not in CONV_KERNELS:
+            raise Unsupported(f"{where}.conv1d's kernel is {KC}; delta_decode takes "
+                              f"{CONV_KERNELS.start} to {CONV_KERNELS.stop - 1}")
+        grouped = all(isinstance(getattr(la, n, None), nn.Linear) for n in _DELTA_GROUPED)
+        names = _DELTA_GROUPED if grouped else _DELTA_FLAT
+        mats = [_linear(la, n, where) for n in names]
+        if any(b is not None for _, b in mats):
+            raise Unsupported(f"{where}'s in-projections have biases")
+        rows = [2 * hk * dk + 2 * hv * dv, 2 * hv] if grouped else [C, hv * dv, hv, hv]
+        if [tuple(w.shape) for w, _ in mats] != [(n, H) for n in rows]:
+            raise Unsupported(f"{where}: {', '.join(names)} are "
+                              f"{[list(w.shape) for w, _ in mats]}, not rows {rows} of hidden {H}")
+        if grouped:
+            self._check_grouped_layout(la, where, hk, hv, dk, dv)
+        wo, bo = _linear(la, "out_proj", where)
+        if bo is not None or tuple(wo.shape) != (H, hv * dv):
+            raise Unsupported(f"{where}.out_proj is {list(wo.shape)}"
+                              f"{' with a bias' if bo is not None else ''}, not [{H}, {hv * dv}] "
+                              f"without bias")
+        vecs = [getattr(la, n, None) for n in ("A_log", "dt_bias")]
+        if not all(isinstance(v, torch.Tensor) and v.shape == (hv,) and v.is_floating_point()
+                   for v in vecs):
+            raise Unsupported(f"{where} has no float A_log and dt_bias [{hv}]")
+        norm_eps = check_gated_norm(getattr(la, "norm", None), f"{where}.norm", dv)
+        in_eps, in_one_plus = check_rms_norm(layer.input_layernorm,
+                                             f"model.layers.{i}.input_layernorm", H)
+        width = 2 * hk * dk + 2 * hv * dv + 2 * hv
+        if self._delta_shape not in (None, (hk, hv, dk, dv, width)):
+            raise Unsupported(f"{where} has (key heads, value heads, key dim, value dim) "
+                              f"{(hk, hv, dk, dv)}, other layers {self._delta_shape[:4]}")
+        weights = [w for w, _ in mats]
+        if not grouped:          # b and a as one matrix (a DenseGemv takes up to three)
+            weights = weights[:2] + [torch.cat(weights[2:])]
+        try:
+            proj = self._gemv(weights, None, tokens=B, norm=True, epilogue=PLAIN,
+                              one_plus=in_one_plus, **self._shape("qkv", H))
+            out = self._gemv([wo], None, tokens=B, epilogue=RESIDUAL,
+                             **self._shape("o", hv * dv))
+            with torch.no_grad():
+                neg_a = -la.A_log.detach().float().exp()
+                dt_bias = la.dt_bias.detach().float().contiguous()
+            delta = self._delta_op(hk, hv, dk, dv, grouped=grouped,
+                                   conv_w=conv.weight.detach().squeeze(1), neg_a=neg_a,
+                                   dt_bias=dt_bias, norm_w=la.norm.weight.detach(),
+                                   eps=norm_eps, tokens=B)
+        except (ValueError, TypeError) as e:
+            raise Unsupported(f"{where}: {e}") from None
+        self._delta_shape = (hk, hv, dk, dv, width)
+        return dict(proj=proj, delta=delta, out=out, in_norm=layer.input_layernorm.weight,
+                    in_eps=in_eps)
+
+    @staticmethod
+    def _check_grouped_layout(la: nn.Module, where: str, hk: int, hv: int, dk: int,
+                              dv: int) -> None:
+        """Unsupported unless the module's own fix_query_key_value_ordering splits in_proj_qkvz's
+        and in_proj_ba's outputs as `cupool.reference.dense.delta_projection` (grouped) does: a
+        probe on column numbers."""
+        fix = getattr(la, "fix_query_key_value_ordering", None)
+        n1 = 2 * hk * dk + 2 * hv * dv
+        cols = torch.arange(n1 + 2 * hv, dtype=torch.float32)[None]
+        try:
+            got = fix(cols[:, None, :n1], cols[:, None, n1:])
+        except (TypeError, RuntimeError) as e:
+            raise Unsupported(f"{where}.fix_query_key_value_ordering does not split a probe: "
+                              f"{type(e).__name__}: {e}") from None
+        mixed, z, b, a = delta_projection(cols, hk, hv, dk, dv, True)
+        want = (mixed[:, :hk * dk], mixed[:, hk * dk:2 * hk * dk], mixed[:, 2 * hk * dk:], z,
+                b, a)
+        if not (isinstance(got, tuple) and len(got) == 6 and all(
+                torch.equal(g.reshape(-1), w.reshape(-1)) for g, w in zip(got, want))):
+            raise Unsupported(f"{where}.fix_query_key_value_ordering lays in_proj_qkvz / "
+                              f"in_proj_ba out otherwise than Qwen3-Next's grouped layout (a "
+                              f"probe differs)")
 
     def _match_mlp(self, i: int, layer: nn.Module, by_parent) -> tuple[dict, tuple | None]:
         """The MLP half of decoder layer i on the kernels: post-attention norm → router → pooled
@@ -976,7 +1154,7 @@ class FusedStep:
     def describe(self) -> str:
         """One line: how many layers are fused (and the launch shapes asked for), and why the
         others are not."""
-        fused = sum(isinstance(l, FusedLayer) for l in self.layers)
+        fused = sum(isinstance(l, (FusedLayer, DeltaLayer)) for l in self.layers)
         text = f"fused decode step: {fused} of {len(self.layers)} layers"
         if self._shape_env:
             text += f" ({DENSE_SHAPE_ENV}={self._shape_env})"
@@ -989,11 +1167,14 @@ class FusedStep:
                 text += ("; routing inside the decode GEMM's launch" if self.fused_route_why is None
                          else f"; the router keeps its own launch: {self.fused_route_why}")
         fl = [l for l in self.layers if isinstance(l, FusedLayer)]
+        deltas = [l for l in self.layers if isinstance(l, DeltaLayer)]
         mixers = [l for l in self.layers if isinstance(l, MixerLayer)]
+        if deltas:
+            text += f"; gated delta nets in layers {[l.index for l in deltas]}"
         if mixers:
             text += (f"; transformers' token mixers for layers {[l.index for l in mixers]}, "
                      f"their MLPs fused ({mixers[0].reason})")
-        halves = fl + mixers             # every layer whose MLP half runs on the kernels
+        halves = fl + deltas + mixers    # every layer whose MLP half runs on the kernels
         shared = sum(l.mlp is not None and not l.dense for l in halves)
         if shared:
             text += f"; a shared expert in {shared} layer{'s' * (shared != 1)}"
@@ -1046,14 +1227,14 @@ class FusedStep:
             return f"{FUSED_ROUTE_ENV} is not 1"
         if self._w_dtype not in (torch.float32, torch.bfloat16):
             return f"the router returns {self._w_dtype} weights (float32 or bf16 are routed)"
-        if any(isinstance(l, (FusedLayer, MixerLayer)) and not l.dense
+        if any(isinstance(l, (FusedLayer, DeltaLayer, MixerLayer)) and not l.dense
                and (l.router.biases or [None])[0] is not None
                for l in self.layers):
             return "the router has a bias (the decode GEMM's routing adds none)"
-        if any(isinstance(l, (FusedLayer, MixerLayer)) and not l.dense and l.router.sigmoid is not None
+        if any(isinstance(l, (FusedLayer, DeltaLayer, MixerLayer)) and not l.dense and l.router.sigmoid is not None
                for l in self.layers):
             return "the router is a sigmoid router (the decode GEMM's routing is softmax top-k)"
-        if any(isinstance(l, (FusedLayer, MixerLayer)) and not l.dense and l.router.one_plus
+        if any(isinstance(l, (FusedLayer, DeltaLayer, MixerLayer)) and not l.dense and l.router.one_plus
                for l in self.layers):
             return ("the post-attention norm is a (1 + w) one (the decode GEMM's routing norms "
                     "with w)")
@@ -1123,11 +1304,24 @@ class FusedStep:
                 out = out[0] if isinstance(out, tuple) else out
                 res, add = out[:, 0].contiguous(), None
                 continue
+            h = self.h if add is not None else res
+            if isinstance(layer, DeltaLayer):
+                states = cache.layers[layer.index]
+                conv_state, state = states.conv.get(0), states.recurrent.get(0)
+                if conv_state is None or state is None:
+                    raise RuntimeError(f"layer {layer.index}'s convolution and recurrent states "
+                                       f"are not allocated yet: run a prefill through the cache "
+                                       f"before the first decode step")
+                layer.proj(res, add=add, norm_weight=layer.in_norm, eps=layer.in_eps,
+                           h_out=self.h if add is not None else None, out=self.delta_in)
+                layer.delta(self.delta_in, apos, conv_state, state, self.delta_out, slots=slots)
+                layer.out(self.delta_out, residual=h, out=self.h_mid)
+                res, add = self.h_mid, self._mlp_half(layer, self.h_mid, active, skip_plan)
+                continue
             k_cache, v_cache = cache.keys[layer.index], cache.values[layer.index]
             if k_cache is None:
                 raise RuntimeError(f"layer {layer.index}'s KV cache is not allocated yet: run a "
                                    f"prefill through the cache before the first decode step")
-            h = self.h if add is not None else res
             skip = self.ablate
             if "qkv" not in skip:
                 layer.qkv(res, add=add, norm_weight=layer.in_norm, eps=layer.in_eps,
@@ -1144,7 +1338,7 @@ class FusedStep:
         self.head(res, add=add, norm_weight=self.final_norm, eps=self.final_eps, out=self.logits)
         return self.logits
 
-    def _mlp_half(self, layer: FusedLayer | MixerLayer, h_mid: torch.Tensor,
+    def _mlp_half(self, layer: FusedLayer | DeltaLayer | MixerLayer, h_mid: torch.Tensor,
                   active: torch.Tensor, skip_plan: bool) -> torch.Tensor:
         """The MLP half of a fused layer or a MixerLayer on h_mid [B, H] (the residual stream
         after the mixer): its output [B, H], which the residual stream adds next."""
@@ -1193,7 +1387,7 @@ class FusedStep:
         finally:
             mods["post_attention_layernorm"], mods["mlp"] = saved
 
-    def _with_shared(self, layer: FusedLayer | MixerLayer) -> torch.Tensor:
+    def _with_shared(self, layer: FusedLayer | DeltaLayer | MixerLayer) -> torch.Tensor:
         """A MoE layer's MLP output: the routed experts' (self.moe), plus its shared expert's on
         the router's normed rows (self.xn) where it has one, rounded where transformers' block
         rounds."""
@@ -1202,7 +1396,7 @@ class FusedStep:
         return self._gated_mlp_out(layer.mlp, self.xn)
 
     def _gated_mlp_out(self, m: GatedMLP, x: torch.Tensor,
-                       layer: FusedLayer | MixerLayer | None = None) -> torch.Tensor:
+                       layer: FusedLayer | DeltaLayer | MixerLayer | None = None) -> torch.Tensor:
         """Two launches: down(silu(gate(x)) · up(x)); a shared expert's times sigmoid of the
         gate's logit where `m.gated`, plus the routed experts' sum (self.moe). A GatedMLP whose
         gate and up GEMV norms (a dense layer's) takes the norm of `layer`."""

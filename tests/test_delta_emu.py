@@ -149,3 +149,49 @@ def test_delta_reference_tells_the_layouts_and_the_decay_apart():
     assert rel(other, out) > 10 * OUT_TOL
     _, st0 = go(True, torch.zeros_like(neg_a))
     assert rel(st0, st) > 10 * STATE_TOL
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
+@torch.inference_mode()
+def test_delta_reference_is_transformers_module(family):
+    """`reference.dense.delta_decode` is what transformers' gated delta net module computes in a
+    decode step (its torch functions: causal_conv1d_update, torch_recurrent_gated_delta_rule, the
+    gated RMSNorm), bit for bit on the CPU, in Qwen3-Next's grouped in-projection layout and
+    Qwen3.5's flat one: from the states a 5-token prefill left, the new token's output (the
+    out-projection's input) and both states."""
+    import inspect
+
+    from test_fused_step import qwen3_next_model
+
+    from cupool.slotstate import StateSlotCache
+    model = qwen3_next_model(seed=5, family=family)
+    la = model.model.layers[0].linear_attn
+    with torch.no_grad():                  # gates and decays away from transformers' init
+        la.A_log.copy_(torch.rand(la.A_log.shape) * 2 - 1)
+        la.dt_bias.copy_(torch.randn(la.dt_bias.shape) * 0.5)
+        la.norm.weight.normal_(1, 0.2)
+    grouped = hasattr(la, "in_proj_qkvz")
+    kw = "cache" if "cache" in inspect.signature(la.forward).parameters else "cache_params"
+    hk, hv, dk, dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
+    B, H = 2, model.config.hidden_size
+    got = {}
+    la.out_proj.register_forward_pre_hook(lambda m, i: got.__setitem__("o", i[0].clone()))
+    names = ("in_proj_qkvz", "in_proj_ba") if grouped else ("in_proj_qkv", "in_proj_z",
+                                                            "in_proj_b", "in_proj_a")
+    for n in names:
+        getattr(la, n).register_forward_hook(lambda m, i, o, n=n: got.__setitem__(n, o.clone()))
+    cache = StateSlotCache(1, B, 16, torch.bfloat16, "cpu")
+    for b in range(B):
+        cache.prefill_mode(b, 0, 5)
+        la(torch.randn(1, 5, H).to(torch.bfloat16), **{kw: cache})
+    cache.decode_mode()
+    conv, state = cache.layers[0].conv[0].clone(), cache.layers[0].recurrent[0].clone()
+    assert state.dtype == torch.float32 and conv.shape == (B, 2 * hk * dk + hv * dv, 4)
+    la(torch.randn(B, 1, H).to(torch.bfloat16), **{kw: cache})
+    proj = torch.cat([got[n][:, 0] for n in names], -1)
+    out = ref.delta_decode(proj, hk, hv, dk, dv, grouped, conv, la.conv1d.weight[:, 0], state,
+                           -la.A_log.float().exp(), la.dt_bias.float(), la.norm.weight,
+                           la.norm.variance_epsilon, torch.arange(B))
+    assert torch.equal(out, got["o"][:, 0])
+    assert torch.equal(conv, cache.layers[0].conv[0])
+    assert torch.equal(state, cache.layers[0].recurrent[0])

@@ -550,12 +550,13 @@ def test_reference_step_runs_glm4_moe():
         assert rel(new, mc[0][i][torch.arange(2), :, pos]) > 0.1, i
 
 
-def qwen3_next_model(seed: int, device="cpu", family: str = "qwen3_next"):
+def qwen3_next_model(seed: int, device="cpu", family: str = "qwen3_next", delta_dim: int = 32):
     """A tiny Qwen3-Next (transformers' `qwen3_next`; `qwen3_5_moe_text`: Qwen3.5's, the same
-    layers under a multimodal rotary embedding): gated delta nets at layers 0 and 2, gated full
-    attention at 1 and 3 (q_proj's rows each head's query then its output gate; 2 heads of 256
-    over 1 KV head, rotary over the first 64 dims), every RMSNorm of the (1 + w) kind with its
-    weights far from zero, MoE blocks with a gated shared expert in every layer."""
+    layers under a multimodal rotary embedding, and its own in-projection layout): gated delta
+    nets at layers 0 and 2 (2 key heads and 4 value heads of `delta_dim`), gated full attention
+    at 1 and 3 (q_proj's rows each head's query then its output gate; 2 heads of 256 over 1 KV
+    head, rotary over the first 64 dims), every RMSNorm of the (1 + w) kind with its weights far
+    from zero, MoE blocks with a gated shared expert in every layer."""
     from transformers import AutoConfig, AutoModelForCausalLM
     torch.manual_seed(seed)
     own = (dict(intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[],
@@ -566,7 +567,7 @@ def qwen3_next_model(seed: int, device="cpu", family: str = "qwen3_next"):
         shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
         num_key_value_heads=1, head_dim=256, num_experts=8, num_experts_per_tok=2,
         layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_value_heads=4, linear_key_head_dim=delta_dim, linear_value_head_dim=delta_dim,
         linear_conv_kernel_dim=4, max_position_embeddings=256, rms_norm_eps=1e-6,
         initializer_range=0.15, tie_word_embeddings=False, **own)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -583,47 +584,73 @@ def qwen3_next_model(seed: int, device="cpu", family: str = "qwen3_next"):
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
 @torch.inference_mode()
 def test_reference_step_runs_qwen3_next(family):
-    """Qwen3-Next's (and Qwen3.5's) full-attention layers are fused between its gated delta nets,
-    which run transformers' modules on the same cache and states: (1 + w) RMSNorms (input,
-    post-attention, q/k and final), q_proj's interleaved queries and output gates (attention ·
-    sigmoid(gate)), rotary over the first 64 of 256 dims (Qwen3.5's multimodal rotary giving text
-    positions' tables), a gated shared expert; the gated delta nets' MLP halves (router, pooled
-    experts, shared expert) on the step's own GEMVs too (MixerLayer); logits and cache writes
-    match transformers'. The same step without the output gate, with plain norms, or without
-    the delta net layers' shared experts is far off (the test can fail)."""
-    model = qwen3_next_model(seed=3, family=family)
+    """Qwen3-Next's (and Qwen3.5's) layers are all fused: the full-attention ones with (1 + w)
+    RMSNorms (input, post-attention, q/k and final), q_proj's interleaved queries and output
+    gates (attention · sigmoid(gate)), rotary over the first 64 of 256 dims (Qwen3.5's multimodal
+    rotary giving text positions' tables); the gated delta nets on delta_decode (DeltaLayer:
+    Qwen3-Next's grouped in-projections, Qwen3.5's flat ones, the convolution and recurrent states
+    in the engine's cache); a gated shared expert in every layer. Logits, cache writes and the
+    delta nets' states match transformers'. The same step without the output gate, with plain
+    norms, without the delta net layers' shared experts, or reading the in-projections in the
+    other layout is far off (the test can fail)."""
+    from cupool.fused import DeltaLayer
+    model = qwen3_next_model(seed=4, family=family)
     prompts, tok = [[5, 9, 3], [2, 6, 7, 1]], [11, 4]
     fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
     kinds = [type(l).__name__ for l in step.layers]
-    assert kinds == ["MixerLayer", "FusedLayer"] * 2, kinds
+    assert kinds == ["DeltaLayer", "FusedLayer"] * 2, kinds
     assert step.describe() == (
-        "fused decode step: 2 of 4 layers; transformers' token mixers for layers [0, 2], their "
-        "MLPs fused (model.layers.0 has modules ['input_layernorm', 'linear_attn', 'mlp', "
-        "'post_attention_layernorm'], not ['input_layernorm', 'mlp', 'post_attention_layernorm', "
-        "'self_attn']); a shared expert in 4 layers; gated attention in 2 layers; (1 + w) "
-        "RMSNorms"), step.describe()
+        "fused decode step: 4 of 4 layers; gated delta nets in layers [0, 2]; a shared expert in "
+        "4 layers; gated attention in 2 layers; (1 + w) RMSNorms"), step.describe()
+    assert step.layers[0].delta.grouped == (family == "qwen3_next")
     assert step.rotary_dims == 64 and step.qkv.shape == (2, (2 * 2 + 2) * 256)
+    assert step.delta_in.shape == (2, 2 * 2 * 32 + 2 * 4 * 32 + 2 * 4)
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for i in (1, 3):
         assert rel(fc[0][i], mc[0][i]) <= 1e-2 and rel(fc[1][i], mc[1][i]) <= 1e-2
+    assert len(fc[2]) == 4                      # two layers' convolution and recurrent states
+    for s_f, s_m in zip(fc[2], mc[2]):
+        assert rel(s_f, s_m) <= 1e-2, rel(s_f, s_m)
     cache = StateSlotCache(4, 2, 40, torch.bfloat16, "cpu")
     for b, p in enumerate(prompts):
         prefill(model, cache, b, p)
     step.cache, before = cache, snapshot(cache)
-    masks = masks_of(model.config, lambda w, b: cache.decode_mask(torch.bfloat16, w, b))
-    for mend in ("q_gate", "one_plus", "mixer_mlp"):
+    for mend in ("q_gate", "one_plus", "delta_mlp", "layout"):
         restore(cache, before)
         if mend == "q_gate":
             step.attn_gate = None
         for l in step.layers[1::2]:
             if mend == "one_plus":
                 l.qkv.one_plus = l.router.one_plus = l.attn.one_plus = False
-        if mend == "mixer_mlp":   # the gated delta net layers' MLP halves are the step's own
-            for l in step.layers[0::2]:
+        for l in step.layers[0::2]:
+            assert isinstance(l, DeltaLayer)
+            if mend == "delta_mlp":   # the gated delta net layers' MLP halves are the step's own
                 l.mlp = None
-        got = step(torch.tensor(tok)[:, None], cache.pos.clone(), torch.ones(2, dtype=torch.bool),
-                   masks)
+            if mend == "layout":
+                l.delta.grouped = not l.delta.grouped
+        got = step(torch.tensor(tok)[:, None], cache.pos.clone(), torch.ones(2, dtype=torch.bool))
         assert rel(got, want) > 5 * LOGIT_TOL, (mend, rel(got, want))
+
+
+@torch.inference_mode()
+def test_reference_step_runs_other_delta_nets_as_mixer_layers():
+    """A gated delta net of head dims delta_decode is not built for (16) runs transformers'
+    module on the same cache and states, with its MLP half on the step's own GEMVs (MixerLayer);
+    the reason is in describe(), and the logits, cache writes and states match transformers'."""
+    model = qwen3_next_model(seed=4, delta_dim=16)
+    prompts, tok = [[5, 9, 3], [2, 6, 7, 1]], [11, 4]
+    fused, want, fc, mc, step = compare_step(model, None, "reference", prompts, tok)
+    kinds = [type(l).__name__ for l in step.layers]
+    assert kinds == ["MixerLayer", "FusedLayer"] * 2, kinds
+    assert step.describe() == (
+        "fused decode step: 2 of 4 layers; transformers' token mixers for layers [0, 2], their "
+        "MLPs fused (model.layers.0.linear_attn: key / value head dims 16 / 16; delta_decode is "
+        "built for (32, 64, 128)); a shared expert in 4 layers; gated attention in 2 layers; "
+        "(1 + w) RMSNorms"), step.describe()
+    assert step.delta_in is None
+    assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
+    for s_f, s_m in zip(fc[2], mc[2]):
+        assert rel(s_f, s_m) <= 1e-2, rel(s_f, s_m)
 
 
 def test_sigmoid_router_refusals_name_the_reason():
@@ -1294,23 +1321,28 @@ def tokens_off(model, reqs) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
 def test_engine_fused_step_runs_qwen3_next(family):
     """The engine's step on Qwen3-Next (and Qwen3.5): a FusedStep (the reference backend,
-    standing in for the kernels' step the engine builds on a GPU) over its full-attention
-    layers, transformers' modules over its gated delta nets on the engine's cache and per-slot
-    states. Five greedy requests in 4 slots (the last admitted into a freed slot, its states
-    reset): at most 2 of their 31 tokens off the model's own argmax by a margin (the GPU engine
-    tests' MAX_OFF; this tiny model's bf16 steps, fused or not, flip a few near-ties: the
-    engine's unfused step is off at the same rate). The same engine with the output gate left
-    out is off at more than 8 (the test can fail)."""
+    standing in for the kernels' step the engine builds on a GPU) over all its layers, the gated
+    delta nets reading and writing the engine's per-slot states. Five greedy requests in 4 slots
+    (the last admitted into a freed slot, its states reset): at most 2 of their 31 tokens off the
+    model's own argmax by a margin (the GPU engine tests' MAX_OFF; this tiny model's bf16 steps,
+    fused or not, flip a few near-ties: the engine's unfused step is off at the same rate). With
+    the narrow steps of 1 and 2 slots (the delta nets' states read and written at the slot map's
+    slots) the tokens are the same. The same engine with the output gate left out is off at
+    more than 8 (the test can fail)."""
     model = qwen3_next_model(seed=7, family=family)
     prompts = [[5, 9, 3], [7, 1, 4, 4, 2, 8, 8, 1, 2], [6, 2], [3, 3, 9, 1, 5], [8, 6, 4]]
     params = [SamplingParams(max_tokens=n) for n in (3, 10, 6, 5, 7)]
     eng, kinds = reference_engine(model, narrow=False)
-    assert eng._fused.needs_mask and eng._fused.narrow_why() is not None
+    assert not eng._fused.needs_mask and eng._fused.narrow_why() is None
     reqs = eng.generate(prompts, params)
     assert [len(r.output_ids) for r in reqs] == [3, 10, 6, 5, 7] and kinds
     assert {k.width for k in kinds} == {0}
     off = tokens_off(model, reqs)
     assert len(off) <= 2, off
+    narrow_eng, narrow_kinds = reference_engine(model, narrow=True)
+    narrow_reqs = narrow_eng.generate(prompts, params)
+    assert [r.output_ids for r in narrow_reqs] == [r.output_ids for r in reqs]
+    assert {1, 2} & {k.width for k in narrow_kinds}, [k.width for k in narrow_kinds]
     eng._fused.attn_gate = None
     assert len(tokens_off(model, eng.generate(prompts, params))) > 8
 

@@ -1058,13 +1058,14 @@ def test_fused_step_runs_other_layer_kinds_through_the_pool(kind, says):
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe_text"])
 def test_fused_step_and_engine_run_qwen3_next(family):
-    """Qwen3-Next's (and Qwen3.5's) gated full-attention layers on the kernels (dense_gemv's
-    NORM1 builds for its (1 + w) norms, dense_attention's QGATE and NORM1 build over 256-dim
-    heads turning their first 64 dims) between its gated delta nets, whose token mixers run
-    transformers' modules on the same cache and states and whose MLP halves the kernels (the
-    router GEMV, the pool, the shared expert's GEMVs), half the experts banked: one step's logits and cache
-    writes against transformers' forward, then the engine's default step (fused, captured)
-    giving the reference's tokens."""
+    """Qwen3-Next's (and Qwen3.5's) layers all on the kernels, half the experts banked: the
+    gated full-attention ones (dense_gemv's NORM1 builds for its (1 + w) norms,
+    dense_attention's QGATE and NORM1 build over 256-dim heads turning their first 64 dims), the
+    gated delta nets on delta_decode (Qwen3-Next's grouped in-projections, Qwen3.5's flat ones)
+    with their states in the engine's cache, every MLP half (the router GEMV, the pool, the
+    shared expert's GEMVs): one step's logits, cache writes and delta net states against
+    transformers' forward, then the engine's default step (fused, captured) giving the
+    reference's tokens."""
     import cupool
     from test_fused_step import LOGIT_TOL, compare_step, qwen3_next_model
     from test_gpu_engine import MAX_OFF, _check_against_reference, _prompts
@@ -1074,14 +1075,15 @@ def test_fused_step_and_engine_run_qwen3_next(family):
     pool = cupool.wrap(model, rows=4, max_decode_tokens=4, progress=False)
     fused, want, fc, mc, step = compare_step(model, pool, "kernels",
                                              [[5, 9, 3], [7, 1, 4, 4, 8, 2, 9]], [11, 13])
-    assert step.describe().startswith(
-        "fused decode step: 2 of 4 layers; transformers' token mixers for layers [0, 2], their "
-        "MLPs fused ("), step.describe()
-    assert "; a shared expert in 4 layers; gated attention in 2 layers; (1 + w) RMSNorms" \
-        in step.describe(), step.describe()
+    assert step.describe() == (
+        "fused decode step: 4 of 4 layers; gated delta nets in layers [0, 2]; a shared expert in "
+        "4 layers; gated attention in 2 layers; (1 + w) RMSNorms"), step.describe()
     assert rel(fused, want) <= LOGIT_TOL, rel(fused, want)
     for i in (1, 3):
         assert rel(fc[0][i], mc[0][i]) <= 1e-2 and rel(fc[1][i], mc[1][i]) <= 1e-2
+    assert len(fc[2]) == 4                      # two layers' convolution and recurrent states
+    for s_f, s_m in zip(fc[2], mc[2]):
+        assert rel(s_f, s_m) <= 1e-2, rel(s_f, s_m)
     assert pool.errors() == []
     params = [SamplingParams(max_tokens=n) for n in (12, 8, 12)]
     prompts = _prompts([3, 9, 14], seed=2)

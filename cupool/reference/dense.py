@@ -341,10 +341,18 @@ def delta_decode(proj: torch.Tensor, hk: int, hv: int, dk: int, dv: int, grouped
         delta = (v - kv) * beta[:, None]
         S = S + k[:, :, None] * delta[:, None, :]
         state[c] = S
-        o = (S * q[:, :, None]).sum(1).to(dt).to(f32)
-        n = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
-        out[t] = ((norm_w * n).to(f32) * silu(z[t].to(f32))).to(dt)
+        out[t] = gated_rms_norm((S * q[:, :, None]).sum(1).to(dt), z[t], norm_w, eps)
     return out.reshape(B, hv * dv)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """A gated delta net's output norm (transformers' RMSNormGated) over o's last dim: weight ·
+    rmsnorm(o) rounded to o's dtype, then times silu(z) in float32, rounded."""
+    f32 = torch.float32
+    x = o.to(f32)
+    n = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(o.dtype)
+    return ((weight * n).to(f32) * torch.nn.functional.silu(z.to(f32))).to(o.dtype)
 
 
 class DeltaReference:
