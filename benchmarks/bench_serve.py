@@ -107,7 +107,7 @@ MODELS = {
     "glm-4.5-air": ("GLM45_AIR", "glm4_moe_dense_on_gpu", "bench_serve_glm_4_5_air",
                     "GLM-4.5-Air"),
     # three gated delta nets to one gated full-attention layer, 512 experts top-10 and a gated
-    # shared expert a layer (the full-attention layers fused; the delta nets' MLP halves too)
+    # shared expert a layer (every layer fused: the delta nets on delta_decode)
     "qwen3-next-80b-a3b": ("QWEN3_NEXT_80B", "qwen3_next_dense_on_gpu",
                            "bench_serve_qwen3_next_80b_a3b", "Qwen3-Next-80B-A3B"),
 }

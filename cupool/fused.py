@@ -43,15 +43,32 @@ MoE and the next layer: the next QKV GEMV adds it in its prologue. A dense MLP l
 gate_proj, up_proj, down_proj and a SiLU act_fn: Qwen2-MoE's mlp_only_layers, DeepSeek's and
 GLM-4.5's first layers) runs the same two GEMVs in place of the router and the pool's launches,
 its gate and up GEMV norming the residual stream (the down GEMV's output, silu(g) · u times Wd,
-is then what the next layer adds). An MLP whose act_fn is not SiLU does not match. A layer that
-does not match the pattern runs transformers' own module on the same cache and per-slot states,
+is then what the next layer adds). An MLP whose act_fn is not SiLU does not match.
+
+A gated delta net layer (Qwen3-Next's and Qwen3.5's `linear_attn`: key and value head dims in
+`cupool.ops.delta_decode.HEAD_DIMS`, a causal depthwise convolution of 2 to 8 positions without
+bias, SiLU, its output norm the gated RMSNorm by a probe, Qwen3-Next's in_proj_qkvz / in_proj_ba
+laid out as its own fix_query_key_value_ordering splits them by a probe, or Qwen3.5's
+in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) with an MLP half of the pattern runs as a
+`DeltaLayer`, in place of the attention's three launches:
+
+    dense_gemv (norm)   h = h_mid + moe; x = rmsnorm(h); proj = x·[in-projections]
+    delta_decode        the convolution with its window state, the gates, the recurrent state's
+                        update and read-out, the gated norm (`cupool.ops.delta_decode`), on the
+                        slot's states in the engine's cache (`StateSlotCache.layers[i]`)
+    dense_gemv (resid)  h_mid = h + o·W_out
+
+then its MLP half as above (Qwen3.5's in_proj_b and in_proj_a are copied once into one matrix:
+a GEMV takes up to three). Every delta net layer of a model shares its head shape.
+
+A layer that does not match runs transformers' own module on the same cache and per-slot states,
 with the mask and rotary embedding the engine would pass: where only its token mixer does not
-match (Qwen3-Next's and Qwen3.5's gated delta nets, another attention) and the rest is an input
-norm, the post-attention RMSNorm and an MLP of the pattern, the module runs with that norm and
-MLP stood in for by the step's own MLP half (`MixerLayer`: the router GEMV norms the mixer's
-residual sum, then the pool's launches and the shared expert's GEMVs, the module adding the
-residual); else (another router, another MLP) the whole module runs. Which layers matched and
-why the others did not is in `FusedStep.layers` / `describe()`.
+match (another attention, a delta net of other dims) and the rest is an input norm, the
+post-attention RMSNorm and an MLP of the pattern, the module runs with that norm and MLP stood in
+for by the step's own MLP half (`MixerLayer`: the router GEMV norms the mixer's residual sum,
+then the pool's launches and the shared expert's GEMVs, the module adding the residual); else
+(another router, another MLP) the whole module runs. Which layers matched and why the others did
+not is in `FusedStep.layers` / `describe()`.
 
 What is checked before any kernel runs: the model's structure (embedding, final norm, output head,
 a rotary embedding that does not change with the length; a table of D / 2 frequencies only where
@@ -151,6 +168,7 @@ from cupool.reference.dense import (
     route_topk,
 )
 from cupool.reference.dense import rope as rope_reference
+from cupool.slotstate import StateSlotCache
 
 log = logging.getLogger("cupool")
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -1306,6 +1324,10 @@ class FusedStep:
                 continue
             h = self.h if add is not None else res
             if isinstance(layer, DeltaLayer):
+                if not isinstance(cache, StateSlotCache):
+                    raise TypeError(f"layer {layer.index} is a gated delta net: the cache must "
+                                    f"keep per-slot states (a StateSlotCache), got "
+                                    f"{type(cache).__name__}")
                 states = cache.layers[layer.index]
                 conv_state, state = states.conv.get(0), states.recurrent.get(0)
                 if conv_state is None or state is None:

@@ -1380,3 +1380,16 @@ def test_engine_narrow_steps_with_logprobs_and_token_masks():
     assert got == want
     assert any(k.width and k.logprobs for k in kinds) and any(k.width and k.masked for k in kinds)
     assert all(t % 2 == 1 for t in got[2][0]) and len(got[1][1]) == 9
+
+
+@torch.inference_mode()
+def test_delta_layers_need_a_cache_of_per_slot_states():
+    """A step whose gated delta nets are fused, handed a cache without per-slot states, says so
+    at its first delta net layer, before that layer reads or writes anything."""
+    model = qwen3_next_model(seed=4)
+    prompts, tok = [[5, 9, 3], [2, 6, 7, 1]], [11, 4]
+    *_, step = compare_step(model, None, "reference", prompts, tok)
+    step.cache = SlotCache(4, 2, 40, torch.bfloat16, "cpu")
+    with pytest.raises(TypeError, match="layer 0 is a gated delta net: the cache must keep "
+                                        "per-slot states"):
+        step(torch.tensor(tok)[:, None], torch.tensor([3, 4]), torch.ones(2, dtype=torch.bool))
