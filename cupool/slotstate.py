@@ -31,8 +31,9 @@ allocated on their first write (shapes and dtypes come from the model: Kimi's re
 float32 whatever the model's dtype); run one prefill before capturing a decode step.
 
 `SavedStates` keeps copies of slots' convolution and recurrent states apart from the slots (prefix
-reuse's resume points): a decode step advances every slot's states, a free slot's too, so a state
-a later request may resume from must be copied out when it is exact.
+reuse's resume points): a decode step through transformers' modules advances every slot's
+states, a free slot's too (the fused step's delta nets leave an inactive slot's as they are), so a
+state a later request may resume from must be copied out when it is exact.
 """
 
 from __future__ import annotations
