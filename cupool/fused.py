@@ -579,12 +579,10 @@ class ModelLayer:
 
 
 @dataclasses.dataclass(kw_only=True)
-class MixerLayer(ModelLayer):
-    """A decoder layer whose token mixer (`reason`: why it is not fused; a gated delta net, an
-    attention of another kind) runs in transformers' module, and whose MLP half runs on
-    cupool's kernels as a FusedLayer's does: the module's post-attention norm and MLP are
-    stood in for while it runs, so that the router GEMV norms the mixer's residual sum itself
-    and the MLP's output goes back to the module, which adds the residual."""
+class MLPHalf:
+    """The MLP half of a layer whose token mixer is not a FusedLayer's, on cupool's kernels as a
+    FusedLayer's: post-attention norm → router → pooled experts (+ a shared expert), or a dense
+    MLP (`router` None: `mlp` is the whole MLP)."""
     router: DenseGemv | None
     top_k: int
     norm_topk: bool
@@ -599,29 +597,26 @@ class MixerLayer(ModelLayer):
 
 
 @dataclasses.dataclass(kw_only=True)
-class DeltaLayer:
+class MixerLayer(ModelLayer, MLPHalf):
+    """A decoder layer whose token mixer (`reason`: why it is not fused; a gated delta net, an
+    attention of another kind) runs in transformers' module, and whose MLP half runs on
+    cupool's kernels: the module's post-attention norm and MLP are stood in for while it runs,
+    so that the router GEMV norms the mixer's residual sum itself and the MLP's output goes back
+    to the module, which adds the residual."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DeltaLayer(MLPHalf):
     """A decoder layer whose token mixer is a gated delta net (Qwen3-Next's and Qwen3.5's
     linear attention), run by cupool's kernels: `proj` (its in-projections, one GEMV norming the
     residual stream), `delta` (delta_decode: convolution, gates, the recurrent state's update,
-    the gated norm), `out` (the out-projection, adding the residual); then its MLP half as a
-    FusedLayer's."""
+    the gated norm), `out` (the out-projection, adding the residual); then its MLP half."""
     index: int
     proj: DenseGemv
     delta: DeltaDecode
     out: DenseGemv
     in_norm: torch.Tensor
     in_eps: float
-    router: DenseGemv | None
-    top_k: int
-    norm_topk: bool
-    post_norm: torch.Tensor
-    post_eps: float
-    pooled: object
-    mlp: GatedMLP | None = None
-
-    @property
-    def dense(self) -> bool:
-        return self.router is None
 
 
 class _StandIn(nn.Module):
