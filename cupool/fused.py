@@ -522,27 +522,34 @@ class _ModelExperts:
         return y if out is None else out.copy_(y)
 
 
-@dataclasses.dataclass
-class FusedLayer:
-    """A decoder layer run by cupool's kernels."""
-    index: int
-    qkv: DenseGemv
-    attn: DecodeAttention | dict    # the launcher (its arguments while the model is matched)
-    o: DenseGemv
-    router: DenseGemv           # with the router's bias where it has one (gpt-oss)
+@dataclasses.dataclass(kw_only=True)
+class MLPHalf:
+    """The MLP half of a decoder layer on cupool's kernels: post-attention norm → router →
+    pooled experts (+ a shared expert), or a dense MLP (`router` None: `mlp` is the whole MLP).
+    FusedLayer, DeltaLayer and MixerLayer have one, beside their own token mixer."""
+    router: DenseGemv | None    # with the router's bias where it has one (gpt-oss)
     top_k: int
     norm_topk: bool
-    in_norm: torch.Tensor
-    in_eps: float
     post_norm: torch.Tensor
     post_eps: float
     pooled: object              # cupool.layer.PooledExperts (or _ModelExperts); None: dense
-    mlp: "GatedMLP | None" = None   # a MoE block's shared expert, or a dense layer's MLP
+    mlp: GatedMLP | None = None   # a MoE block's shared expert, or a dense layer's MLP
 
     @property
     def dense(self) -> bool:
         """A dense MLP layer (no router, no pooled experts: `mlp` is its whole MLP)."""
         return self.router is None
+
+
+@dataclasses.dataclass
+class FusedLayer(MLPHalf):
+    """A decoder layer run by cupool's kernels."""
+    index: int
+    qkv: DenseGemv
+    attn: DecodeAttention | dict    # the launcher (its arguments while the model is matched)
+    o: DenseGemv
+    in_norm: torch.Tensor
+    in_eps: float
 
 
 @dataclasses.dataclass
@@ -576,24 +583,6 @@ class ModelLayer:
     layer_type: str | None
     reason: str
     cache_kw: str = "past_key_values"   # the keyword its forward takes the cache under
-
-
-@dataclasses.dataclass(kw_only=True)
-class MLPHalf:
-    """The MLP half of a layer whose token mixer is not a FusedLayer's, on cupool's kernels as a
-    FusedLayer's: post-attention norm → router → pooled experts (+ a shared expert), or a dense
-    MLP (`router` None: `mlp` is the whole MLP)."""
-    router: DenseGemv | None
-    top_k: int
-    norm_topk: bool
-    post_norm: torch.Tensor
-    post_eps: float
-    pooled: object
-    mlp: GatedMLP | None = None
-
-    @property
-    def dense(self) -> bool:
-        return self.router is None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -1187,7 +1176,7 @@ class FusedStep:
         if mixers:
             text += (f"; transformers' token mixers for layers {[l.index for l in mixers]}, "
                      f"their MLPs fused ({mixers[0].reason})")
-        halves = fl + deltas + mixers    # every layer whose MLP half runs on the kernels
+        halves = [l for l in self.layers if isinstance(l, MLPHalf)]   # MLP halves on the kernels
         shared = sum(l.mlp is not None and not l.dense for l in halves)
         if shared:
             text += f"; a shared expert in {shared} layer{'s' * (shared != 1)}"
@@ -1240,14 +1229,14 @@ class FusedStep:
             return f"{FUSED_ROUTE_ENV} is not 1"
         if self._w_dtype not in (torch.float32, torch.bfloat16):
             return f"the router returns {self._w_dtype} weights (float32 or bf16 are routed)"
-        if any(isinstance(l, (FusedLayer, DeltaLayer, MixerLayer)) and not l.dense
+        if any(isinstance(l, MLPHalf) and not l.dense
                and (l.router.biases or [None])[0] is not None
                for l in self.layers):
             return "the router has a bias (the decode GEMM's routing adds none)"
-        if any(isinstance(l, (FusedLayer, DeltaLayer, MixerLayer)) and not l.dense and l.router.sigmoid is not None
+        if any(isinstance(l, MLPHalf) and not l.dense and l.router.sigmoid is not None
                for l in self.layers):
             return "the router is a sigmoid router (the decode GEMM's routing is softmax top-k)"
-        if any(isinstance(l, (FusedLayer, DeltaLayer, MixerLayer)) and not l.dense and l.router.one_plus
+        if any(isinstance(l, MLPHalf) and not l.dense and l.router.one_plus
                for l in self.layers):
             return ("the post-attention norm is a (1 + w) one (the decode GEMM's routing norms "
                     "with w)")
@@ -1355,10 +1344,10 @@ class FusedStep:
         self.head(res, add=add, norm_weight=self.final_norm, eps=self.final_eps, out=self.logits)
         return self.logits
 
-    def _mlp_half(self, layer: FusedLayer | DeltaLayer | MixerLayer, h_mid: torch.Tensor,
+    def _mlp_half(self, layer: MLPHalf, h_mid: torch.Tensor,
                   active: torch.Tensor, skip_plan: bool) -> torch.Tensor:
-        """The MLP half of a fused layer or a MixerLayer on h_mid [B, H] (the residual stream
-        after the mixer): its output [B, H], which the residual stream adds next."""
+        """The MLP half of a FusedLayer, DeltaLayer or MixerLayer on h_mid [B, H] (the residual
+        stream after the mixer): its output [B, H], which the residual stream adds next."""
         skip = self.ablate
         if layer.dense:                # its gate and up GEMV norms h_mid itself
             return self._gated_mlp_out(layer.mlp, h_mid, layer)
@@ -1404,7 +1393,7 @@ class FusedStep:
         finally:
             mods["post_attention_layernorm"], mods["mlp"] = saved
 
-    def _with_shared(self, layer: FusedLayer | DeltaLayer | MixerLayer) -> torch.Tensor:
+    def _with_shared(self, layer: MLPHalf) -> torch.Tensor:
         """A MoE layer's MLP output: the routed experts' (self.moe), plus its shared expert's on
         the router's normed rows (self.xn) where it has one, rounded where transformers' block
         rounds."""
@@ -1413,7 +1402,7 @@ class FusedStep:
         return self._gated_mlp_out(layer.mlp, self.xn)
 
     def _gated_mlp_out(self, m: GatedMLP, x: torch.Tensor,
-                       layer: FusedLayer | DeltaLayer | MixerLayer | None = None) -> torch.Tensor:
+                       layer: MLPHalf | None = None) -> torch.Tensor:
         """Two launches: down(silu(gate(x)) · up(x)); a shared expert's times sigmoid of the
         gate's logit where `m.gated`, plus the routed experts' sum (self.moe). A GatedMLP whose
         gate and up GEMV norms (a dense layer's) takes the norm of `layer`."""
