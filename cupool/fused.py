@@ -58,8 +58,9 @@ in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) with an MLP half of the pattern ru
                         slot's states in the engine's cache (`StateSlotCache.layers[i]`)
     dense_gemv (resid)  h_mid = h + o·W_out
 
-then its MLP half as above (Qwen3.5's in_proj_b and in_proj_a are copied once into one matrix:
-a GEMV takes up to three). Every delta net layer of a model shares its head shape.
+then its MLP half as above (Qwen3.5's in_proj_b and in_proj_a are copied into one matrix once
+per module pair, shared by every step of the model: a GEMV takes up to three). Every delta net
+layer of a model shares its head shape.
 
 A layer that does not match runs transformers' own module on the same cache and per-slot states,
 with the mask and rotary embedding the engine would pass: where only its token mixer does not
@@ -125,6 +126,7 @@ import logging
 import os
 import re
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -636,6 +638,20 @@ def _packed(m, names: tuple[str, ...]) -> list | None:
     return packed
 
 
+# Qwen3.5's in_proj_b and in_proj_a joined into one matrix, made once per module pair (every
+# FusedStep of a model, the narrow ones too, reads the same copy; dropped with the module)
+_JOINED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _joined(b: nn.Linear, a: nn.Linear) -> torch.Tensor:
+    got = _JOINED.get(b)
+    if got is None or got[0] is not b.weight or got[1] is not a.weight:
+        with torch.no_grad():
+            got = _JOINED[b] = (b.weight, a.weight, torch.cat([b.weight.detach(),
+                                                               a.weight.detach()]))
+    return got[2]
+
+
 class FusedStep:
     """See the module docstring.
 
@@ -976,7 +992,7 @@ class FusedStep:
                               f"{(hk, hv, dk, dv)}, other layers {self._delta_shape[:4]}")
         weights = [w for w, _ in mats]
         if not grouped:          # b and a as one matrix (a DenseGemv takes up to three)
-            weights = weights[:2] + [torch.cat(weights[2:])]
+            weights = weights[:2] + [_joined(la.in_proj_b, la.in_proj_a)]
         try:
             proj = self._gemv(weights, None, tokens=B, norm=True, epilogue=PLAIN,
                               one_plus=in_one_plus, **self._shape("qkv", H))
